@@ -1,0 +1,24 @@
+"""Pipeline schedules as data (pure Python, no torch)."""
+from h3t_ext.schedule.builder import (
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    Action,
+    ActionKind,
+    PipelineSchedule,
+    ScheduleConfig,
+    build_rank_actions,
+    build_schedule,
+    schedule_table,
+)
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "PipelineSchedule",
+    "ScheduleConfig",
+    "build_rank_actions",
+    "build_schedule",
+    "schedule_table",
+]

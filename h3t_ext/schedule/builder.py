@@ -1,0 +1,290 @@
+"""The schedule as data: per-rank action lists for 1F1B and interleaved 1F1B.
+
+One pure function, :func:`build_schedule`, makes for every pipeline rank the ordered list of
+actions of one training iteration. The cost model prices that list (peak memory is the maximum
+of resident bytes over it, time is a simulated timeline of it) and the runtime executes it, so
+memory predictions and runtime behaviour cannot drift apart.
+
+Ordering follows Megatron-core 0.16's ``forward_backward_pipelining_without_interleaving`` and
+``forward_backward_pipelining_with_interleaving`` (warm-up, 1F1B steady state, cool-down, and the
+microbatch grouping of ``microbatch_group_size_per_vp_stage``).
+
+Semantics of the offload actions (shared by the cost model and the runtime):
+
+* ``OFFLOAD(mb, chunk)`` comes right after ``FORWARD(mb, chunk)``: the copy of a fraction alpha
+  of that microbatch-chunk's saved activations to host memory starts there, on a copy stream.
+  It overlaps the next compute action; the device bytes are released when that compute action
+  ends.
+* ``RELOAD(mb, chunk)`` comes right before the compute action that precedes
+  ``BACKWARD(mb, chunk)``: the copy back into the reload double buffer starts there and overlaps
+  that compute action; the backward waits for it.
+* A microbatch-chunk is offloaded only when at least two compute actions lie between its
+  forward and its backward (one to hide the offload behind, one to hide the reload behind);
+  otherwise it stays on the device and the list carries no offload/reload for it.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class ActionKind(str, enum.Enum):
+    """What one step of a rank's action list does."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    RECV_FORWARD = "RF"
+    SEND_FORWARD = "SF"
+    RECV_BACKWARD = "RB"
+    SEND_BACKWARD = "SB"
+    OFFLOAD = "OFF"
+    RELOAD = "RL"
+
+
+COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD})
+COMM_KINDS = frozenset(
+    {ActionKind.RECV_FORWARD, ActionKind.SEND_FORWARD, ActionKind.RECV_BACKWARD, ActionKind.SEND_BACKWARD}
+)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule."""
+
+    kind: ActionKind
+    """What the step does."""
+    microbatch: int
+    """Microbatch index in ``[0, num_microbatches)``."""
+    chunk: int = 0
+    """Local model chunk index in ``[0, v)`` (always 0 without interleaving)."""
+    peer: Optional[int] = None
+    """Pipeline rank on the other end, for send/recv actions; None otherwise."""
+
+    def __str__(self) -> str:  # compact form used in tests and --explain output
+        s = f"{self.kind.value}{self.microbatch}"
+        if self.chunk:
+            s += f".{self.chunk}"
+        return s
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Shape of one iteration's pipeline schedule."""
+
+    pipeline_model_parallel_size: int
+    """Number of pipeline ranks p."""
+    num_microbatches: int
+    """Microbatches per iteration m."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """Model chunks per rank v (1 means plain 1F1B)."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Megatron's grouping of microbatches per virtual stage; None means p."""
+    forward_only: bool = False
+    """Forward passes only (evaluation): no backward, no offload."""
+    offload: bool = True
+    """Emit OFFLOAD/RELOAD actions for the microbatch-chunks that can hide them."""
+
+    def __post_init__(self) -> None:
+        _validate_sizes(self)
+        _validate_grouping(self)
+
+    @property
+    def interleaved(self) -> bool:
+        return self.virtual_pipeline_model_parallel_size > 1
+
+    @property
+    def group_size(self) -> int:
+        g = self.microbatch_group_size_per_vp_stage
+        return self.pipeline_model_parallel_size if g is None else g
+
+
+def _validate_sizes(cfg: ScheduleConfig) -> None:
+    if cfg.pipeline_model_parallel_size < 1:
+        raise ValueError(f"pipeline_model_parallel_size must be >= 1, got {cfg.pipeline_model_parallel_size}")
+    if cfg.num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {cfg.num_microbatches}")
+    if cfg.virtual_pipeline_model_parallel_size < 1:
+        raise ValueError(
+            f"virtual_pipeline_model_parallel_size must be >= 1, got {cfg.virtual_pipeline_model_parallel_size}"
+        )
+
+
+def _validate_grouping(cfg: ScheduleConfig) -> None:
+    if not cfg.interleaved:
+        return
+    p, m, g = cfg.pipeline_model_parallel_size, cfg.num_microbatches, cfg.group_size
+    if not p <= g <= m:
+        raise ValueError(
+            f"interleaved 1F1B needs pipeline_model_parallel_size ({p}) <= microbatch group size ({g}) "
+            f"<= num_microbatches ({m})"
+        )
+    rest = m % g
+    if 0 < rest < p:
+        raise ValueError(
+            f"interleaved 1F1B: num_microbatches ({m}) mod microbatch group size ({g}) = {rest} must be 0 "
+            f"or >= pipeline_model_parallel_size ({p})"
+        )
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """Per-rank action lists of one iteration."""
+
+    config: ScheduleConfig
+    ranks: tuple[tuple[Action, ...], ...] = field(repr=False)
+    """``ranks[r]`` is the ordered action list of pipeline rank r."""
+
+    def compute_actions(self, rank: int) -> list[Action]:
+        """Forward and backward actions of ``rank``, in order."""
+        return [a for a in self.ranks[rank] if a.kind in COMPUTE_KINDS]
+
+    def offloaded(self, rank: int) -> set[tuple[int, int]]:
+        """(microbatch, chunk) pairs that ``rank`` offloads."""
+        return {(a.microbatch, a.chunk) for a in self.ranks[rank] if a.kind is ActionKind.OFFLOAD}
+
+    def in_flight(self, rank: int) -> list[int]:
+        """Microbatch-chunks whose activations are held, right after each compute action.
+
+        A forward adds one, a backward frees one; the value during a forward includes it.
+        """
+        held, out = 0, []
+        for a in self.compute_actions(rank):
+            held += 1 if a.kind is ActionKind.FORWARD else 0
+            out.append(held)
+            held -= 1 if a.kind is ActionKind.BACKWARD else 0
+        return out
+
+    def peak_in_flight(self, rank: int) -> int:
+        """Largest number of microbatch-chunks whose activations ``rank`` holds at once."""
+        return max(self.in_flight(rank), default=0)
+
+    def warmup_forwards(self, rank: int) -> int:
+        """Forward actions ``rank`` runs before its first backward."""
+        n = 0
+        for a in self.compute_actions(rank):
+            if a.kind is ActionKind.BACKWARD:
+                break
+            n += 1
+        return n
+
+
+def schedule_table(num_microbatches: int, num_model_chunks: int, group_size: int) -> list[tuple[int, int]]:
+    """Order of (microbatch, chunk) forwards of interleaved 1F1B (Megatron's grouping)."""
+    table: list[tuple[int, int]] = []
+    for start in range(0, num_microbatches, group_size):
+        end = min(start + group_size, num_microbatches)
+        table.extend((mb, c) for c in range(num_model_chunks) for mb in range(start, end))
+    return table
+
+
+def _num_warmup(cfg: ScheduleConfig, rank: int) -> int:
+    p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
+    total = cfg.num_microbatches * v
+    if cfg.forward_only:
+        return total
+    if cfg.interleaved:
+        warm = (p - rank - 1) * 2 + (v - 1) * cfg.group_size
+    else:
+        warm = p - rank - 1
+    return min(warm, total)
+
+
+def _compute_order(cfg: ScheduleConfig, rank: int) -> list[Action]:
+    """Forward/backward actions of one rank in Megatron's order."""
+    v = cfg.virtual_pipeline_model_parallel_size
+    table = schedule_table(cfg.num_microbatches, v, cfg.group_size)
+    fwd = [Action(ActionKind.FORWARD, mb, c) for mb, c in table]
+    if cfg.forward_only:
+        return fwd
+    bwd = [Action(ActionKind.BACKWARD, mb, v - 1 - c) for mb, c in table]
+    warm = _num_warmup(cfg, rank)
+    order = fwd[:warm]
+    for k in range(len(fwd) - warm):
+        order.append(fwd[warm + k])
+        order.append(bwd[k])
+    order.extend(bwd[len(fwd) - warm:])
+    return order
+
+
+def _with_comms(cfg: ScheduleConfig, rank: int, compute: list[Action]) -> list[Action]:
+    """Wrap each compute action in the receive it needs and the send it makes."""
+    p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
+    last_stage = p * v - 1
+    prev_rank, next_rank = (rank - 1) % p, (rank + 1) % p
+    out: list[Action] = []
+    for a in compute:
+        stage = a.chunk * p + rank
+        if a.kind is ActionKind.FORWARD:
+            if stage > 0:
+                out.append(Action(ActionKind.RECV_FORWARD, a.microbatch, a.chunk, prev_rank))
+            out.append(a)
+            if stage < last_stage:
+                out.append(Action(ActionKind.SEND_FORWARD, a.microbatch, a.chunk, next_rank))
+        else:
+            if stage < last_stage:
+                out.append(Action(ActionKind.RECV_BACKWARD, a.microbatch, a.chunk, next_rank))
+            out.append(a)
+            if stage > 0:
+                out.append(Action(ActionKind.SEND_BACKWARD, a.microbatch, a.chunk, prev_rank))
+    return out
+
+
+def _with_offload(compute: list[Action], actions: list[Action]) -> list[Action]:
+    """Insert OFFLOAD after each forward and RELOAD before the compute preceding its backward."""
+    pos = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(compute)}
+    offload_after: set[Action] = set()
+    reload_before: dict[Action, Action] = {}
+    for i, a in enumerate(compute):
+        if a.kind is not ActionKind.FORWARD:
+            continue
+        j = pos.get((ActionKind.BACKWARD, a.microbatch, a.chunk))
+        if j is None or j - i - 1 < 2:
+            continue
+        offload_after.add(a)
+        reload_before[compute[j - 1]] = Action(ActionKind.RELOAD, a.microbatch, a.chunk)
+    out: list[Action] = []
+    for a in actions:
+        if a in reload_before:
+            # The reload goes before the receive that feeds this compute action, so the copy
+            # is in flight while the rank waits for its input.
+            k = len(out)
+            while k > 0 and out[k - 1].kind in (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD):
+                k -= 1
+            out.insert(k, reload_before[a])
+        out.append(a)
+        if a in offload_after:
+            out.append(Action(ActionKind.OFFLOAD, a.microbatch, a.chunk))
+    return out
+
+
+def build_rank_actions(cfg: ScheduleConfig, rank: int) -> tuple[Action, ...]:
+    """Ordered action list of one pipeline rank."""
+    if not 0 <= rank < cfg.pipeline_model_parallel_size:
+        raise ValueError(f"rank {rank} outside [0, {cfg.pipeline_model_parallel_size})")
+    compute = _compute_order(cfg, rank)
+    actions = _with_comms(cfg, rank, compute)
+    if cfg.offload and not cfg.forward_only:
+        actions = _with_offload(compute, actions)
+    return tuple(actions)
+
+
+def build_schedule(
+    pipeline_model_parallel_size: int,
+    num_microbatches: int,
+    virtual_pipeline_model_parallel_size: int = 1,
+    *,
+    microbatch_group_size_per_vp_stage: Optional[int] = None,
+    forward_only: bool = False,
+    offload: bool = True,
+) -> PipelineSchedule:
+    """Build the per-rank action lists of one iteration (pure; no torch, no process group)."""
+    cfg = ScheduleConfig(
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        num_microbatches=num_microbatches,
+        virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+        forward_only=forward_only,
+        offload=offload,
+    )
+    return PipelineSchedule(cfg, tuple(build_rank_actions(cfg, r) for r in range(pipeline_model_parallel_size)))
