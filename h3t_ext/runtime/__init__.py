@@ -1,0 +1,1 @@
+"""Runtime: pipeline schedules with fractional activation offload and recompute (torch)."""

@@ -1,0 +1,89 @@
+"""Configuration of the h3t-ext runtime (recompute mode, offload ratio, device layer)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+CKPT_CHOICES = ("no", "full", "ours")
+DEVICE_MODES = ("auto", "cuda", "cpu-sync", "cpu-thread")
+
+
+class RuntimeConfigError(ValueError):
+    """A runtime setting that cannot run; the message is one line naming the setting."""
+
+
+@dataclass(frozen=True)
+class H3TConfig:
+    """What :func:`h3t_ext.install` installs into megatron-core's pipeline schedules."""
+
+    ckpt: str = "no"
+    """Activation recompute: ``no`` (keep all), ``full`` (each layer from its input),
+    ``ours`` (keep GEMM outputs, recompute the two RMSNorm outputs and the SwiGLU output)."""
+    offload_alpha: Union[float, Sequence[float]] = 0.0
+    """Fraction of each microbatch-chunk's saved activation bytes sent to host memory after its
+    forward and brought back before its backward; one value, or one per pipeline stage."""
+    device_mode: str = "auto"
+    """Device layer: ``cuda`` streams and events, ``cpu-sync`` (copies done in place), or
+    ``cpu-thread`` (each stream is a worker thread, so a missing wait shows up in tests);
+    ``auto`` picks ``cuda`` when the model is on a CUDA device, else ``cpu-sync``."""
+    p2p_timeout_s: float = 300.0
+    """Longest wait for one pipeline send/receive before failing with an error."""
+    min_offload_bytes: int = 4096
+    """Saved tensors smaller than this stay on the device (not worth a copy)."""
+
+    def __post_init__(self) -> None:
+        _validate_ckpt(self.ckpt)
+        _validate_alpha(self.offload_alpha)
+        _validate_device_mode(self.device_mode)
+        if not self.p2p_timeout_s > 0:
+            raise RuntimeConfigError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
+
+    def stage_alpha(self, pipeline_rank: int, pipeline_size: int) -> float:
+        """The offload ratio of one pipeline stage."""
+        if isinstance(self.offload_alpha, (int, float)):
+            return float(self.offload_alpha)
+        alphas = tuple(self.offload_alpha)
+        if len(alphas) != pipeline_size:
+            raise RuntimeConfigError(
+                f"--offload-alpha has {len(alphas)} per-stage values but --pipeline-model-parallel-size is "
+                f"{pipeline_size}"
+            )
+        return float(alphas[pipeline_rank])
+
+    @property
+    def offloads(self) -> bool:
+        """True when any stage offloads a positive fraction."""
+        if isinstance(self.offload_alpha, (int, float)):
+            return self.offload_alpha > 0
+        return any(a > 0 for a in self.offload_alpha)
+
+
+def _validate_ckpt(ckpt: str) -> None:
+    if ckpt not in CKPT_CHOICES:
+        raise RuntimeConfigError(f"--ckpt must be one of {{{','.join(CKPT_CHOICES)}}}, got {ckpt!r}")
+
+
+def _validate_alpha(alpha: Union[float, Sequence[float]]) -> None:
+    values: Sequence[float] = (alpha,) if isinstance(alpha, (int, float)) else tuple(alpha)
+    if not values:
+        raise RuntimeConfigError("--offload-alpha needs at least one value")
+    for a in values:
+        if not isinstance(a, (int, float)) or not 0.0 <= float(a) <= 1.0:
+            raise RuntimeConfigError(f"--offload-alpha must be in [0, 1], got {a}")
+
+
+def _validate_device_mode(mode: str) -> None:
+    if mode not in DEVICE_MODES:
+        raise RuntimeConfigError(f"device_mode must be one of {{{','.join(DEVICE_MODES)}}}, got {mode!r}")
+
+
+def resolve_device_mode(mode: str, device_type: str) -> str:
+    """The concrete device layer for a model living on ``device_type``."""
+    if mode == "auto":
+        return "cuda" if device_type == "cuda" else "cpu-sync"
+    if mode == "cuda" and device_type != "cuda":
+        raise RuntimeConfigError(f"device_mode 'cuda' needs the model on a CUDA device, it is on {device_type!r}")
+    return mode
+
+
+__all__ = ["CKPT_CHOICES", "DEVICE_MODES", "H3TConfig", "RuntimeConfigError", "resolve_device_mode"]
