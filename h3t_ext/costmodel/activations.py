@@ -1,0 +1,205 @@
+"""Saved activation bytes: per layer and token, and per pipeline stage over the schedule's timeline.
+
+Bytes are per token of a rank's local sequence shard (s / (c * t) tokens with sequence parallel).
+Terms of one transformer layer (elements per token; ``dtype_bytes`` each unless noted fp32):
+
+* ``layer_input``       h      input of the first norm (also the residual)
+* ``norm1_rstd``        1 fp32 reciprocal RMS saved by the first norm
+* ``norm1_output``      h      input of the QKV GEMM
+* ``query``             h      rotated query saved by flash attention
+* ``key_value``         2 h_kv rotated key and value saved by flash attention
+* ``softmax_lse``       heads fp32 (heads/t per token of the full s/c sequence = heads per local token)
+* ``attention_output``  h      output of flash attention = input of the projection GEMM
+* ``norm2_input``       h      residual after attention (input of the second norm)
+* ``norm2_rstd``        1 fp32
+* ``norm2_output``      h      input of FC1
+* ``fc1_output``        2f     (f with GeLU) input of the activation function
+* ``swiglu_output``     f      output of the activation function
+* ``fc2_input``         f      the copy FC2 saves (TransformerEngine keeps its own); with the 'local' layer
+                               spec it is the same tensor as ``swiglu_output`` and is counted once.
+
+ckpt='ours' drops ``norm1_output``, ``norm2_output`` and ``swiglu_output``/``fc2_input`` (recomputed in
+backward from the kept norm inputs, rstd and FC1 output). ckpt='full' keeps only ``layer_input``.
+With bf16 and the 'te' spec, ckpt=no is 12h + 4h_kv + 8f (+ 4 heads + 8) bytes, ours 8h + 4h_kv + 4f (+ ...).
+
+Stage peaks are priced over the schedule builder's action lists (``build_schedule``): every rank's
+timeline of compute actions gives the held microbatch-chunks, split into whole ones and offloaded ones
+(see ``residency_lines``). Large schedules (a search prices thousands) use the closed form of that walk,
+which tests assert equal to the walk for every p <= 10, v <= 4.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from h3t_ext.costmodel.specs import ModelSpec
+from h3t_ext.schedule import ActionKind, build_schedule
+
+FP32 = 4
+_REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output")
+_OURS_DROPS = ("norm1_output", "norm2_output", "swiglu_output", "fc2_input")
+
+
+def activation_bytes_per_layer_token(model: ModelSpec, ckpt: str, *, dtype_bytes: int = 2,
+                                     layer_spec: str = "te") -> dict[str, int]:
+    """Saved bytes of one layer per local token, by term, plus ``total``."""
+    return dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec))
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str) -> tuple[tuple[str, int], ...]:
+    if layer_spec not in ("te", "local"):
+        raise ValueError(f"layer_spec must be 'te' or 'local', got {layer_spec!r}")
+    if ckpt not in ("no", "full", "ours"):
+        raise ValueError(f"ckpt must be 'no', 'full' or 'ours', got {ckpt!r}")
+    h, hkv, f, b = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, dtype_bytes
+    terms = {
+        "layer_input": h * b,
+        "norm1_rstd": FP32,
+        "norm1_output": h * b,
+        "query": h * b,
+        "key_value": 2 * hkv * b,
+        "softmax_lse": model.num_attention_heads * FP32,
+        "attention_output": h * b,
+        "norm2_input": h * b,
+        "norm2_rstd": FP32,
+        "norm2_output": h * b,
+        "fc1_output": model.fc1_width * b,
+        "swiglu_output": f * b,
+        "fc2_input": f * b if layer_spec == "te" else 0,
+    }
+    if not model.swiglu:
+        terms["swiglu_output"] = f * b  # GeLU output
+    if ckpt == "ours":
+        terms = {k: (0 if k in _OURS_DROPS else v) for k, v in terms.items()}
+    elif ckpt == "full":
+        terms = {k: (v if k == "layer_input" else 0) for k, v in terms.items()}
+    terms["total"] = sum(terms.values())
+    return tuple(terms.items())
+
+
+@functools.lru_cache(maxsize=1024)
+def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_parallel_size: int = 1,
+                                sequence_parallel: bool = True, dtype_bytes: int = 2,
+                                layer_spec: str = "te") -> int:
+    """Total saved bytes of one layer per local token; without sequence parallel the norm-side terms are
+    replicated over the tensor-parallel group (t times more tokens)."""
+    terms = dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec))
+    total = terms["total"]
+    if not sequence_parallel and tensor_model_parallel_size > 1:
+        total += (tensor_model_parallel_size - 1) * sum(terms[k] for k in _REPLICATED_WITHOUT_SP)
+    return total
+
+
+_BUILD_LIMIT = 256  # p * m * v up to which the builder's lists are walked (runtime-sized schedules)
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk_schedule(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+    """Per rank, from the builder's action lists: Pareto-maximal (full, offloaded) held-chunk counts over
+    the compute actions, and the number of offloaded microbatch-chunks."""
+    sched = build_schedule(p, m, v)
+    out = []
+    for rank in range(p):
+        off = sched.offloaded(rank)
+        compute = sched.compute_actions(rank)
+        held: set[tuple[int, int]] = set()
+        counted: set[tuple[int, int]] = set()
+        pairs: set[tuple[int, int]] = set()
+        for k, a in enumerate(compute):
+            key = (a.microbatch, a.chunk)
+            if k >= 2:  # the offload of the forward two actions back has finished: 1 - alpha stays
+                old = compute[k - 2]
+                okey = (old.microbatch, old.chunk)
+                if old.kind is ActionKind.FORWARD and okey in off and okey in held:
+                    counted.add(okey)
+            if a.kind is ActionKind.FORWARD:
+                held.add(key)
+            pairs.add((len(held) - len(counted), len(counted)))
+            if a.kind is ActionKind.BACKWARD:
+                held.discard(key)
+                counted.discard(key)
+        pareto = sorted(q for q in pairs
+                        if not any(o != q and o[0] >= q[0] and o[0] + o[1] >= q[0] + q[1] for o in pairs))
+        out.append((tuple(pareto), len(off)))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _closed_form(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+    """What :func:`_walk_schedule` returns, in closed form (equality with the builder is asserted for
+    every p <= 12, v <= 5 and valid m <= 4p in tests/test_costmodel_activations.py).
+
+    The peak is the first steady-state forward (or the last forward when the warm-up covers every
+    chunk): it holds N = min(warm-up + 1, m v) chunks, of which the two newest are still whole. Every
+    chunk is offloaded except where its backward follows too closely: with m <= 2 all of a rank's first
+    m; otherwise, with v > 1, the last rank's last chunk of every microbatch, and with v = 1 the last
+    rank entirely and the first and last microbatch of the rank before it.
+    """
+    out = []
+    for r in range(p):
+        warm = 2 * (p - r - 1) + (v - 1) * p if v > 1 else p - r - 1
+        n = min(warm + 1, m * v)
+        full = min(2, n)
+        if m <= 2:
+            kept = m
+        elif v > 1:
+            kept = m if r == p - 1 else 0
+        else:
+            kept = m if warm == 0 else (2 if warm == 1 else 0)
+        out.append((((full, n - full),), m * v - kept))
+    return tuple(out)
+
+
+def _rank_timelines(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+    """Walk the builder's lists when they are small; the verified closed form otherwise (a search prices
+    thousands of plans with p up to ~100 and m up to thousands)."""
+    if p * m * v <= _BUILD_LIMIT:
+        return _walk_schedule(p, m, v)
+    return _closed_form(p, m, v)
+
+
+def residency_lines(p: int, m: int, v: int, rank: int) -> tuple[tuple[int, int], ...]:
+    """(full, offloaded) held-chunk counts that can be the peak of ``rank``'s timeline.
+
+    Over the compute actions of the builder's list, a held microbatch-chunk is *full* on the device
+    (not offloadable, its forward is running, or its offload still overlaps the next compute action)
+    or *offloaded* (1 - alpha of it stays on the device). Activation bytes during a compute action are
+    A * (full + (1 - alpha) * offloaded); only the Pareto-maximal pairs are kept.
+    """
+    return _rank_timelines(p, m, v)[rank][0]
+
+
+def rank_offloads(p: int, m: int, v: int, rank: int) -> int:
+    """Microbatch-chunks ``rank`` offloads per iteration (0 means no reload buffer)."""
+    return _rank_timelines(p, m, v)[rank][1]
+
+
+def chunk_resident_factor(lines: tuple[tuple[int, int], ...], alpha: float, offloads: bool) -> float:
+    """Peak activation bytes of a rank in units of one microbatch-chunk's bytes A, including the
+    reload double buffer (2 * alpha * A when the rank offloads anything)."""
+    peak = max(full + (1.0 - alpha) * n_off for full, n_off in lines)
+    return peak + (2.0 * alpha if offloads and alpha > 0 else 0.0)
+
+
+def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_spec: str = "te",
+                                sequence_parallel: bool = True,
+                                alphas: Optional[tuple[float, ...]] = None) -> tuple[int, ...]:
+    """Peak saved-activation bytes (with the reload double buffer) of every pipeline stage of ``plan``.
+
+    ``alphas`` overrides ``plan.alphas()``. On the first stage of interleaved 1F1B with m > p this is
+    A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one microbatch-chunk."""
+    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
+    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
+    v = plan.virtual_size(model.num_layers)
+    layers = model.num_layers // (p * v)
+    tokens = plan.micro_batch_size * plan.seq_length // (c * t)
+    per_tok = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
+                                          sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+                                          layer_spec=layer_spec)
+    chunk = layers * tokens * per_tok
+    alphas = plan.alphas() if alphas is None else alphas
+    return tuple(
+        int(round(chunk * chunk_resident_factor(residency_lines(p, m, v, r), alphas[r], rank_offloads(p, m, v, r) > 0)))
+        for r in range(p)
+    )

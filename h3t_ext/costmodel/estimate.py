@@ -1,0 +1,160 @@
+"""One plan -> per-stage memory, iteration time, throughput and MFU (pure arithmetic)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from h3t_ext.costmodel.activations import rank_offloads
+from h3t_ext.costmodel.errors import InfeasiblePlanError
+from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_memory
+from h3t_ext.costmodel.mfu import model_flops_per_token
+from h3t_ext.costmodel.plan import Plan, validate_plan
+from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.costmodel.timing import time_terms
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted memory and speed of one plan."""
+
+    plan: Plan
+    """The plan that was priced."""
+    offload_alpha: tuple[float, ...]
+    """Resolved offload ratio, one per pipeline stage."""
+    stages: tuple[StageMemory, ...]
+    """Peak memory terms of every pipeline rank."""
+    memory_budget_bytes: int
+    """Budget the plan was checked against (given, or the system default)."""
+    time_terms: Mapping[str, float] = field(default_factory=dict)
+    """Seconds per iteration by term; they add up to ``iteration_time_s``."""
+    tokens_per_iteration: int = 0
+    """global_batch_size * seq_length."""
+    num_gpus: int = 1
+    """GPUs of the plan."""
+    model_flops_per_token: float = 0.0
+    """FLOPs per token of the MFU convention."""
+    peak_flops: float = 0.0
+    """Peak bf16 FLOP/s of one GPU."""
+    pcie_bytes_per_iteration: int = 0
+    """Host<->device bytes per iteration per GPU (both directions, the worst stage)."""
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        return max(s.peak_bytes for s in self.stages)
+
+    @property
+    def peak_stage(self) -> int:
+        return max(self.stages, key=lambda s: s.peak_bytes).stage
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_budget_bytes
+
+    @property
+    def iteration_time_s(self) -> float:
+        return sum(self.time_terms.values())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_iteration / self.iteration_time_s
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.tokens_per_second / self.num_gpus
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_second_per_gpu * self.model_flops_per_token / self.peak_flops
+
+    def infeasibility(self) -> Optional[InfeasiblePlanError]:
+        """The error describing why the plan does not fit, or None when it fits."""
+        if self.fits:
+            return None
+        return over_budget_error(self.stages[self.peak_stage], self.memory_budget_bytes)
+
+    def raise_if_infeasible(self) -> None:
+        err = self.infeasibility()
+        if err is not None:
+            raise err
+
+    def explain_lines(self) -> list[str]:
+        """Human-readable breakdown (memory of the peak stage, time terms) for ``--explain``."""
+        peak = self.stages[self.peak_stage]
+        a = self.offload_alpha
+        alpha = f"{a[0]:.3f}" if len(set(a)) == 1 else "(" + ", ".join(f"{x:.3f}" for x in a) + ")"
+        lines = [f"memory: peak {self.peak_memory_bytes / GB:.2f} GB on stage {peak.stage} "
+                 f"(budget {self.memory_budget_bytes / GB:.2f} GB, {'fits' if self.fits else 'DOES NOT FIT'}), "
+                 f"offload_alpha {alpha}"]
+        for k, b in sorted(peak.terms.items(), key=lambda kv: -kv[1]):
+            if b:
+                lines.append(f"  {k:<26} {b / GB:8.2f} GB")
+        lines.append("  per stage: " + " ".join(f"{s.peak_bytes / GB:.1f}" for s in self.stages) + " GB")
+        total = self.iteration_time_s
+        lines.append(f"time: {total:.3f} s/iteration, {self.tokens_per_second:,.0f} tokens/s, "
+                     f"{self.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, MFU {self.mfu:.3f}")
+        for k, t in sorted(self.time_terms.items(), key=lambda kv: -kv[1]):
+            if t:
+                lines.append(f"  {k:<26} {t:8.3f} s  {t / total:6.1%}")
+        if self.pcie_bytes_per_iteration:
+            lines.append(f"pcie: {self.pcie_bytes_per_iteration / GB:.1f} GB per iteration per GPU")
+        return lines
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (bytes, seconds)."""
+        p = self.plan
+        return {
+            "plan": {
+                "num_gpus": p.num_gpus, "seq_length": p.seq_length, "global_batch_size": p.global_batch_size,
+                "micro_batch_size": p.micro_batch_size, "tensor_model_parallel_size": p.tensor_model_parallel_size,
+                "context_parallel_size": p.context_parallel_size,
+                "pipeline_model_parallel_size": p.pipeline_model_parallel_size,
+                "num_layers_per_virtual_pipeline_stage": p.num_layers_per_virtual_pipeline_stage,
+                "data_parallel_size": p.data_parallel_size, "num_microbatches": p.num_microbatches,
+                "ckpt": p.ckpt,
+            },
+            "offload_alpha": list(self.offload_alpha),
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_stage": self.peak_stage,
+            "fits": self.fits,
+            "stages": [s.to_dict() for s in self.stages],
+            "time_terms_s": dict(self.time_terms),
+            "iteration_time_s": self.iteration_time_s,
+            "tokens_per_second": self.tokens_per_second,
+            "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+            "mfu": self.mfu,
+            "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,
+        }
+
+
+def over_budget_error(stage: StageMemory, budget: int, suffix: str = "") -> InfeasiblePlanError:
+    """InfeasiblePlanError naming the stage's largest term and the excess."""
+    excess = stage.peak_bytes - budget
+    term = stage.largest_term()
+    reason = (f"stage {stage.stage} needs {stage.peak_bytes / GB:.1f} GB > budget {budget / GB:.1f} GB: "
+              f"{term} {stage.terms[term] / GB:.1f} GB is the largest term, over by {excess / GB:.1f} GB{suffix}")
+    return InfeasiblePlanError(reason, term=term, excess_bytes=int(excess), stage=stage.stage)
+
+
+def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
+             memory_budget_bytes: Optional[int] = None) -> Estimate:
+    """Price ``plan``; raises InvalidPlanError for plans that cannot be built. Does not raise when the plan
+    does not fit memory: check ``fits`` or call ``raise_if_infeasible()``."""
+    validate_plan(model, plan, system)
+    budget = system.default_memory_budget_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
+    alphas = plan.alphas()
+    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
+    v = plan.virtual_size(model.num_layers)
+    stages = tuple(stage_memory(model, plan, k, alphas[k]) for k in range(p))
+    chunk = chunk_activation_bytes(model, plan)
+    offloaded = tuple(rank_offloads(p, m, v, k) for k in range(p))
+    terms = time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded)
+    pcie = max(int(2 * a * chunk * n) for a, n in zip(alphas, offloaded))
+    return Estimate(
+        plan=plan, offload_alpha=alphas, stages=stages, memory_budget_bytes=budget, time_terms=terms,
+        tokens_per_iteration=plan.tokens_per_iteration, num_gpus=plan.num_gpus,
+        model_flops_per_token=model_flops_per_token(model, plan.seq_length), peak_flops=system.peak_bf16_flops,
+        pcie_bytes_per_iteration=pcie,
+    )

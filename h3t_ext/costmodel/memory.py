@@ -1,0 +1,151 @@
+"""Per-stage memory: parameters, gradients, optimizer states, activations over the schedule, transients.
+
+Bytes per parameter on a rank: 2 (bf16 weight) + 4 (fp32 main grad) + 12/d (fp32 master, Adam m and v,
+sharded over the whole data-parallel group d, context-parallel ranks included). Activations are priced
+over the schedule builder's timeline (see activations.py). Transient buffers are the largest
+short-lived allocations that ``max_memory_allocated`` sees on top of that:
+
+* ``sp_allgather_buffer``  the sequence-parallel all-gather of a norm output before the QKV/FC1 GEMM:
+                           (s/c) * h bf16 (t > 1 only).
+* ``layer_backward_workspace`` gradients alive inside one layer's backward: d(FC1 output) and
+                           d(activation output), (s/c) * (fc1_width + f) / t bf16, plus the gradient
+                           flowing between layers, 2 * (s/(c t)) * h bf16.
+* ``recompute_workspace``  ckpt=ours: the largest tensor recomputed in backward (norm output or SwiGLU
+                           output of one layer; they are produced one at a time and freed after use);
+                           ckpt=full: the saved activations of one layer re-created in backward.
+* ``embedding_grad``       first stage: the dense bf16 gradient of the vocabulary-parallel embedding
+                           (V_pad/t * h) before it is added to the fp32 main grad.
+* ``logits_loss``          last stage: bf16 logits and the fp32 softmax the vocabulary-parallel cross
+                           entropy computes in place and keeps for backward (its gradient is written
+                           into it), (s/c) * V_pad/t * (2 + 4).
+* ``offload_reload_buffer`` the reload double buffer, 2 * alpha * A (reported next to ``activations``).
+* ``p2p_buffers``          received activations/gradients waiting for their compute action (2 per
+                           direction), 4 * (s/(c t)) * h bf16 (p > 1 only).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from h3t_ext.costmodel.activations import (
+    activation_bytes_per_layer_token,
+    chunk_resident_factor,
+    layer_bytes_per_local_token,
+    rank_offloads,
+    residency_lines,
+)
+from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.specs import ModelSpec
+
+BF16, FP32 = 2, 4
+OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weight + Adam m + Adam v
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Peak memory of one pipeline rank, by named term (bytes)."""
+
+    stage: int
+    """Pipeline rank."""
+    terms: Mapping[str, int] = field(default_factory=dict)
+    """Named byte terms; their sum is ``peak_bytes``."""
+    params: int = 0
+    """Parameters held by the rank."""
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.terms.values())
+
+    def largest_term(self) -> str:
+        return max(self.terms, key=lambda k: self.terms[k])
+
+    def to_dict(self) -> dict:
+        return {"stage": self.stage, "params": self.params, "peak_bytes": self.peak_bytes, "terms": dict(self.terms)}
+
+
+def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
+    """Parameters on pipeline rank ``stage`` (tensor-parallel shard; norms replicated)."""
+    t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    h = model.hidden_size
+    n = (model.num_layers // p) * (model.params_per_layer // t + model.layer_norm_params)
+    vocab = model.padded_vocab_size(t) * h // t
+    if stage == 0:
+        n += vocab
+    if stage == p - 1:
+        n += h  # final norm
+        if model.untie_embeddings_and_output_weights or p > 1:
+            n += vocab  # output layer (a tied copy of the embedding when p > 1)
+    return n
+
+
+def chunk_activation_bytes(model: ModelSpec, plan: Plan) -> int:
+    """A: saved bytes of one microbatch-chunk (l layers) on one rank."""
+    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
+    layers = model.num_layers // (plan.pipeline_model_parallel_size * plan.virtual_size(model.num_layers))
+    tokens = plan.micro_batch_size * plan.seq_length // (c * t)
+    return layers * tokens * layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t)
+
+
+def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
+    t, c, p = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.pipeline_model_parallel_size
+    mb, h, f = plan.micro_batch_size, model.hidden_size, model.ffn_hidden_size
+    seq_tokens = mb * plan.seq_length // c
+    local = seq_tokens // t
+    out = {
+        "sp_allgather_buffer": seq_tokens * h * BF16 if t > 1 else 0,
+        "layer_backward_workspace": seq_tokens * (model.fc1_width + f) // t * BF16 + 2 * local * h * BF16,
+        "p2p_buffers": 4 * local * h * BF16 if p > 1 else 0,
+    }
+    if plan.ckpt == "ours":
+        terms_no = activation_bytes_per_layer_token(model, "no")
+        out["recompute_workspace"] = local * max(terms_no[k] for k in ("norm2_output", "swiglu_output"))
+    elif plan.ckpt == "full":
+        out["recompute_workspace"] = local * activation_bytes_per_layer_token(model, "no")["total"]
+    vocab_shard = model.padded_vocab_size(t) // t
+    if stage == 0:
+        out["embedding_grad"] = vocab_shard * h * BF16
+    if stage == p - 1:
+        out["logits_loss"] = seq_tokens * vocab_shard * (BF16 + FP32)
+    return out
+
+
+def _fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
+    """The alpha-independent terms of a stage."""
+    n = stage_params(model, plan, stage)
+    terms = {
+        "weights": n * BF16,
+        "grads": n * FP32,
+        "optimizer_states": -(-n * OPTIMIZER_BYTES_PER_PARAM // plan.data_parallel_size),
+    }
+    terms.update(_transients(model, plan, stage))
+    return terms
+
+
+def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: bool, alpha: float) -> tuple[int, int]:
+    """(activations, offload_reload_buffer) bytes at ``alpha``."""
+    act = int(round(chunk * chunk_resident_factor(lines, alpha, False)))
+    reload = int(round(2 * alpha * chunk)) if offloads and alpha > 0 else 0
+    return act, reload
+
+
+def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> StageMemory:
+    """Peak memory terms of pipeline rank ``stage`` with offload ratio ``alpha``."""
+    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
+    v = plan.virtual_size(model.num_layers)
+    fixed = _fixed_terms(model, plan, stage)
+    act, reload = _activation_terms(chunk_activation_bytes(model, plan), residency_lines(p, m, v, stage),
+                                    rank_offloads(p, m, v, stage) > 0, alpha)
+    terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
+             "activations": act, "offload_reload_buffer": reload}
+    terms.update({k: x for k, x in fixed.items() if k not in terms})
+    return StageMemory(stage=stage, terms=terms, params=stage_params(model, plan, stage))
+
+
+def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[float], int]:
+    """peak_bytes of ``stage_memory(model, plan, stage, alpha)`` as a cheap function of alpha."""
+    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
+    v = plan.virtual_size(model.num_layers)
+    fixed = sum(_fixed_terms(model, plan, stage).values())
+    chunk = chunk_activation_bytes(model, plan)
+    lines, offloads = residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0
+    return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha))

@@ -1,0 +1,16 @@
+"""Model FLOPs utilisation with the convention of the published tables (DESIGN.md)."""
+from __future__ import annotations
+
+from h3t_ext.costmodel.specs import ModelSpec
+
+
+def model_flops_per_token(model: ModelSpec, seq_length: int) -> float:
+    """3 * [2 L (2h^2 + 2h h_kv + 3hf) + 2 s h L + 2 V h]: forward+backward FLOPs per token, causal
+    attention counted as half of s^2, unpadded vocabulary, no recompute."""
+    h, L = model.hidden_size, model.num_layers
+    return 3.0 * (2 * L * model.params_per_layer + 2 * seq_length * h * L + 2 * model.vocab_size * h)
+
+
+def mfu(model: ModelSpec, seq_length: int, tokens_per_second_per_gpu: float, peak_flops: float) -> float:
+    """MFU from per-GPU throughput."""
+    return tokens_per_second_per_gpu * model_flops_per_token(model, seq_length) / peak_flops

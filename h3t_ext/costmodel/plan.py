@@ -1,0 +1,165 @@
+"""The parallel plan (Megatron's flag names) and its structural validation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from h3t_ext.costmodel.errors import InvalidPlanError
+from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+
+CKPT_CHOICES = ("no", "full", "ours")
+
+Alpha = Union[float, tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run a model on a cluster."""
+
+    num_gpus: int
+    """GPUs in the job (t * c * (d/c) * p = t * d * p)."""
+    seq_length: int
+    """Tokens per sample s."""
+    global_batch_size: int
+    """Samples per iteration B."""
+    micro_batch_size: int = 1
+    """Samples per microbatch."""
+    tensor_model_parallel_size: int = 1
+    """t (sequence parallel is always on when t > 1)."""
+    context_parallel_size: int = 1
+    """c."""
+    pipeline_model_parallel_size: int = 1
+    """p."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """l; None means L/p (plain 1F1B, v = 1)."""
+    ckpt: str = "no"
+    """Activation checkpointing: 'no', 'full' or 'ours'."""
+    offload_alpha: Alpha = 0.0
+    """Fraction of saved activations offloaded to host; a tuple gives one value per pipeline stage."""
+    overlap_grad_reduce: bool = False
+    """Megatron's --overlap-grad-reduce: data-parallel reduce-scatter behind the backward pass (the
+    published throughput table ran without it)."""
+    overlap_param_gather: bool = False
+    """Megatron's --overlap-param-gather: parameter all-gather behind the next forward pass."""
+
+    @property
+    def data_parallel_size(self) -> int:
+        """d = num_gpus / (t * p); counts context-parallel ranks, as Megatron does."""
+        return self.num_gpus // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    @property
+    def data_parallel_sample_shards(self) -> int:
+        """d / c: groups that see different samples."""
+        return self.data_parallel_size // self.context_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """m = B / (micro_batch * d / c)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_sample_shards)
+
+    def layers_per_rank(self, num_layers: int) -> int:
+        """L / p."""
+        return num_layers // self.pipeline_model_parallel_size
+
+    def virtual_size(self, num_layers: int) -> int:
+        """v = (L/p) / l."""
+        l = self.num_layers_per_virtual_pipeline_stage
+        return 1 if l is None else self.layers_per_rank(num_layers) // l
+
+    def virtual_pipeline_model_parallel_size(self, num_layers: int) -> int:
+        """v = (L/p) / l (1 for plain 1F1B); L comes from the model, so this takes ``num_layers``."""
+        return self.virtual_size(num_layers)
+
+    def alphas(self) -> tuple[float, ...]:
+        """offload_alpha as one value per pipeline stage."""
+        a = self.offload_alpha
+        if isinstance(a, (int, float)):
+            return (float(a),) * self.pipeline_model_parallel_size
+        return tuple(float(x) for x in a)
+
+    def with_alpha(self, alpha: Alpha) -> "Plan":
+        """Copy of this plan with another offload_alpha."""
+        from dataclasses import replace
+        return replace(self, offload_alpha=alpha)
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return self.global_batch_size * self.seq_length
+
+
+def _check(cond: bool, reason: str) -> None:
+    if not cond:
+        raise InvalidPlanError(reason)
+
+
+def _validate_ranges(plan: Plan) -> None:
+    for name in ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
+                 "context_parallel_size", "pipeline_model_parallel_size"):
+        v = getattr(plan, name)
+        _check(isinstance(v, int) and v >= 1, f"{name} must be an integer >= 1, got {v!r}")
+    _check(plan.ckpt in CKPT_CHOICES, f"ckpt must be one of {', '.join(CKPT_CHOICES)}, got {plan.ckpt!r}")
+    a = plan.offload_alpha
+    if not isinstance(a, (int, float)):
+        _check(len(a) == plan.pipeline_model_parallel_size,
+               f"offload_alpha has {len(a)} values but pipeline_model_parallel_size is "
+               f"{plan.pipeline_model_parallel_size}")
+    for x in plan.alphas():
+        _check(0.0 <= x <= 1.0, f"offload_alpha must be in [0, 1], got {x}")
+
+
+def _validate_tensor(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
+    t = plan.tensor_model_parallel_size
+    _check(model.num_attention_heads % t == 0,
+           f"num_attention_heads ({model.num_attention_heads}) not divisible by tensor_model_parallel_size ({t})")
+    _check(model.num_query_groups % t == 0,
+           f"num_query_groups ({model.num_query_groups}) not divisible by tensor_model_parallel_size ({t})")
+    _check(t <= system.gpus_per_node and system.gpus_per_node % t == 0,
+           f"tensor_model_parallel_size ({t}) must divide gpus_per_node ({system.gpus_per_node}) of {system.name}")
+    c, seq = plan.context_parallel_size, plan.seq_length
+    if c > 1:
+        _check(seq % (2 * c) == 0,
+               f"seq_length ({seq}) not divisible by 2 * context_parallel_size ({2 * c})")
+    _check(seq % (c * t) == 0, f"seq_length ({seq}) not divisible by context_parallel_size * "
+                               f"tensor_model_parallel_size ({c * t}) (sequence parallel)")
+
+
+def _validate_pipeline(model: ModelSpec, plan: Plan) -> None:
+    p, L = plan.pipeline_model_parallel_size, model.num_layers
+    _check(L % p == 0, f"num_layers ({L}) not divisible by pipeline_model_parallel_size ({p})")
+    l = plan.num_layers_per_virtual_pipeline_stage
+    if l is None:
+        return
+    _check(isinstance(l, int) and l >= 1, f"num_layers_per_virtual_pipeline_stage must be >= 1, got {l!r}")
+    _check((L // p) % l == 0, f"layers per pipeline rank ({L // p}) not divisible by "
+                              f"num_layers_per_virtual_pipeline_stage ({l})")
+    if (L // p) // l > 1:
+        _check(p > 1, "num_layers_per_virtual_pipeline_stage needs pipeline_model_parallel_size > 1")
+
+
+def _validate_interleaving(model: ModelSpec, plan: Plan) -> None:
+    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
+    if plan.virtual_size(model.num_layers) > 1:
+        _check(m >= p and m % p == 0,
+               f"interleaved 1F1B needs num_microbatches ({m}) to be a multiple of "
+               f"pipeline_model_parallel_size ({p})")
+
+
+def _validate_data(plan: Plan) -> None:
+    t, c, p = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.pipeline_model_parallel_size
+    _check(plan.num_gpus % (t * p) == 0,
+           f"num_gpus ({plan.num_gpus}) not divisible by tensor * pipeline parallel size ({t * p})")
+    d = plan.data_parallel_size
+    _check(d % c == 0, f"data parallel size ({d}) not divisible by context_parallel_size ({c})")
+    shard = plan.micro_batch_size * (d // c)
+    _check(plan.global_batch_size % shard == 0,
+           f"global_batch_size ({plan.global_batch_size}) not divisible by micro_batch_size * data parallel "
+           f"size / context_parallel_size ({shard})")
+
+
+def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
+    """Raise InvalidPlanError (one-line reason) when the plan cannot be built."""
+    _validate_ranges(plan)
+    _validate_tensor(model, plan, system)
+    _validate_pipeline(model, plan)
+    _validate_data(plan)
+    _validate_interleaving(model, plan)

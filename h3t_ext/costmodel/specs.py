@@ -1,0 +1,181 @@
+"""Model and system specifications, loaded from the JSON data files under ``h3t_ext/data``."""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from h3t_ext.costmodel.errors import UnknownNameError
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a decoder-only transformer (Megatron's names)."""
+
+    name: str
+    """Short name, e.g. ``llama-65b``."""
+    num_layers: int
+    """Transformer layers L."""
+    hidden_size: int
+    """Hidden size h."""
+    num_attention_heads: int
+    """Query heads."""
+    num_query_groups: int
+    """Key/value heads (GQA groups); equal to num_attention_heads without GQA."""
+    ffn_hidden_size: int
+    """MLP hidden size f."""
+    vocab_size: int
+    """Vocabulary size V before padding."""
+    swiglu: bool = True
+    """Gated SwiGLU MLP (FC1 is 2f wide); False means GeLU with an f-wide FC1."""
+    untie_embeddings_and_output_weights: bool = True
+    """Separate output layer on the last stage (Llama); False ties it to the embedding (GPT-3)."""
+
+    def __post_init__(self) -> None:
+        for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                  "vocab_size"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                             f"({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                             f"num_query_groups ({self.num_query_groups})")
+
+    @property
+    def kv_channels(self) -> int:
+        """Head dimension h / heads."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_hidden_size(self) -> int:
+        """h_kv = num_query_groups * kv_channels."""
+        return self.num_query_groups * self.kv_channels
+
+    @property
+    def fc1_width(self) -> int:
+        """Output width of FC1: 2f with SwiGLU, f with GeLU."""
+        return (2 if self.swiglu else 1) * self.ffn_hidden_size
+
+    @property
+    def params_per_layer(self) -> int:
+        """GEMM weights of one layer: QKV + projection + MLP (norm weights excluded; see layer_params)."""
+        h, hkv, f = self.hidden_size, self.kv_hidden_size, self.ffn_hidden_size
+        return 2 * h * h + 2 * h * hkv + (3 if self.swiglu else 2) * h * f
+
+    @property
+    def layer_norm_params(self) -> int:
+        """Weights of the two norms of one layer."""
+        return 2 * self.hidden_size
+
+    def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
+        """V padded to a multiple of 128 * t (Megatron's make-vocab-size-divisible-by 128)."""
+        q = 128 * tensor_model_parallel_size
+        return -(-self.vocab_size // q) * q
+
+    @property
+    def num_parameters(self) -> int:
+        """Total parameters (unpadded vocabulary)."""
+        emb = self.vocab_size * self.hidden_size
+        out = emb if self.untie_embeddings_and_output_weights else 0
+        return self.num_layers * (self.params_per_layer + self.layer_norm_params) + emb + out + self.hidden_size
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One GPU type and its cluster (numbers from the data file ``systems/<name>.json``)."""
+
+    name: str
+    """Short name, e.g. ``h800``."""
+    peak_bf16_flops: float
+    """Dense bf16 tensor-core peak, FLOP/s per GPU."""
+    hbm_bytes: int
+    """HBM capacity per GPU."""
+    hbm_bandwidth: float
+    """HBM bandwidth, bytes/s."""
+    default_memory_budget_bytes: int
+    """Bytes per GPU that ``max_memory_allocated`` may reach (capacity minus context, NCCL, fragmentation)."""
+    nvlink_bandwidth: float
+    """NVLink bandwidth per GPU and direction, bytes/s."""
+    network_bandwidth: float
+    """Inter-node network bandwidth per GPU and direction, bytes/s."""
+    pcie_bandwidth: float
+    """Host<->device PCIe bandwidth per GPU and direction, bytes/s."""
+    gpus_per_node: int
+    """GPUs sharing one NVLink domain."""
+    efficiencies: Mapping[str, float] = field(default_factory=dict, hash=False)
+    """Fitted efficiencies (fractions of the peaks above); see ``fitted_efficiencies.json``."""
+    source: str = ""
+    """Where the numbers come from."""
+
+    def efficiency(self, key: str) -> float:
+        """One fitted efficiency; a missing key is a data-file bug."""
+        try:
+            return self.efficiencies[key]
+        except KeyError:
+            raise KeyError(f"system {self.name!r}: no fitted efficiency {key!r}") from None
+
+
+def _read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=1)
+def _models() -> dict[str, dict]:
+    return {k: v for k, v in _read_json(DATA_DIR / "models.json")["models"].items()}
+
+
+def list_models() -> list[str]:
+    """Names of the models in ``models.json``."""
+    return sorted(_models())
+
+
+def get_model(name: str) -> ModelSpec:
+    """The model ``name`` from the zoo; raises UnknownNameError listing valid names."""
+    entry = _models().get(name.lower())
+    if entry is None:
+        raise UnknownNameError("model", name, list_models())
+    fields = {k: v for k, v in entry.items() if k != "source"}
+    return ModelSpec(name=name.lower(), **fields)
+
+
+def list_systems() -> list[str]:
+    """Names of the systems under ``data/systems``."""
+    return sorted(p.stem for p in (DATA_DIR / "systems").glob("*.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def _fitted() -> dict:
+    return _read_json(DATA_DIR / "fitted_efficiencies.json")
+
+
+@functools.lru_cache(maxsize=None)
+def get_system(name: str) -> SystemSpec:
+    """The system ``name``; raises UnknownNameError listing valid names."""
+    path = DATA_DIR / "systems" / f"{name.lower()}.json"
+    if not path.is_file():
+        raise UnknownNameError("system", name, list_systems())
+    d = _read_json(path)
+    fitted = _fitted()
+    eff_set = d.get("efficiency_set", name.lower())
+    eff = dict(fitted["efficiencies"][eff_set])
+    return SystemSpec(
+        name=name.lower(),
+        peak_bf16_flops=float(d["peak_bf16_flops"]),
+        hbm_bytes=int(d["hbm_bytes"]),
+        hbm_bandwidth=float(d["hbm_bandwidth"]),
+        default_memory_budget_bytes=int(d["default_memory_budget_bytes"]),
+        nvlink_bandwidth=float(d["nvlink_bandwidth"]),
+        network_bandwidth=float(d["network_bandwidth"]),
+        pcie_bandwidth=float(d["pcie_bandwidth"]),
+        gpus_per_node=int(d["gpus_per_node"]),
+        efficiencies=MappingProxyType({k: float(v) for k, v in eff.items() if not k.startswith("_")}),
+        source=d["source"],
+    )

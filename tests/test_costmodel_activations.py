@@ -1,0 +1,96 @@
+"""Saved-activation accounting and its pricing over the schedule builder's action lists."""
+import pytest
+
+from h3t_ext.costmodel import Plan, activation_bytes_per_layer_token, get_model, stage_activation_peak_bytes
+from h3t_ext.costmodel.activations import _closed_form, _walk_schedule, residency_lines
+from h3t_ext.schedule import build_schedule
+
+
+@pytest.mark.parametrize("name", ["llama-65b", "llama2-70b", "llama3-8b"])
+def test_design_formulas_bf16_te(name):
+    m = get_model(name)
+    h, hkv, f = m.hidden_size, m.kv_hidden_size, m.ffn_hidden_size
+    extra = 4 * m.num_attention_heads + 8  # softmax logsumexp (fp32 per head) + two fp32 rstd
+    assert activation_bytes_per_layer_token(m, "no")["total"] == 12 * h + 4 * hkv + 8 * f + extra
+    assert activation_bytes_per_layer_token(m, "ours")["total"] == 8 * h + 4 * hkv + 4 * f + extra
+    assert activation_bytes_per_layer_token(m, "full")["total"] == 2 * h
+
+
+def test_ratio_no_over_ours_65b():
+    m = get_model("llama-65b")
+    r = activation_bytes_per_layer_token(m, "no")["total"] / activation_bytes_per_layer_token(m, "ours")["total"]
+    assert r == pytest.approx(1.648, abs=0.002)
+
+
+def test_local_spec_counts_swiglu_output_once():
+    m = get_model("llama-7b")
+    te = activation_bytes_per_layer_token(m, "no", dtype_bytes=4, layer_spec="te")
+    local = activation_bytes_per_layer_token(m, "no", dtype_bytes=4, layer_spec="local")
+    assert te["total"] - local["total"] == 4 * m.ffn_hidden_size
+    assert local["fc2_input"] == 0 and local["swiglu_output"] == 4 * m.ffn_hidden_size
+    # breakdown sums to the total
+    assert sum(v for k, v in local.items() if k != "total") == local["total"]
+
+
+def test_bad_arguments():
+    m = get_model("llama-7b")
+    with pytest.raises(ValueError):
+        activation_bytes_per_layer_token(m, "some")
+    with pytest.raises(ValueError):
+        activation_bytes_per_layer_token(m, "no", layer_spec="apex")
+
+
+def test_closed_form_equals_builder_walk():
+    """The closed form used for large schedules is exactly what walking the builder's lists gives."""
+    for p in range(1, 11):
+        for v in range(1, 5):
+            if p == 1 and v > 1:
+                continue
+            ms = range(1, 3 * p + 2) if v == 1 else range(p, 4 * p + 1, p)
+            for m in ms:
+                assert _closed_form(p, m, v) == _walk_schedule(p, m, v), (p, m, v)
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 8), (8, 5, 16), (8, 5, 136), (10, 4, 20), (4, 10, 36)])
+def test_first_stage_reduces_to_design_formula(p, v, m):
+    """Activation memory of the first stage is A (N - (N - 4) alpha), N = 2(p-1) + (v-1)p + 1."""
+    model = get_model("llama-65b")
+    L = model.num_layers
+    layers_per_virtual = L // (p * v) if L % (p * v) == 0 else None
+    if layers_per_virtual is None:
+        pytest.skip("layers not divisible")
+    n = 2 * (p - 1) + (v - 1) * p + 1
+    plan0 = Plan(num_gpus=2 * p * 4, seq_length=4096, global_batch_size=4 * m, tensor_model_parallel_size=2,
+                 pipeline_model_parallel_size=p, num_layers_per_virtual_pipeline_stage=layers_per_virtual, ckpt="ours")
+    a_chunk = stage_activation_peak_bytes(model, plan0)[0] / n
+    for alpha in (0.0, 0.25, 0.5, 1.0):
+        got = stage_activation_peak_bytes(model, plan0.with_alpha(alpha))[0]
+        assert got == pytest.approx(a_chunk * (n - (n - 4) * alpha), rel=1e-9)
+
+
+def test_peak_in_flight_matches_builder():
+    for p, m, v in [(4, 8, 2), (2, 4, 1), (4, 4, 1), (3, 9, 3)]:
+        s = build_schedule(p, m, v)
+        for r in range(p):
+            full, off = residency_lines(p, m, v, r)[0]
+            assert full + off == s.peak_in_flight(r)
+
+
+def test_activation_memory_linear_in_alpha_and_monotone_in_stage():
+    model = get_model("llama-65b")
+    plan = Plan(num_gpus=256, seq_length=4096, global_batch_size=256, tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=2, ckpt="no")
+    a0, a5, a1 = (stage_activation_peak_bytes(model, plan.with_alpha(a)) for a in (0.0, 0.5, 1.0))
+    for s in range(8):
+        assert a5[s] == pytest.approx((a0[s] + a1[s]) / 2, rel=1e-6)
+        assert a1[s] < a0[s]
+    assert list(a0) == sorted(a0, reverse=True)  # earlier stages hold more chunks
+
+
+def test_no_sequence_parallel_is_larger():
+    model = get_model("llama-7b")
+    plan = Plan(num_gpus=8, seq_length=2048, global_batch_size=8, tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=4)
+    sp = stage_activation_peak_bytes(model, plan)
+    nosp = stage_activation_peak_bytes(model, plan, sequence_parallel=False)
+    assert all(b > a for a, b in zip(sp, nosp))
