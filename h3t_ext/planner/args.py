@@ -1,0 +1,180 @@
+"""Argument parsing of ``h3t-plan``: Megatron's flag names in, typed specs out.
+
+Every parse error is one line, ``h3t-plan: error: <flag>: <problem and valid range>``, exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import NoReturn, Optional, Union
+
+from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
+from h3t_ext.planner.space import CKPT_CHOICES, SearchConstraints
+from h3t_ext.planner.units import parse_bytes
+
+PROG = "h3t-plan"
+DEFAULT_GPU = "h800"
+"""GPU of the published tables; ``--gpu`` overrides it."""
+
+AlphaArg = Union[float, tuple[float, ...], str]
+
+_CUSTOM_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                       "ffn_hidden_size", "vocab_size")
+_REQUIRED_CUSTOM = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+class UsageError(Exception):
+    """Bad command-line input; the message is the one line printed after ``h3t-plan: error:``."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line with a fixed program name."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{PROG}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (valid: integer >= 1)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} out of range (valid: integer >= 1)")
+    return value
+
+
+def _alpha(text: str) -> AlphaArg:
+    if text in ("auto", "balanced"):
+        return text
+    valid = "valid: a number in [0, 1], a comma-separated list of one per pipeline stage, auto or balanced"
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number ({valid})") from None
+    for value in values:
+        if not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"{value} outside [0, 1] ({valid})")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _budget(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
+    g = sp.add_argument_group("model (--model NAME, or the Megatron shape flags for a custom model)")
+    g.add_argument("--model", help="model name from the zoo, e.g. llama-65b; shape flags override its fields")
+    for name in _CUSTOM_MODEL_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), type=_positive_int, dest=name)
+    g.add_argument("--swiglu", dest="swiglu", action="store_const", const=True, help="SwiGLU MLP (default for custom models)")
+    g.add_argument("--no-swiglu", dest="swiglu", action="store_const", const=False, help="GeLU MLP")
+    g.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
+                   help="separate output layer (default for custom models)")
+    g.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False)
+    r = sp.add_argument_group("run")
+    r.add_argument("--seq-length", type=_positive_int, required=True)
+    r.add_argument("--num-gpus", type=_positive_int, required=True)
+    r.add_argument("--global-batch-size", type=_positive_int, required=True)
+    r.add_argument("--gpu", default=DEFAULT_GPU, help=f"system name (default {DEFAULT_GPU})")
+    r.add_argument("--memory-budget", type=_budget, help="bytes per GPU, e.g. 80000000000, 78GB, 72GiB "
+                   "(default: the system's budget)")
+    r.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sp.add_argument_group("plan" + (" (fixes that dimension of the search)" if search else ""))
+    p.add_argument("--micro-batch-size", type=_positive_int, default=None if search else 1)
+    for flag in ("tensor-model-parallel-size", "context-parallel-size", "pipeline-model-parallel-size"):
+        p.add_argument("--" + flag, type=_positive_int, default=None if search else 1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
+    p.add_argument("--ckpt", choices=CKPT_CHOICES, default=None if search else "no")
+    p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
+    p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
+    p.add_argument("--offload-alpha", type=_alpha, default="auto" if search else 0.0,
+                   help="FLOAT in [0, 1] (or one per stage: 0.3,0.2,...), auto (smallest alpha that fits) or "
+                   "balanced (one smallest alpha per stage)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``h3t-plan`` parser with its ``estimate`` and ``search`` subcommands."""
+    parser = _Parser(prog=PROG, description="Memory, time and MFU of Megatron training plans; search for the best.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{estimate,search}")
+    est = sub.add_parser("estimate", help="one plan -> memory, time, MFU")
+    _add_common(est, search=False)
+    est.add_argument("--explain", action="store_true", help="print every memory term per stage and every time term")
+    srch = sub.add_parser("search", help="all valid plans, best first")
+    _add_common(srch, search=True)
+    srch.add_argument("--top", type=_positive_int, default=10, help="rows to print (default 10)")
+    srch.add_argument("--max-micro-batch-size", type=_positive_int, default=None,
+                      help="largest micro batch to search (default: no limit)")
+    srch.add_argument("--exhaustive", action="store_true",
+                      help="price every micro batch (default: stop once throughput falls with the micro batch)")
+    return parser
+
+
+def model_from_args(ns: argparse.Namespace) -> ModelSpec:
+    """The model of ``--model`` (with shape flags overriding its fields) or of the shape flags alone."""
+    given = {k: getattr(ns, k) for k in _CUSTOM_MODEL_FLAGS if getattr(ns, k) is not None}
+    switches = {k: v for k, v in (("swiglu", ns.swiglu), ("untie_embeddings_and_output_weights", ns.untie))
+                if v is not None}
+    try:
+        if ns.model is not None:
+            try:
+                base = get_model(ns.model)
+            except UnknownNameError as e:
+                raise UsageError(f"argument --model: {e}") from None
+            return dataclasses.replace(base, **given, **switches) if (given or switches) else base
+        missing = [k for k in _REQUIRED_CUSTOM if k not in given]
+        if missing:
+            flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+            raise UsageError(f"give --model NAME or a custom model shape (missing {flags})")
+        given.setdefault("num_query_groups", given["num_attention_heads"])
+        return ModelSpec(name="custom", **given, **switches)
+    except ValueError as e:
+        raise UsageError(f"model: {e}") from None
+
+
+def system_from_args(ns: argparse.Namespace) -> SystemSpec:
+    """The system of ``--gpu``."""
+    try:
+        return get_system(ns.gpu)
+    except UnknownNameError as e:
+        raise UsageError(f"argument --gpu: {e}") from None
+
+
+def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Plan:
+    """The plan of ``estimate``'s flags; ``alpha`` replaces a symbolic ``--offload-alpha``."""
+    if alpha is None:
+        alpha = 0.0 if isinstance(ns.offload_alpha, str) else ns.offload_alpha
+    return Plan(
+        num_gpus=ns.num_gpus,
+        seq_length=ns.seq_length,
+        global_batch_size=ns.global_batch_size,
+        micro_batch_size=ns.micro_batch_size,
+        tensor_model_parallel_size=ns.tensor_model_parallel_size,
+        context_parallel_size=ns.context_parallel_size,
+        pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=ns.num_layers_per_virtual_pipeline_stage,
+        ckpt=ns.ckpt,
+        offload_alpha=alpha,
+        overlap_grad_reduce=ns.overlap_grad_reduce,
+        overlap_param_gather=ns.overlap_param_gather,
+    )
+
+
+def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
+    """The dimensions ``search``'s flags fix."""
+    return SearchConstraints(
+        tensor_model_parallel_size=ns.tensor_model_parallel_size,
+        context_parallel_size=ns.context_parallel_size,
+        pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=ns.num_layers_per_virtual_pipeline_stage,
+        micro_batch_size=ns.micro_batch_size,
+        max_micro_batch_size=ns.max_micro_batch_size,
+        ckpt=ns.ckpt,
+        overlap_grad_reduce=ns.overlap_grad_reduce,
+        overlap_param_gather=ns.overlap_param_gather,
+    )

@@ -1,0 +1,93 @@
+"""``h3t-plan``: estimate one plan or search all of them (thin: parse, build specs, run, print)."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Optional, Sequence
+
+from rich.console import Console
+
+from h3t_ext.costmodel import InfeasiblePlanError, PlanError
+from h3t_ext.planner import format as fmt
+from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_from_args, model_from_args, \
+    plan_from_args, system_from_args
+from h3t_ext.planner.evaluate import evaluate
+from h3t_ext.planner.search import search
+
+_FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|tensor_model_parallel_size|"
+                    r"context_parallel_size|pipeline_model_parallel_size|num_layers_per_virtual_pipeline_stage|"
+                    r"offload_alpha|ckpt|num_layers|hidden_size|num_attention_heads|num_query_groups|ffn_hidden_size|"
+                    r"vocab_size)\b")
+
+
+def _flagify(reason: str) -> str:
+    """Name the command-line flags instead of the Plan fields in a cost-model reason."""
+    return _FIELD.sub(lambda m: "--" + m.group(1).replace("_", "-"), reason)
+
+
+def _fail(message: str) -> int:
+    sys.stderr.write(f"{PROG}: error: {' '.join(message.split())}\n")
+    return 2
+
+
+def _console() -> Console:
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def _estimate(ns, model, system) -> int:
+    try:
+        ev = evaluate(model, plan_from_args(ns), system, alpha_mode=ns.offload_alpha,
+                      memory_budget_bytes=ns.memory_budget)
+    except InfeasiblePlanError as e:
+        return _fail(f"--offload-alpha {ns.offload_alpha}: no alpha in [0, 1] fits the memory budget: {e.reason}")
+    if ns.json:
+        out = fmt.evaluation_dict(ev)
+        if ns.explain:
+            out["estimate"] = ev.estimate.to_dict()
+        print(json.dumps(out, indent=2))
+        return 0
+    console = _console()
+    for line in fmt.estimate_lines(ev, model, system):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    for table in fmt.explain_tables(ev) if ns.explain else ():
+        console.print(table)
+    return 0
+
+
+def _search(ns, model, system) -> int:
+    if isinstance(ns.offload_alpha, tuple):
+        raise UsageError("argument --offload-alpha: search takes one number in [0, 1], auto or balanced "
+                         "(p varies between plans, so a per-stage list does not apply)")
+    result = search(model, system, num_gpus=ns.num_gpus, seq_length=ns.seq_length,
+                    global_batch_size=ns.global_batch_size, constraints=constraints_from_args(ns),
+                    alpha_mode=ns.offload_alpha, memory_budget_bytes=ns.memory_budget, exhaustive=ns.exhaustive)
+    if not result.plans:
+        return _fail(fmt.no_plan_message(result))
+    if ns.json:
+        print(json.dumps([fmt.evaluation_dict(r.evaluation) for r in result.plans[:ns.top]], indent=2))
+        return 0
+    console = _console()
+    console.print(fmt.search_table(result, ns.top))
+    for i, r in enumerate(result.plans[:ns.top], 1):
+        console.print(f"#{i:<3d} " + " ".join(r.megatron_flags), highlight=False, markup=False, soft_wrap=True)
+    for line in fmt.rejected_lines(result):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``h3t-plan``; returns the exit code (2 for bad input, one line on stderr)."""
+    ns = build_parser().parse_args(argv)
+    try:
+        model, system = model_from_args(ns), system_from_args(ns)
+        return _estimate(ns, model, system) if ns.command == "estimate" else _search(ns, model, system)
+    except UsageError as e:
+        return _fail(str(e))
+    except PlanError as e:
+        return _fail(_flagify(e.reason))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""One plan with a resolved offload ratio: ``--offload-alpha FLOAT``, ``auto`` or ``balanced``.
+
+``auto`` is the smallest single alpha (three decimals) that brings every stage under the budget;
+``balanced`` gives each pipeline stage its own smallest alpha, which moves fewer bytes over PCIe
+(stages with less activation memory offload less). Both come from the cost model's
+``solve_offload_alpha``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from h3t_ext.costmodel import (
+    Estimate,
+    ModelSpec,
+    Plan,
+    SystemSpec,
+    estimate,
+    pcie_bytes_per_iteration,
+    solve_offload_alpha,
+)
+
+AlphaMode = Union[float, tuple[float, ...], str]
+"""A number in [0, 1], one number per pipeline stage, ``"auto"`` or ``"balanced"``."""
+
+ALPHA_MODES = ("auto", "balanced")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The estimate of one plan, with alpha resolved, and for ``balanced`` the ``auto`` comparison."""
+
+    plan: Plan
+    """The plan with ``offload_alpha`` resolved to numbers."""
+    estimate: Estimate
+    """Cost-model estimate of ``plan``."""
+    alpha_mode: AlphaMode
+    """What the user asked for: a number, ``auto`` or ``balanced``."""
+    auto_estimate: Optional[Estimate] = None
+    """With ``balanced``: the estimate of the same plan with the single ``auto`` alpha."""
+    pcie_bytes_saved_vs_auto: Optional[int] = None
+    """With ``balanced``: host<->device bytes per iteration, summed over the pipeline stages of one
+    model replica, that the per-stage alphas save compared with the single ``auto`` alpha."""
+
+
+def _validate_mode(alpha_mode: AlphaMode) -> None:
+    if isinstance(alpha_mode, str):
+        if alpha_mode not in ALPHA_MODES:
+            raise ValueError(f"offload alpha mode must be a number in [0, 1], auto or balanced, got {alpha_mode!r}")
+        return
+    for a in alpha_mode if isinstance(alpha_mode, tuple) else (alpha_mode,):
+        if not 0.0 <= float(a) <= 1.0:
+            raise ValueError(f"offload alpha {a} outside [0, 1]")
+
+
+def evaluate(model: ModelSpec, plan: Plan, system: SystemSpec, *, alpha_mode: AlphaMode = "auto",
+             memory_budget_bytes: Optional[int] = None) -> Evaluation:
+    """Resolve alpha and estimate; raises the cost model's PlanError subclasses.
+
+    With ``auto``/``balanced`` an InfeasiblePlanError means that even alpha = 1 does not fit.
+    A fixed alpha that does not fit is returned with ``estimate.fits`` False.
+    """
+    _validate_mode(alpha_mode)
+    if not isinstance(alpha_mode, str):
+        resolved = plan.with_alpha(alpha_mode if isinstance(alpha_mode, tuple) else float(alpha_mode))
+        return Evaluation(resolved, estimate(model, resolved, system, memory_budget_bytes=memory_budget_bytes),
+                          alpha_mode)
+    zero_plan = plan.with_alpha(0.0)
+    zero_est = estimate(model, zero_plan, system, memory_budget_bytes=memory_budget_bytes)
+    if zero_est.fits:  # nothing to offload: auto and balanced are both 0
+        return Evaluation(zero_plan, zero_est, alpha_mode, auto_estimate=None if alpha_mode == "auto" else zero_est,
+                          pcie_bytes_saved_vs_auto=None if alpha_mode == "auto" else 0)
+    auto_alpha = solve_offload_alpha(model, plan, system, memory_budget_bytes=memory_budget_bytes, mode="auto")
+    auto_plan = plan.with_alpha(auto_alpha)
+    auto_est = estimate(model, auto_plan, system, memory_budget_bytes=memory_budget_bytes)
+    if alpha_mode == "auto":
+        return Evaluation(auto_plan, auto_est, alpha_mode)
+    bal_alpha = solve_offload_alpha(model, plan, system, memory_budget_bytes=memory_budget_bytes, mode="balanced")
+    bal_plan = plan.with_alpha(bal_alpha)
+    bal_est = estimate(model, bal_plan, system, memory_budget_bytes=memory_budget_bytes)
+    saved = (sum(pcie_bytes_per_iteration(model, plan, auto_plan.alphas()))
+             - sum(pcie_bytes_per_iteration(model, plan, bal_plan.alphas())))
+    return Evaluation(bal_plan, bal_est, alpha_mode, auto_estimate=auto_est, pcie_bytes_saved_vs_auto=int(saved))

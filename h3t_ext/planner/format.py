@@ -1,0 +1,158 @@
+"""Rendering of planner results: JSON-ready dicts and rich tables (no printing here; the CLI prints)."""
+from __future__ import annotations
+
+from rich.table import Table
+
+from h3t_ext.costmodel import ModelSpec, SystemSpec
+from h3t_ext.planner.evaluate import Evaluation
+from h3t_ext.planner.flags import format_alpha, megatron_flags
+from h3t_ext.planner.search import R_PRUNED, R_SLOWER, SearchResult
+from h3t_ext.planner.units import format_bytes
+
+PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
+             "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+             "ckpt")
+
+
+def _alpha_value(alphas: tuple[float, ...]):
+    """One number when every stage has the same alpha, else the per-stage list."""
+    return alphas[0] if len(set(alphas)) == 1 else list(alphas)
+
+
+def evaluation_dict(ev: Evaluation) -> dict:
+    """Flat JSON object of one evaluated plan: the headline numbers, the plan fields and the launch flags."""
+    est = ev.estimate
+    plan = ev.plan
+    out = {
+        "peak_memory_bytes": est.peak_memory_bytes,
+        "memory_budget_bytes": est.memory_budget_bytes,
+        "fits": est.fits,
+        "offload_alpha": _alpha_value(est.offload_alpha),
+        "offload_alpha_mode": ev.alpha_mode if isinstance(ev.alpha_mode, str) else "fixed",
+        "tokens_per_second": est.tokens_per_second,
+        "tokens_per_second_per_gpu": est.tokens_per_second_per_gpu,
+        "mfu": est.mfu,
+        "iteration_time_s": est.iteration_time_s,
+        "pcie_bytes_per_iteration": est.pcie_bytes_per_iteration,
+    }
+    out.update({k: getattr(plan, k) for k in PLAN_KEYS})
+    out["data_parallel_size"] = plan.data_parallel_size
+    out["num_microbatches"] = plan.num_microbatches
+    if ev.auto_estimate is not None:
+        out["auto_offload_alpha"] = _alpha_value(ev.auto_estimate.offload_alpha)
+        out["pcie_bytes_saved_vs_auto"] = ev.pcie_bytes_saved_vs_auto
+    err = est.infeasibility()
+    if err is not None:
+        out["over_budget"] = {"term": err.term, "excess_bytes": err.excess_bytes, "stage": err.stage}
+    out["megatron_flags"] = megatron_flags(plan)
+    return out
+
+
+def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
+    """``t=2 c=1 p=8 l=2 (v=5) ckpt=no alpha=0.355 mb=1 m=16``."""
+    p = ev.plan
+    l = p.num_layers_per_virtual_pipeline_stage
+    v = p.virtual_size(model.num_layers)
+    inter = f" l={l} (v={v})" if l is not None else ""
+    return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
+            f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
+            f" micro_batch={p.micro_batch_size} m={p.num_microbatches}")
+
+
+def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list[str]:
+    """Short human summary of one evaluated plan."""
+    est = ev.estimate
+    verdict = "fits" if est.fits else "DOES NOT FIT"
+    lines = [
+        f"model       {model.name} ({model.num_parameters / 1e9:.1f}B params) on {est.num_gpus} x {system.name}, "
+        f"seq {ev.plan.seq_length}, global batch {ev.plan.global_batch_size}",
+        f"plan        {describe_plan(ev, model)}",
+        f"memory      peak {format_bytes(est.peak_memory_bytes)} on stage {est.peak_stage} "
+        f"(budget {format_bytes(est.memory_budget_bytes)}): {verdict}",
+        f"time        {est.iteration_time_s:.3f} s per iteration",
+        f"throughput  {est.tokens_per_second:,.0f} tokens/s ({est.tokens_per_second_per_gpu:,.1f} tokens/s/GPU), "
+        f"MFU {100 * est.mfu:.1f}%",
+    ]
+    err = est.infeasibility()
+    if err is not None:
+        lines.append(f"over budget {err.reason}")
+    if ev.auto_estimate is not None:
+        auto = format_alpha(_alpha_value(ev.auto_estimate.offload_alpha))
+        lines.append(f"balanced    per-stage alpha saves {format_bytes(ev.pcie_bytes_saved_vs_auto or 0)} of PCIe "
+                     f"traffic per iteration (summed over stages) vs auto alpha {auto}")
+    lines.append("flags       " + " ".join(megatron_flags(ev.plan)))
+    return lines
+
+
+def explain_tables(ev: Evaluation) -> list[Table]:
+    """Every memory term of every stage, and every time term."""
+    est = ev.estimate
+    mem = Table(title="memory per pipeline stage (GiB)")
+    mem.add_column("term")
+    for s in est.stages:
+        mem.add_column(f"stage {s.stage}", justify="right")
+    names: list[str] = []
+    for s in est.stages:
+        names.extend(n for n in s.terms if n not in names)
+    for n in names:
+        mem.add_row(n, *(f"{s.terms.get(n, 0) / 2**30:.3f}" for s in est.stages))
+    mem.add_row("alpha", *(format_alpha(a) for a in est.offload_alpha))
+    mem.add_row("[b]peak[/b]", *(f"[b]{s.peak_bytes / 2**30:.3f}[/b]" for s in est.stages))
+    tim = Table(title="time per iteration")
+    tim.add_column("term")
+    tim.add_column("seconds", justify="right")
+    tim.add_column("share", justify="right")
+    total = est.iteration_time_s
+    for name, sec in est.time_terms.items():
+        tim.add_row(name, f"{sec:.4f}", f"{100 * sec / total:.1f}%")
+    tim.add_row("[b]total[/b]", f"[b]{total:.4f}[/b]", "100%")
+    return [mem, tim]
+
+
+def _alpha_cell(alphas: tuple[float, ...]) -> str:
+    """One alpha, or the range of the per-stage alphas (the flags line has them all)."""
+    if len(set(alphas)) == 1:
+        return format_alpha(alphas[0])
+    return f"{format_alpha(min(alphas))}-{format_alpha(max(alphas))}"
+
+
+def search_table(result: SearchResult, top: int) -> Table:
+    """The best ``top`` plans."""
+    tab = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} feasible plans")
+    balanced = any(r.evaluation.pcie_bytes_saved_vs_auto is not None for r in result.plans[:top])
+    cols = ["#", "t", "c", "p", "l", "d", "ckpt", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU", "MFU"]
+    for col in cols + (["PCIe saved vs auto"] if balanced else []):
+        tab.add_column(col, justify="left" if col == "ckpt" else "right")
+    for i, r in enumerate(result.plans[:top], 1):
+        p, est = r.plan, r.evaluation.estimate
+        l = p.num_layers_per_virtual_pipeline_stage
+        extra = [format_bytes(r.evaluation.pcie_bytes_saved_vs_auto or 0)] if balanced else []
+        tab.add_row(str(i), str(p.tensor_model_parallel_size), str(p.context_parallel_size),
+                    str(p.pipeline_model_parallel_size), "-" if l is None else str(l), str(p.data_parallel_size),
+                    p.ckpt, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
+                    str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
+                    f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
+                    *extra)
+    return tab
+
+
+def rejected_lines(result: SearchResult) -> list[str]:
+    """Why the other plans were rejected, most frequent reason first."""
+    lines = [f"priced {result.considered} plans; rejected (partial) plans by reason:"]
+    for reason, n in sorted(result.rejected.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {n:7d}  {reason}")
+    return lines
+
+
+def no_plan_message(result: SearchResult) -> str:
+    """One line: which memory term of the closest plan is over, and by how much."""
+    c = result.closest_infeasible
+    if c is None:
+        return "no valid plan for these sizes (see the divisibility rules: " + "; ".join(
+            r for r in result.rejected if r not in (R_PRUNED, R_SLOWER)) + ")"
+    p = c.plan
+    l = p.num_layers_per_virtual_pipeline_stage
+    return (f"no plan fits the memory budget; closest: t={p.tensor_model_parallel_size} "
+            f"c={p.context_parallel_size} p={p.pipeline_model_parallel_size} l={l if l is not None else '-'} "
+            f"ckpt={p.ckpt} micro_batch={p.micro_batch_size}: {c.term} over budget by {format_bytes(c.excess_bytes)} "
+            f"on stage {c.stage} ({c.reason})")

@@ -1,0 +1,230 @@
+"""Search: every valid plan for a model, GPU count and global batch, priced and ranked.
+
+The structural enumeration (``space.py``) gives the layouts (t, c, p, l, micro batch); for each,
+every checkpointing mode is priced with its offload ratio resolved (``evaluate.py``), plans that
+cannot fit the budget even with alpha = 1 are rejected with the memory term that is over, and the
+rest are ranked by predicted tokens/s (ties: less peak memory first).
+
+Memory grows with the micro batch and from ``full`` to ``ours`` to ``no``, so once a
+(layout, ckpt, micro batch) does not fit, the larger micro batches and the modes that keep more
+are rejected without pricing them (counted under ``R_PRUNED``); micro batches past the one where
+throughput starts to fall are skipped (``R_SLOWER``). ``exhaustive=True`` turns both off.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, stage_memory
+from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
+from h3t_ext.planner.flags import megatron_flags
+from h3t_ext.planner.space import CKPT_BY_MEMORY, Layout, SearchConstraints, enumerate_layouts
+
+R_PRUNED = "memory: does not fit (a smaller micro batch or more recompute already did not)"
+R_SLOWER = "slower: a larger micro batch only adds pipeline bubble (throughput already fell with micro batch)"
+STATIC_TERMS = ("weights", "grads", "optimizer_states")
+"""The cost model's memory terms that depend on neither l, micro batch, ckpt nor alpha."""
+
+
+@dataclass(frozen=True)
+class RankedPlan:
+    """One feasible plan of a search."""
+
+    evaluation: Evaluation
+    """Plan with resolved alpha and its estimate."""
+    megatron_flags: tuple[str, ...]
+    """Flags that launch it (see :func:`h3t_ext.planner.flags.megatron_flags`)."""
+
+    @property
+    def plan(self) -> Plan:
+        return self.evaluation.plan
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.evaluation.estimate.tokens_per_second
+
+
+@dataclass(frozen=True)
+class ClosestInfeasible:
+    """The rejected plan that misses the budget by the fewest bytes."""
+
+    plan: Plan
+    """The plan (at the largest alpha tried)."""
+    term: str
+    """Memory term reported as over budget."""
+    excess_bytes: int
+    """Bytes over the budget."""
+    stage: Optional[int]
+    """Pipeline rank over budget, when known."""
+    reason: str
+    """The cost model's one-line reason."""
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Ranked feasible plans, and why the others were rejected."""
+
+    plans: tuple[RankedPlan, ...]
+    """Feasible plans, best (highest predicted tokens/s) first."""
+    rejected: Mapping[str, int] = field(default_factory=dict)
+    """Rejected (partial) plans by reason."""
+    considered: int = 0
+    """Plans the cost model priced."""
+    closest_infeasible: Optional[ClosestInfeasible] = None
+    """Among plans rejected for memory, the one closest to fitting."""
+
+    @property
+    def best(self) -> Optional[RankedPlan]:
+        return self.plans[0] if self.plans else None
+
+
+_NUMBERS = re.compile(r"\s*\([^)]*\)|-?\d+(\.\d+)?")
+
+
+def reason_category(reason: str) -> str:
+    """A reason with its numbers removed, so that rejections can be counted by kind."""
+    return " ".join(_NUMBERS.sub("", reason).split())
+
+
+def _plan(run: tuple, layout: Layout, mb: int, ckpt: str) -> Plan:
+    num_gpus, seq_length, global_batch_size, overlap_grad_reduce, overlap_param_gather = run
+    return Plan(
+        num_gpus=num_gpus,
+        seq_length=seq_length,
+        global_batch_size=global_batch_size,
+        micro_batch_size=mb,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=layout.num_layers_per_virtual_pipeline_stage,
+        ckpt=ckpt,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+    )
+
+
+class _Collector:
+    """Mutable state of one search (kept out of the public result types)."""
+
+    def __init__(self, rejected: Counter) -> None:
+        self.rejected = rejected
+        self.feasible: list[RankedPlan] = []
+        self.closest: Optional[ClosestInfeasible] = None
+        self.considered = 0
+
+    def add_static(self, verdict: ClosestInfeasible, count: int) -> None:
+        self.rejected[f"memory: {verdict.term} over budget"] += count
+        if self.closest is None or verdict.excess_bytes < self.closest.excess_bytes:
+            self.closest = verdict
+
+    def infeasible(self, plan: Plan, term: str, excess: int, stage: Optional[int], reason: str) -> None:
+        self.rejected[f"memory: {term} over budget"] += 1
+        if self.closest is None or excess < self.closest.excess_bytes:
+            self.closest = ClosestInfeasible(plan, term, int(excess), stage, reason)
+
+
+def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget):
+    """Price one plan: the RankedPlan, None when it does not fit (even at the largest alpha allowed),
+    False when the cost model finds it invalid."""
+    col.considered += 1
+    try:
+        ev = evaluate(model, plan, system, alpha_mode=alpha_mode, memory_budget_bytes=budget)
+    except InvalidPlanError as e:
+        col.rejected[reason_category(e.reason)] += 1
+        return False  # not a memory verdict: no pruning
+    except InfeasiblePlanError as e:
+        col.infeasible(plan, e.term, e.excess_bytes, e.stage, e.reason)
+        return None
+    est = ev.estimate
+    err = est.infeasibility()
+    if err is not None:
+        col.infeasible(ev.plan, err.term, err.excess_bytes, err.stage, err.reason)
+        return None
+    ranked = RankedPlan(ev, tuple(megatron_flags(ev.plan)))
+    col.feasible.append(ranked)
+    return ranked
+
+
+def _static_infeasibility(model, system, plan: Plan, budget: Optional[int]) -> Optional[ClosestInfeasible]:
+    """Weights, gradients and optimizer states alone (independent of l, micro batch, ckpt and alpha)
+    over the budget on some stage: the whole (t, c, p) subtree is infeasible."""
+    budget = system.default_memory_budget_bytes if budget is None else budget
+    for k in range(plan.pipeline_model_parallel_size):
+        terms = stage_memory(model, plan, k, 1.0).terms
+        static = {name: terms.get(name, 0) for name in STATIC_TERMS}
+        need = sum(static.values())
+        if need > budget:
+            term = max(static, key=lambda n: static[n])
+            reason = (f"stage {k}: weights, grads and optimizer states alone need {need / 1e9:.1f} GB > budget "
+                      f"{budget / 1e9:.1f} GB ({term} {static[term] / 1e9:.1f} GB is the largest), over by at least "
+                      f"{(need - budget) / 1e9:.1f} GB")
+            return ClosestInfeasible(plan, term, need - budget, k, reason)
+    return None
+
+
+def search(
+    model: ModelSpec,
+    system: SystemSpec,
+    *,
+    num_gpus: int,
+    seq_length: int,
+    global_batch_size: int,
+    constraints: SearchConstraints = SearchConstraints(),
+    alpha_mode: AlphaMode = "auto",
+    memory_budget_bytes: Optional[int] = None,
+    exhaustive: bool = False,
+) -> SearchResult:
+    """Enumerate, price and rank every valid plan (pure; no printing).
+
+    By default two shortcuts skip pricing: memory grows with the micro batch and from ckpt ``full``
+    to ``ours`` to ``no`` (so what does not fit prunes what keeps more), and for one layout and ckpt
+    the micro batches after the first one that is slower than the previous are skipped (throughput
+    is unimodal in the micro batch: per-microbatch work scales with it, the bubble grows as the
+    microbatch count falls). ``exhaustive`` prices every valid plan; only the exact check that
+    weights, gradients and optimizer states alone exceed the budget still prunes.
+    """
+    layouts, rejected = enumerate_layouts(
+        model, num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
+        gpus_per_node=system.gpus_per_node, constraints=constraints)
+    col = _Collector(rejected)
+    ckpts = (constraints.ckpt,) if constraints.ckpt is not None else CKPT_BY_MEMORY
+    static: dict[tuple[int, int, int], Optional[ClosestInfeasible]] = {}
+    run = (num_gpus, seq_length, global_batch_size, constraints.overlap_grad_reduce, constraints.overlap_param_gather)
+    for layout in layouts:
+        key = (layout.tensor_model_parallel_size, layout.context_parallel_size, layout.pipeline_model_parallel_size)
+        if key not in static:
+            probe = _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
+            static[key] = _static_infeasibility(model, system, probe, memory_budget_bytes)
+        if static[key] is not None:
+            col.add_static(static[key], len(ckpts) * len(layout.micro_batch_sizes))
+            continue
+        _search_layout(col, model, system, layout, ckpts, alpha_mode, memory_budget_bytes, run, exhaustive)
+    ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
+    return SearchResult(tuple(ranked), dict(col.rejected), col.considered, col.closest)
+
+
+def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_mode, budget, run,
+                   exhaustive: bool) -> None:
+    """Price one layout over checkpointing modes (least memory first) and micro batches (ascending)."""
+    mbs = layout.micro_batch_sizes
+    fit_limit = len(mbs)  # micro batches at index >= fit_limit did not fit with a mode that keeps less
+    for ckpt in ckpts:
+        previous = None
+        for i, mb in enumerate(mbs):
+            if i >= fit_limit:
+                col.rejected[R_PRUNED] += len(mbs) - i
+                break
+            ranked = _price(col, model, system, _plan(run, layout, mb, ckpt), alpha_mode, budget)
+            if exhaustive:
+                continue
+            if ranked is None:
+                col.rejected[R_PRUNED] += len(mbs) - i - 1
+                fit_limit = i
+                break
+            if ranked and previous is not None and ranked.tokens_per_second < previous:
+                col.rejected[R_SLOWER] += len(mbs) - i - 1
+                break
+            if ranked is not False:
+                previous = ranked.tokens_per_second

@@ -1,0 +1,183 @@
+"""The space of parallel layouts for one model, GPU count and global batch, with rejection reasons.
+
+A layout is (t, c, p, l, micro batch). The enumeration walks t, then c, then p, then l, then the
+micro batch, and rejects a partial layout at the first level where a divisibility rule fails, so
+one rejection stands for the whole subtree under it (the counts are of partial layouts). The
+rules are Megatron's:
+
+* t divides the attention heads and the query groups and stays within one node;
+* with context parallelism the sequence splits into 2c chunks (s divisible by 2c), and with
+  sequence parallelism each context shard splits over t (s/c divisible by t);
+* p divides the layers, and p*l divides them under interleaving (which needs p > 1);
+* the global batch is a whole number of micro batches per data-parallel replica
+  (B divisible by micro_batch * d / c), and interleaved 1F1B needs the number of microbatches
+  to be a multiple of p.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from h3t_ext.costmodel import ModelSpec
+
+CKPT_CHOICES: tuple[str, ...] = ("no", "full", "ours")
+"""Checkpointing modes (``--ckpt``)."""
+CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
+"""Checkpointing modes from least to most saved activation memory (the search's pruning order)."""
+
+R_T_NODE = "tensor_model_parallel_size does not divide gpus_per_node (t must stay within a node)"
+R_T_HEADS = "num_attention_heads not divisible by tensor_model_parallel_size"
+R_T_GROUPS = "num_query_groups not divisible by tensor_model_parallel_size"
+R_C_SEQ = "seq_length not divisible by 2 * context_parallel_size"
+R_T_SEQ = "seq_length / context_parallel_size not divisible by tensor_model_parallel_size"
+R_P_LAYERS = "num_layers not divisible by pipeline_model_parallel_size"
+R_L_LAYERS = "num_layers not divisible by pipeline_model_parallel_size * num_layers_per_virtual_pipeline_stage"
+R_L_SAME = "num_layers_per_virtual_pipeline_stage = num_layers / pipeline_model_parallel_size (no interleaving)"
+R_L_P1 = "interleaving needs pipeline_model_parallel_size > 1"
+R_MB_BATCH = "global_batch_size not divisible by micro_batch_size * data_parallel_size / context_parallel_size"
+R_MB_INTERLEAVE = "interleaved 1F1B needs num_microbatches to be a multiple of pipeline_model_parallel_size"
+
+
+@dataclass(frozen=True)
+class SearchConstraints:
+    """Values the user fixed on the command line; None means search over all of them."""
+
+    tensor_model_parallel_size: Optional[int] = None
+    """Fixed t, or None."""
+    context_parallel_size: Optional[int] = None
+    """Fixed c, or None."""
+    pipeline_model_parallel_size: Optional[int] = None
+    """Fixed p, or None."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Fixed l, or None (then both plain and interleaved 1F1B are searched)."""
+    micro_batch_size: Optional[int] = None
+    """Fixed micro batch, or None."""
+    max_micro_batch_size: Optional[int] = None
+    """Largest micro batch searched when it is not fixed; None means no limit."""
+    ckpt: Optional[str] = None
+    """Fixed checkpointing mode, or None for all of ``CKPT_CHOICES``."""
+    overlap_grad_reduce: bool = False
+    """Megatron's --overlap-grad-reduce for every plan searched."""
+    overlap_param_gather: bool = False
+    """Megatron's --overlap-param-gather for every plan searched."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One structurally valid layout, before checkpointing mode and alpha are chosen."""
+
+    tensor_model_parallel_size: int
+    """t."""
+    context_parallel_size: int
+    """c."""
+    pipeline_model_parallel_size: int
+    """p."""
+    num_layers_per_virtual_pipeline_stage: Optional[int]
+    """l, or None for plain 1F1B."""
+    micro_batch_sizes: tuple[int, ...]
+    """Valid micro batch sizes, ascending (activation memory grows with it)."""
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of n, ascending."""
+    small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
+
+
+def _pick(fixed: Optional[int], options: list[int]) -> list[int]:
+    return options if fixed is None else [fixed]
+
+
+def _validate_tensor(model: ModelSpec, seq_length: int, t: int, gpus_per_node: int) -> Optional[str]:
+    if t > gpus_per_node or gpus_per_node % t:
+        return R_T_NODE
+    if model.num_attention_heads % t:
+        return R_T_HEADS
+    if model.num_query_groups % t:
+        return R_T_GROUPS
+    if seq_length % t:
+        return R_T_SEQ
+    return None
+
+
+def _validate_context(seq_length: int, t: int, c: int) -> Optional[str]:
+    if c > 1 and seq_length % (2 * c):
+        return R_C_SEQ
+    if (seq_length // c) % t or seq_length % c:
+        return R_T_SEQ
+    return None
+
+
+def _validate_virtual(num_layers: int, p: int, l: Optional[int]) -> Optional[str]:
+    if l is None:
+        return None
+    if num_layers % (p * l):
+        return R_L_LAYERS
+    if p == 1:
+        return R_L_P1
+    if l * p == num_layers:
+        return R_L_SAME
+    return None
+
+
+def _validate_micro_batch(global_batch: int, replicas: int, p: int, l: Optional[int], mb: int) -> Optional[str]:
+    if global_batch % (mb * replicas):
+        return R_MB_BATCH
+    m = global_batch // (mb * replicas)
+    if l is not None and m % p:
+        return R_MB_INTERLEAVE
+    return None
+
+
+def enumerate_layouts(
+    model: ModelSpec,
+    *,
+    num_gpus: int,
+    seq_length: int,
+    global_batch_size: int,
+    gpus_per_node: int,
+    constraints: SearchConstraints = SearchConstraints(),
+) -> tuple[list[Layout], Counter]:
+    """All structurally valid layouts and the count of rejected partial layouts by reason."""
+    rejected: Counter = Counter()
+    layouts = list(_walk(model, num_gpus, seq_length, global_batch_size, gpus_per_node, constraints, rejected))
+    return layouts, rejected
+
+
+def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchConstraints, rejected) -> Iterator[Layout]:
+    L = model.num_layers
+    mb_options = divisors(global_batch)
+    if k.max_micro_batch_size is not None:
+        mb_options = [mb for mb in mb_options if mb <= k.max_micro_batch_size]
+    l_options: list[Optional[int]] = [None, *divisors(L)]
+    if k.num_layers_per_virtual_pipeline_stage is not None:
+        l_options = [k.num_layers_per_virtual_pipeline_stage]
+    for t in _pick(k.tensor_model_parallel_size, divisors(num_gpus)):
+        if num_gpus % t or (reason := _validate_tensor(model, seq_length, t, gpus_per_node)):
+            rejected[reason or "num_gpus not divisible by the parallel sizes"] += 1
+            continue
+        for c in _pick(k.context_parallel_size, divisors(num_gpus // t)):
+            if (num_gpus // t) % c or (reason := _validate_context(seq_length, t, c)):
+                rejected[reason or "num_gpus not divisible by the parallel sizes"] += 1
+                continue
+            for p in _pick(k.pipeline_model_parallel_size, divisors(num_gpus // (t * c))):
+                if (num_gpus // (t * c)) % p:
+                    rejected["num_gpus not divisible by the parallel sizes"] += 1
+                    continue
+                if L % p:
+                    rejected[R_P_LAYERS] += 1
+                    continue
+                replicas = num_gpus // (t * c * p)
+                for l in l_options:
+                    if reason := _validate_virtual(L, p, l):
+                        rejected[reason] += 1
+                        continue
+                    mbs = []
+                    for mb in _pick(k.micro_batch_size, mb_options):
+                        if reason := _validate_micro_batch(global_batch, replicas, p, l, mb):
+                            rejected[reason] += 1
+                        else:
+                            mbs.append(mb)
+                    if mbs:
+                        yield Layout(t, c, p, l, tuple(mbs))

@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Time the planner's search: in-process (wall and CPU time of the search call) and as a CLI process.
+
+Default case: ``h3t-plan search --model llama-175b --num-gpus 4096 --seq-length 4096
+--global-batch-size 2048 --gpu h800`` (target: under 2 s on one core).
+
+    python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]
+                                    [--global-batch-size 2048] [--gpu h800] [--repeat 1] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from h3t_ext.costmodel import get_model, get_system  # noqa: E402
+from h3t_ext.planner.search import search  # noqa: E402
+
+
+def _in_process(args) -> dict:
+    model, system = get_model(args.model), get_system(args.gpu)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    result = search(model, system, num_gpus=args.num_gpus, seq_length=args.seq_length,
+                    global_batch_size=args.global_batch_size)
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    best = result.best
+    return {
+        "search_wall_s": wall,
+        "search_cpu_s": cpu,
+        "plans_priced": result.considered,
+        "plans_feasible": len(result.plans),
+        "partial_plans_rejected": sum(result.rejected.values()),
+        "best_tokens_per_second": best.tokens_per_second if best else None,
+        "best_megatron_flags": list(best.megatron_flags) if best else None,
+    }
+
+
+def _cli(args) -> dict:
+    cmd = [sys.executable, "-m", "h3t_ext.planner", "search", "--model", args.model, "--num-gpus", str(args.num_gpus),
+           "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size), "--gpu", args.gpu,
+           "--json", "--top", "1"]
+    t0 = time.perf_counter()
+    before = os.times()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    after = os.times()
+    wall = time.perf_counter() - t0
+    cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+    return {"cli_wall_s": wall, "cli_cpu_s": cpu, "cli_exit_code": proc.returncode, "cli_command": " ".join(cmd[1:])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-175b")
+    ap.add_argument("--num-gpus", type=int, default=4096)
+    ap.add_argument("--seq-length", type=int, default=4096)
+    ap.add_argument("--global-batch-size", type=int, default=2048)
+    ap.add_argument("--gpu", default="h800")
+    ap.add_argument("--repeat", type=int, default=1, help="CLI runs; the minimum is reported")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    out = {"case": vars(args).copy()}
+    out["case"].pop("json")
+    cli_runs = [_cli(args) for _ in range(max(1, args.repeat))]
+    out.update(min(cli_runs, key=lambda r: r["cli_wall_s"]))
+    out.update(_in_process(args))
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"case: h3t-plan search --model {args.model} --num-gpus {args.num_gpus} --seq-length {args.seq_length} "
+          f"--global-batch-size {args.global_batch_size} --gpu {args.gpu}")
+    print(f"search call : {out['search_wall_s']:.3f} s wall, {out['search_cpu_s']:.3f} s CPU")
+    print(f"CLI process : {out['cli_wall_s']:.3f} s wall, {out['cli_cpu_s']:.3f} s CPU (exit {out['cli_exit_code']})")
+    print(f"plans priced {out['plans_priced']}, feasible {out['plans_feasible']}, partial plans rejected "
+          f"{out['partial_plans_rejected']}")
+    if out["best_megatron_flags"]:
+        print(f"best: {out['best_tokens_per_second']:,.0f} tokens/s  {' '.join(out['best_megatron_flags'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""h3t-plan command line: estimate/search output, JSON keys, one-line errors (pure arithmetic, no torch)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from h3t_ext.costmodel import get_model, get_system
+from h3t_ext.planner.cli import main
+from h3t_ext.planner.evaluate import evaluate
+from h3t_ext.planner.flags import plan_from_megatron_flags
+from h3t_ext.costmodel import Plan
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["--seq-length", "4096", "--num-gpus", "8", "--global-batch-size", "16"]
+SMALL = ["--model", "llama-7b", *RUN]
+PLAN65 = ["--model", "llama-65b", "--seq-length", "4096", "--num-gpus", "256", "--global-batch-size", "256",
+          "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "8",
+          "--num-layers-per-virtual-pipeline-stage", "2"]
+ESTIMATE_KEYS = {"peak_memory_bytes", "fits", "offload_alpha", "tokens_per_second", "tokens_per_second_per_gpu", "mfu"}
+SEARCH_KEYS = ESTIMATE_KEYS | {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+                               "num_layers_per_virtual_pipeline_stage", "ckpt", "micro_batch_size", "megatron_flags"}
+
+
+def run_main(argv, capsys):
+    """(exit code, stdout, stderr) of main(argv), parse errors included."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_estimate_json_keys_and_consistency(capsys):
+    code, out, err = run_main(["estimate", *PLAN65, "--ckpt", "no", "--offload-alpha", "auto", "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert ESTIMATE_KEYS <= d.keys()
+    assert d["fits"] is True
+    assert d["peak_memory_bytes"] <= d["memory_budget_bytes"]
+    assert 0.0 < d["offload_alpha"] <= 1.0  # 65B, ckpt=no, t=2 p=8 needs offload (published alpha 0.355)
+    assert d["tokens_per_second"] == pytest.approx(d["tokens_per_second_per_gpu"] * 256)
+    assert 0.0 < d["mfu"] < 1.0
+
+
+def test_estimate_auto_is_the_smallest_alpha_that_fits(capsys):
+    code, out, _ = run_main(["estimate", *PLAN65, "--ckpt", "ours", "--offload-alpha", "auto", "--json",
+                             "--memory-budget", "50GB"], capsys)
+    assert code == 0
+    alpha = json.loads(out)["offload_alpha"]
+    assert alpha > 0
+    code, out, _ = run_main(["estimate", *PLAN65, "--ckpt", "ours", "--offload-alpha", f"{alpha - 0.001:.3f}",
+                             "--json", "--memory-budget", "50GB"], capsys)
+    assert code == 0
+    below = json.loads(out)
+    assert below["fits"] is False and below["over_budget"]["excess_bytes"] > 0
+
+
+def test_estimate_balanced_reports_pcie_savings(capsys):
+    code, out, _ = run_main(["estimate", *PLAN65, "--ckpt", "ours", "--offload-alpha", "balanced", "--json",
+                             "--memory-budget", "50GB"], capsys)
+    assert code == 0
+    d = json.loads(out)
+    assert isinstance(d["offload_alpha"], list) and len(d["offload_alpha"]) == 8
+    assert max(d["offload_alpha"]) == pytest.approx(d["auto_offload_alpha"])
+    assert d["pcie_bytes_saved_vs_auto"] > 0
+    code, out, _ = run_main(["estimate", *PLAN65, "--ckpt", "ours", "--offload-alpha", "balanced",
+                             "--memory-budget", "50GB"], capsys)
+    assert "PCIe" in out
+
+
+def test_estimate_per_stage_alpha_list(capsys):
+    code, out, err = run_main(["estimate", *SMALL, "--pipeline-model-parallel-size", "2", "--offload-alpha", "0.25,0.5",
+                               "--json"], capsys)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["offload_alpha"] == [0.25, 0.5]
+    assert "0.250,0.500" in d["megatron_flags"]
+
+
+def test_estimate_explain_prints_every_term(capsys):
+    code, out, _ = run_main(["estimate", *PLAN65, "--ckpt", "ours", "--explain"], capsys)
+    assert code == 0
+    model, system = get_model("llama-65b"), get_system("h800")
+    ev = evaluate(model, Plan(num_gpus=256, seq_length=4096, global_batch_size=256, tensor_model_parallel_size=2,
+                              pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=2, ckpt="ours"),
+                  system, alpha_mode=0.0)
+    for stage in ev.estimate.stages:
+        assert f"stage {stage.stage}" in out
+        for term in stage.terms:
+            assert term in out
+    for term in ev.estimate.time_terms:
+        assert term in out
+
+
+def test_search_json_best_first_with_flags_round_trip(capsys):
+    code, out, err = run_main(["search", *SMALL, "--json", "--top", "50"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert 1 < len(rows) <= 50
+    tps = [r["tokens_per_second"] for r in rows]
+    assert tps == sorted(tps, reverse=True)
+    for r in rows:
+        assert SEARCH_KEYS <= r.keys()
+        assert r["fits"] is True
+        plan = plan_from_megatron_flags(r["megatron_flags"], num_gpus=8, seq_length=4096)
+        assert plan.tensor_model_parallel_size == r["tensor_model_parallel_size"]
+        assert plan.context_parallel_size == r["context_parallel_size"]
+        assert plan.pipeline_model_parallel_size == r["pipeline_model_parallel_size"]
+        assert plan.num_layers_per_virtual_pipeline_stage == r["num_layers_per_virtual_pipeline_stage"]
+        assert plan.ckpt == r["ckpt"] and plan.micro_batch_size == r["micro_batch_size"]
+        assert plan.offload_alpha == pytest.approx(r["offload_alpha"])
+
+
+def test_search_table_and_fixed_dimensions(capsys):
+    code, out, _ = run_main(["search", *SMALL, "--tensor-model-parallel-size", "2", "--ckpt", "ours", "--top", "3"],
+                            capsys)
+    assert code == 0
+    assert "tokens/s" in out and "rejected" in out
+    flag_lines = [line for line in out.splitlines() if line.startswith("#")]
+    assert len(flag_lines) == 3
+    for line in flag_lines:
+        assert "--tensor-model-parallel-size 2 " in line and "--ckpt ours" in line
+
+
+def test_search_custom_model(capsys):
+    custom = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--num-query-groups", "4",
+              "--ffn-hidden-size", "2816", "--vocab-size", "32000", "--no-swiglu", "--tie-embeddings-and-output-weights"]
+    code, out, err = run_main(["search", *custom, *RUN, "--json", "--top", "5"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert all(16 % r["tensor_model_parallel_size"] == 0 and 4 % r["tensor_model_parallel_size"] == 0 for r in rows)
+
+
+BAD_INPUTS = [
+    (["estimate", "--model", "no-such-model", *RUN], "--model"),
+    (["estimate", *SMALL, "--gpu", "no-such-gpu"], "--gpu"),
+    (["estimate", *SMALL, "--offload-alpha", "1.5"], "--offload-alpha"),
+    (["estimate", *SMALL, "--offload-alpha", "-0.1"], "--offload-alpha"),
+    (["estimate", *SMALL, "--offload-alpha", "lots"], "--offload-alpha"),
+    (["estimate", *SMALL, "--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size"),
+    (["estimate", *SMALL, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "--num-layers-per-virtual-pipeline-stage"),
+    (["estimate", *SMALL, "--micro-batch-size", "3"], "--micro-batch-size"),
+    (["estimate", *SMALL, "--context-parallel-size", "3"], "--context-parallel-size"),
+    (["estimate", "--model", "llama-7b", "--num-gpus", "8"], "required"),
+    (["estimate", *RUN, "--hidden-size", "1024"], "--num-layers"),
+    (["estimate", *SMALL, "--memory-budget", "12XB"], "--memory-budget"),
+    (["estimate", *SMALL, "--ckpt", "sometimes"], "--ckpt"),
+    (["estimate", *SMALL, "--micro-batch-size", "0"], "--micro-batch-size"),
+    (["estimate", *SMALL, "--memory-budget", "1GB", "--offload-alpha", "auto"], "over"),
+    (["search", *SMALL, "--memory-budget", "2GB"], "over budget by"),
+    (["search", *SMALL, "--offload-alpha", "0.1,0.2"], "--offload-alpha"),
+    (["estimate", *SMALL, "--pipeline-model-parallel-size", "2", "--offload-alpha", "0.1,0.2,0.3"], "--offload-alpha"),
+    ([], "required"),
+]
+
+
+@pytest.mark.parametrize("argv,needle", BAD_INPUTS)
+def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
+    code, out, err = run_main(argv, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("h3t-plan: error: ")
+    assert needle in lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [BAD_INPUTS[0][0], BAD_INPUTS[2][0], BAD_INPUTS[15][0]])
+def test_bad_input_process_has_no_traceback(argv):
+    proc = subprocess.run([sys.executable, "-m", "h3t_ext.planner", *argv], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("h3t-plan: error: ")
+
+
+def test_module_entry_point_runs_estimate():
+    proc = subprocess.run([sys.executable, "-m", "h3t_ext.planner", "estimate", *SMALL, "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert ESTIMATE_KEYS <= json.loads(proc.stdout).keys()
+
+
+def test_bench_script_reports_its_figures():
+    """Smoke test of scripts/bench_planner.py on a small case (keys only; tests never assert timings)."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_planner.py"), "--model", "llama-7b",
+                           "--num-gpus", "8", "--seq-length", "4096", "--global-batch-size", "16", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    for key in ("search_wall_s", "search_cpu_s", "cli_wall_s", "plans_priced", "plans_feasible"):
+        assert key in d
+    assert d["cli_exit_code"] == 0 and d["plans_feasible"] > 0

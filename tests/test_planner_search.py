@@ -1,0 +1,193 @@
+"""Planner library: enumeration and its rejection reasons, search ranking, flags round trip, byte parsing."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from h3t_ext.costmodel import ModelSpec, Plan, estimate, get_model, get_system
+from h3t_ext.planner import space
+from h3t_ext.planner.flags import format_alpha, megatron_flags, parse_alpha, plan_from_megatron_flags
+from h3t_ext.planner.search import search
+from h3t_ext.planner.space import SearchConstraints, divisors, enumerate_layouts
+from h3t_ext.planner.units import parse_bytes
+
+# 12 heads, 2 query groups, 6 layers: t=4 fails on groups, t=3 on gpus_per_node, t=8 on heads.
+TOY = ModelSpec(name="toy", num_layers=6, hidden_size=384, num_attention_heads=12, num_query_groups=2,
+                ffn_hidden_size=1024, vocab_size=1000)
+
+
+def _brute_force(model, num_gpus, seq, batch, gpus_per_node):
+    """Every valid (t, c, p, l, mb), straight from the rules, without the enumeration's structure."""
+    L, valid = model.num_layers, set()
+    for t, c, p in itertools.product(range(1, num_gpus + 1), repeat=3):
+        if num_gpus % (t * c * p) or gpus_per_node % t:
+            continue
+        if model.num_attention_heads % t or model.num_query_groups % t or L % p:
+            continue
+        if (c > 1 and seq % (2 * c)) or seq % (c * t):
+            continue
+        replicas = num_gpus // (t * c * p)
+        for l, mb in itertools.product([None, *range(1, L + 1)], range(1, batch + 1)):
+            if l is not None and (L % (p * l) or p == 1 or p * l == L):
+                continue
+            if batch % (mb * replicas):
+                continue
+            if l is not None and (batch // (mb * replicas)) % p:
+                continue
+            valid.add((t, c, p, l, mb))
+    return valid
+
+
+@pytest.mark.parametrize("num_gpus,seq,batch", [(24, 96, 12), (16, 64, 8), (12, 36, 6)])
+def test_enumeration_equals_brute_force(num_gpus, seq, batch):
+    layouts, _ = enumerate_layouts(TOY, num_gpus=num_gpus, seq_length=seq, global_batch_size=batch, gpus_per_node=8)
+    got = {(x.tensor_model_parallel_size, x.context_parallel_size, x.pipeline_model_parallel_size,
+            x.num_layers_per_virtual_pipeline_stage, mb) for x in layouts for mb in x.micro_batch_sizes}
+    assert got == _brute_force(TOY, num_gpus, seq, batch, 8)
+    assert len(got) == sum(len(x.micro_batch_sizes) for x in layouts)  # no duplicates
+
+
+def _reasons(constraints, *, num_gpus=24, seq=96, batch=12, model=TOY):
+    _, rejected = enumerate_layouts(model, num_gpus=num_gpus, seq_length=seq, global_batch_size=batch,
+                                    gpus_per_node=8, constraints=constraints)
+    return rejected
+
+
+@pytest.mark.parametrize("fixed,reason", [
+    (dict(tensor_model_parallel_size=4), space.R_T_GROUPS),
+    (dict(tensor_model_parallel_size=3), space.R_T_NODE),
+    (dict(tensor_model_parallel_size=24), space.R_T_NODE),
+    (dict(pipeline_model_parallel_size=4), space.R_P_LAYERS),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2), space.R_L_LAYERS),
+    (dict(pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1), space.R_L_P1),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3), space.R_L_SAME),
+    (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, micro_batch_size=5),
+     space.R_MB_BATCH),
+])
+def test_enumeration_rejects_for_the_right_reason(fixed, reason):
+    base = dict(tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=1)
+    rejected = _reasons(SearchConstraints(**{**base, **fixed}))
+    assert dict(rejected) == {reason: 1}  # exactly one partial plan, rejected by exactly this rule
+
+
+def test_enumeration_rejects_heads_sequence_and_interleaving():
+    heads = ModelSpec(name="h", num_layers=6, hidden_size=384, num_attention_heads=6, num_query_groups=6,
+                      ffn_hidden_size=1024, vocab_size=1000)
+    assert _reasons(SearchConstraints(tensor_model_parallel_size=4), model=heads) == {space.R_T_HEADS: 1}
+    assert _reasons(SearchConstraints(tensor_model_parallel_size=1, context_parallel_size=4), seq=36) == \
+        {space.R_C_SEQ: 1}
+    twelve = ModelSpec(name="m", num_layers=6, hidden_size=384, num_attention_heads=12, num_query_groups=12,
+                       ffn_hidden_size=1024, vocab_size=1000)
+    # s=12: divisible by t=4 and by 2c=4, but the context shard s/c=6 does not split over t=4
+    assert _reasons(SearchConstraints(tensor_model_parallel_size=4, context_parallel_size=2), seq=12,
+                    model=twelve) == {space.R_T_SEQ: 1}
+    # p=3, l=1 (v=2): 24 GPUs, t=1 c=1 -> 8 replicas, batch 16 -> m = 2 / mb, never a multiple of 3
+    r = _reasons(SearchConstraints(tensor_model_parallel_size=1, context_parallel_size=1, pipeline_model_parallel_size=3,
+                                   num_layers_per_virtual_pipeline_stage=1), batch=16)
+    assert r.get(space.R_MB_INTERLEAVE, 0) > 0
+
+
+def test_divisors():
+    assert divisors(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors(1) == [1]
+    assert divisors(49) == [1, 7, 49]
+
+
+@pytest.fixture(scope="module")
+def small_search():
+    return search(get_model("llama-7b"), get_system("h800"), num_gpus=8, seq_length=4096, global_batch_size=16)
+
+
+def test_search_ranked_best_first_and_all_fit(small_search):
+    plans = small_search.plans
+    assert len(plans) > 10
+    tps = [r.tokens_per_second for r in plans]
+    assert tps == sorted(tps, reverse=True)
+    assert all(r.evaluation.estimate.fits for r in plans)
+    assert small_search.best is plans[0]
+    assert small_search.considered >= len(plans)
+
+
+def test_exhaustive_search_finds_the_same_best_plans(small_search):
+    full = search(get_model("llama-7b"), get_system("h800"), num_gpus=8, seq_length=4096, global_batch_size=16,
+                  exhaustive=True)
+    assert full.considered > small_search.considered
+    assert {r.plan for r in small_search.plans} <= {r.plan for r in full.plans}
+    assert [r.plan for r in full.plans[:10]] == [r.plan for r in small_search.plans[:10]]
+
+
+def test_search_agrees_with_estimate_and_alpha_is_minimal(small_search):
+    model, system = get_model("llama-7b"), get_system("h800")
+    for r in small_search.plans[:: max(1, len(small_search.plans) // 15)]:
+        est = estimate(model, r.plan, system)
+        assert est.tokens_per_second == pytest.approx(r.tokens_per_second)
+        alpha = r.plan.offload_alpha
+        if alpha > 0:
+            assert not estimate(model, r.plan.with_alpha(round(alpha - 0.001, 3)), system).fits
+
+
+def test_search_tight_budget_offloads_and_no_budget_reports_closest():
+    model, system = get_model("llama-7b"), get_system("h800")
+    tight = search(model, system, num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=20 * 10**9)
+    assert tight.plans and all(r.evaluation.estimate.peak_memory_bytes <= 20 * 10**9 for r in tight.plans)
+    assert any(r.plan.offload_alpha > 0 for r in tight.plans)
+    none = search(model, system, num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=2 * 10**9)
+    assert none.plans == ()
+    c = none.closest_infeasible
+    assert c is not None and c.excess_bytes > 0 and c.term
+    assert sum(n for k, n in none.rejected.items() if k.startswith("memory")) > 0
+
+
+def test_search_balanced_never_moves_more_pcie_bytes():
+    model, system = get_model("llama-7b"), get_system("h800")
+    res = search(model, system, num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=20 * 10**9,
+                 alpha_mode="balanced", constraints=SearchConstraints(ckpt="no"))
+    assert res.plans
+    for r in res.plans:
+        assert r.evaluation.pcie_bytes_saved_vs_auto is not None and r.evaluation.pcie_bytes_saved_vs_auto >= 0
+        assert max(r.plan.alphas()) == pytest.approx(max(r.evaluation.auto_estimate.offload_alpha))
+
+
+PLANS = [
+    Plan(num_gpus=256, seq_length=4096, global_batch_size=256, tensor_model_parallel_size=2,
+         pipeline_model_parallel_size=8, num_layers_per_virtual_pipeline_stage=2, ckpt="ours", offload_alpha=0.162),
+    Plan(num_gpus=64, seq_length=8192, global_batch_size=64, micro_batch_size=2, context_parallel_size=4,
+         pipeline_model_parallel_size=4, ckpt="full", offload_alpha=(0.1, 0.25, 0.0, 1.0), overlap_grad_reduce=True),
+    Plan(num_gpus=8, seq_length=2048, global_batch_size=16, ckpt="no", offload_alpha=0.12345,
+         overlap_param_gather=True),
+]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_megatron_flags_round_trip(plan):
+    flags = megatron_flags(plan)
+    assert plan_from_megatron_flags(flags, num_gpus=plan.num_gpus, seq_length=plan.seq_length) == plan
+    assert ("--sequence-parallel" in flags) == (plan.tensor_model_parallel_size > 1)
+    assert "--use-distributed-optimizer" in flags
+
+
+def test_megatron_flags_published_example():
+    assert megatron_flags(PLANS[0]) == (
+        "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --num-layers-per-virtual-pipeline-stage 2 "
+        "--sequence-parallel --use-distributed-optimizer --ckpt ours --offload-alpha 0.162 --micro-batch-size 1 "
+        "--global-batch-size 256").split()
+
+
+def test_alpha_text():
+    assert format_alpha(0.162) == "0.162" and format_alpha(0.0) == "0.000"
+    assert parse_alpha(format_alpha((0.1, 0.2))) == (0.1, 0.2)
+    with pytest.raises(ValueError):
+        parse_alpha("1.2")
+
+
+@pytest.mark.parametrize("text,value", [("85899345920", 85899345920), ("78GB", 78 * 10**9), ("72GiB", 72 * 2**30),
+                                        ("7.5e10", 75 * 10**9), ("512 MiB", 512 * 2**20), ("1tb", 10**12)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "GB", "12XB", "-5GB", "0"])
+def test_parse_bytes_rejects(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
