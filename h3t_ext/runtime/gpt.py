@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 class SDPACoreAttention(MegatronModule):
-    """Causal core attention over ``scaled_dot_product_attention``; GQA by head repetition.
+    """Causal core attention over ``scaled_dot_product_attention``; GQA through ``enable_gqa``.
 
     Inputs are Megatron's ``[s, b, heads, head_dim]``; the output is ``[s, b, heads*head_dim]``
     of this tensor-parallel rank's heads. Context parallelism is not supported here.
@@ -52,14 +52,13 @@ class SDPACoreAttention(MegatronModule):
         assert packed_seq_params is None and attention_bias is None
         groups = query.size(2) // key.size(2)
         # [s, b, n, d] -> [b, n, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        # value is a view of the fused QKV GEMM output; saving it would keep that whole buffer alive
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value.contiguous()))
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=None if causal else attention_mask,
             dropout_p=self.dropout_p if self.training else 0.0, is_causal=causal, scale=self.softmax_scale,
+            enable_gqa=groups > 1,  # K/V stay h_kv wide (as flash attention saves them), no repeat
         )
         s, b = out.size(2), out.size(0)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)

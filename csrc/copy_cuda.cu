@@ -1,0 +1,193 @@
+// CUDA copy kernels for h3t-ext (see copy_cuda.h). Compiled only where CUDA is present.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "copy_cuda.h"
+#include "host_alloc.h"
+
+namespace h3t {
+namespace cuda {
+
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("h3t copy kernels: ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+bool contiguous(const CopyTask& t) {
+  return t.rows == 1 || (t.dst_pitch == t.row_bytes && t.src_pitch == t.row_bytes);
+}
+
+// Up to kPerLaunch contiguous copies passed by value as the kernel parameter (< 4 KiB).
+constexpr int kPerLaunch = 128;
+struct KernelBatch {
+  const char* src[kPerLaunch];
+  char* dst[kPerLaunch];
+  std::size_t bytes[kPerLaunch];
+  int n;
+};
+
+// blockIdx.y selects the copy; the blocks along x stride over its bytes, 16 at a time
+// when both pointers are 16-byte aligned.
+__global__ void batched_copy_kernel(KernelBatch b) {
+  const int t = blockIdx.y;
+  if (t >= b.n) return;
+  const char* s = b.src[t];
+  char* d = b.dst[t];
+  const std::size_t n = b.bytes[t];
+  const std::size_t first = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t stride = std::size_t(gridDim.x) * blockDim.x;
+  std::size_t done = 0;
+  if (((reinterpret_cast<std::uintptr_t>(s) | reinterpret_cast<std::uintptr_t>(d)) & 15) == 0) {
+    const std::size_t words = n / 16;
+    const uint4* s4 = reinterpret_cast<const uint4*>(s);
+    uint4* d4 = reinterpret_cast<uint4*>(d);
+    for (std::size_t i = first; i < words; i += stride) d4[i] = s4[i];
+    done = words * 16;
+  }
+  for (std::size_t i = done + first; i < n; i += stride) d[i] = s[i];
+}
+
+std::size_t enqueue_kernel(const std::vector<const CopyTask*>& tasks, cudaStream_t stream) {
+  std::size_t launches = 0;
+  for (std::size_t base = 0; base < tasks.size(); base += kPerLaunch) {
+    KernelBatch b{};
+    std::size_t largest = 0;
+    b.n = static_cast<int>(std::min<std::size_t>(kPerLaunch, tasks.size() - base));
+    for (int i = 0; i < b.n; ++i) {
+      const CopyTask& t = *tasks[base + i];
+      b.src[i] = t.src;
+      b.dst[i] = t.dst;
+      b.bytes[i] = t.bytes();
+      largest = std::max(largest, b.bytes[i]);
+    }
+    constexpr unsigned kThreads = 256;
+    const std::size_t want = (largest + kThreads * 16 - 1) / (kThreads * 16);
+    const dim3 grid(static_cast<unsigned>(std::clamp<std::size_t>(want, 1, 64)), static_cast<unsigned>(b.n));
+    batched_copy_kernel<<<grid, kThreads, 0, stream>>>(b);
+    check(cudaGetLastError(), "batched_copy_kernel launch");
+    ++launches;
+  }
+  return launches;
+}
+
+// One cudaMemcpyBatchAsync for all contiguous tasks; false when the runtime or the stream
+// does not support it (the caller then loops).
+bool enqueue_batch_api(const std::vector<const CopyTask*>& tasks, cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  if (stream == nullptr || tasks.empty()) return false;  // the legacy stream is not allowed
+  std::vector<void*> dsts(tasks.size());
+  std::vector<const void*> srcs(tasks.size());
+  std::vector<std::size_t> sizes(tasks.size());
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    dsts[i] = tasks[i]->dst;
+    srcs[i] = tasks[i]->src;
+    sizes[i] = tasks[i]->bytes();
+  }
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  std::size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+  const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), tasks.size(), &attr,
+                                               &attr_index, 1, stream);
+#else
+  std::size_t fail_index = 0;
+  const cudaError_t err = cudaMemcpyBatchAsync(dsts.data(), const_cast<void**>(srcs.data()), sizes.data(),
+                                               tasks.size(), &attr, &attr_index, 1, &fail_index, stream);
+#endif
+  if (err == cudaErrorNotSupported || err == cudaErrorInvalidValue) {
+    cudaGetLastError();  // clear the (non-sticky) error and fall back to a loop
+    return false;
+  }
+  check(err, "cudaMemcpyBatchAsync");
+  return true;
+#else
+  (void)tasks;
+  (void)stream;
+  return false;
+#endif
+}
+
+}  // namespace
+
+std::size_t enqueue_tasks(const std::vector<CopyTask>& tasks, std::uintptr_t stream_handle, Method method) {
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  std::vector<const CopyTask*> flat;
+  std::size_t calls = 0;
+  for (const CopyTask& t : tasks) {
+    if (t.bytes() == 0) continue;
+    if (contiguous(t)) {
+      flat.push_back(&t);
+    } else {
+      check(cudaMemcpy2DAsync(t.dst, t.dst_pitch, t.src, t.src_pitch, t.row_bytes, t.rows, cudaMemcpyDefault,
+                              stream),
+            "cudaMemcpy2DAsync");
+      ++calls;
+    }
+  }
+  if (flat.empty()) return calls;
+  if (method == Method::kKernel) return calls + enqueue_kernel(flat, stream);
+  if (method == Method::kAuto && enqueue_batch_api(flat, stream)) return calls + 1;
+  for (const CopyTask* t : flat) {
+    check(cudaMemcpyAsync(t->dst, t->src, t->bytes(), cudaMemcpyDefault, stream), "cudaMemcpyAsync");
+  }
+  return calls + flat.size();
+}
+
+int device_numa_node(int device) {
+  char bus_id[32] = {0};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return pci_numa_node(bus_id);
+}
+
+void* alloc_pinned(std::size_t nbytes, int device, bool numa_local, int* numa_node, bool* registered) {
+  const std::size_t n = std::max<std::size_t>(nbytes, 1);
+  *numa_node = numa_local ? device_numa_node(device) : -1;
+  *registered = false;
+  check(cudaSetDevice(device), "cudaSetDevice");
+  if (*numa_node >= 0) {
+    void* p = alloc_host(n, *numa_node, /*populate=*/true);
+    const cudaError_t err = cudaHostRegister(p, n, cudaHostRegisterPortable);
+    if (err != cudaSuccess) {
+      free_host(p, n);
+      check(err, "cudaHostRegister");
+    }
+    *registered = true;
+    return p;
+  }
+  void* p = nullptr;
+  check(cudaHostAlloc(&p, n, cudaHostAllocPortable), "cudaHostAlloc");
+  return p;
+}
+
+void free_pinned(void* ptr, std::size_t nbytes, bool registered) {
+  if (ptr == nullptr) return;
+  if (registered) {
+    cudaHostUnregister(ptr);
+    free_host(ptr, std::max<std::size_t>(nbytes, 1));
+  } else {
+    cudaFreeHost(ptr);
+  }
+}
+
+void stream_synchronize(std::uintptr_t stream) {
+  check(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream)), "cudaStreamSynchronize");
+}
+
+int runtime_version() {
+  int v = 0;
+  check(cudaRuntimeGetVersion(&v), "cudaRuntimeGetVersion");
+  return v;
+}
+
+}  // namespace cuda
+}  // namespace h3t

@@ -1,0 +1,108 @@
+"""Batched tensor copies: many (dst, src) pairs in one native call."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from h3t_ext.kernels import _backend
+from h3t_ext.kernels._checks import Backend, route, select_native, stream_context, stream_handle, validate_pairs
+from h3t_ext.kernels._layout import pair_copy
+
+
+def _torch_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], kind: str, stream: object) -> None:
+    with stream_context(kind, stream), torch.no_grad():
+        for d, s in pairs:
+            d.copy_(s, non_blocking=(kind == "cuda"))
+
+
+def _fast_cpu_args(dsts, srcs) -> tuple[list[int], list[int], list[int]] | None:
+    """Pointer lists when every pair is CPU, contiguous, same dtype and shape; else None.
+
+    One cheap pass for the common case; anything unusual (including non-tensors) returns
+    None and the caller takes the fully validated path, which raises the precise error.
+    """
+    flat_d, flat_s, flat_n = [], [], []
+    try:
+        for d, s in zip(dsts, srcs, strict=True):
+            if (d.dtype is not s.dtype or not (d.is_cpu and s.is_cpu and d.is_contiguous() and s.is_contiguous())
+                    or d.shape != s.shape):
+                return None
+            n = d.nbytes
+            if n:
+                flat_d.append(d.data_ptr())
+                flat_s.append(s.data_ptr())
+                flat_n.append(n)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return flat_d, flat_s, flat_n
+
+
+def batched_copy_(
+    dsts: Sequence[torch.Tensor],
+    srcs: Sequence[torch.Tensor],
+    *,
+    backend: Backend = "auto",
+    stream: "torch.cuda.Stream | None" = None,
+) -> None:
+    """Copy ``srcs[i]`` into ``dsts[i]`` for every i, as one batch.
+
+    Tensors of a pair must have the same dtype and shape (no broadcasting). Contiguous and
+    row-strided (2D, e.g. a column slice) tensors go to the native kernel in one call; any
+    other layout is copied by torch. Pairs form one batch: no ``dsts[i]`` may overlap a
+    ``srcs[j]`` or another ``dsts[j]`` (like ``cudaMemcpyBatchAsync``). The copy is not
+    recorded by autograd.
+
+    Args:
+        dsts: destination tensors, written in place.
+        srcs: source tensors.
+        backend: ``"auto"`` (native when built, else torch), ``"native"`` (error when not
+            built) or ``"torch"`` (a loop of ``Tensor.copy_``).
+        stream: CUDA only: the stream to enqueue on (default: the current stream). CUDA
+            copies are asynchronous with respect to the host; CPU copies are done on return.
+
+    Raises:
+        TypeError: an argument is not a list of tensors, or dtypes differ.
+        ValueError: lengths or shapes differ, a destination is an expanded view, or a
+            destination overlaps its source.
+    """
+    fn = "batched_copy_"
+    native_cpu = _backend.cpu_module()
+    if backend == "auto" and native_cpu is not None and isinstance(dsts, (list, tuple)) \
+            and isinstance(srcs, (list, tuple)):
+        fast = _fast_cpu_args(dsts, srcs)
+        if fast is not None:
+            if fast[2]:
+                native_cpu.batched_copy(*fast)
+            return
+    validate_pairs(fn, dsts, srcs)
+    kind = route(fn, [*dsts, *srcs])
+    native = select_native(fn, kind, backend)
+    pairs = list(zip(dsts, srcs))
+    if native is None:
+        _torch_copy(pairs, kind, stream)
+        return
+    flat_d, flat_s, flat_n = [], [], []
+    d2, dp, s2, sp, w2, h2 = [], [], [], [], [], []
+    rest = []
+    for d, s in pairs:
+        if d.is_contiguous() and s.is_contiguous():
+            n = d.nbytes
+            if n:
+                flat_d.append(d.data_ptr())
+                flat_s.append(s.data_ptr())
+                flat_n.append(n)
+            continue
+        pc = pair_copy(d, s)
+        if pc is None:
+            rest.append((d, s))
+        elif pc.rows * pc.row_bytes:
+            d2.append(d.data_ptr()), dp.append(pc.dst_pitch), s2.append(s.data_ptr())
+            sp.append(pc.src_pitch), w2.append(pc.row_bytes), h2.append(pc.rows)
+    extra = {"stream": stream_handle(stream, [*dsts, *srcs])} if kind == "cuda" else {}
+    if flat_n:
+        native.batched_copy(flat_d, flat_s, flat_n, **extra)
+    if h2:
+        native.copy_2d(d2, dp, s2, sp, w2, h2, **extra)
+    if rest:
+        _torch_copy(rest, kind, stream)

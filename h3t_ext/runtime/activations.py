@@ -1,0 +1,446 @@
+"""Fractional activation offload of pipeline microbatch-chunks (and the hooks of ckpt=ours).
+
+Each microbatch-chunk's forward runs under ``torch.autograd.graph.saved_tensors_hooks``. The pack
+hook leaves parameters alone, keeps tensors whose storage is smaller than ``min_offload_bytes`` as
+they are (counted as small), and turns every other saved tensor into a handle on a per-storage
+record, so views of one storage are counted and moved once. A tensor that ckpt=ours marked as
+recomputable (see :mod:`h3t_ext.runtime.recompute_ours`) becomes a recipe instead.
+
+Timeline, following the schedule builder's OFFLOAD/RELOAD semantics:
+
+* ``offload(mb, chunk)`` (right after its forward) copies the first ``alpha`` of the chunk's saved
+  bytes (records in save order, the boundary record split) into one pinned host buffer on the
+  ``d2h`` stream. The device bytes are dropped when the next compute scope ends; the kept tail of
+  a split record is cloned then, after the whole records have been dropped.
+* ``reload(mb, chunk)`` copies them back into one slot of a reusable two-slot device buffer on the
+  ``h2d`` stream (the opposite PCIe direction). The slot is free again after ``release``.
+* In ``backward_scope`` the first unpack waits for the reload (and reloads first if the schedule
+  had no RELOAD for it); a chunk that was never offloaded is read in place.
+
+A grad-requiring leaf among the saved tensors is a received stage input, which the schedule (and
+the leaf's ``AccumulateGrad`` node) keeps for its ``.grad``; when its storage is offloaded its
+data is replaced by a one-element expanded tensor, so the device bytes are really freed.
+
+Resident bytes (``ActivationStats.peak_resident_bytes``) are the saved bytes the manager holds on
+the device (records, small tensors, split tails) plus the two reload slots, sampled at every pack
+and at the end of every compute scope.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Union
+
+import torch
+
+from h3t_ext.runtime.config import H3TConfig
+from h3t_ext.runtime.device import DeviceLayer, Event, make_device_layer
+from h3t_ext.runtime.host_pool import HostPool
+from h3t_ext.runtime.recompute_ours import lookup_recipe
+
+ALIGN = 64
+"""Byte alignment of every record inside host buffers and reload slots."""
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class ActivationStats:
+    """What the manager measured since the last :meth:`ActivationManager.reset_stats`."""
+
+    peak_resident_bytes: int = 0
+    """Saved activation bytes on the device at the peak (records, small tensors, reload slots)."""
+    offloaded_bytes: int = 0
+    """Bytes copied to host memory."""
+    saved_bytes: dict = field(default_factory=dict)
+    """(microbatch, chunk) -> bytes of the storages its forward saved (offloadable ones)."""
+    small_bytes: dict = field(default_factory=dict)
+    """(microbatch, chunk) -> bytes of saved storages below ``min_offload_bytes`` (never moved)."""
+    recomputed: dict = field(default_factory=dict)
+    """(microbatch, chunk) -> saved tensors replaced by a recompute recipe (ckpt=ours)."""
+    host_pool_bytes: int = 0
+    """Bytes of host buffers the pool owns."""
+    host_pool_allocations: int = 0
+    """Host buffers the pool has allocated since it was created."""
+    reload_buffer_bytes: int = 0
+    """Bytes of the two reload slots."""
+
+
+class _Record:
+    """One storage saved by a microbatch-chunk's forward."""
+
+    __slots__ = ("flat", "nbytes", "off_bytes", "host_offset", "slot_offset", "tail", "storage_ref", "leaves")
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat: Optional[torch.Tensor] = flat  # uint8 over the whole storage, None once offloaded
+        self.nbytes = flat.numel()
+        self.off_bytes = 0  # leading bytes that go to host memory
+        self.host_offset = 0
+        self.slot_offset = 0
+        self.tail: Optional[torch.Tensor] = None  # device copy of the kept bytes of a split record
+        self.storage_ref = None  # StorageWeakRef, kept when the manager tracks storages
+        self.leaves: list = []  # weakrefs to grad-requiring leaves (received stage inputs) on this storage
+
+
+class _Saved:
+    __slots__ = ("state", "rec", "dtype", "size", "stride", "offset")
+
+    def __init__(self, state: "_ChunkState", rec: _Record, t: torch.Tensor):
+        self.state, self.rec, self.dtype = state, rec, t.dtype
+        self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
+
+
+class _Recipe:
+    __slots__ = ("fn", "inputs")
+
+    def __init__(self, fn, inputs: tuple):
+        self.fn, self.inputs = fn, inputs
+
+
+class _ChunkState:
+    def __init__(self, key: tuple[int, int]):
+        self.key = key
+        self.records: list[_Record] = []
+        self.by_storage: dict[int, _Record] = {}
+        self.small: dict[int, tuple[torch.Tensor, int]] = {}
+        self.saved_bytes = 0
+        self.small_bytes = 0
+        self.recomputed = 0
+        self.host: Optional[torch.Tensor] = None
+        self.off_event: Optional[Event] = None
+        self.offloaded = False  # offload issued
+        self.dropped = False  # device bytes of the offloaded part released
+        self.reload_event: Optional[Event] = None
+        self.reload_waited = False
+        self.slot: Optional[int] = None
+        self.slot_bytes = 0
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
+def _release_leaves(rec: _Record) -> None:
+    """Detach grad-requiring leaves (a stage's received input, which the schedule and the leaf's
+    AccumulateGrad node keep for its ``.grad``) from an offloaded storage, so that it is really
+    freed: their data becomes a one-element tensor expanded to their shape (the same thing
+    Megatron does to sent outputs). Autograd reads the saved copy through the manager instead."""
+    ptr = rec.flat.untyped_storage().data_ptr()
+    for ref in rec.leaves:
+        leaf = ref()
+        if leaf is not None and leaf.untyped_storage().data_ptr() == ptr:
+            leaf.data = torch.empty((1,), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
+    rec.leaves = []
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    st = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
+
+
+class ActivationManager:
+    """Saved-tensor hooks, offload/reload and resident-byte accounting of one pipeline stage."""
+
+    def __init__(self, offload_alpha: float, device_layer: DeviceLayer, *, min_offload_bytes: int = 4096,
+                 track_storages: bool = False):
+        if not 0.0 <= float(offload_alpha) <= 1.0:
+            raise ValueError(f"offload_alpha must be in [0, 1], got {offload_alpha}")
+        self.alpha = float(offload_alpha)
+        self.device = device_layer
+        self.min_offload_bytes = int(min_offload_bytes)
+        self.track_storages = track_storages
+        self._d2h = device_layer.new_stream("d2h")
+        self._h2d = device_layer.new_stream("h2d")
+        self.pool = HostPool(device_layer.empty_host)
+        self._states: dict[tuple[int, int], _ChunkState] = {}
+        self._to_drop: list[_ChunkState] = []
+        self._slots: list[Optional[torch.Tensor]] = [None, None]
+        self._slot_owner: list[Optional[tuple[int, int]]] = [None, None]
+        self._slot_free: list[Optional[Event]] = [None, None]
+        self._resident = 0
+        self._suspended = 0
+        self._in_forward: Optional[_ChunkState] = None
+        self.stats = ActivationStats()
+        self._new_iteration = False
+
+    # ------------------------------------------------------------------ scopes
+    @contextlib.contextmanager
+    def forward_scope(self, microbatch: int, chunk: int) -> Iterator[None]:
+        """Run the forward of one microbatch-chunk with its saved tensors managed."""
+        key = (microbatch, chunk)
+        assert self._in_forward is None, "forward scopes do not nest"
+        assert key not in self._states, f"microbatch-chunk {key} is still held (no release after its backward)"
+        if self._new_iteration:
+            self.reset_stats()
+        st = self._states[key] = _ChunkState(key)
+        self._in_forward = st
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._in_forward = None
+            self.stats.saved_bytes[key] = st.saved_bytes
+            self.stats.small_bytes[key] = st.small_bytes
+            self.stats.recomputed[key] = st.recomputed
+            self._compute_ended()
+
+    @contextlib.contextmanager
+    def backward_scope(self, microbatch: int, chunk: int) -> Iterator[None]:
+        """Run the backward of one microbatch-chunk; its first unpack waits for its reload."""
+        assert (microbatch, chunk) in self._states, f"backward of {(microbatch, chunk)} without its forward"
+        try:
+            yield
+        finally:
+            self._compute_ended()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Saved tensors are left alone inside (e.g. a full-recompute forward run in backward)."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    # ------------------------------------------------------------------ pack / unpack
+    def _pack(self, t: torch.Tensor):
+        st = self._in_forward
+        if self._suspended or st is None or t.layout != torch.strided or _is_parameter(t):
+            return t
+        recipe = lookup_recipe(t)
+        if recipe is not None:
+            fn, inputs = recipe
+            st.recomputed += 1
+            return _Recipe(fn, tuple(self._pack_plain(st, x) for x in inputs))
+        return self._pack_plain(st, t)
+
+    def _pack_plain(self, st: _ChunkState, t: torch.Tensor):
+        if _is_parameter(t) or not isinstance(t, torch.Tensor):
+            return t
+        storage = t.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes < self.min_offload_bytes:
+            if ptr not in st.small:
+                st.small[ptr] = (t, nbytes)
+                st.small_bytes += nbytes
+                self._add_resident(nbytes)
+            return t
+        rec = st.by_storage.get(ptr)
+        if rec is None:
+            with torch.no_grad():
+                rec = _Record(_flat_bytes(t))
+            if self.track_storages:
+                from torch.multiprocessing.reductions import StorageWeakRef  # noqa: PLC0415
+
+                rec.storage_ref = StorageWeakRef(storage)
+            st.by_storage[ptr] = rec
+            st.records.append(rec)
+            st.saved_bytes += nbytes
+            self._add_resident(nbytes)
+        if t.is_leaf and t.requires_grad:
+            rec.leaves.append(weakref.ref(t))
+        return _Saved(st, rec, t)
+
+    def _unpack(self, packed):
+        if isinstance(packed, _Saved):
+            return self._materialize(packed)
+        if isinstance(packed, _Recipe):
+            inputs = [self._unpack(x) for x in packed.inputs]
+            with torch.no_grad(), self.suspended():
+                return packed.fn(*inputs)
+        return packed
+
+    def _materialize(self, s: _Saved) -> torch.Tensor:
+        rec, st = s.rec, s.state
+        if rec.flat is not None:
+            flat = rec.flat
+        else:
+            self._ensure_reloaded(st)
+            flat = self._slots[st.slot][rec.slot_offset:rec.slot_offset + rec.nbytes]
+            self.device.check_ready(flat)
+        base = flat.view(s.dtype)
+        return base.as_strided(s.size, s.stride, base.storage_offset() + s.offset)
+
+    def _ensure_reloaded(self, st: _ChunkState) -> None:
+        if st.reload_event is None:  # the schedule had no RELOAD for it: reload now
+            self._start_reload(st)
+        if not st.reload_waited:
+            self._wait_for_reload(st)
+
+    def _wait_for_reload(self, st: _ChunkState) -> None:
+        self.device.wait(st.reload_event)
+        st.reload_waited = True
+
+    # ------------------------------------------------------------------ offload / reload / release
+    def offload(self, microbatch: int, chunk: int) -> None:
+        """Start copying alpha of this microbatch-chunk's saved bytes to host memory (async)."""
+        st = self._states[(microbatch, chunk)]
+        assert not st.offloaded, f"microbatch-chunk {st.key} offloaded twice"
+        target = int(self.alpha * st.saved_bytes)
+        if target <= 0:
+            return
+        plan: list[_Record] = []
+        left = target
+        for rec in st.records:
+            if left <= 0:
+                break
+            rec.off_bytes = min(rec.nbytes, left)
+            left -= rec.off_bytes
+            plan.append(rec)
+        host_bytes = slot_bytes = 0
+        for rec in plan:
+            rec.host_offset, rec.slot_offset = host_bytes, slot_bytes
+            host_bytes += _align(rec.off_bytes)
+            slot_bytes += _align(rec.nbytes)
+        st.host = self.pool.acquire(host_bytes)
+        dsts = [st.host[r.host_offset:r.host_offset + r.off_bytes] for r in plan]
+        srcs = [r.flat[:r.off_bytes] for r in plan]
+        st.off_event = self.device.copy_async(self._d2h, dsts, srcs, after=(self.device.compute_event(),))
+        st.offloaded, st.slot_bytes = True, slot_bytes
+        self.stats.offloaded_bytes += sum(r.off_bytes for r in plan)
+        for i in (0, 1):  # the double buffer exists from the first offload on
+            self._ensure_slot(i, slot_bytes)
+        self._to_drop.append(st)
+
+    def reload(self, microbatch: int, chunk: int) -> None:
+        """Start copying this microbatch-chunk's offloaded bytes back into a reload slot (async)."""
+        self._start_reload(self._states[(microbatch, chunk)])
+
+    def _start_reload(self, st: _ChunkState) -> None:
+        if not st.offloaded or st.reload_event is not None:
+            return
+        if not st.dropped:
+            self._drop_device_bytes(st)
+        free = [i for i in (0, 1) if self._slot_owner[i] is None]
+        assert free, "both reload slots are in use: more than two reloads outstanding"
+        i = free[0]
+        self._ensure_slot(i, st.slot_bytes)
+        self._slot_owner[i], st.slot = st.key, i
+        slot = self._slots[i]
+        dsts, srcs = [], []
+        for rec in (r for r in st.records if r.off_bytes):
+            dsts.append(slot[rec.slot_offset:rec.slot_offset + rec.off_bytes])
+            srcs.append(st.host[rec.host_offset:rec.host_offset + rec.off_bytes])
+            if rec.tail is not None:
+                dsts.append(slot[rec.slot_offset + rec.off_bytes:rec.slot_offset + rec.nbytes])
+                srcs.append(rec.tail)
+        after = tuple(e for e in (st.off_event, self._slot_free[i], self.device.compute_event()) if e is not None)
+        st.reload_event = self.device.copy_async(self._h2d, dsts, srcs, after=after)
+        self.pool.release(st.host, after=st.reload_event)
+        st.host = None
+
+    def release(self, microbatch: int, chunk: int) -> None:
+        """Forget a microbatch-chunk after its backward; its reload slot becomes free."""
+        st = self._states.pop((microbatch, chunk))
+        if st in self._to_drop:
+            self._to_drop.remove(st)
+        if st.host is not None:  # offloaded but never reloaded (no backward read it)
+            self.pool.release(st.host, after=st.off_event)
+        if st.slot is not None:
+            self._slot_owner[st.slot] = None
+            self._slot_free[st.slot] = self.device.compute_event()
+        freed = st.small_bytes
+        for rec in st.records:
+            freed += self._device_bytes(rec)
+            rec.flat = rec.tail = None
+        self._resident -= freed
+
+    def end_iteration(self) -> None:
+        """Close the iteration: forget what is left and publish pool figures in ``stats``."""
+        self._compute_ended()
+        for key in list(self._states):
+            self.release(*key)
+        self.device.synchronize()
+        self.stats.host_pool_bytes = self.pool.capacity_bytes
+        self.stats.host_pool_allocations = self.pool.allocations
+        self.stats.reload_buffer_bytes = sum(s.numel() for s in self._slots if s is not None)
+        self._new_iteration = True
+
+    def reset_stats(self) -> None:
+        """Start a new measurement (the peak restarts from what is resident now); the first forward
+        after :meth:`end_iteration` does this, so ``stats`` read after it describe that iteration."""
+        self.stats = ActivationStats(peak_resident_bytes=self._resident)
+        self._new_iteration = False
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def resident_bytes(self) -> int:
+        """Saved bytes the manager holds on the device now (with the reload slots)."""
+        return self._resident
+
+    def _add_resident(self, n: int) -> None:
+        self._resident += n
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._resident)
+
+    @staticmethod
+    def _device_bytes(rec: _Record) -> int:
+        return (rec.nbytes if rec.flat is not None else 0) + (rec.tail.numel() if rec.tail is not None else 0)
+
+    def _ensure_slot(self, i: int, nbytes: int) -> None:
+        cur = self._slots[i]
+        if cur is not None and cur.numel() >= nbytes:
+            return
+        assert self._slot_owner[i] is None, "a reload slot in use cannot grow"
+        if self._slot_free[i] is not None:
+            self._slot_free[i].synchronize()
+        old = 0 if cur is None else cur.numel()
+        self._slots[i] = None
+        self._resident -= old
+        self._slots[i] = self.device.empty_device(nbytes)
+        self._add_resident(nbytes)
+
+    def _compute_ended(self) -> None:
+        """End of a compute action: offloads issued before it have overlapped it; drop their bytes."""
+        pending = [st for st in self._to_drop if st is not self._in_forward]
+        self._to_drop = [st for st in self._to_drop if st not in pending]
+        for st in pending:
+            self._drop_device_bytes(st)
+
+    def _drop_device_bytes(self, st: _ChunkState) -> None:
+        if st in self._to_drop:
+            self._to_drop.remove(st)
+        offloaded = [r for r in st.records if r.off_bytes]
+        for rec in offloaded:  # whole records first, so a split tail never raises the peak
+            if rec.off_bytes == rec.nbytes:
+                _release_leaves(rec)
+                rec.flat = None
+                self._resident -= rec.nbytes
+        for rec in offloaded:
+            if rec.flat is not None:
+                with torch.no_grad():
+                    rec.tail = rec.flat[rec.off_bytes:].clone()
+                self._add_resident(rec.tail.numel())
+                _release_leaves(rec)
+                rec.flat = None
+                self._resident -= rec.nbytes
+        st.dropped = True
+
+    def live_storage_bytes(self) -> int:
+        """Bytes of saved storages still alive in the allocator (``track_storages=True``), plus the
+        manager's own device buffers: what :attr:`resident_bytes` claims, checked against reality."""
+        assert self.track_storages, "construct the manager with track_storages=True"
+        total = sum(s.numel() for s in self._slots if s is not None)
+        for st in self._states.values():
+            total += st.small_bytes
+            for rec in st.records:
+                if rec.storage_ref is not None and not rec.storage_ref.expired():
+                    total += rec.nbytes
+                if rec.tail is not None:
+                    total += rec.tail.numel()
+        return total
+
+
+def build_activation_manager(config: H3TConfig, pipeline_rank: int, pipeline_size: int,
+                             device: Union[str, torch.device]) -> Optional[ActivationManager]:
+    """The manager of one pipeline stage, or None when there is nothing to manage."""
+    alpha = config.stage_alpha(pipeline_rank, pipeline_size)
+    if config.ckpt != "ours" and alpha == 0.0:
+        return None
+    layer = make_device_layer(config.device_mode, torch.device(device))
+    return ActivationManager(alpha, layer, min_offload_bytes=config.min_offload_bytes)
+
+
+__all__ = ["ActivationManager", "ActivationStats", "build_activation_manager"]

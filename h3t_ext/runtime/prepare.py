@@ -1,0 +1,138 @@
+"""Start-up of the runtime on one rank: layout validation, model transforms, activation manager.
+
+:func:`validate_layout` checks an :class:`H3TConfig` against the pipeline schedule it will run
+and fails with one line (:class:`RuntimeConfigError`) on every rank alike, so no rank is left
+waiting on a peer that gave up. :class:`ModelPreparer` applies the recompute transform of the
+chosen ``ckpt`` to the model chunks once and owns the activation manager of this stage.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Optional
+
+import torch
+
+from ..schedule.builder import PipelineSchedule
+from .config import H3TConfig, RuntimeConfigError
+
+_PREPARED = "_h3t_prepared_ckpt"
+
+
+def _validate_stage_alphas(config: H3TConfig, pipeline_size: int) -> list[float]:
+    return [config.stage_alpha(r, pipeline_size) for r in range(pipeline_size)]
+
+
+def _validate_overlap(config: H3TConfig, schedule: PipelineSchedule, alphas: list[float]) -> None:
+    cfg = schedule.config
+    shape = (
+        f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}, "
+        f"{cfg.virtual_pipeline_model_parallel_size} model chunk(s), {cfg.num_microbatches} microbatch(es)"
+    )
+    can = [bool(schedule.offloaded(r)) for r in range(cfg.pipeline_model_parallel_size)]
+    if isinstance(config.offload_alpha, (int, float)):
+        if config.offload_alpha > 0 and not any(can):
+            raise RuntimeConfigError(
+                f"--offload-alpha {config.offload_alpha} cannot be overlapped: with {shape} no microbatch has two "
+                "compute steps between its forward and backward; use --offload-alpha 0"
+            )
+        return
+    bad = [r for r, (a, ok) in enumerate(zip(alphas, can)) if a > 0 and not ok]
+    if bad:
+        raise RuntimeConfigError(
+            f"--offload-alpha is > 0 on pipeline stage(s) {bad} that cannot overlap an offload with {shape}; "
+            "set those stages to 0"
+        )
+
+
+def validate_layout(config: H3TConfig, schedule: PipelineSchedule, pipeline_rank: int) -> None:
+    """Fail with one line when ``config`` cannot run with ``schedule`` (same verdict on all ranks).
+
+    Forward-only calls (evaluation) are accepted with offload configured: nothing is kept for a
+    backward, so they run without offload.
+    """
+    cfg = schedule.config
+    assert 0 <= pipeline_rank < cfg.pipeline_model_parallel_size
+    alphas = _validate_stage_alphas(config, cfg.pipeline_model_parallel_size)
+    if cfg.forward_only or not config.offloads:
+        return
+    _validate_overlap(config, schedule, alphas)
+
+
+def _default_manager_factory(config: H3TConfig, pipeline_rank: int, pipeline_size: int, device: torch.device):
+    needs = config.stage_alpha(pipeline_rank, pipeline_size) > 0 or config.ckpt == "ours"
+    try:
+        from .activations import build_activation_manager
+    except ImportError as exc:
+        if needs:
+            raise RuntimeConfigError(
+                f"--offload-alpha/--ckpt ours need h3t_ext.runtime.activations, which is not available: {exc}"
+            ) from exc
+        return None
+    return build_activation_manager(config, pipeline_rank, pipeline_size, device)
+
+
+def _apply_ckpt_ours(model_chunks: list) -> None:
+    try:
+        from .recompute_ours import apply_ckpt_ours
+    except ImportError as exc:
+        raise RuntimeConfigError(f"--ckpt ours needs h3t_ext.runtime.recompute_ours, not available: {exc}") from exc
+    apply_ckpt_ours(model_chunks)
+
+
+class ModelPreparer:
+    """Applies the ``ckpt`` transform once per model chunk and keeps one manager per stage."""
+
+    def __init__(self, config: H3TConfig, *, manager_factory: Optional[Callable] = None):
+        self.config = config
+        self.manager_factory = manager_factory or _default_manager_factory
+        self._managers: dict[tuple, object] = {}
+
+    def manager(self, pipeline_rank: int, pipeline_size: int, device: torch.device):
+        """The activation manager of this stage (None when neither offload nor ckpt=ours is on)."""
+        key = (pipeline_rank, pipeline_size, str(device))
+        if key not in self._managers:
+            self._managers[key] = self.manager_factory(self.config, pipeline_rank, pipeline_size, device)
+        return self._managers[key]
+
+    @property
+    def managers(self) -> list:
+        """The activation managers built so far (None entries where none was needed)."""
+        return list(self._managers.values())
+
+    def prepare(self, model_chunks: list, pipeline_rank: int, pipeline_size: int):
+        """Transform ``model_chunks`` for ``config.ckpt`` (once) and return this stage's manager."""
+        device = next(model_chunks[0].parameters()).device
+        mgr = self.manager(pipeline_rank, pipeline_size, device)
+        todo = []
+        for m in model_chunks:
+            mark = getattr(m, _PREPARED, None)
+            if mark is None:
+                todo.append(m)
+                continue
+            ckpt, owner = mark
+            if ckpt != self.config.ckpt:
+                raise RuntimeConfigError(
+                    f"model was prepared for --ckpt {ckpt} by an earlier install(); build a fresh model for "
+                    f"--ckpt {self.config.ckpt}"
+                )
+            if owner != id(self) and ckpt == "full":  # re-wrap so recompute suspends this install's manager
+                from .recompute_full import remove_full_recompute
+
+                remove_full_recompute([m])
+                todo.append(m)
+        if todo:
+            self._transform(todo, mgr)
+        return mgr
+
+    def _transform(self, chunks: list, mgr) -> None:
+        if self.config.ckpt == "full":
+            from .recompute_full import apply_full_recompute
+
+            apply_full_recompute(chunks, suspend=(mgr.suspended if mgr is not None else contextlib.nullcontext))
+        elif self.config.ckpt == "ours":
+            _apply_ckpt_ours(chunks)
+        for m in chunks:
+            object.__setattr__(m, _PREPARED, (self.config.ckpt, id(self)))
+
+
+__all__ = ["ModelPreparer", "validate_layout"]

@@ -1,0 +1,1 @@
+"""Pretraining driver (Megatron-LM's ``megatron/training`` layout): flags, model, data, optimizer, loop."""

@@ -1,0 +1,198 @@
+"""Command line of ``pretrain_llama.py``: Megatron-LM's flag names plus the h3t-ext flags.
+
+Every check that needs no process group runs here, so a bad flag ends the program with one
+Megatron-style line (``pretrain_llama.py: error: --offload-alpha 1.5 is outside [0, 1]``, exit
+status 2) before any rank is started.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+class ArgumentError(Exception):
+    """A flag value that cannot run; the message is one line naming the flag and the valid range."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse without the usage block on error: one line ``prog: error: message``, exit 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--normalization", choices=("RMSNorm",), default="RMSNorm")
+    g.add_argument("--swiglu", action="store_true", default=True)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=True)
+    g.add_argument("--position-embedding-type", choices=("rope",), default="rope")
+    g.add_argument("--disable-bias-linear", action="store_true", default=True)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--bf16", action="store_true")
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (left-out values are filled by --auto-plan)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch and optimizer")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--optimizer", choices=("adam",), default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("activation memory")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--ckpt", choices=("no", "full", "ours"), default=None,
+                   help="activation recompute: no, full (each layer from its input), ours")
+    g.add_argument("--offload-alpha", default=None, metavar="{FLOAT,auto,balanced}",
+                   help="fraction of saved activations sent to host memory (one value or one per stage)")
+    g.add_argument("--auto-plan", action="store_true",
+                   help="let the planner fill every parallel and memory flag left out, and print its plan")
+    g.add_argument("--gpu", default=None, help="system name of the cost model (auto-plan, MFU peak)")
+    g.add_argument("--memory-budget", default=None, help="bytes per GPU for --auto-plan / --offload-alpha auto")
+
+
+def _add_data_io(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None, help="[weight] prefix ... of indexed .bin/.idx")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--split", default="100,0,0")
+    g.add_argument("--tokenizer-type", choices=("ByteTokenizer", "NullTokenizer"), default="ByteTokenizer")
+    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g = p.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--metrics-json", default=None, metavar="PATH")
+    g.add_argument("--no-progress-bar", action="store_true")
+
+
+def build_parser(prog: str = "pretrain_llama.py") -> OneLineParser:
+    """The parser with every flag the driver accepts."""
+    p = OneLineParser(prog=prog, description="Pretrain a Llama model with Megatron-core and h3t-ext.",
+                      allow_abbrev=False)
+    _add_model(p)
+    _add_parallel(p)
+    _add_training(p)
+    _add_data_io(p)
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py") -> argparse.Namespace:
+    """Parse, fill (``--auto-plan``), derive and validate; exit 2 with one line on a bad flag."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        _fill_model_defaults(args)
+        _validate_positive(args)
+        _resolve_ckpt(args)
+        if args.auto_plan:
+            from megatron.training.auto_plan import fill_from_planner
+            fill_from_planner(args)
+        _fill_parallel_defaults(args)
+        from megatron.training.validation import validate_args
+        validate_args(args)
+    except ArgumentError as e:
+        parser.error(str(e))
+    return args
+
+
+def _fill_model_defaults(args: argparse.Namespace) -> None:
+    if args.num_query_groups is None or not args.group_query_attention:
+        if args.num_query_groups is not None and not args.group_query_attention:
+            raise ArgumentError("--num-query-groups needs --group-query-attention")
+        args.num_query_groups = args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+
+
+def _validate_positive(args: argparse.Namespace) -> None:
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                 "seq_length", "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "context_parallel_size", "micro_batch_size",
+                 "num_layers_per_virtual_pipeline_stage", "save_interval", "exit_interval",
+                 "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")
+    for name in ("lr", "adam_eps"):
+        v = getattr(args, name)
+        if not v > 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside (0, inf)")
+    for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters"):
+        v = getattr(args, name)
+        if v < 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, inf)")
+    for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
+        v = getattr(args, name)
+        if not 0 <= v < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, 1)")
+
+
+def _resolve_ckpt(args: argparse.Namespace) -> None:
+    """Megatron's --recompute-* flags and --ckpt describe the same thing; they must agree."""
+    if args.recompute_granularity is None:
+        if args.recompute_method is not None or args.recompute_num_layers is not None:
+            raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
+        return
+    if args.recompute_granularity == "selective":
+        raise ArgumentError("--recompute-granularity selective is not supported (use --ckpt ours)")
+    if (args.recompute_method or "uniform") != "uniform" or (args.recompute_num_layers or 1) != 1:
+        raise ArgumentError("--recompute-granularity full supports only --recompute-method uniform "
+                            "--recompute-num-layers 1")
+    if args.ckpt not in (None, "full"):
+        raise ArgumentError(f"--ckpt {args.ckpt} contradicts --recompute-granularity full")
+    args.ckpt = "full"
+
+
+def _fill_parallel_defaults(args: argparse.Namespace) -> None:
+    for name, default in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+                          ("context_parallel_size", 1), ("micro_batch_size", 1), ("ckpt", "no"),
+                          ("offload_alpha", "0")):
+        if getattr(args, name) is None:
+            setattr(args, name, default)

@@ -1,0 +1,129 @@
+"""``--auto-plan`` and ``--offload-alpha auto|balanced``: the planner fills what the user left out.
+
+The cost model prices plans for a GPU system (``--gpu NAME``, default: the CUDA device's name
+when it is known, else ``h800``) under ``--memory-budget`` (default: the system's). Flags the
+user gave are constraints of the search; the best plan's values fill the rest, and the chosen
+plan is printed (rank 0) as the Megatron flags that launch it.
+"""
+from __future__ import annotations
+
+import os
+
+from megatron.training.arguments import ArgumentError
+from megatron.training.tokenizer import build_tokenizer
+
+DEFAULT_SYSTEM = "h800"
+_CUDA_NAMES = (("H800", "h800"), ("H100", "h100-sxm"), ("H200", "h200"), ("A800", "a800"), ("A100", "a100-80g"))
+
+
+def system_name(args) -> str:
+    """``--gpu``, else the CUDA device's system file, else the default system."""
+    if args.gpu:
+        return args.gpu
+    import torch
+    if torch.cuda.is_available():
+        dev = torch.cuda.get_device_name()
+        for key, name in _CUDA_NAMES:
+            if key in dev:
+                return name
+    return DEFAULT_SYSTEM
+
+
+def _model_spec(args):
+    from h3t_ext.costmodel import ModelSpec
+    vocab = build_tokenizer(args.tokenizer_type, args.vocab_size).vocab_size
+    return ModelSpec(name="custom", num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                     ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab)
+
+
+def _system_and_budget(args):
+    from h3t_ext.costmodel import get_system
+    from h3t_ext.costmodel.errors import UnknownNameError
+    from h3t_ext.planner.units import parse_bytes
+    try:
+        system = get_system(system_name(args))
+    except UnknownNameError as e:
+        raise ArgumentError(f"--gpu {args.gpu}: {e}") from None
+    budget = None
+    if args.memory_budget is not None:
+        try:
+            budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            raise ArgumentError(f"--memory-budget {e}") from None
+    return system, budget
+
+
+def _alpha_mode(args):
+    a = args.offload_alpha
+    if a is None or a in ("auto", "balanced"):
+        return a or "auto"
+    from megatron.training.validation import parse_alpha_values
+    values = parse_alpha_values(a)
+    if len(values) != 1:
+        raise ArgumentError("--auto-plan takes one --offload-alpha value, 'auto' or 'balanced'")
+    return values[0]
+
+
+def fill_from_planner(args) -> None:
+    """Search plans under the user's fixed flags and fill the others from the best one."""
+    import torch
+    from h3t_ext.planner.search import search
+    from h3t_ext.planner.space import SearchConstraints
+    on_gpu = torch.cuda.is_available()
+    system, budget = _system_and_budget(args)
+    constraints = SearchConstraints(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        context_parallel_size=args.context_parallel_size if on_gpu else 1,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        micro_batch_size=args.micro_batch_size,
+        ckpt=args.ckpt,
+    )
+    result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
+                    global_batch_size=args.global_batch_size, constraints=constraints,
+                    alpha_mode=_alpha_mode(args), memory_budget_bytes=budget)
+    best = result.best
+    if best is None:
+        closest = result.closest_infeasible
+        why = closest.reason if closest else "no valid layout for these flags and world size"
+        raise ArgumentError(f"--auto-plan found no plan for {args.world_size} ranks on {system.name}: {why}")
+    plan = best.plan
+    args.tensor_model_parallel_size = plan.tensor_model_parallel_size
+    args.context_parallel_size = plan.context_parallel_size
+    args.pipeline_model_parallel_size = plan.pipeline_model_parallel_size
+    args.num_layers_per_virtual_pipeline_stage = plan.num_layers_per_virtual_pipeline_stage
+    args.micro_batch_size = plan.micro_batch_size
+    args.ckpt = plan.ckpt
+    args.offload_alpha = ",".join(str(a) for a in plan.alphas()) if isinstance(plan.offload_alpha, tuple) \
+        else str(plan.offload_alpha)
+    args.sequence_parallel = args.sequence_parallel or (on_gpu and plan.tensor_model_parallel_size > 1)
+    args.use_distributed_optimizer = True
+    args.auto_plan_flags = list(best.megatron_flags)
+    est = best.evaluation.estimate
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"auto-plan ({system.name}, {result.considered} plans priced): {' '.join(best.megatron_flags)} | "
+              f"predicted {est.tokens_per_second / args.world_size:.1f} tokens/s/GPU, "
+              f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB", flush=True)
+
+
+def resolve_alpha(args) -> None:
+    """``--offload-alpha auto|balanced`` for the fixed plan: the cost model's smallest alpha that fits."""
+    from h3t_ext.costmodel import Plan
+    from h3t_ext.costmodel.errors import PlanError
+    from h3t_ext.planner.evaluate import evaluate
+    system, budget = _system_and_budget(args)
+    plan = Plan(num_gpus=args.world_size, seq_length=args.seq_length, global_batch_size=args.global_batch_size,
+                micro_batch_size=args.micro_batch_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                context_parallel_size=args.context_parallel_size,
+                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage, ckpt=args.ckpt)
+    try:
+        ev = evaluate(_model_spec(args), plan, system, alpha_mode=args.offload_alpha, memory_budget_bytes=budget)
+    except PlanError as e:
+        raise ArgumentError(f"--offload-alpha {args.offload_alpha}: {e}") from None
+    a, mode = ev.plan.offload_alpha, args.offload_alpha
+    args.offload_alpha = ",".join(str(x) for x in a) if isinstance(a, tuple) else str(a)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"--offload-alpha {mode} resolved by the cost model ({system.name}): {args.offload_alpha}",
+              flush=True)

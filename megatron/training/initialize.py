@@ -1,0 +1,52 @@
+"""Process groups: torch.distributed from the launcher's environment, then megatron-core's groups.
+
+torchrun, our mpirun launcher and srun all provide RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT; a plain ``python pretrain_llama.py`` runs as a single rank on a free local port.
+The backend is NCCL on GPUs and gloo on CPU (``--distributed-backend`` overrides).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def uses_gpu(args) -> bool:
+    """True when this run trains on CUDA devices."""
+    return torch.cuda.is_available() and args.distributed_backend != "gloo"
+
+
+def initialize_distributed(args) -> None:
+    """Create the default process group and megatron-core's model/data-parallel groups."""
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    on_gpu = uses_gpu(args)
+    backend = args.distributed_backend or ("nccl" if on_gpu else "gloo")
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        create_gloo_process_groups=on_gpu,
+    )
+
+
+def shutdown() -> None:
+    """Tear down megatron-core's groups and the default group."""
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,161 @@
+"""Optimizer: megatron-core's distributed optimizer on GPU, an exact equivalent on CPU.
+
+CPU path (:class:`DataParallelAdamW`): gradients are averaged over the data-parallel group with
+one all-reduce of a flat buffer, the global gradient norm is summed over the model-parallel group
+(tensor-parallel replicas of a parameter counted once) and clipped as Megatron does, then AdamW
+(decoupled weight decay, no decay on 1-D weights) steps. With ``--use-distributed-optimizer``
+each data-parallel rank keeps Adam state only for its share of the parameters (ZeRO-1), steps that
+share, and broadcasts it to the other replicas; the numbers are the same as without sharding.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def learning_rate(args, iteration: int) -> float:
+    """Megatron's schedule: linear warm-up, then constant, linear or cosine decay to --min-lr."""
+    step = iteration + 1
+    warm = args.lr_warmup_iters
+    if warm and step <= warm:
+        return args.lr * step / warm
+    if args.lr_decay_style == "constant":
+        return args.lr
+    span = max(1, args.lr_decay_iters - warm)
+    ratio = min(1.0, max(0.0, (step - warm) / span))
+    if args.lr_decay_style == "linear":
+        coeff = 1.0 - ratio
+    else:
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return args.min_lr + coeff * (args.lr - args.min_lr)
+
+
+def _shard_owners(params: list[torch.nn.Parameter], world: int) -> list[int]:
+    """Greedy balanced assignment of parameters to data-parallel ranks (deterministic)."""
+    load, owners = [0] * world, [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[i], load[r] = r, load[r] + params[i].numel()
+    return owners
+
+
+class DataParallelAdamW:
+    """AdamW over this rank's chunks with data-parallel gradient averaging (CPU, gloo)."""
+
+    def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool):
+        self.args = args
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        self.dp_group, self.mp_group, self.tp_rank = dp_group, model_parallel_group, tp_rank
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.dp_ranks = dist.get_process_group_ranks(dp_group)
+        self.owners = _shard_owners(self.params, self.dp_size) if distributed else [self.dp_rank] * len(self.params)
+        owned = [p for p, o in zip(self.params, self.owners) if o == self.dp_rank]
+        decay = [p for p in owned if p.dim() > 1]
+        no_decay = [p for p in owned if p.dim() <= 1]
+        groups = [g for g in ({"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        self.adam = torch.optim.AdamW(groups or [{"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=args.lr,
+                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self.has_params = bool(groups)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def _reduce_grads(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.dp_size == 1:
+            return
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+    def _grad_norm(self) -> float:
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:
+            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+                sq += p.grad.double().pow(2).sum()
+        if self.mp_group is not None and dist.get_world_size(self.mp_group) > 1:
+            dist.all_reduce(sq, group=self.mp_group)
+        return float(sq.sqrt())
+
+    def _broadcast_shards(self) -> None:
+        for owner in range(self.dp_size):
+            mine = [p for p, o in zip(self.params, self.owners) if o == owner]
+            if not mine:
+                continue
+            flat = torch.cat([p.data.reshape(-1) for p in mine])
+            dist.broadcast(flat, src=self.dp_ranks[owner], group=self.dp_group)
+            offset = 0
+            for p in mine:
+                p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def step(self, iteration: int) -> tuple[float, float]:
+        """Average, clip and apply the gradients; returns (learning rate, gradient norm)."""
+        self._reduce_grads()
+        norm = self._grad_norm()
+        clip = self.args.clip_grad
+        if clip > 0 and norm > clip:
+            coeff = clip / (norm + 1e-6)
+            for p in self.params:
+                p.grad.mul_(coeff)
+        lr = learning_rate(self.args, iteration)
+        for g in self.adam.param_groups:
+            g["lr"] = lr
+        if self.has_params:
+            self.adam.step()
+        if self.dp_size > 1 and any(o != self.dp_rank for o in self.owners):
+            self._broadcast_shards()
+        return lr, norm
+
+    def state_dict(self) -> dict:
+        return {"adam": self.adam.state_dict(), "owners": list(self.owners)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if list(state["owners"]) != list(self.owners):
+            raise ValueError("optimizer shard layout differs from this run's (--use-distributed-optimizer or "
+                             "data-parallel size changed)")
+        self.adam.load_state_dict(state["adam"])
+
+
+class MegatronOptimizerAdapter:
+    """megatron-core's (distributed) optimizer behind the same step/zero_grad/state_dict calls (GPU)."""
+
+    def __init__(self, chunks, args, tf_config):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        self.args, self.chunks = args, chunks
+        cfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                              bf16=args.bf16, params_dtype=tf_config.params_dtype, adam_beta1=args.adam_beta1,
+                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+                              use_distributed_optimizer=args.use_distributed_optimizer)
+        self.opt = get_megatron_optimizer(cfg, chunks)
+
+    def zero_grad(self) -> None:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def step(self, iteration: int) -> tuple[float, Optional[float]]:
+        lr = learning_rate(self.args, iteration)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        _, norm, _ = self.opt.step()
+        return lr, norm
+
+    def state_dict(self) -> dict:
+        return self.opt.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state)

@@ -1,0 +1,167 @@
+"""The training loop: megatron-core's ``get_forward_backward_func()`` after ``h3t_ext.install``.
+
+``pretrain`` reads (and checks) any checkpoint before the process groups exist, builds the model
+chunks, installs the h3t-ext schedules with ``--ckpt`` / ``--offload-alpha``, and trains
+``--train-iters`` iterations. The loss of an iteration is the token-weighted mean over its
+microbatches and data-parallel replicas, computed on the last pipeline stage.
+"""
+from __future__ import annotations
+
+import os
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+import h3t_ext
+from h3t_ext.runtime.config import H3TConfig
+from megatron.training import checkpointing as ckpt_io
+from megatron.training.data import build_data_iterators, build_train_dataset
+from megatron.training.initialize import initialize_distributed, shutdown, uses_gpu
+from megatron.training.model_provider import build_model_chunks, num_parameters
+from megatron.training.tokenizer import build_tokenizer
+from megatron.training.training_log import IterationLogger, write_metrics_json
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's 3-tuple: summed loss, token count, and the pair reported for logging."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
+
+
+def forward_step(data_iterator, model):
+    """One microbatch through one model chunk (later stages read their input from the pipeline)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _build_optimizer(args, chunks, on_gpu: bool):
+    if on_gpu:
+        from megatron.training.gpu_wrap import wrap_for_gpu
+        return wrap_for_gpu(args, chunks)
+    from megatron.training.optimizer import DataParallelAdamW
+    return chunks, DataParallelAdamW(
+        chunks, args, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        model_parallel_group=ps.get_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        distributed=args.use_distributed_optimizer)
+
+
+def _iteration_loss(losses: list) -> float:
+    """Token-weighted mean loss over microbatches and data-parallel replicas (last stage only)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for d in losses:
+        total += d["lm loss"].detach().double().cpu()
+    dp = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(dp) > 1:
+        dist.all_reduce(total, group=dp)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def _save(args, iteration: int, chunks, optimizer) -> None:
+    ckpt_io.save_rank_file(args.save, iteration, dist.get_rank(), ckpt_io.make_payload(iteration, chunks, optimizer))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        ckpt_io.finish_save(args.save, iteration, args)
+        print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
+    dist.barrier()
+
+
+def _measuring_manager_factory(config, pipeline_rank: int, pipeline_size: int, device):
+    """Every stage gets an activation manager (also at alpha 0, ckpt no) so its bytes are measured."""
+    from h3t_ext.runtime.activations import ActivationManager
+    from h3t_ext.runtime.device import make_device_layer
+    layer = make_device_layer(config.device_mode, torch.device(device))
+    return ActivationManager(config.stage_alpha(pipeline_rank, pipeline_size), layer,
+                             min_offload_bytes=config.min_offload_bytes)
+
+
+def _stage_manager(runtime, chunks):
+    pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    return runtime.preparer.manager(pp_rank, pp_size, next(chunks[0].parameters()).device)
+
+
+def _stage_stats(runtime, chunks) -> dict:
+    """This pipeline stage's saved-activation peak and offloaded bytes over the last iteration."""
+    stats = _stage_manager(runtime, chunks).stats
+    return {"pipeline_rank": ps.get_pipeline_model_parallel_rank(),
+            "peak_activation_bytes": int(stats.peak_resident_bytes), "offloaded_bytes": int(stats.offloaded_bytes)}
+
+
+def _gather_stage_stats(runtime, chunks) -> list[dict]:
+    mine = _stage_stats(runtime, chunks)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    by_stage = {}
+    for s in everyone:
+        by_stage.setdefault(s["pipeline_rank"], s)
+    return [by_stage[r] for r in sorted(by_stage)]
+
+
+def _notes(args, on_gpu: bool, payload) -> None:
+    if args.bf16 and not on_gpu:
+        print("note: --bf16 has no effect on CPU; training in float32", flush=True)
+    if args.load and payload is None:
+        print(f"note: no checkpoint in --load {args.load}; training from scratch", flush=True)
+
+
+def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators) -> None:
+    """Run iterations ``start_iteration .. --train-iters`` (saving and exiting as asked)."""
+    fb = get_forward_backward_func()
+    is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    for it in range(start_iteration, args.train_iters):
+        t0 = time.perf_counter()
+        _stage_manager(runtime, chunks).reset_stats()
+        optimizer.zero_grad()
+        losses = fb(forward_step_func=forward_step, data_iterator=data_iterators, model=chunks,
+                    num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, forward_only=False)
+        lr, norm = optimizer.step(it)
+        loss = _iteration_loss(losses) if is_last_stage else float("nan")
+        logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm)
+        done = it + 1
+        if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
+                          or (args.exit_interval and done % args.exit_interval == 0)):
+            _save(args, done, chunks, optimizer)
+        if args.exit_interval and done % args.exit_interval == 0:
+            break
+
+
+def pretrain(args) -> int:
+    """Everything after argument parsing; returns the process exit status."""
+    rank = int(os.environ.get("RANK", "0"))
+    payload = ckpt_io.read_checkpoint(args, rank)  # before any process group: a bad checkpoint stops all ranks
+    initialize_distributed(args)
+    on_gpu = uses_gpu(args)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    chunks = build_model_chunks(args, on_gpu=on_gpu, vocab_size=tokenizer.vocab_size)
+    n_params = num_parameters(chunks)
+    runtime = h3t_ext.install(H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha),
+                              manager_factory=_measuring_manager_factory)
+    chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
+    start = ckpt_io.apply_payload(payload, chunks, optimizer) if payload is not None else 0
+    dataset = build_train_dataset(args, tokenizer)
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    iters = build_data_iterators(args, dataset, start_iteration=start, num_chunks=len(chunks),
+                                 data_parallel_rank=ps.get_data_parallel_rank(), device=device)
+    is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
+    if dist.get_rank() == 0:
+        _notes(args, on_gpu, payload)
+    logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
+    logger.header(start, n_params)
+    try:
+        train(args, chunks, optimizer, runtime, start, logger, iters)
+    finally:
+        logger.close()
+    stats = _gather_stage_stats(runtime, chunks)
+    if is_logging_rank and args.metrics_json:
+        write_metrics_json(args.metrics_json, args, logger.records, stats)
+    h3t_ext.uninstall()
+    shutdown()
+    return 0

@@ -1,0 +1,133 @@
+"""Megatron-style iteration logs, a progress bar on a terminal, and the ``--metrics-json`` file.
+
+MFU follows the published convention: tokens/s/GPU x 3 x [2L(2h^2 + 2h h_kv + 3hf) + 2shL + 2Vh]
+/ peak (causal attention counted as half of s^2). The peak is the cost model's bf16 peak of the
+GPU system on CUDA; on CPU there is no such number, so MFU is relative to the dense float32 GEMM
+throughput measured once at start-up (printed with the run's first line).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from typing import Optional
+
+import torch
+
+
+def flops_per_token(args, vocab_size: int) -> float:
+    """Forward FLOPs per token (the bracket of the MFU formula)."""
+    L, h, f, s = args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length
+    h_kv = args.num_query_groups * (h // args.num_attention_heads)
+    return 2 * L * (2 * h * h + 2 * h * h_kv + 3 * h * f) + 2 * s * h * L + 2 * vocab_size * h
+
+
+def measured_cpu_peak_flops(n: int = 384, trials: int = 12) -> float:
+    """Best dense fp32 GEMM FLOP/s of this process over a few short trials (the CPU stand-in for a peak)."""
+    a, b = torch.randn(n, n, generator=torch.Generator().manual_seed(0)), torch.randn(n, n)
+    torch.mm(a, b)
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        torch.mm(a, b)
+        best = max(best, 4 * n ** 3 / (time.perf_counter() - t0))
+    return best
+
+
+def peak_flops(args, on_gpu: bool) -> tuple[float, str]:
+    """(peak FLOP/s per device, what it is) for MFU."""
+    if on_gpu:
+        from h3t_ext.costmodel import get_system
+        from megatron.training.auto_plan import system_name
+        s = get_system(system_name(args))
+        return s.peak_bf16_flops, f"{s.name} bf16 peak"
+    return measured_cpu_peak_flops(), "measured CPU fp32 GEMM throughput"
+
+
+def max_memory_mb(on_gpu: bool) -> float:
+    """Peak device memory allocated (GPU) or peak resident set size (CPU), in MB."""
+    if on_gpu:
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class IterationLogger:
+    """Logs on the last rank every ``--log-interval`` iterations and keeps the per-iteration metrics."""
+
+    def __init__(self, args, *, vocab_size: int, on_gpu: bool, is_logging_rank: bool):
+        self.args, self.on_gpu, self.enabled = args, on_gpu, is_logging_rank
+        self.flops_per_token = flops_per_token(args, vocab_size)
+        self.peak, self.peak_what = peak_flops(args, on_gpu) if is_logging_rank else (1.0, "")
+        self.records: list[dict] = []
+        self.progress = None
+        if is_logging_rank and sys.stdout.isatty() and not args.no_progress_bar:
+            from rich.progress import Progress
+            self.progress = Progress(transient=True)
+            self.task = self.progress.add_task("training", total=args.train_iters)
+            self.progress.start()
+
+    def header(self, start_iteration: int, num_params: int) -> None:
+        if self.enabled:
+            self._print(f"training: {self.args.train_iters} iterations from {start_iteration}, world size "
+                        f"{self.args.world_size}, {num_params} parameters on this rank, MFU relative to "
+                        f"{self.peak_what} ({self.peak / 1e12:.3f} TFLOP/s)")
+
+    def _print(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        else:
+            print(line, flush=True)
+
+    def record(self, iteration: int, loss: float, elapsed_s: float, lr: float, grad_norm: Optional[float]) -> dict:
+        """Store one iteration's metrics (1-based iteration) and print the log line when due."""
+        a = self.args
+        tokens = a.global_batch_size * a.seq_length
+        tps_gpu = tokens / elapsed_s / a.world_size
+        tflops = 3 * self.flops_per_token * tps_gpu / 1e12
+        rec = {"iteration": iteration, "loss": loss, "tokens_per_second_per_gpu": tps_gpu,
+               "mfu": tflops * 1e12 / self.peak, "tflops_per_gpu": tflops, "elapsed_ms": elapsed_s * 1e3,
+               "learning_rate": lr, "grad_norm": grad_norm}
+        self.records.append(rec)
+        if not self.enabled:
+            return rec
+        if self.progress is not None:
+            self.progress.update(self.task, completed=iteration, description=f"loss {loss:.4f}")
+        if iteration % a.log_interval == 0 or iteration in (1, a.train_iters):
+            norm = "" if grad_norm is None else f" grad norm: {grad_norm:.3f} |"
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            self._print(
+                f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
+                f"{iteration * a.global_batch_size:12d} | elapsed time per iteration (ms): {elapsed_s * 1e3:.1f} | "
+                f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens per second per GPU: {tps_gpu:.1f} | "
+                f"MFU: {100 * rec['mfu']:.2f}% | learning rate: {lr:.6E} | global batch size: "
+                f"{a.global_batch_size:5d} | lm loss: {loss:.6E} |{norm} max memory (MB): "
+                f"{max_memory_mb(self.on_gpu):.1f} |")
+        return rec
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[dict]) -> None:
+    """The ``--metrics-json`` object (written by the last rank)."""
+    out = {
+        "iterations": records,
+        "stage_peak_activation_bytes": [s.get("peak_activation_bytes") for s in stage_stats],
+        "offloaded_bytes": [s.get("offloaded_bytes") for s in stage_stats],
+        "config": {"ckpt": args.ckpt, "offload_alpha": args.offload_alpha, "world_size": args.world_size,
+                   "tensor_model_parallel_size": args.tensor_model_parallel_size,
+                   "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+                   "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+                   "context_parallel_size": args.context_parallel_size,
+                   "data_parallel_size": args.data_parallel_size, "micro_batch_size": args.micro_batch_size,
+                   "global_batch_size": args.global_batch_size, "seq_length": args.seq_length,
+                   "auto_plan_flags": getattr(args, "auto_plan_flags", None)},
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)

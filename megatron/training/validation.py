@@ -1,0 +1,180 @@
+"""Checks of the parsed flags that need no process group (world size comes from WORLD_SIZE).
+
+Each ``_validate_*`` raises :class:`ArgumentError` with one line naming the flag, its value and
+the valid range; :func:`validate_args` also derives the sizes the driver needs
+(``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, ``num_microbatches``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron.training.arguments import ArgumentError
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Validate and derive; the order matters (later checks use derived sizes)."""
+    _validate_heads(args)
+    _validate_layout(args)
+    _validate_pipeline(args)
+    _validate_batch(args)
+    _validate_sequence_parallel(args)
+    _validate_context_parallel(args)
+    _validate_alpha(args)
+    _validate_offload_overlap(args)
+    _validate_data(args)
+    _validate_io(args)
+
+
+def _validate_heads(args) -> None:
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
+                            f"{args.num_attention_heads}")
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError(f"--num-query-groups {args.num_query_groups} does not divide --num-attention-heads "
+                            f"{args.num_attention_heads}")
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {args.seq_length} is outside [1, --max-position-embeddings "
+                            f"{args.max_position_embeddings}]")
+
+
+def _validate_layout(args) -> None:
+    t, p, c, w = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size, args.world_size)
+    if w % (t * p * c):
+        raise ArgumentError(f"--tensor-model-parallel-size {t} x --pipeline-model-parallel-size {p} x "
+                            f"--context-parallel-size {c} = {t * p * c} does not divide the world size {w}")
+    args.data_parallel_size = w // (t * p * c)
+    for flag, n in (("--num-attention-heads", args.num_attention_heads), ("--num-query-groups", args.num_query_groups)):
+        if n % t:
+            raise ArgumentError(f"--tensor-model-parallel-size {t} does not divide {flag} {n}")
+
+
+def _validate_pipeline(args) -> None:
+    L, p, l = args.num_layers, args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if L % p:
+        raise ArgumentError(f"--pipeline-model-parallel-size {p} does not divide --num-layers {L}")
+    per_rank = L // p
+    if l is None:
+        args.virtual_pipeline_model_parallel_size = None
+        return
+    if per_rank % l:
+        raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {l} does not divide the {per_rank} layers "
+                            f"per pipeline rank")
+    v = per_rank // l
+    if v > 1 and p == 1:
+        raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {l} needs --pipeline-model-parallel-size > 1")
+    args.virtual_pipeline_model_parallel_size = v if v > 1 else None
+
+
+def _validate_batch(args) -> None:
+    shard = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % shard:
+        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
+    args.num_microbatches = args.global_batch_size // shard
+    p, m = args.pipeline_model_parallel_size, args.num_microbatches
+    if args.virtual_pipeline_model_parallel_size and m % p:
+        raise ArgumentError(f"interleaved 1F1B needs the {m} microbatches per iteration (--global-batch-size / "
+                            f"(--micro-batch-size x data-parallel size)) to be a multiple of "
+                            f"--pipeline-model-parallel-size {p}")
+
+
+def _validate_sequence_parallel(args) -> None:
+    t = args.tensor_model_parallel_size
+    if t == 1:
+        args.sequence_parallel = False
+    if args.sequence_parallel and not _cuda_available():
+        raise ArgumentError("--sequence-parallel needs TransformerEngine's layer spec on a GPU (megatron-core's "
+                            "local RMSNorm cannot split the sequence); on CPU leave it out")
+    if args.sequence_parallel and args.seq_length % t:
+        raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of --tensor-model-parallel-size {t} "
+                            f"(--sequence-parallel)")
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _validate_context_parallel(args) -> None:
+    c = args.context_parallel_size
+    if c > 1 and not _cuda_available():
+        raise ArgumentError(f"--context-parallel-size {c} needs TransformerEngine attention on a GPU; on CPU "
+                            f"the valid range is [1, 1]")
+    if c > 1 and args.seq_length % (2 * c):
+        raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of 2 x --context-parallel-size {c}")
+
+
+def parse_alpha_values(text: str) -> tuple[float, ...]:
+    """``0.5`` or ``0.1,0.2`` -> floats in [0, 1]; raise ArgumentError naming the flag otherwise."""
+    out = []
+    for part in str(text).split(","):
+        try:
+            a = float(part)
+        except ValueError:
+            raise ArgumentError(f"--offload-alpha {text!r} is not a number, a comma-separated list of numbers, "
+                                f"'auto' or 'balanced'") from None
+        if not 0.0 <= a <= 1.0:
+            raise ArgumentError(f"--offload-alpha {part} is outside [0, 1]")
+        out.append(a)
+    return tuple(out)
+
+
+def _validate_alpha(args) -> None:
+    p = args.pipeline_model_parallel_size
+    if str(args.offload_alpha) in ("auto", "balanced"):
+        from megatron.training.auto_plan import resolve_alpha
+        resolve_alpha(args)
+    alphas = parse_alpha_values(args.offload_alpha) if isinstance(args.offload_alpha, str) \
+        else tuple(float(a) for a in (args.offload_alpha if isinstance(args.offload_alpha, (tuple, list))
+                                      else (args.offload_alpha,)))
+    if len(alphas) not in (1, p):
+        raise ArgumentError(f"--offload-alpha has {len(alphas)} values; give 1 or one per pipeline stage "
+                            f"(--pipeline-model-parallel-size {p})")
+    args.offload_alpha = alphas[0] if len(alphas) == 1 else alphas
+
+
+def _validate_data(args) -> None:
+    if args.mock_data == (args.data_path is not None):
+        raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data")
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
+        raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if args.data_path is None:
+        return
+    for item in args.data_path:
+        try:
+            float(item)
+            continue  # a blend weight
+        except ValueError:
+            pass
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(item + ext):
+                raise ArgumentError(f"--data-path {item}: {item + ext} does not exist (make it with "
+                                    f"tools/preprocess_data.py)")
+
+
+def _validate_io(args) -> None:
+    if args.save_interval is not None and args.save is None:
+        raise ArgumentError("--save-interval needs --save DIR")
+    if args.load is not None and not os.path.isdir(args.load):
+        raise ArgumentError(f"--load {args.load} is not a directory")
+    if args.metrics_json is not None:
+        parent = os.path.dirname(os.path.abspath(args.metrics_json))
+        if not os.path.isdir(parent):
+            raise ArgumentError(f"--metrics-json {args.metrics_json}: directory {parent} does not exist")
+
+
+def _validate_offload_overlap(args) -> None:
+    """The runtime's own layout check, run on every pipeline rank's schedule before any process starts."""
+    from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
+    from h3t_ext.runtime.prepare import validate_layout
+    from h3t_ext.schedule.builder import build_schedule
+    p = args.pipeline_model_parallel_size
+    try:
+        config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
+        schedule = build_schedule(p, args.num_microbatches, args.virtual_pipeline_model_parallel_size or 1)
+        for rank in range(p):
+            validate_layout(config, schedule, rank)
+    except (RuntimeConfigError, ValueError) as e:
+        raise ArgumentError(str(e)) from None

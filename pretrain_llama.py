@@ -1,0 +1,30 @@
+#!/usr/bin/env python3
+"""Pretrain a Llama model with megatron-core and h3t-ext (``--ckpt``, ``--offload-alpha``, ``--auto-plan``).
+
+Megatron-LM's flag names; see ``python pretrain_llama.py --help`` and examples/.
+"""
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # megatron/training and h3t_ext of this repo
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|TransformerEngine|cuda_graph_scope).*")
+PROG = "pretrain_llama.py"
+
+
+def main(argv=None) -> int:
+    from megatron.training.arguments import parse_args
+    args = parse_args(argv, prog=PROG)  # one-line error and exit 2 on a bad flag, before any process group
+
+    from h3t_ext.runtime.config import RuntimeConfigError
+    from megatron.training.checkpointing import CheckpointError
+    from megatron.training.training import pretrain
+    try:
+        return pretrain(args)
+    except (CheckpointError, RuntimeConfigError) as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

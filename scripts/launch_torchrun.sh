@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Launch pretrain_llama.py on one node (or one node of several) with torchrun.
+#
+#   NPROC_PER_NODE=4 scripts/launch_torchrun.sh --num-layers 32 ... [--dry-run]
+#
+# Environment (defaults): NPROC_PER_NODE=2, NNODES=1, NODE_RANK=0, MASTER_ADDR=127.0.0.1,
+# MASTER_PORT=29500, PYTHON (the repo's .venv python if present, else python3).
+# Every argument except --dry-run goes to pretrain_llama.py; --dry-run prints the command instead.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+DRY_RUN=0
+ARGS=()
+for a in "$@"; do
+  if [[ $a == --dry-run ]]; then DRY_RUN=1; else ARGS+=("$a"); fi
+done
+if [[ -x $ROOT/.venv/bin/python ]]; then DEFAULT_PYTHON=$ROOT/.venv/bin/python; else DEFAULT_PYTHON=python3; fi
+PYTHON=${PYTHON:-$DEFAULT_PYTHON}
+NPROC_PER_NODE=${NPROC_PER_NODE:-2}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+CMD=("$PYTHON" -m torch.distributed.run
+     --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
+     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+     "$ROOT/pretrain_llama.py" "${ARGS[@]}")
+if [[ $DRY_RUN == 1 ]]; then
+  printf '%q ' "${CMD[@]}"; echo
+  exit 0
+fi
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec "${CMD[@]}"

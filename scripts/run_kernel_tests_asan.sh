@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Runs the kernel tests against an AddressSanitizer + UBSan build of the native CPU module.
+#
+# The package, csrc/ and tests/test_kernels*.py are copied to a scratch directory, the
+# extension is compiled there with -fsanitize=address,undefined, and pytest runs from that
+# copy with libasan preloaded (with libstdc++; python itself is not instrumented; leak checking is off
+# because the interpreter and torch keep allocations alive at exit).
+#
+#   PYTHON=.venv/bin/python WORK=/tmp/h3t-asan scripts/run_kernel_tests_asan.sh [--dry-run] [pytest args...]
+set -euo pipefail
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PYTHON=${PYTHON:-${REPO}/.venv/bin/python}
+WORK=${WORK:-$(mktemp -d -t h3t-asan.XXXXXX)}
+CXX=${CXX:-g++}
+SANITIZE=${SANITIZE:-address,undefined}
+
+DRY_RUN=0
+PYTEST_ARGS=()
+for arg in "$@"; do
+  if [[ "${arg}" == "--dry-run" ]]; then DRY_RUN=1; else PYTEST_ARGS+=("${arg}"); fi
+done
+
+PY_INCLUDE=$("${PYTHON}" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+PYBIND_INCLUDE=$("${PYTHON}" -c "import pybind11; print(pybind11.get_include())")
+EXT_SUFFIX=$("${PYTHON}" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+# libstdc++ is preloaded too: python does not link it, and ASan's __cxa_throw interceptor
+# needs it present at start-up to resolve the real function.
+LIBASAN="$("${CXX}" -print-file-name=libasan.so) $("${CXX}" -print-file-name=libstdc++.so)"
+
+BUILD_CMD=("${CXX}" -O1 -g -std=c++17 -shared -fPIC -pthread "-fsanitize=${SANITIZE}" -fno-omit-frame-pointer
+           -fno-sanitize-recover=all -I"${REPO}/csrc" -I"${PYBIND_INCLUDE}" -I"${PY_INCLUDE}"
+           "${REPO}/csrc/bindings_cpu.cpp" "${REPO}/csrc/copy_cpu.cpp" "${REPO}/csrc/copy_plan.cpp"
+           "${REPO}/csrc/host_alloc.cpp" -o "${WORK}/h3t_ext/kernels/_copy_cpu${EXT_SUFFIX}")
+TEST_CMD=(env "LD_PRELOAD=${LIBASAN}" "ASAN_OPTIONS=detect_leaks=0:abort_on_error=1"
+          "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1" "PYTHONPATH=${WORK}"
+          "${PYTHON}" -m pytest -q -p no:cacheprovider "${WORK}/tests" "${PYTEST_ARGS[@]}")
+
+if [[ ${DRY_RUN} -eq 1 ]]; then
+  echo "copy h3t_ext csrc tests/test_kernels*.py -> ${WORK}"
+  echo "${BUILD_CMD[*]}"
+  echo "(cd ${WORK} && ${TEST_CMD[*]})"
+  exit 0
+fi
+
+rm -rf "${WORK}/h3t_ext" "${WORK}/csrc" "${WORK}/tests"
+mkdir -p "${WORK}/tests"
+cp -r "${REPO}/h3t_ext" "${REPO}/csrc" "${WORK}/"
+find "${WORK}/h3t_ext" \( -name '*.so' -o -name '__pycache__' \) -prune -exec rm -rf {} +
+cp "${REPO}"/tests/test_kernels*.py "${WORK}/tests/"
+"${BUILD_CMD[@]}"
+cd "${WORK}"
+LOADED=$(env "LD_PRELOAD=${LIBASAN}" "ASAN_OPTIONS=detect_leaks=0" "PYTHONPATH=${WORK}" "${PYTHON}" -c \
+  "import h3t_ext.kernels._copy_cpu as m; print(m.__file__)")
+[[ "${LOADED}" == "${WORK}"/* ]] || { echo "error: tests would load ${LOADED}, not the ASan build" >&2; exit 1; }
+echo "ASan build: ${LOADED}"
+"${TEST_CMD[@]}"

@@ -1,0 +1,75 @@
+"""Shared pieces of the driver tests: run ``pretrain_llama.py`` for real, in 1 or 2 CPU processes.
+
+Runs go through the real entry point in a subprocess (torchrun for 2 ranks), read the
+``--metrics-json`` file the last rank writes, and use a corpus made on the spot by
+``tools/make_stdlib_corpus.py`` + ``tools/preprocess_data.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TINY_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+              "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "64", "--lr", "1e-3",
+              "--lr-decay-style", "constant", "--log-interval", "1", "--no-progress-bar", "--seed", "7"]
+TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def run_pretrain(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
+    """``pretrain_llama.py args`` in ``nproc`` CPU processes (torchrun when nproc > 1)."""
+    entry = str(REPO / "pretrain_llama.py")
+    if nproc == 1:
+        cmd = [PYTHON, entry, *args]
+    else:
+        cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), entry, *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+
+
+def metrics(path) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def losses(path) -> list[float]:
+    return [r["loss"] for r in metrics(path)["iterations"]]
+
+
+def make_corpus_data(directory: Path) -> str:
+    """A byte-level indexed dataset of the stdlib documentation; returns its prefix."""
+    corpus = directory / "corpus.jsonl"
+    for cmd in ([PYTHON, str(REPO / "tools/make_stdlib_corpus.py"), "--output", str(corpus), "--min-bytes", "100000"],
+                [PYTHON, str(REPO / "tools/preprocess_data.py"), "--input", str(corpus), "--output-prefix",
+                 str(directory / "stdlib")]):
+        subprocess.run(cmd, check=True, cwd=REPO, env=_env(), capture_output=True, timeout=TIMEOUT_S)
+    return str(directory / "stdlib_text_document")
+
+
+@pytest.fixture(scope="module")
+def corpus_prefix(tmp_path_factory) -> str:
+    return make_corpus_data(tmp_path_factory.mktemp("corpus"))

@@ -1,0 +1,143 @@
+"""Device layer: cpu-sync and cpu-thread copies, and the thread mode catching a missing wait."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3t_ext.runtime.activations import ActivationManager
+from h3t_ext.runtime.config import RuntimeConfigError
+from h3t_ext.runtime.device import MissingWaitError, make_device_layer
+from h3t_ext.runtime.host_pool import HostPool, size_class
+
+
+def _pair(n=1 << 16):
+    src = torch.randn(n // 4).view(torch.uint8)
+    return src, torch.zeros(n, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("mode", ["cpu-sync", "cpu-thread"])
+def test_copy_lands_after_wait(mode):
+    layer = make_device_layer(mode, "cpu")
+    try:
+        src, dst = _pair()
+        ev = layer.copy_async(layer.new_stream("d2h"), [dst], [src])
+        layer.wait(ev)
+        layer.check_ready(dst)
+        assert torch.equal(dst, src)
+    finally:
+        layer.close()
+
+
+def test_thread_mode_catches_read_before_wait():
+    layer = make_device_layer("cpu-thread", "cpu", copy_delay_s=0.05)
+    try:
+        src, dst = _pair()
+        ev = layer.copy_async(layer.new_stream("h2d"), [dst], [src])
+        with pytest.raises(MissingWaitError):
+            layer.check_ready(dst[128:256])  # any overlapping read is caught
+        assert torch.isnan(dst.view(torch.float32)).all()  # poisoned until the copy lands
+        ev.synchronize()  # the copy has landed, but the reader still did not wait for it
+        with pytest.raises(MissingWaitError):
+            layer.check_ready(dst)
+        layer.wait(ev)
+        layer.check_ready(dst)
+        assert torch.equal(dst, src)
+    finally:
+        layer.close()
+
+
+def test_thread_streams_order_copies_after_events():
+    layer = make_device_layer("cpu-thread", "cpu")
+    try:
+        src, mid = _pair()
+        out = torch.zeros_like(mid)
+        e1 = layer.copy_async("d2h", [mid], [src])
+        e2 = layer.copy_async("h2d", [out], [mid], after=(e1,))  # other stream, waits for the first copy
+        layer.wait(e2)
+        assert torch.equal(out, src)
+    finally:
+        layer.close()
+
+
+def test_manager_with_missing_reload_wait_fails_in_thread_mode(monkeypatch):
+    """A backward that reads reloaded activations without waiting for the reload is caught."""
+    layer = make_device_layer("cpu-thread", "cpu", copy_delay_s=0.05)
+    mgr = ActivationManager(1.0, layer)
+    monkeypatch.setattr(mgr, "_wait_for_reload", lambda st: None)  # the deliberate bug
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+    try:
+        with mgr.forward_scope(0, 0):
+            y = torch.tanh(x @ w).sum()
+        mgr.offload(0, 0)
+        with mgr.forward_scope(1, 0):
+            pass
+        mgr.reload(0, 0)
+        with pytest.raises(MissingWaitError):
+            with mgr.backward_scope(0, 0):
+                y.backward()
+    finally:
+        layer.close()
+
+
+def test_same_manager_without_the_bug_is_exact():
+    layer = make_device_layer("cpu-thread", "cpu", copy_delay_s=0.01)
+    mgr = ActivationManager(1.0, layer)
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+    (torch.tanh(x @ w).sum()).backward()
+    ref, w.grad = w.grad.clone(), None
+    try:
+        with mgr.forward_scope(0, 0):
+            y = torch.tanh(x @ w).sum()
+        mgr.offload(0, 0)
+        with mgr.forward_scope(1, 0):
+            pass
+        mgr.reload(0, 0)
+        with mgr.backward_scope(0, 0):
+            y.backward()
+        mgr.release(0, 0)
+    finally:
+        layer.close()
+    assert mgr.stats.offloaded_bytes == mgr.stats.saved_bytes[(0, 0)] > 0
+    assert torch.equal(w.grad, ref)
+
+
+def test_cuda_mode_needs_a_cuda_device():
+    with pytest.raises(RuntimeConfigError, match="device_mode 'cuda'"):
+        make_device_layer("cuda", "cpu")
+    assert make_device_layer("auto", "cpu").mode == "cpu-sync"
+
+
+def test_host_pool_size_classes_and_reuse():
+    assert size_class(1) == 4096 and size_class(4097) == 8192
+    assert all(size_class(size_class(n)) == size_class(n) >= n for n in range(1, 300000, 997))
+    pool = HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    a = pool.acquire(10000)
+    pool.release(a)
+    b = pool.acquire(9000)  # same class: reused
+    assert b.data_ptr() == a.data_ptr() and pool.allocations == 1
+    c = pool.acquire(100000)
+    assert pool.allocations == 2 and pool.in_use_bytes == b.numel() + c.numel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_manager_offload_is_exact():
+    layer = make_device_layer("cuda", "cuda")
+    mgr = ActivationManager(0.7, layer)
+    w = torch.randn(512, 512, device="cuda", requires_grad=True)
+    x = torch.randn(256, 512, device="cuda")
+    (torch.tanh(x @ w) @ w).sum().backward()
+    ref, w.grad = w.grad.clone(), None
+    with mgr.forward_scope(0, 0):
+        y = (torch.tanh(x @ w) @ w).sum()
+    mgr.offload(0, 0)
+    with mgr.forward_scope(1, 0):
+        pass
+    mgr.reload(0, 0)
+    with mgr.backward_scope(0, 0):
+        y.backward()
+    mgr.release(0, 0)
+    torch.cuda.synchronize()
+    assert mgr.stats.offloaded_bytes > 0
+    assert torch.equal(w.grad, ref)

@@ -1,0 +1,119 @@
+"""Flag checks of pretrain_llama.py: one Megatron-style line, exit status 2, no process group, no traceback."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from driver_harness import PYTHON, REPO, _env
+from megatron.training.arguments import parse_args
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
+
+
+def _error(argv, capsys, monkeypatch, world_size=2) -> str:
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pretrain_llama.py: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--offload-alpha", "1.5"], "--offload-alpha 1.5 is outside [0, 1]"),
+    (["--offload-alpha", "0.2,1.2", "--pipeline-model-parallel-size", "2"], "--offload-alpha 1.2 is outside [0, 1]"),
+    (["--offload-alpha", "x"], "--offload-alpha 'x' is not a number"),
+    (["--ckpt", "some"], "argument --ckpt: invalid choice: 'some'"),
+    (["--lr", "-1"], "--lr -1.0 is outside (0, inf)"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0 is outside [1, inf)"),
+    (["--pipeline-model-parallel-size", "3"], "the world size 2"),
+    (["--num-layers-per-virtual-pipeline-stage", "3", "--pipeline-model-parallel-size", "2"],
+     "--num-layers-per-virtual-pipeline-stage 3 does not divide the 2 layers per pipeline rank"),
+    (["--micro-batch-size", "3"], "--global-batch-size 8 is not a multiple of --micro-batch-size 3"),
+    (["--tensor-model-parallel-size", "2", "--num-attention-heads", "2", "--hidden-size", "64",
+      "--group-query-attention", "--num-query-groups", "1"], "--tensor-model-parallel-size 2 does not divide"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2 needs TransformerEngine"),
+    (["--offload-alpha", "0.5"], "cannot be overlapped"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "--sequence-parallel needs TransformerEngine"),
+    (["--recompute-granularity", "selective"], "--recompute-granularity selective is not supported"),
+    (["--recompute-granularity", "full", "--ckpt", "ours"], "--ckpt ours contradicts --recompute-granularity full"),
+    (["--data-path", "/nonexistent/prefix"], "give exactly one of --data-path PREFIX and --mock-data"),
+    (["--save-interval", "2"], "--save-interval needs --save DIR"),
+    (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
+])
+def test_bad_flag_gives_one_line(extra, expected, capsys, monkeypatch):
+    assert expected in _error(BASE + extra, capsys, monkeypatch)
+
+
+def test_missing_data_files_are_named(capsys, monkeypatch, tmp_path):
+    argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "nothing")]
+    line = _error(argv, capsys, monkeypatch)
+    assert "nothing.bin does not exist" in line
+
+
+def test_good_flags_derive_sizes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                              "--recompute-granularity", "full", "--recompute-method", "uniform",
+                              "--recompute-num-layers", "1"])
+    assert args.data_parallel_size == 2 and args.virtual_pipeline_model_parallel_size == 2
+    assert args.num_microbatches == 4 and args.ckpt == "full" and args.offload_alpha == 0.0
+
+
+def test_published_65b_flags_parse_for_256_ranks(monkeypatch):
+    import megatron.training.validation as validation
+    monkeypatch.setattr(validation, "_cuda_available", lambda: True)  # as on a GPU host
+    monkeypatch.setenv("WORLD_SIZE", "256")
+    args = parse_args(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+                       "--ffn-hidden-size", "22016", "--seq-length", "4096", "--global-batch-size", "256",
+                       "--train-iters", "10", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                       "--vocab-size", "32000", "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage", "2",
+                       "--sequence-parallel", "--use-distributed-optimizer", "--ckpt", "no", "--offload-alpha", "0.355"])
+    assert args.data_parallel_size == 16 and args.num_microbatches == 16
+    assert args.virtual_pipeline_model_parallel_size == 5 and args.offload_alpha == 0.355
+
+
+def test_auto_plan_fills_only_what_was_left_out(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "256")
+    monkeypatch.setenv("RANK", "0")
+    args = parse_args(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+                       "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "28672",
+                       "--seq-length", "4096", "--global-batch-size", "256", "--train-iters", "10", "--lr", "1e-4",
+                       "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
+                       "--gpu", "h800", "--auto-plan", "--pipeline-model-parallel-size", "8"])
+    out = capsys.readouterr().out
+    assert out.startswith("auto-plan (h800")
+    assert args.pipeline_model_parallel_size == 8  # the user's value is kept
+    assert args.ckpt in ("no", "full", "ours") and args.use_distributed_optimizer
+    t, c, p = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
+    assert t * c * p * args.data_parallel_size == 256
+
+
+def test_bad_flag_through_the_entry_point_has_no_traceback():
+    proc = subprocess.run([PYTHON, str(REPO / "pretrain_llama.py"), *BASE, "--offload-alpha", "1.5"], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "pretrain_llama.py: error: --offload-alpha 1.5 is outside [0, 1]"
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["auto", "balanced"])
+def test_offload_alpha_modes_are_resolved_by_the_cost_model(mode, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    args = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--offload-alpha", mode, "--memory-budget",
+                              "80GB"])
+    values = args.offload_alpha if isinstance(args.offload_alpha, tuple) else (args.offload_alpha,)
+    assert len(values) in (1, 2) and all(0.0 <= a <= 1.0 for a in values)
+    assert f"--offload-alpha {mode} resolved by the cost model" in capsys.readouterr().out
+
+
+def test_bad_memory_budget_is_one_line(capsys, monkeypatch):
+    line = _error(BASE + ["--offload-alpha", "auto", "--memory-budget", "lots"], capsys, monkeypatch)
+    assert "--memory-budget" in line and "not a byte count" in line

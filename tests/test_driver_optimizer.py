@@ -1,0 +1,100 @@
+"""The CPU optimizer equals AdamW on the data-parallel mean gradient, sharded (ZeRO-1) or not."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from megatron.training.optimizer import DataParallelAdamW, _shard_owners, learning_rate
+
+ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine",
+                       weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.5)
+STEPS = 4
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 3))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _worker(rank: int, world: int):
+    return {distributed: _train(rank, distributed) for distributed in (False, True)}
+
+
+def _train(rank: int, distributed: bool):
+    import torch.distributed as dist
+    model = _model()
+    opt = DataParallelAdamW([model], ARGS, dp_group=dist.group.WORLD, model_parallel_group=None, tp_rank=0,
+                            distributed=distributed)
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, *_batch(rank, step)).backward()
+        norms.append(opt.step(step)[1])
+    n_state = len(opt.adam.state) if opt.has_params else 0  # parameters with Adam state here
+    return [p.detach().clone() for p in model.parameters()], norms, n_state
+
+
+def _reference(world: int):
+    model = _model()
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    adam = torch.optim.AdamW([{"params": decay, "weight_decay": ARGS.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=ARGS.lr,
+                             betas=(ARGS.adam_beta1, ARGS.adam_beta2), eps=ARGS.adam_eps)
+    norms = []
+    for step in range(STEPS):
+        adam.zero_grad()
+        sum(_loss(model, *_batch(r, step)) for r in range(world)).div(world).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), ARGS.clip_grad)
+        norms.append(float(norm))
+        for g in adam.param_groups:
+            g["lr"] = learning_rate(ARGS, step)
+        adam.step()
+    return [p.detach() for p in model.parameters()], norms
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_distributed(_worker, world_size=2, timeout_s=240)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_data_parallel_adamw_matches_single_process_adamw(distributed, two_rank_results):
+    results = [r[distributed] for r in two_rank_results]
+    ref_params, ref_norms = _reference(2)
+    for params, norms, _ in results:
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert norms == pytest.approx(ref_norms, rel=1e-6)
+    states = [n for _, _, n in results]
+    if distributed:  # each rank keeps Adam state for its share only
+        assert all(0 < n < 6 for n in states) and sum(states) == 6
+    else:
+        assert states == [6, 6]
+
+
+def test_shards_are_balanced_and_deterministic():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 10, 90, 5, 5)]
+    owners = _shard_owners(params, 2)
+    assert owners == _shard_owners(params, 2)
+    load = [sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(2)]
+    assert max(load) - min(load) <= 10
+
+
+def test_learning_rate_schedule():
+    assert learning_rate(ARGS, 0) == pytest.approx(ARGS.lr / 2)  # warm-up
+    assert learning_rate(ARGS, 1) == pytest.approx(ARGS.lr)
+    assert learning_rate(ARGS, 5) == pytest.approx(ARGS.min_lr)  # end of the cosine
+    assert learning_rate(ARGS, 3) == pytest.approx(ARGS.min_lr + 0.5 * (ARGS.lr - ARGS.min_lr))

@@ -1,0 +1,87 @@
+"""CUDA copy kernels: compile check with nvcc (no GPU needed), and GPU behaviour behind a skip."""
+import os
+import shutil
+import subprocess
+import sysconfig
+
+import pybind11
+import pytest
+import torch
+
+from h3t_ext import kernels
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(REPO, "csrc")
+NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
+# Compilers must not inherit a sanitizer preload (scripts/run_kernel_tests_asan.sh sets one).
+ENV = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
+def _cuda_include():
+    out = subprocess.run([NVCC, "--version"], capture_output=True, text=True, check=True, env=ENV).stdout
+    roots = [os.environ.get("CUDA_HOME"), os.path.dirname(os.path.dirname(os.path.realpath(NVCC))), "/usr/local/cuda"]
+    roots += sorted((os.path.join("/usr/local", d) for d in os.listdir("/usr/local") if d.startswith("cuda-")),
+                    reverse=True)
+    for root in roots:
+        if root and os.path.exists(os.path.join(root, "include", "cuda_runtime.h")):
+            return os.path.join(root, "include")
+    pytest.skip(f"nvcc found ({out.splitlines()[-1]}) but no cuda_runtime.h")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_cuda_kernels_compile_with_nvcc(tmp_path):
+    obj = tmp_path / "copy_cuda.o"
+    res = subprocess.run([NVCC, "-c", os.path.join(CSRC, "copy_cuda.cu"), "-o", str(obj), "-std=c++17",
+                          "-Xcompiler", "-fPIC,-Wall", f"-I{CSRC}"], capture_output=True, text=True, timeout=300,
+                         env=ENV)
+    assert res.returncode == 0, res.stderr
+    assert obj.stat().st_size > 0
+    syms = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, env=ENV).stdout
+    assert "h3t::cuda::enqueue_tasks" in syms and "batched_copy_kernel" in syms
+
+
+@pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="nvcc or g++ not found")
+def test_cuda_bindings_compile_with_host_compiler():
+    cmd = ["g++", "-fsyntax-only", "-std=c++17", "-Wall", f"-I{CSRC}", f"-I{_cuda_include()}",
+           f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+           os.path.join(CSRC, "bindings_cuda.cpp")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr
+
+
+def test_cpu_sources_do_not_include_torch_or_cuda():
+    for name in os.listdir(CSRC):
+        text = open(os.path.join(CSRC, name)).read()
+        assert "torch/" not in text and "ATen" not in text, name
+        if not name.endswith(".cu"):
+            assert "cuda_runtime" not in text, name
+
+
+gpu = pytest.mark.skipif(not kernels.native_available("cuda"), reason="needs a GPU and the built CUDA module")
+
+
+@gpu
+@pytest.mark.parametrize("method", [0, 1, 2])
+def test_gpu_roundtrip_through_pinned_buffer(method):
+    gen = torch.Generator().manual_seed(0)
+    host = [torch.randn(n, generator=gen) for n in (1, 17, 4096, 1 << 20)]
+    dev = [h.cuda() for h in host]
+    _, total = kernels.packed_offsets(dev)
+    pinned = kernels.alloc_pinned(total)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    buf, offsets = kernels.gather(dev, pinned, stream=stream)
+    back = [torch.empty_like(d) for d in dev]
+    kernels.scatter(buf, back, offsets, stream=stream)
+    stream.synchronize()
+    assert all(torch.equal(b.cpu(), h) for b, h in zip(back, host))
+
+
+@gpu
+def test_gpu_batched_copy_strided_and_host_to_device():
+    src = torch.randn(64, 48)
+    dst = torch.zeros(64, 64, device="cuda")
+    kernels.batched_copy_([dst[:, 8:56], dst[:, :4]], [src, src[:, :4]])
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:, 8:56].cpu(), src)
+    assert torch.equal(dst[:, :4].cpu(), src[:, :4])

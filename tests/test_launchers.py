@@ -1,0 +1,69 @@
+"""Launchers: --dry-run prints the resolved command; mpirun really starts 2 CPU ranks (when installed)."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from driver_harness import REPO, TINY_MODEL, _env, check_ok, free_port, losses
+
+
+def _dry(script: str, *args: str, **env: str) -> list[str]:
+    proc = subprocess.run(["bash", str(REPO / script), "--dry-run", *args], cwd=REPO, env={**_env(), **env},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return shlex.split(proc.stdout)
+
+
+def test_torchrun_dry_run_resolves_env_and_passes_args_through():
+    cmd = _dry("scripts/launch_torchrun.sh", "--lr", "1e-3", "--data-path", "a b", NPROC_PER_NODE="4",
+               MASTER_PORT="1234")
+    assert cmd[1:3] == ["-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and cmd[cmd.index("--master-port") + 1] == "1234"
+    assert cmd[-5:] == [str(REPO / "pretrain_llama.py"), "--lr", "1e-3", "--data-path", "a b"]
+
+
+def test_mpirun_dry_run_maps_ranks_through_the_wrapper():
+    cmd = _dry("scripts/launch_mpirun.sh", "--train-iters", "3", NP="8", MASTER_ADDR="node0")
+    assert cmd[0] == "mpirun" and cmd[cmd.index("-np") + 1] == "8"
+    assert "MASTER_ADDR=node0" in cmd and "H3T_MPI_RANK_WRAPPER=1" in cmd
+    assert ("--allow-run-as-root" in cmd) == (os.getuid() == 0)
+    assert cmd[-3:] == [str(REPO / "scripts/launch_mpirun.sh"), "--train-iters", "3"]
+
+
+def test_slurm_dry_run_uses_srun_with_slurm_rank_variables():
+    cmd = _dry("scripts/launch_slurm.sbatch", "--seed", "5", GPUS_PER_NODE="4", SLURM_JOB_NUM_NODES="3")
+    assert cmd[0] == "srun" and cmd[cmd.index("--nodes") + 1] == "3" and cmd[cmd.index("--ntasks-per-node") + 1] == "4"
+    task = cmd[cmd.index("-c") + 1]
+    assert "RANK=$SLURM_PROCID" in task and "WORLD_SIZE=$SLURM_NTASKS" in task and "LOCAL_RANK=$SLURM_LOCALID" in task
+    assert cmd[-2:] == ["--seed", "5"]
+
+
+@pytest.mark.parametrize("script, env", [
+    ("examples/tiny_cpu.sh", {}),
+    ("examples/llama7b_4gpu.sh", {"MODE": "baseline"}),
+    ("examples/llama7b_4gpu.sh", {"MODE": "ours"}),
+    ("examples/llama7b_4gpu.sh", {"MODE": "nockpt"}),
+    ("examples/llama65b_256gpu.sh", {}),
+    ("examples/llama2_70b_256gpu.sh", {"LAUNCHER": "mpirun"}),
+    ("examples/llama175b_256gpu.sh", {}),
+])
+def test_example_scripts_dry_run(script, env):
+    cmd = _dry(script, **env)
+    assert str(REPO / "pretrain_llama.py") in cmd or str(REPO / "scripts/launch_mpirun.sh") in cmd
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
+def test_mpirun_launcher_runs_two_cpu_ranks(tmp_path):
+    path = tmp_path / "metrics.json"
+    env = {**_env(), "NP": "2", "MASTER_PORT": str(free_port()), "MPI_EXTRA_ARGS": "--oversubscribe"}
+    proc = subprocess.run(["bash", str(REPO / "scripts/launch_mpirun.sh"), *TINY_MODEL, "--global-batch-size", "4",
+                           "--train-iters", "2", "--mock-data", "--pipeline-model-parallel-size", "2",
+                           "--metrics-json", str(path)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    check_ok(proc)
+    assert "world size 2" in proc.stdout
+    assert len(losses(path)) == 2
