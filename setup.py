@@ -20,7 +20,7 @@ import sys
 import sysconfig
 import warnings
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 CPU_SOURCES = ["csrc/bindings_cpu.cpp", "csrc/copy_cpu.cpp", "csrc/copy_plan.cpp", "csrc/host_alloc.cpp"]
@@ -131,7 +131,9 @@ setup(
     version="0.1.0",
     description="Megatron-LM extension: ckpt=ours, fractional activation offload, cost model and planner",
     python_requires=">=3.11",
-    packages=find_packages(include=["h3t_ext", "h3t_ext.*"]),
+    # megatron/ has no __init__.py: megatron.training joins the namespace of the installed megatron-core.
+    packages=find_packages(include=["h3t_ext", "h3t_ext.*"])
+    + find_namespace_packages(include=["megatron.training", "megatron.training.*"]),
     package_data={"h3t_ext": ["data/*.json", "data/**/*.json"]},
     install_requires=["rich>=13"],
     extras_require={

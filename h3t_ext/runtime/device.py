@@ -253,7 +253,12 @@ class CudaDeviceLayer(DeviceLayer):
         return name
 
     def empty_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        try:  # NUMA-local pinned pages from the kernels package when it is there
+            from h3t_ext.kernels import alloc_pinned  # noqa: PLC0415
+
+            return alloc_pinned(nbytes, device=self.device)
+        except ImportError:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def compute_event(self) -> Event:
         return _CudaEvent(torch.cuda.current_stream(self.device))
