@@ -5,8 +5,10 @@ Every rank builds its stage of the same small Llama-style GPTModel, installs the
 with each variant's H3TConfig and runs a few iterations. Printed per variant: time per iteration
 relative to ckpt=no / alpha=0, and every stage's peak of saved activation bytes (counted by the
 activation manager) next to the cost model's ``stage_activation_peak_bytes`` (fp32, 'local' spec,
-no sequence parallel, t=1). Stage 0 also holds the embedding output and the last stage the logits
-and loss, which the cost model's per-layer figure does not cover.
+no sequence parallel, t=1), which includes the last stage's output layer (final norm, fp32 softmax
+and targets of the cross entropy) and the local spec's unfused RoPE cos/sin. ckpt=no runs the
+local spec's norms and SwiGLU saving what fused kernels save (h3t_ext.runtime.fused_saves, applied
+by the runtime), as the cost model counts.
 
     .venv/bin/python scripts/bench_runtime.py [--iterations 3] [--json]
 """
@@ -41,9 +43,6 @@ def _parse(argv):
     ap.add_argument("--iterations", type=int, default=3, help="timed iterations (after one warm-up)")
     ap.add_argument("--device-mode", default="cpu-sync", choices=["cpu-sync", "cpu-thread"])
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list of ckpt:alpha")
-    ap.add_argument("--lean-no-ops", action="store_true",
-                    help="ckpt=no variants use the lean RMSNorm/SwiGLU autograd functions of ckpt=ours without "
-                         "discarding outputs (they save what fused kernels save, as the cost model counts)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     try:
@@ -70,7 +69,6 @@ def _worker(rank, world, args):
     from h3t_ext.runtime.config import H3TConfig
     from h3t_ext.runtime.device import make_device_layer
     from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
-    from h3t_ext.runtime.recompute_ours import apply_ckpt_ours
     from h3t_ext.runtime.schedules import H3TSchedules
 
     def measuring_factory(cfg, pp_rank, pp_size, device):  # a manager even at ckpt=no, alpha=0
@@ -104,8 +102,6 @@ def _worker(rank, world, args):
         model = [build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=args.seq_length,
                                  pre_process=rank == 0 and c == 0, post_process=rank == p - 1 and c == v - 1,
                                  vp_stage=c if v > 1 else None) for c in range(v)]
-        if ckpt == "no" and measure and args.lean_no_ops:
-            apply_ckpt_ours(model, discard_outputs=False)
         sched = H3TSchedules(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode=args.device_mode),
                              manager_factory=measuring_factory if measure else None)
         runs.append((model, sched))

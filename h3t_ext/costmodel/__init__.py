@@ -6,6 +6,7 @@ Pure Python (no torch). Inputs are three orthogonal things: a ``ModelSpec``, a `
 from h3t_ext.costmodel.activations import (
     activation_bytes_per_layer_token,
     layer_bytes_per_local_token,
+    output_layer_bytes,
     residency_lines,
     stage_activation_peak_bytes,
 )
@@ -21,7 +22,7 @@ __all__ = [
     "CKPT_CHOICES", "Estimate", "InfeasiblePlanError", "InvalidPlanError", "ModelSpec", "Plan", "PlanError",
     "StageMemory", "SystemSpec", "UnknownNameError", "activation_bytes_per_layer_token", "balanced_pcie_savings",
     "chunk_activation_bytes", "estimate", "get_model", "get_system", "layer_bytes_per_local_token", "list_models",
-    "list_systems", "mfu", "model_flops_per_token", "over_budget_error", "pcie_bytes_per_iteration",
+    "list_systems", "mfu", "model_flops_per_token", "output_layer_bytes", "over_budget_error", "pcie_bytes_per_iteration",
     "residency_lines", "solve_offload_alpha", "stage_activation_peak_bytes", "stage_memory", "stage_params",
     "validate_plan",
 ]

@@ -22,6 +22,14 @@ ckpt='ours' drops ``norm1_output``, ``norm2_output`` and ``swiglu_output``/``fc2
 backward from the kept norm inputs, rstd and FC1 output). ckpt='full' keeps only ``layer_input``.
 With bf16 and the 'te' spec, ckpt=no is 12h + 4h_kv + 8f (+ 4 heads + 8) bytes, ours 8h + 4h_kv + 4f (+ ...).
 
+The last stage also holds the output layer's saved tensors of the microbatch whose last chunk is
+in its forward or backward (``output_layer_bytes``: the final norm's input, rstd and output, the
+fp32 softmax the vocabulary-parallel cross entropy keeps for backward, its int64 masked targets and
+bool mask). On the last stage that chunk's backward follows its forward at once, so this is one
+microbatch's worth at the peak, never offloaded. With the 'local' spec megatron-core's unfused
+RoPE also keeps cos and sin ([s/c, 1, 1, d] for q and for k) per layer and microbatch
+(``rope_bytes_per_layer``); fused RoPE (TransformerEngine) keeps none.
+
 Stage peaks are priced over the schedule builder's action lists (``build_schedule``): every rank's
 timeline of compute actions gives the held microbatch-chunks, split into whole ones and offloaded ones
 (see ``residency_lines``). Large schedules (a search prices thousands) use the closed form of that walk,
@@ -36,6 +44,7 @@ from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.schedule import ActionKind, build_schedule
 
 FP32 = 4
+INT64, BOOL = 8, 1
 _REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output")
 _OURS_DROPS = ("norm1_output", "norm2_output", "swiglu_output", "fc2_input")
 
@@ -182,13 +191,49 @@ def chunk_resident_factor(lines: tuple[tuple[int, int], ...], alpha: float, offl
     return peak + (2.0 * alpha if offloads and alpha > 0 else 0.0)
 
 
+def output_layer_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
+                       sequence_parallel: bool = True) -> dict[str, int]:
+    """Saved bytes of the output layer of one microbatch on the last stage, by term, plus ``total``.
+
+    The final norm works on the local sequence shard (s/(c t) tokens; s/c without sequence
+    parallel) and the output GEMM saves that shard of its input. The vocabulary-parallel cross
+    entropy (megatron-core ``tensor_parallel/cross_entropy.py``) casts the logits of the gathered
+    sequence (s/c tokens, V_pad/t columns) to fp32, turns them into the softmax in place and saves
+    it with the int64 masked targets and the bool target mask. The bf16 logits themselves are not
+    saved (see ``logits_transient`` in memory.py)."""
+    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
+    seq_tokens = plan.micro_batch_size * plan.seq_length // c
+    norm_tokens = seq_tokens // t if sequence_parallel else seq_tokens
+    h, b = model.hidden_size, dtype_bytes
+    terms = {
+        "final_norm_input": norm_tokens * h * b,
+        "final_norm_rstd": norm_tokens * FP32,
+        "final_norm_output": norm_tokens * h * b,
+        "cross_entropy_softmax": seq_tokens * (model.padded_vocab_size(t) // t) * FP32,
+        "cross_entropy_targets": seq_tokens * INT64,
+        "cross_entropy_target_mask": seq_tokens * BOOL,
+    }
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_spec: str = "te") -> int:
+    """cos and sin ([s/c, 1, 1, head_dim], for q and for k) that megatron-core's unfused RoPE saves per
+    layer and microbatch with the 'local' spec; 0 with the 'te' spec (fused RoPE)."""
+    if layer_spec != "local":
+        return 0
+    head_dim = model.hidden_size // model.num_attention_heads
+    return 4 * (plan.seq_length // plan.context_parallel_size) * head_dim * dtype_bytes
+
+
 def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_spec: str = "te",
                                 sequence_parallel: bool = True,
                                 alphas: Optional[tuple[float, ...]] = None) -> tuple[int, ...]:
     """Peak saved-activation bytes (with the reload double buffer) of every pipeline stage of ``plan``.
 
     ``alphas`` overrides ``plan.alphas()``. On the first stage of interleaved 1F1B with m > p this is
-    A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one microbatch-chunk."""
+    A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one microbatch-chunk; the last
+    stage adds one microbatch's :func:`output_layer_bytes`."""
     t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
@@ -197,9 +242,12 @@ def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
     per_tok = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
                                           sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
                                           layer_spec=layer_spec)
-    chunk = layers * tokens * per_tok
+    chunk = layers * (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
+                                                              layer_spec=layer_spec))
+    head = output_layer_bytes(model, plan, dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)["total"]
     alphas = plan.alphas() if alphas is None else alphas
     return tuple(
         int(round(chunk * chunk_resident_factor(residency_lines(p, m, v, r), alphas[r], rank_offloads(p, m, v, r) > 0)))
+        + (head if r == p - 1 else 0)
         for r in range(p)
     )

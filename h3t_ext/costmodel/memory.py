@@ -15,9 +15,13 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
                            ckpt=full: the saved activations of one layer re-created in backward.
 * ``embedding_grad``       first stage: the dense bf16 gradient of the vocabulary-parallel embedding
                            (V_pad/t * h) before it is added to the fp32 main grad.
-* ``logits_loss``          last stage: bf16 logits and the fp32 softmax the vocabulary-parallel cross
-                           entropy computes in place and keeps for backward (its gradient is written
-                           into it), (s/c) * V_pad/t * (2 + 4).
+* ``logits_transient``     last stage: the bf16 logits, alive next to the fp32 softmax while the
+                           vocabulary-parallel cross entropy runs (and their bf16 gradient next to
+                           it in backward), (s/c) * V_pad/t * 2. The fp32 softmax the cross
+                           entropy keeps for backward (its gradient is written into it) is saved
+                           state, in ``output_layer_activations``.
+* ``output_layer_activations`` last stage: one microbatch's saved tensors of the final norm, output
+                           GEMM and cross entropy (``activations.output_layer_bytes``), counted once.
 * ``offload_reload_buffer`` the reload double buffer, 2 * alpha * A (reported next to ``activations``).
 * ``p2p_buffers``          received activations/gradients waiting for their compute action (2 per
                            direction), 4 * (s/(c t)) * h bf16 (p > 1 only).
@@ -31,6 +35,7 @@ from h3t_ext.costmodel.activations import (
     activation_bytes_per_layer_token,
     chunk_resident_factor,
     layer_bytes_per_local_token,
+    output_layer_bytes,
     rank_offloads,
     residency_lines,
 )
@@ -105,7 +110,8 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     if stage == 0:
         out["embedding_grad"] = vocab_shard * h * BF16
     if stage == p - 1:
-        out["logits_loss"] = seq_tokens * vocab_shard * (BF16 + FP32)
+        out["logits_transient"] = seq_tokens * vocab_shard * BF16
+        out["output_layer_activations"] = output_layer_bytes(model, plan)["total"]
     return out
 
 

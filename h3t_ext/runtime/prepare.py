@@ -3,7 +3,9 @@
 :func:`validate_layout` checks an :class:`H3TConfig` against the pipeline schedule it will run
 and fails with one line (:class:`RuntimeConfigError`) on every rank alike, so no rank is left
 waiting on a peer that gave up. :class:`ModelPreparer` applies the recompute transform of the
-chosen ``ckpt`` to the model chunks once and owns the activation manager of this stage.
+chosen ``ckpt`` to the model chunks once (and, on megatron-core's local spec, makes the unfused
+norms and SwiGLU save what fused kernels save: :mod:`h3t_ext.runtime.fused_saves`) and owns the
+activation manager of this stage.
 """
 from __future__ import annotations
 
@@ -125,6 +127,13 @@ class ModelPreparer:
         return mgr
 
     def _transform(self, chunks: list, mgr) -> None:
+        from .fused_saves import apply_fused_saves
+
+        # Unfused local-spec norms/SwiGLU save more than fused kernels; have them save what fused
+        # kernels save (bitwise-equal results; the savings apply under an activation manager), so
+        # activation bytes (and offloaded bytes) are those the cost model prices. ckpt=ours has
+        # lean layers of its own, full recompute keeps only layer inputs: there, the final norm only.
+        apply_fused_saves(chunks, layers=self.config.ckpt == "no")
         if self.config.ckpt == "full":
             from .recompute_full import apply_full_recompute
 
