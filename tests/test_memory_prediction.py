@@ -52,8 +52,10 @@ def _worker(rank, world):
     from h3t_ext.runtime.schedules import H3TSchedules
 
     def factory(cfg, pp_rank, pp_size, device):  # a counting manager on every stage, even at alpha 0
+        # every saved tensor offloadable: at this model size RoPE's cos/sin, the lse and rstd are below
+        # the default threshold, and the cost model's alpha applies to all of a chunk's bytes
         return ActivationManager(cfg.stage_alpha(pp_rank, pp_size), make_device_layer("cpu-sync", device),
-                                 min_offload_bytes=cfg.min_offload_bytes)
+                                 min_offload_bytes=0)
 
     init_parallel(1, PP, V)
     cfg = tiny_llama_config(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
