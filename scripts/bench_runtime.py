@@ -61,6 +61,9 @@ def _parse(argv):
 
 
 def _worker(rank, world, args):
+    import warnings
+
+    warnings.filterwarnings("ignore", module="megatron")  # optional-accelerator notices at import
     import torch
     import torch.distributed as dist
 
