@@ -2,10 +2,14 @@
 //
 // Callers never import this module directly; h3t_ext.kernels validates torch tensors
 // and passes data pointers, byte counts and pitches. The GIL is released while copying.
+// batched_copy_tensors reads the tensors' attributes itself (CPython API, no torch
+// headers) for the common all-contiguous CPU batch, saving a Python pass per pair.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
 #include <optional>
+#include <tuple>
 
 #include "copy_cpu.h"
 #include "copy_plan.h"
@@ -38,6 +42,116 @@ unsigned pack(bool gather, std::uintptr_t buffer, std::size_t buffer_nbytes, con
   return run(h3t::plan_pack(gather, buffer, buffer_nbytes, ptrs, offsets, row_bytes, r, p));
 }
 
+// Attribute names of the tensor protocol read by batched_copy_tensors, interned once.
+struct TensorNames {
+  PyObject* dtype;
+  PyObject* is_cpu;
+  PyObject* is_contiguous;
+  PyObject* shape;
+  PyObject* nbytes;
+  PyObject* data_ptr;
+};
+TensorNames g_names;  // created at module import, never freed (like any interned string)
+
+PyObject* intern(const char* name) {
+  PyObject* s = PyUnicode_InternFromString(name);
+  if (s == nullptr) throw py::error_already_set();
+  return s;
+}
+
+// Result of reading one (dst, src) pair: usable, not the fast case, or a Python error set.
+enum class PairScan { kOk, kUnusual, kError };
+
+py::object steal(PyObject* o) { return py::reinterpret_steal<py::object>(o); }
+
+// bool(obj.name) (attribute) or bool(obj.name()) (method): 1, 0, or -1 with an error set.
+int truth_of(PyObject* obj, PyObject* name, bool call) {
+  PyObject* args[] = {obj};
+  py::object v = steal(call ? PyObject_VectorcallMethod(name, args, 1, nullptr)
+                            : PyObject_GetAttr(obj, name));
+  return v ? PyObject_IsTrue(v.ptr()) : -1;
+}
+
+// An int attribute (call=false) or method result (call=true) as an unsigned 64-bit value.
+PairScan read_u64(PyObject* obj, PyObject* name, bool call, std::uint64_t& out) {
+  PyObject* args[] = {obj};
+  py::object v = steal(call ? PyObject_VectorcallMethod(name, args, 1, nullptr)
+                            : PyObject_GetAttr(obj, name));
+  if (!v) return PairScan::kError;
+  if (!PyLong_Check(v.ptr())) return PairScan::kUnusual;
+  out = PyLong_AsUnsignedLongLong(v.ptr());
+  if (out == static_cast<std::uint64_t>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();  // negative or too large: not a pointer or size; let the checked path decide
+    return PairScan::kUnusual;
+  }
+  return PairScan::kOk;
+}
+
+// The checks of the Python fast path, in its order: same dtype object, both on the CPU and
+// contiguous, equal shapes; then nbytes and, when non-zero, both data pointers.
+PairScan scan_pair(PyObject* d, PyObject* s, Ptrs& dsts, Ptrs& srcs, Sizes& sizes) {
+  const TensorNames& n = g_names;
+  py::object dd = steal(PyObject_GetAttr(d, n.dtype));
+  if (!dd) return PairScan::kError;
+  py::object sd = steal(PyObject_GetAttr(s, n.dtype));
+  if (!sd) return PairScan::kError;
+  if (dd.ptr() != sd.ptr()) return PairScan::kUnusual;
+  for (auto [obj, name, call] : {std::tuple{d, n.is_cpu, false}, std::tuple{s, n.is_cpu, false},
+                                 std::tuple{d, n.is_contiguous, true}, std::tuple{s, n.is_contiguous, true}}) {
+    const int t = truth_of(obj, name, call);
+    if (t <= 0) return t < 0 ? PairScan::kError : PairScan::kUnusual;
+  }
+  py::object ds = steal(PyObject_GetAttr(d, n.shape));
+  if (!ds) return PairScan::kError;
+  py::object ss = steal(PyObject_GetAttr(s, n.shape));
+  if (!ss) return PairScan::kError;
+  const int differ = PyObject_RichCompareBool(ds.ptr(), ss.ptr(), Py_NE);
+  if (differ != 0) return differ < 0 ? PairScan::kError : PairScan::kUnusual;
+  std::uint64_t nbytes = 0, dp = 0, sp = 0;
+  PairScan r = read_u64(d, n.nbytes, false, nbytes);
+  if (r != PairScan::kOk || nbytes == 0) return r;
+  if ((r = read_u64(d, n.data_ptr, true, dp)) != PairScan::kOk) return r;
+  if ((r = read_u64(s, n.data_ptr, true, sp)) != PairScan::kOk) return r;
+  dsts.push_back(dp);
+  srcs.push_back(sp);
+  sizes.push_back(nbytes);
+  return PairScan::kOk;
+}
+
+// The fast batched copy over tensor objects: None when the batch is not lists/tuples of
+// equal length whose pairs are all CPU, contiguous, of one dtype and shape (or reading an
+// attribute raised AttributeError, TypeError or ValueError): the caller then takes its fully
+// validated path. Otherwise copies (nothing is written before every pair was read) and
+// returns the threads used (0: no bytes). Other Python errors propagate.
+py::object batched_copy_tensors(py::handle dsts, py::handle srcs) {
+  const auto is_seq = [](py::handle o) { return PyList_Check(o.ptr()) || PyTuple_Check(o.ptr()); };
+  if (!is_seq(dsts) || !is_seq(srcs)) return py::none();
+  // Tuples: attribute reads may run Python code that mutates a list being walked.
+  py::object dt = steal(PySequence_Tuple(dsts.ptr()));
+  if (!dt) throw py::error_already_set();
+  py::object st = steal(PySequence_Tuple(srcs.ptr()));
+  if (!st) throw py::error_already_set();
+  const Py_ssize_t count = PyTuple_GET_SIZE(dt.ptr());
+  if (PyTuple_GET_SIZE(st.ptr()) != count) return py::none();
+  Ptrs dp, sp;
+  Sizes sizes;
+  dp.reserve(count), sp.reserve(count), sizes.reserve(count);
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    const PairScan r = scan_pair(PyTuple_GET_ITEM(dt.ptr(), i), PyTuple_GET_ITEM(st.ptr(), i), dp, sp, sizes);
+    if (r == PairScan::kUnusual) return py::none();
+    if (r == PairScan::kError) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError) && !PyErr_ExceptionMatches(PyExc_TypeError) &&
+          !PyErr_ExceptionMatches(PyExc_ValueError)) {
+        throw py::error_already_set();
+      }
+      PyErr_Clear();
+      return py::none();
+    }
+  }
+  if (sizes.empty()) return py::int_(0);
+  return py::int_(run(h3t::plan_batched(dp, sp, sizes)));
+}
+
 struct HostBuffer {
   void* ptr = nullptr;
   std::size_t nbytes = 0;
@@ -61,6 +175,12 @@ PYBIND11_MODULE(_copy_cpu, m) {
         },
         py::arg("dsts"), py::arg("srcs"), py::arg("nbytes"),
         "Copies nbytes[i] bytes from srcs[i] to dsts[i] for all i; returns threads used.");
+  g_names = {intern("dtype"), intern("is_cpu"), intern("is_contiguous"), intern("shape"), intern("nbytes"),
+             intern("data_ptr")};
+  m.def("batched_copy_tensors", &batched_copy_tensors, py::arg("dsts"), py::arg("srcs"),
+        "batched_copy of lists of tensor-like objects (dtype, is_cpu, is_contiguous(), shape, nbytes, "
+        "data_ptr()) when all are CPU, contiguous and pairwise of one dtype and shape; returns threads "
+        "used, or None (nothing written) for any other input.");
   m.def("copy_2d",
         [](const Ptrs& dsts, const Sizes& dst_pitches, const Ptrs& srcs, const Sizes& src_pitches,
            const Sizes& widths, const Sizes& heights) {

@@ -67,7 +67,7 @@ def _worker(rank, world, args):
     import torch
     import torch.distributed as dist
 
-    from gpt_harness import init_parallel
+    from gpt_harness import forward_step_func, init_parallel
     from h3t_ext.runtime.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
     from h3t_ext.runtime.device import make_device_layer
@@ -85,11 +85,6 @@ def _worker(rank, world, args):
             tok = torch.randint(0, VOCAB, (b, s), generator=g)
             yield {"tokens": tok, "labels": torch.roll(tok, -1, 1),
                    "position_ids": torch.arange(s).unsqueeze(0).expand(b, s)}
-
-    def fwd(data_iterator, model):
-        batch = next(data_iterator)
-        out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-        return out, lambda o: (o.float().mean(), {"lm loss": o.float().mean().detach()})
 
     init_parallel(1, world, args.v)
     p, v = world, args.v
@@ -115,7 +110,7 @@ def _worker(rank, world, args):
             t0 = time.perf_counter()
             run = sched.forward_backward_pipelining_with_interleaving if v > 1 else \
                 sched.forward_backward_pipelining_without_interleaving
-            run(forward_step_func=fwd, data_iterator=[batches() for _ in model] if v > 1 else batches(),
+            run(forward_step_func=forward_step_func, data_iterator=[batches() for _ in model] if v > 1 else batches(),
                 model=model if v > 1 else model[0], num_microbatches=args.num_microbatches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
             for chunk in model:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dist_utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -21,12 +22,6 @@ TINY_MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads
               "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "64", "--lr", "1e-3",
               "--lr-decay-style", "constant", "--log-interval", "1", "--no-progress-bar", "--seed", "7"]
 TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 
 from dist_utils import run_distributed
+from gpt_harness import forward_step_func
 
 PP, V, LAYERS, HIDDEN, FFN, HEADS, GROUPS = 4, 2, 8, 64, 128, 4, 2
 VOCAB, SEQ, MBS, M = 256, 32, 2, 8
@@ -33,12 +34,6 @@ def _batches(torch):
         tok = torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
         yield {"tokens": tok, "labels": torch.roll(tok, -1, 1),
                "position_ids": torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)}
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return out, lambda o: (o.float().mean(), {"lm loss": o.float().mean().detach()})
 
 
 def _worker(rank, world):
@@ -69,7 +64,7 @@ def _worker(rank, world):
         sched = H3TSchedules(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode="cpu-sync"),
                              manager_factory=factory)
         sched.forward_backward_pipelining_with_interleaving(
-            forward_step_func=_forward_step, data_iterator=[_batches(torch) for _ in chunks], model=chunks,
+            forward_step_func=forward_step_func, data_iterator=[_batches(torch) for _ in chunks], model=chunks,
             num_microbatches=M, seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
         (mgr,) = [m for m in sched.preparer.managers if m is not None]
         st = mgr.stats
