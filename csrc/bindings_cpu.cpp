@@ -50,6 +50,8 @@ struct TensorNames {
   PyObject* shape;
   PyObject* nbytes;
   PyObject* data_ptr;
+  PyObject* is_conj;
+  PyObject* is_neg;
 };
 TensorNames g_names;  // created at module import, never freed (like any interned string)
 
@@ -87,8 +89,9 @@ PairScan read_u64(PyObject* obj, PyObject* name, bool call, std::uint64_t& out) 
   return PairScan::kOk;
 }
 
-// The checks of the Python fast path, in its order: same dtype object, both on the CPU and
-// contiguous, equal shapes; then nbytes and, when non-zero, both data pointers.
+// The checks of the fast path, in order: same dtype object, both on the CPU and contiguous,
+// neither a conjugate or negative view, equal shapes; then nbytes and, when non-zero, both
+// data pointers.
 PairScan scan_pair(PyObject* d, PyObject* s, Ptrs& dsts, Ptrs& srcs, Sizes& sizes) {
   const TensorNames& n = g_names;
   py::object dd = steal(PyObject_GetAttr(d, n.dtype));
@@ -100,6 +103,12 @@ PairScan scan_pair(PyObject* d, PyObject* s, Ptrs& dsts, Ptrs& srcs, Sizes& size
                                  std::tuple{d, n.is_contiguous, true}, std::tuple{s, n.is_contiguous, true}}) {
     const int t = truth_of(obj, name, call);
     if (t <= 0) return t < 0 ? PairScan::kError : PairScan::kUnusual;
+  }
+  // A lazily conjugated or negated view holds other bytes than its values: torch must copy it.
+  for (auto [obj, name] : {std::pair{d, n.is_conj}, std::pair{s, n.is_conj}, std::pair{d, n.is_neg},
+                           std::pair{s, n.is_neg}}) {
+    const int t = truth_of(obj, name, true);
+    if (t != 0) return t < 0 ? PairScan::kError : PairScan::kUnusual;
   }
   py::object ds = steal(PyObject_GetAttr(d, n.shape));
   if (!ds) return PairScan::kError;
@@ -176,7 +185,7 @@ PYBIND11_MODULE(_copy_cpu, m) {
         py::arg("dsts"), py::arg("srcs"), py::arg("nbytes"),
         "Copies nbytes[i] bytes from srcs[i] to dsts[i] for all i; returns threads used.");
   g_names = {intern("dtype"), intern("is_cpu"), intern("is_contiguous"), intern("shape"), intern("nbytes"),
-             intern("data_ptr")};
+             intern("data_ptr"), intern("is_conj"), intern("is_neg")};
   m.def("batched_copy_tensors", &batched_copy_tensors, py::arg("dsts"), py::arg("srcs"),
         "batched_copy of lists of tensor-like objects (dtype, is_cpu, is_contiguous(), shape, nbytes, "
         "data_ptr()) when all are CPU, contiguous and pairwise of one dtype and shape; returns threads "

@@ -10,6 +10,9 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
 * ``layer_backward_workspace`` gradients alive inside one layer's backward: d(FC1 output) and
                            d(activation output), (s/c) * (fc1_width + f) / t bf16, plus the gradient
                            flowing between layers, 2 * (s/(c t)) * h bf16.
+* ``cp_kv_gather_buffer``  c > 1: the full-sequence K and V of one layer, re-gathered over the
+                           context-parallel group at the start of the layer's backward (it is alive next to
+                           the MLP backward workspace), mb * s * 2 h_kv / t bf16.
 * ``recompute_workspace``  ckpt=ours: the largest tensor recomputed in backward (norm output or SwiGLU
                            output of one layer; they are produced one at a time and freed after use);
                            ckpt=full: the saved activations of one layer re-created in backward.
@@ -100,6 +103,7 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
         "sp_allgather_buffer": seq_tokens * h * BF16 if t > 1 else 0,
         "layer_backward_workspace": seq_tokens * (model.fc1_width + f) // t * BF16 + 2 * local * h * BF16,
         "p2p_buffers": 4 * local * h * BF16 if p > 1 else 0,
+        "cp_kv_gather_buffer": mb * plan.seq_length * 2 * model.kv_hidden_size // t * BF16 if c > 1 else 0,
     }
     if plan.ckpt == "ours":
         terms_no = activation_bytes_per_layer_token(model, "no")

@@ -7,12 +7,20 @@ Per microbatch and rank (all v chunks):
                 ``attention`` efficiency, and memory-bound elementwise work (norms, RoPE, SwiGLU, residual
                 adds) priced by HBM bytes at ``elementwise_hbm`` efficiency. First stage: nothing extra
                 worth pricing; last stage: the output-layer GEMM and the cross entropy.
+                The weight-gradient GEMMs accumulate into the fp32 main grads (gradient-accumulation
+                fusion): every microbatch reads and writes 8 bytes per parameter, so a wgrad GEMM takes
+                max(its FLOPs at ``gemm``, those bytes at ``elementwise_hbm``) (``_wgrad``). Its intensity is
+                tokens/4 FLOP per byte (tokens = mb * s / c, t cancels); at the H800 rates it is
+                memory-bound below 4 * gemm / hbm ~ 900 tokens per GEMM. The published rows (4096+
+                tokens per GEMM) are compute-bound, so the term changes none of them.
 * ``recompute`` ckpt=ours: the two RMSNorm outputs and the SwiGLU output, memory-bound; ckpt=full:
                 one more forward of every layer.
 * ``tp_comm``   sequence-parallel all-gathers / reduce-scatters over NVLink; the fraction that the
                 userbuffer overlap does not hide is ``tp_comm_exposed``.
-* ``cp_comm``   K/V all-gather (forward) and reduce-scatter of their gradients (backward), hidden
-                behind the QKV GEMM where the overlap is on (not for GQA models).
+* ``cp_comm``   K/V all-gather (forward), its re-gather and the reduce-scatter of the K/V gradients
+                (backward), each exposed only where a data dependency leaves nothing to hide behind
+                (``_cp_exposed``: a half of K/V cannot move before the GEMM that produces it; the overlap
+                with the QKV GEMM is on except for GQA models).
 * ``pp_p2p``    activations between pipeline ranks; overlapped in the steady state, exposed on the
                 fill/drain critical path (2 (p-1) hops).
 * ``bubble``    interleaved 1F1B: (p-1)/v of one microbatch's forward+backward on the slowest rank.
@@ -97,6 +105,12 @@ def p2p_bandwidth(stride: int, size: int, system: SystemSpec, rates: _Rates) -> 
     return rates.nvlink if group_node_spread(stride, size, system.gpus_per_node) == 0 else rates.network
 
 
+def _wgrad(gemm: float, params: float, rates: _Rates) -> float:
+    """Seconds of a weight-gradient GEMM of ``gemm`` seconds' FLOPs that accumulates into the fp32 main
+    grads of ``params`` parameters (read + write, 8 bytes each): the roofline of the two."""
+    return max(gemm, 2 * FP32 * params / rates.hbm)
+
+
 def _layer_times(model: ModelSpec, plan: Plan, rates: _Rates) -> dict[str, float]:
     """Seconds of one layer for one microbatch on one rank: forward and backward parts."""
     t, c, s, mb = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.seq_length, plan.micro_batch_size
@@ -104,14 +118,45 @@ def _layer_times(model: ModelSpec, plan: Plan, rates: _Rates) -> dict[str, float
     seq = mb * s // c  # tokens of the rank's context shard
     local = seq // t
     gemm = 2 * seq * model.params_per_layer / t / rates.gemm
+    wgrad = _wgrad(gemm, model.params_per_layer / t, rates)
     attn = 2 * mb * s * s * h / (c * t) / rates.attention
     # elementwise bytes: norms + residual adds on local tokens, RoPE + activation on the full shard.
     elem_bytes = BF16 * (local * 10 * h + seq * (model.fc1_width + f + 2 * (h + hkv)) / t)
     elem = elem_bytes / rates.hbm
     recompute_ours = BF16 * (local * 4 * h + seq * (model.fc1_width + f) / t) / rates.hbm
     return {"gemm_f": gemm, "attn_f": attn, "elem_f": elem, "fwd": gemm + attn + elem,
-            "bwd": 2 * gemm + 2 * attn + 2 * elem, "recompute_ours": recompute_ours,
-            "qkv_gemm": 2 * seq * (h * h + 2 * h * hkv) / t / rates.gemm}
+            "bwd": gemm + wgrad + 2 * attn + 2 * elem, "recompute_ours": recompute_ours,
+            "qkv_gemm": 2 * seq * (h * h + 2 * h * hkv) / t / rates.gemm,
+            "q_gemm": 2 * seq * h * h / t / rates.gemm, "kv_gemm": 2 * seq * h * hkv / t / rates.gemm}
+
+
+def _cp_exposed(gather: float, lt: dict[str, float], *, overlap: bool, full_recompute: bool) -> float:
+    """Exposed seconds of one layer's context-parallel K/V traffic (one microbatch, one rank).
+
+    ``gather``: one all-gather of the rank's K and V shards over the context-parallel group (the
+    reduce-scatter of their gradients moves the same bytes). K and V are two halves on one communication
+    stream; a half cannot be sent before the GEMM that produces it, nor consumed before it arrives.
+
+    * forward, overlap on: the QKV GEMM runs as K, V, Q; K is gathered behind the V and Q GEMMs, V behind
+      the Q GEMM; what outlasts the Q GEMM is exposed. Overlap off: the whole gather.
+    * backward, re-gather of the saved K/V shards: issued when the layer's backward starts, it runs behind
+      the MLP and output-projection backward GEMMs. ckpt=full re-runs the forward (and its gather) instead.
+    * backward, reduce-scatter of dK, dV (after the attention backward), overlap on: behind the Q part of
+      the QKV dgrad + wgrad, then dV's half behind the K part; overlap off: exposed.
+    """
+    a, gq, gkv = gather / 2, lt["q_gemm"], lt["kv_gemm"]
+    if overlap:
+        ag_v_end = max(gkv + a, 2 * gkv) + a
+        fwd = max(0.0, ag_v_end - (2 * gkv + gq))
+        start_k = max(2 * gq, a)
+        start_v = max(start_k + 2 * gkv, 2 * a)
+        rs = start_v - 2 * gq - 2 * gkv
+    else:
+        fwd, rs = gather, gather
+    if full_recompute:
+        return 2 * fwd + rs
+    regather = max(0.0, gather - 2 * (lt["gemm_f"] - lt["qkv_gemm"]))
+    return fwd + regather + rs
 
 
 def _dp_exposed(plan: Plan, reduce_scatter: float, all_gather: float, v: int, cooldown: float) -> float:
@@ -142,8 +187,9 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
 
     fwd = layers * lt["fwd"]
     bwd = layers * lt["bwd"]
-    head = 2 * seq * V * h / t / r.gemm + BF16 * seq * V / t * 4 / r.hbm  # output GEMM + cross entropy
-    head_fb = 3 * head  # forward + backward (dgrad, wgrad)
+    head_gemm = 2 * seq * V * h / t / r.gemm  # output GEMM
+    head_ce = BF16 * seq * V / t * 4 / r.hbm  # cross entropy
+    head_fb = 2 * head_gemm + _wgrad(head_gemm, V * h / t, r) + 3 * head_ce  # forward + dgrad + wgrad
     rec = {"no": 0.0, "ours": layers * lt["recompute_ours"], "full": fwd}[plan.ckpt]
 
     # tensor parallel (sequence parallel): 4 collectives forward, 6 backward, (t-1)/t of s/c*h bf16 each
@@ -155,9 +201,9 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     cp = 0.0
     if c > 1:
         kv = (c - 1) / c * mb * s * 2 * model.kv_hidden_size * BF16 / t
-        comm = 3 * kv / group_bandwidth(t, c, system, r)  # K/V all-gather + their gradients
-        hide = 3 * lt["qkv_gemm"] if model.num_query_groups == model.num_attention_heads else 0.0
-        cp = layers * max(0.0, comm - hide)
+        cp = layers * _cp_exposed(kv / group_bandwidth(t, c, system, r), lt,
+                                  overlap=model.num_query_groups == model.num_attention_heads,
+                                  full_recompute=plan.ckpt == "full")
 
     # the last rank (output layer + loss) sets the pace of the steady state
     per_mb = fwd + bwd + head_fb + rec + tp + cp

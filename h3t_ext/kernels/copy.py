@@ -16,28 +16,6 @@ def _torch_copy(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], kind: str, s
             d.copy_(s, non_blocking=(kind == "cuda"))
 
 
-def _fast_cpu_args(dsts, srcs) -> tuple[list[int], list[int], list[int]] | None:
-    """Pointer lists when every pair is CPU, contiguous, same dtype and shape; else None.
-
-    One cheap pass for the common case; anything unusual (including non-tensors) returns
-    None and the caller takes the fully validated path, which raises the precise error.
-    """
-    flat_d, flat_s, flat_n = [], [], []
-    try:
-        for d, s in zip(dsts, srcs, strict=True):
-            if (d.dtype is not s.dtype or not (d.is_cpu and s.is_cpu and d.is_contiguous() and s.is_contiguous())
-                    or d.shape != s.shape):
-                return None
-            n = d.nbytes
-            if n:
-                flat_d.append(d.data_ptr())
-                flat_s.append(s.data_ptr())
-                flat_n.append(n)
-    except (AttributeError, TypeError, ValueError):
-        return None
-    return flat_d, flat_s, flat_n
-
-
 def batched_copy_(
     dsts: Sequence[torch.Tensor],
     srcs: Sequence[torch.Tensor],
@@ -68,13 +46,11 @@ def batched_copy_(
     """
     fn = "batched_copy_"
     native_cpu = _backend.cpu_module()
-    if backend == "auto" and native_cpu is not None and isinstance(dsts, (list, tuple)) \
-            and isinstance(srcs, (list, tuple)):
-        fast = _fast_cpu_args(dsts, srcs)
-        if fast is not None:
-            if fast[2]:
-                native_cpu.batched_copy(*fast)
-            return
+    # Common case in one native pass: lists of CPU, contiguous pairs of one dtype and shape
+    # (the module reads the tensors' attributes itself and returns None for anything else,
+    # writing nothing; the checked path below then copies or raises the precise error).
+    if backend == "auto" and native_cpu is not None and native_cpu.batched_copy_tensors(dsts, srcs) is not None:
+        return
     validate_pairs(fn, dsts, srcs)
     kind = route(fn, [*dsts, *srcs])
     native = select_native(fn, kind, backend)
@@ -86,6 +62,9 @@ def batched_copy_(
     d2, dp, s2, sp, w2, h2 = [], [], [], [], [], []
     rest = []
     for d, s in pairs:
+        if d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg():
+            rest.append((d, s))  # lazily conjugated/negated views: their bytes are not their values
+            continue
         if d.is_contiguous() and s.is_contiguous():
             n = d.nbytes
             if n:
