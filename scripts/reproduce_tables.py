@@ -131,6 +131,17 @@ def markdown(thr: list[dict], demo: list[dict], mem_points: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _save(fig, plot_dir: str, name: str) -> str:
+    """Lay out, write and close ``fig`` as ``plot_dir/name``; return the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = os.path.join(plot_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plots(thr: list[dict], mem_points: list[dict], lines: dict, plot_dir: str) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
@@ -154,10 +165,7 @@ def plots(thr: list[dict], mem_points: list[dict], lines: dict, plot_dir: str) -
     ax.set_ylabel("peak memory per GPU (GB)")
     ax.set_title("Llama-65B, seq 8192, t=2 c=2 p=8 l=2")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    mem_png = os.path.join(plot_dir, "memory_vs_alpha.png")
-    fig.savefig(mem_png, dpi=120)
-    plt.close(fig)
+    mem_png = _save(fig, plot_dir, "memory_vs_alpha.png")
 
     fig, ax = plt.subplots(figsize=(5, 5))
     pub = [r["published_tokens_per_second"] / 1e3 for r in thr]
@@ -173,10 +181,7 @@ def plots(thr: list[dict], mem_points: list[dict], lines: dict, plot_dir: str) -
     ax.set_ylabel("predicted tokens/s (thousands)")
     ax.set_title("Llama-65B throughput table, H800")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    tps_png = os.path.join(plot_dir, "tokens_predicted_vs_published.png")
-    fig.savefig(tps_png, dpi=120)
-    plt.close(fig)
+    tps_png = _save(fig, plot_dir, "tokens_predicted_vs_published.png")
     return [mem_png, tps_png]
 
 

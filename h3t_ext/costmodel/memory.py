@@ -119,9 +119,8 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     return out
 
 
-def _fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
-    """The alpha-independent terms of a stage."""
-    n = stage_params(model, plan, stage)
+def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
+    """The alpha-independent terms of a stage holding ``n`` parameters."""
     terms = {
         "weights": n * BF16,
         "grads": n * FP32,
@@ -142,20 +141,21 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> Stag
     """Peak memory terms of pipeline rank ``stage`` with offload ratio ``alpha``."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    fixed = _fixed_terms(model, plan, stage)
+    n = stage_params(model, plan, stage)
+    fixed = _fixed_terms(model, plan, stage, n)
     act, reload = _activation_terms(chunk_activation_bytes(model, plan), residency_lines(p, m, v, stage),
                                     rank_offloads(p, m, v, stage) > 0, alpha)
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
-    return StageMemory(stage=stage, terms=terms, params=stage_params(model, plan, stage))
+    return StageMemory(stage=stage, terms=terms, params=n)
 
 
 def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[float], int]:
     """peak_bytes of ``stage_memory(model, plan, stage, alpha)`` as a cheap function of alpha."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    fixed = sum(_fixed_terms(model, plan, stage).values())
+    fixed = sum(_fixed_terms(model, plan, stage, stage_params(model, plan, stage)).values())
     chunk = chunk_activation_bytes(model, plan)
     lines, offloads = residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0
     return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha))

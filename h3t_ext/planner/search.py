@@ -114,15 +114,14 @@ class _Collector:
         self.closest: Optional[ClosestInfeasible] = None
         self.considered = 0
 
-    def add_static(self, verdict: ClosestInfeasible, count: int) -> None:
+    def reject_memory(self, verdict: ClosestInfeasible, count: int = 1) -> None:
+        """Count ``count`` plans rejected for memory; keep the verdict closest to fitting."""
         self.rejected[f"memory: {verdict.term} over budget"] += count
         if self.closest is None or verdict.excess_bytes < self.closest.excess_bytes:
             self.closest = verdict
 
     def infeasible(self, plan: Plan, term: str, excess: int, stage: Optional[int], reason: str) -> None:
-        self.rejected[f"memory: {term} over budget"] += 1
-        if self.closest is None or excess < self.closest.excess_bytes:
-            self.closest = ClosestInfeasible(plan, term, int(excess), stage, reason)
+        self.reject_memory(ClosestInfeasible(plan, term, int(excess), stage, reason))
 
 
 def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget):
@@ -198,7 +197,7 @@ def search(
             probe = _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
             static[key] = _static_infeasibility(model, system, probe, memory_budget_bytes)
         if static[key] is not None:
-            col.add_static(static[key], len(ckpts) * len(layout.micro_batch_sizes))
+            col.reject_memory(static[key], len(ckpts) * len(layout.micro_batch_sizes))
             continue
         _search_layout(col, model, system, layout, ckpts, alpha_mode, memory_budget_bytes, run, exhaustive)
     ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))

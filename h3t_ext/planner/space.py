@@ -19,10 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from h3t_ext.costmodel import ModelSpec
+from h3t_ext.costmodel import CKPT_CHOICES, ModelSpec
 
-CKPT_CHOICES: tuple[str, ...] = ("no", "full", "ours")
-"""Checkpointing modes (``--ckpt``)."""
 CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
 """Checkpointing modes from least to most saved activation memory (the search's pruning order)."""
 

@@ -65,6 +65,18 @@ def _alpha_mode(args):
     return values[0]
 
 
+def _alpha_text(plan) -> str:
+    """``--offload-alpha`` of a resolved plan: one value, or one per pipeline stage comma-separated."""
+    if isinstance(plan.offload_alpha, tuple):
+        return ",".join(str(a) for a in plan.alphas())
+    return str(plan.offload_alpha)
+
+
+def _print_rank0(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
 def fill_from_planner(args) -> None:
     """Search plans under the user's fixed flags and fill the others from the best one."""
     import torch
@@ -95,16 +107,14 @@ def fill_from_planner(args) -> None:
     args.num_layers_per_virtual_pipeline_stage = plan.num_layers_per_virtual_pipeline_stage
     args.micro_batch_size = plan.micro_batch_size
     args.ckpt = plan.ckpt
-    args.offload_alpha = ",".join(str(a) for a in plan.alphas()) if isinstance(plan.offload_alpha, tuple) \
-        else str(plan.offload_alpha)
+    args.offload_alpha = _alpha_text(plan)
     args.sequence_parallel = args.sequence_parallel or (on_gpu and plan.tensor_model_parallel_size > 1)
     args.use_distributed_optimizer = True
     args.auto_plan_flags = list(best.megatron_flags)
     est = best.evaluation.estimate
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"auto-plan ({system.name}, {result.considered} plans priced): {' '.join(best.megatron_flags)} | "
-              f"predicted {est.tokens_per_second / args.world_size:.1f} tokens/s/GPU, "
-              f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB", flush=True)
+    _print_rank0(f"auto-plan ({system.name}, {result.considered} plans priced): {' '.join(best.megatron_flags)} | "
+                 f"predicted {est.tokens_per_second / args.world_size:.1f} tokens/s/GPU, "
+                 f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB")
 
 
 def resolve_alpha(args) -> None:
@@ -122,8 +132,6 @@ def resolve_alpha(args) -> None:
         ev = evaluate(_model_spec(args), plan, system, alpha_mode=args.offload_alpha, memory_budget_bytes=budget)
     except PlanError as e:
         raise ArgumentError(f"--offload-alpha {args.offload_alpha}: {e}") from None
-    a, mode = ev.plan.offload_alpha, args.offload_alpha
-    args.offload_alpha = ",".join(str(x) for x in a) if isinstance(a, tuple) else str(a)
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"--offload-alpha {mode} resolved by the cost model ({system.name}): {args.offload_alpha}",
-              flush=True)
+    mode = args.offload_alpha
+    args.offload_alpha = _alpha_text(ev.plan)
+    _print_rank0(f"--offload-alpha {mode} resolved by the cost model ({system.name}): {args.offload_alpha}")
