@@ -71,7 +71,7 @@ def _worker(rank, world, args):
     from h3t_ext.runtime.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
     from h3t_ext.runtime.device import make_device_layer
-    from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
+    from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
     from h3t_ext.runtime.schedules import H3TSchedules
 
     def measuring_factory(cfg, pp_rank, pp_size, device):  # a manager even at ckpt=no, alpha=0
@@ -97,9 +97,7 @@ def _worker(rank, world, args):
                                 num_query_groups=args.num_query_groups, pipeline_model_parallel_size=p,
                                 virtual_pipeline_model_parallel_size=v if v > 1 else None)
         torch.manual_seed(0)
-        model = [build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=args.seq_length,
-                                 pre_process=rank == 0 and c == 0, post_process=rank == p - 1 and c == v - 1,
-                                 vp_stage=c if v > 1 else None) for c in range(v)]
+        model = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=args.seq_length, pipeline_rank=rank)
         sched = H3TSchedules(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode=args.device_mode),
                              manager_factory=measuring_factory if measure else None)
         runs.append((model, sched))

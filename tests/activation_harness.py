@@ -7,7 +7,11 @@ from typing import Optional
 
 import torch
 
+from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.schedule import ActionKind, build_schedule
+
+HIDDEN, HEADS, GROUPS, FFN = 64, 4, 2, 128  # tiny_llama_config's sizes
+VOCAB = 256
 
 
 def init_single_process_megatron() -> None:
@@ -25,19 +29,35 @@ def init_single_process_megatron() -> None:
         ps.initialize_model_parallel(1, 1)
 
 
-def tiny_model(seed: int = 0, num_layers: int = 2, **overrides):
+def _build(seed: int, num_layers: int, layers_only: bool, **overrides):
     from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
 
     torch.manual_seed(seed)
     cfg = tiny_llama_config(num_layers=num_layers, **overrides)
-    return build_gpt_model(cfg, vocab_size=256, max_sequence_length=128)
+    return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=128,
+                           pre_process=not layers_only, post_process=not layers_only)
+
+
+def tiny_model(seed: int = 0, num_layers: int = 2, **overrides):
+    """The whole tiny GPT (embedding, layers, output layer)."""
+    return _build(seed, num_layers, False, **overrides)
+
+
+def tiny_model_spec(num_layers: int) -> ModelSpec:
+    """The cost model's description of :func:`tiny_model`."""
+    return ModelSpec("tiny", num_layers, HIDDEN, HEADS, GROUPS, FFN, VOCAB)
+
+
+def rope_bytes(seq: int, dtype_bytes: int = 4) -> int:
+    """Per layer: megatron's unfused RoPE saves cos and sin ([s,1,1,d]) for q and for k."""
+    return 4 * seq * (HIDDEN // HEADS) * dtype_bytes
 
 
 def batches(num_microbatches: int, micro_batch: int = 2, seq: int = 32, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(num_microbatches):
-        ids = torch.randint(0, 256, (micro_batch, seq), generator=g)
+        ids = torch.randint(0, VOCAB, (micro_batch, seq), generator=g)
         pos = torch.arange(seq).unsqueeze(0).expand(micro_batch, seq)
         out.append((ids, pos))
     return out
@@ -83,11 +103,7 @@ def run_rank_schedule(model, data, mgr=None, *, pipeline_size: int = 4, rank: in
 
 def middle_stage_model(seed: int = 0, num_layers: int = 2, **overrides):
     """A pipeline stage without embedding and loss: only transformer layers (what a middle rank holds)."""
-    from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
-
-    torch.manual_seed(seed)
-    cfg = tiny_llama_config(num_layers=num_layers, **overrides)
-    return build_gpt_model(cfg, vocab_size=256, max_sequence_length=128, pre_process=False, post_process=False)
+    return _build(seed, num_layers, True, **overrides)
 
 
 def run_middle_stage(model, mgr, *, pipeline_size: int, rank: int, num_microbatches: int, micro_batch: int,

@@ -62,17 +62,12 @@ def build_stage(config, v: int = 1) -> list:
     """This rank's model chunks (pre/post process from the pipeline position)."""
     from megatron.core import parallel_state as ps
 
-    from h3t_ext.runtime.gpt import build_gpt_model
+    from h3t_ext.runtime.gpt import build_stage_chunks
 
-    r, p = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    return [
-        build_gpt_model(
-            config, vocab_size=VOCAB, max_sequence_length=SEQ,
-            pre_process=(r == 0 and c == 0), post_process=(r == p - 1 and c == v - 1),
-            vp_stage=c if v > 1 else None,
-        )
-        for c in range(v)
-    ]
+    assert (config.virtual_pipeline_model_parallel_size or 1) == v
+    assert config.pipeline_model_parallel_size == ps.get_pipeline_model_parallel_world_size()
+    return build_stage_chunks(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                              pipeline_rank=ps.get_pipeline_model_parallel_rank())
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

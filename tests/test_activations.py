@@ -10,21 +10,24 @@ from h3t_ext.costmodel.activations import (
     stage_activation_peak_bytes,
 )
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.runtime.activations import ActivationManager, build_activation_manager
 from h3t_ext.runtime.config import H3TConfig
 from h3t_ext.runtime.device import make_device_layer
 from h3t_ext.runtime.recompute_ours import apply_ckpt_ours
 from tests.activation_harness import (
+    FFN,
+    GROUPS,
+    HEADS,
+    HIDDEN,
     batches,
     init_single_process_megatron,
     middle_stage_model,
     run_middle_stage,
+    rope_bytes,
     run_rank_schedule,
     tiny_model,
+    tiny_model_spec,
 )
-
-HIDDEN, HEADS, GROUPS, FFN = 64, 4, 2, 128  # tiny_llama_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,13 +114,9 @@ def test_offloaded_stage_inputs_are_freed_while_the_executor_keeps_them(alpha):
     assert max(b for _, b in live) < 8 * live[0][1]
 
 
-def _spec(num_layers):
-    return ModelSpec("tiny", num_layers, HIDDEN, HEADS, GROUPS, FFN, 256)
-
-
 def _rope_and_lse_bytes(seq, mb, dtype_bytes=4):
-    """Per layer: megatron's unfused RoPE saves cos and sin ([s,1,1,d]) for q and for k; SDPA the lse."""
-    return 4 * seq * (HIDDEN // HEADS) * dtype_bytes + mb * HEADS * seq * 4
+    """Per layer: the RoPE cos/sin (:func:`rope_bytes`) and SDPA's lse."""
+    return rope_bytes(seq, dtype_bytes) + mb * HEADS * seq * 4
 
 
 @pytest.mark.parametrize("ckpt", ["no", "ours"])
@@ -129,7 +128,7 @@ def test_chunk_bytes_equal_cost_model_terms(ckpt):
     apply_ckpt_ours(model, discard_outputs=(ckpt == "ours"))
     st = run_middle_stage(model, _manager(0.0), pipeline_size=2, rank=1, num_microbatches=2, micro_batch=mb,
                           seq=seq, hidden=HIDDEN)
-    terms = activation_bytes_per_layer_token(_spec(layers), ckpt, dtype_bytes=4, layer_spec="local")
+    terms = activation_bytes_per_layer_token(tiny_model_spec(layers), ckpt, dtype_bytes=4, layer_spec="local")
     tokens = mb * seq
     small_terms = terms["norm1_rstd"] + terms["norm2_rstd"] + terms["softmax_lse"]
     assert st.saved_bytes[(0, 0)] == layers * tokens * (terms["total"] - small_terms)
@@ -144,10 +143,11 @@ def test_stage_peaks_match_cost_model(ckpt, alpha):
     layers, p, m, mb, seq = 2, 4, 8, 4, 32
     plan = Plan(num_gpus=p, seq_length=seq, global_batch_size=m * mb, micro_batch_size=mb,
                 pipeline_model_parallel_size=p, ckpt=ckpt, offload_alpha=alpha)
-    predicted = list(stage_activation_peak_bytes(_spec(layers * p), plan, dtype_bytes=4, layer_spec="local",
+    spec = tiny_model_spec(layers * p)
+    predicted = list(stage_activation_peak_bytes(spec, plan, dtype_bytes=4, layer_spec="local",
                                                  sequence_parallel=False))
     # layers-only chunks: the last stage here has no output layer (tests/test_memory_prediction.py has one)
-    predicted[-1] -= output_layer_bytes(_spec(layers * p), plan, dtype_bytes=4, sequence_parallel=False)["total"]
+    predicted[-1] -= output_layer_bytes(spec, plan, dtype_bytes=4, sequence_parallel=False)["total"]
     for rank in range(p):
         model = middle_stage_model(num_layers=layers)
         apply_ckpt_ours(model, discard_outputs=(ckpt == "ours"))

@@ -59,6 +59,17 @@ def test_thread_streams_order_copies_after_events():
         layer.close()
 
 
+def _forward_offload_reload(mgr, w, x):
+    """Forward microbatch 0 under ``mgr``, offload it, run an empty forward, reload it; return its loss."""
+    with mgr.forward_scope(0, 0):
+        y = torch.tanh(x @ w).sum()
+    mgr.offload(0, 0)
+    with mgr.forward_scope(1, 0):
+        pass
+    mgr.reload(0, 0)
+    return y
+
+
 def test_manager_with_missing_reload_wait_fails_in_thread_mode(monkeypatch):
     """A backward that reads reloaded activations without waiting for the reload is caught."""
     layer = make_device_layer("cpu-thread", "cpu", copy_delay_s=0.05)
@@ -67,12 +78,7 @@ def test_manager_with_missing_reload_wait_fails_in_thread_mode(monkeypatch):
     w = torch.randn(256, 256, requires_grad=True)
     x = torch.randn(64, 256)
     try:
-        with mgr.forward_scope(0, 0):
-            y = torch.tanh(x @ w).sum()
-        mgr.offload(0, 0)
-        with mgr.forward_scope(1, 0):
-            pass
-        mgr.reload(0, 0)
+        y = _forward_offload_reload(mgr, w, x)
         with pytest.raises(MissingWaitError):
             with mgr.backward_scope(0, 0):
                 y.backward()
@@ -88,12 +94,7 @@ def test_same_manager_without_the_bug_is_exact():
     (torch.tanh(x @ w).sum()).backward()
     ref, w.grad = w.grad.clone(), None
     try:
-        with mgr.forward_scope(0, 0):
-            y = torch.tanh(x @ w).sum()
-        mgr.offload(0, 0)
-        with mgr.forward_scope(1, 0):
-            pass
-        mgr.reload(0, 0)
+        y = _forward_offload_reload(mgr, w, x)
         with mgr.backward_scope(0, 0):
             y.backward()
         mgr.release(0, 0)

@@ -6,20 +6,20 @@ import torch
 import torch.nn.functional as F
 
 from h3t_ext.costmodel.activations import activation_bytes_per_layer_token
-from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.runtime.activations import ActivationManager
 from h3t_ext.runtime.device import make_device_layer
 from h3t_ext.runtime.fused_saves import FusedSavesRMSNorm, apply_fused_saves, rms_norm_marking
 from tests.activation_harness import (
+    HIDDEN,
     batches,
     init_single_process_megatron,
     middle_stage_model,
     run_middle_stage,
+    rope_bytes,
     run_rank_schedule,
     tiny_model,
+    tiny_model_spec,
 )
-
-HIDDEN, HEADS, GROUPS, FFN = 64, 4, 2, 128  # tiny_llama_config
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,9 +62,8 @@ def test_saved_bytes_are_the_cost_models_fused_terms():
     """Per microbatch-chunk of a layers-only stage: the cost model's ckpt=no 'local' total (fp32) plus
     megatron's unfused RoPE cos/sin; without the transform the stock ops save ~1.4x that."""
     layers, mb, seq = 2, 2, 32
-    spec = ModelSpec("tiny", layers, HIDDEN, HEADS, GROUPS, FFN, 256)
-    total = activation_bytes_per_layer_token(spec, "no", dtype_bytes=4, layer_spec="local")["total"]
-    rope = 4 * seq * (HIDDEN // HEADS) * 4
+    total = activation_bytes_per_layer_token(tiny_model_spec(layers), "no", dtype_bytes=4, layer_spec="local")["total"]
+    rope = rope_bytes(seq)
     saved = {}
     for fused in (False, True):
         model = middle_stage_model(num_layers=layers)

@@ -43,7 +43,7 @@ def _worker(rank, world):
     from h3t_ext.runtime.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
     from h3t_ext.runtime.device import make_device_layer
-    from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
+    from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
     from h3t_ext.runtime.schedules import H3TSchedules
 
     def factory(cfg, pp_rank, pp_size, device):  # a counting manager on every stage, even at alpha 0
@@ -59,8 +59,7 @@ def _worker(rank, world):
     out = {}
     for ckpt, alpha in VARIANTS:
         torch.manual_seed(0)
-        chunks = [build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, pre_process=rank == 0 and c == 0,
-                                  post_process=rank == PP - 1 and c == V - 1, vp_stage=c) for c in range(V)]
+        chunks = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, pipeline_rank=rank)
         sched = H3TSchedules(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode="cpu-sync"),
                              manager_factory=factory)
         sched.forward_backward_pipelining_with_interleaving(

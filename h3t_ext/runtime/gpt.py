@@ -121,6 +121,29 @@ def build_gpt_model(
     return model
 
 
+def build_stage_chunks(
+    config: TransformerConfig,
+    *,
+    vocab_size: int,
+    max_sequence_length: int,
+    pipeline_rank: int,
+    layer_spec: Optional[ModuleSpec] = None,
+) -> list[GPTModel]:
+    """Pipeline rank ``pipeline_rank``'s model chunks in virtual-stage order (sizes from ``config``):
+    the embedding on rank 0's first chunk, the output layer on the last rank's last chunk."""
+    p = config.pipeline_model_parallel_size
+    v = config.virtual_pipeline_model_parallel_size or 1
+    assert 0 <= pipeline_rank < p, (pipeline_rank, p)
+    return [
+        build_gpt_model(
+            config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
+            pre_process=pipeline_rank == 0 and c == 0, post_process=pipeline_rank == p - 1 and c == v - 1,
+            vp_stage=c if v > 1 else None, layer_spec=layer_spec,
+        )
+        for c in range(v)
+    ]
+
+
 def tiny_llama_config(**overrides) -> TransformerConfig:
     """A small float32 CPU-friendly Llama config (GQA, SwiGLU, RMSNorm, no biases, dropout 0)."""
     kw = dict(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
+from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
 from megatron.training.tokenizer import padded_vocab_size
 
 
@@ -60,20 +60,13 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
     """This rank's model chunks, in virtual-stage order."""
     config = transformer_config(args, on_gpu=on_gpu)
     torch.manual_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
-    v = args.virtual_pipeline_model_parallel_size or 1
-    spec = _te_layer_spec() if on_gpu else None
     padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    chunks = []
-    for vp in range(v):
-        vp_stage = vp if v > 1 else None
-        chunk = build_gpt_model(
-            config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            vp_stage=vp_stage, layer_spec=spec)
-        if on_gpu:
+    chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
+                                pipeline_rank=ps.get_pipeline_model_parallel_rank(),
+                                layer_spec=_te_layer_spec() if on_gpu else None)
+    if on_gpu:
+        for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
-        chunks.append(chunk)
     return chunks
 
 
