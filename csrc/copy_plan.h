@@ -37,14 +37,15 @@ inline std::string at_index(const char* what, std::size_t i) {
   return std::string(what) + "[" + std::to_string(i) + "]";
 }
 
-// Checked a * b + c for extents; throws when it does not fit in size_t.
+// Checked a * b + c for extents; throws (naming what[i]) when it does not fit in size_t.
+// The name is built only on error: this runs once per tensor of every batch.
 inline std::size_t checked_extent(std::size_t rows, std::size_t pitch, std::size_t row_bytes,
-                                  const std::string& name) {
+                                  const char* what, std::size_t i) {
   if (rows == 0 || row_bytes == 0) return 0;
   std::size_t span = 0;
   if (__builtin_mul_overflow(rows - 1, pitch, &span) ||
       __builtin_add_overflow(span, row_bytes, &span)) {
-    throw CopyError(name + ": extent overflows size_t");
+    throw CopyError(at_index(what, i) + ": extent overflows size_t");
   }
   return span;
 }
@@ -62,8 +63,8 @@ inline void validate_task(const CopyTask& t, std::size_t i) {
   if (t.rows > 1 && t.dst_pitch < t.row_bytes) {
     throw CopyError(at_index("dst_pitches", i) + " is smaller than the row width: rows would overlap");
   }
-  const std::size_t dst_span = checked_extent(t.rows, t.dst_pitch, t.row_bytes, at_index("dsts", i));
-  const std::size_t src_span = checked_extent(t.rows, t.src_pitch, t.row_bytes, at_index("srcs", i));
+  const std::size_t dst_span = checked_extent(t.rows, t.dst_pitch, t.row_bytes, "dsts", i);
+  const std::size_t src_span = checked_extent(t.rows, t.src_pitch, t.row_bytes, "srcs", i);
   const auto d0 = reinterpret_cast<std::uintptr_t>(t.dst);
   const auto s0 = reinterpret_cast<std::uintptr_t>(t.src);
   if (d0 > UINTPTR_MAX - dst_span || s0 > UINTPTR_MAX - src_span) {

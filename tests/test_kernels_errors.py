@@ -1,4 +1,5 @@
-"""Bad arguments raise one clear error naming the argument, and nothing is written.
+"""Bad arguments raise one clear error naming the argument, and nothing is written (these
+batches are below the parallel threshold; larger ones are in test_kernels_fast.py).
 
 The Python wrapper validates first; the native module validates again (bounds, overlap,
 overflow), so its checks are exercised directly with raw pointers as well.

@@ -3,9 +3,15 @@
 It reads each tensor's dtype, is_cpu, is_contiguous(), is_conj(), is_neg(), shape, nbytes and
 data_ptr() in C++ and must decide exactly as the specification below: copy when every pair is
 CPU, contiguous, not a lazily conjugated or negated view, of one dtype object and equal shape;
-otherwise return None
-having written nothing, so that batched_copy_ takes its fully validated path.
+otherwise return None, so that batched_copy_ takes its fully validated path.
+
+Batches of at least the parallel threshold are copied while they are scanned: pairs read
+before the one that decides may already be copied (whole pairs only, never a byte outside a
+destination). Smaller batches are copied after the scan, so a None from them wrote nothing.
 """
+import threading
+import time
+
 import pytest
 import torch
 
@@ -128,6 +134,60 @@ def test_overlap_is_still_rejected_before_any_write():
     with pytest.raises(ValueError, match=r"dsts\[1\] overlaps srcs\[1\]"):
         native.batched_copy_tensors([other, x[10:60]], [torch.ones(10), x[:50]])
     assert torch.equal(x, before) and bool((other == 0).all())
+
+
+@pytest.fixture
+def two_threads():
+    """Two copy threads whatever the machine, restored afterwards."""
+    kernels.set_num_threads(2)
+    yield
+    kernels.set_num_threads(0)
+
+
+class _Probe(torch.Tensor):
+    """A tensor whose is_contiguous() waits (up to 10 s) until ``watch`` equals ``want``."""
+
+    watch: torch.Tensor
+    want: torch.Tensor
+
+    def is_contiguous(self, *args, **kwargs):
+        deadline = time.monotonic() + 10
+        while not torch.equal(self.watch, self.want) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return True
+
+
+def test_copies_start_while_the_batch_is_still_scanned(two_threads):
+    """The last pair's attribute read blocks until the first pair has landed: only a copy
+    that overlaps the scan lets it see that (else the probe times out and the pair stays 0)."""
+    srcs = [torch.full((64 << 10,), float(i + 1)) for i in range(8)]  # 8 x 256 KiB: above the thresholds
+    dsts = [torch.zeros_like(s) for s in srcs]
+    probe = torch.ones(16).as_subclass(_Probe)
+    probe.watch, probe.want = dsts[0], srcs[0]
+    start = time.monotonic()
+    assert _backend.cpu_module().batched_copy_tensors([*dsts, torch.zeros(16)], [*srcs, probe]) == 2
+    assert time.monotonic() - start < 10, "the first pair was not copied until the scan ended"
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_large_batch_sent_back_late_wrote_whole_pairs_only(two_threads):
+    """An unusual pair at the end of a batch above the parallel threshold: earlier pairs are
+    either untouched or fully copied, guard bytes between destinations stay intact, and
+    batched_copy_ then copies everything through the checked path."""
+    count, numel, guard = 24, 32 << 10, 64
+    gen = torch.Generator().manual_seed(11)
+    srcs = [torch.randn(numel, generator=gen) for _ in range(count)]
+    arena = torch.full((count * (numel + guard),), -7.0)
+    dsts = [arena[i * (numel + guard):i * (numel + guard) + numel] for i in range(count)]
+    srcs.append(torch.randn(40, generator=gen)[::2])  # non-contiguous: sends the batch back
+    dsts.append(torch.zeros(20))
+    assert _backend.cpu_module().batched_copy_tensors(dsts, srcs) is None
+    for d, s in zip(dsts[:-1], srcs[:-1]):
+        assert bool((d == -7.0).all()) or torch.equal(d, s)
+    guards = torch.cat([arena[i * (numel + guard) + numel:(i + 1) * (numel + guard)] for i in range(count)])
+    assert bool((guards == -7.0).all())
+    kernels.batched_copy_(dsts, srcs)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
 
 
 def test_batched_copy_uses_checked_path_for_mixed_layouts():

@@ -39,6 +39,9 @@ def batched_copy_(
         stream: CUDA only: the stream to enqueue on (default: the current stream). CUDA
             copies are asynchronous with respect to the host; CPU copies are done on return.
 
+    On an error, pairs before the offending one may already have been copied (as with a
+    loop of ``copy_``); no byte outside the destinations is ever written.
+
     Raises:
         TypeError: an argument is not a list of tensors, or dtypes differ.
         ValueError: lengths or shapes differ, a destination is an expanded view, or a
@@ -47,8 +50,9 @@ def batched_copy_(
     fn = "batched_copy_"
     native_cpu = _backend.cpu_module()
     # Common case in one native pass: lists of CPU, contiguous pairs of one dtype and shape
-    # (the module reads the tensors' attributes itself and returns None for anything else,
-    # writing nothing; the checked path below then copies or raises the precise error).
+    # (the module reads the tensors' attributes itself, copying pairs already read while it
+    # reads the rest, and returns None for anything else; the checked path below then
+    # copies everything or raises the precise error).
     if backend == "auto" and native_cpu is not None and native_cpu.batched_copy_tensors(dsts, srcs) is not None:
         return
     validate_pairs(fn, dsts, srcs)
