@@ -9,6 +9,10 @@ Install with pybind11 present first: ``pip install pybind11 && pip install --no-
 
 Extensions:
 - ``h3t_ext.kernels._copy_cpu``: always attempted when pybind11 and a C++ compiler exist.
+- ``h3t_ext.kernels._copy_torch``: the tensor front end of the CPU kernels (reads tensor
+  metadata through torch's C++ API). Built only when torch is importable at build time,
+  i.e. with ``--no-build-isolation`` next to an installed torch: an isolated build skips it
+  and pulls no torch in. ``H3T_BUILD_TORCH_FRONTEND=0`` disables it.
 - ``h3t_ext.kernels._copy_cuda``: needs ``nvcc`` (on PATH, or ``$CUDA_HOME/bin``) and either
   ``H3T_BUILD_CUDA=1`` or, when that variable is unset, ``torch.cuda.is_available()`` at build
   time. ``H3T_BUILD_CUDA=0`` disables it. ``H3T_CUDA_ARCH`` sets ``-arch`` (default: nvcc's).
@@ -25,6 +29,7 @@ from setuptools.command.build_ext import build_ext
 
 CPU_SOURCES = ["csrc/bindings_cpu.cpp", "csrc/copy_cpu.cpp", "csrc/copy_plan.cpp", "csrc/host_alloc.cpp"]
 CUDA_SOURCES = ["csrc/bindings_cuda.cpp", "csrc/copy_plan.cpp", "csrc/host_alloc.cpp"]
+TORCH_SOURCES = ["csrc/bindings_torch.cpp", "csrc/copy_cpu.cpp", "csrc/copy_plan.cpp"]
 CUDA_KERNEL = "csrc/copy_cuda.cu"
 CXX_FLAGS = ["-O3", "-std=c++17", "-pthread", "-fvisibility=hidden"]
 
@@ -102,6 +107,25 @@ class OptionalBuildExt(build_ext):
             ext.extra_objects.append(obj)
 
 
+def _torch_frontend(include):
+    """The _copy_torch extension when torch is importable here (no build isolation), else None."""
+    if os.environ.get("H3T_BUILD_TORCH_FRONTEND") == "0":
+        return None
+    try:
+        import torch  # noqa: PLC0415  (only asked, never required: an isolated build has none)
+        from torch.utils import cpp_extension  # noqa: PLC0415
+    except ImportError:
+        return None
+    from setuptools import Extension  # noqa: PLC0415
+
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    flags = [f for f in CXX_FLAGS if not f.startswith("-std=")] + ["-std=c++20", abi]
+    return Extension("h3t_ext.kernels._copy_torch", TORCH_SOURCES, include_dirs=include + cpp_extension.include_paths(),
+                     library_dirs=[lib], runtime_library_dirs=[lib], libraries=["c10", "torch", "torch_cpu", "torch_python"],
+                     extra_compile_args=flags, extra_link_args=["-pthread"], language="c++")
+
+
 def _extensions():
     try:
         import pybind11  # noqa: PLC0415
@@ -113,6 +137,9 @@ def _extensions():
     include = [pybind11.get_include(), "csrc", sysconfig.get_paths()["include"]]
     exts = [Extension("h3t_ext.kernels._copy_cpu", CPU_SOURCES, include_dirs=include,
                       extra_compile_args=CXX_FLAGS, extra_link_args=["-pthread"], language="c++")]
+    frontend = _torch_frontend(include)
+    if frontend is not None:
+        exts.append(frontend)
     if _want_cuda():
         root = _cuda_root(_find_nvcc())
         if root is None:

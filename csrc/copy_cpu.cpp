@@ -4,9 +4,11 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <system_error>
+#include <thread>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -81,6 +83,19 @@ void copy_range(const CopyTask& t, std::size_t begin, std::size_t end, bool stre
   }
 }
 
+// Copies bytes [begin, end) of the concatenation of all tasks; `starts` are prefix sums.
+void copy_share(const std::vector<CopyTask>& tasks, const std::vector<std::size_t>& starts,
+                std::size_t begin, std::size_t end, bool streaming) {
+  auto it = std::upper_bound(starts.begin(), starts.end(), begin);
+  std::size_t i = static_cast<std::size_t>(it - starts.begin()) - 1;
+  for (; i < tasks.size() && starts[i] < end; ++i) {
+    const std::size_t lo = std::max(begin, starts[i]) - starts[i];
+    const std::size_t hi = std::min(end, starts[i] + tasks[i].bytes()) - starts[i];
+    copy_range(tasks[i], lo, hi, streaming);
+  }
+  if (streaming) store_fence();
+}
+
 // Cores this process may run on (affinity mask), else hardware_concurrency().
 unsigned usable_cores() {
   cpu_set_t set;
@@ -102,109 +117,43 @@ unsigned plan_threads(std::size_t total_bytes, const CpuCopyOptions& options) {
   return static_cast<unsigned>(std::min<std::size_t>(hw, by_size));
 }
 
-CopyJob::CopyJob(std::size_t capacity, std::size_t expected_bytes, const CpuCopyOptions& options)
-    : options_(options),
-      threads_(plan_threads(expected_bytes, options)),
-      streaming_(expected_bytes >= options.streaming_threshold),
-      capacity_(capacity),
-      tasks_(new CopyTask[std::max<std::size_t>(1, capacity)]),
-      starts_(new std::size_t[std::max<std::size_t>(1, capacity)]) {
-  // Chunks of at most chunk_bytes (0: no limit), and no more than an equal share per thread.
-  const std::size_t share = std::max<std::size_t>(1, (expected_bytes + threads_ - 1) / threads_);
-  options_.chunk_bytes = options_.chunk_bytes ? std::min(options_.chunk_bytes, share) : share;
-  workers_.reserve(threads_ - 1);
-  for (unsigned k = 1; k < threads_; ++k) {
+unsigned run_tasks(const std::vector<CopyTask>& tasks, const CpuCopyOptions& options) {
+  std::vector<std::size_t> starts(tasks.size());
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    starts[i] = total;
+    total += tasks[i].bytes();
+  }
+  if (total == 0) return 0;
+  const unsigned n = plan_threads(total, options);
+  const bool streaming = total >= options.streaming_threshold;
+  if (n == 1) {
+    copy_share(tasks, starts, 0, total, streaming);
+    return 1;
+  }
+  // Chunks handed out dynamically: a thread that is descheduled (the cores are shared)
+  // does not hold up the batch; whoever runs takes the next chunk.
+  const std::size_t chunk = std::max<std::size_t>(
+      1, std::min(options.chunk_bytes ? options.chunk_bytes : total, (total + n - 1) / n));
+  const std::size_t chunks = (total + chunk - 1) / chunk;
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      copy_share(tasks, starts, c * chunk, std::min(total, (c + 1) * chunk), streaming);
+    }
+  };
+  std::vector<std::thread> workers;
+  workers.reserve(n - 1);
+  for (unsigned k = 1; k < n; ++k) {
     try {
-      workers_.emplace_back([this] { work(); });
+      workers.emplace_back(work);
     } catch (const std::system_error&) {
-      break;  // no more threads: the others (and the caller, in finish) take all chunks
+      break;  // no more threads: the others (and the caller) take all chunks
     }
   }
-}
-
-CopyJob::~CopyJob() { stop(); }
-
-void CopyJob::add(const CopyTask& task) {
-  const std::size_t bytes = task.bytes();
-  if (bytes == 0) return;
-  if (added_tasks_ == capacity_) {
-    throw CopyError("copy job: more tasks than the " + std::to_string(capacity_) + " announced");
-  }
-  tasks_[added_tasks_] = task;
-  starts_[added_tasks_] = added_bytes_;
-  ++added_tasks_;
-  added_bytes_ += bytes;
-}
-
-void CopyJob::publish() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (published_bytes_ == added_bytes_) return;
-    published_tasks_ = added_tasks_;
-    published_bytes_ = added_bytes_;
-  }
-  ready_.notify_all();
-}
-
-// Hands out the next chunk of published bytes; false once closed and all handed out.
-bool CopyJob::take(std::size_t& begin, std::size_t& end, std::size_t& tasks) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  ready_.wait(lock, [this] { return cursor_ < published_bytes_ || closed_; });
-  if (cursor_ == published_bytes_) return false;  // closed and drained
-  begin = cursor_;
-  end = std::min(published_bytes_, begin + options_.chunk_bytes);
-  cursor_ = end;
-  tasks = published_tasks_;
-  return true;
-}
-
-// Copies bytes [begin, end) of the concatenation of the first `tasks` tasks.
-void CopyJob::copy(std::size_t begin, std::size_t end, std::size_t tasks) const {
-  const std::size_t* first = starts_.get();
-  std::size_t i = static_cast<std::size_t>(std::upper_bound(first, first + tasks, begin) - first) - 1;
-  for (; i < tasks && starts_[i] < end; ++i) {
-    const std::size_t lo = std::max(begin, starts_[i]) - starts_[i];
-    const std::size_t hi = std::min(end, starts_[i] + tasks_[i].bytes()) - starts_[i];
-    copy_range(tasks_[i], lo, hi, streaming_);
-  }
-}
-
-void CopyJob::work() {
-  std::size_t begin = 0, end = 0, tasks = 0;
-  while (take(begin, end, tasks)) copy(begin, end, tasks);
-  if (streaming_) store_fence();
-}
-
-void CopyJob::stop() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    closed_ = true;
-  }
-  ready_.notify_all();
-  for (auto& w : workers_) w.join();
-  workers_.clear();
-}
-
-unsigned CopyJob::finish() {
-  publish();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    closed_ = true;
-  }
-  ready_.notify_all();
-  work();  // the caller takes chunks too
-  const auto used = static_cast<unsigned>(workers_.size() + 1);
-  stop();
-  return added_bytes_ == 0 ? 0 : used;
-}
-
-unsigned run_tasks(const std::vector<CopyTask>& tasks, const CpuCopyOptions& options) {
-  std::size_t total = 0;
-  for (const CopyTask& t : tasks) total += t.bytes();
-  if (total == 0) return 0;
-  CopyJob job(tasks.size(), total, options);
-  for (const CopyTask& t : tasks) job.add(t);
-  return job.finish();
+  work();
+  for (auto& w : workers) w.join();
+  return n;
 }
 
 }  // namespace h3t

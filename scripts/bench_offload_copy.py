@@ -112,12 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     kernels.set_num_threads(args.threads)
     results = [run_case(c, *CASES[c], args.repeats, DTYPES[args.dtype]) for c in args.cases.split(",")]
-    out = {"backend": kernels.active_backend("cpu"), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    out = {"backend": kernels.active_backend("cpu"), "tensor_front_end": kernels.tensor_front_end(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
            "loadavg_1min_after": os.getloadavg()[0], "repeats": args.repeats, "cases": results}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"backend {out['backend']}, {out['cpus']} cpus, load {out['loadavg_1min_after']:.2f}")
+    print(f"backend {out['backend']} (tensor front end: {out['tensor_front_end']}), {out['cpus']} cpus, load {out['loadavg_1min_after']:.2f}")
     for r in results:
         print(f"{r['case']}: {r['tensors']} x {r['tensor_bytes'] >> 10} KiB {r['dtype']},"
               f" native threads {r['native_threads']}")

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs the kernel tests against an AddressSanitizer + UBSan build of the native CPU module.
+# Runs the kernel tests against an AddressSanitizer + UBSan build of the native CPU module
+# and of its tensor front end (_copy_torch, built when torch's headers are found).
 #
 # The package, csrc/ and tests/test_kernels*.py are copied to a scratch directory, the
-# extension is compiled there with -fsanitize=address,undefined, and pytest runs from that
+# extensions are compiled there with -fsanitize=address,undefined, and pytest runs from that
 # copy with libasan preloaded (with libstdc++; python itself is not instrumented; leak checking is off
 # because the interpreter and torch keep allocations alive at exit).
 #
@@ -32,6 +33,17 @@ BUILD_CMD=("${CXX}" -O1 -g -std=c++17 -shared -fPIC -pthread "-fsanitize=${SANIT
            -fno-sanitize-recover=all -I"${REPO}/csrc" -I"${PYBIND_INCLUDE}" -I"${PY_INCLUDE}"
            "${REPO}/csrc/bindings_cpu.cpp" "${REPO}/csrc/copy_cpu.cpp" "${REPO}/csrc/copy_plan.cpp"
            "${REPO}/csrc/host_alloc.cpp" -o "${WORK}/h3t_ext/kernels/_copy_cpu${EXT_SUFFIX}")
+# The tensor front end: torch's include paths, C++ ABI and libraries (rpath to torch/lib).
+read -r -a TORCH_FLAGS <<< "$("${PYTHON}" -c "
+import os, torch
+from torch.utils import cpp_extension as c
+lib = os.path.join(os.path.dirname(torch.__file__), 'lib')
+print(' '.join(['-I' + p for p in c.include_paths()] + ['-D_GLIBCXX_USE_CXX11_ABI=%d' % torch._C._GLIBCXX_USE_CXX11_ABI,
+      '-L' + lib, '-Wl,-rpath,' + lib, '-lc10', '-ltorch', '-ltorch_cpu', '-ltorch_python']))")"
+TORCH_BUILD_CMD=("${CXX}" -O1 -g -std=c++20 -shared -fPIC -pthread "-fsanitize=${SANITIZE}" -fno-omit-frame-pointer
+                 -fno-sanitize-recover=all -I"${REPO}/csrc" -I"${PYBIND_INCLUDE}" -I"${PY_INCLUDE}"
+                 "${REPO}/csrc/bindings_torch.cpp" "${REPO}/csrc/copy_cpu.cpp" "${REPO}/csrc/copy_plan.cpp"
+                 "${TORCH_FLAGS[@]}" -o "${WORK}/h3t_ext/kernels/_copy_torch${EXT_SUFFIX}")
 TEST_CMD=(env "LD_PRELOAD=${LIBASAN}" "ASAN_OPTIONS=detect_leaks=0:abort_on_error=1"
           "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1" "PYTHONPATH=${WORK}"
           "${PYTHON}" -m pytest -q -p no:cacheprovider "${WORK}/tests" "${PYTEST_ARGS[@]}")
@@ -39,6 +51,7 @@ TEST_CMD=(env "LD_PRELOAD=${LIBASAN}" "ASAN_OPTIONS=detect_leaks=0:abort_on_erro
 if [[ ${DRY_RUN} -eq 1 ]]; then
   echo "copy h3t_ext csrc tests/test_kernels*.py -> ${WORK}"
   echo "${BUILD_CMD[*]}"
+  echo "${TORCH_BUILD_CMD[*]}"
   echo "(cd ${WORK} && ${TEST_CMD[*]})"
   exit 0
 fi
@@ -48,10 +61,16 @@ mkdir -p "${WORK}/tests"
 cp -r "${REPO}/h3t_ext" "${REPO}/csrc" "${WORK}/"
 find "${WORK}/h3t_ext" \( -name '*.so' -o -name '__pycache__' \) -prune -exec rm -rf {} +
 cp "${REPO}"/tests/test_kernels*.py "${WORK}/tests/"
+# These two compile their own C++ (TSan stress driver, torch-free syntax check) and never
+# load the module under test.
+rm -f "${WORK}/tests/test_kernels_threads.py" "${WORK}/tests/test_kernels_build.py"
 "${BUILD_CMD[@]}"
+"${TORCH_BUILD_CMD[@]}"
 cd "${WORK}"
 LOADED=$(env "LD_PRELOAD=${LIBASAN}" "ASAN_OPTIONS=detect_leaks=0" "PYTHONPATH=${WORK}" "${PYTHON}" -c \
-  "import h3t_ext.kernels._copy_cpu as m; print(m.__file__)")
-[[ "${LOADED}" == "${WORK}"/* ]] || { echo "error: tests would load ${LOADED}, not the ASan build" >&2; exit 1; }
-echo "ASan build: ${LOADED}"
+  "import torch, h3t_ext.kernels._copy_cpu as m, h3t_ext.kernels._copy_torch as t; print(m.__file__); print(t.__file__)")
+for so in ${LOADED}; do
+  [[ "${so}" == "${WORK}"/* ]] || { echo "error: tests would load ${so}, not the ASan build" >&2; exit 1; }
+  echo "ASan build: ${so}"
+done
 "${TEST_CMD[@]}"

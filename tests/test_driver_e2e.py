@@ -23,6 +23,7 @@ def reference_and_ours(corpus_prefix, tmp_path_factory):  # noqa: F811
                              "--metrics-json", str(path)], nproc=2)
         check_ok(proc)
         out[ckpt] = metrics(path)
+        out[f"{ckpt}_stdout"] = proc.stdout
     return out
 
 
@@ -50,6 +51,16 @@ def test_ours_offloads_and_keeps_less(reference_and_ours):
     assert all(b == 0 for b in ref["offloaded_bytes"])
     for mine, theirs in zip(ours["stage_peak_activation_bytes"], ref["stage_peak_activation_bytes"]):
         assert 0 < mine < theirs
+
+
+def test_offload_runs_say_which_copy_path_they_use(reference_and_ours):
+    from h3t_ext import kernels
+
+    def notes(ckpt):
+        return [l for l in reference_and_ours[f"{ckpt}_stdout"].splitlines() if "activation offload copies" in l]
+
+    assert notes("ours") == [f"note: activation offload copies use {kernels.describe('cpu')}"]
+    assert notes("no") == []  # --offload-alpha 0: nothing to say
 
 
 def test_metrics_have_the_documented_fields(reference_and_ours):

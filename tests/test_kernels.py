@@ -156,3 +156,17 @@ def test_thread_planning():
     assert kernels.threads_for(1 << 30) == 2
     kernels.set_num_threads(1)
     assert kernels.threads_for(1 << 30) == 1
+
+
+def test_native_writes_bump_the_destination_version_like_copy_():
+    """Autograd sees every write: through the tensor front end, the checked path (strided
+    pairs) and scatter, the destination's version counter moves as with copy_."""
+    dsts = [torch.zeros(6), torch.zeros(8, 4)[:, :2]]
+    srcs = [torch.ones(6), torch.ones(8, 2)]
+    before = [d._version for d in dsts]
+    kernels.batched_copy_(dsts, srcs)
+    assert all(d._version > v for d, v in zip(dsts, before))
+    buffer, offsets = kernels.gather(srcs)
+    before = [d._version for d in dsts]
+    kernels.scatter(buffer, dsts, offsets)
+    assert all(d._version > v for d, v in zip(dsts, before))

@@ -50,11 +50,13 @@ def test_cuda_bindings_compile_with_host_compiler():
 
 
 def test_cpu_sources_do_not_include_torch_or_cuda():
+    """Only the optional tensor front end includes torch; the kernels build without it."""
     for name in os.listdir(CSRC):
         if not name.endswith((".h", ".cpp", ".cu")):
             continue
         text = open(os.path.join(CSRC, name)).read()
-        assert "torch/" not in text and "ATen" not in text, name
+        if name != "bindings_torch.cpp":
+            assert "torch/" not in text and "ATen" not in text, name
         if not name.endswith(".cu"):
             assert "cuda_runtime" not in text, name
 

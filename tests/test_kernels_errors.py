@@ -10,6 +10,11 @@ import torch
 from h3t_ext import kernels
 
 
+def _inference_zeros(n):
+    with torch.inference_mode():
+        return torch.zeros(n)
+
+
 def _untouched(*tensors):
     return [t.clone() for t in tensors]
 
@@ -22,6 +27,7 @@ def _untouched(*tensors):
     ([torch.zeros(3)], [[1.0, 2.0, 3.0]], TypeError, r"srcs\[0\] must be a torch.Tensor"),
     (torch.zeros(3), [torch.zeros(3)], TypeError, r"dsts must be a list or tuple"),
     ([torch.zeros(1, 3).expand(4, 3)], [torch.zeros(4, 3)], ValueError, r"dsts\[0\] has overlapping elements"),
+    ([_inference_zeros(3)], [torch.zeros(3)], ValueError, r"dsts\[0\] is an inference tensor"),
 ])
 def test_batched_copy_rejects_bad_arguments(dsts, srcs, exc, match):
     before = _untouched(*[d for d in dsts if isinstance(d, torch.Tensor)]) if isinstance(dsts, list) else None

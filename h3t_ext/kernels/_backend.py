@@ -24,11 +24,32 @@ def _try_import(name: str) -> tuple[ModuleType | None, str | None]:
 
 _CPU, _CPU_ERROR = _try_import("_copy_cpu")
 _CUDA, _CUDA_ERROR = _try_import("_copy_cuda")
+# The tensor front end of the CPU kernels (built against torch's headers; optional).
+_TENSOR, _TENSOR_ERROR = _try_import("_copy_torch") if _CPU is not None else (None, _CPU_ERROR)
 
 
 def cpu_module() -> ModuleType | None:
     """The native CPU module, or None when it was not built."""
     return _CPU
+
+
+def tensor_module() -> ModuleType | None:
+    """The native tensor front end (reads tensor metadata in C++), or None when not built."""
+    return _TENSOR
+
+
+def tensor_front_end() -> str:
+    """How CPU batches of tensors reach the native kernels: ``"native"`` (the front end
+    reads them in C++), ``"python"`` (validated in Python, then one native call) or
+    ``"torch"`` (no native kernels)."""
+    if _CPU is None:
+        return TORCH
+    return "native" if _TENSOR is not None else "python"
+
+
+def tensor_front_end_reason() -> str | None:
+    """Why the native tensor front end is not active, or None when it is."""
+    return _TENSOR_ERROR if _TENSOR is None else None
 
 
 def cuda_module() -> ModuleType | None:
@@ -64,6 +85,19 @@ def native_unavailable_reason(device: str | torch.device = "cpu") -> str | None:
     if kind == "cuda":
         return _CUDA_ERROR or "torch.cuda.is_available() is False"
     return f"no native kernels for device type {kind!r}"
+
+
+def describe(device: str | torch.device = "cpu") -> str:
+    """One line naming the copy path of ``device`` and, when it is not native, why."""
+    kind = torch.device(device).type
+    backend = active_backend(kind)
+    if backend == TORCH:
+        return f"torch copies ({native_unavailable_reason(kind)})"
+    if kind != "cpu":
+        return f"{backend} kernels"
+    front = tensor_front_end()
+    why = "" if front == "native" else f": {tensor_front_end_reason()}"
+    return f"{backend} kernels (tensor batches read in {'C++' if front == 'native' else 'Python'}{why})"
 
 
 def set_num_threads(n: int) -> None:

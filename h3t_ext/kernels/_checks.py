@@ -33,8 +33,10 @@ def _validate_tensor_list(fn: str, name: str, tensors: object) -> Sequence[torch
 
 
 def _validate_writable(fn: str, name: str, i: int, t: torch.Tensor) -> None:
-    if has_internal_overlap(t):
+    if not t.is_contiguous() and has_internal_overlap(t):
         raise ValueError(f"{fn}: {name}[{i}] has overlapping elements (an expanded view); it cannot be written")
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(f"{fn}: {name}[{i}] is an inference tensor; it can be written only inside torch.inference_mode()")
 
 
 def validate_pairs(fn: str, dsts: object, srcs: object) -> None:
@@ -48,8 +50,7 @@ def validate_pairs(fn: str, dsts: object, srcs: object) -> None:
             raise TypeError(f"{fn}: dsts[{i}] has dtype {d.dtype} but srcs[{i}] has dtype {s.dtype}")
         if d.shape != s.shape:
             raise ValueError(f"{fn}: dsts[{i}] has shape {tuple(d.shape)} but srcs[{i}] has shape {tuple(s.shape)}")
-        if not d.is_contiguous():
-            _validate_writable(fn, "dsts", i, d)
+        _validate_writable(fn, "dsts", i, d)
 
 
 def validate_tensors(fn: str, tensors: object, *, writable: bool) -> Sequence[torch.Tensor]:
@@ -57,8 +58,7 @@ def validate_tensors(fn: str, tensors: object, *, writable: bool) -> Sequence[to
     tensors = _validate_tensor_list(fn, "tensors", tensors)
     if writable:
         for i, t in enumerate(tensors):
-            if not t.is_contiguous():
-                _validate_writable(fn, "tensors", i, t)
+            _validate_writable(fn, "tensors", i, t)
     return tensors
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from h3t_ext.kernels import _backend
 from h3t_ext.kernels._checks import Backend, route, select_native, stream_context, stream_handle, validate_pairs
@@ -39,21 +40,17 @@ def batched_copy_(
         stream: CUDA only: the stream to enqueue on (default: the current stream). CUDA
             copies are asynchronous with respect to the host; CPU copies are done on return.
 
-    On an error, pairs before the offending one may already have been copied (as with a
-    loop of ``copy_``); no byte outside the destinations is ever written.
-
     Raises:
         TypeError: an argument is not a list of tensors, or dtypes differ.
         ValueError: lengths or shapes differ, a destination is an expanded view, or a
             destination overlaps its source.
     """
     fn = "batched_copy_"
-    native_cpu = _backend.cpu_module()
-    # Common case in one native pass: lists of CPU, contiguous pairs of one dtype and shape
-    # (the module reads the tensors' attributes itself, copying pairs already read while it
-    # reads the rest, and returns None for anything else; the checked path below then
-    # copies everything or raises the precise error).
-    if backend == "auto" and native_cpu is not None and native_cpu.batched_copy_tensors(dsts, srcs) is not None:
+    front = _backend.tensor_module()
+    # Common case in one native pass: lists of CPU, contiguous tensor pairs of one dtype and
+    # shape (the front end reads the tensors in C++ and returns None, having written nothing,
+    # for anything else; the checked path below then copies or raises the precise error).
+    if backend in ("auto", "native") and front is not None and front.batched_copy_tensors(dsts, srcs) is not None:
         return
     validate_pairs(fn, dsts, srcs)
     kind = route(fn, [*dsts, *srcs])
@@ -66,8 +63,10 @@ def batched_copy_(
     d2, dp, s2, sp, w2, h2 = [], [], [], [], [], []
     rest = []
     for d, s in pairs:
-        if d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg():
-            rest.append((d, s))  # lazily conjugated/negated views: their bytes are not their values
+        if d.is_conj() or s.is_conj() or d.is_neg() or s.is_neg() or d.is_quantized:
+            # Lazily conjugated/negated views hold other bytes than their values; a quantized
+            # copy_ also copies the quantizer (scale, zero point).
+            rest.append((d, s))
             continue
         if d.is_contiguous() and s.is_contiguous():
             n = d.nbytes
@@ -87,5 +86,8 @@ def batched_copy_(
         native.batched_copy(flat_d, flat_s, flat_n, **extra)
     if h2:
         native.copy_2d(d2, dp, s2, sp, w2, h2, **extra)
+    # Like copy_, each native write is an in-place change of its destination for autograd.
+    torch_written = {id(d) for d, _ in rest}
+    increment_version([d for d, _ in pairs if id(d) not in torch_written])
     if rest:
         _torch_copy(rest, kind, stream)

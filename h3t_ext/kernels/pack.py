@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from h3t_ext.kernels._checks import (
     Backend,
@@ -133,6 +134,7 @@ def gather(
     extra = {"stream": stream_handle(stream, [*tensors, out])} if kind == "cuda" else {}
     if ptrs:
         native.gather(out.data_ptr(), out.numel(), ptrs, offs, row_bytes, rows, pitches, **extra)
+        increment_version(out)  # an in-place write for autograd, as with copy_
     if rest:
         _torch_gather(rest, out, kind, stream)
     return out, list(offsets)
@@ -164,5 +166,7 @@ def scatter(
     extra = {"stream": stream_handle(stream, [*tensors, buffer])} if kind == "cuda" else {}
     if ptrs:
         native.scatter(buffer.data_ptr(), buffer.numel(), ptrs, offs, row_bytes, rows, pitches, **extra)
+        torch_written = {id(t) for t, _ in rest}
+        increment_version([t for t in tensors if id(t) not in torch_written])
     if rest:
         _torch_scatter(rest, buffer, kind, stream)

@@ -104,7 +104,11 @@ def _gather_stage_stats(runtime, chunks) -> list[dict]:
     return [by_stage[r] for r in sorted(by_stage)]
 
 
-def _notes(args, on_gpu: bool, payload) -> None:
+def _notes(args, on_gpu: bool, payload, config: H3TConfig) -> None:
+    if config.offloads:
+        from h3t_ext import kernels  # noqa: PLC0415  (only needed for this note)
+
+        print(f"note: activation offload copies use {kernels.describe('cuda' if on_gpu else 'cpu')}", flush=True)
     if args.bf16 and not on_gpu:
         print("note: --bf16 has no effect on CPU; training in float32", flush=True)
     if args.load and payload is None:
@@ -142,8 +146,8 @@ def pretrain(args) -> int:
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
     chunks = build_model_chunks(args, on_gpu=on_gpu, vocab_size=tokenizer.vocab_size)
     n_params = num_parameters(chunks)
-    runtime = h3t_ext.install(H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha),
-                              manager_factory=_measuring_manager_factory)
+    config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
+    runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
     start = ckpt_io.apply_payload(payload, chunks, optimizer) if payload is not None else 0
     dataset = build_train_dataset(args, tokenizer)
@@ -152,7 +156,7 @@ def pretrain(args) -> int:
                                  data_parallel_rank=ps.get_data_parallel_rank(), device=device)
     is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
     if dist.get_rank() == 0:
-        _notes(args, on_gpu, payload)
+        _notes(args, on_gpu, payload, config)
     logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
     logger.header(start, n_params)
     try:
