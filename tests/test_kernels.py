@@ -1,6 +1,7 @@
 """Batched copies (h3t_ext.kernels.batched_copy_) equal torch's own copies.
 
-Every case runs on the active backend (native CPU when built) in two modes: the default
+Every case runs with and without the native tensor front end, and on the active backend
+(native CPU when built) in two modes: the default
 thresholds, and thresholds forced to 0 with odd-sized 4099-byte chunks, so that even tiny
 batches take the threaded and non-temporal-store paths and chunk boundaries fall inside
 tensors and rows. Tensors sit inside guard bytes that must stay untouched.
@@ -14,6 +15,17 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int
           torch.bool, torch.complex64]
 SIZES = [0, 1, 3, 7, 17, 255, 4095, 4097, 65537, 300_001]
 GUARD = 64
+
+
+@pytest.fixture(params=["front-end", "python-checked"], autouse=True)
+def tensor_front_end(request, monkeypatch):
+    """Run each test through the native tensor front end (when built) and without it, where
+    batched_copy_ validates tensors in Python and hands pointers to the kernels."""
+    if request.param == "front-end" and kernels._backend.tensor_module() is None:
+        pytest.skip("native tensor front end not built")
+    if request.param == "python-checked":
+        monkeypatch.setattr(kernels._backend, "_TENSOR", None)
+    return request.param
 
 
 @pytest.fixture(params=["default", "forced"], autouse=True)
