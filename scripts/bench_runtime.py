@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 VOCAB = 256
 DEFAULT_VARIANTS = "no:0,no:0.5,no:1,ours:0,ours:0.5,ours:1"
@@ -67,7 +66,9 @@ def _worker(rank, world, args):
     import torch
     import torch.distributed as dist
 
-    from gpt_harness import forward_step_func, init_parallel
+    from megatron.core import parallel_state as ps
+    from megatron.training.training import forward_step  # the driver's own step and loss
+
     from h3t_ext.runtime.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
     from h3t_ext.runtime.device import make_device_layer
@@ -83,10 +84,11 @@ def _worker(rank, world, args):
         s, b = args.seq_length, args.micro_batch_size
         for _ in range(args.num_microbatches):
             tok = torch.randint(0, VOCAB, (b, s), generator=g)
-            yield {"tokens": tok, "labels": torch.roll(tok, -1, 1),
+            yield {"tokens": tok, "labels": torch.roll(tok, -1, 1), "loss_mask": torch.ones(b, s),
                    "position_ids": torch.arange(s).unsqueeze(0).expand(b, s)}
 
-    init_parallel(1, world, args.v)
+    ps.initialize_model_parallel(pipeline_model_parallel_size=world,
+                                 virtual_pipeline_model_parallel_size=args.v if args.v > 1 else None)
     p, v = world, args.v
     # the plain baseline (no manager) runs first and last in every round, to expose drift and order effects
     variants = [("no", 0.0, False)] + [(c, a, True) for c, a in args.variant_list] + [("no", 0.0, False)]
@@ -108,7 +110,7 @@ def _worker(rank, world, args):
             t0 = time.perf_counter()
             run = sched.forward_backward_pipelining_with_interleaving if v > 1 else \
                 sched.forward_backward_pipelining_without_interleaving
-            run(forward_step_func=forward_step_func, data_iterator=[batches() for _ in model] if v > 1 else batches(),
+            run(forward_step_func=forward_step, data_iterator=[batches() for _ in model] if v > 1 else batches(),
                 model=model if v > 1 else model[0], num_microbatches=args.num_microbatches,
                 seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
             for chunk in model:
@@ -141,7 +143,7 @@ def _predicted(args, ckpt, alpha):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    from dist_utils import run_distributed
+    from h3t_ext.testing import run_distributed
 
     per_rank = run_distributed(_worker, args.pipeline_model_parallel_size, (args,), timeout_s=1800)
     base = max(0.5 * (r[0]["seconds"] + r[-1]["seconds"]) for r in per_rank)

@@ -20,7 +20,7 @@ def init_single_process_megatron() -> None:
     from megatron.core import parallel_state as ps
 
     if not dist.is_initialized():
-        from tests.dist_utils import free_port
+        from h3t_ext.testing import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())

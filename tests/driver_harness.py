@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dist_utils import free_port
+from h3t_ext.testing import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_utils import run_distributed
+from h3t_ext.testing import run_distributed
 from gpt_harness import (
     NUM_MICROBATCHES,
     SEQ,

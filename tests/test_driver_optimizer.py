@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from h3t_ext.testing import run_distributed
 from megatron.training.optimizer import DataParallelAdamW, _shard_owners, learning_rate
 
 ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine",

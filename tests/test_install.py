@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dist_utils import run_distributed
+from h3t_ext.testing import run_distributed
 from gpt_harness import MBS, NUM_MICROBATCHES, SEQ, build_stage, forward_step_func, init_parallel, make_batches, \
     model_config, recording_factory
 

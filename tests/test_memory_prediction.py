@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_utils import run_distributed
+from h3t_ext.testing import run_distributed
 from gpt_harness import forward_step_func
 
 PP, V, LAYERS, HIDDEN, FFN, HEADS, GROUPS = 4, 2, 8, 64, 128, 4, 2

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from h3t_ext.testing import run_distributed
 from gpt_harness import NUM_LAYERS, NUM_MICROBATCHES, RecordingManager, forward_step_func, init_parallel, \
     make_batches, model_config, recording_factory
 

@@ -15,7 +15,7 @@ import importlib.util
 
 import pytest
 
-from dist_utils import run_distributed
+from h3t_ext.testing import run_distributed
 from gpt_harness import (
     MBS, NUM_MICROBATCHES, SEQ, build_stage, compare_grads, forward_step_func, init_parallel, load_reference,
     make_batches, model_config, recording_factory, reference_run,

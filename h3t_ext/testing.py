@@ -1,6 +1,7 @@
-"""Run a function in N spawned gloo processes on CPU and collect what each returns.
+"""CPU gloo worlds for the tests and benchmarks: run a function in N spawned processes and
+collect what each returns.
 
-Usage from a test::
+Usage from a test or a benchmark script::
 
     results = run_distributed(_worker, world_size=4, args=(cfg,), timeout_s=300)
 
