@@ -68,11 +68,15 @@ bool fast_pair(PyObject* d, PyObject* s, h3t::CopyTask& task) {
 py::object batched_copy_tensors(py::handle dsts, py::handle srcs) {
   const auto is_seq = [](py::handle o) { return PyList_Check(o.ptr()) || PyTuple_Check(o.ptr()); };
   if (!is_seq(dsts) || !is_seq(srcs)) return py::none();
-  // Reading exact tensors runs no Python code, so the sequences cannot change under us.
-  const Py_ssize_t count = PySequence_Fast_GET_SIZE(dsts.ptr());
-  if (PySequence_Fast_GET_SIZE(srcs.ptr()) != count) return py::none();
-  PyObject** d = PySequence_Fast_ITEMS(dsts.ptr());
-  PyObject** s = PySequence_Fast_ITEMS(srcs.ptr());
+  // Tuples hold a reference to every tensor while the GIL is released for the copy: another
+  // thread emptying the caller's list cannot free a tensor being copied.
+  const py::tuple dt = py::reinterpret_steal<py::tuple>(PySequence_Tuple(dsts.ptr()));
+  const py::tuple st = py::reinterpret_steal<py::tuple>(PySequence_Tuple(srcs.ptr()));
+  if (!dt || !st) throw py::error_already_set();
+  const Py_ssize_t count = PyTuple_GET_SIZE(dt.ptr());
+  if (PyTuple_GET_SIZE(st.ptr()) != count) return py::none();
+  PyObject** d = &PyTuple_GET_ITEM(dt.ptr(), 0);
+  PyObject** s = &PyTuple_GET_ITEM(st.ptr(), 0);
   std::vector<h3t::CopyTask> tasks;
   tasks.reserve(static_cast<std::size_t>(count));
   try {

@@ -23,9 +23,11 @@ def _validate_backend(fn: str, backend: str) -> None:
         raise ValueError(f"{fn}: backend must be one of {_BACKENDS}, got {backend!r}")
 
 
-def _validate_tensor_list(fn: str, name: str, tensors: object) -> Sequence[torch.Tensor]:
+def _validate_tensor_list(fn: str, name: str, tensors: object) -> tuple[torch.Tensor, ...]:
+    """The tensors as a tuple: it keeps them alive while a native copy runs without the GIL."""
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{fn}: {name} must be a list or tuple of torch.Tensor, got {type(tensors).__name__}")
+    tensors = tuple(tensors)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
