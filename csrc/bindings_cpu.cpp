@@ -2,8 +2,8 @@
 //
 // Callers never import this module directly; h3t_ext.kernels validates torch tensors
 // and passes data pointers, byte counts and pitches. The GIL is released while copying.
-// The copy options are shared with the optional tensor front end (_copy_torch) through
-// the `_options` capsule.
+// The executor and its options are lent to the optional tensor front end (_copy_torch)
+// through the `_api` capsule.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -21,6 +21,7 @@ using Ptrs = std::vector<std::uintptr_t>;
 namespace {
 
 h3t::CpuCopyOptions g_options;  // only touched while holding the GIL
+h3t::CpuCopyApi g_api{&g_options, &h3t::run_tasks};
 
 unsigned run(const std::vector<h3t::CopyTask>& tasks) {
   const h3t::CpuCopyOptions options = g_options;
@@ -89,7 +90,7 @@ PYBIND11_MODULE(_copy_cpu, m) {
         py::arg("row_bytes"), py::arg("rows") = py::none(), py::arg("pitches") = py::none(),
         "Unpacks a buffer written by gather into tensors; returns threads used.");
 
-  m.attr("_options") = py::capsule(&g_options, h3t::kOptionsCapsule);
+  m.attr("_api") = py::capsule(&g_api, h3t::kCpuApiCapsule);
   m.def("set_num_threads", [](unsigned n) { g_options.max_threads = n; }, py::arg("n"),
         "Maximum copy threads (0 = hardware concurrency).");
   m.def("get_num_threads", [] { return g_options.max_threads; });

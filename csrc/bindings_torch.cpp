@@ -8,8 +8,8 @@
 // the same fifteen reads through Python attributes cost 1-2 µs: on the offload batch of
 // 2,000 x 64 KiB that is 0.3-0.8 ms instead of 2-4 ms next to a 6 ms copy.
 //
-// Callers never import this module directly; h3t_ext.kernels.batched_copy_ does. It uses
-// the copy options of _copy_cpu (shared through its `_options` capsule).
+// Callers never import this module directly; h3t_ext.kernels.batched_copy_ does. It copies
+// with _copy_cpu's executor and options (lent through its `_api` capsule).
 #include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -23,7 +23,7 @@ namespace py = pybind11;
 
 namespace {
 
-const h3t::CpuCopyOptions* g_options = nullptr;  // _copy_cpu's; read while holding the GIL
+const h3t::CpuCopyApi* g_cpu = nullptr;  // _copy_cpu's; its options are read while holding the GIL
 
 // True when the bytes [storage_offset, storage_offset + nbytes) of t lie in its storage.
 bool within_storage(const at::Tensor& t, std::size_t nbytes) {
@@ -92,11 +92,11 @@ py::object batched_copy_tensors(py::handle dsts, py::handle srcs) {
   // Like copy_, the write is an in-place change of each destination for autograd.
   for (Py_ssize_t i = 0; i < count; ++i) THPVariable_Unpack(d[i]).unsafeGetTensorImpl()->bump_version();
   if (tasks.empty()) return py::int_(0);
-  const h3t::CpuCopyOptions options = *g_options;
+  const h3t::CpuCopyOptions options = *g_cpu->options;
   unsigned used = 0;
   {
     py::gil_scoped_release release;
-    used = h3t::run_tasks(tasks, options);
+    used = g_cpu->run_tasks(tasks, options);
   }
   return py::int_(used);
 }
@@ -107,12 +107,12 @@ PYBIND11_MODULE(_copy_torch, m) {
   m.doc() = "h3t-ext tensor front end of the CPU copy kernels (use h3t_ext.kernels instead)";
   py::module_::import("torch");
   py::module_ cpu = py::module_::import("h3t_ext.kernels._copy_cpu");
-  py::capsule options = cpu.attr("_options");
-  if (options.name() == nullptr || std::strcmp(options.name(), h3t::kOptionsCapsule) != 0) {
-    throw py::import_error("h3t_ext.kernels._copy_cpu is from another build (options capsule mismatch)");
+  py::capsule api = cpu.attr("_api");
+  if (api.name() == nullptr || std::strcmp(api.name(), h3t::kCpuApiCapsule) != 0) {
+    throw py::import_error("h3t_ext.kernels._copy_cpu is from another build (_api capsule mismatch)");
   }
-  g_options = options.get_pointer<h3t::CpuCopyOptions>();
-  m.attr("_cpu") = cpu;  // keeps the module owning the options alive
+  g_cpu = api.get_pointer<h3t::CpuCopyApi>();
+  m.attr("_cpu") = cpu;  // keeps the module owning the executor and options alive
   py::register_exception<h3t::CopyError>(m, "CopyError", PyExc_ValueError);
   m.def("batched_copy_tensors", &batched_copy_tensors, py::arg("dsts"), py::arg("srcs"),
         "Copies lists of CPU, contiguous torch.Tensor pairs of one dtype and shape in one native call "

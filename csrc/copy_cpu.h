@@ -22,10 +22,6 @@ struct CpuCopyOptions {
   std::size_t streaming_threshold = std::size_t{32} << 20;
 };
 
-// Name of the capsule through which _copy_cpu shares its CpuCopyOptions with _copy_torch
-// (both compiled from this header in one build; bump the suffix when the struct changes).
-inline constexpr const char* kOptionsCapsule = "h3t_ext.kernels._copy_cpu.CpuCopyOptions.v1";
-
 // Threads run_tasks() would use for `total_bytes` under `options`.
 unsigned plan_threads(std::size_t total_bytes, const CpuCopyOptions& options);
 
@@ -33,5 +29,15 @@ unsigned plan_threads(std::size_t total_bytes, const CpuCopyOptions& options);
 // that the threads take one at a time, so a single large tensor is split as well as many
 // small ones. Returns the number of threads used.
 unsigned run_tasks(const std::vector<CopyTask>& tasks, const CpuCopyOptions& options);
+
+// What _copy_cpu lends its tensor front end (_copy_torch) through the capsule named
+// kCpuApiCapsule: its one copy executor and the options its setters change, so both
+// modules copy with the same code and knobs. Both are compiled from this header in one
+// build; bump the suffix when the struct changes.
+struct CpuCopyApi {
+  const CpuCopyOptions* options;
+  unsigned (*run_tasks)(const std::vector<CopyTask>& tasks, const CpuCopyOptions& options);
+};
+inline constexpr const char* kCpuApiCapsule = "h3t_ext.kernels._copy_cpu.CpuCopyApi.v1";
 
 }  // namespace h3t

@@ -42,7 +42,7 @@ print(' '.join(['-I' + p for p in c.include_paths()] + ['-D_GLIBCXX_USE_CXX11_AB
       '-L' + lib, '-Wl,-rpath,' + lib, '-lc10', '-ltorch', '-ltorch_cpu', '-ltorch_python']))")"
 TORCH_BUILD_CMD=("${CXX}" -O1 -g -std=c++20 -shared -fPIC -pthread "-fsanitize=${SANITIZE}" -fno-omit-frame-pointer
                  -fno-sanitize-recover=all -I"${REPO}/csrc" -I"${PYBIND_INCLUDE}" -I"${PY_INCLUDE}"
-                 "${REPO}/csrc/bindings_torch.cpp" "${REPO}/csrc/copy_cpu.cpp" "${REPO}/csrc/copy_plan.cpp"
+                 "${REPO}/csrc/bindings_torch.cpp"
                  "${TORCH_FLAGS[@]}" -o "${WORK}/h3t_ext/kernels/_copy_torch${EXT_SUFFIX}")
 TEST_CMD=(env "LD_PRELOAD=${LIBASAN}" "ASAN_OPTIONS=detect_leaks=0:abort_on_error=1"
           "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1" "PYTHONPATH=${WORK}"
