@@ -1,4 +1,4 @@
-"""Argument validation and routing shared by the copy wrappers.
+"""Argument validation, routing and write bookkeeping shared by the copy wrappers.
 
 Every error is one line naming the function and the offending argument (with index).
 """
@@ -10,6 +10,7 @@ from types import ModuleType
 from typing import Literal
 
 import torch
+from torch.autograd.graph import increment_version
 
 from h3t_ext.kernels import _backend
 from h3t_ext.kernels._layout import has_internal_overlap
@@ -39,6 +40,14 @@ def _validate_writable(fn: str, name: str, i: int, t: torch.Tensor) -> None:
         raise ValueError(f"{fn}: {name}[{i}] has overlapping elements (an expanded view); it cannot be written")
     if t.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(f"{fn}: {name}[{i}] is an inference tensor; it can be written only inside torch.inference_mode()")
+
+
+def mark_native_writes(written: Sequence[torch.Tensor], by_torch: Sequence[tuple[torch.Tensor, object]]) -> None:
+    """Bump the version counter of every tensor in ``written`` a native kernel wrote, i.e. all
+    but the first elements of ``by_torch`` (whose ``copy_`` bumps them itself): for autograd
+    the write is an in-place change, as with ``copy_``."""
+    skip = {id(t) for t, _ in by_torch}
+    increment_version([t for t in written if id(t) not in skip])
 
 
 def validate_pairs(fn: str, dsts: object, srcs: object) -> None:

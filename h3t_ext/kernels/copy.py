@@ -4,10 +4,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.autograd.graph import increment_version
 
 from h3t_ext.kernels import _backend
-from h3t_ext.kernels._checks import Backend, route, select_native, stream_context, stream_handle, validate_pairs
+from h3t_ext.kernels._checks import (
+    Backend,
+    mark_native_writes,
+    route,
+    select_native,
+    stream_context,
+    stream_handle,
+    validate_pairs,
+)
 from h3t_ext.kernels._layout import pair_copy
 
 
@@ -86,8 +93,6 @@ def batched_copy_(
         native.batched_copy(flat_d, flat_s, flat_n, **extra)
     if h2:
         native.copy_2d(d2, dp, s2, sp, w2, h2, **extra)
-    # Like copy_, each native write is an in-place change of its destination for autograd.
-    torch_written = {id(d) for d, _ in rest}
-    increment_version([d for d, _ in pairs if id(d) not in torch_written])
+    mark_native_writes([d for d, _ in pairs], rest)
     if rest:
         _torch_copy(rest, kind, stream)

@@ -12,6 +12,7 @@ from torch.autograd.graph import increment_version
 
 from h3t_ext.kernels._checks import (
     Backend,
+    mark_native_writes,
     route,
     select_native,
     stream_context,
@@ -166,7 +167,6 @@ def scatter(
     extra = {"stream": stream_handle(stream, [*tensors, buffer])} if kind == "cuda" else {}
     if ptrs:
         native.scatter(buffer.data_ptr(), buffer.numel(), ptrs, offs, row_bytes, rows, pitches, **extra)
-        torch_written = {id(t) for t, _ in rest}
-        increment_version([t for t in tensors if id(t) not in torch_written])
+        mark_native_writes(tensors, rest)
     if rest:
         _torch_scatter(rest, buffer, kind, stream)
