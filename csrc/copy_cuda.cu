@@ -149,11 +149,29 @@ int device_numa_node(int device) {
   return pci_numa_node(bus_id);
 }
 
+namespace {
+// Makes `device` current for its lifetime and restores the caller's device on every exit path,
+// so allocating pinned memory "for" a GPU never changes which GPU the caller's thread works on.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+}  // namespace
+
 void* alloc_pinned(std::size_t nbytes, int device, bool numa_local, int* numa_node, bool* registered) {
   const std::size_t n = std::max<std::size_t>(nbytes, 1);
   *numa_node = numa_local ? device_numa_node(device) : -1;
   *registered = false;
-  check(cudaSetDevice(device), "cudaSetDevice");
+  DeviceGuard guard(device);
   if (*numa_node >= 0) {
     void* p = alloc_host(n, *numa_node, /*populate=*/true);
     const cudaError_t err = cudaHostRegister(p, n, cudaHostRegisterPortable);

@@ -1,12 +1,14 @@
 """Device layer: cpu-sync and cpu-thread copies, and the thread mode catching a missing wait."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from h3t_ext.runtime.activations import ActivationManager
 from h3t_ext.runtime.config import RuntimeConfigError
-from h3t_ext.runtime.device import MissingWaitError, make_device_layer
+from h3t_ext.runtime.device import Event, MissingWaitError, make_device_layer
 from h3t_ext.runtime.host_pool import HostPool, size_class
 
 
@@ -114,12 +116,78 @@ def test_host_pool_size_classes_and_reuse():
     assert size_class(1) == 4096 and size_class(4097) == 8192
     assert all(size_class(size_class(n)) == size_class(n) >= n for n in range(1, 300000, 997))
     pool = HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
-    a = pool.acquire(10000)
+    a, ready = pool.acquire(10000)
+    assert ready is None
     pool.release(a)
-    b = pool.acquire(9000)  # same class: reused
-    assert b.data_ptr() == a.data_ptr() and pool.allocations == 1
-    c = pool.acquire(100000)
+    b, ready = pool.acquire(9000)  # same class: reused, free at once
+    assert b.data_ptr() == a.data_ptr() and pool.allocations == 1 and ready is None
+    c, _ = pool.acquire(100000)
     assert pool.allocations == 2 and pool.in_use_bytes == b.numel() + c.numel()
+
+
+def test_host_pool_never_blocks_and_prefers_landed_buffers():
+    """FIFO over the free buffers, first one whose last copy landed; else the oldest with its event
+    (the caller orders its copy after it) -- never a host wait on a pending copy."""
+    pool = HostPool(lambda n: torch.empty(n, dtype=torch.uint8))
+    bufs = [pool.acquire(5000)[0] for _ in range(3)]
+    pending_old, landed, pending_new = Event(), Event(done=True), Event()
+    for buf, ev in zip(bufs, (pending_old, landed, pending_new)):
+        pool.release(buf, after=ev)
+    got, ready = pool.acquire(5000)  # the landed one, although it was released second
+    assert got.data_ptr() == bufs[1].data_ptr() and ready is None
+    got, ready = pool.acquire(5000)  # none landed: the oldest, with its event, and no wait
+    assert got.data_ptr() == bufs[0].data_ptr() and ready is pending_old and not pending_old.query()
+    pending_new.set()
+    got, ready = pool.acquire(5000)  # landed meanwhile: no event to order after
+    assert got.data_ptr() == bufs[2].data_ptr() and ready is None and pool.allocations == 3
+
+
+def _one_microbatch(mgr, w, x):
+    with mgr.forward_scope(0, 0):
+        y = (torch.tanh(x @ w) @ w).sum()
+    mgr.offload(0, 0)
+    return y
+
+
+def test_offload_into_a_busy_host_buffer_waits_on_the_copy_stream_not_the_host():
+    """The manager hands the pool's event to the offload copy: the d2h stream waits, the host does not."""
+    layer = make_device_layer("cpu-thread", "cpu", copy_delay_s=0.01)
+    try:
+        mgr = ActivationManager(1.0, layer, min_offload_bytes=0)
+        w, x = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64)
+        for busy in (None, None, Event()):  # the 1st iteration saves more (w's first use)
+            if busy is not None:  # the buffer the last offload used is now still read by a copy
+                buf, _ = mgr.pool.acquire(host_class)
+                mgr.pool.release(buf, after=busy)
+            y = _one_microbatch(mgr, w, x)  # returns at once, even with `busy` pending
+            st = mgr._states[(0, 0)]
+            host_class = st.host.numel()
+            if busy is not None:
+                time.sleep(0.2)  # far longer than the copy takes: only the dependency holds it back
+                assert not st.off_event.query()
+                busy.set()
+            mgr.reload(0, 0)
+            with mgr.backward_scope(0, 0):
+                y.backward()
+            mgr.release(0, 0)
+        assert mgr.pool.allocations == 2 and torch.isfinite(w.grad).all()
+    finally:
+        layer.close()
+
+
+def test_cuda_event_synchronize_honours_its_timeout():
+    """_CudaEvent.synchronize polls with a deadline (cudaEventSynchronize has none)."""
+    from h3t_ext.runtime.device import _CudaEvent
+
+    class NeverDone:
+        def query(self):
+            return False
+
+    ev = _CudaEvent.__new__(_CudaEvent)
+    Event.__init__(ev)
+    ev.cuda_event = NeverDone()
+    with pytest.raises(TimeoutError, match="did not complete within 0.05s"):
+        ev.synchronize(timeout_s=0.05)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -295,10 +295,11 @@ class ActivationManager:
             rec.host_offset, rec.slot_offset = host_bytes, slot_bytes
             host_bytes += _align(rec.off_bytes)
             slot_bytes += _align(rec.nbytes)
-        st.host = self.pool.acquire(host_bytes)
+        st.host, host_ready = self.pool.acquire(host_bytes)
         dsts = [st.host[r.host_offset:r.host_offset + r.off_bytes] for r in plan]
         srcs = [r.flat[:r.off_bytes] for r in plan]
-        st.off_event = self.device.copy_async(self._d2h, dsts, srcs, after=(self.device.compute_event(),))
+        after = (self.device.compute_event(),) if host_ready is None else (self.device.compute_event(), host_ready)
+        st.off_event = self.device.copy_async(self._d2h, dsts, srcs, after=after)
         st.offloaded, st.slot_bytes = True, slot_bytes
         self.stats.offloaded_bytes += sum(r.off_bytes for r in plan)
         for i in (0, 1):  # the double buffer exists from the first offload on
@@ -384,8 +385,9 @@ class ActivationManager:
         if cur is not None and cur.numel() >= nbytes:
             return
         assert self._slot_owner[i] is None, "a reload slot in use cannot grow"
-        if self._slot_free[i] is not None:
-            self._slot_free[i].synchronize()
+        # No host wait for the old slot's last reader: the backward that read it ran on the compute
+        # stream the slot was allocated on, and reload copies into it are ordered by record_stream,
+        # so the caching allocator reuses its memory only after both (on CPU the copy task holds it).
         old = 0 if cur is None else cur.numel()
         self._slots[i] = None
         self._resident -= old

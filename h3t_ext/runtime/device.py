@@ -84,7 +84,20 @@ class _CudaEvent(Event):
         return self.cuda_event.query()
 
     def synchronize(self, timeout_s: float = 600.0) -> None:
-        self.cuda_event.synchronize()
+        """Wait on the host for the event, at most ``timeout_s`` (``cudaEventSynchronize`` has no
+        deadline, so this polls ``query`` with a growing sleep of at most 1 ms)."""
+        poll_until(self.query, timeout_s, "CUDA copy")
+
+
+def poll_until(done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Return once ``done()`` is true; raise TimeoutError (one line) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pause = 1e-5
+    while not done():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not complete within {timeout_s:g}s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
 
 
 class DeviceLayer:
@@ -266,9 +279,12 @@ class CudaDeviceLayer(DeviceLayer):
     def copy_async(self, stream, dsts, srcs, after=()) -> Event:
         _validate_pairs(dsts, srcs)
         s = self._streams[self.new_stream(stream)]
+        for e in after:  # host-side events (another layer's, or born complete) are waited on the host
+            if not isinstance(e, _CudaEvent):
+                e.synchronize()
         with torch.cuda.stream(s):
             for e in after:
-                if isinstance(e, _CudaEvent):
+                if isinstance(e, _CudaEvent):  # any device's event: cudaStreamWaitEvent orders across devices
                     s.wait_event(e.cuda_event)
             self._copy(dsts, srcs)
             for t in (*dsts, *srcs):

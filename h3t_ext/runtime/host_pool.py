@@ -4,9 +4,17 @@ Requests are rounded up to a size class (1/8 of the power of two below them, at 
 served only from free buffers of exactly that class. An iteration that makes the same sequence of
 requests and releases as the one before therefore needs, per class, no more buffers than that one
 did: the pool never grows after the first iteration of a given shape.
+
+The pool never blocks the host. A released buffer comes back with the event of its last copy
+(e.g. the reload that read it). :meth:`HostPool.acquire` prefers, oldest first, a free buffer
+whose event has completed; when none has, it hands out the oldest one together with its event,
+and the caller orders its copy after that event on the copy stream (``copy_async(after=...)``)
+instead of waiting on the CPU. First-in-first-out order makes the oldest release, the one most
+likely to have landed, the first choice.
 """
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Optional
 
 import torch
@@ -30,7 +38,7 @@ class HostPool:
 
     def __init__(self, allocate: Callable[[int], torch.Tensor]):
         self._allocate = allocate
-        self._free: dict[int, list[tuple[torch.Tensor, Optional[Event]]]] = {}
+        self._free: dict[int, deque[tuple[torch.Tensor, Optional[Event]]]] = {}
         self._capacity = 0
         self._in_use = 0
         self.allocations = 0
@@ -46,27 +54,30 @@ class HostPool:
         """Bytes of buffers handed out and not yet returned."""
         return self._in_use
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 buffer of at least ``nbytes`` (its size class)."""
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, Optional[Event]]:
+        """A flat uint8 buffer of at least ``nbytes`` (its size class), and the event that must
+        complete before the buffer is written (None when it is free now). Never blocks."""
         cls = size_class(nbytes)
         free = self._free.get(cls)
         if free:
-            buf, event = free.pop()
-            if event is not None:
-                event.synchronize()  # its last copy must have landed before it is overwritten
+            pick = next((i for i, (_, e) in enumerate(free) if e is None or e.query()), 0)
+            buf, event = free[pick]
+            del free[pick]
+            if event is not None and event.query():
+                event = None
         else:
-            buf = self._allocate(cls)
+            buf, event = self._allocate(cls), None
             self._capacity += cls
             self.allocations += 1
         self._in_use += cls
-        return buf
+        return buf, event
 
     def release(self, buf: torch.Tensor, after: Optional[Event] = None) -> None:
         """Give ``buf`` back; it is reused only once ``after`` (its last copy) is complete."""
         cls = buf.numel()
         assert cls == size_class(cls), "released a buffer the pool did not hand out"
         self._in_use -= cls
-        self._free.setdefault(cls, []).append((buf, after))
+        self._free.setdefault(cls, deque()).append((buf, after))
 
 
 __all__ = ["HostPool", "MIN_CLASS_BYTES", "size_class"]
