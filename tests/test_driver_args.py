@@ -38,6 +38,7 @@ def _error(argv, capsys, monkeypatch, world_size=2) -> str:
     (["--tensor-model-parallel-size", "2", "--num-attention-heads", "2", "--hidden-size", "64",
       "--group-query-attention", "--num-query-groups", "1"], "--tensor-model-parallel-size 2 does not divide"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2 needs TransformerEngine"),
+    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--offload-alpha", "0.5"], "cannot be overlapped"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "--sequence-parallel needs TransformerEngine"),
     (["--recompute-granularity", "selective"], "--recompute-granularity selective is not supported"),
@@ -117,3 +118,10 @@ def test_offload_alpha_modes_are_resolved_by_the_cost_model(mode, monkeypatch, c
 def test_bad_memory_budget_is_one_line(capsys, monkeypatch):
     line = _error(BASE + ["--offload-alpha", "auto", "--memory-budget", "lots"], capsys, monkeypatch)
     assert "--memory-budget" in line and "not a byte count" in line
+
+
+def test_overlap_flags_reach_the_run(monkeypatch):
+    """Megatron's DDP overlap switches are accepted (the planner prints them) and kept for the GPU wrap."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse_args(BASE + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"])
+    assert args.overlap_grad_reduce and args.overlap_param_gather

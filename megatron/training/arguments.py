@@ -53,6 +53,10 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-parallel-size", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the data-parallel gradient reduce with backward (megatron-core DDP buckets, GPU)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with forward (GPU)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
 

@@ -130,10 +130,30 @@ def read_checkpoint(args, rank: int) -> Optional[dict]:
     return payload
 
 
+def rng_state() -> dict:
+    """This rank's RNG streams: torch's CPU generator and, on a GPU, the CUDA generator and
+    megatron-core's model-parallel CUDA RNG tracker (dropout in tensor-parallel regions)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` saved (CUDA parts only where saved and a GPU is in use)."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        torch.cuda.set_rng_state(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["cuda_tracker"])
+
+
 def make_payload(iteration: int, chunks, optimizer) -> dict:
     """What one rank saves."""
     return {"iteration": iteration, "model": [c.state_dict() for c in chunks],
-            "optimizer": optimizer.state_dict(), "rng": {"torch": torch.get_rng_state()}}
+            "optimizer": optimizer.state_dict(), "rng": rng_state()}
 
 
 def apply_payload(payload: dict, chunks, optimizer) -> int:
@@ -144,5 +164,5 @@ def apply_payload(payload: dict, chunks, optimizer) -> int:
     for chunk, state in zip(chunks, payload["model"]):
         chunk.load_state_dict(state, strict=True)
     optimizer.load_state_dict(payload["optimizer"])
-    torch.set_rng_state(payload["rng"]["torch"])
+    set_rng_state(payload["rng"])
     return int(payload["iteration"])

@@ -13,7 +13,8 @@ from megatron.training.optimizer import MegatronOptimizerAdapter
 def wrap_for_gpu(args, chunks):
     """Wrap each chunk in megatron-core DDP and build megatron-core's optimizer over them."""
     config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+                                               overlap_param_gather=args.overlap_param_gather,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                        disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]

@@ -2,8 +2,8 @@
 
 TransformerEngine's layer spec when TE is importable on a GPU, else megatron-core's local spec
 with h3t-ext's SDPA core attention (``h3t_ext.runtime.gpt``). One chunk per virtual pipeline
-stage; weights come from torch's RNG seeded with ``--seed + 100 * pipeline rank`` (as Megatron
-seeds), so every data-parallel replica starts identical.
+stage; weights come from the generators seeded by :func:`~megatron.training.initialize.set_random_seed`
+(``--seed + 100 * pipeline rank``, as Megatron seeds), so every data-parallel replica starts identical.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
+from megatron.training.initialize import set_random_seed
 from megatron.training.tokenizer import padded_vocab_size
 
 
@@ -59,7 +60,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
 def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.Module]:
     """This rank's model chunks, in virtual-stage order."""
     config = transformer_config(args, on_gpu=on_gpu)
-    torch.manual_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
+    set_random_seed(args.seed, on_gpu=on_gpu)
     padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
                                 pipeline_rank=ps.get_pipeline_model_parallel_rank(),

@@ -154,8 +154,33 @@ class MegatronOptimizerAdapter:
         _, norm, _ = self.opt.step()
         return lr, norm
 
+    def _distributed_parts(self) -> list:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        parts = getattr(self.opt, "chained_optimizers", [self.opt])
+        return [o for o in parts if isinstance(o, DistributedOptimizer)]
+
     def state_dict(self) -> dict:
-        return self.opt.state_dict()
+        """Everything a bit-exact resume needs. megatron's ``DistributedOptimizer.state_dict()``
+        holds only the step and hyper-parameters; the fp32 main weights and Adam moments of this
+        rank's shard are its "parameter state", saved here beside it (per rank, same layout)."""
+        return {"optimizer": self.opt.state_dict(),
+                "parameter_state": [o.get_parameter_state_dp_reshardable() for o in self._distributed_parts()]}
 
     def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state)
+        self.opt.load_state_dict(state["optimizer"])
+        parts = self._distributed_parts()
+        if len(parts) != len(state["parameter_state"]):
+            raise ValueError(f"checkpoint holds the parameter state of {len(state['parameter_state'])} distributed "
+                             f"optimizer(s), this run has {len(parts)} (--use-distributed-optimizer changed?)")
+        for o, param_state in zip(parts, state["parameter_state"]):
+            o.load_parameter_state_from_dp_reshardable(_unpadded(param_state))
+
+
+def _unpadded(param_state: dict) -> dict:
+    """The loader of megatron-core 0.16 skips entries marked ``padding``; the getter marks none."""
+    out = dict(param_state)
+    for key, by_dtype in param_state.items():
+        if isinstance(key, int):
+            out[key] = {dtype: [[{**e, "padding": e.get("padding", False)} for e in bucket] for bucket in buckets]
+                        for dtype, buckets in by_dtype.items()}
+    return out

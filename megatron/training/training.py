@@ -111,6 +111,11 @@ def _notes(args, on_gpu: bool, payload, config: H3TConfig) -> None:
         print(f"note: activation offload copies use {kernels.describe('cuda' if on_gpu else 'cpu')}", flush=True)
     if args.bf16 and not on_gpu:
         print("note: --bf16 has no effect on CPU; training in float32", flush=True)
+    overlaps = [f for f, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
+                                ("--overlap-param-gather", args.overlap_param_gather)) if on]
+    if overlaps and not on_gpu:
+        print(f"note: {' and '.join(overlaps)} apply to megatron-core's DDP on GPU; the CPU optimizer reduces "
+              "gradients in one call after the backward", flush=True)
     if args.load and payload is None:
         print(f"note: no checkpoint in --load {args.load}; training from scratch", flush=True)
 

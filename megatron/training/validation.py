@@ -19,6 +19,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_pipeline(args)
     _validate_batch(args)
     _validate_sequence_parallel(args)
+    _validate_overlap(args)
     _validate_context_parallel(args)
     _validate_alpha(args)
     _validate_offload_overlap(args)
@@ -90,6 +91,12 @@ def _validate_sequence_parallel(args) -> None:
     if args.sequence_parallel and args.seq_length % t:
         raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of --tensor-model-parallel-size {t} "
                             f"(--sequence-parallel)")
+
+
+def _validate_overlap(args) -> None:
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps that "
+                            "optimizer's parameter all-gather)")
 
 
 def _cuda_available() -> bool:
