@@ -27,7 +27,7 @@ if [[ $DRY == 0 && ! -f $PREFIX.idx ]]; then
   mkdir -p "$DATA_DIR"
   "$PYTHON" "$ROOT/tools/make_stdlib_corpus.py" --output "$DATA_DIR/corpus.jsonl" --min-bytes 300000
   "$PYTHON" "$ROOT/tools/preprocess_data.py" --input "$DATA_DIR/corpus.jsonl" --output-prefix "$DATA_DIR/stdlib" \
-    --tokenizer-type ByteTokenizer
+    --tokenizer-type ByteTokenizer --append-eod
 fi
 
 MODEL=(--num-layers 4 --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2

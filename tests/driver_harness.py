@@ -60,7 +60,7 @@ def make_corpus_data(directory: Path) -> str:
     corpus = directory / "corpus.jsonl"
     for cmd in ([PYTHON, str(REPO / "tools/make_stdlib_corpus.py"), "--output", str(corpus), "--min-bytes", "100000"],
                 [PYTHON, str(REPO / "tools/preprocess_data.py"), "--input", str(corpus), "--output-prefix",
-                 str(directory / "stdlib")]):
+                 str(directory / "stdlib"), "--append-eod"]):
         subprocess.run(cmd, check=True, cwd=REPO, env=_env(), capture_output=True, timeout=TIMEOUT_S)
     return str(directory / "stdlib_text_document")
 

@@ -32,7 +32,7 @@ def test_preprocess_writes_what_the_indexed_reader_reads(tmp_path):
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     subprocess.run([PYTHON, str(REPO / "tools/preprocess_data.py"), "--input", str(src), "--output-prefix",
-                    str(tmp_path / "out")], check=True, cwd=REPO, env=_env(), capture_output=True, timeout=120)
+                    str(tmp_path / "out"), "--append-eod"], check=True, cwd=REPO, env=_env(), capture_output=True, timeout=120)
     ds = IndexedDataset(str(tmp_path / "out_text_document"))
     tok = ByteTokenizer()
     assert len(ds) == len(docs)
@@ -46,7 +46,8 @@ def test_bad_jsonl_line_is_one_line_error(tmp_path):
     proc = subprocess.run([PYTHON, str(REPO / "tools/preprocess_data.py"), "--input", str(src), "--output-prefix",
                            str(tmp_path / "o")], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert f"{src}:2: not a json object with key 'text'" in proc.stderr
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert f"{src}:2: not a json object with key(s) 'text'" in proc.stderr
 
 
 def test_stdlib_corpus_is_big_enough_and_real_text(tmp_path):

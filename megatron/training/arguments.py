@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from megatron.training.tokenizer import TokenizerError, add_tokenizer_flags
+
 class ArgumentError(Exception):
     """A flag value that cannot run; the message is one line naming the flag and the valid range."""
 
@@ -97,8 +99,7 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g.add_argument("--data-path", nargs="+", default=None, help="[weight] prefix ... of indexed .bin/.idx")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--split", default="100,0,0")
-    g.add_argument("--tokenizer-type", choices=("ByteTokenizer", "NullTokenizer"), default="ByteTokenizer")
-    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer")
+    add_tokenizer_flags(g)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--eod-mask-loss", action="store_true")
     g = p.add_argument_group("checkpointing and logging")
@@ -137,7 +138,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
         _fill_parallel_defaults(args)
         from megatron.training.validation import validate_args
         validate_args(args)
-    except ArgumentError as e:
+    except (ArgumentError, TokenizerError) as e:
         parser.error(str(e))
     return args
 

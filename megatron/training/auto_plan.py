@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from megatron.training.arguments import ArgumentError
-from megatron.training.tokenizer import build_tokenizer
+from megatron.training.tokenizer import tokenizer_from_args
 
 DEFAULT_SYSTEM = "h800"
 _CUDA_NAMES = (("H800", "h800"), ("H100", "h100-sxm"), ("H200", "h200"), ("A800", "a800"), ("A100", "a100-80g"))
@@ -31,7 +31,7 @@ def system_name(args) -> str:
 
 def _model_spec(args):
     from h3t_ext.costmodel import ModelSpec
-    vocab = build_tokenizer(args.tokenizer_type, args.vocab_size).vocab_size
+    vocab = tokenizer_from_args(args).vocab_size
     return ModelSpec(name="custom", num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                      ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab)

@@ -1,13 +1,41 @@
-"""Self-contained tokenizers (no model hub): bytes, and Megatron's NullTokenizer.
+"""Tokenizers named by Megatron's ``--tokenizer-type``, all from local files (no model hub).
 
-They carry the attributes megatron-core's GPT datasets read (``vocab_size``, ``eod``, ``pad``,
-``unique_identifiers``) and ``tokenize``/``detokenize`` for tools/preprocess_data.py.
+Each carries what megatron-core's GPT datasets and the driver read (``vocab_size``, ``eod``,
+``pad``, ``unique_identifiers``) and ``tokenize``/``detokenize`` for tools/preprocess_data.py.
+
+=========================  ===================================================================
+``--tokenizer-type``       files
+=========================  ===================================================================
+``HuggingFaceTokenizer``   ``--tokenizer-model``: a ``tokenizer.json`` or a directory holding one
+                           (read with the ``tokenizers`` package; a directory without one is
+                           read with ``transformers`` when that is installed)
+``GPT2BPETokenizer``       ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt):
+                           byte-level BPE, end of document ``<|endoftext|>``
+``SentencePieceTokenizer`` ``--tokenizer-model``: a SentencePiece ``.model`` file
+``NullTokenizer``          none: text is whitespace-separated ids; ``--vocab-size`` of them
+``ByteTokenizer``          none: UTF-8 bytes (h3t-ext's own, the default)
+=========================  ===================================================================
+
+Where a tokenizer has no end-of-document token of its own, one id is appended after its
+vocabulary (``vocab_size`` grows by one), as Megatron does for SentencePiece.
 """
 from __future__ import annotations
 
+import json
+import os
 from collections import OrderedDict
+from typing import Optional
 
 import numpy
+
+TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                   "SentencePieceTokenizer")
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<eod>")
+"""End-of-document spellings looked up, in order, in a vocabulary that does not name its own."""
+
+
+class TokenizerError(ValueError):
+    """Tokenizer files that cannot be used; one line naming the flag and the file."""
 
 
 class ByteTokenizer:
@@ -42,17 +70,156 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in numpy.asarray(ids).ravel())
 
 
-def build_tokenizer(tokenizer_type: str, vocab_size: int | None = None):
-    """The tokenizer named by ``--tokenizer-type``."""
+class _FastTokenizer:
+    """A ``tokenizers.Tokenizer`` (HuggingFace tokenizer.json, or GPT-2 byte-level BPE files)."""
+
+    def __init__(self, tok, kind: str, source: str, eod_token: Optional[str] = None) -> None:
+        self._tok = tok
+        size = tok.get_vocab_size(with_added_tokens=True)
+        eod = None
+        for name in ((eod_token,) if eod_token else EOD_CANDIDATES):
+            eod = tok.token_to_id(name)
+            if eod is not None:
+                break
+        self.eod = size if eod is None else eod  # no end-of-document token: one id after the vocabulary
+        self.vocab_size = size + (eod is None)
+        self.pad = self.eod
+        self.unique_identifiers = OrderedDict(**{"class": kind, "source": os.path.abspath(source)})
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in numpy.asarray(ids).ravel() if int(i) != self.eod])
+
+
+class _TransformersTokenizer:
+    """A tokenizer directory ``transformers.AutoTokenizer`` reads (local files only)."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer  # optional dependency
+
+        self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        eos = self._tok.eos_token_id
+        self.vocab_size = len(self._tok) + (eos is None)
+        self.eod = len(self._tok) if eos is None else eos
+        self.pad = self.eod
+        self.unique_identifiers = OrderedDict(**{"class": "HuggingFaceTokenizer", "source": os.path.abspath(path)})
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def detokenize(self, ids) -> str:
+        return self._tok.decode([int(i) for i in numpy.asarray(ids).ravel() if int(i) != self.eod])
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model; end of document is its ``</s>`` (or one id after the vocabulary)."""
+
+    def __init__(self, model_file: str) -> None:
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        size, eos = self._sp.get_piece_size(), self._sp.eos_id()
+        self.eod = size if eos < 0 else eos
+        self.vocab_size = size + (eos < 0)
+        self.pad = self.eod
+        self.unique_identifiers = OrderedDict(**{"class": type(self).__name__, "source": os.path.abspath(model_file)})
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._sp.encode(text))
+
+    def detokenize(self, ids) -> str:
+        return self._sp.decode([int(i) for i in numpy.asarray(ids).ravel() if int(i) != self.eod])
+
+
+def _need_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
+    if path is None:
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag} PATH")
+    if not os.path.exists(path):
+        raise TokenizerError(f"{flag} {path} does not exist")
+    return path
+
+
+def _huggingface(path: str):
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        try:
+            return _TransformersTokenizer(path)
+        except ImportError:
+            raise TokenizerError(f"--tokenizer-model {path}: no tokenizer.json in the directory, and reading "
+                                 f"other tokenizer formats needs the 'transformers' package") from None
+    file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    from tokenizers import Tokenizer
+
+    try:
+        return _FastTokenizer(Tokenizer.from_file(file), "HuggingFaceTokenizer", file)
+    except Exception as e:  # the tokenizers package raises its own exception types
+        raise TokenizerError(f"--tokenizer-model {file} is not a tokenizer.json the tokenizers package reads "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def _gpt2_bpe(vocab_file: str, merge_file: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            json.load(f)
+        bpe = models.BPE.from_file(vocab_file, merge_file)
+    except Exception as e:
+        raise TokenizerError(f"--vocab-file {vocab_file} / --merge-file {merge_file} are not GPT-2 BPE files "
+                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    tok = Tokenizer(bpe)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return _FastTokenizer(tok, "GPT2BPETokenizer", vocab_file, eod_token="<|endoftext|>")
+
+
+def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, tokenizer_model: Optional[str] = None,
+                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None):
+    """The tokenizer named by ``--tokenizer-type``; :class:`TokenizerError` (one line) on bad files."""
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     if tokenizer_type == "NullTokenizer":
-        assert vocab_size is not None
+        if vocab_size is None:
+            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    raise ValueError(f"unknown tokenizer type {tokenizer_type!r}")
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return _huggingface(_need_file("--tokenizer-model", tokenizer_model, tokenizer_type))
+    if tokenizer_type == "GPT2BPETokenizer":
+        return _gpt2_bpe(_need_file("--vocab-file", vocab_file, tokenizer_type),
+                         _need_file("--merge-file", merge_file, tokenizer_type))
+    if tokenizer_type == "SentencePieceTokenizer":
+        path = _need_file("--tokenizer-model", tokenizer_model, tokenizer_type)
+        try:
+            return SentencePieceTokenizer(path)
+        except (OSError, RuntimeError) as e:
+            raise TokenizerError(f"--tokenizer-model {path} is not a SentencePiece model "
+                                 f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+
+
+def tokenizer_from_args(args):
+    """The tokenizer of a parsed command line (the driver's or tools/preprocess_data.py's)."""
+    return build_tokenizer(args.tokenizer_type, getattr(args, "vocab_size", None),
+                           tokenizer_model=getattr(args, "tokenizer_model", None),
+                           vocab_file=getattr(args, "vocab_file", None), merge_file=getattr(args, "merge_file", None))
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
     """Megatron's padding: a multiple of ``--make-vocab-size-divisible-by`` x TP size."""
     q = divisible_by * tensor_model_parallel_size
     return -(-vocab_size // q) * q
+
+
+def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
+    """Megatron's tokenizer flags, shared by the driver and tools/preprocess_data.py."""
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=default)
+    group.add_argument("--tokenizer-model", default=None,
+                       help="tokenizer.json (or its directory) or a SentencePiece .model file")
+    group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
+    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer")
+
+
+__all__ = ["TOKENIZER_TYPES", "TokenizerError", "add_tokenizer_flags", "build_tokenizer", "padded_vocab_size",
+           "tokenizer_from_args"]

@@ -22,7 +22,7 @@ from megatron.training import checkpointing as ckpt_io
 from megatron.training.data import build_data_iterators, build_train_dataset
 from megatron.training.initialize import initialize_distributed, shutdown, uses_gpu
 from megatron.training.model_provider import build_model_chunks, num_parameters
-from megatron.training.tokenizer import build_tokenizer
+from megatron.training.tokenizer import tokenizer_from_args
 from megatron.training.training_log import IterationLogger, write_metrics_json
 
 
@@ -148,7 +148,7 @@ def pretrain(args) -> int:
     payload = ckpt_io.read_checkpoint(args, rank)  # before any process group: a bad checkpoint stops all ranks
     initialize_distributed(args)
     on_gpu = uses_gpu(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_size)
+    tokenizer = tokenizer_from_args(args)
     chunks = build_model_chunks(args, on_gpu=on_gpu, vocab_size=tokenizer.vocab_size)
     n_params = num_parameters(chunks)
     config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)

@@ -10,6 +10,7 @@ import argparse
 import os
 
 from megatron.training.arguments import ArgumentError
+from megatron.training.tokenizer import TokenizerError, tokenizer_from_args
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -145,8 +146,10 @@ def _validate_alpha(args) -> None:
 def _validate_data(args) -> None:
     if args.mock_data == (args.data_path is not None):
         raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data")
-    if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
-        raise ArgumentError("--tokenizer-type NullTokenizer needs --vocab-size")
+    try:  # the tokenizer's files are read now, so a bad one stops every rank before any process group
+        tokenizer_from_args(args)
+    except TokenizerError as e:
+        raise ArgumentError(str(e)) from None
     if args.data_path is None:
         return
     for item in args.data_path:

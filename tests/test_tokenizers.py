@@ -1,0 +1,111 @@
+"""Megatron's tokenizer types from files made here (BPE and SentencePiece trained on the project's
+corpus): tools/preprocess_data.py writes what megatron-core reads, and the driver trains on it."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import numpy
+import pytest
+
+from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, losses, run_pretrain
+from megatron.training.tokenizer import TokenizerError, build_tokenizer
+
+BPE_VOCAB = 400
+SP_VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The stdlib corpus, a byte-level BPE (tokenizer.json and GPT-2 vocab/merges) and a SentencePiece model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    import sentencepiece
+
+    d = tmp_path_factory.mktemp("tok")
+    corpus = d / "corpus.jsonl"
+    subprocess.run([PYTHON, str(REPO / "tools/make_stdlib_corpus.py"), "--output", str(corpus), "--min-bytes",
+                    "100000"], check=True, cwd=REPO, env=_env(), capture_output=True, timeout=300)
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    (d / "corpus.txt").write_text("\n".join(texts))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["<|endoftext|>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(d / "tokenizer.json"))
+    tok.model.save(str(d))  # GPT-2 files: vocab.json, merges.txt
+    sentencepiece.SentencePieceTrainer.train(input=str(d / "corpus.txt"), model_prefix=str(d / "sp"),
+                                             vocab_size=SP_VOCAB, minloglevel=2)
+    return d
+
+
+def _flags(kind: str, d) -> list[str]:
+    return {
+        "ByteTokenizer": ["--tokenizer-type", "ByteTokenizer"],
+        "HuggingFaceTokenizer": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(d / "tokenizer.json")],
+        "GPT2BPETokenizer": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(d / "vocab.json"),
+                             "--merge-file", str(d / "merges.txt")],
+        "SentencePieceTokenizer": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(d / "sp.model")],
+    }[kind]
+
+
+KINDS = ["HuggingFaceTokenizer", "GPT2BPETokenizer", "SentencePieceTokenizer"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tokenizer_round_trip_and_vocabulary(files, kind):
+    flags = dict(zip(_flags(kind, files)[0::2], _flags(kind, files)[1::2]))
+    tok = build_tokenizer(kind, tokenizer_model=flags.get("--tokenizer-model"), vocab_file=flags.get("--vocab-file"),
+                          merge_file=flags.get("--merge-file"))
+    text = "Return the number of items in a container."
+    ids = tok.tokenize(text)
+    assert 0 < len(ids) < len(text) / 1.5  # subwords, not bytes
+    assert max(ids) < tok.vocab_size and tok.eod < tok.vocab_size and tok.eod not in ids
+    assert tok.detokenize(ids + [tok.eod]).strip() == text
+    expected = {"HuggingFaceTokenizer": BPE_VOCAB, "GPT2BPETokenizer": BPE_VOCAB, "SentencePieceTokenizer": SP_VOCAB}
+    assert tok.vocab_size == expected[kind]  # the trained eod is in the vocabulary: no extra id
+
+
+@pytest.mark.parametrize("kind", KINDS + ["ByteTokenizer"])
+def test_preprocess_and_train_with_each_tokenizer(files, kind, tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix = tmp_path / "data"
+    proc = subprocess.run([PYTHON, str(REPO / "tools/preprocess_data.py"), "--input", str(files / "corpus.jsonl"),
+                           "--output-prefix", str(prefix), "--append-eod", "--workers", "2", *_flags(kind, files)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    ds = IndexedDataset(f"{prefix}_text_document")
+    first = json.loads((files / "corpus.jsonl").read_text().splitlines()[0])["text"]
+    flags = dict(zip(_flags(kind, files)[0::2], _flags(kind, files)[1::2]))
+    tok = build_tokenizer(kind, tokenizer_model=flags.get("--tokenizer-model"), vocab_file=flags.get("--vocab-file"),
+                          merge_file=flags.get("--merge-file"))
+    numpy.testing.assert_array_equal(ds[0], numpy.asarray(tok.tokenize(first) + [tok.eod]))
+    out = tmp_path / "m.json"
+    run = run_pretrain([*TINY_MODEL, "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "6",
+                        "--data-path", f"{prefix}_text_document", "--metrics-json", str(out), *_flags(kind, files)])
+    check_ok(run)
+    got = losses(out)
+    assert len(got) == 6 and all(numpy.isfinite(got))
+    assert got[-1] < got[0]  # it learns from these tokens
+
+
+@pytest.mark.parametrize("kind, flags, expected", [
+    ("SentencePieceTokenizer", [], "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model PATH"),
+    ("GPT2BPETokenizer", ["--vocab-file", "/nonexistent/vocab.json", "--merge-file", "x"],
+     "--vocab-file /nonexistent/vocab.json does not exist"),
+])
+def test_missing_tokenizer_files_are_one_line(kind, flags, expected, tmp_path):
+    proc = subprocess.run([PYTHON, str(REPO / "pretrain_llama.py"), *TINY_MODEL, "--global-batch-size", "4",
+                           "--train-iters", "1", "--mock-data", "--tokenizer-type", kind, *flags],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"pretrain_llama.py: error: {expected}"
+
+
+def test_a_file_that_is_no_tokenizer_is_one_line(tmp_path):
+    bad = tmp_path / "sp.model"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(TokenizerError, match=r"^--tokenizer-model .*sp.model is not a SentencePiece model"):
+        build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(bad))
+    with pytest.raises(TokenizerError, match=r"is not a tokenizer.json the tokenizers package reads"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(bad))
