@@ -65,8 +65,10 @@ def run_distributed(fn: Callable, world_size: int, args: Sequence[Any] = (), *, 
     out = ctx.Queue()
     port = free_port()
     procs = [
+        # Not daemonic, as torchrun's workers are not: megatron-core's checkpoint writer starts a
+        # process of its own. The finally block below joins or kills every rank.
         ctx.Process(target=_entry, args=(fn, r, world_size, port, tuple(args), out, pg_timeout_s, threads),
-                    daemon=True)
+                    daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -1,6 +1,7 @@
 """Checkpoints through pretrain_llama.py: resume reproduces the uninterrupted losses; bad ones are refused."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -19,14 +20,17 @@ def test_resume_reproduces_the_uninterrupted_losses(corpus_prefix, tmp_path):  #
     first = run_pretrain([*common, "--save", str(ckpt), "--exit-interval", "2"], nproc=2)
     check_ok(first)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert sorted(os.listdir(ckpt / "iter_0000002")) == ["metadata.json", "rank_00000.pt", "rank_00001.pt"]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ckpt / "iter_0000002")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt",
+                                                         "h3t_checksums.json", "metadata.json"]
+    assert json.loads((ckpt / "iter_0000002" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     resumed = tmp_path / "resumed.json"
     proc = run_pretrain([*common, "--load", str(ckpt), "--metrics-json", str(resumed)], nproc=2)
     check_ok(proc)
     assert "iterations from 2" in proc.stdout
     ref = losses(full)
     assert len(ref) == 4 and ref[3] != ref[2]
-    assert [r["iteration"] for r in __import__("json").load(open(resumed))["iterations"]] == [3, 4]
+    assert [r["iteration"] for r in json.load(open(resumed))["iterations"]] == [3, 4]
     assert losses(resumed) == ref[2:]  # bit for bit: same data position, weights, Adam state and schedule
 
 
@@ -50,21 +54,21 @@ def test_corrupt_checkpoint_is_refused(saved_single_rank, tmp_path):
     import shutil
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved_single_rank, ckpt)
-    f = ckpt / "iter_0000001" / "rank_00000.pt"
+    f = ckpt / "iter_0000001" / "__0_0.distcp"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
     proc = run_pretrain([*TINY_MODEL, "--global-batch-size", "2", "--train-iters", "2", "--mock-data",
                          "--load", str(ckpt)])
     line = _refused(proc)
-    assert "rank_00000.pt is corrupt (checksum mismatch)" in line
+    assert "__0_0.distcp is corrupt (checksum mismatch)" in line
 
 
 def test_truncated_checkpoint_is_refused(saved_single_rank, tmp_path):
     import shutil
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved_single_rank, ckpt)
-    f = ckpt / "iter_0000001" / "rank_00000.pt"
+    f = ckpt / "iter_0000001" / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[:-100])
     line = _refused(run_pretrain([*TINY_MODEL, "--global-batch-size", "2", "--train-iters", "2", "--mock-data",
                                   "--load", str(ckpt)]))

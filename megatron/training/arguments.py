@@ -106,6 +106,14 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   help="checkpoint format: torch_dist (megatron-core dist_checkpointing, resharding on load)")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the tracker's")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model only; start at iteration 0 with a fresh optimizer and RNG")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
+    g.add_argument("--async-save", action="store_true", help="accepted; this driver saves synchronously")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--metrics-json", default=None, metavar="PATH")

@@ -1,133 +1,203 @@
-"""Save and resume: one file per rank, a metadata fingerprint, a checksum per file.
+"""Save and resume through megatron-core's ``dist_checkpointing`` (``--ckpt-format torch_dist``).
 
-Layout under ``--save DIR``::
+Megatron-LM's layout under ``--save DIR``::
 
-    latest_checkpointed_iteration.txt     the last complete iteration (Megatron's tracker file)
-    iter_0000010/metadata.json            fingerprint: model shape and parallel layout
-    iter_0000010/rank_00000.pt            header line ``H3TCKPT1 <sha256> <length>`` + torch.save payload
+    latest_checkpointed_iteration.txt     the last complete iteration (the tracker)
+    iter_0000010/metadata.json            megatron-core: backend torch_dist
+    iter_0000010/common.pt                what every rank shares (iteration, schedule, model shape)
+    iter_0000010/.metadata, *.distcp      the sharded tensors (PyTorch distributed checkpoint)
 
-A checkpoint is refused, with one line, when its fingerprint differs from the run's (model shape
-or parallel layout) or when a file's checksum or length does not match its header. Reading and
-checking happen before any process group exists (:func:`read_checkpoint`), so a refused
-checkpoint ends every rank at once. ``--ckpt`` and ``--offload-alpha`` are not part of the
-fingerprint: a run may resume with another activation-memory setting.
+What is saved (Megatron's keys): ``model`` (``model0``, ``model1``, ... with a virtual pipeline)
+from each chunk's ``sharded_state_dict()``, ``optimizer`` (the full Adam state: fp32 weights
+where the optimizer keeps them, both moments, the step count; with the distributed optimizer
+each shard from its owner), ``opt_param_scheduler``, ``rng_state`` (one object per rank: torch's
+CPU generator, and the CUDA generator and model-parallel tracker on a GPU), ``iteration``,
+``consumed_train_samples``, ``checkpoint_version``, and ``h3t`` (model shape and layout).
+
+Because tensors are stored by their global keys and offsets, a run may load with another
+t/p/c/v or data-parallel size than the one that saved (resharding); the RNG states are then
+not restored (they belong to ranks that no longer exist) and a notice says so.
+
+A save is atomic: every rank writes into ``iter_N.tmp``; after all have finished, rank 0 writes
+``h3t_checksums.json`` (size and SHA-256 of every file, each rank hashing the files it wrote),
+renames the directory to ``iter_N`` and then moves the tracker. A run killed mid-save leaves the
+previous checkpoint as the latest. Everything that can be checked without process groups
+(tracker, format, model shape, file sizes, and the checksums, each rank hashing its share of the
+files) is checked by :func:`find_checkpoint` before any rank starts, with one line naming the file
+and the reason (:class:`CheckpointError`).
 """
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
+import shutil
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-MAGIC = b"H3TCKPT1"
 TRACKER = "latest_checkpointed_iteration.txt"
-FINGERPRINT_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                     "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
-                     "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size", "context_parallel_size",
-                     "world_size", "use_distributed_optimizer", "global_batch_size", "micro_batch_size")
+CHECKSUMS = "h3t_checksums.json"
+CHECKPOINT_VERSION = 3.0
+"""Megatron-LM's checkpoint version for dist_checkpointing checkpoints."""
+MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by")
+"""What must match between the saving and the loading run (the parallel layout need not)."""
+LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
+SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay",
+                  "adam_beta1", "adam_beta2", "adam_eps")
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message is one line."""
 
 
-def fingerprint(args) -> dict:
-    """What must match between the saving and the resuming run."""
-    return {k: getattr(args, k) for k in FINGERPRINT_FLAGS}
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    """A complete checkpoint under ``--load``, checked before any process group exists."""
+
+    directory: str
+    """The ``iter_NNNNNNN`` directory."""
+    iteration: int
+    same_layout: bool
+    """Saved with this run's parallel layout (then RNG states are restored too)."""
+    common: dict
+    """The shared part (``common.pt``)."""
 
 
-def _iter_dir(root: str, iteration: int) -> str:
+def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _rank_file(root: str, iteration: int, rank: int) -> str:
-    return os.path.join(_iter_dir(root, iteration), f"rank_{rank:05d}.pt")
+def _model_shape(args) -> dict:
+    from megatron.training.tokenizer import padded_vocab_size, tokenizer_from_args
+
+    shape = {k: getattr(args, k, None) for k in MODEL_SHAPE_FLAGS}
+    shape["padded_vocab_size"] = padded_vocab_size(tokenizer_from_args(args).vocab_size,
+                                                   args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    return shape
 
 
-def save_rank_file(root: str, iteration: int, rank: int, payload: dict) -> None:
-    """Write this rank's file atomically (temporary name, then rename)."""
-    buf = io.BytesIO()
-    torch.save(payload, buf)
-    data = buf.getvalue()
-    path = _rank_file(root, iteration, rank)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    header = MAGIC + b" " + hashlib.sha256(data).hexdigest().encode() + b" " + str(len(data)).encode() + b"\n"
-    with open(path + ".tmp", "wb") as f:
-        f.write(header)
-        f.write(data)
-    os.replace(path + ".tmp", path)
+def _layout(args) -> dict:
+    return {k: getattr(args, k, None) for k in LAYOUT_FLAGS}
 
 
-def finish_save(root: str, iteration: int, args) -> None:
-    """Rank 0, after every rank wrote its file: the metadata, then the tracker."""
-    meta = {"iteration": iteration, "fingerprint": fingerprint(args)}
-    path = os.path.join(_iter_dir(root, iteration), "metadata.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(meta, f, indent=1)
-    os.replace(path + ".tmp", path)
-    with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
-        f.write(f"{iteration}\n")
-    os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
+def _schedule(args) -> dict:
+    return {k: getattr(args, k, None) for k in SCHEDULE_FLAGS}
 
 
 def _read_tracker(root: str) -> Optional[int]:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        raise CheckpointError(f"--load {root}: {TRACKER} says 'release' (a converted release checkpoint); "
+                              f"load it with --finetune --ckpt-step 0 after renaming it to iter_0000000")
     if not text.isdigit():
         raise CheckpointError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
     return int(text)
 
 
-def _check_fingerprint(root: str, iteration: int, args) -> None:
-    path = os.path.join(_iter_dir(root, iteration), "metadata.json")
+def _file_digest(path: str) -> list:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return [os.path.getsize(path), h.hexdigest()]
+
+
+def _verify_files(directory: str, rank: int, world_size: int) -> None:
+    """Every file of the manifest is there with its size; this rank checks the SHA-256 of its share."""
+    manifest = os.path.join(directory, CHECKSUMS)
     try:
-        with open(path) as f:
-            saved = json.load(f)["fingerprint"]
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"--load {root}: cannot read {path} ({type(e).__name__})") from None
-    mine = fingerprint(args)
-    for k in FINGERPRINT_FLAGS:
-        if saved.get(k) != mine[k]:
-            name = "world size" if k == "world_size" else "--" + k.replace("_", "-")
-            raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with {name} "
-                                  f"{saved.get(k)}, this run has {mine[k]}")
+        with open(manifest) as f:
+            files = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {directory} is partial or corrupt: {CHECKSUMS} cannot be read "
+                              f"({type(e).__name__})") from None
+    for i, (name, (size, digest)) in enumerate(sorted(files.items())):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        if os.path.getsize(path) != size:
+            raise CheckpointError(f"checkpoint file {path} is corrupt (length {os.path.getsize(path)}, "
+                                  f"{CHECKSUMS} says {size})")
+        if i % world_size == rank and _file_digest(path)[1] != digest:
+            raise CheckpointError(f"checkpoint file {path} is corrupt (checksum mismatch)")
 
 
-def _read_verified(path: str) -> dict:
+def _read_common(directory: str) -> dict:
+    meta = os.path.join(directory, "metadata.json")
+    if any(n.startswith("rank_") and n.endswith(".pt") for n in os.listdir(directory)):
+        raise CheckpointError(f"{directory} is in h3t-ext's former per-rank format (rank_*.pt), which this "
+                              f"release does not read; train again or convert it with the previous release")
     try:
-        with open(path, "rb") as f:
-            header = f.readline()
-            data = f.read()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint file {path} cannot be read ({e.strerror})") from None
-    parts = header.split()
-    if len(parts) != 3 or parts[0] != MAGIC or not parts[2].isdigit():
-        raise CheckpointError(f"checkpoint file {path} is corrupt (bad header)")
-    if int(parts[2]) != len(data):
-        raise CheckpointError(f"checkpoint file {path} is corrupt (length {len(data)}, header says {int(parts[2])})")
-    if hashlib.sha256(data).hexdigest().encode() != parts[1]:
-        raise CheckpointError(f"checkpoint file {path} is corrupt (checksum mismatch)")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+        with open(meta) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {meta} cannot be read ({type(e).__name__})") from None
+    if backend != "torch_dist":
+        raise CheckpointError(f"checkpoint file {meta} names backend {backend!r}; --ckpt-format torch_dist "
+                              f"is what this driver reads")
+    path = os.path.join(directory, "common.pt")
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises several unrelated types for a damaged file
+        raise CheckpointError(f"checkpoint file {path} is corrupt or partial ({type(e).__name__})") from None
+    if not isinstance(common, dict) or "h3t" not in common or "iteration" not in common:
+        raise CheckpointError(f"checkpoint file {path} was not written by this driver (no 'h3t' section)")
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise CheckpointError(f"checkpoint {directory} is partial: its .metadata file is missing")
+    return common
 
 
-def read_checkpoint(args, rank: int) -> Optional[dict]:
-    """This rank's verified payload of the latest checkpoint under ``--load`` (None: nothing to load)."""
-    if args.load is None:
+def find_checkpoint(args) -> Optional[FoundCheckpoint]:
+    """The checkpoint ``--load`` (and ``--ckpt-step``) names, checked; None when there is none.
+
+    A missing or empty ``--load`` directory means "start from scratch", as in Megatron.
+    """
+    root = args.load
+    if root is None or not os.path.isdir(root):
         return None
-    iteration = _read_tracker(args.load)
+    step = getattr(args, "ckpt_step", None)
+    iteration = step if step is not None else _read_tracker(root)
     if iteration is None:
         return None
-    _check_fingerprint(args.load, iteration, args)
-    payload = _read_verified(_rank_file(args.load, iteration, rank))
-    if payload.get("iteration") != iteration:
-        raise CheckpointError(f"checkpoint file {_rank_file(args.load, iteration, rank)} holds iteration "
-                              f"{payload.get('iteration')}, the tracker says {iteration}")
-    return payload
+    directory = iter_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--load {root}: {directory} does not exist"
+                              + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"))
+    common = _read_common(directory)
+    _verify_files(directory, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    saved = common["h3t"]["model"]
+    mine = _model_shape(args)
+    if saved.get("padded_vocab_size") != mine["padded_vocab_size"] and \
+            saved.get("make_vocab_size_divisible_by") == mine["make_vocab_size_divisible_by"]:
+        layout = common["h3t"]["layout"]
+        raise CheckpointError(
+            f"--load {root}: checkpoint iteration {iteration} has a vocabulary padded to {saved.get('padded_vocab_size')} "
+            f"(--make-vocab-size-divisible-by x --tensor-model-parallel-size {layout['tensor_model_parallel_size']}), "
+            f"this run pads to {mine['padded_vocab_size']}; choose --make-vocab-size-divisible-by so that both "
+            f"layouts pad alike")
+    for k in MODEL_SHAPE_FLAGS:
+        if saved.get(k) != mine[k]:
+            raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with "
+                                  f"--{k.replace('_', '-')} {saved.get(k)}, this run has {mine[k]}")
+    return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common)
+
+
+# ----------------------------------------------------------------------------------------- state
+def _unwrap(chunk):
+    return getattr(chunk, "module", chunk)
+
+
+def _model_keys(chunks) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
 
 
 def rng_state() -> dict:
@@ -150,19 +220,104 @@ def set_rng_state(state: dict) -> None:
         get_cuda_rng_tracker().set_states(state["cuda_tracker"])
 
 
-def make_payload(iteration: int, chunks, optimizer) -> dict:
-    """What one rank saves."""
-    return {"iteration": iteration, "model": [c.state_dict() for c in chunks],
-            "optimizer": optimizer.state_dict(), "rng": rng_state()}
+def _rng_object(state):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
-def apply_payload(payload: dict, chunks, optimizer) -> int:
-    """Load model, optimizer and RNG state; returns the iteration to continue from."""
-    if len(payload["model"]) != len(chunks):
-        raise CheckpointError(f"checkpoint has {len(payload['model'])} model chunks per rank, this run has "
-                              f"{len(chunks)}")
-    for chunk, state in zip(chunks, payload["model"]):
-        chunk.load_state_dict(state, strict=True)
-    optimizer.load_state_dict(payload["optimizer"])
-    set_rng_state(payload["rng"])
-    return int(payload["iteration"])
+def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, with_optimizer: bool = True,
+                   with_rng: bool = True) -> dict:
+    state: dict = {}
+    model_sds = []
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        sd = _unwrap(chunk).sharded_state_dict()
+        state[key] = sd
+        model_sds.append(sd)
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sds, is_loading=loading)
+    if with_rng:
+        state["rng_state"] = _rng_object(None if loading else rng_state())
+    if not loading:
+        state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
+                     consumed_train_samples=iteration * args.global_batch_size,
+                     opt_param_scheduler=_schedule(args),
+                     h3t={"model": _model_shape(args), "layout": _layout(args)})
+    return state
+
+
+# ----------------------------------------------------------------------------------------- save / load
+def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) -> None:
+    """Write ``iter_N`` under ``--save`` (collective: every rank calls it)."""
+    from megatron.core import dist_checkpointing
+
+    from h3t_ext.checkpointing import save_strategy
+
+    final = iter_dir(args.save, iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+        os.makedirs(tmp)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False), tmp,
+                            sharded_strategy=save_strategy(on_gpu))
+    dist.barrier()
+    _write_checksums(tmp)
+    if dist.get_rank() == 0:
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker = os.path.join(args.save, TRACKER)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(f"{iteration}\n")
+        os.replace(tracker + ".tmp", tracker)
+    dist.barrier()
+
+
+def _write_checksums(directory: str) -> None:
+    """Each rank hashes the tensor files it wrote (``__<rank>_*.distcp``), rank 0 the shared ones
+    too, and rank 0 writes the manifest (collective)."""
+    rank = dist.get_rank()
+    mine = {}
+    for name in sorted(os.listdir(directory)):
+        shared = not name.startswith("__")
+        if (name.startswith(f"__{rank}_") or (shared and rank == 0)) and name != CHECKSUMS:
+            mine[name] = _file_digest(os.path.join(directory, name))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        files = {k: v for part in everyone for k, v in part.items()}
+        with open(os.path.join(directory, CHECKSUMS), "w") as f:
+            json.dump(files, f, indent=0, sort_keys=True)
+
+
+def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[int, list[str]]:
+    """Load ``found`` into the model (and optimizer, RNG); returns (start iteration, notices)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    notes = []
+    finetune = bool(getattr(args, "finetune", False))
+    with_optimizer = not (finetune or getattr(args, "no_load_optim", False))
+    with_rng = not (finetune or getattr(args, "no_load_rng", False))
+    if with_rng and not found.same_layout:
+        with_rng = False
+        notes.append(f"checkpoint iteration {found.iteration} was saved with another parallel layout: resharded; "
+                     f"RNG states start from --seed")
+    template = _sharded_state(args, found.iteration, chunks, optimizer, loading=True, with_optimizer=with_optimizer,
+                              with_rng=with_rng)
+    try:
+        loaded = dist_checkpointing.load(template, found.directory)
+    except (CheckpointingException, RuntimeError, KeyError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {found.directory} cannot be loaded into this model: {first}") from None
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+    if with_optimizer:
+        optimizer.load_sharded_state_dict(loaded["optimizer"])
+    if with_rng:
+        set_rng_state(loaded["rng_state"])
+    return (0 if finetune else found.iteration), notes
+
+
+__all__ = ["CheckpointError", "FoundCheckpoint", "find_checkpoint", "load_checkpoint", "rng_state",
+           "save_checkpoint", "set_rng_state"]

@@ -10,6 +10,7 @@ share, and broadcasts it to the other replicas; the numbers are the same as with
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -61,6 +62,8 @@ class DataParallelAdamW:
         self.adam = torch.optim.AdamW(groups or [{"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=args.lr,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.has_params = bool(groups)
+        self.steps = 0
+        """Optimizer steps taken (Adam's bias-correction count; the same for every parameter)."""
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -116,18 +119,61 @@ class DataParallelAdamW:
             g["lr"] = lr
         if self.has_params:
             self.adam.step()
+        self.steps += 1
         if self.dp_size > 1 and any(o != self.dp_rank for o in self.owners):
             self._broadcast_shards()
         return lr, norm
 
-    def state_dict(self) -> dict:
-        return {"adam": self.adam.state_dict(), "owners": list(self.owners)}
+    def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False) -> dict:
+        """Adam's moments as ShardedTensors keyed like the parameters they belong to (so they
+        reshard with the model), each from the rank that owns it; the step count in common."""
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-    def load_state_dict(self, state: dict) -> None:
-        if list(state["owners"]) != list(self.owners):
-            raise ValueError("optimizer shard layout differs from this run's (--use-distributed-optimizer or "
-                             "data-parallel size changed)")
-        self.adam.load_state_dict(state["adam"])
+        by_storage = _sharded_params(model_sharded_state_dicts)
+        state: dict = {}
+        for i, (p, owner) in enumerate(zip(self.params, self.owners)):
+            if owner != self.dp_rank:
+                continue
+            model_sh = by_storage.get((p.data_ptr(), tuple(p.shape)))
+            assert model_sh is not None, f"parameter {i} {tuple(p.shape)} is not in the model's sharded state dict"
+            held = self.adam.state.get(p, {})
+            entry = {}
+            for name in ("exp_avg", "exp_avg_sq"):
+                data = torch.zeros_like(p) if is_loading or name not in held else held[name]
+                sh = make_sharded_optimizer_tensor(model_sh, data, f"optimizer.state.{name}")
+                entry[name] = replace(sh, replica_id=_main_data_parallel_replica(sh.replica_id))
+            state[i] = entry
+        return {"state": state, "steps": self.steps}
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Install what :meth:`sharded_state_dict` loaded (bit-exact moments and step count)."""
+        self.steps = int(loaded["steps"])
+        for i, entry in loaded["state"].items():
+            p = self.params[i]
+            self.adam.state[p] = {"step": torch.tensor(float(self.steps), dtype=torch.float32),
+                                  "exp_avg": entry["exp_avg"].clone(), "exp_avg_sq": entry["exp_avg_sq"].clone()}
+
+
+def _sharded_params(model_sharded_state_dicts: list) -> dict:
+    """(storage pointer, shape) -> the model's ShardedTensor (or factory, e.g. a gated FC1 split
+    over tensor-parallel ranks) of that parameter."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for sd in model_sharded_state_dicts:
+        for sh in nested_values(sd):
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and sh.data is not None:
+                out[(sh.data.data_ptr(), tuple(sh.data.shape))] = sh
+    return out
+
+
+def _main_data_parallel_replica(replica_id):
+    """The owner of an optimizer shard writes it: the data-parallel part of its replica id is 0
+    (megatron-core's replica ids end with the data-parallel rank)."""
+    if isinstance(replica_id, tuple):
+        return replica_id[:-1] + (0,)
+    return 0
 
 
 class MegatronOptimizerAdapter:
@@ -154,33 +200,12 @@ class MegatronOptimizerAdapter:
         _, norm, _ = self.opt.step()
         return lr, norm
 
-    def _distributed_parts(self) -> list:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-        parts = getattr(self.opt, "chained_optimizers", [self.opt])
-        return [o for o in parts if isinstance(o, DistributedOptimizer)]
+    def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False) -> dict:
+        """megatron-core's own sharded optimizer state (with the distributed optimizer: the fp32
+        main weights and Adam moments of every shard), in its fully reshardable form."""
+        model = {f"model{i}": sd for i, sd in enumerate(model_sharded_state_dicts)}
+        return self.opt.sharded_state_dict(model, is_loading,
+                                           metadata={"distrib_optim_sharding_type": "fully_reshardable"})
 
-    def state_dict(self) -> dict:
-        """Everything a bit-exact resume needs. megatron's ``DistributedOptimizer.state_dict()``
-        holds only the step and hyper-parameters; the fp32 main weights and Adam moments of this
-        rank's shard are its "parameter state", saved here beside it (per rank, same layout)."""
-        return {"optimizer": self.opt.state_dict(),
-                "parameter_state": [o.get_parameter_state_dp_reshardable() for o in self._distributed_parts()]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.opt.load_state_dict(state["optimizer"])
-        parts = self._distributed_parts()
-        if len(parts) != len(state["parameter_state"]):
-            raise ValueError(f"checkpoint holds the parameter state of {len(state['parameter_state'])} distributed "
-                             f"optimizer(s), this run has {len(parts)} (--use-distributed-optimizer changed?)")
-        for o, param_state in zip(parts, state["parameter_state"]):
-            o.load_parameter_state_from_dp_reshardable(_unpadded(param_state))
-
-
-def _unpadded(param_state: dict) -> dict:
-    """The loader of megatron-core 0.16 skips entries marked ``padding``; the getter marks none."""
-    out = dict(param_state)
-    for key, by_dtype in param_state.items():
-        if isinstance(key, int):
-            out[key] = {dtype: [[{**e, "padding": e.get("padding", False)} for e in bucket] for bucket in buckets]
-                        for dtype, buckets in by_dtype.items()}
-    return out
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        self.opt.load_state_dict(loaded)

@@ -64,13 +64,10 @@ def _iteration_loss(losses: list) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def _save(args, iteration: int, chunks, optimizer) -> None:
-    ckpt_io.save_rank_file(args.save, iteration, dist.get_rank(), ckpt_io.make_payload(iteration, chunks, optimizer))
-    dist.barrier()
+def _save(args, iteration: int, chunks, optimizer, on_gpu: bool) -> None:
+    ckpt_io.save_checkpoint(args, iteration, chunks, optimizer, on_gpu=on_gpu)
     if dist.get_rank() == 0:
-        ckpt_io.finish_save(args.save, iteration, args)
         print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
-    dist.barrier()
 
 
 def _measuring_manager_factory(config, pipeline_rank: int, pipeline_size: int, device):
@@ -104,7 +101,7 @@ def _gather_stage_stats(runtime, chunks) -> list[dict]:
     return [by_stage[r] for r in sorted(by_stage)]
 
 
-def _notes(args, on_gpu: bool, payload, config: H3TConfig) -> None:
+def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
     if config.offloads:
         from h3t_ext import kernels  # noqa: PLC0415  (only needed for this note)
 
@@ -116,11 +113,14 @@ def _notes(args, on_gpu: bool, payload, config: H3TConfig) -> None:
     if overlaps and not on_gpu:
         print(f"note: {' and '.join(overlaps)} apply to megatron-core's DDP on GPU; the CPU optimizer reduces "
               "gradients in one call after the backward", flush=True)
-    if args.load and payload is None:
+    if args.load and found is None:
         print(f"note: no checkpoint in --load {args.load}; training from scratch", flush=True)
+    if args.async_save:
+        print("note: --async-save: checkpoints are written synchronously by this driver", flush=True)
 
 
-def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators) -> None:
+def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators,
+          on_gpu: bool) -> None:
     """Run iterations ``start_iteration .. --train-iters`` (saving and exiting as asked)."""
     fb = get_forward_backward_func()
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -137,15 +137,14 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         done = it + 1
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
                           or (args.exit_interval and done % args.exit_interval == 0)):
-            _save(args, done, chunks, optimizer)
+            _save(args, done, chunks, optimizer, on_gpu)
         if args.exit_interval and done % args.exit_interval == 0:
             break
 
 
 def pretrain(args) -> int:
     """Everything after argument parsing; returns the process exit status."""
-    rank = int(os.environ.get("RANK", "0"))
-    payload = ckpt_io.read_checkpoint(args, rank)  # before any process group: a bad checkpoint stops all ranks
+    found = ckpt_io.find_checkpoint(args)  # before any process group: a bad checkpoint stops all ranks
     initialize_distributed(args)
     on_gpu = uses_gpu(args)
     tokenizer = tokenizer_from_args(args)
@@ -154,18 +153,20 @@ def pretrain(args) -> int:
     config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
     runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
-    start = ckpt_io.apply_payload(payload, chunks, optimizer) if payload is not None else 0
+    start, load_notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
     dataset = build_train_dataset(args, tokenizer)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     iters = build_data_iterators(args, dataset, start_iteration=start, num_chunks=len(chunks),
                                  data_parallel_rank=ps.get_data_parallel_rank(), device=device)
     is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
     if dist.get_rank() == 0:
-        _notes(args, on_gpu, payload, config)
+        _notes(args, on_gpu, found, config)
+        for note in load_notes:
+            print(f"note: {note}", flush=True)
     logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
     logger.header(start, n_params)
     try:
-        train(args, chunks, optimizer, runtime, start, logger, iters)
+        train(args, chunks, optimizer, runtime, start, logger, iters, on_gpu)
     finally:
         logger.close()
     stats = _gather_stage_stats(runtime, chunks)

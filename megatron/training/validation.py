@@ -164,11 +164,24 @@ def _validate_data(args) -> None:
                                     f"tools/preprocess_data.py)")
 
 
+CKPT_FORMATS_REFUSED = {
+    "torch": "Megatron's legacy per-rank torch files cannot be resharded; use --ckpt-format torch_dist",
+    "torch_dcp": "use --ckpt-format torch_dist (megatron-core dist_checkpointing over PyTorch DCP)",
+    "zarr": "zarr is deprecated in megatron-core; use --ckpt-format torch_dist",
+    "fsdp_dtensor": "needs Megatron FSDP, which this driver does not run; use --ckpt-format torch_dist",
+}
+
+
 def _validate_io(args) -> None:
-    if args.save_interval is not None and args.save is None:
-        raise ArgumentError("--save-interval needs --save DIR")
-    if args.load is not None and not os.path.isdir(args.load):
-        raise ArgumentError(f"--load {args.load} is not a directory")
+    if args.ckpt_format != "torch_dist":
+        reason = CKPT_FORMATS_REFUSED.get(args.ckpt_format, "the valid value is torch_dist")
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: {reason}")
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step} is outside [0, inf)")
+    if args.ckpt_step is not None and args.load is None:
+        raise ArgumentError("--ckpt-step needs --load DIR")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise ArgumentError(f"--load {args.load} is a file, not a directory")
     if args.metrics_json is not None:
         parent = os.path.dirname(os.path.abspath(args.metrics_json))
         if not os.path.isdir(parent):
