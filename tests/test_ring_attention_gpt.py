@@ -20,8 +20,8 @@ from h3t_ext.testing import run_distributed
 from gpt_harness import MBS, NUM_LAYERS, NUM_MICROBATCHES, SEQ, VOCAB, make_batches, reference_run
 
 LAYOUTS = [(2, 1), (2, 2)]  # (c, p)
-MEMORY_TOL = 0.03
-GRAD_TOL = 5e-6
+MEMORY_TOL = 0.01
+GRAD_TOL = 1e-7
 
 
 def _variants(pp: int) -> list[tuple[str, float]]:
