@@ -104,3 +104,25 @@ def test_a_missing_peer_is_a_one_line_timeout():
     msg = run_distributed(_timeout_worker, 2, timeout_s=120)[0]
     assert msg is not None and "\n" not in msg
     assert msg.startswith("context-parallel rank 0: forward K/V exchange, step 1") and "cp_timeout_s" in msg
+
+
+def test_core_attention_refuses_what_it_does_not_implement():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from h3t_ext.runtime.gpt import tiny_llama_config
+    from h3t_ext.runtime.ring_attention import RingSDPACoreAttention
+
+    class _Collection:
+        cp = object()  # taken as the group as it is; nothing is communicated at construction
+
+    cfg = tiny_llama_config(context_parallel_size=2)
+    attn = RingSDPACoreAttention(cfg, 1, AttnMaskType.causal, "self", pg_collection=_Collection())
+    assert attn.cp_group is _Collection.cp and attn.softmax_scale == cfg.kv_channels ** -0.5
+    for kw, match in ((dict(cp_comm_type="a2a"), "cp_comm_type 'p2p', got 'a2a'"),
+                      (dict(attention_dropout=0.1), "--attention-dropout 0.1"),
+                      (dict(attn_mask_type=AttnMaskType.no_mask), "causal masks only")):
+        args = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                    pg_collection=_Collection())
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            RingSDPACoreAttention(**args)

@@ -27,8 +27,11 @@ locally, and dK/dV travel with their K/V and are sent back to their owner after 
 What is saved for backward is what flash-attention context parallelism saves: per local token
 and batch element the rotated query (``heads*head_dim`` elements), key and value (``2 *
 query_groups*head_dim``), the attention output (``heads*head_dim``, the same storage the output
-projection saves) and the log-sum-exp (``heads`` float32). No gathered K/V is kept; the ring
-holds two K/V blocks (and, in backward, two dK/dV blocks in float32) transiently.
+projection saves) and the log-sum-exp (``heads`` float32). No gathered K/V is kept. Transient
+(per layer, while its attention runs): the received K/V block (``2 * groups*head_dim`` per local
+token, sent from and received into Megatron's contiguous layout, no copies); in backward also the
+dK/dV accumulator being sent and the one being received (float32, ``2 * 2 * groups*head_dim``) and
+a float32 dQ.
 
 Every send/receive wait has a deadline (``cp_timeout_s``) and fails with :class:`CPTimeoutError`,
 one line naming the rank, the peer and the step.
@@ -64,12 +67,12 @@ class _Ring:
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
     def post(self, tensors: Sequence[torch.Tensor], first_tag: int) -> tuple[list, list[torch.Tensor]]:
-        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous rank, all
-        in one ``batch_isend_irecv`` (each rank posts its send and its receive together, so NCCL's
-        order matching cannot deadlock); returns (requests, receive buffers)."""
+        """Send ``tensors`` (contiguous, sent without a copy) to the next rank and receive same-shaped
+        ones from the previous rank, all in one ``batch_isend_irecv`` (each rank posts its send and its
+        receive together, so NCCL's order matching cannot deadlock); returns (requests, buffers)."""
         ops, bufs = [], []
         for i, t in enumerate(tensors):
-            buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+            buf = torch.empty_like(t)
             ops.append(dist.P2POp(dist.isend, t.contiguous(), group=self.group, group_peer=self.next,
                                   tag=first_tag + i))
             ops.append(dist.P2POp(dist.irecv, buf, group=self.group, group_peer=self.prev, tag=first_tag + i))
@@ -137,20 +140,29 @@ def _backward_block(go, q, kv, out, lse, dq, dkv, step: int, ring: _Ring, scale:
         dkv[1].add_(gv)
 
 
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    """[s, b, heads, d] -> the kernel's [b, heads, s, d] (a view)."""
+    return t.permute(1, 2, 0, 3)
+
+
 class _RingAttention(torch.autograd.Function):
-    """query [s, b, heads, d], key/value [s, b, groups, d] (local 2n tokens) -> [s, b, heads*d]."""
+    """query [s, b, heads, d], key/value [s, b, groups, d] (local 2n tokens) -> [s, b, heads*d].
+
+    K/V travel in Megatron's contiguous [s, b, groups, d] layout (no copy to send); the kernel reads
+    [b, heads, s, d] views of them."""
 
     @staticmethod
     def forward(ctx, query, key, value, ring: _Ring, scale: float, dropout_p: float):
         s, b, heads, d = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d] views
-        posted = ring.post((k, v), first_tag=0) if ring.size > 1 else None
-        out, lse = _flash(q, k, v, dropout_p, True, scale=scale)  # step 0: own K/V, causal
-        out, lse = out.float(), lse.float().clone()
+        kv = (key.contiguous(), value.contiguous())
+        posted = ring.post(kv, first_tag=0) if ring.size > 1 else None
+        q = _bhsd(query)
+        out, lse = _flash(q, _bhsd(kv[0]), _bhsd(kv[1]), dropout_p, True, scale=scale)  # step 0: own K/V, causal
+        out, lse = out.float(), lse.float().clone()  # out is laid out like query: [s, b, heads, d] memory
         for step in range(1, ring.size):  # step i's K/V were posted while step i-1 computed
             kv = tuple(ring.wait(posted, f"forward K/V exchange, step {step}"))
             posted = ring.post(kv, first_tag=0) if step + 1 < ring.size else None
-            _forward_block(q, kv, out, lse, step, ring, scale, dropout_p)
+            _forward_block(q, (_bhsd(kv[0]), _bhsd(kv[1])), out, lse, step, ring, scale, dropout_p)
         # [s, b, heads, d] memory: the output projection saves the same storage as this function
         result = out.to(query.dtype).permute(2, 0, 1, 3).contiguous().view(s, b, heads * d)
         ctx.save_for_backward(query, key, value, result, lse)
@@ -162,23 +174,21 @@ class _RingAttention(torch.autograd.Function):
         query, key, value, result, lse = ctx.saved_tensors
         ring, scale, p = ctx.ring, ctx.scale, ctx.dropout_p
         s, b, heads, d = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = result.view(s, b, heads, d).permute(1, 2, 0, 3)
-        go = grad_result.reshape(s, b, heads, d).permute(1, 2, 0, 3)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = (k, v)
+        q, out = _bhsd(query), _bhsd(result.view(s, b, heads, d))
+        go = _bhsd(grad_result.reshape(s, b, heads, d))
+        dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        kv = (key.contiguous(), value.contiguous())
         dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
         for step in range(ring.size):
             posted = ring.post(kv, first_tag=0) if step + 1 < ring.size else None
-            _backward_block(go, q, kv, out, lse, dq, dkv, step, ring, scale, p)
+            _backward_block(go, q, (_bhsd(kv[0]), _bhsd(kv[1])), out, lse, _bhsd(dq), [_bhsd(t) for t in dkv], step,
+                            ring, scale, p)
             if ring.size > 1:  # dK/dV follow their K/V; after the last step they arrive at their owner
                 returned = ring.post(dkv, first_tag=2)
                 if posted is not None:
                     kv = tuple(ring.wait(posted, f"backward K/V exchange, step {step + 1}"))
                 dkv = ring.wait(returned, f"backward dK/dV exchange, step {step + 1}")
-        dk, dv = dkv
-        grads = (g.permute(2, 0, 1, 3).to(t.dtype) for g, t in zip((dq, dk, dv), (query, key, value)))
-        return (*grads, None, None, None)
+        return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype), None, None, None
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp_group, *, softmax_scale: float,
