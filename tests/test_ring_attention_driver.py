@@ -1,6 +1,7 @@
 """pretrain_llama.py with --context-parallel-size 2 on CPU (ring attention) against runs without it.
 
-c = 2 (2 ranks, --ckpt ours) must give the losses of one rank; c = 2 x p = 2 (4 ranks, --ckpt ours
+c = 2 (2 ranks, --ckpt ours) and c = 2 x d = 2 (4 ranks, distributed optimizer) must give the losses
+of one rank; c = 2 x p = 2 (4 ranks, --ckpt ours
 --offload-alpha 0.5) those of p = 2 without context parallelism (2 ranks: the pipeline stages are
 seeded per pipeline rank, so a one-rank model has other initial weights). A --seq-length that 2c
 does not divide is a one-line error naming the flag, exit status 2, before any process group.
@@ -22,6 +23,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
 RUNS = {  # name: (ranks, flags)
     "ref": (1, ["--ckpt", "no"]),
     "cp2": (2, ["--context-parallel-size", "2", "--ckpt", "ours"]),
+    "cp2dp2": (4, ["--context-parallel-size", "2", "--use-distributed-optimizer", "--ckpt", "ours"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2", "--ckpt", "no"]),
     "cp2pp2": (4, ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--ckpt", "ours",
                    "--offload-alpha", "0.5"]),
@@ -43,7 +45,7 @@ def _losses(m) -> list[float]:
     return [r["loss"] for r in m["iterations"]]
 
 
-@pytest.mark.parametrize("run,reference", [("cp2", "ref"), ("cp2pp2", "pp2")])
+@pytest.mark.parametrize("run,reference", [("cp2", "ref"), ("cp2dp2", "ref"), ("cp2pp2", "pp2")])
 def test_context_parallel_gives_the_reference_losses(runs, run, reference):
     ref = _losses(runs[reference])
     assert len(ref) == 3 and all(math.isfinite(x) for x in ref) and ref[-1] < ref[0]
