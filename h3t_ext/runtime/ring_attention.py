@@ -1,4 +1,4 @@
-"""Context-parallel causal core attention for CPU (and any device): ring attention over SDPA's kernel.
+"""Context-parallel causal core attention on CPU: ring attention over the CPU SDPA (flash) kernel.
 
 Layout (Megatron's load-balanced one, ``megatron.core.utils.get_batch_on_this_cp_rank``): the
 sequence of length ``s`` is cut into ``2c`` chunks of ``n = s / (2c)`` tokens; context-parallel
