@@ -68,8 +68,19 @@ class _HostRotaryEmbedding(RotaryEmbedding):
     """RoPE that keeps its frequencies on the device they are on.
 
     megatron-core's ``get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` when it
-    is on the CPU, which fails on a machine without CUDA.
+    is on the CPU, which fails on a machine without CUDA; its ``forward`` takes this
+    context-parallel rank's two chunks of the positions through a pinned CUDA index, so
+    ``forward`` does the same selection on the host (Megatron's 2c layout, as the data).
     """
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
+        from h3t_ext.runtime.ring_attention import shard_sequence
+
+        emb = self.get_emb(max_seq_len, offset)
+        group = cp_group if cp_group is not None else self.cp_group
+        if group is not None and group.size() > 1 and not packed_seq:
+            emb = shard_sequence(emb, 0, group.rank(), group.size())
+        return emb
 
     def get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         freqs = self.get_freqs_non_repeated(max_seq_len, offset)

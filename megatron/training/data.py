@@ -2,7 +2,9 @@
 
 Sample order follows Megatron's pretraining sampler: iteration ``it`` takes samples
 ``[it*B, (it+1)*B)``; microbatch ``j`` of data-parallel rank ``r`` takes
-``it*B + j*(mbs*dp) + r*mbs + [0, mbs)``. The position is a pure function of the iteration,
+``it*B + j*(mbs*dp) + r*mbs + [0, mbs)``. The context-parallel ranks of a data-parallel rank read
+the same samples and each keeps its two of the ``2c`` sequence chunks (megatron-core's
+``get_batch_on_this_cp_rank``: chunks ``r`` and ``2c-1-r``). The position is a pure function of the iteration,
 so a resumed run reads exactly the samples an uninterrupted run would.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 
 def _blend(data_path: Optional[list[str]]):
@@ -56,8 +59,9 @@ class MicrobatchIterator:
     """Yields this data-parallel rank's microbatches, iteration after iteration."""
 
     def __init__(self, dataset, *, start_iteration: int, global_batch_size: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, device: torch.device):
+                 data_parallel_rank: int, data_parallel_size: int, device: torch.device, cp_group=None):
         self.dataset = dataset
+        self.cp_group = cp_group
         self.B, self.mbs = global_batch_size, micro_batch_size
         self.dp_rank, self.dp = data_parallel_rank, data_parallel_size
         self.num_microbatches = global_batch_size // (micro_batch_size * data_parallel_size)
@@ -73,14 +77,18 @@ class MicrobatchIterator:
         self.microbatch += 1
         if self.microbatch == self.num_microbatches:
             self.iteration, self.microbatch = self.iteration + 1, 0
-        return {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(self.device)
-                for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(self.device)
+                 for k in ("tokens", "labels", "loss_mask", "position_ids")}
+        if self.cp_group is not None and self.cp_group.size() > 1:
+            batch = get_batch_on_this_cp_rank(batch, cp_group=self.cp_group)
+        return batch
 
 
 def build_data_iterators(args, dataset, *, start_iteration: int, num_chunks: int, data_parallel_rank: int,
-                         device: torch.device) -> list[MicrobatchIterator]:
-    """One iterator per model chunk (each chunk's forward consumes its own, in the same order)."""
+                         device: torch.device, cp_group=None) -> list[MicrobatchIterator]:
+    """One iterator per model chunk (each chunk's forward consumes its own, in the same order); with a
+    context-parallel group of size c > 1 each yields this rank's two sequence chunks."""
     return [MicrobatchIterator(dataset, start_iteration=start_iteration, global_batch_size=args.global_batch_size,
                                micro_batch_size=args.micro_batch_size, data_parallel_rank=data_parallel_rank,
-                               data_parallel_size=args.data_parallel_size, device=device)
+                               data_parallel_size=args.data_parallel_size, device=device, cp_group=cp_group)
             for _ in range(num_chunks)]

@@ -1,8 +1,9 @@
 """Llama model chunks from megatron-core's GPTModel.
 
 TransformerEngine's layer spec when TE is importable on a GPU, else megatron-core's local spec
-with h3t-ext's SDPA core attention (``h3t_ext.runtime.gpt``). One chunk per virtual pipeline
-stage; weights come from the generators seeded by :func:`~megatron.training.initialize.set_random_seed`
+with h3t-ext's SDPA core attention (``h3t_ext.runtime.gpt``), or its ring attention with context
+parallelism (``h3t_ext.runtime.ring_attention``). One chunk per virtual pipeline stage; weights
+come from the generators seeded by :func:`~megatron.training.initialize.set_random_seed`
 (``--seed + 100 * pipeline rank``, as Megatron seeds), so every data-parallel replica starts identical.
 """
 from __future__ import annotations
@@ -27,6 +28,18 @@ def _te_layer_spec():
     except ImportError:
         return None
     return get_gpt_layer_with_transformer_engine_spec()
+
+
+def _cpu_layer_spec(context_parallel_size: int):
+    """The default local spec (None) at c = 1; with context parallelism its core attention is the
+    ring attention of ``h3t_ext.runtime.ring_attention``."""
+    if context_parallel_size == 1:
+        return None
+    from h3t_ext.runtime.gpt import local_layer_spec
+    from h3t_ext.runtime.ring_attention import RingSDPACoreAttention
+    spec = local_layer_spec()
+    spec.submodules.self_attention.submodules.core_attention = RingSDPACoreAttention
+    return spec
 
 
 def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
@@ -64,7 +77,7 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
     padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
                                 pipeline_rank=ps.get_pipeline_model_parallel_rank(),
-                                layer_spec=_te_layer_spec() if on_gpu else None)
+                                layer_spec=_te_layer_spec() if on_gpu else _cpu_layer_spec(args.context_parallel_size))
     if on_gpu:
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())

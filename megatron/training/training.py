@@ -3,7 +3,8 @@
 ``pretrain`` reads (and checks) any checkpoint before the process groups exist, builds the model
 chunks, installs the h3t-ext schedules with ``--ckpt`` / ``--offload-alpha``, and trains
 ``--train-iters`` iterations. The loss of an iteration is the token-weighted mean over its
-microbatches and data-parallel replicas, computed on the last pipeline stage.
+microbatches and data-parallel replicas (context-parallel ranks included: their loss sums and token
+counts add up to the full sequence's), computed on the last pipeline stage.
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def pretrain(args) -> int:
     dataset = build_train_dataset(args, tokenizer)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     iters = build_data_iterators(args, dataset, start_iteration=start, num_chunks=len(chunks),
-                                 data_parallel_rank=ps.get_data_parallel_rank(), device=device)
+                                 data_parallel_rank=ps.get_data_parallel_rank(), device=device,
+                                 cp_group=ps.get_context_parallel_group())
     is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
     if dist.get_rank() == 0:
         _notes(args, on_gpu, found, config)

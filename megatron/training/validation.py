@@ -106,12 +106,15 @@ def _cuda_available() -> bool:
 
 
 def _validate_context_parallel(args) -> None:
+    """c > 1 runs TransformerEngine's attention on a GPU and h3t-ext's ring attention
+    (``h3t_ext.runtime.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks."""
     c = args.context_parallel_size
-    if c > 1 and not _cuda_available():
-        raise ArgumentError(f"--context-parallel-size {c} needs TransformerEngine attention on a GPU; on CPU "
-                            f"the valid range is [1, 1]")
     if c > 1 and args.seq_length % (2 * c):
-        raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of 2 x --context-parallel-size {c}")
+        raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of 2 x --context-parallel-size {c} "
+                            f"(each rank holds 2 of 2c equal chunks)")
+    if c > 1 and args.attention_dropout and not _cuda_available():
+        raise ArgumentError(f"--attention-dropout {args.attention_dropout} is not supported with "
+                            f"--context-parallel-size {c} on CPU (ring attention); use 0")
 
 
 def parse_alpha_values(text: str) -> tuple[float, ...]:
