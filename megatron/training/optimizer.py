@@ -43,6 +43,19 @@ def _shard_owners(params: list[torch.nn.Parameter], world: int) -> list[int]:
     return owners
 
 
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is NaN or infinite; one line naming the iteration and the value.
+    Raised on every rank alike (the values it looks at are reduced over all ranks), before the
+    optimizer applies anything."""
+
+
+def check_grad_norm(norm: float, iteration: int) -> None:
+    """Stop before a step with a non-finite gradient norm (``iteration`` is 1-based)."""
+    if not math.isfinite(norm):
+        raise NonFiniteError(f"iteration {iteration}: the gradient norm is {norm}; stopped before the optimizer "
+                             f"step (--no-check-for-nan-in-loss-and-grad goes on)")
+
+
 class DataParallelAdamW:
     """AdamW over this rank's chunks with data-parallel gradient averaging (CPU, gloo)."""
 
@@ -109,6 +122,8 @@ class DataParallelAdamW:
         """Average, clip and apply the gradients; returns (learning rate, gradient norm)."""
         self._reduce_grads()
         norm = self._grad_norm()
+        if self.args.check_for_nan_in_loss_and_grad:
+            check_grad_norm(norm, iteration + 1)
         clip = self.args.clip_grad
         if clip > 0 and norm > clip:
             coeff = clip / (norm + 1e-6)

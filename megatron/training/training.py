@@ -8,7 +8,7 @@ counts add up to the full sequence's), computed on the last pipeline stage.
 """
 from __future__ import annotations
 
-import os
+import math
 import time
 from functools import partial
 
@@ -23,6 +23,7 @@ from megatron.training import checkpointing as ckpt_io
 from megatron.training.data import build_data_iterators, build_train_dataset
 from megatron.training.initialize import initialize_distributed, shutdown, uses_gpu
 from megatron.training.model_provider import build_model_chunks, num_parameters
+from megatron.training.optimizer import NonFiniteError
 from megatron.training.tokenizer import tokenizer_from_args
 from megatron.training.training_log import IterationLogger, write_metrics_json
 
@@ -63,6 +64,17 @@ def _iteration_loss(losses: list) -> float:
     if dist.get_world_size(dp) > 1:
         dist.all_reduce(total, group=dp)
     return float(total[0] / total[1].clamp(min=1))
+
+
+def _check_loss(loss: float, iteration: int) -> None:
+    """Every rank stops at a non-finite loss (known on the last pipeline stage), naming its value."""
+    code = 0 if math.isfinite(loss) else 1 if math.isnan(loss) else 2 if loss > 0 else 3
+    flag = torch.tensor([code])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        value = ("nan", "inf", "-inf")[flag.item() - 1]
+        raise NonFiniteError(f"iteration {iteration}: the loss is {value}; stopped "
+                             f"(--no-check-for-nan-in-loss-and-grad goes on)")
 
 
 def _save(args, iteration: int, chunks, optimizer, on_gpu: bool) -> None:
@@ -134,6 +146,8 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
                     micro_batch_size=args.micro_batch_size, forward_only=False)
         lr, norm = optimizer.step(it)
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
+        if args.check_for_nan_in_loss_and_grad:
+            _check_loss(loss if is_last_stage else 0.0, it + 1)
         logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm)
         done = it + 1
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
