@@ -1,7 +1,8 @@
-"""Llama model chunks from megatron-core's GPTModel.
+"""Llama model chunks from megatron-core's GPTModel, built with the h3t layer spec of ``--ckpt``.
 
-TransformerEngine's layer spec when TE is importable on a GPU, else megatron-core's local spec
-with h3t-ext's SDPA core attention (``h3t_ext.runtime.gpt``). One chunk per virtual pipeline
+The spec (``h3t_ext.runtime.layer_specs``) uses TransformerEngine's modules when TE is importable
+on a GPU (backend 'te'), else megatron-core's local modules with h3t-ext's SDPA core attention and
+sequence-parallel-capable norms and linears (backend 'local'). One chunk per virtual pipeline
 stage; weights come from torch's RNG seeded with ``--seed + 100 * pipeline rank`` (as Megatron
 seeds), so every data-parallel replica starts identical.
 """
@@ -16,16 +17,15 @@ from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
 from megatron.training.tokenizer import padded_vocab_size
 
 
-def _te_layer_spec():
-    """TE's layer spec on a GPU with TransformerEngine, else None."""
-    if not torch.cuda.is_available():
-        return None
+def layer_spec_backend(on_gpu: bool) -> str:
+    """'te' on a GPU with TransformerEngine importable, else 'local'."""
+    if not on_gpu:
+        return "local"
     try:
         import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     except ImportError:
-        return None
-    return get_gpt_layer_with_transformer_engine_spec()
+        return "local"
+    return "te"
 
 
 def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
@@ -62,8 +62,8 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
     torch.manual_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())
     padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
-                                pipeline_rank=ps.get_pipeline_model_parallel_rank(),
-                                layer_spec=_te_layer_spec() if on_gpu else None)
+                                pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=args.ckpt,
+                                backend=layer_spec_backend(on_gpu))
     if on_gpu:
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
