@@ -129,7 +129,7 @@ def test_sequence_parallel_matches_reference(reference, worlds, tp, pp):
             name = f"ckpt={ckpt},alpha={alpha} rank {rank}"
             assert r["n"] > 0 and r["worst"] < TOL, f"{name}: gradient difference {r['worst']:.3g}"
             # without the tensor-parallel all-reduce each rank's norm gradients cover only its tokens
-            assert r["norm_worst_before"] > 1e3 * TOL, f"{name}: {r['norm_worst_before']:.3g}"
+            assert r["norm_worst_before"] > 20 * TOL, f"{name}: {r['norm_worst_before']:.3g}"
             assert r["sp_names"] == r["norm_names"] and r["reduced"] == len(r["sp_names"]) > 0, name
             if ckpt == "ours":
                 assert r["recomputed"] > 0, name
@@ -146,12 +146,17 @@ def test_sequence_parallel_matches_reference(reference, worlds, tp, pp):
 
 
 def _predicted_peaks(tp, pp, ckpt, alpha):
-    from h3t_ext.costmodel import ModelSpec, Plan, stage_activation_peak_bytes
+    """The cost model's per-stage peaks for this run. The harness's vocabulary (128) is not padded to a
+    multiple of 128 t as the driver pads it, so the last stage's fp32 softmax is that of 128 columns."""
+    from h3t_ext.costmodel import ModelSpec, Plan, output_layer_bytes, stage_activation_peak_bytes
 
     spec = ModelSpec("sp-test", NUM_LAYERS, 64, 4, 2, 128, VOCAB)
     plan = Plan(num_gpus=tp * pp, seq_length=SEQ, global_batch_size=NUM_MICROBATCHES * MBS, micro_batch_size=MBS,
                 tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, ckpt=ckpt, offload_alpha=alpha)
-    return stage_activation_peak_bytes(spec, plan, dtype_bytes=FP32, layer_spec="local", sequence_parallel=True)
+    peaks = list(stage_activation_peak_bytes(spec, plan, dtype_bytes=FP32, layer_spec="local", sequence_parallel=True))
+    padded_softmax = output_layer_bytes(spec, plan, dtype_bytes=FP32, sequence_parallel=True)["cross_entropy_softmax"]
+    peaks[-1] += MBS * SEQ * (VOCAB // tp) * FP32 - padded_softmax
+    return peaks
 
 
 @pytest.mark.parametrize("ckpt,alpha", _variants(2))
