@@ -67,8 +67,11 @@ def _te_modules():
     try:
         from megatron.core.extensions import transformer_engine as te_ext  # noqa: PLC0415
     except ImportError as exc:
-        raise UnsupportedLayerSpecError(f"the te layer spec needs TransformerEngine, which is not importable: "
-                                        f"{exc}") from None
+        te_ext, why = None, str(exc)
+    else:
+        why = "transformer_engine is not importable"
+    if te_ext is None or not te_ext.HAVE_TE:
+        raise UnsupportedLayerSpecError(f"the te layer spec needs TransformerEngine ({why}); use backend 'local'")
     return te_ext
 
 
