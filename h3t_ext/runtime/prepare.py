@@ -109,13 +109,20 @@ class ModelPreparer:
         todo = []
         for m in model_chunks:
             mark = getattr(m, _PREPARED, None)
-            if mark == (self.config.ckpt, id(self)):
+            if mark is None:
+                todo.append(m)
                 continue
-            if mark is not None and mark[0] == "full":  # re-wrap (or unwrap) for this install's ckpt and manager
+            ckpt, owner = mark
+            if ckpt != self.config.ckpt:
+                raise RuntimeConfigError(
+                    f"model was prepared for --ckpt {ckpt} by an earlier install(); build a fresh model for "
+                    f"--ckpt {self.config.ckpt}"
+                )
+            if owner != id(self) and ckpt == "full":  # re-wrap so recompute suspends this install's manager
                 from .recompute_full import remove_full_recompute
 
                 remove_full_recompute([m])
-            todo.append(m)
+                todo.append(m)
         if todo:
             self._transform(todo, mgr)
         return mgr
