@@ -19,7 +19,7 @@ same step for the CPU optimizer and the tests.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
