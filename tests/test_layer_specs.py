@@ -47,9 +47,8 @@ def test_megatron_builds_the_h3t_modules(ckpt, norm, mlp):
 
 def test_norm_weights_carry_the_sequence_parallel_mark():
     """Megatron's finalize_model_grads (and our CPU optimizer) all-reduce params marked this way."""
-    spec = h3t_block_spec(_config(tensor_model_parallel_size=1), ckpt="ours")
-    cfg_sp = _config()
-    object.__setattr__(cfg_sp, "sequence_parallel", True)  # t=1 config: only the construction is checked here
+    cfg_sp = _config(tensor_model_parallel_size=2, sequence_parallel=True)  # the norms need no process group
+    spec = h3t_block_spec(_config(), ckpt="ours")
     norm = spec.layer_specs[0].submodules.input_layernorm(cfg_sp, 64)
     assert norm.weight.sequence_parallel is True
     assert FusedSavesRMSNorm(_config(), 64).weight.sequence_parallel is False
