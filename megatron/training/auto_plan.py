@@ -108,7 +108,7 @@ def fill_from_planner(args) -> None:
     args.micro_batch_size = plan.micro_batch_size
     args.ckpt = plan.ckpt
     args.offload_alpha = _alpha_text(plan)
-    args.sequence_parallel = args.sequence_parallel or (on_gpu and plan.tensor_model_parallel_size > 1)
+    args.sequence_parallel = plan.tensor_model_parallel_size > 1  # the plans are priced with sequence parallelism
     args.use_distributed_optimizer = True
     args.auto_plan_flags = list(best.megatron_flags)
     est = best.evaluation.estimate

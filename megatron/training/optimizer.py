@@ -1,6 +1,8 @@
 """Optimizer: megatron-core's distributed optimizer on GPU, an exact equivalent on CPU.
 
-CPU path (:class:`DataParallelAdamW`): gradients are averaged over the data-parallel group with
+CPU path (:class:`DataParallelAdamW`): gradients of sequence-parallel parameters (norm weights,
+marked ``sequence_parallel=True``) are first summed over the tensor-parallel group (Megatron's
+``finalize_model_grads`` step), then gradients are averaged over the data-parallel group with
 one all-reduce of a flat buffer, the global gradient norm is summed over the model-parallel group
 (tensor-parallel replicas of a parameter counted once) and clipped as Megatron does, then AdamW
 (decoupled weight decay, no decay on 1-D weights) steps. With ``--use-distributed-optimizer``
@@ -59,10 +61,12 @@ def check_grad_norm(norm: float, iteration: int) -> None:
 class DataParallelAdamW:
     """AdamW over this rank's chunks with data-parallel gradient averaging (CPU, gloo)."""
 
-    def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool):
+    def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool,
+                 tp_group=None):
         self.args = args
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.dp_group, self.mp_group, self.tp_rank = dp_group, model_parallel_group, tp_rank
+        self.tp_group = tp_group  # sums the gradients of sequence-parallel parameters
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_ranks = dist.get_process_group_ranks(dp_group)
@@ -86,6 +90,9 @@ class DataParallelAdamW:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        from h3t_ext.runtime.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: PLC0415
+
+        allreduce_sequence_parallel_grads(self.params, self.tp_group)
         if self.dp_size == 1:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in self.params])

@@ -52,7 +52,7 @@ def _build_optimizer(args, chunks, on_gpu: bool):
     return chunks, DataParallelAdamW(
         chunks, args, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
         model_parallel_group=ps.get_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
-        distributed=args.use_distributed_optimizer)
+        distributed=args.use_distributed_optimizer, tp_group=ps.get_tensor_model_parallel_group())
 
 
 def _iteration_loss(losses: list) -> float:

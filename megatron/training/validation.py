@@ -84,11 +84,9 @@ def _validate_batch(args) -> None:
 
 def _validate_sequence_parallel(args) -> None:
     t = args.tensor_model_parallel_size
-    if t == 1:
-        args.sequence_parallel = False
-    if args.sequence_parallel and not _cuda_available():
-        raise ArgumentError("--sequence-parallel needs TransformerEngine's layer spec on a GPU (megatron-core's "
-                            "local RMSNorm cannot split the sequence); on CPU leave it out")
+    if args.sequence_parallel and t == 1:
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); leave it out "
+                            "with one tensor-parallel rank")
     if args.sequence_parallel and args.seq_length % t:
         raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of --tensor-model-parallel-size {t} "
                             f"(--sequence-parallel)")
