@@ -78,6 +78,8 @@ class PipelineP2P:
     """Tagged asynchronous transfers on one pipeline group.
 
     ``num_stages`` is the number of virtual stages ``p * v``; ranks are ranks of ``pp_group``.
+    ``strict`` (``"group"`` or ``"pair"``, the NCCL communicator mapping to emulate) runs the
+    batches through :class:`~h3t_ext.runtime.p2p_strict.StrictP2P`; ignored on NCCL groups.
     """
 
     def __init__(self, pp_group, num_stages: int, timeout_s: float, strict: Optional[str] = None):
