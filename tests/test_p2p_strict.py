@@ -65,6 +65,14 @@ def test_strict_p2p_config_is_validated():
 
 # ---- replaying posting orders on PipelineP2P ------------------------------------------------------
 
+def _linger() -> None:
+    """After a deadlock error, stay until the peers' deadlines have passed too: tearing this
+    process's group down earlier would fail their waits with a closed connection instead."""
+    import time
+
+    time.sleep(3.0)
+
+
 def _replay(schedule, rank: int, strict, timeout_s: float) -> dict:
     """Post ``schedule``'s transfers for ``rank`` as the executor does (batches between computes,
     receives waited for by the compute that needs them); data identify the transfer."""
@@ -104,6 +112,7 @@ def _replay(schedule, rank: int, strict, timeout_s: float) -> dict:
                     p2p.flush()
         p2p.wait_all()
     except P2PTimeoutError as exc:
+        _linger()
         return {"error": str(exc), "posted": p2p.posted}
     return {"error": None, "posted": p2p.posted}
 
@@ -165,6 +174,7 @@ def _head_to_head_worker(rank, world, strict):
         p2p.wait_recv("x")
         p2p.wait_all()
     except P2PTimeoutError as exc:
+        _linger()
         return str(exc)
     return None
 
@@ -239,3 +249,37 @@ def test_runtime_schedules_under_strict_p2p_match_the_reference(pp):
         got = torch.stack(per_rank[-1][key]["losses"])
         assert torch.equal(got, torch.stack(refs[key[1]]["losses"])), key
         assert all(res[key]["losses"] == [] for res in per_rank[:-1])
+
+
+def _crossed_order_worker(rank, world):
+    """Rank 0 sends microbatches 0, 1; rank 1 receives 1, 0 (gloo matches tags, NCCL order)."""
+    import torch
+    import torch.distributed as dist
+
+    from h3t_ext.runtime.p2p import FORWARD, P2PTimeoutError, PipelineP2P
+    from h3t_ext.runtime.p2p_strict import P2POrderError
+
+    p2p = PipelineP2P(dist.group.WORLD, 2, DEADLOCK_TIMEOUT_S, strict="group")
+    try:
+        if rank == 0:
+            for mb in (0, 1):
+                p2p.queue_send([torch.full((8,), float(mb))], 1, FORWARD, mb, 0, f"SEND_FORWARD microbatch {mb}")
+        else:
+            for mb in (1, 0):
+                p2p.queue_recv(mb, [(8,)], torch.float32, torch.device("cpu"), 0, FORWARD, mb, 0,
+                               f"RECV_FORWARD microbatch {mb}")
+        p2p.flush()
+        if rank == 1:
+            p2p.wait_recv(1)
+            p2p.wait_recv(0)
+        p2p.wait_all()
+    except (P2POrderError, P2PTimeoutError) as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def test_strict_mode_rejects_sends_and_receives_posted_in_different_orders():
+    (kind0, msg0), (kind1, _) = run_distributed(_crossed_order_worker, 2, timeout_s=60)
+    assert kind0 == "P2POrderError" and kind1 == "P2PTimeoutError"
+    assert "\n" not in msg0 and msg0.startswith("pipeline rank 0: send SEND_FORWARD microbatch 0 to pipeline rank 1")
+    assert "NCCL matches by order" in msg0

@@ -69,9 +69,14 @@ class _Watch:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def result(self) -> None:
+    def result(self, rank: int, what: str) -> None:
+        """Raise a failed request's error as one :class:`~h3t_ext.runtime.p2p.P2PTimeoutError` line."""
         if self.error is not None:
-            raise self.error
+            from .p2p import P2PTimeoutError
+
+            text = str(self.error).strip()
+            first = text.splitlines()[0] if text else type(self.error).__name__
+            raise P2PTimeoutError(f"pipeline rank {rank}: {what} failed under strict P2P: {first}") from self.error
 
 
 @dataclass
@@ -155,7 +160,7 @@ class StrictP2P:
         """Post the sends whose ready token arrived; True when every transfer of ``g`` completed."""
         for op in g.ops:
             if op.send and op.data is None and op.ready.done():
-                op.ready.result()
+                op.ready.result(self.rank, op.what)
                 if int(op.token[0]) != op.tag:
                     raise P2POrderError(
                         f"pipeline rank {self.rank}: send {op.what} to pipeline rank {op.peer} would be matched "
@@ -175,8 +180,8 @@ class StrictP2P:
                 if not self._advance(g):
                     break
                 for op in g.ops:  # completed: raise a failed transfer's error here
-                    op.data.result()
-                    op.ready.result()
+                    op.data.result(self.rank, op.what)
+                    op.ready.result(self.rank, op.what)
                 g.done = True
                 queue.popleft()
 
