@@ -62,6 +62,12 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                    help="overlap the distributed optimizer's parameter all-gather with forward (GPU)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--strict-p2p", action="store_true",
+                   help="pipeline sends/receives on gloo follow NCCL's semantics (batches in order, a send waits "
+                        "for the peer's receive), so a posting order that would deadlock on GPUs fails here too")
+    g.add_argument("--strict-p2p-comm", choices=("group", "pair"), default="group",
+                   help="NCCL communicator mapping --strict-p2p emulates: one per process group (stricter) or one "
+                        "per rank pair")
 
 
 def _add_training(p: argparse.ArgumentParser) -> None:

@@ -119,6 +119,10 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
         from h3t_ext import kernels  # noqa: PLC0415  (only needed for this note)
 
         print(f"note: activation offload copies use {kernels.describe('cuda' if on_gpu else 'cpu')}", flush=True)
+    if config.strict_p2p:
+        effect = "no effect: NCCL is strict already" if "nccl" in str(dist.get_backend()).lower() else \
+            f"pipeline transfers follow NCCL's ordering ({config.strict_p2p_comm} communicators)"
+        print(f"note: --strict-p2p: {effect}", flush=True)
     if args.bf16 and not on_gpu:
         print("note: --bf16 has no effect on CPU; training in float32", flush=True)
     overlaps = [f for f, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
@@ -165,7 +169,8 @@ def pretrain(args) -> int:
     tokenizer = tokenizer_from_args(args)
     chunks = build_model_chunks(args, on_gpu=on_gpu, vocab_size=tokenizer.vocab_size)
     n_params = num_parameters(chunks)
-    config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
+    config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha, strict_p2p=args.strict_p2p,
+                       strict_p2p_comm=args.strict_p2p_comm)
     runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
     start, load_notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
