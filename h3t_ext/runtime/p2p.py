@@ -54,8 +54,19 @@ def wait_work(work, timeout: datetime.timedelta, what: str, rank: int, *, stream
             work.wait(timeout)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if peer_is_gone(first):
+            raise P2PTimeoutError(f"pipeline rank {rank}: {what} failed: the peer process is gone ({first})") from exc
         limit = "the process group's timeout" if stream_wait else f"{timeout.total_seconds():g}s (p2p_timeout_s)"
         raise P2PTimeoutError(f"pipeline rank {rank}: {what} did not complete within {limit}: {first}") from exc
+
+
+PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo's TCP transport says when the other process died (as opposed to a timeout)."""
+
+
+def peer_is_gone(message: str) -> bool:
+    """True when a transport error says the peer process ended rather than that a wait timed out."""
+    return any(m in message for m in PEER_GONE_MARKERS)
 
 
 def p2p_tag(direction: int, microbatch: int, sender_stage: int, num_stages: int, index: int = 0) -> int:

@@ -32,11 +32,14 @@ def layer_spec_backend(on_gpu: bool) -> str:
 
 def core_attention(args, *, on_gpu: bool):
     """None (the spec's default) except with context parallelism on CPU: the ring attention of
-    ``h3t_ext.runtime.ring_attention`` (on a GPU, TransformerEngine's attention does context parallelism)."""
+    ``h3t_ext.runtime.ring_attention``, its waits bounded by ``--distributed-timeout-minutes`` (on a
+    GPU, TransformerEngine's attention does context parallelism)."""
     if on_gpu or args.context_parallel_size == 1:
         return None
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from h3t_ext.runtime.ring_attention import RingSDPACoreAttention
-    return RingSDPACoreAttention
+    return ModuleSpec(module=RingSDPACoreAttention, params={"cp_timeout_s": args.distributed_timeout_minutes * 60})
 
 
 def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:

@@ -170,7 +170,7 @@ def pretrain(args) -> int:
     chunks = build_model_chunks(args, on_gpu=on_gpu, vocab_size=tokenizer.vocab_size)
     n_params = num_parameters(chunks)
     config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha, strict_p2p=args.strict_p2p,
-                       strict_p2p_comm=args.strict_p2p_comm)
+                       strict_p2p_comm=args.strict_p2p_comm, p2p_timeout_s=args.distributed_timeout_minutes * 60)
     runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
     start, load_notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
