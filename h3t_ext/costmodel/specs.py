@@ -109,10 +109,28 @@ class SystemSpec:
     """Host<->device PCIe bandwidth per GPU and direction, bytes/s."""
     gpus_per_node: int
     """GPUs sharing one NVLink domain."""
+    num_sms: int = 0
+    """Streaming multiprocessors (GEMM tiles and attention blocks are quantized into waves over them)."""
+    gemm_tile_m: int = 0
+    """Rows of the output tile cuBLAS/CUTLASS use for large bf16 GEMMs on this GPU."""
+    gemm_tile_n: int = 0
+    """Columns of that tile."""
+    kernel_launch_s: float = 0.0
+    """Launch and tail cost of one kernel, seconds."""
+    nvlink_latency_s: float = 0.0
+    """Per-step latency of an NCCL ring step inside a node, seconds."""
+    network_latency_s: float = 0.0
+    """Per-step latency of an NCCL ring step across nodes, seconds."""
+    cuda_context_bytes: int = 0
+    """Device memory of the CUDA context and the loaded kernels (outside max_memory_allocated)."""
+    nccl_bytes_per_communicator: int = 0
+    """NCCL buffers of one communicator: send + receive x NCCL_BUFFSIZE x channels (outside max_memory_allocated)."""
     efficiencies: Mapping[str, float] = field(default_factory=dict, hash=False)
     """Fitted efficiencies (fractions of the peaks above); see ``fitted_efficiencies.json``."""
     source: str = ""
     """Where the numbers come from."""
+    efficiency_set: str = ""
+    """Name of the efficiency set (GPU family and software stack) the efficiencies came from."""
 
     def efficiency(self, key: str) -> float:
         """One fitted efficiency; a missing key is a data-file bug."""
@@ -162,12 +180,35 @@ def get_system(name: str) -> SystemSpec:
     path = DATA_DIR / "systems" / f"{name.lower()}.json"
     if not path.is_file():
         raise UnknownNameError("system", name, list_systems())
-    d = _read_json(path)
-    fitted = _fitted()
-    eff_set = d.get("efficiency_set", name.lower())
-    eff = dict(fitted["efficiencies"][eff_set])
+    return system_from_dict(name.lower(), _read_json(path))
+
+
+def load_system_file(path: str | Path) -> SystemSpec:
+    """A system file written by ``h3t-plan calibrate`` (or any file shaped like ``data/systems/*.json``;
+    its ``efficiencies`` object, when present, replaces the named efficiency set)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--system-file {path}: no such file")
+    d = _read_json(p)
+    return system_from_dict(str(d.get("name", p.stem)).lower(), d)
+
+
+def efficiency_set(name: str) -> dict:
+    """One named set of ``fitted_efficiencies.json`` (values, plus ``_``-prefixed notes)."""
+    return dict(_fitted()["efficiencies"][name])
+
+
+def plausible_ranges() -> dict[str, tuple[float, float]]:
+    """Physically plausible range of every efficiency (``fitted_efficiencies.json``, ``plausible_ranges``)."""
+    return {k: (float(v[0]), float(v[1])) for k, v in _fitted()["plausible_ranges"].items() if not k.startswith("_")}
+
+
+def system_from_dict(name: str, d: dict) -> SystemSpec:
+    """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``)."""
+    eff_name = d.get("efficiency_set", name)
+    eff = dict(d["efficiencies"]) if "efficiencies" in d else efficiency_set(eff_name)
     return SystemSpec(
-        name=name.lower(),
+        name=name,
         peak_bf16_flops=float(d["peak_bf16_flops"]),
         hbm_bytes=int(d["hbm_bytes"]),
         hbm_bandwidth=float(d["hbm_bandwidth"]),
@@ -176,6 +217,15 @@ def get_system(name: str) -> SystemSpec:
         network_bandwidth=float(d["network_bandwidth"]),
         pcie_bandwidth=float(d["pcie_bandwidth"]),
         gpus_per_node=int(d["gpus_per_node"]),
+        num_sms=int(d["num_sms"]),
+        gemm_tile_m=int(d["gemm_tile_m"]),
+        gemm_tile_n=int(d["gemm_tile_n"]),
+        kernel_launch_s=float(d["kernel_launch_s"]),
+        nvlink_latency_s=float(d["nvlink_latency_s"]),
+        network_latency_s=float(d["network_latency_s"]),
+        cuda_context_bytes=int(d["cuda_context_bytes"]),
+        nccl_bytes_per_communicator=int(d["nccl_bytes_per_communicator"]),
         efficiencies=MappingProxyType({k: float(v) for k, v in eff.items() if not k.startswith("_")}),
         source=d["source"],
+        efficiency_set=eff_name,
     )
