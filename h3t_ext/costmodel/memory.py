@@ -42,7 +42,7 @@ from h3t_ext.costmodel.activations import (
     rank_offloads,
     residency_lines,
 )
-from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
 
 BF16, FP32 = 2, 4
@@ -95,7 +95,8 @@ def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = 
     layers = rank_layers // v
     tokens = plan.micro_batch_size * plan.seq_length // (c * t)
     return layers * tokens * layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
-                                                         sequence_parallel=plan.sequence_parallel)
+                                                         sequence_parallel=plan.sequence_parallel,
+                                                         layer_spec=LAYER_SPEC[plan.transformer_impl])
 
 
 def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:

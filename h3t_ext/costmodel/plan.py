@@ -14,6 +14,9 @@ SELECTIVE = "selective"
 prices it (published runs use it); with flash attention nothing of the core is saved anyway, so its
 activation bytes are those of 'no'."""
 PRICED_CKPT = CKPT_CHOICES + (SELECTIVE,)
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+LAYER_SPEC = {"transformer_engine": "te", "local": "local"}
+"""Layer spec of the activation byte counts (activations.py) for each --transformer-impl."""
 ATTENTION_BACKENDS = ("flash", "unfused")
 """Megatron's attention: 'flash' (flash attention / TE fused, saves no s^2 scores) or 'unfused'
 (--no-use-flash-attn before TE: batched GEMMs and a fused softmax over s^2 scores in HBM)."""
@@ -61,6 +64,8 @@ class Plan:
     reduce-scattered and parameters all-gathered; off: replicated states and a gradient all-reduce."""
     attention_backend: str = "flash"
     """'flash' or 'unfused' (see ATTENTION_BACKENDS)."""
+    transformer_impl: str = "transformer_engine"
+    """Megatron's --transformer-impl: 'transformer_engine' (FC2 keeps its own copy of its input) or 'local'."""
     decoder_first_pipeline_num_layers: Optional[int] = None
     """Megatron's --decoder-first-pipeline-num-layers: layers of the first stage (the rest split evenly)."""
     decoder_last_pipeline_num_layers: Optional[int] = None
@@ -137,6 +142,8 @@ def _validate_ranges(plan: Plan) -> None:
         v = getattr(plan, name)
         _check(isinstance(v, int) and v >= 1, f"{name} must be an integer >= 1, got {v!r}")
     _check(plan.ckpt in PRICED_CKPT, f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {plan.ckpt!r}")
+    _check(plan.transformer_impl in TRANSFORMER_IMPLS,
+           f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got {plan.transformer_impl!r}")
     _check(plan.attention_backend in ATTENTION_BACKENDS,
            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {plan.attention_backend!r}")
     a = plan.offload_alpha

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_system
@@ -33,6 +34,8 @@ class PublishedRun:
     plan: Plan
     system: SystemSpec
     tokens_per_s_per_gpu: float
+    memory_budget_bytes: Optional[int] = None
+    """The run's own memory budget when the source planned against one (ATC '24), else None (the GPU's)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +77,7 @@ def _atc24() -> list[PublishedRun]:
                     ckpt=r["ckpt"], offload_alpha=float(r["alpha"]), **cfg["plan"])
         label = f"65B {r['num_gpus']} GPUs t{r['t']} p{r['p']} {r['ckpt']}"
         runs.append(PublishedRun("atc24_65b", label, model, plan, system,
-                                 float(r["tokens_per_s"]) / int(r["num_gpus"])))
+                                 float(r["tokens_per_s"]) / int(r["num_gpus"]), cfg["memory_budget_bytes"]))
     return runs
 
 
@@ -91,7 +94,7 @@ def _demo7b() -> list[PublishedRun]:
                     num_layers_per_virtual_pipeline_stage=r["l"], ckpt=r["ckpt"], offload_alpha=float(r["alpha"]),
                     **cfg["plan"])
         runs.append(PublishedRun("atc24_demo7b", f"7B demo {r['gpu']} {r['method']}", model, plan,
-                                 get_system(r["gpu"]), float(r["tokens_per_s_per_gpu"])))
+                                 get_system(r["gpu"]), float(r["tokens_per_s_per_gpu"]), cfg["memory_budget_bytes"]))
     return runs
 
 
@@ -142,6 +145,11 @@ def _korthikanti() -> list[PublishedRun]:
             runs.append(PublishedRun("korthikanti", f"{r['model_size']} {r['num_gpus']} GPUs {mode}", model, plan,
                                      system, tokens / seconds))
     return runs
+
+
+def atc24_memory_budget_bytes() -> int:
+    """The memory budget the ATC '24 runs planned their alphas against (run_settings.json)."""
+    return int(settings()["sources"]["atc24_65b"]["memory_budget_bytes"])
 
 
 def published_runs(source: str | None = None) -> list[PublishedRun]:

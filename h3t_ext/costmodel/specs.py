@@ -100,7 +100,8 @@ class SystemSpec:
     hbm_bandwidth: float
     """HBM bandwidth, bytes/s."""
     default_memory_budget_bytes: int
-    """Bytes per GPU that ``max_memory_allocated`` may reach (capacity minus context, NCCL, fragmentation)."""
+    """Bytes per GPU that ``max_memory_allocated`` may reach: (HBM - CUDA context - NCCL buffers) / (1 +
+    allocator fragmentation), see ``memory_budget_from_first_principles``."""
     nvlink_bandwidth: float
     """NVLink bandwidth per GPU and direction, bytes/s."""
     network_bandwidth: float
@@ -123,6 +124,8 @@ class SystemSpec:
     """Per-step latency of an NCCL ring step across nodes, seconds."""
     cuda_context_bytes: int = 0
     """Device memory of the CUDA context and the loaded kernels (outside max_memory_allocated)."""
+    allocator_fragmentation_fraction: float = 0.0
+    """Caching-allocator bytes reserved beyond max_memory_allocated, as a fraction of it."""
     nccl_bytes_per_communicator: int = 0
     """NCCL buffers of one communicator: send + receive x NCCL_BUFFSIZE x channels (outside max_memory_allocated)."""
     efficiencies: Mapping[str, float] = field(default_factory=dict, hash=False)
@@ -203,6 +206,18 @@ def plausible_ranges() -> dict[str, tuple[float, float]]:
     return {k: (float(v[0]), float(v[1])) for k, v in _fitted()["plausible_ranges"].items() if not k.startswith("_")}
 
 
+NCCL_COMMUNICATORS_IN_USE = 5
+"""Communicators a Megatron rank runs collectives on (and so allocates NCCL buffers for): tensor, context,
+data(-with-context), pipeline (p2p) and embedding groups."""
+
+
+def memory_budget_from_first_principles(d: dict) -> int:
+    """(HBM - CUDA context - NCCL buffers of the communicators in use) / (1 + allocator fragmentation): the
+    largest max_memory_allocated that fits, from a system file's numbers."""
+    free = int(d["hbm_bytes"]) - int(d["cuda_context_bytes"]) - NCCL_COMMUNICATORS_IN_USE * int(d["nccl_bytes_per_communicator"])
+    return int(free / (1.0 + float(d["allocator_fragmentation_fraction"])))
+
+
 def system_from_dict(name: str, d: dict) -> SystemSpec:
     """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``)."""
     eff_name = d.get("efficiency_set", name)
@@ -212,7 +227,7 @@ def system_from_dict(name: str, d: dict) -> SystemSpec:
         peak_bf16_flops=float(d["peak_bf16_flops"]),
         hbm_bytes=int(d["hbm_bytes"]),
         hbm_bandwidth=float(d["hbm_bandwidth"]),
-        default_memory_budget_bytes=int(d["default_memory_budget_bytes"]),
+        default_memory_budget_bytes=memory_budget_from_first_principles(d),
         nvlink_bandwidth=float(d["nvlink_bandwidth"]),
         network_bandwidth=float(d["network_bandwidth"]),
         pcie_bandwidth=float(d["pcie_bandwidth"]),
@@ -224,6 +239,7 @@ def system_from_dict(name: str, d: dict) -> SystemSpec:
         nvlink_latency_s=float(d["nvlink_latency_s"]),
         network_latency_s=float(d["network_latency_s"]),
         cuda_context_bytes=int(d["cuda_context_bytes"]),
+        allocator_fragmentation_fraction=float(d["allocator_fragmentation_fraction"]),
         nccl_bytes_per_communicator=int(d["nccl_bytes_per_communicator"]),
         efficiencies=MappingProxyType({k: float(v) for k, v in eff.items() if not k.startswith("_")}),
         source=d["source"],

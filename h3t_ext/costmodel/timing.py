@@ -169,7 +169,7 @@ def layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str,
     tp_f, tp_b = _tp_seconds(model, plan, system, g)
     fwd = g["fwd"] + a["fwd"] + e_fwd
     rec = {"no": 0.0, "ours": elementwise_seconds(elem_ours, r, kernels=3), "selective": a["fwd"],
-           "full": fwd + a["cp_fwd"] + tp_f}[plan.ckpt]
+           "full": fwd}[plan.ckpt]  # its communication is in tp / cp below
     return {"fwd": fwd, "bwd": g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd, "recompute": rec,
             "tp": tp_f + tp_b + (tp_f if plan.ckpt == "full" else 0.0),
             "cp": a["cp_fwd"] + a["cp_bwd"] + (a["cp_fwd"] if plan.ckpt == "full" else 0.0)}
