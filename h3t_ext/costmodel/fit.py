@@ -79,19 +79,42 @@ def mean_abs(errors: Sequence[float]) -> float:
     return sum(abs(e) for e in errors) / len(errors) if errors else 0.0
 
 
-def _sensitivity(runs: Sequence[MeasuredRun], system: SystemSpec, key: str) -> list[float]:
-    lo, hi = plausible_ranges()[key]
-    x = system.efficiency(key)
+Param = tuple[str, str]
+"""(scope, efficiency): scope is a family (efficiency set) or ``SHARED``."""
+SHARED = "shared"
+FAMILY_KEYS = ("gemm_peak_fraction", "attention_peak_fraction")
+"""Efficiencies of one GPU family (its tensor cores, clocks under its power limit, its attention kernels)."""
+SHARED_KEYS = ("gemm_tile_overhead_k", "hbm_fraction", "network_fraction", "tp_comm_overlap_exposed")
+"""Efficiencies of the kernels' structure and the software stack, common to the GPU families."""
+
+Groups = Mapping[str, tuple[SystemSpec, Sequence[MeasuredRun]]]
+
+
+def _systems(groups: Groups, values: Mapping[Param, float]) -> dict[str, SystemSpec]:
+    return {fam: with_efficiencies(base, {k: v for (scope, k), v in values.items() if scope in (fam, SHARED)})
+            for fam, (base, _) in groups.items()}
+
+
+def _errors(groups: Groups, values: Mapping[Param, float]) -> list[float]:
+    systems = _systems(groups, values)
+    return [e for fam, (_, runs) in groups.items() for e in relative_errors(runs, systems[fam])]
+
+
+def _times(groups: Groups, values: Mapping[Param, float]) -> list[float]:
+    systems = _systems(groups, values)
+    return [estimate(r.model, r.plan, _on(r, systems[fam])).iteration_time_s
+            for fam, (_, runs) in groups.items() for r in runs]
+
+
+def _sensitivity(groups: Groups, values: Mapping[Param, float], param: Param) -> list[float]:
+    lo, hi = plausible_ranges()[param[1]]
+    x = values[param]
     dx = max(abs(x) * _STEP, (hi - lo) * 0.01)
-    up = with_efficiencies(system, {key: min(hi, x + dx)})
-    down = with_efficiencies(system, {key: max(lo, x - dx)})
-    span = math.log(min(hi, x + dx) / max(lo, x - dx)) if max(lo, x - dx) > 0 else (min(hi, x + dx) - max(lo, x - dx))
-    out = []
-    for r in runs:
-        t_up = estimate(r.model, r.plan, _on(r, up)).iteration_time_s
-        t_down = estimate(r.model, r.plan, _on(r, down)).iteration_time_s
-        out.append(math.log(t_up / t_down) / span)
-    return out
+    up, down = min(hi, x + dx), max(lo, x - dx)
+    t_up = _times(groups, {**values, param: up})
+    t_down = _times(groups, {**values, param: down})
+    span = math.log(up / down) if down > 0 else up - down
+    return [math.log(a / b) / span for a, b in zip(t_up, t_down)]
 
 
 def _cos(a: Sequence[float], b: Sequence[float]) -> float:
@@ -99,22 +122,23 @@ def _cos(a: Sequence[float], b: Sequence[float]) -> float:
     return abs(sum(x * y for x, y in zip(a, b))) / (na * nb) if na and nb else 0.0
 
 
-def identifiable(runs: Sequence[MeasuredRun], system: SystemSpec, keys: Sequence[str] = FITTABLE
-                 ) -> tuple[list[str], dict[str, str]]:
-    """(efficiencies the runs identify, most sensitive first; {other: reason})."""
-    sens = {k: _sensitivity(runs, system, k) for k in keys}
-    strength = {k: max(abs(x) for x in v) for k, v in sens.items()}
-    chosen: list[str] = []
-    reasons: dict[str, str] = {}
-    for k in sorted(keys, key=lambda k: -strength[k]):
-        if strength[k] < MIN_SENSITIVITY:
-            reasons[k] = f"no run's time depends on it (|d log t / d log {k}| < {MIN_SENSITIVITY})"
-        elif len(chosen) >= len(runs):
-            reasons[k] = f"{len(runs)} run(s) identify at most {len(runs)} efficiencies"
-        elif (twin := next((c for c in chosen if _cos(sens[c], sens[k]) >= MAX_COLLINEARITY), None)) is not None:
-            reasons[k] = f"not separable from {twin} on these runs"
+def identifiable(groups: Groups, values: Mapping[Param, float], params: Sequence[Param]
+                 ) -> tuple[list[Param], dict[Param, str]]:
+    """(parameters the runs identify, most sensitive first; {other: reason})."""
+    rows = sum(len(runs) for _, runs in groups.values())
+    sens = {p: _sensitivity(groups, values, p) for p in params}
+    strength = {p: max(abs(x) for x in v) for p, v in sens.items()}
+    chosen: list[Param] = []
+    reasons: dict[Param, str] = {}
+    for p in sorted(params, key=lambda p: -strength[p]):
+        if strength[p] < MIN_SENSITIVITY:
+            reasons[p] = f"no run's time depends on it (|d log t / d log {p[1]}| < {MIN_SENSITIVITY})"
+        elif len(chosen) >= rows:
+            reasons[p] = f"{rows} run(s) identify at most {rows} efficiencies"
+        elif (twin := next((c for c in chosen if _cos(sens[c], sens[p]) >= MAX_COLLINEARITY), None)) is not None:
+            reasons[p] = f"not separable from {twin[1]} on these runs"
         else:
-            chosen.append(k)
+            chosen.append(p)
     return chosen, reasons
 
 
@@ -134,20 +158,40 @@ def _golden(f, lo: float, hi: float, iters: int) -> float:
     return (a + b) / 2
 
 
+def fit_joint(groups: Groups, family_keys: Sequence[str] = FAMILY_KEYS, shared_keys: Sequence[str] = SHARED_KEYS,
+              *, sweeps: int = 3, iters: int = 18) -> dict[str, FitResult]:
+    """Fit per-family efficiencies (``family_keys``, one value per family) and shared ones (``shared_keys``,
+    one value for all families) jointly to every family's runs."""
+    if not any(runs for _, runs in groups.values()):
+        raise ValueError("calibration needs at least one measured run")
+    ranges = plausible_ranges()
+    first = next(iter(groups.values()))[0]
+    values: dict[Param, float] = {(SHARED, k): first.efficiency(k) for k in shared_keys}
+    for fam, (base, _) in groups.items():
+        values.update({(fam, k): base.efficiency(k) for k in family_keys})
+    before = _errors(groups, values)
+    chosen, reasons = identifiable(groups, values, list(values))
+    for _ in range(sweeps if len(chosen) > 1 else 1):
+        for p in chosen:
+            lo, hi = ranges[p[1]]
+            values[p] = _golden(lambda x: mean_abs(_errors(groups, {**values, p: x})), lo, hi, iters)
+    systems = _systems(groups, values)
+    after = _errors(groups, values)
+    out, offset = {}, 0
+    for fam, (_, runs) in groups.items():
+        n = len(runs)
+        mine = lambda p: p[0] in (fam, SHARED)  # noqa: E731
+        out[fam] = FitResult(systems[fam], {p[1]: values[p] for p in chosen if mine(p)},
+                             {p[1]: why for p, why in reasons.items() if mine(p)}, n,
+                             mean_abs(before[offset:offset + n]), mean_abs(after[offset:offset + n]))
+        offset += n
+    return out
+
+
 def fit_system(system: SystemSpec, runs: Sequence[MeasuredRun], keys: Optional[Sequence[str]] = None, *,
                sweeps: int = 3, iters: int = 18) -> FitResult:
-    """Fit the identifiable efficiencies of ``system`` (among ``keys``) to ``runs``."""
-    if not runs:
-        raise ValueError("calibration needs at least one measured run")
+    """Fit the identifiable efficiencies of ``system`` (among ``keys``) to ``runs`` (what ``h3t-plan
+    calibrate`` runs: one system, every fittable efficiency its own)."""
     keys = FITTABLE if keys is None else tuple(keys)
-    ranges = plausible_ranges()
-    before = mean_abs(relative_errors(runs, system))
-    chosen, reasons = identifiable(runs, system, keys)
-    current = system
-    for _ in range(sweeps if len(chosen) > 1 else 1):
-        for k in chosen:
-            lo, hi = ranges[k]
-            best = _golden(lambda x: mean_abs(relative_errors(runs, with_efficiencies(current, {k: x}))), lo, hi, iters)
-            current = with_efficiencies(current, {k: best})
-    return FitResult(current, {k: current.efficiency(k) for k in chosen}, reasons, len(runs), before,
-                     mean_abs(relative_errors(runs, current)))
+    return fit_joint({system.efficiency_set or system.name: (system, runs)}, keys, (), sweeps=sweeps,
+                     iters=iters)[system.efficiency_set or system.name]

@@ -186,6 +186,16 @@ def get_system(name: str) -> SystemSpec:
     return system_from_dict(name.lower(), _read_json(path))
 
 
+def system_file_dict(name: str) -> dict:
+    """The raw data file of system ``name`` with its efficiency set inlined (what calibrate starts from)."""
+    path = DATA_DIR / "systems" / f"{name.lower()}.json"
+    if not path.is_file():
+        raise UnknownNameError("system", name, list_systems())
+    d = _read_json(path)
+    d["efficiencies"] = {k: v for k, v in efficiency_set(d.get("efficiency_set", name)).items() if not k.startswith("_")}
+    return d
+
+
 def load_system_file(path: str | Path) -> SystemSpec:
     """A system file written by ``h3t-plan calibrate`` (or any file shaped like ``data/systems/*.json``;
     its ``efficiencies`` object, when present, replaces the named efficiency set)."""
@@ -197,8 +207,16 @@ def load_system_file(path: str | Path) -> SystemSpec:
 
 
 def efficiency_set(name: str) -> dict:
-    """One named set of ``fitted_efficiencies.json`` (values, plus ``_``-prefixed notes)."""
-    return dict(_fitted()["efficiencies"][name])
+    """One named set of ``fitted_efficiencies.json`` over the ``shared`` set (values, plus ``_``-prefixed
+    notes)."""
+    sets = _fitted()["efficiencies"]
+    return {**sets["shared"], **sets[name]}
+
+
+def prior_efficiencies(name: str) -> dict[str, float]:
+    """Prior values (public benchmarks, ``fitted_efficiencies.json`` ``priors``) of efficiency set ``name``."""
+    priors = _fitted()["priors"]
+    return {**priors["shared"], **priors.get(name, {})}
 
 
 def plausible_ranges() -> dict[str, tuple[float, float]]:

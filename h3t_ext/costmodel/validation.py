@@ -10,21 +10,31 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system, mean_abs, relative_errors
+from h3t_ext.costmodel.fit import FITTABLE, FitResult, MeasuredRun, fit_joint, fit_system, mean_abs, relative_errors, \
+    with_efficiencies
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
-from h3t_ext.costmodel.specs import SystemSpec
+from h3t_ext.costmodel.specs import SystemSpec, prior_efficiencies
 
 
 def measured(runs: Sequence[PublishedRun]) -> list[MeasuredRun]:
     return [MeasuredRun(r.model, r.plan, r.tokens_per_s_per_gpu, r.label, r.system) for r in runs]
 
 
-def fit_families(runs: Sequence[PublishedRun]) -> dict[str, FitResult]:
-    """One fit per efficiency set (GPU family) on its runs."""
+def neutral_start(system: SystemSpec) -> SystemSpec:
+    """``system`` with every fittable efficiency at its prior (public benchmarks, ``priors`` of
+    ``fitted_efficiencies.json``): the starting point of the leave-one-source-out fits, so that the data
+    file's values (fitted on every source, the held-out one included) cannot leak into them."""
+    return with_efficiencies(system, prior_efficiencies(system.efficiency_set))
+
+
+def fit_families(runs: Sequence[PublishedRun], *, neutral: bool = False) -> dict[str, FitResult]:
+    """One fit per efficiency set (GPU family) on its runs (from the data file's values, or from the middle
+    of the plausible ranges with ``neutral``)."""
     groups: dict[str, list[PublishedRun]] = defaultdict(list)
     for r in runs:
         groups[r.system.efficiency_set].append(r)
-    return {fam: fit_system(rs[0].system, measured(rs)) for fam, rs in groups.items()}
+    start = neutral_start if neutral else (lambda s: s)
+    return fit_joint({fam: (start(rs[0].system), measured(rs)) for fam, rs in groups.items()})
 
 
 def errors_with(runs: Sequence[PublishedRun], systems: Mapping[str, SystemSpec]) -> list[float]:
@@ -72,12 +82,12 @@ def hold_out(source: str) -> HeldOut:
     """Fit on every other source, predict ``source``, then calibrate on each of its rows in turn."""
     train = [r for r in published_runs() if r.source != source]
     test = published_runs(source)
-    fits = fit_families(train)
+    fits = fit_families(train, neutral=True)
     systems = {fam: f.system for fam, f in fits.items()}
     errs = errors_with(test, systems)
     after = []
     for i, row in enumerate(test):
-        base = systems.get(row.system.efficiency_set, row.system)
+        base = systems.get(row.system.efficiency_set, neutral_start(row.system))
         one = fit_system(base, measured([row]))
         rest = [r for j, r in enumerate(test) if j != i]
         after.append(mean_abs(errors_with(rest, {row.system.efficiency_set: one.system})))
