@@ -220,7 +220,7 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     def stage_time(k: int) -> float:
         return plan.stage_layers(L, k) * per_layer + (head if k == p - 1 else 0.0)
 
-    slow = max(range(p), key=stage_time)
+    slow = max({0, min(1, p - 1), p - 1}, key=stage_time)  # middle stages are alike: first, one middle, last
     layers = plan.stage_layers(L, slow)
     per_mb = stage_time(slow)
     bubble = (p - 1) / v * per_mb if p > 1 else 0.0
