@@ -31,6 +31,7 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
@@ -148,14 +149,31 @@ def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: 
     return act, reload
 
 
+def _stage_kind(plan: Plan, stage: int) -> int:
+    """Stages with the same kind have the same parameters, transients and chunk bytes: 0 the first, 2 the
+    last, 1 every middle one (3 when p = 1: first and last at once)."""
+    last = plan.pipeline_model_parallel_size - 1
+    return (stage == 0) * 1 + (stage == last) * 2 if stage in (0, last) else 0
+
+
+@functools.lru_cache(maxsize=8192)
+def _stage_constants(model: ModelSpec, plan: Plan, kind: int, stage: int) -> tuple[int, dict[str, int], int]:
+    """(parameters, alpha-independent terms, chunk bytes) of a stage of this kind."""
+    n = stage_params(model, plan, stage)
+    return n, _fixed_terms(model, plan, stage, n), chunk_activation_bytes(model, plan, stage)
+
+
+def _constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
+    kind = _stage_kind(plan, stage)
+    return _stage_constants(model, plan, kind, stage if kind else 1)
+
+
 def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> StageMemory:
     """Peak memory terms of pipeline rank ``stage`` with offload ratio ``alpha``."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    n = stage_params(model, plan, stage)
-    fixed = _fixed_terms(model, plan, stage, n)
-    act, reload = _activation_terms(chunk_activation_bytes(model, plan, stage), residency_lines(p, m, v, stage),
-                                    rank_offloads(p, m, v, stage) > 0, alpha)
+    n, fixed, chunk = _constants(model, plan, stage)
+    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0, alpha)
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
@@ -166,7 +184,7 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[f
     """peak_bytes of ``stage_memory(model, plan, stage, alpha)`` as a cheap function of alpha."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    fixed = sum(_fixed_terms(model, plan, stage, stage_params(model, plan, stage)).values())
-    chunk = chunk_activation_bytes(model, plan, stage)
+    _, terms, chunk = _constants(model, plan, stage)
+    fixed = sum(terms.values())
     lines, offloads = residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0
     return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha))

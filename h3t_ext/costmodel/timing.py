@@ -19,8 +19,11 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   ``tp_comm_overlap_exposed`` of them on the critical path; without it the forward ones are exposed and the
   backward re-gather and gradient reduce-scatter/all-reduce run against the data/weight-gradient GEMMs
   (Megatron's async communication in the linear layers), exposed only where they outlast those GEMMs.
-* ``pp_p2p``: activations between pipeline ranks (one virtual stage per hop): the fill and drain path
-  (2 (p - 1) hops); plain 1F1B also waits for the two blocking exchanges of every steady-state microbatch.
+* ``pp_p2p``: activations between pipeline ranks, one hop per virtual stage boundary: the first
+  microbatch's forward and the last one's backward cross all p v - 1 boundaries on the critical path
+  (2 (p v - 1) hops: at each warm-up wrap rank 0 has finished its p chunks while the microbatch still needs
+  p hops to come back); plain 1F1B also waits for the two blocking exchanges of every steady-state
+  microbatch.
 * ``bubble``: interleaved 1F1B: (p - 1)/v of one microbatch's forward + backward on the slowest rank.
 * ``dp_exposed``: gradient reduce-scatter (fp32) and parameter all-gather (bf16) with the distributed
   optimizer, an fp32 all-reduce without it. Megatron's buckets (max(40M, 1M x d) parameters) with
@@ -64,6 +67,11 @@ CROSS_ENTROPY_BYTES_PER_LOGIT = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + 
 """Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard. Forward:
 cast bf16 -> fp32, max, subtract the max, exp, sum, divide (softmax kept for backward); backward: read the
 softmax, subtract the one-hot target, scale by the loss gradient, cast to bf16."""
+CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
+"""Context-parallel ring forward, per output element and step: read the step's bf16 output, read and write
+the fp32 accumulated output (the softmax-lse rescaling of TransformerEngine's ring attention)."""
+CP_MERGE_BYTES_BWD = FP32 + FP32
+"""Backward, per dQ / dK / dV element and step: read and write the fp32 gradient accumulators."""
 ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + BF16
 """Adam step per parameter of the shard: read grad, master, m, v (fp32), write master, m, v, bf16 weight."""
 
@@ -117,7 +125,10 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
         off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward)
         send = p2p_seconds(bytes_per_step, link)
         steps = [diag] + [off] * (c - 1)
-        out[name] = sum(steps)
+        # every step after the first merges its partial result into fp32 accumulators
+        merge = (CP_MERGE_BYTES_BWD if backward else CP_MERGE_BYTES_FWD) * mb * q * (
+            model.hidden_size + (2 * model.kv_hidden_size if backward else 0)) // t
+        out[name] = sum(steps) + (c - 1) * elementwise_seconds(merge, r, kernels=2)
         out["cp_" + name] = sum(max(0.0, send - x) for x in steps[:-1])
     return out
 
@@ -232,7 +243,10 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     pp = 0.0
     if p > 1:
         hop = p2p_seconds(hop_bytes, p2p_link(t * plan.data_parallel_size, p, system))
-        pp = 2 * (p - 1) * hop + (2 * m * hop if v == 1 else 0.0)
+        # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
+        # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
+        # while the microbatch took p hops more to come back (and the same in the cool-down)
+        pp = 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
 
     off = 0.0
     if chunk_bytes and any(a > 0 for a in alphas):
