@@ -169,8 +169,33 @@ def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, f
     return fwd_total, bwd_blocking + sum(max(0.0, comm - gemm) for comm, gemm in bwd_overlappable)
 
 
+_CACHE_LIMIT = 65536
+_layer_cache: dict = {}
+
+
+def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
+    """Everything a layer's (or the output layer's) time depends on; a search prices many plans that share it."""
+    return (model, system, plan.tensor_model_parallel_size, plan.context_parallel_size, plan.seq_length,
+            plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend)
+
+
 def layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str, float]:
-    """Seconds of one layer for one microbatch on one rank, by part."""
+    """Seconds of one layer for one microbatch on one rank, by part (memoised by shape)."""
+    key = _shape_key(model, plan, system)
+    hit = _layer_cache.get(key)
+    if hit is None:
+        if len(_layer_cache) > _CACHE_LIMIT:
+            _layer_cache.clear()
+        hit = _layer_cache[key] = (_layer_seconds(model, plan, system), head_seconds(model, plan, system))
+    return hit[0]
+
+
+def _head(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    layer_seconds(model, plan, system)
+    return _layer_cache[_shape_key(model, plan, system)][1]
+
+
+def _layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str, float]:
     r = kernel_rates(system)
     g = layer_gemm_seconds(model, plan, r)
     a = attention_seconds(model, plan, system, r)
@@ -225,7 +250,7 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     m, L = plan.num_microbatches, model.num_layers
     v = plan.virtual_size(L)
     lt = layer_seconds(model, plan, system)
-    head = head_seconds(model, plan, system)
+    head = _head(model, plan, system)
     per_layer = lt["fwd"] + lt["bwd"] + lt["recompute"] + lt["tp"] + lt["cp"]
 
     def stage_time(k: int) -> float:
