@@ -232,7 +232,8 @@ data(-with-context), pipeline (p2p) and embedding groups."""
 def memory_budget_from_first_principles(d: dict) -> int:
     """(HBM - CUDA context - NCCL buffers of the communicators in use) / (1 + allocator fragmentation): the
     largest max_memory_allocated that fits, from a system file's numbers."""
-    free = int(d["hbm_bytes"]) - int(d["cuda_context_bytes"]) - NCCL_COMMUNICATORS_IN_USE * int(d["nccl_bytes_per_communicator"])
+    nccl = NCCL_COMMUNICATORS_IN_USE * int(d["nccl_bytes_per_communicator"])
+    free = int(d["hbm_bytes"]) - int(d["cuda_context_bytes"]) - nccl
     return int(free / (1.0 + float(d["allocator_fragmentation_fraction"])))
 
 

@@ -176,7 +176,8 @@ _layer_cache: dict = {}
 def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
     """Everything a layer's (or the output layer's) time depends on; a search prices many plans that share it.
     (SystemSpec's hash leaves out its efficiencies, so their values are part of the key: fits try many.)"""
-    return (model, system, tuple(system.efficiencies.values()), plan.tensor_model_parallel_size, plan.context_parallel_size, plan.seq_length,
+    return (model, system, tuple(system.efficiencies.values()), plan.tensor_model_parallel_size,
+            plan.context_parallel_size, plan.seq_length,
             plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend)
 
 
