@@ -10,6 +10,7 @@ import argparse
 import os
 
 from megatron.training.arguments import ArgumentError
+from megatron.training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
 from megatron.training.tokenizer import TokenizerError, tokenizer_from_args
 
 
@@ -148,21 +149,17 @@ def _validate_data(args) -> None:
     if args.mock_data == (args.data_path is not None):
         raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data")
     try:  # the tokenizer's files are read now, so a bad one stops every rank before any process group
-        tokenizer_from_args(args)
+        tokenizer = tokenizer_from_args(args)
     except TokenizerError as e:
         raise ArgumentError(str(e)) from None
-    if args.data_path is None:
-        return
-    for item in args.data_path:
-        try:
-            float(item)
-            continue  # a blend weight
-        except ValueError:
-            pass
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(item + ext):
-                raise ArgumentError(f"--data-path {item}: {item + ext} does not exist (make it with "
-                                    f"tools/preprocess_data.py)")
+    try:  # and the data files: a damaged or mismatched one is one line here, not a traceback per rank
+        if args.data_path is not None:
+            if not getattr(args, "skip_train", False):  # evaluation alone may have no training share
+                parse_split(args.split)
+            for _, prefix in parse_blend(args.data_path):
+                check_indexed_dataset(prefix, vocab_size=tokenizer.vocab_size)
+    except DataFileError as e:
+        raise ArgumentError(str(e)) from None
 
 
 CKPT_FORMATS_REFUSED = {
