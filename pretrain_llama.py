@@ -13,12 +13,15 @@ PROG = "pretrain_llama.py"
 
 
 def main(argv=None) -> int:
+    from megatron.training.run_guard import die_with_launcher
+    die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
     from megatron.training.arguments import parse_args
     args = parse_args(argv, prog=PROG)  # one-line error and exit 2 on a bad flag, before any process group
 
     from h3t_ext.runtime.config import RuntimeConfigError
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.optimizer import NonFiniteError
+    from megatron.training.run_guard import RunLockError
     from megatron.training.training import pretrain
     try:
         return pretrain(args)
@@ -26,7 +29,7 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
-    except (CheckpointError, RuntimeConfigError) as e:
+    except (CheckpointError, RuntimeConfigError, RunLockError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
 

@@ -58,3 +58,118 @@ def test_resume_with_dropout_is_bit_exact(corpus_prefix, tmp_path):  # noqa: F81
     check_ok(run_pretrain([*argv, "--load", str(ckpt), "--metrics-json", str(resumed)]))
     ref = losses(full)
     assert losses(resumed) == ref[2:]
+
+
+MOCK = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--mock-data"]
+
+
+def _one_line_exit_2(proc) -> str:
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_unwritable_save_is_refused_before_the_first_iteration(tmp_path):
+    import os
+    import shutil
+    import subprocess
+
+    from driver_harness import PYTHON, REPO, _env
+    if shutil.which("setpriv") is None:  # util-linux; present on every Debian image this project runs on
+        raise AssertionError("setpriv is needed to run the driver as an unprivileged user")
+    os.chmod(tmp_path, 0o755)
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o555)
+    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", PYTHON, str(REPO / "pretrain_llama.py"),
+           *MOCK, "--train-iters", "2", "--save", str(ro / "ckpt")]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(_env(), HOME=str(tmp_path)), capture_output=True, text=True,
+                          timeout=120)
+    line = _one_line_exit_2(proc)
+    assert f"--save {ro / 'ckpt'} is not writable (Permission denied)" in line and "iteration" not in proc.stdout
+
+
+def test_a_save_that_runs_out_of_space_is_one_line_and_leaves_the_previous_checkpoint(tmp_path):
+    import resource
+    import signal
+    import subprocess
+
+    from driver_harness import PYTHON, REPO, _env
+    ckpt = tmp_path / "ckpt"
+    check_ok(run_pretrain([*MOCK, "--train-iters", "2", "--exit-interval", "1", "--save", str(ckpt)]))
+
+    def small_disk():  # files may not grow past 64 KiB: the next checkpoint does not fit
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    proc = subprocess.run([PYTHON, str(REPO / "pretrain_llama.py"), *MOCK, "--train-iters", "2", "--load", str(ckpt),
+                           "--save", str(ckpt)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180,
+                          preexec_fn=small_disk)
+    line = _one_line_exit_2(proc)
+    assert "iteration 2: the checkpoint could not be written" in line and "(rank 0: " in line
+    assert "its temporary files are removed and the latest checkpoint is unchanged" in line
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000001"]
+
+
+def test_resume_with_another_learning_rate_schedule_needs_a_choice(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    check_ok(run_pretrain([*MOCK, "--train-iters", "2", "--exit-interval", "1", "--save", str(ckpt)]))
+    other = [*MOCK, "--train-iters", "2", "--load", str(ckpt)]
+    other[other.index("--lr") + 1] = "2e-3"
+    line = _one_line_exit_2(run_pretrain(other))
+    assert "was trained with --lr 0.001, this run has 0.002" in line and "--override-opt_param-scheduler" in line
+    check_ok(run_pretrain([*other, "--override-opt_param-scheduler"]))
+    check_ok(run_pretrain([*other, "--use-checkpoint-opt_param-scheduler"]))
+
+
+def test_a_second_run_on_the_same_save_directory_is_refused(tmp_path):
+    from megatron.training.run_guard import RunLock
+    lock = RunLock(str(tmp_path / "ckpt")).acquire()  # a run in progress (this process)
+    try:
+        line = _one_line_exit_2(run_pretrain([*MOCK, "--train-iters", "1", "--save", str(tmp_path / "ckpt")]))
+    finally:
+        lock.release()
+    assert "is in use by another run (run " in line and f"pid {__import__('os').getpid()}" in line
+
+
+def test_killing_the_launcher_leaves_no_worker(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from driver_harness import PYTHON, REPO, _env
+    from h3t_ext.testing import free_port
+    marker = str(tmp_path / "marker-ckpt")
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(REPO / "pretrain_llama.py"), *MOCK, "--train-iters", "100000",
+           "--save", marker, "--save-interval", "1000000"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
+
+    def workers() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline and int(pid) != launcher.pid and "torch.distributed.run" not in cmdline:
+                found.append(int(pid))
+        return found
+
+    try:
+        for line in launcher.stdout:  # training has started on every rank once iteration lines appear
+            if " iteration " in line:
+                break
+        assert len(workers()) == 2
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while workers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert workers() == []
+    finally:
+        for pid in workers():
+            os.kill(pid, signal.SIGKILL)

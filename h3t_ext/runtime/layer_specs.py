@@ -26,6 +26,7 @@ TransformerEngine is imported only when a te spec is built.
 """
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Optional
 
 import torch
@@ -144,6 +145,17 @@ def h3t_block_spec(config, *, ckpt: str = "no", backend: str = "local", core_att
 
 
 # --------------------------------------------------------------------------- what a built model is for
+class _QuietUnknownMLP(logging.Filter):
+    """megatron-core 0.16's TransformerLayer warns "Unknown MLP type" for every layer whose MLP module
+    is not exactly ``MLP`` (our MLP subclasses are), then builds it with its default TP group, which
+    is the group the stock MLP gets too. The warning says nothing actionable, so it is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_QuietUnknownMLP())
+
 _LAYER_PARTS = ("input_layernorm", "pre_mlp_layernorm", "mlp")
 
 

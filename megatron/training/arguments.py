@@ -125,6 +125,11 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
     g.add_argument("--async-save", action="store_true", help="accepted; this driver saves synchronously")
+    g.add_argument("--override-opt_param-scheduler", action="store_true", dest="override_opt_param_scheduler",
+                   help="on resume, use this command line's learning-rate schedule over the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume, use the checkpoint's learning-rate schedule over this command line's")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--metrics-json", default=None, metavar="PATH")

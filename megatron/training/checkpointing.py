@@ -47,8 +47,8 @@ MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
 """What must match between the saving and the loading run (the parallel layout need not)."""
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
-SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay",
-                  "adam_beta1", "adam_beta2", "adam_eps")
+SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay")
+"""The learning-rate schedule a resumed run must agree on (Megatron's opt_param_scheduler)."""
 
 
 class CheckpointError(Exception):
@@ -188,7 +188,27 @@ def find_checkpoint(args) -> Optional[FoundCheckpoint]:
         if saved.get(k) != mine[k]:
             raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with "
                                   f"--{k.replace('_', '-')} {saved.get(k)}, this run has {mine[k]}")
+    _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
     return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common)
+
+
+def _check_schedule(args, saved: dict, iteration: int) -> None:
+    """Megatron refuses a resume whose schedule differs from the checkpoint's unless told which wins:
+    ``--override-opt_param-scheduler`` (this command line) or ``--use-checkpoint-opt_param-scheduler``
+    (the checkpoint: its values replace this run's)."""
+    if getattr(args, "finetune", False) or getattr(args, "override_opt_param_scheduler", False):
+        return
+    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+        for k in SCHEDULE_FLAGS:
+            if k in saved:
+                setattr(args, k, saved[k])
+        return
+    mine = _schedule(args)
+    for k in SCHEDULE_FLAGS:
+        if k in saved and saved[k] != mine[k]:
+            raise CheckpointError(f"--load {args.load}: checkpoint iteration {iteration} was trained with "
+                                  f"--{k.replace('_', '-')} {saved[k]}, this run has {mine[k]}; add "
+                                  f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler")
 
 
 # ----------------------------------------------------------------------------------------- state
@@ -249,6 +269,7 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
 def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) -> None:
     """Write ``iter_N`` under ``--save`` (collective: every rank calls it)."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     from h3t_ext.checkpointing import save_strategy
 
@@ -263,10 +284,24 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
         os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False), tmp,
-                            sharded_strategy=save_strategy(on_gpu))
-    dist.barrier()
-    _write_checksums(tmp)
+    error = ""
+    try:
+        dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False), tmp,
+                                sharded_strategy=save_strategy(on_gpu))
+        dist.barrier()
+        _write_checksums(tmp)
+    except (Exception, CheckpointException) as e:  # disk full, permissions, quota: abandoned on every rank
+        error = _first_line(e)
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, error)
+    if any(failed):
+        rank = next(r for r, e in enumerate(failed) if e)
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        raise CheckpointError(f"iteration {iteration}: the checkpoint could not be written to {args.save} (rank "
+                              f"{rank}: {failed[rank]}); its temporary files are removed and the latest "
+                              f"checkpoint is unchanged")
     if dist.get_rank() == 0:
         if os.path.isdir(final):
             shutil.rmtree(final)
@@ -276,6 +311,18 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
             f.write(f"{iteration}\n")
         os.replace(tracker + ".tmp", tracker)
     dist.barrier()
+
+
+def _first_line(e: BaseException) -> str:
+    """The innermost cause of ``e`` in one line (DCP gathers each rank's failure into its own exception)."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if failures:
+        wrapped = next(iter(failures.values()))
+        e = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _write_checksums(directory: str) -> None:

@@ -31,6 +31,18 @@ def _blend(data_path: Optional[list[str]]):
     return list(data_path[1::2]), weights
 
 
+class _NoCacheNotice(logging.Filter):
+    """megatron-core warns on every rank that it cannot cache a dataset's sample index without
+    ``--data-cache-path``; the index is then built in memory, which is what a run without that flag
+    asks for."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "because path_to_cache is None" not in record.getMessage()
+
+
+logging.getLogger("megatron.core.datasets.gpt_dataset").addFilter(_NoCacheNotice())
+
+
 def build_train_dataset(args, tokenizer) -> GPTDataset:
     """The training split, with enough samples for ``--train-iters`` iterations."""
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)

@@ -21,6 +21,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def dist_rank_from_env() -> int:
+    """This process's global rank as the launcher set it (0 for a plain single-process run)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def uses_gpu(args) -> bool:
     """True when this run trains on CUDA devices."""
     return torch.cuda.is_available() and args.distributed_backend != "gloo"

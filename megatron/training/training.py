@@ -21,9 +21,10 @@ import h3t_ext
 from h3t_ext.runtime.config import H3TConfig
 from megatron.training import checkpointing as ckpt_io
 from megatron.training.data import build_data_iterators, build_train_dataset
-from megatron.training.initialize import initialize_distributed, shutdown, uses_gpu
+from megatron.training.initialize import dist_rank_from_env, initialize_distributed, shutdown, uses_gpu
 from megatron.training.model_provider import build_model_chunks, num_parameters
 from megatron.training.optimizer import NonFiniteError
+from megatron.training.run_guard import RunLock
 from megatron.training.tokenizer import tokenizer_from_args
 from megatron.training.training_log import IterationLogger, write_metrics_json
 
@@ -164,6 +165,15 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
 def pretrain(args) -> int:
     """Everything after argument parsing; returns the process exit status."""
     found = ckpt_io.find_checkpoint(args)  # before any process group: a bad checkpoint stops all ranks
+    lock = RunLock(args.save).acquire() if args.save and dist_rank_from_env() == 0 else None
+    try:
+        return _pretrain(args, found)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _pretrain(args, found) -> int:
     initialize_distributed(args)
     on_gpu = uses_gpu(args)
     tokenizer = tokenizer_from_args(args)

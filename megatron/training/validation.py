@@ -180,10 +180,30 @@ def _validate_io(args) -> None:
         raise ArgumentError("--ckpt-step needs --load DIR")
     if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
         raise ArgumentError(f"--load {args.load} is a file, not a directory")
+    if args.save is not None:
+        _check_writable_dir("--save", args.save)
+    for flag in ("tensorboard_dir", "wandb_save_dir"):
+        if getattr(args, flag, None):
+            _check_writable_dir("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.metrics_json is not None:
         parent = os.path.dirname(os.path.abspath(args.metrics_json))
         if not os.path.isdir(parent):
             raise ArgumentError(f"--metrics-json {args.metrics_json}: directory {parent} does not exist")
+        _check_writable_dir("--metrics-json", parent, create=False)
+
+
+def _check_writable_dir(flag: str, path: str, *, create: bool = True) -> None:
+    """Create ``path`` if asked and write a probe file into it, so an unwritable directory is found
+    now, in one line, and not at the first save after hours of training."""
+    try:
+        if create:
+            os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".h3t_write_probe_{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.remove(probe)
+    except OSError as e:
+        raise ArgumentError(f"{flag} {path} is not writable ({e.strerror or type(e).__name__})") from None
 
 
 def _validate_offload_overlap(args) -> None:
