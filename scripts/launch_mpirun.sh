@@ -44,4 +44,6 @@ if [[ $DRY_RUN == 1 ]]; then
   printf '%q ' "${CMD[@]}"; echo
   exit 0
 fi
+# Check the flags once for the whole world before any rank starts (one line and exit 2 when bad).
+(cd "$ROOT" && "$PYTHON" -m megatron.training.preflight --world-size "$NP" -- "${ARGS[@]}") || exit $?
 exec "${CMD[@]}"
