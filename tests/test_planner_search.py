@@ -8,7 +8,7 @@ import pytest
 from h3t_ext.costmodel import ModelSpec, Plan, estimate, get_model, get_system
 from h3t_ext.planner import space
 from h3t_ext.planner.flags import format_alpha, megatron_flags, parse_alpha, plan_from_megatron_flags
-from h3t_ext.planner.search import search
+from h3t_ext.planner.search import R_BOUND, search
 from h3t_ext.planner.space import SearchConstraints, divisors, enumerate_layouts
 from h3t_ext.planner.units import parse_bytes
 
@@ -115,6 +115,18 @@ def test_exhaustive_search_finds_the_same_best_plans(small_search):
     assert full.considered > small_search.considered
     assert {r.plan for r in small_search.plans} <= {r.plan for r in full.plans}
     assert [r.plan for r in full.plans[:10]] == [r.plan for r in small_search.plans[:10]]
+
+
+@pytest.mark.parametrize("budget,alpha_mode", [(None, "auto"), (20 * 10**9, "auto"), (20 * 10**9, "balanced")])
+def test_best_first_top_is_the_exhaustive_top(budget, alpha_mode):
+    model, system = get_model("llama-7b"), get_system("h800")
+    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=budget, alpha_mode=alpha_mode)
+    full = search(model, system, exhaustive=True, **kw)
+    for top in (1, 3, 10):
+        best = search(model, system, top=top, **kw)
+        assert best.considered < full.considered and best.rejected.get(R_BOUND, 0) > 0
+        assert ([(r.plan, r.tokens_per_second) for r in best.plans[:top]]
+                == [(r.plan, r.tokens_per_second) for r in full.plans[:top]])
 
 
 def test_search_agrees_with_estimate_and_alpha_is_minimal(small_search):

@@ -168,6 +168,12 @@ def _constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str,
     return _stage_constants(model, plan, kind, stage if kind else 1)
 
 
+def stage_fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> Mapping[str, int]:
+    """The alpha- and schedule-independent terms of ``stage_memory`` (parameters, gradients, optimizer
+    states, transients), without walking the schedule; do not modify the mapping (it is cached)."""
+    return _constants(model, plan, stage)[1]
+
+
 def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> StageMemory:
     """Peak memory terms of pipeline rank ``stage`` with offload ratio ``alpha``."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches

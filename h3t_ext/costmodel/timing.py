@@ -244,6 +244,29 @@ def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: fl
     return grads + params
 
 
+def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """The ``pp_p2p`` term: activations between pipeline ranks on the critical path of one iteration."""
+    t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    if p == 1:
+        return 0.0
+    m, v = plan.num_microbatches, plan.virtual_size(model.num_layers)
+    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    # Megatron sends 1/t of the activation between stages (sequence parallel, or the scatter-gather
+    # optimization without it, which all-gathers it over NVLink on arrival)
+    hop_bytes = tokens // t * model.hidden_size * BF16
+    hop = p2p_seconds(hop_bytes, p2p_link(t * plan.data_parallel_size, p, system))
+    # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
+    # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
+    # while the microbatch took p hops more to come back (and the same in the cool-down)
+    return 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
+
+
+def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """The ``dp_exposed`` term with unbounded overlap windows: exact without --overlap-grad-reduce and
+    --overlap-param-gather, never more than the term otherwise (at least one bucket stays exposed)."""
+    return _dp_seconds(model, plan, system, math.inf, math.inf)
+
+
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
                chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> dict[str, float]:
     """Seconds per iteration by term (they add up to the iteration time)."""
@@ -263,17 +286,7 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     per_mb = stage_time(slow)
     bubble = (p - 1) / v * per_mb if p > 1 else 0.0
 
-    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    # Megatron sends 1/t of the activation between stages (sequence parallel, or the scatter-gather
-    # optimization without it, which all-gathers it over NVLink on arrival)
-    hop_bytes = tokens // t * model.hidden_size * BF16
-    pp = 0.0
-    if p > 1:
-        hop = p2p_seconds(hop_bytes, p2p_link(t * plan.data_parallel_size, p, system))
-        # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
-        # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
-        # while the microbatch took p hops more to come back (and the same in the cool-down)
-        pp = 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
+    pp = pipeline_p2p_seconds(model, plan, system)
 
     off = 0.0
     if chunk_bytes and any(a > 0 for a in alphas):
