@@ -27,13 +27,13 @@ def test_sources_and_row_counts():
     assert counts == {"atc24_65b": 15, "megatron_h100": 9, "korthikanti": 10, "atc24_demo7b": 4}
 
 
-@pytest.mark.parametrize("source,threshold", [("atc24_65b", 0.035), ("megatron_h100", 0.055), ("korthikanti", 0.06)])
+@pytest.mark.parametrize("source,threshold", [("atc24_65b", 0.037), ("megatron_h100", 0.036), ("korthikanti", 0.055)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.03), ("megatron_h100", 0.075), ("korthikanti", 0.035)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.027), ("megatron_h100", 0.044), ("korthikanti", 0.031)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
     bound at what the model achieves today (the 3% target on the mean is not met, see below)."""
@@ -41,10 +41,15 @@ def test_after_calibrating_on_one_row_current_level(loso, source, median):
     assert after[len(after) // 2] <= median, after
 
 
-@pytest.mark.xfail(strict=True, reason="per-row residuals within each source exceed 3% somewhere (ATC 56-GPU "
-                                       "offload row, Megatron 119B -17%: plain 1F1B over 23 layers per rank, "
-                                       "Korthikanti 1T -5%), so calibrating on such a row moves every other row")
-@pytest.mark.parametrize("source", ["atc24_65b", "megatron_h100", "korthikanti"])
+def test_atc24_within_three_percent_after_one_row(loso):
+    assert loso["atc24_65b"].mae_after_one_row_mean <= 0.03
+
+
+@pytest.mark.xfail(strict=True, reason="per-row residuals within each source exceed 3% somewhere (Megatron: the "
+                                       "1.7B/7.1B/70B rows +6-9%, 314B -2.5%; Korthikanti: selective recompute "
+                                       "rows 3% above their full-recompute twins, 1T near 0), so calibrating on "
+                                       "one row moves the others")
+@pytest.mark.parametrize("source", ["megatron_h100", "korthikanti"])
 def test_within_three_percent_after_one_row(loso, source):
     assert loso[source].mae_after_one_row_mean <= 0.03
 

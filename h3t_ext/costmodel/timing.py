@@ -24,7 +24,8 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   (2 (p v - 1) hops: at each warm-up wrap rank 0 has finished its p chunks while the microbatch still needs
   p hops to come back); plain 1F1B also waits for the two blocking exchanges of every steady-state
   microbatch.
-* ``bubble``: interleaved 1F1B: (p - 1)/v of one microbatch's forward + backward on the slowest rank.
+* ``bubble``: (interleaved) 1F1B: 1/v of one microbatch's forward + backward on every rank but the slowest
+  ((p - 1)/v microbatches of the slowest rank when the ranks are alike).
 * ``dp_exposed``: gradient reduce-scatter (fp32) and parameter all-gather (bf16) with the distributed
   optimizer, an fp32 all-reduce without it. Megatron's buckets (max(40M, 1M x d) parameters) with
   --overlap-grad-reduce start as soon as the last microbatch's backward produces them: what outlasts that
@@ -284,7 +285,11 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     slow = max({0, min(1, p - 1), p - 1}, key=stage_time)  # middle stages are alike: first, one middle, last
     layers = plan.stage_layers(L, slow)
     per_mb = stage_time(slow)
-    bubble = (p - 1) / v * per_mb if p > 1 else 0.0
+    # the warm-up and cool-down are the forward and backward of the first and last microbatch on every
+    # rank but the slowest one (which runs all m in between): (p - 1)/v microbatches when the ranks are
+    # alike, less when the last rank is the slow one only because it also runs the output layer
+    everyone = L * per_layer + head
+    bubble = (everyone - per_mb) / v if p > 1 else 0.0
 
     pp = pipeline_p2p_seconds(model, plan, system)
 

@@ -12,9 +12,9 @@ throughput starts to fall are skipped (``R_SLOWER``). ``exhaustive=True`` turns 
 
 With ``top`` (the CLI's ``--top``) the search is best-first instead: every candidate gets an exact upper
 bound on its tokens/s from the cost model itself (the iteration time at alpha = 0 is at least
-(m + (p - 1)/v) times the last stage's per-microbatch time: compute, recompute, tensor- and
-context-parallel terms plus the interleaved bubble; every other term is >= 0 and offloading only adds
-time), candidates are priced from the highest bound down, and pricing stops once the bound falls below
+its compute, recompute, tensor- and context-parallel terms and bubble priced with the last stage as the
+slowest, plus pp_p2p and the data-parallel traffic with unbounded overlap; the other terms are >= 0 and
+offloading only adds time), candidates are priced from the highest bound down, and pricing stops once the bound falls below
 the ``top``-th best plan found (``R_BOUND``). The first ``top`` plans are then exactly those of an
 exhaustive search (the memory pruning above still applies; the micro-batch heuristic does not).
 """
@@ -261,8 +261,8 @@ def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tupl
     """(upper bound on tokens/s, layout index, ckpt index, micro batch index) of every candidate.
 
     The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest
-    stage's per-microbatch time and the bubble is (p - 1)/v times it; the slowest stage is at least as
-    slow as the last one. pp_p2p is exact, dp_exposed at least its value with unbounded overlap windows,
+    stage's per-microbatch time T and the bubble is (sum over stages - T)/v, so together
+    (m - 1/v) T + (sum over stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its value with unbounded overlap windows,
     optimizer and offload_exposed are >= 0.
     """
     num_gpus, seq_length, global_batch, _ = run
@@ -289,7 +289,7 @@ def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tupl
                 per_layer, head = per_shape[key]
                 m = global_batch // (mb * shards)
                 last = (L // p) * per_layer + head
-                lower = (m + ((p - 1) / v if p > 1 else 0.0)) * last + pp[i] + dp
+                lower = ((m - 1 / v) * last + (L * per_layer + head) / v if p > 1 else m * last) + pp[i] + dp
                 out.append((global_batch * seq_length / lower, li, ci, i))
     return out
 
