@@ -180,3 +180,28 @@ def test_calibrate_cli_bad_file_is_one_line(tmp_path, capsys):
                  str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "missing.json" in err
+
+
+def test_gradient_sharding_switch():
+    """Megatron FSDP's optim_grads shards the fp32 gradients over d (reduce-scattered after every microbatch),
+    optim_grads_params the bf16 weights too (all-gathered for every microbatch's forward and backward)."""
+    m = get_model("llama2-70b")
+    base = Plan(num_gpus=512, seq_length=4096, global_batch_size=512, tensor_model_parallel_size=8,
+                pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=5, ckpt="no",
+                overlap_grad_reduce=True, overlap_param_gather=True)
+    d = base.data_parallel_size
+    ddp = estimate(m, base, H100)
+    zero2 = estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim_grads"}), H100)
+    zero3 = estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim_grads_params"}), H100)
+    t0, t2, t3 = ddp.stages[0].terms, zero2.stages[0].terms, zero3.stages[0].terms
+    assert t2["grads"] == pytest.approx(t0["grads"] / d, rel=1e-6) and t2["weights"] == t0["weights"]
+    assert t3["weights"] == pytest.approx(t0["weights"] / d, rel=1e-6) and t3["grads"] == t2["grads"]
+    assert 0 < t2["fsdp_buffers"] < t3["fsdp_buffers"] < t0["grads"] / 4
+    assert ddp.peak_memory_bytes > zero2.peak_memory_bytes > zero3.peak_memory_bytes
+    # m = 32 reduce-scatters instead of one, and 64 parameter all-gathers: not all hidden behind compute
+    assert ddp.time_terms["dp_exposed"] < zero2.time_terms["dp_exposed"] < zero3.time_terms["dp_exposed"]
+    with pytest.raises(ValueError, match="data_parallel_sharding_strategy"):
+        estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim"}), H100)
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim_grads",
+                            "use_distributed_optimizer": False}), H100)

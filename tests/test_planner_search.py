@@ -168,6 +168,8 @@ PLANS = [
          pipeline_model_parallel_size=4, ckpt="full", offload_alpha=(0.1, 0.25, 0.0, 1.0), overlap_grad_reduce=True),
     Plan(num_gpus=8, seq_length=2048, global_batch_size=16, ckpt="no", offload_alpha=0.12345,
          overlap_param_gather=True),
+    Plan(num_gpus=64, seq_length=4096, global_batch_size=64, tensor_model_parallel_size=4, ckpt="ours",
+         data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True),
 ]
 
 

@@ -30,7 +30,9 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   optimizer, an fp32 all-reduce without it. Megatron's buckets (max(40M, 1M x d) parameters) with
   --overlap-grad-reduce start as soon as the last microbatch's backward produces them: what outlasts that
   backward (and, interleaved, the cool-down of the other chunks) is exposed, at least one bucket; likewise
-  --overlap-param-gather against the first forward of the next iteration.
+  --overlap-param-gather against the first forward of the next iteration. Megatron FSDP with sharded
+  gradients (``data_parallel_sharding_strategy``) reduce-scatters after every microbatch, with sharded
+  parameters also all-gathers them for every microbatch's forward and backward.
 * ``optimizer``: Adam on the optimizer shard, gradient zeroing (memory-bound).
 * ``offload_exposed``: PCIe copies that do not fit behind the compute action they overlap.
 """
@@ -225,8 +227,15 @@ def head_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     return gemm + ce
 
 
-def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: float, fwd_window: float) -> float:
-    """Exposed data-parallel communication of one iteration (the stage with most parameters)."""
+def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: float, fwd_window: float,
+                mb_window: float = math.inf) -> float:
+    """Exposed data-parallel communication of one iteration (the stage with most parameters).
+
+    Megatron FSDP with sharded gradients reduce-scatters after every microbatch's backward (m times the
+    traffic; with --overlap-grad-reduce it runs behind the compute of the following microbatches,
+    ``mb_window`` seconds each, and the last one's backward); with sharded parameters it also all-gathers
+    them before every microbatch's forward and backward (2 m times; with --overlap-param-gather behind
+    the compute), and there is no all-gather after the optimizer step."""
     d, p = plan.data_parallel_size, plan.pipeline_model_parallel_size
     if d == 1:
         return 0.0
@@ -238,7 +247,18 @@ def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: fl
         params = all_gather_seconds(n * BF16, d, link)
     else:
         grads, params = all_reduce_seconds(n * FP32, d, link), 0.0
-    if plan.overlap_grad_reduce:
+    strategy = plan.data_parallel_sharding_strategy
+    if strategy is not None:
+        m = plan.num_microbatches
+        grads *= m
+        if plan.overlap_grad_reduce:
+            grads = max(grads / (m * buckets), grads - (m - 1) * mb_window - bwd_window)
+        if strategy == "optim_grads_params":
+            params *= 2 * m
+            if plan.overlap_param_gather:
+                params = max(params / (2 * m * buckets), params - m * mb_window)
+            return grads + params
+    elif plan.overlap_grad_reduce:
         grads = max(grads / buckets, grads - bwd_window)
     if plan.overlap_param_gather and params:
         params = max(params / buckets, params - fwd_window)
@@ -265,7 +285,7 @@ def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> fl
 def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """The ``dp_exposed`` term with unbounded overlap windows: exact without --overlap-grad-reduce and
     --overlap-param-gather, never more than the term otherwise (at least one bucket stays exposed)."""
-    return _dp_seconds(model, plan, system, math.inf, math.inf)
+    return _dp_seconds(model, plan, system, math.inf, math.inf, math.inf)
 
 
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
@@ -305,7 +325,7 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     cooldown = 1 + (v - 1) * p / v if v > 1 else 1.0
     bwd_window = layers * (lt["bwd"] + lt["recompute"]) * cooldown
     fwd_window = layers * lt["fwd"] * cooldown
-    dp = _dp_seconds(model, plan, system, bwd_window, fwd_window)
+    dp = _dp_seconds(model, plan, system, bwd_window, fwd_window, per_mb)
     n = max(stage_params(model, plan, k) for k in {0, p - 1})
     opt = elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, r, kernels=2)
 
