@@ -27,7 +27,8 @@ def test_sources_and_row_counts():
     assert counts == {"atc24_65b": 15, "megatron_h100": 9, "korthikanti": 10, "atc24_demo7b": 4}
 
 
-@pytest.mark.parametrize("source,threshold", [("atc24_65b", 0.037), ("megatron_h100", 0.036), ("korthikanti", 0.055)])
+@pytest.mark.parametrize("source,threshold",
+                         [("atc24_65b", 0.037), ("megatron_h100", 0.036), ("korthikanti", 0.055)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)

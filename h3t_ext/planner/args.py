@@ -95,9 +95,9 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer", action="store_false",
                    help="replicated optimizer states and a gradient all-reduce")
     p.add_argument("--data-parallel-sharding-strategy", choices=FSDP_SHARDING_STRATEGIES, default=None,
-                   help="Megatron FSDP (--use-megatron-fsdp): shard the gradients too (optim_grads, reduce-scattered "
-                        "after every microbatch) or gradients and parameters (optim_grads_params, all-gathered "
-                        "for every microbatch); default: Megatron's DDP")
+                   help="Megatron FSDP (--use-megatron-fsdp): shard the gradients too (optim_grads, "
+                        "reduce-scattered after every microbatch) or gradients and parameters "
+                        "(optim_grads_params, all-gathered for every microbatch); default: Megatron's DDP")
     if not search:
         p.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None)
         p.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None)

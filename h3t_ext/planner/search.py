@@ -10,18 +10,18 @@ Memory grows with the micro batch and from ``full`` to ``ours`` to ``no``, so on
 are rejected without pricing them (counted under ``R_PRUNED``); micro batches past the one where
 throughput starts to fall are skipped (``R_SLOWER``). ``exhaustive=True`` turns both off.
 
-With ``top`` (the CLI's ``--top``) the search is best-first instead: every candidate gets an exact upper
-bound on its tokens/s from the cost model itself (the iteration time at alpha = 0 is at least
-its compute, recompute, tensor- and context-parallel terms and bubble priced with the last stage as the
-slowest, plus pp_p2p and the data-parallel traffic with unbounded overlap; the other terms are >= 0 and
-offloading only adds time), candidates are priced from the highest bound down, and pricing stops once the bound falls below
-the ``top``-th best plan found (``R_BOUND``). The first ``top`` plans are then exactly those of an
-exhaustive search (the memory pruning above still applies; the micro-batch heuristic does not).
+With ``top`` (the CLI's ``--top``) the search is best-first instead: every candidate gets an exact upper bound
+on its tokens/s from the cost model itself (the iteration time at alpha = 0 is at least its compute,
+recompute, tensor- and context-parallel terms and bubble priced with the last stage as the slowest, plus
+pp_p2p and the data-parallel traffic with unbounded overlap; the other terms are >= 0 and offloading only adds
+time), candidates are priced from the highest bound down, and pricing stops once the bound falls below the
+``top``-th best plan found (``R_BOUND``). The first ``top`` plans are then exactly those of an exhaustive
+search (the memory pruning above still applies; the micro-batch heuristic does not).
 """
 from __future__ import annotations
 
-import re
 import heapq
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
@@ -261,10 +261,10 @@ def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_
 def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tuple[float, int, int, int]]:
     """(upper bound on tokens/s, layout index, ckpt index, micro batch index) of every candidate.
 
-    The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest
-    stage's per-microbatch time T and the bubble is (sum over stages - T)/v, so together
-    (m - 1/v) T + (sum over stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its value with unbounded overlap windows,
-    optimizer and offload_exposed are >= 0.
+    The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
+    per-microbatch time T and the bubble is (sum over stages - T)/v, so together (m - 1/v) T + (sum over
+    stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its
+    value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
     """
     num_gpus, seq_length, global_batch, _ = run
     L = model.num_layers
@@ -278,7 +278,8 @@ def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tupl
         shards = num_gpus // (t * p) // c
         plans = [_plan(run, layout, mb, ckpts[0]) for mb in layout.micro_batch_sizes] if p > 1 else []
         pp = [pipeline_p2p_seconds(model, x, system) for x in plans] or [0.0] * len(layout.micro_batch_sizes)
-        dp = dp_seconds_lower_bound(model, plans[0] if plans else _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0]), system)
+        first = plans[0] if plans else _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
+        dp = dp_seconds_lower_bound(model, first, system)
         for ci, ckpt in enumerate(ckpts):
             for i, mb in enumerate(layout.micro_batch_sizes):
                 key = (t, c, mb, ckpt)
