@@ -2,10 +2,11 @@
 """Time the planner's search: in-process (wall and CPU time of the search call) and as a CLI process.
 
 Default case: ``h3t-plan search --model llama-175b --num-gpus 4096 --seq-length 4096
---global-batch-size 2048 --gpu h800`` (target: under 2 s on one core).
+--global-batch-size 2048 --gpu h800`` (target: search call under 0.5 s CPU on one core, with the CLI's
+default ``--top 10``; ``--top 0`` ranks every feasible plan, as ``search(top=None)`` does).
 
     python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]
-                                    [--global-batch-size 2048] [--gpu h800] [--repeat 1] [--json]
+                                    [--global-batch-size 2048] [--gpu h800] [--top 10] [--repeat 1] [--json]
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _in_process(args) -> dict:
     model, system = get_model(args.model), get_system(args.gpu)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     result = search(model, system, num_gpus=args.num_gpus, seq_length=args.seq_length,
-                    global_batch_size=args.global_batch_size)
+                    global_batch_size=args.global_batch_size, top=args.top or None)
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     best = result.best
     return {
@@ -44,7 +45,7 @@ def _in_process(args) -> dict:
 def _cli(args) -> dict:
     cmd = [sys.executable, "-m", "h3t_ext.planner", "search", "--model", args.model, "--num-gpus", str(args.num_gpus),
            "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size), "--gpu", args.gpu,
-           "--json", "--top", "1"]
+           "--json", "--top", str(args.top or 10**9)]
     t0 = time.perf_counter()
     before = os.times()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -61,6 +62,7 @@ def main() -> int:
     ap.add_argument("--seq-length", type=int, default=4096)
     ap.add_argument("--global-batch-size", type=int, default=2048)
     ap.add_argument("--gpu", default="h800")
+    ap.add_argument("--top", type=int, default=10, help="best plans wanted (0: rank every feasible plan)")
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs; the minimum is reported")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -27,13 +27,14 @@ def test_sources_and_row_counts():
     assert counts == {"atc24_65b": 15, "megatron_h100": 9, "korthikanti": 10, "atc24_demo7b": 4}
 
 
-@pytest.mark.parametrize("source,threshold", [("atc24_65b", 0.035), ("megatron_h100", 0.055), ("korthikanti", 0.06)])
+@pytest.mark.parametrize("source,threshold",
+                         [("atc24_65b", 0.037), ("megatron_h100", 0.036), ("korthikanti", 0.055)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.03), ("megatron_h100", 0.075), ("korthikanti", 0.035)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.027), ("megatron_h100", 0.044), ("korthikanti", 0.031)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
     bound at what the model achieves today (the 3% target on the mean is not met, see below)."""
@@ -41,10 +42,15 @@ def test_after_calibrating_on_one_row_current_level(loso, source, median):
     assert after[len(after) // 2] <= median, after
 
 
-@pytest.mark.xfail(strict=True, reason="per-row residuals within each source exceed 3% somewhere (ATC 56-GPU "
-                                       "offload row, Megatron 119B -17%: plain 1F1B over 23 layers per rank, "
-                                       "Korthikanti 1T -5%), so calibrating on such a row moves every other row")
-@pytest.mark.parametrize("source", ["atc24_65b", "megatron_h100", "korthikanti"])
+def test_atc24_within_three_percent_after_one_row(loso):
+    assert loso["atc24_65b"].mae_after_one_row_mean <= 0.03
+
+
+@pytest.mark.xfail(strict=True, reason="per-row residuals within each source exceed 3% somewhere (Megatron: the "
+                                       "1.7B/7.1B/70B rows +6-9%, 314B -2.5%; Korthikanti: selective recompute "
+                                       "rows 3% above their full-recompute twins, 1T near 0), so calibrating on "
+                                       "one row moves the others")
+@pytest.mark.parametrize("source", ["megatron_h100", "korthikanti"])
 def test_within_three_percent_after_one_row(loso, source):
     assert loso[source].mae_after_one_row_mean <= 0.03
 
@@ -175,3 +181,28 @@ def test_calibrate_cli_bad_file_is_one_line(tmp_path, capsys):
                  str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "missing.json" in err
+
+
+def test_gradient_sharding_switch():
+    """Megatron FSDP's optim_grads shards the fp32 gradients over d (reduce-scattered after every microbatch),
+    optim_grads_params the bf16 weights too (all-gathered for every microbatch's forward and backward)."""
+    m = get_model("llama2-70b")
+    base = Plan(num_gpus=512, seq_length=4096, global_batch_size=512, tensor_model_parallel_size=8,
+                pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=5, ckpt="no",
+                overlap_grad_reduce=True, overlap_param_gather=True)
+    d = base.data_parallel_size
+    ddp = estimate(m, base, H100)
+    zero2 = estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim_grads"}), H100)
+    zero3 = estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim_grads_params"}), H100)
+    t0, t2, t3 = ddp.stages[0].terms, zero2.stages[0].terms, zero3.stages[0].terms
+    assert t2["grads"] == pytest.approx(t0["grads"] / d, rel=1e-6) and t2["weights"] == t0["weights"]
+    assert t3["weights"] == pytest.approx(t0["weights"] / d, rel=1e-6) and t3["grads"] == t2["grads"]
+    assert 0 < t2["fsdp_buffers"] < t3["fsdp_buffers"] < t0["grads"] / 4
+    assert ddp.peak_memory_bytes > zero2.peak_memory_bytes > zero3.peak_memory_bytes
+    # m = 32 reduce-scatters instead of one, and 64 parameter all-gathers: not all hidden behind compute
+    assert ddp.time_terms["dp_exposed"] < zero2.time_terms["dp_exposed"] < zero3.time_terms["dp_exposed"]
+    with pytest.raises(ValueError, match="data_parallel_sharding_strategy"):
+        estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim"}), H100)
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim_grads",
+                            "use_distributed_optimizer": False}), H100)

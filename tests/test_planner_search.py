@@ -8,7 +8,7 @@ import pytest
 from h3t_ext.costmodel import ModelSpec, Plan, estimate, get_model, get_system
 from h3t_ext.planner import space
 from h3t_ext.planner.flags import format_alpha, megatron_flags, parse_alpha, plan_from_megatron_flags
-from h3t_ext.planner.search import search
+from h3t_ext.planner.search import R_BOUND, search
 from h3t_ext.planner.space import SearchConstraints, divisors, enumerate_layouts
 from h3t_ext.planner.units import parse_bytes
 
@@ -117,6 +117,18 @@ def test_exhaustive_search_finds_the_same_best_plans(small_search):
     assert [r.plan for r in full.plans[:10]] == [r.plan for r in small_search.plans[:10]]
 
 
+@pytest.mark.parametrize("budget,alpha_mode", [(None, "auto"), (20 * 10**9, "auto"), (20 * 10**9, "balanced")])
+def test_best_first_top_is_the_exhaustive_top(budget, alpha_mode):
+    model, system = get_model("llama-7b"), get_system("h800")
+    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=budget, alpha_mode=alpha_mode)
+    full = search(model, system, exhaustive=True, **kw)
+    for top in (1, 3, 10):
+        best = search(model, system, top=top, **kw)
+        assert best.considered < full.considered and best.rejected.get(R_BOUND, 0) > 0
+        assert ([(r.plan, r.tokens_per_second) for r in best.plans[:top]]
+                == [(r.plan, r.tokens_per_second) for r in full.plans[:top]])
+
+
 def test_search_agrees_with_estimate_and_alpha_is_minimal(small_search):
     model, system = get_model("llama-7b"), get_system("h800")
     for r in small_search.plans[:: max(1, len(small_search.plans) // 15)]:
@@ -156,6 +168,8 @@ PLANS = [
          pipeline_model_parallel_size=4, ckpt="full", offload_alpha=(0.1, 0.25, 0.0, 1.0), overlap_grad_reduce=True),
     Plan(num_gpus=8, seq_length=2048, global_batch_size=16, ckpt="no", offload_alpha=0.12345,
          overlap_param_gather=True),
+    Plan(num_gpus=64, seq_length=4096, global_batch_size=64, tensor_model_parallel_size=4, ckpt="ours",
+         data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True),
 ]
 
 

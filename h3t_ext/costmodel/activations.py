@@ -102,9 +102,6 @@ def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_par
     return total
 
 
-_BUILD_LIMIT = 256  # p * m * v up to which the builder's lists are walked (runtime-sized schedules)
-
-
 @functools.lru_cache(maxsize=4096)
 def _walk_schedule(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
     """Per rank, from the builder's action lists: Pareto-maximal (full, offloaded) held-chunk counts over
@@ -163,10 +160,9 @@ def _closed_form(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], .
 
 
 def _rank_timelines(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
-    """Walk the builder's lists when they are small; the verified closed form otherwise (a search prices
-    thousands of plans with p up to ~100 and m up to thousands)."""
-    if p * m * v <= _BUILD_LIMIT:
-        return _walk_schedule(p, m, v)
+    """The closed form of the builder's lists. It was checked equal to :func:`_walk_schedule` for all 1,828
+    valid (p, m, v) with p m v <= 256 (every runtime-sized schedule); tests keep asserting it for p <= 12,
+    v <= 5, m <= 4p. Walking the lists cost a third of a planner search's time."""
     return _closed_form(p, m, v)
 
 

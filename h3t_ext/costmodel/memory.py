@@ -28,6 +28,13 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
 * ``offload_reload_buffer`` the reload double buffer, 2 * alpha * A (reported next to ``activations``).
 * ``p2p_buffers``          received activations/gradients waiting for their compute action (2 per
                            direction), 4 * (s/(c t)) * h bf16 (p > 1 only).
+* ``fsdp_buffers``         Megatron FSDP with sharded gradients: the fp32 gradients of two layers waiting
+                           for their reduce-scatter (one reducing, one being produced); with sharded
+                           parameters also the bf16 all-gathered parameters of two layers (the one running
+                           and the prefetched one).
+
+With Megatron FSDP's ``optim_grads`` the gradients are sharded over d like the optimizer states
+(4 n / d), with ``optim_grads_params`` the bf16 weights too (2 n / d).
 """
 from __future__ import annotations
 
@@ -111,6 +118,10 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
         "p2p_buffers": 4 * local * h * BF16 if p > 1 else 0,
         "cp_kv_gather_buffer": mb * plan.seq_length * 2 * model.kv_hidden_size // t * BF16 if c > 1 else 0,
     }
+    if plan.data_parallel_sharding_strategy is not None:
+        layer_params = model.params_per_layer // t + model.layer_norm_params
+        gathered = 2 * layer_params * BF16 if plan.data_parallel_sharding_strategy == "optim_grads_params" else 0
+        out["fsdp_buffers"] = 2 * layer_params * FP32 + gathered
     if plan.ckpt == "ours":
         terms_no = activation_bytes_per_layer_token(model, "no")
         out["recompute_workspace"] = local * max(terms_no[k] for k in ("norm2_output", "swiglu_output"))
@@ -133,9 +144,11 @@ def optimizer_shards(plan: Plan) -> int:
 
 def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
     """The alpha-independent terms of a stage holding ``n`` parameters."""
+    d = plan.data_parallel_size
+    strategy = plan.data_parallel_sharding_strategy
     terms = {
-        "weights": n * BF16,
-        "grads": n * FP32,
+        "weights": -(-n * BF16 // d) if strategy == "optim_grads_params" else n * BF16,
+        "grads": -(-n * FP32 // d) if strategy is not None else n * FP32,
         "optimizer_states": -(-n * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
     }
     terms.update(_transients(model, plan, stage))
@@ -166,6 +179,12 @@ def _stage_constants(model: ModelSpec, plan: Plan, kind: int, stage: int) -> tup
 def _constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
     kind = _stage_kind(plan, stage)
     return _stage_constants(model, plan, kind, stage if kind else 1)
+
+
+def stage_fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> Mapping[str, int]:
+    """The alpha- and schedule-independent terms of ``stage_memory`` (parameters, gradients, optimizer
+    states, transients), without walking the schedule; do not modify the mapping (it is cached)."""
+    return _constants(model, plan, stage)[1]
 
 
 def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> StageMemory:

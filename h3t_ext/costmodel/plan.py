@@ -21,6 +21,12 @@ ATTENTION_BACKENDS = ("flash", "unfused")
 """Megatron's attention: 'flash' (flash attention / TE fused, saves no s^2 scores) or 'unfused'
 (--no-use-flash-attn before TE: batched GEMMs and a fused softmax over s^2 scores in HBM)."""
 
+FSDP_SHARDING_STRATEGIES = ("optim_grads", "optim_grads_params")
+"""Megatron FSDP's --data-parallel-sharding-strategy values that shard more than the distributed optimizer:
+gradients (ZeRO-2 like, reduce-scattered after every microbatch's backward) and also parameters (ZeRO-3
+like, all-gathered before every microbatch's forward and backward). 'optim' is priced as the distributed
+optimizer and 'no_shard' as plain DDP."""
+
 Alpha = Union[float, tuple[float, ...]]
 
 
@@ -62,6 +68,9 @@ class Plan:
     use_distributed_optimizer: bool = True
     """Megatron's --use-distributed-optimizer: fp32 master weights and Adam states sharded over d, gradients
     reduce-scattered and parameters all-gathered; off: replicated states and a gradient all-reduce."""
+    data_parallel_sharding_strategy: Optional[str] = None
+    """Megatron FSDP (--use-megatron-fsdp) with --data-parallel-sharding-strategy 'optim_grads' or
+    'optim_grads_params' (see FSDP_SHARDING_STRATEGIES); None: Megatron's DDP."""
     attention_backend: str = "flash"
     """'flash' or 'unfused' (see ATTENTION_BACKENDS)."""
     transformer_impl: str = "transformer_engine"
@@ -144,6 +153,11 @@ def _validate_ranges(plan: Plan) -> None:
     _check(plan.ckpt in PRICED_CKPT, f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {plan.ckpt!r}")
     _check(plan.transformer_impl in TRANSFORMER_IMPLS,
            f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got {plan.transformer_impl!r}")
+    strategy = plan.data_parallel_sharding_strategy
+    _check(strategy is None or strategy in FSDP_SHARDING_STRATEGIES,
+           f"data_parallel_sharding_strategy must be one of {', '.join(FSDP_SHARDING_STRATEGIES)}, got {strategy!r}")
+    _check(strategy is None or plan.use_distributed_optimizer,
+           "data_parallel_sharding_strategy shards the optimizer states too: it needs use_distributed_optimizer")
     _check(plan.attention_backend in ATTENTION_BACKENDS,
            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {plan.attention_backend!r}")
     a = plan.offload_alpha

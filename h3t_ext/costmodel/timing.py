@@ -24,12 +24,15 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   (2 (p v - 1) hops: at each warm-up wrap rank 0 has finished its p chunks while the microbatch still needs
   p hops to come back); plain 1F1B also waits for the two blocking exchanges of every steady-state
   microbatch.
-* ``bubble``: interleaved 1F1B: (p - 1)/v of one microbatch's forward + backward on the slowest rank.
+* ``bubble``: (interleaved) 1F1B: 1/v of one microbatch's forward + backward on every rank but the slowest
+  ((p - 1)/v microbatches of the slowest rank when the ranks are alike).
 * ``dp_exposed``: gradient reduce-scatter (fp32) and parameter all-gather (bf16) with the distributed
   optimizer, an fp32 all-reduce without it. Megatron's buckets (max(40M, 1M x d) parameters) with
   --overlap-grad-reduce start as soon as the last microbatch's backward produces them: what outlasts that
   backward (and, interleaved, the cool-down of the other chunks) is exposed, at least one bucket; likewise
-  --overlap-param-gather against the first forward of the next iteration.
+  --overlap-param-gather against the first forward of the next iteration. Megatron FSDP with sharded
+  gradients (``data_parallel_sharding_strategy``) reduce-scatters after every microbatch, with sharded
+  parameters also all-gathers them for every microbatch's forward and backward.
 * ``optimizer``: Adam on the optimizer shard, gradient zeroing (memory-bound).
 * ``offload_exposed``: PCIe copies that do not fit behind the compute action they overlap.
 """
@@ -224,8 +227,15 @@ def head_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     return gemm + ce
 
 
-def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: float, fwd_window: float) -> float:
-    """Exposed data-parallel communication of one iteration (the stage with most parameters)."""
+def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: float, fwd_window: float,
+                mb_window: float = math.inf) -> float:
+    """Exposed data-parallel communication of one iteration (the stage with most parameters).
+
+    Megatron FSDP with sharded gradients reduce-scatters after every microbatch's backward (m times the
+    traffic; with --overlap-grad-reduce it runs behind the compute of the following microbatches,
+    ``mb_window`` seconds each, and the last one's backward); with sharded parameters it also all-gathers
+    them before every microbatch's forward and backward (2 m times; with --overlap-param-gather behind
+    the compute), and there is no all-gather after the optimizer step."""
     d, p = plan.data_parallel_size, plan.pipeline_model_parallel_size
     if d == 1:
         return 0.0
@@ -237,11 +247,45 @@ def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: fl
         params = all_gather_seconds(n * BF16, d, link)
     else:
         grads, params = all_reduce_seconds(n * FP32, d, link), 0.0
-    if plan.overlap_grad_reduce:
+    strategy = plan.data_parallel_sharding_strategy
+    if strategy is not None:
+        m = plan.num_microbatches
+        grads *= m
+        if plan.overlap_grad_reduce:
+            grads = max(grads / (m * buckets), grads - (m - 1) * mb_window - bwd_window)
+        if strategy == "optim_grads_params":
+            params *= 2 * m
+            if plan.overlap_param_gather:
+                params = max(params / (2 * m * buckets), params - m * mb_window)
+            return grads + params
+    elif plan.overlap_grad_reduce:
         grads = max(grads / buckets, grads - bwd_window)
     if plan.overlap_param_gather and params:
         params = max(params / buckets, params - fwd_window)
     return grads + params
+
+
+def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """The ``pp_p2p`` term: activations between pipeline ranks on the critical path of one iteration."""
+    t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    if p == 1:
+        return 0.0
+    m, v = plan.num_microbatches, plan.virtual_size(model.num_layers)
+    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    # Megatron sends 1/t of the activation between stages (sequence parallel, or the scatter-gather
+    # optimization without it, which all-gathers it over NVLink on arrival)
+    hop_bytes = tokens // t * model.hidden_size * BF16
+    hop = p2p_seconds(hop_bytes, p2p_link(t * plan.data_parallel_size, p, system))
+    # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
+    # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
+    # while the microbatch took p hops more to come back (and the same in the cool-down)
+    return 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
+
+
+def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """The ``dp_exposed`` term with unbounded overlap windows: exact without --overlap-grad-reduce and
+    --overlap-param-gather, never more than the term otherwise (at least one bucket stays exposed)."""
+    return _dp_seconds(model, plan, system, math.inf, math.inf, math.inf)
 
 
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
@@ -261,19 +305,13 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     slow = max({0, min(1, p - 1), p - 1}, key=stage_time)  # middle stages are alike: first, one middle, last
     layers = plan.stage_layers(L, slow)
     per_mb = stage_time(slow)
-    bubble = (p - 1) / v * per_mb if p > 1 else 0.0
+    # the warm-up and cool-down are the forward and backward of the first and last microbatch on every
+    # rank but the slowest one (which runs all m in between): (p - 1)/v microbatches when the ranks are
+    # alike, less when the last rank is the slow one only because it also runs the output layer
+    everyone = L * per_layer + head
+    bubble = (everyone - per_mb) / v if p > 1 else 0.0
 
-    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    # Megatron sends 1/t of the activation between stages (sequence parallel, or the scatter-gather
-    # optimization without it, which all-gathers it over NVLink on arrival)
-    hop_bytes = tokens // t * model.hidden_size * BF16
-    pp = 0.0
-    if p > 1:
-        hop = p2p_seconds(hop_bytes, p2p_link(t * plan.data_parallel_size, p, system))
-        # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
-        # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
-        # while the microbatch took p hops more to come back (and the same in the cool-down)
-        pp = 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
+    pp = pipeline_p2p_seconds(model, plan, system)
 
     off = 0.0
     if chunk_bytes and any(a > 0 for a in alphas):
@@ -287,7 +325,7 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     cooldown = 1 + (v - 1) * p / v if v > 1 else 1.0
     bwd_window = layers * (lt["bwd"] + lt["recompute"]) * cooldown
     fwd_window = layers * lt["fwd"] * cooldown
-    dp = _dp_seconds(model, plan, system, bwd_window, fwd_window)
+    dp = _dp_seconds(model, plan, system, bwd_window, fwd_window, per_mb)
     n = max(stage_params(model, plan, k) for k in {0, p - 1})
     opt = elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, r, kernels=2)
 

@@ -12,6 +12,7 @@ from typing import NoReturn, Optional, Union
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
+from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES
 from h3t_ext.planner.space import CKPT_CHOICES, SearchConstraints
 from h3t_ext.planner.units import parse_bytes
 
@@ -93,6 +94,10 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                    help="tensor parallelism without sequence parallelism (all-reduces, replicated norms)")
     p.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer", action="store_false",
                    help="replicated optimizer states and a gradient all-reduce")
+    p.add_argument("--data-parallel-sharding-strategy", choices=FSDP_SHARDING_STRATEGIES, default=None,
+                   help="Megatron FSDP (--use-megatron-fsdp): shard the gradients too (optim_grads, "
+                        "reduce-scattered after every microbatch) or gradients and parameters "
+                        "(optim_grads_params, all-gathered for every microbatch); default: Megatron's DDP")
     if not search:
         p.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None)
         p.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None)
@@ -208,6 +213,7 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Pla
         tp_comm_overlap=ns.tp_comm_overlap,
         sequence_parallel=ns.sequence_parallel,
         use_distributed_optimizer=ns.use_distributed_optimizer,
+        data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy,
         decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,
     )
@@ -228,4 +234,5 @@ def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
         tp_comm_overlap=ns.tp_comm_overlap,
         sequence_parallel=ns.sequence_parallel,
         use_distributed_optimizer=ns.use_distributed_optimizer,
+        data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy,
     )

@@ -63,7 +63,8 @@ def _search(ns, model, system) -> int:
                          "(p varies between plans, so a per-stage list does not apply)")
     result = search(model, system, num_gpus=ns.num_gpus, seq_length=ns.seq_length,
                     global_batch_size=ns.global_batch_size, constraints=constraints_from_args(ns),
-                    alpha_mode=ns.offload_alpha, memory_budget_bytes=ns.memory_budget, exhaustive=ns.exhaustive)
+                    alpha_mode=ns.offload_alpha, memory_budget_bytes=ns.memory_budget, exhaustive=ns.exhaustive,
+                    top=ns.top)
     if not result.plans:
         return _fail(fmt.no_plan_message(result))
     if ns.json:

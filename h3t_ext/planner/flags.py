@@ -53,6 +53,8 @@ def megatron_flags(plan: Plan) -> list[str]:
         flags.append("--sequence-parallel")
     if plan.use_distributed_optimizer:
         flags.append("--use-distributed-optimizer")
+    if plan.data_parallel_sharding_strategy is not None:
+        flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.data_parallel_sharding_strategy]
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
     flags += ["--ckpt", plan.ckpt, "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
@@ -67,7 +69,7 @@ _INT_FLAGS = {
     "--micro-batch-size": "micro_batch_size",
     "--global-batch-size": "global_batch_size",
 }
-_SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer"})
+_SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp"})
 _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap"}
 
@@ -84,13 +86,15 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
         if flag in _OVERLAP:
             fields[_OVERLAP[flag]] = True
             continue
-        if flag not in _INT_FLAGS and flag not in ("--ckpt", "--offload-alpha"):
+        if flag not in _INT_FLAGS and flag not in ("--ckpt", "--offload-alpha", "--data-parallel-sharding-strategy"):
             raise ValueError(f"unexpected flag {flag!r}")
         value = next(it, None)
         if value is None:
             raise ValueError(f"flag {flag} needs a value")
         if flag == "--ckpt":
             fields["ckpt"] = value
+        elif flag == "--data-parallel-sharding-strategy":
+            fields["data_parallel_sharding_strategy"] = value
         elif flag == "--offload-alpha":
             fields["offload_alpha"] = parse_alpha(value)
         else:

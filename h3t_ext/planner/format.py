@@ -6,7 +6,7 @@ from rich.table import Table
 from h3t_ext.costmodel import ModelSpec, SystemSpec
 from h3t_ext.planner.evaluate import Evaluation
 from h3t_ext.planner.flags import format_alpha, megatron_flags
-from h3t_ext.planner.search import R_PRUNED, R_SLOWER, SearchResult
+from h3t_ext.planner.search import R_BOUND, R_PRUNED, R_SLOWER, SearchResult
 from h3t_ext.planner.units import format_bytes
 
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
@@ -118,7 +118,7 @@ def _alpha_cell(alphas: tuple[float, ...]) -> str:
 
 def search_table(result: SearchResult, top: int) -> Table:
     """The best ``top`` plans."""
-    tab = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} feasible plans")
+    tab = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} feasible plans priced")
     balanced = any(r.evaluation.pcie_bytes_saved_vs_auto is not None for r in result.plans[:top])
     cols = ["#", "t", "c", "p", "l", "d", "ckpt", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU", "MFU"]
     for col in cols + (["PCIe saved vs auto"] if balanced else []):
@@ -149,7 +149,7 @@ def no_plan_message(result: SearchResult) -> str:
     c = result.closest_infeasible
     if c is None:
         return "no valid plan for these sizes (see the divisibility rules: " + "; ".join(
-            r for r in result.rejected if r not in (R_PRUNED, R_SLOWER)) + ")"
+            r for r in result.rejected if r not in (R_PRUNED, R_SLOWER, R_BOUND)) + ")"
     p = c.plan
     l = p.num_layers_per_virtual_pipeline_stage
     return (f"no plan fits the memory budget; closest: t={p.tensor_model_parallel_size} "

@@ -9,21 +9,33 @@ Memory grows with the micro batch and from ``full`` to ``ours`` to ``no``, so on
 (layout, ckpt, micro batch) does not fit, the larger micro batches and the modes that keep more
 are rejected without pricing them (counted under ``R_PRUNED``); micro batches past the one where
 throughput starts to fall are skipped (``R_SLOWER``). ``exhaustive=True`` turns both off.
+
+With ``top`` (the CLI's ``--top``) the search is best-first instead: every candidate gets an exact upper bound
+on its tokens/s from the cost model itself (the iteration time at alpha = 0 is at least its compute,
+recompute, tensor- and context-parallel terms and bubble priced with the last stage as the slowest, plus
+pp_p2p and the data-parallel traffic with unbounded overlap; the other terms are >= 0 and offloading only adds
+time), candidates are priced from the highest bound down, and pricing stops once the bound falls below the
+``top``-th best plan found (``R_BOUND``). The first ``top`` plans are then exactly those of an exhaustive
+search (the memory pruning above still applies; the micro-batch heuristic does not).
 """
 from __future__ import annotations
 
+import heapq
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, stage_memory
+from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec
+from h3t_ext.costmodel.memory import stage_fixed_terms
+from h3t_ext.costmodel.timing import dp_seconds_lower_bound, head_seconds, layer_seconds, pipeline_p2p_seconds
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.space import CKPT_BY_MEMORY, Layout, SearchConstraints, enumerate_layouts
 
 R_PRUNED = "memory: does not fit (a smaller micro batch or more recompute already did not)"
 R_SLOWER = "slower: a larger micro batch only adds pipeline bubble (throughput already fell with micro batch)"
+R_BOUND = "slower: cannot beat the top plans (upper bound on tokens/s below the last of them)"
 STATIC_TERMS = ("weights", "grads", "optimizer_states")
 """The cost model's memory terms that depend on neither l, micro batch, ckpt nor alpha."""
 
@@ -149,8 +161,9 @@ def _static_infeasibility(model, system, plan: Plan, budget: Optional[int]) -> O
     """Weights, gradients and optimizer states alone (independent of l, micro batch, ckpt and alpha)
     over the budget on some stage: the whole (t, c, p) subtree is infeasible."""
     budget = system.default_memory_budget_bytes if budget is None else budget
-    for k in range(plan.pipeline_model_parallel_size):
-        terms = stage_memory(model, plan, k, 1.0).terms
+    p = plan.pipeline_model_parallel_size
+    for k in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold the same (stage_kind in memory.py)
+        terms = stage_fixed_terms(model, plan, k)
         static = {name: terms.get(name, 0) for name in STATIC_TERMS}
         need = sum(static.values())
         if need > budget:
@@ -173,6 +186,7 @@ def search(
     alpha_mode: AlphaMode = "auto",
     memory_budget_bytes: Optional[int] = None,
     exhaustive: bool = False,
+    top: Optional[int] = None,
 ) -> SearchResult:
     """Enumerate, price and rank every valid plan (pure; no printing).
 
@@ -182,7 +196,13 @@ def search(
     is unimodal in the micro batch: per-microbatch work scales with it, the bubble grows as the
     microbatch count falls). ``exhaustive`` prices every valid plan; only the exact check that
     weights, gradients and optimizer states alone exceed the budget still prunes.
+
+    ``top`` (ignored with ``exhaustive``): only the best ``top`` plans are needed; the search runs
+    best-first on an upper bound of tokens/s and prices no plan that cannot enter them. ``plans`` then
+    holds every plan priced that fits, of which the first ``top`` are exact.
     """
+    if top is not None and top < 1:
+        raise ValueError(f"top must be >= 1, got {top}")
     layouts, rejected = enumerate_layouts(
         model, num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
         gpus_per_node=system.gpus_per_node, constraints=constraints)
@@ -190,8 +210,11 @@ def search(
     ckpts = (constraints.ckpt,) if constraints.ckpt is not None else CKPT_BY_MEMORY
     static: dict[tuple[int, int, int], Optional[ClosestInfeasible]] = {}
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
-                                                      "sequence_parallel", "use_distributed_optimizer")}
+                                                      "sequence_parallel", "use_distributed_optimizer",
+                                                      "data_parallel_sharding_strategy")}
     run = (num_gpus, seq_length, global_batch_size, switches)
+    best_first = top is not None and not exhaustive
+    live: list[Layout] = []
     for layout in layouts:
         key = (layout.tensor_model_parallel_size, layout.context_parallel_size, layout.pipeline_model_parallel_size)
         if key not in static:
@@ -200,7 +223,12 @@ def search(
         if static[key] is not None:
             col.reject_memory(static[key], len(ckpts) * len(layout.micro_batch_sizes))
             continue
-        _search_layout(col, model, system, layout, ckpts, alpha_mode, memory_budget_bytes, run, exhaustive)
+        if best_first:
+            live.append(layout)
+        else:
+            _search_layout(col, model, system, layout, ckpts, alpha_mode, memory_budget_bytes, run, exhaustive)
+    if best_first:
+        _search_best_first(col, model, system, live, ckpts, alpha_mode, memory_budget_bytes, run, top)
     ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
     return SearchResult(tuple(ranked), dict(col.rejected), col.considered, col.closest)
 
@@ -228,3 +256,67 @@ def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_
                 break
             if ranked is not False:
                 previous = ranked.tokens_per_second
+
+
+def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tuple[float, int, int, int]]:
+    """(upper bound on tokens/s, layout index, ckpt index, micro batch index) of every candidate.
+
+    The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
+    per-microbatch time T and the bubble is (sum over stages - T)/v, so together (m - 1/v) T + (sum over
+    stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its
+    value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
+    """
+    num_gpus, seq_length, global_batch, _ = run
+    L = model.num_layers
+    per_shape: dict[tuple, tuple[float, float]] = {}
+    out = []
+    for li, layout in enumerate(layouts):
+        t, c, p = (layout.tensor_model_parallel_size, layout.context_parallel_size,
+                   layout.pipeline_model_parallel_size)
+        l = layout.num_layers_per_virtual_pipeline_stage
+        v = 1 if l is None else L // p // l
+        shards = num_gpus // (t * p) // c
+        plans = [_plan(run, layout, mb, ckpts[0]) for mb in layout.micro_batch_sizes] if p > 1 else []
+        pp = [pipeline_p2p_seconds(model, x, system) for x in plans] or [0.0] * len(layout.micro_batch_sizes)
+        first = plans[0] if plans else _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
+        dp = dp_seconds_lower_bound(model, first, system)
+        for ci, ckpt in enumerate(ckpts):
+            for i, mb in enumerate(layout.micro_batch_sizes):
+                key = (t, c, mb, ckpt)
+                if key not in per_shape:
+                    plan = _plan(run, layout, mb, ckpt)
+                    lt = layer_seconds(model, plan, system)
+                    per_shape[key] = (lt["fwd"] + lt["bwd"] + lt["recompute"] + lt["tp"] + lt["cp"],
+                                      head_seconds(model, plan, system))
+                per_layer, head = per_shape[key]
+                m = global_batch // (mb * shards)
+                last = (L // p) * per_layer + head
+                lower = ((m - 1 / v) * last + (L * per_layer + head) / v if p > 1 else m * last) + pp[i] + dp
+                out.append((global_batch * seq_length / lower, li, ci, i))
+    return out
+
+
+def _search_best_first(col: _Collector, model, system, layouts: list[Layout], ckpts, alpha_mode, budget, run,
+                       top: int) -> None:
+    """Price candidates from the highest tokens/s bound down until no remaining one can enter the top."""
+    cands = _upper_bounds(model, system, layouts, ckpts, run)
+    cands.sort(key=lambda x: (-x[0], x[1], x[2], x[3]))
+    best: list[float] = []  # min-heap of the best ``top`` tokens/s found
+    failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (ckpt, micro batch) indices that did not fit
+    for n, (bound, li, ci, i) in enumerate(cands):
+        if len(best) >= top and bound * (1 + 1e-9) < best[0]:
+            col.rejected[R_BOUND] += len(cands) - n
+            break
+        if any(ci >= fc and i >= fi for fc, fi in failed.get(li, ())):
+            col.rejected[R_PRUNED] += 1
+            continue
+        layout = layouts[li]
+        ranked = _price(col, model, system, _plan(run, layout, layout.micro_batch_sizes[i], ckpts[ci]), alpha_mode,
+                        budget)
+        if ranked is None:
+            failed.setdefault(li, []).append((ci, i))
+        elif ranked:
+            if len(best) < top:
+                heapq.heappush(best, ranked.tokens_per_second)
+            elif ranked.tokens_per_second > best[0]:
+                heapq.heapreplace(best, ranked.tokens_per_second)

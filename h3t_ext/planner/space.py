@@ -65,6 +65,8 @@ class SearchConstraints:
     """Megatron's --sequence-parallel (with t > 1) for every plan searched."""
     use_distributed_optimizer: bool = True
     """Megatron's --use-distributed-optimizer for every plan searched."""
+    data_parallel_sharding_strategy: Optional[str] = None
+    """Megatron FSDP's --data-parallel-sharding-strategy for every plan searched (None: Megatron's DDP)."""
 
 
 @dataclass(frozen=True)
