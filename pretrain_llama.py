@@ -32,6 +32,14 @@ def main(argv=None) -> int:
     except (CheckpointError, RuntimeConfigError, RunLockError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2
+    except RuntimeError as e:  # a collective or transfer that failed: a peer died, or a wait timed out
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not any(k in first for k in ("Connection closed by peer", "Connection reset by peer", "Timed out",
+                                         "timed out", "Broken pipe")):
+            raise
+        sys.stderr.write(f"{PROG}: error: rank {os.environ.get('RANK', '0')}: a distributed operation failed: "
+                         f"{first}\n")
+        return 3
 
 
 if __name__ == "__main__":

@@ -173,3 +173,57 @@ def test_killing_the_launcher_leaves_no_worker(tmp_path):
     finally:
         for pid in workers():
             os.kill(pid, signal.SIGKILL)
+
+
+def _workers_of(marker: str, launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of the driver processes whose command line holds ``marker``."""
+    import os
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            env = open(f"/proc/{pid}/environ", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in cmdline and int(pid) != launcher_pid and "torch.distributed.run" not in cmdline:
+            rank = next((int(e[5:]) for e in env if e.startswith("RANK=")), None)
+            if rank is not None:
+                found[rank] = int(pid)
+    return found
+
+
+def test_a_frozen_rank_ends_the_run_within_90s_naming_it(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from driver_harness import PYTHON, REPO, _env
+    from h3t_ext.testing import free_port
+    marker = str(tmp_path / "frozen-marker")
+    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(REPO / "pretrain_llama.py"), *MOCK, "--train-iters", "100000",
+           "--pipeline-model-parallel-size", "2", "--distributed-timeout-minutes", "1", "--metrics-json",
+           marker + ".json"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        for line in launcher.stdout:
+            if " iteration " in line:
+                break
+        workers = _workers_of(marker, launcher.pid)
+        assert sorted(workers) == [0, 1]
+        os.kill(workers[1], signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        _, err = launcher.communicate(timeout=120)
+        while _workers_of(marker, launcher.pid) and time.monotonic() - frozen_at < 120:
+            time.sleep(0.5)
+        took = time.monotonic() - frozen_at
+        assert not _workers_of(marker, launcher.pid) and took <= 90, took
+        ours = [l for l in err.splitlines() if l.startswith("pretrain_llama.py: error: ")]
+        assert len(ours) == 1 and "rank 0: rank 1 stopped responding" in ours[0], err[-3000:]
+    finally:
+        for pid in _workers_of(marker, launcher.pid).values():
+            os.kill(pid, signal.SIGKILL)
+        if launcher.poll() is None:
+            launcher.kill()

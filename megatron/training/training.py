@@ -21,6 +21,7 @@ import h3t_ext
 from h3t_ext.runtime.config import H3TConfig
 from megatron.training import checkpointing as ckpt_io
 from megatron.training.data import build_data_iterators, build_train_dataset
+from megatron.training.heartbeat import start_heartbeat
 from megatron.training.initialize import dist_rank_from_env, initialize_distributed, shutdown, uses_gpu
 from megatron.training.model_provider import build_model_chunks, num_parameters
 from megatron.training.optimizer import NonFiniteError
@@ -175,6 +176,7 @@ def pretrain(args) -> int:
 
 def _pretrain(args, found) -> int:
     initialize_distributed(args)
+    heartbeat = start_heartbeat(args.distributed_timeout_minutes)  # a frozen peer ends the run in one line
     on_gpu = uses_gpu(args)
     tokenizer = tokenizer_from_args(args)
     chunks = build_model_chunks(args, on_gpu=on_gpu, vocab_size=tokenizer.vocab_size)
@@ -204,5 +206,8 @@ def _pretrain(args, found) -> int:
     if is_logging_rank and args.metrics_json:
         write_metrics_json(args.metrics_json, args, logger.records, stats)
     h3t_ext.uninstall()
+    if heartbeat is not None:  # before the groups go: a rank that finished first is not "frozen"
+        dist.barrier()
+        heartbeat.stop()
     shutdown()
     return 0
