@@ -39,13 +39,18 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+MAX_COUNT = 2**20
+"""Largest value of a count flag (GPUs, layers, hidden size, sequence, batch, parallel sizes): the
+planning range (a million GPUs), which also bounds the search's divisor enumeration."""
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (valid: integer >= 1)") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} out of range (valid: integer >= 1)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (valid: integer in [1, {MAX_COUNT}])") from None
+    if not 1 <= value <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{value} out of range (valid: integer in [1, {MAX_COUNT}])")
     return value
 
 
@@ -117,11 +122,14 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model name from the zoo, e.g. llama-65b; shape flags override its fields")
     for name in _CUSTOM_MODEL_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=_positive_int, dest=name)
-    g.add_argument("--swiglu", dest="swiglu", action="store_const", const=True, help="SwiGLU MLP (default for custom models)")
-    g.add_argument("--no-swiglu", dest="swiglu", action="store_const", const=False, help="GeLU MLP")
-    g.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
-                   help="separate output layer (default for custom models)")
-    g.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False)
+    mlp = g.add_mutually_exclusive_group()
+    mlp.add_argument("--swiglu", dest="swiglu", action="store_const", const=True,
+                     help="SwiGLU MLP (default for custom models)")
+    mlp.add_argument("--no-swiglu", dest="swiglu", action="store_const", const=False, help="GeLU MLP")
+    tie = g.add_mutually_exclusive_group()
+    tie.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
+                     help="separate output layer (default for custom models)")
+    tie.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,6 +229,10 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Pla
 
 def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
     """The dimensions ``search``'s flags fix."""
+    if ns.max_micro_batch_size is not None and ns.micro_batch_size is not None \
+            and ns.max_micro_batch_size < ns.micro_batch_size:
+        raise UsageError(f"argument --max-micro-batch-size: {ns.max_micro_batch_size} is below --micro-batch-size "
+                         f"{ns.micro_batch_size}")
     return SearchConstraints(
         tensor_model_parallel_size=ns.tensor_model_parallel_size,
         context_parallel_size=ns.context_parallel_size,

@@ -27,6 +27,7 @@ CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
 R_T_NODE = "tensor_model_parallel_size does not divide gpus_per_node (t must stay within a node)"
 R_T_HEADS = "num_attention_heads not divisible by tensor_model_parallel_size"
 R_T_GROUPS = "num_query_groups not divisible by tensor_model_parallel_size"
+R_T_FFN = "ffn_hidden_size not divisible by tensor_model_parallel_size"
 R_C_SEQ = "seq_length not divisible by 2 * context_parallel_size"
 R_T_SEQ = "seq_length / context_parallel_size not divisible by tensor_model_parallel_size"
 R_P_LAYERS = "num_layers not divisible by pipeline_model_parallel_size"
@@ -102,6 +103,8 @@ def _validate_tensor(model: ModelSpec, seq_length: int, t: int, gpus_per_node: i
         return R_T_HEADS
     if model.num_query_groups % t:
         return R_T_GROUPS
+    if model.ffn_hidden_size % t:
+        return R_T_FFN
     if seq_length % t:
         return R_T_SEQ
     return None

@@ -1,7 +1,11 @@
 """Byte quantities as people write them: ``85899345920``, ``78GB``, ``72GiB``, ``7.5e10``."""
 from __future__ import annotations
 
+import math
 import re
+
+MAX_BYTES = 2**60
+"""Largest byte count accepted (1 EiB): far above any device, and exact in the float arithmetic."""
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -29,8 +33,10 @@ def parse_bytes(text: str) -> int:
             f"{text!r} is not a byte count (use plain bytes or a suffix: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
         )
     value = float(m.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise ValueError(f"{text!r} must be a positive number of bytes")
+    if not math.isfinite(value) or value > MAX_BYTES:
+        raise ValueError(f"{text!r} is out of range (valid: 1 B to {MAX_BYTES} B = 1 EiB)")
+    if round(value) < 1:
+        raise ValueError(f"{text!r} must be at least 1 byte")
     return int(round(value))
 
 
