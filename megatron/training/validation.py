@@ -26,6 +26,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_offload_overlap(args)
     _validate_data(args)
     _validate_io(args)
+    _validate_eval_and_logging(args)
 
 
 def _validate_heads(args) -> None:
@@ -147,15 +148,22 @@ def _validate_alpha(args) -> None:
 
 
 def _validate_data(args) -> None:
-    if args.mock_data == (args.data_path is not None):
-        raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data")
+    per_split = [f for f in ("train", "valid", "test") if getattr(args, f"{f}_data_path") is not None]
+    if (args.mock_data + (args.data_path is not None) + bool(per_split)) != 1:
+        raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data (or --train-data-path, "
+                            "--valid-data-path, --test-data-path)")
+    if per_split and "train" not in per_split and not args.skip_train:
+        raise ArgumentError("--valid-data-path/--test-data-path need --train-data-path (or --skip-train)")
     try:  # the tokenizer's files are read now, so a bad one stops every rank before any process group
         tokenizer_from_args(args)
     except TokenizerError as e:
         raise ArgumentError(str(e)) from None
-    if args.data_path is None:
-        return
-    for item in args.data_path:
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        _check_prefixes(f"--{flag.replace('_', '-')}", getattr(args, flag))
+
+
+def _check_prefixes(flag: str, items) -> None:
+    for item in items or ():
         try:
             float(item)
             continue  # a blend weight
@@ -163,8 +171,23 @@ def _validate_data(args) -> None:
             pass
         for ext in (".bin", ".idx"):
             if not os.path.isfile(item + ext):
-                raise ArgumentError(f"--data-path {item}: {item + ext} does not exist (make it with "
+                raise ArgumentError(f"{flag} {item}: {item + ext} does not exist (make it with "
                                     f"tools/preprocess_data.py)")
+
+
+def _validate_eval_and_logging(args) -> None:
+    from megatron.training.loggers import check_writer_packages
+    weights = str(args.split).replace(" ", "").split(",")
+    try:
+        parts = [float(w) for w in weights]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(w < 0 for w in parts) or sum(parts) <= 0:
+        raise ArgumentError(f"--split {args.split} is not 1 to 3 comma-separated non-negative weights with a "
+                            f"positive sum (train,valid,test)")
+    if args.skip_train and args.eval_iters == 0:
+        raise ArgumentError("--skip-train with --eval-iters 0 has nothing to do; give --eval-iters >= 1")
+    check_writer_packages(args)
 
 
 CKPT_FORMATS_REFUSED = {
