@@ -69,7 +69,12 @@ def test_tensorboard_event_file_matches_the_metrics(with_and_without_eval):
     valid = [(e["iteration"], pytest.approx(e["loss"], rel=1e-6)) for e in ev["evaluations"] if e["split"] == "valid"]
     assert series("lm loss validation") == valid
     assert series("lm loss test") == [(4, pytest.approx(ev["evaluations"][-1]["loss"], rel=1e-6))]
-    assert series("h3t/peak-activation-bytes/stage-0")[-1] == (4, ev["stage_peak_activation_bytes"][0])
+    measured = ev["stage_peak_activation_bytes"][0]
+    assert series("h3t/peak-activation-bytes/stage-0")[-1] == (4, measured)
+    # the cost model's prediction is written next to it (it has no dropout masks: compared without
+    # dropout in test_pipelined_evaluation_equals_single_process)
+    assert series("h3t/predicted-peak-activation-bytes/stage-0")[-1][1] > 0
+    assert series("h3t/predicted-step-time-on-h800")[-1][1] > 0  # a GPU prediction, tagged as such on CPU
 
 
 def test_skip_train_only_evaluates(tmp_path, with_and_without_eval):
@@ -90,10 +95,20 @@ def test_pipelined_evaluation_equals_single_process(corpus_prefix, tmp_path):  #
               "--micro-batch-size", "1", "--train-iters", "2", "--eval-interval", "1000", "--eval-iters", "2"]
     ckpt, pp_json, one_json = tmp_path / "ckpt", tmp_path / "pp.json", tmp_path / "one.json"
     check_ok(run_pretrain([*common, "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-                           "1", "--save", str(ckpt), "--metrics-json", str(pp_json)], nproc=2))
+                           "1", "--save", str(ckpt), "--metrics-json", str(pp_json),
+                           "--tensorboard-dir", str(tmp_path / "tb")], nproc=2))
     check_ok(run_pretrain([*common, "--load", str(ckpt), "--skip-train", "--metrics-json", str(one_json)]))
     pp, one = metrics(pp_json)["evaluations"], metrics(one_json)["evaluations"]
     assert [(e["iteration"], e["split"]) for e in pp] == [(2, "valid"), (2, "test")]
     assert [(e["iteration"], e["split"]) for e in one] == [(2, "valid"), (2, "test")]
     for a, b in zip(pp, one):
         assert math.isfinite(a["loss"]) and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    # the last rank wrote every stage's measured activation peak next to the cost model's prediction
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    measured = metrics(pp_json)["stage_peak_activation_bytes"]
+    for r in (0, 1):
+        assert acc.Scalars(f"h3t/peak-activation-bytes/stage-{r}")[-1].value == measured[r]
+        assert acc.Scalars(f"h3t/predicted-peak-activation-bytes/stage-{r}")[-1].value == pytest.approx(
+            measured[r], rel=0.01)

@@ -15,7 +15,8 @@ no evaluation scalars.
 
 h3t-ext's own, every ``--tensorboard-log-interval`` iterations: ``h3t/peak-activation-bytes/stage-R``,
 ``h3t/offloaded-bytes/stage-R`` (the stage's saved activations over that iteration) and
-``h3t/offload-alpha/stage-R``, plus ``h3t/tokens-per-second-per-gpu`` and ``h3t/mfu``.
+``h3t/offload-alpha/stage-R``, plus ``h3t/tokens-per-second-per-gpu``, ``h3t/mfu`` and the cost
+model's predictions for the run's plan (``h3t/predicted-...``, see ``megatron.training.prediction``).
 """
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ import torch
 class TrainingScalars:
     """Turns the driver's per-iteration records, stage statistics and evaluations into scalars."""
 
-    def __init__(self, args, writer, *, on_gpu: bool):
+    def __init__(self, args, writer, *, on_gpu: bool, predicted: dict | None = None):
         self.args, self.writer, self.on_gpu = args, writer, on_gpu
+        self.predicted = dict(predicted or {})
 
     def _pair(self, tag: str, value: float, iteration: int) -> None:
         self.writer.add_scalar(tag, value, iteration)
@@ -57,6 +59,8 @@ class TrainingScalars:
                     self.writer.add_scalar(tag, value, it)
             self.writer.add_scalar("h3t/tokens-per-second-per-gpu", rec["tokens_per_second_per_gpu"], it)
             self.writer.add_scalar("h3t/mfu", rec["mfu"], it)
+            for tag, value in self.predicted.items():
+                self.writer.add_scalar(tag, value, it)
         if it % a.log_interval == 0:
             if a.log_timers_to_tensorboard:
                 self.writer.add_scalar("iteration-time", rec["elapsed_ms"] / 1e3, it)

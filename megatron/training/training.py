@@ -23,10 +23,11 @@ from megatron.training import checkpointing as ckpt_io
 from megatron.training.data import build_data_iterators, build_datasets
 from megatron.training.evaluation import Evaluator
 from megatron.training.loggers import build_writer, writers_requested
+from megatron.training.prediction import predicted_scalars
 from megatron.training.scalars import TrainingScalars
 from megatron.training.initialize import initialize_distributed, shutdown, uses_gpu
 from megatron.training.model_provider import build_model_chunks, num_parameters
-from megatron.training.tokenizer import tokenizer_from_args
+from megatron.training.tokenizer import padded_vocab_size, tokenizer_from_args
 from megatron.training.training_log import IterationLogger, write_metrics_json
 
 
@@ -202,7 +203,10 @@ def pretrain(args) -> int:
     evaluator = Evaluator(args, chunks, forward_step, valid_dataset=valid_ds, test_dataset=test_ds,
                           start_iteration=start, device=device, print_fn=logger._print, is_logging_rank=is_logging_rank)
     writer = build_writer(args, is_logging_rank)
-    scalars = TrainingScalars(args, writer, on_gpu=on_gpu)
+    predicted = (predicted_scalars(args, vocab_size=padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size), on_gpu=on_gpu)
+                 if is_logging_rank and writers_requested(args) else {})
+    scalars = TrainingScalars(args, writer, on_gpu=on_gpu, predicted=predicted)
     try:
         iteration, exited = (start, False) if args.skip_train else train(
             args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config)
