@@ -112,3 +112,14 @@ def test_pipelined_evaluation_equals_single_process(corpus_prefix, tmp_path):  #
         assert acc.Scalars(f"h3t/peak-activation-bytes/stage-{r}")[-1].value == measured[r]
         assert acc.Scalars(f"h3t/predicted-peak-activation-bytes/stage-{r}")[-1].value == pytest.approx(
             measured[r], rel=0.01)
+
+
+def test_separate_split_paths(corpus_prefix, tmp_path):  # noqa: F811
+    path = tmp_path / "m.json"
+    check_ok(run_pretrain([*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "1",
+                           "--eval-iters", "1", "--train-data-path", corpus_prefix, "--valid-data-path", corpus_prefix,
+                           "--metrics-json", str(path)]))
+    evals = metrics(path)["evaluations"]
+    assert [(e["iteration"], e["split"], e["at_end"]) for e in evals] == [(1, "valid", False), (2, "valid", False),
+                                                                          (2, "valid", True)]  # no test path
+    assert all(math.isfinite(e["loss"]) for e in evals)
