@@ -123,3 +123,22 @@ def test_separate_split_paths(corpus_prefix, tmp_path):  # noqa: F811
     assert [(e["iteration"], e["split"], e["at_end"]) for e in evals] == [(1, "valid", False), (2, "valid", False),
                                                                           (2, "valid", True)]  # no test path
     assert all(math.isfinite(e["loss"]) for e in evals)
+
+
+def test_resume_continues_the_validation_data(corpus_prefix, tmp_path):  # noqa: F811
+    # real data: with --mock-data, megatron-core's GPTDataset caches the loss mask after zeroing the
+    # first sample's pad-valued labels (mock tokens include the pad id), so its losses depend on which
+    # sample is read first
+    common = [*TINY_MODEL, "--data-path", corpus_prefix, "--global-batch-size", "2", "--train-iters", "4", "--split", "90,5,5",
+              "--eval-interval", "1", "--eval-iters", "1"]
+    full, first, resumed, ckpt = tmp_path / "full.json", tmp_path / "first.json", tmp_path / "res.json", tmp_path / "c"
+    check_ok(run_pretrain([*common, "--metrics-json", str(full)]))
+    check_ok(run_pretrain([*common, "--save", str(ckpt), "--exit-interval", "2", "--metrics-json", str(first)]))
+    check_ok(run_pretrain([*common, "--load", str(ckpt), "--metrics-json", str(resumed)]))
+
+    def evals(path):
+        return [(e["iteration"], e["split"], e["at_end"], e["loss"]) for e in metrics(path)["evaluations"]]
+    ref = evals(full)
+    assert len(ref) == 6 and len({e[3] for e in ref}) == 6
+    assert evals(first) == ref[:2]  # --exit-interval stops before the end-of-training evaluations, as Megatron
+    assert evals(resumed) == ref[2:]  # the validation position follows the iteration
