@@ -187,6 +187,10 @@ def _validate_eval_and_logging(args) -> None:
                             f"positive sum (train,valid,test)")
     if args.skip_train and args.eval_iters == 0:
         raise ArgumentError("--skip-train with --eval-iters 0 has nothing to do; give --eval-iters >= 1")
+    from megatron.training.data import splits_wanted
+    if args.skip_train and not any(splits_wanted(args)):
+        raise ArgumentError(f"--skip-train with --split {args.split} has no validation or test data; give --split "
+                            f"with nonzero valid/test parts (e.g. 98,1,1) or --valid-data-path/--test-data-path")
     check_writer_packages(args)
 
 
