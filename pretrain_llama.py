@@ -18,9 +18,14 @@ def main(argv=None) -> int:
 
     from h3t_ext.runtime.config import RuntimeConfigError
     from megatron.training.checkpointing import CheckpointError
+    from megatron.training.optimizer import NonFiniteError
     from megatron.training.training import pretrain
     try:
         return pretrain(args)
+    except NonFiniteError as e:  # raised on every rank alike: said once
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 2
     except (CheckpointError, RuntimeConfigError) as e:
         sys.stderr.write(f"{PROG}: error: {e}\n")
         return 2

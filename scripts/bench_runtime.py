@@ -99,7 +99,8 @@ def _worker(rank, world, args):
                                 num_query_groups=args.num_query_groups, pipeline_model_parallel_size=p,
                                 virtual_pipeline_model_parallel_size=v if v > 1 else None)
         torch.manual_seed(0)
-        model = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=args.seq_length, pipeline_rank=rank)
+        model = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=args.seq_length, pipeline_rank=rank,
+                                   ckpt=ckpt)
         sched = H3TSchedules(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode=args.device_mode),
                              manager_factory=measuring_factory if measure else None)
         runs.append((model, sched))

@@ -1,89 +1,92 @@
 #!/usr/bin/env python3
-"""Print the cost model's figures against the published reference (alpha, memory, tokens/s, MFU).
+"""Print the cost model's figures against the published runs: leave-one-source-out tokens/s errors (before
+and after calibrating on one row), the ATC '24 alphas and memory points, and every run's error.
 
-  python scripts/costmodel_calibration.py            # table + summary
+  python scripts/costmodel_calibration.py            # tables + summary
   python scripts/costmodel_calibration.py --json     # summary as JSON
-  python scripts/costmodel_calibration.py --fit      # re-run the grid search of the hopper efficiencies
-  python scripts/costmodel_calibration.py --cross-validate  # fit on one part of the table, test on the rest
+  python scripts/costmodel_calibration.py --fit      # fit every efficiency set on all runs and print it
+  python scripts/costmodel_calibration.py --fit --write  # ... and write it into h3t_ext/data/fitted_efficiencies.json
 """
 import argparse
-import itertools
 import json
+import sys
+from pathlib import Path
 
-from h3t_ext.costmodel import estimate, get_system, solve_offload_alpha
-from h3t_ext.costmodel.calibration import calibration_report, reference_model, throughput_rows, with_efficiencies
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from h3t_ext.costmodel.calibration import calibration_report  # noqa: E402
+from h3t_ext.costmodel.fit import SHARED_KEYS  # noqa: E402
+from h3t_ext.costmodel.published import published_runs  # noqa: E402
+from h3t_ext.costmodel.specs import DATA_DIR  # noqa: E402
+from h3t_ext.costmodel.validation import errors_with, fit_families, leave_one_source_out  # noqa: E402
 
-def _mae(rows, system) -> float:
-    m65 = reference_model("llama-65b")
-    return sum(abs(estimate(m65, r.plan, system).tokens_per_second / r.tokens_per_s - 1) for r in rows) / len(rows)
-
-
-def fit(rows=None) -> dict:
-    h800 = get_system("h800")
-    rows = throughput_rows() if rows is None else rows
-    best = None
-    for g, a, tp in itertools.product([0.50 + 0.01 * i for i in range(11)], [0.40 + 0.05 * i for i in range(9)],
-                                      [0.0, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0]):
-        mae = _mae(rows, with_efficiencies(h800, {"gemm": g, "attention": a, "tp_comm_exposed": tp}))
-        if best is None or mae < best[0]:
-            best = (mae, g, a, tp)
-    return {"tokens_mae": best[0], "gemm": round(best[1], 3), "attention": round(best[2], 3),
-            "tp_comm_exposed": best[3]}
+ROUND = {"gemm_tile_overhead_k": 0, "attention_head_dim_overhead": 0}
 
 
-def cross_validate() -> dict:
-    """Fit on one part of the throughput table; tokens/s MAE on the held-out rows."""
-    rows, h800 = throughput_rows(), get_system("h800")
-    splits = {"ckpt=no": lambda r: r.plan.ckpt == "no", "ckpt=ours": lambda r: r.plan.ckpt == "ours",
-              ">=128 GPUs": lambda r: r.plan.num_gpus >= 128}
-    out = {}
-    for name, pick in splits.items():
-        f = fit([r for r in rows if pick(r)])
-        eff = {k: f[k] for k in ("gemm", "attention", "tp_comm_exposed")}
-        out[f"fit on {name}"] = {**f, "held_out_tokens_mae": _mae([r for r in rows if not pick(r)],
-                                                                   with_efficiencies(h800, eff))}
+def fit(write: bool) -> dict:
+    runs = published_runs()
+    fits = fit_families(runs, neutral=True)
+    out = {fam: {"rows": f.rows, "fitted": dict(f.fitted), "not_identified": dict(f.unidentified),
+                 "mae_before": f.mae_before, "mae_after": f.mae_after} for fam, f in fits.items()}
+    if write:
+        path = DATA_DIR / "fitted_efficiencies.json"
+        data = json.loads(path.read_text())
+        for fam, f in fits.items():
+            for k, v in f.fitted.items():
+                scope = "shared" if k in SHARED_KEYS else fam
+                data["efficiencies"][scope][k] = round(v, ROUND.get(k, 4)) if ROUND.get(k, 4) else int(round(v))
+            data["efficiencies"][fam]["_fitted_on"] = (
+                f"{f.rows} published runs (scripts/costmodel_calibration.py --fit): " + ", ".join(sorted(
+                    {r.source for r in runs if r.system.efficiency_set == fam})) + "; fitted: "
+                + ", ".join(f.fitted) + "; not identified: " + (", ".join(f.unidentified) or "none"))
+        path.write_text(json.dumps(data, indent=1) + "\n")
     return out
+
+
+def summary() -> dict:
+    rep = calibration_report()
+    loso = [h.to_dict() for h in leave_one_source_out()]
+    runs = published_runs()
+    errs = errors_with(runs, {})
+    return {
+        "leave_one_source_out": loso,
+        "all_runs_with_data_file_efficiencies": [
+            {"source": r.source, "run": r.label, "measured_tokens_per_s_per_gpu": r.tokens_per_s_per_gpu,
+             "error": e} for r, e in zip(runs, errs)],
+        "atc24_alpha_max_abs_error": rep.alpha_max_error,
+        "atc24_memory_rel_errors": list(rep.memory_errors),
+        "atc24_oom_point_over_budget": list(rep.oom_predicted),
+        "atc24_tokens_per_s_mae": rep.tokens_mae,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
-    ap.add_argument("--fit", action="store_true", help="grid-search gemm/attention/tp_comm_exposed for h800")
-    ap.add_argument("--cross-validate", action="store_true", help="fit on a part of the table, test on the rest")
+    ap.add_argument("--fit", action="store_true", help="fit every efficiency set on all published runs")
+    ap.add_argument("--write", action="store_true", help="with --fit: write the fit into the data file")
     args = ap.parse_args()
-    if args.cross_validate:
-        print(json.dumps(cross_validate(), indent=1))
-        return
     if args.fit:
-        print(json.dumps(fit(), indent=1))
+        print(json.dumps(fit(args.write), indent=1))
         return
-    rep = calibration_report()
-    summary = {
-        "alpha_max_abs_error": rep.alpha_max_error,
-        "memory_rel_errors": list(rep.memory_errors),
-        "oom_point_over_budget": list(rep.oom_predicted),
-        "tokens_per_s_mae": rep.tokens_mae,
-        "tokens_per_s_errors": list(rep.tokens_errors),
-        "demo7b_mfu_computed_published": [list(x) for x in rep.demo_mfu],
-    }
+    s = summary()
     if args.json:
-        print(json.dumps(summary, indent=1))
+        print(json.dumps(s, indent=1))
         return
-    m65, h800 = reference_model("llama-65b"), get_system("h800")
-    print(f"{'gpus':>5} {'t':>2} {'p':>3} {'l':>2} {'ckpt':>5} {'alpha':>6} {'model':>6} {'tok/s pub':>10} "
-          f"{'model':>8} {'err':>7}")
-    for row, err in zip(throughput_rows(), rep.tokens_errors):
-        pl = row.plan
-        a = solve_offload_alpha(m65, pl, h800, mode="auto")
-        print(f"{pl.num_gpus:>5} {pl.tensor_model_parallel_size:>2} {pl.pipeline_model_parallel_size:>3} "
-              f"{pl.num_layers_per_virtual_pipeline_stage:>2} {pl.ckpt:>5} {row.published_alpha:>6.3f} {a:>6.3f} "
-              f"{row.tokens_per_s:>10.0f} {row.tokens_per_s * (1 + err):>8.0f} {err:>+7.3f}")
-    print(f"alpha max |error|      {rep.alpha_max_error:.4f}")
-    print("memory errors          " + ", ".join(f"{e:+.2%}" for e in rep.memory_errors)
-          + f"; out-of-memory point over budget: {all(rep.oom_predicted)}")
-    print(f"tokens/s MAE           {rep.tokens_mae:.2%}")
-    print("7B demo MFU            " + ", ".join(f"{c:.3f}/{p:.3f}" for c, p in rep.demo_mfu))
+    print("leave one source out (efficiencies fitted on the other sources; then calibrate on one row):")
+    print(f"{'held-out source':<16} {'rows':>4} {'MAE uncalibrated':>17} {'MAE after 1 row: mean':>22} "
+          f"{'median':>7} {'worst':>7}")
+    for h in s["leave_one_source_out"]:
+        after = sorted(h["mae_after_calibrating_on_one_row"])
+        print(f"{h['source']:<16} {h['rows']:>4} {h['mae_uncalibrated']:>17.2%} {h['mae_after_one_row_mean']:>22.2%} "
+              f"{after[len(after) // 2]:>7.2%} {h['mae_after_one_row_worst']:>7.2%}")
+    print("\nevery run with the data file's efficiencies:")
+    for r in s["all_runs_with_data_file_efficiencies"]:
+        print(f"  {r['source']:<14} {r['run']:<52} {r['measured_tokens_per_s_per_gpu']:>9.1f} {r['error']:+7.2%}")
+    print(f"\nATC '24: alpha max |error| {s['atc24_alpha_max_abs_error']:.4f}; memory errors "
+          + ", ".join(f"{e:+.2%}" for e in s["atc24_memory_rel_errors"])
+          + f"; out-of-memory point over budget: {all(s['atc24_oom_point_over_budget'])}; "
+          f"tokens/s MAE {s['atc24_tokens_per_s_mae']:.2%}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,12 @@ sys.path.insert(0, REPO)
 
 from h3t_ext.costmodel import Plan, estimate, get_system, mfu, solve_offload_alpha  # noqa: E402
 from h3t_ext.costmodel.calibration import memory_points, reference, reference_model, throughput_rows  # noqa: E402
+from h3t_ext.costmodel.published import atc24_memory_budget_bytes, settings  # noqa: E402
+
+BUDGET = atc24_memory_budget_bytes()
+"""The budget the ATC '24 authors solved their alphas against (data/reference/run_settings.json)."""
+RUN = settings()["sources"]["atc24_65b"]["plan"]
+"""Switches of the ATC '24 runs (TP comm overlap, no DP overlap, ...)."""
 
 
 def throughput_table() -> list[dict]:
@@ -33,8 +39,8 @@ def throughput_table() -> list[dict]:
     out = []
     for row in throughput_rows():
         p = row.plan
-        est = estimate(model, p, system)
-        alpha = solve_offload_alpha(model, p, system, mode="auto")
+        est = estimate(model, p, system, memory_budget_bytes=BUDGET)
+        alpha = solve_offload_alpha(model, p, system, memory_budget_bytes=BUDGET, mode="auto")
         per_gpu = row.tokens_per_s / p.num_gpus
         out.append({
             "num_gpus": p.num_gpus, "global_batch_size": p.global_batch_size, "seq_length": p.seq_length,
@@ -61,11 +67,11 @@ def demo_table() -> list[dict]:
         plan = Plan(num_gpus=r["num_gpus"], seq_length=r["seq_length"], global_batch_size=r["global_batch_size"],
                     tensor_model_parallel_size=r["t"], context_parallel_size=r["c"],
                     pipeline_model_parallel_size=r["p"], num_layers_per_virtual_pipeline_stage=r["l"],
-                    ckpt=r["ckpt"], offload_alpha=alpha)
-        est = estimate(model, plan, system)
+                    ckpt=r["ckpt"], offload_alpha=alpha, **RUN)
+        est = estimate(model, plan, system, memory_budget_bytes=BUDGET)
         out.append({
             "gpu": r["gpu"], "method": r["method"], "ckpt": r["ckpt"], "published_alpha": r["alpha"],
-            "predicted_alpha": solve_offload_alpha(model, plan, system, mode="auto"),
+            "predicted_alpha": solve_offload_alpha(model, plan, system, memory_budget_bytes=BUDGET, mode="auto"),
             "published_tokens_per_second_per_gpu": r["tokens_per_s_per_gpu"],
             "predicted_tokens_per_second_per_gpu": est.tokens_per_second_per_gpu,
             "error": est.tokens_per_second_per_gpu / r["tokens_per_s_per_gpu"] - 1.0,
@@ -83,13 +89,13 @@ def memory_table() -> tuple[list[dict], dict]:
         points.append({"ckpt": plan.ckpt, "alpha": plan.offload_alpha, "published_bytes": measured,
                        "predicted_bytes": peak, "hbm_bytes": system.hbm_bytes,
                        "error": None if measured is None else peak / measured - 1.0,
-                       "predicted_out_of_memory": peak > system.default_memory_budget_bytes})
+                       "predicted_out_of_memory": peak > BUDGET})
     base = memory_points()[0][0]
     alphas = [k / 50 for k in range(51)]
     lines = {ckpt: [estimate(model, replace(base, ckpt=ckpt, offload_alpha=a), system).peak_memory_bytes
                     for a in alphas] for ckpt in ("no", "ours")}
     return points, {"alpha": alphas, **lines, "hbm_bytes": system.hbm_bytes,
-                    "memory_budget_bytes": system.default_memory_budget_bytes}
+                    "memory_budget_bytes": BUDGET}
 
 
 def _pct(x) -> str:

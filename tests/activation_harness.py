@@ -29,18 +29,20 @@ def init_single_process_megatron() -> None:
         ps.initialize_model_parallel(1, 1)
 
 
-def _build(seed: int, num_layers: int, layers_only: bool, **overrides):
-    from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
+def _build(seed: int, num_layers: int, layers_only: bool, ckpt: Optional[str], **overrides):
+    from h3t_ext.runtime.gpt import build_gpt_model, local_layer_spec, tiny_llama_config
 
     torch.manual_seed(seed)
     cfg = tiny_llama_config(num_layers=num_layers, **overrides)
-    return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=128,
-                           pre_process=not layers_only, post_process=not layers_only)
+    stock = local_layer_spec() if ckpt is None else None
+    return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=128, pre_process=not layers_only,
+                           post_process=not layers_only, ckpt=ckpt or "no", layer_spec=stock)
 
 
-def tiny_model(seed: int = 0, num_layers: int = 2, **overrides):
-    """The whole tiny GPT (embedding, layers, output layer)."""
-    return _build(seed, num_layers, False, **overrides)
+def tiny_model(seed: int = 0, num_layers: int = 2, ckpt: Optional[str] = None, **overrides):
+    """The whole tiny GPT (embedding, layers, output layer); ``ckpt=None``: megatron-core's stock local
+    spec (no h3t modules), else the h3t layer spec of that ckpt."""
+    return _build(seed, num_layers, False, ckpt, **overrides)
 
 
 def tiny_model_spec(num_layers: int) -> ModelSpec:
@@ -101,9 +103,10 @@ def run_rank_schedule(model, data, mgr=None, *, pipeline_size: int = 4, rank: in
     return [losses[i] for i in sorted(losses)], grads
 
 
-def middle_stage_model(seed: int = 0, num_layers: int = 2, **overrides):
-    """A pipeline stage without embedding and loss: only transformer layers (what a middle rank holds)."""
-    return _build(seed, num_layers, True, **overrides)
+def middle_stage_model(seed: int = 0, num_layers: int = 2, ckpt: Optional[str] = None, **overrides):
+    """A pipeline stage without embedding and loss: only transformer layers (what a middle rank holds);
+    ``ckpt`` as in :func:`tiny_model`."""
+    return _build(seed, num_layers, True, ckpt, **overrides)
 
 
 def run_middle_stage(model, mgr, *, pipeline_size: int, rank: int, num_microbatches: int, micro_batch: int,

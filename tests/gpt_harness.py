@@ -58,8 +58,8 @@ def init_parallel(tp: int = 1, pp: int = 1, v: int = 1) -> None:
     )
 
 
-def build_stage(config, v: int = 1) -> list:
-    """This rank's model chunks (pre/post process from the pipeline position)."""
+def build_stage(config, v: int = 1, ckpt: str = "no") -> list:
+    """This rank's model chunks (pre/post process from the pipeline position), h3t spec of ``ckpt``."""
     from megatron.core import parallel_state as ps
 
     from h3t_ext.runtime.gpt import build_stage_chunks
@@ -67,7 +67,7 @@ def build_stage(config, v: int = 1) -> list:
     assert (config.virtual_pipeline_model_parallel_size or 1) == v
     assert config.pipeline_model_parallel_size == ps.get_pipeline_model_parallel_world_size()
     return build_stage_chunks(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                              pipeline_rank=ps.get_pipeline_model_parallel_rank())
+                              pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=ckpt)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

@@ -13,7 +13,6 @@ from h3t_ext.costmodel.plan import Plan
 from h3t_ext.runtime.activations import ActivationManager, build_activation_manager
 from h3t_ext.runtime.config import H3TConfig
 from h3t_ext.runtime.device import make_device_layer
-from h3t_ext.runtime.recompute_ours import apply_ckpt_ours
 from tests.activation_harness import (
     FFN,
     GROUPS,
@@ -50,9 +49,7 @@ def _manager(alpha, mode="cpu-sync", **kw):
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
 def test_loss_and_grads_equal_plain_run(reference, mode, ckpt, alpha):
     data, (ref_losses, ref_grads) = reference
-    model = tiny_model()
-    if ckpt == "ours":
-        apply_ckpt_ours(model)
+    model = tiny_model(ckpt="ours") if ckpt == "ours" else tiny_model()
     mgr = _manager(alpha, mode)
     try:
         losses, grads = run_rank_schedule(model, data, mgr)
@@ -68,15 +65,15 @@ def test_loss_and_grads_equal_plain_run(reference, mode, ckpt, alpha):
             torch.testing.assert_close(grads[k], ref_grads[k], rtol=1e-5, atol=1e-7)
     st = mgr.stats
     assert st.offloaded_bytes == pytest.approx(alpha * sum(st.saved_bytes.values()), abs=len(data))
-    assert all(n == (3 * 2 if ckpt == "ours" else 0) for n in st.recomputed.values())  # 3 per layer, 2 layers
+    # ours: 3 per layer (2 layers) and the final norm's x * rstd; the stock model: none
+    assert all(n == (3 * 2 + 1 if ckpt == "ours" else 0) for n in st.recomputed.values())
 
 
 @pytest.mark.parametrize("mode", ["cpu-sync", "cpu-thread"])
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
 def test_resident_count_matches_live_storages(mode, alpha):
     """The manager's resident bytes equal the bytes of saved storages the allocator still holds."""
-    model = tiny_model()
-    apply_ckpt_ours(model)
+    model = tiny_model(ckpt="ours")
     mgr = _manager(alpha, mode, track_storages=True)
     samples = []
     orig = mgr._compute_ended
@@ -101,8 +98,7 @@ def test_resident_count_matches_live_storages(mode, alpha):
 @pytest.mark.parametrize("alpha", [0.3, 1.0])
 def test_offloaded_stage_inputs_are_freed_while_the_executor_keeps_them(alpha):
     """A received stage input (a grad-requiring leaf kept for its .grad) is really freed by offload."""
-    model = middle_stage_model(num_layers=1)
-    apply_ckpt_ours(model)
+    model = middle_stage_model(num_layers=1, ckpt="ours")
     mgr = _manager(alpha, "cpu-thread", track_storages=True)
     live = []
     try:
@@ -122,17 +118,18 @@ def _rope_and_lse_bytes(seq, mb, dtype_bytes=4):
 @pytest.mark.parametrize("ckpt", ["no", "ours"])
 def test_chunk_bytes_equal_cost_model_terms(ckpt):
     """Per microbatch-chunk saved bytes, term by term: offloadable bytes are the cost model's total
-    without its fp32 per-token terms (rstd is not saved by the lean norm; lse is below the threshold)."""
+    without its fp32 per-token terms (rstd is not saved by the ckpt=ours norm and is below the threshold
+    under the fused-saves norm of ckpt=no, as lse is)."""
     layers, mb, seq = 2, 2, 32
-    model = middle_stage_model(num_layers=layers)
-    apply_ckpt_ours(model, discard_outputs=(ckpt == "ours"))
+    model = middle_stage_model(num_layers=layers, ckpt=ckpt)
     st = run_middle_stage(model, _manager(0.0), pipeline_size=2, rank=1, num_microbatches=2, micro_batch=mb,
                           seq=seq, hidden=HIDDEN)
     terms = activation_bytes_per_layer_token(tiny_model_spec(layers), ckpt, dtype_bytes=4, layer_spec="local")
     tokens = mb * seq
     small_terms = terms["norm1_rstd"] + terms["norm2_rstd"] + terms["softmax_lse"]
     assert st.saved_bytes[(0, 0)] == layers * tokens * (terms["total"] - small_terms)
-    assert st.small_bytes[(0, 0)] == layers * _rope_and_lse_bytes(seq, mb)
+    rstd = 2 * tokens * 4 if ckpt == "no" else 0  # the two norms' fp32 rstd, one per token
+    assert st.small_bytes[(0, 0)] == layers * (_rope_and_lse_bytes(seq, mb) + rstd)
 
 
 @pytest.mark.parametrize("ckpt", ["no", "ours"])
@@ -149,8 +146,7 @@ def test_stage_peaks_match_cost_model(ckpt, alpha):
     # layers-only chunks: the last stage here has no output layer (tests/test_memory_prediction.py has one)
     predicted[-1] -= output_layer_bytes(spec, plan, dtype_bytes=4, sequence_parallel=False)["total"]
     for rank in range(p):
-        model = middle_stage_model(num_layers=layers)
-        apply_ckpt_ours(model, discard_outputs=(ckpt == "ours"))
+        model = middle_stage_model(num_layers=layers, ckpt=ckpt)
         st = run_middle_stage(model, _manager(alpha), pipeline_size=p, rank=rank, num_microbatches=m,
                               micro_batch=mb, seq=seq, hidden=HIDDEN)
         assert st.peak_resident_bytes == pytest.approx(predicted[rank], rel=0.05), (rank, predicted)
@@ -161,8 +157,7 @@ def test_ours_saves_what_design_says():
     layers, mb, seq = 2, 2, 32
     saved = {}
     for ckpt in ("no", "ours"):
-        model = middle_stage_model(num_layers=layers)
-        apply_ckpt_ours(model, discard_outputs=(ckpt == "ours"))
+        model = middle_stage_model(num_layers=layers, ckpt=ckpt)
         st = run_middle_stage(model, _manager(0.0), pipeline_size=1, rank=0, num_microbatches=1,
                               micro_batch=mb, seq=seq, hidden=HIDDEN)
         saved[ckpt] = st.saved_bytes[(0, 0)] + st.small_bytes[(0, 0)]

@@ -36,7 +36,7 @@ def _worker(rank, world, v, ref):
         return ActivationManager(cfg.stage_alpha(pp_rank, pp_size), layer, track_storages=True)
 
     init_parallel(1, PP, v)
-    chunks = build_stage(model_config(1, PP, v), v)
+    chunks = build_stage(model_config(1, PP, v), v, ckpt="ours")
     load_reference(chunks, ref["state"])
     sched = H3TSchedules(H3TConfig(ckpt="ours", offload_alpha=0.5, device_mode="cpu-thread"),
                          manager_factory=factory)

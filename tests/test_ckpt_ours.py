@@ -7,7 +7,9 @@ import torch.nn.functional as F
 
 from h3t_ext.runtime.activations import ActivationManager
 from h3t_ext.runtime.device import make_device_layer
-from h3t_ext.runtime.recompute_ours import UnsupportedLayerSpecError, apply_ckpt_ours, lookup_recipe
+from h3t_ext.runtime.config import RuntimeConfigError
+from h3t_ext.runtime.layer_specs import check_built_for
+from h3t_ext.runtime.recompute_ours import OursMLP, OursRMSNorm, UnsupportedLayerSpecError, lookup_recipe
 from tests.activation_harness import batches, init_single_process_megatron, middle_stage_model, tiny_model
 
 
@@ -17,20 +19,21 @@ def _megatron():
 
 
 def test_gemm_inputs_become_recipes_and_outputs_match():
-    model = tiny_model()
+    model = tiny_model(ckpt="ours")
     ids, pos = batches(1)[0]
     ref = tiny_model()(ids, pos, None)
-    assert apply_ckpt_ours(model) == 2
+    assert sum(isinstance(m, OursRMSNorm) for m in model.modules()) == 2 * 2  # built by megatron from the spec
+    assert sum(isinstance(m, OursMLP) for m in model.modules()) == 2
     mgr = ActivationManager(0.0, make_device_layer("cpu-sync", "cpu"))
     with mgr.forward_scope(0, 0):
         out = model(ids, pos, None)
     assert torch.equal(out, ref)
-    assert mgr.stats.recomputed[(0, 0)] == 3 * 2  # two norm outputs and the SwiGLU output per layer
+    # two norm outputs and the SwiGLU output per layer, and the final (fused-saves) norm's x * rstd
+    assert mgr.stats.recomputed[(0, 0)] == 3 * 2 + 1
 
 
 def test_lean_functions_save_only_their_inputs():
-    model = middle_stage_model(num_layers=1)
-    apply_ckpt_ours(model)
+    model = middle_stage_model(num_layers=1, ckpt="ours")
     layer = model.decoder.layers[0]
     x = torch.randn(8, 2, 64, requires_grad=True)
     saved = []
@@ -60,8 +63,7 @@ def test_recompute_from_offloaded_inputs_is_exact():
     data = batches(2)
     grads = []
     for alpha in (None, 1.0):
-        model = tiny_model()
-        apply_ckpt_ours(model)
+        model = tiny_model(ckpt="ours")
         mgr = ActivationManager(alpha or 0.0, make_device_layer("cpu-thread", "cpu"))
         try:
             losses = []
@@ -87,18 +89,19 @@ def test_recompute_from_offloaded_inputs_is_exact():
     (dict(normalization="LayerNorm"), "RMSNorm"),
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "recompute"),
 ])
-def test_unsupported_specs_fail_at_start_up(overrides, match):
-    model = tiny_model(**overrides)
-    before = [type(m) for m in model.modules()]
-    with pytest.raises(UnsupportedLayerSpecError, match=match):
-        apply_ckpt_ours(model)
-    assert [type(m) for m in model.modules()] == before  # nothing was changed
+def test_unsupported_configs_fail_when_the_spec_is_built(overrides, match):
+    with pytest.raises(UnsupportedLayerSpecError, match=match) as info:
+        tiny_model(ckpt="ours", **overrides)
+    assert "\n" not in str(info.value)
 
 
-def test_fused_layernorm_linear_spec_fails_at_start_up():
-    from megatron.core.transformer.identity_op import IdentityOp
-
-    model = tiny_model()
-    model.decoder.layers[0].input_layernorm = IdentityOp()  # what the TE layernorm-linear spec builds
-    with pytest.raises(UnsupportedLayerSpecError, match="fused layernorm-linear"):
-        apply_ckpt_ours(model)
+def test_model_of_another_spec_fails_the_ckpt_check():
+    """A model not built by the ckpt=ours spec (here megatron-core's stock local spec) is refused for
+    ckpt=ours with one line; a ckpt=ours model is refused for ckpt=no."""
+    with pytest.raises(UnsupportedLayerSpecError, match="ckpt=ours layer spec") as info:
+        check_built_for([tiny_model()], "ours")
+    assert "\n" not in str(info.value) and "RMSNorm" in str(info.value)
+    check_built_for([tiny_model()], "no")
+    check_built_for([tiny_model(ckpt="ours")], "ours")
+    with pytest.raises(RuntimeConfigError, match="--ckpt no"):
+        check_built_for([tiny_model(ckpt="ours")], "no")

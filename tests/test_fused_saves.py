@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from h3t_ext.costmodel.activations import activation_bytes_per_layer_token
 from h3t_ext.runtime.activations import ActivationManager
 from h3t_ext.runtime.device import make_device_layer
-from h3t_ext.runtime.fused_saves import FusedSavesRMSNorm, apply_fused_saves, rms_norm_marking
+from h3t_ext.runtime.fused_saves import FusedSavesMLP, FusedSavesRMSNorm, rms_norm_marking
 from tests.activation_harness import (
     HIDDEN,
     batches,
@@ -48,8 +48,9 @@ def test_norm_is_torch_rms_norm_bitwise(dtype):
 def test_losses_and_grads_bitwise_equal_stock_model(alpha):
     data = batches(4)
     ref_losses, ref_grads = run_rank_schedule(tiny_model(), data, pipeline_size=2)
-    model = tiny_model()
-    assert apply_fused_saves(model) == 2 * 3 + 1  # two norms and the MLP per layer, the final norm
+    model = tiny_model(ckpt="no")  # the h3t spec of ckpt=no
+    fused = sum(isinstance(m, (FusedSavesRMSNorm, FusedSavesMLP)) for m in model.modules())
+    assert fused == 2 * 3 + 1  # two norms and the MLP per layer, the final norm
     assert isinstance(model.decoder.final_layernorm, FusedSavesRMSNorm)
     mgr = _manager(alpha)
     losses, grads = run_rank_schedule(model, data, mgr, pipeline_size=2)
@@ -66,9 +67,7 @@ def test_saved_bytes_are_the_cost_models_fused_terms():
     rope = rope_bytes(seq)
     saved = {}
     for fused in (False, True):
-        model = middle_stage_model(num_layers=layers)
-        if fused:
-            apply_fused_saves(model)
+        model = middle_stage_model(num_layers=layers, ckpt="no" if fused else None)
         st = run_middle_stage(model, _manager(0.0), pipeline_size=1, rank=0, num_microbatches=1, micro_batch=mb,
                               seq=seq, hidden=HIDDEN)
         saved[fused] = st.saved_bytes[(0, 0)] + st.small_bytes[(0, 0)]

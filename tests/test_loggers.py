@@ -138,5 +138,5 @@ def test_per_split_paths_need_a_training_path(capsys, monkeypatch, tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--valid-data-path", str(tmp_path / "v")]
     assert "--valid-data-path/--test-data-path need --train-data-path" in _error(argv, capsys, monkeypatch, 1)
     argv = [a for a in BASE if a != "--mock-data"] + ["--train-data-path", str(tmp_path / "t")]
-    assert f"--train-data-path {tmp_path / 't'}: {tmp_path / 't'}.bin does not exist" in _error(
+    assert f"--train-data-path {tmp_path / 't'}: {tmp_path / 't'}.idx does not exist" in _error(
         argv, capsys, monkeypatch, 1)

@@ -70,14 +70,12 @@ def _layout_worker(rank, world, cp, pp, ref):
     import h3t_ext
     from gpt_harness import compare_grads, load_reference, model_config
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.gpt import build_stage_chunks, local_layer_spec
+    from h3t_ext.runtime.gpt import build_stage_chunks
     from h3t_ext.runtime.ring_attention import RingSDPACoreAttention, shard_sequence
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(pipeline_model_parallel_size=pp, context_parallel_size=cp)
     cp_group, cp_rank = ps.get_context_parallel_group(), ps.get_context_parallel_rank()
-    spec = local_layer_spec()
-    spec.submodules.self_attention.submodules.core_attention = RingSDPACoreAttention
 
     def batches():
         return iter([{k: shard_sequence(v, 1, cp_rank, cp) for k, v in b.items()} for b in make_batches()])
@@ -86,7 +84,8 @@ def _layout_worker(rank, world, cp, pp, ref):
     for ckpt, alpha in _variants(pp):
         cfg = model_config(1, pp, 1, context_parallel_size=cp)
         (chunk,) = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=SEQ,
-                                      pipeline_rank=ps.get_pipeline_model_parallel_rank(), layer_spec=spec)
+                                      pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=ckpt,
+                                      core_attention=RingSDPACoreAttention)
         load_reference([chunk], ref["state"])
         runtime = h3t_ext.install(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode="cpu-sync"),
                                   manager_factory=_counting_factory)

@@ -79,7 +79,7 @@ def _layout_worker(rank, world, tp, pp, v, ref, variants):
     results = {}
     for name, ckpt, alpha, real in variants:
         cfg = model_config(tp, pp, v, deallocate_pipeline_outputs=name.endswith(",dealloc"))
-        chunks = build_stage(cfg, v)
+        chunks = build_stage(cfg, v, ckpt=ckpt)
         load_reference(chunks, ref["state"])
         # alpha=1 and per-stage alphas run copies on worker-thread "streams" (a missed wait shows up)
         mode = "cpu-thread" if alpha == 1.0 or isinstance(alpha, tuple) else "auto"

@@ -16,10 +16,19 @@ from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_
 from h3t_ext.costmodel.mfu import mfu, model_flops_per_token
 from h3t_ext.costmodel.offload import balanced_pcie_savings, pcie_bytes_per_iteration, solve_offload_alpha
 from h3t_ext.costmodel.plan import CKPT_CHOICES, Plan, validate_plan
-from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, get_model, get_system, list_models, list_systems
+from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system
+from h3t_ext.costmodel.specs import (
+    ModelSpec,
+    SystemSpec,
+    get_model,
+    get_system,
+    list_models,
+    list_systems,
+    load_system_file,
+)
 
 __all__ = [
-    "CKPT_CHOICES", "Estimate", "InfeasiblePlanError", "InvalidPlanError", "ModelSpec", "Plan", "PlanError",
+    "CKPT_CHOICES", "Estimate", "FitResult", "MeasuredRun", "fit_system", "load_system_file", "InfeasiblePlanError", "InvalidPlanError", "ModelSpec", "Plan", "PlanError",
     "StageMemory", "SystemSpec", "UnknownNameError", "activation_bytes_per_layer_token", "balanced_pcie_savings",
     "chunk_activation_bytes", "estimate", "get_model", "get_system", "layer_bytes_per_local_token", "list_models",
     "list_systems", "mfu", "model_flops_per_token", "output_layer_bytes", "over_budget_error", "pcie_bytes_per_iteration",

@@ -59,6 +59,8 @@ def activation_bytes_per_layer_token(model: ModelSpec, ckpt: str, *, dtype_bytes
 def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str) -> tuple[tuple[str, int], ...]:
     if layer_spec not in ("te", "local"):
         raise ValueError(f"layer_spec must be 'te' or 'local', got {layer_spec!r}")
+    if ckpt == "selective":  # flash attention saves no s^2 scores: recomputing the core saves nothing more
+        ckpt = "no"
     if ckpt not in ("no", "full", "ours"):
         raise ValueError(f"ckpt must be 'no', 'full' or 'ours', got {ckpt!r}")
     h, hkv, f, b = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, dtype_bytes

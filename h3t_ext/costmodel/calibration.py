@@ -13,6 +13,7 @@ from h3t_ext.costmodel.estimate import estimate
 from h3t_ext.costmodel.mfu import mfu
 from h3t_ext.costmodel.offload import solve_offload_alpha
 from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.published import atc24_memory_budget_bytes, settings
 from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_system
 
 REFERENCE = DATA_DIR / "reference" / "atc24_calibration.json"
@@ -46,7 +47,7 @@ def throughput_rows() -> list[ThroughputRow]:
             num_gpus=int(r["num_gpus"]), seq_length=int(r["seq_length"]), global_batch_size=int(r["global_batch"]),
             tensor_model_parallel_size=int(r["t"]), context_parallel_size=int(r["c"]),
             pipeline_model_parallel_size=int(r["p"]), num_layers_per_virtual_pipeline_stage=int(r["l"]),
-            ckpt=r["ckpt"], offload_alpha=float(r["alpha"]),
+            ckpt=r["ckpt"], offload_alpha=float(r["alpha"]), **settings()["sources"]["atc24_65b"]["plan"],
         )
         rows.append(ThroughputRow(plan, float(r["alpha"]), float(r["tokens_per_s"])))
     return rows
@@ -56,7 +57,9 @@ def memory_points() -> list[tuple[Plan, Optional[int]]]:
     """(plan, measured max_memory_allocated or None for out-of-memory) of the memory-vs-alpha figure."""
     ref = reference()["memory_vs_alpha"]
     cfg = {k: v for k, v in ref["config"].items() if k not in ("model", "gpu")}
-    return [(Plan(**cfg, ckpt=pt["ckpt"], offload_alpha=float(pt["alpha"])), pt["bytes"]) for pt in ref["points"]]
+    run = settings()["sources"]["atc24_65b"]["plan"]
+    return [(Plan(**{**run, **cfg}, ckpt=pt["ckpt"], offload_alpha=float(pt["alpha"])), pt["bytes"])
+            for pt in ref["points"]]
 
 
 def with_efficiencies(system: SystemSpec, overrides: Mapping[str, float]) -> SystemSpec:
@@ -94,17 +97,18 @@ def calibration_report(system: Optional[SystemSpec] = None) -> CalibrationReport
     """Compare the model with every published number of the reference file."""
     h800 = get_system("h800") if system is None else system
     m65 = reference_model("llama-65b")
+    budget = atc24_memory_budget_bytes()
     alpha_err, tok_err = [], []
     for row in throughput_rows():
-        alpha = solve_offload_alpha(m65, row.plan, h800, mode="auto")
+        alpha = solve_offload_alpha(m65, row.plan, h800, memory_budget_bytes=budget, mode="auto")
         alpha_err.append(alpha - row.published_alpha)
-        est = estimate(m65, row.plan, h800)
+        est = estimate(m65, row.plan, h800, memory_budget_bytes=budget)
         tok_err.append(est.tokens_per_second / row.tokens_per_s - 1.0)
     mem_err, oom = [], []
     for plan, measured in memory_points():
         peak = estimate(m65, plan, h800).peak_memory_bytes
         if measured is None:
-            oom.append(peak > h800.default_memory_budget_bytes)
+            oom.append(peak > budget)
         else:
             mem_err.append(peak / measured - 1.0)
     demo = []

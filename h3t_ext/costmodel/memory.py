@@ -31,8 +31,9 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 from h3t_ext.costmodel.activations import (
     activation_bytes_per_layer_token,
@@ -42,7 +43,7 @@ from h3t_ext.costmodel.activations import (
     rank_offloads,
     residency_lines,
 )
-from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
 
 BF16, FP32 = 2, 4
@@ -75,7 +76,7 @@ def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
     """Parameters on pipeline rank ``stage`` (tensor-parallel shard; norms replicated)."""
     t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     h = model.hidden_size
-    n = (model.num_layers // p) * (model.params_per_layer // t + model.layer_norm_params)
+    n = plan.stage_layers(model.num_layers, stage) * (model.params_per_layer // t + model.layer_norm_params)
     vocab = model.padded_vocab_size(t) * h // t
     if stage == 0:
         n += vocab
@@ -86,12 +87,17 @@ def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
     return n
 
 
-def chunk_activation_bytes(model: ModelSpec, plan: Plan) -> int:
-    """A: saved bytes of one microbatch-chunk (l layers) on one rank."""
+def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = None) -> int:
+    """A: saved bytes of one microbatch-chunk (l layers, or the stage's layers without interleaving) on one
+    rank; ``stage`` matters only with uneven first/last stages (None: a middle stage)."""
     t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
-    layers = model.num_layers // (plan.pipeline_model_parallel_size * plan.virtual_size(model.num_layers))
+    v = plan.virtual_size(model.num_layers)
+    rank_layers = plan.layers_per_rank(model.num_layers) if stage is None else plan.stage_layers(model.num_layers, stage)
+    layers = rank_layers // v
     tokens = plan.micro_batch_size * plan.seq_length // (c * t)
-    return layers * tokens * layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t)
+    return layers * tokens * layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
+                                                         sequence_parallel=plan.sequence_parallel,
+                                                         layer_spec=LAYER_SPEC[plan.transformer_impl])
 
 
 def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
@@ -119,12 +125,18 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     return out
 
 
+def optimizer_shards(plan: Plan) -> int:
+    """Ranks the fp32 master weights and Adam states are sharded over: d with the distributed optimizer,
+    1 without."""
+    return plan.data_parallel_size if plan.use_distributed_optimizer else 1
+
+
 def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
     """The alpha-independent terms of a stage holding ``n`` parameters."""
     terms = {
         "weights": n * BF16,
         "grads": n * FP32,
-        "optimizer_states": -(-n * OPTIMIZER_BYTES_PER_PARAM // plan.data_parallel_size),
+        "optimizer_states": -(-n * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
     }
     terms.update(_transients(model, plan, stage))
     return terms
@@ -137,14 +149,31 @@ def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: 
     return act, reload
 
 
+def _stage_kind(plan: Plan, stage: int) -> int:
+    """Stages with the same kind have the same parameters, transients and chunk bytes: 0 the first, 2 the
+    last, 1 every middle one (3 when p = 1: first and last at once)."""
+    last = plan.pipeline_model_parallel_size - 1
+    return (stage == 0) * 1 + (stage == last) * 2 if stage in (0, last) else 0
+
+
+@functools.lru_cache(maxsize=8192)
+def _stage_constants(model: ModelSpec, plan: Plan, kind: int, stage: int) -> tuple[int, dict[str, int], int]:
+    """(parameters, alpha-independent terms, chunk bytes) of a stage of this kind."""
+    n = stage_params(model, plan, stage)
+    return n, _fixed_terms(model, plan, stage, n), chunk_activation_bytes(model, plan, stage)
+
+
+def _constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
+    kind = _stage_kind(plan, stage)
+    return _stage_constants(model, plan, kind, stage if kind else 1)
+
+
 def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> StageMemory:
     """Peak memory terms of pipeline rank ``stage`` with offload ratio ``alpha``."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    n = stage_params(model, plan, stage)
-    fixed = _fixed_terms(model, plan, stage, n)
-    act, reload = _activation_terms(chunk_activation_bytes(model, plan), residency_lines(p, m, v, stage),
-                                    rank_offloads(p, m, v, stage) > 0, alpha)
+    n, fixed, chunk = _constants(model, plan, stage)
+    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0, alpha)
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
@@ -155,7 +184,7 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[f
     """peak_bytes of ``stage_memory(model, plan, stage, alpha)`` as a cheap function of alpha."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    fixed = sum(_fixed_terms(model, plan, stage, stage_params(model, plan, stage)).values())
-    chunk = chunk_activation_bytes(model, plan)
+    _, terms, chunk = _constants(model, plan, stage)
+    fixed = sum(terms.values())
     lines, offloads = residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0
     return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha))

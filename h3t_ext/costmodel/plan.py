@@ -8,6 +8,18 @@ from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
 CKPT_CHOICES = ("no", "full", "ours")
+"""Checkpointing modes the runtime implements (and the planner searches)."""
+SELECTIVE = "selective"
+"""Megatron's --recompute-granularity selective: the attention core is recomputed in backward. The cost model
+prices it (published runs use it); with flash attention nothing of the core is saved anyway, so its
+activation bytes are those of 'no'."""
+PRICED_CKPT = CKPT_CHOICES + (SELECTIVE,)
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+LAYER_SPEC = {"transformer_engine": "te", "local": "local"}
+"""Layer spec of the activation byte counts (activations.py) for each --transformer-impl."""
+ATTENTION_BACKENDS = ("flash", "unfused")
+"""Megatron's attention: 'flash' (flash attention / TE fused, saves no s^2 scores) or 'unfused'
+(--no-use-flash-attn before TE: batched GEMMs and a fused softmax over s^2 scores in HBM)."""
 
 Alpha = Union[float, tuple[float, ...]]
 
@@ -41,6 +53,23 @@ class Plan:
     published throughput table ran without it)."""
     overlap_param_gather: bool = False
     """Megatron's --overlap-param-gather: parameter all-gather behind the next forward pass."""
+    tp_comm_overlap: bool = False
+    """Megatron's --tp-comm-overlap: TransformerEngine userbuffers overlap the sequence-parallel all-gathers
+    and reduce-scatters with the GEMMs (only ``tp_comm_overlap_exposed`` of them stays on the critical path)."""
+    sequence_parallel: bool = True
+    """Megatron's --sequence-parallel (with t > 1): norms and dropout on s/t tokens, all-gather /
+    reduce-scatter instead of all-reduce."""
+    use_distributed_optimizer: bool = True
+    """Megatron's --use-distributed-optimizer: fp32 master weights and Adam states sharded over d, gradients
+    reduce-scattered and parameters all-gathered; off: replicated states and a gradient all-reduce."""
+    attention_backend: str = "flash"
+    """'flash' or 'unfused' (see ATTENTION_BACKENDS)."""
+    transformer_impl: str = "transformer_engine"
+    """Megatron's --transformer-impl: 'transformer_engine' (FC2 keeps its own copy of its input) or 'local'."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Megatron's --decoder-first-pipeline-num-layers: layers of the first stage (the rest split evenly)."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Megatron's --decoder-last-pipeline-num-layers: layers of the last stage."""
 
     @property
     def data_parallel_size(self) -> int:
@@ -58,8 +87,23 @@ class Plan:
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_sample_shards)
 
     def layers_per_rank(self, num_layers: int) -> int:
-        """L / p."""
-        return num_layers // self.pipeline_model_parallel_size
+        """Layers of a middle stage: L / p, or with uneven first/last stages the rest split evenly."""
+        p = self.pipeline_model_parallel_size
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        if first is None and last is None:
+            return num_layers // p
+        middle = p - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        return rest // middle if middle > 0 else (first or last or 0)
+
+    def stage_layers(self, num_layers: int, stage: int) -> int:
+        """Layers held by pipeline rank ``stage``."""
+        p = self.pipeline_model_parallel_size
+        if stage == 0 and self.decoder_first_pipeline_num_layers is not None:
+            return self.decoder_first_pipeline_num_layers
+        if stage == p - 1 and self.decoder_last_pipeline_num_layers is not None:
+            return self.decoder_last_pipeline_num_layers
+        return self.layers_per_rank(num_layers)
 
     def virtual_size(self, num_layers: int) -> int:
         """v = (L/p) / l."""
@@ -97,7 +141,11 @@ def _validate_ranges(plan: Plan) -> None:
                  "context_parallel_size", "pipeline_model_parallel_size"):
         v = getattr(plan, name)
         _check(isinstance(v, int) and v >= 1, f"{name} must be an integer >= 1, got {v!r}")
-    _check(plan.ckpt in CKPT_CHOICES, f"ckpt must be one of {', '.join(CKPT_CHOICES)}, got {plan.ckpt!r}")
+    _check(plan.ckpt in PRICED_CKPT, f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {plan.ckpt!r}")
+    _check(plan.transformer_impl in TRANSFORMER_IMPLS,
+           f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got {plan.transformer_impl!r}")
+    _check(plan.attention_backend in ATTENTION_BACKENDS,
+           f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {plan.attention_backend!r}")
     a = plan.offload_alpha
     if not isinstance(a, (int, float)):
         _check(len(a) == plan.pipeline_model_parallel_size,
@@ -125,8 +173,21 @@ def _validate_tensor(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
 
 def _validate_pipeline(model: ModelSpec, plan: Plan) -> None:
     p, L = plan.pipeline_model_parallel_size, model.num_layers
-    _check(L % p == 0, f"num_layers ({L}) not divisible by pipeline_model_parallel_size ({p})")
+    first, last = plan.decoder_first_pipeline_num_layers, plan.decoder_last_pipeline_num_layers
     l = plan.num_layers_per_virtual_pipeline_stage
+    if first is not None or last is not None:
+        for flag, n in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
+            _check(n is None or (isinstance(n, int) and 1 <= n < L), f"{flag} must be in [1, {L - 1}], got {n!r}")
+        middle = p - (first is not None) - (last is not None)
+        rest = L - (first or 0) - (last or 0)
+        _check(p > 1 and middle >= 0 and (middle == 0 and rest == 0 or middle > 0 and rest > 0 and rest % middle == 0),
+               f"num_layers ({L}) minus the first/last stage layers ({first}, {last}) must split evenly over the "
+               f"other {max(middle, 0)} pipeline stages")
+        _check(l is None, "num_layers_per_virtual_pipeline_stage cannot be combined with uneven first/last stages "
+                          "in this cost model")
+        return
+    _check(L % p == 0, f"num_layers ({L}) not divisible by pipeline_model_parallel_size ({p}); "
+                       f"use decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers for uneven stages")
     if l is None:
         return
     _check(isinstance(l, int) and l >= 1, f"num_layers_per_virtual_pipeline_stage must be >= 1, got {l!r}")

@@ -100,7 +100,8 @@ class SystemSpec:
     hbm_bandwidth: float
     """HBM bandwidth, bytes/s."""
     default_memory_budget_bytes: int
-    """Bytes per GPU that ``max_memory_allocated`` may reach (capacity minus context, NCCL, fragmentation)."""
+    """Bytes per GPU that ``max_memory_allocated`` may reach: (HBM - CUDA context - NCCL buffers) / (1 +
+    allocator fragmentation), see ``memory_budget_from_first_principles``."""
     nvlink_bandwidth: float
     """NVLink bandwidth per GPU and direction, bytes/s."""
     network_bandwidth: float
@@ -109,10 +110,30 @@ class SystemSpec:
     """Host<->device PCIe bandwidth per GPU and direction, bytes/s."""
     gpus_per_node: int
     """GPUs sharing one NVLink domain."""
+    num_sms: int = 0
+    """Streaming multiprocessors (GEMM tiles and attention blocks are quantized into waves over them)."""
+    gemm_tile_m: int = 0
+    """Rows of the output tile cuBLAS/CUTLASS use for large bf16 GEMMs on this GPU."""
+    gemm_tile_n: int = 0
+    """Columns of that tile."""
+    kernel_launch_s: float = 0.0
+    """Launch and tail cost of one kernel, seconds."""
+    nvlink_latency_s: float = 0.0
+    """Per-step latency of an NCCL ring step inside a node, seconds."""
+    network_latency_s: float = 0.0
+    """Per-step latency of an NCCL ring step across nodes, seconds."""
+    cuda_context_bytes: int = 0
+    """Device memory of the CUDA context and the loaded kernels (outside max_memory_allocated)."""
+    allocator_fragmentation_fraction: float = 0.0
+    """Caching-allocator bytes reserved beyond max_memory_allocated, as a fraction of it."""
+    nccl_bytes_per_communicator: int = 0
+    """NCCL buffers of one communicator: send + receive x NCCL_BUFFSIZE x channels (outside max_memory_allocated)."""
     efficiencies: Mapping[str, float] = field(default_factory=dict, hash=False)
     """Fitted efficiencies (fractions of the peaks above); see ``fitted_efficiencies.json``."""
     source: str = ""
     """Where the numbers come from."""
+    efficiency_set: str = ""
+    """Name of the efficiency set (GPU family and software stack) the efficiencies came from."""
 
     def efficiency(self, key: str) -> float:
         """One fitted efficiency; a missing key is a data-file bug."""
@@ -162,20 +183,84 @@ def get_system(name: str) -> SystemSpec:
     path = DATA_DIR / "systems" / f"{name.lower()}.json"
     if not path.is_file():
         raise UnknownNameError("system", name, list_systems())
+    return system_from_dict(name.lower(), _read_json(path))
+
+
+def system_file_dict(name: str) -> dict:
+    """The raw data file of system ``name`` with its efficiency set inlined (what calibrate starts from)."""
+    path = DATA_DIR / "systems" / f"{name.lower()}.json"
+    if not path.is_file():
+        raise UnknownNameError("system", name, list_systems())
     d = _read_json(path)
-    fitted = _fitted()
-    eff_set = d.get("efficiency_set", name.lower())
-    eff = dict(fitted["efficiencies"][eff_set])
+    d["efficiencies"] = {k: v for k, v in efficiency_set(d.get("efficiency_set", name)).items() if not k.startswith("_")}
+    return d
+
+
+def load_system_file(path: str | Path) -> SystemSpec:
+    """A system file written by ``h3t-plan calibrate`` (or any file shaped like ``data/systems/*.json``;
+    its ``efficiencies`` object, when present, replaces the named efficiency set)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--system-file {path}: no such file")
+    d = _read_json(p)
+    return system_from_dict(str(d.get("name", p.stem)).lower(), d)
+
+
+def efficiency_set(name: str) -> dict:
+    """One named set of ``fitted_efficiencies.json`` over the ``shared`` set (values, plus ``_``-prefixed
+    notes)."""
+    sets = _fitted()["efficiencies"]
+    return {**sets["shared"], **sets[name]}
+
+
+def prior_efficiencies(name: str) -> dict[str, float]:
+    """Prior values (public benchmarks, ``fitted_efficiencies.json`` ``priors``) of efficiency set ``name``."""
+    priors = _fitted()["priors"]
+    return {**priors["shared"], **priors.get(name, {})}
+
+
+def plausible_ranges() -> dict[str, tuple[float, float]]:
+    """Physically plausible range of every efficiency (``fitted_efficiencies.json``, ``plausible_ranges``)."""
+    return {k: (float(v[0]), float(v[1])) for k, v in _fitted()["plausible_ranges"].items() if not k.startswith("_")}
+
+
+NCCL_COMMUNICATORS_IN_USE = 5
+"""Communicators a Megatron rank runs collectives on (and so allocates NCCL buffers for): tensor, context,
+data(-with-context), pipeline (p2p) and embedding groups."""
+
+
+def memory_budget_from_first_principles(d: dict) -> int:
+    """(HBM - CUDA context - NCCL buffers of the communicators in use) / (1 + allocator fragmentation): the
+    largest max_memory_allocated that fits, from a system file's numbers."""
+    nccl = NCCL_COMMUNICATORS_IN_USE * int(d["nccl_bytes_per_communicator"])
+    free = int(d["hbm_bytes"]) - int(d["cuda_context_bytes"]) - nccl
+    return int(free / (1.0 + float(d["allocator_fragmentation_fraction"])))
+
+
+def system_from_dict(name: str, d: dict) -> SystemSpec:
+    """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``)."""
+    eff_name = d.get("efficiency_set", name)
+    eff = dict(d["efficiencies"]) if "efficiencies" in d else efficiency_set(eff_name)
     return SystemSpec(
-        name=name.lower(),
+        name=name,
         peak_bf16_flops=float(d["peak_bf16_flops"]),
         hbm_bytes=int(d["hbm_bytes"]),
         hbm_bandwidth=float(d["hbm_bandwidth"]),
-        default_memory_budget_bytes=int(d["default_memory_budget_bytes"]),
+        default_memory_budget_bytes=memory_budget_from_first_principles(d),
         nvlink_bandwidth=float(d["nvlink_bandwidth"]),
         network_bandwidth=float(d["network_bandwidth"]),
         pcie_bandwidth=float(d["pcie_bandwidth"]),
         gpus_per_node=int(d["gpus_per_node"]),
+        num_sms=int(d["num_sms"]),
+        gemm_tile_m=int(d["gemm_tile_m"]),
+        gemm_tile_n=int(d["gemm_tile_n"]),
+        kernel_launch_s=float(d["kernel_launch_s"]),
+        nvlink_latency_s=float(d["nvlink_latency_s"]),
+        network_latency_s=float(d["network_latency_s"]),
+        cuda_context_bytes=int(d["cuda_context_bytes"]),
+        allocator_fragmentation_fraction=float(d["allocator_fragmentation_fraction"]),
+        nccl_bytes_per_communicator=int(d["nccl_bytes_per_communicator"]),
         efficiencies=MappingProxyType({k: float(v) for k, v in eff.items() if not k.startswith("_")}),
         source=d["source"],
+        efficiency_set=eff_name,
     )

@@ -1,243 +1,301 @@
-"""Iteration time: structural terms priced with the system's peaks and a few fitted efficiencies.
+"""Iteration time from the shapes each rank runs: every term is kernels (kernels.py) or collectives
+(collectives.py) priced with the system file's datasheet numbers and named efficiencies.
 
-Per microbatch and rank (all v chunks):
+Per microbatch, layer and rank (tokens T = micro_batch * s / c of the rank's context shard; with sequence
+parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T / t):
 
-* ``compute``   GEMMs (2 * tokens * params / t FLOPs forward, twice that backward) at ``gemm`` efficiency,
-                causal flash attention (2 * s^2 * h / (c t) FLOPs forward, twice that backward) at
-                ``attention`` efficiency, and memory-bound elementwise work (norms, RoPE, SwiGLU, residual
-                adds) priced by HBM bytes at ``elementwise_hbm`` efficiency. First stage: nothing extra
-                worth pricing; last stage: the output-layer GEMM and the cross entropy.
-                The weight-gradient GEMMs accumulate into the fp32 main grads (gradient-accumulation
-                fusion): every microbatch reads and writes 8 bytes per parameter, so a wgrad GEMM takes
-                max(its FLOPs at ``gemm``, those bytes at ``elementwise_hbm``) (``_wgrad``). Its intensity is
-                tokens/4 FLOP per byte (tokens = mb * s / c, t cancels); at the H800 rates it is
-                memory-bound below 4 * gemm / hbm ~ 900 tokens per GEMM. The published rows (4096+
-                tokens per GEMM) are compute-bound, so the term changes none of them.
-* ``recompute`` ckpt=ours: the two RMSNorm outputs and the SwiGLU output, memory-bound; ckpt=full:
-                one more forward of every layer.
-* ``tp_comm``   sequence-parallel all-gathers / reduce-scatters over NVLink; the fraction that the
-                userbuffer overlap does not hide is ``tp_comm_exposed``.
-* ``cp_comm``   K/V all-gather (forward), its re-gather and the reduce-scatter of the K/V gradients
-                (backward), each exposed only where a data dependency leaves nothing to hide behind
-                (``_cp_exposed``: a half of K/V cannot move before the GEMM that produces it; the overlap
-                with the QKV GEMM is on except for GQA models).
-* ``pp_p2p``    activations between pipeline ranks; overlapped in the steady state, exposed on the
-                fill/drain critical path (2 (p-1) hops).
-* ``bubble``    interleaved 1F1B: (p-1)/v of one microbatch's forward+backward on the slowest rank.
-* ``dp_exposed`` distributed optimizer: fp32 gradient reduce-scatter and bf16 parameter all-gather over
-                the data-parallel group, exposed unless the plan overlaps them (see ``_dp_exposed``).
-* ``optimizer`` Adam step on the optimizer shard and zeroing of the grad buffer (memory-bound).
-* ``offload_exposed`` PCIe copies that do not fit behind the compute action they overlap (the
-                offload hides behind the next action, a backward in the steady state; the reload behind
-                the action before the backward, a forward).
-
-Group placement follows the rank order tensor, context, data, pipeline: a group whose span
-(stride * size) fits in a node talks over NVLink, otherwise over the network.
+* GEMMs: QKV [T, h] x [h, (h + 2 h_kv)/t], projection [T, h/t] x [h/t, h], FC1 [T, h] x [h, fc1/t],
+  FC2 [T, f/t] x [f/t, h]; backward runs the data-gradient GEMM (same FLOPs) and the weight-gradient GEMM
+  that accumulates into the fp32 main grads. Each is priced by ``kernels.gemm_seconds`` (tile and wave
+  quantization over the SMs, memory-bound roofline for thin GEMMs).
+* attention: flash attention over the rank's heads (h/t) and chunk (``_attention``); with context
+  parallelism a ring of c steps in which each step's K/V exchange with the neighbour runs against that
+  step's attention block (only what outlasts the block is exposed; backward moves K/V and dK/dV).
+* element-wise: norms, residual adds, RoPE and the activation function as HBM traffic.
+* ``recompute``: ckpt=ours the norm outputs and activation function; selective the attention core forward;
+  full one more forward of every layer (and its tensor-parallel traffic).
+* ``tp_comm``: sequence parallel: 4 collectives (all-gather / reduce-scatter of [T, h]) forward, 6
+  backward; without sequence parallel 2 all-reduces each way. --tp-comm-overlap leaves
+  ``tp_comm_overlap_exposed`` of them on the critical path; without it the forward ones are exposed and the
+  backward re-gather and gradient reduce-scatter/all-reduce run against the data/weight-gradient GEMMs
+  (Megatron's async communication in the linear layers), exposed only where they outlast those GEMMs.
+* ``pp_p2p``: activations between pipeline ranks, one hop per virtual stage boundary: the first
+  microbatch's forward and the last one's backward cross all p v - 1 boundaries on the critical path
+  (2 (p v - 1) hops: at each warm-up wrap rank 0 has finished its p chunks while the microbatch still needs
+  p hops to come back); plain 1F1B also waits for the two blocking exchanges of every steady-state
+  microbatch.
+* ``bubble``: interleaved 1F1B: (p - 1)/v of one microbatch's forward + backward on the slowest rank.
+* ``dp_exposed``: gradient reduce-scatter (fp32) and parameter all-gather (bf16) with the distributed
+  optimizer, an fp32 all-reduce without it. Megatron's buckets (max(40M, 1M x d) parameters) with
+  --overlap-grad-reduce start as soon as the last microbatch's backward produces them: what outlasts that
+  backward (and, interleaved, the cool-down of the other chunks) is exposed, at least one bucket; likewise
+  --overlap-param-gather against the first forward of the next iteration.
+* ``optimizer``: Adam on the optimizer shard, gradient zeroing (memory-bound).
+* ``offload_exposed``: PCIe copies that do not fit behind the compute action they overlap.
 """
 from __future__ import annotations
 
-import collections
-import functools
 import math
-from dataclasses import dataclass
 
-from h3t_ext.costmodel.memory import stage_params
+from h3t_ext.costmodel.collectives import (
+    Link,
+    all_gather_seconds,
+    all_reduce_seconds,
+    group_link,
+    p2p_link,
+    p2p_seconds,
+)
+from h3t_ext.costmodel.kernels import (
+    BF16,
+    FP32,
+    KernelRates,
+    elementwise_seconds,
+    flash_attention_seconds,
+    gemm_seconds,
+    kernel_rates,
+    unfused_attention_seconds,
+    wgrad_seconds,
+)
+from h3t_ext.costmodel.memory import optimizer_shards, stage_params
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
-BF16, FP32 = 2, 4
+DDP_BUCKET_PARAMS = 40_000_000
+"""Megatron DDP's default bucket size: max(40M, 1M x data-parallel size) parameters."""
+DDP_BUCKET_PARAMS_PER_RANK = 1_000_000
+CROSS_ENTROPY_BYTES_PER_LOGIT = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + 4 + (4 + 4) + (4 + 4) + (4 + 2)
+"""Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard. Forward:
+cast bf16 -> fp32, max, subtract the max, exp, sum, divide (softmax kept for backward); backward: read the
+softmax, subtract the one-hot target, scale by the loss gradient, cast to bf16."""
+CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
+"""Context-parallel ring forward, per output element and step: read the step's bf16 output, read and write
+the fp32 accumulated output (the softmax-lse rescaling of TransformerEngine's ring attention)."""
+CP_MERGE_BYTES_BWD = FP32 + FP32
+"""Backward, per dQ / dK / dV element and step: read and write the fp32 gradient accumulators."""
+ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + BF16
+"""Adam step per parameter of the shard: read grad, master, m, v (fp32), write master, m, v, bf16 weight."""
 
 
-@dataclass(frozen=True)
-class _Rates:
-    gemm: float
-    attention: float
-    hbm: float
-    nvlink: float
-    network: float
-    pcie: float
-    tp_exposed: float
-
-
-def _rates(system: SystemSpec) -> _Rates:
-    e = system.efficiency
-    return _Rates(
-        gemm=system.peak_bf16_flops * e("gemm"),
-        attention=system.peak_bf16_flops * e("attention"),
-        hbm=system.hbm_bandwidth * e("elementwise_hbm"),
-        nvlink=system.nvlink_bandwidth * e("nvlink"),
-        network=system.network_bandwidth * e("network"),
-        pcie=system.pcie_bandwidth * e("pcie"),
-        tp_exposed=e("tp_comm_exposed"),
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def group_node_spread(stride: int, size: int, gpus_per_node: int) -> int:
-    """Fewest members any group of this dimension has in one of its nodes; 0 when every group lies inside
-    one node. Groups are ``inner + outer * stride * size + j * stride`` (j < size), the rank order of
-    Megatron (tensor fastest, then context, data, pipeline); the layout repeats every lcm(block, node)."""
-    block = stride * size
-    period = block * gpus_per_node // math.gcd(block, gpus_per_node)
-    fewest, crosses = size, False
-    for base in range(0, period, block):
-        for inner in range(stride):
-            nodes = collections.Counter((base + inner + j * stride) // gpus_per_node for j in range(size))
-            if len(nodes) > 1:
-                crosses = True
-                fewest = min(fewest, min(nodes.values()))
-    return fewest if crosses else 0
-
-
-def group_bandwidth(stride: int, size: int, system: SystemSpec, rates: _Rates) -> float:
-    """Per-GPU bus bandwidth of a ring collective over ``size`` ranks ``stride`` apart.
-
-    Inside a node: NVLink. Across nodes NCCL runs one ring channel per NIC, so a node holding k members
-    of the group drives k NICs; the node with the fewest members sets the pace: min(NVLink, k * network).
-    """
-    k = group_node_spread(stride, size, system.gpus_per_node)
-    return rates.nvlink if k == 0 else min(rates.nvlink, k * rates.network)
-
-
-def p2p_bandwidth(stride: int, size: int, system: SystemSpec, rates: _Rates) -> float:
-    """Bandwidth of a transfer between pipeline neighbours ``stride`` apart (one NIC when any neighbour
-    pair crosses a node; the fill/drain critical path goes through every pair)."""
-    return rates.nvlink if group_node_spread(stride, size, system.gpus_per_node) == 0 else rates.network
-
-
-def _wgrad(gemm: float, params: float, rates: _Rates) -> float:
-    """Seconds of a weight-gradient GEMM of ``gemm`` seconds' FLOPs that accumulates into the fp32 main
-    grads of ``params`` parameters (read + write, 8 bytes each): the roofline of the two."""
-    return max(gemm, 2 * FP32 * params / rates.hbm)
-
-
-def _layer_times(model: ModelSpec, plan: Plan, rates: _Rates) -> dict[str, float]:
-    """Seconds of one layer for one microbatch on one rank: forward and backward parts."""
-    t, c, s, mb = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.seq_length, plan.micro_batch_size
+def _gemms(model: ModelSpec, plan: Plan) -> tuple[tuple[int, int, int], ...]:
+    """(M, N, K) of the four GEMMs of one layer on one rank."""
+    t, tokens = plan.tensor_model_parallel_size, plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
     h, hkv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
-    seq = mb * s // c  # tokens of the rank's context shard
-    local = seq // t
-    gemm = 2 * seq * model.params_per_layer / t / rates.gemm
-    wgrad = _wgrad(gemm, model.params_per_layer / t, rates)
-    attn = 2 * mb * s * s * h / (c * t) / rates.attention
-    # elementwise bytes: norms + residual adds on local tokens, RoPE + activation on the full shard.
-    elem_bytes = BF16 * (local * 10 * h + seq * (model.fc1_width + f + 2 * (h + hkv)) / t)
-    elem = elem_bytes / rates.hbm
-    recompute_ours = BF16 * (local * 4 * h + seq * (model.fc1_width + f) / t) / rates.hbm
-    return {"gemm_f": gemm, "attn_f": attn, "elem_f": elem, "fwd": gemm + attn + elem,
-            "bwd": gemm + wgrad + 2 * attn + 2 * elem, "recompute_ours": recompute_ours,
-            "qkv_gemm": 2 * seq * (h * h + 2 * h * hkv) / t / rates.gemm,
-            "q_gemm": 2 * seq * h * h / t / rates.gemm, "kv_gemm": 2 * seq * h * hkv / t / rates.gemm}
+    return ((tokens, (h + 2 * hkv) // t, h), (tokens, h, h // t), (tokens, model.fc1_width // t, h),
+            (tokens, h, f // t))
 
 
-def _cp_exposed(gather: float, lt: dict[str, float], *, overlap: bool, full_recompute: bool) -> float:
-    """Exposed seconds of one layer's context-parallel K/V traffic (one microbatch, one rank).
+def layer_gemm_seconds(model: ModelSpec, plan: Plan, r: KernelRates) -> dict[str, float]:
+    """Forward, data-gradient and weight-gradient GEMM seconds of one layer (one microbatch, one rank),
+    and the QKV and FC1 backward GEMMs that the sequence-parallel backward communication overlaps."""
+    fwd = dgrad = wgrad = 0.0
+    per = []
+    for m, n, k in _gemms(model, plan):
+        f, d, w = gemm_seconds(m, n, k, r), gemm_seconds(m, k, n, r), wgrad_seconds(k, n, m, r)
+        fwd, dgrad, wgrad = fwd + f, dgrad + d, wgrad + w
+        per.append((f, d, w))
+    return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "qkv_dgrad": per[0][1], "qkv_wgrad": per[0][2],
+            "fc1_dgrad": per[2][1], "fc1_wgrad": per[2][2]}
 
-    ``gather``: one all-gather of the rank's K and V shards over the context-parallel group (the
-    reduce-scatter of their gradients moves the same bytes). K and V are two halves on one communication
-    stream; a half cannot be sent before the GEMM that produces it, nor consumed before it arrives.
 
-    * forward, overlap on: the QKV GEMM runs as K, V, Q; K is gathered behind the V and Q GEMMs, V behind
-      the Q GEMM; what outlasts the Q GEMM is exposed. Overlap off: the whole gather.
-    * backward, re-gather of the saved K/V shards: issued when the layer's backward starts, it runs behind
-      the MLP and output-projection backward GEMMs. ckpt=full re-runs the forward (and its gather) instead.
-    * backward, reduce-scatter of dK, dV (after the attention backward), overlap on: behind the Q part of
-      the QKV dgrad + wgrad, then dV's half behind the K part; overlap off: exposed.
-    """
-    a, gq, gkv = gather / 2, lt["q_gemm"], lt["kv_gemm"]
-    if overlap:
-        ag_v_end = max(gkv + a, 2 * gkv) + a
-        fwd = max(0.0, ag_v_end - (2 * gkv + gq))
-        start_k = max(2 * gq, a)
-        start_v = max(start_k + 2 * gkv, 2 * a)
-        rs = start_v - 2 * gq - 2 * gkv
+def _cp_link(plan: Plan, system: SystemSpec) -> Link:
+    return p2p_link(plan.tensor_model_parallel_size, plan.context_parallel_size, system)
+
+
+def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: KernelRates) -> dict[str, float]:
+    """Attention of one layer (one microbatch, one rank): forward and backward seconds including what the
+    context-parallel K/V ring leaves exposed (reported separately as ``cp_fwd``/``cp_bwd``)."""
+    t, c, s, mb = (plan.tensor_model_parallel_size, plan.context_parallel_size, plan.seq_length,
+                   plan.micro_batch_size)
+    bh, d = mb * model.num_attention_heads // t, model.kv_channels
+    if plan.attention_backend == "unfused":
+        return {"fwd": unfused_attention_seconds(bh, s // c, d, r, backward=False),
+                "bwd": unfused_attention_seconds(bh, s // c, d, r, backward=True), "cp_fwd": 0.0, "cp_bwd": 0.0}
+    if c == 1:
+        return {"fwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=False),
+                "bwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=True), "cp_fwd": 0.0,
+                "cp_bwd": 0.0}
+    # load-balanced causal ring (2c chunks): step 0 is the rank's own causal block, steps 1..c-1 are
+    # s/c queries against half of a neighbour's s/c keys
+    q = s // c
+    out = {"cp_fwd": 0.0, "cp_bwd": 0.0}
+    kv_bytes = mb * q * 2 * model.kv_hidden_size // t * BF16
+    link = _cp_link(plan, system)
+    for name, backward, bytes_per_step in (("fwd", False, kv_bytes), ("bwd", True, 2 * kv_bytes)):
+        diag = flash_attention_seconds(bh, q, q, d, r, causal=True, backward=backward)
+        off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward)
+        send = p2p_seconds(bytes_per_step, link)
+        steps = [diag] + [off] * (c - 1)
+        # every step after the first merges its partial result into fp32 accumulators
+        merge = (CP_MERGE_BYTES_BWD if backward else CP_MERGE_BYTES_FWD) * mb * q * (
+            model.hidden_size + (2 * model.kv_hidden_size if backward else 0)) // t
+        out[name] = sum(steps) + (c - 1) * elementwise_seconds(merge, r, kernels=2)
+        out["cp_" + name] = sum(max(0.0, send - x) for x in steps[:-1])
+    return out
+
+
+def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float]:
+    """(forward bytes of one layer's element-wise kernels, bytes recomputed by ckpt=ours)."""
+    t = plan.tensor_model_parallel_size
+    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    norm_tokens = tokens // t if plan.sequence_parallel else tokens
+    h, hkv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    norms = 2 * 2 * h * norm_tokens  # two norms: read h, write h
+    residual = 2 * 3 * h * norm_tokens  # two adds: read 2h, write h
+    rope = 2 * (h + hkv) * tokens // t if model.swiglu else 0  # Llama models rotate q and k
+    act = (model.fc1_width + f) * tokens // t
+    return BF16 * (norms + residual + rope + act), BF16 * (norms + act)
+
+
+def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, float]) -> tuple[float, float]:
+    """Exposed tensor-parallel communication of one layer: (forward, backward) seconds."""
+    t = plan.tensor_model_parallel_size
+    if t == 1:
+        return 0.0, 0.0
+    link = group_link(1, t, system)
+    nbytes = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size * model.hidden_size * BF16
+    if plan.sequence_parallel:
+        one = all_gather_seconds(nbytes, t, link)
+        fwd_total, bwd_total = 4 * one, 6 * one
+        bwd_overlappable = [(one, g["qkv_dgrad"]), (one, g["qkv_wgrad"]), (one, g["fc1_dgrad"]), (one, g["fc1_wgrad"])]
+        bwd_blocking = 2 * one
     else:
-        fwd, rs = gather, gather
-    if full_recompute:
-        return 2 * fwd + rs
-    regather = max(0.0, gather - 2 * (lt["gemm_f"] - lt["qkv_gemm"]))
-    return fwd + regather + rs
+        one = all_reduce_seconds(nbytes, t, link)
+        fwd_total, bwd_total = 2 * one, 2 * one
+        bwd_overlappable = [(one, g["qkv_wgrad"]), (one, g["fc1_wgrad"])]
+        bwd_blocking = 0.0
+    if plan.tp_comm_overlap:
+        e = system.efficiency("tp_comm_overlap_exposed")
+        return e * fwd_total, e * bwd_total
+    return fwd_total, bwd_blocking + sum(max(0.0, comm - gemm) for comm, gemm in bwd_overlappable)
 
 
-def _dp_exposed(plan: Plan, reduce_scatter: float, all_gather: float, v: int, cooldown: float) -> float:
-    """Exposed data-parallel seconds. Without overlap both collectives are on the critical path. With
-    --overlap-grad-reduce the reduce-scatter of chunks v-1..1 runs behind the cool-down backwards (the
-    last chunk's share stays exposed); with --overlap-param-gather the all-gather of chunks 1..v-1 runs
-    behind the next iteration's forwards (the first chunk's share stays exposed)."""
-    rs, ag = reduce_scatter, all_gather
+_CACHE_LIMIT = 65536
+_layer_cache: dict = {}
+
+
+def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
+    """Everything a layer's (or the output layer's) time depends on; a search prices many plans that share it.
+    (SystemSpec's hash leaves out its efficiencies, so their values are part of the key: fits try many.)"""
+    return (model, system, tuple(system.efficiencies.values()), plan.tensor_model_parallel_size,
+            plan.context_parallel_size, plan.seq_length,
+            plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend)
+
+
+def layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str, float]:
+    """Seconds of one layer for one microbatch on one rank, by part (memoised by shape)."""
+    key = _shape_key(model, plan, system)
+    hit = _layer_cache.get(key)
+    if hit is None:
+        if len(_layer_cache) > _CACHE_LIMIT:
+            _layer_cache.clear()
+        hit = _layer_cache[key] = (_layer_seconds(model, plan, system), head_seconds(model, plan, system))
+    return hit[0]
+
+
+def _head(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    layer_seconds(model, plan, system)
+    return _layer_cache[_shape_key(model, plan, system)][1]
+
+
+def _layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str, float]:
+    r = kernel_rates(system)
+    g = layer_gemm_seconds(model, plan, r)
+    a = attention_seconds(model, plan, system, r)
+    elem, elem_ours = _elementwise_bytes(model, plan)
+    e_fwd = elementwise_seconds(elem, r, kernels=6)
+    e_bwd = elementwise_seconds(2 * elem, r, kernels=12)
+    tp_f, tp_b = _tp_seconds(model, plan, system, g)
+    fwd = g["fwd"] + a["fwd"] + e_fwd
+    rec = {"no": 0.0, "ours": elementwise_seconds(elem_ours, r, kernels=3), "selective": a["fwd"],
+           "full": fwd}[plan.ckpt]  # its communication is in tp / cp below
+    return {"fwd": fwd, "bwd": g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd, "recompute": rec,
+            "tp": tp_f + tp_b + (tp_f if plan.ckpt == "full" else 0.0),
+            "cp": a["cp_fwd"] + a["cp_bwd"] + (a["cp_fwd"] if plan.ckpt == "full" else 0.0)}
+
+
+def head_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """Output layer and vocabulary-parallel cross entropy of one microbatch (forward + backward)."""
+    r = kernel_rates(system)
+    t = plan.tensor_model_parallel_size
+    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    h, v_shard = model.hidden_size, model.padded_vocab_size(t) // t
+    gemm = gemm_seconds(tokens, v_shard, h, r) + gemm_seconds(tokens, h, v_shard, r) + wgrad_seconds(h, v_shard, tokens, r)
+    ce = elementwise_seconds(tokens * v_shard * CROSS_ENTROPY_BYTES_PER_LOGIT, r, kernels=10)
+    return gemm + ce
+
+
+def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: float, fwd_window: float) -> float:
+    """Exposed data-parallel communication of one iteration (the stage with most parameters)."""
+    d, p = plan.data_parallel_size, plan.pipeline_model_parallel_size
+    if d == 1:
+        return 0.0
+    n = max(stage_params(model, plan, k) for k in {0, p - 1})
+    link = group_link(plan.tensor_model_parallel_size, d, system)
+    buckets = max(1, math.ceil(n / max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_RANK * d)))
+    if plan.use_distributed_optimizer:
+        grads = all_gather_seconds(n * FP32, d, link)  # reduce-scatter: same ring cost
+        params = all_gather_seconds(n * BF16, d, link)
+    else:
+        grads, params = all_reduce_seconds(n * FP32, d, link), 0.0
     if plan.overlap_grad_reduce:
-        rs = rs / v + max(0.0, (v - 1) / v * rs - cooldown)
-    if plan.overlap_param_gather:
-        ag = ag / v
-    return rs + ag
+        grads = max(grads / buckets, grads - bwd_window)
+    if plan.overlap_param_gather and params:
+        params = max(params / buckets, params - fwd_window)
+    return grads + params
 
 
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
                chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> dict[str, float]:
     """Seconds per iteration by term (they add up to the iteration time)."""
-    r = _rates(system)
-    t, c, p = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.pipeline_model_parallel_size
-    d, m, mb, s = plan.data_parallel_size, plan.num_microbatches, plan.micro_batch_size, plan.seq_length
-    v = plan.virtual_size(model.num_layers)
-    h, V = model.hidden_size, model.padded_vocab_size(t)
-    lt = _layer_times(model, plan, r)
-    layers = model.num_layers // p
-    seq = mb * s // c
-    local = seq // t
+    r = kernel_rates(system)
+    t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    m, L = plan.num_microbatches, model.num_layers
+    v = plan.virtual_size(L)
+    lt = layer_seconds(model, plan, system)
+    head = _head(model, plan, system)
+    per_layer = lt["fwd"] + lt["bwd"] + lt["recompute"] + lt["tp"] + lt["cp"]
 
-    fwd = layers * lt["fwd"]
-    bwd = layers * lt["bwd"]
-    head_gemm = 2 * seq * V * h / t / r.gemm  # output GEMM
-    head_ce = BF16 * seq * V / t * 4 / r.hbm  # cross entropy
-    head_fb = 2 * head_gemm + _wgrad(head_gemm, V * h / t, r) + 3 * head_ce  # forward + dgrad + wgrad
-    rec = {"no": 0.0, "ours": layers * lt["recompute_ours"], "full": fwd}[plan.ckpt]
+    def stage_time(k: int) -> float:
+        return plan.stage_layers(L, k) * per_layer + (head if k == p - 1 else 0.0)
 
-    # tensor parallel (sequence parallel): 4 collectives forward, 6 backward, (t-1)/t of s/c*h bf16 each
-    tp = 0.0
-    if t > 1:
-        vol = (t - 1) / t * seq * h * BF16
-        n_coll = 10 + (4 if plan.ckpt == "full" else 0)
-        tp = layers * n_coll * vol / group_bandwidth(1, t, system, r) * r.tp_exposed
-    cp = 0.0
-    if c > 1:
-        kv = (c - 1) / c * mb * s * 2 * model.kv_hidden_size * BF16 / t
-        cp = layers * _cp_exposed(kv / group_bandwidth(t, c, system, r), lt,
-                                  overlap=model.num_query_groups == model.num_attention_heads,
-                                  full_recompute=plan.ckpt == "full")
-
-    # the last rank (output layer + loss) sets the pace of the steady state
-    per_mb = fwd + bwd + head_fb + rec + tp + cp
+    slow = max({0, min(1, p - 1), p - 1}, key=stage_time)  # middle stages are alike: first, one middle, last
+    layers = plan.stage_layers(L, slow)
+    per_mb = stage_time(slow)
     bubble = (p - 1) / v * per_mb if p > 1 else 0.0
 
-    hop = local * h * BF16 / p2p_bandwidth(t * d, p, system, r) if p > 1 else 0.0
-    pp = 2 * (p - 1) * hop
+    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    # Megatron sends 1/t of the activation between stages (sequence parallel, or the scatter-gather
+    # optimization without it, which all-gathers it over NVLink on arrival)
+    hop_bytes = tokens // t * model.hidden_size * BF16
+    pp = 0.0
+    if p > 1:
+        hop = p2p_seconds(hop_bytes, p2p_link(t * plan.data_parallel_size, p, system))
+        # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
+        # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
+        # while the microbatch took p hops more to come back (and the same in the cool-down)
+        pp = 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
 
-    # offload: per chunk, the copy that does not fit behind the compute action it overlaps
     off = 0.0
     if chunk_bytes and any(a > 0 for a in alphas):
-        f_chunk = (fwd + tp / 3) / v
-        b_chunk = (bwd + rec + 2 * tp / 3) / v
-        worst = 0.0
+        f_chunk = layers * lt["fwd"] / v
+        b_chunk = layers * (lt["bwd"] + lt["recompute"]) / v
+        pcie = system.pcie_bandwidth * system.efficiency("pcie_fraction")
         for a, n in zip(alphas, offloaded_chunks):
-            copy = a * chunk_bytes / r.pcie
-            worst = max(worst, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
-        off = worst
+            copy = a * chunk_bytes / pcie
+            off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
 
-    # data parallel (distributed optimizer)
+    cooldown = 1 + (v - 1) * p / v if v > 1 else 1.0
+    bwd_window = layers * (lt["bwd"] + lt["recompute"]) * cooldown
+    fwd_window = layers * lt["fwd"] * cooldown
+    dp = _dp_seconds(model, plan, system, bwd_window, fwd_window)
     n = max(stage_params(model, plan, k) for k in {0, p - 1})
-    dp = 0.0
-    if d > 1:
-        bw = group_bandwidth(t, d, system, r)
-        rs = (d - 1) / d * n * FP32 / bw
-        ag = (d - 1) / d * n * BF16 / bw
-        dp = _dp_exposed(plan, rs, ag, v, cooldown=(v - 1) * p * (bwd + rec) / v if p > 1 else 0.0)
-    opt = n * (FP32 * 3 * 2 + BF16) / d / r.hbm + n * FP32 / r.hbm  # Adam step on the shard + zero grads
+    opt = elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, r, kernels=2)
 
     return {
-        "compute": m * (fwd + bwd + head_fb),
-        "recompute": m * rec,
-        "tp_comm": m * tp,
-        "cp_comm": m * cp,
+        "compute": m * (layers * (lt["fwd"] + lt["bwd"]) + (head if slow == p - 1 else 0.0)),
+        "recompute": m * layers * lt["recompute"],
+        "tp_comm": m * layers * lt["tp"],
+        "cp_comm": m * layers * lt["cp"],
         "pp_p2p": pp,
         "bubble": bubble,
         "dp_exposed": dp,

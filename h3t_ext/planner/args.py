@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from typing import NoReturn, Optional, Union
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
+from h3t_ext.costmodel.specs import load_system_file, system_file_dict
 from h3t_ext.planner.space import CKPT_CHOICES, SearchConstraints
 from h3t_ext.planner.units import parse_bytes
 
@@ -68,20 +70,12 @@ def _budget(text: str) -> int:
 
 
 def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
-    g = sp.add_argument_group("model (--model NAME, or the Megatron shape flags for a custom model)")
-    g.add_argument("--model", help="model name from the zoo, e.g. llama-65b; shape flags override its fields")
-    for name in _CUSTOM_MODEL_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), type=_positive_int, dest=name)
-    g.add_argument("--swiglu", dest="swiglu", action="store_const", const=True, help="SwiGLU MLP (default for custom models)")
-    g.add_argument("--no-swiglu", dest="swiglu", action="store_const", const=False, help="GeLU MLP")
-    g.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
-                   help="separate output layer (default for custom models)")
-    g.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False)
+    _add_model(sp)
     r = sp.add_argument_group("run")
     r.add_argument("--seq-length", type=_positive_int, required=True)
     r.add_argument("--num-gpus", type=_positive_int, required=True)
     r.add_argument("--global-batch-size", type=_positive_int, required=True)
-    r.add_argument("--gpu", default=DEFAULT_GPU, help=f"system name (default {DEFAULT_GPU})")
+    _add_system(r)
     r.add_argument("--memory-budget", type=_budget, help="bytes per GPU, e.g. 80000000000, 78GB, 72GiB "
                    "(default: the system's budget)")
     r.add_argument("--json", action="store_true", help="machine-readable output")
@@ -93,15 +87,43 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--ckpt", choices=CKPT_CHOICES, default=None if search else "no")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
+    p.add_argument("--tp-comm-overlap", action="store_true",
+                   help="TransformerEngine userbuffers overlap the tensor-parallel communication with the GEMMs")
+    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="tensor parallelism without sequence parallelism (all-reduces, replicated norms)")
+    p.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer", action="store_false",
+                   help="replicated optimizer states and a gradient all-reduce")
+    if not search:
+        p.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None)
+        p.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None)
     p.add_argument("--offload-alpha", type=_alpha, default="auto" if search else 0.0,
                    help="FLOAT in [0, 1] (or one per stage: 0.3,0.2,...), auto (smallest alpha that fits) or "
                    "balanced (one smallest alpha per stage)")
 
 
+def _add_system(g) -> None:
+    g.add_argument("--gpu", default=DEFAULT_GPU, help=f"system name (default {DEFAULT_GPU})")
+    g.add_argument("--system-file", default=None, metavar="PATH",
+                   help="system file (e.g. written by h3t-plan calibrate); overrides --gpu")
+
+
+def _add_model(sp: argparse.ArgumentParser) -> None:
+    g = sp.add_argument_group("model (--model NAME, or the Megatron shape flags for a custom model)")
+    g.add_argument("--model", help="model name from the zoo, e.g. llama-65b; shape flags override its fields")
+    for name in _CUSTOM_MODEL_FLAGS:
+        g.add_argument("--" + name.replace("_", "-"), type=_positive_int, dest=name)
+    g.add_argument("--swiglu", dest="swiglu", action="store_const", const=True, help="SwiGLU MLP (default for custom models)")
+    g.add_argument("--no-swiglu", dest="swiglu", action="store_const", const=False, help="GeLU MLP")
+    g.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
+                   help="separate output layer (default for custom models)")
+    g.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``h3t-plan`` parser with its ``estimate`` and ``search`` subcommands."""
     parser = _Parser(prog=PROG, description="Memory, time and MFU of Megatron training plans; search for the best.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="{estimate,search}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser,
+                                metavar="{estimate,search,calibrate}")
     est = sub.add_parser("estimate", help="one plan -> memory, time, MFU")
     _add_common(est, search=False)
     est.add_argument("--explain", action="store_true", help="print every memory term per stage and every time term")
@@ -112,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="largest micro batch to search (default: no limit)")
     srch.add_argument("--exhaustive", action="store_true",
                       help="price every micro batch (default: stop once throughput falls with the micro batch)")
+    cal = sub.add_parser("calibrate", help="fit a system file's efficiencies to measured runs")
+    _add_model(cal)
+    g = cal.add_argument_group("runs")
+    _add_system(g)
+    g.add_argument("--runs", nargs="+", required=True, metavar="FILE",
+                   help="--metrics-json files of the training driver, or CSV files (one run per row)")
+    g.add_argument("--output", required=True, metavar="PATH", help="system file to write")
+    g.add_argument("--json", action="store_true", help="machine-readable report")
     return parser
 
 
@@ -138,11 +168,24 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
 
 
 def system_from_args(ns: argparse.Namespace) -> SystemSpec:
-    """The system of ``--gpu``."""
+    """The system of ``--system-file`` or ``--gpu``."""
+    if getattr(ns, "system_file", None):
+        try:
+            return load_system_file(ns.system_file)
+        except (OSError, ValueError, KeyError) as e:
+            raise UsageError(f"argument --system-file: {e}") from None
     try:
         return get_system(ns.gpu)
     except UnknownNameError as e:
         raise UsageError(f"argument --gpu: {e}") from None
+
+
+def system_file_from_args(ns: argparse.Namespace) -> dict:
+    """The raw system file calibrate starts from (``--system-file`` or ``--gpu``'s, efficiencies inline)."""
+    if ns.system_file:
+        with open(ns.system_file, encoding="utf-8") as f:
+            return json.load(f)
+    return system_file_dict(ns.gpu)
 
 
 def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Plan:
@@ -162,6 +205,11 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Pla
         offload_alpha=alpha,
         overlap_grad_reduce=ns.overlap_grad_reduce,
         overlap_param_gather=ns.overlap_param_gather,
+        tp_comm_overlap=ns.tp_comm_overlap,
+        sequence_parallel=ns.sequence_parallel,
+        use_distributed_optimizer=ns.use_distributed_optimizer,
+        decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,
     )
 
 
@@ -177,4 +225,7 @@ def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
         ckpt=ns.ckpt,
         overlap_grad_reduce=ns.overlap_grad_reduce,
         overlap_param_gather=ns.overlap_param_gather,
+        tp_comm_overlap=ns.tp_comm_overlap,
+        sequence_parallel=ns.sequence_parallel,
+        use_distributed_optimizer=ns.use_distributed_optimizer,
     )

@@ -11,7 +11,8 @@ from rich.console import Console
 from h3t_ext.costmodel import InfeasiblePlanError, PlanError
 from h3t_ext.planner import format as fmt
 from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_from_args, model_from_args, \
-    plan_from_args, system_from_args
+    plan_from_args, system_file_from_args, system_from_args
+from h3t_ext.planner.calibrate import RunFileError, calibrate, read_runs
 from h3t_ext.planner.evaluate import evaluate
 from h3t_ext.planner.search import search
 
@@ -77,12 +78,36 @@ def _search(ns, model, system) -> int:
     return 0
 
 
+def _calibrate(ns, model, system) -> int:
+    try:
+        runs = read_runs(ns.runs, model)
+        result = calibrate(system, system_file_from_args(ns), runs)
+    except (RunFileError, OSError) as e:
+        return _fail(str(e))
+    with open(ns.output, "w", encoding="utf-8") as f:
+        json.dump(result.system_file, f, indent=1)
+        f.write("\n")
+    report = result.system_file["calibration"]
+    if ns.json:
+        print(json.dumps({**report, "output": ns.output}, indent=2))
+        return 0
+    fit = result.fit
+    print(f"calibrated {system.name} on {fit.rows} run(s): tokens/s MAE {fit.mae_before:.2%} -> {fit.mae_after:.2%}")
+    for k, v in fit.fitted.items():
+        print(f"  fitted       {k:<28} {v:.4g}  (plausible {report['fitted'][k]['plausible_range']})")
+    for k, why in fit.unidentified.items():
+        print(f"  not fitted   {k:<28} {fit.system.efficiency(k):.4g}  ({why})")
+    print(f"wrote {ns.output}; use it with --system-file {ns.output}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``h3t-plan``; returns the exit code (2 for bad input, one line on stderr)."""
     ns = build_parser().parse_args(argv)
     try:
         model, system = model_from_args(ns), system_from_args(ns)
-        return _estimate(ns, model, system) if ns.command == "estimate" else _search(ns, model, system)
+        command = {"estimate": _estimate, "search": _search, "calibrate": _calibrate}[ns.command]
+        return command(ns, model, system)
     except UsageError as e:
         return _fail(str(e))
     except PlanError as e:

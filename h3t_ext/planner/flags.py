@@ -39,8 +39,8 @@ def parse_alpha(text: str) -> Alpha:
 def megatron_flags(plan: Plan) -> list[str]:
     """The Megatron (plus h3t-ext) command-line flags that launch ``plan``.
 
-    Sequence parallelism is on whenever tensor parallelism is; the optimizer state is always
-    sharded (``--use-distributed-optimizer``), as the cost model assumes. ``--seq-length`` and
+    ``--sequence-parallel`` (with t > 1), ``--use-distributed-optimizer`` and ``--tp-comm-overlap`` follow
+    the plan's switches. ``--seq-length`` and
     the GPU count are the launcher's business and are not repeated here.
     """
     flags = ["--tensor-model-parallel-size", str(plan.tensor_model_parallel_size)]
@@ -49,9 +49,10 @@ def megatron_flags(plan: Plan) -> list[str]:
     flags += ["--pipeline-model-parallel-size", str(plan.pipeline_model_parallel_size)]
     if plan.num_layers_per_virtual_pipeline_stage is not None:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(plan.num_layers_per_virtual_pipeline_stage)]
-    if plan.tensor_model_parallel_size > 1:
+    if plan.tensor_model_parallel_size > 1 and plan.sequence_parallel:
         flags.append("--sequence-parallel")
-    flags.append("--use-distributed-optimizer")
+    if plan.use_distributed_optimizer:
+        flags.append("--use-distributed-optimizer")
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
     flags += ["--ckpt", plan.ckpt, "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
@@ -67,12 +68,15 @@ _INT_FLAGS = {
     "--global-batch-size": "global_batch_size",
 }
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer"})
-_OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather"}
+_OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
+            "--tp-comm-overlap": "tp_comm_overlap"}
 
 
 def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int) -> Plan:
     """Read a flag list made by :func:`megatron_flags` back into a :class:`Plan`."""
     fields: dict[str, object] = {}
+    seen = set(flags)
+    fields["use_distributed_optimizer"] = "--use-distributed-optimizer" in seen
     it = iter(flags)
     for flag in it:
         if flag in _SWITCHES:
@@ -91,4 +95,6 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
             fields["offload_alpha"] = parse_alpha(value)
         else:
             fields[_INT_FLAGS[flag]] = int(value)
+    if fields.get("tensor_model_parallel_size", 1) > 1:
+        fields["sequence_parallel"] = "--sequence-parallel" in seen
     return Plan(num_gpus=num_gpus, seq_length=seq_length, **fields)

@@ -89,7 +89,7 @@ def reason_category(reason: str) -> str:
 
 
 def _plan(run: tuple, layout: Layout, mb: int, ckpt: str) -> Plan:
-    num_gpus, seq_length, global_batch_size, overlap_grad_reduce, overlap_param_gather = run
+    num_gpus, seq_length, global_batch_size, switches = run
     return Plan(
         num_gpus=num_gpus,
         seq_length=seq_length,
@@ -100,8 +100,7 @@ def _plan(run: tuple, layout: Layout, mb: int, ckpt: str) -> Plan:
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=layout.num_layers_per_virtual_pipeline_stage,
         ckpt=ckpt,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
+        **switches,
     )
 
 
@@ -190,7 +189,9 @@ def search(
     col = _Collector(rejected)
     ckpts = (constraints.ckpt,) if constraints.ckpt is not None else CKPT_BY_MEMORY
     static: dict[tuple[int, int, int], Optional[ClosestInfeasible]] = {}
-    run = (num_gpus, seq_length, global_batch_size, constraints.overlap_grad_reduce, constraints.overlap_param_gather)
+    switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
+                                                      "sequence_parallel", "use_distributed_optimizer")}
+    run = (num_gpus, seq_length, global_batch_size, switches)
     for layout in layouts:
         key = (layout.tensor_model_parallel_size, layout.context_parallel_size, layout.pipeline_model_parallel_size)
         if key not in static:

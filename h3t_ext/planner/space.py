@@ -59,6 +59,12 @@ class SearchConstraints:
     """Megatron's --overlap-grad-reduce for every plan searched."""
     overlap_param_gather: bool = False
     """Megatron's --overlap-param-gather for every plan searched."""
+    tp_comm_overlap: bool = False
+    """Megatron's --tp-comm-overlap for every plan searched."""
+    sequence_parallel: bool = True
+    """Megatron's --sequence-parallel (with t > 1) for every plan searched."""
+    use_distributed_optimizer: bool = True
+    """Megatron's --use-distributed-optimizer for every plan searched."""
 
 
 @dataclass(frozen=True)

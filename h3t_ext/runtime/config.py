@@ -6,6 +6,7 @@ from typing import Sequence, Union
 
 CKPT_CHOICES = ("no", "full", "ours")
 DEVICE_MODES = ("auto", "cuda", "cpu-sync", "cpu-thread")
+STRICT_P2P_COMM_CHOICES = ("group", "pair")
 
 
 class RuntimeConfigError(ValueError):
@@ -30,11 +31,24 @@ class H3TConfig:
     """Longest wait for one pipeline send/receive before failing with an error."""
     min_offload_bytes: int = 4096
     """Saved tensors smaller than this stay on the device (not worth a copy)."""
+    strict_p2p: bool = False
+    """Run pipeline sends/receives on gloo with NCCL's semantics (``--strict-p2p``): a rank's
+    batches complete in order and a send completes only once the peer has started the batch
+    with the matching receive, so a posting order that would deadlock under NCCL ends with a
+    one-line ``P2PTimeoutError`` within ``p2p_timeout_s`` instead of passing on CPU. Costs one
+    small handshake message per transfer; no effect on NCCL groups (already strict)."""
+    strict_p2p_comm: str = "group"
+    """How strict mode maps transfers onto NCCL communicators: ``group`` (one communicator per
+    process group: all of a rank's batches in one order, the stricter) or ``pair`` (one per rank
+    pair: only the batches to the same peer are ordered)."""
 
     def __post_init__(self) -> None:
         _validate_ckpt(self.ckpt)
         _validate_alpha(self.offload_alpha)
         _validate_device_mode(self.device_mode)
+        if self.strict_p2p_comm not in STRICT_P2P_COMM_CHOICES:
+            raise RuntimeConfigError(
+                f"strict_p2p_comm must be one of {{{','.join(STRICT_P2P_COMM_CHOICES)}}}, got {self.strict_p2p_comm!r}")
         if not self.p2p_timeout_s > 0:
             raise RuntimeConfigError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
 
@@ -86,4 +100,4 @@ def resolve_device_mode(mode: str, device_type: str) -> str:
     return mode
 
 
-__all__ = ["CKPT_CHOICES", "DEVICE_MODES", "H3TConfig", "RuntimeConfigError", "resolve_device_mode"]
+__all__ = ["CKPT_CHOICES", "DEVICE_MODES", "STRICT_P2P_COMM_CHOICES", "H3TConfig", "RuntimeConfigError", "resolve_device_mode"]

@@ -1,4 +1,4 @@
-"""ckpt=no on megatron-core's local layer spec, saving what fused GPU kernels save.
+"""ckpt=no (and the final norm of every ckpt) on the local layer spec, saving what fused kernels save.
 
 The unfused ops of the local spec save more than the fused kernels the cost model counts
 (TransformerEngine/Apex RMSNorm, fused SwiGLU): torch's composite RMSNorm also saves ``x * rstd``
@@ -6,29 +6,25 @@ The unfused ops of the local spec save more than the fused kernels the cost mode
 and ``linear + offset`` besides the FC1 output. On a CPU (or a GPU without those kernels) ckpt=no
 would then hold ~1.5x the activation bytes the cost model predicts.
 
-:func:`apply_fused_saves` swaps the RMSNorm modules (the two of every layer and the final one)
-and the gated MLPs for classes that run the *same ops in the same order* (so losses and gradients
-are bitwise those of the stock modules) but mark those extra intermediates as recomputable from
-tensors that are saved anyway (:func:`~h3t_ext.runtime.recompute_ours.mark_recomputable`). Inside
+:class:`FusedSavesRMSNorm` and :class:`FusedSavesMLP`, which the h3t layer spec
+(:func:`h3t_ext.runtime.layer_specs.h3t_layer_spec` with ``ckpt='no'``, and the final norm of
+every h3t block spec) has megatron-core build, run the *same ops in the same order* as the stock
+modules (so losses and gradients are bitwise those of the stock modules) but mark those extra
+intermediates as recomputable from tensors that are saved anyway (:func:`~h3t_ext.runtime.recompute_ours.mark_recomputable`). Inside
 an :class:`~h3t_ext.runtime.activations.ActivationManager` forward scope they are then saved as
 recipes and recomputed (one elementwise op) when backward unpacks them: a norm keeps its input and
 rstd, the MLP its FC1 output and the FC2 input, as fused kernels do. Outside a manager nothing
-changes. Layers of another structure (e.g. TransformerEngine's fused spec), megatron's fused
-bias-SwiGLU and norms on CUDA (where ``F.rms_norm`` is a fused kernel) are left as they are.
+changes. megatron's fused bias-SwiGLU (``bias_activation_fusion``) and norms on CUDA (where
+``F.rms_norm`` is a fused kernel) run as they are.
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 import torch.nn.functional as F
+from megatron.core.transformer.mlp import MLP
 
-from h3t_ext.runtime.recompute_ours import (
-    UnsupportedLayerSpecError,
-    _transformer_layers,
-    _validate_layer,
-    mark_recomputable,
-)
+from h3t_ext.runtime.norms import RMSNorm
+from h3t_ext.runtime.recompute_ours import mark_recomputable
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -59,10 +55,14 @@ def rms_norm_marking(x: torch.Tensor, weight, shape: tuple, eps) -> torch.Tensor
     return scaled.mul(weight).type_as(x)
 
 
-class FusedSavesRMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` whose saved tensors are those of a fused kernel (input and rstd)."""
+class FusedSavesRMSNorm(RMSNorm):
+    """RMSNorm whose saved tensors are those of a fused kernel (input and rstd); stock ops on CUDA."""
+
+    h3t_ckpt = "no"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # F.rms_norm is a fused kernel there already
+            return super().forward(x)
         return rms_norm_marking(x, self.weight, tuple(self.normalized_shape), self.eps)
 
 
@@ -70,68 +70,27 @@ def _silu(gate: torch.Tensor) -> torch.Tensor:
     return F.silu(gate)
 
 
-def _fused_saves_mlp_class(mlp_cls: type) -> type:
-    class _FusedSavesMLP(mlp_cls):
-        def forward(self, hidden_states, per_token_scale=None, **kwargs):
-            if per_token_scale is not None:
-                return super().forward(hidden_states, per_token_scale, **kwargs)
-            y, bias = self.linear_fc1(hidden_states)
-            if bias is not None:
-                y = y + bias
-            offset = self.config.glu_linear_offset
-            gate, linear = torch.chunk(y, 2, dim=-1)  # megatron-core's unfused glu, op for op
-            act = F.silu(gate)
+class FusedSavesMLP(MLP):
+    """megatron-core's MLP whose unfused SwiGLU marks ``silu(gate)`` and ``linear + offset`` recomputable."""
+
+    h3t_ckpt = "no"
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        cfg = self.config
+        if (per_token_scale is not None or cfg.bias_activation_fusion or cfg.use_te_activation_func
+                or not cfg.gated_linear_unit or cfg.activation_func_clamp_value is not None):
+            return super().forward(hidden_states, per_token_scale, **kwargs)
+        y, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            y = y + bias
+        offset = cfg.glu_linear_offset
+        gate, linear = torch.chunk(y, 2, dim=-1)  # megatron-core's unfused glu, op for op
+        act = cfg.activation_func(gate)
+        if cfg.activation_func is F.silu:
             mark_recomputable(act, _silu, (gate,))
-            shifted = linear + offset
-            mark_recomputable(shifted, lambda lin, o=offset: lin + o, (linear,))
-            out, out_bias = self.linear_fc2(act * shifted)
-            return out, out_bias
-
-    _FusedSavesMLP.__name__ = f"FusedSaves{mlp_cls.__name__}"
-    return _FusedSavesMLP
+        shifted = linear + offset
+        mark_recomputable(shifted, lambda lin, o=offset: lin + o, (linear,))
+        return self.linear_fc2(act * shifted)
 
 
-def _composite_norm(norm) -> bool:
-    """A stock ``torch.nn.RMSNorm`` off CUDA (there ``F.rms_norm`` is a fused kernel already)."""
-    return type(norm) is torch.nn.RMSNorm and not (norm.weight is not None and norm.weight.is_cuda)
-
-
-def _final_norms(chunks: Iterable[torch.nn.Module]):
-    for chunk in chunks:
-        norm = getattr(getattr(chunk, "decoder", None), "final_layernorm", None)
-        if _composite_norm(norm):
-            yield norm
-
-
-def apply_fused_saves(model_chunks, *, layers: bool = True) -> int:
-    """Make the local spec's norms and gated MLPs save what fused kernels save (see module doc).
-
-    ``layers=False`` changes only the final norm (ckpt=ours has its own lean layers). Returns the
-    number of modules changed; unsupported layers (another spec) are skipped.
-    """
-    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
-    changed = 0
-    for norm in _final_norms(chunks):
-        norm.__class__ = FusedSavesRMSNorm
-        changed += 1
-    if not layers:
-        return changed
-    for i, layer in enumerate(_transformer_layers(chunks)):
-        try:
-            _validate_layer(layer, i)
-        except UnsupportedLayerSpecError:
-            continue
-        for name in ("input_layernorm", "pre_mlp_layernorm"):
-            if _composite_norm(getattr(layer, name)):
-                getattr(layer, name).__class__ = FusedSavesRMSNorm
-                changed += 1
-        if layer.config.bias_activation_fusion:  # megatron's fused SwiGLU already saves only its input
-            continue
-        if not getattr(layer.mlp, "_h3t_fused_saves", False) and not getattr(layer.mlp, "_h3t_ours", False):
-            layer.mlp.__class__ = _fused_saves_mlp_class(type(layer.mlp))
-            layer.mlp._h3t_fused_saves = True
-            changed += 1
-    return changed
-
-
-__all__ = ["FusedSavesRMSNorm", "apply_fused_saves", "rms_norm_marking"]
+__all__ = ["FusedSavesMLP", "FusedSavesRMSNorm", "rms_norm_marking"]

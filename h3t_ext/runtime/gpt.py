@@ -1,9 +1,13 @@
 """megatron-core GPTModel construction that runs on CPU as well as on GPU.
 
-On a GPU with TransformerEngine importable, callers may use TE's layer spec. Everywhere else
-this module gives megatron-core's local layer spec with the stock core attention replaced by
-:class:`SDPACoreAttention`, which calls ``torch.nn.functional.scaled_dot_product_attention``
-(the stock ``DotProductAttention`` takes a CUDA buffer from the global memory buffer).
+The layers come from the h3t layer spec (:mod:`h3t_ext.runtime.layer_specs`) of the chosen
+``ckpt`` and backend ('te' on a GPU with TransformerEngine, else 'local', whose core attention is
+:class:`SDPACoreAttention`: it calls ``torch.nn.functional.scaled_dot_product_attention``, where
+the stock ``DotProductAttention`` takes a CUDA buffer from the global memory buffer).
+
+:class:`H3TGPTModel` is megatron-core's GPTModel that, on a host without CUDA, keeps RoPE
+frequencies on the host and runs the sequence-parallel scatter of the embedding and the gather of
+the output layer with :mod:`h3t_ext.runtime.sequence_parallel` (megatron-core's allocate CUDA buffers).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -64,7 +69,7 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
-class _HostRotaryEmbedding(RotaryEmbedding):
+class HostRotaryEmbedding(RotaryEmbedding):
     """RoPE that keeps its frequencies on the device they are on.
 
     megatron-core's ``get_emb`` moves ``inv_freq`` to ``torch.cuda.current_device()`` when it
@@ -91,14 +96,68 @@ class _HostRotaryEmbedding(RotaryEmbedding):
         return emb[:, None, None, :]
 
 
-def _keep_rope_on_host(model: GPTModel) -> None:
-    rope = getattr(model, "rotary_pos_emb", None)
-    if isinstance(rope, RotaryEmbedding) and not torch.cuda.is_available():
-        rope.__class__ = _HostRotaryEmbedding
+class H3TGPTModel(GPTModel):
+    """megatron-core's GPTModel that runs without CUDA (RoPE, sequence-parallel embedding and output).
+
+    Takes GPTModel's arguments. Without CUDA, the RoPE module is a :class:`HostRotaryEmbedding`
+    (built from the same arguments) and, under sequence parallelism, the embedding output is
+    scattered to this rank's sequence shard by :func:`scatter_to_sequence_parallel` and the output
+    layer is an :class:`SPColumnParallelLinear` that takes over the stock layer's weight.
+    """
+
+    def __init__(self, config: TransformerConfig, *args, rotary_percent: float = 1.0, rotary_base: int = 10000,
+                 rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
+                 seq_len_interpolation_factor: Optional[float] = None, **kwargs):
+        from .sequence_parallel import ensure_host_rng_tracker, host_sequence_parallel  # noqa: PLC0415
+
+        host_sp = host_sequence_parallel(config)
+        if host_sp:
+            kwargs["scatter_embedding_sequence_parallel"] = False  # scattered in _preprocess instead
+            ensure_host_rng_tracker()
+        super().__init__(config, *args, rotary_percent=rotary_percent, rotary_base=rotary_base,
+                         rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
+                         seq_len_interpolation_factor=seq_len_interpolation_factor, **kwargs)
+        self._h3t_host_sp = host_sp
+        if isinstance(getattr(self, "rotary_pos_emb", None), RotaryEmbedding) and not torch.cuda.is_available():
+            self.rotary_pos_emb = HostRotaryEmbedding(
+                kv_channels=self.config.kv_channels, rotary_percent=rotary_percent,
+                rotary_interleaved=self.config.rotary_interleaved,
+                seq_len_interpolation_factor=seq_len_interpolation_factor, rotary_base=rotary_base,
+                rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
+                use_cpu_initialization=self.config.use_cpu_initialization, cp_group=self.pg_collection.cp)
+        if self._h3t_host_sp and self.post_process:
+            self.output_layer = self._host_output_layer(self.output_layer)
+
+    def _host_output_layer(self, stock: ColumnParallelLinear) -> ColumnParallelLinear:
+        from .sequence_parallel import SPColumnParallelLinear  # noqa: PLC0415
+
+        layer = SPColumnParallelLinear(
+            self.config.hidden_size, self.vocab_size, config=self.config, init_method=self.config.init_method,
+            bias=False, skip_bias_add=False, gather_output=stock.gather_output, skip_weight_param_allocation=True,
+            embedding_activation_buffer=self.embedding_activation_buffer, grad_output_buffer=self.grad_output_buffer,
+            tp_group=self.pg_collection.tp)
+        if stock.weight is not None:  # the stock layer's initialised weight (no second draw from the RNG)
+            layer.weight = stock.weight
+        return layer
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, padding_mask=None):
+        if self._h3t_host_sp and decoder_input is None and self.pre_process:
+            from .sequence_parallel import scatter_to_sequence_parallel  # noqa: PLC0415
+
+            tp = self.pg_collection.tp
+            decoder_input = scatter_to_sequence_parallel(
+                self.embedding(input_ids=input_ids, position_ids=position_ids), tp)
+            if padding_mask is not None:
+                padding_mask = scatter_to_sequence_parallel(padding_mask.transpose(0, 1), tp).transpose(0, 1)
+        return super()._preprocess(input_ids, position_ids, decoder_input=decoder_input,
+                                   inference_context=inference_context, packed_seq_params=packed_seq_params,
+                                   padding_mask=padding_mask)
 
 
 def local_layer_spec() -> ModuleSpec:
-    """megatron-core's local layer spec (RMSNorm) with :class:`SDPACoreAttention`."""
+    """megatron-core's stock local layer spec (RMSNorm) with :class:`SDPACoreAttention` (no h3t modules;
+    no sequence parallelism: its norm refuses it)."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
@@ -112,13 +171,26 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: Optional[int] = None,
+    ckpt: str = "no",
+    backend: str = "local",
+    core_attention: Optional[type] = None,
     layer_spec: Optional[ModuleSpec] = None,
+    pipeline_rank: Optional[int] = None,
     pg_collection=None,
 ) -> GPTModel:
-    """A Llama-style GPTModel (RoPE, untied embeddings) for one pipeline (virtual) stage."""
-    model = GPTModel(
+    """A Llama-style GPTModel (RoPE, untied embeddings) for one pipeline (virtual) stage.
+
+    Its layers come from ``h3t_layer_spec(config, ckpt=ckpt, backend=backend,
+    core_attention=core_attention)``, or from ``layer_spec`` when given (then with megatron-core's
+    default final norm); the ckpt=ours spec raises UnsupportedLayerSpecError for configs it cannot run.
+    """
+    from .layer_specs import h3t_block_spec  # noqa: PLC0415
+
+    spec = layer_spec if layer_spec is not None else h3t_block_spec(
+        config, ckpt=ckpt, backend=backend, core_attention=core_attention, vp_stage=vp_stage, pp_rank=pipeline_rank)
+    return H3TGPTModel(
         config=config,
-        transformer_layer_spec=layer_spec or local_layer_spec(),
+        transformer_layer_spec=spec,
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,
@@ -128,8 +200,6 @@ def build_gpt_model(
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
-    _keep_rope_on_host(model)
-    return model
 
 
 def build_stage_chunks(
@@ -138,10 +208,14 @@ def build_stage_chunks(
     vocab_size: int,
     max_sequence_length: int,
     pipeline_rank: int,
+    ckpt: str = "no",
+    backend: str = "local",
+    core_attention: Optional[type] = None,
     layer_spec: Optional[ModuleSpec] = None,
 ) -> list[GPTModel]:
     """Pipeline rank ``pipeline_rank``'s model chunks in virtual-stage order (sizes from ``config``):
-    the embedding on rank 0's first chunk, the output layer on the last rank's last chunk."""
+    the embedding on rank 0's first chunk, the output layer on the last rank's last chunk; layers
+    from the h3t layer spec of ``ckpt`` and ``backend`` (see :func:`build_gpt_model`)."""
     p = config.pipeline_model_parallel_size
     v = config.virtual_pipeline_model_parallel_size or 1
     assert 0 <= pipeline_rank < p, (pipeline_rank, p)
@@ -149,7 +223,8 @@ def build_stage_chunks(
         build_gpt_model(
             config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
             pre_process=pipeline_rank == 0 and c == 0, post_process=pipeline_rank == p - 1 and c == v - 1,
-            vp_stage=c if v > 1 else None, layer_spec=layer_spec,
+            vp_stage=c if v > 1 else None, ckpt=ckpt, backend=backend, core_attention=core_attention,
+            layer_spec=layer_spec, pipeline_rank=pipeline_rank,
         )
         for c in range(v)
     ]

@@ -4,9 +4,21 @@ Every transfer is posted as an asynchronous isend/irecv on the pipeline process 
 tensors' own device, so gloo on CPU and NCCL on GPU run the same code) and carries a tag that is
 unique per (direction, microbatch, sending virtual stage, tensor index): a receive can only
 match the send it was meant for. Consecutive transfers of an action list are posted together
-with ``batch_isend_irecv``. Receives are waited for when their tensor is needed, sends at the
-end of the iteration; every wait has a deadline and fails with :class:`P2PTimeoutError`
-naming the peer and the action instead of hanging.
+with ``batch_isend_irecv`` (the runs between compute actions of the builder's list,
+:func:`h3t_ext.schedule.posting.posting_batches`). Receives are waited for when their tensor is
+needed, sends at the end of the iteration.
+
+Waiting differs by backend. On gloo (CPU) every wait is a host wait with a deadline and fails
+with :class:`P2PTimeoutError` naming the peer and the action instead of hanging. On NCCL a wait
+is ``work.wait()`` without a timeout: it makes the current CUDA stream wait for the transfer and
+returns at once, so a receive is not a host synchronisation (``work.wait(timeout)`` would make
+the host poll until the transfer is done); the process group's own timeout and watchdog bound a
+transfer that never completes.
+
+``strict="group"|"pair"`` (``H3TConfig.strict_p2p``) executes the batches with NCCL's ordering
+on gloo (:mod:`h3t_ext.runtime.p2p_strict`), so a posting order that would deadlock on a GPU
+cluster deadlocks in CPU tests too and ends with one :class:`P2PTimeoutError` line. NCCL groups
+need no emulation: there the flag changes nothing.
 """
 from __future__ import annotations
 
@@ -17,12 +29,44 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .p2p_strict import StrictP2P
+
 FORWARD, BACKWARD = 0, 1
 _MAX_TENSORS = 4
 
 
 class P2PTimeoutError(RuntimeError):
     """A pipeline send or receive did not complete within ``p2p_timeout_s``."""
+
+
+def uses_stream_waits(backend: str) -> bool:
+    """True when waits on ``backend``'s works are device-stream waits (NCCL), not host waits."""
+    return "nccl" in str(backend).lower()
+
+
+def wait_work(work, timeout: datetime.timedelta, what: str, rank: int, *, stream_wait: bool) -> None:
+    """Wait for one request: ``work.wait()`` on NCCL (the current stream waits; no host poll),
+    ``work.wait(timeout)`` elsewhere; a failure is one :class:`P2PTimeoutError` line."""
+    try:
+        if stream_wait:
+            work.wait()
+        else:
+            work.wait(timeout)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if peer_is_gone(first):
+            raise P2PTimeoutError(f"pipeline rank {rank}: {what} failed: the peer process is gone ({first})") from exc
+        limit = "the process group's timeout" if stream_wait else f"{timeout.total_seconds():g}s (p2p_timeout_s)"
+        raise P2PTimeoutError(f"pipeline rank {rank}: {what} did not complete within {limit}: {first}") from exc
+
+
+PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo's TCP transport says when the other process died (as opposed to a timeout)."""
+
+
+def peer_is_gone(message: str) -> bool:
+    """True when a transport error says the peer process ended rather than that a wait timed out."""
+    return any(m in message for m in PEER_GONE_MARKERS)
 
 
 def p2p_tag(direction: int, microbatch: int, sender_stage: int, num_stages: int, index: int = 0) -> int:
@@ -45,16 +89,22 @@ class PipelineP2P:
     """Tagged asynchronous transfers on one pipeline group.
 
     ``num_stages`` is the number of virtual stages ``p * v``; ranks are ranks of ``pp_group``.
+    ``strict`` (``"group"`` or ``"pair"``, the NCCL communicator mapping to emulate) runs the
+    batches through :class:`~h3t_ext.runtime.p2p_strict.StrictP2P`; ignored on NCCL groups.
     """
 
-    def __init__(self, pp_group, num_stages: int, timeout_s: float):
+    def __init__(self, pp_group, num_stages: int, timeout_s: float, strict: Optional[str] = None):
         self.group = pp_group
         self.rank = dist.get_rank(pp_group)
         self.size = dist.get_world_size(pp_group)
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.stream_waits = uses_stream_waits(dist.get_backend(pp_group))
+        self.strict = None if strict is None or self.stream_waits else StrictP2P(pp_group, self.rank, strict, timeout_s)
+        self.posted: list[tuple[str, ...]] = []
+        """The ``what`` of every transfer of each posted batch, in posting order (for tests)."""
         self._queued: list[tuple[dist.P2POp, str, Optional[tuple]]] = []
-        self._recvs: dict[tuple, tuple[_Pending, list[torch.Tensor]]] = {}
+        self._recvs: dict[tuple, tuple] = {}
         self._sends: list[_Pending] = []
 
     # -- posting ---------------------------------------------------------------------------
@@ -82,9 +132,12 @@ class PipelineP2P:
 
     def flush(self) -> None:
         """Post every queued transfer in one ``batch_isend_irecv``; drop sends that have completed."""
+        if self.strict is not None:
+            return self._flush_strict()
         self._reap_sends()
         if not self._queued:
             return
+        self.posted.append(tuple(what for _, what, _ in self._queued))
         ops = [op for op, _, _ in self._queued]
         works = dist.batch_isend_irecv(ops)
         per_op = len(works) == len(ops)
@@ -97,6 +150,21 @@ class PipelineP2P:
             entry = self._recvs.setdefault(key, (_Pending([], what), [None] * n))
             entry[0].works.extend(pending.works)
             entry[1][i] = op.tensor
+        self._queued.clear()
+
+    def _flush_strict(self) -> None:
+        if not self._queued:
+            self.strict.progress()
+            return
+        self.posted.append(tuple(what for _, what, _ in self._queued))
+        batch = self.strict.post([(op.op is dist.isend, op.tensor, op.group_peer, op.tag, what)
+                                  for op, what, _ in self._queued])
+        for op, what, recv in self._queued:
+            if recv is None:
+                continue
+            key, i, n = recv
+            entry = self._recvs.setdefault(key, (batch, what, [None] * n))
+            entry[2][i] = op.tensor
         self._queued.clear()
 
     def _reap_sends(self) -> None:
@@ -113,6 +181,10 @@ class PipelineP2P:
     def wait_recv(self, key: tuple) -> list[torch.Tensor]:
         """The tensors received under ``key`` (posted earlier), after waiting for them."""
         self.flush()
+        if self.strict is not None:
+            batch, what, tensors = self._recvs.pop(key)
+            self.strict.wait_batch(batch, what)
+            return tensors
         pending, tensors = self._recvs.pop(key)
         self._wait(pending)
         return tensors
@@ -121,20 +193,16 @@ class PipelineP2P:
         """Wait for every posted send; receives nobody consumed are an error."""
         self.flush()
         assert not self._recvs, f"receives posted but never consumed: {sorted(self._recvs)}"
+        if self.strict is not None:
+            self.strict.wait_all()
+            return
         for pending in self._sends:
             self._wait(pending)
         self._sends.clear()
 
     def _wait(self, pending: _Pending) -> None:
         for work in pending.works:
-            try:
-                work.wait(self.timeout)
-            except RuntimeError as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise P2PTimeoutError(
-                    f"pipeline rank {self.rank}: {pending.what} did not complete within "
-                    f"{self.timeout.total_seconds():g}s (p2p_timeout_s): {first}"
-                ) from exc
+            wait_work(work, self.timeout, pending.what, self.rank, stream_wait=self.stream_waits)
 
 
-__all__ = ["BACKWARD", "FORWARD", "P2PTimeoutError", "PipelineP2P", "p2p_tag"]
+__all__ = ["BACKWARD", "FORWARD", "P2PTimeoutError", "PipelineP2P", "p2p_tag", "uses_stream_waits", "wait_work"]

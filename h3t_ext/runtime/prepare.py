@@ -1,11 +1,11 @@
-"""Start-up of the runtime on one rank: layout validation, model transforms, activation manager.
+"""Start-up of the runtime on one rank: layout validation, model checks, activation manager.
 
 :func:`validate_layout` checks an :class:`H3TConfig` against the pipeline schedule it will run
 and fails with one line (:class:`RuntimeConfigError`) on every rank alike, so no rank is left
-waiting on a peer that gave up. :class:`ModelPreparer` applies the recompute transform of the
-chosen ``ckpt`` to the model chunks once (and, on megatron-core's local spec, makes the unfused
-norms and SwiGLU save what fused kernels save: :mod:`h3t_ext.runtime.fused_saves`) and owns the
-activation manager of this stage.
+waiting on a peer that gave up. :class:`ModelPreparer` checks once per model chunk that it was
+built for the chosen ``ckpt`` (ckpt=ours and the fused saves of ckpt=no come from the h3t layer
+spec the model was built with, :mod:`h3t_ext.runtime.layer_specs`; nothing is transformed), wraps
+the layers for ckpt=full (a run-time recompute), and owns the activation manager of this stage.
 """
 from __future__ import annotations
 
@@ -73,16 +73,15 @@ def _default_manager_factory(config: H3TConfig, pipeline_rank: int, pipeline_siz
     return build_activation_manager(config, pipeline_rank, pipeline_size, device)
 
 
-def _apply_ckpt_ours(model_chunks: list) -> None:
-    try:
-        from .recompute_ours import apply_ckpt_ours
-    except ImportError as exc:
-        raise RuntimeConfigError(f"--ckpt ours needs h3t_ext.runtime.recompute_ours, not available: {exc}") from exc
-    apply_ckpt_ours(model_chunks)
+def _check_built_for(model_chunks: list, ckpt: str) -> None:
+    from .layer_specs import check_built_for
+
+    check_built_for(model_chunks, ckpt)
 
 
 class ModelPreparer:
-    """Applies the ``ckpt`` transform once per model chunk and keeps one manager per stage."""
+    """Checks each model chunk once against ``ckpt`` (wrapping it for ckpt=full) and keeps one
+    activation manager per stage."""
 
     def __init__(self, config: H3TConfig, *, manager_factory: Optional[Callable] = None):
         self.config = config
@@ -102,7 +101,9 @@ class ModelPreparer:
         return list(self._managers.values())
 
     def prepare(self, model_chunks: list, pipeline_rank: int, pipeline_size: int):
-        """Transform ``model_chunks`` for ``config.ckpt`` (once) and return this stage's manager."""
+        """Check ``model_chunks`` for ``config.ckpt`` (once) and return this stage's manager.
+
+        Raises :class:`RuntimeConfigError` (one line) when they were built for another ckpt."""
         device = next(model_chunks[0].parameters()).device
         mgr = self.manager(pipeline_rank, pipeline_size, device)
         todo = []
@@ -127,19 +128,11 @@ class ModelPreparer:
         return mgr
 
     def _transform(self, chunks: list, mgr) -> None:
-        from .fused_saves import apply_fused_saves
-
-        # Unfused local-spec norms/SwiGLU save more than fused kernels; have them save what fused
-        # kernels save (bitwise-equal results; the savings apply under an activation manager), so
-        # activation bytes (and offloaded bytes) are those the cost model prices. ckpt=ours has
-        # lean layers of its own, full recompute keeps only layer inputs: there, the final norm only.
-        apply_fused_saves(chunks, layers=self.config.ckpt == "no")
+        _check_built_for(chunks, self.config.ckpt)
         if self.config.ckpt == "full":
             from .recompute_full import apply_full_recompute
 
             apply_full_recompute(chunks, suspend=(mgr.suspended if mgr is not None else contextlib.nullcontext))
-        elif self.config.ckpt == "ours":
-            _apply_ckpt_ours(chunks)
         for m in chunks:
             object.__setattr__(m, _PREPARED, (self.config.ckpt, id(self)))
 

@@ -1,32 +1,33 @@
-"""ckpt=ours on megatron-core's local layer spec: keep GEMM outputs, recompute norms and SwiGLU.
+"""ckpt=ours: keep GEMM outputs, recompute the two norm outputs and the SwiGLU output in backward.
 
-:func:`apply_ckpt_ours` changes, in every transformer layer of the given model chunks,
+The modules here are put into transformer layers by the h3t layer spec
+(:func:`h3t_ext.runtime.layer_specs.h3t_layer_spec` with ``ckpt='ours'``); megatron-core builds them:
 
-* the two ``torch.nn.RMSNorm`` modules to an autograd function that saves only its input (its
-  backward recomputes the norm with autograd, so gradients are those of the stock module), and
-  marks its output as recomputable from that input;
-* the gated MLP to one whose SwiGLU saves only the FC1 output and marks its output (the FC2
-  input) as recomputable from it.
+* :class:`OursRMSNorm` runs an autograd function that saves only its input (its backward
+  recomputes the norm with autograd, so gradients are those of the stock module) and marks its
+  output as recomputable from that input; :func:`ours_te_norm` does the same around
+  TransformerEngine's RMSNorm (GPU);
+* :class:`OursMLP` is megatron-core's MLP whose SwiGLU saves only the FC1 output and marks its
+  output (the FC2 input) as recomputable from it.
 
 A marked tensor lives in a weak registry: storage -> (function, inputs that are saved anyway).
 When the next GEMM saves it inside an :class:`~h3t_ext.runtime.activations.ActivationManager`
 forward scope, the pack hook stores that recipe instead of the tensor and the unpack hook
 recomputes it (from inputs that may have been offloaded and reloaded). Outside a manager nothing
 changes except the saved-tensor savings of the two lean autograd functions.
-
-With ``discard_outputs=False`` the same lean functions are installed without marking: the model
-then saves what fused kernels save (norm input; FC1 output and the FC2 input), which is what the
-cost model's ``ckpt='no'`` counts.
 """
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
+from megatron.core.transformer.mlp import MLP
+
 from h3t_ext.runtime.config import RuntimeConfigError
+from h3t_ext.runtime.norms import RMSNorm
 
 
 class UnsupportedLayerSpecError(RuntimeConfigError):
@@ -115,97 +116,96 @@ def _grads_by_recompute(fn, inputs, needs, grad):
     return tuple(next(got) if t.requires_grad else None for t in leaves)
 
 
+# --------------------------------------------------------------------------- spec-time validation
+def validate_ours_config(config, where: str = "ckpt=ours") -> None:
+    """Raise :class:`UnsupportedLayerSpecError` (one line) when ``config`` cannot run ckpt=ours."""
+    if config.normalization != "RMSNorm":
+        raise UnsupportedLayerSpecError(
+            f"{where}: --normalization {config.normalization} is not supported, needs RMSNorm (the recomputed "
+            "norm outputs are RMSNorm's)")
+    if not config.gated_linear_unit or config.activation_func is not F.silu:
+        raise UnsupportedLayerSpecError(f"{where}: needs a SwiGLU MLP (--swiglu: gated_linear_unit=True, "
+                                        "activation silu)")
+    if getattr(config, "num_moe_experts", None):
+        raise UnsupportedLayerSpecError(f"{where}: needs a dense MLP; --num-experts (MoE) is not supported")
+    if config.use_te_activation_func or config.activation_func_clamp_value is not None:
+        raise UnsupportedLayerSpecError(f"{where}: TE activation functions and clamped GLU are not supported")
+    if config.recompute_granularity is not None:
+        raise UnsupportedLayerSpecError(
+            f"{where}: --recompute-granularity {config.recompute_granularity} cannot be combined with --ckpt ours")
+
+
 # --------------------------------------------------------------------------- module classes
-class _OursRMSNorm(torch.nn.RMSNorm):
-    _h3t_discard_output = True
+class OursRMSNorm(RMSNorm):
+    """RMSNorm that saves only its input and marks its output recomputable (ckpt=ours)."""
+
+    h3t_ckpt = "ours"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, eps = tuple(self.normalized_shape), self.eps
         out = _RMSNormSaveInput.apply(x, self.weight, shape, eps)
-        if self._h3t_discard_output:
-            mark_recomputable(out, lambda a, w: _rms_norm(a, w, shape, eps), (x, self.weight))
+        mark_recomputable(out, lambda a, w: _rms_norm(a, w, shape, eps), (x, self.weight))
         return out
 
 
-def _ours_mlp_class(mlp_cls: type) -> type:
-    class _OursMLP(mlp_cls):
-        _h3t_discard_output = True
+class OursMLP(MLP):
+    """megatron-core's dense MLP whose SwiGLU saves only the FC1 output and marks its output
+    (the FC2 input) recomputable (ckpt=ours)."""
 
-        def forward(self, hidden_states, per_token_scale=None, **kwargs):
-            if per_token_scale is not None:
-                raise UnsupportedLayerSpecError("ckpt=ours does not support per-token-scaled (MoE expert) MLPs")
-            y, bias = self.linear_fc1(hidden_states)
-            if bias is not None:
-                y = y + bias
-            offset = float(self.config.glu_linear_offset)
-            act = _SwiGLUSaveInput.apply(y, offset)
-            if self._h3t_discard_output:
-                mark_recomputable(act, lambda a: _swiglu(a, offset), (y,))
-            return self.linear_fc2(act)
+    h3t_ckpt = "ours"
 
-    _OursMLP.__name__ = f"Ours{mlp_cls.__name__}"
-    return _OursMLP
+    def __init__(self, config, submodules, *args, **kwargs):
+        validate_ours_config(config, "ckpt=ours MLP")
+        super().__init__(config, submodules, *args, **kwargs)
 
-
-# --------------------------------------------------------------------------- validation and transform
-def _validate_layer(layer, index: int) -> None:
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # noqa: PLC0415
-    from megatron.core.transformer.mlp import MLP  # noqa: PLC0415
-
-    where = f"ckpt=ours, transformer layer {index}"
-    cfg = layer.config
-    for name in ("input_layernorm", "pre_mlp_layernorm"):
-        norm = getattr(layer, name, None)
-        if not isinstance(norm, torch.nn.RMSNorm):
-            raise UnsupportedLayerSpecError(
-                f"{where}: {name} is {type(norm).__name__}, needs a separate torch.nn.RMSNorm (local layer spec "
-                f"with --normalization RMSNorm); fused layernorm-linear (TransformerEngine spec) is not supported")
-    attn, mlp = layer.self_attention, layer.mlp
-    if type(attn.linear_qkv) is not ColumnParallelLinear:
-        raise UnsupportedLayerSpecError(
-            f"{where}: linear_qkv is {type(attn.linear_qkv).__name__}, needs megatron-core's ColumnParallelLinear")
-    if not isinstance(mlp, MLP) or type(mlp.linear_fc1) is not ColumnParallelLinear \
-            or type(mlp.linear_fc2) is not RowParallelLinear:
-        raise UnsupportedLayerSpecError(f"{where}: needs a dense MLP with ColumnParallelLinear/RowParallelLinear")
-    if not cfg.gated_linear_unit or cfg.activation_func is not F.silu:
-        raise UnsupportedLayerSpecError(f"{where}: needs a SwiGLU MLP (gated_linear_unit=True, activation silu)")
-    if cfg.use_te_activation_func or cfg.activation_func_clamp_value is not None:
-        raise UnsupportedLayerSpecError(f"{where}: TE activation functions and clamped GLU are not supported")
-    if cfg.recompute_granularity is not None:
-        raise UnsupportedLayerSpecError(
-            f"{where}: --recompute-granularity {cfg.recompute_granularity} cannot be combined with --ckpt ours")
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        if per_token_scale is not None:
+            raise UnsupportedLayerSpecError("ckpt=ours does not support per-token-scaled (MoE expert) MLPs")
+        y, bias = self.linear_fc1(hidden_states)
+        if bias is not None:
+            y = y + bias
+        offset = float(self.config.glu_linear_offset)
+        act = _SwiGLUSaveInput.apply(y, offset)
+        mark_recomputable(act, lambda a: _swiglu(a, offset), (y,))
+        return self.linear_fc2(act)
 
 
-def _transformer_layers(model_chunks: Iterable[torch.nn.Module]):
-    from megatron.core.transformer.transformer_layer import TransformerLayer  # noqa: PLC0415
-
-    for chunk in model_chunks:
-        for m in chunk.modules():
-            if isinstance(m, TransformerLayer):
-                yield m
+_TE_CLASSES: dict = {}
 
 
-def apply_ckpt_ours(model_chunks, *, discard_outputs: bool = True) -> int:
-    """Install ckpt=ours into every transformer layer of ``model_chunks`` (a module or a list).
+def _ours_te_class(base: type) -> type:
+    """A subclass of TransformerEngine's norm ``base`` marking its output recomputable from its input
+    (TE's norm saves its input and rstd itself; the output is what the next linear would save)."""
+    if base not in _TE_CLASSES:
+        class _OursTENorm(base):
+            h3t_ckpt = "ours"
 
-    Returns the number of layers changed. Raises :class:`UnsupportedLayerSpecError` before
-    changing anything when a layer does not have the supported structure.
-    """
-    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
-    layers = list(_transformer_layers(chunks))
-    for i, layer in enumerate(layers):
-        if not isinstance(layer.input_layernorm, _OursRMSNorm):
-            _validate_layer(layer, i)
-    for layer in layers:
-        for name in ("input_layernorm", "pre_mlp_layernorm"):
-            norm = getattr(layer, name)
-            norm.__class__ = _OursRMSNorm
-            norm._h3t_discard_output = discard_outputs
-        if not getattr(layer.mlp, "_h3t_ours", False):
-            layer.mlp.__class__ = _ours_mlp_class(type(layer.mlp))
-            layer.mlp._h3t_ours = True
-        layer.mlp._h3t_discard_output = discard_outputs
-    return len(layers)
+            def _recompute(self, x):
+                return base.forward(self, x)
+
+            def forward(self, x):
+                out = super().forward(x)
+                mark_recomputable(out, self._recompute, (x,))
+                return out
+
+        _OursTENorm.__name__ = f"Ours{base.__name__}"
+        _TE_CLASSES[base] = _OursTENorm
+    return _TE_CLASSES[base]
 
 
-__all__ = ["UnsupportedLayerSpecError", "apply_ckpt_ours", "lookup_recipe", "mark_recomputable"]
+class OursTENorm:
+    """Spec entry (like megatron-core's ``TENorm``): TransformerEngine's RMSNorm whose output is
+    recomputed (ckpt=ours on the TE backend). TE is imported only when this is built."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5):
+        import transformer_engine.pytorch as te  # noqa: PLC0415
+        from megatron.core.extensions.transformer_engine import _get_extra_te_kwargs  # noqa: PLC0415
+
+        validate_ours_config(config, "ckpt=ours TE norm")
+        return _ours_te_class(te.RMSNorm)(
+            hidden_size=hidden_size, eps=eps, sequence_parallel=config.sequence_parallel,
+            zero_centered_gamma=config.layernorm_zero_centered_gamma, **_get_extra_te_kwargs(config))
+
+
+__all__ = ["OursMLP", "OursRMSNorm", "OursTENorm", "UnsupportedLayerSpecError", "lookup_recipe", "mark_recomputable",
+           "validate_ours_config"]

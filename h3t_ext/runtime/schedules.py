@@ -8,7 +8,9 @@
 keyword-only arguments and return value (the list of loss dicts of the last stage, empty
 elsewhere). All three run one loop over this rank's action list: FORWARD/BACKWARD call
 megatron-core's own ``forward_step``/``backward_step`` (they do not touch CUDA on a CPU model
-unless ``enable_autocast`` is set), sends and receives go through :class:`PipelineP2P`, and
+unless ``enable_autocast`` is set), sends and receives go through :class:`PipelineP2P` (every
+run of them between two compute actions is posted as one batch, before the compute that follows,
+so the posting order is the builder's), and
 OFFLOAD/RELOAD drive the activation manager of this stage.
 
 Gradient synchronisation follows Megatron: ``no_sync_func`` is entered for the iteration and
@@ -190,6 +192,9 @@ class H3TSchedules:
         self.config = config
         self.preparer = ModelPreparer(config, manager_factory=manager_factory)
         self._schedules: dict[tuple, Any] = {}
+        self.last_posted: list[tuple[str, ...]] = []
+        """Batches the last call posted (``what`` of each transfer): the builder's
+        :func:`~h3t_ext.schedule.posting.posting_batches` of this rank's list."""
 
     # -- Megatron's entry points -------------------------------------------------------------
     def forward_backward_no_pipelining(self, *, forward_step_func, data_iterator, model, num_microbatches,
@@ -273,7 +278,10 @@ class H3TSchedules:
             actions = [a for a in schedule.ranks[call.pp_rank] if a.kind not in (ActionKind.OFFLOAD, ActionKind.RELOAD)]
         else:
             actions = list(schedule.ranks[call.pp_rank])
-        return _Executor(call, config, self.config, manager, mode, v).run(actions)
+        executor = _Executor(call, config, self.config, manager, mode, v)
+        store = executor.run(actions)
+        self.last_posted = executor.p2p.posted if executor.p2p is not None else []
+        return store
 
 
 class _Executor:
@@ -286,7 +294,9 @@ class _Executor:
         param = next(call.model[0].parameters())
         self.device = param.device
         self.dtype = config.pipeline_dtype or param.dtype
-        self.p2p = PipelineP2P(call.pp_group, self.num_stages, h3t.p2p_timeout_s) if call.pp_size > 1 else None
+        strict = h3t.strict_p2p_comm if h3t.strict_p2p else None
+        self.p2p = PipelineP2P(call.pp_group, self.num_stages, h3t.p2p_timeout_s, strict=strict) \
+            if call.pp_size > 1 else None
         self.model_type = get_model_type(call.model[0])
         self.inputs: dict[tuple[int, int], list] = {}
         self.outputs: dict[tuple[int, int], list] = {}

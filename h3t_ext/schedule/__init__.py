@@ -10,6 +10,7 @@ from h3t_ext.schedule.builder import (
     build_schedule,
     schedule_table,
 )
+from h3t_ext.schedule.posting import posting_batches
 
 __all__ = [
     "Action",
@@ -20,5 +21,6 @@ __all__ = [
     "ScheduleConfig",
     "build_rank_actions",
     "build_schedule",
+    "posting_batches",
     "schedule_table",
 ]

@@ -9,6 +9,11 @@ Ordering follows Megatron-core 0.16's ``forward_backward_pipelining_without_inte
 ``forward_backward_pipelining_with_interleaving`` (warm-up, 1F1B steady state, cool-down, and the
 microbatch grouping of ``microbatch_group_size_per_vp_stage``).
 
+Sends and receives are placed by :mod:`h3t_ext.schedule.posting`: every run of them between
+two compute actions is one posted batch, in an order that cannot deadlock under NCCL's
+point-to-point semantics (the argument is in that module; :mod:`h3t_ext.schedule.p2p_model`
+checks it).
+
 Semantics of the offload actions (shared by the cost model and the runtime):
 
 * ``OFFLOAD(mb, chunk)`` comes right after ``FORWARD(mb, chunk)``: the copy of a fraction alpha
@@ -25,8 +30,11 @@ Semantics of the offload actions (shared by the cost model and the runtime):
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Optional
+
+from h3t_ext.schedule.posting import place_comms
 
 
 class ActionKind(str, enum.Enum):
@@ -207,29 +215,6 @@ def _compute_order(cfg: ScheduleConfig, rank: int) -> list[Action]:
     return order
 
 
-def _with_comms(cfg: ScheduleConfig, rank: int, compute: list[Action]) -> list[Action]:
-    """Wrap each compute action in the receive it needs and the send it makes."""
-    p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
-    last_stage = p * v - 1
-    prev_rank, next_rank = (rank - 1) % p, (rank + 1) % p
-    out: list[Action] = []
-    for a in compute:
-        stage = a.chunk * p + rank
-        if a.kind is ActionKind.FORWARD:
-            if stage > 0:
-                out.append(Action(ActionKind.RECV_FORWARD, a.microbatch, a.chunk, prev_rank))
-            out.append(a)
-            if stage < last_stage:
-                out.append(Action(ActionKind.SEND_FORWARD, a.microbatch, a.chunk, next_rank))
-        else:
-            if stage < last_stage:
-                out.append(Action(ActionKind.RECV_BACKWARD, a.microbatch, a.chunk, next_rank))
-            out.append(a)
-            if stage > 0:
-                out.append(Action(ActionKind.SEND_BACKWARD, a.microbatch, a.chunk, prev_rank))
-    return out
-
-
 def _with_offload(compute: list[Action], actions: list[Action]) -> list[Action]:
     """Insert OFFLOAD after each forward and RELOAD before the compute preceding its backward."""
     pos = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(compute)}
@@ -246,10 +231,10 @@ def _with_offload(compute: list[Action], actions: list[Action]) -> list[Action]:
     out: list[Action] = []
     for a in actions:
         if a in reload_before:
-            # The reload goes before the receive that feeds this compute action, so the copy
-            # is in flight while the rank waits for its input.
+            # The reload goes before the batch of transfers posted ahead of this compute action,
+            # so the copy is in flight while the rank waits for its input.
             k = len(out)
-            while k > 0 and out[k - 1].kind in (ActionKind.RECV_FORWARD, ActionKind.RECV_BACKWARD):
+            while k > 0 and out[k - 1].kind in COMM_KINDS:
                 k -= 1
             out.insert(k, reload_before[a])
         out.append(a)
@@ -258,15 +243,26 @@ def _with_offload(compute: list[Action], actions: list[Action]) -> list[Action]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def _all_rank_actions(cfg: ScheduleConfig) -> tuple[tuple[Action, ...], ...]:
+    p = cfg.pipeline_model_parallel_size
+    compute = [_compute_order(cfg, r) for r in range(p)]
+    lists = place_comms(cfg, compute)
+    if cfg.offload and not cfg.forward_only:
+        lists = [_with_offload(compute[r], lists[r]) for r in range(p)]
+    return tuple(tuple(a) for a in lists)
+
+
 def build_rank_actions(cfg: ScheduleConfig, rank: int) -> tuple[Action, ...]:
-    """Ordered action list of one pipeline rank."""
+    """Ordered action list of one pipeline rank.
+
+    Sends and receives are placed by :func:`h3t_ext.schedule.posting.place_comms` (a posting
+    order that cannot deadlock under NCCL); it needs every rank's compute order, so the lists
+    of all ranks are built (and cached per shape) together.
+    """
     if not 0 <= rank < cfg.pipeline_model_parallel_size:
         raise ValueError(f"rank {rank} outside [0, {cfg.pipeline_model_parallel_size})")
-    compute = _compute_order(cfg, rank)
-    actions = _with_comms(cfg, rank, compute)
-    if cfg.offload and not cfg.forward_only:
-        actions = _with_offload(compute, actions)
-    return tuple(actions)
+    return _all_rank_actions(cfg)[rank]
 
 
 def build_schedule(

@@ -7,6 +7,7 @@ status 2) before any rank is started.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Optional, Sequence
@@ -61,6 +62,12 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                    help="overlap the distributed optimizer's parameter all-gather with forward (GPU)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--strict-p2p", action="store_true",
+                   help="pipeline sends/receives on gloo follow NCCL's semantics (batches in order, a send waits "
+                        "for the peer's receive), so a posting order that would deadlock on GPUs fails here too")
+    g.add_argument("--strict-p2p-comm", choices=("group", "pair"), default="group",
+                   help="NCCL communicator mapping --strict-p2p emulates: one per process group (stricter) or one "
+                        "per rank pair")
 
 
 def _add_training(p: argparse.ArgumentParser) -> None:
@@ -79,6 +86,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   help="stop with one line at a non-finite loss or gradient norm (the default)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad", help="go on past non-finite values")
     g.add_argument("--seed", type=int, default=1234)
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
@@ -165,6 +176,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
     args = parser.parse_args(argv)
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        _validate_finite(args)
         _fill_model_defaults(args)
         _validate_positive(args)
         _resolve_ckpt(args)
@@ -192,6 +204,13 @@ def _fill_model_defaults(args: argparse.Namespace) -> None:
         args.lr_decay_iters = args.train_iters
 
 
+def _validate_finite(args: argparse.Namespace) -> None:
+    """Every number a flag took is finite (float() accepts 'inf' and 'nan')."""
+    for name, v in sorted(vars(args).items()):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is not a finite number")
+
+
 def _validate_positive(args: argparse.Namespace) -> None:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                  "seq_length", "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
@@ -202,7 +221,7 @@ def _validate_positive(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")
-    for name in ("lr", "adam_eps"):
+    for name in ("lr", "adam_eps", "distributed_timeout_minutes"):
         v = getattr(args, name)
         if not v > 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside (0, inf)")

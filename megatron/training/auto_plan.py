@@ -79,14 +79,12 @@ def _print_rank0(message: str) -> None:
 
 def fill_from_planner(args) -> None:
     """Search plans under the user's fixed flags and fill the others from the best one."""
-    import torch
     from h3t_ext.planner.search import search
     from h3t_ext.planner.space import SearchConstraints
-    on_gpu = torch.cuda.is_available()
     system, budget = _system_and_budget(args)
     constraints = SearchConstraints(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        context_parallel_size=args.context_parallel_size if on_gpu else 1,
+        context_parallel_size=args.context_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         micro_batch_size=args.micro_batch_size,
@@ -108,8 +106,10 @@ def fill_from_planner(args) -> None:
     args.micro_batch_size = plan.micro_batch_size
     args.ckpt = plan.ckpt
     args.offload_alpha = _alpha_text(plan)
-    args.sequence_parallel = args.sequence_parallel or (on_gpu and plan.tensor_model_parallel_size > 1)
-    args.use_distributed_optimizer = True
+    args.sequence_parallel = plan.sequence_parallel and plan.tensor_model_parallel_size > 1
+    args.use_distributed_optimizer = plan.use_distributed_optimizer
+    args.overlap_grad_reduce = plan.overlap_grad_reduce
+    args.overlap_param_gather = plan.overlap_param_gather
     args.auto_plan_flags = list(best.megatron_flags)
     est = best.evaluation.estimate
     _print_rank0(f"auto-plan ({system.name}, {result.considered} plans priced): {' '.join(best.megatron_flags)} | "

@@ -252,6 +252,11 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
 
     from h3t_ext.checkpointing import save_strategy
 
+    finite = torch.tensor([all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters())], dtype=torch.int)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite.item():
+        raise CheckpointError(f"iteration {iteration}: the model holds non-finite weights; no checkpoint written, "
+                              f"the latest stays the previous one")
     final = iter_dir(args.save, iteration)
     tmp = final + ".tmp"
     if dist.get_rank() == 0:

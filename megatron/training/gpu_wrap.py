@@ -15,6 +15,7 @@ def wrap_for_gpu(args, chunks):
     config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
                                                overlap_param_gather=args.overlap_param_gather,
+                                               check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
                                                use_distributed_optimizer=args.use_distributed_optimizer)
     wrapped = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                        disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]

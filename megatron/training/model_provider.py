@@ -1,9 +1,10 @@
-"""Llama model chunks from megatron-core's GPTModel.
+"""Llama model chunks from megatron-core's GPTModel, built with the h3t layer spec of ``--ckpt``.
 
-TransformerEngine's layer spec when TE is importable on a GPU, else megatron-core's local spec
-with h3t-ext's SDPA core attention (``h3t_ext.runtime.gpt``), or its ring attention with context
-parallelism (``h3t_ext.runtime.ring_attention``). One chunk per virtual pipeline stage; weights
-come from the generators seeded by :func:`~megatron.training.initialize.set_random_seed`
+The spec (``h3t_ext.runtime.layer_specs``) uses TransformerEngine's modules when TE is importable
+on a GPU (backend 'te'), else megatron-core's local modules with h3t-ext's SDPA core attention and
+sequence-parallel-capable norms and linears (backend 'local'), and with context parallelism on
+CPU the ring attention of ``h3t_ext.runtime.ring_attention``. One chunk per virtual pipeline stage;
+weights come from the generators seeded by :func:`~megatron.training.initialize.set_random_seed`
 (``--seed + 100 * pipeline rank``, as Megatron seeds), so every data-parallel replica starts identical.
 """
 from __future__ import annotations
@@ -18,28 +19,27 @@ from megatron.training.initialize import set_random_seed
 from megatron.training.tokenizer import padded_vocab_size
 
 
-def _te_layer_spec():
-    """TE's layer spec on a GPU with TransformerEngine, else None."""
-    if not torch.cuda.is_available():
-        return None
+def layer_spec_backend(on_gpu: bool) -> str:
+    """'te' on a GPU with TransformerEngine importable, else 'local'."""
+    if not on_gpu:
+        return "local"
     try:
         import transformer_engine  # noqa: F401
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     except ImportError:
-        return None
-    return get_gpt_layer_with_transformer_engine_spec()
+        return "local"
+    return "te"
 
 
-def _cpu_layer_spec(context_parallel_size: int):
-    """The default local spec (None) at c = 1; with context parallelism its core attention is the
-    ring attention of ``h3t_ext.runtime.ring_attention``."""
-    if context_parallel_size == 1:
+def core_attention(args, *, on_gpu: bool):
+    """None (the spec's default) except with context parallelism on CPU: the ring attention of
+    ``h3t_ext.runtime.ring_attention``, its waits bounded by ``--distributed-timeout-minutes`` (on a
+    GPU, TransformerEngine's attention does context parallelism)."""
+    if on_gpu or args.context_parallel_size == 1:
         return None
-    from h3t_ext.runtime.gpt import local_layer_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
     from h3t_ext.runtime.ring_attention import RingSDPACoreAttention
-    spec = local_layer_spec()
-    spec.submodules.self_attention.submodules.core_attention = RingSDPACoreAttention
-    return spec
+    return ModuleSpec(module=RingSDPACoreAttention, params={"cp_timeout_s": args.distributed_timeout_minutes * 60})
 
 
 def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
@@ -76,8 +76,8 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
     set_random_seed(args.seed, on_gpu=on_gpu)
     padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
-                                pipeline_rank=ps.get_pipeline_model_parallel_rank(),
-                                layer_spec=_te_layer_spec() if on_gpu else _cpu_layer_spec(args.context_parallel_size))
+                                pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=args.ckpt,
+                                backend=layer_spec_backend(on_gpu), core_attention=core_attention(args, on_gpu=on_gpu))
     if on_gpu:
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())

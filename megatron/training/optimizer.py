@@ -1,6 +1,8 @@
 """Optimizer: megatron-core's distributed optimizer on GPU, an exact equivalent on CPU.
 
-CPU path (:class:`DataParallelAdamW`): gradients are averaged over the data-parallel group with
+CPU path (:class:`DataParallelAdamW`): gradients of sequence-parallel parameters (norm weights,
+marked ``sequence_parallel=True``) are first summed over the tensor-parallel group (Megatron's
+``finalize_model_grads`` step), then gradients are averaged over the data-parallel group with
 one all-reduce of a flat buffer, the global gradient norm is summed over the model-parallel group
 (tensor-parallel replicas of a parameter counted once) and clipped as Megatron does, then AdamW
 (decoupled weight decay, no decay on 1-D weights) steps. With ``--use-distributed-optimizer``
@@ -43,13 +45,28 @@ def _shard_owners(params: list[torch.nn.Parameter], world: int) -> list[int]:
     return owners
 
 
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is NaN or infinite; one line naming the iteration and the value.
+    Raised on every rank alike (the values it looks at are reduced over all ranks), before the
+    optimizer applies anything."""
+
+
+def check_grad_norm(norm: float, iteration: int) -> None:
+    """Stop before a step with a non-finite gradient norm (``iteration`` is 1-based)."""
+    if not math.isfinite(norm):
+        raise NonFiniteError(f"iteration {iteration}: the gradient norm is {norm}; stopped before the optimizer "
+                             f"step (--no-check-for-nan-in-loss-and-grad goes on)")
+
+
 class DataParallelAdamW:
     """AdamW over this rank's chunks with data-parallel gradient averaging (CPU, gloo)."""
 
-    def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool):
+    def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool,
+                 tp_group=None):
         self.args = args
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.dp_group, self.mp_group, self.tp_rank = dp_group, model_parallel_group, tp_rank
+        self.tp_group = tp_group  # sums the gradients of sequence-parallel parameters
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_ranks = dist.get_process_group_ranks(dp_group)
@@ -73,6 +90,9 @@ class DataParallelAdamW:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        from h3t_ext.runtime.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: PLC0415
+
+        allreduce_sequence_parallel_grads(self.params, self.tp_group)
         if self.dp_size == 1:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in self.params])
@@ -109,6 +129,8 @@ class DataParallelAdamW:
         """Average, clip and apply the gradients; returns (learning rate, gradient norm)."""
         self._reduce_grads()
         norm = self._grad_norm()
+        if self.args.check_for_nan_in_loss_and_grad:
+            check_grad_norm(norm, iteration + 1)
         clip = self.args.clip_grad
         if clip > 0 and norm > clip:
             coeff = clip / (norm + 1e-6)

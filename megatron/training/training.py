@@ -8,7 +8,7 @@ counts add up to the full sequence's), computed on the last pipeline stage.
 """
 from __future__ import annotations
 
-import os
+import math
 import time
 from functools import partial
 
@@ -27,6 +27,7 @@ from megatron.training.prediction import predicted_scalars
 from megatron.training.scalars import TrainingScalars
 from megatron.training.initialize import initialize_distributed, shutdown, uses_gpu
 from megatron.training.model_provider import build_model_chunks, num_parameters
+from megatron.training.optimizer import NonFiniteError
 from megatron.training.tokenizer import padded_vocab_size, tokenizer_from_args
 from megatron.training.training_log import IterationLogger, write_metrics_json
 
@@ -55,7 +56,7 @@ def _build_optimizer(args, chunks, on_gpu: bool):
     return chunks, DataParallelAdamW(
         chunks, args, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
         model_parallel_group=ps.get_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
-        distributed=args.use_distributed_optimizer)
+        distributed=args.use_distributed_optimizer, tp_group=ps.get_tensor_model_parallel_group())
 
 
 def _iteration_loss(losses: list) -> float:
@@ -67,6 +68,17 @@ def _iteration_loss(losses: list) -> float:
     if dist.get_world_size(dp) > 1:
         dist.all_reduce(total, group=dp)
     return float(total[0] / total[1].clamp(min=1))
+
+
+def _check_loss(loss: float, iteration: int) -> None:
+    """Every rank stops at a non-finite loss (known on the last pipeline stage), naming its value."""
+    code = 0 if math.isfinite(loss) else 1 if math.isnan(loss) else 2 if loss > 0 else 3
+    flag = torch.tensor([code])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        value = ("nan", "inf", "-inf")[flag.item() - 1]
+        raise NonFiniteError(f"iteration {iteration}: the loss is {value}; stopped "
+                             f"(--no-check-for-nan-in-loss-and-grad goes on)")
 
 
 def _save(args, iteration: int, chunks, optimizer, on_gpu: bool) -> None:
@@ -111,6 +123,10 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
         from h3t_ext import kernels  # noqa: PLC0415  (only needed for this note)
 
         print(f"note: activation offload copies use {kernels.describe('cuda' if on_gpu else 'cpu')}", flush=True)
+    if config.strict_p2p:
+        effect = "no effect: NCCL is strict already" if "nccl" in str(dist.get_backend()).lower() else \
+            f"pipeline transfers follow NCCL's ordering ({config.strict_p2p_comm} communicators)"
+        print(f"note: --strict-p2p: {effect}", flush=True)
     if args.bf16 and not on_gpu:
         print("note: --bf16 has no effect on CPU; training in float32", flush=True)
     overlaps = [f for f, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
@@ -152,6 +168,8 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
                     micro_batch_size=args.micro_batch_size, forward_only=False)
         lr, norm = optimizer.step(it)
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
+        if args.check_for_nan_in_loss_and_grad:
+            _check_loss(loss if is_last_stage else 0.0, it + 1)
         rec = logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm)
         done = it + 1
         _write_scalars(args, scalars, rec, optimizer, runtime, chunks, config)
@@ -184,7 +202,8 @@ def pretrain(args) -> int:
     tokenizer = tokenizer_from_args(args)
     chunks = build_model_chunks(args, on_gpu=on_gpu, vocab_size=tokenizer.vocab_size)
     n_params = num_parameters(chunks)
-    config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
+    config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha, strict_p2p=args.strict_p2p,
+                       strict_p2p_comm=args.strict_p2p_comm, p2p_timeout_s=args.distributed_timeout_minutes * 60)
     runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
     start, load_notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])

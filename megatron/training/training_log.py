@@ -8,6 +8,7 @@ throughput measured once at start-up (printed with the run's first line).
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -26,7 +27,8 @@ def flops_per_token(args, vocab_size: int) -> float:
 
 def measured_cpu_peak_flops(n: int = 384, trials: int = 12) -> float:
     """Best dense fp32 GEMM FLOP/s of this process over a few short trials (the CPU stand-in for a peak)."""
-    a, b = torch.randn(n, n, generator=torch.Generator().manual_seed(0)), torch.randn(n, n)
+    g = torch.Generator().manual_seed(0)  # its own generator: the run's RNG streams are not touched
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     torch.mm(a, b)
     best = 0.0
     for _ in range(trials):
@@ -112,6 +114,17 @@ class IterationLogger:
             self.progress.stop()
 
 
+def _strict(x):
+    """Strict JSON: a non-finite number (a loss not known on this stage, a diverged run) is null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    return x
+
+
 def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[dict],
                        evaluations: Optional[list[dict]] = None) -> None:
     """The ``--metrics-json`` object (written by the last rank); ``evaluations`` holds one
@@ -132,5 +145,5 @@ def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[d
     }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
+        json.dump(_strict(out), f, indent=1, allow_nan=False)
     os.replace(tmp, path)

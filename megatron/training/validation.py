@@ -10,6 +10,7 @@ import argparse
 import os
 
 from megatron.training.arguments import ArgumentError
+from megatron.training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
 from megatron.training.tokenizer import TokenizerError, tokenizer_from_args
 
 
@@ -85,11 +86,9 @@ def _validate_batch(args) -> None:
 
 def _validate_sequence_parallel(args) -> None:
     t = args.tensor_model_parallel_size
-    if t == 1:
-        args.sequence_parallel = False
-    if args.sequence_parallel and not _cuda_available():
-        raise ArgumentError("--sequence-parallel needs TransformerEngine's layer spec on a GPU (megatron-core's "
-                            "local RMSNorm cannot split the sequence); on CPU leave it out")
+    if args.sequence_parallel and t == 1:
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); leave it out "
+                            "with one tensor-parallel rank")
     if args.sequence_parallel and args.seq_length % t:
         raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of --tensor-model-parallel-size {t} "
                             f"(--sequence-parallel)")
@@ -155,24 +154,22 @@ def _validate_data(args) -> None:
     if per_split and "train" not in per_split and not args.skip_train:
         raise ArgumentError("--valid-data-path/--test-data-path need --train-data-path (or --skip-train)")
     try:  # the tokenizer's files are read now, so a bad one stops every rank before any process group
-        tokenizer_from_args(args)
+        tokenizer = tokenizer_from_args(args)
     except TokenizerError as e:
         raise ArgumentError(str(e)) from None
+    try:  # and the data files: a damaged or mismatched one is one line here, not a traceback per rank
+        if args.data_path is not None and not args.skip_train:  # evaluation alone may have no training share
+            parse_split(args.split)
+    except DataFileError as e:
+        raise ArgumentError(str(e)) from None
     for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        _check_prefixes(f"--{flag.replace('_', '-')}", getattr(args, flag))
-
-
-def _check_prefixes(flag: str, items) -> None:
-    for item in items or ():
+        if getattr(args, flag) is None:
+            continue
         try:
-            float(item)
-            continue  # a blend weight
-        except ValueError:
-            pass
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(item + ext):
-                raise ArgumentError(f"{flag} {item}: {item + ext} does not exist (make it with "
-                                    f"tools/preprocess_data.py)")
+            for _, prefix in parse_blend(getattr(args, flag)):
+                check_indexed_dataset(prefix, vocab_size=tokenizer.vocab_size)
+        except DataFileError as e:  # the checks name --data-path; say which of the four flags it was
+            raise ArgumentError(str(e).replace("--data-path", "--" + flag.replace("_", "-"), 1)) from None
 
 
 def _validate_eval_and_logging(args) -> None:

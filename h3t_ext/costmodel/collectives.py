@@ -1,0 +1,92 @@
+"""Seconds of NCCL collectives and point-to-point transfers: latency plus bytes over the link they use.
+
+Ring algorithms (NCCL's default for the sizes of LLM training): an all-gather or reduce-scatter over n
+ranks takes n - 1 steps, each moving 1/n of the (gathered) buffer per rank, so a rank sends
+(n - 1)/n of the buffer at the ring's bus bandwidth; an all-reduce is a reduce-scatter plus an
+all-gather (2 (n - 1)/n). Each step also costs one link latency (``nvlink_latency_s`` inside a node,
+``network_latency_s`` across nodes; NCCL's LL128/Simple protocol base latencies).
+
+Bus bandwidth of a group (``group_bus_bandwidth``): inside one node every GPU drives its NVLink port
+(NVSwitch: any pair at full port speed), ``nvlink_bandwidth * nvlink_fraction``. Across nodes NCCL runs one
+ring channel per NIC; the boundary between two nodes is crossed once per channel, so a node holding k
+members of the group drives k NICs and the ring's bus bandwidth is min(NVLink, k * NIC) where the node with
+the fewest members sets the pace. Group placement follows Megatron's rank order (tensor fastest, then
+context, data, pipeline).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import math
+from dataclasses import dataclass
+
+from h3t_ext.costmodel.specs import SystemSpec
+
+
+@dataclass(frozen=True)
+class Link:
+    """Bus bandwidth (bytes/s per rank) and per-step latency (s) of one group's ring."""
+
+    bandwidth: float
+    latency: float
+
+
+@functools.lru_cache(maxsize=4096)
+def group_node_spread(stride: int, size: int, gpus_per_node: int) -> int:
+    """Fewest members any group of this dimension has in one of its nodes; 0 when every group lies inside
+    one node. Groups are ``inner + outer * stride * size + j * stride`` (j < size); the layout repeats
+    every lcm(block, node)."""
+    block = stride * size
+    period = block * gpus_per_node // math.gcd(block, gpus_per_node)
+    fewest, crosses = size, False
+    for base in range(0, period, block):
+        for inner in range(stride):
+            nodes = collections.Counter((base + inner + j * stride) // gpus_per_node for j in range(size))
+            if len(nodes) > 1:
+                crosses = True
+                fewest = min(fewest, min(nodes.values()))
+    return fewest if crosses else 0
+
+
+def _nvlink(system: SystemSpec) -> float:
+    return system.nvlink_bandwidth * system.efficiency("nvlink_fraction")
+
+
+def _nic(system: SystemSpec) -> float:
+    return system.network_bandwidth * system.efficiency("network_fraction")
+
+
+def group_link(stride: int, size: int, system: SystemSpec) -> Link:
+    """The ring of a group of ``size`` ranks ``stride`` apart."""
+    k = group_node_spread(stride, size, system.gpus_per_node)
+    if k == 0:
+        return Link(_nvlink(system), system.nvlink_latency_s)
+    return Link(min(_nvlink(system), k * _nic(system)), system.network_latency_s)
+
+
+def p2p_link(stride: int, size: int, system: SystemSpec) -> Link:
+    """A transfer between pipeline neighbours ``stride`` apart: one NIC when any neighbour pair crosses a
+    node (the fill/drain critical path goes through every pair), NVLink otherwise."""
+    if group_node_spread(stride, size, system.gpus_per_node) == 0:
+        return Link(_nvlink(system), system.nvlink_latency_s)
+    return Link(_nic(system), system.network_latency_s)
+
+
+def all_gather_seconds(nbytes: float, size: int, link: Link) -> float:
+    """Ring all-gather producing ``nbytes`` on every rank (reduce-scatter of an ``nbytes`` input: same)."""
+    if size <= 1:
+        return 0.0
+    return (size - 1) * link.latency + (size - 1) / size * nbytes / link.bandwidth
+
+
+reduce_scatter_seconds = all_gather_seconds
+
+
+def all_reduce_seconds(nbytes: float, size: int, link: Link) -> float:
+    """Ring all-reduce of ``nbytes``: reduce-scatter + all-gather."""
+    return 2 * all_gather_seconds(nbytes, size, link)
+
+
+def p2p_seconds(nbytes: float, link: Link) -> float:
+    """One send/recv of ``nbytes``."""
+    return link.latency + nbytes / link.bandwidth

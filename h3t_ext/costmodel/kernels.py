@@ -1,0 +1,128 @@
+"""Seconds of one kernel on one GPU: GEMMs by shape, attention by chunk length and head dim, element-wise
+work by bytes. Every rate comes from the system file (datasheet numbers and named, fitted efficiencies).
+
+GEMM (``gemm_seconds``). A GEMM C[M, N] = A[M, K] B[K, N] is cut into output tiles of
+``gemm_tile_m x gemm_tile_n`` (the CTA tile cuBLAS/CUTLASS pick for large bf16 GEMMs on the GPU); one SM
+computes one tile at a time, so the kernel runs ceil(tiles / SMs) waves (wave quantization), and a tile is
+ceil(M / tile_m) * ceil(N / tile_n) even when the edge tile is mostly empty (tile quantization). A tile
+costs its 2 * tile_m * tile_n * (K + ``gemm_tile_overhead_k``) FLOPs at the per-SM share of the achievable
+peak (``gemm_peak_fraction`` x datasheet peak / SMs); the overhead term is the prologue (pipeline fill) and
+epilogue (writing the tile) of a tile expressed as extra K, which is what makes thin-K GEMMs (small t
+shards) slow. A thin GEMM is bound by memory instead: it reads A and B and writes C at the achievable HBM
+bandwidth; the kernel takes the larger of the two (roofline), plus one launch.
+
+Attention (``flash_attention_seconds``). Flash attention forward is 4 * s_q * s_k * d FLOPs per head
+(QK^T and PV), half of it for a causal block on the diagonal; backward recomputes P and runs five
+GEMM-like products, 2.5x the forward FLOPs (Dao 2023, FlashAttention-2, Sec. 3). Work is split into
+blocks of ``ATTENTION_BLOCK_Q`` query rows per (batch, head) that are quantized into waves over the SMs
+like GEMM tiles; the head dim sets how much of the peak a block reaches: d / (d + ``attention_head_dim_overhead``)
+(softmax and rescaling are per score, matmul work per score is proportional to d). Megatron's unfused
+attention (``unfused_attention_seconds``, no flash) is two batched GEMMs plus the fused scale-mask-softmax
+over the s^2 scores in HBM.
+
+Element-wise kernels (norms, activations, residual adds, RoPE, optimizer) are priced by the bytes they
+move at ``hbm_fraction`` of the HBM bandwidth (``elementwise_seconds``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from h3t_ext.costmodel.specs import SystemSpec
+
+BF16, FP32 = 2, 4
+ATTENTION_BLOCK_Q = 128
+"""Query rows per flash-attention thread block (FlashAttention-2 forward and backward on A100/H100)."""
+UNFUSED_SOFTMAX_BYTES_FWD = (2 + 2) + (2 + 2 + 1)
+"""Bytes per attention score of the unfused forward: fused scale-mask-softmax (read bf16 scores, write bf16
+probabilities) and attention dropout (read probabilities, write the dropped copy and its 1-byte mask) --
+Korthikanti et al. 2022, Sec. 4.1: 5as^2b bytes saved per layer = 2 (softmax) + 1 (mask) + 2 (dropout)."""
+UNFUSED_SOFTMAX_BYTES_BWD = (1 + 2 + 2) + (2 + 2 + 2)
+"""Backward: dropout (read mask and gradient, write gradient), softmax (read probabilities and gradient,
+write the score gradient)."""
+FLASH_BACKWARD_FLOP_RATIO = 2.5
+"""Backward / forward FLOPs of flash attention: 5 products (S recompute, dP, dS Q->dK, dQ, dV) vs 2."""
+
+
+@dataclass(frozen=True)
+class KernelRates:
+    """Achievable rates of one GPU, from its system file."""
+
+    sms: int
+    tile_m: int
+    tile_n: int
+    tile_overhead_k: float
+    sm_flops: float
+    """Achievable dense bf16 FLOP/s of one SM on large tiles."""
+    attention_flops: float
+    """Achievable flash-attention FLOP/s of the GPU at infinite head dim."""
+    head_dim_overhead: float
+    hbm: float
+    """Achievable HBM bytes/s of element-wise kernels."""
+    launch_s: float
+
+
+@functools.lru_cache(maxsize=64)
+def kernel_rates(system: SystemSpec) -> KernelRates:
+    e = system.efficiency
+    return KernelRates(
+        sms=system.num_sms,
+        tile_m=system.gemm_tile_m,
+        tile_n=system.gemm_tile_n,
+        tile_overhead_k=e("gemm_tile_overhead_k"),
+        sm_flops=system.peak_bf16_flops * e("gemm_peak_fraction") / system.num_sms,
+        attention_flops=system.peak_bf16_flops * e("attention_peak_fraction"),
+        head_dim_overhead=e("attention_head_dim_overhead"),
+        hbm=system.hbm_bandwidth * e("hbm_fraction"),
+        launch_s=system.kernel_launch_s,
+    )
+
+
+def gemm_seconds(m: int, n: int, k: int, r: KernelRates, *, out_bytes: int = BF16, batch: int = 1) -> float:
+    """One (batched) GEMM [m, k] x [k, n] -> [m, n]: max(tile waves, HBM traffic) + launch."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    tiles = batch * (-(-m // r.tile_m)) * (-(-n // r.tile_n))
+    waves = -(-tiles // r.sms)
+    compute = waves * 2.0 * r.tile_m * r.tile_n * (k + r.tile_overhead_k) / r.sm_flops
+    memory = batch * (BF16 * (m * k + k * n) + out_bytes * m * n) / r.hbm
+    return max(compute, memory) + r.launch_s
+
+
+def wgrad_seconds(m: int, n: int, k: int, r: KernelRates, *, accumulate_fp32: bool = True) -> float:
+    """Weight-gradient GEMM dW[m, n] = X^T[m, k] dY[k, n] accumulated into fp32 main grads (read + write
+    4 bytes each) with Megatron's gradient-accumulation fusion."""
+    out = 2 * FP32 if accumulate_fp32 else BF16
+    return gemm_seconds(m, n, k, r, out_bytes=out)
+
+
+def _attention_waves(batch_heads: int, s_q: int, r: KernelRates) -> float:
+    """Quantization factor (>= 1) of flash-attention blocks over the SMs."""
+    blocks = batch_heads * -(-s_q // ATTENTION_BLOCK_Q)
+    return math.ceil(blocks / r.sms) * r.sms / blocks
+
+
+def flash_attention_seconds(batch_heads: int, s_q: int, s_k: int, head_dim: int, r: KernelRates, *,
+                            causal: bool, backward: bool) -> float:
+    """One flash-attention call of ``batch_heads`` (batch x local heads) of s_q queries over s_k keys."""
+    flops = 4.0 * batch_heads * s_q * s_k * head_dim * (0.5 if causal else 1.0)
+    if backward:
+        flops *= FLASH_BACKWARD_FLOP_RATIO
+    rate = r.attention_flops * head_dim / (head_dim + r.head_dim_overhead)
+    return flops / rate * _attention_waves(batch_heads, s_q, r) + r.launch_s
+
+
+def unfused_attention_seconds(batch_heads: int, s: int, head_dim: int, r: KernelRates, *, backward: bool) -> float:
+    """Megatron's attention without flash: QK^T and PV as batched GEMMs over the full s x s scores, plus the
+    fused scale-mask-softmax and attention dropout over the scores in HBM."""
+    bmm = gemm_seconds(s, s, head_dim, r, batch=batch_heads) + gemm_seconds(s, head_dim, s, r, batch=batch_heads)
+    scores = batch_heads * s * s
+    if backward:
+        return 2 * bmm + elementwise_seconds(scores * UNFUSED_SOFTMAX_BYTES_BWD, r, kernels=2)
+    return bmm + elementwise_seconds(scores * UNFUSED_SOFTMAX_BYTES_FWD, r, kernels=2)
+
+
+def elementwise_seconds(nbytes: float, r: KernelRates, kernels: int = 1) -> float:
+    """Memory-bound kernels moving ``nbytes`` in total."""
+    return nbytes / r.hbm + kernels * r.launch_s

@@ -1,0 +1,162 @@
+"""Published training runs as (model, plan, system, measured tokens/s per GPU), one list per source.
+
+Sources (copies under ``data/reference``): ``atc24_65b`` (the ATC '24 Llama-65B throughput table, H800),
+``megatron_h100`` (Megatron-LM's H100 weak-scaling table) and ``korthikanti`` (Korthikanti et al. 2022,
+A100). How each row becomes a Plan, and which settings the sources leave unstated and are assumed, is in
+``data/reference/run_settings.json``.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_system
+
+REFERENCE_DIR = DATA_DIR / "reference"
+SOURCES = ("atc24_65b", "megatron_h100", "korthikanti")
+"""The three held-out-checked sources of the leave-one-source-out test."""
+TRAINING_ONLY = ("atc24_demo7b",)
+"""Runs used for fitting only: the ATC '24 7B demo (A800 and H800, the only Ampere runs besides Korthikanti)."""
+MEGATRON_VOCAB = 131072
+KORTHIKANTI_VOCAB, KORTHIKANTI_SEQ = 51200, 2048
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One measured run."""
+
+    source: str
+    label: str
+    model: ModelSpec
+    plan: Plan
+    system: SystemSpec
+    tokens_per_s_per_gpu: float
+    memory_budget_bytes: Optional[int] = None
+    """The run's own memory budget when the source planned against one (ATC '24), else None (the GPU's)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _json(name: str) -> dict:
+    with open(REFERENCE_DIR / name, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def settings() -> dict:
+    """``run_settings.json``: stated and assumed settings per source."""
+    return _json("run_settings.json")
+
+
+def _gpt(label: str, heads: int, hidden: int, layers: int, vocab: int) -> ModelSpec:
+    return ModelSpec(name=label, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                     num_query_groups=heads, ffn_hidden_size=4 * hidden, vocab_size=vocab, swiglu=False,
+                     untie_embeddings_and_output_weights=False)
+
+
+def megatron_flops_per_token(model: ModelSpec, seq_length: int) -> float:
+    """Megatron-LM's training FLOPs per token (training.py num_floating_point_operations): 12 L h^2 (1 +
+    g/a + s/h + f/h + V_pad/(2 L h)) with non-causal attention and the vocabulary padded to 128."""
+    L, h = model.num_layers, model.hidden_size
+    ratio = model.num_query_groups / model.num_attention_heads
+    return 12 * L * h * h * (1 + ratio + seq_length / h + model.ffn_hidden_size / h
+                             + model.padded_vocab_size(1) / (2 * L * h))
+
+
+def _atc24() -> list[PublishedRun]:
+    ref = _json("atc24_calibration.json")
+    cfg = settings()["sources"]["atc24_65b"]
+    model = ModelSpec(name="llama-65b", **ref["models"]["llama-65b"])
+    system = get_system(cfg["system"])
+    runs = []
+    for r in ref["throughput_table"]:
+        plan = Plan(num_gpus=int(r["num_gpus"]), seq_length=int(r["seq_length"]), global_batch_size=int(r["global_batch"]),
+                    tensor_model_parallel_size=int(r["t"]), context_parallel_size=int(r["c"]),
+                    pipeline_model_parallel_size=int(r["p"]), num_layers_per_virtual_pipeline_stage=int(r["l"]),
+                    ckpt=r["ckpt"], offload_alpha=float(r["alpha"]), **cfg["plan"])
+        label = f"65B {r['num_gpus']} GPUs t{r['t']} p{r['p']} {r['ckpt']}"
+        runs.append(PublishedRun("atc24_65b", label, model, plan, system,
+                                 float(r["tokens_per_s"]) / int(r["num_gpus"]), cfg["memory_budget_bytes"]))
+    return runs
+
+
+def _demo7b() -> list[PublishedRun]:
+    ref = _json("atc24_calibration.json")
+    cfg = settings()["sources"]["atc24_65b"]
+    model = ModelSpec(name="llama-7b", **ref["models"]["llama-7b"])
+    runs = []
+    for r in ref["demo7b"]:
+        if r["method"] == "origin-megatron":  # stock Megatron's recompute path, not the plan's runtime
+            continue
+        plan = Plan(num_gpus=r["num_gpus"], seq_length=r["seq_length"], global_batch_size=r["global_batch_size"],
+                    tensor_model_parallel_size=r["t"], context_parallel_size=r["c"], pipeline_model_parallel_size=r["p"],
+                    num_layers_per_virtual_pipeline_stage=r["l"], ckpt=r["ckpt"], offload_alpha=float(r["alpha"]),
+                    **cfg["plan"])
+        runs.append(PublishedRun("atc24_demo7b", f"7B demo {r['gpu']} {r['method']}", model, plan,
+                                 get_system(r["gpu"]), float(r["tokens_per_s_per_gpu"]), cfg["memory_budget_bytes"]))
+    return runs
+
+
+def _megatron() -> list[PublishedRun]:
+    cfg = settings()["sources"]["megatron_h100"]
+    system = get_system(cfg["system"])
+    runs = []
+    for row in _json("external_calibration.json")["rows"]:
+        if row["source"] != "megatron_h100":
+            continue
+        r = row["published"]
+        model = _gpt(f"gpt-{r['model_size'].lower()}", r["attention_heads"], r["hidden_size"], r["num_layers"],
+                     MEGATRON_VOCAB)
+        # one microbatch per replica without a pipeline, one sample per microbatch with one (run_settings.json)
+        mb = r["batch_size"] // r["dp"] if r["pp"] == 1 else 1
+        plan = Plan(num_gpus=r["num_gpus"], seq_length=4096, global_batch_size=r["batch_size"], micro_batch_size=mb,
+                    tensor_model_parallel_size=r["tp"], pipeline_model_parallel_size=r["pp"],
+                    num_layers_per_virtual_pipeline_stage=cfg["num_layers_per_virtual_pipeline_stage"].get(r["model_size"]),
+                    **{k: v for k, v in cfg["plan"].items() if k != "micro_batch_size"})
+        tokens = r["per_gpu_tflops"] * 1e12 / megatron_flops_per_token(model, 4096)
+        runs.append(PublishedRun("megatron_h100", f"{r['model_size']} {r['num_gpus']} GPUs", model, plan, system, tokens))
+    return runs
+
+
+def _korthikanti() -> list[PublishedRun]:
+    cfg = settings()["sources"]["korthikanti"]
+    system = get_system(cfg["system"])
+    runs = []
+    for row in _json("external_calibration.json")["rows"]:
+        if row["source"] != "korthikanti":
+            continue
+        r = row["published"]
+        model = _gpt(f"gpt-{r['model_size'].split()[0].lower()}", r["attention_heads"], r["hidden_size"],
+                     r["num_layers"], KORTHIKANTI_VOCAB)
+        base = Plan(num_gpus=r["num_gpus"], seq_length=KORTHIKANTI_SEQ, global_batch_size=r["global_batch"],
+                    micro_batch_size=r["micro_batch"], tensor_model_parallel_size=r["tp"],
+                    pipeline_model_parallel_size=r["pp"],
+                    num_layers_per_virtual_pipeline_stage=cfg["num_layers_per_virtual_pipeline_stage"].get(r["model_size"]),
+                    **cfg["plan"])
+        present = r["iter_time_present_work_s"]
+        if "iter_time_full_recompute_s" in r:
+            full = r["iter_time_full_recompute_s"]
+        else:  # 2240 GPUs: same work at the published full-recompute MFU
+            full = present * float(r["mfu_present"].rstrip("%")) / float(r["mfu_full_recompute"].rstrip("%"))
+        tokens = r["global_batch"] * KORTHIKANTI_SEQ / r["num_gpus"]
+        for mode, seconds, plan in (("selective+SP", present, replace(base, ckpt="selective", sequence_parallel=True)),
+                                    ("full", full, replace(base, ckpt="full", sequence_parallel=False))):
+            runs.append(PublishedRun("korthikanti", f"{r['model_size']} {r['num_gpus']} GPUs {mode}", model, plan,
+                                     system, tokens / seconds))
+    return runs
+
+
+def atc24_memory_budget_bytes() -> int:
+    """The memory budget the ATC '24 runs planned their alphas against (run_settings.json)."""
+    return int(settings()["sources"]["atc24_65b"]["memory_budget_bytes"])
+
+
+def published_runs(source: str | None = None) -> list[PublishedRun]:
+    """The runs of one source (or all of them)."""
+    loaders = {"atc24_65b": _atc24, "megatron_h100": _megatron, "korthikanti": _korthikanti,
+               "atc24_demo7b": _demo7b}
+    if source is not None and source not in loaders:
+        raise ValueError(f"source must be one of {', '.join(loaders)}, got {source!r}")
+    names = SOURCES + TRAINING_ONLY if source is None else (source,)
+    return [run for name in names for run in loaders[name]()]

@@ -1,0 +1,126 @@
+"""``h3t-plan calibrate``: measured runs in, a system file with fitted efficiencies out.
+
+Runs come from the training driver's ``--metrics-json`` files (their ``config`` and the median
+``tokens_per_second_per_gpu`` of the iterations after the first, which includes warm-up) or from a CSV
+with one run per row and Megatron's field names as columns (``tokens_per_second_per_gpu`` required,
+plus ``num_gpus`` or ``world_size``, ``seq_length``, ``global_batch_size`` and optionally
+``micro_batch_size``, ``tensor_model_parallel_size``, ``context_parallel_size``,
+``pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``, ``ckpt``, ``offload_alpha``,
+and the 0/1 switches of :data:`SWITCHES`). The model is the command line's (``--model`` or the shape flags).
+"""
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec
+from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system
+from h3t_ext.costmodel.specs import plausible_ranges
+
+INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
+              "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "sequence_parallel",
+            "use_distributed_optimizer")
+
+
+class RunFileError(ValueError):
+    """A run file that cannot be read; the message names the file and the problem."""
+
+
+def _truthy(text: str) -> bool:
+    return str(text).strip().lower() in ("1", "true", "yes", "on")
+
+
+def _fields(path: str, cfg: dict) -> dict:
+    try:
+        num_gpus = int(cfg.get("num_gpus") or cfg["world_size"])
+        fields = {"num_gpus": num_gpus, "seq_length": int(cfg["seq_length"]),
+                  "global_batch_size": int(cfg["global_batch_size"])}
+    except (KeyError, ValueError, TypeError) as e:
+        raise RunFileError(f"{path}: needs num_gpus (or world_size), seq_length and global_batch_size ({e})") from None
+    for k in INT_FIELDS:
+        if cfg.get(k) not in (None, ""):
+            fields[k] = int(cfg[k])
+    vpp = cfg.get("virtual_pipeline_model_parallel_size")
+    if vpp not in (None, "", 1, "1") and "num_layers_per_virtual_pipeline_stage" not in fields:
+        fields["_virtual"] = int(vpp)
+    if cfg.get("ckpt") not in (None, ""):
+        fields["ckpt"] = str(cfg["ckpt"])
+    if cfg.get("offload_alpha") not in (None, ""):
+        alpha = cfg["offload_alpha"]
+        fields["offload_alpha"] = float(alpha) if not isinstance(alpha, (list, tuple)) else tuple(float(a) for a in alpha)
+    for k in SWITCHES:
+        if cfg.get(k) not in (None, ""):
+            fields[k] = _truthy(cfg[k])
+    return fields
+
+
+def _finish(fields: dict, model: ModelSpec) -> Plan:
+    virtual = fields.pop("_virtual", None)
+    if virtual is not None:
+        p = fields.get("pipeline_model_parallel_size", 1)
+        fields["num_layers_per_virtual_pipeline_stage"] = model.num_layers // (p * virtual)
+    return Plan(**fields)
+
+
+def read_runs(paths: Sequence[str], model: ModelSpec) -> list[MeasuredRun]:
+    """Measured runs of every file (``.json``: --metrics-json, ``.csv``: one run per row)."""
+    runs: list[MeasuredRun] = []
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise RunFileError(f"--runs {path}: no such file")
+        if p.suffix == ".csv":
+            with open(p, newline="", encoding="utf-8") as f:
+                for i, row in enumerate(csv.DictReader(f), 2):
+                    if not row.get("tokens_per_second_per_gpu"):
+                        raise RunFileError(f"{path}:{i}: needs a tokens_per_second_per_gpu column")
+                    plan = _finish(_fields(f"{path}:{i}", row), model)
+                    runs.append(MeasuredRun(model, plan, float(row["tokens_per_second_per_gpu"]), f"{p.name}:{i}"))
+            continue
+        try:
+            with open(p, encoding="utf-8") as f:
+                d = json.load(f)
+            cfg, iters = d["config"], d["iterations"]
+        except (OSError, ValueError, KeyError) as e:
+            raise RunFileError(f"--runs {path}: not a --metrics-json file ({e})") from None
+        rates = [float(r["tokens_per_second_per_gpu"]) for r in iters[1:] or iters if r.get("tokens_per_second_per_gpu")]
+        if not rates:
+            raise RunFileError(f"--runs {path}: no iteration with tokens_per_second_per_gpu")
+        plan = _finish(_fields(path, cfg), model)
+        runs.append(MeasuredRun(model, plan, statistics.median(rates), p.name))
+    if not runs:
+        raise RunFileError("--runs: no runs in the given files")
+    return runs
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration's result and the system file it writes."""
+
+    fit: FitResult
+    system_file: dict
+
+
+def calibrate(system: SystemSpec, base_file: dict, runs: Sequence[MeasuredRun]) -> Calibration:
+    """Fit ``system``'s identifiable efficiencies to ``runs``; the new system file is ``base_file`` with an
+    inline ``efficiencies`` object and a ``calibration`` record (rows, fitted, unidentified, errors)."""
+    fit = fit_system(system, runs)
+    ranges = plausible_ranges()
+    out = dict(base_file)
+    out.pop("efficiency_set", None)
+    out["name"] = system.name
+    out["efficiencies"] = dict(fit.system.efficiencies)
+    out["calibration"] = {
+        "rows": fit.rows,
+        "fitted": {k: {"value": v, "plausible_range": list(ranges[k])} for k, v in fit.fitted.items()},
+        "not_identified": dict(fit.unidentified),
+        "tokens_per_s_mae_before": fit.mae_before,
+        "tokens_per_s_mae_after": fit.mae_after,
+        "runs": [r.label for r in runs],
+    }
+    return Calibration(fit, out)

@@ -1,0 +1,196 @@
+"""megatron-core layer specs (``ModuleSpec``) of h3t-ext: the recompute mode is chosen by the spec.
+
+:func:`h3t_layer_spec` returns a TransformerLayer spec whose norm and MLP submodules save what
+``ckpt`` needs; megatron-core builds them (no module of a live model is changed afterwards):
+
+============  ===============================================  =========================================
+ckpt          local backend (CPU, or GPU without TE)           te backend (GPU, TransformerEngine)
+============  ===============================================  =========================================
+no, full      :class:`FusedSavesRMSNorm`, :class:`FusedSavesMLP`  megatron-core's TE spec (fused
+              (save what fused kernels save)                   layernorm-linear, TE core attention)
+ours          :class:`OursRMSNorm`, :class:`OursMLP`           :class:`OursTENorm` + TEColumnParallelLinear
+                                                               (separate norm, its output recomputed),
+                                                               :class:`OursMLP` with TE linears
+============  ===============================================  =========================================
+
+ckpt=full recomputes whole layers at run time (:mod:`h3t_ext.runtime.recompute_full`); its layers
+are those of ``no``. The local backend's linears are :class:`SPColumnParallelLinear` /
+:class:`SPRowParallelLinear` (megatron-core's, with a sequence-parallel path that runs on CPU) and
+its norms carry Megatron's ``sequence_parallel`` parameter attribute, so the spec works with
+``--sequence-parallel``. The core attention is a parameter (default: :class:`SDPACoreAttention` on
+the local backend, TE's on the te backend), so a context-parallel attention can be plugged in.
+
+:func:`h3t_block_spec` adds the block's final norm (a fused-saves norm on the local backend) and
+:func:`built_for_ckpt` tells, from the modules of built model chunks, which ckpt they were built for.
+TransformerEngine is imported only when a te spec is built.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from .config import CKPT_CHOICES, RuntimeConfigError
+from .fused_saves import FusedSavesMLP, FusedSavesRMSNorm
+from .norms import LayerNorm
+from .recompute_ours import OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
+from .sequence_parallel import SPColumnParallelLinear, SPRowParallelLinear
+
+BACKENDS = ("local", "te")
+
+
+def _check_choice(ckpt: str, backend: str) -> None:
+    if ckpt not in CKPT_CHOICES:
+        raise RuntimeConfigError(f"--ckpt must be one of {{{','.join(CKPT_CHOICES)}}}, got {ckpt!r}")
+    if backend not in BACKENDS:
+        raise RuntimeConfigError(f"layer spec backend must be one of {{{','.join(BACKENDS)}}}, got {backend!r}")
+
+
+def _local_norm(config, ckpt: str) -> type:
+    if config.normalization == "RMSNorm":
+        return OursRMSNorm if ckpt == "ours" else FusedSavesRMSNorm
+    if config.normalization == "LayerNorm":
+        return LayerNorm
+    raise UnsupportedLayerSpecError(f"--normalization {config.normalization} is not supported by the h3t local "
+                                    "layer spec; use RMSNorm or LayerNorm")
+
+
+def _te_modules():
+    try:
+        from megatron.core.extensions import transformer_engine as te_ext  # noqa: PLC0415
+    except ImportError as exc:
+        te_ext, why = None, str(exc)
+    else:
+        why = "transformer_engine is not importable"
+    if te_ext is None or not te_ext.HAVE_TE:
+        raise UnsupportedLayerSpecError(f"the te layer spec needs TransformerEngine ({why}); use backend 'local'")
+    return te_ext
+
+
+def _layer(norm, attention: ModuleSpec, mlp: ModuleSpec, keys_map: Optional[dict] = None) -> ModuleSpec:
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=norm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=norm, mlp=mlp, mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=keys_map or {}))
+
+
+def _attention(linear_qkv, core_attention, linear_proj) -> ModuleSpec:
+    return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=SelfAttentionSubmodules(linear_qkv=linear_qkv, core_attention=core_attention,
+                                                         linear_proj=linear_proj, q_layernorm=IdentityOp,
+                                                         k_layernorm=IdentityOp))
+
+
+def h3t_layer_spec(config, *, ckpt: str = "no", backend: str = "local", core_attention: Optional[type] = None
+                   ) -> ModuleSpec:
+    """The TransformerLayer spec of ``ckpt`` for ``backend`` ('local' or 'te') and ``config``.
+
+    Raises :class:`UnsupportedLayerSpecError` (one line) when ``config`` cannot run ``ckpt``
+    (ckpt=ours needs RMSNorm, a dense SwiGLU MLP and no Megatron recompute).
+    """
+    _check_choice(ckpt, backend)
+    if ckpt == "ours":
+        validate_ours_config(config)
+    if backend == "local":
+        if core_attention is None:
+            from .gpt import SDPACoreAttention  # noqa: PLC0415
+
+            core_attention = SDPACoreAttention
+        mlp_cls = OursMLP if ckpt == "ours" else (FusedSavesMLP if config.normalization == "RMSNorm" else MLP)
+        mlp = ModuleSpec(module=mlp_cls, params={"ffn_hidden_size": config.ffn_hidden_size},
+                         submodules=MLPSubmodules(linear_fc1=SPColumnParallelLinear, linear_fc2=SPRowParallelLinear))
+        attention = _attention(SPColumnParallelLinear, core_attention, SPRowParallelLinear)
+        return _layer(_local_norm(config, ckpt), attention, mlp, keys_map={
+            "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})
+    te = _te_modules()
+    core_attention = core_attention or te.TEDotProductAttention
+    if ckpt != "ours":  # TE's fused layernorm-linear saves what the cost model counts
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec.submodules.self_attention.submodules.core_attention = core_attention
+        return spec
+    # ckpt=ours: the norm is separate so that its output can be recomputed instead of saved
+    mlp = ModuleSpec(module=OursMLP, params={"ffn_hidden_size": config.ffn_hidden_size},
+                     submodules=MLPSubmodules(linear_fc1=te.TEColumnParallelLinear, linear_fc2=te.TERowParallelLinear))
+    attention = _attention(te.TEColumnParallelLinear, core_attention, te.TERowParallelLinear)
+    return _layer(OursTENorm, attention, mlp)
+
+
+def final_norm_spec(config, *, backend: str = "local") -> type:
+    """The block's final norm: a fused-saves RMSNorm (or LayerNorm) locally, TE's norm on te."""
+    _check_choice("no", backend)
+    if backend == "te":
+        return _te_modules().TENorm
+    return _local_norm(config, "no")
+
+
+def h3t_block_spec(config, *, ckpt: str = "no", backend: str = "local", core_attention: Optional[type] = None,
+                   layer_spec: Optional[ModuleSpec] = None, vp_stage: Optional[int] = None,
+                   pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+    """The decoder block of one (virtual) pipeline stage: its layers and, on the last stage, the final
+    norm. ``layer_spec`` overrides the layers (the final norm stays h3t's)."""
+    layer = layer_spec or h3t_layer_spec(config, ckpt=ckpt, backend=backend, core_attention=core_attention)
+    n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm_spec(config, backend=backend))
+
+
+# --------------------------------------------------------------------------- what a built model is for
+_LAYER_PARTS = ("input_layernorm", "pre_mlp_layernorm", "mlp")
+
+
+def _layers(chunks: Iterable[torch.nn.Module]):
+    for chunk in chunks:
+        for m in chunk.modules():
+            if isinstance(m, TransformerLayer):
+                yield m
+
+
+def built_for_ckpt(chunks: Iterable[torch.nn.Module]) -> Optional[str]:
+    """'ours' when every transformer layer of ``chunks`` was built by the ckpt=ours spec, 'no' when
+    none was (h3t's ckpt=no spec or any other spec), None without layers. Raises :class:`UnsupportedLayerSpecError`
+    naming the first part that is not ckpt=ours in a model that is partly ours."""
+    parts = [(i, name, getattr(layer, name, None)) for i, layer in enumerate(_layers(chunks)) for name in _LAYER_PARTS]
+    ours = [getattr(m, "h3t_ckpt", None) == "ours" for _, _, m in parts]
+    if not parts:
+        return None
+    if not any(ours):
+        return "no"
+    if all(ours):
+        return "ours"
+    i, name, m = parts[ours.index(False)]
+    raise UnsupportedLayerSpecError(
+        f"transformer layer {i}: {name} is {type(m).__name__}, not built by h3t_layer_spec(ckpt='ours') like the "
+        "rest of the model")
+
+
+def check_built_for(chunks: Iterable[torch.nn.Module], ckpt: str) -> None:
+    """Raise :class:`RuntimeConfigError` (one line) when ``chunks`` were not built for ``ckpt``."""
+    chunks = list(chunks)
+    try:
+        built = built_for_ckpt(chunks)
+    except UnsupportedLayerSpecError as exc:
+        raise UnsupportedLayerSpecError(f"--ckpt {ckpt}: {exc}") from None
+    want = "ours" if ckpt == "ours" else "no"
+    if built in (None, want):
+        return
+    if want == "ours":
+        parts = next((layer for layer in _layers(chunks)), None)
+        what = "" if parts is None else f" (input_layernorm is {type(parts.input_layernorm).__name__})"
+        raise UnsupportedLayerSpecError(
+            f"--ckpt ours: the model was not built with the ckpt=ours layer spec{what}; build it with "
+            "h3t_ext.runtime.layer_specs.h3t_layer_spec(config, ckpt='ours') (build_gpt_model(..., ckpt='ours'))")
+    raise RuntimeConfigError(
+        f"--ckpt {ckpt}: the model was built with the ckpt=ours layer spec; build it with "
+        f"h3t_layer_spec(config, ckpt='{ckpt}') (build_gpt_model(..., ckpt='{ckpt}'))")
+
+
+__all__ = ["BACKENDS", "built_for_ckpt", "check_built_for", "final_norm_spec", "h3t_block_spec", "h3t_layer_spec"]

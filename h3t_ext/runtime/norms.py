@@ -1,0 +1,46 @@
+"""Norm modules for megatron-core layer specs that also work under sequence parallelism.
+
+megatron-core's ``WrappedTorchNorm`` (the local spec's norm without Apex/TransformerEngine)
+refuses ``config.sequence_parallel``. A norm is per token, so with the sequence split over the
+tensor-parallel ranks it computes the same thing on each rank's tokens; only its weight (and bias)
+gradient is partial. These modules are ``torch.nn.RMSNorm`` / ``torch.nn.LayerNorm`` (same
+parameters, same state-dict keys, same ops), built by megatron-core from the spec with
+``(config, hidden_size, eps)``, whose parameters carry Megatron's ``sequence_parallel`` attribute,
+so the gradient all-reduce over the tensor-parallel group (``finalize_model_grads`` on GPU,
+:func:`~h3t_ext.runtime.sequence_parallel.allreduce_sequence_parallel_grads` on CPU) includes them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import RuntimeConfigError
+from .sequence_parallel import mark_sequence_parallel
+
+
+def _check(config, what: str) -> None:
+    for flag, on in (("--apply-layernorm-1p (zero-centered gamma)", config.layernorm_zero_centered_gamma),
+                     ("--persist-layer-norm", config.persist_layer_norm),
+                     ("--memory-efficient-layer-norm", config.memory_efficient_layer_norm)):
+        if on:
+            raise RuntimeConfigError(f"{flag} is not supported by h3t-ext's torch {what}; leave it off")
+
+
+class RMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built from a megatron-core spec; sequence-parallel aware."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        _check(config, "RMSNorm")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        mark_sequence_parallel(self, config.sequence_parallel)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` built from a megatron-core spec; sequence-parallel aware."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        _check(config, "LayerNorm")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        mark_sequence_parallel(self, config.sequence_parallel)
+
+
+__all__ = ["LayerNorm", "RMSNorm"]

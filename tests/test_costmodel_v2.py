@@ -1,0 +1,177 @@
+"""Cost model v2 against published runs of three sources (ATC '24 65B on H800, Megatron-LM's H100 table,
+Korthikanti et al. 2022 on A100): leave-one-source-out accuracy, calibration, feasibility, the structure of
+the fitted numbers, and the switches (pure arithmetic)."""
+import json
+
+import pytest
+
+from h3t_ext.costmodel import Plan, estimate, get_model, get_system
+from h3t_ext.costmodel.fit import FAMILY_KEYS, FITTABLE, SHARED_KEYS, MeasuredRun, fit_system
+from h3t_ext.costmodel.published import SOURCES, TRAINING_ONLY, published_runs
+from h3t_ext.costmodel.specs import DATA_DIR, efficiency_set, plausible_ranges
+from h3t_ext.costmodel.validation import leave_one_source_out
+from h3t_ext.planner.cli import main
+from h3t_ext.planner.search import search
+from h3t_ext.planner.space import SearchConstraints
+
+
+@pytest.fixture(scope="module")
+def loso():
+    return {h.source: h for h in leave_one_source_out()}
+
+
+def test_sources_and_row_counts():
+    runs = published_runs()
+    counts = {s: sum(r.source == s for r in runs) for s in SOURCES + TRAINING_ONLY}
+    # 15 ATC rows, 9 Megatron rows, 5 Korthikanti configurations x (selective + SP, full recompute)
+    assert counts == {"atc24_65b": 15, "megatron_h100": 9, "korthikanti": 10, "atc24_demo7b": 4}
+
+
+@pytest.mark.parametrize("source,threshold", [("atc24_65b", 0.035), ("megatron_h100", 0.055), ("korthikanti", 0.06)])
+def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
+    h = loso[source]
+    assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
+
+
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.03), ("megatron_h100", 0.075), ("korthikanti", 0.035)])
+def test_after_calibrating_on_one_row_current_level(loso, source, median):
+    """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
+    bound at what the model achieves today (the 3% target on the mean is not met, see below)."""
+    after = sorted(loso[source].mae_after_one_row)
+    assert after[len(after) // 2] <= median, after
+
+
+@pytest.mark.xfail(strict=True, reason="per-row residuals within each source exceed 3% somewhere (ATC 56-GPU "
+                                       "offload row, Megatron 119B -17%: plain 1F1B over 23 layers per rank, "
+                                       "Korthikanti 1T -5%), so calibrating on such a row moves every other row")
+@pytest.mark.parametrize("source", ["atc24_65b", "megatron_h100", "korthikanti"])
+def test_within_three_percent_after_one_row(loso, source):
+    assert loso[source].mae_after_one_row_mean <= 0.03
+
+
+def _layout(plan):
+    return (plan.tensor_model_parallel_size, plan.context_parallel_size, plan.pipeline_model_parallel_size,
+            plan.num_layers_per_virtual_pipeline_stage, plan.ckpt, plan.micro_batch_size)
+
+
+def test_published_atc24_layouts_rank_in_the_top_three():
+    """The planner searches every layout of each ATC '24 65B row (same GPUs, batch, run switches and planning
+    budget); the published layout is in its top 3 and within 1% of its best on at least 12 of 15 rows."""
+    good = 0
+    for run in published_runs("atc24_65b"):
+        p = run.plan
+        res = search(run.model, run.system, num_gpus=p.num_gpus, seq_length=p.seq_length,
+                     global_batch_size=p.global_batch_size, constraints=SearchConstraints(tp_comm_overlap=True),
+                     memory_budget_bytes=run.memory_budget_bytes)
+        ranks = [i for i, r in enumerate(res.plans) if _layout(r.plan) == _layout(p)]
+        assert ranks, run.label  # the published layout is always feasible and ranked
+        rank = ranks[0]
+        good += rank < 3 and res.plans[rank].tokens_per_second >= 0.99 * res.plans[0].tokens_per_second
+    assert good >= 12
+
+
+def test_every_published_configuration_fits_its_gpu():
+    for r in published_runs():
+        est = estimate(r.model, r.plan, r.system)  # the GPU's own budget, not the ATC planning budget
+        assert est.fits, (r.label, est.peak_memory_bytes, est.memory_budget_bytes)
+
+
+def test_fitted_numbers_are_named_in_range_and_counted():
+    ranges = plausible_ranges()
+    data = json.loads((DATA_DIR / "fitted_efficiencies.json").read_text())
+    assert set(ranges) == set(data["meanings"])  # every efficiency has a stated physical meaning
+    for fam in ("hopper", "ampere"):
+        eff = {k: v for k, v in efficiency_set(fam).items() if not k.startswith("_")}
+        assert set(eff) == set(ranges), fam
+        for k, v in eff.items():
+            lo, hi = ranges[k]
+            assert lo <= v <= hi, (fam, k, v)
+    # fitted: 2 per GPU family (2 families) + 4 shared = 8 numbers, on 38 published runs
+    assert len(FAMILY_KEYS) * 2 + len(SHARED_KEYS) == 8 and set(FAMILY_KEYS + SHARED_KEYS) == set(FITTABLE)
+    assert len(published_runs()) == 38
+    # the rest are stated assumptions, not fitted
+    assert set(ranges) - set(FITTABLE) == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"}
+
+
+def test_memory_budget_is_first_principles():
+    for name in ("h100-sxm", "h800", "a100-80g"):
+        s = get_system(name)
+        reserve = s.hbm_bytes - s.default_memory_budget_bytes
+        # CUDA context + NCCL buffers + allocator fragmentation: a few GB, not a fitted 16.8 GB
+        assert 3e9 < reserve < 8e9, (name, reserve)
+
+
+def test_one_row_identifies_one_efficiency():
+    run = next(r for r in published_runs("megatron_h100") if r.label.startswith("177B"))
+    fit = fit_system(run.system, [MeasuredRun(run.model, run.plan, run.tokens_per_s_per_gpu)])
+    assert list(fit.fitted) == ["gemm_peak_fraction"]
+    assert set(fit.unidentified) == set(FITTABLE) - {"gemm_peak_fraction"}
+    assert fit.mae_after < 0.002
+
+
+M405 = get_model("llama3-405b")
+H100 = get_system("h100-sxm")
+
+
+def test_uneven_first_and_last_stages():
+    """126 layers over 16 stages: Megatron's --decoder-first/last-pipeline-num-layers."""
+    base = dict(num_gpus=16 * 8 * 8, seq_length=8192, global_batch_size=512, tensor_model_parallel_size=8,
+                pipeline_model_parallel_size=16, ckpt="full")
+    with pytest.raises(ValueError):
+        estimate(M405, Plan(**base), H100)
+    plan = Plan(**base, decoder_first_pipeline_num_layers=7, decoder_last_pipeline_num_layers=7)
+    assert [plan.stage_layers(126, k) for k in (0, 1, 14, 15)] == [7, 8, 8, 7]
+    est = estimate(M405, plan, H100)
+    assert est.stages[0].params < est.stages[1].params  # 7 layers (+ embedding) vs 8
+
+
+def test_switches():
+    m = get_model("llama2-70b")
+    base = Plan(num_gpus=512, seq_length=4096, global_batch_size=512, tensor_model_parallel_size=8,
+                pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=5, ckpt="no")
+    e = estimate(m, base, H100)
+    no_dist = estimate(m, Plan(**{**base.__dict__, "use_distributed_optimizer": False}), H100)
+    assert no_dist.stages[0].terms["optimizer_states"] == pytest.approx(16 * e.stages[0].terms["optimizer_states"],
+                                                                        rel=0.01)
+    no_sp = estimate(m, Plan(**{**base.__dict__, "sequence_parallel": False}), H100)
+    assert no_sp.stages[0].terms["activations"] > e.stages[0].terms["activations"]
+    overlap = estimate(m, Plan(**{**base.__dict__, "tp_comm_overlap": True}), H100)
+    assert overlap.time_terms["tp_comm"] < 0.6 * e.time_terms["tp_comm"]
+    dp = estimate(m, Plan(**{**base.__dict__, "overlap_grad_reduce": True, "overlap_param_gather": True}), H100)
+    assert dp.time_terms["dp_exposed"] < 0.5 * e.time_terms["dp_exposed"]
+
+
+def test_dp_overlap_without_virtual_pipeline_on_h100_rows():
+    """Bucketed overlap with p = 1: the 32B row's gradient traffic hides behind the backward."""
+    run = next(r for r in published_runs("megatron_h100") if r.label.startswith("32B"))
+    on = estimate(run.model, run.plan, run.system)
+    off = estimate(run.model, Plan(**{**run.plan.__dict__, "overlap_grad_reduce": False,
+                                      "overlap_param_gather": False}), run.system)
+    assert on.time_terms["dp_exposed"] < 0.1 * off.time_terms["dp_exposed"]
+    assert on.tokens_per_second_per_gpu > 1.15 * off.tokens_per_second_per_gpu
+
+
+def test_calibrate_cli_writes_a_system_file(tmp_path, capsys):
+    csv = tmp_path / "runs.csv"
+    csv.write_text("num_gpus,seq_length,global_batch_size,tensor_model_parallel_size,pipeline_model_parallel_size,"
+                   "num_layers_per_virtual_pipeline_stage,ckpt,offload_alpha,tp_comm_overlap,tokens_per_second_per_gpu\n"
+                   "128,4096,256,2,8,2,ours,0.0,1,1100\n")
+    out = tmp_path / "h800-cal.json"
+    assert main(["calibrate", "--model", "llama-65b", "--gpu", "h800", "--runs", str(csv), "--output", str(out),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["fitted"]) == ["gemm_peak_fraction"] and report["rows"] == 1
+    assert "attention_peak_fraction" in report["not_identified"]
+    assert main(["estimate", "--model", "llama-65b", "--system-file", str(out), "--seq-length", "4096",
+                 "--num-gpus", "128", "--global-batch-size", "256", "--tensor-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage", "2",
+                 "--ckpt", "ours", "--tp-comm-overlap", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["tokens_per_second_per_gpu"] == pytest.approx(1100, rel=0.005)
+
+
+def test_calibrate_cli_bad_file_is_one_line(tmp_path, capsys):
+    assert main(["calibrate", "--model", "llama-65b", "--runs", str(tmp_path / "missing.json"), "--output",
+                 str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "missing.json" in err
