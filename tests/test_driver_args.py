@@ -65,7 +65,7 @@ def test_bad_flag_gives_one_line(extra, expected, capsys, monkeypatch):
 def test_missing_data_files_are_named(capsys, monkeypatch, tmp_path):
     argv = [a for a in BASE if a != "--mock-data"] + ["--data-path", str(tmp_path / "nothing")]
     line = _error(argv, capsys, monkeypatch)
-    assert "nothing.bin does not exist" in line
+    assert "nothing.idx does not exist (make it with tools/preprocess_data.py)" in line
 
 
 def test_good_flags_derive_sizes(monkeypatch):

@@ -109,6 +109,9 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", default=None, help="[weight] prefix ... of indexed .bin/.idx")
     g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--train-data-path", nargs="+", default=None, help="[weight] prefix ... of the training split")
+    g.add_argument("--valid-data-path", nargs="+", default=None, help="[weight] prefix ... of the validation split")
+    g.add_argument("--test-data-path", nargs="+", default=None, help="[weight] prefix ... of the test split")
     g.add_argument("--split", default="100,0,0")
     add_tokenizer_flags(g)
     g.add_argument("--data-cache-path", default=None)
@@ -136,6 +139,30 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress-bar", action="store_true")
 
 
+def _add_eval_and_logging(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-interval", type=int, default=1000, help="evaluate on the validation split every N iterations")
+    g.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation (0: no evaluation)")
+    g.add_argument("--skip-train", action="store_true", help="evaluate only (validation, then test)")
+    g = p.add_argument_group("TensorBoard and wandb (written by the last rank)")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
+                   action="store_false", dest="log_learning_rate_to_tensorboard")
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wandb-entity", default=None)
+
+
 def build_parser(prog: str = "pretrain_llama.py") -> OneLineParser:
     """The parser with every flag the driver accepts."""
     p = OneLineParser(prog=prog, description="Pretrain a Llama model with Megatron-core and h3t-ext.",
@@ -144,6 +171,7 @@ def build_parser(prog: str = "pretrain_llama.py") -> OneLineParser:
     _add_parallel(p)
     _add_training(p)
     _add_data_io(p)
+    _add_eval_and_logging(p)
     return p
 
 
@@ -193,7 +221,8 @@ def _validate_positive(args: argparse.Namespace) -> None:
                  "seq_length", "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "context_parallel_size", "micro_batch_size",
                  "num_layers_per_virtual_pipeline_stage", "save_interval", "exit_interval",
-                 "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size"):
+                 "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "eval_interval",
+                 "tensorboard_log_interval", "tensorboard_queue_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")
@@ -201,7 +230,7 @@ def _validate_positive(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if not v > 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside (0, inf)")
-    for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters"):
+    for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters", "eval_iters"):
         v = getattr(args, name)
         if v < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, inf)")

@@ -18,6 +18,8 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron.training.data_checks import parse_split
+
 
 def _blend(data_path: Optional[list[str]]):
     """Megatron's ``--data-path [w1] p1 [w2] p2 ...`` -> (prefixes, weights or None)."""
@@ -43,14 +45,43 @@ class _NoCacheNotice(logging.Filter):
 logging.getLogger("megatron.core.datasets.gpt_dataset").addFilter(_NoCacheNotice())
 
 
-def build_train_dataset(args, tokenizer) -> GPTDataset:
-    """The training split, with enough samples for ``--train-iters`` iterations."""
+def split_sizes(args) -> list[int]:
+    """Samples per split as Megatron-LM computes them: train ``train_iters*B``, valid
+    ``(train_iters // eval_interval + 1) * eval_iters * B`` (every evaluation plus the one at the
+    end), test ``eval_iters * B``."""
+    B = args.global_batch_size
+    return [args.train_iters * B, (args.train_iters // args.eval_interval + 1) * args.eval_iters * B,
+            args.eval_iters * B]
+
+
+def _split_weights(split: str) -> list[float]:
+    return list(parse_split(split, allow_no_train=True))
+
+
+def splits_wanted(args) -> tuple[bool, bool]:
+    """(valid, test): whether each held-out split exists: a nonzero part of ``--split`` (also with
+    ``--mock-data``), or ``--valid-data-path`` / ``--test-data-path``; ``--eval-iters 0`` turns both off."""
+    if args.eval_iters == 0:
+        return False, False
+    if args.train_data_path or args.valid_data_path or args.test_data_path:
+        return args.valid_data_path is not None, args.test_data_path is not None
+    w = _split_weights(args.split)
+    return w[1] > 0, w[2] > 0
+
+
+def build_datasets(args, tokenizer) -> tuple:
+    """(train, valid, test) through megatron-core's BlendedMegatronDatasetBuilder; a split that is
+    not wanted (see :func:`splits_wanted`) is None. The training split depends only on its own size,
+    so evaluation flags never change the training samples."""
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
+    per_split = bool(args.train_data_path or args.valid_data_path or args.test_data_path)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=_blend(args.data_path),
-        split=args.split if args.data_path else None,
+        blend=None if per_split else _blend(args.data_path),
+        blend_per_split=[_blend(args.train_data_path), _blend(args.valid_data_path),
+                         _blend(args.test_data_path)] if per_split else None,
+        split=args.split if args.data_path or args.mock_data else None,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=False,
@@ -59,12 +90,26 @@ def build_train_dataset(args, tokenizer) -> GPTDataset:
         create_attention_mask=False,
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
-    sizes = [args.train_iters * args.global_batch_size, 0, 0]
-    train, _, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
-    if train is None or len(train) < sizes[0]:
+    valid_on, test_on = splits_wanted(args)
+    train_needed = not args.skip_train
+    sizes = split_sizes(args)
+    sizes = [sizes[0] if (train_needed or not per_split or args.train_data_path) else None,
+             sizes[1] if valid_on else (0 if not per_split else None),
+             sizes[2] if test_on else (0 if not per_split else None)]
+    train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    if train_needed and (train is None or len(train) < sizes[0]):
         raise RuntimeError(f"the training split has {0 if train is None else len(train)} samples, "
                            f"{sizes[0]} needed (check --split)")
-    return train
+    for name, on, ds, n in (("validation", valid_on, valid, sizes[1]), ("test", test_on, test, sizes[2])):
+        if on and (ds is None or len(ds) < n):
+            raise RuntimeError(f"the {name} split has {0 if ds is None else len(ds)} samples, {n} needed "
+                               f"(check --split)")
+    return train, (valid if valid_on else None), (test if test_on else None)
+
+
+def build_train_dataset(args, tokenizer) -> GPTDataset:
+    """The training split, with enough samples for ``--train-iters`` iterations."""
+    return build_datasets(args, tokenizer)[0]
 
 
 class MicrobatchIterator:

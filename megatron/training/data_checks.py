@@ -91,8 +91,9 @@ def parse_blend(data_path: list[str]) -> list[tuple[float, str]]:
     return out
 
 
-def parse_split(text: str) -> tuple[float, float, float]:
-    """Megatron's ``--split 969,30,1`` (or ``98/2/0``) as three non-negative shares with training data."""
+def parse_split(text: str, *, allow_no_train: bool = False) -> tuple[float, float, float]:
+    """Megatron's ``--split 969,30,1`` (or ``98/2/0``) as three non-negative shares (with training data
+    unless ``allow_no_train``: evaluation alone)."""
     parts = [p for p in text.replace("/", ",").split(",")]
     try:
         shares = [float(p) for p in parts]
@@ -101,7 +102,7 @@ def parse_split(text: str) -> tuple[float, float, float]:
     if not 1 <= len(shares) <= 3 or any(s < 0 or s != s or s == float("inf") for s in shares):
         raise DataFileError(f"--split {text!r} takes up to three finite non-negative shares (train,valid,test)")
     shares += [0.0] * (3 - len(shares))
-    if shares[0] <= 0:
+    if shares[0] <= 0 and not allow_no_train:
         raise DataFileError(f"--split {text} leaves no training data (its first share is 0)")
     return shares[0], shares[1], shares[2]
 

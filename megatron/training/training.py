@@ -20,13 +20,17 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import h3t_ext
 from h3t_ext.runtime.config import H3TConfig
 from megatron.training import checkpointing as ckpt_io
-from megatron.training.data import build_data_iterators, build_train_dataset
+from megatron.training.data import build_data_iterators, build_datasets
+from megatron.training.evaluation import Evaluator
 from megatron.training.heartbeat import start_heartbeat
 from megatron.training.initialize import dist_rank_from_env, initialize_distributed, shutdown, uses_gpu
+from megatron.training.loggers import build_writer, writers_requested
 from megatron.training.model_provider import build_model_chunks, num_parameters
 from megatron.training.optimizer import NonFiniteError
+from megatron.training.prediction import predicted_scalars
 from megatron.training.run_guard import RunLock
-from megatron.training.tokenizer import tokenizer_from_args
+from megatron.training.scalars import TrainingScalars
+from megatron.training.tokenizer import padded_vocab_size, tokenizer_from_args
 from megatron.training.training_log import IterationLogger, write_metrics_json
 
 
@@ -138,11 +142,25 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
         print("note: --async-save: checkpoints are written synchronously by this driver", flush=True)
 
 
+def _write_scalars(args, scalars: TrainingScalars, rec: dict, optimizer, runtime, chunks, config) -> None:
+    """TensorBoard/wandb scalars of one iteration; the stage statistics are gathered on every rank."""
+    if not writers_requested(args):
+        return
+    get_scale = getattr(optimizer, "get_loss_scale", None)
+    scalars.iteration(rec, loss_scale=float(get_scale()) if get_scale is not None else 1.0)
+    if scalars.tensorboard_due(rec["iteration"]):
+        p = args.pipeline_model_parallel_size
+        scalars.stages(rec["iteration"], _gather_stage_stats(runtime, chunks),
+                       [config.stage_alpha(r, p) for r in range(p)])
+
+
 def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators,
-          on_gpu: bool) -> None:
-    """Run iterations ``start_iteration .. --train-iters`` (saving and exiting as asked)."""
+          on_gpu: bool, evaluator: Evaluator, scalars: TrainingScalars, config: H3TConfig) -> tuple[int, bool]:
+    """Run iterations ``start_iteration .. --train-iters`` (evaluating, saving and exiting as asked);
+    returns the last iteration done and whether ``--exit-interval`` stopped the run."""
     fb = get_forward_backward_func()
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    done = start_iteration
     for it in range(start_iteration, args.train_iters):
         t0 = time.perf_counter()
         _stage_manager(runtime, chunks).reset_stats()
@@ -154,13 +172,28 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
         if args.check_for_nan_in_loss_and_grad:
             _check_loss(loss if is_last_stage else 0.0, it + 1)
-        logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm)
+        rec = logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm)
         done = it + 1
+        _write_scalars(args, scalars, rec, optimizer, runtime, chunks, config)
+        if evaluator.due(done):
+            result = evaluator.evaluate(done, "valid")
+            if result is not None:
+                scalars.evaluation(done, "valid", result.loss, result.ppl)
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
                           or (args.exit_interval and done % args.exit_interval == 0)):
             _save(args, done, chunks, optimizer, on_gpu)
         if args.exit_interval and done % args.exit_interval == 0:
-            break
+            return done, True
+    return done, False
+
+
+def _final_evaluations(args, evaluator: Evaluator, scalars: TrainingScalars, iteration: int) -> None:
+    """Megatron's end of training: the validation split, then the test split (no scalars with --skip-train)."""
+    for split, on in (("valid", evaluator.do_valid), ("test", evaluator.do_test)):
+        if on:
+            result = evaluator.evaluate(iteration, split, at_end=True)
+            if result is not None and not args.skip_train:
+                scalars.evaluation(iteration, split, result.loss, result.ppl)
 
 
 def pretrain(args) -> int:
@@ -186,11 +219,11 @@ def _pretrain(args, found) -> int:
     runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
     start, load_notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
-    dataset = build_train_dataset(args, tokenizer)
+    train_ds, valid_ds, test_ds = build_datasets(args, tokenizer)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    iters = build_data_iterators(args, dataset, start_iteration=start, num_chunks=len(chunks),
-                                 data_parallel_rank=ps.get_data_parallel_rank(), device=device,
-                                 cp_group=ps.get_context_parallel_group())
+    iters = None if args.skip_train else build_data_iterators(
+        args, train_ds, start_iteration=start, num_chunks=len(chunks), data_parallel_rank=ps.get_data_parallel_rank(),
+        device=device, cp_group=ps.get_context_parallel_group())
     is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
     if dist.get_rank() == 0:
         _notes(args, on_gpu, found, config)
@@ -198,13 +231,25 @@ def _pretrain(args, found) -> int:
             print(f"note: {note}", flush=True)
     logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
     logger.header(start, n_params)
+    evaluator = Evaluator(args, chunks, forward_step, valid_dataset=valid_ds, test_dataset=test_ds,
+                          start_iteration=start, device=device, print_fn=logger._print, is_logging_rank=is_logging_rank)
+    writer = build_writer(args, is_logging_rank)
+    predicted = (predicted_scalars(args, vocab_size=padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size), on_gpu=on_gpu)
+                 if is_logging_rank and writers_requested(args) else {})
+    scalars = TrainingScalars(args, writer, on_gpu=on_gpu, predicted=predicted)
     try:
-        train(args, chunks, optimizer, runtime, start, logger, iters, on_gpu)
+        iteration, exited = (start, False) if args.skip_train else train(
+            args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config)
+        stats = _gather_stage_stats(runtime, chunks)
+        if not exited:
+            _final_evaluations(args, evaluator, scalars, iteration)
     finally:
         logger.close()
-    stats = _gather_stage_stats(runtime, chunks)
+        writer.close()
     if is_logging_rank and args.metrics_json:
-        write_metrics_json(args.metrics_json, args, logger.records, stats)
+        write_metrics_json(args.metrics_json, args, logger.records, stats,
+                           [r.as_dict() for r in evaluator.results])
     h3t_ext.uninstall()
     if heartbeat is not None:  # before the groups go: a rank that finished first is not "frozen"
         dist.barrier()

@@ -125,10 +125,13 @@ def _strict(x):
     return x
 
 
-def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[dict]) -> None:
-    """The ``--metrics-json`` object (written by the last rank)."""
+def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[dict],
+                       evaluations: Optional[list[dict]] = None) -> None:
+    """The ``--metrics-json`` object (written by the last rank); ``evaluations`` holds one
+    ``{iteration, split, loss, ppl, at_end}`` per evaluation (split ``valid`` or ``test``)."""
     out = {
         "iterations": records,
+        "evaluations": list(evaluations or []),
         "stage_peak_activation_bytes": [s.get("peak_activation_bytes") for s in stage_stats],
         "offloaded_bytes": [s.get("offloaded_bytes") for s in stage_stats],
         "config": {"ckpt": args.ckpt, "offload_alpha": args.offload_alpha, "world_size": args.world_size,

@@ -27,6 +27,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_offload_overlap(args)
     _validate_data(args)
     _validate_io(args)
+    _validate_eval_and_logging(args)
 
 
 def _validate_heads(args) -> None:
@@ -146,20 +147,48 @@ def _validate_alpha(args) -> None:
 
 
 def _validate_data(args) -> None:
-    if args.mock_data == (args.data_path is not None):
-        raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data")
+    per_split = [f for f in ("train", "valid", "test") if getattr(args, f"{f}_data_path") is not None]
+    if (args.mock_data + (args.data_path is not None) + bool(per_split)) != 1:
+        raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data (or --train-data-path, "
+                            "--valid-data-path, --test-data-path)")
+    if per_split and "train" not in per_split and not args.skip_train:
+        raise ArgumentError("--valid-data-path/--test-data-path need --train-data-path (or --skip-train)")
     try:  # the tokenizer's files are read now, so a bad one stops every rank before any process group
         tokenizer = tokenizer_from_args(args)
     except TokenizerError as e:
         raise ArgumentError(str(e)) from None
     try:  # and the data files: a damaged or mismatched one is one line here, not a traceback per rank
-        if args.data_path is not None:
-            if not getattr(args, "skip_train", False):  # evaluation alone may have no training share
-                parse_split(args.split)
-            for _, prefix in parse_blend(args.data_path):
-                check_indexed_dataset(prefix, vocab_size=tokenizer.vocab_size)
+        if args.data_path is not None and not args.skip_train:  # evaluation alone may have no training share
+            parse_split(args.split)
     except DataFileError as e:
         raise ArgumentError(str(e)) from None
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, flag) is None:
+            continue
+        try:
+            for _, prefix in parse_blend(getattr(args, flag)):
+                check_indexed_dataset(prefix, vocab_size=tokenizer.vocab_size)
+        except DataFileError as e:  # the checks name --data-path; say which of the four flags it was
+            raise ArgumentError(str(e).replace("--data-path", "--" + flag.replace("_", "-"), 1)) from None
+
+
+def _validate_eval_and_logging(args) -> None:
+    from megatron.training.loggers import check_writer_packages
+    weights = str(args.split).replace(" ", "").split(",")
+    try:
+        parts = [float(w) for w in weights]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(w < 0 for w in parts) or sum(parts) <= 0:
+        raise ArgumentError(f"--split {args.split} is not 1 to 3 comma-separated non-negative weights with a "
+                            f"positive sum (train,valid,test)")
+    if args.skip_train and args.eval_iters == 0:
+        raise ArgumentError("--skip-train with --eval-iters 0 has nothing to do; give --eval-iters >= 1")
+    from megatron.training.data import splits_wanted
+    if args.skip_train and not any(splits_wanted(args)):
+        raise ArgumentError(f"--skip-train with --split {args.split} has no validation or test data; give --split "
+                            f"with nonzero valid/test parts (e.g. 98,1,1) or --valid-data-path/--test-data-path")
+    check_writer_packages(args)
 
 
 CKPT_FORMATS_REFUSED = {
