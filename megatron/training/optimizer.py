@@ -70,6 +70,7 @@ class DataParallelAdamW:
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_ranks = dist.get_process_group_ranks(dp_group)
+        self.sharded = distributed and self.dp_size > 1
         self.owners = _shard_owners(self.params, self.dp_size) if distributed else [self.dp_rank] * len(self.params)
         owned = [p for p, o in zip(self.params, self.owners) if o == self.dp_rank]
         decay = [p for p in owned if p.dim() > 1]
@@ -163,7 +164,9 @@ class DataParallelAdamW:
             for name in ("exp_avg", "exp_avg_sq"):
                 data = torch.zeros_like(p) if is_loading or name not in held else held[name]
                 sh = make_sharded_optimizer_tensor(model_sh, data, f"optimizer.state.{name}")
-                entry[name] = replace(sh, replica_id=_main_data_parallel_replica(sh.replica_id))
+                # sharded over data-parallel ranks: the owner writes its shard; replicated: as the model does
+                entry[name] = replace(sh, replica_id=_main_data_parallel_replica(sh.replica_id)) \
+                    if self.sharded else sh
             state[i] = entry
         return {"state": state, "steps": self.steps}
 
