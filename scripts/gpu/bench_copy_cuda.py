@@ -1,0 +1,87 @@
+#!/usr/bin/env python3
+"""Offload copies on a GPU: device -> pinned host and back, native batched copy against a loop of
+``copy_(non_blocking=True)`` and against one large copy of the same bytes (the bandwidth ceiling).
+
+Cases: 2,000 x 64 KiB (many small) and 16 x 64 MiB (few large). Prints a table, or one JSON object
+with ``--json``. Needs CUDA and the native CUDA kernels (``h3t_ext.kernels``); says so in one line
+otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+CASES = {"many_small": (2000, 64 << 10), "few_large": (16, 64 << 20)}
+
+
+def _time(fn, repeats: int) -> float:
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run_case(count: int, nbytes: int, repeats: int) -> dict:
+    import torch
+
+    from h3t_ext import kernels
+
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(count)]
+    host = [kernels.alloc_pinned(nbytes) for _ in range(count)]
+    big_dev = torch.empty(count * nbytes, dtype=torch.uint8, device="cuda")
+    big_host = kernels.alloc_pinned(count * nbytes)
+
+    def loop(dsts, srcs):
+        for d, s in zip(dsts, srcs):
+            d.copy_(s, non_blocking=True)
+
+    out = {}
+    for direction, (dsts, srcs, bd, bs) in {"d2h": (host, dev, big_host, big_dev),
+                                             "h2d": (dev, host, big_dev, big_host)}.items():
+        t_native = _time(lambda: kernels.batched_copy_(dsts, srcs), repeats)
+        t_loop = _time(lambda: loop(dsts, srcs), repeats)
+        t_one = _time(lambda: bd.copy_(bs, non_blocking=True), repeats)
+        out[direction] = {"native_s": t_native, "loop_s": t_loop, "one_copy_s": t_one,
+                          "speedup_over_loop": t_loop / t_native, "share_of_one_copy": t_one / t_native,
+                          "native_gb_per_s": count * nbytes / t_native / 1e9}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.stderr.write("bench_copy_cuda.py: error: no CUDA device\n")
+        return 1
+    from h3t_ext import kernels
+
+    if not kernels.native_available(torch.device("cuda")):
+        sys.stderr.write(f"bench_copy_cuda.py: error: native CUDA kernels not built "
+                         f"({kernels.native_unavailable_reason(torch.device('cuda'))})\n")
+        return 1
+    results = {name: run_case(c, n, args.repeats) for name, (c, n) in CASES.items()}
+    if args.json:
+        print(json.dumps(results))
+    else:
+        for name, r in results.items():
+            for d, x in r.items():
+                print(f"{name:10s} {d}: native {x['native_gb_per_s']:.1f} GB/s, {x['speedup_over_loop']:.2f}x the "
+                      f"copy_ loop, {100 * x['share_of_one_copy']:.0f}% of one large copy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

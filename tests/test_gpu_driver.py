@@ -1,0 +1,39 @@
+"""The GPU tier of the driver (``pytest -m gpu``, run by scripts/gpu_check.sh): bf16 training of a small
+Llama whose loss falls, a bit-exact resume with megatron-core's DDP and distributed optimizer, and
+ckpt=ours equal to ckpt=no within bf16 tolerance. Skipped without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+GPU = [*TINY_MODEL, "--bf16", "--micro-batch-size", "2", "--global-batch-size", "8", "--distributed-backend", "nccl",
+       "--use-distributed-optimizer"]
+
+
+def test_bf16_training_loss_falls(corpus_prefix, tmp_path):  # noqa: F811
+    out = tmp_path / "m.json"
+    check_ok(run_pretrain([*GPU, "--train-iters", "30", "--data-path", corpus_prefix, "--metrics-json", str(out)]))
+    got = losses(out)
+    assert got[-1] < 0.8 * got[0]
+
+
+def test_resume_with_the_distributed_optimizer_is_bit_exact(corpus_prefix, tmp_path):  # noqa: F811
+    argv = [*GPU, "--train-iters", "4", "--data-path", corpus_prefix]
+    check_ok(run_pretrain([*argv, "--metrics-json", str(tmp_path / "full.json")]))
+    check_ok(run_pretrain([*argv, "--save", str(tmp_path / "ckpt"), "--exit-interval", "2"]))
+    check_ok(run_pretrain([*argv, "--load", str(tmp_path / "ckpt"), "--metrics-json", str(tmp_path / "r.json")]))
+    assert losses(tmp_path / "r.json") == losses(tmp_path / "full.json")[2:]
+
+
+def test_ckpt_ours_equals_no_within_bf16_tolerance(corpus_prefix, tmp_path):  # noqa: F811
+    runs = {}
+    for ckpt in ("no", "ours"):
+        out = tmp_path / f"{ckpt}.json"
+        check_ok(run_pretrain([*GPU, "--train-iters", "3", "--ckpt", ckpt, "--data-path", corpus_prefix,
+                               "--metrics-json", str(out)]))
+        runs[ckpt] = losses(out)
+    for a, b in zip(runs["no"], runs["ours"]):
+        assert abs(a - b) <= 2e-2 * abs(a)
