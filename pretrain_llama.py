@@ -12,9 +12,10 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Transforme
 PROG = "pretrain_llama.py"
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = PROG, defaults=None) -> int:
+    """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train."""
     from megatron.training.arguments import parse_args
-    args = parse_args(argv, prog=PROG)  # one-line error and exit 2 on a bad flag, before any process group
+    args = parse_args(argv, prog=prog, defaults=defaults)  # one-line error, exit 2, before any process group
 
     from h3t_ext.runtime.config import RuntimeConfigError
     from megatron.training.checkpointing import CheckpointError
@@ -24,10 +25,10 @@ def main(argv=None) -> int:
         return pretrain(args)
     except NonFiniteError as e:  # raised on every rank alike: said once
         if os.environ.get("RANK", "0") == "0":
-            sys.stderr.write(f"{PROG}: error: {e}\n")
+            sys.stderr.write(f"{prog}: error: {e}\n")
         return 2
     except (CheckpointError, RuntimeConfigError) as e:
-        sys.stderr.write(f"{PROG}: error: {e}\n")
+        sys.stderr.write(f"{prog}: error: {e}\n")
         return 2
 
 

@@ -115,6 +115,8 @@ def _gather_stage_stats(runtime, chunks) -> list[dict]:
 
 
 def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
+    for line in getattr(args, "flag_notices", []):  # the flag table's notices (docs/flags.md), once
+        print(line, flush=True)
     if config.offloads:
         from h3t_ext import kernels  # noqa: PLC0415  (only needed for this note)
 
