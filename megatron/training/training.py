@@ -8,6 +8,7 @@ counts add up to the full sequence's), computed on the last pipeline stage.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from functools import partial
@@ -20,6 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import h3t_ext
 from h3t_ext.runtime.config import H3TConfig
 from megatron.training import checkpointing as ckpt_io
+from megatron.training.exit_conditions import ExitConditions, ExitSignalHandler
 from megatron.training.data import build_data_iterators, build_train_dataset
 from megatron.training.initialize import initialize_distributed, shutdown, uses_gpu
 from megatron.training.model_provider import build_model_chunks, num_parameters
@@ -135,8 +137,9 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
 
 
 def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators,
-          on_gpu: bool) -> None:
-    """Run iterations ``start_iteration .. --train-iters`` (saving and exiting as asked)."""
+          on_gpu: bool, exits=None) -> None:
+    """Run iterations ``start_iteration .. --train-iters`` (saving and exiting as asked: --exit-interval,
+    --exit-duration-in-mins, --exit-signal-handler)."""
     fb = get_forward_backward_func()
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     for it in range(start_iteration, args.train_iters):
@@ -152,15 +155,19 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
             _check_loss(loss if is_last_stage else 0.0, it + 1)
         logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm)
         done = it + 1
+        leave = exits is not None and done < args.train_iters and exits.should_exit()
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
-                          or (args.exit_interval and done % args.exit_interval == 0)):
+                          or (args.exit_interval and done % args.exit_interval == 0) or leave):
             _save(args, done, chunks, optimizer, on_gpu)
-        if args.exit_interval and done % args.exit_interval == 0:
+        if leave and dist.get_rank() == 0:
+            print(f"exiting program at iteration {done}: {exits.reason}", flush=True)
+        if leave or (args.exit_interval and done % args.exit_interval == 0):
             break
 
 
 def pretrain(args) -> int:
     """Everything after argument parsing; returns the process exit status."""
+    start_time = time.time()
     found = ckpt_io.find_checkpoint(args)  # before any process group: a bad checkpoint stops all ranks
     initialize_distributed(args)
     on_gpu = uses_gpu(args)
@@ -183,8 +190,11 @@ def pretrain(args) -> int:
             print(f"note: {note}", flush=True)
     logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
     logger.header(start, n_params)
+    handler = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None
     try:
-        train(args, chunks, optimizer, runtime, start, logger, iters, on_gpu)
+        with handler or contextlib.nullcontext():
+            train(args, chunks, optimizer, runtime, start, logger, iters, on_gpu,
+                  exits=ExitConditions(args, start_time, handler))
     finally:
         logger.close()
     stats = _gather_stage_stats(runtime, chunks)
