@@ -46,6 +46,9 @@ def build_train_dataset(args, tokenizer) -> GPTDataset:
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
     )
+    if config.split_matrix is not None:  # only the training range is built here (as Megatron's split puts it);
+        # megatron-core loops forever on a requested split that holds no document (e.g. the 1 of 949,50,1)
+        config.split_matrix = [config.split_matrix[0], None, None]
     cls = MockGPTDataset if args.mock_data else GPTDataset
     sizes = [args.train_iters * args.global_batch_size, 0, 0]
     train, _, _ = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
