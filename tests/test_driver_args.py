@@ -54,6 +54,7 @@ def _error(argv, capsys, monkeypatch, world_size=2) -> str:
     (["--kaimm-offload-activation-ratio", "0.3", "--offload-alpha", "0.5"],
      "--kaimm-offload-activation-ratio 0.3 contradicts --offload-alpha 0.5"),
     (["--train-samples", "64"], "give exactly one of --train-iters and --train-samples"),
+    (["--vocab-file", "v.json"], "--vocab-file is not read by --tokenizer-type ByteTokenizer"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63", "--max-position-embeddings",
       "64"], "--seq-length 63 is not a multiple of --tensor-model-parallel-size 2 (--sequence-parallel)"),
     (["--recompute-granularity", "selective"], "--recompute-granularity selective is not supported"),

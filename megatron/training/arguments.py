@@ -162,6 +162,8 @@ LLAMA_DEFAULTS = dict(normalization="RMSNorm", swiglu=True, untie_embeddings_and
                       position_embedding_type="rope", disable_bias_linear=True, hidden_dropout=0.0,
                       attention_dropout=0.0, lr_decay_style="cosine")
 """pretrain_llama.py's defaults (a Llama); pretrain_gpt.py keeps Megatron-LM's (the parser's own)."""
+MEGATRON_GPT_DEFAULTS = dict(tokenizer_type="GPT2BPETokenizer")
+"""What Megatron-LM's pretrain_gpt.py sets beyond its parser's defaults (``args_defaults``)."""
 
 
 def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None) -> OneLineParser:

@@ -108,6 +108,17 @@ def _split(args: argparse.Namespace) -> None:
     args.split = text
 
 
+def _tokenizer_files(args: argparse.Namespace) -> None:
+    """Tokenizer files given to this driver's own ByteTokenizer (pretrain_llama.py's default; not a Megatron
+    tokenizer) would be ignored: an error instead (Megatron's tokenizers ignore what they do not read, as there)."""
+    if args.tokenizer_type != "ByteTokenizer":
+        return
+    for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
+        if getattr(args, name, None) is not None:
+            raise _error(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give the "
+                         "--tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer)")
+
+
 def apply_megatron_behaviours(args: argparse.Namespace) -> None:
     """Map Megatron's flags onto this driver's fields (in place); raise ArgumentError on a contradiction."""
     _kwai_aliases(args)
@@ -116,3 +127,4 @@ def apply_megatron_behaviours(args: argparse.Namespace) -> None:
     _schedule(args)
     _virtual_stages(args)
     _split(args)
+    _tokenizer_files(args)
