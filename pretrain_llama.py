@@ -12,11 +12,12 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Transforme
 PROG = "pretrain_llama.py"
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = PROG, defaults=None) -> int:
+    """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train."""
     from megatron.training.run_guard import die_with_launcher
     die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
     from megatron.training.arguments import parse_args
-    args = parse_args(argv, prog=PROG)  # one-line error and exit 2 on a bad flag, before any process group
+    args = parse_args(argv, prog=prog, defaults=defaults)  # one-line error, exit 2, before any process group
 
     from h3t_ext.runtime.config import RuntimeConfigError
     from megatron.training.checkpointing import CheckpointError
@@ -27,17 +28,17 @@ def main(argv=None) -> int:
         return pretrain(args)
     except NonFiniteError as e:  # raised on every rank alike: said once
         if os.environ.get("RANK", "0") == "0":
-            sys.stderr.write(f"{PROG}: error: {e}\n")
+            sys.stderr.write(f"{prog}: error: {e}\n")
         return 2
     except (CheckpointError, RuntimeConfigError, RunLockError) as e:
-        sys.stderr.write(f"{PROG}: error: {e}\n")
+        sys.stderr.write(f"{prog}: error: {e}\n")
         return 2
     except RuntimeError as e:  # a collective or transfer that failed: a peer died, or a wait timed out
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if not any(k in first for k in ("Connection closed by peer", "Connection reset by peer", "Timed out",
                                          "timed out", "Broken pipe")):
             raise
-        sys.stderr.write(f"{PROG}: error: rank {os.environ.get('RANK', '0')}: a distributed operation failed: "
+        sys.stderr.write(f"{prog}: error: rank {os.environ.get('RANK', '0')}: a distributed operation failed: "
                          f"{first}\n")
         return 3
 

@@ -31,9 +31,9 @@ def _env() -> dict:
     return env
 
 
-def run_pretrain(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    """``pretrain_llama.py args`` in ``nproc`` CPU processes (torchrun when nproc > 1)."""
-    entry = str(REPO / "pretrain_llama.py")
+def run_pretrain(args: list[str], nproc: int = 1, entry: str = "pretrain_llama.py") -> subprocess.CompletedProcess:
+    """``entry args`` (pretrain_llama.py or pretrain_gpt.py) in ``nproc`` CPU processes (torchrun when nproc > 1)."""
+    entry = str(REPO / entry)
     if nproc == 1:
         cmd = [PYTHON, entry, *args]
     else:

@@ -63,7 +63,7 @@ class FusedSavesRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:  # F.rms_norm is a fused kernel there already
             return super().forward(x)
-        return rms_norm_marking(x, self.weight, tuple(self.normalized_shape), self.eps)
+        return rms_norm_marking(x, self.gamma(), tuple(self.normalized_shape), self.eps)
 
 
 def _silu(gate: torch.Tensor) -> torch.Tensor:

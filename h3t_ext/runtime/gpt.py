@@ -133,7 +133,8 @@ class H3TGPTModel(GPTModel):
 
         layer = SPColumnParallelLinear(
             self.config.hidden_size, self.vocab_size, config=self.config, init_method=self.config.init_method,
-            bias=False, skip_bias_add=False, gather_output=stock.gather_output, skip_weight_param_allocation=True,
+            bias=False, skip_bias_add=False, gather_output=stock.gather_output,
+            skip_weight_param_allocation=True,
             embedding_activation_buffer=self.embedding_activation_buffer, grad_output_buffer=self.grad_output_buffer,
             tp_group=self.pg_collection.tp)
         if stock.weight is not None:  # the stock layer's initialised weight (no second draw from the RNG)
@@ -177,8 +178,13 @@ def build_gpt_model(
     layer_spec: Optional[ModuleSpec] = None,
     pipeline_rank: Optional[int] = None,
     pg_collection=None,
+    position_embedding_type: str = "rope",
+    share_embeddings_and_output_weights: bool = False,
+    rotary_percent: float = 1.0,
+    rotary_base: int = 10000,
 ) -> GPTModel:
-    """A Llama-style GPTModel (RoPE, untied embeddings) for one pipeline (virtual) stage.
+    """A GPTModel for one pipeline (virtual) stage; by default Llama-style (RoPE, untied embeddings),
+    GPT-3-style with ``position_embedding_type='learned_absolute'`` and tied embeddings.
 
     Its layers come from ``h3t_layer_spec(config, ckpt=ckpt, backend=backend,
     core_attention=core_attention)``, or from ``layer_spec`` when given (then with megatron-core's
@@ -195,8 +201,10 @@ def build_gpt_model(
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+        rotary_percent=rotary_percent,
+        rotary_base=rotary_base,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
     )
@@ -212,6 +220,7 @@ def build_stage_chunks(
     backend: str = "local",
     core_attention: Optional[type] = None,
     layer_spec: Optional[ModuleSpec] = None,
+    **model_kwargs,
 ) -> list[GPTModel]:
     """Pipeline rank ``pipeline_rank``'s model chunks in virtual-stage order (sizes from ``config``):
     the embedding on rank 0's first chunk, the output layer on the last rank's last chunk; layers
@@ -224,7 +233,7 @@ def build_stage_chunks(
             config, vocab_size=vocab_size, max_sequence_length=max_sequence_length,
             pre_process=pipeline_rank == 0 and c == 0, post_process=pipeline_rank == p - 1 and c == v - 1,
             vp_stage=c if v > 1 else None, ckpt=ckpt, backend=backend, core_attention=core_attention,
-            layer_spec=layer_spec, pipeline_rank=pipeline_rank,
+            layer_spec=layer_spec, pipeline_rank=pipeline_rank, **model_kwargs,
         )
         for c in range(v)
     ]

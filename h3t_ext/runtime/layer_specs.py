@@ -42,7 +42,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from .config import CKPT_CHOICES, RuntimeConfigError
 from .fused_saves import FusedSavesMLP, FusedSavesRMSNorm
 from .norms import LayerNorm
-from .recompute_ours import OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
+from .recompute_ours import OursLayerNorm, OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
 from .sequence_parallel import SPColumnParallelLinear, SPRowParallelLinear
 
 BACKENDS = ("local", "te")
@@ -59,7 +59,7 @@ def _local_norm(config, ckpt: str) -> type:
     if config.normalization == "RMSNorm":
         return OursRMSNorm if ckpt == "ours" else FusedSavesRMSNorm
     if config.normalization == "LayerNorm":
-        return LayerNorm
+        return OursLayerNorm if ckpt == "ours" else LayerNorm
     raise UnsupportedLayerSpecError(f"--normalization {config.normalization} is not supported by the h3t local "
                                     "layer spec; use RMSNorm or LayerNorm")
 
@@ -94,7 +94,7 @@ def h3t_layer_spec(config, *, ckpt: str = "no", backend: str = "local", core_att
     """The TransformerLayer spec of ``ckpt`` for ``backend`` ('local' or 'te') and ``config``.
 
     Raises :class:`UnsupportedLayerSpecError` (one line) when ``config`` cannot run ``ckpt``
-    (ckpt=ours needs RMSNorm, a dense SwiGLU MLP and no Megatron recompute).
+    (ckpt=ours needs RMSNorm or LayerNorm, a dense SwiGLU or GeLU MLP and no Megatron recompute).
     """
     _check_choice(ckpt, backend)
     if ckpt == "ours":

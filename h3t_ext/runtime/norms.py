@@ -12,35 +12,59 @@ so the gradient all-reduce over the tensor-parallel group (``finalize_model_grad
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .config import RuntimeConfigError
 from .sequence_parallel import mark_sequence_parallel
 
 
 def _check(config, what: str) -> None:
-    for flag, on in (("--apply-layernorm-1p (zero-centered gamma)", config.layernorm_zero_centered_gamma),
-                     ("--persist-layer-norm", config.persist_layer_norm),
+    for flag, on in (("--persist-layer-norm", config.persist_layer_norm),
                      ("--memory-efficient-layer-norm", config.memory_efficient_layer_norm)):
         if on:
             raise RuntimeConfigError(f"{flag} is not supported by h3t-ext's torch {what}; leave it off")
 
 
+def _zero_centered(module, config) -> None:
+    """Megatron's ``--apply-layernorm-1p``: the weight is stored as gamma - 1 (zero at init)."""
+    module.zero_centered_gamma = bool(config.layernorm_zero_centered_gamma)
+    if module.zero_centered_gamma:
+        with torch.no_grad():
+            module.weight.zero_()
+
+
 class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` built from a megatron-core spec; sequence-parallel aware."""
+    """``torch.nn.RMSNorm`` built from a megatron-core spec; sequence-parallel aware; gamma = 1 + weight
+    with ``--apply-layernorm-1p``."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         _check(config, "RMSNorm")
         super().__init__(normalized_shape=hidden_size, eps=eps)
         mark_sequence_parallel(self, config.sequence_parallel)
+        _zero_centered(self, config)
+
+    def gamma(self) -> torch.Tensor:
+        return self.weight + 1 if self.zero_centered_gamma else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, tuple(self.normalized_shape), self.gamma(), self.eps)
 
 
 class LayerNorm(torch.nn.LayerNorm):
-    """``torch.nn.LayerNorm`` built from a megatron-core spec; sequence-parallel aware."""
+    """``torch.nn.LayerNorm`` built from a megatron-core spec; sequence-parallel aware; gamma = 1 + weight
+    with ``--apply-layernorm-1p``."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         _check(config, "LayerNorm")
         super().__init__(normalized_shape=hidden_size, eps=eps)
         mark_sequence_parallel(self, config.sequence_parallel)
+        _zero_centered(self, config)
+
+    def gamma(self) -> torch.Tensor:
+        return self.weight + 1 if self.zero_centered_gamma else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, tuple(self.normalized_shape), self.gamma(), self.bias, self.eps)
 
 
 __all__ = ["LayerNorm", "RMSNorm"]

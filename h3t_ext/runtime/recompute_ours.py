@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
 from h3t_ext.runtime.config import RuntimeConfigError
-from h3t_ext.runtime.norms import RMSNorm
+from h3t_ext.runtime.norms import LayerNorm, RMSNorm
 
 
 class UnsupportedLayerSpecError(RuntimeConfigError):
@@ -107,6 +107,20 @@ class _SwiGLUSaveInput(torch.autograd.Function):
         return gy, None
 
 
+class _SaveInputs(torch.autograd.Function):
+    """``fn(*inputs)`` saving only ``inputs``; backward recomputes ``fn`` with autograd (LayerNorm, GeLU)."""
+
+    @staticmethod
+    def forward(ctx, fn, *inputs):
+        ctx.save_for_backward(*inputs)
+        ctx.fn = fn
+        return fn(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *_grads_by_recompute(ctx.fn, ctx.saved_tensors, ctx.needs_input_grad[1:], grad))
+
+
 def _grads_by_recompute(fn, inputs, needs, grad):
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(bool(n)) for t, n in zip(inputs, needs)]
@@ -119,13 +133,13 @@ def _grads_by_recompute(fn, inputs, needs, grad):
 # --------------------------------------------------------------------------- spec-time validation
 def validate_ours_config(config, where: str = "ckpt=ours") -> None:
     """Raise :class:`UnsupportedLayerSpecError` (one line) when ``config`` cannot run ckpt=ours."""
-    if config.normalization != "RMSNorm":
+    if config.normalization not in ("RMSNorm", "LayerNorm"):
         raise UnsupportedLayerSpecError(
-            f"{where}: --normalization {config.normalization} is not supported, needs RMSNorm (the recomputed "
-            "norm outputs are RMSNorm's)")
-    if not config.gated_linear_unit or config.activation_func is not F.silu:
-        raise UnsupportedLayerSpecError(f"{where}: needs a SwiGLU MLP (--swiglu: gated_linear_unit=True, "
-                                        "activation silu)")
+            f"{where}: --normalization {config.normalization} is not supported, needs RMSNorm or LayerNorm")
+    swiglu = config.gated_linear_unit and config.activation_func is F.silu
+    gelu = not config.gated_linear_unit and config.activation_func is F.gelu
+    if not (swiglu or gelu):
+        raise UnsupportedLayerSpecError(f"{where}: needs a SwiGLU (--swiglu) or GeLU MLP")
     if getattr(config, "num_moe_experts", None):
         raise UnsupportedLayerSpecError(f"{where}: needs a dense MLP; --num-experts (MoE) is not supported")
     if config.use_te_activation_func or config.activation_func_clamp_value is not None:
@@ -142,9 +156,26 @@ class OursRMSNorm(RMSNorm):
     h3t_ckpt = "ours"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, eps, gamma = tuple(self.normalized_shape), self.eps, self.gamma()
+        out = _RMSNormSaveInput.apply(x, gamma, shape, eps)
+        mark_recomputable(out, lambda a, w: _rms_norm(a, w, shape, eps), (x, gamma))
+        return out
+
+
+class OursLayerNorm(LayerNorm):
+    """LayerNorm that saves only its input (and weight, bias) and marks its output recomputable (ckpt=ours)."""
+
+    h3t_ckpt = "ours"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, eps = tuple(self.normalized_shape), self.eps
-        out = _RMSNormSaveInput.apply(x, self.weight, shape, eps)
-        mark_recomputable(out, lambda a, w: _rms_norm(a, w, shape, eps), (x, self.weight))
+
+        def norm(a, w, b):
+            return F.layer_norm(a, shape, w, b, eps)
+
+        inputs = (x, self.gamma(), self.bias)
+        out = _SaveInputs.apply(norm, *inputs)
+        mark_recomputable(out, norm, inputs)
         return out
 
 
@@ -164,6 +195,11 @@ class OursMLP(MLP):
         y, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             y = y + bias
+        if not self.config.gated_linear_unit:  # GeLU: only the activation is recomputed
+            act = _SaveInputs.apply(F.gelu, y)
+            mark_recomputable(act, F.gelu, (y,))
+            output, out_bias = self.linear_fc2(act)
+            return output, out_bias
         offset = float(self.config.glu_linear_offset)
         act = _SwiGLUSaveInput.apply(y, offset)
         mark_recomputable(act, lambda a: _swiglu(a, offset), (y,))
@@ -202,10 +238,11 @@ class OursTENorm:
         from megatron.core.extensions.transformer_engine import _get_extra_te_kwargs  # noqa: PLC0415
 
         validate_ours_config(config, "ckpt=ours TE norm")
-        return _ours_te_class(te.RMSNorm)(
+        base = te.LayerNorm if config.normalization == "LayerNorm" else te.RMSNorm
+        return _ours_te_class(base)(
             hidden_size=hidden_size, eps=eps, sequence_parallel=config.sequence_parallel,
             zero_centered_gamma=config.layernorm_zero_centered_gamma, **_get_extra_te_kwargs(config))
 
 
-__all__ = ["OursMLP", "OursRMSNorm", "OursTENorm", "UnsupportedLayerSpecError", "lookup_recipe", "mark_recomputable",
+__all__ = ["OursLayerNorm", "OursMLP", "OursRMSNorm", "OursTENorm", "UnsupportedLayerSpecError", "lookup_recipe", "mark_recomputable",
            "validate_ours_config"]

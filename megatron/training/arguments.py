@@ -37,14 +37,28 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--normalization", choices=("RMSNorm",), default="RMSNorm")
-    g.add_argument("--swiglu", action="store_true", default=True)
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=True)
-    g.add_argument("--position-embedding-type", choices=("rope",), default="rope")
-    g.add_argument("--disable-bias-linear", action="store_true", default=True)
+    g.add_argument("--kv-channels", type=int, default=None, help="head dim (default hidden / heads)")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--rms-norm", dest="normalization", action="store_const", const="RMSNorm",
+                   help="Megatron-Kwai's name for --normalization RMSNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--apply-layernorm-1p", action="store_true", help="norm weight stored as (weight - 1), zero-init")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
+                   const="rope", help="older Megatron name for --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="no learned absolute positions (older Megatron; with --use-rotary-position-embeddings)")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-interleaved", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--bf16", action="store_true")
 
 
@@ -53,6 +67,7 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=None)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
     g.add_argument("--context-parallel-size", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -74,13 +89,20 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--global-batch-size", type=int, required=True)
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None, help="train for this many samples (not --train-iters)")
     g.add_argument("--optimizer", choices=("adam",), default="adam")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warm-up as a fraction of the decay span")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the token-weighted mean over the global batch (this driver's only loss)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -99,6 +121,12 @@ def _add_training(p: argparse.ArgumentParser) -> None:
                    help="activation recompute: no, full (each layer from its input), ours")
     g.add_argument("--offload-alpha", default=None, metavar="{FLOAT,auto,balanced}",
                    help="fraction of saved activations sent to host memory (one value or one per stage)")
+    g.add_argument("--kaimm-offload-activation-ratio", "--pipeline-parallel-aware-offloading-ratio",
+                   dest="kaimm_offload_ratio", default=None, help="Megatron-Kwai's name for --offload-alpha")
+    g.add_argument("--kaimm-recompute-norm", action="store_true",
+                   help="Megatron-Kwai: recompute the norms (with --kaimm-recompute-mlp-activation-func: --ckpt ours)")
+    g.add_argument("--kaimm-recompute-mlp-activation-func", action="store_true",
+                   help="Megatron-Kwai: recompute the MLP activation (with --kaimm-recompute-norm: --ckpt ours)")
     g.add_argument("--auto-plan", action="store_true",
                    help="let the planner fill every parallel and memory flag left out, and print its plan")
     g.add_argument("--gpu", default=None, help="system name of the cost model (auto-plan, MFU peak)")
@@ -134,7 +162,12 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
                    dest="use_checkpoint_opt_param_scheduler",
                    help="on resume, use the checkpoint's learning-rate schedule over this command line's")
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit after this many minutes")
+    g.add_argument("--exit-signal-handler", action="store_true", help="on --exit-signal: save and exit")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"))
     g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-throughput", action="store_true", help="the log line always shows throughput")
     g.add_argument("--metrics-json", default=None, metavar="PATH")
     g.add_argument("--no-progress-bar", action="store_true")
 
@@ -156,31 +189,58 @@ def _add_eval_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard")
     g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
                    action="store_false", dest="log_learning_rate_to_tensorboard")
-    g.add_argument("--log-throughput", action="store_true")
     g.add_argument("--wandb-project", default=None)
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
     g.add_argument("--wandb-entity", default=None)
 
 
-def build_parser(prog: str = "pretrain_llama.py") -> OneLineParser:
-    """The parser with every flag the driver accepts."""
-    p = OneLineParser(prog=prog, description="Pretrain a Llama model with Megatron-core and h3t-ext.",
+LLAMA_DEFAULTS = dict(normalization="RMSNorm", swiglu=True, untie_embeddings_and_output_weights=True,
+                      position_embedding_type="rope", disable_bias_linear=True, hidden_dropout=0.0,
+                      attention_dropout=0.0, lr_decay_style="cosine")
+"""pretrain_llama.py's defaults (a Llama); pretrain_gpt.py keeps Megatron-LM's (the parser's own)."""
+MEGATRON_GPT_DEFAULTS = dict(tokenizer_type="GPT2BPETokenizer")
+"""What Megatron-LM's pretrain_gpt.py sets beyond its parser's defaults (``args_defaults``)."""
+
+
+def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None) -> OneLineParser:
+    """The parser with every flag the driver accepts (and every other flag of the flag table)."""
+    from megatron.training.flag_table import add_table_flags
+
+    p = OneLineParser(prog=prog, description="Pretrain a GPT model with Megatron-core and h3t-ext.",
                       allow_abbrev=False)
     _add_model(p)
     _add_parallel(p)
     _add_training(p)
     _add_data_io(p)
     _add_eval_and_logging(p)
+    if defaults:
+        p.set_defaults(**defaults)
+    add_table_flags(p)
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py") -> argparse.Namespace:
-    """Parse, fill (``--auto-plan``), derive and validate; exit 2 with one line on a bad flag."""
-    parser = build_parser(prog)
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
+               defaults: Optional[dict] = None) -> argparse.Namespace:
+    """Parse, fill (``--auto-plan``), derive and validate; exit 2 with one line on a bad flag.
+
+    ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py passes
+    :data:`LLAMA_DEFAULTS` (the default when ``prog`` is pretrain_llama.py)."""
+    from megatron.training.flag_table import given_table_flags, notice_lines, refusal
+
+    if defaults is None and prog == "pretrain_llama.py":
+        defaults = LLAMA_DEFAULTS
+    parser = build_parser(prog, defaults)
     args = parser.parse_args(argv)
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    given = given_table_flags(args)
+    refused = refusal(given)
+    if refused:
+        parser.error(refused)
+    args.flag_notices = notice_lines(given)
     try:
+        from megatron.training.megatron_compat import apply_megatron_behaviours
+        apply_megatron_behaviours(args)
         _validate_finite(args)
         _fill_model_defaults(args)
         _validate_positive(args)
@@ -201,12 +261,12 @@ def _fill_model_defaults(args: argparse.Namespace) -> None:
         if args.num_query_groups is not None and not args.group_query_attention:
             raise ArgumentError("--num-query-groups needs --group-query-attention")
         args.num_query_groups = args.num_attention_heads
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.ffn_hidden_size is None:  # Megatron's: a SwiGLU MLP keeps about the parameters of a 4h GeLU one
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
 
 
 def _validate_finite(args: argparse.Namespace) -> None:
@@ -221,7 +281,7 @@ def _validate_positive(args: argparse.Namespace) -> None:
                  "seq_length", "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "context_parallel_size", "micro_batch_size",
                  "num_layers_per_virtual_pipeline_stage", "save_interval", "exit_interval",
-                 "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "eval_interval",
+                 "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
                  "tensorboard_log_interval", "tensorboard_queue_size"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -234,6 +294,12 @@ def _validate_positive(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, inf)")
+    for name in ("norm_epsilon", "rotary_base"):
+        v = getattr(args, name)
+        if not v > 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside (0, inf)")
+    if not 0 < args.rotary_percent <= 1:
+        raise ArgumentError(f"--rotary-percent {args.rotary_percent} is outside (0, 1]")
     for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
         v = getattr(args, name)
         if not 0 <= v < 1:

@@ -10,6 +10,7 @@ so a resumed run reads exactly the samples an uninterrupted run would.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterator, Optional
 
 import torch
@@ -69,6 +70,26 @@ def splits_wanted(args) -> tuple[bool, bool]:
     return w[1] > 0, w[2] > 0
 
 
+def _splits_with_documents(args, split_matrix, valid_on: bool, test_on: bool) -> tuple[bool, bool]:
+    """A held-out split that gets no document of some blended dataset is dropped, with a notice on rank
+    0 (megatron-core would loop forever building it); a split's documents are the range
+    ``round(beg * n) .. round(end * n)`` of each dataset's n documents, as megatron-core cuts them."""
+    from megatron.training.data_checks import check_indexed_dataset, parse_blend
+
+    counts = [check_indexed_dataset(prefix) for _, prefix in parse_blend(args.data_path)]
+    wanted = [True, valid_on, test_on]
+    for i, name in ((1, "validation"), (2, "test")):
+        if not wanted[i] or split_matrix[i] is None:
+            continue
+        beg, end = split_matrix[i]
+        if any(int(round(end * n)) <= int(round(beg * n)) for n in counts):
+            wanted[i] = False
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"note: --split {args.split} leaves the {name} split no document of the "
+                      f"{min(counts)} in --data-path; no {name} evaluation", flush=True)
+    return wanted[1], wanted[2]
+
+
 def build_datasets(args, tokenizer) -> tuple:
     """(train, valid, test) through megatron-core's BlendedMegatronDatasetBuilder; a split that is
     not wanted (see :func:`splits_wanted`) is None. The training split depends only on its own size,
@@ -89,8 +110,14 @@ def build_datasets(args, tokenizer) -> tuple:
         eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=False,
     )
-    cls = MockGPTDataset if args.mock_data else GPTDataset
     valid_on, test_on = splits_wanted(args)
+    if config.split_matrix is not None and not args.mock_data and not per_split:
+        valid_on, test_on = _splits_with_documents(args, config.split_matrix, valid_on, test_on)
+    if config.split_matrix is not None:  # only the ranges evaluation asks for are built: megatron-core loops
+        # forever on a requested split that holds no document (e.g. the 1 of 949,50,1 on a small corpus)
+        config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if valid_on else None,
+                               config.split_matrix[2] if test_on else None]
+    cls = MockGPTDataset if args.mock_data else GPTDataset
     train_needed = not args.skip_train
     sizes = split_sizes(args)
     sizes = [sizes[0] if (train_needed or not per_split or args.train_data_path) else None,

@@ -1,4 +1,4 @@
-"""Llama model chunks from megatron-core's GPTModel, built with the h3t layer spec of ``--ckpt``.
+"""GPT model chunks (GPT-3 or Llama shapes, as the flags say) from megatron-core's GPTModel, built with the h3t layer spec of ``--ckpt``.
 
 The spec (``h3t_ext.runtime.layer_specs``) uses TransformerEngine's modules when TE is importable
 on a GPU (backend 'te'), else megatron-core's local modules with h3t-ext's SDPA core attention and
@@ -43,9 +43,20 @@ def core_attention(args, *, on_gpu: bool):
 
 
 def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
-    """Megatron's TransformerConfig of the run (Llama: RMSNorm, SwiGLU, RoPE, no biases)."""
+    """Megatron's TransformerConfig of the run: the architecture Megatron's flags describe (norm, MLP,
+    biases, head dim, ...) with the parallel layout and dtype."""
     dtype = torch.bfloat16 if (args.bf16 and on_gpu) else torch.float32
     common = dict(
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        glu_linear_offset=args.glu_linear_offset,
+        add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        kv_channels=args.kv_channels,
+        rotary_interleaved=args.rotary_interleaved,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -65,9 +76,8 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
     )
     if not on_gpu:
         return tiny_llama_config(**common)
-    return TransformerConfig(
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        bias_activation_fusion=True, apply_rope_fusion=False, **common)
+    return TransformerConfig(bias_activation_fusion=args.swiglu or not args.disable_bias_linear,
+                             apply_rope_fusion=False, **common)
 
 
 def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.Module]:
@@ -77,6 +87,9 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
     padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
                                 pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=args.ckpt,
+                                position_embedding_type=args.position_embedding_type,
+                                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                                rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
                                 backend=layer_spec_backend(on_gpu), core_attention=core_attention(args, on_gpu=on_gpu))
     if on_gpu:
         for chunk in chunks:

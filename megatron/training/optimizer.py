@@ -20,14 +20,21 @@ import torch.distributed as dist
 
 
 def learning_rate(args, iteration: int) -> float:
-    """Megatron's schedule: linear warm-up, then constant, linear or cosine decay to --min-lr."""
-    step = iteration + 1
-    warm = args.lr_warmup_iters
+    """Megatron's schedule: linear warm-up (from --lr-warmup-init), then constant, linear or cosine decay to
+    --min-lr; counted in samples when the driver set ``lr_warmup_steps``/``lr_decay_steps`` (Megatron's
+    scheduler counts samples: iteration-based flags times the global batch size), else in iterations."""
+    if getattr(args, "lr_decay_steps", None) is not None:
+        unit = args.global_batch_size
+        warm, decay = args.lr_warmup_steps, args.lr_decay_steps
+    else:
+        unit, warm, decay = 1, args.lr_warmup_iters, args.lr_decay_iters
+    step = (iteration + 1) * unit
     if warm and step <= warm:
-        return args.lr * step / warm
+        init = getattr(args, "lr_warmup_init", 0.0)
+        return init + (args.lr - init) * step / warm
     if args.lr_decay_style == "constant":
         return args.lr
-    span = max(1, args.lr_decay_iters - warm)
+    span = max(1, decay - warm)
     ratio = min(1.0, max(0.0, (step - warm) / span))
     if args.lr_decay_style == "linear":
         coeff = 1.0 - ratio

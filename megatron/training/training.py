@@ -8,8 +8,10 @@ counts add up to the full sequence's), computed on the last pipeline stage.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from typing import Optional
 from functools import partial
 
 import torch
@@ -22,6 +24,7 @@ from h3t_ext.runtime.config import H3TConfig
 from megatron.training import checkpointing as ckpt_io
 from megatron.training.data import build_data_iterators, build_datasets
 from megatron.training.evaluation import Evaluator
+from megatron.training.exit_conditions import ExitConditions, ExitSignalHandler
 from megatron.training.heartbeat import start_heartbeat
 from megatron.training.initialize import dist_rank_from_env, initialize_distributed, shutdown, uses_gpu
 from megatron.training.loggers import build_writer, writers_requested
@@ -121,6 +124,8 @@ def _gather_stage_stats(runtime, chunks) -> list[dict]:
 
 
 def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
+    for line in getattr(args, "flag_notices", []):  # the flag table's notices (docs/flags.md), once
+        print(line, flush=True)
     if config.offloads:
         from h3t_ext import kernels  # noqa: PLC0415  (only needed for this note)
 
@@ -155,9 +160,11 @@ def _write_scalars(args, scalars: TrainingScalars, rec: dict, optimizer, runtime
 
 
 def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators,
-          on_gpu: bool, evaluator: Evaluator, scalars: TrainingScalars, config: H3TConfig) -> tuple[int, bool]:
-    """Run iterations ``start_iteration .. --train-iters`` (evaluating, saving and exiting as asked);
-    returns the last iteration done and whether ``--exit-interval`` stopped the run."""
+          on_gpu: bool, evaluator: Evaluator, scalars: TrainingScalars, config: H3TConfig,
+          exits: Optional[ExitConditions] = None) -> tuple[int, bool]:
+    """Run iterations ``start_iteration .. --train-iters`` (evaluating, saving and exiting as asked:
+    --exit-interval, --exit-duration-in-mins, --exit-signal-handler); returns the last iteration done
+    and whether the run exited early."""
     fb = get_forward_backward_func()
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     done = start_iteration
@@ -179,10 +186,13 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
             result = evaluator.evaluate(done, "valid")
             if result is not None:
                 scalars.evaluation(done, "valid", result.loss, result.ppl)
+        leave = exits is not None and done < args.train_iters and exits.should_exit()
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
-                          or (args.exit_interval and done % args.exit_interval == 0)):
+                          or (args.exit_interval and done % args.exit_interval == 0) or leave):
             _save(args, done, chunks, optimizer, on_gpu)
-        if args.exit_interval and done % args.exit_interval == 0:
+        if leave and dist.get_rank() == 0:
+            print(f"exiting program at iteration {done}: {exits.reason}", flush=True)
+        if leave or (args.exit_interval and done % args.exit_interval == 0):
             return done, True
     return done, False
 
@@ -198,16 +208,17 @@ def _final_evaluations(args, evaluator: Evaluator, scalars: TrainingScalars, ite
 
 def pretrain(args) -> int:
     """Everything after argument parsing; returns the process exit status."""
+    start_time = time.time()
     found = ckpt_io.find_checkpoint(args)  # before any process group: a bad checkpoint stops all ranks
     lock = RunLock(args.save).acquire() if args.save and dist_rank_from_env() == 0 else None
     try:
-        return _pretrain(args, found)
+        return _pretrain(args, found, start_time)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _pretrain(args, found) -> int:
+def _pretrain(args, found, start_time: float) -> int:
     initialize_distributed(args)
     heartbeat = start_heartbeat(args.distributed_timeout_minutes)  # a frozen peer ends the run in one line
     on_gpu = uses_gpu(args)
@@ -238,9 +249,12 @@ def _pretrain(args, found) -> int:
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size), on_gpu=on_gpu)
                  if is_logging_rank and writers_requested(args) else {})
     scalars = TrainingScalars(args, writer, on_gpu=on_gpu, predicted=predicted)
+    handler = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None
     try:
-        iteration, exited = (start, False) if args.skip_train else train(
-            args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config)
+        with handler or contextlib.nullcontext():
+            iteration, exited = (start, False) if args.skip_train else train(
+                args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config,
+                exits=ExitConditions(args, start_time, handler))
         stats = _gather_stage_stats(runtime, chunks)
         if not exited:
             _final_evaluations(args, evaluator, scalars, iteration)

@@ -64,6 +64,7 @@ class IterationLogger:
         self.flops_per_token = flops_per_token(args, vocab_size)
         self.peak, self.peak_what = peak_flops(args, on_gpu) if is_logging_rank else (1.0, "")
         self.records: list[dict] = []
+        self._interval: list[dict] = []  # the records since the last log line (Megatron averages over them)
         self.progress = None
         if is_logging_rank and sys.stdout.isatty() and not args.no_progress_bar:
             from rich.progress import Progress
@@ -93,21 +94,38 @@ class IterationLogger:
                "mfu": tflops * 1e12 / self.peak, "tflops_per_gpu": tflops, "elapsed_ms": elapsed_s * 1e3,
                "learning_rate": lr, "grad_norm": grad_norm}
         self.records.append(rec)
+        self._interval.append(rec)
         if not self.enabled:
             return rec
         if self.progress is not None:
             self.progress.update(self.task, completed=iteration, description=f"loss {loss:.4f}")
         if iteration % a.log_interval == 0 or iteration in (1, a.train_iters):
-            norm = "" if grad_norm is None else f" grad norm: {grad_norm:.3f} |"
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            self._print(
-                f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
-                f"{iteration * a.global_batch_size:12d} | elapsed time per iteration (ms): {elapsed_s * 1e3:.1f} | "
-                f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens per second per GPU: {tps_gpu:.1f} | "
-                f"MFU: {100 * rec['mfu']:.2f}% | learning rate: {lr:.6E} | global batch size: "
-                f"{a.global_batch_size:5d} | lm loss: {loss:.6E} |{norm} max memory (MB): "
-                f"{max_memory_mb(self.on_gpu):.1f} |")
+            self._print(self._line(iteration, lr, grad_norm))
         return rec
+
+    def _line(self, iteration: int, lr: float, grad_norm: Optional[float]) -> str:
+        """Megatron's log line: time, throughput and loss averaged over the iterations since the last line;
+        learning rate and grad norm of this iteration; loss scale (1.0: no fp16 loss scaling here) and the
+        counts of skipped (none without loss scaling) and non-finite iterations in the interval."""
+        a, recs = self.args, self._interval
+        self._interval = []
+        n = len(recs)
+        elapsed_ms = sum(r["elapsed_ms"] for r in recs) / n
+        tps_gpu = a.global_batch_size * a.seq_length * n / (sum(r["elapsed_ms"] for r in recs) / 1e3) / a.world_size
+        tflops = 3 * self.flops_per_token * tps_gpu / 1e12
+        finite = [r["loss"] for r in recs if math.isfinite(r["loss"])]
+        loss = sum(finite) / len(finite) if finite else float("nan")
+        nan = sum(1 for r in recs if not math.isfinite(r["loss"])
+                  or (r["grad_norm"] is not None and not math.isfinite(r["grad_norm"])))
+        norm = "" if grad_norm is None else f" grad norm: {grad_norm:.3f} |"
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        return (f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
+                f"{iteration * a.global_batch_size:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
+                f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens per second per GPU: {tps_gpu:.1f} | "
+                f"MFU: {100 * tflops * 1e12 / self.peak:.2f}% | learning rate: {lr:.6E} | global batch size: "
+                f"{a.global_batch_size:5d} | lm loss: {loss:.6E} | loss scale: 1.0 |{norm} number of skipped "
+                f"iterations: {0:3d} | number of nan iterations: {nan:3d} | max memory (MB): "
+                f"{max_memory_mb(self.on_gpu):.1f} |")
 
     def close(self) -> None:
         if self.progress is not None:

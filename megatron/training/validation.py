@@ -86,9 +86,10 @@ def _validate_batch(args) -> None:
 
 def _validate_sequence_parallel(args) -> None:
     t = args.tensor_model_parallel_size
-    if args.sequence_parallel and t == 1:
-        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (got 1); leave it out "
-                            "with one tensor-parallel rank")
+    if args.sequence_parallel and t == 1:  # as Megatron-LM: disabled, with a notice
+        args.sequence_parallel = False
+        args.flag_notices = [*getattr(args, "flag_notices", []), "note: --sequence-parallel: disabled with "
+                             "--tensor-model-parallel-size 1 (as Megatron-LM does)"]
     if args.sequence_parallel and args.seq_length % t:
         raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of --tensor-model-parallel-size {t} "
                             f"(--sequence-parallel)")

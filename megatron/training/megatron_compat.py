@@ -1,0 +1,130 @@
+"""Megatron-LM's (and Megatron-Kwai's) flag semantics mapped onto this driver's fields, before validation.
+
+* Megatron-Kwai aliases: ``--kaimm-offload-activation-ratio A`` is ``--offload-alpha A``;
+  ``--kaimm-recompute-norm`` with ``--kaimm-recompute-mlp-activation-func`` is ``--ckpt ours``.
+* sample-based training: ``--train-samples`` / ``--lr-decay-samples`` / ``--lr-warmup-samples`` (or
+  ``--lr-warmup-fraction`` of the decay span); the schedule runs in samples, as Megatron's
+  ``OptimizerParamScheduler`` does (iteration-based flags are multiplied by the global batch size).
+* ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here.
+Every problem is an :class:`~megatron.training.arguments.ArgumentError` (one line).
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def _error(msg: str):
+    from megatron.training.arguments import ArgumentError  # noqa: PLC0415 - arguments imports this module
+
+    return ArgumentError(msg)
+
+
+def _kwai_aliases(args: argparse.Namespace) -> None:
+    ratio = args.kaimm_offload_ratio
+    if ratio is not None:
+        if args.offload_alpha is not None and str(args.offload_alpha) != str(ratio):
+            raise _error(f"--kaimm-offload-activation-ratio {ratio} contradicts --offload-alpha {args.offload_alpha}")
+        args.offload_alpha = str(ratio)
+    norm, act = args.kaimm_recompute_norm, args.kaimm_recompute_mlp_activation_func
+    if norm and act:
+        if args.ckpt not in (None, "ours"):
+            raise _error(f"--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (--ckpt ours) contradict "
+                         f"--ckpt {args.ckpt}")
+        args.ckpt = "ours"
+    elif norm or act:
+        one = "--kaimm-recompute-norm" if norm else "--kaimm-recompute-mlp-activation-func"
+        raise _error(f"{one} alone is not supported (recomputing only one of the two parts); give both "
+                     "--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (= --ckpt ours)")
+
+
+def _tied_embeddings(args: argparse.Namespace) -> None:
+    import torch  # noqa: PLC0415
+
+    if (not args.untie_embeddings_and_output_weights and (args.pipeline_model_parallel_size or 1) > 1
+            and not torch.cuda.is_available()):
+        raise _error("tied embeddings (no --untie-embeddings-and-output-weights) with --pipeline-model-parallel-size "
+                     f"{args.pipeline_model_parallel_size} are not supported on CPU (the embedding group's all-reduce "
+                     "is CUDA-only); give --untie-embeddings-and-output-weights or one pipeline stage")
+
+
+def _positions(args: argparse.Namespace) -> None:
+    if args.no_position_embedding and args.position_embedding_type != "rope":
+        raise _error("--no-position-embedding without --use-rotary-position-embeddings (or --position-embedding-type "
+                     "rope) gives a model without positions; not supported")
+
+
+def _schedule(args: argparse.Namespace) -> None:
+    B = args.global_batch_size
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise _error("give exactly one of --train-iters and --train-samples")
+    if args.train_samples is not None:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            raise _error("--train-samples needs the sample-based --lr-decay-samples / --lr-warmup-samples "
+                         "(not --lr-decay-iters / --lr-warmup-iters)")
+        if args.train_samples < B:
+            raise _error(f"--train-samples {args.train_samples} is less than one --global-batch-size {B}")
+        args.train_iters = args.train_samples // B
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warm = args.lr_warmup_samples
+    else:
+        if args.lr_decay_samples is not None or args.lr_warmup_samples:
+            raise _error("--lr-decay-samples / --lr-warmup-samples need --train-samples (not --train-iters)")
+        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters) * B
+        warm = args.lr_warmup_iters * B
+    if args.lr_warmup_fraction is not None:
+        if warm:
+            raise _error("give one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
+        if not 0 <= args.lr_warmup_fraction <= 1:
+            raise _error(f"--lr-warmup-fraction {args.lr_warmup_fraction} is outside [0, 1]")
+        warm = int(args.lr_warmup_fraction * decay)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = -(-decay // B)
+    args.lr_warmup_steps = warm   # in samples, as Megatron's scheduler counts
+    args.lr_decay_steps = decay
+
+
+def _virtual_stages(args: argparse.Namespace) -> None:
+    v = args.num_virtual_stages_per_pipeline_rank
+    if v is None:
+        return
+    p = args.pipeline_model_parallel_size or 1
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise _error("give one of --num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage")
+    if v < 1 or args.num_layers % (p * v):
+        raise _error(f"--num-virtual-stages-per-pipeline-rank {v} does not divide the layers per pipeline rank")
+    args.num_layers_per_virtual_pipeline_stage = args.num_layers // (p * v)
+
+
+def _split(args: argparse.Namespace) -> None:
+    text = args.split.strip().strip("'\"")
+    try:
+        weights = [float(w) for w in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise _error(f"--split {args.split!r} is not a comma-separated list of weights") from None
+    if len(weights) > 3 or any(w < 0 for w in weights) or not weights:
+        raise _error(f"--split {args.split!r}: give up to three non-negative weights (train,valid,test)")
+    if args.data_path is not None and weights[0] == 0:
+        raise _error(f"--split {text} gives no training data (the first weight must be > 0)")
+    args.split = text
+
+
+def _tokenizer_files(args: argparse.Namespace) -> None:
+    """Tokenizer files given to this driver's own ByteTokenizer (pretrain_llama.py's default; not a Megatron
+    tokenizer) would be ignored: an error instead (Megatron's tokenizers ignore what they do not read, as there)."""
+    if args.tokenizer_type != "ByteTokenizer":
+        return
+    for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
+        if getattr(args, name, None) is not None:
+            raise _error(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give the "
+                         "--tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer)")
+
+
+def apply_megatron_behaviours(args: argparse.Namespace) -> None:
+    """Map Megatron's flags onto this driver's fields (in place); raise ArgumentError on a contradiction."""
+    _kwai_aliases(args)
+    _positions(args)
+    _tied_embeddings(args)
+    _schedule(args)
+    _virtual_stages(args)
+    _split(args)
+    _tokenizer_files(args)

@@ -1,0 +1,65 @@
+"""Megatron's run-control behaviours through pretrain_gpt.py (1 CPU process, mock data):
+--exit-duration-in-mins and --exit-signal-handler save and exit; the log line averages over --log-interval."""
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+
+import pytest
+
+from driver_harness import PYTHON, REPO, _env, check_ok, metrics, run_pretrain
+
+TINY_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "200", "--no-progress-bar"]
+
+
+def test_exit_duration_saves_and_exits_after_the_iteration(tmp_path):
+    out, save = tmp_path / "m.json", tmp_path / "ckpt"
+    proc = run_pretrain([*TINY_GPT, "--train-iters", "50", "--exit-duration-in-mins", "0", "--save", str(save),
+                         "--metrics-json", str(out)], entry="pretrain_gpt.py")
+    check_ok(proc)
+    assert "exiting program at iteration 1: --exit-duration-in-mins 0.0 reached" in proc.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert len(metrics(out)["iterations"]) == 1
+
+
+def test_exit_signal_handler_saves_and_exits_on_sigterm(tmp_path):
+    out, save = tmp_path / "m.json", tmp_path / "ckpt"
+    cmd = [PYTHON, str(REPO / "pretrain_gpt.py"), *TINY_GPT, "--train-iters", "100000", "--log-interval", "1",
+           "--exit-signal-handler", "--save", str(save), "--metrics-json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if " iteration " in line and "/  100000" in line:  # training has started
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    stdout = "".join(lines) + rest
+    assert proc.returncode == 0, stdout[-2000:]
+    m = re.search(r"exiting program at iteration (\d+): exit signal received", stdout)
+    assert m, stdout[-2000:]
+    done = int(m.group(1))
+    assert 1 <= done < 100000
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == str(done)
+    assert len(metrics(out)["iterations"]) == done
+
+
+def test_log_line_averages_over_the_interval(tmp_path):
+    out = tmp_path / "m.json"
+    proc = run_pretrain([*TINY_GPT, "--train-iters", "4", "--log-interval", "2", "--metrics-json", str(out)],
+                        entry="pretrain_gpt.py")
+    check_ok(proc)
+    its = metrics(out)["iterations"]
+    logged = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+        r"iteration\s+(\d+)/\s+4 \|.*? lm loss: (\S+) \| loss scale: 1\.0 \|.*?number of skipped iterations:\s+0 \| "
+        r"number of nan iterations:\s+0 \|", proc.stdout)}
+    assert sorted(logged) == [1, 2, 4]
+    assert logged[1] == pytest.approx(its[0]["loss"], rel=1e-6)
+    assert logged[2] == pytest.approx(its[1]["loss"], rel=1e-6)  # only iteration 2 since the line at 1
+    assert logged[4] == pytest.approx((its[2]["loss"] + its[3]["loss"]) / 2, rel=1e-6)
