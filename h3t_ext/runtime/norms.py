@@ -33,35 +33,38 @@ def _zero_centered(module, config) -> None:
             module.weight.zero_()
 
 
-class RMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` built from a megatron-core spec; sequence-parallel aware; gamma = 1 + weight
-    with ``--apply-layernorm-1p``."""
+class _SpecNorm:
+    """What both norms add to torch's: construction from a megatron-core spec (``config`` checked for
+    this normalization), the sequence-parallel mark on the weights, and ``--apply-layernorm-1p``."""
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        _check(config, "RMSNorm")
-        super().__init__(normalized_shape=hidden_size, eps=eps)
+    def _from_spec(self, config, kind: str) -> None:
+        _check(config, kind)
         mark_sequence_parallel(self, config.sequence_parallel)
         _zero_centered(self, config)
 
     def gamma(self) -> torch.Tensor:
         return self.weight + 1 if self.zero_centered_gamma else self.weight
+
+
+class RMSNorm(_SpecNorm, torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` built from a megatron-core spec; sequence-parallel aware; gamma = 1 + weight
+    with ``--apply-layernorm-1p``."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self._from_spec(config, "RMSNorm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, tuple(self.normalized_shape), self.gamma(), self.eps)
 
 
-class LayerNorm(torch.nn.LayerNorm):
+class LayerNorm(_SpecNorm, torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` built from a megatron-core spec; sequence-parallel aware; gamma = 1 + weight
     with ``--apply-layernorm-1p``."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        _check(config, "LayerNorm")
         super().__init__(normalized_shape=hidden_size, eps=eps)
-        mark_sequence_parallel(self, config.sequence_parallel)
-        _zero_centered(self, config)
-
-    def gamma(self) -> torch.Tensor:
-        return self.weight + 1 if self.zero_centered_gamma else self.weight
+        self._from_spec(config, "LayerNorm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, tuple(self.normalized_shape), self.gamma(), self.bias, self.eps)
