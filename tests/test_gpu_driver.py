@@ -37,3 +37,13 @@ def test_ckpt_ours_equals_no_within_bf16_tolerance(corpus_prefix, tmp_path):  # 
         runs[ckpt] = losses(out)
     for a, b in zip(runs["no"], runs["ours"]):
         assert abs(a - b) <= 2e-2 * abs(a)
+
+
+def test_fp16_overflow_skips_steps_and_lowers_the_loss_scale(corpus_prefix, tmp_path):  # noqa: F811
+    import json
+    argv = [a for a in GPU if a != "--bf16"]
+    out = tmp_path / "m.json"
+    check_ok(run_pretrain([*argv, "--fp16", "--train-iters", "6", "--data-path", corpus_prefix,
+                           "--metrics-json", str(out)]))
+    recs = json.loads(out.read_text())["iterations"]
+    assert recs[0]["skipped"] and recs[-1]["loss_scale"] < 2.0**32  # 2^32 overflows at once, then halves

@@ -60,6 +60,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true", help="float16 on a GPU, with dynamic loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
 
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:

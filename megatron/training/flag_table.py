@@ -144,7 +144,8 @@ _MEGATRON_LM: dict[str, str] = {
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
 --train-iters=1 --train-samples=1 --untie-embeddings-and-output-weights=0 --use-distributed-optimizer=0
 --use-rotary-position-embeddings=0 --vocab-file=1 --vocab-size=1 --wandb-entity=1 --wandb-exp-name=1
---wandb-project=1 --wandb-save-dir=1 --weight-decay=1""",
+--wandb-project=1 --wandb-save-dir=1 --weight-decay=1 --fp16=0 --loss-scale=1 --initial-loss-scale=1
+--min-loss-scale=1 --loss-scale-window=1 --hysteresis=1""",
     "deprecated": """
 --batch-size=1 --checkpoint-activations=0 --model-parallel-size=1 --warmup=1""",
     "selective": """
@@ -316,12 +317,12 @@ _MEGATRON_LM: dict[str, str] = {
 --onnx-safe=1 --transformer-impl=1 --use-flash-attn=0 --use-kitchen-attention=0 --use-mcore-models=0""",
     "precision": """
 --accumulate-allreduce-grads-in-fp32=0 --disable-fp8-wgrad=0 --exp-avg-dtype=1 --exp-avg-sq-dtype=1
---first-last-layers-bf16=0 --fp16=0 --fp16-lm-cross-entropy=0 --fp32-residual-connection=0 --fp4-format=1
+--first-last-layers-bf16=0 --fp16-lm-cross-entropy=0 --fp32-residual-connection=0 --fp4-format=1
 --fp4-param-gather=0 --fp4-quantizer-factory=1 --fp4-recipe=1 --fp8-amax-compute-algo=1
 --fp8-amax-history-len=1 --fp8-format=1 --fp8-interval=1 --fp8-margin=1 --fp8-output-proj=0
---fp8-param-gather=0 --fp8-quantizer-factory=1 --fp8-recipe=1 --grad-reduce-in-bf16=0 --hysteresis=1
---initial-loss-scale=1 --keep-fp8-transpose-cache=0 --loss-scale=1 --loss-scale-window=1
---main-grads-dtype=1 --main-params-dtype=1 --min-loss-scale=1 --no-fp8-wgrad=0 --num-layers-at-end-in-bf16=1
+--fp8-param-gather=0 --fp8-quantizer-factory=1 --fp8-recipe=1 --grad-reduce-in-bf16=0
+--keep-fp8-transpose-cache=0
+--main-grads-dtype=1 --main-params-dtype=1 --no-fp8-wgrad=0 --num-layers-at-end-in-bf16=1
 --num-layers-at-start-in-bf16=1 --reuse-grad-buf-for-mxfp8-param-ag=0 --te-precision-config-file=1
 --use-precision-aware-optimizer=0""",
     "comm_overlap": """

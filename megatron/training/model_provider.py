@@ -45,7 +45,7 @@ def core_attention(args, *, on_gpu: bool):
 def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
     """Megatron's TransformerConfig of the run: the architecture Megatron's flags describe (norm, MLP,
     biases, head dim, ...) with the parallel layout and dtype."""
-    dtype = torch.bfloat16 if (args.bf16 and on_gpu) else torch.float32
+    dtype = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32) if on_gpu else torch.float32
     common = dict(
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
@@ -73,6 +73,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
     )
     if not on_gpu:
         return tiny_llama_config(**common)

@@ -78,6 +78,8 @@ class DataParallelAdamW:
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_ranks = dist.get_process_group_ranks(dp_group)
         self.sharded = distributed and self.dp_size > 1
+        self.skipped = False
+        """Whether the last step was skipped (never here: float32 has no loss scaling)."""
         self.owners = _shard_owners(self.params, self.dp_size) if distributed else [self.dp_rank] * len(self.params)
         owned = [p for p, o in zip(self.params, self.owners) if o == self.dp_rank]
         decay = [p for p in owned if p.dim() > 1]
@@ -93,6 +95,10 @@ class DataParallelAdamW:
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+
+    def get_loss_scale(self) -> float:
+        """1.0: float32 training scales no loss."""
+        return 1.0
 
     def _reduce_grads(self) -> None:
         for p in self.params:
@@ -215,10 +221,20 @@ class MegatronOptimizerAdapter:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         self.args, self.chunks = args, chunks
         cfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                              bf16=args.bf16, params_dtype=tf_config.params_dtype, adam_beta1=args.adam_beta1,
-                              adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
-                              use_distributed_optimizer=args.use_distributed_optimizer)
+                              bf16=args.bf16, fp16=args.fp16, params_dtype=tf_config.params_dtype,
+                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                              clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+                              loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                              min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                              hysteresis=args.hysteresis)
         self.opt = get_megatron_optimizer(cfg, chunks)
+        self.skipped = False
+        """Whether the last step was skipped: with --fp16 an overflow skips it and lowers the loss scale
+        (megatron-core's dynamic grad scaler, as in Megatron-LM)."""
+
+    def get_loss_scale(self) -> float:
+        scale = self.opt.get_loss_scale()
+        return float(scale.item() if hasattr(scale, "item") else scale)
 
     def zero_grad(self) -> None:
         for c in self.chunks:
@@ -229,7 +245,8 @@ class MegatronOptimizerAdapter:
         lr = learning_rate(self.args, iteration)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        _, norm, _ = self.opt.step()
+        ok, norm, _ = self.opt.step()
+        self.skipped = not ok
         return lr, norm
 
     def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False) -> dict:

@@ -134,8 +134,9 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
         effect = "no effect: NCCL is strict already" if "nccl" in str(dist.get_backend()).lower() else \
             f"pipeline transfers follow NCCL's ordering ({config.strict_p2p_comm} communicators)"
         print(f"note: --strict-p2p: {effect}", flush=True)
-    if args.bf16 and not on_gpu:
-        print("note: --bf16 has no effect on CPU; training in float32", flush=True)
+    for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
+        if on and not on_gpu:
+            print(f"note: {flag} has no effect on CPU; training in float32", flush=True)
     overlaps = [f for f, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
                                 ("--overlap-param-gather", args.overlap_param_gather)) if on]
     if overlaps and not on_gpu:
@@ -151,8 +152,7 @@ def _write_scalars(args, scalars: TrainingScalars, rec: dict, optimizer, runtime
     """TensorBoard/wandb scalars of one iteration; the stage statistics are gathered on every rank."""
     if not writers_requested(args):
         return
-    get_scale = getattr(optimizer, "get_loss_scale", None)
-    scalars.iteration(rec, loss_scale=float(get_scale()) if get_scale is not None else 1.0)
+    scalars.iteration(rec, loss_scale=rec["loss_scale"])
     if scalars.tensorboard_due(rec["iteration"]):
         p = args.pipeline_model_parallel_size
         scalars.stages(rec["iteration"], _gather_stage_stats(runtime, chunks),
@@ -179,7 +179,8 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
         if args.check_for_nan_in_loss_and_grad:
             _check_loss(loss if is_last_stage else 0.0, it + 1)
-        rec = logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm)
+        rec = logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm, loss_scale=optimizer.get_loss_scale(),
+                            skipped=optimizer.skipped)
         done = it + 1
         _write_scalars(args, scalars, rec, optimizer, runtime, chunks, config)
         if evaluator.due(done):

@@ -84,7 +84,8 @@ class IterationLogger:
         else:
             print(line, flush=True)
 
-    def record(self, iteration: int, loss: float, elapsed_s: float, lr: float, grad_norm: Optional[float]) -> dict:
+    def record(self, iteration: int, loss: float, elapsed_s: float, lr: float, grad_norm: Optional[float], *,
+               loss_scale: float = 1.0, skipped: bool = False) -> dict:
         """Store one iteration's metrics (1-based iteration) and print the log line when due."""
         a = self.args
         tokens = a.global_batch_size * a.seq_length
@@ -92,7 +93,7 @@ class IterationLogger:
         tflops = 3 * self.flops_per_token * tps_gpu / 1e12
         rec = {"iteration": iteration, "loss": loss, "tokens_per_second_per_gpu": tps_gpu,
                "mfu": tflops * 1e12 / self.peak, "tflops_per_gpu": tflops, "elapsed_ms": elapsed_s * 1e3,
-               "learning_rate": lr, "grad_norm": grad_norm}
+               "learning_rate": lr, "grad_norm": grad_norm, "loss_scale": loss_scale, "skipped": skipped}
         self.records.append(rec)
         self._interval.append(rec)
         if not self.enabled:
@@ -105,8 +106,8 @@ class IterationLogger:
 
     def _line(self, iteration: int, lr: float, grad_norm: Optional[float]) -> str:
         """Megatron's log line: time, throughput and loss averaged over the iterations since the last line;
-        learning rate and grad norm of this iteration; loss scale (1.0: no fp16 loss scaling here) and the
-        counts of skipped (none without loss scaling) and non-finite iterations in the interval."""
+        learning rate, grad norm and loss scale of this iteration (1.0 without fp16 loss scaling); the counts of
+        skipped (fp16 overflow) and non-finite iterations in the interval."""
         a, recs = self.args, self._interval
         self._interval = []
         n = len(recs)
@@ -115,6 +116,7 @@ class IterationLogger:
         tflops = 3 * self.flops_per_token * tps_gpu / 1e12
         finite = [r["loss"] for r in recs if math.isfinite(r["loss"])]
         loss = sum(finite) / len(finite) if finite else float("nan")
+        skipped = sum(1 for r in recs if r["skipped"])
         nan = sum(1 for r in recs if not math.isfinite(r["loss"])
                   or (r["grad_norm"] is not None and not math.isfinite(r["grad_norm"])))
         norm = "" if grad_norm is None else f" grad norm: {grad_norm:.3f} |"
@@ -123,8 +125,8 @@ class IterationLogger:
                 f"{iteration * a.global_batch_size:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
                 f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens per second per GPU: {tps_gpu:.1f} | "
                 f"MFU: {100 * tflops * 1e12 / self.peak:.2f}% | learning rate: {lr:.6E} | global batch size: "
-                f"{a.global_batch_size:5d} | lm loss: {loss:.6E} | loss scale: 1.0 |{norm} number of skipped "
-                f"iterations: {0:3d} | number of nan iterations: {nan:3d} | max memory (MB): "
+                f"{a.global_batch_size:5d} | lm loss: {loss:.6E} | loss scale: {recs[-1]['loss_scale']:.1f} |{norm} "
+                f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} | max memory (MB): "
                 f"{max_memory_mb(self.on_gpu):.1f} |")
 
     def close(self) -> None:

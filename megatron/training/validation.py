@@ -22,6 +22,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _validate_batch(args)
     _validate_sequence_parallel(args)
     _validate_overlap(args)
+    _validate_precision(args)
     _validate_context_parallel(args)
     _validate_alpha(args)
     _validate_offload_overlap(args)
@@ -93,6 +94,19 @@ def _validate_sequence_parallel(args) -> None:
     if args.sequence_parallel and args.seq_length % t:
         raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of --tensor-model-parallel-size {t} "
                             f"(--sequence-parallel)")
+
+
+def _validate_precision(args) -> None:
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are exclusive; give one")
+    for flag, v in (("--initial-loss-scale", args.initial_loss_scale), ("--min-loss-scale", args.min_loss_scale),
+                    ("--loss-scale-window", args.loss_scale_window)):
+        if not v > 0:
+            raise ArgumentError(f"{flag} {v} is outside (0, inf)")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        raise ArgumentError(f"--loss-scale {args.loss_scale} is outside (0, inf)")
+    if args.hysteresis < 1:
+        raise ArgumentError(f"--hysteresis {args.hysteresis} is outside [1, inf)")
 
 
 def _validate_overlap(args) -> None:
