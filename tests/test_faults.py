@@ -227,3 +227,17 @@ def test_a_frozen_rank_ends_the_run_within_90s_naming_it(tmp_path):
             os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_swapped_checkpoint_files_are_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = [*MOCK, "--train-iters", "2", "--pipeline-model-parallel-size", "2"]
+    check_ok(run_pretrain([*argv, "--save", str(ckpt), "--exit-interval", "1"], nproc=2))
+    a, b = ckpt / "iter_0000001" / "__0_0.distcp", ckpt / "iter_0000001" / "__1_0.distcp"
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    proc = run_pretrain([*argv, "--load", str(ckpt)], nproc=2)
+    assert proc.returncode != 0 and "[rank" not in proc.stderr  # no worker traceback (torchrun adds its report)
+    ours = [l for l in proc.stderr.splitlines() if l.startswith("pretrain_llama.py: error: ")]
+    assert ours and all("__0_0.distcp is corrupt" in l or "__1_0.distcp is corrupt" in l for l in ours), proc.stderr
