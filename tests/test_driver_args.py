@@ -51,7 +51,7 @@ def _error(argv, capsys, monkeypatch, world_size=2) -> str:
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
      "--attention-dropout 0.1 is not supported with --context-parallel-size 2 on CPU"),
     (["--offload-alpha", "0.5"], "cannot be overlapped"),
-    (["--split", "0,100,0", "--data-path", "x", "--mock-data"], "--split 0,100,0 gives no training data"),
+    (["--split", "0,100,0", "--data-path", "x", "--mock-data"], "--split 0,100,0 leaves no training data"),
     (["--num-experts", "8"], "--num-experts is not supported: mixture-of-experts"),
     (["--kaimm-recompute-norm"], "--kaimm-recompute-norm alone is not supported"),
     (["--kaimm-offload-activation-ratio", "0.3", "--offload-alpha", "0.5"],

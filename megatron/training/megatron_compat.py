@@ -96,15 +96,16 @@ def _virtual_stages(args: argparse.Namespace) -> None:
 
 
 def _split(args: argparse.Namespace) -> None:
+    """Megatron's scripts quote ``--split`` inside a shell string ('99,1,0'): the quotes are dropped; the
+    shares are checked by :func:`~megatron.training.data_checks.parse_split` (training data unless
+    ``--skip-train``)."""
+    from megatron.training.data_checks import DataFileError, parse_split
+
     text = args.split.strip().strip("'\"")
     try:
-        weights = [float(w) for w in text.replace("/", ",").split(",")]
-    except ValueError:
-        raise _error(f"--split {args.split!r} is not a comma-separated list of weights") from None
-    if len(weights) > 3 or any(w < 0 for w in weights) or not weights:
-        raise _error(f"--split {args.split!r}: give up to three non-negative weights (train,valid,test)")
-    if args.data_path is not None and weights[0] == 0:
-        raise _error(f"--split {text} gives no training data (the first weight must be > 0)")
+        parse_split(text, allow_no_train=args.data_path is None or getattr(args, "skip_train", False))
+    except DataFileError as e:
+        raise _error(str(e)) from None
     args.split = text
 
 
