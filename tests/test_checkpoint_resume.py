@@ -20,7 +20,9 @@ def test_resume_reproduces_the_uninterrupted_losses(corpus_prefix, tmp_path):  #
     first = run_pretrain([*common, "--save", str(ckpt), "--exit-interval", "2"], nproc=2)
     check_ok(first)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert sorted(os.listdir(ckpt)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
+    assert sorted(n for n in os.listdir(ckpt) if not n.startswith(".")) == ["iter_0000002",
+                                                                          "latest_checkpointed_iteration.txt"]
+    assert (ckpt / ".h3t_run.lock").is_file()  # the run lock (run_guard) stays, released
     assert sorted(os.listdir(ckpt / "iter_0000002")) == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt",
                                                          "h3t_checksums.json", "metadata.json"]
     assert json.loads((ckpt / "iter_0000002" / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
