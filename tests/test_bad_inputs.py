@@ -83,7 +83,7 @@ PLANNER_CASES = [
     (_with(ESTIMATE, context_parallel_size=3, num_gpus=3), "not divisible by 2 * --context-parallel-size (6)"),
     (_with(ESTIMATE, num_gpus=7, tensor_model_parallel_size=2), "--num-gpus (7) not divisible by"),
     (_with(ESTIMATE, tensor_model_parallel_size=16, num_gpus=16), "gpus_per_node"),
-    (_with(ESTIMATE, tensor_model_parallel_size=3, num_gpus=9), "--ffn-hidden-size (11008) not divisible"),
+    (_with(ESTIMATE, tensor_model_parallel_size=3, num_gpus=9), "--num-attention-heads (32) not divisible"),
     (_with(CUSTOM, num_query_groups=3), "num_query_groups"),
     (_with(ESTIMATE, decoder_first_pipeline_num_layers=0), "--decoder-first-pipeline-num-layers: 0 out of range"),
     (_with(ESTIMATE, data_parallel_sharding_strategy="bogus"), "--data-parallel-sharding-strategy"),

@@ -171,13 +171,13 @@ def _validate_ranges(plan: Plan) -> None:
 
 def _validate_tensor(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     t = plan.tensor_model_parallel_size
-    _check(model.ffn_hidden_size % t == 0,
-           f"ffn_hidden_size ({model.ffn_hidden_size}) not divisible by tensor_model_parallel_size ({t}); "
-           f"Megatron splits the MLP's columns evenly over the tensor-parallel ranks")
     _check(model.num_attention_heads % t == 0,
            f"num_attention_heads ({model.num_attention_heads}) not divisible by tensor_model_parallel_size ({t})")
     _check(model.num_query_groups % t == 0,
            f"num_query_groups ({model.num_query_groups}) not divisible by tensor_model_parallel_size ({t})")
+    _check(model.ffn_hidden_size % t == 0,
+           f"ffn_hidden_size ({model.ffn_hidden_size}) not divisible by tensor_model_parallel_size ({t}); "
+           f"Megatron splits the MLP's columns evenly over the tensor-parallel ranks")
     _check(t <= system.gpus_per_node and system.gpus_per_node % t == 0,
            f"tensor_model_parallel_size ({t}) must divide gpus_per_node ({system.gpus_per_node}) of {system.name}")
     c, seq = plan.context_parallel_size, plan.seq_length
