@@ -189,14 +189,12 @@ def _validate_data(args) -> None:
 
 def _validate_eval_and_logging(args) -> None:
     from megatron.training.loggers import check_writer_packages
-    weights = str(args.split).replace(" ", "").split(",")
-    try:
-        parts = [float(w) for w in weights]
-    except ValueError:
-        parts = []
-    if not 1 <= len(parts) <= 3 or any(w < 0 for w in parts) or sum(parts) <= 0:
-        raise ArgumentError(f"--split {args.split} is not 1 to 3 comma-separated non-negative weights with a "
-                            f"positive sum (train,valid,test)")
+    try:  # the one --split parser (also run earlier with the Megatron-compat step)
+        shares = parse_split(str(args.split), allow_no_train=True)
+    except DataFileError as e:
+        raise ArgumentError(str(e)) from None
+    if sum(shares) <= 0:
+        raise ArgumentError(f"--split {args.split} has no positive share (train,valid,test)")
     if args.skip_train and args.eval_iters == 0:
         raise ArgumentError("--skip-train with --eval-iters 0 has nothing to do; give --eval-iters >= 1")
     from megatron.training.data import splits_wanted
