@@ -156,6 +156,9 @@ def _hooks_worker(rank, world, v):
                 fb(data_iterator=iters if v > 1 else iters[0], **kw)
             except P2PTimeoutError as exc:
                 timeout_msg = str(exc)
+        else:  # alive but silent past the 3 s deadline (a peer that exits is reported as gone instead)
+            import time
+            time.sleep(6.0)
     finally:
         h3t_ext.uninstall()
     return {"train": train_events, "eval": eval_events, "losses": len(store), "restored": funcs_restored,
