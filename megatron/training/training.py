@@ -136,7 +136,7 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
         print(f"note: --strict-p2p: {effect}", flush=True)
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
         if on and not on_gpu:
-            print(f"note: {flag} has no effect on CPU; training in float32", flush=True)
+            print(f"note: {flag}: no effect on CPU; training in float32", flush=True)
     overlaps = [f for f, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
                                 ("--overlap-param-gather", args.overlap_param_gather)) if on]
     if overlaps and not on_gpu:
