@@ -61,6 +61,25 @@ def test_thread_streams_order_copies_after_events():
         layer.close()
 
 
+def test_thread_mode_writes_a_destination_only_once_its_copy_may_start():
+    """As on CUDA, a copy ordered after another stream's read of its destination leaves that read
+    alone (a pooled host buffer still being reloaded from, then offloaded into)."""
+    layer = make_device_layer("cpu-thread", "cpu", copy_delay_s=0.05)
+    try:
+        original, host = _pair()
+        host.copy_(original)
+        reloaded = torch.zeros_like(host)
+        read = layer.copy_async("h2d", [reloaded], [host])  # still reading `host` for 50 ms
+        fresh = torch.randn(host.numel() // 4).view(torch.uint8)
+        write = layer.copy_async("d2h", [host], [fresh], after=(read,))
+        layer.wait(read)
+        assert torch.equal(reloaded, original)
+        layer.wait(write)
+        assert torch.equal(host, fresh)
+    finally:
+        layer.close()
+
+
 def _forward_offload_reload(mgr, w, x):
     """Forward microbatch 0 under ``mgr``, offload it, run an empty forward, reload it; return its loss."""
     with mgr.forward_scope(0, 0):

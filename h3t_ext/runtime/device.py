@@ -8,7 +8,8 @@ same code with a different layer:
 * ``cpu-sync``: every copy runs at once on the calling thread; events are born complete.
 * ``cpu-thread``: every stream is a worker thread running its copies in order, after a short
   delay; an event is set when the copy has landed. Destination buffers are poisoned (all bytes
-  0xFF, a NaN in every float dtype) until then, and a destination read through
+  0xFF, a NaN in every float dtype) from the moment the copy may start (its stream's earlier work
+  and its ``after`` events done, as on CUDA) until it lands, and a destination read through
   :meth:`DeviceLayer.check_ready` before the reader waited for its event raises
   :class:`MissingWaitError`. So an ordering bug fails a CPU test instead of corrupting a run.
 
@@ -170,19 +171,25 @@ class ThreadDeviceLayer(DeviceLayer):
     def copy_async(self, stream, dsts, srcs, after=()) -> Event:
         _validate_pairs(dsts, srcs)
         event = Event()
-        for d in dsts:
-            d.fill_(POISON_BYTE)
-            self._mark_pending(d, event)
         dsts, srcs, after = tuple(dsts), tuple(srcs), tuple(after)
+        worker = self._streams[self.new_stream(stream)]
+        for d in dsts:
+            self._mark_pending(d, event)
+        # A destination may be written only once the copy may start, as on a CUDA stream: after
+        # the earlier work of its stream and the events in ``after`` (e.g. a pooled host buffer
+        # that a reload is still reading). Poison it now only when that is already the case.
+        if worker.idle() and all(e.query() for e in after):
+            _poison(dsts)
         delay, copy = self.copy_delay_s, self._copy
 
         def task() -> None:
             for e in after:
                 e.synchronize()
+            _poison(dsts)
             time.sleep(delay)
             copy(dsts, srcs)
 
-        self._streams[self.new_stream(stream)].submit(task, event)
+        worker.submit(task, event)
         return event
 
     def _mark_pending(self, t: torch.Tensor, event: Event) -> None:
@@ -217,16 +224,30 @@ class ThreadDeviceLayer(DeviceLayer):
         self._streams.clear()
 
 
+def _poison(dsts: Sequence[torch.Tensor]) -> None:
+    for d in dsts:
+        d.fill_(POISON_BYTE)
+
+
 class _WorkerStream:
     """One worker thread that runs submitted tasks in order."""
 
     def __init__(self, name: str):
         self._queue: "queue.Queue" = queue.Queue()
+        self._unfinished = 0  # tasks submitted and not yet finished
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"h3t-stream-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, task: Callable[[], None], event: Event) -> None:
+        with self._count_lock:
+            self._unfinished += 1
         self._queue.put((task, event))
+
+    def idle(self) -> bool:
+        """No submitted task is queued or running."""
+        with self._count_lock:
+            return self._unfinished == 0
 
     def _run(self) -> None:
         while True:
@@ -239,6 +260,8 @@ class _WorkerStream:
             except BaseException as exc:  # surfaced by Event.synchronize in the reader
                 event.error = exc
             del item, task  # the copy's tensors must not outlive it
+            with self._count_lock:
+                self._unfinished -= 1
             event.set()
 
     def drain(self) -> None:
