@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from megatron.training.arguments import MEGATRON_GPT_DEFAULTS  # noqa: E402
+from h3t_training.arguments import MEGATRON_GPT_DEFAULTS  # noqa: E402
 from pretrain_llama import main  # noqa: E402
 
 PROG = "pretrain_gpt.py"

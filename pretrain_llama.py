@@ -7,23 +7,23 @@ import os
 import sys
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # megatron/training and h3t_ext of this repo
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # h3t_training and h3t_ext of this repo
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|TransformerEngine|cuda_graph_scope).*")
 PROG = "pretrain_llama.py"
 
 
 def main(argv=None, prog: str = PROG, defaults=None) -> int:
     """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train."""
-    from megatron.training.run_guard import die_with_launcher
+    from h3t_training.run_guard import die_with_launcher
     die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
-    from megatron.training.arguments import parse_args
+    from h3t_training.arguments import parse_args
     args = parse_args(argv, prog=prog, defaults=defaults)  # one-line error, exit 2, before any process group
 
     from h3t_ext.runtime.config import RuntimeConfigError
-    from megatron.training.checkpointing import CheckpointError
-    from megatron.training.optimizer import NonFiniteError
-    from megatron.training.run_guard import RunLockError
-    from megatron.training.training import pretrain
+    from h3t_training.checkpointing import CheckpointError
+    from h3t_training.optimizer import NonFiniteError
+    from h3t_training.run_guard import RunLockError
+    from h3t_training.training import pretrain
     try:
         return pretrain(args)
     except NonFiniteError as e:  # raised on every rank alike: said once

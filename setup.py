@@ -24,7 +24,7 @@ import sys
 import sysconfig
 import warnings
 
-from setuptools import find_namespace_packages, find_packages, setup
+from setuptools import find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 CPU_SOURCES = ["csrc/bindings_cpu.cpp", "csrc/copy_cpu.cpp", "csrc/copy_plan.cpp", "csrc/host_alloc.cpp"]
@@ -158,13 +158,13 @@ setup(
     version="0.1.0",
     description="Megatron-LM extension: ckpt=ours, fractional activation offload, cost model and planner",
     python_requires=">=3.11",
-    # megatron/ has no __init__.py: megatron.training joins the namespace of the installed megatron-core.
-    packages=find_packages(include=["h3t_ext", "h3t_ext.*"])
-    + find_namespace_packages(include=["megatron.training", "megatron.training.*"]),
+    # The driver is h3t_training, a path no megatron-core release ships (0.17+ ship megatron.training).
+    packages=find_packages(include=["h3t_ext", "h3t_ext.*", "h3t_training", "h3t_training.*"]),
+    py_modules=["pretrain_gpt", "pretrain_llama"],
     package_data={"h3t_ext": ["data/*.json", "data/**/*.json"]},
     install_requires=["rich>=13"],
     extras_require={
-        "train": ["torch==2.13.0", "megatron-core==0.16.1", "numpy"],
+        "train": ["torch==2.13.0", "megatron-core>=0.16.1", "numpy"],
         "test": ["pytest>=8"],
     },
     entry_points={"console_scripts": ["h3t-plan = h3t_ext.planner.cli:main"]},

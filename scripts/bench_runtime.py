@@ -67,7 +67,7 @@ def _worker(rank, world, args):
     import torch.distributed as dist
 
     from megatron.core import parallel_state as ps
-    from megatron.training.training import forward_step  # the driver's own step and loss
+    from h3t_training.training import forward_step  # the driver's own step and loss
 
     from h3t_ext.runtime.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from driver_harness import PYTHON, REPO, _env
-from megatron.training.arguments import parse_args
+from h3t_training.arguments import parse_args
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
@@ -87,7 +87,7 @@ def test_good_flags_derive_sizes(monkeypatch):
 
 
 def test_published_65b_flags_parse_for_256_ranks(monkeypatch):
-    import megatron.training.validation as validation
+    import h3t_training.validation as validation
     monkeypatch.setattr(validation, "_cuda_available", lambda: True)  # as on a GPU host
     monkeypatch.setenv("WORLD_SIZE", "256")
     args = parse_args(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",

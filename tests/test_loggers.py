@@ -7,10 +7,10 @@ import types
 
 import pytest
 
-from megatron.training.arguments import ArgumentError, build_parser
-from megatron.training.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer, check_writer_packages,
+from h3t_training.arguments import ArgumentError, build_parser
+from h3t_training.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer, check_writer_packages,
                                        wandb_mode)
-from megatron.training.scalars import TrainingScalars
+from h3t_training.scalars import TrainingScalars
 from test_driver_args import BASE, _error
 
 

@@ -9,7 +9,7 @@ import numpy
 import pytest
 
 from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, losses, run_pretrain
-from megatron.training.tokenizer import TokenizerError, build_tokenizer
+from h3t_training.tokenizer import TokenizerError, build_tokenizer
 
 BPE_VOCAB = 400
 SP_VOCAB = 300

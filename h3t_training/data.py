@@ -19,7 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron.training.data_checks import parse_split
+from h3t_training.data_checks import parse_split
 
 
 def _blend(data_path: Optional[list[str]]):
@@ -74,7 +74,7 @@ def _splits_with_documents(args, split_matrix, valid_on: bool, test_on: bool) ->
     """A held-out split that gets no document of some blended dataset is dropped, with a notice on rank
     0 (megatron-core would loop forever building it); a split's documents are the range
     ``round(beg * n) .. round(end * n)`` of each dataset's n documents, as megatron-core cuts them."""
-    from megatron.training.data_checks import check_indexed_dataset, parse_blend
+    from h3t_training.data_checks import check_indexed_dataset, parse_blend
 
     counts = [check_indexed_dataset(prefix) for _, prefix in parse_blend(args.data_path)]
     wanted = [True, valid_on, test_on]

@@ -21,20 +21,20 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import h3t_ext
 from h3t_ext.runtime.config import H3TConfig
-from megatron.training import checkpointing as ckpt_io
-from megatron.training.data import build_data_iterators, build_datasets
-from megatron.training.evaluation import Evaluator
-from megatron.training.exit_conditions import ExitConditions, ExitSignalHandler
-from megatron.training.heartbeat import start_heartbeat
-from megatron.training.initialize import dist_rank_from_env, initialize_distributed, shutdown, uses_gpu
-from megatron.training.loggers import build_writer, writers_requested
-from megatron.training.model_provider import build_model_chunks, num_parameters
-from megatron.training.optimizer import NonFiniteError
-from megatron.training.prediction import predicted_scalars
-from megatron.training.run_guard import RunLock
-from megatron.training.scalars import TrainingScalars
-from megatron.training.tokenizer import padded_vocab_size, tokenizer_from_args
-from megatron.training.training_log import IterationLogger, write_metrics_json
+from h3t_training import checkpointing as ckpt_io
+from h3t_training.data import build_data_iterators, build_datasets
+from h3t_training.evaluation import Evaluator
+from h3t_training.exit_conditions import ExitConditions, ExitSignalHandler
+from h3t_training.heartbeat import start_heartbeat
+from h3t_training.initialize import dist_rank_from_env, initialize_distributed, shutdown, uses_gpu
+from h3t_training.loggers import build_writer, writers_requested
+from h3t_training.model_provider import build_model_chunks, num_parameters
+from h3t_training.optimizer import NonFiniteError
+from h3t_training.prediction import predicted_scalars
+from h3t_training.run_guard import RunLock
+from h3t_training.scalars import TrainingScalars
+from h3t_training.tokenizer import padded_vocab_size, tokenizer_from_args
+from h3t_training.training_log import IterationLogger, write_metrics_json
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -55,9 +55,9 @@ def forward_step(data_iterator, model):
 
 def _build_optimizer(args, chunks, on_gpu: bool):
     if on_gpu:
-        from megatron.training.gpu_wrap import wrap_for_gpu
+        from h3t_training.gpu_wrap import wrap_for_gpu
         return wrap_for_gpu(args, chunks)
-    from megatron.training.optimizer import DataParallelAdamW
+    from h3t_training.optimizer import DataParallelAdamW
     return chunks, DataParallelAdamW(
         chunks, args, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
         model_parallel_group=ps.get_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),

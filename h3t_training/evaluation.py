@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron.training.data import build_data_iterators
+from h3t_training.data import build_data_iterators
 
 
 @dataclass

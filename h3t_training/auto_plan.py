@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from megatron.training.arguments import ArgumentError
-from megatron.training.tokenizer import tokenizer_from_args
+from h3t_training.arguments import ArgumentError
+from h3t_training.tokenizer import tokenizer_from_args
 
 DEFAULT_SYSTEM = "h800"
 _CUDA_NAMES = (("H800", "h800"), ("H100", "h100-sxm"), ("H200", "h200"), ("A800", "a800"), ("A100", "a100-80g"))
@@ -58,7 +58,7 @@ def _alpha_mode(args):
     a = args.offload_alpha
     if a is None or a in ("auto", "balanced"):
         return a or "auto"
-    from megatron.training.validation import parse_alpha_values
+    from h3t_training.validation import parse_alpha_values
     values = parse_alpha_values(a)
     if len(values) != 1:
         raise ArgumentError("--auto-plan takes one --offload-alpha value, 'auto' or 'balanced'")

@@ -25,7 +25,7 @@ def predicted_scalars(args, *, vocab_size: int, on_gpu: bool) -> dict[str, float
     from h3t_ext.costmodel.errors import PlanError, UnknownNameError
     from h3t_ext.costmodel.estimate import estimate
     from h3t_ext.costmodel.specs import ModelSpec
-    from megatron.training.auto_plan import system_name
+    from h3t_training.auto_plan import system_name
 
     model = ModelSpec(name="run", num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,

@@ -6,7 +6,7 @@
   ``--lr-warmup-fraction`` of the decay span); the schedule runs in samples, as Megatron's
   ``OptimizerParamScheduler`` does (iteration-based flags are multiplied by the global batch size).
 * ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here.
-Every problem is an :class:`~megatron.training.arguments.ArgumentError` (one line).
+Every problem is an :class:`~h3t_training.arguments.ArgumentError` (one line).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import argparse
 
 
 def _error(msg: str):
-    from megatron.training.arguments import ArgumentError  # noqa: PLC0415 - arguments imports this module
+    from h3t_training.arguments import ArgumentError  # noqa: PLC0415 - arguments imports this module
 
     return ArgumentError(msg)
 
@@ -97,9 +97,9 @@ def _virtual_stages(args: argparse.Namespace) -> None:
 
 def _split(args: argparse.Namespace) -> None:
     """Megatron's scripts quote ``--split`` inside a shell string ('99,1,0'): the quotes are dropped; the
-    shares are checked by :func:`~megatron.training.data_checks.parse_split` (training data unless
+    shares are checked by :func:`~h3t_training.data_checks.parse_split` (training data unless
     ``--skip-train``)."""
-    from megatron.training.data_checks import DataFileError, parse_split
+    from h3t_training.data_checks import DataFileError, parse_split
 
     text = args.split.strip().strip("'\"")
     try:

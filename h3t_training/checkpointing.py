@@ -73,7 +73,7 @@ def iter_dir(root: str, iteration: int) -> str:
 
 
 def _model_shape(args) -> dict:
-    from megatron.training.tokenizer import padded_vocab_size, tokenizer_from_args
+    from h3t_training.tokenizer import padded_vocab_size, tokenizer_from_args
 
     shape = {k: getattr(args, k, None) for k in MODEL_SHAPE_FLAGS}
     shape["padded_vocab_size"] = padded_vocab_size(tokenizer_from_args(args).vocab_size,

@@ -4,7 +4,7 @@ The spec (``h3t_ext.runtime.layer_specs``) uses TransformerEngine's modules when
 on a GPU (backend 'te'), else megatron-core's local modules with h3t-ext's SDPA core attention and
 sequence-parallel-capable norms and linears (backend 'local'), and with context parallelism on
 CPU the ring attention of ``h3t_ext.runtime.ring_attention``. One chunk per virtual pipeline stage;
-weights come from the generators seeded by :func:`~megatron.training.initialize.set_random_seed`
+weights come from the generators seeded by :func:`~h3t_training.initialize.set_random_seed`
 (``--seed + 100 * pipeline rank``, as Megatron seeds), so every data-parallel replica starts identical.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
-from megatron.training.initialize import set_random_seed
-from megatron.training.tokenizer import padded_vocab_size
+from h3t_training.initialize import set_random_seed
+from h3t_training.tokenizer import padded_vocab_size
 
 
 def layer_spec_backend(on_gpu: bool) -> str:

@@ -1,13 +1,13 @@
 """GPU path: megatron-core's DistributedDataParallel and (distributed) optimizer.
 
-Only used when CUDA is present; the CPU path is :class:`megatron.training.optimizer.DataParallelAdamW`.
+Only used when CUDA is present; the CPU path is :class:`h3t_training.optimizer.DataParallelAdamW`.
 No machine of this project has a GPU, so this module is not exercised by the test suite.
 """
 from __future__ import annotations
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-from megatron.training.optimizer import MegatronOptimizerAdapter
+from h3t_training.optimizer import MegatronOptimizerAdapter
 
 
 def wrap_for_gpu(args, chunks):

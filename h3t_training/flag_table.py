@@ -514,7 +514,7 @@ def notice_lines(entries: list[FlagEntry]) -> list[str]:
 def render_markdown() -> str:
     """docs/flags.md: the table, by class and reason."""
     out = ["# Command-line flags of pretrain_gpt.py / pretrain_llama.py", "",
-           "Generated from `megatron/training/flag_table.py` by `scripts/render_flag_docs.py`; do not edit.", "",
+           "Generated from `h3t_training/flag_table.py` by `scripts/render_flag_docs.py`; do not edit.", "",
            f"Sources: Megatron-LM {MEGATRON_LM_SOURCE}; Megatron-Kwai {KWAI_SOURCE}.", "",
            "* **implemented**: does what Megatron does.",
            "* **noticed**: accepted; one line at start-up says why it cannot apply here (same result).",

@@ -43,7 +43,7 @@ def peak_flops(args, on_gpu: bool) -> tuple[float, str]:
     """(peak FLOP/s per device, what it is) for MFU."""
     if on_gpu:
         from h3t_ext.costmodel import get_system
-        from megatron.training.auto_plan import system_name
+        from h3t_training.auto_plan import system_name
         s = get_system(system_name(args))
         return s.peak_bf16_flops, f"{s.name} bf16 peak"
     return measured_cpu_peak_flops(), "measured CPU fp32 GEMM throughput"

@@ -16,7 +16,7 @@ no evaluation scalars.
 h3t-ext's own, every ``--tensorboard-log-interval`` iterations: ``h3t/peak-activation-bytes/stage-R``,
 ``h3t/offloaded-bytes/stage-R`` (the stage's saved activations over that iteration) and
 ``h3t/offload-alpha/stage-R``, plus ``h3t/tokens-per-second-per-gpu``, ``h3t/mfu`` and the cost
-model's predictions for the run's plan (``h3t/predicted-...``, see ``megatron.training.prediction``).
+model's predictions for the run's plan (``h3t/predicted-...``, see ``h3t_training.prediction``).
 """
 from __future__ import annotations
 

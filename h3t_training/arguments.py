@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from megatron.training.tokenizer import TokenizerError, add_tokenizer_flags
+from h3t_training.tokenizer import TokenizerError, add_tokenizer_flags
 
 class ArgumentError(Exception):
     """A flag value that cannot run; the message is one line naming the flag and the valid range."""
@@ -211,7 +211,7 @@ MEGATRON_GPT_DEFAULTS = dict(tokenizer_type="GPT2BPETokenizer")
 
 def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None) -> OneLineParser:
     """The parser with every flag the driver accepts (and every other flag of the flag table)."""
-    from megatron.training.flag_table import add_table_flags
+    from h3t_training.flag_table import add_table_flags
 
     p = OneLineParser(prog=prog, description="Pretrain a GPT model with Megatron-core and h3t-ext.",
                       allow_abbrev=False)
@@ -232,7 +232,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
 
     ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py passes
     :data:`LLAMA_DEFAULTS` (the default when ``prog`` is pretrain_llama.py)."""
-    from megatron.training.flag_table import given_table_flags, notice_lines, refusal
+    from h3t_training.flag_table import given_table_flags, notice_lines, refusal
 
     if defaults is None and prog == "pretrain_llama.py":
         defaults = LLAMA_DEFAULTS
@@ -245,17 +245,17 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
         parser.error(refused)
     args.flag_notices = notice_lines(given)
     try:
-        from megatron.training.megatron_compat import apply_megatron_behaviours
+        from h3t_training.megatron_compat import apply_megatron_behaviours
         apply_megatron_behaviours(args)
         _validate_finite(args)
         _fill_model_defaults(args)
         _validate_positive(args)
         _resolve_ckpt(args)
         if args.auto_plan:
-            from megatron.training.auto_plan import fill_from_planner
+            from h3t_training.auto_plan import fill_from_planner
             fill_from_planner(args)
         _fill_parallel_defaults(args)
-        from megatron.training.validation import validate_args
+        from h3t_training.validation import validate_args
         validate_args(args)
     except (ArgumentError, TokenizerError) as e:
         parser.error(str(e))

@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron.training.arguments import ArgumentError
-from megatron.training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
-from megatron.training.tokenizer import TokenizerError, tokenizer_from_args
+from h3t_training.arguments import ArgumentError
+from h3t_training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
+from h3t_training.tokenizer import TokenizerError, tokenizer_from_args
 
 
 def validate_args(args: argparse.Namespace) -> None:
@@ -150,7 +150,7 @@ def parse_alpha_values(text: str) -> tuple[float, ...]:
 def _validate_alpha(args) -> None:
     p = args.pipeline_model_parallel_size
     if str(args.offload_alpha) in ("auto", "balanced"):
-        from megatron.training.auto_plan import resolve_alpha
+        from h3t_training.auto_plan import resolve_alpha
         resolve_alpha(args)
     alphas = parse_alpha_values(args.offload_alpha) if isinstance(args.offload_alpha, str) \
         else tuple(float(a) for a in (args.offload_alpha if isinstance(args.offload_alpha, (tuple, list))
@@ -188,7 +188,7 @@ def _validate_data(args) -> None:
 
 
 def _validate_eval_and_logging(args) -> None:
-    from megatron.training.loggers import check_writer_packages
+    from h3t_training.loggers import check_writer_packages
     try:  # the one --split parser (also run earlier with the Megatron-compat step)
         shares = parse_split(str(args.split), allow_no_train=True)
     except DataFileError as e:
@@ -197,7 +197,7 @@ def _validate_eval_and_logging(args) -> None:
         raise ArgumentError(f"--split {args.split} has no positive share (train,valid,test)")
     if args.skip_train and args.eval_iters == 0:
         raise ArgumentError("--skip-train with --eval-iters 0 has nothing to do; give --eval-iters >= 1")
-    from megatron.training.data import splits_wanted
+    from h3t_training.data import splits_wanted
     if args.skip_train and not any(splits_wanted(args)):
         raise ArgumentError(f"--skip-train with --split {args.split} has no validation or test data; give --split "
                             f"with nonzero valid/test parts (e.g. 98,1,1) or --valid-data-path/--test-data-path")

@@ -1,6 +1,6 @@
 """Check a training command line once, before a launcher starts any rank.
 
-    python -m megatron.training.preflight --world-size 16 -- <pretrain_llama.py flags>
+    python -m h3t_training.preflight --world-size 16 -- <pretrain_llama.py flags>
 
 Runs every check the driver makes before its process groups exist (flags, layout for this world
 size, tokenizer and data files, the checkpoint under ``--load``, writable output directories) and
@@ -18,11 +18,11 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 3 or argv[0] != "--world-size" or argv[2] != "--" or not argv[1].isdigit() or int(argv[1]) < 1:
-        sys.stderr.write("preflight: usage: python -m megatron.training.preflight --world-size N -- FLAGS...\n")
+        sys.stderr.write("preflight: usage: python -m h3t_training.preflight --world-size N -- FLAGS...\n")
         return 2
     os.environ["WORLD_SIZE"], os.environ["RANK"] = argv[1], "1"  # not rank 0: the planner prints nothing
-    from megatron.training.arguments import parse_args
-    from megatron.training.checkpointing import CheckpointError, find_checkpoint
+    from h3t_training.arguments import parse_args
+    from h3t_training.checkpointing import CheckpointError, find_checkpoint
 
     prog = os.environ.get("H3T_PROG", "pretrain_llama.py")
     with contextlib.redirect_stdout(io.StringIO()):

@@ -17,7 +17,7 @@ import importlib.util
 import os
 from typing import Optional, Protocol
 
-from megatron.training.arguments import ArgumentError
+from h3t_training.arguments import ArgumentError
 
 SAMPLES_SUFFIX = " vs samples"
 
