@@ -16,7 +16,7 @@ def main(argv=None, prog: str = PROG, defaults=None) -> int:
     """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train."""
     from h3t_training.run_guard import die_with_launcher
     die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
-    from h3t_training.arguments import parse_args
+    from h3t_training.config import parse_args
     args = parse_args(argv, prog=prog, defaults=defaults)  # one-line error, exit 2, before any process group
 
     from h3t_ext.runtime.config import RuntimeConfigError

@@ -12,10 +12,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from h3t_training.tokenizer import TokenizerError, add_tokenizer_flags
-
-class ArgumentError(Exception):
-    """A flag value that cannot run; the message is one line naming the flag and the valid range."""
+from h3t_training.errors import ArgumentError
+from h3t_training.flag_table import add_table_flags
+from h3t_training.tokenizer import add_tokenizer_flags
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -211,8 +210,6 @@ MEGATRON_GPT_DEFAULTS = dict(tokenizer_type="GPT2BPETokenizer")
 
 def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None) -> OneLineParser:
     """The parser with every flag the driver accepts (and every other flag of the flag table)."""
-    from h3t_training.flag_table import add_table_flags
-
     p = OneLineParser(prog=prog, description="Pretrain a GPT model with Megatron-core and h3t-ext.",
                       allow_abbrev=False)
     _add_model(p)
@@ -226,63 +223,33 @@ def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = Non
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
-               defaults: Optional[dict] = None) -> argparse.Namespace:
-    """Parse, fill (``--auto-plan``), derive and validate; exit 2 with one line on a bad flag.
-
-    ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py passes
-    :data:`LLAMA_DEFAULTS` (the default when ``prog`` is pretrain_llama.py)."""
-    from h3t_training.flag_table import given_table_flags, notice_lines, refusal
-
-    if defaults is None and prog == "pretrain_llama.py":
-        defaults = LLAMA_DEFAULTS
-    parser = build_parser(prog, defaults)
-    args = parser.parse_args(argv)
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    given = given_table_flags(args)
-    refused = refusal(given)
-    if refused:
-        parser.error(refused)
-    args.flag_notices = notice_lines(given)
-    try:
-        from h3t_training.megatron_compat import apply_megatron_behaviours
-        apply_megatron_behaviours(args)
-        _validate_finite(args)
-        _fill_model_defaults(args)
-        _validate_positive(args)
-        _resolve_ckpt(args)
-        if args.auto_plan:
-            from h3t_training.auto_plan import fill_from_planner
-            fill_from_planner(args)
-        _fill_parallel_defaults(args)
-        from h3t_training.validation import validate_args
-        validate_args(args)
-    except (ArgumentError, TokenizerError) as e:
-        parser.error(str(e))
-    return args
-
-
-def _fill_model_defaults(args: argparse.Namespace) -> None:
+def fill_model_defaults(args):
+    """Megatron's derived model sizes where the flags leave them open."""
+    changes = {}
     if args.num_query_groups is None or not args.group_query_attention:
         if args.num_query_groups is not None and not args.group_query_attention:
             raise ArgumentError("--num-query-groups needs --group-query-attention")
-        args.num_query_groups = args.num_attention_heads
+        changes["num_query_groups"] = args.num_attention_heads
     if args.ffn_hidden_size is None:  # Megatron's: a SwiGLU MLP keeps about the parameters of a 4h GeLU one
-        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+        changes["ffn_hidden_size"] = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu \
+            else 4 * args.hidden_size
     if args.kv_channels is None:
-        args.kv_channels = args.hidden_size // args.num_attention_heads
+        changes["kv_channels"] = args.hidden_size // args.num_attention_heads
     if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
+        changes["max_position_embeddings"] = args.seq_length
+    return args.replace(**changes)
 
 
-def _validate_finite(args: argparse.Namespace) -> None:
+def check_finite(args):
     """Every number a flag took is finite (float() accepts 'inf' and 'nan')."""
-    for name, v in sorted(vars(args).items()):
+    for name, v in sorted(args.as_dict().items()):
         if isinstance(v, float) and not math.isfinite(v):
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is not a finite number")
+    return args
 
 
-def _validate_positive(args: argparse.Namespace) -> None:
+def check_positive(args):
+    """Sizes, rates and probabilities in their ranges."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                  "seq_length", "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "context_parallel_size", "micro_batch_size",
@@ -310,14 +277,15 @@ def _validate_positive(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if not 0 <= v < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, 1)")
+    return args
 
 
-def _resolve_ckpt(args: argparse.Namespace) -> None:
+def resolve_ckpt(args):
     """Megatron's --recompute-* flags and --ckpt describe the same thing; they must agree."""
     if args.recompute_granularity is None:
         if args.recompute_method is not None or args.recompute_num_layers is not None:
             raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
-        return
+        return args
     if args.recompute_granularity == "selective":
         raise ArgumentError("--recompute-granularity selective is not supported (use --ckpt ours)")
     if (args.recompute_method or "uniform") != "uniform" or (args.recompute_num_layers or 1) != 1:
@@ -325,12 +293,11 @@ def _resolve_ckpt(args: argparse.Namespace) -> None:
                             "--recompute-num-layers 1")
     if args.ckpt not in (None, "full"):
         raise ArgumentError(f"--ckpt {args.ckpt} contradicts --recompute-granularity full")
-    args.ckpt = "full"
+    return args.replace(ckpt="full")
 
 
-def _fill_parallel_defaults(args: argparse.Namespace) -> None:
-    for name, default in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
-                          ("context_parallel_size", 1), ("micro_batch_size", 1), ("ckpt", "no"),
-                          ("offload_alpha", "0")):
-        if getattr(args, name) is None:
-            setattr(args, name, default)
+def fill_parallel_defaults(args):
+    """The layout's defaults where neither the flags nor ``--auto-plan`` set it."""
+    defaults = (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1), ("context_parallel_size", 1),
+                ("micro_batch_size", 1), ("ckpt", "no"), ("offload_alpha", "0"))
+    return args.replace(**{name: default for name, default in defaults if getattr(args, name) is None})

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from h3t_training.arguments import ArgumentError
+from h3t_training.errors import ArgumentError
+from h3t_training.offload_alpha import parse_alpha_values
 from h3t_training.tokenizer import tokenizer_from_args
 
 DEFAULT_SYSTEM = "h800"
@@ -58,7 +59,6 @@ def _alpha_mode(args):
     a = args.offload_alpha
     if a is None or a in ("auto", "balanced"):
         return a or "auto"
-    from h3t_training.validation import parse_alpha_values
     values = parse_alpha_values(a)
     if len(values) != 1:
         raise ArgumentError("--auto-plan takes one --offload-alpha value, 'auto' or 'balanced'")
@@ -77,8 +77,8 @@ def _print_rank0(message: str) -> None:
         print(message, flush=True)
 
 
-def fill_from_planner(args) -> None:
-    """Search plans under the user's fixed flags and fill the others from the best one."""
+def plan_config(args):
+    """A new config: plans searched under the user's fixed flags, the others taken from the best one."""
     from h3t_ext.planner.search import search
     from h3t_ext.planner.space import SearchConstraints
     system, budget = _system_and_budget(args)
@@ -99,26 +99,30 @@ def fill_from_planner(args) -> None:
         why = closest.reason if closest else "no valid layout for these flags and world size"
         raise ArgumentError(f"--auto-plan found no plan for {args.world_size} ranks on {system.name}: {why}")
     plan = best.plan
-    args.tensor_model_parallel_size = plan.tensor_model_parallel_size
-    args.context_parallel_size = plan.context_parallel_size
-    args.pipeline_model_parallel_size = plan.pipeline_model_parallel_size
-    args.num_layers_per_virtual_pipeline_stage = plan.num_layers_per_virtual_pipeline_stage
-    args.micro_batch_size = plan.micro_batch_size
-    args.ckpt = plan.ckpt
-    args.offload_alpha = _alpha_text(plan)
-    args.sequence_parallel = plan.sequence_parallel and plan.tensor_model_parallel_size > 1
-    args.use_distributed_optimizer = plan.use_distributed_optimizer
-    args.overlap_grad_reduce = plan.overlap_grad_reduce
-    args.overlap_param_gather = plan.overlap_param_gather
-    args.auto_plan_flags = list(best.megatron_flags)
+    planned = args.replace(
+        tensor_model_parallel_size=plan.tensor_model_parallel_size,
+        context_parallel_size=plan.context_parallel_size,
+        pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=plan.num_layers_per_virtual_pipeline_stage,
+        micro_batch_size=plan.micro_batch_size,
+        ckpt=plan.ckpt,
+        offload_alpha=_alpha_text(plan),
+        sequence_parallel=plan.sequence_parallel and plan.tensor_model_parallel_size > 1,
+        use_distributed_optimizer=plan.use_distributed_optimizer,
+        overlap_grad_reduce=plan.overlap_grad_reduce,
+        overlap_param_gather=plan.overlap_param_gather,
+        auto_plan_flags=tuple(best.megatron_flags),
+    )
     est = best.evaluation.estimate
     _print_rank0(f"auto-plan ({system.name}, {result.considered} plans priced): {' '.join(best.megatron_flags)} | "
                  f"predicted {est.tokens_per_second / args.world_size:.1f} tokens/s/GPU, "
                  f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB")
+    return planned
 
 
-def resolve_alpha(args) -> None:
-    """``--offload-alpha auto|balanced`` for the fixed plan: the cost model's smallest alpha that fits."""
+def resolve_alpha(args):
+    """A new config whose ``--offload-alpha auto|balanced`` is the cost model's smallest alpha that
+    fits the fixed plan."""
     from h3t_ext.costmodel import Plan
     from h3t_ext.costmodel.errors import PlanError
     from h3t_ext.planner.evaluate import evaluate
@@ -132,6 +136,6 @@ def resolve_alpha(args) -> None:
         ev = evaluate(_model_spec(args), plan, system, alpha_mode=args.offload_alpha, memory_budget_bytes=budget)
     except PlanError as e:
         raise ArgumentError(f"--offload-alpha {args.offload_alpha}: {e}") from None
-    mode = args.offload_alpha
-    args.offload_alpha = _alpha_text(ev.plan)
-    _print_rank0(f"--offload-alpha {mode} resolved by the cost model ({system.name}): {args.offload_alpha}")
+    resolved = _alpha_text(ev.plan)
+    _print_rank0(f"--offload-alpha {args.offload_alpha} resolved by the cost model ({system.name}): {resolved}")
+    return args.replace(offload_alpha=resolved)

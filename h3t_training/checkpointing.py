@@ -32,7 +32,7 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -66,6 +66,9 @@ class FoundCheckpoint:
     """Saved with this run's parallel layout (then RNG states are restored too)."""
     common: dict
     """The shared part (``common.pt``)."""
+    schedule: dict = field(default_factory=dict)
+    """The checkpoint's LR schedule fields this run takes (``--use-checkpoint-opt_param-scheduler``):
+    the driver continues with ``config.replace(**found.schedule)``."""
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -188,27 +191,25 @@ def find_checkpoint(args) -> Optional[FoundCheckpoint]:
         if saved.get(k) != mine[k]:
             raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with "
                                   f"--{k.replace('_', '-')} {saved.get(k)}, this run has {mine[k]}")
-    _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
-    return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common)
+    schedule = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
+    return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common, schedule)
 
 
-def _check_schedule(args, saved: dict, iteration: int) -> None:
+def _check_schedule(args, saved: dict, iteration: int) -> dict:
     """Megatron refuses a resume whose schedule differs from the checkpoint's unless told which wins:
     ``--override-opt_param-scheduler`` (this command line) or ``--use-checkpoint-opt_param-scheduler``
-    (the checkpoint: its values replace this run's)."""
+    (the checkpoint: its values replace this run's, returned as the fields to replace)."""
     if getattr(args, "finetune", False) or getattr(args, "override_opt_param_scheduler", False):
-        return
+        return {}
     if getattr(args, "use_checkpoint_opt_param_scheduler", False):
-        for k in SCHEDULE_FLAGS:
-            if k in saved:
-                setattr(args, k, saved[k])
-        return
+        return {k: saved[k] for k in SCHEDULE_FLAGS if k in saved}
     mine = _schedule(args)
     for k in SCHEDULE_FLAGS:
         if k in saved and saved[k] != mine[k]:
             raise CheckpointError(f"--load {args.load}: checkpoint iteration {iteration} was trained with "
                                   f"--{k.replace('_', '-')} {saved[k]}, this run has {mine[k]}; add "
                                   f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler")
+    return {}
 
 
 # ----------------------------------------------------------------------------------------- state

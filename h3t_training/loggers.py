@@ -17,7 +17,7 @@ import importlib.util
 import os
 from typing import Optional, Protocol
 
-from h3t_training.arguments import ArgumentError
+from h3t_training.errors import ArgumentError
 
 SAMPLES_SUFFIX = " vs samples"
 
@@ -159,7 +159,8 @@ def build_writer(args, is_logging_rank: bool) -> ScalarWriter:
 
 
 def _plain_config(args) -> dict:
-    return {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
+    fields = args.as_dict() if hasattr(args, "as_dict") else vars(args)
+    return {k: v for k, v in fields.items() if isinstance(v, (int, float, str, bool, type(None), list, tuple))}
 
 
 def writers_requested(args) -> bool:

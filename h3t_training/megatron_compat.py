@@ -6,38 +6,38 @@
   ``--lr-warmup-fraction`` of the decay span); the schedule runs in samples, as Megatron's
   ``OptimizerParamScheduler`` does (iteration-based flags are multiplied by the global batch size).
 * ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here.
-Every problem is an :class:`~h3t_training.arguments.ArgumentError` (one line).
+Each step reads the config and returns the fields it sets (a dict); every problem is an
+:class:`~h3t_training.errors.ArgumentError` (one line).
 """
 from __future__ import annotations
 
-import argparse
+from h3t_training.data_checks import DataFileError, parse_split
+from h3t_training.errors import ArgumentError
+
+_error = ArgumentError
 
 
-def _error(msg: str):
-    from h3t_training.arguments import ArgumentError  # noqa: PLC0415 - arguments imports this module
-
-    return ArgumentError(msg)
-
-
-def _kwai_aliases(args: argparse.Namespace) -> None:
+def _kwai_aliases(args) -> dict:
+    changes = {}
     ratio = args.kaimm_offload_ratio
     if ratio is not None:
         if args.offload_alpha is not None and str(args.offload_alpha) != str(ratio):
             raise _error(f"--kaimm-offload-activation-ratio {ratio} contradicts --offload-alpha {args.offload_alpha}")
-        args.offload_alpha = str(ratio)
+        changes["offload_alpha"] = str(ratio)
     norm, act = args.kaimm_recompute_norm, args.kaimm_recompute_mlp_activation_func
     if norm and act:
         if args.ckpt not in (None, "ours"):
             raise _error(f"--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (--ckpt ours) contradict "
                          f"--ckpt {args.ckpt}")
-        args.ckpt = "ours"
+        changes["ckpt"] = "ours"
     elif norm or act:
         one = "--kaimm-recompute-norm" if norm else "--kaimm-recompute-mlp-activation-func"
         raise _error(f"{one} alone is not supported (recomputing only one of the two parts); give both "
                      "--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (= --ckpt ours)")
+    return changes
 
 
-def _tied_embeddings(args: argparse.Namespace) -> None:
+def _tied_embeddings(args) -> dict:
     import torch  # noqa: PLC0415
 
     if (not args.untie_embeddings_and_output_weights and (args.pipeline_model_parallel_size or 1) > 1
@@ -45,15 +45,17 @@ def _tied_embeddings(args: argparse.Namespace) -> None:
         raise _error("tied embeddings (no --untie-embeddings-and-output-weights) with --pipeline-model-parallel-size "
                      f"{args.pipeline_model_parallel_size} are not supported on CPU (the embedding group's all-reduce "
                      "is CUDA-only); give --untie-embeddings-and-output-weights or one pipeline stage")
+    return {}
 
 
-def _positions(args: argparse.Namespace) -> None:
+def _positions(args) -> dict:
     if args.no_position_embedding and args.position_embedding_type != "rope":
         raise _error("--no-position-embedding without --use-rotary-position-embeddings (or --position-embedding-type "
                      "rope) gives a model without positions; not supported")
+    return {}
 
 
-def _schedule(args: argparse.Namespace) -> None:
+def _schedule(args) -> dict:
     B = args.global_batch_size
     if (args.train_iters is None) == (args.train_samples is None):
         raise _error("give exactly one of --train-iters and --train-samples")
@@ -63,13 +65,14 @@ def _schedule(args: argparse.Namespace) -> None:
                          "(not --lr-decay-iters / --lr-warmup-iters)")
         if args.train_samples < B:
             raise _error(f"--train-samples {args.train_samples} is less than one --global-batch-size {B}")
-        args.train_iters = args.train_samples // B
+        train_iters = args.train_samples // B
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
         warm = args.lr_warmup_samples
     else:
         if args.lr_decay_samples is not None or args.lr_warmup_samples:
             raise _error("--lr-decay-samples / --lr-warmup-samples need --train-samples (not --train-iters)")
-        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters) * B
+        train_iters = args.train_iters
+        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else train_iters) * B
         warm = args.lr_warmup_iters * B
     if args.lr_warmup_fraction is not None:
         if warm:
@@ -77,55 +80,49 @@ def _schedule(args: argparse.Namespace) -> None:
         if not 0 <= args.lr_warmup_fraction <= 1:
             raise _error(f"--lr-warmup-fraction {args.lr_warmup_fraction} is outside [0, 1]")
         warm = int(args.lr_warmup_fraction * decay)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = -(-decay // B)
-    args.lr_warmup_steps = warm   # in samples, as Megatron's scheduler counts
-    args.lr_decay_steps = decay
+    lr_decay_iters = -(-decay // B) if args.lr_decay_iters is None else args.lr_decay_iters
+    return dict(train_iters=train_iters, lr_decay_iters=lr_decay_iters,
+                lr_warmup_steps=warm, lr_decay_steps=decay)  # steps in samples, as Megatron's scheduler counts
 
 
-def _virtual_stages(args: argparse.Namespace) -> None:
+def _virtual_stages(args) -> dict:
     v = args.num_virtual_stages_per_pipeline_rank
     if v is None:
-        return
+        return {}
     p = args.pipeline_model_parallel_size or 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
         raise _error("give one of --num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage")
     if v < 1 or args.num_layers % (p * v):
         raise _error(f"--num-virtual-stages-per-pipeline-rank {v} does not divide the layers per pipeline rank")
-    args.num_layers_per_virtual_pipeline_stage = args.num_layers // (p * v)
+    return {"num_layers_per_virtual_pipeline_stage": args.num_layers // (p * v)}
 
 
-def _split(args: argparse.Namespace) -> None:
+def _split(args) -> dict:
     """Megatron's scripts quote ``--split`` inside a shell string ('99,1,0'): the quotes are dropped; the
     shares are checked by :func:`~h3t_training.data_checks.parse_split` (training data unless
     ``--skip-train``)."""
-    from h3t_training.data_checks import DataFileError, parse_split
-
     text = args.split.strip().strip("'\"")
     try:
         parse_split(text, allow_no_train=args.data_path is None or getattr(args, "skip_train", False))
     except DataFileError as e:
         raise _error(str(e)) from None
-    args.split = text
+    return {"split": text}
 
 
-def _tokenizer_files(args: argparse.Namespace) -> None:
+def _tokenizer_files(args) -> dict:
     """Tokenizer files given to this driver's own ByteTokenizer (pretrain_llama.py's default; not a Megatron
     tokenizer) would be ignored: an error instead (Megatron's tokenizers ignore what they do not read, as there)."""
     if args.tokenizer_type != "ByteTokenizer":
-        return
+        return {}
     for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
         if getattr(args, name, None) is not None:
             raise _error(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give the "
                          "--tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer)")
+    return {}
 
 
-def apply_megatron_behaviours(args: argparse.Namespace) -> None:
-    """Map Megatron's flags onto this driver's fields (in place); raise ArgumentError on a contradiction."""
-    _kwai_aliases(args)
-    _positions(args)
-    _tied_embeddings(args)
-    _schedule(args)
-    _virtual_stages(args)
-    _split(args)
-    _tokenizer_files(args)
+def apply_megatron_behaviours(config):
+    """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
+    for step in (_kwai_aliases, _positions, _tied_embeddings, _schedule, _virtual_stages, _split, _tokenizer_files):
+        config = config.replace(**step(config))
+    return config

@@ -21,7 +21,7 @@ def main(argv=None) -> int:
         sys.stderr.write("preflight: usage: python -m h3t_training.preflight --world-size N -- FLAGS...\n")
         return 2
     os.environ["WORLD_SIZE"], os.environ["RANK"] = argv[1], "1"  # not rank 0: the planner prints nothing
-    from h3t_training.arguments import parse_args
+    from h3t_training.config import parse_args
     from h3t_training.checkpointing import CheckpointError, find_checkpoint
 
     prog = os.environ.get("H3T_PROG", "pretrain_llama.py")

@@ -211,6 +211,8 @@ def pretrain(args) -> int:
     """Everything after argument parsing; returns the process exit status."""
     start_time = time.time()
     found = ckpt_io.find_checkpoint(args)  # before any process group: a bad checkpoint stops all ranks
+    if found is not None and found.schedule:  # --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
+        args = args.replace(**found.schedule)
     lock = RunLock(args.save).acquire() if args.save and dist_rank_from_env() == 0 else None
     try:
         return _pretrain(args, found, start_time)

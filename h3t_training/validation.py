@@ -1,37 +1,32 @@
 """Checks of the parsed flags that need no process group (world size comes from WORLD_SIZE).
 
-Each ``_validate_*`` raises :class:`ArgumentError` with one line naming the flag, its value and
-the valid range; :func:`validate_args` also derives the sizes the driver needs
-(``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, ``num_microbatches``).
+Each ``_validate_*`` step takes the config and returns it, or a new one with what it derived
+(``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, ``num_microbatches``, the
+parsed ``offload_alpha``); a problem is an :class:`ArgumentError` with one line naming the flag,
+its value and the valid range.
 """
 from __future__ import annotations
 
-import argparse
 import os
 
-from h3t_training.arguments import ArgumentError
+from h3t_training.auto_plan import resolve_alpha
 from h3t_training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
+from h3t_training.errors import ArgumentError
+from h3t_training.loggers import check_writer_packages
+from h3t_training.offload_alpha import parse_alpha_values
 from h3t_training.tokenizer import TokenizerError, tokenizer_from_args
 
 
-def validate_args(args: argparse.Namespace) -> None:
+def validate_args(config):
     """Validate and derive; the order matters (later checks use derived sizes)."""
-    _validate_heads(args)
-    _validate_layout(args)
-    _validate_pipeline(args)
-    _validate_batch(args)
-    _validate_sequence_parallel(args)
-    _validate_overlap(args)
-    _validate_precision(args)
-    _validate_context_parallel(args)
-    _validate_alpha(args)
-    _validate_offload_overlap(args)
-    _validate_data(args)
-    _validate_io(args)
-    _validate_eval_and_logging(args)
+    for step in (_validate_heads, _validate_layout, _validate_pipeline, _validate_batch, _validate_sequence_parallel,
+                 _validate_overlap, _validate_precision, _validate_context_parallel, _validate_alpha,
+                 _validate_offload_overlap, _validate_data, _validate_io, _validate_eval_and_logging):
+        config = step(config)
+    return config
 
 
-def _validate_heads(args) -> None:
+def _validate_heads(args):
     if args.hidden_size % args.num_attention_heads:
         raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
                             f"{args.num_attention_heads}")
@@ -41,62 +36,65 @@ def _validate_heads(args) -> None:
     if args.seq_length > args.max_position_embeddings:
         raise ArgumentError(f"--seq-length {args.seq_length} is outside [1, --max-position-embeddings "
                             f"{args.max_position_embeddings}]")
+    return args
 
 
-def _validate_layout(args) -> None:
+def _validate_layout(args):
     t, p, c, w = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size, args.world_size)
     if w % (t * p * c):
         raise ArgumentError(f"--tensor-model-parallel-size {t} x --pipeline-model-parallel-size {p} x "
                             f"--context-parallel-size {c} = {t * p * c} does not divide the world size {w}")
-    args.data_parallel_size = w // (t * p * c)
+    args = args.replace(data_parallel_size=w // (t * p * c))
     for flag, n in (("--num-attention-heads", args.num_attention_heads), ("--num-query-groups", args.num_query_groups)):
         if n % t:
             raise ArgumentError(f"--tensor-model-parallel-size {t} does not divide {flag} {n}")
+    return args
 
 
-def _validate_pipeline(args) -> None:
+def _validate_pipeline(args):
     L, p, l = args.num_layers, args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
     if L % p:
         raise ArgumentError(f"--pipeline-model-parallel-size {p} does not divide --num-layers {L}")
     per_rank = L // p
     if l is None:
-        args.virtual_pipeline_model_parallel_size = None
-        return
+        return args.replace(virtual_pipeline_model_parallel_size=None)
     if per_rank % l:
         raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {l} does not divide the {per_rank} layers "
                             f"per pipeline rank")
     v = per_rank // l
     if v > 1 and p == 1:
         raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {l} needs --pipeline-model-parallel-size > 1")
-    args.virtual_pipeline_model_parallel_size = v if v > 1 else None
+    return args.replace(virtual_pipeline_model_parallel_size=v if v > 1 else None)
 
 
-def _validate_batch(args) -> None:
+def _validate_batch(args):
     shard = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % shard:
         raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
                             f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
-    args.num_microbatches = args.global_batch_size // shard
+    args = args.replace(num_microbatches=args.global_batch_size // shard)
     p, m = args.pipeline_model_parallel_size, args.num_microbatches
     if args.virtual_pipeline_model_parallel_size and m % p:
         raise ArgumentError(f"interleaved 1F1B needs the {m} microbatches per iteration (--global-batch-size / "
                             f"(--micro-batch-size x data-parallel size)) to be a multiple of "
                             f"--pipeline-model-parallel-size {p}")
+    return args
 
 
-def _validate_sequence_parallel(args) -> None:
+def _validate_sequence_parallel(args):
     t = args.tensor_model_parallel_size
     if args.sequence_parallel and t == 1:  # as Megatron-LM: disabled, with a notice
-        args.sequence_parallel = False
-        args.flag_notices = [*getattr(args, "flag_notices", []), "note: --sequence-parallel: disabled with "
-                             "--tensor-model-parallel-size 1 (as Megatron-LM does)"]
+        args = args.replace(sequence_parallel=False, flag_notices=(
+            *getattr(args, "flag_notices", ()),
+            "note: --sequence-parallel: disabled with --tensor-model-parallel-size 1 (as Megatron-LM does)"))
     if args.sequence_parallel and args.seq_length % t:
         raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of --tensor-model-parallel-size {t} "
                             f"(--sequence-parallel)")
+    return args
 
 
-def _validate_precision(args) -> None:
+def _validate_precision(args):
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are exclusive; give one")
     for flag, v in (("--initial-loss-scale", args.initial_loss_scale), ("--min-loss-scale", args.min_loss_scale),
@@ -107,12 +105,14 @@ def _validate_precision(args) -> None:
         raise ArgumentError(f"--loss-scale {args.loss_scale} is outside (0, inf)")
     if args.hysteresis < 1:
         raise ArgumentError(f"--hysteresis {args.hysteresis} is outside [1, inf)")
+    return args
 
 
-def _validate_overlap(args) -> None:
+def _validate_overlap(args):
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps that "
                             "optimizer's parameter all-gather)")
+    return args
 
 
 def _cuda_available() -> bool:
@@ -120,7 +120,7 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _validate_context_parallel(args) -> None:
+def _validate_context_parallel(args):
     """c > 1 runs TransformerEngine's attention on a GPU and h3t-ext's ring attention
     (``h3t_ext.runtime.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks."""
     c = args.context_parallel_size
@@ -130,38 +130,23 @@ def _validate_context_parallel(args) -> None:
     if c > 1 and args.attention_dropout and not _cuda_available():
         raise ArgumentError(f"--attention-dropout {args.attention_dropout} is not supported with "
                             f"--context-parallel-size {c} on CPU (ring attention); use 0")
+    return args
 
 
-def parse_alpha_values(text: str) -> tuple[float, ...]:
-    """``0.5`` or ``0.1,0.2`` -> floats in [0, 1]; raise ArgumentError naming the flag otherwise."""
-    out = []
-    for part in str(text).split(","):
-        try:
-            a = float(part)
-        except ValueError:
-            raise ArgumentError(f"--offload-alpha {text!r} is not a number, a comma-separated list of numbers, "
-                                f"'auto' or 'balanced'") from None
-        if not 0.0 <= a <= 1.0:
-            raise ArgumentError(f"--offload-alpha {part} is outside [0, 1]")
-        out.append(a)
-    return tuple(out)
-
-
-def _validate_alpha(args) -> None:
+def _validate_alpha(args):
     p = args.pipeline_model_parallel_size
     if str(args.offload_alpha) in ("auto", "balanced"):
-        from h3t_training.auto_plan import resolve_alpha
-        resolve_alpha(args)
+        args = resolve_alpha(args)
     alphas = parse_alpha_values(args.offload_alpha) if isinstance(args.offload_alpha, str) \
         else tuple(float(a) for a in (args.offload_alpha if isinstance(args.offload_alpha, (tuple, list))
                                       else (args.offload_alpha,)))
     if len(alphas) not in (1, p):
         raise ArgumentError(f"--offload-alpha has {len(alphas)} values; give 1 or one per pipeline stage "
                             f"(--pipeline-model-parallel-size {p})")
-    args.offload_alpha = alphas[0] if len(alphas) == 1 else alphas
+    return args.replace(offload_alpha=alphas[0] if len(alphas) == 1 else alphas)
 
 
-def _validate_data(args) -> None:
+def _validate_data(args):
     per_split = [f for f in ("train", "valid", "test") if getattr(args, f"{f}_data_path") is not None]
     if (args.mock_data + (args.data_path is not None) + bool(per_split)) != 1:
         raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data (or --train-data-path, "
@@ -185,10 +170,10 @@ def _validate_data(args) -> None:
                 check_indexed_dataset(prefix, vocab_size=tokenizer.vocab_size)
         except DataFileError as e:  # the checks name --data-path; say which of the four flags it was
             raise ArgumentError(str(e).replace("--data-path", "--" + flag.replace("_", "-"), 1)) from None
+    return args
 
 
-def _validate_eval_and_logging(args) -> None:
-    from h3t_training.loggers import check_writer_packages
+def _validate_eval_and_logging(args):
     try:  # the one --split parser (also run earlier with the Megatron-compat step)
         shares = parse_split(str(args.split), allow_no_train=True)
     except DataFileError as e:
@@ -202,6 +187,7 @@ def _validate_eval_and_logging(args) -> None:
         raise ArgumentError(f"--skip-train with --split {args.split} has no validation or test data; give --split "
                             f"with nonzero valid/test parts (e.g. 98,1,1) or --valid-data-path/--test-data-path")
     check_writer_packages(args)
+    return args
 
 
 CKPT_FORMATS_REFUSED = {
@@ -212,7 +198,7 @@ CKPT_FORMATS_REFUSED = {
 }
 
 
-def _validate_io(args) -> None:
+def _validate_io(args):
     if args.ckpt_format != "torch_dist":
         reason = CKPT_FORMATS_REFUSED.get(args.ckpt_format, "the valid value is torch_dist")
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: {reason}")
@@ -232,6 +218,7 @@ def _validate_io(args) -> None:
         if not os.path.isdir(parent):
             raise ArgumentError(f"--metrics-json {args.metrics_json}: directory {parent} does not exist")
         _check_writable_dir("--metrics-json", parent, create=False)
+    return args
 
 
 def _check_writable_dir(flag: str, path: str, *, create: bool = True) -> None:
@@ -248,7 +235,7 @@ def _check_writable_dir(flag: str, path: str, *, create: bool = True) -> None:
         raise ArgumentError(f"{flag} {path} is not writable ({e.strerror or type(e).__name__})") from None
 
 
-def _validate_offload_overlap(args) -> None:
+def _validate_offload_overlap(args):
     """The runtime's own layout check, run on every pipeline rank's schedule before any process starts."""
     from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
     from h3t_ext.runtime.prepare import validate_layout
@@ -261,3 +248,4 @@ def _validate_offload_overlap(args) -> None:
             validate_layout(config, schedule, rank)
     except (RuntimeConfigError, ValueError) as e:
         raise ArgumentError(str(e)) from None
+    return args

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from driver_harness import PYTHON, REPO, _env
-from h3t_training.arguments import parse_args
+from h3t_training.config import parse_args
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]

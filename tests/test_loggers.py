@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from h3t_training.arguments import ArgumentError, build_parser
+from h3t_training.arguments import build_parser
+from h3t_training.errors import ArgumentError
 from h3t_training.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer, check_writer_packages,
                                        wandb_mode)
 from h3t_training.scalars import TrainingScalars
