@@ -1,19 +1,50 @@
 #!/usr/bin/env python3
 """Pretrain a GPT model with megatron-core and h3t-ext, under Megatron-LM's entry name and defaults.
 
-The same driver as ``pretrain_llama.py``; the defaults are Megatron-LM's ``pretrain_gpt.py`` ones
-(LayerNorm, GeLU MLP, learned absolute positions, biases, tied embeddings, dropout 0.1, linear LR
-decay, GPT2BPETokenizer). Every flag of Megatron-LM's pretrain_gpt.py is implemented, noticed or refused: docs/flags.md.
+Where Megatron's own ``megatron.training`` is importable (megatron-core 0.17+) and a GPU is
+present, the run is Megatron's own ``pretrain()`` with h3t-ext's flags, layer spec and schedules
+added through its seams (:mod:`h3t_training.megatron_native`). Otherwise (CPU, megatron-core
+0.16.1, or flags only h3t-ext's driver has, such as ``--auto-plan``) it is the driver of
+``pretrain_llama.py`` with Megatron-LM's ``pretrain_gpt.py`` defaults (LayerNorm, GeLU MLP, learned
+absolute positions, biases, tied embeddings, dropout 0.1, linear LR decay, GPT2BPETokenizer).
+Every flag of Megatron-LM's pretrain_gpt.py is implemented, noticed or refused: docs/flags.md.
 """
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from h3t_training.arguments import MEGATRON_GPT_DEFAULTS  # noqa: E402
-from pretrain_llama import main  # noqa: E402
-
 PROG = "pretrain_gpt.py"
+DRIVER_ONLY_FLAGS = ("--auto-plan", "--strict-p2p", "--strict-p2p-comm", "--metrics-json", "--memory-budget", "--gpu")
+"""Flags of h3t-ext's own driver that Megatron's loop does not have: given one, the driver runs."""
+
+
+def use_megatron_loop(argv) -> bool:
+    """Megatron's own pretrain() when it is importable, a GPU is present and no driver-only flag is given."""
+    from h3t_training import megatron_native
+
+    if not megatron_native.available() or any(a.split("=")[0] in DRIVER_ONLY_FLAGS for a in argv):
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def main(argv=None) -> int:
+    from h3t_training.arguments import MEGATRON_GPT_DEFAULTS
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if use_megatron_loop(argv):
+        from h3t_ext.runtime.config import RuntimeConfigError
+        from h3t_training import megatron_native
+        from h3t_training.errors import ArgumentError
+        try:
+            return megatron_native.run(argv, defaults=MEGATRON_GPT_DEFAULTS)
+        except (ArgumentError, RuntimeConfigError) as e:
+            sys.stderr.write(f"{PROG}: error: {e}\n")
+            return 2
+    from pretrain_llama import main as driver_main
+    return driver_main(argv, prog=PROG, defaults=MEGATRON_GPT_DEFAULTS)
+
 
 if __name__ == "__main__":
-    sys.exit(main(prog=PROG, defaults=MEGATRON_GPT_DEFAULTS))
+    sys.exit(main())

@@ -17,7 +17,8 @@ from h3t_training.errors import ArgumentError
 _error = ArgumentError
 
 
-def _kwai_aliases(args) -> dict:
+def kwai_aliases(args) -> dict:
+    """Megatron-Kwai's offload and recompute flags as the fields they stand for (ckpt, offload_alpha)."""
     changes = {}
     ratio = args.kaimm_offload_ratio
     if ratio is not None:
@@ -123,6 +124,6 @@ def _tokenizer_files(args) -> dict:
 
 def apply_megatron_behaviours(config):
     """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
-    for step in (_kwai_aliases, _positions, _tied_embeddings, _schedule, _virtual_stages, _split, _tokenizer_files):
+    for step in (kwai_aliases, _positions, _tied_embeddings, _schedule, _virtual_stages, _split, _tokenizer_files):
         config = config.replace(**step(config))
     return config
