@@ -99,6 +99,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer", choices=("adam",), default="adam")
     g.add_argument("--lr", type=float, required=True)
     g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and output layer (their own group, as Megatron)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum learning rate of that group (default --min-lr)")
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
@@ -259,6 +263,12 @@ def check_positive(args):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")
+    if args.decoupled_lr is not None and not args.decoupled_lr > 0:
+        raise ArgumentError(f"--decoupled-lr {args.decoupled_lr} is outside (0, inf)")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ArgumentError("--decoupled-min-lr needs --decoupled-lr (it is the floor of that group's schedule)")
+    if args.decoupled_min_lr is not None and args.decoupled_min_lr < 0:
+        raise ArgumentError(f"--decoupled-min-lr {args.decoupled_min_lr} is outside [0, inf)")
     for name in ("lr", "adam_eps", "distributed_timeout_minutes"):
         v = getattr(args, name)
         if not v > 0:

@@ -47,7 +47,8 @@ MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
 """What must match between the saving and the loading run (the parallel layout need not)."""
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
-SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay")
+SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",
+                  "decoupled_min_lr")
 """The learning-rate schedule a resumed run must agree on (Megatron's opt_param_scheduler)."""
 
 

@@ -75,8 +75,6 @@ REASONS: dict[str, Reason] = {
                     "--init-method-std"),
     "optimizer": Reason("refused", "only Adam(W) is implemented",
                     "--optimizer adam"),
-    "decoupled_lr": Reason("noticed", "a separate learning rate for the embedding and output layer is not implemented; every parameter follows --lr/--min-lr",
-                    "leave it out for the same result"),
     "batch_schedule": Reason("noticed", "batch-size schedules are not implemented; every iteration uses --global-batch-size",
                     "leave it out for the same result"),
     "data": Reason("refused", "this data source / sample construction is not implemented and would train on other samples",
@@ -124,7 +122,7 @@ _MEGATRON_LM: dict[str, str] = {
     "implemented": """
 --adam-beta1=1 --adam-beta2=1 --adam-eps=1 --add-qkv-bias=0 --apply-layernorm-1p=0 --async-save=0
 --attention-dropout=1 --bf16=0 --calculate-per-token-loss=0 --ckpt-format=1 --ckpt-step=1 --clip-grad=1
---context-parallel-size=1 --data-cache-path=1 --data-path=* --disable-bias-linear=0
+--context-parallel-size=1 --data-cache-path=1 --data-path=* --decoupled-lr=1 --decoupled-min-lr=1 --disable-bias-linear=0
 --disable-log-loss-scale-to-tensorboard=0 --distributed-backend=1 --distributed-timeout-minutes=1
 --eod-mask-loss=0 --eval-interval=1 --eval-iters=1 --exit-duration-in-mins=1 --exit-interval=1
 --exit-signal=1 --exit-signal-handler=0 --ffn-hidden-size=1 --finetune=0 --global-batch-size=1
@@ -220,8 +218,6 @@ _MEGATRON_LM: dict[str, str] = {
 --muon-no-split-qkv=0 --muon-num-ns-steps=1 --muon-scalar-optimizer=1 --muon-scale-mode=1 --muon-tp-mode=1
 --muon-use-syrk=0 --no-weight-decay-cond-type=1 --phase-transition-iterations=1 --rampup-batch-size=3
 --sgd-momentum=1 --start-weight-decay=1 --weight-decay-incr-style=1""",
-    "decoupled_lr": """
---decoupled-lr=1 --decoupled-min-lr=1""",
     "batch_schedule": """
 --decrease-batch-size-if-needed=0 --step-batch-size-schedule=1""",
     "data": """

@@ -19,10 +19,13 @@ import torch
 import torch.distributed as dist
 
 
-def learning_rate(args, iteration: int) -> float:
+def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
     """Megatron's schedule: linear warm-up (from --lr-warmup-init), then constant, linear or cosine decay to
     --min-lr; counted in samples when the driver set ``lr_warmup_steps``/``lr_decay_steps`` (Megatron's
-    scheduler counts samples: iteration-based flags times the global batch size), else in iterations."""
+    scheduler counts samples: iteration-based flags times the global batch size), else in iterations.
+    ``max_lr``/``min_lr`` replace --lr/--min-lr for a parameter group of its own (--decoupled-lr)."""
+    peak = args.lr if max_lr is None else max_lr
+    floor = args.min_lr if min_lr is None else min_lr
     if getattr(args, "lr_decay_steps", None) is not None:
         unit = args.global_batch_size
         warm, decay = args.lr_warmup_steps, args.lr_decay_steps
@@ -31,16 +34,32 @@ def learning_rate(args, iteration: int) -> float:
     step = (iteration + 1) * unit
     if warm and step <= warm:
         init = getattr(args, "lr_warmup_init", 0.0)
-        return init + (args.lr - init) * step / warm
+        return init + (peak - init) * step / warm
     if args.lr_decay_style == "constant":
-        return args.lr
+        return peak
     span = max(1, decay - warm)
     ratio = min(1.0, max(0.0, (step - warm) / span))
     if args.lr_decay_style == "linear":
         coeff = 1.0 - ratio
     else:
         coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return args.min_lr + coeff * (args.lr - args.min_lr)
+    return floor + coeff * (peak - floor)
+
+
+def decoupled_lr_group(args) -> dict:
+    """The learning-rate fields of the embedding and output-layer group under --decoupled-lr (as
+    megatron-core's optimizer: ``max_lr``, and ``min_lr`` when --decoupled-min-lr is given); empty without it."""
+    if getattr(args, "decoupled_lr", None) is None:
+        return {}
+    fields = {"max_lr": args.decoupled_lr}
+    if args.decoupled_min_lr is not None:
+        fields["min_lr"] = args.decoupled_min_lr
+    return fields
+
+
+def group_learning_rate(args, iteration: int, group: dict) -> float:
+    """The learning rate of one optimizer parameter group (its own ``max_lr``/``min_lr`` if it has them)."""
+    return learning_rate(args, iteration, group.get("max_lr"), group.get("min_lr"))
 
 
 def _shard_owners(params: list[torch.nn.Parameter], world: int) -> list[int]:
@@ -82,10 +101,15 @@ class DataParallelAdamW:
         """Whether the last step was skipped (never here: float32 has no loss scaling)."""
         self.owners = _shard_owners(self.params, self.dp_size) if distributed else [self.dp_rank] * len(self.params)
         owned = [p for p, o in zip(self.params, self.owners) if o == self.dp_rank]
-        decay = [p for p in owned if p.dim() > 1]
-        no_decay = [p for p in owned if p.dim() <= 1]
-        groups = [g for g in ({"params": decay, "weight_decay": args.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        decoupled = decoupled_lr_group(args)
+        groups = []
+        for own_lr in (False, True):  # --decoupled-lr: the embedding and output weights get their own schedule
+            mine = [p for p in owned
+                    if bool(decoupled and getattr(p, "is_embedding_or_output_parameter", False)) == own_lr]
+            extra = decoupled if own_lr else {}
+            groups += [{"params": [p for p in mine if p.dim() > 1], "weight_decay": args.weight_decay, **extra},
+                       {"params": [p for p in mine if p.dim() <= 1], "weight_decay": 0.0, **extra}]
+        groups = [g for g in groups if g["params"]]
         self.adam = torch.optim.AdamW(groups or [{"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=args.lr,
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
         self.has_params = bool(groups)
@@ -152,7 +176,7 @@ class DataParallelAdamW:
                 p.grad.mul_(coeff)
         lr = learning_rate(self.args, iteration)
         for g in self.adam.param_groups:
-            g["lr"] = lr
+            g["lr"] = group_learning_rate(self.args, iteration, g)
         if self.has_params:
             self.adam.step()
         self.steps += 1
@@ -226,7 +250,8 @@ class MegatronOptimizerAdapter:
                               clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
                               loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                               min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                              hysteresis=args.hysteresis)
+                              hysteresis=args.hysteresis, decoupled_lr=args.decoupled_lr,
+                              decoupled_min_lr=args.decoupled_min_lr)
         self.opt = get_megatron_optimizer(cfg, chunks)
         self.skipped = False
         """Whether the last step was skipped: with --fp16 an overflow skips it and lowers the loss scale
@@ -243,8 +268,8 @@ class MegatronOptimizerAdapter:
 
     def step(self, iteration: int) -> tuple[float, Optional[float]]:
         lr = learning_rate(self.args, iteration)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
+        for g in self.opt.param_groups:  # megatron-core's groups carry max_lr/min_lr (--decoupled-lr)
+            g["lr"] = group_learning_rate(self.args, iteration, g)
         ok, norm, _ = self.opt.step()
         self.skipped = not ok
         return lr, norm

@@ -26,6 +26,8 @@ def _error(argv, capsys, monkeypatch, world_size=2) -> str:
 
 @pytest.mark.parametrize("extra, expected", [
     (["--offload-alpha", "1.5"], "--offload-alpha 1.5 is outside [0, 1]"),
+    (["--decoupled-lr", "0"], "--decoupled-lr 0.0 is outside (0, inf)"),
+    (["--decoupled-min-lr", "1e-5"], "--decoupled-min-lr needs --decoupled-lr"),
     (["--offload-alpha", "0.2,1.2", "--pipeline-model-parallel-size", "2"], "--offload-alpha 1.2 is outside [0, 1]"),
     (["--offload-alpha", "x"], "--offload-alpha 'x' is not a number"),
     (["--ckpt", "some"], "argument --ckpt: invalid choice: 'some'"),

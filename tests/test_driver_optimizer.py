@@ -99,3 +99,49 @@ def test_learning_rate_schedule():
     assert learning_rate(ARGS, 1) == pytest.approx(ARGS.lr)
     assert learning_rate(ARGS, 5) == pytest.approx(ARGS.min_lr)  # end of the cosine
     assert learning_rate(ARGS, 3) == pytest.approx(ARGS.min_lr + 0.5 * (ARGS.lr - ARGS.min_lr))
+
+
+DECOUPLED = SimpleNamespace(**{**vars(ARGS), "decoupled_lr": 3e-2, "decoupled_min_lr": 2e-3})
+
+
+def _flag_embedding(model: torch.nn.Module) -> torch.nn.Module:
+    model[0].weight.is_embedding_or_output_parameter = True  # as megatron-core's LanguageModule marks them
+    return model
+
+
+def _decoupled_worker(rank: int, world: int):
+    import torch.distributed as dist
+    model = _flag_embedding(_model())
+    opt = DataParallelAdamW([model], DECOUPLED, dp_group=dist.group.WORLD, model_parallel_group=None, tp_rank=0,
+                            distributed=True)
+    lrs = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(model, *_batch(rank, step)).backward()
+        lrs.append(opt.step(step)[0])
+    return [p.detach().clone() for p in model.parameters()], lrs
+
+
+def test_decoupled_lr_gives_the_embedding_and_output_weights_their_own_schedule():
+    """Megatron's --decoupled-lr/--decoupled-min-lr: same warm-up and decay, their own peak and floor."""
+    results = run_distributed(_decoupled_worker, world_size=2, timeout_s=240)
+    model = _flag_embedding(_model())
+    own = [model[0].weight]
+    rest = [p for p in model.parameters() if p is not model[0].weight]
+    adam = torch.optim.AdamW([{"params": own, "weight_decay": ARGS.weight_decay, "own": True},
+                              {"params": [p for p in rest if p.dim() > 1], "weight_decay": ARGS.weight_decay},
+                              {"params": [p for p in rest if p.dim() <= 1], "weight_decay": 0.0}], lr=ARGS.lr,
+                             betas=(ARGS.adam_beta1, ARGS.adam_beta2), eps=ARGS.adam_eps)
+    for step in range(STEPS):
+        adam.zero_grad()
+        sum(_loss(model, *_batch(r, step)) for r in range(2)).div(2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), ARGS.clip_grad)
+        for g in adam.param_groups:
+            g["lr"] = learning_rate(ARGS, step, 3e-2, 2e-3) if g.get("own") else learning_rate(ARGS, step)
+        adam.step()
+    assert learning_rate(ARGS, 1, 3e-2, 2e-3) == pytest.approx(3e-2)  # the group's own peak after warm-up
+    assert learning_rate(ARGS, 5, 3e-2, 2e-3) == pytest.approx(2e-3)  # and its own floor
+    for params, lrs in results:
+        assert lrs == [pytest.approx(learning_rate(ARGS, s)) for s in range(STEPS)]  # the logged (default) lr
+        for p, q in zip(params, model.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
