@@ -93,7 +93,14 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
 def _add_training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--micro-batch-size", type=int, default=None)
-    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration (required unless --step-batch-size-schedule gives them)")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help="Megatron's 'THRESHOLD:BATCH_SIZE ...' (thresholds in tokens, K/M/B/T suffixes)")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="ramp the batch size from START to --global-batch-size (megatron-core 0.16)")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="round --global-batch-size down to a multiple of micro batch x data-parallel size")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None, help="train for this many samples (not --train-iters)")
     g.add_argument("--optimizer", choices=("adam",), default="adam")

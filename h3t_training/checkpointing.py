@@ -38,6 +38,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from h3t_training.batch_schedule import schedule_of
+
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "h3t_checksums.json"
 CHECKPOINT_VERSION = 3.0
@@ -261,7 +263,7 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
         state["rng_state"] = _rng_object(None if loading else rng_state())
     if not loading:
         state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
-                     consumed_train_samples=iteration * args.global_batch_size,
+                     consumed_train_samples=schedule_of(args).consumed_samples(iteration),
                      opt_param_scheduler=_schedule(args),
                      h3t={"model": _model_shape(args), "layout": _layout(args)})
     return state

@@ -85,7 +85,7 @@ Step = Callable[[TrainConfig], TrainConfig]
 
 def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
-    steps: list[Step] = [megatron_compat.apply_megatron_behaviours, arguments.check_finite,
+    steps: list[Step] = [arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
                          arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)

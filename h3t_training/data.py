@@ -19,6 +19,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from h3t_training.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data_checks import parse_split
 
 
@@ -47,12 +48,12 @@ logging.getLogger("megatron.core.datasets.gpt_dataset").addFilter(_NoCacheNotice
 
 
 def split_sizes(args) -> list[int]:
-    """Samples per split as Megatron-LM computes them: train ``train_iters*B``, valid
-    ``(train_iters // eval_interval + 1) * eval_iters * B`` (every evaluation plus the one at the
-    end), test ``eval_iters * B``."""
+    """Samples per split as Megatron-LM computes them: train, the samples of ``train_iters`` iterations
+    (``train_iters*B`` at a constant batch size); valid ``(train_iters // eval_interval + 1) * eval_iters * B``
+    (every evaluation plus the one at the end), test ``eval_iters * B``, with B the final batch size."""
     B = args.global_batch_size
-    return [args.train_iters * B, (args.train_iters // args.eval_interval + 1) * args.eval_iters * B,
-            args.eval_iters * B]
+    return [schedule_of(args).consumed_samples(args.train_iters),
+            (args.train_iters // args.eval_interval + 1) * args.eval_iters * B, args.eval_iters * B]
 
 
 def _split_weights(split: str) -> list[float]:
@@ -140,27 +141,36 @@ def build_train_dataset(args, tokenizer) -> GPTDataset:
 
 
 class MicrobatchIterator:
-    """Yields this data-parallel rank's microbatches, iteration after iteration."""
+    """Yields this data-parallel rank's microbatches, iteration after iteration (``global_batch_size``: an int,
+    or a :class:`~h3t_training.batch_schedule.BatchSchedule` whose batch size changes with the iteration)."""
 
-    def __init__(self, dataset, *, start_iteration: int, global_batch_size: int, micro_batch_size: int,
+    def __init__(self, dataset, *, start_iteration: int, global_batch_size, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, device: torch.device, cp_group=None):
         self.dataset = dataset
         self.cp_group = cp_group
-        self.B, self.mbs = global_batch_size, micro_batch_size
+        self.schedule = global_batch_size if isinstance(global_batch_size, BatchSchedule) \
+            else BatchSchedule.constant(global_batch_size)
+        self.mbs = micro_batch_size
         self.dp_rank, self.dp = data_parallel_rank, data_parallel_size
-        self.num_microbatches = global_batch_size // (micro_batch_size * data_parallel_size)
-        self.iteration, self.microbatch = start_iteration, 0
+        self.microbatch = 0
         self.device = device
+        self._start(start_iteration)
+
+    def _start(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.first_sample = self.schedule.consumed_samples(iteration)
+        self.num_microbatches = self.schedule.batch_size(iteration) // (self.mbs * self.dp)
 
     def __iter__(self) -> Iterator[dict]:
         return self
 
     def __next__(self) -> dict:
-        first = (self.iteration * self.B + self.microbatch * self.mbs * self.dp + self.dp_rank * self.mbs)
+        first = self.first_sample + self.microbatch * self.mbs * self.dp + self.dp_rank * self.mbs
         samples = [self.dataset[first + i] for i in range(self.mbs)]
         self.microbatch += 1
         if self.microbatch == self.num_microbatches:
-            self.iteration, self.microbatch = self.iteration + 1, 0
+            self.microbatch = 0
+            self._start(self.iteration + 1)
         batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(self.device)
                  for k in ("tokens", "labels", "loss_mask", "position_ids")}
         if self.cp_group is not None and self.cp_group.size() > 1:
@@ -172,7 +182,7 @@ def build_data_iterators(args, dataset, *, start_iteration: int, num_chunks: int
                          device: torch.device, cp_group=None) -> list[MicrobatchIterator]:
     """One iterator per model chunk (each chunk's forward consumes its own, in the same order); with a
     context-parallel group of size c > 1 each yields this rank's two sequence chunks."""
-    return [MicrobatchIterator(dataset, start_iteration=start_iteration, global_batch_size=args.global_batch_size,
+    return [MicrobatchIterator(dataset, start_iteration=start_iteration, global_batch_size=schedule_of(args),
                                micro_batch_size=args.micro_batch_size, data_parallel_rank=data_parallel_rank,
                                data_parallel_size=args.data_parallel_size, device=device, cp_group=cp_group)
             for _ in range(num_chunks)]

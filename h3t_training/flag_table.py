@@ -75,8 +75,6 @@ REASONS: dict[str, Reason] = {
                     "--init-method-std"),
     "optimizer": Reason("refused", "only Adam(W) is implemented",
                     "--optimizer adam"),
-    "batch_schedule": Reason("noticed", "batch-size schedules are not implemented; every iteration uses --global-batch-size",
-                    "leave it out for the same result"),
     "data": Reason("refused", "this data source / sample construction is not implemented and would train on other samples",
                     "--data-path [weight] prefix ... with --split, or --mock-data"),
     "tokenizer": Reason("refused", "this tokenizer setting is not implemented and would give other token ids",
@@ -122,7 +120,8 @@ _MEGATRON_LM: dict[str, str] = {
     "implemented": """
 --adam-beta1=1 --adam-beta2=1 --adam-eps=1 --add-qkv-bias=0 --apply-layernorm-1p=0 --async-save=0
 --attention-dropout=1 --bf16=0 --calculate-per-token-loss=0 --ckpt-format=1 --ckpt-step=1 --clip-grad=1
---context-parallel-size=1 --data-cache-path=1 --data-path=* --decoupled-lr=1 --decoupled-min-lr=1 --disable-bias-linear=0
+--context-parallel-size=1 --data-cache-path=1 --data-path=* --decoupled-lr=1 --decoupled-min-lr=1
+--decrease-batch-size-if-needed=0 --disable-bias-linear=0 --rampup-batch-size=3 --step-batch-size-schedule=1
 --disable-log-loss-scale-to-tensorboard=0 --distributed-backend=1 --distributed-timeout-minutes=1
 --eod-mask-loss=0 --eval-interval=1 --eval-iters=1 --exit-duration-in-mins=1 --exit-interval=1
 --exit-signal=1 --exit-signal-handler=0 --ffn-hidden-size=1 --finetune=0 --global-batch-size=1
@@ -216,10 +215,8 @@ _MEGATRON_LM: dict[str, str] = {
 --lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --muon-coefficient-type=1
 --muon-extra-scale-factor=1 --muon-fp32-matmul-prec=1 --muon-momentum=1 --muon-nesterov=0
 --muon-no-split-qkv=0 --muon-num-ns-steps=1 --muon-scalar-optimizer=1 --muon-scale-mode=1 --muon-tp-mode=1
---muon-use-syrk=0 --no-weight-decay-cond-type=1 --phase-transition-iterations=1 --rampup-batch-size=3
+--muon-use-syrk=0 --no-weight-decay-cond-type=1 --phase-transition-iterations=1
 --sgd-momentum=1 --start-weight-decay=1 --weight-decay-incr-style=1""",
-    "batch_schedule": """
---decrease-batch-size-if-needed=0 --step-batch-size-schedule=1""",
     "data": """
 --allow-ambiguous-pad-tokens=0 --data-args-path=1 --dataloader-inter-document-masking=0 --dataloader-type=1
 --fim-data=0 --fim-eod-token=1 --fim-fragment-rate=1 --fim-middle-token=1 --fim-no-prefix=1

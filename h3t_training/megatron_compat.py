@@ -5,12 +5,15 @@
 * sample-based training: ``--train-samples`` / ``--lr-decay-samples`` / ``--lr-warmup-samples`` (or
   ``--lr-warmup-fraction`` of the decay span); the schedule runs in samples, as Megatron's
   ``OptimizerParamScheduler`` does (iteration-based flags are multiplied by the global batch size).
+* batch-size schedules: ``--step-batch-size-schedule`` / ``--rampup-batch-size`` as a
+  :class:`~h3t_training.batch_schedule.BatchSchedule` (``batch_schedule``);
 * ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here.
 Each step reads the config and returns the fields it sets (a dict); every problem is an
 :class:`~h3t_training.errors.ArgumentError` (one line).
 """
 from __future__ import annotations
 
+from h3t_training.batch_schedule import BatchSchedule, parse_step_schedule, rampup_schedule
 from h3t_training.data_checks import DataFileError, parse_split
 from h3t_training.errors import ArgumentError
 
@@ -56,6 +59,28 @@ def _positions(args) -> dict:
     return {}
 
 
+def _batch_schedule(args) -> dict:
+    """--global-batch-size, --step-batch-size-schedule or --rampup-batch-size as one BatchSchedule; the global
+    batch size of the config is the final one (the learning-rate flags in iterations count it)."""
+    step, rampup = args.step_batch_size_schedule, args.rampup_batch_size
+    if step is not None and rampup is not None:
+        raise _error("give one of --step-batch-size-schedule and --rampup-batch-size")
+    if step is not None:
+        if args.decrease_batch_size_if_needed:
+            raise _error("--decrease-batch-size-if-needed does not apply to --step-batch-size-schedule (as in "
+                         "Megatron-LM); leave it out")
+        schedule = parse_step_schedule(step, args.seq_length)
+        if args.global_batch_size is not None and args.global_batch_size != schedule.final_batch_size:
+            raise _error(f"--global-batch-size {args.global_batch_size} contradicts --step-batch-size-schedule, "
+                         f"whose last batch size is {schedule.final_batch_size}; leave one out")
+        return {"batch_schedule": schedule, "global_batch_size": schedule.final_batch_size}
+    if args.global_batch_size is None:
+        raise _error("--global-batch-size is required (or --step-batch-size-schedule)")
+    if rampup is not None:
+        return {"batch_schedule": rampup_schedule(*rampup, args.global_batch_size)}
+    return {"batch_schedule": BatchSchedule.constant(args.global_batch_size)}
+
+
 def _schedule(args) -> dict:
     B = args.global_batch_size
     if (args.train_iters is None) == (args.train_samples is None):
@@ -64,9 +89,11 @@ def _schedule(args) -> dict:
         if args.lr_decay_iters is not None or args.lr_warmup_iters:
             raise _error("--train-samples needs the sample-based --lr-decay-samples / --lr-warmup-samples "
                          "(not --lr-decay-iters / --lr-warmup-iters)")
-        if args.train_samples < B:
-            raise _error(f"--train-samples {args.train_samples} is less than one --global-batch-size {B}")
-        train_iters = args.train_samples // B
+        first = args.batch_schedule.batch_size(0)
+        if args.train_samples < first:
+            raise _error(f"--train-samples {args.train_samples} is less than one global batch ({first} samples)")
+        train_iters = args.train_samples // B if args.batch_schedule.is_constant \
+            else args.batch_schedule.iterations_for_samples(args.train_samples)  # as Megatron-LM counts each
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
         warm = args.lr_warmup_samples
     else:
@@ -124,6 +151,7 @@ def _tokenizer_files(args) -> dict:
 
 def apply_megatron_behaviours(config):
     """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
-    for step in (kwai_aliases, _positions, _tied_embeddings, _schedule, _virtual_stages, _split, _tokenizer_files):
+    for step in (kwai_aliases, _positions, _tied_embeddings, _batch_schedule, _schedule, _virtual_stages, _split,
+                 _tokenizer_files):
         config = config.replace(**step(config))
     return config

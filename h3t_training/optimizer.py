@@ -18,6 +18,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from h3t_training.batch_schedule import schedule_of
+
 
 def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
     """Megatron's schedule: linear warm-up (from --lr-warmup-init), then constant, linear or cosine decay to
@@ -26,12 +28,12 @@ def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: 
     ``max_lr``/``min_lr`` replace --lr/--min-lr for a parameter group of its own (--decoupled-lr)."""
     peak = args.lr if max_lr is None else max_lr
     floor = args.min_lr if min_lr is None else min_lr
-    if getattr(args, "lr_decay_steps", None) is not None:
-        unit = args.global_batch_size
+    if getattr(args, "lr_decay_steps", None) is not None:  # samples consumed once this iteration is done
         warm, decay = args.lr_warmup_steps, args.lr_decay_steps
+        step = schedule_of(args).consumed_samples(iteration + 1)
     else:
-        unit, warm, decay = 1, args.lr_warmup_iters, args.lr_decay_iters
-    step = (iteration + 1) * unit
+        warm, decay = args.lr_warmup_iters, args.lr_decay_iters
+        step = iteration + 1
     if warm and step <= warm:
         init = getattr(args, "lr_warmup_init", 0.0)
         return init + (peak - init) * step / warm

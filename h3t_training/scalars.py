@@ -24,6 +24,8 @@ import resource
 
 import torch
 
+from h3t_training.batch_schedule import schedule_of
+
 
 class TrainingScalars:
     """Turns the driver's per-iteration records, stage statistics and evaluations into scalars."""
@@ -34,7 +36,7 @@ class TrainingScalars:
 
     def _pair(self, tag: str, value: float, iteration: int) -> None:
         self.writer.add_scalar(tag, value, iteration)
-        self.writer.add_scalar(tag + " vs samples", value, iteration * self.args.global_batch_size)
+        self.writer.add_scalar(tag + " vs samples", value, schedule_of(self.args).consumed_samples(iteration))
 
     def tensorboard_due(self, iteration: int) -> bool:
         return iteration % self.args.tensorboard_log_interval == 0
@@ -46,7 +48,7 @@ class TrainingScalars:
             if a.log_learning_rate_to_tensorboard:
                 self._pair("learning-rate", rec["learning_rate"], it)
             if a.log_batch_size_to_tensorboard:
-                self._pair("batch-size", a.global_batch_size, it)
+                self._pair("batch-size", rec.get("global_batch_size", a.global_batch_size), it)
             self._pair("lm loss", rec["loss"], it)
             if a.log_loss_scale_to_tensorboard:
                 self._pair("loss-scale", loss_scale, it)

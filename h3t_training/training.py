@@ -22,6 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 import h3t_ext
 from h3t_ext.runtime.config import H3TConfig
 from h3t_training import checkpointing as ckpt_io
+from h3t_training.batch_schedule import schedule_of
 from h3t_training.data import build_data_iterators, build_datasets
 from h3t_training.evaluation import Evaluator
 from h3t_training.exit_conditions import ExitConditions, ExitSignalHandler
@@ -166,6 +167,7 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
     --exit-interval, --exit-duration-in-mins, --exit-signal-handler); returns the last iteration done
     and whether the run exited early."""
     fb = get_forward_backward_func()
+    batches, shard = schedule_of(args), args.micro_batch_size * args.data_parallel_size
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     done = start_iteration
     for it in range(start_iteration, args.train_iters):
@@ -173,7 +175,7 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         _stage_manager(runtime, chunks).reset_stats()
         optimizer.zero_grad()
         losses = fb(forward_step_func=forward_step, data_iterator=data_iterators, model=chunks,
-                    num_microbatches=args.num_microbatches, seq_length=args.seq_length,
+                    num_microbatches=batches.batch_size(it) // shard, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
         lr, norm = optimizer.step(it)
         loss = _iteration_loss(losses) if is_last_stage else float("nan")

@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from h3t_training.batch_schedule import schedule_of
+
 
 def flops_per_token(args, vocab_size: int) -> float:
     """Forward FLOPs per token (the bracket of the MFU formula)."""
@@ -88,10 +90,10 @@ class IterationLogger:
                loss_scale: float = 1.0, skipped: bool = False) -> dict:
         """Store one iteration's metrics (1-based iteration) and print the log line when due."""
         a = self.args
-        tokens = a.global_batch_size * a.seq_length
-        tps_gpu = tokens / elapsed_s / a.world_size
+        batch = schedule_of(a).batch_size(iteration - 1)
+        tps_gpu = batch * a.seq_length / elapsed_s / a.world_size
         tflops = 3 * self.flops_per_token * tps_gpu / 1e12
-        rec = {"iteration": iteration, "loss": loss, "tokens_per_second_per_gpu": tps_gpu,
+        rec = {"iteration": iteration, "loss": loss, "global_batch_size": batch, "tokens_per_second_per_gpu": tps_gpu,
                "mfu": tflops * 1e12 / self.peak, "tflops_per_gpu": tflops, "elapsed_ms": elapsed_s * 1e3,
                "learning_rate": lr, "grad_norm": grad_norm, "loss_scale": loss_scale, "skipped": skipped}
         self.records.append(rec)
@@ -112,7 +114,8 @@ class IterationLogger:
         self._interval = []
         n = len(recs)
         elapsed_ms = sum(r["elapsed_ms"] for r in recs) / n
-        tps_gpu = a.global_batch_size * a.seq_length * n / (sum(r["elapsed_ms"] for r in recs) / 1e3) / a.world_size
+        tokens = sum(r["global_batch_size"] for r in recs) * a.seq_length
+        tps_gpu = tokens / (sum(r["elapsed_ms"] for r in recs) / 1e3) / a.world_size
         tflops = 3 * self.flops_per_token * tps_gpu / 1e12
         finite = [r["loss"] for r in recs if math.isfinite(r["loss"])]
         loss = sum(finite) / len(finite) if finite else float("nan")
@@ -122,10 +125,10 @@ class IterationLogger:
         norm = "" if grad_norm is None else f" grad norm: {grad_norm:.3f} |"
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         return (f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
-                f"{iteration * a.global_batch_size:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
+                f"{schedule_of(a).consumed_samples(iteration):12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
                 f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens per second per GPU: {tps_gpu:.1f} | "
                 f"MFU: {100 * tflops * 1e12 / self.peak:.2f}% | learning rate: {lr:.6E} | global batch size: "
-                f"{a.global_batch_size:5d} | lm loss: {loss:.6E} | loss scale: {recs[-1]['loss_scale']:.1f} |{norm} "
+                f"{recs[-1]['global_batch_size']:5d} | lm loss: {loss:.6E} | loss scale: {recs[-1]['loss_scale']:.1f} |{norm} "
                 f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} | max memory (MB): "
                 f"{max_memory_mb(self.on_gpu):.1f} |")
 

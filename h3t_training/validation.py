@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from h3t_training.auto_plan import resolve_alpha
+from h3t_training.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
 from h3t_training.errors import ArgumentError
 from h3t_training.loggers import check_writer_packages
@@ -69,17 +70,31 @@ def _validate_pipeline(args):
 
 
 def _validate_batch(args):
+    """Every global batch size the run will use divides into micro batches over the data-parallel ranks
+    (and, interleaved, into a multiple of the pipeline size); ``num_microbatches`` is the final one's."""
     shard = args.micro_batch_size * args.data_parallel_size
-    if args.global_batch_size % shard:
-        raise ArgumentError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
-                            f"{args.micro_batch_size} x data-parallel size {args.data_parallel_size}")
-    args = args.replace(num_microbatches=args.global_batch_size // shard)
-    p, m = args.pipeline_model_parallel_size, args.num_microbatches
-    if args.virtual_pipeline_model_parallel_size and m % p:
-        raise ArgumentError(f"interleaved 1F1B needs the {m} microbatches per iteration (--global-batch-size / "
-                            f"(--micro-batch-size x data-parallel size)) to be a multiple of "
-                            f"--pipeline-model-parallel-size {p}")
-    return args
+    schedule = schedule_of(args)
+    if args.decrease_batch_size_if_needed and schedule.is_constant and args.global_batch_size % shard:
+        running = args.global_batch_size // shard * shard
+        if running == 0:
+            raise ArgumentError(f"--decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} is "
+                                f"below one micro batch x data-parallel size ({shard})")
+        args = args.replace(global_batch_size=running, batch_schedule=BatchSchedule.constant(running), flag_notices=(
+            *args.flag_notices, f"note: --decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} "
+                                f"runs as {running} (a multiple of --micro-batch-size x data-parallel size {shard})"))
+        schedule = args.batch_schedule
+    p = args.pipeline_model_parallel_size
+    for batch in schedule.batch_sizes(args.train_iters):
+        where = "--global-batch-size" if schedule.is_constant else "the batch schedule's batch size"
+        if batch % shard:
+            raise ArgumentError(f"{where} {batch} is not a multiple of --micro-batch-size {args.micro_batch_size} x "
+                                f"data-parallel size {args.data_parallel_size}")
+        m = batch // shard
+        if args.virtual_pipeline_model_parallel_size and m % p:
+            raise ArgumentError(f"interleaved 1F1B needs the {m} microbatches per iteration ({where} {batch} / "
+                                f"(--micro-batch-size x data-parallel size)) to be a multiple of "
+                                f"--pipeline-model-parallel-size {p}")
+    return args.replace(num_microbatches=args.global_batch_size // shard)
 
 
 def _validate_sequence_parallel(args):
@@ -241,11 +256,13 @@ def _validate_offload_overlap(args):
     from h3t_ext.runtime.prepare import validate_layout
     from h3t_ext.schedule.builder import build_schedule
     p = args.pipeline_model_parallel_size
+    shard = args.micro_batch_size * args.data_parallel_size
     try:
         config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
-        schedule = build_schedule(p, args.num_microbatches, args.virtual_pipeline_model_parallel_size or 1)
-        for rank in range(p):
-            validate_layout(config, schedule, rank)
+        for batch in schedule_of(args).batch_sizes(args.train_iters):  # each microbatch count the run will use
+            schedule = build_schedule(p, batch // shard, args.virtual_pipeline_model_parallel_size or 1)
+            for rank in range(p):
+                validate_layout(config, schedule, rank)
     except (RuntimeConfigError, ValueError) as e:
         raise ArgumentError(str(e)) from None
     return args

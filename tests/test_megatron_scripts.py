@@ -74,6 +74,7 @@ def test_gpt3_175b_script_trains_a_gpt_model(corpus_prefix, tmp_path):  # noqa: 
     flags = shrink(GPT3_175B, {
         "--num-layers": str(L), "--hidden-size": str(h), "--num-attention-heads": "4", "--seq-length": str(s),
         "--max-position-embeddings": str(s), "--global-batch-size": "4", "--train-iters": "3",
+        "--step-batch-size-schedule": "0:2 256:4",  # 256 tokens = 4 samples of 64: two iterations of 2, then 4
         "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--data-path": corpus_prefix,
         "--vocab-file": vocab, "--merge-file": merges, "--save": str(tmp_path / "ckpt"),
         "--load": str(tmp_path / "ckpt"), "--tensorboard-dir": str(tmp_path / "tb")})
@@ -82,15 +83,17 @@ def test_gpt3_175b_script_trains_a_gpt_model(corpus_prefix, tmp_path):  # noqa: 
     check_ok(proc)
     its = metrics(out)["iterations"]
     assert [r["iteration"] for r in its] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in its)
-    # Megatron's schedule: warm-up over .001 of the 430000-iteration decay span, counted in samples
-    assert its[0]["learning_rate"] == pytest.approx(6.0e-5 * 4 / int(0.001 * 430000 * 4))
+    assert [r["global_batch_size"] for r in its] == [2, 2, 4]
+    # Megatron's schedule: warm-up over .001 of the 430000-iteration decay span (iterations of the final
+    # batch size), counted in samples: 2 consumed after the first iteration
+    assert its[0]["learning_rate"] == pytest.approx(6.0e-5 * 2 / int(0.001 * 430000 * 4))
     # a GPT-3 model: LayerNorm with bias, GeLU MLP with biases, learned positions, tied embeddings
     V = 384  # 257 tokens padded to a multiple of 128
     expected = V * h + s * h + L * (12 * h * h + 13 * h) + 2 * h
     n = int(re.search(r"(\d+) parameters on this rank", proc.stdout).group(1))
     assert n == expected
     notes = _notes(proc.stdout)
-    for flag in ("--fp16", "--attention-backend", "--step-batch-size-schedule"):
+    for flag in ("--fp16", "--attention-backend"):
         assert sum(line.startswith(f"note: {flag}:") for line in notes) == 1, notes
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
 
@@ -111,7 +114,7 @@ def test_llama3_8b_script_trains_with_sample_based_schedule(tmp_path):
     notes = _notes(proc.stdout)
     assert any(line.startswith("note: --sequence-parallel: disabled") for line in notes)
     assert any(line.startswith("note: --fp8-format:") for line in notes)
-    assert any(line.startswith("note: --decoupled-lr:") for line in notes)
+    assert not any(line.startswith("note: --decoupled-lr") for line in notes)  # implemented
     h, f, L, q, kv = 64, 224, 2, 4 * 32, 2 * 32
     V = 1152  # NullTokenizer: --vocab-size 1024 ids + eod, padded to a multiple of 128
     per_layer = h * (q + 2 * kv) + q * h + 2 * h * f + f * h + 2 * h
