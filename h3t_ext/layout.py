@@ -30,81 +30,89 @@ from dataclasses import dataclass
 from typing import Optional
 
 
-class LayoutError(ValueError):
-    """A parallel layout Megatron cannot run; ``reason`` is one line naming the flag(s) and valid values."""
+RULES = ("range", "world_size", "global_batch_size", "num_layers", "uneven_stages",
+         "num_layers_per_virtual_pipeline_stage", "virtual_needs_pipeline", "interleaving", "num_attention_heads",
+         "num_query_groups", "ffn_hidden_size", "seq_length_context_parallel", "seq_length_sequence_parallel")
+"""Names of the rules (``LayoutError.rule``), for callers that count refusals by kind (the planner)."""
 
-    def __init__(self, reason: str) -> None:
+
+class LayoutError(ValueError):
+    """A parallel layout Megatron cannot run; ``reason`` is one line naming the flag(s) and valid values,
+    ``rule`` which of :data:`RULES` it broke."""
+
+    def __init__(self, reason: str, rule: str = "range") -> None:
         self.reason = reason
+        self.rule = rule
         super().__init__(reason)
 
 
-def _require(ok: bool, reason: str) -> None:
-    if not ok:
-        raise LayoutError(reason)
-
-
 def _positive(name: str, value) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
-             f"{name} {value!r} is outside [1, inf); valid: integers >= 1")
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise LayoutError(f"{name} {value!r} is outside [1, inf); valid: integers >= 1", "range")
 
 
 def _divisors(n: int) -> str:
-    """``n``'s divisors as a short list for a message."""
-    ds = [k for k in range(1, n + 1) if n % k == 0] if n <= 10**6 else []
-    return ", ".join(map(str, ds)) if 0 < len(ds) <= 12 else f"divisors of {n}"
+    """``n``'s divisors as a short list for a message (only built when a rule is broken)."""
+    small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
+    ds = sorted(set(small + [n // k for k in small]))
+    return ", ".join(map(str, ds)) if len(ds) <= 12 else f"divisors of {n}"
 
 
-_SHARD = "--micro-batch-size x data-parallel size"
 _NUM_MB = "number of microbatches (--global-batch-size / (--micro-batch-size x data-parallel size))"
+_UNEVEN = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
 
 
 def _check_chunks(p: int, v: int) -> None:
     """Model chunks (v > 1) need a pipeline: megatron-core runs no interleaving without one."""
-    _require(v == 1 or p > 1, f"{v} model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage) need "
-                              f"--pipeline-model-parallel-size > 1, it is {p}; valid: --pipeline-model-parallel-size "
-                              f">= 2, or one model chunk per rank")
+    if v > 1 and p == 1:
+        raise LayoutError(f"{v} model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage) need "
+                          f"--pipeline-model-parallel-size > 1, it is {p}; valid: --pipeline-model-parallel-size "
+                          f">= 2, or one model chunk per rank", "virtual_needs_pipeline")
 
 
 def _check_interleaving(p: int, v: int, m: int, group: Optional[int]) -> None:
-    """megatron-core 0.16.1's rules of ``forward_backward_pipelining_with_interleaving``."""
+    """megatron-core 0.16.1's rules of ``forward_backward_pipelining_with_interleaving``: with the group size g,
+    p <= g <= m and m mod g is 0 or >= p."""
     if v == 1:
         return
     _check_chunks(p, v)
-    if group is None:  # Megatron's default group size p: m >= p and m mod p in {0} (or >= p: impossible)
-        _require(m % p == 0, f"interleaved 1F1B needs the {_NUM_MB} = {m} to be a multiple of "
-                             f"--pipeline-model-parallel-size {p}; valid: multiples of {p}")
+    if group is None:  # the default g = p: m >= p and m mod p = 0 (a remainder >= p cannot be)
+        if m % p:
+            raise LayoutError(f"interleaved 1F1B needs the {_NUM_MB} = {m} to be a multiple of "
+                              f"--pipeline-model-parallel-size {p}; valid: multiples of {p}", "interleaving")
         return
     g = group
-    _require(p <= g <= m, f"--microbatch-group-size-per-virtual-pipeline-stage {g} is outside "
-                          f"[--pipeline-model-parallel-size {p}, {_NUM_MB} {m}]; valid: {p} to {m}")
+    if not p <= g <= m:
+        raise LayoutError(f"--microbatch-group-size-per-virtual-pipeline-stage {g} is outside "
+                          f"[--pipeline-model-parallel-size {p}, {_NUM_MB} {m}]; valid: {p} to {m}", "interleaving")
     rest = m % g
-    _require(rest == 0 or rest >= p,
-             f"interleaved 1F1B: the {_NUM_MB} = {m} mod --microbatch-group-size-per-virtual-pipeline-stage "
-             f"{g} = {rest} must be 0 or >= --pipeline-model-parallel-size {p}; valid: remainders 0 or {p} to {g - 1}")
+    if 0 < rest < p:
+        raise LayoutError(f"interleaved 1F1B: the {_NUM_MB} = {m} mod "
+                          f"--microbatch-group-size-per-virtual-pipeline-stage {g} = {rest} must be 0 or >= "
+                          f"--pipeline-model-parallel-size {p}; valid: remainders 0 or {p} to {g - 1}", "interleaving")
 
 
 def _check_uneven(num_layers: int, p: int, first: Optional[int], last: Optional[int]) -> None:
+    """Megatron's uneven stages: the first/last stage layers as given, the rest split evenly over the others."""
     L = num_layers
     for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
-        _require(n is None or (isinstance(n, int) and 1 <= n < L), f"{flag} {n!r} is outside [1, {L - 1}] "
-                                                                   f"(--num-layers {L}); valid: 1 to {L - 1}")
-    _require(p > 1, f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers need "
-                    f"--pipeline-model-parallel-size > 1, it is {p}; valid: >= 2")
+        if not (n is None or (isinstance(n, int) and 1 <= n < L)):
+            raise LayoutError(f"{flag} {n!r} is outside [1, {L - 1}] (--num-layers {L}); valid: 1 to {L - 1}",
+                              "uneven_stages")
+    if p == 1:
+        raise LayoutError(f"{_UNEVEN} need --pipeline-model-parallel-size > 1, it is {p}; valid: >= 2",
+                          "uneven_stages")
     middle = p - (first is not None) - (last is not None)
     rest = L - (first or 0) - (last or 0)
-    ok = (middle == 0 and rest == 0) or (middle > 0 and rest > 0 and rest % middle == 0)
-    given = " and ".join(f"{flag} {n}" for flag, n in (("--decoder-first-pipeline-num-layers", first),
-                                                      ("--decoder-last-pipeline-num-layers", last)) if n is not None)
-    valid = (f"first/last stage layers that leave a positive multiple of {middle} layers" if middle > 0
-             else f"first + last stage layers = {L}")
-    _require(ok, f"--num-layers {L} minus {given} leaves {rest} layer(s), which do not split evenly over the other "
-                 f"{middle} pipeline stage(s) (--pipeline-model-parallel-size {p}); valid: {valid}")
-
-
-def _check_even(num_layers: int, p: int) -> None:
-    _require(num_layers % p == 0, f"--num-layers {num_layers} is not a multiple of --pipeline-model-parallel-size "
-                                  f"{p}; valid: multiples of {p}, or uneven stages with "
-                                  f"--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+    if not ((middle == 0 and rest == 0) or (middle > 0 and rest > 0 and rest % middle == 0)):
+        given = " and ".join(f"{flag} {n}" for flag, n in (("--decoder-first-pipeline-num-layers", first),
+                                                          ("--decoder-last-pipeline-num-layers", last))
+                             if n is not None)
+        valid = (f"first/last stage layers that leave a positive multiple of {middle} layers" if middle > 0
+                 else f"first + last stage layers = {L}")
+        raise LayoutError(f"--num-layers {L} minus {given} leaves {rest} layer(s), which do not split evenly over "
+                          f"the other {middle} pipeline stage(s) (--pipeline-model-parallel-size {p}); valid: {valid}",
+                          "uneven_stages")
 
 
 def virtual_pipeline_size(num_layers: int, pipeline_model_parallel_size: int,
@@ -118,19 +126,22 @@ def virtual_pipeline_size(num_layers: int, pipeline_model_parallel_size: int,
     _positive("--pipeline-model-parallel-size", p)
     first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
     if first is not None or last is not None:
-        _require(l is None, "--num-layers-per-virtual-pipeline-stage cannot be combined with "
-                            "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers; valid: one "
-                            "of them")
+        if l is not None:
+            raise LayoutError(f"--num-layers-per-virtual-pipeline-stage cannot be combined with {_UNEVEN}; "
+                              f"valid: one of them", "uneven_stages")
         _check_uneven(L, p, first, last)
         return 1
-    _check_even(L, p)
+    if L % p:
+        raise LayoutError(f"--num-layers {L} is not a multiple of --pipeline-model-parallel-size {p}; valid: "
+                          f"multiples of {p}, or uneven stages with {_UNEVEN}", "num_layers")
     if l is None:
         return 1
     _positive("--num-layers-per-virtual-pipeline-stage", l)
     per_rank = L // p
-    _require(per_rank % l == 0, f"--num-layers-per-virtual-pipeline-stage {l} does not divide the {per_rank} "
-                                f"layers per pipeline rank (--num-layers {L} / --pipeline-model-parallel-size {p}); "
-                                f"valid: {_divisors(per_rank)}")
+    if per_rank % l:
+        raise LayoutError(f"--num-layers-per-virtual-pipeline-stage {l} does not divide the {per_rank} layers per "
+                          f"pipeline rank (--num-layers {L} / --pipeline-model-parallel-size {p}); "
+                          f"valid: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage")
     v = per_rank // l
     _check_chunks(p, v)
     return v
@@ -184,35 +195,35 @@ class ParallelLayout:
 
         v comes from ``virtual_pipeline_model_parallel_size`` (None or 1: not interleaved) or, given
         ``num_layers``, from ``num_layers_per_virtual_pipeline_stage`` as Megatron-LM derives it; with
-        ``num_layers`` the layer split over the stages is checked too (:meth:`check_num_layers`).
+        ``num_layers`` the layer split over the stages is checked too (:func:`virtual_pipeline_size`).
         Checks run in the order world size, layers, batch, interleaving; the first broken rule raises.
         """
         t, c, p = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
-        _positive("world size", world_size)
-        _positive("--tensor-model-parallel-size", t)
-        _positive("--context-parallel-size", c)
-        _positive("--pipeline-model-parallel-size", p)
-        _positive("--global-batch-size", global_batch_size)
-        _positive("--micro-batch-size", micro_batch_size)
-        _require(world_size % (t * c * p) == 0,
-                 f"world size {world_size} is not a multiple of --tensor-model-parallel-size {t} x "
-                 f"--context-parallel-size {c} x --pipeline-model-parallel-size {p} = {t * c * p}; "
-                 f"valid: world sizes that are multiples of {t * c * p}")
+        for flag, n in (("world size", world_size), ("--tensor-model-parallel-size", t),
+                        ("--context-parallel-size", c), ("--pipeline-model-parallel-size", p),
+                        ("--global-batch-size", global_batch_size), ("--micro-batch-size", micro_batch_size)):
+            _positive(flag, n)
+        if world_size % (t * c * p):
+            raise LayoutError(f"world size {world_size} is not a multiple of --tensor-model-parallel-size {t} x "
+                              f"--context-parallel-size {c} x --pipeline-model-parallel-size {p} = {t * c * p}; "
+                              f"valid: world sizes that are multiples of {t * c * p}", "world_size")
         d = world_size // (t * c * p)
         v = virtual_pipeline_model_parallel_size or 1
         if num_layers is not None:
             derived = virtual_pipeline_size(num_layers, p, num_layers_per_virtual_pipeline_stage,
                                             decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
                                             decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers)
-            _require(virtual_pipeline_model_parallel_size in (None, derived),
-                     f"virtual pipeline size {virtual_pipeline_model_parallel_size} differs from the {derived} "
-                     f"model chunks per rank of --num-layers-per-virtual-pipeline-stage "
-                     f"{num_layers_per_virtual_pipeline_stage}; valid: {derived}")
+            if virtual_pipeline_model_parallel_size not in (None, derived):
+                raise LayoutError(f"virtual pipeline size {virtual_pipeline_model_parallel_size} differs from the "
+                                  f"{derived} model chunks per rank of --num-layers-per-virtual-pipeline-stage "
+                                  f"{num_layers_per_virtual_pipeline_stage}; valid: {derived}",
+                                  "num_layers_per_virtual_pipeline_stage")
             v = derived
         shard = micro_batch_size * d
-        _require(global_batch_size % shard == 0,
-                 f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size {micro_batch_size} "
-                 f"x data-parallel size {d} = {shard}; valid: multiples of {shard}")
+        if global_batch_size % shard:
+            raise LayoutError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
+                              f"{micro_batch_size} x data-parallel size {d} = {shard}; valid: multiples of {shard}",
+                              "global_batch_size")
         return cls(tensor_model_parallel_size=t, context_parallel_size=c, pipeline_model_parallel_size=p,
                    virtual_pipeline_model_parallel_size=v, data_parallel_size=d,
                    num_microbatches=global_batch_size // shard,
@@ -242,25 +253,22 @@ class ParallelLayout:
         g = self.microbatch_group_size_per_vp_stage
         return self.pipeline_model_parallel_size if g is None else g
 
-    def global_batch_size(self, micro_batch_size: int) -> int:
-        """Samples per iteration: m x micro_batch_size x d."""
-        return self.num_microbatches * micro_batch_size * self.data_parallel_size
-
     # -- rules that involve the model's shape ----------------------------------------------------------
     def check_num_layers(self, num_layers: int, *, decoder_first_pipeline_num_layers: Optional[int] = None,
                          decoder_last_pipeline_num_layers: Optional[int] = None) -> None:
         """The layers split over the p stages (evenly or with uneven first/last stages) and the v chunks."""
         p, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        uneven = decoder_first_pipeline_num_layers is not None or decoder_last_pipeline_num_layers is not None
+        if v > 1 and uneven:
+            raise LayoutError(f"--num-layers-per-virtual-pipeline-stage cannot be combined with {_UNEVEN}; "
+                              f"valid: one of them", "uneven_stages")
         virtual_pipeline_size(num_layers, p, decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
                               decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers)
-        if v > 1:
-            _require(decoder_first_pipeline_num_layers is None and decoder_last_pipeline_num_layers is None,
-                     "--num-layers-per-virtual-pipeline-stage cannot be combined with "
-                     "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers; valid: one of them")
-            per_rank = num_layers // p
-            _require(per_rank % v == 0, f"the {per_rank} layers per pipeline rank (--num-layers {num_layers} / "
-                                        f"--pipeline-model-parallel-size {p}) do not split into {v} model chunks; "
-                                        f"valid chunk counts: {_divisors(per_rank)}")
+        per_rank = num_layers // p
+        if per_rank % v:
+            raise LayoutError(f"the {per_rank} layers per pipeline rank (--num-layers {num_layers} / "
+                              f"--pipeline-model-parallel-size {p}) do not split into {v} model chunks; "
+                              f"valid chunk counts: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage")
 
     def check_tensor_split(self, *, num_attention_heads: int, num_query_groups: Optional[int] = None,
                            ffn_hidden_size: Optional[int] = None) -> None:
@@ -269,22 +277,24 @@ class ParallelLayout:
         t = self.tensor_model_parallel_size
         for flag, n in (("--num-attention-heads", num_attention_heads), ("--num-query-groups", num_query_groups),
                         ("--ffn-hidden-size", ffn_hidden_size)):
-            if n is not None:
-                _require(n % t == 0, f"{flag} {n} is not a multiple of --tensor-model-parallel-size {t}; "
-                                     f"valid --tensor-model-parallel-size: {_divisors(n)}")
+            if n is not None and n % t:
+                raise LayoutError(f"{flag} {n} is not a multiple of --tensor-model-parallel-size {t}; "
+                                  f"valid --tensor-model-parallel-size: {_divisors(n)}", flag[2:].replace("-", "_"))
 
     def check_seq_length(self, seq_length: int, *, sequence_parallel: bool = True) -> None:
-        """With c > 1 the sequence is 2c equal chunks; with sequence parallelism (t > 1) each rank's context shard
-        s/c splits over t."""
+        """With c > 1 the sequence is 2c equal chunks; with sequence parallelism (t > 1) each rank's context
+        shard s/c splits over t."""
         t, c, s = self.tensor_model_parallel_size, self.context_parallel_size, seq_length
         _positive("--seq-length", s)
-        if c > 1:
-            _require(s % (2 * c) == 0, f"--seq-length {s} is not a multiple of 2 x --context-parallel-size {c} = "
-                                       f"{2 * c} (each rank holds 2 of 2c equal chunks); valid: multiples of {2 * c}")
-        if sequence_parallel and t > 1:
-            _require(s % (c * t) == 0, f"--seq-length {s} is not a multiple of --context-parallel-size {c} x "
-                                       f"--tensor-model-parallel-size {t} = {c * t} (--sequence-parallel splits each "
-                                       f"context shard over the tensor-parallel ranks); valid: multiples of {c * t}")
+        if c > 1 and s % (2 * c):
+            raise LayoutError(f"--seq-length {s} is not a multiple of 2 x --context-parallel-size {c} = {2 * c} "
+                              f"(each rank holds 2 of 2c equal chunks); valid: multiples of {2 * c}",
+                              "seq_length_context_parallel")
+        if sequence_parallel and t > 1 and s % (c * t):
+            raise LayoutError(f"--seq-length {s} is not a multiple of --context-parallel-size {c} x "
+                              f"--tensor-model-parallel-size {t} = {c * t} (--sequence-parallel splits each context "
+                              f"shard over the tensor-parallel ranks); valid: multiples of {c * t}",
+                              "seq_length_sequence_parallel")
 
 
-__all__ = ["LayoutError", "ParallelLayout", "virtual_pipeline_size"]
+__all__ = ["RULES", "LayoutError", "ParallelLayout", "virtual_pipeline_size"]
