@@ -87,9 +87,10 @@ def _check_interleaving(p: int, v: int, m: int, group: Optional[int]) -> None:
                           f"[--pipeline-model-parallel-size {p}, {_NUM_MB} {m}]; valid: {p} to {m}", "interleaving")
     rest = m % g
     if 0 < rest < p:
+        valid = "0" if g == p else f"0 or {p} to {g - 1}"
         raise LayoutError(f"interleaved 1F1B: the {_NUM_MB} = {m} mod "
                           f"--microbatch-group-size-per-virtual-pipeline-stage {g} = {rest} must be 0 or >= "
-                          f"--pipeline-model-parallel-size {p}; valid: remainders 0 or {p} to {g - 1}", "interleaving")
+                          f"--pipeline-model-parallel-size {p}; valid remainders: {valid}", "interleaving")
 
 
 def _check_uneven(num_layers: int, p: int, first: Optional[int], last: Optional[int]) -> None:
