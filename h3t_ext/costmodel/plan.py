@@ -83,7 +83,10 @@ class Plan:
 
     @property
     def data_parallel_size(self) -> int:
-        """d = num_gpus / (t * p); counts context-parallel ranks, as Megatron does."""
+        """d = num_gpus / (t * p): counts the context-parallel ranks (megatron-core's data-parallel group with
+        context parallelism, :attr:`h3t_ext.layout.ParallelLayout.data_and_context_parallel_size`; Megatron-LM's
+        ``--data-parallel-size`` is d / c, :attr:`data_parallel_sample_shards`). Valid once :func:`validate_plan`
+        passed."""
         return self.num_gpus // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
     @property
@@ -147,9 +150,7 @@ def _check(cond: bool, reason: str) -> None:
 
 
 def _validate_ranges(plan: Plan) -> None:
-    for name in ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size"):
-        v = getattr(plan, name)
-        _check(isinstance(v, int) and v >= 1, f"{name} must be an integer >= 1, got {v!r}")
+    """The plan's own switches (the ranges of the sizes are layout rules, checked by :func:`plan_layout`)."""
     _check(plan.ckpt in PRICED_CKPT, f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {plan.ckpt!r}")
     _check(plan.transformer_impl in TRANSFORMER_IMPLS,
            f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got {plan.transformer_impl!r}")
