@@ -39,7 +39,8 @@ def _refused(call, *args, **kw) -> LayoutError:
 def test_valid_layouts_derive_d_and_m(kw, t, c, p, v, d, m):
     lay = ParallelLayout.from_sizes(**kw)
     assert (lay.tensor_model_parallel_size, lay.context_parallel_size, lay.pipeline_model_parallel_size,
-            lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size, lay.num_microbatches) == (t, c, p, v, d, m)
+            lay.virtual_pipeline_model_parallel_size, lay.data_parallel_size, lay.num_microbatches) == \
+        (t, c, p, v, d, m)
     assert lay.world_size == kw["world_size"]
     assert lay.data_and_context_parallel_size == d * c
     assert lay.interleaved == (v > 1)
@@ -93,13 +94,15 @@ FROM_SIZES_CASES = [
           num_layers=8, num_layers_per_virtual_pipeline_stage=1), "num_layers_per_virtual_pipeline_stage",
      ["virtual pipeline size 2 differs from the 4 model chunks per rank", "valid: 4"]),
     (dict(world_size=0, global_batch_size=4), "range", ["world size 0 is outside [1, inf)", "valid: integers >= 1"]),
-    (dict(world_size=4, global_batch_size=4, micro_batch_size=0), "range", ["--micro-batch-size 0 is outside [1, inf)"]),
+    (dict(world_size=4, global_batch_size=4, micro_batch_size=0), "range",
+     ["--micro-batch-size 0 is outside [1, inf)"]),
     (dict(world_size=4, global_batch_size=4, context_parallel_size=True), "range",
      ["--context-parallel-size True is outside [1, inf)"]),
 ]
 
 
-@pytest.mark.parametrize("kw, rule, parts", FROM_SIZES_CASES, ids=[c[1] + str(i) for i, c in enumerate(FROM_SIZES_CASES)])
+@pytest.mark.parametrize("kw, rule, parts", FROM_SIZES_CASES,
+                         ids=[c[1] + str(i) for i, c in enumerate(FROM_SIZES_CASES)])
 def test_from_sizes_refuses_each_rule_in_one_line(kw, rule, parts):
     err = _refused(ParallelLayout.from_sizes, **kw)
     assert err.rule == rule, err
@@ -187,7 +190,8 @@ def test_cost_model_builder_and_runtime_refuse_with_the_same_reason(p, m, v):
     plan = Plan(num_gpus=2 * p, seq_length=64, global_batch_size=2 * m, micro_batch_size=1,
                 pipeline_model_parallel_size=p, num_layers_per_virtual_pipeline_stage=L // p // v)
     layout_err = _refused(ParallelLayout.from_sizes, world_size=2 * p, global_batch_size=2 * m,
-                          pipeline_model_parallel_size=p, num_layers=L, num_layers_per_virtual_pipeline_stage=L // p // v)
+                          pipeline_model_parallel_size=p, num_layers=L,
+                          num_layers_per_virtual_pipeline_stage=L // p // v)
     with pytest.raises(InvalidPlanError) as cost:
         validate_plan(model, plan, get_system("h800"))
     builder = _refused(build_schedule, p, m, v)

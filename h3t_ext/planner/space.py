@@ -189,7 +189,7 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                         rejected[reason] += 1
                         continue
                     mbs = []
-                    v = 1 if l is None else L // (p * l)
+                    v = virtual_pipeline_size(L, p, l)  # checked above
                     for mb in _pick(k.micro_batch_size, mb_options):
                         if reason := _validate_micro_batch(num_gpus, global_batch, t, c, p, v, mb):
                             rejected[reason] += 1

@@ -4,10 +4,11 @@
 and fails with one line (:class:`RuntimeConfigError`) on every rank alike, so no rank is left
 waiting on a peer that gave up; :func:`validate_parallel_layout` does so for every rank of a
 :class:`h3t_ext.layout.ParallelLayout` at once (the driver's check before any process group). The
-layout rules themselves (sizes, divisibility, interleaving) are :mod:`h3t_ext.layout`'s. :class:`ModelPreparer` checks once per model chunk that it was
-built for the chosen ``ckpt`` (ckpt=ours and the fused saves of ckpt=no come from the h3t layer
-spec the model was built with, :mod:`h3t_ext.runtime.layer_specs`; nothing is transformed), wraps
-the layers for ckpt=full (a run-time recompute), and owns the activation manager of this stage.
+layout rules themselves (sizes, divisibility, interleaving) are :mod:`h3t_ext.layout`'s.
+:class:`ModelPreparer` checks once per model chunk that it was built for the chosen ``ckpt``
+(ckpt=ours and the fused saves of ckpt=no come from the h3t layer spec the model was built with,
+:mod:`h3t_ext.runtime.layer_specs`; nothing is transformed), wraps the layers for ckpt=full (a
+run-time recompute), and owns the activation manager of this stage.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..layout import LayoutError, ParallelLayout
+from ..layout import ParallelLayout
 from ..schedule.builder import PipelineSchedule, build_schedule
 from .config import H3TConfig, RuntimeConfigError
 
@@ -66,7 +67,7 @@ def validate_layout(config: H3TConfig, schedule: PipelineSchedule, pipeline_rank
 def validate_parallel_layout(config: H3TConfig, layout: ParallelLayout) -> None:
     """The runtime's verdict on a whole job before any process starts: the schedule of ``layout`` (the one
     every pipeline rank will run) and ``config``'s offload on each of its ranks, as :func:`validate_layout`
-    checks them at the first call. ``layout`` was checked when it was built (:class:`LayoutError`); this
+    checks them at the first call. ``layout`` was checked when it was built (``LayoutError``); this
     raises :class:`RuntimeConfigError` (one line) for what the runtime adds."""
     schedule = build_schedule(layout.pipeline_model_parallel_size, layout.num_microbatches,
                               layout.virtual_pipeline_model_parallel_size,
@@ -152,4 +153,4 @@ class ModelPreparer:
             object.__setattr__(m, _PREPARED, (self.config.ckpt, id(self)))
 
 
-__all__ = ["LayoutError", "ModelPreparer", "validate_layout", "validate_parallel_layout"]
+__all__ = ["ModelPreparer", "validate_layout", "validate_parallel_layout"]
