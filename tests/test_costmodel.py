@@ -91,15 +91,16 @@ def test_plan_properties():
 
 
 @pytest.mark.parametrize("kw,needle", [
-    (dict(tensor_model_parallel_size=3, num_gpus=240), "num_attention_heads"),
+    (dict(tensor_model_parallel_size=3, num_gpus=240), "--num-attention-heads 64 is not a multiple of --tensor-model-parallel-size 3"),
     (dict(tensor_model_parallel_size=16, num_gpus=256, pipeline_model_parallel_size=1,
           num_layers_per_virtual_pipeline_stage=None), "gpus_per_node"),
-    (dict(pipeline_model_parallel_size=3, num_gpus=192, num_layers_per_virtual_pipeline_stage=None), "num_layers"),
-    (dict(num_layers_per_virtual_pipeline_stage=3), "num_layers_per_virtual_pipeline_stage"),
-    (dict(global_batch_size=100), "global_batch_size"),
-    (dict(num_gpus=250), "num_gpus"),
-    (dict(seq_length=4095), "seq_length"),
-    (dict(context_parallel_size=3), "context_parallel_size"),
+    (dict(pipeline_model_parallel_size=3, num_gpus=192, num_layers_per_virtual_pipeline_stage=None),
+     "--num-layers 80 is not a multiple of --pipeline-model-parallel-size 3; valid: multiples of 3"),
+    (dict(num_layers_per_virtual_pipeline_stage=3), "--num-layers-per-virtual-pipeline-stage 3 does not divide"),
+    (dict(global_batch_size=100), "--global-batch-size 100 is not a multiple of --micro-batch-size 1 x data-parallel"),
+    (dict(num_gpus=250), "world size 250 is not a multiple of"),
+    (dict(seq_length=4095), "--seq-length 4095 is not a multiple of"),
+    (dict(context_parallel_size=3), "2 x --context-parallel-size 3"),
     (dict(offload_alpha=1.5), "offload_alpha"),
     (dict(offload_alpha=(0.1, 0.2)), "offload_alpha"),
     (dict(ckpt="partial"), "ckpt"),

@@ -1,4 +1,4 @@
-"""The parallel plan (Megatron's flag names) and its structural validation."""
+"""The parallel plan (Megatron's flag names) and its structural validation (layout rules: h3t_ext.layout)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +6,7 @@ from typing import Optional, Union
 
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.layout import LayoutError, ParallelLayout
 
 CKPT_CHOICES = ("no", "full", "ours")
 """Checkpointing modes the runtime implements (and the planner searches)."""
@@ -82,7 +83,10 @@ class Plan:
 
     @property
     def data_parallel_size(self) -> int:
-        """d = num_gpus / (t * p); counts context-parallel ranks, as Megatron does."""
+        """d = num_gpus / (t * p): counts the context-parallel ranks (megatron-core's data-parallel group with
+        context parallelism, :attr:`h3t_ext.layout.ParallelLayout.data_and_context_parallel_size`; Megatron-LM's
+        ``--data-parallel-size`` is d / c, :attr:`data_parallel_sample_shards`). Valid once :func:`validate_plan`
+        passed."""
         return self.num_gpus // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
     @property
@@ -146,10 +150,7 @@ def _check(cond: bool, reason: str) -> None:
 
 
 def _validate_ranges(plan: Plan) -> None:
-    for name in ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
-                 "context_parallel_size", "pipeline_model_parallel_size"):
-        v = getattr(plan, name)
-        _check(isinstance(v, int) and v >= 1, f"{name} must be an integer >= 1, got {v!r}")
+    """The plan's own switches (the ranges of the sizes are layout rules, checked by :func:`plan_layout`)."""
     _check(plan.ckpt in PRICED_CKPT, f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {plan.ckpt!r}")
     _check(plan.transformer_impl in TRANSFORMER_IMPLS,
            f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got {plan.transformer_impl!r}")
@@ -160,6 +161,9 @@ def _validate_ranges(plan: Plan) -> None:
            "data_parallel_sharding_strategy shards the optimizer states too: it needs use_distributed_optimizer")
     _check(plan.attention_backend in ATTENTION_BACKENDS,
            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {plan.attention_backend!r}")
+
+
+def _validate_alphas(plan: Plan) -> None:
     a = plan.offload_alpha
     if not isinstance(a, (int, float)):
         _check(len(a) == plan.pipeline_model_parallel_size,
@@ -169,75 +173,42 @@ def _validate_ranges(plan: Plan) -> None:
         _check(0.0 <= x <= 1.0, f"offload_alpha must be in [0, 1], got {x}")
 
 
-def _validate_tensor(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
+def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = None) -> ParallelLayout:
+    """The plan's :class:`~h3t_ext.layout.ParallelLayout` with every layout rule checked (the model's heads,
+    query groups, MLP columns, sequence and layers against t, c, p, v; then world size, batch and
+    interleaving); raises InvalidPlanError with :class:`~h3t_ext.layout.LayoutError`'s one-line reason.
+    With ``system``, the cost model's own rule that t stays within a node is checked after the tensor split."""
+    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
+    try:
+        split = ParallelLayout(tensor_model_parallel_size=t, context_parallel_size=c)  # model-shape rules first
+        split.check_tensor_split(num_attention_heads=model.num_attention_heads,
+                                 num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size)
+        if system is not None:
+            _validate_node(plan, system)
+        split.check_seq_length(plan.seq_length, sequence_parallel=plan.sequence_parallel)
+        return ParallelLayout.from_sizes(
+            world_size=plan.num_gpus, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
+            tensor_model_parallel_size=t, context_parallel_size=c,
+            pipeline_model_parallel_size=plan.pipeline_model_parallel_size, num_layers=model.num_layers,
+            num_layers_per_virtual_pipeline_stage=plan.num_layers_per_virtual_pipeline_stage,
+            decoder_first_pipeline_num_layers=plan.decoder_first_pipeline_num_layers,
+            decoder_last_pipeline_num_layers=plan.decoder_last_pipeline_num_layers)
+    except LayoutError as e:
+        raise InvalidPlanError(e.reason) from None
+
+
+def _validate_node(plan: Plan, system: SystemSpec) -> None:
+    """The cost model's own assumption (not a Megatron rule): tensor parallelism stays within one node."""
     t = plan.tensor_model_parallel_size
-    _check(model.num_attention_heads % t == 0,
-           f"num_attention_heads ({model.num_attention_heads}) not divisible by tensor_model_parallel_size ({t})")
-    _check(model.num_query_groups % t == 0,
-           f"num_query_groups ({model.num_query_groups}) not divisible by tensor_model_parallel_size ({t})")
-    _check(model.ffn_hidden_size % t == 0,
-           f"ffn_hidden_size ({model.ffn_hidden_size}) not divisible by tensor_model_parallel_size ({t}); "
-           f"Megatron splits the MLP's columns evenly over the tensor-parallel ranks")
     _check(t <= system.gpus_per_node and system.gpus_per_node % t == 0,
            f"tensor_model_parallel_size ({t}) must divide gpus_per_node ({system.gpus_per_node}) of {system.name}")
-    c, seq = plan.context_parallel_size, plan.seq_length
-    if c > 1:
-        _check(seq % (2 * c) == 0,
-               f"seq_length ({seq}) not divisible by 2 * context_parallel_size ({2 * c})")
-    _check(seq % (c * t) == 0, f"seq_length ({seq}) not divisible by context_parallel_size * "
-                               f"tensor_model_parallel_size ({c * t}) (sequence parallel)")
-
-
-def _validate_pipeline(model: ModelSpec, plan: Plan) -> None:
-    p, L = plan.pipeline_model_parallel_size, model.num_layers
-    first, last = plan.decoder_first_pipeline_num_layers, plan.decoder_last_pipeline_num_layers
-    l = plan.num_layers_per_virtual_pipeline_stage
-    if first is not None or last is not None:
-        for flag, n in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
-            _check(n is None or (isinstance(n, int) and 1 <= n < L), f"{flag} must be in [1, {L - 1}], got {n!r}")
-        middle = p - (first is not None) - (last is not None)
-        rest = L - (first or 0) - (last or 0)
-        _check(p > 1 and middle >= 0 and (middle == 0 and rest == 0 or middle > 0 and rest > 0 and rest % middle == 0),
-               f"num_layers ({L}) minus the first/last stage layers ({first}, {last}) must split evenly over the "
-               f"other {max(middle, 0)} pipeline stages")
-        _check(l is None, "num_layers_per_virtual_pipeline_stage cannot be combined with uneven first/last stages "
-                          "in this cost model")
-        return
-    _check(L % p == 0, f"num_layers ({L}) not divisible by pipeline_model_parallel_size ({p}); "
-                       f"use decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers for uneven stages")
-    if l is None:
-        return
-    _check(isinstance(l, int) and l >= 1, f"num_layers_per_virtual_pipeline_stage must be >= 1, got {l!r}")
-    _check((L // p) % l == 0, f"layers per pipeline rank ({L // p}) not divisible by "
-                              f"num_layers_per_virtual_pipeline_stage ({l})")
-    if (L // p) // l > 1:
-        _check(p > 1, "num_layers_per_virtual_pipeline_stage needs pipeline_model_parallel_size > 1")
-
-
-def _validate_interleaving(model: ModelSpec, plan: Plan) -> None:
-    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
-    if plan.virtual_size(model.num_layers) > 1:
-        _check(m >= p and m % p == 0,
-               f"interleaved 1F1B needs num_microbatches ({m}) to be a multiple of "
-               f"pipeline_model_parallel_size ({p})")
-
-
-def _validate_data(plan: Plan) -> None:
-    t, c, p = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.pipeline_model_parallel_size
-    _check(plan.num_gpus % (t * p) == 0,
-           f"num_gpus ({plan.num_gpus}) not divisible by tensor * pipeline parallel size ({t * p})")
-    d = plan.data_parallel_size
-    _check(d % c == 0, f"data parallel size ({d}) not divisible by context_parallel_size ({c})")
-    shard = plan.micro_batch_size * (d // c)
-    _check(plan.global_batch_size % shard == 0,
-           f"global_batch_size ({plan.global_batch_size}) not divisible by micro_batch_size * data parallel "
-           f"size / context_parallel_size ({shard})")
 
 
 def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
-    """Raise InvalidPlanError (one-line reason) when the plan cannot be built."""
+    """Raise InvalidPlanError (one-line reason) when the plan cannot be built.
+
+    The parallel layout rules are :mod:`h3t_ext.layout`'s (:func:`plan_layout`), so the cost model, the
+    schedule builder, the runtime and the driver refuse a layout with the same reason."""
     _validate_ranges(plan)
-    _validate_tensor(model, plan, system)
-    _validate_pipeline(model, plan)
-    _validate_data(plan)
-    _validate_interleaving(model, plan)
+    _validate_alphas(plan)
+    plan_layout(model, plan, system)

@@ -3,11 +3,12 @@
 A layout is (t, c, p, l, micro batch). The enumeration walks t, then c, then p, then l, then the
 micro batch, and rejects a partial layout at the first level where a divisibility rule fails, so
 one rejection stands for the whole subtree under it (the counts are of partial layouts). The
-rules are Megatron's:
+rules are Megatron's, checked by :mod:`h3t_ext.layout` (this module maps each to a counted reason),
+plus the cost model's "t stays within one node":
 
-* t divides the attention heads and the query groups and stays within one node;
+* t divides the attention heads, the query groups and the MLP columns;
 * with context parallelism the sequence splits into 2c chunks (s divisible by 2c), and with
-  sequence parallelism each context shard splits over t (s/c divisible by t);
+  sequence parallelism each context shard splits over t (s/c divisible by t, with --sequence-parallel);
 * p divides the layers, and p*l divides them under interleaving (which needs p > 1);
 * the global batch is a whole number of micro batches per data-parallel replica
   (B divisible by micro_batch * d / c), and interleaved 1F1B needs the number of microbatches
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from h3t_ext.costmodel import CKPT_CHOICES, ModelSpec
+from h3t_ext.layout import LayoutError, ParallelLayout, virtual_pipeline_size
 
 CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
 """Checkpointing modes from least to most saved activation memory (the search's pruning order)."""
@@ -96,47 +98,52 @@ def _pick(fixed: Optional[int], options: list[int]) -> list[int]:
     return options if fixed is None else [fixed]
 
 
-def _validate_tensor(model: ModelSpec, seq_length: int, t: int, gpus_per_node: int) -> Optional[str]:
-    if t > gpus_per_node or gpus_per_node % t:
+_BY_RULE = {"num_attention_heads": R_T_HEADS, "num_query_groups": R_T_GROUPS, "ffn_hidden_size": R_T_FFN,
+            "seq_length_context_parallel": R_C_SEQ, "seq_length_sequence_parallel": R_T_SEQ, "num_layers": R_P_LAYERS,
+            "num_layers_per_virtual_pipeline_stage": R_L_LAYERS, "virtual_needs_pipeline": R_L_P1,
+            "global_batch_size": R_MB_BATCH, "interleaving": R_MB_INTERLEAVE}
+"""The search's counted reason for each rule of h3t_ext.layout (the rules themselves live there)."""
+
+
+def _refusal(check) -> Optional[str]:
+    """None when ``check()`` passes, else the counted reason of the layout rule it broke."""
+    try:
+        check()
+    except LayoutError as e:
+        return _BY_RULE.get(e.rule, e.rule)
+    return None
+
+
+def _validate_tensor(model: ModelSpec, seq_length: int, t: int, gpus_per_node: int,
+                     sequence_parallel: bool) -> Optional[str]:
+    if t > gpus_per_node or gpus_per_node % t:  # the cost model's own rule: t within a node
         return R_T_NODE
-    if model.num_attention_heads % t:
-        return R_T_HEADS
-    if model.num_query_groups % t:
-        return R_T_GROUPS
-    if model.ffn_hidden_size % t:
-        return R_T_FFN
-    if seq_length % t:
-        return R_T_SEQ
-    return None
+    split = ParallelLayout(tensor_model_parallel_size=t)
+    return _refusal(lambda: (split.check_tensor_split(num_attention_heads=model.num_attention_heads,
+                                                      num_query_groups=model.num_query_groups,
+                                                      ffn_hidden_size=model.ffn_hidden_size),
+                             split.check_seq_length(seq_length, sequence_parallel=sequence_parallel)))
 
 
-def _validate_context(seq_length: int, t: int, c: int) -> Optional[str]:
-    if c > 1 and seq_length % (2 * c):
-        return R_C_SEQ
-    if (seq_length // c) % t or seq_length % c:
-        return R_T_SEQ
-    return None
+def _validate_context(seq_length: int, t: int, c: int, sequence_parallel: bool) -> Optional[str]:
+    split = ParallelLayout(tensor_model_parallel_size=t, context_parallel_size=c)
+    return _refusal(lambda: split.check_seq_length(seq_length, sequence_parallel=sequence_parallel))
 
 
 def _validate_virtual(num_layers: int, p: int, l: Optional[int]) -> Optional[str]:
     if l is None:
         return None
-    if num_layers % (p * l):
-        return R_L_LAYERS
-    if p == 1:
-        return R_L_P1
-    if l * p == num_layers:
+    if reason := _refusal(lambda: virtual_pipeline_size(num_layers, p, l)):
+        return reason
+    if l * p == num_layers:  # the search's own: the same plan as l = None
         return R_L_SAME
     return None
 
 
-def _validate_micro_batch(global_batch: int, replicas: int, p: int, l: Optional[int], mb: int) -> Optional[str]:
-    if global_batch % (mb * replicas):
-        return R_MB_BATCH
-    m = global_batch // (mb * replicas)
-    if l is not None and m % p:
-        return R_MB_INTERLEAVE
-    return None
+def _validate_micro_batch(num_gpus: int, global_batch: int, t: int, c: int, p: int, v: int, mb: int) -> Optional[str]:
+    return _refusal(lambda: ParallelLayout.from_sizes(
+        world_size=num_gpus, global_batch_size=global_batch, micro_batch_size=mb, tensor_model_parallel_size=t,
+        context_parallel_size=c, pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v))
 
 
 def enumerate_layouts(
@@ -163,28 +170,28 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
     if k.num_layers_per_virtual_pipeline_stage is not None:
         l_options = [k.num_layers_per_virtual_pipeline_stage]
     for t in _pick(k.tensor_model_parallel_size, divisors(num_gpus)):
-        if num_gpus % t or (reason := _validate_tensor(model, seq_length, t, gpus_per_node)):
+        if num_gpus % t or (reason := _validate_tensor(model, seq_length, t, gpus_per_node, k.sequence_parallel)):
             rejected[reason or "num_gpus not divisible by the parallel sizes"] += 1
             continue
         for c in _pick(k.context_parallel_size, divisors(num_gpus // t)):
-            if (num_gpus // t) % c or (reason := _validate_context(seq_length, t, c)):
+            if (num_gpus // t) % c or (reason := _validate_context(seq_length, t, c, k.sequence_parallel)):
                 rejected[reason or "num_gpus not divisible by the parallel sizes"] += 1
                 continue
             for p in _pick(k.pipeline_model_parallel_size, divisors(num_gpus // (t * c))):
                 if (num_gpus // (t * c)) % p:
                     rejected["num_gpus not divisible by the parallel sizes"] += 1
                     continue
-                if L % p:
-                    rejected[R_P_LAYERS] += 1
+                if reason := _refusal(lambda: virtual_pipeline_size(L, p)):
+                    rejected[reason] += 1
                     continue
-                replicas = num_gpus // (t * c * p)
                 for l in l_options:
                     if reason := _validate_virtual(L, p, l):
                         rejected[reason] += 1
                         continue
                     mbs = []
+                    v = virtual_pipeline_size(L, p, l)  # checked above
                     for mb in _pick(k.micro_batch_size, mb_options):
-                        if reason := _validate_micro_batch(global_batch, replicas, p, l, mb):
+                        if reason := _validate_micro_batch(num_gpus, global_batch, t, c, p, v, mb):
                             rejected[reason] += 1
                         else:
                             mbs.append(mb)

@@ -2,10 +2,13 @@
 
 :func:`validate_layout` checks an :class:`H3TConfig` against the pipeline schedule it will run
 and fails with one line (:class:`RuntimeConfigError`) on every rank alike, so no rank is left
-waiting on a peer that gave up. :class:`ModelPreparer` checks once per model chunk that it was
-built for the chosen ``ckpt`` (ckpt=ours and the fused saves of ckpt=no come from the h3t layer
-spec the model was built with, :mod:`h3t_ext.runtime.layer_specs`; nothing is transformed), wraps
-the layers for ckpt=full (a run-time recompute), and owns the activation manager of this stage.
+waiting on a peer that gave up; :func:`validate_parallel_layout` does so for every rank of a
+:class:`h3t_ext.layout.ParallelLayout` at once (the driver's check before any process group). The
+layout rules themselves (sizes, divisibility, interleaving) are :mod:`h3t_ext.layout`'s.
+:class:`ModelPreparer` checks once per model chunk that it was built for the chosen ``ckpt``
+(ckpt=ours and the fused saves of ckpt=no come from the h3t layer spec the model was built with,
+:mod:`h3t_ext.runtime.layer_specs`; nothing is transformed), wraps the layers for ckpt=full (a
+run-time recompute), and owns the activation manager of this stage.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..schedule.builder import PipelineSchedule
+from ..layout import ParallelLayout
+from ..schedule.builder import PipelineSchedule, build_schedule
 from .config import H3TConfig, RuntimeConfigError
 
 _PREPARED = "_h3t_prepared_ckpt"
@@ -58,6 +62,18 @@ def validate_layout(config: H3TConfig, schedule: PipelineSchedule, pipeline_rank
     if cfg.forward_only or not config.offloads:
         return
     _validate_overlap(config, schedule, alphas)
+
+
+def validate_parallel_layout(config: H3TConfig, layout: ParallelLayout) -> None:
+    """The runtime's verdict on a whole job before any process starts: the schedule of ``layout`` (the one
+    every pipeline rank will run) and ``config``'s offload on each of its ranks, as :func:`validate_layout`
+    checks them at the first call. ``layout`` was checked when it was built (``LayoutError``); this
+    raises :class:`RuntimeConfigError` (one line) for what the runtime adds."""
+    schedule = build_schedule(layout.pipeline_model_parallel_size, layout.num_microbatches,
+                              layout.virtual_pipeline_model_parallel_size,
+                              microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage)
+    for rank in range(layout.pipeline_model_parallel_size):
+        validate_layout(config, schedule, rank)
 
 
 def _default_manager_factory(config: H3TConfig, pipeline_rank: int, pipeline_size: int, device: torch.device):
@@ -137,4 +153,4 @@ class ModelPreparer:
             object.__setattr__(m, _PREPARED, (self.config.ckpt, id(self)))
 
 
-__all__ = ["ModelPreparer", "validate_layout"]
+__all__ = ["ModelPreparer", "validate_layout", "validate_parallel_layout"]

@@ -260,19 +260,30 @@ class H3TSchedules:
             interleaved=mode == "interleaved", force_all_reduce=bool(kw["force_all_reduce"]),
         )
 
+    def schedule(self, pp_rank: int, pp_size: int, num_microbatches: int, num_model_chunks: int, *,
+                 microbatch_group_size_per_vp_stage: Optional[int] = None, forward_only: bool = False):
+        """The builder's schedule of one call's shape, checked for this rank (cached per shape).
+
+        A shape the parallel layout rules refuse raises :class:`h3t_ext.layout.LayoutError` (the builder's,
+        the cost model's and the driver's reason); an offload it cannot overlap raises RuntimeConfigError."""
+        shape = (pp_size, num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage, forward_only)
+        schedule = self._schedules.get(shape)
+        if schedule is None:  # pure and the same every iteration: build and validate once per shape
+            schedule = build_schedule(pp_size, num_microbatches, num_model_chunks,
+                                      microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                                      forward_only=forward_only, offload=True)
+            validate_layout(self.config, schedule, pp_rank)
+            self._schedules[shape] = schedule
+        return schedule
+
     def _run(self, mode: str, kw: dict) -> list:
         call = self._resolve(mode, kw)
         config = get_model_config(call.model[0])
         v = len(call.model)
         _validate_megatron_config(config)
         group = getattr(config, "microbatch_group_size_per_vp_stage", None) if v > 1 else None
-        shape = (call.pp_size, call.num_microbatches, v, group, call.forward_only)
-        schedule = self._schedules.get(shape)
-        if schedule is None:  # pure and the same every iteration: build and validate once per shape
-            schedule = build_schedule(*shape[:3], microbatch_group_size_per_vp_stage=group,
-                                      forward_only=call.forward_only, offload=True)
-            validate_layout(self.config, schedule, call.pp_rank)
-            self._schedules[shape] = schedule
+        schedule = self.schedule(call.pp_rank, call.pp_size, call.num_microbatches, v,
+                                 microbatch_group_size_per_vp_stage=group, forward_only=call.forward_only)
         manager = self.preparer.prepare(call.model, call.pp_rank, call.pp_size)
         if manager is None or self.config.stage_alpha(call.pp_rank, call.pp_size) <= 0:
             actions = [a for a in schedule.ranks[call.pp_rank] if a.kind not in (ActionKind.OFFLOAD, ActionKind.RELOAD)]

@@ -7,7 +7,8 @@ memory predictions and runtime behaviour cannot drift apart.
 
 Ordering follows Megatron-core 0.16's ``forward_backward_pipelining_without_interleaving`` and
 ``forward_backward_pipelining_with_interleaving`` (warm-up, 1F1B steady state, cool-down, and the
-microbatch grouping of ``microbatch_group_size_per_vp_stage``).
+microbatch grouping of ``microbatch_group_size_per_vp_stage``). The shapes it accepts are those of
+:class:`h3t_ext.layout.ParallelLayout` (a bad one raises its :class:`~h3t_ext.layout.LayoutError`).
 
 Sends and receives are placed by :mod:`h3t_ext.schedule.posting`: every run of them between
 two compute actions is one posted batch, in an order that cannot deadlock under NCCL's
@@ -34,6 +35,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
+from h3t_ext.layout import ParallelLayout
 from h3t_ext.schedule.posting import place_comms
 
 
@@ -94,8 +96,15 @@ class ScheduleConfig:
     """Emit OFFLOAD/RELOAD actions for the microbatch-chunks that can hide them."""
 
     def __post_init__(self) -> None:
-        _validate_sizes(self)
-        _validate_grouping(self)
+        _ = self.layout  # the sizes and megatron-core's interleaving rules: h3t_ext.layout raises LayoutError
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The pipeline part of the parallel layout (t = c = d = 1); constructing it checks the rules."""
+        return ParallelLayout(pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+                              virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+                              num_microbatches=self.num_microbatches,
+                              microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage)
 
     @property
     def interleaved(self) -> bool:
@@ -105,34 +114,6 @@ class ScheduleConfig:
     def group_size(self) -> int:
         g = self.microbatch_group_size_per_vp_stage
         return self.pipeline_model_parallel_size if g is None else g
-
-
-def _validate_sizes(cfg: ScheduleConfig) -> None:
-    if cfg.pipeline_model_parallel_size < 1:
-        raise ValueError(f"pipeline_model_parallel_size must be >= 1, got {cfg.pipeline_model_parallel_size}")
-    if cfg.num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {cfg.num_microbatches}")
-    if cfg.virtual_pipeline_model_parallel_size < 1:
-        raise ValueError(
-            f"virtual_pipeline_model_parallel_size must be >= 1, got {cfg.virtual_pipeline_model_parallel_size}"
-        )
-
-
-def _validate_grouping(cfg: ScheduleConfig) -> None:
-    if not cfg.interleaved:
-        return
-    p, m, g = cfg.pipeline_model_parallel_size, cfg.num_microbatches, cfg.group_size
-    if not p <= g <= m:
-        raise ValueError(
-            f"interleaved 1F1B needs pipeline_model_parallel_size ({p}) <= microbatch group size ({g}) "
-            f"<= num_microbatches ({m})"
-        )
-    rest = m % g
-    if 0 < rest < p:
-        raise ValueError(
-            f"interleaved 1F1B: num_microbatches ({m}) mod microbatch group size ({g}) = {rest} must be 0 "
-            f"or >= pipeline_model_parallel_size ({p})"
-        )
 
 
 @dataclass(frozen=True)

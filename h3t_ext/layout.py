@@ -1,0 +1,301 @@
+"""The parallel layout of a Megatron job and every rule on it, in one place.
+
+A :class:`ParallelLayout` is the tensor, context, pipeline, virtual-pipeline and data-parallel
+sizes plus the microbatches per iteration, under Megatron's names. Its rules are those Megatron-LM
+and megatron-core 0.16.1 enforce:
+
+* the world size is t x c x p x d (``args.data_parallel_size = world_size // (t p c)``);
+* the global batch is a whole number of micro batches per data-parallel rank
+  (``num_microbatches = global_batch_size // (micro_batch_size x d)``);
+* the layers split evenly over the p pipeline ranks (or, with uneven first/last stages, the rest
+  splits evenly over the middle ranks), and over the v model chunks of each rank;
+* interleaving (v > 1) needs p > 1 and megatron-core's microbatch grouping of
+  ``forward_backward_pipelining_with_interleaving``: with ``microbatch_group_size_per_vp_stage`` g
+  (default p), p <= g <= m and m mod g is 0 or >= p (so with the default, m a multiple of p);
+* the tensor-parallel split: t divides the attention heads, the query groups and the MLP columns;
+* the sequence split: with c > 1 the sequence is 2c equal chunks, and with sequence parallelism each
+  context shard splits over t (s a multiple of c x t).
+
+Every broken rule raises :class:`LayoutError` with one line naming the Megatron flag(s) and the
+valid values. The cost model (``h3t_ext.costmodel.plan``), the schedule builder
+(``h3t_ext.schedule.builder``), the runtime (``h3t_ext.runtime.schedules``) and the driver take their
+verdicts from here, so a layout one of them refuses is refused by all with the same reason.
+
+This module imports nothing from the rest of h3t_ext (no cycles; pure arithmetic).
+In formulas t, c, p, v, d, m are the six sizes; public names are Megatron's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+RULES = ("range", "world_size", "global_batch_size", "num_layers", "uneven_stages",
+         "num_layers_per_virtual_pipeline_stage", "virtual_needs_pipeline", "interleaving", "num_attention_heads",
+         "num_query_groups", "ffn_hidden_size", "seq_length_context_parallel", "seq_length_sequence_parallel")
+"""Names of the rules (``LayoutError.rule``), for callers that count refusals by kind (the planner)."""
+
+
+class LayoutError(ValueError):
+    """A parallel layout Megatron cannot run; ``reason`` is one line naming the flag(s) and valid values,
+    ``rule`` which of :data:`RULES` it broke."""
+
+    def __init__(self, reason: str, rule: str = "range") -> None:
+        self.reason = reason
+        self.rule = rule
+        super().__init__(reason)
+
+
+def _positive(name: str, value) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        raise LayoutError(f"{name} {value!r} is outside [1, inf); valid: integers >= 1", "range")
+
+
+def _divisors(n: int) -> str:
+    """``n``'s divisors as a short list for a message (only built when a rule is broken)."""
+    small = [k for k in range(1, int(n**0.5) + 1) if n % k == 0]
+    ds = sorted(set(small + [n // k for k in small]))
+    return ", ".join(map(str, ds)) if len(ds) <= 12 else f"divisors of {n}"
+
+
+_NUM_MB = "number of microbatches (--global-batch-size / (--micro-batch-size x data-parallel size))"
+_UNEVEN = "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers"
+
+
+def _check_chunks(p: int, v: int) -> None:
+    """Model chunks (v > 1) need a pipeline: megatron-core runs no interleaving without one."""
+    if v > 1 and p == 1:
+        raise LayoutError(f"{v} model chunks per pipeline rank (--num-layers-per-virtual-pipeline-stage) need "
+                          f"--pipeline-model-parallel-size > 1, it is {p}; valid: --pipeline-model-parallel-size "
+                          f">= 2, or one model chunk per rank", "virtual_needs_pipeline")
+
+
+def _check_interleaving(p: int, v: int, m: int, group: Optional[int]) -> None:
+    """megatron-core 0.16.1's rules of ``forward_backward_pipelining_with_interleaving``: with the group size g,
+    p <= g <= m and m mod g is 0 or >= p."""
+    if v == 1:
+        return
+    _check_chunks(p, v)
+    if group is None:  # the default g = p: m >= p and m mod p = 0 (a remainder >= p cannot be)
+        if m % p:
+            raise LayoutError(f"interleaved 1F1B needs the {_NUM_MB} = {m} to be a multiple of "
+                              f"--pipeline-model-parallel-size {p}; valid: multiples of {p}", "interleaving")
+        return
+    g = group
+    if not p <= g <= m:
+        raise LayoutError(f"--microbatch-group-size-per-virtual-pipeline-stage {g} is outside "
+                          f"[--pipeline-model-parallel-size {p}, {_NUM_MB} {m}]; valid: {p} to {m}", "interleaving")
+    rest = m % g
+    if 0 < rest < p:
+        valid = "0" if g == p else f"0 or {p} to {g - 1}"
+        raise LayoutError(f"interleaved 1F1B: the {_NUM_MB} = {m} mod "
+                          f"--microbatch-group-size-per-virtual-pipeline-stage {g} = {rest} must be 0 or >= "
+                          f"--pipeline-model-parallel-size {p}; valid remainders: {valid}", "interleaving")
+
+
+def _check_uneven(num_layers: int, p: int, first: Optional[int], last: Optional[int]) -> None:
+    """Megatron's uneven stages: the first/last stage layers as given, the rest split evenly over the others."""
+    L = num_layers
+    for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if not (n is None or (isinstance(n, int) and 1 <= n < L)):
+            raise LayoutError(f"{flag} {n!r} is outside [1, {L - 1}] (--num-layers {L}); valid: 1 to {L - 1}",
+                              "uneven_stages")
+    if p == 1:
+        raise LayoutError(f"{_UNEVEN} need --pipeline-model-parallel-size > 1, it is {p}; valid: >= 2",
+                          "uneven_stages")
+    middle = p - (first is not None) - (last is not None)
+    rest = L - (first or 0) - (last or 0)
+    if not ((middle == 0 and rest == 0) or (middle > 0 and rest > 0 and rest % middle == 0)):
+        given = " and ".join(f"{flag} {n}" for flag, n in (("--decoder-first-pipeline-num-layers", first),
+                                                          ("--decoder-last-pipeline-num-layers", last))
+                             if n is not None)
+        valid = (f"first/last stage layers that leave a positive multiple of {middle} layers" if middle > 0
+                 else f"first + last stage layers = {L}")
+        raise LayoutError(f"--num-layers {L} minus {given} leaves {rest} layer(s), which do not split evenly over "
+                          f"the other {middle} pipeline stage(s) (--pipeline-model-parallel-size {p}); valid: {valid}",
+                          "uneven_stages")
+
+
+def virtual_pipeline_size(num_layers: int, pipeline_model_parallel_size: int,
+                          num_layers_per_virtual_pipeline_stage: Optional[int] = None, *,
+                          decoder_first_pipeline_num_layers: Optional[int] = None,
+                          decoder_last_pipeline_num_layers: Optional[int] = None) -> int:
+    """v = (L/p) / l model chunks per pipeline rank (1 when ``l`` is None), after checking that the layers
+    split over the pipeline ranks (evenly, or with the uneven first/last stages) and over the chunks."""
+    L, p, l = num_layers, pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage
+    _positive("--num-layers", L)
+    _positive("--pipeline-model-parallel-size", p)
+    first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
+    if first is not None or last is not None:
+        if l is not None:
+            raise LayoutError(f"--num-layers-per-virtual-pipeline-stage cannot be combined with {_UNEVEN}; "
+                              f"valid: one of them", "uneven_stages")
+        _check_uneven(L, p, first, last)
+        return 1
+    if L % p:
+        raise LayoutError(f"--num-layers {L} is not a multiple of --pipeline-model-parallel-size {p}; valid: "
+                          f"multiples of {p}, or uneven stages with {_UNEVEN}", "num_layers")
+    if l is None:
+        return 1
+    _positive("--num-layers-per-virtual-pipeline-stage", l)
+    per_rank = L // p
+    if per_rank % l:
+        raise LayoutError(f"--num-layers-per-virtual-pipeline-stage {l} does not divide the {per_rank} layers per "
+                          f"pipeline rank (--num-layers {L} / --pipeline-model-parallel-size {p}); "
+                          f"valid: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage")
+    v = per_rank // l
+    _check_chunks(p, v)
+    return v
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How a Megatron job splits over its ranks (Megatron's names; checked on construction).
+
+    Build one from the command-line sizes with :meth:`from_sizes` (derives d and m); constructing one
+    directly checks the sizes and the interleaving rule on them.
+    """
+
+    tensor_model_parallel_size: int = 1
+    """t: ranks that split each layer's weights."""
+    context_parallel_size: int = 1
+    """c: ranks that split the sequence (2c chunks)."""
+    pipeline_model_parallel_size: int = 1
+    """p: pipeline stages."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """v: model chunks per pipeline rank (interleaved 1F1B); 1 when not interleaved (Megatron's None)."""
+    data_parallel_size: int = 1
+    """d = world_size / (t c p): Megatron-LM's ``args.data_parallel_size``, the groups that see different
+    samples (context-parallel ranks are not counted; see :attr:`data_and_context_parallel_size`)."""
+    num_microbatches: int = 1
+    """m = global_batch_size / (micro_batch_size x d): microbatches per iteration on each rank."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """megatron-core's grouping of microbatches per virtual stage (interleaving only); None means p."""
+
+    def __post_init__(self) -> None:
+        _positive("--tensor-model-parallel-size", self.tensor_model_parallel_size)
+        _positive("--context-parallel-size", self.context_parallel_size)
+        _positive("--pipeline-model-parallel-size", self.pipeline_model_parallel_size)
+        _positive("virtual pipeline size (model chunks per rank)", self.virtual_pipeline_model_parallel_size)
+        _positive("data-parallel size", self.data_parallel_size)
+        _positive(_NUM_MB, self.num_microbatches)
+        if self.microbatch_group_size_per_vp_stage is not None:
+            _positive("--microbatch-group-size-per-virtual-pipeline-stage", self.microbatch_group_size_per_vp_stage)
+        _check_interleaving(self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size,
+                            self.num_microbatches, self.microbatch_group_size_per_vp_stage)
+
+    @classmethod
+    def from_sizes(cls, *, world_size: int, global_batch_size: int, micro_batch_size: int = 1,
+                   tensor_model_parallel_size: int = 1, context_parallel_size: int = 1,
+                   pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
+                   microbatch_group_size_per_vp_stage: Optional[int] = None, num_layers: Optional[int] = None,
+                   num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+                   decoder_first_pipeline_num_layers: Optional[int] = None,
+                   decoder_last_pipeline_num_layers: Optional[int] = None) -> "ParallelLayout":
+        """The layout of a job of ``world_size`` ranks, with d and m derived and every rule checked.
+
+        v comes from ``virtual_pipeline_model_parallel_size`` (None or 1: not interleaved) or, given
+        ``num_layers``, from ``num_layers_per_virtual_pipeline_stage`` as Megatron-LM derives it; with
+        ``num_layers`` the layer split over the stages is checked too (:func:`virtual_pipeline_size`).
+        Checks run in the order world size, layers, batch, interleaving; the first broken rule raises.
+        """
+        t, c, p = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
+        for flag, n in (("world size", world_size), ("--tensor-model-parallel-size", t),
+                        ("--context-parallel-size", c), ("--pipeline-model-parallel-size", p),
+                        ("--global-batch-size", global_batch_size), ("--micro-batch-size", micro_batch_size)):
+            _positive(flag, n)
+        if world_size % (t * c * p):
+            raise LayoutError(f"world size {world_size} is not a multiple of --tensor-model-parallel-size {t} x "
+                              f"--context-parallel-size {c} x --pipeline-model-parallel-size {p} = {t * c * p}; "
+                              f"valid: world sizes that are multiples of {t * c * p}", "world_size")
+        d = world_size // (t * c * p)
+        v = virtual_pipeline_model_parallel_size or 1
+        if num_layers is not None:
+            derived = virtual_pipeline_size(num_layers, p, num_layers_per_virtual_pipeline_stage,
+                                            decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
+                                            decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers)
+            if virtual_pipeline_model_parallel_size not in (None, derived):
+                raise LayoutError(f"virtual pipeline size {virtual_pipeline_model_parallel_size} differs from the "
+                                  f"{derived} model chunks per rank of --num-layers-per-virtual-pipeline-stage "
+                                  f"{num_layers_per_virtual_pipeline_stage}; valid: {derived}",
+                                  "num_layers_per_virtual_pipeline_stage")
+            v = derived
+        shard = micro_batch_size * d
+        if global_batch_size % shard:
+            raise LayoutError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
+                              f"{micro_batch_size} x data-parallel size {d} = {shard}; valid: multiples of {shard}",
+                              "global_batch_size")
+        return cls(tensor_model_parallel_size=t, context_parallel_size=c, pipeline_model_parallel_size=p,
+                   virtual_pipeline_model_parallel_size=v, data_parallel_size=d,
+                   num_microbatches=global_batch_size // shard,
+                   microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+
+    # -- derived sizes -------------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        """t x c x p x d ranks."""
+        return (self.tensor_model_parallel_size * self.context_parallel_size * self.pipeline_model_parallel_size
+                * self.data_parallel_size)
+
+    @property
+    def data_and_context_parallel_size(self) -> int:
+        """d x c: megatron-core's data-parallel group with context parallelism (gradients are reduced and the
+        distributed optimizer is sharded over it; the cost model's ``Plan.data_parallel_size``)."""
+        return self.data_parallel_size * self.context_parallel_size
+
+    @property
+    def interleaved(self) -> bool:
+        """True for interleaved 1F1B (v > 1)."""
+        return self.virtual_pipeline_model_parallel_size > 1
+
+    @property
+    def microbatch_group_size(self) -> int:
+        """The interleaving group size in effect (megatron-core's default p)."""
+        g = self.microbatch_group_size_per_vp_stage
+        return self.pipeline_model_parallel_size if g is None else g
+
+    # -- rules that involve the model's shape ----------------------------------------------------------
+    def check_num_layers(self, num_layers: int, *, decoder_first_pipeline_num_layers: Optional[int] = None,
+                         decoder_last_pipeline_num_layers: Optional[int] = None) -> None:
+        """The layers split over the p stages (evenly or with uneven first/last stages) and the v chunks."""
+        p, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        uneven = decoder_first_pipeline_num_layers is not None or decoder_last_pipeline_num_layers is not None
+        if v > 1 and uneven:
+            raise LayoutError(f"--num-layers-per-virtual-pipeline-stage cannot be combined with {_UNEVEN}; "
+                              f"valid: one of them", "uneven_stages")
+        virtual_pipeline_size(num_layers, p, decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
+                              decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers)
+        per_rank = num_layers // p
+        if per_rank % v:
+            raise LayoutError(f"the {per_rank} layers per pipeline rank (--num-layers {num_layers} / "
+                              f"--pipeline-model-parallel-size {p}) do not split into {v} model chunks; "
+                              f"valid chunk counts: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage")
+
+    def check_tensor_split(self, *, num_attention_heads: int, num_query_groups: Optional[int] = None,
+                           ffn_hidden_size: Optional[int] = None) -> None:
+        """t divides the attention heads, the query groups (GQA) and the MLP's columns (Megatron splits each
+        evenly over the tensor-parallel ranks)."""
+        t = self.tensor_model_parallel_size
+        for flag, n in (("--num-attention-heads", num_attention_heads), ("--num-query-groups", num_query_groups),
+                        ("--ffn-hidden-size", ffn_hidden_size)):
+            if n is not None and n % t:
+                raise LayoutError(f"{flag} {n} is not a multiple of --tensor-model-parallel-size {t}; "
+                                  f"valid --tensor-model-parallel-size: {_divisors(n)}", flag[2:].replace("-", "_"))
+
+    def check_seq_length(self, seq_length: int, *, sequence_parallel: bool = True) -> None:
+        """With c > 1 the sequence is 2c equal chunks; with sequence parallelism (t > 1) each rank's context
+        shard s/c splits over t."""
+        t, c, s = self.tensor_model_parallel_size, self.context_parallel_size, seq_length
+        _positive("--seq-length", s)
+        if c > 1 and s % (2 * c):
+            raise LayoutError(f"--seq-length {s} is not a multiple of 2 x --context-parallel-size {c} = {2 * c} "
+                              f"(each rank holds 2 of 2c equal chunks); valid: multiples of {2 * c}",
+                              "seq_length_context_parallel")
+        if sequence_parallel and t > 1 and s % (c * t):
+            raise LayoutError(f"--seq-length {s} is not a multiple of --context-parallel-size {c} x "
+                              f"--tensor-model-parallel-size {t} = {c * t} (--sequence-parallel splits each context "
+                              f"shard over the tensor-parallel ranks); valid: multiples of {c * t}",
+                              "seq_length_sequence_parallel")
+
+
+__all__ = ["RULES", "LayoutError", "ParallelLayout", "virtual_pipeline_size"]
