@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 
+from h3t_ext.layout import LayoutError, ParallelLayout
+from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
+from h3t_ext.runtime.prepare import validate_parallel_layout
 from h3t_training.auto_plan import resolve_alpha
 from h3t_training.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
@@ -20,7 +23,7 @@ from h3t_training.tokenizer import TokenizerError, tokenizer_from_args
 
 def validate_args(config):
     """Validate and derive; the order matters (later checks use derived sizes)."""
-    for step in (_validate_heads, _validate_layout, _validate_pipeline, _validate_batch, _validate_sequence_parallel,
+    for step in (_validate_heads, _validate_layout, _validate_sequence_parallel,
                  _validate_overlap, _validate_precision, _validate_context_parallel, _validate_alpha,
                  _validate_offload_overlap, _validate_data, _validate_io, _validate_eval_and_logging):
         config = step(config)
@@ -41,60 +44,55 @@ def _validate_heads(args):
 
 
 def _validate_layout(args):
-    t, p, c, w = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size, args.world_size)
-    if w % (t * p * c):
-        raise ArgumentError(f"--tensor-model-parallel-size {t} x --pipeline-model-parallel-size {p} x "
-                            f"--context-parallel-size {c} = {t * p * c} does not divide the world size {w}")
-    args = args.replace(data_parallel_size=w // (t * p * c))
-    for flag, n in (("--num-attention-heads", args.num_attention_heads), ("--num-query-groups", args.num_query_groups)):
-        if n % t:
-            raise ArgumentError(f"--tensor-model-parallel-size {t} does not divide {flag} {n}")
-    return args
-
-
-def _validate_pipeline(args):
-    L, p, l = args.num_layers, args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
-    if L % p:
-        raise ArgumentError(f"--pipeline-model-parallel-size {p} does not divide --num-layers {L}")
-    per_rank = L // p
-    if l is None:
-        return args.replace(virtual_pipeline_model_parallel_size=None)
-    if per_rank % l:
-        raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {l} does not divide the {per_rank} layers "
-                            f"per pipeline rank")
-    v = per_rank // l
-    if v > 1 and p == 1:
-        raise ArgumentError(f"--num-layers-per-virtual-pipeline-stage {l} needs --pipeline-model-parallel-size > 1")
-    return args.replace(virtual_pipeline_model_parallel_size=v if v > 1 else None)
-
-
-def _validate_batch(args):
-    """Every global batch size the run will use divides into micro batches over the data-parallel ranks
-    (and, interleaved, into a multiple of the pipeline size); ``num_microbatches`` is the final one's."""
-    shard = args.micro_batch_size * args.data_parallel_size
+    """The parallel layout (:class:`~h3t_ext.layout.ParallelLayout`, the library's one set of layout rules)
+    for every global batch size the run will use; the config gets the final one's sizes
+    (``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, ``num_microbatches``, ``parallel_layout``)."""
     schedule = schedule_of(args)
-    if args.decrease_batch_size_if_needed and schedule.is_constant and args.global_batch_size % shard:
-        running = args.global_batch_size // shard * shard
-        if running == 0:
-            raise ArgumentError(f"--decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} is "
-                                f"below one micro batch x data-parallel size ({shard})")
-        args = args.replace(global_batch_size=running, batch_schedule=BatchSchedule.constant(running), flag_notices=(
-            *args.flag_notices, f"note: --decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} "
-                                f"runs as {running} (a multiple of --micro-batch-size x data-parallel size {shard})"))
+    if args.decrease_batch_size_if_needed and schedule.is_constant:
+        args = _decrease_batch_size(args)
         schedule = args.batch_schedule
-    p = args.pipeline_model_parallel_size
-    for batch in schedule.batch_sizes(args.train_iters):
-        where = "--global-batch-size" if schedule.is_constant else "the batch schedule's batch size"
-        if batch % shard:
-            raise ArgumentError(f"{where} {batch} is not a multiple of --micro-batch-size {args.micro_batch_size} x "
-                                f"data-parallel size {args.data_parallel_size}")
-        m = batch // shard
-        if args.virtual_pipeline_model_parallel_size and m % p:
-            raise ArgumentError(f"interleaved 1F1B needs the {m} microbatches per iteration ({where} {batch} / "
-                                f"(--micro-batch-size x data-parallel size)) to be a multiple of "
-                                f"--pipeline-model-parallel-size {p}")
-    return args.replace(num_microbatches=args.global_batch_size // shard)
+    source = None if schedule.is_constant else (
+        "--step-batch-size-schedule" if args.step_batch_size_schedule is not None else "--rampup-batch-size")
+    layout = None
+    for batch in schedule.batch_sizes(args.train_iters) + (args.global_batch_size,):
+        try:
+            layout = _layout(args, batch)
+        except LayoutError as e:
+            raise ArgumentError(e.reason if source is None else f"{source}: " + e.reason.replace(
+                f"--global-batch-size {batch}", f"its batch size {batch}")) from None
+    try:
+        layout.check_tensor_split(num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                                  ffn_hidden_size=args.ffn_hidden_size)
+    except LayoutError as e:
+        raise ArgumentError(e.reason) from None
+    return args.replace(data_parallel_size=layout.data_parallel_size, num_microbatches=layout.num_microbatches,
+                        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size
+                        if layout.interleaved else None, parallel_layout=layout)
+
+
+def _layout(args, global_batch_size: int) -> ParallelLayout:
+    return ParallelLayout.from_sizes(
+        world_size=args.world_size, global_batch_size=global_batch_size, micro_batch_size=args.micro_batch_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, context_parallel_size=args.context_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, num_layers=args.num_layers,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
+
+
+def _decrease_batch_size(args):
+    """--decrease-batch-size-if-needed: a constant batch size rounded down to micro batch x data-parallel size."""
+    ranks = args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
+    if args.world_size % ranks:
+        return args  # the layout's world-size rule says why, in one line
+    shard = args.micro_batch_size * (args.world_size // ranks)
+    if args.global_batch_size % shard == 0:
+        return args
+    running = args.global_batch_size // shard * shard
+    if running == 0:
+        raise ArgumentError(f"--decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} is "
+                            f"below one micro batch x data-parallel size ({shard})")
+    return args.replace(global_batch_size=running, batch_schedule=BatchSchedule.constant(running), flag_notices=(
+        *args.flag_notices, f"note: --decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} "
+                            f"runs as {running} (a multiple of --micro-batch-size x data-parallel size {shard})"))
 
 
 def _validate_sequence_parallel(args):
@@ -103,9 +101,10 @@ def _validate_sequence_parallel(args):
         args = args.replace(sequence_parallel=False, flag_notices=(
             *getattr(args, "flag_notices", ()),
             "note: --sequence-parallel: disabled with --tensor-model-parallel-size 1 (as Megatron-LM does)"))
-    if args.sequence_parallel and args.seq_length % t:
-        raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of --tensor-model-parallel-size {t} "
-                            f"(--sequence-parallel)")
+    try:  # with c > 1 the sequence is 2c chunks; --sequence-parallel splits each rank's shard over t
+        args.parallel_layout.check_seq_length(args.seq_length, sequence_parallel=args.sequence_parallel)
+    except LayoutError as e:
+        raise ArgumentError(e.reason) from None
     return args
 
 
@@ -139,9 +138,6 @@ def _validate_context_parallel(args):
     """c > 1 runs TransformerEngine's attention on a GPU and h3t-ext's ring attention
     (``h3t_ext.runtime.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks."""
     c = args.context_parallel_size
-    if c > 1 and args.seq_length % (2 * c):
-        raise ArgumentError(f"--seq-length {args.seq_length} is not a multiple of 2 x --context-parallel-size {c} "
-                            f"(each rank holds 2 of 2c equal chunks)")
     if c > 1 and args.attention_dropout and not _cuda_available():
         raise ArgumentError(f"--attention-dropout {args.attention_dropout} is not supported with "
                             f"--context-parallel-size {c} on CPU (ring attention); use 0")
@@ -251,18 +247,12 @@ def _check_writable_dir(flag: str, path: str, *, create: bool = True) -> None:
 
 
 def _validate_offload_overlap(args):
-    """The runtime's own layout check, run on every pipeline rank's schedule before any process starts."""
-    from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
-    from h3t_ext.runtime.prepare import validate_layout
-    from h3t_ext.schedule.builder import build_schedule
-    p = args.pipeline_model_parallel_size
-    shard = args.micro_batch_size * args.data_parallel_size
+    """The runtime's own check of the offload on every pipeline rank's schedule, for each microbatch count
+    the run will use, before any process starts."""
     try:
         config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
-        for batch in schedule_of(args).batch_sizes(args.train_iters):  # each microbatch count the run will use
-            schedule = build_schedule(p, batch // shard, args.virtual_pipeline_model_parallel_size or 1)
-            for rank in range(p):
-                validate_layout(config, schedule, rank)
-    except (RuntimeConfigError, ValueError) as e:
+        for batch in schedule_of(args).batch_sizes(args.train_iters):
+            validate_parallel_layout(config, _layout(args, batch))
+    except RuntimeConfigError as e:
         raise ArgumentError(str(e)) from None
     return args

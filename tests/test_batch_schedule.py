@@ -112,7 +112,7 @@ def test_flags_resolve_to_one_schedule(capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--step-batch-size-schedule", "0:3 256:4", "--train-iters", "5"],
-     "the batch schedule's batch size 3 is not a multiple of --micro-batch-size 1 x data-parallel size 2"),
+     "--step-batch-size-schedule: its batch size 3 is not a multiple of --micro-batch-size 1 x data-parallel size 2"),
     (["--step-batch-size-schedule", "0:2", "--global-batch-size", "4", "--train-iters", "5"],
      "--global-batch-size 4 contradicts --step-batch-size-schedule, whose last batch size is 2"),
     (["--train-iters", "5"], "--global-batch-size is required (or --step-batch-size-schedule)"),

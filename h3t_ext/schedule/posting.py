@@ -39,16 +39,13 @@ the per-rank orders, so it holds for any compute durations.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:  # builder imports this module
-    from h3t_ext.schedule.builder import Action, ScheduleConfig
+from h3t_ext.schedule.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, ScheduleConfig
 
 
-def _producer(cfg: "ScheduleConfig", rank: int, a: "Action") -> tuple[int, "Action"] | None:
+def _producer(cfg: ScheduleConfig, rank: int, a: Action) -> tuple[int, Action] | None:
     """(rank, compute action) whose output ``a`` consumes from another stage, or None."""
-    from h3t_ext.schedule.builder import Action, ActionKind
-
     p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
     stage = a.chunk * p + rank
     if a.kind is ActionKind.FORWARD:
@@ -62,7 +59,7 @@ def _producer(cfg: "ScheduleConfig", rank: int, a: "Action") -> tuple[int, "Acti
     return src % p, Action(a.kind, a.microbatch, src // p)
 
 
-def asap_times(cfg: "ScheduleConfig", compute: Sequence[Sequence["Action"]]) -> list[list[int]]:
+def asap_times(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]]) -> list[list[int]]:
     """As-soon-as-possible unit times of every rank's compute actions (see the module docstring)."""
     p = cfg.pipeline_model_parallel_size
     index = [{a: i for i, a in enumerate(c)} for c in compute]
@@ -89,10 +86,8 @@ def asap_times(cfg: "ScheduleConfig", compute: Sequence[Sequence["Action"]]) -> 
     return times
 
 
-def place_comms(cfg: "ScheduleConfig", compute: Sequence[Sequence["Action"]]) -> list[list["Action"]]:
+def place_comms(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]]) -> list[list[Action]]:
     """Every rank's compute actions with its sends and receives placed in the deadlock-free order."""
-    from h3t_ext.schedule.builder import Action, ActionKind
-
     p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
     last_stage = p * v - 1
     times = asap_times(cfg, compute)
@@ -135,10 +130,8 @@ def place_comms(cfg: "ScheduleConfig", compute: Sequence[Sequence["Action"]]) ->
     return out
 
 
-def posting_batches(actions: Sequence["Action"]) -> list[tuple["Action", ...]]:
+def posting_batches(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
     """The batches a rank posts: maximal runs of send/receive actions not split by a compute."""
-    from h3t_ext.schedule.builder import COMM_KINDS, COMPUTE_KINDS
-
     batches: list[tuple[Action, ...]] = []
     run: list[Action] = []
     for a in actions:
