@@ -28,13 +28,13 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.037), ("megatron_h100", 0.036), ("korthikanti", 0.055)])
+                         [("atc24_65b", 0.007), ("megatron_h100", 0.030), ("korthikanti", 0.050)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.027), ("megatron_h100", 0.044), ("korthikanti", 0.031)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.007), ("megatron_h100", 0.044), ("korthikanti", 0.035)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
     bound at what the model achieves today (the 3% target on the mean is not met, see below)."""
