@@ -9,10 +9,12 @@ from h3t_ext.costmodel import Plan, estimate, get_model, get_system
 from h3t_ext.costmodel.fit import FAMILY_KEYS, FITTABLE, SHARED_KEYS, MeasuredRun, fit_system
 from h3t_ext.costmodel.published import SOURCES, TRAINING_ONLY, published_runs
 from h3t_ext.costmodel.specs import DATA_DIR, efficiency_set, plausible_ranges
+from h3t_ext.costmodel.timing import _bucketed_exposed
 from h3t_ext.costmodel.validation import leave_one_source_out
 from h3t_ext.planner.cli import main
 from h3t_ext.planner.search import search
 from h3t_ext.planner.space import SearchConstraints
+from h3t_ext.schedule import ActionKind, build_schedule
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +30,13 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.037), ("megatron_h100", 0.036), ("korthikanti", 0.055)])
+                         [("atc24_65b", 0.007), ("megatron_h100", 0.030), ("korthikanti", 0.050)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.027), ("megatron_h100", 0.044), ("korthikanti", 0.031)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.007), ("megatron_h100", 0.044), ("korthikanti", 0.035)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
     bound at what the model achieves today (the 3% target on the mean is not met, see below)."""
@@ -46,10 +48,12 @@ def test_atc24_within_three_percent_after_one_row(loso):
     assert loso["atc24_65b"].mae_after_one_row_mean <= 0.03
 
 
-@pytest.mark.xfail(strict=True, reason="per-row residuals within each source exceed 3% somewhere (Megatron: the "
-                                       "1.7B/7.1B/70B rows +6-9%, 314B -2.5%; Korthikanti: selective recompute "
-                                       "rows 3% above their full-recompute twins, 1T near 0), so calibrating on "
-                                       "one row moves the others")
+@pytest.mark.xfail(strict=True, reason="the held-out rows' residuals spread over more than 3% within each source "
+                                       "(Megatron: 1.7B/7.1B +8.7/+6.1% and 119B +3.5% against 70B -2.4% and 314B "
+                                       "-4.0%; Korthikanti: selective-recompute rows 3-4% above their full-recompute "
+                                       "twins except 1T, 1T 4-7% below 175B/530B, 530B on 2240 GPUs 2% above 280), "
+                                       "and one row identifies one efficiency (gemm_peak_fraction), which moves every "
+                                       "row alike: mean after one row 4.56% and 3.45%")
 @pytest.mark.parametrize("source", ["megatron_h100", "korthikanti"])
 def test_within_three_percent_after_one_row(loso, source):
     assert loso[source].mae_after_one_row_mean <= 0.03
@@ -206,3 +210,53 @@ def test_gradient_sharding_switch():
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
         estimate(m, Plan(**{**base.__dict__, "data_parallel_sharding_strategy": "optim_grads",
                             "use_distributed_optimizer": False}), H100)
+
+
+def _simulated_dp_exposed(p, m, v, comm, buckets_per_chunk, fwd=0.5, bwd=1.0):
+    """Timeline of the schedule builder's action lists (Megatron-core's order; every chunk forward takes
+    ``fwd``, backward ``bwd``, p2p is free) and one link draining rank 0's gradient buckets as they
+    complete (each chunk's buckets spread over its last backward): how long the link runs past rank 0's
+    last backward."""
+    sched = build_schedule(p, m, v)
+    lists = [sched.compute_actions(r) for r in range(p)]
+    done, clock, pos = {}, [0.0] * p, [0] * p
+    while any(pos[r] < len(lists[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while pos[r] < len(lists[r]):
+                a = lists[r][pos[r]]
+                mb, c, fw = a.microbatch, a.chunk, a.kind is ActionKind.FORWARD
+                if fw:
+                    dep = (r - 1, True, mb, c) if r > 0 else ((p - 1, True, mb, c - 1) if c > 0 else None)
+                else:
+                    dep = ((r + 1, False, mb, c) if r < p - 1 else
+                           ((0, False, mb, c + 1) if c < v - 1 else (r, True, mb, c)))
+                if dep is not None and dep not in done:
+                    break
+                clock[r] = max(clock[r], done[dep] if dep else 0.0) + (fwd if fw else bwd)
+                done[(r, fw, mb, c)] = clock[r]
+                pos[r] += 1
+                moved = True
+        assert moved, "the simulated schedule deadlocked"
+    ready = sorted(last - bwd + bwd * (i + 1) / buckets_per_chunk
+                   for last in (max(t for (r, fw, _, c), t in done.items() if r == 0 and not fw and c == chunk)
+                                for chunk in range(v))
+                   for i in range(buckets_per_chunk))
+    link = 0.0
+    for x in ready:
+        link = max(link, x) + comm / (v * buckets_per_chunk)
+    return max(0.0, link - clock[0])
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 7, 8), (4, 23, 16), (6, 4, 24), (16, 7, 64), (2, 1, 8), (4, 2, 8), (8, 3, 16)])
+def test_interleaved_dp_overlap_window_matches_the_schedule(p, v, m):
+    """--overlap-grad-reduce with interleaving: chunk j's gradients are complete j p chunk-backwards before
+    rank 0's end (Megatron's cool-down order), so a reduce-scatter of ``comm`` is exposed by
+    max(comm - ((v - 1) p + 1) units, comm / v - 1 unit), within one bucket of a timeline of the schedule
+    builder's lists. (The earlier window, v + (v - 1) p units, would leave p=2 v=7 comm=20 1 unit exposed,
+    not 7.)"""
+    buckets_per_chunk = 8
+    for comm in (0.5, 3.0, 10.0, 20.0, 40.0):
+        sim = _simulated_dp_exposed(p, m, v, comm, buckets_per_chunk)
+        model = _bucketed_exposed(comm, buckets_per_chunk * v, v, 1.0, p)
+        assert abs(model - sim) <= comm / (v * buckets_per_chunk) + 1e-9, (comm, sim, model)

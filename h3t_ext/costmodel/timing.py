@@ -23,17 +23,22 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   microbatch's forward and the last one's backward cross all p v - 1 boundaries on the critical path
   (2 (p v - 1) hops: at each warm-up wrap rank 0 has finished its p chunks while the microbatch still needs
   p hops to come back); plain 1F1B also waits for the two blocking exchanges of every steady-state
-  microbatch.
+  microbatch. With tied embeddings and p > 1, the word-embedding gradient all-reduce between the first and
+  the last stage after the backward.
 * ``bubble``: (interleaved) 1F1B: 1/v of one microbatch's forward + backward on every rank but the slowest
   ((p - 1)/v microbatches of the slowest rank when the ranks are alike).
 * ``dp_exposed``: gradient reduce-scatter (fp32) and parameter all-gather (bf16) with the distributed
   optimizer, an fp32 all-reduce without it. Megatron's buckets (max(40M, 1M x d) parameters) with
   --overlap-grad-reduce start as soon as the last microbatch's backward produces them: what outlasts that
-  backward (and, interleaved, the cool-down of the other chunks) is exposed, at least one bucket; likewise
-  --overlap-param-gather against the first forward of the next iteration. Megatron FSDP with sharded
+  backward is exposed, at least one bucket. Interleaved, chunk j's gradients are complete j p chunk-backwards
+  before the end of rank 0's cool-down (Megatron's chunk order), so the stream is exposed by the larger of
+  comm - ((v - 1) p + 1) chunk-backwards and the last chunk's comm / v - 1 chunk-backward
+  (``_bucketed_exposed``); likewise --overlap-param-gather against the first forwards of the next
+  iteration. Megatron FSDP with sharded
   gradients (``data_parallel_sharding_strategy``) reduce-scatters after every microbatch, with sharded
   parameters also all-gathers them for every microbatch's forward and backward.
-* ``optimizer``: Adam on the optimizer shard, gradient zeroing (memory-bound).
+* ``optimizer``: gradient norm, Adam and the bf16 weight copy on the optimizer shard, gradient zeroing
+  (memory-bound, ``ADAM_BYTES_PER_PARAM``).
 * ``offload_exposed``: PCIe copies that do not fit behind the compute action they overlap.
 """
 from __future__ import annotations
@@ -75,8 +80,11 @@ CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
 the fp32 accumulated output (the softmax-lse rescaling of TransformerEngine's ring attention)."""
 CP_MERGE_BYTES_BWD = FP32 + FP32
 """Backward, per dQ / dK / dV element and step: read and write the fp32 gradient accumulators."""
-ADAM_BYTES_PER_PARAM = 4 * 4 + 3 * 4 + BF16
-"""Adam step per parameter of the shard: read grad, master, m, v (fp32), write master, m, v, bf16 weight."""
+ADAM_BYTES_PER_PARAM = FP32 + (4 * 4 + 3 * 4) + (FP32 + BF16)
+"""Optimizer step per parameter of the shard, as Megatron's mixed-precision optimizers run it (separate
+kernels): the gradient-norm kernel of gradient clipping (--clip-grad, default 1.0) reads the fp32 gradient;
+Adam reads grad, master, m, v and writes master, m, v (fp32); _copy_main_params_to_model_params reads the
+fp32 master and writes the bf16 weight."""
 
 
 def _gemms(model: ModelSpec, plan: Plan) -> tuple[tuple[int, int, int], ...]:
@@ -227,9 +235,26 @@ def head_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     return gemm + ce
 
 
-def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: float, fwd_window: float,
+def _bucketed_exposed(comm: float, buckets: int, chunks: int, unit: float, p: int) -> float:
+    """Exposed part of Megatron's bucketed gradient reduce-scatter (or parameter all-gather) stream on the
+    rank that finishes last (rank 0), with ``chunks`` = v model chunks of ``unit`` seconds of one
+    microbatch's backward (forward) each.
+
+    Interleaved 1F1B runs the last p v backward units as p units of chunk v - 1, then p of chunk v - 2, ...,
+    p of chunk 0 (Megatron's schedules.py: backward chunk = v - 1 - (k // p) % v), so chunk j's gradients are
+    complete j p units before the end, and within its last unit they arrive bucket by bucket. One link
+    drains them in that order, each chunk carrying comm / v: it ends max_j ((j + 1) comm / v - j p unit - unit)
+    after the backward -- j = v - 1 (the link is the bottleneck: comm - ((v - 1) p + 1) unit) or j = 0
+    (the last chunk alone: comm / v - unit) -- and at least one bucket after it. The parameter all-gather
+    mirrors it in the forward (chunk j is first used j p units after the start). v = 1: comm - unit."""
+    window = ((chunks - 1) * p + 1) * unit
+    return max(comm / buckets, comm - window, comm / chunks - unit)
+
+
+def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float, fwd_unit: float,
                 mb_window: float = math.inf) -> float:
-    """Exposed data-parallel communication of one iteration (the stage with most parameters).
+    """Exposed data-parallel communication of one iteration (the stage with most parameters). ``bwd_unit``
+    and ``fwd_unit``: one microbatch's backward (forward) of one model chunk (``_bucketed_exposed``).
 
     Megatron FSDP with sharded gradients reduce-scatters after every microbatch's backward (m times the
     traffic; with --overlap-grad-reduce it runs behind the compute of the following microbatches,
@@ -248,6 +273,8 @@ def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: fl
     else:
         grads, params = all_reduce_seconds(n * FP32, d, link), 0.0
     strategy = plan.data_parallel_sharding_strategy
+    v = plan.virtual_size(model.num_layers)
+    bwd_window = ((v - 1) * p + 1) * bwd_unit
     if strategy is not None:
         m = plan.num_microbatches
         grads *= m
@@ -259,14 +286,15 @@ def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_window: fl
                 params = max(params / (2 * m * buckets), params - m * mb_window)
             return grads + params
     elif plan.overlap_grad_reduce:
-        grads = max(grads / buckets, grads - bwd_window)
+        grads = _bucketed_exposed(grads, buckets, v, bwd_unit, p)
     if plan.overlap_param_gather and params:
-        params = max(params / buckets, params - fwd_window)
+        params = _bucketed_exposed(params, buckets, v, fwd_unit, p)
     return grads + params
 
 
 def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
-    """The ``pp_p2p`` term: activations between pipeline ranks on the critical path of one iteration."""
+    """The ``pp_p2p`` term: activations between pipeline ranks on the critical path of one iteration, and
+    the gradient all-reduce of a tied embedding between the first and the last stage."""
     t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     if p == 1:
         return 0.0
@@ -275,11 +303,19 @@ def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> fl
     # Megatron sends 1/t of the activation between stages (sequence parallel, or the scatter-gather
     # optimization without it, which all-gathers it over NVLink on arrival)
     hop_bytes = tokens // t * model.hidden_size * BF16
-    hop = p2p_seconds(hop_bytes, p2p_link(t * plan.data_parallel_size, p, system))
+    link = p2p_link(t * plan.data_parallel_size, p, system)
+    hop = p2p_seconds(hop_bytes, link)
     # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
     # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
     # while the microbatch took p hops more to come back (and the same in the cool-down)
-    return 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
+    activations = 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
+    # tied embeddings: the first stage's word embedding and the last stage's output layer are one weight,
+    # so after the backward Megatron all-reduces its fp32 gradient shard (V/t x h) between the two ranks
+    # (finalize_model_grads, _allreduce_word_embedding_grads): a 2-rank all-reduce, bytes / link, exposed
+    tied = 0.0
+    if not model.untie_embeddings_and_output_weights:
+        tied = all_reduce_seconds(model.padded_vocab_size(t) // t * model.hidden_size * FP32, 2, link)
+    return activations + tied
 
 
 def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
@@ -322,12 +358,10 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
             copy = a * chunk_bytes / pcie
             off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
 
-    cooldown = 1 + (v - 1) * p / v if v > 1 else 1.0
-    bwd_window = layers * (lt["bwd"] + lt["recompute"]) * cooldown
-    fwd_window = layers * lt["fwd"] * cooldown
-    dp = _dp_seconds(model, plan, system, bwd_window, fwd_window, per_mb)
+    dp = _dp_seconds(model, plan, system, layers * (lt["bwd"] + lt["recompute"]) / v, layers * lt["fwd"] / v,
+                     per_mb)
     n = max(stage_params(model, plan, k) for k in {0, p - 1})
-    opt = elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, r, kernels=2)
+    opt = elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, r, kernels=4)
 
     return {
         "compute": m * (layers * (lt["fwd"] + lt["bwd"]) + (head if slow == p - 1 else 0.0)),
