@@ -70,4 +70,4 @@ def test_seq_length_not_divisible_by_2c_is_one_line():
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert lines[0] == ("pretrain_llama.py: error: --seq-length 66 is not a multiple of 2 x --context-parallel-size 2 "
-                        "(each rank holds 2 of 2c equal chunks)")
+                        "= 4 (each rank holds 2 of 2c equal chunks); valid: multiples of 4")
