@@ -6,6 +6,7 @@ orders their transfers; both read these types from here.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -71,7 +72,7 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         _ = self.layout  # the sizes and megatron-core's interleaving rules: h3t_ext.layout raises LayoutError
 
-    @property
+    @functools.cached_property
     def layout(self) -> ParallelLayout:
         """The pipeline part of the parallel layout (t = c = d = 1); constructing it checks the rules."""
         return ParallelLayout(pipeline_model_parallel_size=self.pipeline_model_parallel_size,
@@ -81,12 +82,12 @@ class ScheduleConfig:
 
     @property
     def interleaved(self) -> bool:
-        return self.virtual_pipeline_model_parallel_size > 1
+        return self.layout.interleaved
 
     @property
     def group_size(self) -> int:
-        g = self.microbatch_group_size_per_vp_stage
-        return self.pipeline_model_parallel_size if g is None else g
+        """The interleaving group size in effect (megatron-core's default p)."""
+        return self.layout.microbatch_group_size
 
 
 __all__ = ["COMM_KINDS", "COMPUTE_KINDS", "Action", "ActionKind", "ScheduleConfig"]
