@@ -6,7 +6,8 @@
 #   bash scripts/gpu_check.sh [--dry-run]
 #
 # Environment (defaults): PYTHON (the repo's .venv python if present, else python3), WHEELS (a
-# directory of wheels to install first with --no-index, e.g. megatron-core for this Python).
+# directory of wheels to install first with --no-index, e.g. megatron-core for this Python; with
+# megatron-core 0.17+ the report also runs pretrain_gpt.py on Megatron's own training loop).
 # Fails in one line when there is no GPU or a package is missing.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

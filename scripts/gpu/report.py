@@ -6,7 +6,8 @@ Report fields: ``gpu``, ``date``, ``tests_passed``, ``tests_failed`` (the ``gpu`
 with ``missing`` naming why until that check exists), ``offload_step_time_ratio`` (alpha 0.5 over
 alpha 0, one rank), ``copy_speedup_small`` (native batched over the copy_ loop, 2,000 x 64 KiB, the
 worse direction) and ``copy_bandwidth_share`` (of one large copy, the worse of both cases and
-directions); the raw results of each part are kept under ``details``.
+directions); the raw results of each part are kept under ``details`` (with ``megatron_native``: a
+tiny pretrain_gpt.py run on Megatron's own loop where megatron-core 0.17+ was carried in).
 """
 from __future__ import annotations
 
@@ -43,6 +44,28 @@ def gpu_tests(timeout_s: int) -> dict:
             "failed_tests": failed, "tail": proc.stdout.strip().splitlines()[-1:]}
 
 
+NATIVE_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
+                "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+                "--train-iters", "3", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                "--vocab-size", "1000", "--bf16", "--transformer-impl", "local", "--ckpt", "ours", "--log-interval", "1",
+                "--eval-iters", "0"]
+"""A tiny run of pretrain_gpt.py through Megatron's own pretrain() (h3t_training.megatron_native)."""
+
+
+def megatron_native(timeout_s: int) -> dict:
+    """pretrain_gpt.py on Megatron's own loop, where megatron.training is importable (megatron-core 0.17+)."""
+    sys.path.insert(0, ROOT)
+    from h3t_training import megatron_native as native
+
+    if not native.available():
+        return {"ran": False, "why": "megatron.training is not importable (megatron-core < 0.17)"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "pretrain_gpt.py", *NATIVE_FLAGS]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    losses = re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)
+    return {"ran": True, "returncode": proc.returncode, "losses": [float(x) for x in losses],
+            "last_error": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else ""}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "gpu-reports"))
@@ -74,6 +97,8 @@ def main(argv=None) -> int:
     else:
         report["copy_speedup_small"] = min(d["speedup_over_loop"] for d in copies["many_small"].values())
         report["copy_bandwidth_share"] = min(d["share_of_one_copy"] for c in copies.values() for d in c.values())
+
+    report["details"]["megatron_native"] = megatron_native(timeout_s=600)
 
     os.makedirs(args.out_dir, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
