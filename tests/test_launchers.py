@@ -67,3 +67,15 @@ def test_mpirun_launcher_runs_two_cpu_ranks(tmp_path):
     check_ok(proc)
     assert "world size 2" in proc.stdout
     assert len(losses(path)) == 2
+
+
+def test_every_python_module_a_launcher_runs_exists():
+    """``python -m MODULE`` in the launch scripts names a module of this repo or its environment (a renamed
+    module must not leave a launcher that fails on the cluster only)."""
+    import importlib.util
+    import re
+
+    scripts = sorted((REPO / "scripts").glob("*.sh")) + sorted((REPO / "scripts").glob("*.sbatch"))
+    found = {m for s in scripts for m in re.findall(r'"?\$\{?PYTHON\}?"? -m ([A-Za-z_][\w.]*)', s.read_text())}
+    assert "h3t_training.preflight" in found  # the check below does look at the launchers
+    assert [m for m in sorted(found) if importlib.util.find_spec(m) is None] == []
