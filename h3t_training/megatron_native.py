@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 from h3t_training.errors import ArgumentError
 from h3t_training.megatron_compat import kwai_aliases
-from h3t_training.offload_alpha import parse_alpha_values
+from h3t_training.offload_alpha import stage_alphas
 
 
 def available() -> bool:
@@ -66,23 +66,20 @@ def runtime_config(args):
                             "--recompute-method uniform --recompute-num-layers 1")
     if ckpt == "ours" and getattr(args, "recompute_granularity", None) is not None:
         raise ArgumentError(f"--ckpt ours contradicts --recompute-granularity {args.recompute_granularity}")
-    alphas = parse_alpha_values(fields["offload_alpha"] if fields["offload_alpha"] is not None else "0")
-    p = args.pipeline_model_parallel_size
-    if len(alphas) not in (1, p):
-        raise ArgumentError(f"--offload-alpha has {len(alphas)} values; give 1 or one per pipeline stage "
-                            f"(--pipeline-model-parallel-size {p})")
-    return H3TConfig(ckpt=ckpt, offload_alpha=alphas[0] if len(alphas) == 1 else alphas)
+    alpha = "0" if fields["offload_alpha"] is None else fields["offload_alpha"]
+    return H3TConfig(ckpt=ckpt, offload_alpha=stage_alphas(alpha, args.pipeline_model_parallel_size))
 
 
 def _megatron(module: str):
     return importlib.import_module(f"megatron.training{module}")
 
 
-def _ensure_installed(args) -> None:
+def _ensure_installed(args):
+    """The installed h3t-ext schedules (installed now from ``args`` on the first call)."""
     from h3t_ext.runtime.install import install, installed  # noqa: PLC0415
 
-    if installed() is None:
-        install(runtime_config(args))
+    runtime = installed()
+    return runtime if runtime is not None else install(runtime_config(args))
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None,
@@ -94,13 +91,13 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from h3t_training.model_provider import layer_spec_backend  # noqa: PLC0415
 
     args = _megatron("").get_args()
-    _ensure_installed(args)
+    runtime = _ensure_installed(args)
     if config is None:
         config = _megatron(".arguments").core_transformer_config_from_args(args)
     return build_gpt_model(
         config, vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-        ckpt=runtime_config(args).ckpt, backend=layer_spec_backend(True),
+        ckpt=runtime.config.ckpt, backend=layer_spec_backend(True),
         pipeline_rank=ps.get_pipeline_model_parallel_rank(), pg_collection=pg_collection,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

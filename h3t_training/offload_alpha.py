@@ -17,3 +17,17 @@ def parse_alpha_values(text: str) -> tuple[float, ...]:
             raise ArgumentError(f"--offload-alpha {part} is outside [0, 1]")
         out.append(a)
     return tuple(out)
+
+
+def stage_alphas(value, pipeline_model_parallel_size: int):
+    """``--offload-alpha`` as the runtime takes it: one float, or a tuple of one per pipeline stage.
+    ``value`` is the flag's text or already-parsed numbers; ArgumentError for another count."""
+    if isinstance(value, str):
+        alphas = parse_alpha_values(value)
+    else:
+        alphas = tuple(float(a) for a in (value if isinstance(value, (tuple, list)) else (value,)))
+    p = pipeline_model_parallel_size
+    if len(alphas) not in (1, p):
+        raise ArgumentError(f"--offload-alpha has {len(alphas)} values; give 1 or one per pipeline stage "
+                            f"(--pipeline-model-parallel-size {p})")
+    return alphas[0] if len(alphas) == 1 else alphas

@@ -17,7 +17,7 @@ from h3t_training.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
 from h3t_training.errors import ArgumentError
 from h3t_training.loggers import check_writer_packages
-from h3t_training.offload_alpha import parse_alpha_values
+from h3t_training.offload_alpha import stage_alphas
 from h3t_training.tokenizer import TokenizerError, tokenizer_from_args
 
 
@@ -145,16 +145,9 @@ def _validate_context_parallel(args):
 
 
 def _validate_alpha(args):
-    p = args.pipeline_model_parallel_size
     if str(args.offload_alpha) in ("auto", "balanced"):
         args = resolve_alpha(args)
-    alphas = parse_alpha_values(args.offload_alpha) if isinstance(args.offload_alpha, str) \
-        else tuple(float(a) for a in (args.offload_alpha if isinstance(args.offload_alpha, (tuple, list))
-                                      else (args.offload_alpha,)))
-    if len(alphas) not in (1, p):
-        raise ArgumentError(f"--offload-alpha has {len(alphas)} values; give 1 or one per pipeline stage "
-                            f"(--pipeline-model-parallel-size {p})")
-    return args.replace(offload_alpha=alphas[0] if len(alphas) == 1 else alphas)
+    return args.replace(offload_alpha=stage_alphas(args.offload_alpha, args.pipeline_model_parallel_size))
 
 
 def _validate_data(args):
