@@ -17,8 +17,6 @@ from h3t_training.batch_schedule import BatchSchedule, parse_step_schedule, ramp
 from h3t_training.data_checks import DataFileError, parse_split
 from h3t_training.errors import ArgumentError
 
-_error = ArgumentError
-
 
 def kwai_aliases(args) -> dict:
     """Megatron-Kwai's offload and recompute flags as the fields they stand for (ckpt, offload_alpha)."""
@@ -26,18 +24,19 @@ def kwai_aliases(args) -> dict:
     ratio = args.kaimm_offload_ratio
     if ratio is not None:
         if args.offload_alpha is not None and str(args.offload_alpha) != str(ratio):
-            raise _error(f"--kaimm-offload-activation-ratio {ratio} contradicts --offload-alpha {args.offload_alpha}")
+            raise ArgumentError(f"--kaimm-offload-activation-ratio {ratio} contradicts --offload-alpha "
+                                f"{args.offload_alpha}")
         changes["offload_alpha"] = str(ratio)
     norm, act = args.kaimm_recompute_norm, args.kaimm_recompute_mlp_activation_func
     if norm and act:
         if args.ckpt not in (None, "ours"):
-            raise _error(f"--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (--ckpt ours) contradict "
-                         f"--ckpt {args.ckpt}")
+            raise ArgumentError(f"--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (--ckpt ours) "
+                                f"contradict --ckpt {args.ckpt}")
         changes["ckpt"] = "ours"
     elif norm or act:
         one = "--kaimm-recompute-norm" if norm else "--kaimm-recompute-mlp-activation-func"
-        raise _error(f"{one} alone is not supported (recomputing only one of the two parts); give both "
-                     "--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (= --ckpt ours)")
+        raise ArgumentError(f"{one} alone is not supported (recomputing only one of the two parts); give both "
+                            "--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (= --ckpt ours)")
     return changes
 
 
@@ -46,16 +45,17 @@ def _tied_embeddings(args) -> dict:
 
     if (not args.untie_embeddings_and_output_weights and (args.pipeline_model_parallel_size or 1) > 1
             and not torch.cuda.is_available()):
-        raise _error("tied embeddings (no --untie-embeddings-and-output-weights) with --pipeline-model-parallel-size "
-                     f"{args.pipeline_model_parallel_size} are not supported on CPU (the embedding group's all-reduce "
-                     "is CUDA-only); give --untie-embeddings-and-output-weights or one pipeline stage")
+        raise ArgumentError("tied embeddings (no --untie-embeddings-and-output-weights) with "
+                            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} are not supported "
+                            "on CPU (the embedding group's all-reduce is CUDA-only); give "
+                            "--untie-embeddings-and-output-weights or one pipeline stage")
     return {}
 
 
 def _positions(args) -> dict:
     if args.no_position_embedding and args.position_embedding_type != "rope":
-        raise _error("--no-position-embedding without --use-rotary-position-embeddings (or --position-embedding-type "
-                     "rope) gives a model without positions; not supported")
+        raise ArgumentError("--no-position-embedding without --use-rotary-position-embeddings (or "
+                            "--position-embedding-type rope) gives a model without positions; not supported")
     return {}
 
 
@@ -64,18 +64,18 @@ def _batch_schedule(args) -> dict:
     batch size of the config is the final one (the learning-rate flags in iterations count it)."""
     step, rampup = args.step_batch_size_schedule, args.rampup_batch_size
     if step is not None and rampup is not None:
-        raise _error("give one of --step-batch-size-schedule and --rampup-batch-size")
+        raise ArgumentError("give one of --step-batch-size-schedule and --rampup-batch-size")
     if step is not None:
         if args.decrease_batch_size_if_needed:
-            raise _error("--decrease-batch-size-if-needed does not apply to --step-batch-size-schedule (as in "
-                         "Megatron-LM); leave it out")
+            raise ArgumentError("--decrease-batch-size-if-needed does not apply to --step-batch-size-schedule (as in "
+                                "Megatron-LM); leave it out")
         schedule = parse_step_schedule(step, args.seq_length)
         if args.global_batch_size is not None and args.global_batch_size != schedule.final_batch_size:
-            raise _error(f"--global-batch-size {args.global_batch_size} contradicts --step-batch-size-schedule, "
-                         f"whose last batch size is {schedule.final_batch_size}; leave one out")
+            raise ArgumentError(f"--global-batch-size {args.global_batch_size} contradicts --step-batch-size-schedule, "
+                                f"whose last batch size is {schedule.final_batch_size}; leave one out")
         return {"batch_schedule": schedule, "global_batch_size": schedule.final_batch_size}
     if args.global_batch_size is None:
-        raise _error("--global-batch-size is required (or --step-batch-size-schedule)")
+        raise ArgumentError("--global-batch-size is required (or --step-batch-size-schedule)")
     if rampup is not None:
         return {"batch_schedule": rampup_schedule(*rampup, args.global_batch_size)}
     return {"batch_schedule": BatchSchedule.constant(args.global_batch_size)}
@@ -84,29 +84,29 @@ def _batch_schedule(args) -> dict:
 def _schedule(args) -> dict:
     B = args.global_batch_size
     if (args.train_iters is None) == (args.train_samples is None):
-        raise _error("give exactly one of --train-iters and --train-samples")
+        raise ArgumentError("give exactly one of --train-iters and --train-samples")
     if args.train_samples is not None:
         if args.lr_decay_iters is not None or args.lr_warmup_iters:
-            raise _error("--train-samples needs the sample-based --lr-decay-samples / --lr-warmup-samples "
-                         "(not --lr-decay-iters / --lr-warmup-iters)")
+            raise ArgumentError("--train-samples needs the sample-based --lr-decay-samples / --lr-warmup-samples "
+                                "(not --lr-decay-iters / --lr-warmup-iters)")
         first = args.batch_schedule.batch_size(0)
         if args.train_samples < first:
-            raise _error(f"--train-samples {args.train_samples} is less than one global batch ({first} samples)")
+            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch ({first} samples)")
         train_iters = args.train_samples // B if args.batch_schedule.is_constant \
             else args.batch_schedule.iterations_for_samples(args.train_samples)  # as Megatron-LM counts each
         decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
         warm = args.lr_warmup_samples
     else:
         if args.lr_decay_samples is not None or args.lr_warmup_samples:
-            raise _error("--lr-decay-samples / --lr-warmup-samples need --train-samples (not --train-iters)")
+            raise ArgumentError("--lr-decay-samples / --lr-warmup-samples need --train-samples (not --train-iters)")
         train_iters = args.train_iters
         decay = (args.lr_decay_iters if args.lr_decay_iters is not None else train_iters) * B
         warm = args.lr_warmup_iters * B
     if args.lr_warmup_fraction is not None:
         if warm:
-            raise _error("give one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
+            raise ArgumentError("give one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
         if not 0 <= args.lr_warmup_fraction <= 1:
-            raise _error(f"--lr-warmup-fraction {args.lr_warmup_fraction} is outside [0, 1]")
+            raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} is outside [0, 1]")
         warm = int(args.lr_warmup_fraction * decay)
     lr_decay_iters = -(-decay // B) if args.lr_decay_iters is None else args.lr_decay_iters
     return dict(train_iters=train_iters, lr_decay_iters=lr_decay_iters,
@@ -119,9 +119,10 @@ def _virtual_stages(args) -> dict:
         return {}
     p = args.pipeline_model_parallel_size or 1
     if args.num_layers_per_virtual_pipeline_stage is not None:
-        raise _error("give one of --num-virtual-stages-per-pipeline-rank and --num-layers-per-virtual-pipeline-stage")
+        raise ArgumentError("give one of --num-virtual-stages-per-pipeline-rank and "
+                            "--num-layers-per-virtual-pipeline-stage")
     if v < 1 or args.num_layers % (p * v):
-        raise _error(f"--num-virtual-stages-per-pipeline-rank {v} does not divide the layers per pipeline rank")
+        raise ArgumentError(f"--num-virtual-stages-per-pipeline-rank {v} does not divide the layers per pipeline rank")
     return {"num_layers_per_virtual_pipeline_stage": args.num_layers // (p * v)}
 
 
@@ -133,7 +134,7 @@ def _split(args) -> dict:
     try:
         parse_split(text, allow_no_train=args.data_path is None or getattr(args, "skip_train", False))
     except DataFileError as e:
-        raise _error(str(e)) from None
+        raise ArgumentError(str(e)) from None
     return {"split": text}
 
 
@@ -144,8 +145,9 @@ def _tokenizer_files(args) -> dict:
         return {}
     for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
         if getattr(args, name, None) is not None:
-            raise _error(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give the "
-                         "--tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer)")
+            raise ArgumentError(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give the "
+                                "--tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, "
+                                "NullTokenizer)")
     return {}
 
 
