@@ -30,13 +30,13 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.007), ("megatron_h100", 0.030), ("korthikanti", 0.050)])
+                         [("atc24_65b", 0.007), ("megatron_h100", 0.030), ("korthikanti", 0.045)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.007), ("megatron_h100", 0.044), ("korthikanti", 0.035)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.007), ("megatron_h100", 0.044), ("korthikanti", 0.030)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
     bound at what the model achieves today (the 3% target on the mean is not met, see below)."""
@@ -51,9 +51,9 @@ def test_atc24_within_three_percent_after_one_row(loso):
 @pytest.mark.xfail(strict=True, reason="the held-out rows' residuals spread over more than 3% within each source "
                                        "(Megatron: 1.7B/7.1B +8.7/+6.1% and 119B +3.5% against 70B -2.4% and 314B "
                                        "-4.0%; Korthikanti: selective-recompute rows 3-4% above their full-recompute "
-                                       "twins except 1T, 1T 4-7% below 175B/530B, 530B on 2240 GPUs 2% above 280), "
+                                       "twins except 1T, 1T 4-6% below 175B/530B, 530B on 2240 GPUs 2% above 280), "
                                        "and one row identifies one efficiency (gemm_peak_fraction), which moves every "
-                                       "row alike: mean after one row 4.56% and 3.45%")
+                                       "row alike: mean after one row 4.52% and 3.03%")
 @pytest.mark.parametrize("source", ["megatron_h100", "korthikanti"])
 def test_within_three_percent_after_one_row(loso, source):
     assert loso[source].mae_after_one_row_mean <= 0.03
@@ -149,6 +149,16 @@ def test_switches():
     assert overlap.time_terms["tp_comm"] < 0.6 * e.time_terms["tp_comm"]
     dp = estimate(m, Plan(**{**base.__dict__, "overlap_grad_reduce": True, "overlap_param_gather": True}), H100)
     assert dp.time_terms["dp_exposed"] < 0.5 * e.time_terms["dp_exposed"]
+    # --no-overlap-p2p-communication: every one of the m v interleaved steps waits for its exchange; here each
+    # stage is one node (t = 8), so a hop is one NIC: latency + mb s / t h bf16 bytes over it
+    blocking = estimate(m, Plan(**{**base.__dict__, "overlap_p2p_comm": False}), H100)
+    hop = H100.network_latency_s + 4096 // 8 * m.hidden_size * 2 / (
+        H100.network_bandwidth * H100.efficiency("network_fraction"))
+    v, micro = 80 // (4 * 5), 512 // (512 // (8 * 4))  # 4 chunks per rank; d = 16, so 32 microbatches
+    assert blocking.time_terms["pp_p2p"] - e.time_terms["pp_p2p"] == pytest.approx(micro * v * hop, rel=1e-9)
+    plain = Plan(**{**base.__dict__, "num_layers_per_virtual_pipeline_stage": None})  # 1F1B blocks either way
+    assert estimate(m, Plan(**{**plain.__dict__, "overlap_p2p_comm": False}), H100).time_terms["pp_p2p"] == \
+        estimate(m, plain, H100).time_terms["pp_p2p"]
 
 
 def test_dp_overlap_without_virtual_pipeline_on_h100_rows():

@@ -170,6 +170,8 @@ PLANS = [
          overlap_param_gather=True),
     Plan(num_gpus=64, seq_length=4096, global_batch_size=64, tensor_model_parallel_size=4, ckpt="ours",
          data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True),
+    Plan(num_gpus=64, seq_length=4096, global_batch_size=64, tensor_model_parallel_size=2,
+         pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=2, overlap_p2p_comm=False),
 ]
 
 

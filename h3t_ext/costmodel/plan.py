@@ -63,6 +63,11 @@ class Plan:
     tp_comm_overlap: bool = False
     """Megatron's --tp-comm-overlap: TransformerEngine userbuffers overlap the sequence-parallel all-gathers
     and reduce-scatters with the GEMMs (only ``tp_comm_overlap_exposed`` of them stays on the critical path)."""
+    overlap_p2p_comm: bool = True
+    """Megatron's --overlap-p2p-communication (on unless --no-overlap-p2p-communication): with an interleaved
+    schedule each step's pipeline sends and receives run behind the next chunk's compute. Off (and in Megatron
+    before 2023, which had no such overlap) every interleaved step waits for its exchange. Plain 1F1B waits
+    for its two exchanges per microbatch either way."""
     sequence_parallel: bool = True
     """Megatron's --sequence-parallel (with t > 1): norms and dropout on s/t tokens, all-gather /
     reduce-scatter instead of all-reduce."""

@@ -23,7 +23,8 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   microbatch's forward and the last one's backward cross all p v - 1 boundaries on the critical path
   (2 (p v - 1) hops: at each warm-up wrap rank 0 has finished its p chunks while the microbatch still needs
   p hops to come back); plain 1F1B also waits for the two blocking exchanges of every steady-state
-  microbatch. With tied embeddings and p > 1, the word-embedding gradient all-reduce between the first and
+  microbatch, and so does the interleaved schedule without --overlap-p2p-communication for its one exchange
+  (forward and backward together) of every steady-state microbatch and chunk. With tied embeddings and p > 1, the word-embedding gradient all-reduce between the first and
   the last stage after the backward.
 * ``bubble``: (interleaved) 1F1B: 1/v of one microbatch's forward + backward on every rank but the slowest
   ((p - 1)/v microbatches of the slowest rank when the ranks are alike).
@@ -308,7 +309,11 @@ def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> fl
     # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
     # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
     # while the microbatch took p hops more to come back (and the same in the cool-down)
-    activations = 2 * (p * v - 1) * hop + (2 * m * hop if v == 1 else 0.0)
+    activations = 2 * (p * v - 1) * hop
+    if v == 1:  # 1F1B: send_forward_recv_backward and send_backward_recv_forward block every steady step
+        activations += 2 * m * hop
+    elif not plan.overlap_p2p_comm:  # each interleaved step waits for its batched exchange (both directions)
+        activations += m * v * hop
     # tied embeddings: the first stage's word embedding and the last stage's output layer are one weight,
     # so after the backward Megatron all-reduces its fp32 gradient shard (V/t x h) between the two ranks
     # (finalize_model_grads, _allreduce_word_embedding_grads): a 2-rank all-reduce, bytes / link, exposed

@@ -95,6 +95,8 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="TransformerEngine userbuffers overlap the tensor-parallel communication with the GEMMs")
+    p.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
+                   help="interleaved pipeline exchanges not overlapped with the next chunk (every step waits)")
     p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                    help="tensor parallelism without sequence parallelism (all-reduces, replicated norms)")
     p.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer", action="store_false",
@@ -219,6 +221,7 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Pla
         overlap_grad_reduce=ns.overlap_grad_reduce,
         overlap_param_gather=ns.overlap_param_gather,
         tp_comm_overlap=ns.tp_comm_overlap,
+        overlap_p2p_comm=ns.overlap_p2p_comm,
         sequence_parallel=ns.sequence_parallel,
         use_distributed_optimizer=ns.use_distributed_optimizer,
         data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy,
@@ -244,6 +247,7 @@ def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
         overlap_grad_reduce=ns.overlap_grad_reduce,
         overlap_param_gather=ns.overlap_param_gather,
         tp_comm_overlap=ns.tp_comm_overlap,
+        overlap_p2p_comm=ns.overlap_p2p_comm,
         sequence_parallel=ns.sequence_parallel,
         use_distributed_optimizer=ns.use_distributed_optimizer,
         data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy,

@@ -23,8 +23,8 @@ from h3t_ext.costmodel.specs import plausible_ranges
 
 INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
               "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
-SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "sequence_parallel",
-            "use_distributed_optimizer")
+SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
+            "sequence_parallel", "use_distributed_optimizer")
 
 
 class RunFileError(ValueError):

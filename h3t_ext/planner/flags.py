@@ -56,6 +56,8 @@ def megatron_flags(plan: Plan) -> list[str]:
     if plan.data_parallel_sharding_strategy is not None:
         flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.data_parallel_sharding_strategy]
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
+    if not plan.overlap_p2p_comm:
+        flags.append("--no-overlap-p2p-communication")
     flags += ["--ckpt", plan.ckpt, "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
     return flags
@@ -69,7 +71,8 @@ _INT_FLAGS = {
     "--micro-batch-size": "micro_batch_size",
     "--global-batch-size": "global_batch_size",
 }
-_SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp"})
+_SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
+                       "--no-overlap-p2p-communication"})
 _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap"}
 
@@ -79,6 +82,7 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
     fields: dict[str, object] = {}
     seen = set(flags)
     fields["use_distributed_optimizer"] = "--use-distributed-optimizer" in seen
+    fields["overlap_p2p_comm"] = "--no-overlap-p2p-communication" not in seen
     it = iter(flags)
     for flag in it:
         if flag in _SWITCHES:

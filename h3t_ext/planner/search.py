@@ -210,8 +210,8 @@ def search(
     ckpts = (constraints.ckpt,) if constraints.ckpt is not None else CKPT_BY_MEMORY
     static: dict[tuple[int, int, int], Optional[ClosestInfeasible]] = {}
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
-                                                      "sequence_parallel", "use_distributed_optimizer",
-                                                      "data_parallel_sharding_strategy")}
+                                                      "overlap_p2p_comm", "sequence_parallel",
+                                                      "use_distributed_optimizer", "data_parallel_sharding_strategy")}
     run = (num_gpus, seq_length, global_batch_size, switches)
     best_first = top is not None and not exhaustive
     live: list[Layout] = []

@@ -64,6 +64,8 @@ class SearchConstraints:
     """Megatron's --overlap-param-gather for every plan searched."""
     tp_comm_overlap: bool = False
     """Megatron's --tp-comm-overlap for every plan searched."""
+    overlap_p2p_comm: bool = True
+    """Megatron's --overlap-p2p-communication for every plan searched."""
     sequence_parallel: bool = True
     """Megatron's --sequence-parallel (with t > 1) for every plan searched."""
     use_distributed_optimizer: bool = True
