@@ -6,7 +6,8 @@ too, so these tests run the path two processes on one GPU take (scripts/gpu/stag
 Checked: the copies are counted per transfer of the builder's list and are distinct buffers, a
 staged send is a snapshot (changing the tensor after queueing does not change what arrives), a
 PP=2 v=2 ckpt=ours alpha=0.5 pipeline with staging (plain and under strict P2P) equals the
-same run without staging bitwise and the single-process reference, and a non-CPU tensor on gloo without staging is one line.
+same run without staging bitwise and the single-process reference, and a non-CPU tensor on gloo
+without staging is one line.
 """
 from __future__ import annotations
 
@@ -68,9 +69,9 @@ def test_staged_transfers_are_snapshots_in_separate_host_buffers():
     import torch
 
     sender, receiver = run_distributed(_transfer_worker, 2, timeout_s=120)
-    assert sender["error"] == ("pipeline rank 0: SEND_FORWARD microbatch 0 moves a meta tensor over a gloo group, which "
-                               "cannot send or receive device tensors; set p2p_staging='host' (H3TConfig) to stage "
-                               "transfers through host memory")
+    assert sender["error"] == ("pipeline rank 0: SEND_FORWARD microbatch 0 moves a meta tensor over a gloo group, "
+                               "which cannot send or receive device tensors; set p2p_staging='host' (H3TConfig) to "
+                               "stage transfers through host memory")
     assert receiver["error"].startswith("pipeline rank 1: RECV_FORWARD microbatch 0 moves a meta tensor")
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     assert torch.equal(receiver["got"][0], t) and torch.equal(receiver["got"][1], t.t())

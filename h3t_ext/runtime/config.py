@@ -110,4 +110,5 @@ def resolve_device_mode(mode: str, device_type: str) -> str:
     return mode
 
 
-__all__ = ["CKPT_CHOICES", "DEVICE_MODES", "P2P_STAGING_CHOICES", "STRICT_P2P_COMM_CHOICES", "H3TConfig", "RuntimeConfigError", "resolve_device_mode"]
+__all__ = ["CKPT_CHOICES", "DEVICE_MODES", "P2P_STAGING_CHOICES", "STRICT_P2P_COMM_CHOICES", "H3TConfig",
+           "RuntimeConfigError", "resolve_device_mode"]

@@ -283,4 +283,5 @@ class PipelineP2P:
             wait_work(work, self.timeout, pending.what, self.rank, stream_wait=self.stream_waits)
 
 
-__all__ = ["BACKWARD", "FORWARD", "P2PStagingError", "P2PTimeoutError", "PipelineP2P", "StagingStats", "p2p_tag", "uses_stream_waits", "wait_work"]
+__all__ = ["BACKWARD", "FORWARD", "P2PStagingError", "P2PTimeoutError", "PipelineP2P", "StagingStats", "p2p_tag",
+           "uses_stream_waits", "wait_work"]

@@ -72,8 +72,9 @@ def spec_and_plan(args):
     spec = ModelSpec("stage-memory", args.num_layers, args.hidden_size, args.num_attention_heads,
                      args.num_attention_heads, args.ffn_hidden_size, args.vocab_size, swiglu=True,
                      untie_embeddings_and_output_weights=True)
-    plan = Plan(num_gpus=PP, seq_length=args.seq_length, global_batch_size=args.num_microbatches * args.micro_batch_size,
-                micro_batch_size=args.micro_batch_size, pipeline_model_parallel_size=PP,
+    plan = Plan(num_gpus=PP, seq_length=args.seq_length,
+                global_batch_size=args.num_microbatches * args.micro_batch_size, micro_batch_size=args.micro_batch_size,
+                pipeline_model_parallel_size=PP,
                 num_layers_per_virtual_pipeline_stage=args.num_layers // (PP * V), ckpt=CKPT, offload_alpha=ALPHA,
                 sequence_parallel=False, use_distributed_optimizer=False, transformer_impl="local")
     return spec, plan
