@@ -50,7 +50,11 @@ def gpu_tests(timeout_s: int) -> dict:
 
 def stage_memory(timeout_s: int, device: str = "cuda") -> tuple[Optional[float], Optional[dict], str]:
     """(max relative error, the script's JSON, why it is missing) of scripts/gpu/stage_memory.py."""
-    result, why = _run_json([sys.executable, "scripts/gpu/stage_memory.py", "--device", device, "--json"], timeout_s)
+    try:
+        result, why = _run_json([sys.executable, "scripts/gpu/stage_memory.py", "--device", device, "--json"],
+                                timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, None, f"scripts/gpu/stage_memory.py did not finish within {timeout_s}s"
     return (None if result is None else result["max_error"]), result, why
 
 
