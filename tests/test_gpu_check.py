@@ -45,6 +45,7 @@ def test_report_reads_the_stage_memory_script_on_cpu():
         assert s["rel_error"] == pytest.approx((s["measured_bytes"] - s["predicted_bytes"]) / s["predicted_bytes"],
                                                abs=1e-5)
         assert s["staging"]["sends"] > 0 and s["staging"]["recvs"] == s["staging"]["sends"]
+        assert s["params"] == s["predicted_params"]  # the ModelSpec/Plan describe the model that ran
     assert error <= 0.05  # the activation model's tolerance on CPU (tests/test_memory_prediction.py)
     assert details["run"] == {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
                               "ckpt": "ours", "offload_alpha": 0.5, "p2p_staging": "host", "dtype": "fp32",

@@ -24,5 +24,6 @@ def test_stage_peaks_within_3_percent_of_the_cost_model():
     assert result["device"] == "cuda" and len(result["stages"]) == 2
     for s in result["stages"]:
         assert s["staging"]["sends"] > 0  # the transfers went through host buffers
+        assert s["params"] == s["predicted_params"]
     assert result["max_error"] <= 0.03, [(s["stage"], s["measured_bytes"], s["predicted_bytes"], s["rel_error"])
                                          for s in result["stages"]]

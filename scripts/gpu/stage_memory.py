@@ -20,8 +20,10 @@ saved activation bytes held by the activation manager against ``stage_activation
     python scripts/gpu/stage_memory.py [--device cuda|cpu] [--json]
 
 ``--json`` prints one JSON object as the last line: ``device``, ``measure``, ``stages`` (per stage
-``measured_bytes``, ``predicted_bytes``, ``rel_error`` and diagnostics), ``max_error``, ``losses``,
-``staging`` (host copies per rank), the model and plan.
+``measured_bytes``, ``predicted_bytes``, ``rel_error``, the host copies of the last iteration under
+``staging`` and diagnostics: parameters held and predicted, the activation manager's peak and its
+prediction, on a GPU the forward-backward and optimizer-step peaks, the persistent bytes, the cuBLAS
+workspace and the predicted terms), ``max_error``, ``losses``, the model, plan and run settings.
 """
 from __future__ import annotations
 
@@ -203,7 +205,8 @@ def _worker(rank, world, args):
         losses.append([float(d["lm loss"]) for d in store])
     (mgr,) = [m for m in sched.preparer.managers if m is not None]
     stats = sched.last_staging
-    return {"fb_peak": max(fb_peaks, default=None), "step_peak": max(step_peaks, default=None),
+    return {"params": sum(p.numel() for chunk in model for p in chunk.parameters()),
+            "fb_peak": max(fb_peaks, default=None), "step_peak": max(step_peaks, default=None),
             "persistent_bytes": persistent if on_gpu else None, "cublas_workspace_bytes": cublas if on_gpu else None,
             "activation_peak_bytes": mgr.stats.peak_resident_bytes, "losses": losses,
             "staging": {"sends": stats.sends, "recvs": stats.recvs, "bytes": stats.bytes}}
@@ -211,7 +214,7 @@ def _worker(rank, world, args):
 
 def compare(args, per_rank: list) -> dict:
     """Measured against predicted per stage, and the largest relative error."""
-    from h3t_ext.costmodel import stage_activation_peak_bytes, stage_memory
+    from h3t_ext.costmodel import stage_activation_peak_bytes, stage_memory, stage_params
 
     spec, plan = spec_and_plan(args)
     on_gpu = args.device == "cuda"
@@ -219,7 +222,8 @@ def compare(args, per_rank: list) -> dict:
                                            sequence_parallel=False)
     stages = []
     for stage, r in enumerate(per_rank):
-        row = {"stage": stage, "activation_peak_bytes": r["activation_peak_bytes"],
+        row = {"stage": stage, "params": r["params"], "predicted_params": stage_params(spec, plan, stage),
+               "activation_peak_bytes": r["activation_peak_bytes"],
                "predicted_activation_peak_bytes": act_pred[stage], "staging": r["staging"]}
         if on_gpu:
             mem = stage_memory(spec, plan, stage, ALPHA)
