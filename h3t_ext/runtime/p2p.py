@@ -24,10 +24,11 @@ need no emulation: there the flag changes nothing.
 pipelines of several processes on one GPU, where NCCL refuses to run and gloo cannot move CUDA
 tensors: a send copies its tensor into a fresh host buffer (pinned for a CUDA tensor; a
 synchronous copy, so the buffer is complete when gloo reads it) when it is queued, and a receive
-lands in a host buffer that is copied into a new tensor on the receiving device when the receive
-is waited for. Tags, batching, timeouts and strict ordering apply to the host buffers unchanged.
-The copies are made on CPU tensors too (so CPU tests run this path); :class:`StagingStats`
-counts them. Without staging, a non-CPU tensor meeting a gloo group is one
+lands in a host buffer that is copied into its device buffer when the receive is waited for (the
+device buffer is allocated when the receive is posted, as NCCL's is, so the device holds over the
+iteration what it holds under NCCL). Tags, batching, timeouts and strict ordering apply to the
+host buffers unchanged. The copies are made on CPU tensors too (so CPU tests run this path);
+:class:`StagingStats` counts them. Without staging, a non-CPU tensor meeting a gloo group is one
 :class:`P2PStagingError` line instead of gloo's own error.
 """
 from __future__ import annotations
@@ -143,7 +144,7 @@ class PipelineP2P:
         """The ``what`` of every transfer of each posted batch, in posting order (for tests)."""
         self._queued: list[tuple[dist.P2POp, str, Optional[tuple]]] = []
         self._recvs: dict[tuple, tuple] = {}
-        self._recv_devices: dict[tuple, torch.device] = {}
+        self._recv_targets: dict[tuple, list[torch.Tensor]] = {}
         self._sends: list[_Pending] = []
 
     # -- host staging ----------------------------------------------------------------------
@@ -162,9 +163,8 @@ class PipelineP2P:
         self.staging_stats.bytes += host.numel() * host.element_size()
         return host
 
-    def _stage_in(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """A new tensor on ``device`` holding a received host buffer."""
-        out = torch.empty(tuple(host.shape), dtype=host.dtype, device=device)
+    def _stage_in(self, host: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the device buffer allocated when the receive was posted) holding a received host buffer."""
         out.copy_(host)
         self.staging_stats.recvs += 1
         self.staging_stats.bytes += host.numel() * host.element_size()
@@ -193,8 +193,9 @@ class PipelineP2P:
         """Queue receives of tensors of ``shapes`` from pipeline rank ``peer`` under ``key``."""
         assert key not in self._recvs, f"receive {what} posted twice"
         device = torch.device(device)
-        if self.host_staging:  # lands on the host; copied to ``device`` by wait_recv
-            self._recv_devices[key] = device
+        if self.host_staging:  # lands on the host; copied by wait_recv into a device buffer allocated now,
+            # so the device holds what it holds under NCCL (a posted receive's buffer) from posting on
+            self._recv_targets[key] = [torch.empty(tuple(s), dtype=dtype, device=device) for s in shapes]
         else:
             self._check_device(device, what)
         for i, shape in enumerate(shapes):
@@ -262,9 +263,9 @@ class PipelineP2P:
         else:
             pending, tensors = self._recvs.pop(key)
             self._wait(pending)
-        device = self._recv_devices.pop(key, None)
-        if device is not None:
-            tensors = [self._stage_in(t, device) for t in tensors]
+        targets = self._recv_targets.pop(key, None)
+        if targets is not None:
+            tensors = [self._stage_in(t, out) for t, out in zip(tensors, targets)]
         return tensors
 
     def wait_all(self) -> None:
