@@ -23,3 +23,40 @@ def test_gpu_check_refuses_unknown_arguments():
     proc = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "--fast"], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip() == "gpu_check.sh: error: unknown argument --fast (valid: --dry-run)"
+
+
+def _report_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_report", REPO / "scripts/gpu/report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_report_reads_the_stage_memory_script_on_cpu():
+    """The report's stage-memory part runs scripts/gpu/stage_memory.py --json (here its CPU run: two gloo
+    ranks, host-staged transfers, activation peaks against the cost model)."""
+    error, details, why = _report_module().stage_memory(timeout_s=300, device="cpu")
+    assert why == "" and details["device"] == "cpu" and error == details["max_error"]
+    assert [s["stage"] for s in details["stages"]] == [0, 1]
+    for s in details["stages"]:
+        assert s["measured_bytes"] > 0 and s["predicted_bytes"] > 0
+        assert s["rel_error"] == pytest.approx((s["measured_bytes"] - s["predicted_bytes"]) / s["predicted_bytes"],
+                                               abs=1e-5)
+        assert s["staging"]["sends"] > 0 and s["staging"]["recvs"] == s["staging"]["sends"]
+        assert s["params"] == s["predicted_params"]  # the ModelSpec/Plan describe the model that ran
+    assert error <= 0.05  # the activation model's tolerance on CPU (tests/test_memory_prediction.py)
+    assert details["run"] == {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
+                              "ckpt": "ours", "offload_alpha": 0.5, "p2p_staging": "host", "dtype": "fp32",
+                              "warmup": 1, "iterations": 1}
+    assert details["plan"]["ckpt"] == "ours" and details["plan"]["offload_alpha"] == 0.5
+    first, last = details["losses"][0], details["losses"][-1]
+    assert len(first) == 4 and sum(last) < sum(first)  # an optimizer step happened
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_report_names_why_stage_memory_is_missing():
+    error, details, why = _report_module().stage_memory(timeout_s=120, device="cuda")
+    assert error is None and details is None
+    assert why == "stage_memory.py: error: no CUDA device (use --device cpu for the CPU run)"

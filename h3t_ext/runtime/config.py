@@ -7,6 +7,7 @@ from typing import Sequence, Union
 CKPT_CHOICES = ("no", "full", "ours")
 DEVICE_MODES = ("auto", "cuda", "cpu-sync", "cpu-thread")
 STRICT_P2P_COMM_CHOICES = ("group", "pair")
+P2P_STAGING_CHOICES = ("none", "host")
 
 
 class RuntimeConfigError(ValueError):
@@ -41,6 +42,12 @@ class H3TConfig:
     """How strict mode maps transfers onto NCCL communicators: ``group`` (one communicator per
     process group: all of a rank's batches in one order, the stricter) or ``pair`` (one per rank
     pair: only the batches to the same peer are ordered)."""
+    p2p_staging: str = "none"
+    """``host`` stages every pipeline send and receive through host buffers: a device tensor is
+    copied into a host buffer before its gloo ``isend``, and a receive lands in a host buffer that
+    is copied to the device when it is waited for. Gloo cannot send or receive CUDA tensors and
+    NCCL refuses two ranks on one GPU, so this is what runs a pipeline of several processes on
+    one GPU (over gloo). ``none`` (default) sends the tensors themselves. Gloo groups only."""
 
     def __post_init__(self) -> None:
         _validate_ckpt(self.ckpt)
@@ -49,6 +56,9 @@ class H3TConfig:
         if self.strict_p2p_comm not in STRICT_P2P_COMM_CHOICES:
             raise RuntimeConfigError(
                 f"strict_p2p_comm must be one of {{{','.join(STRICT_P2P_COMM_CHOICES)}}}, got {self.strict_p2p_comm!r}")
+        if self.p2p_staging not in P2P_STAGING_CHOICES:
+            raise RuntimeConfigError(
+                f"p2p_staging must be one of {{{','.join(P2P_STAGING_CHOICES)}}}, got {self.p2p_staging!r}")
         if not self.p2p_timeout_s > 0:
             raise RuntimeConfigError(f"p2p_timeout_s must be > 0, got {self.p2p_timeout_s}")
 
@@ -100,4 +110,5 @@ def resolve_device_mode(mode: str, device_type: str) -> str:
     return mode
 
 
-__all__ = ["CKPT_CHOICES", "DEVICE_MODES", "STRICT_P2P_COMM_CHOICES", "H3TConfig", "RuntimeConfigError", "resolve_device_mode"]
+__all__ = ["CKPT_CHOICES", "DEVICE_MODES", "P2P_STAGING_CHOICES", "STRICT_P2P_COMM_CHOICES", "H3TConfig",
+           "RuntimeConfigError", "resolve_device_mode"]

@@ -19,6 +19,17 @@ transfer that never completes.
 on gloo (:mod:`h3t_ext.runtime.p2p_strict`), so a posting order that would deadlock on a GPU
 cluster deadlocks in CPU tests too and ends with one :class:`P2PTimeoutError` line. NCCL groups
 need no emulation: there the flag changes nothing.
+
+``staging="host"`` (``H3TConfig.p2p_staging``) stages every transfer through host memory, for
+pipelines of several processes on one GPU, where NCCL refuses to run and gloo cannot move CUDA
+tensors: a send copies its tensor into a fresh host buffer (pinned for a CUDA tensor; a
+synchronous copy, so the buffer is complete when gloo reads it) when it is queued, and a receive
+lands in a host buffer that is copied into its device buffer when the receive is waited for (the
+device buffer is allocated when the receive is posted, as NCCL's is, so the device holds over the
+iteration what it holds under NCCL). Tags, batching, timeouts and strict ordering apply to the
+host buffers unchanged. The copies are made on CPU tensors too (so CPU tests run this path);
+:class:`StagingStats` counts them. Without staging, a non-CPU tensor meeting a gloo group is one
+:class:`P2PStagingError` line instead of gloo's own error.
 """
 from __future__ import annotations
 
@@ -29,6 +40,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .config import P2P_STAGING_CHOICES
 from .p2p_strict import StrictP2P
 
 FORWARD, BACKWARD = 0, 1
@@ -37,6 +49,22 @@ _MAX_TENSORS = 4
 
 class P2PTimeoutError(RuntimeError):
     """A pipeline send or receive did not complete within ``p2p_timeout_s``."""
+
+
+class P2PStagingError(ValueError):
+    """A transfer the pipeline group's backend cannot carry as configured (one line naming ``p2p_staging``)."""
+
+
+@dataclass
+class StagingStats:
+    """Copies made by host staging (``staging="host"``), for tests and reports."""
+
+    sends: int = 0
+    """Tensors copied into a host buffer before their send."""
+    recvs: int = 0
+    """Received host buffers copied to the receiving device."""
+    bytes: int = 0
+    """Bytes of all those copies."""
 
 
 def uses_stream_waits(backend: str) -> bool:
@@ -91,21 +119,56 @@ class PipelineP2P:
     ``num_stages`` is the number of virtual stages ``p * v``; ranks are ranks of ``pp_group``.
     ``strict`` (``"group"`` or ``"pair"``, the NCCL communicator mapping to emulate) runs the
     batches through :class:`~h3t_ext.runtime.p2p_strict.StrictP2P`; ignored on NCCL groups.
+    ``staging="host"`` copies every transfer through host buffers (module docstring); gloo only.
     """
 
-    def __init__(self, pp_group, num_stages: int, timeout_s: float, strict: Optional[str] = None):
+    def __init__(self, pp_group, num_stages: int, timeout_s: float, strict: Optional[str] = None,
+                 staging: str = "none"):
         self.group = pp_group
         self.rank = dist.get_rank(pp_group)
         self.size = dist.get_world_size(pp_group)
         self.num_stages = num_stages
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.stream_waits = uses_stream_waits(dist.get_backend(pp_group))
+        backend = str(dist.get_backend(pp_group)).lower()
+        self.stream_waits = uses_stream_waits(backend)
+        self.gloo = "gloo" in backend and not self.stream_waits
+        if staging not in P2P_STAGING_CHOICES:
+            raise P2PStagingError(f"p2p_staging must be one of {{{','.join(P2P_STAGING_CHOICES)}}}, got {staging!r}")
+        if staging == "host" and not self.gloo:
+            raise P2PStagingError(f"p2p_staging='host' needs a gloo pipeline group, this one is {backend!r}")
+        self.host_staging = staging == "host"
+        self.staging_stats = StagingStats()
+        """What host staging copied so far (all zero without staging)."""
         self.strict = None if strict is None or self.stream_waits else StrictP2P(pp_group, self.rank, strict, timeout_s)
         self.posted: list[tuple[str, ...]] = []
         """The ``what`` of every transfer of each posted batch, in posting order (for tests)."""
         self._queued: list[tuple[dist.P2POp, str, Optional[tuple]]] = []
         self._recvs: dict[tuple, tuple] = {}
+        self._recv_targets: dict[tuple, list[torch.Tensor]] = {}
         self._sends: list[_Pending] = []
+
+    # -- host staging ----------------------------------------------------------------------
+    def _check_device(self, device: torch.device, what: str) -> None:
+        if self.gloo and torch.device(device).type != "cpu":
+            raise P2PStagingError(
+                f"pipeline rank {self.rank}: {what} moves a {torch.device(device).type} tensor over a gloo group, "
+                "which cannot send or receive device tensors; set p2p_staging='host' (H3TConfig) to stage "
+                "transfers through host memory")
+
+    def _stage_out(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t`` (a new buffer even for a CPU tensor), complete when this returns."""
+        host = torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+        host.copy_(t)  # synchronous: gloo reads a finished copy
+        self.staging_stats.sends += 1
+        self.staging_stats.bytes += host.numel() * host.element_size()
+        return host
+
+    def _stage_in(self, host: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the device buffer allocated when the receive was posted) holding a received host buffer."""
+        out.copy_(host)
+        self.staging_stats.recvs += 1
+        self.staging_stats.bytes += host.numel() * host.element_size()
+        return out
 
     # -- posting ---------------------------------------------------------------------------
     def queue_send(self, tensors: Sequence[torch.Tensor], peer: int, direction: int, microbatch: int,
@@ -117,15 +180,28 @@ class PipelineP2P:
         """
         for i, t in enumerate(tensors):
             tag = p2p_tag(direction, microbatch, sender_stage, self.num_stages, i)
-            op = dist.P2POp(dist.isend, t.detach().contiguous(), group=self.group, group_peer=peer, tag=tag)
+            if self.host_staging:
+                payload = self._stage_out(t.detach())
+            else:
+                self._check_device(t.device, what)
+                payload = t.detach().contiguous()
+            op = dist.P2POp(dist.isend, payload, group=self.group, group_peer=peer, tag=tag)
             self._queued.append((op, what, None))
 
     def queue_recv(self, key: tuple, shapes: Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device,
                    peer: int, direction: int, microbatch: int, sender_stage: int, what: str) -> None:
         """Queue receives of tensors of ``shapes`` from pipeline rank ``peer`` under ``key``."""
         assert key not in self._recvs, f"receive {what} posted twice"
+        device = torch.device(device)
+        if self.host_staging:  # lands on the host; copied by wait_recv into a device buffer allocated now,
+            # so the device holds what it holds under NCCL (a posted receive's buffer) from posting on
+            self._recv_targets[key] = [torch.empty(tuple(s), dtype=dtype, device=device) for s in shapes]
+        else:
+            self._check_device(device, what)
         for i, shape in enumerate(shapes):
-            buf = torch.empty(tuple(shape), dtype=dtype, device=device, requires_grad=False)
+            buf = torch.empty(tuple(shape), dtype=dtype, requires_grad=False,
+                              device="cpu" if self.host_staging else device,
+                              pin_memory=self.host_staging and device.type == "cuda")
             tag = p2p_tag(direction, microbatch, sender_stage, self.num_stages, i)
             op = dist.P2POp(dist.irecv, buf, group=self.group, group_peer=peer, tag=tag)
             self._queued.append((op, what, (key, i, len(shapes))))
@@ -184,9 +260,12 @@ class PipelineP2P:
         if self.strict is not None:
             batch, what, tensors = self._recvs.pop(key)
             self.strict.wait_batch(batch, what)
-            return tensors
-        pending, tensors = self._recvs.pop(key)
-        self._wait(pending)
+        else:
+            pending, tensors = self._recvs.pop(key)
+            self._wait(pending)
+        targets = self._recv_targets.pop(key, None)
+        if targets is not None:
+            tensors = [self._stage_in(t, out) for t, out in zip(tensors, targets)]
         return tensors
 
     def wait_all(self) -> None:
@@ -205,4 +284,5 @@ class PipelineP2P:
             wait_work(work, self.timeout, pending.what, self.rank, stream_wait=self.stream_waits)
 
 
-__all__ = ["BACKWARD", "FORWARD", "P2PTimeoutError", "PipelineP2P", "p2p_tag", "uses_stream_waits", "wait_work"]
+__all__ = ["BACKWARD", "FORWARD", "P2PStagingError", "P2PTimeoutError", "PipelineP2P", "StagingStats", "p2p_tag",
+           "uses_stream_waits", "wait_work"]

@@ -195,6 +195,8 @@ class H3TSchedules:
         self.last_posted: list[tuple[str, ...]] = []
         """Batches the last call posted (``what`` of each transfer): the builder's
         :func:`~h3t_ext.schedule.posting.posting_batches` of this rank's list."""
+        self.last_staging = None
+        """Host-staging copies of the last call (:class:`~h3t_ext.runtime.p2p.StagingStats`; None at PP=1)."""
 
     # -- Megatron's entry points -------------------------------------------------------------
     def forward_backward_no_pipelining(self, *, forward_step_func, data_iterator, model, num_microbatches,
@@ -292,6 +294,7 @@ class H3TSchedules:
         executor = _Executor(call, config, self.config, manager, mode, v)
         store = executor.run(actions)
         self.last_posted = executor.p2p.posted if executor.p2p is not None else []
+        self.last_staging = executor.p2p.staging_stats if executor.p2p is not None else None
         return store
 
 
@@ -306,8 +309,8 @@ class _Executor:
         self.device = param.device
         self.dtype = config.pipeline_dtype or param.dtype
         strict = h3t.strict_p2p_comm if h3t.strict_p2p else None
-        self.p2p = PipelineP2P(call.pp_group, self.num_stages, h3t.p2p_timeout_s, strict=strict) \
-            if call.pp_size > 1 else None
+        self.p2p = PipelineP2P(call.pp_group, self.num_stages, h3t.p2p_timeout_s, strict=strict,
+                               staging=h3t.p2p_staging) if call.pp_size > 1 else None
         self.model_type = get_model_type(call.model[0])
         self.inputs: dict[tuple[int, int], list] = {}
         self.outputs: dict[tuple[int, int], list] = {}
