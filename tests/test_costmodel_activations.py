@@ -1,7 +1,8 @@
 """Saved-activation accounting and its pricing over the schedule builder's action lists."""
 import pytest
 
-from h3t_ext.costmodel import Plan, activation_bytes_per_layer_token, get_model, stage_activation_peak_bytes
+from h3t_ext.costmodel import ModelSpec, Plan, activation_bytes_per_layer_token, get_model, stage_activation_peak_bytes, \
+    stage_memory
 from h3t_ext.costmodel.activations import _closed_form, _walk_schedule, residency_lines
 from h3t_ext.schedule import build_schedule
 
@@ -94,3 +95,17 @@ def test_no_sequence_parallel_is_larger():
     sp = stage_activation_peak_bytes(model, plan)
     nosp = stage_activation_peak_bytes(model, plan, sequence_parallel=False)
     assert all(b > a for a, b in zip(sp, nosp))
+
+
+def test_stage_memory_activations_match_the_activation_peak_with_the_local_spec():
+    """stage_memory's activation terms (saved activations, the reload double buffer, the last stage's output
+    layer) are stage_activation_peak_bytes, RoPE's saved cos/sin of the 'local' spec included."""
+    model = ModelSpec(name="llama-local", num_layers=8, hidden_size=1024, num_attention_heads=8, num_query_groups=8,
+                      ffn_hidden_size=4096, vocab_size=8192, untie_embeddings_and_output_weights=True)
+    plan = Plan(num_gpus=2, seq_length=2048, global_batch_size=16, micro_batch_size=2, pipeline_model_parallel_size=2,
+                num_layers_per_virtual_pipeline_stage=2, ckpt="ours", offload_alpha=0.5, sequence_parallel=False,
+                use_distributed_optimizer=False, transformer_impl="local")
+    peaks = stage_activation_peak_bytes(model, plan, layer_spec="local", sequence_parallel=False)
+    for stage, peak in enumerate(peaks):
+        terms = stage_memory(model, plan, stage, 0.5).terms
+        assert terms["activations"] + terms["offload_reload_buffer"] + terms.get("output_layer_activations", 0) == peak

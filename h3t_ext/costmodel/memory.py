@@ -49,6 +49,7 @@ from h3t_ext.costmodel.activations import (
     output_layer_bytes,
     rank_offloads,
     residency_lines,
+    rope_bytes_per_layer,
 )
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
@@ -102,9 +103,10 @@ def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = 
     rank_layers = plan.layers_per_rank(model.num_layers) if stage is None else plan.stage_layers(model.num_layers, stage)
     layers = rank_layers // v
     tokens = plan.micro_batch_size * plan.seq_length // (c * t)
-    return layers * tokens * layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
-                                                         sequence_parallel=plan.sequence_parallel,
-                                                         layer_spec=LAYER_SPEC[plan.transformer_impl])
+    spec = LAYER_SPEC[plan.transformer_impl]
+    per_token = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
+                                            sequence_parallel=plan.sequence_parallel, layer_spec=spec)
+    return layers * (tokens * per_token + rope_bytes_per_layer(model, plan, layer_spec=spec))
 
 
 def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
