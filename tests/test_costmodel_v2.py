@@ -30,33 +30,31 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.007), ("megatron_h100", 0.030), ("korthikanti", 0.045)])
+                         [("atc24_65b", 0.008), ("megatron_h100", 0.027), ("korthikanti", 0.048)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.007), ("megatron_h100", 0.044), ("korthikanti", 0.030)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.008), ("megatron_h100", 0.041), ("korthikanti", 0.027)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
-    bound at what the model achieves today (the 3% target on the mean is not met, see below)."""
+    bound at what the model achieves today (the 3% target on the mean is not met for Megatron, see below)."""
     after = sorted(loso[source].mae_after_one_row)
     assert after[len(after) // 2] <= median, after
 
 
-def test_atc24_within_three_percent_after_one_row(loso):
-    assert loso["atc24_65b"].mae_after_one_row_mean <= 0.03
-
-
-@pytest.mark.xfail(strict=True, reason="the held-out rows' residuals spread over more than 3% within each source "
-                                       "(Megatron: 1.7B/7.1B +8.7/+6.1% and 119B +3.5% against 70B -2.4% and 314B "
-                                       "-4.0%; Korthikanti: selective-recompute rows 3-4% above their full-recompute "
-                                       "twins except 1T, 1T 4-6% below 175B/530B, 530B on 2240 GPUs 2% above 280), "
-                                       "and one row identifies one efficiency (gemm_peak_fraction), which moves every "
-                                       "row alike: mean after one row 4.52% and 3.03%")
-@pytest.mark.parametrize("source", ["megatron_h100", "korthikanti"])
+@pytest.mark.parametrize("source", ["atc24_65b", "korthikanti"])
 def test_within_three_percent_after_one_row(loso, source):
     assert loso[source].mae_after_one_row_mean <= 0.03
+
+
+@pytest.mark.xfail(strict=True, reason="Megatron's held-out rows spread over more than 3% (1.7B/7.1B +6.6/+5.3% "
+                                       "and 119B +3.5% against 70B -2.1% and 314B -3.9%), and one row identifies one "
+                                       "efficiency (gemm_peak_fraction), which moves every row alike: mean after one "
+                                       "row 4.14%")
+def test_megatron_within_three_percent_after_one_row(loso):
+    assert loso["megatron_h100"].mae_after_one_row_mean <= 0.03
 
 
 def _layout(plan):
@@ -96,8 +94,8 @@ def test_fitted_numbers_are_named_in_range_and_counted():
         for k, v in eff.items():
             lo, hi = ranges[k]
             assert lo <= v <= hi, (fam, k, v)
-    # fitted: 2 per GPU family (2 families) + 4 shared = 8 numbers, on 38 published runs
-    assert len(FAMILY_KEYS) * 2 + len(SHARED_KEYS) == 8 and set(FAMILY_KEYS + SHARED_KEYS) == set(FITTABLE)
+    # fitted: 3 per GPU family (2 families) + 3 shared = 9 numbers, on 38 published runs
+    assert len(FAMILY_KEYS) * 2 + len(SHARED_KEYS) == 9 and set(FAMILY_KEYS + SHARED_KEYS) == set(FITTABLE)
     assert len(published_runs()) == 38
     # the rest are stated assumptions, not fitted
     assert set(ranges) - set(FITTABLE) == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"}

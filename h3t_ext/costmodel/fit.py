@@ -82,9 +82,10 @@ def mean_abs(errors: Sequence[float]) -> float:
 Param = tuple[str, str]
 """(scope, efficiency): scope is a family (efficiency set) or ``SHARED``."""
 SHARED = "shared"
-FAMILY_KEYS = ("gemm_peak_fraction", "attention_peak_fraction")
-"""Efficiencies of one GPU family (its tensor cores, clocks under its power limit, its attention kernels)."""
-SHARED_KEYS = ("gemm_tile_overhead_k", "hbm_fraction", "network_fraction", "tp_comm_overlap_exposed")
+FAMILY_KEYS = ("gemm_peak_fraction", "attention_peak_fraction", "hbm_fraction")
+"""Efficiencies of one GPU family (its tensor cores, clocks under its power limit, its attention kernels, its
+memory system: HBM2e on Ampere, HBM3 on Hopper)."""
+SHARED_KEYS = ("gemm_tile_overhead_k", "network_fraction", "tp_comm_overlap_exposed")
 """Efficiencies of the kernels' structure and the software stack, common to the GPU families."""
 
 Groups = Mapping[str, tuple[SystemSpec, Sequence[MeasuredRun]]]
