@@ -38,14 +38,9 @@ def make_batches(m: int = NUM_MICROBATCHES, seed: int = 1234) -> list[dict]:
 
 
 def forward_step_func(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    from h3t_ext.runtime.gpt import mean_loss_forward_step
 
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return output, loss_func
+    return mean_loss_forward_step(data_iterator, model)
 
 
 def init_parallel(tp: int = 1, pp: int = 1, v: int = 1) -> None:

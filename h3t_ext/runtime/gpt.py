@@ -265,3 +265,16 @@ def tiny_llama_config(**overrides) -> TransformerConfig:
     )
     kw.update(overrides)
     return TransformerConfig(**kw)
+
+
+def mean_loss_forward_step(data_iterator, model):
+    """A forward step for megatron-core's schedules over a GPTModel and batches of ``tokens``, ``labels`` and
+    ``position_ids``: the loss is the mean of the per-token losses, reported as ``lm loss``."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func

@@ -95,17 +95,6 @@ def _batches(args, device, seed: int):
     return out
 
 
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return output, loss_func
-
-
 def _build(args, rank: int, on_gpu: bool):
     """(model chunks as run, step function, zero-grad function)."""
     import torch
@@ -159,6 +148,7 @@ def _worker(rank, world, args):
     from h3t_ext.runtime.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
     from h3t_ext.runtime.device import make_device_layer
+    from h3t_ext.runtime.gpt import mean_loss_forward_step
     from h3t_ext.runtime.schedules import H3TSchedules
 
     on_gpu = args.device == "cuda"
@@ -189,7 +179,7 @@ def _worker(rank, world, args):
             persistent = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         store = sched.forward_backward_pipelining_with_interleaving(
-            forward_step_func=_forward_step, data_iterator=[iter(batches) for _ in model], model=model,
+            forward_step_func=mean_loss_forward_step, data_iterator=[iter(batches) for _ in model], model=model,
             num_microbatches=args.num_microbatches, seq_length=args.seq_length,
             micro_batch_size=args.micro_batch_size, forward_only=False)
         if on_gpu:
