@@ -1,8 +1,9 @@
 """Saved-activation accounting and its pricing over the schedule builder's action lists."""
 import pytest
 
-from h3t_ext.costmodel import ModelSpec, Plan, activation_bytes_per_layer_token, get_model, stage_activation_peak_bytes, \
-    stage_memory
+from h3t_ext.costmodel import (
+    ModelSpec, Plan, activation_bytes_per_layer_token, get_model, stage_activation_peak_bytes, stage_memory,
+)
 from h3t_ext.costmodel.activations import _closed_form, _walk_schedule, residency_lines
 from h3t_ext.schedule import build_schedule
 

@@ -46,7 +46,7 @@ def test_report_reads_the_stage_memory_script_on_cpu():
                                                abs=1e-5)
         assert s["staging"]["sends"] > 0 and s["staging"]["recvs"] == s["staging"]["sends"]
         assert s["params"] == s["predicted_params"]  # the ModelSpec/Plan describe the model that ran
-    assert error <= 0.05  # the activation model's tolerance on CPU (tests/test_memory_prediction.py)
+    assert error <= 0.02  # 1.15% today (the saved-activation count against the activation model)
     assert details["run"] == {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
                               "ckpt": "ours", "offload_alpha": 0.5, "p2p_staging": "host", "dtype": "fp32",
                               "warmup": 1, "iterations": 1}

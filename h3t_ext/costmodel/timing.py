@@ -24,8 +24,8 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   (2 (p v - 1) hops: at each warm-up wrap rank 0 has finished its p chunks while the microbatch still needs
   p hops to come back); plain 1F1B also waits for the two blocking exchanges of every steady-state
   microbatch, and so does the interleaved schedule without --overlap-p2p-communication for its one exchange
-  (forward and backward together) of every steady-state microbatch and chunk. With tied embeddings and p > 1, the word-embedding gradient all-reduce between the first and
-  the last stage after the backward.
+  (forward and backward together) of every steady-state microbatch and chunk. With tied embeddings and
+  p > 1, the word-embedding gradient all-reduce between the first and the last stage after the backward.
 * ``bubble``: (interleaved) 1F1B: 1/v of one microbatch's forward + backward on every rank but the slowest
   ((p - 1)/v microbatches of the slowest rank when the ranks are alike).
 * ``dp_exposed``: gradient reduce-scatter (fp32) and parameter all-gather (bf16) with the distributed

@@ -224,8 +224,7 @@ def compare(args, per_rank: list) -> dict:
                        cublas_workspace_bytes=r["cublas_workspace_bytes"], predicted_terms=dict(mem.terms),
                        # the cost model has no term for cuBLAS's workspace (from the caching allocator)
                        rel_error_without_cublas_workspace=round(
-                           (max(r["fb_peak"], r["step_peak"]) - r["cublas_workspace_bytes"] - mem.peak_bytes)
-                           / mem.peak_bytes, 5))
+                           (measured - r["cublas_workspace_bytes"] - predicted) / predicted, 5))
         else:
             measured, predicted = r["activation_peak_bytes"], act_pred[stage]
         row.update(measured_bytes=measured, predicted_bytes=predicted,
@@ -236,7 +235,7 @@ def compare(args, per_rank: list) -> dict:
                "max_memory_allocated is not measurable on CPU")
     return {"device": args.device, "measure": measure, "max_error": max(abs(s["rel_error"]) for s in stages),
             "stages": stages, "losses": per_rank[-1]["losses"],
-            "model": spec.__dict__, "plan": {k: v for k, v in plan.__dict__.items()},
+            "model": spec.__dict__, "plan": dict(plan.__dict__),
             "run": {"pipeline_model_parallel_size": PP, "virtual_pipeline_model_parallel_size": V, "ckpt": CKPT,
                     "offload_alpha": ALPHA, "p2p_staging": "host", "dtype": "bf16" if on_gpu else "fp32",
                     "warmup": args.warmup, "iterations": args.iterations}}
