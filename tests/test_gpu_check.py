@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -60,3 +61,10 @@ def test_report_names_why_stage_memory_is_missing():
     error, details, why = _report_module().stage_memory(timeout_s=120, device="cuda")
     assert error is None and details is None
     assert why == "stage_memory.py: error: no CUDA device (use --device cpu for the CPU run)"
+
+
+def test_stage_memory_script_bad_input_is_one_line():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/stage_memory.py"), "--device", "cpu",
+                           "--num-layers", "3"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == "stage_memory.py: error: --num-layers must be divisible by pipeline 2 x virtual 2 = 4, got 3\n"

@@ -27,7 +27,6 @@ workspace and the predicted terms), ``max_error``, ``losses``, the model, plan a
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -44,7 +43,9 @@ SIZES = {  # per device: large enough on a GPU that activations and weights dwar
 
 
 def _parse(argv):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from h3t_training.arguments import OneLineParser
+
+    ap = OneLineParser(prog="stage_memory.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     for name in SIZES["cuda"]:
