@@ -30,12 +30,19 @@ def system_name(args) -> str:
     return DEFAULT_SYSTEM
 
 
-def _model_spec(args):
+def model_spec(args, vocab_size: int, name: str = "custom"):
+    """The cost model's description of the model these arguments build: its shape, MLP (--swiglu),
+    output layer (--untie-embeddings-and-output-weights) and dropout."""
     from h3t_ext.costmodel import ModelSpec
-    vocab = tokenizer_from_args(args).vocab_size
-    return ModelSpec(name="custom", num_layers=args.num_layers, hidden_size=args.hidden_size,
+    return ModelSpec(name=name, num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                     ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab)
+                     ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab_size, swiglu=bool(args.swiglu),
+                     untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
+                     attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout)
+
+
+def _model_spec(args):
+    return model_spec(args, tokenizer_from_args(args).vocab_size)
 
 
 def _system_and_budget(args):

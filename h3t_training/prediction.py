@@ -24,12 +24,9 @@ def predicted_scalars(args, *, vocab_size: int, on_gpu: bool) -> dict[str, float
     from h3t_ext.costmodel.activations import stage_activation_peak_bytes
     from h3t_ext.costmodel.errors import PlanError, UnknownNameError
     from h3t_ext.costmodel.estimate import estimate
-    from h3t_ext.costmodel.specs import ModelSpec
-    from h3t_training.auto_plan import system_name
+    from h3t_training.auto_plan import model_spec, system_name
 
-    model = ModelSpec(name="run", num_layers=args.num_layers, hidden_size=args.hidden_size,
-                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                      ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab_size)
+    model = model_spec(args, vocab_size, name="run")
     alpha = args.offload_alpha if isinstance(args.offload_alpha, float) else tuple(args.offload_alpha)
     plan = Plan(num_gpus=args.world_size, seq_length=args.seq_length, global_batch_size=args.global_batch_size,
                 micro_batch_size=args.micro_batch_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -40,9 +37,10 @@ def predicted_scalars(args, *, vocab_size: int, on_gpu: bool) -> dict[str, float
     out: dict[str, float] = {}
     te = on_gpu and _has_te()
     try:
-        acts = stage_activation_peak_bytes(model, plan, dtype_bytes=2 if (on_gpu and args.bf16) else 4,
-                                           layer_spec="te" if te else "local",
-                                           sequence_parallel=args.sequence_parallel)
+        dtype_bytes = 2 if (on_gpu and args.bf16) else 4
+        acts = stage_activation_peak_bytes(model, plan, dtype_bytes=dtype_bytes, layer_spec="te" if te else "local",
+                                           sequence_parallel=args.sequence_parallel,
+                                           dropout_mask_bytes=1 if on_gpu else dtype_bytes)
         for r, b in enumerate(acts):
             out[f"h3t/predicted-peak-activation-bytes/stage-{r}"] = float(b)
     except (PlanError, ValueError):

@@ -1,6 +1,8 @@
 """Activation manager: exact results with offload and ckpt=ours, byte accounting, host pool."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -130,6 +132,22 @@ def test_chunk_bytes_equal_cost_model_terms(ckpt):
     assert st.saved_bytes[(0, 0)] == layers * tokens * (terms["total"] - small_terms)
     rstd = 2 * tokens * 4 if ckpt == "no" else 0  # the two norms' fp32 rstd, one per token
     assert st.small_bytes[(0, 0)] == layers * (_rope_and_lse_bytes(seq, mb) + rstd)
+
+
+@pytest.mark.parametrize("ckpt", ["no", "ours"])
+def test_hidden_dropout_masks_equal_cost_model_term(ckpt):
+    """With --hidden-dropout the two bias-dropout-adds keep their masks under every ckpt but full; on CPU
+    PyTorch's dropout keeps its noise tensor in the activation dtype (CUDA's fused kernel a bool mask), which
+    ``dropout_mask_bytes`` says."""
+    layers, mb, seq = 2, 2, 32
+    spec = replace(tiny_model_spec(layers), hidden_dropout=0.1)
+    model = middle_stage_model(num_layers=layers, ckpt=ckpt, hidden_dropout=0.1)
+    st = run_middle_stage(model, _manager(0.0), pipeline_size=2, rank=1, num_microbatches=2, micro_batch=mb,
+                          seq=seq, hidden=HIDDEN)
+    terms = activation_bytes_per_layer_token(spec, ckpt, dtype_bytes=4, layer_spec="local", dropout_mask_bytes=4)
+    assert terms["hidden_dropout_mask"] == 2 * HIDDEN * 4
+    small_terms = terms["norm1_rstd"] + terms["norm2_rstd"] + terms["softmax_lse"]
+    assert st.saved_bytes[(0, 0)] == layers * mb * seq * (terms["total"] - small_terms)
 
 
 @pytest.mark.parametrize("ckpt", ["no", "ours"])

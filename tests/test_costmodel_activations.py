@@ -1,4 +1,6 @@
 """Saved-activation accounting and its pricing over the schedule builder's action lists."""
+from dataclasses import replace
+
 import pytest
 
 from h3t_ext.costmodel import (
@@ -98,11 +100,14 @@ def test_no_sequence_parallel_is_larger():
     assert all(b > a for a, b in zip(sp, nosp))
 
 
-def test_stage_memory_activations_match_the_activation_peak_with_the_local_spec():
+@pytest.mark.parametrize("hidden_dropout", [0.0, 0.1])
+def test_stage_memory_activations_match_the_activation_peak_with_the_local_spec(hidden_dropout):
     """stage_memory's activation terms (saved activations, the reload double buffer, the last stage's output
-    layer) are stage_activation_peak_bytes, RoPE's saved cos/sin of the 'local' spec included."""
+    layer) are stage_activation_peak_bytes, RoPE's saved cos/sin of the 'local' spec and the dropout masks
+    (the first stage's embedding mask too) included."""
     model = ModelSpec(name="llama-local", num_layers=8, hidden_size=1024, num_attention_heads=8, num_query_groups=8,
-                      ffn_hidden_size=4096, vocab_size=8192, untie_embeddings_and_output_weights=True)
+                      ffn_hidden_size=4096, vocab_size=8192, untie_embeddings_and_output_weights=True,
+                      hidden_dropout=hidden_dropout)
     plan = Plan(num_gpus=2, seq_length=2048, global_batch_size=16, micro_batch_size=2, pipeline_model_parallel_size=2,
                 num_layers_per_virtual_pipeline_stage=2, ckpt="ours", offload_alpha=0.5, sequence_parallel=False,
                 use_distributed_optimizer=False, transformer_impl="local")
@@ -110,3 +115,7 @@ def test_stage_memory_activations_match_the_activation_peak_with_the_local_spec(
     for stage, peak in enumerate(peaks):
         terms = stage_memory(model, plan, stage, 0.5).terms
         assert terms["activations"] + terms["offload_reload_buffer"] + terms.get("output_layer_activations", 0) == peak
+    if hidden_dropout:
+        plain = stage_activation_peak_bytes(replace(model, hidden_dropout=0.0), plan, layer_spec="local",
+                                            sequence_parallel=False)
+        assert peaks[0] - plain[0] > peaks[1] - plain[1] > 0  # the embedding's mask lives on the first stage

@@ -2,6 +2,7 @@
 Korthikanti et al. 2022 on A100): leave-one-source-out accuracy, calibration, feasibility, the structure of
 the fitted numbers, and the switches (pure arithmetic)."""
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -30,31 +31,23 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.008), ("megatron_h100", 0.027), ("korthikanti", 0.048)])
+                         [("atc24_65b", 0.027), ("megatron_h100", 0.025), ("korthikanti", 0.046)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.008), ("megatron_h100", 0.041), ("korthikanti", 0.027)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.008), ("megatron_h100", 0.026), ("korthikanti", 0.031)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
-    bound at what the model achieves today (the 3% target on the mean is not met for Megatron, see below)."""
+    bound at what the model achieves today."""
     after = sorted(loso[source].mae_after_one_row)
     assert after[len(after) // 2] <= median, after
 
 
-@pytest.mark.parametrize("source", ["atc24_65b", "korthikanti"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_within_three_percent_after_one_row(loso, source):
     assert loso[source].mae_after_one_row_mean <= 0.03
-
-
-@pytest.mark.xfail(strict=True, reason="Megatron's held-out rows spread over more than 3% (1.7B/7.1B +6.6/+5.3% "
-                                       "and 119B +3.5% against 70B -2.1% and 314B -3.9%), and one row identifies one "
-                                       "efficiency (gemm_peak_fraction), which moves every row alike: mean after one "
-                                       "row 4.14%")
-def test_megatron_within_three_percent_after_one_row(loso):
-    assert loso["megatron_h100"].mae_after_one_row_mean <= 0.03
 
 
 def _layout(plan):
@@ -98,7 +91,10 @@ def test_fitted_numbers_are_named_in_range_and_counted():
     assert len(FAMILY_KEYS) * 2 + len(SHARED_KEYS) == 9 and set(FAMILY_KEYS + SHARED_KEYS) == set(FITTABLE)
     assert len(published_runs()) == 38
     # the rest are stated assumptions, not fitted
-    assert set(ranges) - set(FITTABLE) == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"}
+    assert set(ranges) - set(FITTABLE) == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction",
+                                           "attention_dropout_fwd_slowdown", "attention_dropout_bwd_slowdown"}
+    assert set(ranges) - set(FITTABLE) - {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"} <= set(
+        data["stated_sources"])  # the dropout slowdowns carry their public source
 
 
 def test_memory_budget_is_first_principles():
@@ -268,3 +264,50 @@ def test_interleaved_dp_overlap_window_matches_the_schedule(p, v, m):
         sim = _simulated_dp_exposed(p, m, v, comm, buckets_per_chunk)
         model = _bucketed_exposed(comm, buckets_per_chunk * v, v, 1.0, p)
         assert abs(model - sim) <= comm / (v * buckets_per_chunk) + 1e-9, (comm, sim, model)
+
+
+def _megatron_row(size):
+    return next(r for r in published_runs("megatron_h100") if r.label.startswith(size + " "))
+
+
+def test_attention_dropout_prices_the_mask_not_its_probability():
+    """Flash attention with dropout draws a random number per score whatever p is: the same time at p = 0.1
+    and 0.5, more than without. The slowdown weighs on the model whose attention is the larger share: the
+    1.7B row (h 2048, s 4096) slows several times more than the 314B row (h 16384)."""
+    slowdown = {}
+    for size in ("1.7B", "314B"):
+        run = _megatron_row(size)
+        t = {p: estimate(replace(run.model, attention_dropout=p), run.plan, run.system).iteration_time_s
+             for p in (0.0, 0.1, 0.5)}
+        assert t[0.1] == t[0.5] > t[0.0]
+        slowdown[size] = t[0.1] / t[0.0] - 1
+    assert slowdown["1.7B"] > 3 * slowdown["314B"] > 0
+
+
+def test_hidden_dropout_adds_its_masks_to_the_element_wise_traffic():
+    """The two bias-dropout-adds write a 1-byte mask per element of the rank's (sequence-parallel) shard in the
+    forward and read it in the backward, priced at the element-wise bandwidth; the saved masks add 2 h bytes
+    per local token to the activation memory."""
+    from h3t_ext.costmodel.activations import activation_bytes_per_layer_token
+    from h3t_ext.costmodel.kernels import kernel_rates
+    from h3t_ext.costmodel.timing import layer_seconds
+    run = _megatron_row("16B")
+    without = replace(run.model, hidden_dropout=0.0)
+    a, b = layer_seconds(run.model, run.plan, run.system), layer_seconds(without, run.plan, run.system)
+    p = run.plan
+    mask_bytes = 2 * run.model.hidden_size * p.micro_batch_size * p.seq_length // p.tensor_model_parallel_size
+    hbm = kernel_rates(run.system).hbm
+    assert a["fwd"] - b["fwd"] == pytest.approx(mask_bytes / hbm, rel=1e-9)
+    assert a["bwd"] - b["bwd"] == pytest.approx(mask_bytes / hbm, rel=1e-9)
+    terms = activation_bytes_per_layer_token(run.model, "no")
+    assert terms["hidden_dropout_mask"] == 2 * run.model.hidden_size
+    assert terms["total"] - activation_bytes_per_layer_token(without, "no")["total"] == 2 * run.model.hidden_size
+    assert activation_bytes_per_layer_token(run.model, "full")["hidden_dropout_mask"] == 0
+
+
+def test_unfused_attention_prices_its_dropout_kernel():
+    """Korthikanti's 2022 Megatron (no flash): attention dropout is a kernel over the s^2 scores in HBM."""
+    run = next(r for r in published_runs("korthikanti") if r.label.startswith("22B") and "selective" in r.label)
+    no_drop = replace(run.model, attention_dropout=0.0)
+    with_drop = estimate(run.model, run.plan, run.system).iteration_time_s
+    assert with_drop > estimate(no_drop, run.plan, run.system).iteration_time_s * 1.01

@@ -157,7 +157,21 @@ BAD_INPUTS = [
     (["search", *SMALL, "--offload-alpha", "0.1,0.2"], "--offload-alpha"),
     (["estimate", *SMALL, "--pipeline-model-parallel-size", "2", "--offload-alpha", "0.1,0.2,0.3"], "--offload-alpha"),
     ([], "required"),
+    (["estimate", *SMALL, "--attention-dropout", "1"], "--attention-dropout"),
+    (["estimate", *SMALL, "--hidden-dropout", "x"], "--hidden-dropout"),
 ]
+
+
+def test_dropout_flags_reach_the_model(capsys):
+    """--attention-dropout / --hidden-dropout override the zoo model's (0 for Llama): any p > 0 costs the
+    same (the mask is drawn whatever p is), and more than none."""
+    tokens = {}
+    for p in ("0", "0.1", "0.5"):
+        code, out, _ = run_main(["estimate", *SMALL, "--attention-dropout", p, "--hidden-dropout", p, "--json"],
+                                capsys)
+        assert code == 0
+        tokens[p] = json.loads(out)["tokens_per_second"]
+    assert tokens["0.1"] == tokens["0.5"] < tokens["0"]
 
 
 @pytest.mark.parametrize("argv,needle", BAD_INPUTS)

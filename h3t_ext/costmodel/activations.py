@@ -17,6 +17,8 @@ Terms of one transformer layer (elements per token; ``dtype_bytes`` each unless 
 * ``swiglu_output``     f      output of the activation function
 * ``fc2_input``         f      the copy FC2 saves (TransformerEngine keeps its own); with the 'local' layer
                                spec it is the same tensor as ``swiglu_output`` and is counted once.
+* ``hidden_dropout_mask`` 2 h bytes: the bool masks of the two bias-dropout-adds, with hidden dropout
+                               (flash attention's dropout keeps only its RNG state)
 
 ckpt='ours' drops ``norm1_output``, ``norm2_output`` and ``swiglu_output``/``fc2_input`` (recomputed in
 backward from the kept norm inputs, rstd and FC1 output). ckpt='full' keeps only ``layer_input``.
@@ -45,18 +47,22 @@ from h3t_ext.schedule import ActionKind, build_schedule
 
 FP32 = 4
 INT64, BOOL = 8, 1
-_REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output")
+_REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
+                          "hidden_dropout_mask")
 _OURS_DROPS = ("norm1_output", "norm2_output", "swiglu_output", "fc2_input")
 
 
 def activation_bytes_per_layer_token(model: ModelSpec, ckpt: str, *, dtype_bytes: int = 2,
-                                     layer_spec: str = "te") -> dict[str, int]:
-    """Saved bytes of one layer per local token, by term, plus ``total``."""
-    return dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec))
+                                     layer_spec: str = "te", dropout_mask_bytes: int = BOOL) -> dict[str, int]:
+    """Saved bytes of one layer per local token, by term, plus ``total``. ``dropout_mask_bytes``: bytes per
+    element of a hidden-dropout mask: 1 on a GPU (CUDA's fused dropout keeps a bool mask); PyTorch's CPU
+    dropout keeps its noise tensor in the activation dtype (pass ``dtype_bytes`` for the CPU stand-in)."""
+    return dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes))
 
 
 @functools.lru_cache(maxsize=1024)
-def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str) -> tuple[tuple[str, int], ...]:
+def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
+                 dropout_mask_bytes: int = BOOL) -> tuple[tuple[str, int], ...]:
     if layer_spec not in ("te", "local"):
         raise ValueError(f"layer_spec must be 'te' or 'local', got {layer_spec!r}")
     if ckpt == "selective":  # flash attention saves no s^2 scores: recomputing the core saves nothing more
@@ -78,6 +84,7 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str)
         "fc1_output": model.fc1_width * b,
         "swiglu_output": f * b,
         "fc2_input": f * b if layer_spec == "te" else 0,
+        "hidden_dropout_mask": 2 * h * dropout_mask_bytes if model.hidden_dropout > 0 else 0,
     }
     if not model.swiglu:
         terms["swiglu_output"] = f * b  # GeLU output
@@ -92,10 +99,10 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str)
 @functools.lru_cache(maxsize=1024)
 def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_parallel_size: int = 1,
                                 sequence_parallel: bool = True, dtype_bytes: int = 2,
-                                layer_spec: str = "te") -> int:
+                                layer_spec: str = "te", dropout_mask_bytes: int = BOOL) -> int:
     """Total saved bytes of one layer per local token; without sequence parallel the norm-side terms are
     replicated over the tensor-parallel group (t times more tokens)."""
-    terms = dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec))
+    terms = dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes))
     total = terms["total"]
     if not sequence_parallel and tensor_model_parallel_size > 1:
         total += (tensor_model_parallel_size - 1) * sum(terms[k] for k in _REPLICATED_WITHOUT_SP)
@@ -226,12 +233,13 @@ def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_
 
 
 def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_spec: str = "te",
-                                sequence_parallel: bool = True,
-                                alphas: Optional[tuple[float, ...]] = None) -> tuple[int, ...]:
+                                sequence_parallel: bool = True, alphas: Optional[tuple[float, ...]] = None,
+                                dropout_mask_bytes: int = BOOL) -> tuple[int, ...]:
     """Peak saved-activation bytes (with the reload double buffer) of every pipeline stage of ``plan``.
 
     ``alphas`` overrides ``plan.alphas()``. On the first stage of interleaved 1F1B with m > p this is
-    A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one microbatch-chunk; the last
+    A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one microbatch-chunk; the first
+    stage's chunks also carry the embedding's dropout mask (:func:`embedding_dropout_mask_bytes`), the last
     stage adds one microbatch's :func:`output_layer_bytes`."""
     t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
@@ -240,13 +248,29 @@ def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
     tokens = plan.micro_batch_size * plan.seq_length // (c * t)
     per_tok = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
                                           sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
-                                          layer_spec=layer_spec)
+                                          layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes)
     chunk = layers * (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
                                                               layer_spec=layer_spec))
     head = output_layer_bytes(model, plan, dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)["total"]
+    first = chunk + embedding_dropout_mask_bytes(model, plan, sequence_parallel=sequence_parallel,
+                                                 dropout_mask_bytes=dropout_mask_bytes) // v
     alphas = plan.alphas() if alphas is None else alphas
     return tuple(
-        int(round(chunk * chunk_resident_factor(residency_lines(p, m, v, r), alphas[r], rank_offloads(p, m, v, r) > 0)))
+        int(round((first if r == 0 else chunk)
+                  * chunk_resident_factor(residency_lines(p, m, v, r), alphas[r], rank_offloads(p, m, v, r) > 0)))
         + (head if r == p - 1 else 0)
         for r in range(p)
     )
+
+
+def embedding_dropout_mask_bytes(model: ModelSpec, plan, *, sequence_parallel: bool = True,
+                                 dropout_mask_bytes: int = BOOL) -> int:
+    """The mask of the embedding's dropout (--hidden-dropout, on the sequence-parallel shard) that the first
+    stage keeps per microbatch with its first model chunk. :func:`stage_activation_peak_bytes` spreads it
+    over the v chunks of the first stage: exact without a virtual pipeline, a small approximation with one
+    (one mask against a chunk's 30-odd h bytes per token and layer)."""
+    if model.hidden_dropout <= 0:
+        return 0
+    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
+    tokens = plan.micro_batch_size * plan.seq_length // c // (t if sequence_parallel else 1)
+    return tokens * model.hidden_size * dropout_mask_bytes

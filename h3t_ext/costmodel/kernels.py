@@ -16,9 +16,12 @@ Attention (``flash_attention_seconds``). Flash attention forward is 4 * s_q * s_
 GEMM-like products, 2.5x the forward FLOPs (Dao 2023, FlashAttention-2, Sec. 3). Work is split into
 blocks of ``ATTENTION_BLOCK_Q`` query rows per (batch, head) that are quantized into waves over the SMs
 like GEMM tiles; the head dim sets how much of the peak a block reaches: d / (d + ``attention_head_dim_overhead``)
-(softmax and rescaling are per score, matmul work per score is proportional to d). Megatron's unfused
-attention (``unfused_attention_seconds``, no flash) is two batched GEMMs plus the fused scale-mask-softmax
-over the s^2 scores in HBM.
+(softmax and rescaling are per score, matmul work per score is proportional to d). Attention dropout
+draws a Philox random number per score in the forward and draws it again in the backward (the mask is
+never stored): integer work beside the softmax that lengthens the forward and backward kernels by
+``attention_dropout_fwd_slowdown`` and ``attention_dropout_bwd_slowdown``, whatever the probability.
+Megatron's unfused attention (``unfused_attention_seconds``, no flash) is two batched GEMMs plus the fused
+scale-mask-softmax over the s^2 scores in HBM, and with dropout the dropout kernel over them.
 
 Element-wise kernels (norms, activations, residual adds, RoPE, optimizer) are priced by the bytes they
 move at ``hbm_fraction`` of the HBM bandwidth (``elementwise_seconds``).
@@ -34,13 +37,17 @@ from h3t_ext.costmodel.specs import SystemSpec
 BF16, FP32 = 2, 4
 ATTENTION_BLOCK_Q = 128
 """Query rows per flash-attention thread block (FlashAttention-2 forward and backward on A100/H100)."""
-UNFUSED_SOFTMAX_BYTES_FWD = (2 + 2) + (2 + 2 + 1)
-"""Bytes per attention score of the unfused forward: fused scale-mask-softmax (read bf16 scores, write bf16
-probabilities) and attention dropout (read probabilities, write the dropped copy and its 1-byte mask) --
-Korthikanti et al. 2022, Sec. 4.1: 5as^2b bytes saved per layer = 2 (softmax) + 1 (mask) + 2 (dropout)."""
-UNFUSED_SOFTMAX_BYTES_BWD = (1 + 2 + 2) + (2 + 2 + 2)
-"""Backward: dropout (read mask and gradient, write gradient), softmax (read probabilities and gradient,
-write the score gradient)."""
+UNFUSED_SOFTMAX_BYTES_FWD = 2 + 2
+"""Bytes per attention score of the unfused forward's fused scale-mask-softmax: read bf16 scores, write bf16
+probabilities."""
+UNFUSED_DROPOUT_BYTES_FWD = 2 + 2 + 1
+"""Attention dropout over the unfused scores: read the probabilities, write the dropped copy and its 1-byte
+mask -- Korthikanti et al. 2022, Sec. 4.1: 5as^2b bytes saved per layer = 2 (softmax) + 1 (mask) + 2
+(dropout)."""
+UNFUSED_SOFTMAX_BYTES_BWD = 2 + 2 + 2
+"""Backward softmax: read probabilities and gradient, write the score gradient."""
+UNFUSED_DROPOUT_BYTES_BWD = 1 + 2 + 2
+"""Backward dropout: read the mask and the gradient, write the gradient."""
 FLASH_BACKWARD_FLOP_RATIO = 2.5
 """Backward / forward FLOPs of flash attention: 5 products (S recompute, dP, dS Q->dK, dQ, dV) vs 2."""
 
@@ -58,6 +65,10 @@ class KernelRates:
     attention_flops: float
     """Achievable flash-attention FLOP/s of the GPU at infinite head dim."""
     head_dim_overhead: float
+    dropout_fwd_slowdown: float
+    """Fraction by which attention dropout lengthens the flash-attention forward."""
+    dropout_bwd_slowdown: float
+    """... and the backward."""
     hbm: float
     """Achievable HBM bytes/s of element-wise kernels."""
     launch_s: float
@@ -74,6 +85,8 @@ def kernel_rates(system: SystemSpec) -> KernelRates:
         sm_flops=system.peak_bf16_flops * e("gemm_peak_fraction") / system.num_sms,
         attention_flops=system.peak_bf16_flops * e("attention_peak_fraction"),
         head_dim_overhead=e("attention_head_dim_overhead"),
+        dropout_fwd_slowdown=e("attention_dropout_fwd_slowdown"),
+        dropout_bwd_slowdown=e("attention_dropout_bwd_slowdown"),
         hbm=system.hbm_bandwidth * e("hbm_fraction"),
         launch_s=system.kernel_launch_s,
     )
@@ -104,23 +117,29 @@ def _attention_waves(batch_heads: int, s_q: int, r: KernelRates) -> float:
 
 
 def flash_attention_seconds(batch_heads: int, s_q: int, s_k: int, head_dim: int, r: KernelRates, *,
-                            causal: bool, backward: bool) -> float:
-    """One flash-attention call of ``batch_heads`` (batch x local heads) of s_q queries over s_k keys."""
+                            causal: bool, backward: bool, dropout: bool = False) -> float:
+    """One flash-attention call of ``batch_heads`` (batch x local heads) of s_q queries over s_k keys, with
+    or without attention dropout."""
     flops = 4.0 * batch_heads * s_q * s_k * head_dim * (0.5 if causal else 1.0)
     if backward:
         flops *= FLASH_BACKWARD_FLOP_RATIO
     rate = r.attention_flops * head_dim / (head_dim + r.head_dim_overhead)
+    if dropout:
+        rate /= 1.0 + (r.dropout_bwd_slowdown if backward else r.dropout_fwd_slowdown)
     return flops / rate * _attention_waves(batch_heads, s_q, r) + r.launch_s
 
 
-def unfused_attention_seconds(batch_heads: int, s: int, head_dim: int, r: KernelRates, *, backward: bool) -> float:
+def unfused_attention_seconds(batch_heads: int, s: int, head_dim: int, r: KernelRates, *, backward: bool,
+                              dropout: bool = False) -> float:
     """Megatron's attention without flash: QK^T and PV as batched GEMMs over the full s x s scores, plus the
-    fused scale-mask-softmax and attention dropout over the scores in HBM."""
+    fused scale-mask-softmax (and the attention dropout kernel) over the scores in HBM."""
     bmm = gemm_seconds(s, s, head_dim, r, batch=batch_heads) + gemm_seconds(s, head_dim, s, r, batch=batch_heads)
     scores = batch_heads * s * s
     if backward:
-        return 2 * bmm + elementwise_seconds(scores * UNFUSED_SOFTMAX_BYTES_BWD, r, kernels=2)
-    return bmm + elementwise_seconds(scores * UNFUSED_SOFTMAX_BYTES_FWD, r, kernels=2)
+        per_score = UNFUSED_SOFTMAX_BYTES_BWD + (UNFUSED_DROPOUT_BYTES_BWD if dropout else 0)
+        return 2 * bmm + elementwise_seconds(scores * per_score, r, kernels=2 if dropout else 1)
+    per_score = UNFUSED_SOFTMAX_BYTES_FWD + (UNFUSED_DROPOUT_BYTES_FWD if dropout else 0)
+    return bmm + elementwise_seconds(scores * per_score, r, kernels=2 if dropout else 1)
 
 
 def elementwise_seconds(nbytes: float, r: KernelRates, kernels: int = 1) -> float:

@@ -45,6 +45,7 @@ from typing import Callable, Mapping, Optional
 from h3t_ext.costmodel.activations import (
     activation_bytes_per_layer_token,
     chunk_resident_factor,
+    embedding_dropout_mask_bytes,
     layer_bytes_per_local_token,
     output_layer_bytes,
     rank_offloads,
@@ -106,7 +107,9 @@ def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = 
     spec = LAYER_SPEC[plan.transformer_impl]
     per_token = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
                                             sequence_parallel=plan.sequence_parallel, layer_spec=spec)
-    return layers * (tokens * per_token + rope_bytes_per_layer(model, plan, layer_spec=spec))
+    embedding_mask = embedding_dropout_mask_bytes(model, plan, sequence_parallel=plan.sequence_parallel) // v \
+        if stage == 0 else 0
+    return layers * (tokens * per_token + rope_bytes_per_layer(model, plan, layer_spec=spec)) + embedding_mask
 
 
 def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:

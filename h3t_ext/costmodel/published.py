@@ -49,10 +49,11 @@ def settings() -> dict:
     return _json("run_settings.json")
 
 
-def _gpt(label: str, heads: int, hidden: int, layers: int, vocab: int) -> ModelSpec:
+def _gpt(label: str, heads: int, hidden: int, layers: int, vocab: int, settings: dict) -> ModelSpec:
+    """A GPT-3 style model of a source; its dropout comes from the source's ``model`` settings."""
     return ModelSpec(name=label, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                      num_query_groups=heads, ffn_hidden_size=4 * hidden, vocab_size=vocab, swiglu=False,
-                     untie_embeddings_and_output_weights=False)
+                     untie_embeddings_and_output_weights=False, **settings["model"])
 
 
 def megatron_flops_per_token(model: ModelSpec, seq_length: int) -> float:
@@ -107,7 +108,7 @@ def _megatron() -> list[PublishedRun]:
             continue
         r = row["published"]
         model = _gpt(f"gpt-{r['model_size'].lower()}", r["attention_heads"], r["hidden_size"], r["num_layers"],
-                     MEGATRON_VOCAB)
+                     MEGATRON_VOCAB, cfg)
         # one microbatch per replica without a pipeline, one sample per microbatch with one (run_settings.json)
         mb = r["batch_size"] // r["dp"] if r["pp"] == 1 else 1
         plan = Plan(num_gpus=r["num_gpus"], seq_length=4096, global_batch_size=r["batch_size"], micro_batch_size=mb,
@@ -128,7 +129,7 @@ def _korthikanti() -> list[PublishedRun]:
             continue
         r = row["published"]
         model = _gpt(f"gpt-{r['model_size'].split()[0].lower()}", r["attention_heads"], r["hidden_size"],
-                     r["num_layers"], KORTHIKANTI_VOCAB)
+                     r["num_layers"], KORTHIKANTI_VOCAB, cfg)
         base = Plan(num_gpus=r["num_gpus"], seq_length=KORTHIKANTI_SEQ, global_batch_size=r["global_batch"],
                     micro_batch_size=r["micro_batch"], tensor_model_parallel_size=r["tp"],
                     pipeline_model_parallel_size=r["pp"],

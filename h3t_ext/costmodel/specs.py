@@ -35,12 +35,22 @@ class ModelSpec:
     """Gated SwiGLU MLP (FC1 is 2f wide); False means GeLU with an f-wide FC1."""
     untie_embeddings_and_output_weights: bool = True
     """Separate output layer on the last stage (Llama); False ties it to the embedding (GPT-3)."""
+    attention_dropout: float = 0.0
+    """Dropout probability of the attention probabilities (Megatron's --attention-dropout; its default is 0.1,
+    Llama-style recipes set 0). With flash attention the mask is drawn from a counter-based RNG in the
+    forward and drawn again in the backward, never stored."""
+    hidden_dropout: float = 0.0
+    """Dropout probability after the attention projection and FC2 (--hidden-dropout; Megatron's default 0.1):
+    the fused bias-dropout-add keeps a 1-byte mask per element for backward."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                   "vocab_size"):
             if int(getattr(self, f)) < 1:
                 raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        for f in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= float(getattr(self, f)) < 1.0:
+                raise ValueError(f"{f} must be in [0, 1), got {getattr(self, f)}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                              f"({self.num_attention_heads})")

@@ -8,10 +8,12 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   FC2 [T, f/t] x [f/t, h]; backward runs the data-gradient GEMM (same FLOPs) and the weight-gradient GEMM
   that accumulates into the fp32 main grads. Each is priced by ``kernels.gemm_seconds`` (tile and wave
   quantization over the SMs, memory-bound roofline for thin GEMMs).
-* attention: flash attention over the rank's heads (h/t) and chunk (``_attention``); with context
+* attention: flash attention over the rank's heads (h/t) and chunk (``attention_seconds``), slower with
+  attention dropout (``kernels.flash_attention_seconds``); with context
   parallelism a ring of c steps in which each step's K/V exchange with the neighbour runs against that
   step's attention block (only what outlasts the block is exposed; backward moves K/V and dK/dV).
-* element-wise: norms, residual adds, RoPE and the activation function as HBM traffic.
+* element-wise: norms, residual adds (with hidden dropout, their masks), RoPE and the activation function
+  as HBM traffic.
 * ``recompute``: ckpt=ours the norm outputs and activation function; selective the attention core forward;
   full one more forward of every layer (and its tensor-parallel traffic).
 * ``tp_comm``: sequence parallel: 4 collectives (all-gather / reduce-scatter of [T, h]) forward, 6
@@ -76,6 +78,8 @@ CROSS_ENTROPY_BYTES_PER_LOGIT = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + 
 """Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard. Forward:
 cast bf16 -> fp32, max, subtract the max, exp, sum, divide (softmax kept for backward); backward: read the
 softmax, subtract the one-hot target, scale by the loss gradient, cast to bf16."""
+HIDDEN_DROPOUT_MASK_BYTES = 1
+"""The bool mask torch's dropout keeps for backward, per element."""
 CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
 """Context-parallel ring forward, per output element and step: read the step's bf16 output, read and write
 the fp32 accumulated output (the softmax-lse rescaling of TransformerEngine's ring attention)."""
@@ -119,13 +123,15 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
     t, c, s, mb = (plan.tensor_model_parallel_size, plan.context_parallel_size, plan.seq_length,
                    plan.micro_batch_size)
     bh, d = mb * model.num_attention_heads // t, model.kv_channels
+    drop = model.attention_dropout > 0
     if plan.attention_backend == "unfused":
-        return {"fwd": unfused_attention_seconds(bh, s // c, d, r, backward=False),
-                "bwd": unfused_attention_seconds(bh, s // c, d, r, backward=True), "cp_fwd": 0.0, "cp_bwd": 0.0}
-    if c == 1:
-        return {"fwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=False),
-                "bwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=True), "cp_fwd": 0.0,
+        return {"fwd": unfused_attention_seconds(bh, s // c, d, r, backward=False, dropout=drop),
+                "bwd": unfused_attention_seconds(bh, s // c, d, r, backward=True, dropout=drop), "cp_fwd": 0.0,
                 "cp_bwd": 0.0}
+    if c == 1:
+        return {"fwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=False, dropout=drop),
+                "bwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=True, dropout=drop),
+                "cp_fwd": 0.0, "cp_bwd": 0.0}
     # load-balanced causal ring (2c chunks): step 0 is the rank's own causal block, steps 1..c-1 are
     # s/c queries against half of a neighbour's s/c keys
     q = s // c
@@ -133,8 +139,8 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
     kv_bytes = mb * q * 2 * model.kv_hidden_size // t * BF16
     link = _cp_link(plan, system)
     for name, backward, bytes_per_step in (("fwd", False, kv_bytes), ("bwd", True, 2 * kv_bytes)):
-        diag = flash_attention_seconds(bh, q, q, d, r, causal=True, backward=backward)
-        off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward)
+        diag = flash_attention_seconds(bh, q, q, d, r, causal=True, backward=backward, dropout=drop)
+        off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward, dropout=drop)
         send = p2p_seconds(bytes_per_step, link)
         steps = [diag] + [off] * (c - 1)
         # every step after the first merges its partial result into fp32 accumulators
@@ -145,8 +151,9 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
     return out
 
 
-def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float]:
-    """(forward bytes of one layer's element-wise kernels, bytes recomputed by ckpt=ours)."""
+def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, float]:
+    """(forward bytes of one layer's element-wise kernels, bytes recomputed by ckpt=ours, hidden-dropout mask
+    bytes: written in the forward, read once in the backward)."""
     t = plan.tensor_model_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
     norm_tokens = tokens // t if plan.sequence_parallel else tokens
@@ -155,7 +162,9 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float]:
     residual = 2 * 3 * h * norm_tokens  # two adds: read 2h, write h
     rope = 2 * (h + hkv) * tokens // t if model.swiglu else 0  # Llama models rotate q and k
     act = (model.fc1_width + f) * tokens // t
-    return BF16 * (norms + residual + rope + act), BF16 * (norms + act)
+    # hidden dropout: the two fused bias-dropout-adds also write their 1-byte masks
+    masks = 2 * h * norm_tokens * HIDDEN_DROPOUT_MASK_BYTES if model.hidden_dropout > 0 else 0
+    return BF16 * (norms + residual + rope + act), BF16 * (norms + act), masks
 
 
 def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, float]) -> tuple[float, float]:
@@ -213,9 +222,9 @@ def _layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str
     r = kernel_rates(system)
     g = layer_gemm_seconds(model, plan, r)
     a = attention_seconds(model, plan, system, r)
-    elem, elem_ours = _elementwise_bytes(model, plan)
-    e_fwd = elementwise_seconds(elem, r, kernels=6)
-    e_bwd = elementwise_seconds(2 * elem, r, kernels=12)
+    elem, elem_ours, masks = _elementwise_bytes(model, plan)
+    e_fwd = elementwise_seconds(elem + masks, r, kernels=6)
+    e_bwd = elementwise_seconds(2 * elem + masks, r, kernels=12)
     tp_f, tp_b = _tp_seconds(model, plan, system, g)
     fwd = g["fwd"] + a["fwd"] + e_fwd
     rec = {"no": 0.0, "ours": elementwise_seconds(elem_ours, r, kernels=3), "selective": a["fwd"],

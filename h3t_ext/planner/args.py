@@ -54,6 +54,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _dropout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (valid: a probability in [0, 1))") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"{value} out of range (valid: a probability in [0, 1))")
+    return value
+
+
 def _alpha(text: str) -> AlphaArg:
     if text in ("auto", "balanced"):
         return text
@@ -132,6 +142,10 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
     tie.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
                      help="separate output layer (default for custom models)")
     tie.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False)
+    for flag in ("attention-dropout", "hidden-dropout"):
+        g.add_argument("--" + flag, type=_dropout, default=None,
+                       help="dropout probability (default: the zoo model's, 0 for a custom shape; Megatron-LM's "
+                            "own default is 0.1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 def model_from_args(ns: argparse.Namespace) -> ModelSpec:
     """The model of ``--model`` (with shape flags overriding its fields) or of the shape flags alone."""
     given = {k: getattr(ns, k) for k in _CUSTOM_MODEL_FLAGS if getattr(ns, k) is not None}
-    switches = {k: v for k, v in (("swiglu", ns.swiglu), ("untie_embeddings_and_output_weights", ns.untie))
+    switches = {k: v for k, v in (("swiglu", ns.swiglu), ("untie_embeddings_and_output_weights", ns.untie),
+                                  ("attention_dropout", ns.attention_dropout), ("hidden_dropout", ns.hidden_dropout))
                 if v is not None}
     try:
         if ns.model is not None:
