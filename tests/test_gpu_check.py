@@ -68,3 +68,29 @@ def test_stage_memory_script_bad_input_is_one_line():
                            "--num-layers", "3"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr == "stage_memory.py: error: --num-layers must be divisible by pipeline 2 x virtual 2 = 4, got 3\n"
+
+
+def test_attention_dropout_bench_runs_its_cpu_path():
+    """scripts/gpu/bench_attention_dropout.py --device cpu exercises the measurement (PyTorch's math SDPA at
+    dropout 0 and 0.1, forward and backward) and reports the data file's stated slowdowns beside it; its
+    timings mean nothing on CPU and are not checked."""
+    import json
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/bench_attention_dropout.py"), "--device", "cpu",
+                           "--seq-length", "64", "--micro-batch-size", "1", "--num-attention-heads", "2",
+                           "--kv-channels", "16", "--repeats", "2", "--json"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    from h3t_ext.costmodel.specs import efficiency_set
+    assert out["stated"] == {"fwd_slowdown": efficiency_set("hopper")["attention_dropout_fwd_slowdown"],
+                             "bwd_slowdown": efficiency_set("hopper")["attention_dropout_bwd_slowdown"]}
+    r = out["backends"]["math"]
+    assert r["ran"] and all(r[f"{x}_s_p{p}"] > 0 for x in ("fwd", "bwd") for p in (0.0, 0.1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_attention_dropout_bench_without_a_gpu_is_one_line():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/bench_attention_dropout.py")], cwd=REPO,
+                          env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr == "bench_attention_dropout.py: error: no CUDA GPU (use --device cpu to exercise the code path)\n"

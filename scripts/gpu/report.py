@@ -8,7 +8,10 @@ pipeline transfers, pipeline 2 interleaved, ckpt=ours, alpha 0.5, scripts/gpu/st
 under ``details["stage_memory"]``), ``offload_step_time_ratio`` (alpha 0.5 over
 alpha 0, one rank), ``copy_speedup_small`` (native batched over the copy_ loop, 2,000 x 64 KiB, the
 worse direction) and ``copy_bandwidth_share`` (of one large copy, the worse of both cases and
-directions); the raw results of each part are kept under ``details`` (with ``megatron_native``: a
+directions), ``attention_dropout_slowdown`` (per SDPA backend that runs, the measured forward and
+backward slowdown of attention dropout 0.1 at the Megatron 1.7B row's shape, next to the data file's
+stated values; scripts/gpu/bench_attention_dropout.py); the raw results of each part are kept under
+``details`` (with ``megatron_native``: a
 tiny pretrain_gpt.py run on Megatron's own loop where megatron-core 0.17+ was carried in). A field is
 null only where its part failed; ``missing`` then holds that part's last stderr line.
 """
@@ -112,6 +115,14 @@ def main(argv=None) -> int:
         report["copy_speedup_small"] = min(d["speedup_over_loop"] for d in copies["many_small"].values())
         report["copy_bandwidth_share"] = min(d["share_of_one_copy"] for c in copies.values() for d in c.values())
 
+    dropout, why = _run_json([sys.executable, "scripts/gpu/bench_attention_dropout.py", "--json"], 600)
+    report["details"]["attention_dropout"] = dropout
+    report["attention_dropout_slowdown"] = None if dropout is None else {
+        name: {"fwd": r["fwd_slowdown"], "bwd": r["bwd_slowdown"]} for name, r in dropout["backends"].items()
+        if r["ran"]}
+    if dropout is None:
+        report["missing"]["attention_dropout_slowdown"] = why
+
     report["details"]["megatron_native"] = megatron_native(timeout_s=600)
 
     os.makedirs(args.out_dir, exist_ok=True)
@@ -124,6 +135,11 @@ def main(argv=None) -> int:
             ("offload step time, alpha 0.5 / 0", report["offload_step_time_ratio"], "<= 1.05"),
             ("batched copy vs copy_ loop, 2,000 x 64 KiB", report["copy_speedup_small"], ">= 3x"),
             ("share of one large copy (worse case)", report["copy_bandwidth_share"], ">= 0.8")]
+    stated = "stated " + ("?" if dropout is None else
+                          f"{dropout['stated']['fwd_slowdown']:.2f} / {dropout['stated']['bwd_slowdown']:.2f}")
+    for name, r in (report["attention_dropout_slowdown"] or {"flash": None}).items():
+        rows.append((f"attention dropout slowdown fwd / bwd ({name})",
+                     None if r is None else f"{r['fwd']:.2f} / {r['bwd']:.2f}", stated))
     print(f"GPU check on {name}, {report['date']} -> {os.path.relpath(path, ROOT)}")
     for what, value, target in rows:
         shown = "missing" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
