@@ -25,11 +25,13 @@ def cp_plan(**kw):
 def test_wave_quantization():
     """One tile more than the SMs hold takes a second wave: almost twice the time of a full wave."""
     tm, tn = H800.gemm_tile_m, H800.gemm_tile_n
-    full = gemm_seconds(tm * H800.num_sms, tn, 8192, R)
-    one_more = gemm_seconds(tm * (H800.num_sms + 1), tn, 8192, R)
+    rows, cols = 12, 11  # 132 tiles, one per SM, far from the memory-bound regime
+    assert rows * cols == H800.num_sms
+    full = gemm_seconds(tm * rows, tn * cols, 8192, R)
+    one_more = gemm_seconds(tm * rows + 1, tn * cols, 8192, R)  # a 13th row of tiles: 143 tiles
     assert one_more / full == pytest.approx(2.0, rel=0.05)
     # a tile that is mostly empty costs a whole tile (tile quantization)
-    assert gemm_seconds(tm * H800.num_sms - tm + 1, tn, 8192, R) == pytest.approx(full)
+    assert gemm_seconds(tm * rows - tm + 1, tn * cols, 8192, R) == pytest.approx(full)
 
 
 def test_thin_gemms_are_memory_bound_and_small_k_is_slow():

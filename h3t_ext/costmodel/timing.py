@@ -74,10 +74,12 @@ from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 DDP_BUCKET_PARAMS = 40_000_000
 """Megatron DDP's default bucket size: max(40M, 1M x data-parallel size) parameters."""
 DDP_BUCKET_PARAMS_PER_RANK = 1_000_000
-CROSS_ENTROPY_BYTES_PER_LOGIT = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + 4 + (4 + 4) + (4 + 4) + (4 + 2)
-"""Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard. Forward:
-cast bf16 -> fp32, max, subtract the max, exp, sum, divide (softmax kept for backward); backward: read the
-softmax, subtract the one-hot target, scale by the loss gradient, cast to bf16."""
+CROSS_ENTROPY_BYTES_PER_LOGIT = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + (4 + 4) + (4 + 2)
+"""Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard
+(megatron-core ``tensor_parallel/cross_entropy.py``). Forward: cast bf16 -> fp32, max, subtract the max
+in place, exp in place, sum, divide in place (the softmax is kept for backward); backward: the softmax
+becomes the gradient in place (subtracting the one-hot target touches one logit per token), scaled by the
+loss gradient in place, and autograd casts it to bf16."""
 HIDDEN_DROPOUT_MASK_BYTES = 1
 """The bool mask torch's dropout keeps for backward, per element."""
 CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
