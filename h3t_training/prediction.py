@@ -21,7 +21,7 @@ def _has_te() -> bool:
 def predicted_scalars(args, *, vocab_size: int, on_gpu: bool) -> dict[str, float]:
     """Tag -> predicted value for this run's plan; tags the cost model cannot price are left out."""
     from h3t_ext.costmodel import Plan, get_system
-    from h3t_ext.costmodel.activations import stage_activation_peak_bytes
+    from h3t_ext.costmodel.activations import BOOL, stage_activation_peak_bytes
     from h3t_ext.costmodel.errors import PlanError, UnknownNameError
     from h3t_ext.costmodel.estimate import estimate
     from h3t_training.auto_plan import model_spec, system_name
@@ -40,7 +40,7 @@ def predicted_scalars(args, *, vocab_size: int, on_gpu: bool) -> dict[str, float
         dtype_bytes = 2 if (on_gpu and args.bf16) else 4
         acts = stage_activation_peak_bytes(model, plan, dtype_bytes=dtype_bytes, layer_spec="te" if te else "local",
                                            sequence_parallel=args.sequence_parallel,
-                                           dropout_mask_bytes=1 if on_gpu else dtype_bytes)
+                                           dropout_mask_bytes=BOOL if on_gpu else dtype_bytes)
         for r, b in enumerate(acts):
             out[f"h3t/predicted-peak-activation-bytes/stage-{r}"] = float(b)
     except (PlanError, ValueError):

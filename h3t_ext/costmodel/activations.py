@@ -239,7 +239,7 @@ def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
 
     ``alphas`` overrides ``plan.alphas()``. On the first stage of interleaved 1F1B with m > p this is
     A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one microbatch-chunk; the first
-    stage's chunks also carry the embedding's dropout mask (:func:`embedding_dropout_mask_bytes`), the last
+    stage's chunks also carry the embedding's dropout mask (:func:`embedding_dropout_chunk_bytes`), the last
     stage adds one microbatch's :func:`output_layer_bytes`."""
     t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
@@ -252,8 +252,8 @@ def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
     chunk = layers * (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
                                                               layer_spec=layer_spec))
     head = output_layer_bytes(model, plan, dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)["total"]
-    first = chunk + embedding_dropout_mask_bytes(model, plan, sequence_parallel=sequence_parallel,
-                                                 dropout_mask_bytes=dropout_mask_bytes) // v
+    first = chunk + embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,
+                                                  dropout_mask_bytes=dropout_mask_bytes)
     alphas = plan.alphas() if alphas is None else alphas
     return tuple(
         int(round((first if r == 0 else chunk)
@@ -263,14 +263,14 @@ def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
     )
 
 
-def embedding_dropout_mask_bytes(model: ModelSpec, plan, *, sequence_parallel: bool = True,
-                                 dropout_mask_bytes: int = BOOL) -> int:
+def embedding_dropout_chunk_bytes(model: ModelSpec, plan, *, sequence_parallel: bool = True,
+                                  dropout_mask_bytes: int = BOOL) -> int:
     """The mask of the embedding's dropout (--hidden-dropout, on the sequence-parallel shard) that the first
-    stage keeps per microbatch with its first model chunk. :func:`stage_activation_peak_bytes` spreads it
-    over the v chunks of the first stage: exact without a virtual pipeline, a small approximation with one
-    (one mask against a chunk's 30-odd h bytes per token and layer)."""
+    stage keeps per microbatch with its first model chunk, spread over the v chunks of the first stage: the
+    bytes each of its microbatch-chunks carries beyond the layers' (exact without a virtual pipeline, a small
+    approximation with one: one mask against a chunk's 30-odd h bytes per token and layer)."""
     if model.hidden_dropout <= 0:
         return 0
     t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // c // (t if sequence_parallel else 1)
-    return tokens * model.hidden_size * dropout_mask_bytes
+    return tokens * model.hidden_size * dropout_mask_bytes // plan.virtual_size(model.num_layers)

@@ -45,7 +45,7 @@ from typing import Callable, Mapping, Optional
 from h3t_ext.costmodel.activations import (
     activation_bytes_per_layer_token,
     chunk_resident_factor,
-    embedding_dropout_mask_bytes,
+    embedding_dropout_chunk_bytes,
     layer_bytes_per_local_token,
     output_layer_bytes,
     rank_offloads,
@@ -107,7 +107,7 @@ def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = 
     spec = LAYER_SPEC[plan.transformer_impl]
     per_token = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
                                             sequence_parallel=plan.sequence_parallel, layer_spec=spec)
-    embedding_mask = embedding_dropout_mask_bytes(model, plan, sequence_parallel=plan.sequence_parallel) // v \
+    embedding_mask = embedding_dropout_chunk_bytes(model, plan, sequence_parallel=plan.sequence_parallel) \
         if stage == 0 else 0
     return layers * (tokens * per_token + rope_bytes_per_layer(model, plan, layer_spec=spec)) + embedding_mask
 

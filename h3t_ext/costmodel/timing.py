@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 
+from h3t_ext.costmodel.activations import BOOL
 from h3t_ext.costmodel.collectives import (
     Link,
     all_gather_seconds,
@@ -80,8 +81,6 @@ CROSS_ENTROPY_BYTES_PER_LOGIT = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + 
 in place, exp in place, sum, divide in place (the softmax is kept for backward); backward: the softmax
 becomes the gradient in place (subtracting the one-hot target touches one logit per token), scaled by the
 loss gradient in place, and autograd casts it to bf16."""
-HIDDEN_DROPOUT_MASK_BYTES = 1
-"""The bool mask torch's dropout keeps for backward, per element."""
 CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
 """Context-parallel ring forward, per output element and step: read the step's bf16 output, read and write
 the fp32 accumulated output (the softmax-lse rescaling of TransformerEngine's ring attention)."""
@@ -165,7 +164,7 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
     rope = 2 * (h + hkv) * tokens // t if model.swiglu else 0  # Llama models rotate q and k
     act = (model.fc1_width + f) * tokens // t
     # hidden dropout: the two fused bias-dropout-adds also write their 1-byte masks
-    masks = 2 * h * norm_tokens * HIDDEN_DROPOUT_MASK_BYTES if model.hidden_dropout > 0 else 0
+    masks = 2 * h * norm_tokens * BOOL if model.hidden_dropout > 0 else 0
     return BF16 * (norms + residual + rope + act), BF16 * (norms + act), masks
 
 
