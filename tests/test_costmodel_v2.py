@@ -31,31 +31,40 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.027), ("megatron_h100", 0.027), ("korthikanti", 0.046)])
+                         [("atc24_65b", 0.02), ("megatron_h100", 0.025), ("korthikanti", 0.037)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.008), ("megatron_h100", 0.033), ("korthikanti", 0.031)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.0085), ("megatron_h100", 0.03), ("korthikanti", 0.027)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
-    bound at what the model achieves today (the 3% target on the mean is missed for Megatron, see below)."""
+    bound at what the model achieves today."""
     after = sorted(loso[source].mae_after_one_row)
     assert after[len(after) // 2] <= median, after
 
 
-@pytest.mark.parametrize("source", ["atc24_65b", "korthikanti"])
+@pytest.mark.parametrize("source", SOURCES)
 def test_within_three_percent_after_one_row(loso, source):
-    assert loso[source].mae_after_one_row_mean <= 0.03
+    assert loso[source].mae_after_one_row_mean <= 0.03, loso[source].mae_after_one_row
 
 
-@pytest.mark.xfail(strict=True, reason="Megatron's held-out rows still spread over more than 3%: 1.7B/7.1B/119B "
-                                       "+1.9/+1.0/+1.1% against 16B-70B -2.9 to -3.7% and 314B -5.2%; one row "
-                                       "identifies one efficiency (gemm_peak_fraction), which moves every row "
-                                       "alike: mean after one row 3.12%")
-def test_megatron_within_three_percent_after_one_row(loso):
-    assert loso["megatron_h100"].mae_after_one_row_mean <= 0.03
+def test_assumed_megatron_interleaving_is_what_the_model_ranks_best():
+    """run_settings.json assumes one layer per virtual stage on Megatron's pipelined rows (the source does not
+    say): the assumption stands only while the cost model ranks it first, or within 0.5% of first, among every
+    l that divides a stage's layers, with t, p, d and the batch as published."""
+    for run in published_runs("megatron_h100"):
+        p = run.plan.pipeline_model_parallel_size
+        if p == 1:
+            continue
+        assert run.plan.num_layers_per_virtual_pipeline_stage == 1
+        per_stage = run.model.num_layers // p
+        speed = {l: estimate(run.model, replace(run.plan, num_layers_per_virtual_pipeline_stage=l if l < per_stage
+                                                else None), run.system).tokens_per_second_per_gpu
+                 for l in range(1, per_stage + 1) if per_stage % l == 0}
+        assert speed[1] >= 0.995 * max(speed.values()), (run.label, speed)
+        assert speed[1] > speed[per_stage], run.label  # interleaving beats plain 1F1B on every row
 
 
 def _layout(plan):
@@ -260,7 +269,7 @@ def _simulated_dp_exposed(p, m, v, comm, buckets_per_chunk, fwd=0.5, bwd=1.0):
     return max(0.0, link - clock[0])
 
 
-@pytest.mark.parametrize("p,v,m", [(2, 7, 8), (4, 23, 16), (6, 4, 24), (16, 7, 64), (2, 1, 8), (4, 2, 8), (8, 3, 16)])
+@pytest.mark.parametrize("p,v,m", [(2, 7, 8), (4, 23, 16), (6, 4, 24), (8, 12, 32), (16, 7, 64), (2, 1, 8), (4, 2, 8), (8, 3, 16)])
 def test_interleaved_dp_overlap_window_matches_the_schedule(p, v, m):
     """--overlap-grad-reduce with interleaving: chunk j's gradients are complete j p chunk-backwards before
     rank 0's end (Megatron's cool-down order), so a reduce-scatter of ``comm`` is exposed by
@@ -294,7 +303,7 @@ def test_attention_dropout_prices_the_mask_not_its_probability():
 
 def test_hidden_dropout_adds_its_masks_to_the_element_wise_traffic():
     """The two bias-dropout-adds write a 1-byte mask per element of the rank's (sequence-parallel) shard in the
-    forward and read it in the backward, priced at the element-wise bandwidth; the saved masks add 2 h bytes
+    forward and read it in the backward (whose dropout kernels also move the gradient), priced at the element-wise bandwidth; the saved masks add 2 h bytes
     per local token to the activation memory."""
     from h3t_ext.costmodel.activations import activation_bytes_per_layer_token
     from h3t_ext.costmodel.kernels import kernel_rates
@@ -306,7 +315,11 @@ def test_hidden_dropout_adds_its_masks_to_the_element_wise_traffic():
     mask_bytes = 2 * run.model.hidden_size * p.micro_batch_size * p.seq_length // p.tensor_model_parallel_size
     hbm = kernel_rates(run.system).hbm
     assert a["fwd"] - b["fwd"] == pytest.approx(mask_bytes / hbm, rel=1e-9)
-    assert a["bwd"] - b["bwd"] == pytest.approx(mask_bytes / hbm, rel=1e-9)
+    # backward: read the masks, and the two dropout backwards read dy and write the branch gradient (bf16),
+    # which without dropout is dy itself
+    dropout_bwd_bytes = 2 * (2 + 2) * run.model.hidden_size * p.micro_batch_size * p.seq_length \
+        // p.tensor_model_parallel_size
+    assert a["bwd"] - b["bwd"] == pytest.approx((mask_bytes + dropout_bwd_bytes) / hbm, rel=1e-9)
     terms = activation_bytes_per_layer_token(run.model, "no")
     assert terms["hidden_dropout_mask"] == 2 * run.model.hidden_size
     assert terms["total"] - activation_bytes_per_layer_token(without, "no")["total"] == 2 * run.model.hidden_size
@@ -319,3 +332,26 @@ def test_unfused_attention_prices_its_dropout_kernel():
     no_drop = replace(run.model, attention_dropout=0.0)
     with_drop = estimate(run.model, run.plan, run.system).iteration_time_s
     assert with_drop > estimate(no_drop, run.plan, run.system).iteration_time_s * 1.01
+
+
+@pytest.mark.parametrize("swiglu,sequence_parallel", [(False, True), (False, False), (True, True)])
+def test_element_wise_bytes_kernel_by_kernel(swiglu, sequence_parallel):
+    """One layer's element-wise traffic, counted by hand per kernel for h 1024, f 4096 (SwiGLU: FC1 2f wide),
+    T 4096 tokens, t 2, no dropout; bf16 elements. Forward: 2 norms (read x, write y), 2 residual adds (read
+    2, write 1), the activation (read FC1's output, write FC2's input), RoPE on q and k for Llama. Backward:
+    2 norm backwards (read x and dy, write dx), 2 gradient accumulations of the residual stream (read 2,
+    write 1), the activation backward (read its input and dy, write FC1's gradient), RoPE on dq and dk."""
+    from h3t_ext.costmodel.specs import ModelSpec
+    from h3t_ext.costmodel.timing import _elementwise_bytes
+    h, f, tokens, t = 1024, 4096, 4096, 2
+    model = ModelSpec(name="x", num_layers=2, hidden_size=h, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=f,
+                      vocab_size=1000, swiglu=swiglu)
+    plan = Plan(num_gpus=2, seq_length=tokens, global_batch_size=1, micro_batch_size=1,
+                tensor_model_parallel_size=t, sequence_parallel=sequence_parallel)
+    norm_tokens = tokens // t if sequence_parallel else tokens
+    fc1 = 2 * f if swiglu else f
+    rope = 2 * (h + h) * tokens // t if swiglu else 0
+    fwd = 2 * (2 * (h + h) * norm_tokens + 2 * (2 * h + h) * norm_tokens + (fc1 + f) * tokens // t + rope)
+    bwd = 2 * (2 * (2 * h + h) * norm_tokens + 2 * (2 * h + h) * norm_tokens + (2 * fc1 + f) * tokens // t + rope)
+    ours = 2 * (2 * (h + h) * norm_tokens + (fc1 + f) * tokens // t)
+    assert _elementwise_bytes(model, plan) == (fwd, bwd, ours, 0)

@@ -152,20 +152,35 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
     return out
 
 
-def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, float]:
-    """(forward bytes of one layer's element-wise kernels, bytes recomputed by ckpt=ours, hidden-dropout mask
-    bytes: written in the forward, read once in the backward)."""
+def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, float, float]:
+    """Bytes one layer's element-wise kernels move for one microbatch: (forward, backward, recomputed by
+    ckpt=ours, hidden-dropout masks: written in the forward, read once in the backward).
+
+    Per kernel, in elements of the tokens it runs on (the norms and residual adds on T / t with sequence
+    parallelism, the rest on the rank's T x width / t):
+
+    * forward: two norms read x, write y (2 h); two bias-dropout-adds read the branch and the residual and
+      write the sum (3 h); RoPE (Llama) reads and writes q and k; the activation reads the FC1 output and
+      writes its input to FC2 (fc1 + f);
+    * backward: two norm backwards read x and dy, write dx (3 h); the residual stream is read by the norm
+      and by the add, so autograd adds the two gradients (read 2 h, write h); with hidden dropout each
+      dropout backward reads dy and writes its gradient (2 h; without dropout the add passes dy through);
+      RoPE rotates dq and dk; the activation backward reads its saved input and dy and writes the FC1
+      gradient (2 fc1 + f)."""
     t = plan.tensor_model_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
     norm_tokens = tokens // t if plan.sequence_parallel else tokens
-    h, hkv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
-    norms = 2 * 2 * h * norm_tokens  # two norms: read h, write h
-    residual = 2 * 3 * h * norm_tokens  # two adds: read 2h, write h
+    h, hkv, f, fc1 = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.fc1_width
+    dropout = model.hidden_dropout > 0
+    norms_fwd, norms_bwd = 2 * 2 * h * norm_tokens, 2 * 3 * h * norm_tokens
+    residual_fwd = 2 * 3 * h * norm_tokens
+    residual_bwd = 2 * 3 * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
     rope = 2 * (h + hkv) * tokens // t if model.swiglu else 0  # Llama models rotate q and k
-    act = (model.fc1_width + f) * tokens // t
+    act_fwd, act_bwd = (fc1 + f) * tokens // t, (2 * fc1 + f) * tokens // t
     # hidden dropout: the two fused bias-dropout-adds also write their 1-byte masks
-    masks = 2 * h * norm_tokens * BOOL if model.hidden_dropout > 0 else 0
-    return BF16 * (norms + residual + rope + act), BF16 * (norms + act), masks
+    masks = 2 * h * norm_tokens * BOOL if dropout else 0
+    return (BF16 * (norms_fwd + residual_fwd + rope + act_fwd), BF16 * (norms_bwd + residual_bwd + rope + act_bwd),
+            BF16 * (norms_fwd + act_fwd), masks)
 
 
 def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, float]) -> tuple[float, float]:
@@ -223,9 +238,9 @@ def _layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str
     r = kernel_rates(system)
     g = layer_gemm_seconds(model, plan, r)
     a = attention_seconds(model, plan, system, r)
-    elem, elem_ours, masks = _elementwise_bytes(model, plan)
-    e_fwd = elementwise_seconds(elem + masks, r, kernels=6)
-    e_bwd = elementwise_seconds(2 * elem + masks, r, kernels=12)
+    elem_fwd, elem_bwd, elem_ours, masks = _elementwise_bytes(model, plan)
+    e_fwd = elementwise_seconds(elem_fwd + masks, r, kernels=6)
+    e_bwd = elementwise_seconds(elem_bwd + masks, r, kernels=8)
     tp_f, tp_b = _tp_seconds(model, plan, system, g)
     fwd = g["fwd"] + a["fwd"] + e_fwd
     rec = {"no": 0.0, "ours": elementwise_seconds(elem_ours, r, kernels=3), "selective": a["fwd"],
