@@ -32,12 +32,13 @@ def system_name(args) -> str:
 
 def model_spec(args, vocab_size: int, name: str = "custom"):
     """The cost model's description of the model these arguments build: its shape, MLP (--swiglu),
-    output layer (--untie-embeddings-and-output-weights) and dropout."""
+    output layer (--untie-embeddings-and-output-weights), linear biases (--disable-bias-linear) and dropout."""
     from h3t_ext.costmodel import ModelSpec
     return ModelSpec(name=name, num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                      ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab_size, swiglu=bool(args.swiglu),
                      untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
+                     add_bias_linear=not args.disable_bias_linear,
                      attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout)
 
 

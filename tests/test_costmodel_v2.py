@@ -31,13 +31,13 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.02), ("megatron_h100", 0.025), ("korthikanti", 0.037)])
+                         [("atc24_65b", 0.022), ("megatron_h100", 0.025), ("korthikanti", 0.036)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.0085), ("megatron_h100", 0.03), ("korthikanti", 0.027)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.0085), ("megatron_h100", 0.029), ("korthikanti", 0.027)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
     bound at what the model achieves today."""
@@ -334,24 +334,43 @@ def test_unfused_attention_prices_its_dropout_kernel():
     assert with_drop > estimate(no_drop, run.plan, run.system).iteration_time_s * 1.01
 
 
-@pytest.mark.parametrize("swiglu,sequence_parallel", [(False, True), (False, False), (True, True)])
-def test_element_wise_bytes_kernel_by_kernel(swiglu, sequence_parallel):
+@pytest.mark.parametrize("swiglu,sequence_parallel,bias", [(False, True, False), (False, False, False),
+                                                        (True, True, False), (False, True, True)])
+def test_element_wise_bytes_kernel_by_kernel(swiglu, sequence_parallel, bias):
     """One layer's element-wise traffic, counted by hand per kernel for h 1024, f 4096 (SwiGLU: FC1 2f wide),
     T 4096 tokens, t 2, no dropout; bf16 elements. Forward: 2 norms (read x, write y), 2 residual adds (read
     2, write 1), the activation (read FC1's output, write FC2's input), RoPE on q and k for Llama. Backward:
     2 norm backwards (read x and dy, write dx), 2 gradient accumulations of the residual stream (read 2,
-    write 1), the activation backward (read its input and dy, write FC1's gradient), RoPE on dq and dk."""
+    write 1), the activation backward (read its input and dy, write FC1's gradient), RoPE on dq and dk; with
+    linear biases, autograd's reduction of the fused bias-activation's full-size gradient into FC1's bias."""
     from h3t_ext.costmodel.specs import ModelSpec
     from h3t_ext.costmodel.timing import _elementwise_bytes
     h, f, tokens, t = 1024, 4096, 4096, 2
     model = ModelSpec(name="x", num_layers=2, hidden_size=h, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=f,
-                      vocab_size=1000, swiglu=swiglu)
+                      vocab_size=1000, swiglu=swiglu, add_bias_linear=bias)
     plan = Plan(num_gpus=2, seq_length=tokens, global_batch_size=1, micro_batch_size=1,
                 tensor_model_parallel_size=t, sequence_parallel=sequence_parallel)
     norm_tokens = tokens // t if sequence_parallel else tokens
     fc1 = 2 * f if swiglu else f
     rope = 2 * (h + h) * tokens // t if swiglu else 0
     fwd = 2 * (2 * (h + h) * norm_tokens + 2 * (2 * h + h) * norm_tokens + (fc1 + f) * tokens // t + rope)
-    bwd = 2 * (2 * (2 * h + h) * norm_tokens + 2 * (2 * h + h) * norm_tokens + (2 * fc1 + f) * tokens // t + rope)
+    bias_grad = fc1 * tokens // t if bias else 0
+    bwd = 2 * (2 * (2 * h + h) * norm_tokens + 2 * (2 * h + h) * norm_tokens + (2 * fc1 + f) * tokens // t + rope
+               + bias_grad)
     ours = 2 * (2 * (h + h) * norm_tokens + (fc1 + f) * tokens // t)
     assert _elementwise_bytes(model, plan) == (fwd, bwd, ours, 0)
+
+
+def test_linear_bias_parameters():
+    """QKV's and FC1's biases are split with their columns over t, the projection's and FC2's are whole on
+    every rank; they count in the stage's parameters (GPT-3 175B at t 8: 96 layers x (15h/8 + 2h))."""
+    from h3t_ext.costmodel.memory import stage_params
+    gpt = get_model("gpt3-175b")
+    h = gpt.hidden_size
+    assert gpt.add_bias_linear and not get_model("llama-65b").add_bias_linear
+    assert gpt.bias_params_per_layer(8) == (h + 2 * h + 4 * h) // 8 + 2 * h
+    plan = Plan(num_gpus=64, seq_length=2048, global_batch_size=64, tensor_model_parallel_size=8,
+                pipeline_model_parallel_size=8)
+    without = replace(gpt, add_bias_linear=False)
+    assert stage_params(gpt, plan, 3) - stage_params(without, plan, 3) == 12 * gpt.bias_params_per_layer(8)
+    assert gpt.num_parameters - without.num_parameters == 96 * 9 * h

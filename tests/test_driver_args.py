@@ -154,11 +154,14 @@ def test_overlap_flags_reach_the_run(monkeypatch):
 @pytest.mark.parametrize("prog,gelu_gpt", [("pretrain_gpt.py", True), ("pretrain_llama.py", False)])
 def test_cost_model_sees_the_model_the_flags_build(prog, gelu_gpt, monkeypatch):
     """--auto-plan and the predictions price the model that runs: pretrain_gpt.py's GeLU MLP, tied output
-    layer and Megatron's 0.1 dropout; pretrain_llama.py's SwiGLU, untied and no dropout; flags override."""
+    layer, linear biases and Megatron's 0.1 dropout; pretrain_llama.py's SwiGLU, untied, no biases and no
+    dropout; flags override."""
     from h3t_training.auto_plan import model_spec
     monkeypatch.setenv("WORLD_SIZE", "1")
     spec = model_spec(parse_args(BASE, prog=prog), vocab_size=512)
     assert spec.swiglu is not gelu_gpt and spec.untie_embeddings_and_output_weights is not gelu_gpt
+    assert spec.add_bias_linear is gelu_gpt
+    assert model_spec(parse_args(BASE + ["--disable-bias-linear"], prog=prog), 512).add_bias_linear is False
     assert (spec.attention_dropout, spec.hidden_dropout) == ((0.1, 0.1) if gelu_gpt else (0.0, 0.0))
     spec = model_spec(parse_args(BASE + ["--attention-dropout", "0.2", "--hidden-dropout", "0"], prog=prog), 512)
     assert (spec.attention_dropout, spec.hidden_dropout) == (0.2, 0.0)

@@ -174,6 +174,19 @@ def test_dropout_flags_reach_the_model(capsys):
     assert tokens["0.1"] == tokens["0.5"] < tokens["0"]
 
 
+def test_bias_flags_reach_the_model(capsys):
+    """--add-bias-linear prices the fused bias-activation's bias gradient (one more pass in the backward) and
+    the biases' parameters; --disable-bias-linear is the Llama default; the two exclude each other."""
+    tokens = {}
+    for flag in ("--add-bias-linear", "--disable-bias-linear"):
+        code, out, _ = run_main(["estimate", *SMALL, flag, "--json"], capsys)
+        assert code == 0
+        tokens[flag] = json.loads(out)["tokens_per_second"]
+    assert tokens["--add-bias-linear"] < tokens["--disable-bias-linear"]
+    code, out, err = run_main(["estimate", *SMALL, "--add-bias-linear", "--disable-bias-linear"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--disable-bias-linear" in err
+
+
 @pytest.mark.parametrize("argv,needle", BAD_INPUTS)
 def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
     code, out, err = run_main(argv, capsys)

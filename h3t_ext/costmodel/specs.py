@@ -42,6 +42,12 @@ class ModelSpec:
     hidden_dropout: float = 0.0
     """Dropout probability after the attention projection and FC2 (--hidden-dropout; Megatron's default 0.1):
     the fused bias-dropout-add keeps a 1-byte mask per element for backward."""
+    add_bias_linear: bool = False
+    """Biases on QKV, the projection, FC1 and FC2 (Megatron's add_bias_linear: on by default there, off with
+    --disable-bias-linear; GPT models keep them, Llama models have none). Megatron fuses FC1's bias into the
+    activation (bias_activation_fusion, its default), and that fused function hands autograd a full-size
+    gradient for the bias, which autograd reduces over the tokens: one more read of FC1's output gradient
+    in the backward. The other biases cost nothing extra (cuBLAS epilogues, the compiled bias-dropout-add)."""
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -79,6 +85,14 @@ class ModelSpec:
         h, hkv, f = self.hidden_size, self.kv_hidden_size, self.ffn_hidden_size
         return 2 * h * h + 2 * h * hkv + (3 if self.swiglu else 2) * h * f
 
+    def bias_params_per_layer(self, tensor_model_parallel_size: int = 1) -> int:
+        """Linear biases of one layer on one tensor-parallel rank: QKV's and FC1's are split with their
+        columns, the projection's and FC2's (added after the row-parallel reduction) are whole on every rank."""
+        if not self.add_bias_linear:
+            return 0
+        column = self.hidden_size + 2 * self.kv_hidden_size + self.fc1_width
+        return column // tensor_model_parallel_size + 2 * self.hidden_size
+
     @property
     def layer_norm_params(self) -> int:
         """Weights of the two norms of one layer."""
@@ -94,7 +108,8 @@ class ModelSpec:
         """Total parameters (unpadded vocabulary)."""
         emb = self.vocab_size * self.hidden_size
         out = emb if self.untie_embeddings_and_output_weights else 0
-        return self.num_layers * (self.params_per_layer + self.layer_norm_params) + emb + out + self.hidden_size
+        layer = self.params_per_layer + self.bias_params_per_layer() + self.layer_norm_params
+        return self.num_layers * layer + emb + out + self.hidden_size
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,8 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
       and by the add, so autograd adds the two gradients (read 2 h, write h); with hidden dropout each
       dropout backward reads dy and writes its gradient (2 h; without dropout the add passes dy through);
       RoPE rotates dq and dk; the activation backward reads its saved input and dy and writes the FC1
-      gradient (2 fc1 + f)."""
+      gradient (2 fc1 + f), and with linear biases autograd reduces that gradient into FC1's bias (fc1;
+      megatron-core's bias-GeLU / bias-SwiGLU functions return the full-size gradient for the bias)."""
     t = plan.tensor_model_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
     norm_tokens = tokens // t if plan.sequence_parallel else tokens
@@ -177,6 +178,8 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
     residual_bwd = 2 * 3 * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
     rope = 2 * (h + hkv) * tokens // t if model.swiglu else 0  # Llama models rotate q and k
     act_fwd, act_bwd = (fc1 + f) * tokens // t, (2 * fc1 + f) * tokens // t
+    if model.add_bias_linear:  # the fused bias-activation's bias gradient, reduced over the tokens by autograd
+        act_bwd += fc1 * tokens // t
     # hidden dropout: the two fused bias-dropout-adds also write their 1-byte masks
     masks = 2 * h * norm_tokens * BOOL if dropout else 0
     return (BF16 * (norms_fwd + residual_fwd + rope + act_fwd), BF16 * (norms_bwd + residual_bwd + rope + act_bwd),

@@ -142,6 +142,11 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
     tie.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
                      help="separate output layer (default for custom models)")
     tie.add_argument("--tie-embeddings-and-output-weights", dest="untie", action="store_const", const=False)
+    bias = g.add_mutually_exclusive_group()
+    bias.add_argument("--add-bias-linear", dest="add_bias_linear", action="store_const", const=True,
+                      help="biases on the linear layers (Megatron's default; GPT)")
+    bias.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_const", const=False,
+                      help="no linear biases (default for custom models; Llama)")
     for flag in ("attention-dropout", "hidden-dropout"):
         g.add_argument("--" + flag, type=_dropout, default=None,
                        help="dropout probability (default: the zoo model's, 0 for a custom shape; Megatron-LM's "
@@ -178,6 +183,7 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
     """The model of ``--model`` (with shape flags overriding its fields) or of the shape flags alone."""
     given = {k: getattr(ns, k) for k in _CUSTOM_MODEL_FLAGS if getattr(ns, k) is not None}
     switches = {k: v for k, v in (("swiglu", ns.swiglu), ("untie_embeddings_and_output_weights", ns.untie),
+                                  ("add_bias_linear", ns.add_bias_linear),
                                   ("attention_dropout", ns.attention_dropout), ("hidden_dropout", ns.hidden_dropout))
                 if v is not None}
     try:
