@@ -119,3 +119,21 @@ def test_stage_memory_activations_match_the_activation_peak_with_the_local_spec(
         plain = stage_activation_peak_bytes(replace(model, hidden_dropout=0.0), plan, layer_spec="local",
                                             sequence_parallel=False)
         assert peaks[0] - plain[0] > peaks[1] - plain[1] > 0  # the embedding's mask lives on the first stage
+
+
+def test_uneven_stages_price_their_own_layers():
+    """With --decoder-first/last-pipeline-num-layers each stage's chunk holds its own layers: the activation
+    peaks are stage_memory's activation terms stage by stage, and the 2-layer first stage's chunk is 2/6 of a
+    6-layer middle stage's."""
+    from h3t_ext.costmodel.activations import microbatch_chunk_bytes
+    model = ModelSpec(name="uneven", num_layers=10, hidden_size=1024, num_attention_heads=8, num_query_groups=8,
+                      ffn_hidden_size=4096, vocab_size=8192)
+    plan = Plan(num_gpus=3, seq_length=2048, global_batch_size=12, micro_batch_size=1, pipeline_model_parallel_size=3,
+                decoder_first_pipeline_num_layers=2, decoder_last_pipeline_num_layers=2, ckpt="no",
+                sequence_parallel=False, use_distributed_optimizer=False)
+    peaks = stage_activation_peak_bytes(model, plan, sequence_parallel=False)
+    for stage, peak in enumerate(peaks):
+        terms = stage_memory(model, plan, stage, 0.0).terms
+        assert terms["activations"] + terms["offload_reload_buffer"] + terms.get("output_layer_activations", 0) == peak
+    assert 3 * microbatch_chunk_bytes(model, plan, 0, sequence_parallel=False) == \
+        microbatch_chunk_bytes(model, plan, 1, sequence_parallel=False)

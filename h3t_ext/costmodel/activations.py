@@ -232,31 +232,44 @@ def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_
     return 4 * (plan.seq_length // plan.context_parallel_size) * head_dim * dtype_bytes
 
 
+def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, *, dtype_bytes: int = 2,
+                           layer_spec: str = "te", sequence_parallel: bool = True,
+                           dropout_mask_bytes: int = BOOL) -> int:
+    """A: saved bytes of one microbatch-chunk (l layers, or the stage's layers without interleaving) on pipeline
+    rank ``stage`` (None: a middle stage). The stage matters with uneven first/last stages, and the first
+    stage's chunks also carry the embedding's dropout mask (:func:`embedding_dropout_chunk_bytes`)."""
+    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
+    v = plan.virtual_size(model.num_layers)
+    rank_layers = plan.layers_per_rank(model.num_layers) if stage is None else plan.stage_layers(model.num_layers,
+                                                                                                 stage)
+    tokens = plan.micro_batch_size * plan.seq_length // (c * t)
+    per_tok = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
+                                          sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+                                          layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes)
+    chunk = rank_layers // v * (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
+                                                                        layer_spec=layer_spec))
+    if stage == 0:
+        chunk += embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,
+                                               dropout_mask_bytes=dropout_mask_bytes)
+    return chunk
+
+
 def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_spec: str = "te",
                                 sequence_parallel: bool = True, alphas: Optional[tuple[float, ...]] = None,
                                 dropout_mask_bytes: int = BOOL) -> tuple[int, ...]:
     """Peak saved-activation bytes (with the reload double buffer) of every pipeline stage of ``plan``.
 
     ``alphas`` overrides ``plan.alphas()``. On the first stage of interleaved 1F1B with m > p this is
-    A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one microbatch-chunk; the first
-    stage's chunks also carry the embedding's dropout mask (:func:`embedding_dropout_chunk_bytes`), the last
-    stage adds one microbatch's :func:`output_layer_bytes`."""
-    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
+    A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one of its microbatch-chunks
+    (:func:`microbatch_chunk_bytes`); the last stage adds one microbatch's :func:`output_layer_bytes`."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    layers = model.num_layers // (p * v)
-    tokens = plan.micro_batch_size * plan.seq_length // (c * t)
-    per_tok = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
-                                          sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
-                                          layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes)
-    chunk = layers * (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
-                                                              layer_spec=layer_spec))
+    opts = dict(dtype_bytes=dtype_bytes, layer_spec=layer_spec, sequence_parallel=sequence_parallel,
+                dropout_mask_bytes=dropout_mask_bytes)
     head = output_layer_bytes(model, plan, dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)["total"]
-    first = chunk + embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,
-                                                  dropout_mask_bytes=dropout_mask_bytes)
     alphas = plan.alphas() if alphas is None else alphas
     return tuple(
-        int(round((first if r == 0 else chunk)
+        int(round(microbatch_chunk_bytes(model, plan, r, **opts)
                   * chunk_resident_factor(residency_lines(p, m, v, r), alphas[r], rank_offloads(p, m, v, r) > 0)))
         + (head if r == p - 1 else 0)
         for r in range(p)

@@ -45,12 +45,10 @@ from typing import Callable, Mapping, Optional
 from h3t_ext.costmodel.activations import (
     activation_bytes_per_layer_token,
     chunk_resident_factor,
-    embedding_dropout_chunk_bytes,
-    layer_bytes_per_local_token,
+    microbatch_chunk_bytes,
     output_layer_bytes,
     rank_offloads,
     residency_lines,
-    rope_bytes_per_layer,
 )
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
@@ -98,19 +96,10 @@ def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
 
 
 def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = None) -> int:
-    """A: saved bytes of one microbatch-chunk (l layers, or the stage's layers without interleaving) on one
-    rank; ``stage`` matters only with uneven first/last stages (None: a middle stage)."""
-    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
-    v = plan.virtual_size(model.num_layers)
-    rank_layers = plan.layers_per_rank(model.num_layers) if stage is None else plan.stage_layers(model.num_layers, stage)
-    layers = rank_layers // v
-    tokens = plan.micro_batch_size * plan.seq_length // (c * t)
-    spec = LAYER_SPEC[plan.transformer_impl]
-    per_token = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
-                                            sequence_parallel=plan.sequence_parallel, layer_spec=spec)
-    embedding_mask = embedding_dropout_chunk_bytes(model, plan, sequence_parallel=plan.sequence_parallel) \
-        if stage == 0 else 0
-    return layers * (tokens * per_token + rope_bytes_per_layer(model, plan, layer_spec=spec)) + embedding_mask
+    """A: saved bytes of one microbatch-chunk on pipeline rank ``stage`` (None: a middle stage) as the plan
+    runs it (its layer spec and sequence parallelism, bf16): ``activations.microbatch_chunk_bytes``."""
+    return microbatch_chunk_bytes(model, plan, stage, layer_spec=LAYER_SPEC[plan.transformer_impl],
+                                  sequence_parallel=plan.sequence_parallel)
 
 
 def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
