@@ -83,8 +83,7 @@ def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
     """Parameters on pipeline rank ``stage`` (tensor-parallel shard; norms replicated)."""
     t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     h = model.hidden_size
-    layer = model.params_per_layer // t + model.bias_params_per_layer(t) + model.layer_norm_params
-    n = plan.stage_layers(model.num_layers, stage) * layer
+    n = plan.stage_layers(model.num_layers, stage) * model.layer_params_per_rank(t)
     vocab = model.padded_vocab_size(t) * h // t
     if stage == 0:
         n += vocab
@@ -114,7 +113,7 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
         "cp_kv_gather_buffer": mb * plan.seq_length * 2 * model.kv_hidden_size // t * BF16 if c > 1 else 0,
     }
     if plan.data_parallel_sharding_strategy is not None:
-        layer_params = model.params_per_layer // t + model.bias_params_per_layer(t) + model.layer_norm_params
+        layer_params = model.layer_params_per_rank(t)
         gathered = 2 * layer_params * BF16 if plan.data_parallel_sharding_strategy == "optim_grads_params" else 0
         out["fsdp_buffers"] = 2 * layer_params * FP32 + gathered
     if plan.ckpt == "ours":

@@ -98,6 +98,12 @@ class ModelSpec:
         """Weights of the two norms of one layer."""
         return 2 * self.hidden_size
 
+    def layer_params_per_rank(self, tensor_model_parallel_size: int = 1) -> int:
+        """All parameters of one layer on one tensor-parallel rank: its GEMM weights' shard, its biases
+        (:meth:`bias_params_per_layer`) and the two norms (replicated)."""
+        t = tensor_model_parallel_size
+        return self.params_per_layer // t + self.bias_params_per_layer(t) + self.layer_norm_params
+
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
         """V padded to a multiple of 128 * t (Megatron's make-vocab-size-divisible-by 128)."""
         q = 128 * tensor_model_parallel_size
@@ -108,8 +114,7 @@ class ModelSpec:
         """Total parameters (unpadded vocabulary)."""
         emb = self.vocab_size * self.hidden_size
         out = emb if self.untie_embeddings_and_output_weights else 0
-        layer = self.params_per_layer + self.bias_params_per_layer() + self.layer_norm_params
-        return self.num_layers * layer + emb + out + self.hidden_size
+        return self.num_layers * self.layer_params_per_rank() + emb + out + self.hidden_size
 
 
 @dataclass(frozen=True)
