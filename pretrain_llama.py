@@ -17,7 +17,8 @@ def main(argv=None, prog: str = PROG, defaults=None) -> int:
     from h3t_training.run_guard import die_with_launcher
     die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
     from h3t_training.config import parse_args
-    args = parse_args(argv, prog=prog, defaults=defaults)  # one-line error, exit 2, before any process group
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; the library reads no environment
+    args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size)  # one-line error, exit 2
 
     from h3t_ext.runtime.config import RuntimeConfigError
     from h3t_training.checkpointing import CheckpointError
@@ -25,7 +26,7 @@ def main(argv=None, prog: str = PROG, defaults=None) -> int:
     from h3t_training.run_guard import RunLockError
     from h3t_training.training import pretrain
     try:
-        return pretrain(args)
+        return pretrain(args, rank=int(os.environ.get("RANK", "0")))
     except NonFiniteError as e:  # raised on every rank alike: said once
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"{prog}: error: {e}\n")

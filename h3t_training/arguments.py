@@ -12,8 +12,10 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from h3t_ext.ckpt import Ckpt
 from h3t_training.errors import ArgumentError
 from h3t_training.flag_table import add_table_flags
+from h3t_training.h3t_flags import add_h3t_flags
 from h3t_training.tokenizer import add_tokenizer_flags
 
 
@@ -133,16 +135,7 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--ckpt", choices=("no", "full", "ours"), default=None,
-                   help="activation recompute: no, full (each layer from its input), ours")
-    g.add_argument("--offload-alpha", default=None, metavar="{FLOAT,auto,balanced}",
-                   help="fraction of saved activations sent to host memory (one value or one per stage)")
-    g.add_argument("--kaimm-offload-activation-ratio", "--pipeline-parallel-aware-offloading-ratio",
-                   dest="kaimm_offload_ratio", default=None, help="Megatron-Kwai's name for --offload-alpha")
-    g.add_argument("--kaimm-recompute-norm", action="store_true",
-                   help="Megatron-Kwai: recompute the norms (with --kaimm-recompute-mlp-activation-func: --ckpt ours)")
-    g.add_argument("--kaimm-recompute-mlp-activation-func", action="store_true",
-                   help="Megatron-Kwai: recompute the MLP activation (with --kaimm-recompute-norm: --ckpt ours)")
+    add_h3t_flags(g)
     g.add_argument("--auto-plan", action="store_true",
                    help="let the planner fill every parallel and memory flag left out, and print its plan")
     g.add_argument("--gpu", default=None, help="system name of the cost model (auto-plan, MFU peak)")
@@ -317,4 +310,5 @@ def fill_parallel_defaults(args):
     """The layout's defaults where neither the flags nor ``--auto-plan`` set it."""
     defaults = (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1), ("context_parallel_size", 1),
                 ("micro_batch_size", 1), ("ckpt", "no"), ("offload_alpha", "0"))
-    return args.replace(**{name: default for name, default in defaults if getattr(args, name) is None})
+    args = args.replace(**{name: default for name, default in defaults if getattr(args, name) is None})
+    return args.replace(ckpt=Ckpt.parse(args.ckpt))

@@ -147,7 +147,7 @@ def rampup_schedule(start: int, increment: int, samples: int, global_batch_size:
 
 def schedule_of(config) -> BatchSchedule:
     """The run's schedule (``config.batch_schedule``, else constant ``--global-batch-size``)."""
-    schedule = getattr(config, "batch_schedule", None)
+    schedule = config.batch_schedule
     return schedule if schedule is not None else BatchSchedule.constant(config.global_batch_size)
 
 

@@ -81,18 +81,18 @@ def iter_dir(root: str, iteration: int) -> str:
 def _model_shape(args) -> dict:
     from h3t_training.tokenizer import padded_vocab_size, tokenizer_from_args
 
-    shape = {k: getattr(args, k, None) for k in MODEL_SHAPE_FLAGS}
+    shape = {k: getattr(args, k) for k in MODEL_SHAPE_FLAGS}
     shape["padded_vocab_size"] = padded_vocab_size(tokenizer_from_args(args).vocab_size,
                                                    args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     return shape
 
 
 def _layout(args) -> dict:
-    return {k: getattr(args, k, None) for k in LAYOUT_FLAGS}
+    return {k: getattr(args, k) for k in LAYOUT_FLAGS}
 
 
 def _schedule(args) -> dict:
-    return {k: getattr(args, k, None) for k in SCHEDULE_FLAGS}
+    return {k: getattr(args, k) for k in SCHEDULE_FLAGS}
 
 
 def _read_tracker(root: str) -> Optional[int]:
@@ -162,15 +162,16 @@ def _read_common(directory: str) -> dict:
     return common
 
 
-def find_checkpoint(args) -> Optional[FoundCheckpoint]:
+def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     """The checkpoint ``--load`` (and ``--ckpt-step``) names, checked; None when there is none.
 
-    A missing or empty ``--load`` directory means "start from scratch", as in Megatron.
+    A missing or empty ``--load`` directory means "start from scratch", as in Megatron. ``rank`` checks the
+    SHA-256 of its share of the files (of ``args.world_size`` ranks).
     """
     root = args.load
     if root is None or not os.path.isdir(root):
         return None
-    step = getattr(args, "ckpt_step", None)
+    step = args.ckpt_step
     iteration = step if step is not None else _read_tracker(root)
     if iteration is None:
         return None
@@ -179,7 +180,7 @@ def find_checkpoint(args) -> Optional[FoundCheckpoint]:
         raise CheckpointError(f"--load {root}: {directory} does not exist"
                               + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"))
     common = _read_common(directory)
-    _verify_files(directory, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    _verify_files(directory, rank, args.world_size)
     saved = common["h3t"]["model"]
     mine = _model_shape(args)
     if saved.get("padded_vocab_size") != mine["padded_vocab_size"] and \
@@ -202,9 +203,9 @@ def _check_schedule(args, saved: dict, iteration: int) -> dict:
     """Megatron refuses a resume whose schedule differs from the checkpoint's unless told which wins:
     ``--override-opt_param-scheduler`` (this command line) or ``--use-checkpoint-opt_param-scheduler``
     (the checkpoint: its values replace this run's, returned as the fields to replace)."""
-    if getattr(args, "finetune", False) or getattr(args, "override_opt_param_scheduler", False):
+    if args.finetune or args.override_opt_param_scheduler:
         return {}
-    if getattr(args, "use_checkpoint_opt_param_scheduler", False):
+    if args.use_checkpoint_opt_param_scheduler:
         return {k: saved[k] for k in SCHEDULE_FLAGS if k in saved}
     mine = _schedule(args)
     for k in SCHEDULE_FLAGS:
@@ -352,9 +353,9 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     notes = []
-    finetune = bool(getattr(args, "finetune", False))
-    with_optimizer = not (finetune or getattr(args, "no_load_optim", False))
-    with_rng = not (finetune or getattr(args, "no_load_rng", False))
+    finetune = bool(args.finetune)
+    with_optimizer = not (finetune or args.no_load_optim)
+    with_rng = not (finetune or args.no_load_rng)
     if with_rng and not found.same_layout:
         with_rng = False
         notes.append(f"checkpoint iteration {found.iteration} was saved with another parallel layout: resharded; "

@@ -13,7 +13,6 @@ Later changes are new configs too: a checkpoint's schedule under
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from h3t_training import arguments, auto_plan, megatron_compat, validation
@@ -26,11 +25,39 @@ class FrozenConfigError(AttributeError):
     """An attempt to change a field of a :class:`TrainConfig` (use :meth:`TrainConfig.replace`)."""
 
 
+class UnknownConfigFieldError(AttributeError):
+    """A field name that is neither a flag's destination nor a declared derived field (a misspelling), raised
+    where it is written (``config.replace(num_layer=...)``) or read (``config.num_layer``)."""
+
+
+DERIVED_FIELDS: dict[str, tuple[object, str]] = {
+    "world_size": (1, "ranks of the job (the launcher's WORLD_SIZE, passed to parse_args)"),
+    "flag_notices": ((), "one-line notices printed once by rank 0 at start-up (flag table, auto-plan, alpha)"),
+    "batch_schedule": (None, "the global batch size per iteration (BatchSchedule: constant, step or ramp-up)"),
+    "lr_warmup_steps": (None, "warm-up in samples, when the schedule counts samples (Megatron's scheduler)"),
+    "lr_decay_steps": (None, "decay span in samples, when the schedule counts samples"),
+    "parallel_layout": (None, "the h3t_ext.layout.ParallelLayout of the final global batch size"),
+    "data_parallel_size": (None, "Megatron's data-parallel size world / (t c p)"),
+    "num_microbatches": (None, "microbatches per iteration at the final global batch size"),
+    "virtual_pipeline_model_parallel_size": (None, "v with interleaving, else None"),
+    "auto_plan_flags": (None, "the Megatron flags of the plan --auto-plan chose, or None"),
+}
+"""Every field a resolve step may add beyond the flags' destinations, with its value before the step runs and
+what it holds. A field outside the flags and this table does not exist."""
+
+
+def _closest(name: str, names) -> str:
+    import difflib
+    match = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
 class TrainConfig:
     """The resolved flags of one run under Megatron's field names (``config.num_layers``, ...).
 
-    Read like Megatron's ``args``; immutable: :meth:`replace` returns a changed copy. A field that
-    the flags do not define raises AttributeError, so ``getattr(config, name, default)`` works."""
+    Read like Megatron's ``args``; immutable (:meth:`replace` returns a changed copy) and closed: its fields are
+    the parser's destinations plus :data:`DERIVED_FIELDS`, each present from the start, so a reader never needs a
+    default and a misspelled name raises :class:`UnknownConfigFieldError` where it is written or read."""
 
     __slots__ = ("_values",)
 
@@ -38,14 +65,18 @@ class TrainConfig:
         object.__setattr__(self, "_values", dict(values))
 
     @classmethod
-    def from_namespace(cls, namespace: argparse.Namespace, **extra: Any) -> "TrainConfig":
-        return cls({**vars(namespace), **extra})
+    def from_namespace(cls, namespace: argparse.Namespace, **derived: Any) -> "TrainConfig":
+        """The flags' values, every derived field at its initial value, then ``derived``'s."""
+        values = {**{k: v for k, (v, _) in DERIVED_FIELDS.items()}, **vars(namespace)}
+        return cls(values).replace(**derived)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return self._values[name]
         except KeyError:
-            raise AttributeError(f"TrainConfig has no field {name!r}") from None
+            if name.startswith("__"):
+                raise AttributeError(name) from None
+            raise UnknownConfigFieldError(f"TrainConfig has no field {name!r}{_closest(name, self._values)}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise FrozenConfigError(f"TrainConfig is frozen: {name} cannot be set (use config.replace({name}=...))")
@@ -54,7 +85,12 @@ class TrainConfig:
         raise FrozenConfigError(f"TrainConfig is frozen: {name} cannot be deleted")
 
     def replace(self, **changes: Any) -> "TrainConfig":
-        """A new config with ``changes`` applied (fields may be added, e.g. derived sizes)."""
+        """A new config with ``changes`` applied; a name that is not a field raises here."""
+        unknown = [k for k in changes if k not in self._values]
+        if unknown:
+            k = unknown[0]
+            raise UnknownConfigFieldError(f"TrainConfig has no field {k!r}{_closest(k, self._values)}; its fields are "
+                                          "the flags' destinations and h3t_training.config.DERIVED_FIELDS")
         return TrainConfig({**self._values, **changes})
 
     def as_dict(self) -> dict:
@@ -97,11 +133,12 @@ def resolve(config: TrainConfig) -> TrainConfig:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
-               defaults: Optional[dict] = None, world_size: Optional[int] = None) -> TrainConfig:
+               defaults: Optional[dict] = None, world_size: int = 1) -> TrainConfig:
     """Parse and resolve the command line; exit 2 with one line on a bad flag.
 
     ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py gets
-    :data:`~h3t_training.arguments.LLAMA_DEFAULTS`. ``world_size`` defaults to ``$WORLD_SIZE`` (1)."""
+    :data:`~h3t_training.arguments.LLAMA_DEFAULTS`. ``world_size`` is the job's (the entry point reads the
+    launcher's; nothing here reads the environment)."""
     if defaults is None and prog == "pretrain_llama.py":
         defaults = arguments.LLAMA_DEFAULTS
     parser = arguments.build_parser(prog, defaults)
@@ -110,8 +147,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
     refused = refusal(given)
     if refused:
         parser.error(refused)
-    if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
     config = TrainConfig.from_namespace(namespace, world_size=world_size, flag_notices=tuple(notice_lines(given)))
     try:
         return resolve(config)
@@ -120,4 +155,4 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
     raise AssertionError("unreachable: parser.error exits")
 
 
-__all__ = ["FrozenConfigError", "TrainConfig", "parse_args", "resolve"]
+__all__ = ["DERIVED_FIELDS", "FrozenConfigError", "TrainConfig", "UnknownConfigFieldError", "parse_args", "resolve"]

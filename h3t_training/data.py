@@ -10,8 +10,7 @@ so a resumed run reads exactly the samples an uninterrupted run would.
 from __future__ import annotations
 
 import logging
-import os
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -71,7 +70,7 @@ def splits_wanted(args) -> tuple[bool, bool]:
     return w[1] > 0, w[2] > 0
 
 
-def _splits_with_documents(args, split_matrix, valid_on: bool, test_on: bool) -> tuple[bool, bool]:
+def _splits_with_documents(args, split_matrix, valid_on: bool, test_on: bool, notify) -> tuple[bool, bool]:
     """A held-out split that gets no document of some blended dataset is dropped, with a notice on rank
     0 (megatron-core would loop forever building it); a split's documents are the range
     ``round(beg * n) .. round(end * n)`` of each dataset's n documents, as megatron-core cuts them."""
@@ -85,16 +84,20 @@ def _splits_with_documents(args, split_matrix, valid_on: bool, test_on: bool) ->
         beg, end = split_matrix[i]
         if any(int(round(end * n)) <= int(round(beg * n)) for n in counts):
             wanted[i] = False
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"note: --split {args.split} leaves the {name} split no document of the "
-                      f"{min(counts)} in --data-path; no {name} evaluation", flush=True)
+            notify(f"note: --split {args.split} leaves the {name} split no document of the "
+                   f"{min(counts)} in --data-path; no {name} evaluation")
     return wanted[1], wanted[2]
 
 
-def build_datasets(args, tokenizer) -> tuple:
+def _silent(line: str) -> None:
+    del line
+
+
+def build_datasets(args, tokenizer, *, notify: Callable[[str], None] = _silent) -> tuple:
     """(train, valid, test) through megatron-core's BlendedMegatronDatasetBuilder; a split that is
     not wanted (see :func:`splits_wanted`) is None. The training split depends only on its own size,
-    so evaluation flags never change the training samples."""
+    so evaluation flags never change the training samples. ``notify`` gets the notices (the caller
+    passes its rank-0 printer)."""
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     per_split = bool(args.train_data_path or args.valid_data_path or args.test_data_path)
     config = GPTDatasetConfig(
@@ -113,7 +116,7 @@ def build_datasets(args, tokenizer) -> tuple:
     )
     valid_on, test_on = splits_wanted(args)
     if config.split_matrix is not None and not args.mock_data and not per_split:
-        valid_on, test_on = _splits_with_documents(args, config.split_matrix, valid_on, test_on)
+        valid_on, test_on = _splits_with_documents(args, config.split_matrix, valid_on, test_on, notify)
     if config.split_matrix is not None:  # only the ranges evaluation asks for are built: megatron-core loops
         # forever on a requested split that holds no document (e.g. the 1 of 949,50,1 on a small corpus)
         config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if valid_on else None,

@@ -480,8 +480,10 @@ def given_table_flags(args: argparse.Namespace) -> list[FlagEntry]:
 
 
 def table_value(args: argparse.Namespace, flag: str, default=None):
-    """The value (a string, list or True) a table-only flag was given, else ``default``."""
-    return getattr(args, _dest(flag), default)
+    """The value (a string, list or True) a table-only flag was given, else ``default`` (a table flag's
+    destination exists only when the flag was given: :func:`add_table_flags` defaults it to SUPPRESS)."""
+    dest = _dest(flag)
+    return getattr(args, dest) if hasattr(args, dest) else default
 
 
 def refusal(entries: list[FlagEntry]) -> Optional[str]:

@@ -132,7 +132,7 @@ def _split(args) -> dict:
     ``--skip-train``)."""
     text = args.split.strip().strip("'\"")
     try:
-        parse_split(text, allow_no_train=args.data_path is None or getattr(args, "skip_train", False))
+        parse_split(text, allow_no_train=args.data_path is None or args.skip_train)
     except DataFileError as e:
         raise ArgumentError(str(e)) from None
     return {"split": text}
@@ -144,7 +144,7 @@ def _tokenizer_files(args) -> dict:
     if args.tokenizer_type != "ByteTokenizer":
         return {}
     for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
-        if getattr(args, name, None) is not None:
+        if getattr(args, name) is not None:
             raise ArgumentError(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give the "
                                 "--tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, "
                                 "NullTokenizer)")

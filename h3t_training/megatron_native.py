@@ -28,9 +28,10 @@ import importlib.util
 import inspect
 from typing import Optional, Sequence
 
+from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_training.errors import ArgumentError
+from h3t_training.h3t_flags import add_h3t_flags
 from h3t_training.megatron_compat import kwai_aliases
-from h3t_training.offload_alpha import stage_alphas
 
 
 def available() -> bool:
@@ -44,14 +45,7 @@ def available() -> bool:
 def add_h3t_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's ``extra_args_provider``: h3t-ext's flags and Megatron-Kwai's aliases."""
     g = parser.add_argument_group("h3t-ext")
-    g.add_argument("--ckpt", choices=("no", "full", "ours"), default=None,
-                   help="ours: keep GEMM outputs, recompute norms and MLP activations in backward")
-    g.add_argument("--offload-alpha", default=None,
-                   help="share of each microbatch's saved activations offloaded to host memory; "
-                        "one value or one per pipeline stage, comma-separated")
-    g.add_argument("--kaimm-offload-activation-ratio", dest="kaimm_offload_ratio", type=float, default=None)
-    g.add_argument("--kaimm-recompute-norm", action="store_true")
-    g.add_argument("--kaimm-recompute-mlp-activation-func", action="store_true")
+    add_h3t_flags(g)
     return parser
 
 
@@ -64,10 +58,16 @@ def runtime_config(args):
     if ckpt == "full":
         raise ArgumentError("--ckpt full: with Megatron's own training loop use its --recompute-granularity full "
                             "--recompute-method uniform --recompute-num-layers 1")
-    if ckpt == "ours" and getattr(args, "recompute_granularity", None) is not None:
+    if ckpt == "ours" and args.recompute_granularity is not None:
         raise ArgumentError(f"--ckpt ours contradicts --recompute-granularity {args.recompute_granularity}")
-    alpha = "0" if fields["offload_alpha"] is None else fields["offload_alpha"]
-    return H3TConfig(ckpt=ckpt, offload_alpha=stage_alphas(alpha, args.pipeline_model_parallel_size))
+    try:
+        alpha = OffloadAlpha.parse("0" if fields["offload_alpha"] is None else fields["offload_alpha"])
+        if alpha.is_mode:
+            raise ValueError(f"--offload-alpha {alpha.mode}: with Megatron's own training loop give the numbers "
+                             f"(h3t-plan estimate --offload-alpha {alpha.mode} prints them)")
+        return H3TConfig(ckpt=ckpt, offload_alpha=alpha.for_pipeline(args.pipeline_model_parallel_size))
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def _megatron(module: str):

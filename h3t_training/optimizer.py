@@ -28,14 +28,14 @@ def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: 
     ``max_lr``/``min_lr`` replace --lr/--min-lr for a parameter group of its own (--decoupled-lr)."""
     peak = args.lr if max_lr is None else max_lr
     floor = args.min_lr if min_lr is None else min_lr
-    if getattr(args, "lr_decay_steps", None) is not None:  # samples consumed once this iteration is done
+    if args.lr_decay_steps is not None:  # samples consumed once this iteration is done
         warm, decay = args.lr_warmup_steps, args.lr_decay_steps
         step = schedule_of(args).consumed_samples(iteration + 1)
     else:
         warm, decay = args.lr_warmup_iters, args.lr_decay_iters
         step = iteration + 1
     if warm and step <= warm:
-        init = getattr(args, "lr_warmup_init", 0.0)
+        init = args.lr_warmup_init
         return init + (peak - init) * step / warm
     if args.lr_decay_style == "constant":
         return peak
@@ -51,7 +51,7 @@ def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: 
 def decoupled_lr_group(args) -> dict:
     """The learning-rate fields of the embedding and output-layer group under --decoupled-lr (as
     megatron-core's optimizer: ``max_lr``, and ``min_lr`` when --decoupled-min-lr is given); empty without it."""
-    if getattr(args, "decoupled_lr", None) is None:
+    if args.decoupled_lr is None:
         return {}
     fields = {"max_lr": args.decoupled_lr}
     if args.decoupled_min_lr is not None:

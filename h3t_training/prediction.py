@@ -13,29 +13,20 @@ is not comparable with what is measured, so it is written only as
 from __future__ import annotations
 
 
-def _has_te() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("transformer_engine") is not None
-
-
 def predicted_scalars(args, *, vocab_size: int, on_gpu: bool) -> dict[str, float]:
-    """Tag -> predicted value for this run's plan; tags the cost model cannot price are left out."""
-    from h3t_ext.costmodel import Plan, get_system
+    """Tag -> predicted value for this run's plan (:func:`h3t_training.run_spec.run_plan`); tags the cost model
+    cannot price are left out."""
+    from h3t_ext.costmodel import get_system
     from h3t_ext.costmodel.activations import BOOL, stage_activation_peak_bytes
     from h3t_ext.costmodel.errors import PlanError, UnknownNameError
     from h3t_ext.costmodel.estimate import estimate
-    from h3t_training.auto_plan import model_spec, system_name
+    from h3t_training.auto_plan import system_name
+    from h3t_training.run_spec import model_spec, run_plan, uses_transformer_engine
 
     model = model_spec(args, vocab_size, name="run")
-    alpha = args.offload_alpha if isinstance(args.offload_alpha, float) else tuple(args.offload_alpha)
-    plan = Plan(num_gpus=args.world_size, seq_length=args.seq_length, global_batch_size=args.global_batch_size,
-                micro_batch_size=args.micro_batch_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
-                context_parallel_size=args.context_parallel_size,
-                pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage, ckpt=args.ckpt,
-                offload_alpha=alpha)
+    plan = run_plan(args, offload_alpha=args.offload_alpha, on_gpu=on_gpu)
     out: dict[str, float] = {}
-    te = on_gpu and _has_te()
+    te = uses_transformer_engine(on_gpu)
     try:
         dtype_bytes = 2 if (on_gpu and args.bf16) else 4
         acts = stage_activation_peak_bytes(model, plan, dtype_bytes=dtype_bytes, layer_spec="te" if te else "local",

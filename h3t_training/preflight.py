@@ -20,15 +20,14 @@ def main(argv=None) -> int:
     if len(argv) < 3 or argv[0] != "--world-size" or argv[2] != "--" or not argv[1].isdigit() or int(argv[1]) < 1:
         sys.stderr.write("preflight: usage: python -m h3t_training.preflight --world-size N -- FLAGS...\n")
         return 2
-    os.environ["WORLD_SIZE"], os.environ["RANK"] = argv[1], "1"  # not rank 0: the planner prints nothing
     from h3t_training.config import parse_args
     from h3t_training.checkpointing import CheckpointError, find_checkpoint
 
     prog = os.environ.get("H3T_PROG", "pretrain_llama.py")
     with contextlib.redirect_stdout(io.StringIO()):
-        args = parse_args(argv[3:], prog=prog)  # exits 2 with one line on a bad flag
+        args = parse_args(argv[3:], prog=prog, world_size=int(argv[1]))  # exits 2 with one line on a bad flag
         try:
-            find_checkpoint(args)
+            find_checkpoint(args, rank=0)
         except CheckpointError as e:
             sys.stderr.write(f"{prog}: error: {e}\n")
             return 2

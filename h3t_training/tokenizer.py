@@ -200,9 +200,8 @@ def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, to
 
 def tokenizer_from_args(args):
     """The tokenizer of a parsed command line (the driver's or tools/preprocess_data.py's)."""
-    return build_tokenizer(args.tokenizer_type, getattr(args, "vocab_size", None),
-                           tokenizer_model=getattr(args, "tokenizer_model", None),
-                           vocab_file=getattr(args, "vocab_file", None), merge_file=getattr(args, "merge_file", None))
+    return build_tokenizer(args.tokenizer_type, args.vocab_size, tokenizer_model=args.tokenizer_model,
+                           vocab_file=args.vocab_file, merge_file=args.merge_file)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:

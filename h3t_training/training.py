@@ -27,7 +27,7 @@ from h3t_training.data import build_data_iterators, build_datasets
 from h3t_training.evaluation import Evaluator
 from h3t_training.exit_conditions import ExitConditions, ExitSignalHandler
 from h3t_training.heartbeat import start_heartbeat
-from h3t_training.initialize import dist_rank_from_env, initialize_distributed, shutdown, uses_gpu
+from h3t_training.initialize import initialize_distributed, shutdown, uses_gpu
 from h3t_training.loggers import build_writer, writers_requested
 from h3t_training.model_provider import build_model_chunks, num_parameters
 from h3t_training.optimizer import NonFiniteError
@@ -125,7 +125,7 @@ def _gather_stage_stats(runtime, chunks) -> list[dict]:
 
 
 def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
-    for line in getattr(args, "flag_notices", []):  # the flag table's notices (docs/flags.md), once
+    for line in args.flag_notices:  # the flag table's, --auto-plan's and --offload-alpha auto's notices, once
         print(line, flush=True)
     if config.offloads:
         from h3t_ext import kernels  # noqa: PLC0415  (only needed for this note)
@@ -209,13 +209,19 @@ def _final_evaluations(args, evaluator: Evaluator, scalars: TrainingScalars, ite
                 scalars.evaluation(iteration, split, result.loss, result.ppl)
 
 
-def pretrain(args) -> int:
-    """Everything after argument parsing; returns the process exit status."""
+def _rank0_printer():
+    """``print`` on rank 0 of the job's process group, a no-op elsewhere."""
+    return (lambda line: print(line, flush=True)) if dist.get_rank() == 0 else (lambda line: None)
+
+
+def pretrain(args, *, rank: int) -> int:
+    """Everything after argument parsing (``rank``: this process's rank, from its launcher); returns the
+    process exit status."""
     start_time = time.time()
-    found = ckpt_io.find_checkpoint(args)  # before any process group: a bad checkpoint stops all ranks
+    found = ckpt_io.find_checkpoint(args, rank=rank)  # before any process group: a bad checkpoint stops all ranks
     if found is not None and found.schedule:  # --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
         args = args.replace(**found.schedule)
-    lock = RunLock(args.save).acquire() if args.save and dist_rank_from_env() == 0 else None
+    lock = RunLock(args.save).acquire() if args.save and rank == 0 else None
     try:
         return _pretrain(args, found, start_time)
     finally:
@@ -235,7 +241,7 @@ def _pretrain(args, found, start_time: float) -> int:
     runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
     start, load_notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
-    train_ds, valid_ds, test_ds = build_datasets(args, tokenizer)
+    train_ds, valid_ds, test_ds = build_datasets(args, tokenizer, notify=_rank0_printer())
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     iters = None if args.skip_train else build_data_iterators(
         args, train_ds, start_iteration=start, num_chunks=len(chunks), data_parallel_rank=ps.get_data_parallel_rank(),

@@ -1,7 +1,8 @@
 """Megatron-style iteration logs, a progress bar on a terminal, and the ``--metrics-json`` file.
 
-MFU follows the published convention: tokens/s/GPU x 3 x [2L(2h^2 + 2h h_kv + 3hf) + 2shL + 2Vh]
-/ peak (causal attention counted as half of s^2). The peak is the cost model's bf16 peak of the
+MFU follows the published convention, the cost model's one formula
+(:func:`h3t_ext.costmodel.mfu.model_flops_per_token`: tokens/s/GPU x 3 x [2L(2h^2 + 2h h_kv + k hf) + 2shL +
+2Vh] / peak, k = 3 for SwiGLU and 2 for GeLU, causal attention counted as half of s^2). The peak is the cost model's bf16 peak of the
 GPU system on CUDA; on CPU there is no such number, so MFU is relative to the dense float32 GEMM
 throughput measured once at start-up (printed with the run's first line).
 """
@@ -18,13 +19,7 @@ from typing import Optional
 import torch
 
 from h3t_training.batch_schedule import schedule_of
-
-
-def flops_per_token(args, vocab_size: int) -> float:
-    """Forward FLOPs per token (the bracket of the MFU formula)."""
-    L, h, f, s = args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length
-    h_kv = args.num_query_groups * (h // args.num_attention_heads)
-    return 2 * L * (2 * h * h + 2 * h * h_kv + 3 * h * f) + 2 * s * h * L + 2 * vocab_size * h
+from h3t_training.run_spec import model_flops_per_iteration_token
 
 
 def measured_cpu_peak_flops(n: int = 384, trials: int = 12) -> float:
@@ -63,7 +58,7 @@ class IterationLogger:
 
     def __init__(self, args, *, vocab_size: int, on_gpu: bool, is_logging_rank: bool):
         self.args, self.on_gpu, self.enabled = args, on_gpu, is_logging_rank
-        self.flops_per_token = flops_per_token(args, vocab_size)
+        self.flops_per_token = model_flops_per_iteration_token(args, vocab_size)  # forward + backward
         self.peak, self.peak_what = peak_flops(args, on_gpu) if is_logging_rank else (1.0, "")
         self.records: list[dict] = []
         self._interval: list[dict] = []  # the records since the last log line (Megatron averages over them)
@@ -92,7 +87,7 @@ class IterationLogger:
         a = self.args
         batch = schedule_of(a).batch_size(iteration - 1)
         tps_gpu = batch * a.seq_length / elapsed_s / a.world_size
-        tflops = 3 * self.flops_per_token * tps_gpu / 1e12
+        tflops = self.flops_per_token * tps_gpu / 1e12
         rec = {"iteration": iteration, "loss": loss, "global_batch_size": batch, "tokens_per_second_per_gpu": tps_gpu,
                "mfu": tflops * 1e12 / self.peak, "tflops_per_gpu": tflops, "elapsed_ms": elapsed_s * 1e3,
                "learning_rate": lr, "grad_norm": grad_norm, "loss_scale": loss_scale, "skipped": skipped}
@@ -116,7 +111,7 @@ class IterationLogger:
         elapsed_ms = sum(r["elapsed_ms"] for r in recs) / n
         tokens = sum(r["global_batch_size"] for r in recs) * a.seq_length
         tps_gpu = tokens / (sum(r["elapsed_ms"] for r in recs) / 1e3) / a.world_size
-        tflops = 3 * self.flops_per_token * tps_gpu / 1e12
+        tflops = self.flops_per_token * tps_gpu / 1e12
         finite = [r["loss"] for r in recs if math.isfinite(r["loss"])]
         loss = sum(finite) / len(finite) if finite else float("nan")
         skipped = sum(1 for r in recs if r["skipped"])
@@ -164,7 +159,7 @@ def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[d
                    "context_parallel_size": args.context_parallel_size,
                    "data_parallel_size": args.data_parallel_size, "micro_batch_size": args.micro_batch_size,
                    "global_batch_size": args.global_batch_size, "seq_length": args.seq_length,
-                   "auto_plan_flags": getattr(args, "auto_plan_flags", None)},
+                   "auto_plan_flags": args.auto_plan_flags},
     }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from h3t_ext.layout import LayoutError, ParallelLayout
+from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
 from h3t_ext.runtime.prepare import validate_parallel_layout
 from h3t_training.auto_plan import resolve_alpha
@@ -17,7 +18,6 @@ from h3t_training.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
 from h3t_training.errors import ArgumentError
 from h3t_training.loggers import check_writer_packages
-from h3t_training.offload_alpha import stage_alphas
 from h3t_training.tokenizer import TokenizerError, tokenizer_from_args
 
 
@@ -99,7 +99,7 @@ def _validate_sequence_parallel(args):
     t = args.tensor_model_parallel_size
     if args.sequence_parallel and t == 1:  # as Megatron-LM: disabled, with a notice
         args = args.replace(sequence_parallel=False, flag_notices=(
-            *getattr(args, "flag_notices", ()),
+            *args.flag_notices,
             "note: --sequence-parallel: disabled with --tensor-model-parallel-size 1 (as Megatron-LM does)"))
     try:  # with c > 1 the sequence is 2c chunks; --sequence-parallel splits each rank's shard over t
         args.parallel_layout.check_seq_length(args.seq_length, sequence_parallel=args.sequence_parallel)
@@ -145,9 +145,16 @@ def _validate_context_parallel(args):
 
 
 def _validate_alpha(args):
-    if str(args.offload_alpha) in ("auto", "balanced"):
-        args = resolve_alpha(args)
-    return args.replace(offload_alpha=stage_alphas(args.offload_alpha, args.pipeline_model_parallel_size))
+    """``--offload-alpha`` parsed once (:class:`~h3t_ext.offload_alpha.OffloadAlpha`), ``auto``/``balanced``
+    resolved by the cost model; the config keeps the numbers that run (one float, or one per stage)."""
+    try:
+        alpha = OffloadAlpha.parse(args.offload_alpha)
+        if alpha.is_mode:
+            args = resolve_alpha(args.replace(offload_alpha=alpha))
+            alpha = args.offload_alpha
+        return args.replace(offload_alpha=alpha.for_pipeline(args.pipeline_model_parallel_size))
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
 
 
 def _validate_data(args):
@@ -215,7 +222,7 @@ def _validate_io(args):
     if args.save is not None:
         _check_writable_dir("--save", args.save)
     for flag in ("tensorboard_dir", "wandb_save_dir"):
-        if getattr(args, flag, None):
+        if getattr(args, flag):
             _check_writable_dir("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.metrics_json is not None:
         parent = os.path.dirname(os.path.abspath(args.metrics_json))

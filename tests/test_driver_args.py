@@ -13,9 +13,8 @@ BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def _error(argv, capsys, monkeypatch, world_size=2) -> str:
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
     with pytest.raises(SystemExit) as exc:
-        parse_args(argv)
+        parse_args(argv, world_size=world_size)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
@@ -82,10 +81,9 @@ def test_missing_data_files_are_named(capsys, monkeypatch, tmp_path):
 
 
 def test_good_flags_derive_sizes(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "4")
     args = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
                               "--recompute-granularity", "full", "--recompute-method", "uniform",
-                              "--recompute-num-layers", "1"])
+                              "--recompute-num-layers", "1"], world_size=4)
     assert args.data_parallel_size == 2 and args.virtual_pipeline_model_parallel_size == 2
     assert args.num_microbatches == 4 and args.ckpt == "full" and args.offload_alpha == 0.0
 
@@ -93,27 +91,23 @@ def test_good_flags_derive_sizes(monkeypatch):
 def test_published_65b_flags_parse_for_256_ranks(monkeypatch):
     import h3t_training.validation as validation
     monkeypatch.setattr(validation, "_cuda_available", lambda: True)  # as on a GPU host
-    monkeypatch.setenv("WORLD_SIZE", "256")
     args = parse_args(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
                        "--ffn-hidden-size", "22016", "--seq-length", "4096", "--global-batch-size", "256",
                        "--train-iters", "10", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
                        "--vocab-size", "32000", "--tensor-model-parallel-size", "2",
                        "--pipeline-model-parallel-size", "8", "--num-layers-per-virtual-pipeline-stage", "2",
-                       "--sequence-parallel", "--use-distributed-optimizer", "--ckpt", "no", "--offload-alpha", "0.355"])
+                       "--sequence-parallel", "--use-distributed-optimizer", "--ckpt", "no", "--offload-alpha", "0.355"], world_size=256)
     assert args.data_parallel_size == 16 and args.num_microbatches == 16
     assert args.virtual_pipeline_model_parallel_size == 5 and args.offload_alpha == 0.355
 
 
 def test_auto_plan_fills_only_what_was_left_out(monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "256")
-    monkeypatch.setenv("RANK", "0")
     args = parse_args(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
                        "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size", "28672",
                        "--seq-length", "4096", "--global-batch-size", "256", "--train-iters", "10", "--lr", "1e-4",
                        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
-                       "--gpu", "h800", "--auto-plan", "--pipeline-model-parallel-size", "8"])
-    out = capsys.readouterr().out
-    assert out.startswith("auto-plan (h800")
+                       "--gpu", "h800", "--auto-plan", "--pipeline-model-parallel-size", "8"], world_size=256)
+    assert args.flag_notices[-1].startswith("auto-plan (h800")  # printed once by rank 0 when training starts
     assert args.pipeline_model_parallel_size == 8  # the user's value is kept
     assert args.ckpt in ("no", "full", "ours") and args.use_distributed_optimizer
     t, c, p = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
@@ -124,19 +118,19 @@ def test_bad_flag_through_the_entry_point_has_no_traceback():
     proc = subprocess.run([PYTHON, str(REPO / "pretrain_llama.py"), *BASE, "--offload-alpha", "1.5"], cwd=REPO,
                           env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "pretrain_llama.py: error: --offload-alpha 1.5 is outside [0, 1]"
+    assert proc.stderr.strip() == (
+        "pretrain_llama.py: error: --offload-alpha 1.5 is outside [0, 1] (valid: a number in [0, 1], a "
+        "comma-separated list of one per pipeline stage, auto or balanced)")
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("mode", ["auto", "balanced"])
 def test_offload_alpha_modes_are_resolved_by_the_cost_model(mode, monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
     args = parse_args(BASE + ["--pipeline-model-parallel-size", "2", "--offload-alpha", mode, "--memory-budget",
-                              "80GB"])
+                              "80GB"], world_size=2)
     values = args.offload_alpha if isinstance(args.offload_alpha, tuple) else (args.offload_alpha,)
     assert len(values) in (1, 2) and all(0.0 <= a <= 1.0 for a in values)
-    assert f"--offload-alpha {mode} resolved by the cost model" in capsys.readouterr().out
+    assert any(n.startswith(f"--offload-alpha {mode} resolved by the cost model") for n in args.flag_notices)
 
 
 def test_bad_memory_budget_is_one_line(capsys, monkeypatch):
@@ -146,8 +140,7 @@ def test_bad_memory_budget_is_one_line(capsys, monkeypatch):
 
 def test_overlap_flags_reach_the_run(monkeypatch):
     """Megatron's DDP overlap switches are accepted (the planner prints them) and kept for the GPU wrap."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    args = parse_args(BASE + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"])
+    args = parse_args(BASE + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], world_size=2)
     assert args.overlap_grad_reduce and args.overlap_param_gather
 
 
@@ -156,8 +149,7 @@ def test_cost_model_sees_the_model_the_flags_build(prog, gelu_gpt, monkeypatch):
     """--auto-plan and the predictions price the model that runs: pretrain_gpt.py's GeLU MLP, tied output
     layer, linear biases and Megatron's 0.1 dropout; pretrain_llama.py's SwiGLU, untied, no biases and no
     dropout; flags override."""
-    from h3t_training.auto_plan import model_spec
-    monkeypatch.setenv("WORLD_SIZE", "1")
+    from h3t_training.run_spec import model_spec
     spec = model_spec(parse_args(BASE, prog=prog), vocab_size=512)
     assert spec.swiglu is not gelu_gpt and spec.untie_embeddings_and_output_weights is not gelu_gpt
     assert spec.add_bias_linear is gelu_gpt

@@ -36,7 +36,7 @@ def test_resolution_derives_sizes_without_touching_its_input():
     snapshot = before.as_dict()
     after = resolve(before)
     assert before.as_dict() == snapshot  # nothing was changed in place
-    assert "data_parallel_size" not in snapshot and before.num_layers_per_virtual_pipeline_stage is None
+    assert snapshot["data_parallel_size"] is None and before.num_layers_per_virtual_pipeline_stage is None
     assert (after.data_parallel_size, after.num_microbatches, after.virtual_pipeline_model_parallel_size) == (2, 4, 2)
     assert after.num_layers_per_virtual_pipeline_stage == 1 and after.ffn_hidden_size == 128  # SwiGLU: int(4h x 2/3 / 64) x 64
 

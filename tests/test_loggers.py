@@ -8,6 +8,7 @@ import types
 import pytest
 
 from h3t_training.arguments import build_parser
+from h3t_training.config import TrainConfig
 from h3t_training.errors import ArgumentError
 from h3t_training.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer, check_writer_packages,
                                        wandb_mode)
@@ -53,7 +54,7 @@ def _fake_wandb():
 
 
 def _args(*extra):
-    return build_parser().parse_args(BASE + list(extra))
+    return TrainConfig.from_namespace(build_parser().parse_args(BASE + list(extra)))
 
 
 def test_wandb_writer_groups_a_step_and_skips_the_samples_axis(tmp_path, monkeypatch):
@@ -89,8 +90,7 @@ def test_fan_out_and_null_writer():
 
 def test_scalars_use_megatron_tags_and_switches():
     args = _args("--log-validation-ppl-to-tensorboard", "--log-world-size-to-tensorboard",
-                 "--no-log-loss-scale-to-tensorboard", "--log-interval", "2")
-    args.world_size = 2
+                 "--no-log-loss-scale-to-tensorboard", "--log-interval", "2").replace(world_size=2)
     w = RecordingWriter()
     s = TrainingScalars(args, w, on_gpu=False)
     rec = {"iteration": 2, "loss": 3.0, "learning_rate": 1e-3, "grad_norm": 0.7, "tokens_per_second_per_gpu": 10.0,

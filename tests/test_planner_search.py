@@ -7,7 +7,8 @@ import pytest
 
 from h3t_ext.costmodel import ModelSpec, Plan, estimate, get_model, get_system
 from h3t_ext.planner import space
-from h3t_ext.planner.flags import format_alpha, megatron_flags, parse_alpha, plan_from_megatron_flags
+from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
+from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
 from h3t_ext.planner.search import R_BOUND, search
 from h3t_ext.planner.space import SearchConstraints, divisors, enumerate_layouts
 from h3t_ext.planner.units import parse_bytes
@@ -192,9 +193,9 @@ def test_megatron_flags_published_example():
 
 def test_alpha_text():
     assert format_alpha(0.162) == "0.162" and format_alpha(0.0) == "0.000"
-    assert parse_alpha(format_alpha((0.1, 0.2))) == (0.1, 0.2)
+    assert OffloadAlpha.parse(format_alpha((0.1, 0.2))).alpha == (0.1, 0.2)
     with pytest.raises(ValueError):
-        parse_alpha("1.2")
+        OffloadAlpha.parse("1.2")
 
 
 @pytest.mark.parametrize("text,value", [("85899345920", 85899345920), ("78GB", 78 * 10**9), ("72GiB", 72 * 2**30),

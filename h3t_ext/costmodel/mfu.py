@@ -5,8 +5,10 @@ from h3t_ext.costmodel.specs import ModelSpec
 
 
 def model_flops_per_token(model: ModelSpec, seq_length: int) -> float:
-    """3 * [2 L (2h^2 + 2h h_kv + 3hf) + 2 s h L + 2 V h]: forward+backward FLOPs per token, causal
-    attention counted as half of s^2, unpadded vocabulary, no recompute."""
+    """3 * [2 L (2h^2 + 2h h_kv + k h f) + 2 s h L + 2 V h]: forward+backward FLOPs per token, k = 3 for a
+    SwiGLU MLP (FC1 2f wide, FC2) and 2 for GeLU (:attr:`ModelSpec.params_per_layer`), causal attention
+    counted as half of s^2, unpadded vocabulary, no recompute. The one FLOPs formula: the planner's MFU
+    and the training driver's logged MFU both come from here."""
     h, L = model.hidden_size, model.num_layers
     return 3.0 * (2 * L * model.params_per_layer + 2 * seq_length * h * L + 2 * model.vocab_size * h)
 

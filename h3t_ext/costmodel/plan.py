@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
+from h3t_ext.ckpt import CKPT_CHOICES, Ckpt  # noqa: F401  (CKPT_CHOICES re-exported by h3t_ext.costmodel)
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.layout import LayoutError, ParallelLayout
+from h3t_ext.offload_alpha import Alpha, check_alpha
 
-CKPT_CHOICES = ("no", "full", "ours")
-"""Checkpointing modes the runtime implements (and the planner searches)."""
-SELECTIVE = "selective"
+SELECTIVE = Ckpt.SELECTIVE
 """Megatron's --recompute-granularity selective: the attention core is recomputed in backward. The cost model
 prices it (published runs use it); with flash attention nothing of the core is saved anyway, so its
 activation bytes are those of 'no'."""
-PRICED_CKPT = CKPT_CHOICES + (SELECTIVE,)
+PRICED_CKPT = tuple(Ckpt)
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 LAYER_SPEC = {"transformer_engine": "te", "local": "local"}
 """Layer spec of the activation byte counts (activations.py) for each --transformer-impl."""
@@ -28,7 +28,6 @@ gradients (ZeRO-2 like, reduce-scattered after every microbatch's backward) and 
 like, all-gathered before every microbatch's forward and backward). 'optim' is priced as the distributed
 optimizer and 'no_shard' as plain DDP."""
 
-Alpha = Union[float, tuple[float, ...]]
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,8 @@ class Plan:
     """p."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """l; None means L/p (plain 1F1B, v = 1)."""
-    ckpt: str = "no"
-    """Activation checkpointing: 'no', 'full' or 'ours'."""
+    ckpt: Ckpt = Ckpt.NO
+    """Activation checkpointing (a :class:`~h3t_ext.ckpt.Ckpt`; its flag text is coerced)."""
     offload_alpha: Alpha = 0.0
     """Fraction of saved activations offloaded to host; a tuple gives one value per pipeline stage."""
     overlap_grad_reduce: bool = False
@@ -85,6 +84,13 @@ class Plan:
     """Megatron's --decoder-first-pipeline-num-layers: layers of the first stage (the rest split evenly)."""
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Megatron's --decoder-last-pipeline-num-layers: layers of the last stage."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ckpt, Ckpt):
+            try:
+                object.__setattr__(self, "ckpt", Ckpt(self.ckpt))
+            except ValueError:
+                raise InvalidPlanError(f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {self.ckpt!r}") from None
 
     @property
     def data_parallel_size(self) -> int:
@@ -174,8 +180,10 @@ def _validate_alphas(plan: Plan) -> None:
         _check(len(a) == plan.pipeline_model_parallel_size,
                f"offload_alpha has {len(a)} values but pipeline_model_parallel_size is "
                f"{plan.pipeline_model_parallel_size}")
-    for x in plan.alphas():
-        _check(0.0 <= x <= 1.0, f"offload_alpha must be in [0, 1], got {x}")
+    try:
+        check_alpha(a if not isinstance(a, list) else tuple(a), flag="offload_alpha")
+    except ValueError as e:
+        raise InvalidPlanError(str(e)) from None
 
 
 def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = None) -> ParallelLayout:

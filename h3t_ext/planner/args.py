@@ -13,7 +13,10 @@ from typing import NoReturn, Optional, Union
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES
-from h3t_ext.planner.space import CKPT_CHOICES, SearchConstraints
+from h3t_ext.ckpt import CKPT_CHOICES
+from h3t_ext.offload_alpha import OffloadAlpha
+from h3t_ext.planner import translate
+from h3t_ext.planner.space import SearchConstraints
 from h3t_ext.planner.units import parse_bytes
 
 PROG = "h3t-plan"
@@ -65,17 +68,11 @@ def _dropout(text: str) -> float:
 
 
 def _alpha(text: str) -> AlphaArg:
-    if text in ("auto", "balanced"):
-        return text
-    valid = "valid: a number in [0, 1], a comma-separated list of one per pipeline stage, auto or balanced"
     try:
-        values = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number ({valid})") from None
-    for value in values:
-        if not 0.0 <= value <= 1.0:
-            raise argparse.ArgumentTypeError(f"{value} outside [0, 1] ({valid})")
-    return values[0] if len(values) == 1 else tuple(values)
+        value = OffloadAlpha.parse(text, flag="")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).strip()) from None
+    return value.mode if value.is_mode else value.alpha
 
 
 def _budget(text: str) -> int:
@@ -225,51 +222,19 @@ def system_file_from_args(ns: argparse.Namespace) -> dict:
 
 
 def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Plan:
-    """The plan of ``estimate``'s flags; ``alpha`` replaces a symbolic ``--offload-alpha``."""
+    """The plan of ``estimate``'s flags (the one translation, :mod:`h3t_ext.planner.translate`); ``alpha``
+    replaces a symbolic ``--offload-alpha``."""
     if alpha is None:
         alpha = 0.0 if isinstance(ns.offload_alpha, str) else ns.offload_alpha
-    return Plan(
-        num_gpus=ns.num_gpus,
-        seq_length=ns.seq_length,
-        global_batch_size=ns.global_batch_size,
-        micro_batch_size=ns.micro_batch_size,
-        tensor_model_parallel_size=ns.tensor_model_parallel_size,
-        context_parallel_size=ns.context_parallel_size,
-        pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
-        num_layers_per_virtual_pipeline_stage=ns.num_layers_per_virtual_pipeline_stage,
-        ckpt=ns.ckpt,
-        offload_alpha=alpha,
-        overlap_grad_reduce=ns.overlap_grad_reduce,
-        overlap_param_gather=ns.overlap_param_gather,
-        tp_comm_overlap=ns.tp_comm_overlap,
-        overlap_p2p_comm=ns.overlap_p2p_comm,
-        sequence_parallel=ns.sequence_parallel,
-        use_distributed_optimizer=ns.use_distributed_optimizer,
-        data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy,
-        decoder_first_pipeline_num_layers=ns.decoder_first_pipeline_num_layers,
-        decoder_last_pipeline_num_layers=ns.decoder_last_pipeline_num_layers,
-    )
+    return translate.plan_from_args(ns, num_gpus=ns.num_gpus, offload_alpha=alpha,
+                                    use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
 
 
 def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
-    """The dimensions ``search``'s flags fix."""
+    """The dimensions ``search``'s flags fix (the one translation)."""
     if ns.max_micro_batch_size is not None and ns.micro_batch_size is not None \
             and ns.max_micro_batch_size < ns.micro_batch_size:
         raise UsageError(f"argument --max-micro-batch-size: {ns.max_micro_batch_size} is below --micro-batch-size "
                          f"{ns.micro_batch_size}")
-    return SearchConstraints(
-        tensor_model_parallel_size=ns.tensor_model_parallel_size,
-        context_parallel_size=ns.context_parallel_size,
-        pipeline_model_parallel_size=ns.pipeline_model_parallel_size,
-        num_layers_per_virtual_pipeline_stage=ns.num_layers_per_virtual_pipeline_stage,
-        micro_batch_size=ns.micro_batch_size,
-        max_micro_batch_size=ns.max_micro_batch_size,
-        ckpt=ns.ckpt,
-        overlap_grad_reduce=ns.overlap_grad_reduce,
-        overlap_param_gather=ns.overlap_param_gather,
-        tp_comm_overlap=ns.tp_comm_overlap,
-        overlap_p2p_comm=ns.overlap_p2p_comm,
-        sequence_parallel=ns.sequence_parallel,
-        use_distributed_optimizer=ns.use_distributed_optimizer,
-        data_parallel_sharding_strategy=ns.data_parallel_sharding_strategy,
-    )
+    return translate.constraints_from_args(ns, max_micro_batch_size=ns.max_micro_batch_size,
+                                           use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)

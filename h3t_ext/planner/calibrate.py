@@ -6,7 +6,8 @@ with one run per row and Megatron's field names as columns (``tokens_per_second_
 plus ``num_gpus`` or ``world_size``, ``seq_length``, ``global_batch_size`` and optionally
 ``micro_batch_size``, ``tensor_model_parallel_size``, ``context_parallel_size``,
 ``pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``, ``ckpt``, ``offload_alpha``,
-and the 0/1 switches of :data:`SWITCHES`). The model is the command line's (``--model`` or the shape flags).
+and the 0/1 switches of :data:`SWITCHES`; a switch a run does not name is Megatron-LM's default, off for
+sequence parallelism and the distributed optimizer). The model is the command line's (``--model`` or the shape flags).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from typing import Sequence
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec
 from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system
 from h3t_ext.costmodel.specs import plausible_ranges
+from h3t_ext.offload_alpha import OffloadAlpha
+from h3t_ext.planner.translate import plan_from_args
 
 INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
               "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
@@ -36,35 +39,39 @@ def _truthy(text: str) -> bool:
 
 
 def _fields(path: str, cfg: dict) -> dict:
+    """The run's Megatron fields as numbers and switches (what the translation reads)."""
     try:
-        num_gpus = int(cfg.get("num_gpus") or cfg["world_size"])
-        fields = {"num_gpus": num_gpus, "seq_length": int(cfg["seq_length"]),
-                  "global_batch_size": int(cfg["global_batch_size"])}
+        out = {"num_gpus": int(cfg.get("num_gpus") or cfg["world_size"]), "seq_length": int(cfg["seq_length"]),
+               "global_batch_size": int(cfg["global_batch_size"])}
     except (KeyError, ValueError, TypeError) as e:
         raise RunFileError(f"{path}: needs num_gpus (or world_size), seq_length and global_batch_size ({e})") from None
-    for k in INT_FIELDS:
-        if cfg.get(k) not in (None, ""):
-            fields[k] = int(cfg[k])
-    vpp = cfg.get("virtual_pipeline_model_parallel_size")
-    if vpp not in (None, "", 1, "1") and "num_layers_per_virtual_pipeline_stage" not in fields:
-        fields["_virtual"] = int(vpp)
-    if cfg.get("ckpt") not in (None, ""):
-        fields["ckpt"] = str(cfg["ckpt"])
-    if cfg.get("offload_alpha") not in (None, ""):
-        alpha = cfg["offload_alpha"]
-        fields["offload_alpha"] = float(alpha) if not isinstance(alpha, (list, tuple)) else tuple(float(a) for a in alpha)
+    try:
+        for k in INT_FIELDS:
+            if cfg.get(k) not in (None, ""):
+                out[k] = int(cfg[k])
+        vpp = cfg.get("virtual_pipeline_model_parallel_size")
+        if vpp not in (None, "", 1, "1") and "num_layers_per_virtual_pipeline_stage" not in out:
+            out["_virtual"] = int(vpp)
+        if cfg.get("ckpt") not in (None, ""):
+            out["ckpt"] = str(cfg["ckpt"])
+        if cfg.get("offload_alpha") not in (None, ""):
+            out["offload_alpha"] = OffloadAlpha.parse(cfg["offload_alpha"]).alpha
+    except ValueError as e:
+        raise RunFileError(f"{path}: {e}") from None
     for k in SWITCHES:
         if cfg.get(k) not in (None, ""):
-            fields[k] = _truthy(cfg[k])
-    return fields
+            out[k] = _truthy(cfg[k])
+    return out
 
 
 def _finish(fields: dict, model: ModelSpec) -> Plan:
+    """The run's plan through the one translation (a switch the run does not name is Megatron's default)."""
     virtual = fields.pop("_virtual", None)
     if virtual is not None:
         p = fields.get("pipeline_model_parallel_size", 1)
         fields["num_layers_per_virtual_pipeline_stage"] = model.num_layers // (p * virtual)
-    return Plan(**fields)
+    fields.setdefault("ckpt", "no")
+    return plan_from_args(fields, num_gpus=fields["num_gpus"], offload_alpha=fields.get("offload_alpha", 0.0))
 
 
 def read_runs(paths: Sequence[str], model: ModelSpec) -> list[MeasuredRun]:

@@ -6,34 +6,12 @@ reads such a list back (the two round-trip).
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+import argparse
+from typing import Sequence
 
 from h3t_ext.costmodel import Plan
-
-Alpha = Union[float, tuple[float, ...]]
-
-
-def format_alpha(alpha: Alpha) -> str:
-    """``0.162`` for one value, ``0.1,0.2,0.3`` for one value per pipeline stage."""
-    if isinstance(alpha, (tuple, list)):
-        return ",".join(_format_one(a) for a in alpha)
-    return _format_one(alpha)
-
-
-def _format_one(a: float) -> str:
-    a = float(a)
-    if abs(a - round(a, 3)) < 1e-12:
-        return f"{a:.3f}"
-    return repr(a)
-
-
-def parse_alpha(text: str) -> Alpha:
-    """Inverse of :func:`format_alpha`; raise ValueError when a value is outside [0, 1]."""
-    parts = [float(x) for x in text.split(",")]
-    for a in parts:
-        if not 0.0 <= a <= 1.0:
-            raise ValueError(f"offload alpha {a} outside [0, 1]")
-    return parts[0] if len(parts) == 1 else tuple(parts)
+from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
+from h3t_ext.planner.translate import plan_from_args
 
 
 def megatron_flags(plan: Plan) -> list[str]:
@@ -58,7 +36,7 @@ def megatron_flags(plan: Plan) -> list[str]:
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
     if not plan.overlap_p2p_comm:
         flags.append("--no-overlap-p2p-communication")
-    flags += ["--ckpt", plan.ckpt, "--offload-alpha", format_alpha(plan.offload_alpha)]
+    flags += ["--ckpt", str(plan.ckpt), "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
     return flags
 
@@ -78,17 +56,19 @@ _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gat
 
 
 def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int) -> Plan:
-    """Read a flag list made by :func:`megatron_flags` back into a :class:`Plan`."""
-    fields: dict[str, object] = {}
-    seen = set(flags)
-    fields["use_distributed_optimizer"] = "--use-distributed-optimizer" in seen
-    fields["overlap_p2p_comm"] = "--no-overlap-p2p-communication" not in seen
+    """Read a flag list made by :func:`megatron_flags` back into a :class:`Plan` (through the one translation,
+    :func:`h3t_ext.planner.translate.plan_from_args`); ValueError on a flag it does not make."""
+    ns = argparse.Namespace(seq_length=seq_length, use_distributed_optimizer="--use-distributed-optimizer" in flags,
+                            overlap_p2p_comm="--no-overlap-p2p-communication" not in flags,
+                            sequence_parallel="--sequence-parallel" in flags,
+                            use_megatron_fsdp="--use-megatron-fsdp" in flags)
+    alpha = 0.0
     it = iter(flags)
     for flag in it:
         if flag in _SWITCHES:
             continue
         if flag in _OVERLAP:
-            fields[_OVERLAP[flag]] = True
+            setattr(ns, _OVERLAP[flag], True)
             continue
         if flag not in _INT_FLAGS and flag not in ("--ckpt", "--offload-alpha", "--data-parallel-sharding-strategy"):
             raise ValueError(f"unexpected flag {flag!r}")
@@ -96,13 +76,13 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
         if value is None:
             raise ValueError(f"flag {flag} needs a value")
         if flag == "--ckpt":
-            fields["ckpt"] = value
+            ns.ckpt = value
         elif flag == "--data-parallel-sharding-strategy":
-            fields["data_parallel_sharding_strategy"] = value
+            ns.data_parallel_sharding_strategy = value
         elif flag == "--offload-alpha":
-            fields["offload_alpha"] = parse_alpha(value)
+            alpha = OffloadAlpha.parse(value).alpha
         else:
-            fields[_INT_FLAGS[flag]] = int(value)
-    if fields.get("tensor_model_parallel_size", 1) > 1:
-        fields["sequence_parallel"] = "--sequence-parallel" in seen
-    return Plan(num_gpus=num_gpus, seq_length=seq_length, **fields)
+            setattr(ns, _INT_FLAGS[flag], int(value))
+    if getattr(ns, "tensor_model_parallel_size", 1) == 1:
+        ns.sequence_parallel = True  # a no-op at t = 1, where megatron_flags leaves the flag out; Plan's default
+    return plan_from_args(ns, num_gpus=num_gpus, offload_alpha=alpha)

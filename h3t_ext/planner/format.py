@@ -5,7 +5,8 @@ from rich.table import Table
 
 from h3t_ext.costmodel import ModelSpec, SystemSpec
 from h3t_ext.planner.evaluate import Evaluation
-from h3t_ext.planner.flags import format_alpha, megatron_flags
+from h3t_ext.offload_alpha import format_alpha
+from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.search import R_BOUND, R_PRUNED, R_SLOWER, SearchResult
 from h3t_ext.planner.units import format_bytes
 

@@ -1,0 +1,148 @@
+"""The one translation of Megatron's argument names into the cost model's :class:`~h3t_ext.costmodel.Plan`
+and the planner's :class:`~h3t_ext.planner.space.SearchConstraints`.
+
+Every caller that prices a run described by Megatron-LM's flags goes through here: ``h3t-plan estimate`` and
+``search``, ``h3t-plan calibrate`` (run files), the round trip of :func:`h3t_ext.planner.flags.megatron_flags`,
+and the training driver (``--auto-plan``, ``--offload-alpha auto|balanced`` and its logged predictions).
+
+``args`` is anything that names Megatron's fields: an ``argparse.Namespace``, the driver's config, or a mapping
+(a run file's ``config``, a CSV row already converted to numbers). A field the arguments do not name takes
+**Megatron-LM's** default (:data:`MEGATRON_DEFAULTS`), never the ``Plan`` dataclass's own: Megatron runs
+without sequence parallelism or the distributed optimizer unless told, and a translation that fell back to
+``Plan``'s defaults (both on) would price another run than the one launched.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from h3t_ext.ckpt import Ckpt
+from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, Plan
+from h3t_ext.offload_alpha import Alpha
+from h3t_ext.planner.space import SearchConstraints
+
+MEGATRON_ARGUMENTS_SOURCE = ("https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/"
+                             "megatron/training/arguments.py")
+MEGATRON_DEFAULTS: dict[str, Any] = {
+    "micro_batch_size": 1,
+    "tensor_model_parallel_size": 1,
+    "context_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "num_layers_per_virtual_pipeline_stage": None,
+    "recompute_granularity": None,
+    "sequence_parallel": False,
+    "use_distributed_optimizer": False,
+    "overlap_grad_reduce": False,
+    "overlap_param_gather": False,
+    "tp_comm_overlap": False,
+    "overlap_p2p_comm": True,  # --no-overlap-p2p-communication stores False
+    "use_megatron_fsdp": False,
+    "data_parallel_sharding_strategy": "no_shard",
+    "attention_backend": "auto",
+    "transformer_impl": "transformer_engine",
+    "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None,
+}
+"""Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
+not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
+
+_REQUIRED = ("seq_length", "global_batch_size")
+_COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+           "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "use_distributed_optimizer",
+           "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
+           "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+_ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
+"""Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
+save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""
+_MISSING = object()
+
+
+def _reader(args: Any):
+    if isinstance(args, Mapping):
+        return lambda name: args.get(name, _MISSING)
+    return lambda name: getattr(args, name, _MISSING)
+
+
+def _value(read, name: str, fixed: Mapping[str, Any]) -> Any:
+    if name in fixed:
+        return fixed[name]
+    v = read(name)
+    if v is _MISSING:
+        if name not in MEGATRON_DEFAULTS:
+            raise ValueError(f"the run does not name {name} (needed to price it)")
+        return MEGATRON_DEFAULTS[name]
+    return v
+
+
+def ckpt_of(args: Any) -> Optional[Ckpt]:
+    """``ckpt`` when the arguments name it (h3t-ext's flag), else Megatron's ``--recompute-granularity``
+    (``full`` or ``selective``; none: ``no``). None when the arguments leave it to a search."""
+    return _ckpt(_reader(args), {})
+
+
+def _ckpt(read, fixed: Mapping[str, Any]) -> Optional[Ckpt]:
+    ckpt = fixed["ckpt"] if "ckpt" in fixed else read("ckpt")
+    if ckpt is _MISSING:
+        granularity = _value(read, "recompute_granularity", fixed)
+        return Ckpt.NO if granularity is None else Ckpt.parse(granularity, flag="--recompute-granularity")
+    return None if ckpt is None else Ckpt.parse(ckpt)
+
+
+def _sharding(read, fixed: Mapping[str, Any]) -> Optional[str]:
+    strategy = _value(read, "data_parallel_sharding_strategy", fixed)
+    if "data_parallel_sharding_strategy" in fixed:
+        return strategy
+    if not _value(read, "use_megatron_fsdp", fixed):
+        return None
+    return strategy if strategy in FSDP_SHARDING_STRATEGIES else None  # 'optim' prices as the distributed optimizer
+
+
+def plan_from_args(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fixed: Any) -> Plan:
+    """The :class:`Plan` of a run described by Megatron's field names.
+
+    ``fixed`` gives fields the caller knows better than the arguments (the driver: the switches it does not
+    run, whatever the flags say). ValueError (one line) when ``seq_length`` or ``global_batch_size`` is missing
+    or ``ckpt`` is not a mode; the plan's own checks are :func:`~h3t_ext.costmodel.validate_plan`'s."""
+    read = _reader(args)
+    values = {name: _value(read, name, fixed) for name in _COPIED}
+    for name in _REQUIRED:
+        v = fixed[name] if name in fixed else read(name)
+        if v is _MISSING or v is None:
+            raise ValueError(f"the run does not name {name} (needed to price it)")
+        values[name] = v
+    ckpt = _ckpt(read, fixed)
+    if ckpt is None:
+        raise ValueError("ckpt is not set (give --ckpt no|full|ours)")
+    backend = _value(read, "attention_backend", fixed)
+    backend = getattr(backend, "name", backend)  # Megatron's AttnBackend enum or its name
+    if backend not in _ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend {backend!r} is not one of {{{','.join(_ATTENTION_BACKENDS)}}}")
+    return Plan(num_gpus=num_gpus, offload_alpha=offload_alpha, ckpt=ckpt, attention_backend=_ATTENTION_BACKENDS[backend],
+                data_parallel_sharding_strategy=_sharding(read, fixed), **values)
+
+
+def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = None, **fixed: Any) -> SearchConstraints:
+    """The search dimensions the arguments fix (None: searched) and the switches every searched plan keeps."""
+    read = _reader(args)
+
+    def given(name: str) -> Any:
+        v = fixed[name] if name in fixed else read(name)
+        return None if v is _MISSING else v
+
+    switches = {name: _value(read, name, fixed) for name in (
+        "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
+        "use_distributed_optimizer")}
+    return SearchConstraints(
+        tensor_model_parallel_size=given("tensor_model_parallel_size"),
+        context_parallel_size=given("context_parallel_size"),
+        pipeline_model_parallel_size=given("pipeline_model_parallel_size"),
+        num_layers_per_virtual_pipeline_stage=given("num_layers_per_virtual_pipeline_stage"),
+        micro_batch_size=given("micro_batch_size"),
+        max_micro_batch_size=max_micro_batch_size,
+        ckpt=_ckpt(read, fixed),
+        data_parallel_sharding_strategy=_sharding(read, fixed),
+        **{k: bool(v) for k, v in switches.items()},
+    )
+
+
+__all__ = ["MEGATRON_DEFAULTS", "ckpt_of", "constraints_from_args", "plan_from_args"]

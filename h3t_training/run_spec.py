@@ -1,0 +1,53 @@
+"""The cost model's description of the run this driver launches: its ``ModelSpec`` and ``Plan``, built here
+and nowhere else in the driver.
+
+The flags go through the library's one translation (:func:`h3t_ext.planner.translate.plan_from_args`); the
+switches this driver does not run are fixed here whatever the command line says (``docs/flags.md`` lists them as
+noticed), so ``--auto-plan``, ``--offload-alpha auto|balanced``, the logged predictions and the MFU price the run
+that is launched: its sequence parallelism and distributed optimizer as given, no TransformerEngine
+userbuffers (``--tp-comm-overlap``), no Megatron FSDP, an even pipeline split.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from h3t_ext.costmodel import ModelSpec, Plan
+from h3t_ext.costmodel.mfu import model_flops_per_token
+from h3t_ext.offload_alpha import Alpha
+from h3t_ext.planner.translate import plan_from_args
+
+
+def uses_transformer_engine(on_gpu: bool) -> bool:
+    """The layer spec the model provider builds: TransformerEngine's on a GPU where it is importable."""
+    return on_gpu and importlib.util.find_spec("transformer_engine") is not None
+
+
+def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
+    """The model these flags build: its shape, MLP (--swiglu), output layer
+    (--untie-embeddings-and-output-weights), linear biases (--disable-bias-linear) and dropout."""
+    return ModelSpec(name=name, num_layers=config.num_layers, hidden_size=config.hidden_size,
+                     num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
+                     ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size, swiglu=bool(config.swiglu),
+                     untie_embeddings_and_output_weights=bool(config.untie_embeddings_and_output_weights),
+                     add_bias_linear=not config.disable_bias_linear,
+                     attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout)
+
+
+def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixed) -> Plan:
+    """The plan of this run (``fixed``: fields a caller decides). On a GPU without TransformerEngine the model
+    provider builds the local spec; elsewhere the plan is the GPU job's (``--transformer-impl``, Megatron's
+    default TransformerEngine), which is what ``--gpu``'s budget and ``h3t-plan`` price."""
+    runs = dict(tp_comm_overlap=False, use_megatron_fsdp=False, decoder_first_pipeline_num_layers=None,
+                decoder_last_pipeline_num_layers=None, attention_backend="flash")
+    if on_gpu and not uses_transformer_engine(on_gpu):
+        runs["transformer_impl"] = "local"  # on CPU the plan is for the GPU job: --transformer-impl (Megatron's TE)
+    return plan_from_args(config, num_gpus=config.world_size, offload_alpha=offload_alpha, **{**runs, **fixed})
+
+
+def model_flops_per_iteration_token(config, vocab_size: int) -> float:
+    """Forward + backward model FLOPs per token: the cost model's one formula
+    (:func:`h3t_ext.costmodel.mfu.model_flops_per_token`) on this run's model."""
+    return model_flops_per_token(model_spec(config, vocab_size), config.seq_length)
+
+
+__all__ = ["model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]
