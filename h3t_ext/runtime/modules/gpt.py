@@ -1,13 +1,13 @@
 """megatron-core GPTModel construction that runs on CPU as well as on GPU.
 
-The layers come from the h3t layer spec (:mod:`h3t_ext.runtime.layer_specs`) of the chosen
+The layers come from the h3t layer spec (:mod:`h3t_ext.runtime.modules.layer_specs`) of the chosen
 ``ckpt`` and backend ('te' on a GPU with TransformerEngine, else 'local', whose core attention is
 :class:`SDPACoreAttention`: it calls ``torch.nn.functional.scaled_dot_product_attention``, where
 the stock ``DotProductAttention`` takes a CUDA buffer from the global memory buffer).
 
 :class:`H3TGPTModel` is megatron-core's GPTModel that, on a host without CUDA, keeps RoPE
 frequencies on the host and runs the sequence-parallel scatter of the embedding and the gather of
-the output layer with :mod:`h3t_ext.runtime.sequence_parallel` (megatron-core's allocate CUDA buffers).
+the output layer with :mod:`h3t_ext.runtime.modules.sequence_parallel` (megatron-core's allocate CUDA buffers).
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ class HostRotaryEmbedding(RotaryEmbedding):
     """
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
-        from h3t_ext.runtime.ring_attention import shard_sequence
+        from h3t_ext.runtime.modules.ring_attention import shard_sequence
 
         emb = self.get_emb(max_seq_len, offset)
         group = cp_group if cp_group is not None else self.cp_group

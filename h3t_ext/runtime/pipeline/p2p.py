@@ -16,7 +16,7 @@ the host poll until the transfer is done); the process group's own timeout and w
 transfer that never completes.
 
 ``strict="group"|"pair"`` (``H3TConfig.strict_p2p``) executes the batches with NCCL's ordering
-on gloo (:mod:`h3t_ext.runtime.p2p_strict`), so a posting order that would deadlock on a GPU
+on gloo (:mod:`h3t_ext.runtime.pipeline.p2p_strict`), so a posting order that would deadlock on a GPU
 cluster deadlocks in CPU tests too and ends with one :class:`P2PTimeoutError` line. NCCL groups
 need no emulation: there the flag changes nothing.
 
@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import P2P_STAGING_CHOICES
+from ..config import P2P_STAGING_CHOICES
 from .p2p_strict import StrictP2P
 
 FORWARD, BACKWARD = 0, 1
@@ -118,7 +118,7 @@ class PipelineP2P:
 
     ``num_stages`` is the number of virtual stages ``p * v``; ranks are ranks of ``pp_group``.
     ``strict`` (``"group"`` or ``"pair"``, the NCCL communicator mapping to emulate) runs the
-    batches through :class:`~h3t_ext.runtime.p2p_strict.StrictP2P`; ignored on NCCL groups.
+    batches through :class:`~h3t_ext.runtime.pipeline.p2p_strict.StrictP2P`; ignored on NCCL groups.
     ``staging="host"`` copies every transfer through host buffers (module docstring); gloo only.
     """
 
