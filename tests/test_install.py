@@ -122,7 +122,7 @@ def _hooks_worker(rank, world, v):
 
     import h3t_ext
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.pipeline.p2p import P2PTimeoutError
+    from h3t_ext.runtime.pipeline.errors import P2PTimeoutError
 
     init_parallel(1, 2, v)
     cfg = model_config(1, 2, v)
@@ -193,7 +193,8 @@ def _unsupported_worker(rank, world):
 
     import h3t_ext
     from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
-    from h3t_ext.runtime.modules.gpt import SDPACoreAttention, build_gpt_model
+    from h3t_ext.runtime.modules.attention import SDPACoreAttention
+    from h3t_ext.runtime.modules.gpt import build_gpt_model
 
     init_parallel()
     spec = get_gpt_layer_local_spec(normalization="LayerNorm")

@@ -40,6 +40,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from ..config import CKPT_CHOICES, RuntimeConfigError
+from .attention import SDPACoreAttention
 from .fused_saves import FusedSavesMLP, FusedSavesRMSNorm
 from .norms import LayerNorm
 from .recompute_ours import OursLayerNorm, OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
@@ -101,8 +102,6 @@ def h3t_layer_spec(config, *, ckpt: str = "no", backend: str = "local", core_att
         validate_ours_config(config)
     if backend == "local":
         if core_attention is None:
-            from .gpt import SDPACoreAttention  # noqa: PLC0415
-
             core_attention = SDPACoreAttention
         mlp_cls = OursMLP if ckpt == "ours" else (FusedSavesMLP if config.normalization == "RMSNorm" else MLP)
         mlp = ModuleSpec(module=mlp_cls, params={"ffn_hidden_size": config.ffn_hidden_size},

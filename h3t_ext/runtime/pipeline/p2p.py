@@ -41,18 +41,11 @@ import torch
 import torch.distributed as dist
 
 from ..config import P2P_STAGING_CHOICES
+from .errors import P2PStagingError, P2PTimeoutError
 from .p2p_strict import StrictP2P
 
 FORWARD, BACKWARD = 0, 1
 _MAX_TENSORS = 4
-
-
-class P2PTimeoutError(RuntimeError):
-    """A pipeline send or receive did not complete within ``p2p_timeout_s``."""
-
-
-class P2PStagingError(ValueError):
-    """A transfer the pipeline group's backend cannot carry as configured (one line naming ``p2p_staging``)."""
 
 
 @dataclass
@@ -284,5 +277,5 @@ class PipelineP2P:
             wait_work(work, self.timeout, pending.what, self.rank, stream_wait=self.stream_waits)
 
 
-__all__ = ["BACKWARD", "FORWARD", "P2PStagingError", "P2PTimeoutError", "PipelineP2P", "StagingStats", "p2p_tag",
+__all__ = ["BACKWARD", "FORWARD", "PipelineP2P", "StagingStats", "p2p_tag",
            "uses_stream_waits", "wait_work"]

@@ -22,7 +22,7 @@ as far as they go without blocking. Gloo requests only complete inside a blockin
 (``is_completed()`` stays False until then, and a timed-out wait breaks the connection), so every
 request in flight is waited for by a short-lived watcher thread that flags its completion and
 wakes the host; the host never blocks on one request while another stream could move. A wait that
-does not finish within ``p2p_timeout_s`` raises :class:`~h3t_ext.runtime.pipeline.p2p.P2PTimeoutError`
+does not finish within ``p2p_timeout_s`` raises :class:`~h3t_ext.runtime.pipeline.errors.P2PTimeoutError`
 with one line naming this rank, the peer ranks and every pending operation with what it waits
 for; under a deadlock every rank involved reports its side within the timeout.
 """
@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .errors import P2PTimeoutError
 
 READY_TAG = 0
 """Tag of the ready tokens (data tags from :func:`~h3t_ext.runtime.pipeline.p2p.p2p_tag` start at 1)."""
@@ -70,10 +72,8 @@ class _Watch:
         return self._done.is_set()
 
     def result(self, rank: int, what: str) -> None:
-        """Raise a failed request's error as one :class:`~h3t_ext.runtime.pipeline.p2p.P2PTimeoutError` line."""
+        """Raise a failed request's error as one :class:`~h3t_ext.runtime.pipeline.errors.P2PTimeoutError` line."""
         if self.error is not None:
-            from .p2p import P2PTimeoutError
-
             text = str(self.error).strip()
             first = text.splitlines()[0] if text else type(self.error).__name__
             raise P2PTimeoutError(f"pipeline rank {rank}: {what} failed under strict P2P: {first}") from self.error
@@ -197,8 +197,6 @@ class StrictP2P:
         self._batches.clear()
 
     def _wait(self, finished, what: str) -> None:
-        from .p2p import P2PTimeoutError
-
         deadline = time.monotonic() + self.timeout_s
         while True:
             self._wake.clear()  # a completion from here on wakes the wait below
