@@ -18,7 +18,7 @@ and megatron-core 0.16.1 enforce:
 
 Every broken rule raises :class:`LayoutError` with one line naming the Megatron flag(s) and the
 valid values. The cost model (``h3t_ext.costmodel.plan``), the schedule builder
-(``h3t_ext.schedule.builder``), the runtime (``h3t_ext.runtime.schedules``) and the driver take their
+(``h3t_ext.schedule.builder``), the runtime (``h3t_ext.runtime.pipeline.schedules``) and the driver take their
 verdicts from here, so a layout one of them refuses is refused by all with the same reason.
 
 This module imports nothing from the rest of h3t_ext (no cycles; pure arithmetic).

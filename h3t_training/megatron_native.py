@@ -76,7 +76,7 @@ def _megatron(module: str):
 
 def _ensure_installed(args):
     """The installed h3t-ext schedules (installed now from ``args`` on the first call)."""
-    from h3t_ext.runtime.install import install, installed  # noqa: PLC0415
+    from h3t_ext.runtime.pipeline.install import install, installed  # noqa: PLC0415
 
     runtime = installed()
     return runtime if runtime is not None else install(runtime_config(args))
@@ -87,7 +87,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     """Megatron's ``model_provider``: a GPTModel from h3t-ext's layer spec; installs the schedules."""
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
-    from h3t_ext.runtime.gpt import build_gpt_model  # noqa: PLC0415
+    from h3t_ext.runtime.modules.gpt import build_gpt_model  # noqa: PLC0415
     from h3t_training.model_provider import layer_spec_backend  # noqa: PLC0415
 
     args = _megatron("").get_args()

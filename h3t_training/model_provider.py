@@ -1,9 +1,9 @@
 """GPT model chunks (GPT-3 or Llama shapes, as the flags say) from megatron-core's GPTModel, built with the h3t layer spec of ``--ckpt``.
 
-The spec (``h3t_ext.runtime.layer_specs``) uses TransformerEngine's modules when TE is importable
+The spec (``h3t_ext.runtime.modules.layer_specs``) uses TransformerEngine's modules when TE is importable
 on a GPU (backend 'te'), else megatron-core's local modules with h3t-ext's SDPA core attention and
 sequence-parallel-capable norms and linears (backend 'local'), and with context parallelism on
-CPU the ring attention of ``h3t_ext.runtime.ring_attention``. One chunk per virtual pipeline stage;
+CPU the ring attention of ``h3t_ext.runtime.modules.ring_attention``. One chunk per virtual pipeline stage;
 weights come from the generators seeded by :func:`~h3t_training.initialize.set_random_seed`
 (``--seed + 100 * pipeline rank``, as Megatron seeds), so every data-parallel replica starts identical.
 """
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
+from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
 from h3t_training.initialize import set_random_seed
 from h3t_training.tokenizer import padded_vocab_size
 
@@ -32,13 +32,13 @@ def layer_spec_backend(on_gpu: bool) -> str:
 
 def core_attention(args, *, on_gpu: bool):
     """None (the spec's default) except with context parallelism on CPU: the ring attention of
-    ``h3t_ext.runtime.ring_attention``, its waits bounded by ``--distributed-timeout-minutes`` (on a
+    ``h3t_ext.runtime.modules.ring_attention``, its waits bounded by ``--distributed-timeout-minutes`` (on a
     GPU, TransformerEngine's attention does context parallelism)."""
     if on_gpu or args.context_parallel_size == 1:
         return None
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from h3t_ext.runtime.ring_attention import RingSDPACoreAttention
+    from h3t_ext.runtime.modules.ring_attention import RingSDPACoreAttention
     return ModuleSpec(module=RingSDPACoreAttention, params={"cp_timeout_s": args.distributed_timeout_minutes * 60})
 
 

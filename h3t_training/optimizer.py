@@ -130,7 +130,7 @@ class DataParallelAdamW:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        from h3t_ext.runtime.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: PLC0415
+        from h3t_ext.runtime.modules.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: PLC0415
 
         allreduce_sequence_parallel_grads(self.params, self.tp_group)
         if self.dp_size == 1:

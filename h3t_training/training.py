@@ -95,8 +95,8 @@ def _save(args, iteration: int, chunks, optimizer, on_gpu: bool) -> None:
 
 def _measuring_manager_factory(config, pipeline_rank: int, pipeline_size: int, device):
     """Every stage gets an activation manager (also at alpha 0, ckpt no) so its bytes are measured."""
-    from h3t_ext.runtime.activations import ActivationManager
-    from h3t_ext.runtime.device import make_device_layer
+    from h3t_ext.runtime.memory.activations import ActivationManager
+    from h3t_ext.runtime.memory.device import make_device_layer
     layer = make_device_layer(config.device_mode, torch.device(device))
     return ActivationManager(config.stage_alpha(pipeline_rank, pipeline_size), layer,
                              min_offload_bytes=config.min_offload_bytes)

@@ -12,7 +12,7 @@ import os
 from h3t_ext.layout import LayoutError, ParallelLayout
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
-from h3t_ext.runtime.prepare import validate_parallel_layout
+from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout
 from h3t_training.auto_plan import resolve_alpha
 from h3t_training.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
@@ -136,7 +136,7 @@ def _cuda_available() -> bool:
 
 def _validate_context_parallel(args):
     """c > 1 runs TransformerEngine's attention on a GPU and h3t-ext's ring attention
-    (``h3t_ext.runtime.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks."""
+    (``h3t_ext.runtime.modules.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks."""
     c = args.context_parallel_size
     if c > 1 and args.attention_dropout and not _cuda_available():
         raise ArgumentError(f"--attention-dropout {args.attention_dropout} is not supported with "

@@ -7,7 +7,7 @@ relative to ckpt=no / alpha=0, and every stage's peak of saved activation bytes 
 activation manager) next to the cost model's ``stage_activation_peak_bytes`` (fp32, 'local' spec,
 no sequence parallel, t=1), which includes the last stage's output layer (final norm, fp32 softmax
 and targets of the cross entropy) and the local spec's unfused RoPE cos/sin. ckpt=no runs the
-local spec's norms and SwiGLU saving what fused kernels save (h3t_ext.runtime.fused_saves, applied
+local spec's norms and SwiGLU saving what fused kernels save (h3t_ext.runtime.modules.fused_saves, applied
 by the runtime), as the cost model counts.
 
     .venv/bin/python scripts/bench_runtime.py [--iterations 3] [--json]
@@ -69,11 +69,11 @@ def _worker(rank, world, args):
     from megatron.core import parallel_state as ps
     from h3t_training.training import forward_step  # the driver's own step and loss
 
-    from h3t_ext.runtime.activations import ActivationManager
+    from h3t_ext.runtime.memory.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.device import make_device_layer
-    from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
-    from h3t_ext.runtime.schedules import H3TSchedules
+    from h3t_ext.runtime.memory.device import make_device_layer
+    from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
+    from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 
     def measuring_factory(cfg, pp_rank, pp_size, device):  # a manager even at ckpt=no, alpha=0
         return ActivationManager(cfg.stage_alpha(pp_rank, pp_size), make_device_layer(cfg.device_mode, device),

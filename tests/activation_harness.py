@@ -30,7 +30,7 @@ def init_single_process_megatron() -> None:
 
 
 def _build(seed: int, num_layers: int, layers_only: bool, ckpt: Optional[str], **overrides):
-    from h3t_ext.runtime.gpt import build_gpt_model, local_layer_spec, tiny_llama_config
+    from h3t_ext.runtime.modules.gpt import build_gpt_model, local_layer_spec, tiny_llama_config
 
     torch.manual_seed(seed)
     cfg = tiny_llama_config(num_layers=num_layers, **overrides)

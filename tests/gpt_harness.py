@@ -16,7 +16,7 @@ VOCAB, SEQ, MBS, NUM_LAYERS, NUM_MICROBATCHES = 128, 32, 2, 8, 4
 
 
 def model_config(tp: int = 1, pp: int = 1, v: int = 1, **overrides):
-    from h3t_ext.runtime.gpt import tiny_llama_config
+    from h3t_ext.runtime.modules.gpt import tiny_llama_config
 
     return tiny_llama_config(
         num_layers=NUM_LAYERS, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -38,7 +38,7 @@ def make_batches(m: int = NUM_MICROBATCHES, seed: int = 1234) -> list[dict]:
 
 
 def forward_step_func(data_iterator, model):
-    from h3t_ext.runtime.gpt import mean_loss_forward_step
+    from h3t_ext.runtime.modules.gpt import mean_loss_forward_step
 
     return mean_loss_forward_step(data_iterator, model)
 
@@ -57,7 +57,7 @@ def build_stage(config, v: int = 1, ckpt: str = "no") -> list:
     """This rank's model chunks (pre/post process from the pipeline position), h3t spec of ``ckpt``."""
     from megatron.core import parallel_state as ps
 
-    from h3t_ext.runtime.gpt import build_stage_chunks
+    from h3t_ext.runtime.modules.gpt import build_stage_chunks
 
     assert (config.virtual_pipeline_model_parallel_size or 1) == v
     assert config.pipeline_model_parallel_size == ps.get_pipeline_model_parallel_world_size()
@@ -122,14 +122,14 @@ def compare_grads(chunks: list, ref_grads: dict) -> tuple[bool, float, int]:
 
 def reference_run(seed: int = 0, m: int = NUM_MICROBATCHES, ckpt_full: bool = False, **overrides) -> dict:
     """Full model in this (single) process: state, per-microbatch losses, gradients of loss/m."""
-    from h3t_ext.runtime.gpt import build_gpt_model
+    from h3t_ext.runtime.modules.gpt import build_gpt_model
 
     init_parallel()
     torch.manual_seed(seed)
     model = build_gpt_model(model_config(**overrides), vocab_size=VOCAB, max_sequence_length=SEQ)
     state = {k: v.detach().clone() for k, v in model.named_parameters()}
     if ckpt_full:
-        from h3t_ext.runtime.recompute_full import apply_full_recompute
+        from h3t_ext.runtime.modules.recompute_full import apply_full_recompute
 
         apply_full_recompute([model])
     losses = []

@@ -12,9 +12,9 @@ from h3t_ext.costmodel.activations import (
     stage_activation_peak_bytes,
 )
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.runtime.activations import ActivationManager, build_activation_manager
+from h3t_ext.runtime.memory.activations import ActivationManager, build_activation_manager
 from h3t_ext.runtime.config import H3TConfig
-from h3t_ext.runtime.device import make_device_layer
+from h3t_ext.runtime.memory.device import make_device_layer
 from tests.activation_harness import (
     FFN,
     GROUPS,

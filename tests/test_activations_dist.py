@@ -26,10 +26,10 @@ def _reference_worker(rank, world):
 
 
 def _worker(rank, world, v, ref):
-    from h3t_ext.runtime.activations import ActivationManager
+    from h3t_ext.runtime.memory.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.device import make_device_layer
-    from h3t_ext.runtime.schedules import H3TSchedules
+    from h3t_ext.runtime.memory.device import make_device_layer
+    from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 
     def factory(cfg, pp_rank, pp_size, device):
         layer = make_device_layer(cfg.device_mode, device, copy_delay_s=0.001)

@@ -5,11 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h3t_ext.runtime.activations import ActivationManager
-from h3t_ext.runtime.device import make_device_layer
+from h3t_ext.runtime.memory.activations import ActivationManager
+from h3t_ext.runtime.memory.device import make_device_layer
 from h3t_ext.runtime.config import RuntimeConfigError
-from h3t_ext.runtime.layer_specs import check_built_for
-from h3t_ext.runtime.recompute_ours import OursMLP, OursRMSNorm, UnsupportedLayerSpecError, lookup_recipe
+from h3t_ext.runtime.modules.layer_specs import check_built_for
+from h3t_ext.runtime.modules.recompute_ours import OursMLP, OursRMSNorm, UnsupportedLayerSpecError, lookup_recipe
 from tests.activation_harness import batches, init_single_process_megatron, middle_stage_model, tiny_model
 
 

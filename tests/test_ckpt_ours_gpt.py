@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h3t_ext.runtime.activations import ActivationManager
-from h3t_ext.runtime.device import make_device_layer
-from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
-from h3t_ext.runtime.layer_specs import check_built_for
-from h3t_ext.runtime.recompute_ours import OursLayerNorm, OursMLP
+from h3t_ext.runtime.memory.activations import ActivationManager
+from h3t_ext.runtime.memory.device import make_device_layer
+from h3t_ext.runtime.modules.gpt import build_gpt_model, tiny_llama_config
+from h3t_ext.runtime.modules.layer_specs import check_built_for
+from h3t_ext.runtime.modules.recompute_ours import OursLayerNorm, OursMLP
 from tests.activation_harness import VOCAB, batches, init_single_process_megatron
 
 LAYERS = 2

@@ -6,10 +6,10 @@ import time
 import pytest
 import torch
 
-from h3t_ext.runtime.activations import ActivationManager
+from h3t_ext.runtime.memory.activations import ActivationManager
 from h3t_ext.runtime.config import RuntimeConfigError
-from h3t_ext.runtime.device import Event, MissingWaitError, make_device_layer
-from h3t_ext.runtime.host_pool import HostPool, size_class
+from h3t_ext.runtime.memory.device import Event, MissingWaitError, make_device_layer
+from h3t_ext.runtime.memory.host_pool import HostPool, size_class
 
 
 def _pair(n=1 << 16):
@@ -199,7 +199,7 @@ def test_offload_into_a_busy_host_buffer_waits_on_the_copy_stream_not_the_host()
 
 def test_cuda_event_synchronize_honours_its_timeout():
     """_CudaEvent.synchronize polls with a deadline (cudaEventSynchronize has none)."""
-    from h3t_ext.runtime.device import _CudaEvent
+    from h3t_ext.runtime.memory.device import _CudaEvent
 
     class NeverDone:
         def query(self):

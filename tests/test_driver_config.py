@@ -62,41 +62,133 @@ def test_a_checkpoint_schedule_is_returned_not_written_into_the_config():
     assert config.lr == 1e-3
 
 
-def _imports(path: pathlib.Path, package: str, modules: set[str]) -> set[str]:
-    """Every module of ``package`` that ``path`` imports, at the top or inside a function
-    (``from pkg import sub`` is an import of the submodule ``pkg.sub``, not of ``pkg``'s namespace)."""
+def _module_name(path: pathlib.Path, base: pathlib.Path) -> str:
+    parts = path.relative_to(base).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path, name: str, modules: set[str]) -> set[str]:
+    """The modules in ``modules`` that module ``name`` (the file ``path``) imports, at the top or inside a
+    function, absolute or relative (``from . import x``, ``from .x import y``, ``from ..x import y``);
+    ``from pkg import sub`` is an import of the submodule ``pkg.sub`` when there is one, else of ``pkg``."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module == package or node.module.startswith(package + "."):
-                for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    found.add(sub if sub in modules else node.module)
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                if node.level > len(parts):
+                    continue  # beyond the top-level package: not one of ours
+                base = ".".join(parts[:len(parts) - node.level + 1])
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in modules else target)
         elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith(package + ".")}
-    return found
+            found |= {a.name for a in node.names}
+    return found & modules
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Module name -> the modules of the same package it imports, for the package directory ``root``."""
+    files = {_module_name(f, root.parent): f for f in sorted(root.rglob("*.py"))}
+    return {m: _imports(f, m, set(files)) - {m} for m, f in files.items()}
+
+
+def import_cycles(root: pathlib.Path) -> list[list[str]]:
+    """One import cycle (module names, the first repeated at the end) per strongly connected group of the
+    package directory ``root``'s modules; empty when the imports form no cycle."""
+    graph = import_graph(root)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = set()
+            while v not in group:
+                group.add(stack.pop())
+            if len(group) > 1:
+                groups.append(group)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    cycles = []
+    for group in groups:  # the shortest way round from the group's first module back to itself
+        start = min(group)
+        paths = {start: [start]}
+        todo = [start]
+        while todo:
+            v = todo.pop(0)
+            if start in graph[v]:
+                cycles.append(paths[v] + [start])
+                break
+            for w in sorted(graph[v] & group):
+                if w not in paths:
+                    paths[w] = paths[v] + [w]
+                    todo.append(w)
+    return sorted(cycles)
 
 
 @pytest.mark.parametrize("package", ["h3t_training", "h3t_ext"])
 def test_no_import_cycles(package):
-    modules = {_module_name(f): f for f in (REPO / package).rglob("*.py")}
-    names = set(modules)
-    graph = {m: {d for d in _imports(f, package, names) if d in modules and d != m} for m, f in modules.items()}
-    state: dict[str, int] = {}
+    cycles = import_cycles(REPO / package)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for d in sorted(graph[m]):
-            assert state.get(d) != 1, "import cycle: " + " -> ".join(path[path.index(d):] + [d]) if d in path else d
-            if d not in state:
-                visit(d, path + [d])
-        state[m] = 2
 
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [m])
+def _write(root: pathlib.Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_cycle_check_sees_relative_function_level_and_submodule_imports(tmp_path):
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        # (a) a cycle closed by a relative import inside a function
+        "pkg/a.py": "from .b import helper\nTHING = 1\n",
+        "pkg/b.py": "def helper():\n    from .a import THING\n    return THING\n",
+        # (b) a cycle through `from pkg import submodule` (absolute one way, relative the other)
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/c.py": "from pkg.sub import d\n",
+        "pkg/sub/d.py": "from . import c\nfrom ..a import THING\n",
+        # no cycle: imports of the package namespace and of a module that imports nothing of ours
+        "pkg/e.py": "import os\nfrom . import a\nfrom .sub import c as _c\nfrom pkg import THING_NAME\n",
+    })
+    graph = import_graph(tmp_path / "pkg")
+    assert graph["pkg.b"] == {"pkg.a"}  # function-level, relative
+    assert graph["pkg.sub.d"] == {"pkg.sub.c", "pkg.a"}  # `from . import c` is the submodule; `..a` two up
+    assert graph["pkg.sub.c"] == {"pkg.sub.d"}
+    assert graph["pkg.e"] == {"pkg.a", "pkg.sub.c", "pkg"}
+    assert import_cycles(tmp_path / "pkg") == [["pkg.a", "pkg.b", "pkg.a"], ["pkg.sub.c", "pkg.sub.d", "pkg.sub.c"]]
+
+
+def test_the_cycle_check_passes_a_package_without_cycles(tmp_path):
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from . import b\n", "pkg/b.py": "def f():\n    return 1\n"})
+    assert import_cycles(tmp_path / "pkg") == []
+
+
+RUNTIME_FLOORS = ["config", "modules", "memory", "pipeline"]  # each may import only those before it
+
+
+def test_the_runtime_floors_import_only_downwards():
+    def floor(module: str):
+        parts = module.split(".")
+        return RUNTIME_FLOORS.index(parts[2]) if parts[:2] == ["h3t_ext", "runtime"] and len(parts) > 2 else None
+
+    upward = [f"{m} -> {d}" for m, deps in import_graph(REPO / "h3t_ext").items() for d in sorted(deps)
+              if floor(m) is not None and floor(d) is not None and floor(d) > floor(m)]
+    assert not upward, "runtime imports running upwards: " + "; ".join(upward)

@@ -1,4 +1,4 @@
-"""ckpt=no saving what fused kernels save (h3t_ext.runtime.fused_saves): bitwise results, saved bytes."""
+"""ckpt=no saving what fused kernels save (h3t_ext.runtime.modules.fused_saves): bitwise results, saved bytes."""
 from __future__ import annotations
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from h3t_ext.costmodel.activations import activation_bytes_per_layer_token
-from h3t_ext.runtime.activations import ActivationManager
-from h3t_ext.runtime.device import make_device_layer
-from h3t_ext.runtime.fused_saves import FusedSavesMLP, FusedSavesRMSNorm, rms_norm_marking
+from h3t_ext.runtime.memory.activations import ActivationManager
+from h3t_ext.runtime.memory.device import make_device_layer
+from h3t_ext.runtime.modules.fused_saves import FusedSavesMLP, FusedSavesRMSNorm, rms_norm_marking
 from tests.activation_harness import (
     HIDDEN,
     batches,

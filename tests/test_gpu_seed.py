@@ -44,7 +44,7 @@ def test_gpt_model_builds_on_gpu_after_set_random_seed():
 def _build_on_gpu(rank: int, world_size: int):
     from megatron.core import parallel_state as ps
 
-    from h3t_ext.runtime.gpt import build_gpt_model, tiny_llama_config
+    from h3t_ext.runtime.modules.gpt import build_gpt_model, tiny_llama_config
     from h3t_training.initialize import set_random_seed
 
     ps.initialize_model_parallel()

@@ -27,7 +27,7 @@ def test_install_rebinds_and_uninstall_restores():
 
     import h3t_ext
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.schedules import H3TSchedules
+    from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 
     originals = {n: getattr(schedules, n) for n in NAMES}
     runtime = h3t_ext.install(H3TConfig(ckpt="full"))
@@ -66,7 +66,7 @@ def test_alpha_out_of_range(alpha):
 
 def test_layout_validation():
     from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
-    from h3t_ext.runtime.prepare import validate_layout
+    from h3t_ext.runtime.pipeline.prepare import validate_layout
     from h3t_ext.schedule.builder import build_schedule
 
     def check(cfg, p, m, v=1, forward_only=False):
@@ -122,7 +122,7 @@ def _hooks_worker(rank, world, v):
 
     import h3t_ext
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.p2p import P2PTimeoutError
+    from h3t_ext.runtime.pipeline.errors import P2PTimeoutError
 
     init_parallel(1, 2, v)
     cfg = model_config(1, 2, v)
@@ -193,7 +193,8 @@ def _unsupported_worker(rank, world):
 
     import h3t_ext
     from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
-    from h3t_ext.runtime.gpt import SDPACoreAttention, build_gpt_model
+    from h3t_ext.runtime.modules.attention import SDPACoreAttention
+    from h3t_ext.runtime.modules.gpt import build_gpt_model
 
     init_parallel()
     spec = get_gpt_layer_local_spec(normalization="LayerNorm")

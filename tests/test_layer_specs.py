@@ -12,11 +12,11 @@ import sys
 import pytest
 import torch
 
-from h3t_ext.runtime.fused_saves import FusedSavesMLP, FusedSavesRMSNorm
-from h3t_ext.runtime.layer_specs import built_for_ckpt, h3t_block_spec, h3t_layer_spec
-from h3t_ext.runtime.norms import LayerNorm
-from h3t_ext.runtime.recompute_ours import OursMLP, OursRMSNorm, UnsupportedLayerSpecError
-from h3t_ext.runtime.sequence_parallel import SPColumnParallelLinear, SPRowParallelLinear
+from h3t_ext.runtime.modules.fused_saves import FusedSavesMLP, FusedSavesRMSNorm
+from h3t_ext.runtime.modules.layer_specs import built_for_ckpt, h3t_block_spec, h3t_layer_spec
+from h3t_ext.runtime.modules.norms import LayerNorm
+from h3t_ext.runtime.modules.recompute_ours import OursMLP, OursRMSNorm, UnsupportedLayerSpecError
+from h3t_ext.runtime.modules.sequence_parallel import SPColumnParallelLinear, SPRowParallelLinear
 from tests.activation_harness import init_single_process_megatron, tiny_model
 
 
@@ -26,7 +26,7 @@ def _megatron():
 
 
 def _config(**kw):
-    from h3t_ext.runtime.gpt import tiny_llama_config
+    from h3t_ext.runtime.modules.gpt import tiny_llama_config
 
     return tiny_llama_config(num_layers=2, **kw)
 
@@ -81,7 +81,7 @@ def test_unknown_ckpt_or_backend_is_one_line():
 
 def test_no_module_imports_transformer_engine_at_import_time():
     code = ("import sys\n"
-            "import h3t_ext.runtime.layer_specs, h3t_ext.runtime.gpt, h3t_ext.runtime.recompute_ours\n"
+            "import h3t_ext.runtime.modules.layer_specs, h3t_ext.runtime.modules.gpt, h3t_ext.runtime.modules.recompute_ours\n"
             "import h3t_training.model_provider\n"
             "mods = [m for m in sys.modules if m.split('.')[0] == 'transformer_engine']\n"
             "print(len(mods))\n")
@@ -107,7 +107,7 @@ def test_te_specs_build_with_transformer_engine():
     pytest.importorskip("transformer_engine")
     from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TERowParallelLinear
 
-    from h3t_ext.runtime.recompute_ours import OursTENorm
+    from h3t_ext.runtime.modules.recompute_ours import OursTENorm
 
     ours = h3t_layer_spec(_config(), ckpt="ours", backend="te")
     sub = ours.submodules
@@ -118,9 +118,9 @@ def test_te_specs_build_with_transformer_engine():
     assert no.submodules.mlp is not None
     if not torch.cuda.is_available():
         return
-    from h3t_ext.runtime.gpt import build_gpt_model
-    from h3t_ext.runtime.activations import ActivationManager
-    from h3t_ext.runtime.device import make_device_layer
+    from h3t_ext.runtime.modules.gpt import build_gpt_model
+    from h3t_ext.runtime.memory.activations import ActivationManager
+    from h3t_ext.runtime.memory.device import make_device_layer
 
     cfg = _config(use_cpu_initialization=False)
     models = {}

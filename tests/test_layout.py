@@ -181,7 +181,7 @@ BAD_SHAPES = [
 def test_cost_model_builder_and_runtime_refuse_with_the_same_reason(p, m, v):
     from h3t_ext.costmodel import InvalidPlanError, ModelSpec, Plan, get_system, validate_plan
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.schedules import H3TSchedules
+    from h3t_ext.runtime.pipeline.schedules import H3TSchedules
     from h3t_ext.schedule import build_schedule
 
     L = 8
@@ -202,7 +202,7 @@ def test_cost_model_builder_and_runtime_refuse_with_the_same_reason(p, m, v):
 
 def test_runtime_checks_a_whole_layout_for_the_driver():
     from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
-    from h3t_ext.runtime.prepare import validate_parallel_layout
+    from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout
 
     lay = ParallelLayout.from_sizes(world_size=4, global_batch_size=8, pipeline_model_parallel_size=2)  # m = 4
     validate_parallel_layout(H3TConfig(offload_alpha=0.3), lay)

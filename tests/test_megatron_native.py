@@ -59,8 +59,8 @@ def _train(model_provider, forward_step_func, model_type):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from h3t_training.initialize import set_random_seed
-    from h3t_ext.runtime.install import installed
-    from h3t_ext.runtime.layer_specs import built_for_ckpt
+    from h3t_ext.runtime.pipeline.install import installed
+    from h3t_ext.runtime.modules.layer_specs import built_for_ckpt
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["FAKE_MEGATRON_PORT"])
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -109,7 +109,7 @@ from megatron.training import _parse
 
 
 def core_transformer_config_from_args(args):
-    from h3t_ext.runtime.gpt import tiny_llama_config
+    from h3t_ext.runtime.modules.gpt import tiny_llama_config
     return tiny_llama_config(num_layers=args.num_layers)
 
 

@@ -40,11 +40,11 @@ def _worker(rank, world):
     import torch
 
     from gpt_harness import init_parallel
-    from h3t_ext.runtime.activations import ActivationManager
+    from h3t_ext.runtime.memory.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.device import make_device_layer
-    from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
-    from h3t_ext.runtime.schedules import H3TSchedules
+    from h3t_ext.runtime.memory.device import make_device_layer
+    from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
+    from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 
     def factory(cfg, pp_rank, pp_size, device):  # a counting manager on every stage, even at alpha 0
         # every saved tensor offloadable: at this model size RoPE's cos/sin, the lse and rstd are below

@@ -32,7 +32,8 @@ def _transfer_worker(rank, world):
     import torch
     import torch.distributed as dist
 
-    from h3t_ext.runtime.p2p import FORWARD, P2PStagingError, PipelineP2P
+    from h3t_ext.runtime.pipeline.errors import P2PStagingError
+    from h3t_ext.runtime.pipeline.p2p import FORWARD, PipelineP2P
 
     group = dist.new_group([0, 1], backend="gloo")
     out = {}

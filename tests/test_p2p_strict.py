@@ -38,7 +38,8 @@ class _FakeWork:
 
 
 def test_nccl_waits_are_stream_waits_and_gloo_waits_have_a_deadline():
-    from h3t_ext.runtime.p2p import P2PTimeoutError, uses_stream_waits, wait_work
+    from h3t_ext.runtime.pipeline.errors import P2PTimeoutError
+    from h3t_ext.runtime.pipeline.p2p import uses_stream_waits, wait_work
 
     assert uses_stream_waits("nccl") and not uses_stream_waits("gloo") and not uses_stream_waits("mpi")
     timeout = datetime.timedelta(seconds=7)
@@ -79,7 +80,8 @@ def _replay(schedule, rank: int, strict, timeout_s: float) -> dict:
     import torch
     import torch.distributed as dist
 
-    from h3t_ext.runtime.p2p import BACKWARD, FORWARD, P2PTimeoutError, PipelineP2P
+    from h3t_ext.runtime.pipeline.errors import P2PTimeoutError
+    from h3t_ext.runtime.pipeline.p2p import BACKWARD, FORWARD, PipelineP2P
     from h3t_ext.schedule.builder import ActionKind as K
 
     cfg = schedule.config
@@ -162,7 +164,8 @@ def _head_to_head_worker(rank, world, strict):
     import torch
     import torch.distributed as dist
 
-    from h3t_ext.runtime.p2p import FORWARD, P2PTimeoutError, PipelineP2P
+    from h3t_ext.runtime.pipeline.errors import P2PTimeoutError
+    from h3t_ext.runtime.pipeline.p2p import FORWARD, PipelineP2P
 
     p2p = PipelineP2P(dist.group.WORLD, 2, DEADLOCK_TIMEOUT_S, strict=strict)
     peer = 1 - rank
@@ -256,8 +259,9 @@ def _crossed_order_worker(rank, world):
     import torch
     import torch.distributed as dist
 
-    from h3t_ext.runtime.p2p import FORWARD, P2PTimeoutError, PipelineP2P
-    from h3t_ext.runtime.p2p_strict import P2POrderError
+    from h3t_ext.runtime.pipeline.errors import P2PTimeoutError
+    from h3t_ext.runtime.pipeline.p2p import FORWARD, PipelineP2P
+    from h3t_ext.runtime.pipeline.p2p_strict import P2POrderError
 
     p2p = PipelineP2P(dist.group.WORLD, 2, DEADLOCK_TIMEOUT_S, strict="group")
     try:

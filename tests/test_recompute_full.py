@@ -33,8 +33,8 @@ def _run(model, m: int, seed: int):
 
 
 def _worker(rank, world):
-    from h3t_ext.runtime.gpt import build_gpt_model
-    from h3t_ext.runtime.recompute_full import apply_full_recompute, is_full_recompute, remove_full_recompute
+    from h3t_ext.runtime.modules.gpt import build_gpt_model
+    from h3t_ext.runtime.modules.recompute_full import apply_full_recompute, is_full_recompute, remove_full_recompute
 
     init_parallel()
     cfg = model_config(hidden_dropout=0.1, attention_dropout=0.1)
@@ -81,7 +81,7 @@ def _worker(rank, world):
 def _reinstall_rebinds_suspend(fresh) -> dict:
     """A second install() on the same model must suspend its own manager, and refuse another ckpt."""
     from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
-    from h3t_ext.runtime.prepare import ModelPreparer
+    from h3t_ext.runtime.pipeline.prepare import ModelPreparer
 
     model = fresh()
     first = ModelPreparer(H3TConfig(ckpt="full"), manager_factory=recording_factory).prepare([model], 0, 1)
@@ -118,7 +118,7 @@ def test_full_recompute_matches_reference_with_dropout():
 
 
 def test_full_recompute_refuses_megatron_recompute():
-    from h3t_ext.runtime.recompute_full import FullRecomputeError, apply_full_recompute
+    from h3t_ext.runtime.modules.recompute_full import FullRecomputeError, apply_full_recompute
 
     class _Cfg:
         recompute_granularity = "full"

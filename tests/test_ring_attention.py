@@ -20,7 +20,7 @@ def _attention_worker(rank, world):
     import torch
     import torch.nn.functional as F
 
-    from h3t_ext.runtime.ring_attention import ring_attention, shard_sequence
+    from h3t_ext.runtime.modules.ring_attention import ring_attention, shard_sequence
 
     from megatron.core.utils import get_batch_on_this_cp_rank
 
@@ -71,7 +71,7 @@ def test_ring_attention_matches_full_causal_sdpa(cp):
 def test_unshard_inverts_shard():
     import torch
 
-    from h3t_ext.runtime.ring_attention import shard_sequence, unshard_sequence
+    from h3t_ext.runtime.modules.ring_attention import shard_sequence, unshard_sequence
 
     full = torch.arange(2 * 24).view(2, 24)
     for c in (2, 3, 4):
@@ -86,7 +86,7 @@ def _timeout_worker(rank, world):
     import torch
     import torch.distributed as dist
 
-    from h3t_ext.runtime.ring_attention import CPTimeoutError, ring_attention
+    from h3t_ext.runtime.modules.ring_attention import CPTimeoutError, ring_attention
 
     group = dist.new_group([0, 1])
     msg = None
@@ -109,8 +109,8 @@ def test_a_missing_peer_is_a_one_line_timeout():
 def test_core_attention_refuses_what_it_does_not_implement():
     from megatron.core.transformer.enums import AttnMaskType
 
-    from h3t_ext.runtime.gpt import tiny_llama_config
-    from h3t_ext.runtime.ring_attention import RingSDPACoreAttention
+    from h3t_ext.runtime.modules.gpt import tiny_llama_config
+    from h3t_ext.runtime.modules.ring_attention import RingSDPACoreAttention
 
     class _Collection:
         cp = object()  # taken as the group as it is; nothing is communicated at construction

@@ -45,8 +45,8 @@ def _forward_step(data_iterator, model):
 
 
 def _counting_factory(config, pipeline_rank, pipeline_size, device):
-    from h3t_ext.runtime.activations import ActivationManager
-    from h3t_ext.runtime.device import make_device_layer
+    from h3t_ext.runtime.memory.activations import ActivationManager
+    from h3t_ext.runtime.memory.device import make_device_layer
 
     return ActivationManager(config.stage_alpha(pipeline_rank, pipeline_size), make_device_layer("cpu-sync", device),
                              min_offload_bytes=0)
@@ -70,8 +70,8 @@ def _layout_worker(rank, world, cp, pp, ref):
     import h3t_ext
     from gpt_harness import compare_grads, load_reference, model_config
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.gpt import build_stage_chunks
-    from h3t_ext.runtime.ring_attention import RingSDPACoreAttention, shard_sequence
+    from h3t_ext.runtime.modules.gpt import build_stage_chunks
+    from h3t_ext.runtime.modules.ring_attention import RingSDPACoreAttention, shard_sequence
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(pipeline_model_parallel_size=pp, context_parallel_size=cp)

@@ -5,7 +5,7 @@ variant is run through ``h3t_ext.install`` + ``get_forward_backward_func()`` on 
 stages that carry the reference's weights. Loss and every gradient must equal the reference
 bitwise when the reduction order is the same (TP=1) and within float32 tolerance otherwise.
 
-Variants that need the activation half (``h3t_ext.runtime.activations`` /
+Variants that need the activation half (``h3t_ext.runtime.memory.activations`` /
 ``recompute_ours``) use it when it is importable. Without it, offload variants run with a
 recording stand-in manager that checks the executor's call order (and ckpt=ours is skipped).
 """
@@ -32,8 +32,8 @@ def _have(module: str) -> bool:
         return False
 
 
-HAVE_ACTIVATIONS = _have("h3t_ext.runtime.activations")
-HAVE_OURS = HAVE_ACTIVATIONS and _have("h3t_ext.runtime.recompute_ours")
+HAVE_ACTIVATIONS = _have("h3t_ext.runtime.memory.activations")
+HAVE_OURS = HAVE_ACTIVATIONS and _have("h3t_ext.runtime.modules.recompute_ours")
 
 
 def _per_stage_alpha(pp: int, v: int) -> tuple:
@@ -51,7 +51,7 @@ def _variants(pp: int, v: int) -> tuple[list, list]:
         for alpha in alphas:
             name = f"ckpt={ckpt},alpha={alpha}"
             if ckpt == "ours" and not HAVE_OURS:
-                skipped.append((name, "h3t_ext.runtime.recompute_ours/activations not available yet"))
+                skipped.append((name, "h3t_ext.runtime.modules.recompute_ours/activations not available yet"))
                 continue
             run.append((name, ckpt, alpha, HAVE_ACTIVATIONS))
     if pp > 1:  # the executor's call protocol (recording stand-in manager), pseudo-freed stage outputs
@@ -194,7 +194,7 @@ def test_send_and_receive_orders_match_per_rank_pair(pp):
 
 
 def test_tags_are_unique():
-    from h3t_ext.runtime.p2p import p2p_tag
+    from h3t_ext.runtime.pipeline.p2p import p2p_tag
 
     stages, m = 8, 6
     tags = {p2p_tag(d, mb, st, stages, i) for d in (0, 1) for mb in range(m) for st in range(stages) for i in range(4)}

@@ -44,10 +44,10 @@ def _sp_worker(rank, world, tp, pp, ref):
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
     import h3t_ext
-    from h3t_ext.runtime.activations import ActivationManager
+    from h3t_ext.runtime.memory.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.device import make_device_layer
-    from h3t_ext.runtime.sequence_parallel import allreduce_sequence_parallel_grads, sequence_parallel_params
+    from h3t_ext.runtime.memory.device import make_device_layer
+    from h3t_ext.runtime.modules.sequence_parallel import allreduce_sequence_parallel_grads, sequence_parallel_params
 
     def factory(cfg, pp_rank, pp_size, device):  # a counting manager on every stage, even at alpha 0
         return ActivationManager(cfg.stage_alpha(pp_rank, pp_size), make_device_layer(cfg.device_mode, device),

@@ -37,8 +37,8 @@ def _step(mgr, layers, xs):
 def run(alpha: float, *, hidden: int, layers: int, tokens: int, microbatches: int, repeats: int) -> dict:
     import torch
 
-    from h3t_ext.runtime.activations import ActivationManager
-    from h3t_ext.runtime.device import make_device_layer
+    from h3t_ext.runtime.memory.activations import ActivationManager
+    from h3t_ext.runtime.memory.device import make_device_layer
 
     torch.manual_seed(0)
     stack = [torch.nn.Sequential(torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(),

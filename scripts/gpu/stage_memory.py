@@ -101,7 +101,7 @@ def _build(args, rank: int, on_gpu: bool):
     import torch
     from megatron.core import parallel_state as ps
 
-    from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
+    from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=PP, virtual_pipeline_model_parallel_size=V)
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -146,11 +146,11 @@ def _worker(rank, world, args):
     warnings.filterwarnings("ignore")
     import torch
 
-    from h3t_ext.runtime.activations import ActivationManager
+    from h3t_ext.runtime.memory.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.device import make_device_layer
-    from h3t_ext.runtime.gpt import mean_loss_forward_step
-    from h3t_ext.runtime.schedules import H3TSchedules
+    from h3t_ext.runtime.memory.device import make_device_layer
+    from h3t_ext.runtime.modules.gpt import mean_loss_forward_step
+    from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 
     on_gpu = args.device == "cuda"
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")

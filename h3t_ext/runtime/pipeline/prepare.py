@@ -7,7 +7,7 @@ waiting on a peer that gave up; :func:`validate_parallel_layout` does so for eve
 layout rules themselves (sizes, divisibility, interleaving) are :mod:`h3t_ext.layout`'s.
 :class:`ModelPreparer` checks once per model chunk that it was built for the chosen ``ckpt``
 (ckpt=ours and the fused saves of ckpt=no come from the h3t layer spec the model was built with,
-:mod:`h3t_ext.runtime.layer_specs`; nothing is transformed), wraps the layers for ckpt=full (a
+:mod:`h3t_ext.runtime.modules.layer_specs`; nothing is transformed), wraps the layers for ckpt=full (a
 run-time recompute), and owns the activation manager of this stage.
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..layout import ParallelLayout
-from ..schedule.builder import PipelineSchedule, build_schedule
-from .config import H3TConfig, RuntimeConfigError
+from ...layout import ParallelLayout
+from ...schedule.builder import PipelineSchedule, build_schedule
+from ..config import H3TConfig, RuntimeConfigError
 
 _PREPARED = "_h3t_prepared_ckpt"
 
@@ -79,18 +79,18 @@ def validate_parallel_layout(config: H3TConfig, layout: ParallelLayout) -> None:
 def _default_manager_factory(config: H3TConfig, pipeline_rank: int, pipeline_size: int, device: torch.device):
     needs = config.stage_alpha(pipeline_rank, pipeline_size) > 0 or config.ckpt == "ours"
     try:
-        from .activations import build_activation_manager
+        from ..memory.activations import build_activation_manager
     except ImportError as exc:
         if needs:
             raise RuntimeConfigError(
-                f"--offload-alpha/--ckpt ours need h3t_ext.runtime.activations, which is not available: {exc}"
+                f"--offload-alpha/--ckpt ours need h3t_ext.runtime.memory.activations, which is not available: {exc}"
             ) from exc
         return None
     return build_activation_manager(config, pipeline_rank, pipeline_size, device)
 
 
 def _check_built_for(model_chunks: list, ckpt: str) -> None:
-    from .layer_specs import check_built_for
+    from ..modules.layer_specs import check_built_for
 
     check_built_for(model_chunks, ckpt)
 
@@ -135,7 +135,7 @@ class ModelPreparer:
                     f"--ckpt {self.config.ckpt}"
                 )
             if owner != id(self) and ckpt == "full":  # re-wrap so recompute suspends this install's manager
-                from .recompute_full import remove_full_recompute
+                from ..modules.recompute_full import remove_full_recompute
 
                 remove_full_recompute([m])
                 todo.append(m)
@@ -146,7 +146,7 @@ class ModelPreparer:
     def _transform(self, chunks: list, mgr) -> None:
         _check_built_for(chunks, self.config.ckpt)
         if self.config.ckpt == "full":
-            from .recompute_full import apply_full_recompute
+            from ..modules.recompute_full import apply_full_recompute
 
             apply_full_recompute(chunks, suspend=(mgr.suspended if mgr is not None else contextlib.nullcontext))
         for m in chunks:

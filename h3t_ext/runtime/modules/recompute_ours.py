@@ -1,7 +1,7 @@
 """ckpt=ours: keep GEMM outputs, recompute the two norm outputs and the SwiGLU output in backward.
 
 The modules here are put into transformer layers by the h3t layer spec
-(:func:`h3t_ext.runtime.layer_specs.h3t_layer_spec` with ``ckpt='ours'``); megatron-core builds them:
+(:func:`h3t_ext.runtime.modules.layer_specs.h3t_layer_spec` with ``ckpt='ours'``); megatron-core builds them:
 
 * :class:`OursRMSNorm` runs an autograd function that saves only its input (its backward
   recomputes the norm with autograd, so gradients are those of the stock module) and marks its
@@ -11,7 +11,7 @@ The modules here are put into transformer layers by the h3t layer spec
   output (the FC2 input) as recomputable from it.
 
 A marked tensor lives in a weak registry: storage -> (function, inputs that are saved anyway).
-When the next GEMM saves it inside an :class:`~h3t_ext.runtime.activations.ActivationManager`
+When the next GEMM saves it inside an :class:`~h3t_ext.runtime.memory.activations.ActivationManager`
 forward scope, the pack hook stores that recipe instead of the tensor and the unpack hook
 recomputes it (from inputs that may have been offloaded and reloaded). Outside a manager nothing
 changes except the saved-tensor savings of the two lean autograd functions.
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
 from h3t_ext.runtime.config import RuntimeConfigError
-from h3t_ext.runtime.norms import LayerNorm, RMSNorm
+from h3t_ext.runtime.modules.norms import LayerNorm, RMSNorm
 
 
 class UnsupportedLayerSpecError(RuntimeConfigError):

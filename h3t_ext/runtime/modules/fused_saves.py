@@ -7,11 +7,11 @@ and ``linear + offset`` besides the FC1 output. On a CPU (or a GPU without those
 would then hold ~1.5x the activation bytes the cost model predicts.
 
 :class:`FusedSavesRMSNorm` and :class:`FusedSavesMLP`, which the h3t layer spec
-(:func:`h3t_ext.runtime.layer_specs.h3t_layer_spec` with ``ckpt='no'``, and the final norm of
+(:func:`h3t_ext.runtime.modules.layer_specs.h3t_layer_spec` with ``ckpt='no'``, and the final norm of
 every h3t block spec) has megatron-core build, run the *same ops in the same order* as the stock
 modules (so losses and gradients are bitwise those of the stock modules) but mark those extra
-intermediates as recomputable from tensors that are saved anyway (:func:`~h3t_ext.runtime.recompute_ours.mark_recomputable`). Inside
-an :class:`~h3t_ext.runtime.activations.ActivationManager` forward scope they are then saved as
+intermediates as recomputable from tensors that are saved anyway (:func:`~h3t_ext.runtime.modules.recompute_ours.mark_recomputable`). Inside
+an :class:`~h3t_ext.runtime.memory.activations.ActivationManager` forward scope they are then saved as
 recipes and recomputed (one elementwise op) when backward unpacks them: a norm keeps its input and
 rstd, the MLP its FC1 output and the FC2 input, as fused kernels do. Outside a manager nothing
 changes. megatron's fused bias-SwiGLU (``bias_activation_fusion``) and norms on CUDA (where
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
-from h3t_ext.runtime.norms import RMSNorm
-from h3t_ext.runtime.recompute_ours import mark_recomputable
+from h3t_ext.runtime.modules.norms import RMSNorm
+from h3t_ext.runtime.modules.recompute_ours import mark_recomputable
 
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -2,7 +2,7 @@
 
 Gloo buffers sends and runs every transfer on its own, so a posting order that deadlocks under
 NCCL passes every CPU test. :class:`StrictP2P` executes the batches of
-:class:`~h3t_ext.runtime.p2p.PipelineP2P` the way NCCL does (the rules modelled in
+:class:`~h3t_ext.runtime.pipeline.p2p.PipelineP2P` the way NCCL does (the rules modelled in
 :mod:`h3t_ext.schedule.p2p_model`):
 
 * A rank's batches run strictly in posting order on one *stream*: all of them for
@@ -22,7 +22,7 @@ as far as they go without blocking. Gloo requests only complete inside a blockin
 (``is_completed()`` stays False until then, and a timed-out wait breaks the connection), so every
 request in flight is waited for by a short-lived watcher thread that flags its completion and
 wakes the host; the host never blocks on one request while another stream could move. A wait that
-does not finish within ``p2p_timeout_s`` raises :class:`~h3t_ext.runtime.p2p.P2PTimeoutError`
+does not finish within ``p2p_timeout_s`` raises :class:`~h3t_ext.runtime.pipeline.errors.P2PTimeoutError`
 with one line naming this rank, the peer ranks and every pending operation with what it waits
 for; under a deadlock every rank involved reports its side within the timeout.
 """
@@ -37,8 +37,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .errors import P2PTimeoutError
+
 READY_TAG = 0
-"""Tag of the ready tokens (data tags from :func:`~h3t_ext.runtime.p2p.p2p_tag` start at 1)."""
+"""Tag of the ready tokens (data tags from :func:`~h3t_ext.runtime.pipeline.p2p.p2p_tag` start at 1)."""
 STRICT_COMM_CHOICES = ("group", "pair")
 
 
@@ -70,10 +72,8 @@ class _Watch:
         return self._done.is_set()
 
     def result(self, rank: int, what: str) -> None:
-        """Raise a failed request's error as one :class:`~h3t_ext.runtime.p2p.P2PTimeoutError` line."""
+        """Raise a failed request's error as one :class:`~h3t_ext.runtime.pipeline.errors.P2PTimeoutError` line."""
         if self.error is not None:
-            from .p2p import P2PTimeoutError
-
             text = str(self.error).strip()
             first = text.splitlines()[0] if text else type(self.error).__name__
             raise P2PTimeoutError(f"pipeline rank {rank}: {what} failed under strict P2P: {first}") from self.error
@@ -197,8 +197,6 @@ class StrictP2P:
         self._batches.clear()
 
     def _wait(self, finished, what: str) -> None:
-        from .p2p import P2PTimeoutError
-
         deadline = time.monotonic() + self.timeout_s
         while True:
             self._wake.clear()  # a completion from here on wakes the wait below

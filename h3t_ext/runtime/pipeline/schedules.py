@@ -41,8 +41,8 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from ..schedule.builder import Action, ActionKind, build_schedule
-from .config import H3TConfig, RuntimeConfigError
+from ...schedule.builder import Action, ActionKind, build_schedule
+from ..config import H3TConfig, RuntimeConfigError
 from .p2p import BACKWARD, FORWARD, PipelineP2P
 from .prepare import ModelPreparer, validate_layout
 
@@ -196,7 +196,7 @@ class H3TSchedules:
         """Batches the last call posted (``what`` of each transfer): the builder's
         :func:`~h3t_ext.schedule.posting.posting_batches` of this rank's list."""
         self.last_staging = None
-        """Host-staging copies of the last call (:class:`~h3t_ext.runtime.p2p.StagingStats`; None at PP=1)."""
+        """Host-staging copies of the last call (:class:`~h3t_ext.runtime.pipeline.p2p.StagingStats`; None at PP=1)."""
 
     # -- Megatron's entry points -------------------------------------------------------------
     def forward_backward_no_pipelining(self, *, forward_step_func, data_iterator, model, num_microbatches,

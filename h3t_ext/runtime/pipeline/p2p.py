@@ -16,7 +16,7 @@ the host poll until the transfer is done); the process group's own timeout and w
 transfer that never completes.
 
 ``strict="group"|"pair"`` (``H3TConfig.strict_p2p``) executes the batches with NCCL's ordering
-on gloo (:mod:`h3t_ext.runtime.p2p_strict`), so a posting order that would deadlock on a GPU
+on gloo (:mod:`h3t_ext.runtime.pipeline.p2p_strict`), so a posting order that would deadlock on a GPU
 cluster deadlocks in CPU tests too and ends with one :class:`P2PTimeoutError` line. NCCL groups
 need no emulation: there the flag changes nothing.
 
@@ -40,19 +40,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import P2P_STAGING_CHOICES
+from ..config import P2P_STAGING_CHOICES
+from .errors import P2PStagingError, P2PTimeoutError
 from .p2p_strict import StrictP2P
 
 FORWARD, BACKWARD = 0, 1
 _MAX_TENSORS = 4
-
-
-class P2PTimeoutError(RuntimeError):
-    """A pipeline send or receive did not complete within ``p2p_timeout_s``."""
-
-
-class P2PStagingError(ValueError):
-    """A transfer the pipeline group's backend cannot carry as configured (one line naming ``p2p_staging``)."""
 
 
 @dataclass
@@ -118,7 +111,7 @@ class PipelineP2P:
 
     ``num_stages`` is the number of virtual stages ``p * v``; ranks are ranks of ``pp_group``.
     ``strict`` (``"group"`` or ``"pair"``, the NCCL communicator mapping to emulate) runs the
-    batches through :class:`~h3t_ext.runtime.p2p_strict.StrictP2P`; ignored on NCCL groups.
+    batches through :class:`~h3t_ext.runtime.pipeline.p2p_strict.StrictP2P`; ignored on NCCL groups.
     ``staging="host"`` copies every transfer through host buffers (module docstring); gloo only.
     """
 
@@ -284,5 +277,5 @@ class PipelineP2P:
             wait_work(work, self.timeout, pending.what, self.rank, stream_wait=self.stream_waits)
 
 
-__all__ = ["BACKWARD", "FORWARD", "P2PStagingError", "P2PTimeoutError", "PipelineP2P", "StagingStats", "p2p_tag",
+__all__ = ["BACKWARD", "FORWARD", "PipelineP2P", "StagingStats", "p2p_tag",
            "uses_stream_waits", "wait_work"]

@@ -7,14 +7,14 @@ gradient is partial. These modules are ``torch.nn.RMSNorm`` / ``torch.nn.LayerNo
 parameters, same state-dict keys, same ops), built by megatron-core from the spec with
 ``(config, hidden_size, eps)``, whose parameters carry Megatron's ``sequence_parallel`` attribute,
 so the gradient all-reduce over the tensor-parallel group (``finalize_model_grads`` on GPU,
-:func:`~h3t_ext.runtime.sequence_parallel.allreduce_sequence_parallel_grads` on CPU) includes them.
+:func:`~h3t_ext.runtime.modules.sequence_parallel.allreduce_sequence_parallel_grads` on CPU) includes them.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .config import RuntimeConfigError
+from ..config import RuntimeConfigError
 from .sequence_parallel import mark_sequence_parallel
 
 

@@ -4,7 +4,7 @@ Each microbatch-chunk's forward runs under ``torch.autograd.graph.saved_tensors_
 hook leaves parameters alone, keeps tensors whose storage is smaller than ``min_offload_bytes`` as
 they are (counted as small), and turns every other saved tensor into a handle on a per-storage
 record, so views of one storage are counted and moved once. A tensor that ckpt=ours marked as
-recomputable (see :mod:`h3t_ext.runtime.recompute_ours`) becomes a recipe instead.
+recomputable (see :mod:`h3t_ext.runtime.modules.recompute_ours`) becomes a recipe instead.
 
 Timeline, following the schedule builder's OFFLOAD/RELOAD semantics:
 
@@ -35,9 +35,9 @@ from typing import Iterator, Optional, Union
 import torch
 
 from h3t_ext.runtime.config import H3TConfig
-from h3t_ext.runtime.device import DeviceLayer, Event, make_device_layer
-from h3t_ext.runtime.host_pool import HostPool
-from h3t_ext.runtime.recompute_ours import lookup_recipe
+from h3t_ext.runtime.memory.device import DeviceLayer, Event, make_device_layer
+from h3t_ext.runtime.memory.host_pool import HostPool
+from h3t_ext.runtime.modules.recompute_ours import lookup_recipe
 
 ALIGN = 64
 """Byte alignment of every record inside host buffers and reload slots."""

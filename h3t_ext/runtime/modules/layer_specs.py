@@ -13,7 +13,7 @@ ours          :class:`OursRMSNorm`, :class:`OursMLP`           :class:`OursTENor
                                                                :class:`OursMLP` with TE linears
 ============  ===============================================  =========================================
 
-ckpt=full recomputes whole layers at run time (:mod:`h3t_ext.runtime.recompute_full`); its layers
+ckpt=full recomputes whole layers at run time (:mod:`h3t_ext.runtime.modules.recompute_full`); its layers
 are those of ``no``. The local backend's linears are :class:`SPColumnParallelLinear` /
 :class:`SPRowParallelLinear` (megatron-core's, with a sequence-parallel path that runs on CPU) and
 its norms carry Megatron's ``sequence_parallel`` parameter attribute, so the spec works with
@@ -39,7 +39,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from .config import CKPT_CHOICES, RuntimeConfigError
+from ..config import CKPT_CHOICES, RuntimeConfigError
+from .attention import SDPACoreAttention
 from .fused_saves import FusedSavesMLP, FusedSavesRMSNorm
 from .norms import LayerNorm
 from .recompute_ours import OursLayerNorm, OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
@@ -101,8 +102,6 @@ def h3t_layer_spec(config, *, ckpt: str = "no", backend: str = "local", core_att
         validate_ours_config(config)
     if backend == "local":
         if core_attention is None:
-            from .gpt import SDPACoreAttention  # noqa: PLC0415
-
             core_attention = SDPACoreAttention
         mlp_cls = OursMLP if ckpt == "ours" else (FusedSavesMLP if config.normalization == "RMSNorm" else MLP)
         mlp = ModuleSpec(module=mlp_cls, params={"ffn_hidden_size": config.ffn_hidden_size},
@@ -199,7 +198,7 @@ def check_built_for(chunks: Iterable[torch.nn.Module], ckpt: str) -> None:
         what = "" if parts is None else f" (input_layernorm is {type(parts.input_layernorm).__name__})"
         raise UnsupportedLayerSpecError(
             f"--ckpt ours: the model was not built with the ckpt=ours layer spec{what}; build it with "
-            "h3t_ext.runtime.layer_specs.h3t_layer_spec(config, ckpt='ours') (build_gpt_model(..., ckpt='ours'))")
+            "h3t_ext.runtime.modules.layer_specs.h3t_layer_spec(config, ckpt='ours') (build_gpt_model(..., ckpt='ours'))")
     raise RuntimeConfigError(
         f"--ckpt {ckpt}: the model was built with the ckpt=ours layer spec; build it with "
         f"h3t_layer_spec(config, ckpt='{ckpt}') (build_gpt_model(..., ckpt='{ckpt}'))")

@@ -4,14 +4,14 @@
 ``forward_backward_pipelining_without_interleaving`` and
 ``forward_backward_pipelining_with_interleaving`` in
 ``megatron.core.pipeline_parallel.schedules``, so every training loop that calls
-``get_forward_backward_func()`` runs :class:`~h3t_ext.runtime.schedules.H3TSchedules` with the
+``get_forward_backward_func()`` runs :class:`~h3t_ext.runtime.pipeline.schedules.H3TSchedules` with the
 given :class:`H3TConfig`. :func:`uninstall` restores megatron-core's functions.
 """
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from .config import H3TConfig, RuntimeConfigError
+from ..config import H3TConfig, RuntimeConfigError
 from .schedules import H3TSchedules
 
 SCHEDULE_NAMES = (
@@ -35,7 +35,7 @@ def install(config: H3TConfig, *, manager_factory: Optional[Callable] = None) ->
 
     Installing again replaces the previous configuration. ``manager_factory`` overrides how
     the activation manager of a stage is built (tests); by default
-    ``h3t_ext.runtime.activations.build_activation_manager``.
+    ``h3t_ext.runtime.memory.activations.build_activation_manager``.
     """
     global _originals, _installed
     if not isinstance(config, H3TConfig):

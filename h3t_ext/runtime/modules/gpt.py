@@ -1,17 +1,16 @@
 """megatron-core GPTModel construction that runs on CPU as well as on GPU.
 
-The layers come from the h3t layer spec (:mod:`h3t_ext.runtime.layer_specs`) of the chosen
+The layers come from the h3t layer spec (:mod:`h3t_ext.runtime.modules.layer_specs`) of the chosen
 ``ckpt`` and backend ('te' on a GPU with TransformerEngine, else 'local', whose core attention is
 :class:`SDPACoreAttention`: it calls ``torch.nn.functional.scaled_dot_product_attention``, where
 the stock ``DotProductAttention`` takes a CUDA buffer from the global memory buffer).
 
 :class:`H3TGPTModel` is megatron-core's GPTModel that, on a host without CUDA, keeps RoPE
 frequencies on the host and runs the sequence-parallel scatter of the embedding and the gather of
-the output layer with :mod:`h3t_ext.runtime.sequence_parallel` (megatron-core's allocate CUDA buffers).
+the output layer with :mod:`h3t_ext.runtime.modules.sequence_parallel` (megatron-core's allocate CUDA buffers).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -20,53 +19,11 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-
-class SDPACoreAttention(MegatronModule):
-    """Causal core attention over ``scaled_dot_product_attention``; GQA through ``enable_gqa``.
-
-    Inputs are Megatron's ``[s, b, heads, head_dim]``; the output is ``[s, b, heads*head_dim]``
-    of this tensor-parallel rank's heads. Context parallelism is not supported here.
-    """
-
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_number: int,
-        attn_mask_type: AttnMaskType,
-        attention_type: str,
-        attention_dropout: Optional[float] = None,
-        softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None,
-        pg_collection=None,
-    ):
-        super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPACoreAttention does not support --context-parallel-size > 1")
-        self.attn_mask_type = attn_mask_type
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        head_dim = config.kv_channels
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        assert packed_seq_params is None and attention_bias is None
-        groups = query.size(2) // key.size(2)
-        # [s, b, n, d] -> [b, n, s, d]
-        # value is a view of the fused QKV GEMM output; saving it would keep that whole buffer alive
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value.contiguous()))
-        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if causal else attention_mask,
-            dropout_p=self.dropout_p if self.training else 0.0, is_causal=causal, scale=self.softmax_scale,
-            enable_gqa=groups > 1,  # K/V stay h_kv wide (as flash attention saves them), no repeat
-        )
-        s, b = out.size(2), out.size(0)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+from .attention import SDPACoreAttention
+from .layer_specs import h3t_block_spec
 
 
 class HostRotaryEmbedding(RotaryEmbedding):
@@ -79,7 +36,7 @@ class HostRotaryEmbedding(RotaryEmbedding):
     """
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None) -> torch.Tensor:
-        from h3t_ext.runtime.ring_attention import shard_sequence
+        from h3t_ext.runtime.modules.ring_attention import shard_sequence
 
         emb = self.get_emb(max_seq_len, offset)
         group = cp_group if cp_group is not None else self.cp_group
@@ -190,8 +147,6 @@ def build_gpt_model(
     core_attention=core_attention)``, or from ``layer_spec`` when given (then with megatron-core's
     default final norm); the ckpt=ours spec raises UnsupportedLayerSpecError for configs it cannot run.
     """
-    from .layer_specs import h3t_block_spec  # noqa: PLC0415
-
     spec = layer_spec if layer_spec is not None else h3t_block_spec(
         config, ckpt=ckpt, backend=backend, core_attention=core_attention, vp_stage=vp_stage, pp_rank=pipeline_rank)
     return H3TGPTModel(

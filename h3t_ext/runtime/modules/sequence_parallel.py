@@ -4,7 +4,7 @@ megatron-core's sequence-parallel paths allocate their communication buffers wit
 ``torch.cuda.current_device()`` (the global memory buffer of ``ColumnParallelLinear``, the
 gather/reduce-scatter mappings), so they fail on a machine without CUDA. This module gives the
 same collectives with buffers on the input's device, and the two linear layers that the h3t layer
-spec (:mod:`h3t_ext.runtime.layer_specs`) puts where megatron-core's local spec has
+spec (:mod:`h3t_ext.runtime.modules.layer_specs`) puts where megatron-core's local spec has
 ``ColumnParallelLinear`` / ``RowParallelLinear``:
 
 * :class:`SPColumnParallelLinear`: under sequence parallelism it all-gathers its sequence-sharded

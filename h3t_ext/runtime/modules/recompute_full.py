@@ -18,7 +18,7 @@ from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 
-from .config import RuntimeConfigError
+from ..config import RuntimeConfigError
 
 _MARK = "_h3t_full_recompute"
 Suspend = Callable[[], ContextManager]

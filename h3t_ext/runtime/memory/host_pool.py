@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from h3t_ext.runtime.device import Event
+from h3t_ext.runtime.memory.device import Event
 
 MIN_CLASS_BYTES = 4096
 
