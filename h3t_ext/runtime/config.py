@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence, Union
 
-CKPT_CHOICES = ("no", "full", "ours")
+from h3t_ext.ckpt import CKPT_CHOICES, RUNTIME_CKPTS, Ckpt
+from h3t_ext.offload_alpha import check_alpha
 DEVICE_MODES = ("auto", "cuda", "cpu-sync", "cpu-thread")
 STRICT_P2P_COMM_CHOICES = ("group", "pair")
 P2P_STAGING_CHOICES = ("none", "host")
@@ -18,8 +19,8 @@ class RuntimeConfigError(ValueError):
 class H3TConfig:
     """What :func:`h3t_ext.install` installs into megatron-core's pipeline schedules."""
 
-    ckpt: str = "no"
-    """Activation recompute: ``no`` (keep all), ``full`` (each layer from its input),
+    ckpt: Ckpt = Ckpt.NO
+    """Activation recompute (its flag text is coerced to the :class:`~h3t_ext.ckpt.Ckpt` member): ``no`` (keep all), ``full`` (each layer from its input),
     ``ours`` (keep GEMM outputs, recompute the two RMSNorm outputs and the SwiGLU output)."""
     offload_alpha: Union[float, Sequence[float]] = 0.0
     """Fraction of each microbatch-chunk's saved activation bytes sent to host memory after its
@@ -50,7 +51,7 @@ class H3TConfig:
     one GPU (over gloo). ``none`` (default) sends the tensors themselves. Gloo groups only."""
 
     def __post_init__(self) -> None:
-        _validate_ckpt(self.ckpt)
+        object.__setattr__(self, "ckpt", _validate_ckpt(self.ckpt))
         _validate_alpha(self.offload_alpha)
         _validate_device_mode(self.device_mode)
         if self.strict_p2p_comm not in STRICT_P2P_COMM_CHOICES:
@@ -82,18 +83,18 @@ class H3TConfig:
         return any(a > 0 for a in self.offload_alpha)
 
 
-def _validate_ckpt(ckpt: str) -> None:
-    if ckpt not in CKPT_CHOICES:
-        raise RuntimeConfigError(f"--ckpt must be one of {{{','.join(CKPT_CHOICES)}}}, got {ckpt!r}")
+def _validate_ckpt(ckpt: str) -> Ckpt:
+    try:
+        return Ckpt.parse(ckpt, choices=RUNTIME_CKPTS)
+    except ValueError as e:
+        raise RuntimeConfigError(str(e)) from None
 
 
 def _validate_alpha(alpha: Union[float, Sequence[float]]) -> None:
-    values: Sequence[float] = (alpha,) if isinstance(alpha, (int, float)) else tuple(alpha)
-    if not values:
-        raise RuntimeConfigError("--offload-alpha needs at least one value")
-    for a in values:
-        if not isinstance(a, (int, float)) or not 0.0 <= float(a) <= 1.0:
-            raise RuntimeConfigError(f"--offload-alpha must be in [0, 1], got {a}")
+    try:
+        check_alpha(alpha if isinstance(alpha, (int, float)) else tuple(alpha))
+    except ValueError as e:
+        raise RuntimeConfigError(str(e)) from None
 
 
 def _validate_device_mode(mode: str) -> None:
