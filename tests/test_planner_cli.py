@@ -93,7 +93,7 @@ def test_estimate_explain_prints_every_term(capsys):
         assert f"stage {stage.stage}" in out
         for term in stage.terms:
             assert term in out
-    for term in ev.estimate.time_terms:
+    for term in ev.estimate.time_terms.as_dict():
         assert term in out
 
 

@@ -102,7 +102,7 @@ def calibration_report(system: Optional[SystemSpec] = None) -> CalibrationReport
     for row in throughput_rows():
         alpha = solve_offload_alpha(m65, row.plan, h800, memory_budget_bytes=budget, mode="auto")
         alpha_err.append(alpha - row.published_alpha)
-        est = estimate(m65, row.plan, h800, memory_budget_bytes=budget)
+        est = estimate(m65, row.plan, h800, memory_budget_bytes=budget, timeline=False)
         tok_err.append(est.tokens_per_second / row.tokens_per_s - 1.0)
     mem_err, oom = [], []
     for plan, measured in memory_points():

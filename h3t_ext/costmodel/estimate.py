@@ -1,8 +1,8 @@
 """One plan -> per-stage memory, iteration time, throughput and MFU (pure arithmetic)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 from h3t_ext.costmodel.activations import rank_offloads
 from h3t_ext.costmodel.errors import InfeasiblePlanError
@@ -10,7 +10,8 @@ from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan, validate_plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
-from h3t_ext.costmodel.timing import time_terms
+from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms
+from h3t_ext.costmodel.timing import TimeTerms, time_terms
 
 GB = 1e9
 
@@ -27,8 +28,13 @@ class Estimate:
     """Peak memory terms of every pipeline rank."""
     memory_budget_bytes: int
     """Budget the plan was checked against (given, or the system default)."""
-    time_terms: Mapping[str, float] = field(default_factory=dict)
-    """Seconds per iteration by term; they add up to ``iteration_time_s``."""
+    time_terms: TimeTerms
+    """Seconds per iteration by term; they add up to ``iteration_time_s``: the timeline's (the rank that
+    ends last) when it was run, else the closed form's."""
+    closed_form: TimeTerms
+    """The closed form's terms (what the planner prunes with; without a timeline the same as ``time_terms``)."""
+    timeline: Optional[Timeline] = None
+    """The simulated timeline of the schedule builder's action lists (None: closed form only)."""
     tokens_per_iteration: int = 0
     """global_batch_size * seq_length."""
     num_gpus: int = 1
@@ -54,7 +60,12 @@ class Estimate:
 
     @property
     def iteration_time_s(self) -> float:
-        return sum(self.time_terms.values())
+        return self.time_terms.total
+
+    @property
+    def closed_form_time_s(self) -> float:
+        """The closed form's iteration time."""
+        return self.closed_form.total
 
     @property
     def tokens_per_second(self) -> float:
@@ -94,9 +105,15 @@ class Estimate:
         total = self.iteration_time_s
         lines.append(f"time: {total:.3f} s/iteration, {self.tokens_per_second:,.0f} tokens/s, "
                      f"{self.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, MFU {self.mfu:.3f}")
-        for k, t in sorted(self.time_terms.items(), key=lambda kv: -kv[1]):
+        for k, t in sorted(self.time_terms.as_dict().items(), key=lambda kv: -kv[1]):
             if t:
                 lines.append(f"  {k:<26} {t:8.3f} s  {t / total:6.1%}")
+        if self.timeline is not None:
+            tl = self.timeline
+            lines.append(f"  timeline of the schedule's action lists (critical rank {tl.critical_rank}); closed form "
+                         f"{self.closed_form_time_s:.3f} s ({self.closed_form_time_s / total - 1:+.2%})")
+            lines.append("  per rank busy/bubble/p2p/stall s: " + " ".join(
+                f"{r.busy:.2f}/{r.bubble:.2f}/{r.p2p:.2f}/{r.stall:.2f}" for r in tl.ranks))
         if self.pcie_bytes_per_iteration:
             lines.append(f"pcie: {self.pcie_bytes_per_iteration / GB:.1f} GB per iteration per GPU")
         return lines
@@ -120,8 +137,10 @@ class Estimate:
             "peak_stage": self.peak_stage,
             "fits": self.fits,
             "stages": [s.to_dict() for s in self.stages],
-            "time_terms_s": dict(self.time_terms),
+            "time_terms_s": self.time_terms.as_dict(),
             "iteration_time_s": self.iteration_time_s,
+            "closed_form_iteration_time_s": self.closed_form_time_s,
+            "timeline": None if self.timeline is None else self.timeline.to_dict(),
             "tokens_per_second": self.tokens_per_second,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
             "mfu": self.mfu,
@@ -139,9 +158,12 @@ def over_budget_error(stage: StageMemory, budget: int, suffix: str = "") -> Infe
 
 
 def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
-             memory_budget_bytes: Optional[int] = None) -> Estimate:
+             memory_budget_bytes: Optional[int] = None, timeline: bool = True) -> Estimate:
     """Price ``plan``; raises InvalidPlanError for plans that cannot be built. Does not raise when the plan
-    does not fit memory: check ``fits`` or call ``raise_if_infeasible()``."""
+    does not fit memory: check ``fits`` or call ``raise_if_infeasible()``.
+
+    The time is the simulated timeline of the schedule builder's action lists (:mod:`timeline`);
+    ``timeline=False`` prices the closed form only (the planner's pruning), which ``closed_form`` always holds."""
     validate_plan(model, plan, system)
     budget = system.default_memory_budget_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
     alphas = plan.alphas()
@@ -150,10 +172,13 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     stages = tuple(stage_memory(model, plan, k, alphas[k]) for k in range(p))
     chunk = chunk_activation_bytes(model, plan)
     offloaded = tuple(rank_offloads(p, m, v, k) for k in range(p))
-    terms = time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded)
+    closed = time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded)
+    tl = plan_timeline(model, plan, system, alphas) if timeline else None
+    terms = closed if tl is None else timeline_terms(model, plan, system, tl)
     pcie = max(int(2 * a * chunk * n) for a, n in zip(alphas, offloaded))
     return Estimate(
         plan=plan, offload_alpha=alphas, stages=stages, memory_budget_bytes=budget, time_terms=terms,
+        closed_form=closed, timeline=tl,
         tokens_per_iteration=plan.tokens_per_iteration, num_gpus=plan.num_gpus,
         model_flops_per_token=model_flops_per_token(model, plan.seq_length), peak_flops=system.peak_bf16_flops,
         pcie_bytes_per_iteration=pcie,

@@ -6,7 +6,8 @@ its plausible range. A run identifies an efficiency when its predicted time move
 over the runs (|cos| >= ``MAX_COLLINEARITY``) cannot be told apart and only the more sensitive one is fitted;
 never more efficiencies than runs. The fit minimises the mean absolute relative error of tokens/s per GPU by
 coordinate-wise golden-section search inside the ranges (the error is unimodal in each efficiency: time
-is monotonic in every one).
+is monotonic in every one). The fit prices the closed form (``estimate(..., timeline=False)``): thousands of
+estimates, and the timeline of the schedule's lists takes milliseconds to a second per plan.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _on(run: MeasuredRun, system: SystemSpec) -> SystemSpec:
 
 def relative_errors(runs: Sequence[MeasuredRun], system: SystemSpec) -> list[float]:
     """Predicted / measured tokens/s per GPU - 1, per run."""
-    return [estimate(r.model, r.plan, _on(r, system)).tokens_per_second_per_gpu / r.tokens_per_s_per_gpu - 1
+    return [estimate(r.model, r.plan, _on(r, system), timeline=False).tokens_per_second_per_gpu / r.tokens_per_s_per_gpu - 1
             for r in runs]
 
 
@@ -103,7 +104,7 @@ def _errors(groups: Groups, values: Mapping[Param, float]) -> list[float]:
 
 def _times(groups: Groups, values: Mapping[Param, float]) -> list[float]:
     systems = _systems(groups, values)
-    return [estimate(r.model, r.plan, _on(r, systems[fam])).iteration_time_s
+    return [estimate(r.model, r.plan, _on(r, systems[fam]), timeline=False).iteration_time_s
             for fam, (_, runs) in groups.items() for r in runs]
 
 

@@ -47,6 +47,7 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 from h3t_ext.costmodel.activations import BOOL
 from h3t_ext.costmodel.collectives import (
@@ -75,17 +76,59 @@ from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 DDP_BUCKET_PARAMS = 40_000_000
 """Megatron DDP's default bucket size: max(40M, 1M x data-parallel size) parameters."""
 DDP_BUCKET_PARAMS_PER_RANK = 1_000_000
-CROSS_ENTROPY_BYTES_PER_LOGIT = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4) + (4 + 4) + (4 + 2)
+CROSS_ENTROPY_BYTES_PER_LOGIT_FWD = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4)
 """Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard
-(megatron-core ``tensor_parallel/cross_entropy.py``). Forward: cast bf16 -> fp32, max, subtract the max
-in place, exp in place, sum, divide in place (the softmax is kept for backward); backward: the softmax
-becomes the gradient in place (subtracting the one-hot target touches one logit per token), scaled by the
-loss gradient in place, and autograd casts it to bf16."""
+(megatron-core 0.16.1 ``tensor_parallel/cross_entropy.py``), forward: cast bf16 -> fp32, max, subtract the
+max in place, exp in place, sum, divide in place (the softmax is kept for backward)."""
+CROSS_ENTROPY_BYTES_PER_LOGIT_BWD = (4 + 4) + (4 + 2)
+"""Backward: the softmax becomes the gradient in place (subtracting the one-hot target touches one logit per
+token), scaled by the loss gradient in place, and autograd casts it to bf16."""
+CROSS_ENTROPY_BYTES_PER_LOGIT = CROSS_ENTROPY_BYTES_PER_LOGIT_FWD + CROSS_ENTROPY_BYTES_PER_LOGIT_BWD
+CROSS_ENTROPY_KERNELS_FWD = 6 + 12
+"""Kernels ``_VocabParallelCrossEntropy.forward`` launches (megatron-core 0.16.1; the tensor-parallel
+all-reduces are collectives, not counted): over the logits ``float()``, ``max``, the in-place subtract,
+``exp``, ``sum``, ``div_`` (6); over the tokens the target mask (``<``, ``>=``, ``|``), ``clone`` and the
+subtract of the masked target, its masked fill, ``arange``, the gather of the predicted logits and its
+``clone``, their masked fill, ``log`` and the loss subtract (12)."""
+CROSS_ENTROPY_KERNELS_BWD = 3 + 3
+"""Kernels of its backward: ``arange``, ``target_mask.float()`` and ``1.0 - ...`` over the tokens (3); the
+indexed subtract of the one-hot target, ``mul_`` by the loss gradient and autograd's cast to bf16 (3)."""
 CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
 """Context-parallel ring forward, per output element and step: read the step's bf16 output, read and write
 the fp32 accumulated output (the softmax-lse rescaling of TransformerEngine's ring attention)."""
 CP_MERGE_BYTES_BWD = FP32 + FP32
 """Backward, per dQ / dK / dV element and step: read and write the fp32 gradient accumulators."""
+NORM_KERNELS_FWD, NORM_KERNELS_BWD = 1, 2
+"""A fused norm (TransformerEngine's LayerNorm/RMSNorm in ``TELayerNormColumnParallelLinear``, or Apex's
+``FusedLayerNorm`` in the local spec) runs one kernel forward; backward one kernel for dx and the partial
+dgamma (dbeta) and one that finalizes the dgamma reduction over the thread blocks."""
+ELEMENTWISE_KERNELS_FWD = 2 * NORM_KERNELS_FWD + 2 + 1
+"""Element-wise kernels of one layer's forward in megatron-core 0.16.1 ``transformer/transformer_layer.py``:
+``input_layernorm`` and ``pre_mlp_layernorm``, the two jit-fused bias-dropout-adds (``self_attn_bda``,
+``mlp_bda``: ``fusions/fused_bias_dropout.py``, one kernel each) and the jit-fused activation
+(``bias_swiglu_impl`` / ``bias_gelu_impl``, ``transformer/mlp.py``)."""
+ELEMENTWISE_KERNELS_BWD = 2 * NORM_KERNELS_BWD + 2 + 1
+"""... and of its backward: the two norm backwards, autograd's sums of the residual stream's two gradients
+(where the stream feeds a norm and an add: one add kernel at each of the two residual branches) and the
+jit-fused activation backward (``bias_swiglu_back`` / ``bias_gelu_back``); plus ``HIDDEN_DROPOUT_KERNELS_BWD``
+with hidden dropout, ``BIAS_GRAD_KERNELS`` with linear biases and ``ROPE_KERNELS`` with rotary embeddings."""
+HIDDEN_DROPOUT_KERNELS_BWD = 2
+"""With hidden dropout the two fused bias-dropout-adds have a jit-fused backward each (mask x gradient);
+without it the add passes the gradient through (no kernel)."""
+BIAS_GRAD_KERNELS = 1
+"""With linear biases: autograd's reduction over the tokens of the full-size bias gradient the fused
+bias-activation function returns (the other biases come from cuBLAS epilogues)."""
+ROPE_KERNELS = 2
+"""Rotary embeddings (Llama): ``apply_rotary_pos_emb`` on q and on k in ``transformer/attention.py``
+(TransformerEngine's fused RoPE, one kernel each), forward and again backward."""
+OURS_RECOMPUTE_KERNELS = 2 * NORM_KERNELS_FWD + 1
+"""ckpt=ours recomputes the two norms' outputs and the activation function in the backward."""
+CP_MERGE_KERNELS = 2
+"""Context-parallel ring: per step after the first, the softmax-lse correction and the fp32 accumulation
+of the step's partial result (TransformerEngine's ``AttnFuncWithCPAndKVP2P``: two element-wise kernels)."""
+OPTIMIZER_KERNELS = 4
+"""Optimizer step (per bucket, counted once): the gradient-norm kernel of clipping, Adam (multi-tensor
+apply), the fp32 master -> bf16 weight copy and the gradient zeroing (``ADAM_BYTES_PER_PARAM`` + fp32)."""
 ADAM_BYTES_PER_PARAM = FP32 + (4 * 4 + 3 * 4) + (FP32 + BF16)
 """Optimizer step per parameter of the shard, as Megatron's mixed-precision optimizers run it (separate
 kernels): the gradient-norm kernel of gradient clipping (--clip-grad, default 1.0) reads the fp32 gradient;
@@ -147,7 +190,7 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
         # every step after the first merges its partial result into fp32 accumulators
         merge = (CP_MERGE_BYTES_BWD if backward else CP_MERGE_BYTES_FWD) * mb * q * (
             model.hidden_size + (2 * model.kv_hidden_size if backward else 0)) // t
-        out[name] = sum(steps) + (c - 1) * elementwise_seconds(merge, r, kernels=2)
+        out[name] = sum(steps) + (c - 1) * elementwise_seconds(merge, r, kernels=CP_MERGE_KERNELS)
         out["cp_" + name] = sum(max(0.0, send - x) for x in steps[:-1])
     return out
 
@@ -209,59 +252,173 @@ def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, f
     return fwd_total, bwd_blocking + sum(max(0.0, comm - gemm) for comm, gemm in bwd_overlappable)
 
 
+@dataclass(frozen=True)
+class LayerTime:
+    """Seconds of one transformer layer for one microbatch on one rank, by part. The forward action of a
+    model chunk runs ``fwd + tp_fwd + cp_fwd`` per layer, its backward action the rest (``forward_action`` /
+    ``backward_action``); the fields add up to ``total``."""
+
+    fwd: float
+    """Forward kernels: GEMMs, attention (with the context-parallel merges), element-wise."""
+    bwd: float
+    """Backward kernels: data- and weight-gradient GEMMs, attention backward, element-wise backward."""
+    recompute: float
+    """Recomputation run in the backward: ckpt=ours the norms and activation, selective the attention core,
+    full the whole forward (its communication is in ``tp_recompute`` / ``cp_recompute``)."""
+    tp_fwd: float = 0.0
+    """Exposed tensor-parallel communication of the forward."""
+    tp_bwd: float = 0.0
+    """... of the backward (what outlasts the GEMMs it overlaps)."""
+    tp_recompute: float = 0.0
+    """... of the recomputed forward (ckpt=full)."""
+    cp_fwd: float = 0.0
+    """Exposed context-parallel K/V ring exchange of the forward."""
+    cp_bwd: float = 0.0
+    """... of the backward."""
+    cp_recompute: float = 0.0
+    """... of the recomputed forward (ckpt=full)."""
+
+    @property
+    def tp(self) -> float:
+        return self.tp_fwd + self.tp_bwd + self.tp_recompute
+
+    @property
+    def cp(self) -> float:
+        return self.cp_fwd + self.cp_bwd + self.cp_recompute
+
+    @property
+    def forward_action(self) -> float:
+        """What one layer adds to a FORWARD action of the schedule."""
+        return self.fwd + self.tp_fwd + self.cp_fwd
+
+    @property
+    def backward_action(self) -> float:
+        """What one layer adds to a BACKWARD action (recompute included)."""
+        return self.bwd + self.recompute + self.tp_bwd + self.tp_recompute + self.cp_bwd + self.cp_recompute
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class HeadTime:
+    """The output layer and vocabulary-parallel cross entropy of one microbatch on the last stage."""
+
+    fwd: float
+    """Output GEMM and the cross entropy's forward kernels."""
+    bwd: float
+    """Data- and weight-gradient GEMMs and the cross entropy's backward kernels."""
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd
+
+
+@dataclass(frozen=True)
+class ShapeTimes:
+    """Everything the time model prices per microbatch for one shape: a layer and the output layer."""
+
+    layer: LayerTime
+    head: HeadTime
+
+
+@dataclass(frozen=True)
+class TimeTerms:
+    """Seconds of one iteration by term; they add up to ``total``. ``as_dict`` gives the keys of
+    ``--explain`` and ``--json`` (``time_terms_s``)."""
+
+    compute: float
+    """Forward and backward kernels of every layer (and the output layer) the critical rank runs."""
+    recompute: float
+    tp_comm: float
+    cp_comm: float
+    pp_p2p: float
+    """Pipeline transfers on the critical path (and the tied-embedding gradient all-reduce)."""
+    bubble: float
+    """Pipeline warm-up and cool-down: waiting for other ranks' compute."""
+    dp_exposed: float
+    optimizer: float
+    offload_exposed: float
+    """Waiting for host<->device copies (the timeline: reloads that end after their backward would start)."""
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 _CACHE_LIMIT = 65536
-_layer_cache: dict = {}
+_shape_cache: dict = {}
 
 
 def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
-    """Everything a layer's (or the output layer's) time depends on; a search prices many plans that share it.
+    """Everything a layer's (and the output layer's) time depends on; a search prices many plans that share it.
     (SystemSpec's hash leaves out its efficiencies, so their values are part of the key: fits try many.)"""
     return (model, system, tuple(system.efficiencies.values()), plan.tensor_model_parallel_size,
             plan.context_parallel_size, plan.seq_length,
             plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend)
 
 
-def layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str, float]:
-    """Seconds of one layer for one microbatch on one rank, by part (memoised by shape)."""
+def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
+    """The layer's and the output layer's times of ``plan``'s shape. Memoised by ``_shape_key``: the cache
+    only remembers this pure function's results, nothing else reads it."""
     key = _shape_key(model, plan, system)
-    hit = _layer_cache.get(key)
+    hit = _shape_cache.get(key)
     if hit is None:
-        if len(_layer_cache) > _CACHE_LIMIT:
-            _layer_cache.clear()
-        hit = _layer_cache[key] = (_layer_seconds(model, plan, system), head_seconds(model, plan, system))
-    return hit[0]
+        if len(_shape_cache) > _CACHE_LIMIT:
+            _shape_cache.clear()
+        hit = _shape_cache[key] = ShapeTimes(_layer_time(model, plan, system), _head_time(model, plan, system))
+    return hit
 
 
-def _head(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
-    layer_seconds(model, plan, system)
-    return _layer_cache[_shape_key(model, plan, system)][1]
+def layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
+    """Seconds of one layer for one microbatch on one rank, by part."""
+    return shape_times(model, plan, system).layer
 
 
-def _layer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> dict[str, float]:
-    r = kernel_rates(system)
-    g = layer_gemm_seconds(model, plan, r)
-    a = attention_seconds(model, plan, system, r)
-    elem_fwd, elem_bwd, elem_ours, masks = _elementwise_bytes(model, plan)
-    e_fwd = elementwise_seconds(elem_fwd + masks, r, kernels=6)
-    e_bwd = elementwise_seconds(elem_bwd + masks, r, kernels=8)
-    tp_f, tp_b = _tp_seconds(model, plan, system, g)
-    fwd = g["fwd"] + a["fwd"] + e_fwd
-    rec = {"no": 0.0, "ours": elementwise_seconds(elem_ours, r, kernels=3), "selective": a["fwd"],
-           "full": fwd}[plan.ckpt]  # its communication is in tp / cp below
-    return {"fwd": fwd, "bwd": g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd, "recompute": rec,
-            "tp": tp_f + tp_b + (tp_f if plan.ckpt == "full" else 0.0),
-            "cp": a["cp_fwd"] + a["cp_bwd"] + (a["cp_fwd"] if plan.ckpt == "full" else 0.0)}
+def head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
+    """Output layer and vocabulary-parallel cross entropy of one microbatch, forward and backward."""
+    return shape_times(model, plan, system).head
 
 
 def head_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """Output layer and vocabulary-parallel cross entropy of one microbatch (forward + backward)."""
+    return head_time(model, plan, system).total
+
+
+def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
+    r = kernel_rates(system)
+    g = layer_gemm_seconds(model, plan, r)
+    a = attention_seconds(model, plan, system, r)
+    elem_fwd, elem_bwd, elem_ours, masks = _elementwise_bytes(model, plan)
+    rope = ROPE_KERNELS if model.swiglu else 0  # the Llama models rotate q and k (as _elementwise_bytes)
+    e_fwd = elementwise_seconds(elem_fwd + masks, r, kernels=ELEMENTWISE_KERNELS_FWD + rope)
+    e_bwd = elementwise_seconds(elem_bwd + masks, r, kernels=ELEMENTWISE_KERNELS_BWD + rope + (
+        HIDDEN_DROPOUT_KERNELS_BWD if model.hidden_dropout > 0 else 0) + (BIAS_GRAD_KERNELS if model.add_bias_linear else 0))
+    tp_f, tp_b = _tp_seconds(model, plan, system, g)
+    fwd = g["fwd"] + a["fwd"] + e_fwd
+    rec = {"no": 0.0, "ours": elementwise_seconds(elem_ours, r, kernels=OURS_RECOMPUTE_KERNELS), "selective": a["fwd"],
+           "full": fwd}[plan.ckpt]  # its communication is in tp / cp below
+    full = plan.ckpt == "full"
+    return LayerTime(fwd=fwd, bwd=g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd, recompute=rec,
+                     tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_f if full else 0.0,
+                     cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=a["cp_fwd"] if full else 0.0)
+
+
+def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
     r = kernel_rates(system)
     t = plan.tensor_model_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
     h, v_shard = model.hidden_size, model.padded_vocab_size(t) // t
-    gemm = gemm_seconds(tokens, v_shard, h, r) + gemm_seconds(tokens, h, v_shard, r) + wgrad_seconds(h, v_shard, tokens, r)
-    ce = elementwise_seconds(tokens * v_shard * CROSS_ENTROPY_BYTES_PER_LOGIT, r, kernels=10)
-    return gemm + ce
+    logits = tokens * v_shard
+    fwd = gemm_seconds(tokens, v_shard, h, r) + elementwise_seconds(
+        logits * CROSS_ENTROPY_BYTES_PER_LOGIT_FWD, r, kernels=CROSS_ENTROPY_KERNELS_FWD)
+    bwd = gemm_seconds(tokens, h, v_shard, r) + wgrad_seconds(h, v_shard, tokens, r) + elementwise_seconds(
+        logits * CROSS_ENTROPY_BYTES_PER_LOGIT_BWD, r, kernels=CROSS_ENTROPY_KERNELS_BWD)
+    return HeadTime(fwd, bwd)
 
 
 def _bucketed_exposed(comm: float, buckets: int, chunks: int, unit: float, p: int) -> float:
@@ -321,19 +478,37 @@ def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: floa
     return grads + params
 
 
+def _pipeline_link(plan: Plan, system: SystemSpec) -> Link:
+    return p2p_link(plan.tensor_model_parallel_size * plan.data_parallel_size, plan.pipeline_model_parallel_size,
+                    system)
+
+
+def pipeline_hop_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """One pipeline transfer: Megatron sends 1/t of the activation between stages (sequence parallel, or the
+    scatter-gather optimization without it, which all-gathers it over NVLink on arrival)."""
+    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    hop_bytes = tokens // plan.tensor_model_parallel_size * model.hidden_size * BF16
+    return p2p_seconds(hop_bytes, _pipeline_link(plan, system))
+
+
+def tied_embedding_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """Tied embeddings with p > 1: the first stage's word embedding and the last stage's output layer are one
+    weight, so after the backward Megatron all-reduces its fp32 gradient shard (V/t x h) between the two ranks
+    (finalize_model_grads, _allreduce_word_embedding_grads): a 2-rank all-reduce, bytes / link, exposed."""
+    t = plan.tensor_model_parallel_size
+    if plan.pipeline_model_parallel_size == 1 or model.untie_embeddings_and_output_weights:
+        return 0.0
+    return all_reduce_seconds(model.padded_vocab_size(t) // t * model.hidden_size * FP32, 2, _pipeline_link(plan, system))
+
+
 def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """The ``pp_p2p`` term: activations between pipeline ranks on the critical path of one iteration, and
     the gradient all-reduce of a tied embedding between the first and the last stage."""
-    t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    p = plan.pipeline_model_parallel_size
     if p == 1:
         return 0.0
     m, v = plan.num_microbatches, plan.virtual_size(model.num_layers)
-    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    # Megatron sends 1/t of the activation between stages (sequence parallel, or the scatter-gather
-    # optimization without it, which all-gathers it over NVLink on arrival)
-    hop_bytes = tokens // t * model.hidden_size * BF16
-    link = p2p_link(t * plan.data_parallel_size, p, system)
-    hop = p2p_seconds(hop_bytes, link)
+    hop = pipeline_hop_seconds(model, plan, system)
     # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
     # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
     # while the microbatch took p hops more to come back (and the same in the cool-down)
@@ -342,13 +517,7 @@ def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> fl
         activations += 2 * m * hop
     elif not plan.overlap_p2p_comm:  # each interleaved step waits for its batched exchange (both directions)
         activations += m * v * hop
-    # tied embeddings: the first stage's word embedding and the last stage's output layer are one weight,
-    # so after the backward Megatron all-reduces its fp32 gradient shard (V/t x h) between the two ranks
-    # (finalize_model_grads, _allreduce_word_embedding_grads): a 2-rank all-reduce, bytes / link, exposed
-    tied = 0.0
-    if not model.untie_embeddings_and_output_weights:
-        tied = all_reduce_seconds(model.padded_vocab_size(t) // t * model.hidden_size * FP32, 2, link)
-    return activations + tied
+    return activations + tied_embedding_seconds(model, plan, system)
 
 
 def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
@@ -357,53 +526,75 @@ def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> 
     return _dp_seconds(model, plan, system, math.inf, math.inf, math.inf)
 
 
+def stage_microbatch_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, stage: int) -> float:
+    """One microbatch's forward + backward (all its chunks) on pipeline rank ``stage``."""
+    st = shape_times(model, plan, system)
+    p = plan.pipeline_model_parallel_size
+    return plan.stage_layers(model.num_layers, stage) * st.layer.total + (st.head.total if stage == p - 1 else 0.0)
+
+
+def slowest_stage(model: ModelSpec, plan: Plan, system: SystemSpec) -> int:
+    """The pipeline rank with the longest microbatch (middle stages are alike: first, one middle, last)."""
+    p = plan.pipeline_model_parallel_size
+    return max({0, min(1, p - 1), p - 1}, key=lambda k: stage_microbatch_seconds(model, plan, system, k))
+
+
+def dp_exposed_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """The ``dp_exposed`` term: windows of the slowest stage's chunk backward / forward and microbatch."""
+    lt = layer_time(model, plan, system)
+    slow = slowest_stage(model, plan, system)
+    layers, v = plan.stage_layers(model.num_layers, slow), plan.virtual_size(model.num_layers)
+    return _dp_seconds(model, plan, system, layers * (lt.bwd + lt.recompute) / v, layers * lt.fwd / v,
+                       stage_microbatch_seconds(model, plan, system, slow))
+
+
+def optimizer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """The ``optimizer`` term: the step on the optimizer shard of the stage with most parameters."""
+    p = plan.pipeline_model_parallel_size
+    n = max(stage_params(model, plan, k) for k in {0, p - 1})
+    return elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, kernel_rates(system),
+                               kernels=OPTIMIZER_KERNELS)
+
+
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
-               chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> dict[str, float]:
-    """Seconds per iteration by term (they add up to the iteration time)."""
-    r = kernel_rates(system)
+               chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> TimeTerms:
+    """The closed form: seconds per iteration by term (they add up to the iteration time). The cost model's
+    time is the timeline (:mod:`h3t_ext.costmodel.timeline`); this form prices the same terms without walking
+    the schedule, and the planner prunes with it."""
     t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     m, L = plan.num_microbatches, model.num_layers
     v = plan.virtual_size(L)
-    lt = layer_seconds(model, plan, system)
-    head = _head(model, plan, system)
-    per_layer = lt["fwd"] + lt["bwd"] + lt["recompute"] + lt["tp"] + lt["cp"]
+    st = shape_times(model, plan, system)
+    lt, head = st.layer, st.head.total
 
-    def stage_time(k: int) -> float:
-        return plan.stage_layers(L, k) * per_layer + (head if k == p - 1 else 0.0)
-
-    slow = max({0, min(1, p - 1), p - 1}, key=stage_time)  # middle stages are alike: first, one middle, last
+    slow = slowest_stage(model, plan, system)
     layers = plan.stage_layers(L, slow)
-    per_mb = stage_time(slow)
+    per_mb = stage_microbatch_seconds(model, plan, system, slow)
     # the warm-up and cool-down are the forward and backward of the first and last microbatch on every
     # rank but the slowest one (which runs all m in between): (p - 1)/v microbatches when the ranks are
     # alike, less when the last rank is the slow one only because it also runs the output layer
-    everyone = L * per_layer + head
+    everyone = L * lt.total + head
     bubble = (everyone - per_mb) / v if p > 1 else 0.0
 
     pp = pipeline_p2p_seconds(model, plan, system)
 
     off = 0.0
     if chunk_bytes and any(a > 0 for a in alphas):
-        f_chunk = layers * lt["fwd"] / v
-        b_chunk = layers * (lt["bwd"] + lt["recompute"]) / v
+        f_chunk = layers * lt.fwd / v
+        b_chunk = layers * (lt.bwd + lt.recompute) / v
         pcie = system.pcie_bandwidth * system.efficiency("pcie_fraction")
         for a, n in zip(alphas, offloaded_chunks):
             copy = a * chunk_bytes / pcie
             off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
 
-    dp = _dp_seconds(model, plan, system, layers * (lt["bwd"] + lt["recompute"]) / v, layers * lt["fwd"] / v,
-                     per_mb)
-    n = max(stage_params(model, plan, k) for k in {0, p - 1})
-    opt = elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, r, kernels=4)
-
-    return {
-        "compute": m * (layers * (lt["fwd"] + lt["bwd"]) + (head if slow == p - 1 else 0.0)),
-        "recompute": m * layers * lt["recompute"],
-        "tp_comm": m * layers * lt["tp"],
-        "cp_comm": m * layers * lt["cp"],
-        "pp_p2p": pp,
-        "bubble": bubble,
-        "dp_exposed": dp,
-        "optimizer": opt,
-        "offload_exposed": off,
-    }
+    return TimeTerms(
+        compute=m * (layers * (lt.fwd + lt.bwd) + (head if slow == p - 1 else 0.0)),
+        recompute=m * layers * lt.recompute,
+        tp_comm=m * layers * lt.tp,
+        cp_comm=m * layers * lt.cp,
+        pp_p2p=pp,
+        bubble=bubble,
+        dp_exposed=dp_exposed_seconds(model, plan, system),
+        optimizer=optimizer_seconds(model, plan, system),
+        offload_exposed=off,
+    )

@@ -34,6 +34,7 @@ def evaluation_dict(ev: Evaluation) -> dict:
         "tokens_per_second_per_gpu": est.tokens_per_second_per_gpu,
         "mfu": est.mfu,
         "iteration_time_s": est.iteration_time_s,
+        "closed_form_iteration_time_s": est.closed_form_time_s,
         "pcie_bytes_per_iteration": est.pcie_bytes_per_iteration,
     }
     out.update({k: getattr(plan, k) for k in PLAN_KEYS})
@@ -104,7 +105,7 @@ def explain_tables(ev: Evaluation) -> list[Table]:
     tim.add_column("seconds", justify="right")
     tim.add_column("share", justify="right")
     total = est.iteration_time_s
-    for name, sec in est.time_terms.items():
+    for name, sec in est.time_terms.as_dict().items():
         tim.add_row(name, f"{sec:.4f}", f"{100 * sec / total:.1f}%")
     tim.add_row("[b]total[/b]", f"[b]{total:.4f}[/b]", "100%")
     return [mem, tim]

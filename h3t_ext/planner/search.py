@@ -23,16 +23,20 @@ from __future__ import annotations
 import heapq
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
-from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec
+from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate
 from h3t_ext.costmodel.memory import stage_fixed_terms
-from h3t_ext.costmodel.timing import dp_seconds_lower_bound, head_seconds, layer_seconds, pipeline_p2p_seconds
+from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.space import CKPT_BY_MEMORY, Layout, SearchConstraints, enumerate_layouts
 
+TIMELINE_TOP = 3
+"""Plans a search prices on the timeline of the schedule's action lists (the best of the closed form's ranking,
+re-ranked by the timeline): building and simulating the lists takes 10-400 ms per plan shape at the sizes of
+``scripts/bench_planner.py``, so only the kept plans get it."""
 R_PRUNED = "memory: does not fit (a smaller micro batch or more recompute already did not)"
 R_SLOWER = "slower: a larger micro batch only adds pipeline bubble (throughput already fell with micro batch)"
 R_BOUND = "slower: cannot beat the top plans (upper bound on tokens/s below the last of them)"
@@ -140,7 +144,7 @@ def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bu
     False when the cost model finds it invalid."""
     col.considered += 1
     try:
-        ev = evaluate(model, plan, system, alpha_mode=alpha_mode, memory_budget_bytes=budget)
+        ev = evaluate(model, plan, system, alpha_mode=alpha_mode, memory_budget_bytes=budget, timeline=False)
     except InvalidPlanError as e:
         col.rejected[reason_category(e.reason)] += 1
         return False  # not a memory verdict: no pruning
@@ -230,7 +234,21 @@ def search(
     if best_first:
         _search_best_first(col, model, system, live, ckpts, alpha_mode, memory_budget_bytes, run, top)
     ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
+    ranked = _with_timeline(model, system, ranked, min(top or TIMELINE_TOP, TIMELINE_TOP), alpha_mode,
+                            memory_budget_bytes)
     return SearchResult(tuple(ranked), dict(col.rejected), col.considered, col.closest)
+
+
+def _with_timeline(model, system, ranked: list[RankedPlan], k: int, alpha_mode, budget) -> list[RankedPlan]:
+    """The first ``k`` plans (closed-form order) priced again on the timeline of their action lists and
+    ranked by it; the rest keep their closed-form estimates, after them."""
+    kept = []
+    for r in ranked[:k]:
+        ev = r.evaluation
+        est = estimate(model, ev.plan, system, memory_budget_bytes=budget)
+        kept.append(RankedPlan(replace(ev, estimate=est), r.megatron_flags))
+    kept.sort(key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
+    return kept + ranked[k:]
 
 
 def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_mode, budget, run,
@@ -285,9 +303,8 @@ def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tupl
                 key = (t, c, mb, ckpt)
                 if key not in per_shape:
                     plan = _plan(run, layout, mb, ckpt)
-                    lt = layer_seconds(model, plan, system)
-                    per_shape[key] = (lt["fwd"] + lt["bwd"] + lt["recompute"] + lt["tp"] + lt["cp"],
-                                      head_seconds(model, plan, system))
+                    st = shape_times(model, plan, system)
+                    per_shape[key] = (st.layer.total, st.head.total)
                 per_layer, head = per_shape[key]
                 m = global_batch // (mb * shards)
                 last = (L // p) * per_layer + head

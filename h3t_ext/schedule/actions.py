@@ -68,9 +68,21 @@ class ScheduleConfig:
     """Forward passes only (evaluation): no backward, no offload."""
     offload: bool = True
     """Emit OFFLOAD/RELOAD actions for the microbatch-chunks that can hide them."""
+    offload_stages: Optional[tuple[bool, ...]] = None
+    """Per pipeline rank, whether it offloads at all (its alpha > 0); None: every rank (with ``offload``).
+    A rank that does not offload gets no OFFLOAD/RELOAD actions, so its list is the list that runs."""
 
     def __post_init__(self) -> None:
         _ = self.layout  # the sizes and megatron-core's interleaving rules: h3t_ext.layout raises LayoutError
+        if self.offload_stages is not None and len(self.offload_stages) != self.pipeline_model_parallel_size:
+            raise ValueError(f"offload_stages has {len(self.offload_stages)} entries for "
+                             f"{self.pipeline_model_parallel_size} pipeline ranks")
+
+    def rank_offloads(self, rank: int) -> bool:
+        """Whether ``rank``'s list carries OFFLOAD/RELOAD actions (where a microbatch-chunk can hide them)."""
+        if not self.offload or self.forward_only:
+            return False
+        return True if self.offload_stages is None else bool(self.offload_stages[rank])
 
     @functools.cached_property
     def layout(self) -> ParallelLayout:

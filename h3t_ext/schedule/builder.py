@@ -27,12 +27,16 @@ Semantics of the offload actions (shared by the cost model and the runtime):
 * A microbatch-chunk is offloaded only when at least two compute actions lie between its
   forward and its backward (one to hide the offload behind, one to hide the reload behind);
   otherwise it stays on the device and the list carries no offload/reload for it.
+* Only the ranks that offload (``offload_stages``: the stages whose alpha is > 0) carry OFFLOAD/RELOAD
+  actions, so every rank's list is exactly what it runs, and what the cost model's timeline
+  (:mod:`h3t_ext.costmodel.timeline`) prices.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from h3t_ext.schedule.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, ScheduleConfig
 from h3t_ext.schedule.posting import place_comms
@@ -146,14 +150,20 @@ def _with_offload(compute: list[Action], actions: list[Action]) -> list[Action]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _placed(shape: ScheduleConfig) -> tuple[tuple[list[Action], ...], tuple[list[Action], ...]]:
+    """(compute order, list with the transfers placed) of every rank, for a shape without offload (the
+    offload actions do not move the transfers, so the lists of all offload choices share this)."""
+    p = shape.pipeline_model_parallel_size
+    compute = tuple(_compute_order(shape, r) for r in range(p))
+    return compute, tuple(place_comms(shape, compute))
+
+
 @functools.lru_cache(maxsize=256)
 def _all_rank_actions(cfg: ScheduleConfig) -> tuple[tuple[Action, ...], ...]:
     p = cfg.pipeline_model_parallel_size
-    compute = [_compute_order(cfg, r) for r in range(p)]
-    lists = place_comms(cfg, compute)
-    if cfg.offload and not cfg.forward_only:
-        lists = [_with_offload(compute[r], lists[r]) for r in range(p)]
-    return tuple(tuple(a) for a in lists)
+    compute, lists = _placed(dataclasses.replace(cfg, offload=False, offload_stages=None))
+    return tuple(tuple(_with_offload(compute[r], lists[r]) if cfg.rank_offloads(r) else lists[r]) for r in range(p))
 
 
 def build_rank_actions(cfg: ScheduleConfig, rank: int) -> tuple[Action, ...]:
@@ -176,8 +186,12 @@ def build_schedule(
     microbatch_group_size_per_vp_stage: Optional[int] = None,
     forward_only: bool = False,
     offload: bool = True,
+    offload_stages: Optional[Sequence[bool]] = None,
 ) -> PipelineSchedule:
-    """Build the per-rank action lists of one iteration (pure; no torch, no process group)."""
+    """Build the per-rank action lists of one iteration (pure; no torch, no process group).
+
+    ``offload_stages`` (one flag per pipeline rank, e.g. ``alpha > 0`` of each stage) says which ranks
+    offload; the others get no OFFLOAD/RELOAD actions. None: every rank (when ``offload``)."""
     cfg = ScheduleConfig(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         num_microbatches=num_microbatches,
@@ -185,5 +199,6 @@ def build_schedule(
         microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
         forward_only=forward_only,
         offload=offload,
+        offload_stages=None if offload_stages is None else tuple(bool(x) for x in offload_stages),
     )
     return PipelineSchedule(cfg, tuple(build_rank_actions(cfg, r) for r in range(pipeline_model_parallel_size)))

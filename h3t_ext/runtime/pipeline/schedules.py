@@ -271,9 +271,11 @@ class H3TSchedules:
         shape = (pp_size, num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage, forward_only)
         schedule = self._schedules.get(shape)
         if schedule is None:  # pure and the same every iteration: build and validate once per shape
+            # the stages with alpha 0 get no OFFLOAD/RELOAD: the lists are what runs (and what the cost model prices)
+            offload_stages = tuple(self.config.stage_alpha(r, pp_size) > 0 for r in range(pp_size))
             schedule = build_schedule(pp_size, num_microbatches, num_model_chunks,
                                       microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-                                      forward_only=forward_only, offload=True)
+                                      forward_only=forward_only, offload_stages=offload_stages)
             validate_layout(self.config, schedule, pp_rank)
             self._schedules[shape] = schedule
         return schedule
@@ -287,10 +289,7 @@ class H3TSchedules:
         schedule = self.schedule(call.pp_rank, call.pp_size, call.num_microbatches, v,
                                  microbatch_group_size_per_vp_stage=group, forward_only=call.forward_only)
         manager = self.preparer.prepare(call.model, call.pp_rank, call.pp_size)
-        if manager is None or self.config.stage_alpha(call.pp_rank, call.pp_size) <= 0:
-            actions = [a for a in schedule.ranks[call.pp_rank] if a.kind not in (ActionKind.OFFLOAD, ActionKind.RELOAD)]
-        else:
-            actions = list(schedule.ranks[call.pp_rank])
+        actions = list(schedule.ranks[call.pp_rank])  # OFFLOAD/RELOAD only where this stage's alpha > 0
         executor = _Executor(call, config, self.config, manager, mode, v)
         store = executor.run(actions)
         self.last_posted = executor.p2p.posted if executor.p2p is not None else []

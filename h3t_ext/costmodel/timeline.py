@@ -1,0 +1,370 @@
+"""The iteration priced as a simulated timeline of the schedule builder's per-rank action lists.
+
+:func:`h3t_ext.schedule.builder.build_schedule` makes, for every pipeline rank, the ordered list of actions
+the runtime executes (``h3t_ext/runtime/schedules.py``); this module runs those lists on a clock. Every
+action gets its price from the cost model's per-layer terms (:class:`~h3t_ext.costmodel.timing.LayerTime`,
+:class:`~h3t_ext.costmodel.timing.HeadTime`) and waits for what the runtime makes it wait for:
+
+* ``FORWARD`` / ``BACKWARD`` of a model chunk run on the rank's compute stream, one after the other:
+  ``layers * LayerTime.forward_action`` (``backward_action``: backward kernels, recompute, exposed tensor-
+  and context-parallel communication), plus the output layer's ``HeadTime.fwd`` / ``bwd`` on the last
+  stage's last chunk. A chunk holds ``stage_layers / v`` layers.
+* Sends and receives: every run of them between two compute actions is one ``batch_isend_irecv`` batch
+  (:func:`h3t_ext.schedule.posting.posting_batches`). A batch is posted when the compute before it ends and
+  runs after the rank's previous batch (NCCL runs a rank's batches in order on one stream); a transfer runs
+  once both ends' batches run, for one hop (``timing.pipeline_hop_seconds``: 1/t of the activation over the
+  pipeline link); a batch ends with its last transfer. A compute that consumes a receive waits for the batch
+  that carries it (NCCL's batch returns one work for the whole batch); with blocking exchanges (plain 1F1B,
+  and interleaved 1F1B without --overlap-p2p-communication, as Megatron runs them and as the closed form
+  prices them) every compute waits for the batch posted just before it. The rank's iteration ends when its
+  last compute and its last batch have ended (``wait_all``).
+* ``OFFLOAD`` (right after its chunk's forward) copies alpha of the chunk's saved bytes to host memory on
+  the rank's device-to-host copy stream: it starts when the forward has ended and the stream is free.
+  ``RELOAD`` copies them back on the host-to-device stream (the opposite direction has its own stream, as
+  ``h3t_ext/runtime/activations.py``): it starts when the compute enqueued before it has ended (the runtime
+  records the compute stream), the chunk's offload has ended and the stream is free. The chunk's backward
+  cannot start before its reload has ended: that wait is the rank's *stall*. A copy takes
+  ``alpha * chunk bytes / (PCIe bandwidth * pcie_fraction)``. Ranks whose alpha is 0 carry no copies
+  (the builder is told which stages offload).
+
+Per rank the result has compute busy time, bubble (waiting for peers' compute), exposed transfer time and
+stall. The iteration is the latest rank's end, then the tied-embedding gradient all-reduce and the
+data-parallel reduce and optimizer step as the closed form prices them (``timing.dp_exposed_seconds``,
+``timing.optimizer_seconds``). The iteration's :class:`~h3t_ext.costmodel.timing.TimeTerms` are those of
+the rank that ends last: its busy time split by the per-layer record's fields, its stall as
+``offload_exposed``, its waits for a transfer on the wire (at most one hop per wait) as ``pp_p2p``, the
+rest of its waiting as ``bubble``.
+
+A new schedule action gets its price here (:func:`_compile` and :func:`simulate`) and nowhere else.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from h3t_ext.costmodel.memory import chunk_activation_bytes
+from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.costmodel.timing import (
+    TimeTerms,
+    dp_exposed_seconds,
+    optimizer_seconds,
+    pipeline_hop_seconds,
+    shape_times,
+    tied_embedding_seconds,
+)
+from h3t_ext.schedule.actions import COMM_KINDS, Action, ActionKind, ScheduleConfig
+from h3t_ext.schedule.builder import PipelineSchedule, build_rank_actions
+
+_F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
+_SENDS = (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
+
+
+@dataclass(frozen=True)
+class RankTimeline:
+    """What one pipeline rank did during the pipelined part of the iteration (seconds)."""
+
+    rank: int
+    end: float
+    """When its last compute and its last transfer ended (the iteration starts at 0)."""
+    busy: float
+    """Compute actions (forward, backward, recompute and their exposed tensor/context-parallel traffic)."""
+    bubble: float
+    """Waiting for other ranks' compute (warm-up, cool-down, uneven stages)."""
+    p2p: float
+    """Waiting for a transfer on the wire (at most one hop per wait)."""
+    stall: float
+    """Waiting for reloads: a backward whose reload had not ended."""
+
+    @property
+    def idle(self) -> float:
+        return self.bubble + self.p2p + self.stall
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The simulated pipeline of one iteration."""
+
+    ranks: tuple[RankTimeline, ...]
+    pipeline_s: float
+    """The latest rank's end."""
+    tied_embedding_s: float
+    """Word-embedding gradient all-reduce between the first and the last stage after the pipeline."""
+    dp_exposed_s: float
+    optimizer_s: float
+
+    @property
+    def critical_rank(self) -> int:
+        return max(self.ranks, key=lambda r: (r.end, -r.rank)).rank
+
+    @property
+    def iteration_time_s(self) -> float:
+        return self.pipeline_s + self.tied_embedding_s + self.dp_exposed_s + self.optimizer_s
+
+    def to_dict(self) -> dict:
+        return {"iteration_time_s": self.iteration_time_s, "pipeline_s": self.pipeline_s,
+                "critical_rank": self.critical_rank,
+                "ranks": [{"rank": r.rank, "end_s": r.end, "busy_s": r.busy, "bubble_s": r.bubble, "p2p_s": r.p2p,
+                           "stall_s": r.stall} for r in self.ranks]}
+
+
+@dataclass(frozen=True)
+class _Program:
+    """One rank's list as the simulator reads it (built once per schedule shape)."""
+
+    items: tuple
+    """("C", is_forward, chunk, input_batch, previous_batch, copy_key) | ("T", batch) | ("O", key) | ("R", key)."""
+    batches: tuple
+    """Per batch: tuple of (peer rank, peer's batch index) of its transfers."""
+
+
+def _stage(cfg: ScheduleConfig, rank: int, a: Action) -> int:
+    return a.chunk * cfg.pipeline_model_parallel_size + rank
+
+
+def _transfer_key(cfg: ScheduleConfig, rank: int, a: Action) -> tuple:
+    """The same key on both ends: (direction, microbatch, receiving stage)."""
+    s = _stage(cfg, rank, a)
+    if a.kind is ActionKind.SEND_FORWARD:
+        return (0, a.microbatch, s + 1)
+    if a.kind is ActionKind.SEND_BACKWARD:
+        return (1, a.microbatch, s - 1)
+    return (0 if a.kind is ActionKind.RECV_FORWARD else 1, a.microbatch, s)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(cfg: ScheduleConfig) -> tuple[_Program, ...]:
+    """The builder's lists of ``cfg`` as per-rank programs: batches numbered, every transfer tied to the
+    peer's batch, every compute tied to the batch carrying its input and to the batch just before it."""
+    p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
+    lists = [build_rank_actions(cfg, r) for r in range(p)]
+    where: dict[tuple, tuple[int, int]] = {}  # (transfer key, is_send) -> (rank, batch index)
+    raw = []
+    for r, actions in enumerate(lists):
+        items: list = []
+        batches: list[list[tuple]] = []
+        recv_batch: dict[tuple, int] = {}
+        open_run = False
+        for a in actions:
+            k = a.kind
+            if k in COMM_KINDS:
+                if not open_run:
+                    batches.append([])
+                    items.append(("T", len(batches) - 1))
+                    open_run = True
+                key = _transfer_key(cfg, r, a)
+                send = k in _SENDS
+                batches[-1].append((key, send))
+                where[(key, send)] = (r, len(batches) - 1)
+                if not send:
+                    recv_batch[key] = len(batches) - 1
+            elif k is _F or k is _B:
+                open_run = False
+                s = _stage(cfg, r, a)
+                needs_input = s > 0 if k is _F else s < p * v - 1
+                key = (0 if k is _F else 1, a.microbatch, s)
+                inp = recv_batch[key] if needs_input else -1
+                prev = len(batches) - 1 if items and items[-1][0] == "T" else -1
+                items.append(["C", k is _F, a.chunk, inp, prev, a.microbatch * v + a.chunk])
+            elif k is ActionKind.OFFLOAD:
+                items.append(("O", a.microbatch * v + a.chunk))
+            elif k is ActionKind.RELOAD:
+                items.append(("R", a.microbatch * v + a.chunk))
+            else:  # pragma: no cover - the builder emits nothing else
+                raise AssertionError(f"no price for action {a}")
+        raw.append((items, batches))
+    out = []
+    for r, (items, batches) in enumerate(raw):
+        # a compute waits for the batch posted right before it (blocking mode) only if it directly precedes
+        last = -1
+        fixed = []
+        for it in items:
+            if it[0] == "T":
+                last = it[1]
+                fixed.append(it)
+            elif it[0] == "C":
+                fixed.append(("C", it[1], it[2], it[3], last if it[4] >= 0 else -1, it[5]))
+            else:
+                fixed.append(it)
+        peers = tuple(tuple(where[(key, not send)] for key, send in b) for b in batches)
+        out.append(_Program(tuple(fixed), peers))
+    return tuple(out)
+
+
+def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,
+             hop: float, blocking: bool, copy: Sequence[float] = (), in_order_batches: bool = False) -> tuple[RankTimeline, ...]:
+    """Run every rank's action list on a clock.
+
+    ``forward[r][c]`` / ``backward[r][c]``: seconds of the FORWARD / BACKWARD of model chunk c on rank r;
+    ``hop``: seconds of one pipeline transfer; ``blocking``: every compute waits for the batch just before
+    it; ``copy[r]``: seconds of one OFFLOAD or RELOAD on rank r (0 or absent where the rank copies nothing).
+    """
+    cfg = schedule_or_config.config if isinstance(schedule_or_config, PipelineSchedule) else schedule_or_config
+    progs = _compile(cfg)
+    p = len(progs)
+    copy = list(copy) + [0.0] * (p - len(copy))
+    ptr = [0] * p
+    cs = [0.0] * p  # compute stream: end of the last compute
+    d2h = [0.0] * p
+    h2d = [0.0] * p
+    busy = [0.0] * p
+    bubble = [0.0] * p
+    p2p = [0.0] * p
+    stall = [0.0] * p
+    bstart: list[list[Optional[float]]] = [[None] * len(pr.batches) for pr in progs]
+    bend: list[list[Optional[float]]] = [[None] * len(pr.batches) for pr in progs]
+    last_batch = [-1] * p  # index of the last batch started on the rank
+    off_end: list[dict] = [{} for _ in range(p)]
+    rl_end: list[dict] = [{} for _ in range(p)]
+
+    def batch_end(r: int, b: int) -> Optional[float]:
+        e = bend[r][b]
+        if e is not None:
+            return e
+        s = bstart[r][b]
+        if s is None:
+            return None
+        for pr_, pb in progs[r].batches[b]:
+            o = bstart[pr_][pb]
+            if o is None:
+                return None
+            if o > s:
+                s = o
+        e = bend[r][b] = s + hop
+        return e
+
+    remaining = p
+    done = [False] * p
+    while remaining:
+        progress = False
+        for r in range(p):
+            if done[r]:
+                continue
+            items = progs[r].items
+            i, n = ptr[r], len(items)
+            fwd_r, bwd_r = forward[r], backward[r]
+            while i < n:
+                it = items[i]
+                tag = it[0]
+                if tag == "C":
+                    wait_b = it[4] if blocking and it[4] >= 0 else it[3]
+                    ready = cs[r]
+                    comm = ready
+                    if wait_b >= 0:
+                        e = batch_end(r, wait_b)
+                        if e is None:
+                            break
+                        if e > ready:
+                            comm = e
+                            w = e - ready
+                            on_wire = hop if hop < w else w
+                            p2p[r] += on_wire
+                            bubble[r] += w - on_wire
+                    start = comm
+                    if not it[1]:
+                        rl = rl_end[r].get(it[5])
+                        if rl is not None and rl > start:
+                            stall[r] += rl - start
+                            start = rl
+                    dur = fwd_r[it[2]] if it[1] else bwd_r[it[2]]
+                    busy[r] += dur
+                    cs[r] = start + dur
+                elif tag == "T":
+                    b = it[1]
+                    s = cs[r]
+                    if in_order_batches and last_batch[r] >= 0:
+                        e = batch_end(r, last_batch[r])
+                        if e is None:
+                            break
+                        if e > s:
+                            s = e
+                    bstart[r][b] = s
+                    last_batch[r] = b
+                elif tag == "O":
+                    s = cs[r] if cs[r] > d2h[r] else d2h[r]
+                    d2h[r] = off_end[r][it[1]] = s + copy[r]
+                else:  # reload
+                    s = max(cs[r], off_end[r][it[1]], h2d[r])
+                    h2d[r] = rl_end[r][it[1]] = s + copy[r]
+                i += 1
+                progress = True
+            ptr[r] = i
+            if i == n:
+                if last_batch[r] >= 0:
+                    e = batch_end(r, last_batch[r])
+                    if e is None:
+                        continue
+                    if e > cs[r]:  # wait_all: the last sends
+                        w = e - cs[r]
+                        on_wire = hop if hop < w else w
+                        p2p[r] += on_wire
+                        bubble[r] += w - on_wire
+                        cs[r] = e
+                done[r] = True
+                remaining -= 1
+                progress = True
+        if not progress:  # pragma: no cover - the builder's posting order cannot deadlock (posting.py)
+            raise AssertionError(f"timeline stuck at {ptr}")
+    return tuple(RankTimeline(r, cs[r], busy[r], bubble[r], p2p[r], stall[r]) for r in range(p))
+
+
+def schedule_config(model: ModelSpec, plan: Plan, alphas: Sequence[float]) -> ScheduleConfig:
+    """The builder's shape for ``plan``: its p, m, v and which stages offload (alpha > 0)."""
+    offload = tuple(a > 0 for a in alphas)
+    return ScheduleConfig(pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+                          num_microbatches=plan.num_microbatches,
+                          virtual_pipeline_model_parallel_size=plan.virtual_size(model.num_layers),
+                          offload=any(offload), offload_stages=offload if any(offload) else None)
+
+
+def plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Optional[Sequence[float]] = None) -> Timeline:
+    """Price ``plan``'s action lists (``alphas``: per stage, default the plan's) on the timeline."""
+    alphas = tuple(plan.alphas() if alphas is None else alphas)
+    p, L = plan.pipeline_model_parallel_size, model.num_layers
+    v = plan.virtual_size(L)
+    st = shape_times(model, plan, system)
+    fa, ba = st.layer.forward_action, st.layer.backward_action
+    forward, backward = [], []
+    for r in range(p):
+        chunk_layers = plan.stage_layers(L, r) / v
+        f, b = [chunk_layers * fa] * v, [chunk_layers * ba] * v
+        if r == p - 1:
+            f[-1] += st.head.fwd
+            b[-1] += st.head.bwd
+        forward.append(f)
+        backward.append(b)
+    pcie = system.pcie_bandwidth * system.efficiency("pcie_fraction")
+    copy = [a * chunk_activation_bytes(model, plan, r) / pcie if a > 0 else 0.0 for r, a in enumerate(alphas)]
+    blocking = v == 1 or not plan.overlap_p2p_comm
+    hop = pipeline_hop_seconds(model, plan, system) if p > 1 else 0.0
+    ranks = simulate(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking, copy=copy)
+    return Timeline(ranks=ranks, pipeline_s=max(r.end for r in ranks),
+                    tied_embedding_s=tied_embedding_seconds(model, plan, system),
+                    dp_exposed_s=dp_exposed_seconds(model, plan, system), optimizer_s=optimizer_seconds(model, plan, system))
+
+
+def timeline_terms(model: ModelSpec, plan: Plan, system: SystemSpec, timeline: Timeline) -> TimeTerms:
+    """The iteration by term as the timeline ran it (they add up to ``timeline.iteration_time_s``): the rank
+    that ends last, its busy time split by the per-layer record's fields (it runs m microbatches of its
+    layers, and the output layer on the last stage), its stall, its waits on the wire and its bubble (with
+    the time it ends before the pipeline's end, none for the rank that ends last)."""
+    r = timeline.ranks[timeline.critical_rank]
+    st = shape_times(model, plan, system)
+    lt, m, p = st.layer, plan.num_microbatches, plan.pipeline_model_parallel_size
+    per_mb_layers = m * plan.stage_layers(model.num_layers, r.rank)
+    head = m * st.head.total if r.rank == p - 1 else 0.0
+    return TimeTerms(
+        compute=per_mb_layers * (lt.fwd + lt.bwd) + head,
+        recompute=per_mb_layers * lt.recompute,
+        tp_comm=per_mb_layers * lt.tp,
+        cp_comm=per_mb_layers * lt.cp,
+        pp_p2p=r.p2p + timeline.tied_embedding_s,
+        bubble=r.bubble + (timeline.pipeline_s - r.end),
+        dp_exposed=timeline.dp_exposed_s,
+        optimizer=timeline.optimizer_s,
+        offload_exposed=r.stall,
+    )
+
+
+__all__ = ["RankTimeline", "Timeline", "plan_timeline", "schedule_config", "simulate", "timeline_terms"]
