@@ -190,8 +190,9 @@ def test_dp_overlap_without_virtual_pipeline_on_h100_rows():
 def test_calibrate_cli_writes_a_system_file(tmp_path, capsys):
     csv = tmp_path / "runs.csv"
     csv.write_text("num_gpus,seq_length,global_batch_size,tensor_model_parallel_size,pipeline_model_parallel_size,"
-                   "num_layers_per_virtual_pipeline_stage,ckpt,offload_alpha,tp_comm_overlap,tokens_per_second_per_gpu\n"
-                   "128,4096,256,2,8,2,ours,0.0,1,1100\n")
+                   "num_layers_per_virtual_pipeline_stage,ckpt,offload_alpha,tp_comm_overlap,sequence_parallel,"
+                   "use_distributed_optimizer,tokens_per_second_per_gpu\n"
+                   "128,4096,256,2,8,2,ours,0.0,1,1,1,1100\n")  # switches a run leaves out are Megatron's (off)
     out = tmp_path / "h800-cal.json"
     assert main(["calibrate", "--model", "llama-65b", "--gpu", "h800", "--runs", str(csv), "--output", str(out),
                  "--json"]) == 0
