@@ -251,7 +251,7 @@ def _vs_worker(rank, world, args):
 
     import h3t_ext
     from h3t_ext.runtime.config import H3TConfig
-    from h3t_ext.runtime.gpt import build_stage_chunks, tiny_llama_config
+    from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
 
     n, m = args.iterations, args.num_microbatches
     out = {}
