@@ -23,13 +23,18 @@ FLAG = "--offload-alpha"
 VALID = "a number in [0, 1], a comma-separated list of one per pipeline stage, auto or balanced"
 
 
+def _check_one(a: object, shown: str, flag: str) -> None:
+    """The one range check: a finite number in [0, 1] (``shown`` is how the message spells the value)."""
+    if isinstance(a, bool) or not isinstance(a, (int, float)) or not (math.isfinite(a) and 0.0 <= a <= 1.0):
+        raise ValueError(f"{flag} {shown} is outside [0, 1] (valid: {VALID})")
+
+
 def _one(text: str, whole: str, flag: str) -> float:
     try:
         a = float(text)
     except ValueError:
         raise ValueError(f"{flag} {whole!r} is not a number (valid: {VALID})") from None
-    if not (math.isfinite(a) and 0.0 <= a <= 1.0):
-        raise ValueError(f"{flag} {text.strip()} is outside [0, 1] (valid: {VALID})")
+    _check_one(a, text.strip(), flag)
     return a
 
 
@@ -39,8 +44,7 @@ def check_alpha(alpha: Alpha, *, flag: str = FLAG) -> Alpha:
     if not values:
         raise ValueError(f"{flag} needs at least one value (valid: {VALID})")
     for a in values:
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not (math.isfinite(a) and 0.0 <= a <= 1.0):
-            raise ValueError(f"{flag} {a!r} is outside [0, 1] (valid: {VALID})")
+        _check_one(a, repr(a), flag)
     return alpha
 
 

@@ -62,12 +62,13 @@ def runtime_config(args):
         raise ArgumentError(f"--ckpt ours contradicts --recompute-granularity {args.recompute_granularity}")
     try:
         alpha = OffloadAlpha.parse("0" if fields["offload_alpha"] is None else fields["offload_alpha"])
-        if alpha.is_mode:
-            raise ValueError(f"--offload-alpha {alpha.mode}: with Megatron's own training loop give the numbers "
-                             f"(h3t-plan estimate --offload-alpha {alpha.mode} prints them)")
-        return H3TConfig(ckpt=ckpt, offload_alpha=alpha.for_pipeline(args.pipeline_model_parallel_size))
+        numbers = None if alpha.is_mode else alpha.for_pipeline(args.pipeline_model_parallel_size)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    if numbers is None:
+        raise ArgumentError(f"--offload-alpha {alpha.mode}: with Megatron's own training loop give the numbers "
+                            f"(h3t-plan estimate --offload-alpha {alpha.mode} prints them)")
+    return H3TConfig(ckpt=ckpt, offload_alpha=numbers)
 
 
 def _megatron(module: str):

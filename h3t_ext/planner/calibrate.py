@@ -65,12 +65,12 @@ def _fields(path: str, cfg: dict) -> dict:
 
 
 def _finish(fields: dict, model: ModelSpec) -> Plan:
-    """The run's plan through the one translation (a switch the run does not name is Megatron's default)."""
+    """The run's plan through the one translation (a field the run does not name is Megatron's default: no
+    recompute, no sequence parallelism, no distributed optimizer)."""
     virtual = fields.pop("_virtual", None)
     if virtual is not None:
         p = fields.get("pipeline_model_parallel_size", 1)
         fields["num_layers_per_virtual_pipeline_stage"] = model.num_layers // (p * virtual)
-    fields.setdefault("ckpt", "no")
     return plan_from_args(fields, num_gpus=fields["num_gpus"], offload_alpha=fields.get("offload_alpha", 0.0))
 
 

@@ -63,10 +63,14 @@ def _reader(args: Any):
     return lambda name: getattr(args, name, _MISSING)
 
 
+def _named(read, name: str, fixed: Mapping[str, Any]) -> Any:
+    """What the caller fixed, else what the arguments name, else ``_MISSING``."""
+    return fixed[name] if name in fixed else read(name)
+
+
 def _value(read, name: str, fixed: Mapping[str, Any]) -> Any:
-    if name in fixed:
-        return fixed[name]
-    v = read(name)
+    """:func:`_named`, with Megatron's default for a field the arguments do not name."""
+    v = _named(read, name, fixed)
     if v is _MISSING:
         if name not in MEGATRON_DEFAULTS:
             raise ValueError(f"the run does not name {name} (needed to price it)")
@@ -74,14 +78,10 @@ def _value(read, name: str, fixed: Mapping[str, Any]) -> Any:
     return v
 
 
-def ckpt_of(args: Any) -> Optional[Ckpt]:
+def _ckpt(read, fixed: Mapping[str, Any]) -> Optional[Ckpt]:
     """``ckpt`` when the arguments name it (h3t-ext's flag), else Megatron's ``--recompute-granularity``
     (``full`` or ``selective``; none: ``no``). None when the arguments leave it to a search."""
-    return _ckpt(_reader(args), {})
-
-
-def _ckpt(read, fixed: Mapping[str, Any]) -> Optional[Ckpt]:
-    ckpt = fixed["ckpt"] if "ckpt" in fixed else read("ckpt")
+    ckpt = _named(read, "ckpt", fixed)
     if ckpt is _MISSING:
         granularity = _value(read, "recompute_granularity", fixed)
         return Ckpt.NO if granularity is None else Ckpt.parse(granularity, flag="--recompute-granularity")
@@ -105,11 +105,10 @@ def plan_from_args(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fi
     or ``ckpt`` is not a mode; the plan's own checks are :func:`~h3t_ext.costmodel.validate_plan`'s."""
     read = _reader(args)
     values = {name: _value(read, name, fixed) for name in _COPIED}
-    for name in _REQUIRED:
-        v = fixed[name] if name in fixed else read(name)
-        if v is _MISSING or v is None:
+    for name in _REQUIRED:  # no Megatron default: _value raises when they are missing
+        values[name] = _value(read, name, fixed)
+        if values[name] is None:
             raise ValueError(f"the run does not name {name} (needed to price it)")
-        values[name] = v
     ckpt = _ckpt(read, fixed)
     if ckpt is None:
         raise ValueError("ckpt is not set (give --ckpt no|full|ours)")
@@ -126,7 +125,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
     read = _reader(args)
 
     def given(name: str) -> Any:
-        v = fixed[name] if name in fixed else read(name)
+        v = _named(read, name, fixed)
         return None if v is _MISSING else v
 
     switches = {name: _value(read, name, fixed) for name in (
@@ -145,4 +144,4 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
     )
 
 
-__all__ = ["MEGATRON_DEFAULTS", "ckpt_of", "constraints_from_args", "plan_from_args"]
+__all__ = ["MEGATRON_DEFAULTS", "constraints_from_args", "plan_from_args"]
