@@ -62,6 +62,9 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true", help="float16 on a GPU, with dynamic loss scaling")
+    g.add_argument("--h3t-float64", action="store_true",
+                   help="CPU only: parameters, activations, gradients, pipeline transfers and the loss in float64 "
+                        "(equivalence checks that must tell roundoff from a bug)")
     g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--min-loss-scale", type=float, default=1.0)

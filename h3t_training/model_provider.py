@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
+from h3t_training.errors import ArgumentError
 from h3t_training.initialize import set_random_seed
 from h3t_training.tokenizer import padded_vocab_size
 
@@ -45,7 +46,13 @@ def core_attention(args, *, on_gpu: bool):
 def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
     """Megatron's TransformerConfig of the run: the architecture Megatron's flags describe (norm, MLP,
     biases, head dim, ...) with the parallel layout and dtype."""
-    dtype = (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32) if on_gpu else torch.float32
+    if on_gpu and args.h3t_float64:
+        raise ArgumentError("--h3t-float64 is for CPU equivalence checks only (a GPU runs float64 GEMMs at a "
+                            "fraction of its bf16 rate); drop it, or train on CPU with --distributed-backend gloo")
+    if on_gpu:
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    else:
+        dtype = torch.float64 if args.h3t_float64 else torch.float32
     common = dict(
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,

@@ -40,8 +40,9 @@ from h3t_training.training_log import IterationLogger, write_metrics_json
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     """Megatron's 3-tuple: summed loss, token count, and the pair reported for logging."""
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
+    dtype = torch.promote_types(output_tensor.dtype, torch.float32)  # float32, or float64 with --h3t-float64
+    losses = output_tensor.to(dtype).reshape(-1)
+    mask = loss_mask.reshape(-1).to(dtype)
     loss_sum = torch.sum(losses * mask)
     num_tokens = mask.sum().to(torch.int)
     return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}

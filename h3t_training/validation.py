@@ -111,6 +111,8 @@ def _validate_sequence_parallel(args):
 def _validate_precision(args):
     if args.fp16 and args.bf16:
         raise ArgumentError("--fp16 and --bf16 are exclusive; give one")
+    if args.h3t_float64 and (args.fp16 or args.bf16):
+        raise ArgumentError(f"--h3t-float64 and {'--fp16' if args.fp16 else '--bf16'} are exclusive; give one")
     for flag, v in (("--initial-loss-scale", args.initial_loss_scale), ("--min-loss-scale", args.min_loss_scale),
                     ("--loss-scale-window", args.loss_scale_window)):
         if not v > 0:

@@ -3,7 +3,8 @@
 Unit level: c = 2 and c = 4 gloo ranks each hold Megatron's two load-balanced chunks of q, k, v;
 the ring's output and dq/dk/dv equal those of ``scaled_dot_product_attention`` on the whole
 sequence (this rank's chunks of them), with GQA, MHA and one key/value head, run twice
-bitwise-identically. A rank whose peer never answers fails with a one-line timeout.
+bitwise-identically; in float32 within 1e-5 and in float64 within 1e-12 (float64 inputs keep float64
+accumulators). A rank whose peer never answers fails with a one-line timeout.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from h3t_ext.testing import run_distributed
 
 SEQ, BATCH, HEAD_DIM = 32, 2, 8
 HEADS_GROUPS = [(4, 2), (4, 4), (4, 1)]
-TOL = 1e-5
+TOL = {"float32": 1e-5, "float64": 1e-12}
 
 
-def _attention_worker(rank, world):
+def _attention_worker(rank, world, dtype_name):
     import torch
     import torch.nn.functional as F
 
@@ -24,16 +25,17 @@ def _attention_worker(rank, world):
 
     from megatron.core.utils import get_batch_on_this_cp_rank
 
+    dtype = getattr(torch, dtype_name)
     group = torch.distributed.new_group(list(range(world)))
     tokens = torch.arange(2 * SEQ).view(2, SEQ)
     out = {"layout": torch.equal(get_batch_on_this_cp_rank({"tokens": tokens.clone()}, cp_group=group)["tokens"],
                                  shard_sequence(tokens, 1, rank, world))}
     for heads, groups in HEADS_GROUPS:
         g = torch.Generator().manual_seed(heads * 10 + groups)
-        q = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=g)
-        k = torch.randn(SEQ, BATCH, groups, HEAD_DIM, generator=g)
-        v = torch.randn(SEQ, BATCH, groups, HEAD_DIM, generator=g)
-        grad = torch.randn(SEQ, BATCH, heads * HEAD_DIM, generator=g)
+        q = torch.randn(SEQ, BATCH, heads, HEAD_DIM, generator=g, dtype=dtype)
+        k = torch.randn(SEQ, BATCH, groups, HEAD_DIM, generator=g, dtype=dtype)
+        v = torch.randn(SEQ, BATCH, groups, HEAD_DIM, generator=g, dtype=dtype)
+        grad = torch.randn(SEQ, BATCH, heads * HEAD_DIM, generator=g, dtype=dtype)
         scale = HEAD_DIM ** -0.5
 
         full = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -51,19 +53,19 @@ def _attention_worker(rank, world):
             runs.append([got.detach()] + [t.grad for t in local])
         diffs = [(a - shard_sequence(e, 0, rank, world)).abs().max().item() for a, e in zip(runs[0], expected)]
         out[(heads, groups)] = {"diffs": diffs, "deterministic": all(torch.equal(a, b) for a, b in zip(*runs)),
-                                "local_tokens": runs[0][0].size(0)}
+                                "local_tokens": runs[0][0].size(0), "dtype": str(runs[0][0].dtype)}
     return out
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_ring_attention_matches_full_causal_sdpa(cp):
-    per_rank = run_distributed(_attention_worker, cp, timeout_s=300)
+@pytest.mark.parametrize("cp,dtype", [(2, "float32"), (4, "float32"), (2, "float64")])
+def test_ring_attention_matches_full_causal_sdpa(cp, dtype):
+    per_rank = run_distributed(_attention_worker, cp, (dtype,), timeout_s=300)
     for rank, res in enumerate(per_rank):
         assert res.pop("layout"), f"rank {rank}: shard_sequence differs from megatron's get_batch_on_this_cp_rank"
         for (heads, groups), r in res.items():
-            assert r["local_tokens"] == SEQ // cp
+            assert r["local_tokens"] == SEQ // cp and r["dtype"] == f"torch.{dtype}"
             names = ("output", "dq", "dk", "dv")
-            assert max(r["diffs"]) < TOL, f"c={cp} rank {rank} heads={heads} groups={groups}: " + ", ".join(
+            assert max(r["diffs"]) < TOL[dtype], f"c={cp} rank {rank} heads={heads} groups={groups}: " + ", ".join(
                 f"{n} {d:.2g}" for n, d in zip(names, r["diffs"]))
             assert r["deterministic"], f"c={cp} rank {rank} heads={heads} groups={groups}: two runs differ"
 

@@ -85,6 +85,16 @@ class H3TGPTModel(GPTModel):
         if self._h3t_host_sp and self.post_process:
             self.output_layer = self._host_output_layer(self.output_layer)
 
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """megatron-core's loss, except that float64 logits keep float64 through the cross entropy
+        (megatron-core's casts them to float32; see :mod:`h3t_ext.runtime.modules.cross_entropy`)."""
+        if logits.dtype != torch.float64:
+            return super().compute_language_model_loss(labels, logits)
+        from .cross_entropy import vocab_parallel_cross_entropy  # noqa: PLC0415
+
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()
+
     def _host_output_layer(self, stock: ColumnParallelLinear) -> ColumnParallelLinear:
         from .sequence_parallel import SPColumnParallelLinear  # noqa: PLC0415
 
@@ -229,7 +239,7 @@ def mean_loss_forward_step(data_iterator, model):
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
     def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
+        loss = output_tensor.to(torch.promote_types(output_tensor.dtype, torch.float32)).mean()
         return loss, {"lm loss": loss.detach().clone()}
 
     return output, loss_func

@@ -31,7 +31,7 @@ projection saves) and the log-sum-exp (``heads`` float32). No gathered K/V is ke
 (per layer, while its attention runs): the received K/V block (``2 * groups*head_dim`` per local
 token, sent from and received into Megatron's contiguous layout, no copies); in backward also the
 dK/dV accumulator being sent and the one being received (float32, ``2 * 2 * groups*head_dim``) and
-a float32 dQ.
+a float32 dQ (float64 for float64 inputs: every accumulator is float32 or the inputs' dtype if wider).
 
 Every send/receive wait has a deadline (``cp_timeout_s``) and fails with :class:`CPTimeoutError`,
 one line naming the rank, the peer and the step.
@@ -99,10 +99,16 @@ def _block(step: int, rank: int, size: int) -> str:
     return "first_keys" if (rank - step) % size < rank else "last_queries"
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the running output, log-sum-exp and gradient accumulators: float32, or the inputs' own
+    dtype when it is wider (float64 runs stay float64 end to end)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Online-softmax merge of a block's (output, lse) into the running float32 (out, lse), in place."""
     new = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out.float() * torch.exp(block_lse - new).unsqueeze(-1))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1)).add_(block_out.to(out.dtype) * torch.exp(block_lse - new).unsqueeze(-1))
     lse.copy_(new)
 
 
@@ -158,7 +164,8 @@ class _RingAttention(torch.autograd.Function):
         posted = ring.post(kv, first_tag=0) if ring.size > 1 else None
         q = _bhsd(query)
         out, lse = _flash(q, _bhsd(kv[0]), _bhsd(kv[1]), dropout_p, True, scale=scale)  # step 0: own K/V, causal
-        out, lse = out.float(), lse.float().clone()  # out is laid out like query: [s, b, heads, d] memory
+        acc = _accumulation_dtype(query.dtype)
+        out, lse = out.to(acc), lse.to(acc).clone()  # out is laid out like query: [s, b, heads, d] memory
         for step in range(1, ring.size):  # step i's K/V were posted while step i-1 computed
             kv = tuple(ring.wait(posted, f"forward K/V exchange, step {step}"))
             posted = ring.post(kv, first_tag=0) if step + 1 < ring.size else None
@@ -176,9 +183,10 @@ class _RingAttention(torch.autograd.Function):
         s, b, heads, d = query.shape
         q, out = _bhsd(query), _bhsd(result.view(s, b, heads, d))
         go = _bhsd(grad_result.reshape(s, b, heads, d))
-        dq = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        acc = _accumulation_dtype(query.dtype)
+        dq = torch.zeros(query.shape, dtype=acc, device=query.device)
         kv = (key.contiguous(), value.contiguous())
-        dkv = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in kv]
+        dkv = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in kv]
         for step in range(ring.size):
             posted = ring.post(kv, first_tag=0) if step + 1 < ring.size else None
             _backward_block(go, q, (_bhsd(kv[0]), _bhsd(kv[1])), out, lse, _bhsd(dq), [_bhsd(t) for t in dkv], step,
