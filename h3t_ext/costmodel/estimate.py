@@ -9,6 +9,7 @@ from h3t_ext.costmodel.errors import InfeasiblePlanError
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_memory
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan, validate_plan
+from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms
 from h3t_ext.costmodel.timing import TimeTerms, time_terms
@@ -27,7 +28,8 @@ class Estimate:
     stages: tuple[StageMemory, ...]
     """Peak memory terms of every pipeline rank."""
     memory_budget_bytes: int
-    """Budget the plan was checked against (given, or the system default)."""
+    """Budget the plan was checked against (given, or the plan's default on the system:
+    ``reserve.default_memory_budget_bytes``)."""
     time_terms: TimeTerms
     """Seconds per iteration by term; they add up to ``iteration_time_s``: the timeline's (the rank that
     ends last) when it was run, else the closed form's."""
@@ -165,7 +167,8 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     The time is the simulated timeline of the schedule builder's action lists (:mod:`timeline`);
     ``timeline=False`` prices the closed form only (the planner's pruning), which ``closed_form`` always holds."""
     validate_plan(model, plan, system)
-    budget = system.default_memory_budget_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
+    budget = (default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None
+              else int(memory_budget_bytes))
     alphas = plan.alphas()
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate
+from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.memory import stage_fixed_terms
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
@@ -164,7 +165,7 @@ def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bu
 def _static_infeasibility(model, system, plan: Plan, budget: Optional[int]) -> Optional[ClosestInfeasible]:
     """Weights, gradients and optimizer states alone (independent of l, micro batch, ckpt and alpha)
     over the budget on some stage: the whole (t, c, p) subtree is infeasible."""
-    budget = system.default_memory_budget_bytes if budget is None else budget
+    budget = default_memory_budget_bytes(model, plan, system) if budget is None else budget
     p = plan.pipeline_model_parallel_size
     for k in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold the same (stage_kind in memory.py)
         terms = stage_fixed_terms(model, plan, k)
