@@ -129,3 +129,26 @@ def test_solver_alpha_rounds_up():
         assert estimate(m65, row.plan.with_alpha(a), h800).fits
         if a > 0:
             assert not estimate(m65, row.plan.with_alpha(round(a - 0.001, 3)), h800).fits
+
+
+def test_stored_prediction_interval_is_what_validation_computes_now():
+    """data/uncertainty.json cannot go stale: rewrite it with scripts/costmodel_calibration.py
+    --write-uncertainty after a refit."""
+    import json
+    from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, computed_uncertainty, throughput_uncertainty
+    with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
+        stored = json.load(f)
+    assert stored == computed_uncertainty()
+    u = throughput_uncertainty()
+    assert 0.0 < u.relative_half_width < 0.10 and u.held_out_rows == 34
+
+
+def test_estimate_carries_the_interval():
+    from h3t_ext.costmodel.uncertainty import half_width_from_errors, throughput_uncertainty
+    assert half_width_from_errors([0.01, -0.02, 0.03, -0.04, 0.05, 0.06, 0.07, 0.08, 0.09, -0.5]) == 0.09
+    r = memory_verdict_runs()[0]
+    est = estimate(r.model, r.plan, r.system, timeline=False)
+    lo, hi = est.tokens_per_second_interval
+    w = throughput_uncertainty().relative_half_width
+    assert lo == pytest.approx(est.tokens_per_second * (1 - w)) and hi == pytest.approx(est.tokens_per_second * (1 + w))
+    assert est.to_dict()["tokens_per_second_interval"] == [lo, hi]

@@ -13,6 +13,7 @@ from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms
 from h3t_ext.costmodel.timing import TimeTerms, time_terms
+from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 
 GB = 1e9
 
@@ -76,6 +77,12 @@ class Estimate:
     @property
     def tokens_per_second_per_gpu(self) -> float:
         return self.tokens_per_second / self.num_gpus
+
+    @property
+    def tokens_per_second_interval(self) -> tuple[float, float]:
+        """(low, high) tokens/s: the prediction interval of the leave-one-source-out errors
+        (``uncertainty.throughput_uncertainty``)."""
+        return throughput_uncertainty().interval(self.tokens_per_second)
 
     @property
     def mfu(self) -> float:
@@ -145,6 +152,8 @@ class Estimate:
             "timeline": None if self.timeline is None else self.timeline.to_dict(),
             "tokens_per_second": self.tokens_per_second,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+            "tokens_per_second_interval": list(self.tokens_per_second_interval),
+            "tokens_per_second_relative_half_width": throughput_uncertainty().relative_half_width,
             "mfu": self.mfu,
             "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,
         }
