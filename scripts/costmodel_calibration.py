@@ -6,6 +6,7 @@ and after calibrating on one row), the ATC '24 alphas and memory points, and eve
   python scripts/costmodel_calibration.py --json     # summary as JSON
   python scripts/costmodel_calibration.py --fit      # fit every efficiency set on all runs and print it
   python scripts/costmodel_calibration.py --fit --write  # ... and write it into h3t_ext/data/fitted_efficiencies.json
+  python scripts/costmodel_calibration.py --write-uncertainty  # store the held-out prediction interval (data/uncertainty.json)
 """
 import argparse
 import json
@@ -19,6 +20,7 @@ from h3t_ext.costmodel.fit import SHARED_KEYS  # noqa: E402
 from h3t_ext.costmodel.published import published_runs  # noqa: E402
 from h3t_ext.costmodel.specs import DATA_DIR  # noqa: E402
 from h3t_ext.costmodel.validation import errors_with, fit_families, leave_one_source_out  # noqa: E402
+from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, computed_uncertainty  # noqa: E402
 
 ROUND = {"gemm_tile_overhead_k": 0, "attention_head_dim_overhead": 0}
 
@@ -65,7 +67,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--fit", action="store_true", help="fit every efficiency set on all published runs")
     ap.add_argument("--write", action="store_true", help="with --fit: write the fit into the data file")
+    ap.add_argument("--write-uncertainty", action="store_true",
+                    help="write the leave-one-source-out prediction interval into h3t_ext/data/uncertainty.json")
     args = ap.parse_args()
+    if args.write_uncertainty:
+        u = computed_uncertainty()
+        UNCERTAINTY_FILE.write_text(json.dumps(u, indent=1) + "\n", encoding="utf-8")
+        print(json.dumps(u, indent=1))
+        return
     if args.fit:
         print(json.dumps(fit(args.write), indent=1))
         return

@@ -2,7 +2,10 @@
 import pytest
 
 from h3t_ext.costmodel import Plan, estimate, get_system, mfu, solve_offload_alpha, stage_memory
-from h3t_ext.costmodel.calibration import calibration_report, memory_points, reference, reference_model, throughput_rows
+from h3t_ext.costmodel.calibration import calibration_report, memory_points, memory_verdict_runs, reference, reference_model, \
+    throughput_rows
+from h3t_ext.costmodel.published import published_runs
+from h3t_ext.costmodel.reserve import default_memory_budget_bytes, memory_reserve
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +38,53 @@ def test_memory_points_within_two_percent(report):
 
 
 def test_out_of_memory_point_does_not_fit(report):
+    """Against the ATC '24 runs' own (tighter) alpha-solver budget."""
     assert report.oom_predicted == (True,)
+
+
+def test_memory_verdicts_of_figure7_and_table8_with_the_default_budget():
+    """Every published point: what ran fits the plan's default budget, what went out of memory does not."""
+    runs = memory_verdict_runs()
+    assert len(runs) == 22 + 3
+    assert sum(not r.ran for r in runs) == 4  # Figure 7 ckpt=no alpha 0, 0.1, 0.2; Table 8 ckpt=no
+    for r in runs:
+        est = estimate(r.model, r.plan, r.system, timeline=False)
+        assert est.memory_budget_bytes == default_memory_budget_bytes(r.model, r.plan, r.system)
+        assert est.fits == r.ran, (r.label, est.peak_memory_bytes, est.memory_budget_bytes)
+        if r.measured_bytes is not None:  # the peaks themselves: within 2% of max_memory_allocated
+            assert abs(est.peak_memory_bytes / r.measured_bytes - 1) <= 0.02, r.label
+
+
+def test_figure7_oom_point_that_the_old_budget_let_through():
+    """ckpt=no alpha=0.2 is predicted at 77.5 GB: under HBM minus 1 GB of context and 5 x 128 MiB of NCCL,
+    over the layout's own reserve (6 communicators with ring + tree buffers on 32 channels)."""
+    r = next(r for r in memory_verdict_runs() if r.label == "Figure 7 ckpt=no alpha=0.2")
+    peak = estimate(r.model, r.plan, r.system, timeline=False).peak_memory_bytes
+    reserve = memory_reserve(r.model, r.plan, r.system)
+    assert [c.group for c in reserve.communicators] == [
+        "WORLD", "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", "TENSOR_MODEL_PARALLEL_GROUP", "CONTEXT_PARALLEL_GROUP",
+        "DATA_PARALLEL_GROUP_WITH_CP", "PIPELINE_MODEL_PARALLEL_GROUP"]
+    assert reserve.budget_bytes < peak < (r.system.hbm_bytes - 1e9 - 5 * 128 * 2**20) / 1.05
+
+
+def test_every_run_of_the_calibration_sources_fits_the_default_budget():
+    runs = published_runs()
+    assert {r.source for r in runs} == {"atc24_65b", "megatron_h100", "korthikanti", "atc24_demo7b"}
+    for r in runs:
+        est = estimate(r.model, r.plan, r.system, timeline=False)
+        assert est.fits, (r.label, est.peak_memory_bytes, est.memory_budget_bytes)
+
+
+def test_auto_alpha_never_lands_on_a_figure7_out_of_memory_point():
+    """The smallest alpha under the default budget for Figure 7's ckpt=no layout is above every alpha that
+    went out of memory, and the solved plan fits."""
+    runs = [r for r in memory_verdict_runs() if r.label.startswith("Figure 7 ckpt=no")]
+    oom = max(float(r.plan.offload_alpha) for r in runs if not r.ran)
+    ran = min(float(r.plan.offload_alpha) for r in runs if r.ran)
+    r = runs[0]
+    alpha = solve_offload_alpha(r.model, r.plan, r.system, mode="auto")
+    assert oom < alpha <= ran
+    assert estimate(r.model, r.plan.with_alpha(alpha), r.system, timeline=False).fits
 
 
 def test_memory_slope_matches_measured():
@@ -80,3 +129,26 @@ def test_solver_alpha_rounds_up():
         assert estimate(m65, row.plan.with_alpha(a), h800).fits
         if a > 0:
             assert not estimate(m65, row.plan.with_alpha(round(a - 0.001, 3)), h800).fits
+
+
+def test_stored_prediction_interval_is_what_validation_computes_now():
+    """data/uncertainty.json cannot go stale: rewrite it with scripts/costmodel_calibration.py
+    --write-uncertainty after a refit."""
+    import json
+    from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, computed_uncertainty, throughput_uncertainty
+    with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
+        stored = json.load(f)
+    assert stored == computed_uncertainty()
+    u = throughput_uncertainty()
+    assert 0.0 < u.relative_half_width < 0.10 and u.held_out_rows == 34
+
+
+def test_estimate_carries_the_interval():
+    from h3t_ext.costmodel.uncertainty import half_width_from_errors, throughput_uncertainty
+    assert half_width_from_errors([0.01, -0.02, 0.03, -0.04, 0.05, 0.06, 0.07, 0.08, 0.09, -0.5]) == 0.09
+    r = memory_verdict_runs()[0]
+    est = estimate(r.model, r.plan, r.system, timeline=False)
+    lo, hi = est.tokens_per_second_interval
+    w = throughput_uncertainty().relative_half_width
+    assert lo == pytest.approx(est.tokens_per_second * (1 - w)) and hi == pytest.approx(est.tokens_per_second * (1 + w))
+    assert est.to_dict()["tokens_per_second_interval"] == [lo, hi]

@@ -120,11 +120,24 @@ def test_fitted_numbers_are_named_in_range_and_counted():
 
 
 def test_memory_budget_is_first_principles():
+    """The plan's reserve: context + the NCCL buffers of the communicators it uses + the allocator gap; a
+    single node without data parallelism holds fewer communicators than a multi-node t, d, p layout."""
+    from h3t_ext.costmodel.reserve import memory_reserve
     for name in ("h100-sxm", "h800", "a100-80g"):
         s = get_system(name)
-        reserve = s.hbm_bytes - s.default_memory_budget_bytes
-        # CUDA context + NCCL buffers + allocator fragmentation: a few GB, not a fitted 16.8 GB
-        assert 3e9 < reserve < 8e9, (name, reserve)
+        small = memory_reserve(M405, Plan(num_gpus=8, seq_length=4096, global_batch_size=8,
+                                          tensor_model_parallel_size=8), s)
+        big = memory_reserve(M405, Plan(num_gpus=1024, seq_length=4096, global_batch_size=1024,
+                                        tensor_model_parallel_size=8, pipeline_model_parallel_size=16), s)
+        assert [c.group for c in small.communicators] == ["WORLD", "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
+                                                          "TENSOR_MODEL_PARALLEL_GROUP"]
+        assert len(big.communicators) == 5  # + data parallel and pipeline p2p (untied: no embedding group)
+        assert small.budget_bytes > big.budget_bytes
+        for r in (small, big):
+            reserve = s.hbm_bytes - r.budget_bytes
+            # CUDA context + NCCL buffers + allocator fragmentation: a few GB, not a fitted 16.8 GB
+            assert 1e9 + r.nccl_bytes < reserve < 1e9 + r.nccl_bytes + 0.06 * r.budget_bytes, (name, reserve)
+            assert 3e9 < reserve < 10e9, (name, reserve)
 
 
 def test_one_row_identifies_one_efficiency():

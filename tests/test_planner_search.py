@@ -209,3 +209,18 @@ def test_parse_bytes(text, value):
 def test_parse_bytes_rejects(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+def test_ties_with_the_best_are_the_plans_inside_its_interval():
+    from h3t_ext.costmodel.uncertainty import throughput_uncertainty
+    from h3t_ext.planner.search import search
+    from h3t_ext.costmodel import get_model, get_system
+    result = search(get_model("llama2-7b"), get_system("h100-sxm"), num_gpus=8, seq_length=4096,
+                    global_batch_size=64, top=50)
+    assert len(result.plans) > 2
+    tps = [r.evaluation.estimate.tokens_per_second for r in result.plans]
+    w = throughput_uncertainty().relative_half_width
+    tied = result.tied_with_best()
+    assert tied[0] == 0 and tied == tuple(i for i, x in enumerate(tps) if x >= tps[0] * (1 - w))
+    assert result.tied_with_best(0.0) == tuple(i for i, x in enumerate(tps) if x == tps[0])
+    assert len(tied) < len(tps)  # the interval does not swallow every plan

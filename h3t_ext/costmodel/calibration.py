@@ -117,3 +117,46 @@ def calibration_report(system: Optional[SystemSpec] = None) -> CalibrationReport
         peak = get_system(r["gpu"]).peak_bf16_flops
         demo.append((mfu(m7, int(r["seq_length"]), float(r["tokens_per_s_per_gpu"]), peak), float(r["mfu"])))
     return CalibrationReport(tuple(alpha_err), tuple(mem_err), tuple(oom), tuple(tok_err), tuple(demo))
+
+
+@functools.lru_cache(maxsize=1)
+def _memory_reference() -> dict:
+    with open(DATA_DIR / "reference" / "atc24_memory.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclass(frozen=True)
+class MemoryRun:
+    """One published run with its memory verdict: measured max_memory_allocated, or None when the source
+    reports out of memory (or states no peak: ``ran`` tells which)."""
+
+    label: str
+    model: ModelSpec
+    plan: Plan
+    system: SystemSpec
+    ran: bool
+    measured_bytes: Optional[int] = None
+
+
+def memory_verdict_runs() -> list[MemoryRun]:
+    """Figure 7's 22 points and Table 8's rows (``data/reference/atc24_memory.json``) as plans on the H800."""
+    ref = _memory_reference()
+    fig7 = ref["fig7_memory_vs_alpha"]
+    cfg = {k: v for k, v in fig7["config"].items() if k not in ("model", "gpu")}
+    run = settings()["sources"]["atc24_65b"]["plan"]
+    h800, m65 = get_system(fig7["config"]["gpu"]), reference_model(fig7["config"]["model"])
+    out = []
+    for ckpt in ("ours", "no"):
+        for alpha, measured in fig7[ckpt].items():
+            plan = Plan(**{**run, **cfg}, ckpt=ckpt, offload_alpha=float(alpha))
+            out.append(MemoryRun(f"Figure 7 ckpt={ckpt} alpha={alpha}", m65, plan, h800, measured is not None, measured))
+    for r in ref["table8"]["rows"]:
+        if r["method"] == "origin-megatron":  # stock Megatron's recompute, no alpha: not a plan of this runtime
+            continue
+        plan = Plan(num_gpus=r["num_gpus"], seq_length=r["seq_length"], global_batch_size=r["global_batch_size"],
+                    tensor_model_parallel_size=r["t"], context_parallel_size=r["c"], pipeline_model_parallel_size=r["p"],
+                    num_layers_per_virtual_pipeline_stage=r["l"], ckpt=r["ckpt"], offload_alpha=float(r["alpha"]),
+                    **run)
+        out.append(MemoryRun(f"Table 8 {r['method']}", reference_model(r["model"]), plan, h800,
+                             r["tokens_per_s_per_gpu"] is not None))
+    return out

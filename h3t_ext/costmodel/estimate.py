@@ -9,9 +9,11 @@ from h3t_ext.costmodel.errors import InfeasiblePlanError
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_memory
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan, validate_plan
+from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms
 from h3t_ext.costmodel.timing import TimeTerms, time_terms
+from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 
 GB = 1e9
 
@@ -27,7 +29,8 @@ class Estimate:
     stages: tuple[StageMemory, ...]
     """Peak memory terms of every pipeline rank."""
     memory_budget_bytes: int
-    """Budget the plan was checked against (given, or the system default)."""
+    """Budget the plan was checked against (given, or the plan's default on the system:
+    ``reserve.default_memory_budget_bytes``)."""
     time_terms: TimeTerms
     """Seconds per iteration by term; they add up to ``iteration_time_s``: the timeline's (the rank that
     ends last) when it was run, else the closed form's."""
@@ -74,6 +77,12 @@ class Estimate:
     @property
     def tokens_per_second_per_gpu(self) -> float:
         return self.tokens_per_second / self.num_gpus
+
+    @property
+    def tokens_per_second_interval(self) -> tuple[float, float]:
+        """(low, high) tokens/s: the prediction interval of the leave-one-source-out errors
+        (``uncertainty.throughput_uncertainty``)."""
+        return throughput_uncertainty().interval(self.tokens_per_second)
 
     @property
     def mfu(self) -> float:
@@ -143,6 +152,8 @@ class Estimate:
             "timeline": None if self.timeline is None else self.timeline.to_dict(),
             "tokens_per_second": self.tokens_per_second,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
+            "tokens_per_second_interval": list(self.tokens_per_second_interval),
+            "tokens_per_second_relative_half_width": throughput_uncertainty().relative_half_width,
             "mfu": self.mfu,
             "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,
         }
@@ -165,7 +176,8 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     The time is the simulated timeline of the schedule builder's action lists (:mod:`timeline`);
     ``timeline=False`` prices the closed form only (the planner's pruning), which ``closed_form`` always holds."""
     validate_plan(model, plan, system)
-    budget = system.default_memory_budget_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
+    budget = (default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None
+              else int(memory_budget_bytes))
     alphas = plan.alphas()
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)

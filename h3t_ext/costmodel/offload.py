@@ -9,6 +9,7 @@ from h3t_ext.costmodel.estimate import over_budget_error
 from h3t_ext.costmodel.memory import chunk_activation_bytes, stage_memory, stage_peak_function
 from h3t_ext.costmodel.activations import rank_offloads
 from h3t_ext.costmodel.plan import Plan, validate_plan
+from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
 ALPHA_DECIMALS = 3
@@ -33,8 +34,8 @@ def _stage_min_alpha(model: ModelSpec, plan: Plan, stage: int, budget: int) -> i
     return hi
 
 
-def _budget(system: SystemSpec, memory_budget_bytes: Optional[int]) -> int:
-    return system.default_memory_budget_bytes if memory_budget_bytes is None else int(memory_budget_bytes)
+def _budget(model: ModelSpec, plan: Plan, system: SystemSpec, memory_budget_bytes: Optional[int]) -> int:
+    return default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None else int(memory_budget_bytes)
 
 
 def solve_offload_alpha(model: ModelSpec, plan: Plan, system: SystemSpec, memory_budget_bytes: Optional[int] = None,
@@ -48,7 +49,7 @@ def solve_offload_alpha(model: ModelSpec, plan: Plan, system: SystemSpec, memory
     if mode not in ("auto", "balanced"):
         raise ValueError(f"mode must be 'auto' or 'balanced', got {mode!r}")
     validate_plan(model, plan.with_alpha(0.0), system)
-    budget = _budget(system, memory_budget_bytes)
+    budget = _budget(model, plan, system, memory_budget_bytes)
     ks = [_stage_min_alpha(model, plan, s, budget) for s in range(plan.pipeline_model_parallel_size)]
     if mode == "balanced":
         return tuple(k / _STEPS for k in ks)

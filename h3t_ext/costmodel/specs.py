@@ -130,8 +130,9 @@ class SystemSpec:
     hbm_bandwidth: float
     """HBM bandwidth, bytes/s."""
     default_memory_budget_bytes: int
-    """Bytes per GPU that ``max_memory_allocated`` may reach: (HBM - CUDA context - NCCL buffers) / (1 +
-    allocator fragmentation), see ``memory_budget_from_first_principles``."""
+    """A layout-free budget (five collective communicators, ``memory_budget_from_first_principles``); what
+    ``estimate``, the alpha solver and ``search`` check a plan against is the plan's own,
+    ``reserve.default_memory_budget_bytes(model, plan, system)`` (its communicators counted)."""
     nvlink_bandwidth: float
     """NVLink bandwidth per GPU and direction, bytes/s."""
     network_bandwidth: float
@@ -157,7 +158,8 @@ class SystemSpec:
     allocator_fragmentation_fraction: float = 0.0
     """Caching-allocator bytes reserved beyond max_memory_allocated, as a fraction of it."""
     nccl_bytes_per_communicator: int = 0
-    """NCCL buffers of one communicator: send + receive x NCCL_BUFFSIZE x channels (outside max_memory_allocated)."""
+    """NCCL receive buffers of one collective communicator: channels x 3 connections (ring + tree) x 9.19 MiB
+    (SIMPLE + LL128 + LL); outside max_memory_allocated (``reserve.py``)."""
     efficiencies: Mapping[str, float] = field(default_factory=dict, hash=False)
     """Fitted efficiencies (fractions of the peaks above); see ``fitted_efficiencies.json``."""
     source: str = ""
@@ -255,8 +257,9 @@ def plausible_ranges() -> dict[str, tuple[float, float]]:
 
 
 NCCL_COMMUNICATORS_IN_USE = 5
-"""Communicators a Megatron rank runs collectives on (and so allocates NCCL buffers for): tensor, context,
-data(-with-context), pipeline (p2p) and embedding groups."""
+"""Collective communicators of the layout-free budget (``SystemSpec.default_memory_budget_bytes``): world,
+distributed-optimizer grad stats, tensor, data(-with-context) and one more; a plan's own count is
+``reserve.communicators``."""
 
 
 def memory_budget_from_first_principles(d: dict) -> int:

@@ -68,10 +68,11 @@ def _search(ns, model, system) -> int:
     if not result.plans:
         return _fail(fmt.no_plan_message(result))
     if ns.json:
-        print(json.dumps([fmt.evaluation_dict(r.evaluation) for r in result.plans[:ns.top]], indent=2))
+        print(json.dumps(fmt.search_dicts(result, ns.top), indent=2))
         return 0
     console = _console()
     console.print(fmt.search_table(result, ns.top))
+    console.print(fmt.tie_line(result), highlight=False, markup=False, soft_wrap=True)
     for i, r in enumerate(result.plans[:ns.top], 1):
         console.print(f"#{i:<3d} " + " ".join(r.megatron_flags), highlight=False, markup=False, soft_wrap=True)
     for line in fmt.rejected_lines(result):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from h3t_ext.costmodel import ModelSpec, SystemSpec
+from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.planner.evaluate import Evaluation
 from h3t_ext.offload_alpha import format_alpha
 from h3t_ext.planner.flags import megatron_flags
@@ -32,6 +33,7 @@ def evaluation_dict(ev: Evaluation) -> dict:
         "offload_alpha_mode": ev.alpha_mode if isinstance(ev.alpha_mode, str) else "fixed",
         "tokens_per_second": est.tokens_per_second,
         "tokens_per_second_per_gpu": est.tokens_per_second_per_gpu,
+        "tokens_per_second_interval": list(est.tokens_per_second_interval),
         "mfu": est.mfu,
         "iteration_time_s": est.iteration_time_s,
         "closed_form_iteration_time_s": est.closed_form_time_s,
@@ -74,6 +76,9 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         f"time        {est.iteration_time_s:.3f} s per iteration",
         f"throughput  {est.tokens_per_second:,.0f} tokens/s ({est.tokens_per_second_per_gpu:,.1f} tokens/s/GPU), "
         f"MFU {100 * est.mfu:.1f}%",
+        f"interval    {est.tokens_per_second_interval[0]:,.0f} - {est.tokens_per_second_interval[1]:,.0f} tokens/s "
+        f"(+-{100 * throughput_uncertainty().relative_half_width:.1f}%: {100 * throughput_uncertainty().coverage:.0f}% "
+        f"of held-out published runs)",
     ]
     err = est.infeasibility()
     if err is not None:
@@ -136,6 +141,21 @@ def search_table(result: SearchResult, top: int) -> Table:
                     f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
                     *extra)
     return tab
+
+
+def search_dicts(result: SearchResult, top: int) -> list[dict]:
+    """The best ``top`` plans as JSON objects, each with ``tied_with_best`` (within the best's interval)."""
+    tied = set(result.tied_with_best())
+    return [{**evaluation_dict(r.evaluation), "tied_with_best": i in tied} for i, r in enumerate(result.plans[:top])]
+
+
+def tie_line(result: SearchResult) -> str:
+    """Which rows the cost model cannot tell from the best."""
+    tied = result.tied_with_best()
+    w = throughput_uncertainty().relative_half_width
+    rows = ", ".join(f"#{i + 1}" for i in tied)
+    return (f"tied with the best (tokens/s within its +-{100 * w:.1f}% prediction interval): {rows} "
+            f"({len(tied)} of {len(result.plans)} feasible plans)")
 
 
 def rejected_lines(result: SearchResult) -> list[str]:

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional
 
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate
+from h3t_ext.costmodel.reserve import default_memory_budget_bytes
+from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.memory import stage_fixed_terms
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
@@ -94,6 +96,16 @@ class SearchResult:
     @property
     def best(self) -> Optional[RankedPlan]:
         return self.plans[0] if self.plans else None
+
+    def tied_with_best(self, relative_half_width: Optional[float] = None) -> tuple[int, ...]:
+        """Indices (0 = the best) of the plans whose predicted tokens/s lie within the best's prediction
+        interval (default half-width: ``uncertainty.throughput_uncertainty``): the cost model cannot tell
+        them apart."""
+        if not self.plans:
+            return ()
+        w = throughput_uncertainty().relative_half_width if relative_half_width is None else relative_half_width
+        floor = self.plans[0].evaluation.estimate.tokens_per_second * (1.0 - w)
+        return tuple(i for i, r in enumerate(self.plans) if r.evaluation.estimate.tokens_per_second >= floor)
 
 
 _NUMBERS = re.compile(r"\s*\([^)]*\)|-?\d+(\.\d+)?")
@@ -164,7 +176,7 @@ def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bu
 def _static_infeasibility(model, system, plan: Plan, budget: Optional[int]) -> Optional[ClosestInfeasible]:
     """Weights, gradients and optimizer states alone (independent of l, micro batch, ckpt and alpha)
     over the budget on some stage: the whole (t, c, p) subtree is infeasible."""
-    budget = system.default_memory_budget_bytes if budget is None else budget
+    budget = default_memory_budget_bytes(model, plan, system) if budget is None else budget
     p = plan.pipeline_model_parallel_size
     for k in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold the same (stage_kind in memory.py)
         terms = stage_fixed_terms(model, plan, k)

@@ -1,0 +1,73 @@
+"""Prediction interval of the cost model's throughput, from its leave-one-source-out errors.
+
+``validation.leave_one_source_out`` predicts every run of each published source with efficiencies fitted
+on the other sources only. The pooled absolute relative errors of those held-out predictions are the
+honest error of an uncalibrated estimate; the interval half-width is their nearest-rank ``COVERAGE``
+quantile. It is stored in ``data/uncertainty.json`` (written by ``scripts/costmodel_calibration.py
+--write-uncertainty``, with what it was computed from) so that estimates need not re-run the fits;
+tests/test_calibration.py checks that the stored value equals what validation computes now.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from h3t_ext.costmodel.specs import DATA_DIR
+
+UNCERTAINTY_FILE = DATA_DIR / "uncertainty.json"
+COVERAGE = 0.9
+"""Fraction of the held-out predictions the interval covers (nearest rank over the pooled errors)."""
+
+
+@dataclass(frozen=True)
+class ThroughputUncertainty:
+    """Relative half-width of the tokens/s (and so iteration time) prediction interval."""
+
+    relative_half_width: float
+    coverage: float
+    held_out_rows: int
+    computed_from: str
+
+    def interval(self, value: float) -> tuple[float, float]:
+        """(low, high) of a predicted value."""
+        return value * (1.0 - self.relative_half_width), value * (1.0 + self.relative_half_width)
+
+    def to_dict(self) -> dict:
+        return {"relative_half_width": self.relative_half_width, "coverage": self.coverage,
+                "held_out_rows": self.held_out_rows, "computed_from": self.computed_from}
+
+
+def half_width_from_errors(errors: Sequence[float], coverage: float = COVERAGE) -> float:
+    """Nearest-rank ``coverage`` quantile of |errors|."""
+    if not errors:
+        raise ValueError("no held-out errors")
+    ranked = sorted(abs(e) for e in errors)
+    return ranked[max(0, math.ceil(coverage * len(ranked)) - 1)]
+
+
+def computed_uncertainty() -> dict:
+    """What validation gives now (the content of ``data/uncertainty.json``); runs the held-out fits (~5 s)."""
+    from h3t_ext.costmodel.validation import leave_one_source_out
+    held = leave_one_source_out()
+    errors = [e for h in held for e in h.errors_uncalibrated]
+    return {
+        "relative_half_width": round(half_width_from_errors(errors), 6),
+        "coverage": COVERAGE,
+        "held_out_rows": len(errors),
+        "computed_from": ("validation.leave_one_source_out(): pooled |relative tokens/s error| of every run of "
+                          + ", ".join(h.source for h in held) + " predicted with efficiencies fitted on the other "
+                          "sources (no calibration on the held-out one); nearest-rank quantile at the coverage"),
+        "per_source_mae_uncalibrated": {h.source: round(h.mae_uncalibrated, 6) for h in held},
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def throughput_uncertainty() -> ThroughputUncertainty:
+    """The stored interval (``data/uncertainty.json``)."""
+    with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
+        d = json.load(f)
+    return ThroughputUncertainty(float(d["relative_half_width"]), float(d["coverage"]), int(d["held_out_rows"]),
+                                 str(d["computed_from"]))
