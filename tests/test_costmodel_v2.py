@@ -10,7 +10,7 @@ from h3t_ext.costmodel import Plan, estimate, get_model, get_system
 from h3t_ext.costmodel.fit import FAMILY_KEYS, FITTABLE, SHARED_KEYS, MeasuredRun, fit_system
 from h3t_ext.costmodel.published import SOURCES, TRAINING_ONLY, published_runs
 from h3t_ext.costmodel.specs import DATA_DIR, efficiency_set, plausible_ranges
-from h3t_ext.costmodel.timing import _bucketed_exposed
+from h3t_ext.costmodel.data_parallel import bucketed_exposed as _bucketed_exposed
 from h3t_ext.costmodel.validation import leave_one_source_out
 from h3t_ext.planner.cli import main
 from h3t_ext.planner.search import search
@@ -52,7 +52,8 @@ def test_within_three_percent_after_one_row(loso, source):
 
 def test_assumed_megatron_interleaving_is_what_the_model_ranks_best():
     """run_settings.json assumes one layer per virtual stage on Megatron's pipelined rows (the source does not
-    say): the assumption stands only while the cost model ranks it first, or within 0.5% of first, among every
+    say; l = 2 on the 70B row, where each of l = 1's 42 chunks pays its own DDP bucket's NCCL latency): the
+    assumption stands only while the cost model ranks it first, or within 0.5% of first, among every
     l that divides a stage's layers, with t, p, d and the batch as published. The closed form ranks them (it is
     what the fit and the calibration figures price); the timeline of the action lists ranks l = 3 first on the
     70B row (+3.6%: its transfers at l = 1 are more than the closed form's 2 (p v - 1) hops), an open question."""
@@ -60,13 +61,14 @@ def test_assumed_megatron_interleaving_is_what_the_model_ranks_best():
         p = run.plan.pipeline_model_parallel_size
         if p == 1:
             continue
-        assert run.plan.num_layers_per_virtual_pipeline_stage == 1
+        assumed = run.plan.num_layers_per_virtual_pipeline_stage
+        assert assumed == (2 if run.label.startswith("70B ") else 1)
         per_stage = run.model.num_layers // p
         speed = {l: estimate(run.model, replace(run.plan, num_layers_per_virtual_pipeline_stage=l if l < per_stage
                                                 else None), run.system, timeline=False).tokens_per_second_per_gpu
                  for l in range(1, per_stage + 1) if per_stage % l == 0}
-        assert speed[1] >= 0.995 * max(speed.values()), (run.label, speed)
-        assert speed[1] > speed[per_stage], run.label  # interleaving beats plain 1F1B on every row
+        assert speed[assumed] >= 0.995 * max(speed.values()), (run.label, speed)
+        assert speed[assumed] > speed[per_stage], run.label  # interleaving beats plain 1F1B on every row
 
 
 def _layout(plan):

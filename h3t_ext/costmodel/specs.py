@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from h3t_ext.costmodel.errors import UnknownNameError
+from h3t_ext.costmodel.schema import SchemaError, check_system_dict
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
@@ -235,6 +236,7 @@ def load_system_file(path: str | Path) -> SystemSpec:
     if not p.is_file():
         raise FileNotFoundError(f"--system-file {path}: no such file")
     d = _read_json(p)
+    check_system_dict(f"--system-file {path}", d)
     return system_from_dict(str(d.get("name", p.stem)).lower(), d)
 
 
@@ -267,11 +269,16 @@ def memory_budget_from_first_principles(d: dict) -> int:
     largest max_memory_allocated that fits, from a system file's numbers."""
     nccl = NCCL_COMMUNICATORS_IN_USE * int(d["nccl_bytes_per_communicator"])
     free = int(d["hbm_bytes"]) - int(d["cuda_context_bytes"]) - nccl
+    if free <= 0:
+        raise SchemaError(f"system file: field hbm_bytes ({int(d['hbm_bytes'])}) must exceed cuda_context_bytes + "
+                          f"{NCCL_COMMUNICATORS_IN_USE} x nccl_bytes_per_communicator ({int(d['cuda_context_bytes']) + nccl})")
     return int(free / (1.0 + float(d["allocator_fragmentation_fraction"])))
 
 
 def system_from_dict(name: str, d: dict) -> SystemSpec:
-    """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``)."""
+    """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``), checked by
+    :func:`h3t_ext.costmodel.schema.check_system_dict` (SchemaError, a ValueError, names the field)."""
+    check_system_dict(f"system {name}", d)
     eff_name = d.get("efficiency_set", name)
     eff = dict(d["efficiencies"]) if "efficiencies" in d else efficiency_set(eff_name)
     return SystemSpec(

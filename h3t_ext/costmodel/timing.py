@@ -30,18 +30,9 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   p > 1, the word-embedding gradient all-reduce between the first and the last stage after the backward.
 * ``bubble``: (interleaved) 1F1B: 1/v of one microbatch's forward + backward on every rank but the slowest
   ((p - 1)/v microbatches of the slowest rank when the ranks are alike).
-* ``dp_exposed``: gradient reduce-scatter (fp32) and parameter all-gather (bf16) with the distributed
-  optimizer, an fp32 all-reduce without it. Megatron's buckets (max(40M, 1M x d) parameters) with
-  --overlap-grad-reduce start as soon as the last microbatch's backward produces them: what outlasts that
-  backward is exposed, at least one bucket. Interleaved, chunk j's gradients are complete j p chunk-backwards
-  before the end of rank 0's cool-down (Megatron's chunk order), so the stream is exposed by the larger of
-  comm - ((v - 1) p + 1) chunk-backwards and the last chunk's comm / v - 1 chunk-backward
-  (``_bucketed_exposed``); likewise --overlap-param-gather against the first forwards of the next
-  iteration. Megatron FSDP with sharded
-  gradients (``data_parallel_sharding_strategy``) reduce-scatters after every microbatch, with sharded
-  parameters also all-gathers them for every microbatch's forward and backward.
-* ``optimizer``: gradient norm, Adam and the bf16 weight copy on the optimizer shard, gradient zeroing
-  (memory-bound, ``ADAM_BYTES_PER_PARAM``).
+* ``dp_exposed`` and ``optimizer``: the data-parallel terms, :mod:`h3t_ext.costmodel.data_parallel` (DDP
+  buckets x per-collective NCCL latency, ring or tree, what the last microbatch's backward / the first
+  forward cannot hide, the optimizer step on the shard); this module passes it the overlap windows.
 * ``offload_exposed``: PCIe copies that do not fit behind the compute action they overlap.
 """
 from __future__ import annotations
@@ -69,13 +60,10 @@ from h3t_ext.costmodel.kernels import (
     unfused_attention_seconds,
     wgrad_seconds,
 )
-from h3t_ext.costmodel.memory import optimizer_shards, stage_params
+from h3t_ext.costmodel.data_parallel import dp_exposed, optimizer_step_seconds
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
-DDP_BUCKET_PARAMS = 40_000_000
-"""Megatron DDP's default bucket size: max(40M, 1M x data-parallel size) parameters."""
-DDP_BUCKET_PARAMS_PER_RANK = 1_000_000
 CROSS_ENTROPY_BYTES_PER_LOGIT_FWD = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4)
 """Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard
 (megatron-core 0.16.1 ``tensor_parallel/cross_entropy.py``), forward: cast bf16 -> fp32, max, subtract the
@@ -126,16 +114,6 @@ OURS_RECOMPUTE_KERNELS = 2 * NORM_KERNELS_FWD + 1
 CP_MERGE_KERNELS = 2
 """Context-parallel ring: per step after the first, the softmax-lse correction and the fp32 accumulation
 of the step's partial result (TransformerEngine's ``AttnFuncWithCPAndKVP2P``: two element-wise kernels)."""
-OPTIMIZER_KERNELS = 4
-"""Optimizer step (per bucket, counted once): the gradient-norm kernel of clipping, Adam (multi-tensor
-apply), the fp32 master -> bf16 weight copy and the gradient zeroing (``ADAM_BYTES_PER_PARAM`` + fp32)."""
-ADAM_BYTES_PER_PARAM = FP32 + (4 * 4 + 3 * 4) + (FP32 + BF16)
-"""Optimizer step per parameter of the shard, as Megatron's mixed-precision optimizers run it (separate
-kernels): the gradient-norm kernel of gradient clipping (--clip-grad, default 1.0) reads the fp32 gradient;
-Adam reads grad, master, m, v and writes master, m, v (fp32); _copy_main_params_to_model_params reads the
-fp32 master and writes the bf16 weight."""
-
-
 def _gemms(model: ModelSpec, plan: Plan) -> tuple[tuple[int, int, int], ...]:
     """(M, N, K) of the four GEMMs of one layer on one rank."""
     t, tokens = plan.tensor_model_parallel_size, plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
@@ -421,63 +399,6 @@ def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
     return HeadTime(fwd, bwd)
 
 
-def _bucketed_exposed(comm: float, buckets: int, chunks: int, unit: float, p: int) -> float:
-    """Exposed part of Megatron's bucketed gradient reduce-scatter (or parameter all-gather) stream on the
-    rank that finishes last (rank 0), with ``chunks`` = v model chunks of ``unit`` seconds of one
-    microbatch's backward (forward) each.
-
-    Interleaved 1F1B runs the last p v backward units as p units of chunk v - 1, then p of chunk v - 2, ...,
-    p of chunk 0 (Megatron's schedules.py: backward chunk = v - 1 - (k // p) % v), so chunk j's gradients are
-    complete j p units before the end, and within its last unit they arrive bucket by bucket. One link
-    drains them in that order, each chunk carrying comm / v: it ends max_j ((j + 1) comm / v - j p unit - unit)
-    after the backward -- j = v - 1 (the link is the bottleneck: comm - ((v - 1) p + 1) unit) or j = 0
-    (the last chunk alone: comm / v - unit) -- and at least one bucket after it. The parameter all-gather
-    mirrors it in the forward (chunk j is first used j p units after the start). v = 1: comm - unit."""
-    window = ((chunks - 1) * p + 1) * unit
-    return max(comm / buckets, comm - window, comm / chunks - unit)
-
-
-def _dp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float, fwd_unit: float,
-                mb_window: float = math.inf) -> float:
-    """Exposed data-parallel communication of one iteration (the stage with most parameters). ``bwd_unit``
-    and ``fwd_unit``: one microbatch's backward (forward) of one model chunk (``_bucketed_exposed``).
-
-    Megatron FSDP with sharded gradients reduce-scatters after every microbatch's backward (m times the
-    traffic; with --overlap-grad-reduce it runs behind the compute of the following microbatches,
-    ``mb_window`` seconds each, and the last one's backward); with sharded parameters it also all-gathers
-    them before every microbatch's forward and backward (2 m times; with --overlap-param-gather behind
-    the compute), and there is no all-gather after the optimizer step."""
-    d, p = plan.data_parallel_size, plan.pipeline_model_parallel_size
-    if d == 1:
-        return 0.0
-    n = max(stage_params(model, plan, k) for k in {0, p - 1})
-    link = group_link(plan.tensor_model_parallel_size, d, system)
-    buckets = max(1, math.ceil(n / max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_RANK * d)))
-    if plan.use_distributed_optimizer:
-        grads = all_gather_seconds(n * FP32, d, link)  # reduce-scatter: same ring cost
-        params = all_gather_seconds(n * BF16, d, link)
-    else:
-        grads, params = all_reduce_seconds(n * FP32, d, link), 0.0
-    strategy = plan.data_parallel_sharding_strategy
-    v = plan.virtual_size(model.num_layers)
-    bwd_window = ((v - 1) * p + 1) * bwd_unit
-    if strategy is not None:
-        m = plan.num_microbatches
-        grads *= m
-        if plan.overlap_grad_reduce:
-            grads = max(grads / (m * buckets), grads - (m - 1) * mb_window - bwd_window)
-        if strategy == "optim_grads_params":
-            params *= 2 * m
-            if plan.overlap_param_gather:
-                params = max(params / (2 * m * buckets), params - m * mb_window)
-            return grads + params
-    elif plan.overlap_grad_reduce:
-        grads = _bucketed_exposed(grads, buckets, v, bwd_unit, p)
-    if plan.overlap_param_gather and params:
-        params = _bucketed_exposed(params, buckets, v, fwd_unit, p)
-    return grads + params
-
-
 def _pipeline_link(plan: Plan, system: SystemSpec) -> Link:
     return p2p_link(plan.tensor_model_parallel_size * plan.data_parallel_size, plan.pipeline_model_parallel_size,
                     system)
@@ -523,7 +444,7 @@ def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> fl
 def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """The ``dp_exposed`` term with unbounded overlap windows: exact without --overlap-grad-reduce and
     --overlap-param-gather, never more than the term otherwise (at least one bucket stays exposed)."""
-    return _dp_seconds(model, plan, system, math.inf, math.inf, math.inf)
+    return dp_exposed(model, plan, system, math.inf, math.inf, math.inf)
 
 
 def stage_microbatch_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, stage: int) -> float:
@@ -544,16 +465,13 @@ def dp_exposed_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> floa
     lt = layer_time(model, plan, system)
     slow = slowest_stage(model, plan, system)
     layers, v = plan.stage_layers(model.num_layers, slow), plan.virtual_size(model.num_layers)
-    return _dp_seconds(model, plan, system, layers * (lt.bwd + lt.recompute) / v, layers * lt.fwd / v,
-                       stage_microbatch_seconds(model, plan, system, slow))
+    return dp_exposed(model, plan, system, layers * (lt.bwd + lt.recompute) / v, layers * lt.fwd / v,
+                      stage_microbatch_seconds(model, plan, system, slow))
 
 
 def optimizer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
-    """The ``optimizer`` term: the step on the optimizer shard of the stage with most parameters."""
-    p = plan.pipeline_model_parallel_size
-    n = max(stage_params(model, plan, k) for k in {0, p - 1})
-    return elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, kernel_rates(system),
-                               kernels=OPTIMIZER_KERNELS)
+    """The ``optimizer`` term (:func:`h3t_ext.costmodel.data_parallel.optimizer_step_seconds`)."""
+    return optimizer_step_seconds(model, plan, system)
 
 
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Sequence
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec
 from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system
+from h3t_ext.costmodel.schema import SchemaError, check_positive_rate
 from h3t_ext.costmodel.specs import plausible_ranges
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner.translate import plan_from_args
@@ -56,12 +58,33 @@ def _fields(path: str, cfg: dict) -> dict:
             out["ckpt"] = str(cfg["ckpt"])
         if cfg.get("offload_alpha") not in (None, ""):
             out["offload_alpha"] = OffloadAlpha.parse(cfg["offload_alpha"]).alpha
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise RunFileError(f"{path}: {e}") from None
     for k in SWITCHES:
         if cfg.get(k) not in (None, ""):
             out[k] = _truthy(cfg[k])
     return out
+
+
+def _rate(where: str, value) -> float:
+    """A measured tokens/s per GPU: a finite number > 0 (the schema's one-line error otherwise)."""
+    try:
+        return check_positive_rate(where, "tokens_per_second_per_gpu", value)
+    except SchemaError as e:
+        raise RunFileError(str(e)) from None
+
+
+def check_output_path(path: str) -> None:
+    """``--output``: its parent exists, is a directory and is writable, and the target is not a directory
+    (checked before any fitting)."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise RunFileError(f"--output {path}: is a directory; give a file path")
+    if not parent.is_dir():
+        raise RunFileError(f"--output {path}: parent directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise RunFileError(f"--output {path}: not writable")
 
 
 def _finish(fields: dict, model: ModelSpec) -> Plan:
@@ -87,7 +110,8 @@ def read_runs(paths: Sequence[str], model: ModelSpec) -> list[MeasuredRun]:
                     if not row.get("tokens_per_second_per_gpu"):
                         raise RunFileError(f"{path}:{i}: needs a tokens_per_second_per_gpu column")
                     plan = _finish(_fields(f"{path}:{i}", row), model)
-                    runs.append(MeasuredRun(model, plan, float(row["tokens_per_second_per_gpu"]), f"{p.name}:{i}"))
+                    rate = _rate(f"{path}:{i}", row["tokens_per_second_per_gpu"])
+                    runs.append(MeasuredRun(model, plan, rate, f"{p.name}:{i}"))
             continue
         try:
             with open(p, encoding="utf-8") as f:
@@ -95,7 +119,11 @@ def read_runs(paths: Sequence[str], model: ModelSpec) -> list[MeasuredRun]:
             cfg, iters = d["config"], d["iterations"]
         except (OSError, ValueError, KeyError) as e:
             raise RunFileError(f"--runs {path}: not a --metrics-json file ({e})") from None
-        rates = [float(r["tokens_per_second_per_gpu"]) for r in iters[1:] or iters if r.get("tokens_per_second_per_gpu")]
+        if not isinstance(cfg, dict) or not isinstance(iters, list) or not all(isinstance(r, dict) for r in iters):
+            raise RunFileError(f"--runs {path}: not a --metrics-json file (config must be an object, iterations "
+                               f"a list of objects)")
+        rates = [_rate(f"--runs {path}", r["tokens_per_second_per_gpu"]) for r in iters[1:] or iters
+                 if r.get("tokens_per_second_per_gpu") is not None]
         if not rates:
             raise RunFileError(f"--runs {path}: no iteration with tokens_per_second_per_gpu")
         plan = _finish(_fields(path, cfg), model)

@@ -12,7 +12,7 @@ from h3t_ext.costmodel import InfeasiblePlanError, PlanError
 from h3t_ext.planner import format as fmt
 from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_from_args, model_from_args, \
     plan_from_args, system_file_from_args, system_from_args
-from h3t_ext.planner.calibrate import RunFileError, calibrate, read_runs
+from h3t_ext.planner.calibrate import RunFileError, calibrate, check_output_path, read_runs
 from h3t_ext.planner.evaluate import evaluate
 from h3t_ext.planner.search import search
 
@@ -82,6 +82,7 @@ def _search(ns, model, system) -> int:
 
 def _calibrate(ns, model, system) -> int:
     try:
+        check_output_path(ns.output)
         runs = read_runs(ns.runs, model)
         result = calibrate(system, system_file_from_args(ns), runs)
     except (RunFileError, OSError) as e:

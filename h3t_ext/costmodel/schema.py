@@ -1,0 +1,95 @@
+"""One schema check for the files the planner reads: typed, required, finite and in range, each error one
+line naming the file, the field and the valid range (:class:`SchemaError`, a ValueError)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+
+class SchemaError(ValueError):
+    """A file field that is missing, of the wrong type, not finite or out of range."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One numeric field: its type, its lower bound (inclusive or not) and optional upper bound (exclusive)."""
+
+    name: str
+    integer: bool = False
+    minimum: float = 0.0
+    minimum_inclusive: bool = False
+    maximum: Optional[float] = None
+    required: bool = True
+
+    @property
+    def valid(self) -> str:
+        low = f"{'>=' if self.minimum_inclusive else '>'} {self.minimum:g}"
+        kind = "an integer" if self.integer else "a finite number"
+        return f"{kind} {low}" + ("" if self.maximum is None else f" and < {self.maximum:g}")
+
+
+SYSTEM_FIELDS = (
+    Field("peak_bf16_flops"), Field("hbm_bytes", integer=True), Field("hbm_bandwidth"),
+    Field("nvlink_bandwidth"), Field("network_bandwidth"), Field("pcie_bandwidth"),
+    Field("gpus_per_node", integer=True), Field("num_sms", integer=True), Field("gemm_tile_m", integer=True),
+    Field("gemm_tile_n", integer=True), Field("kernel_launch_s", minimum_inclusive=True),
+    Field("nvlink_latency_s", minimum_inclusive=True), Field("network_latency_s", minimum_inclusive=True),
+    Field("cuda_context_bytes", integer=True, minimum_inclusive=True),
+    Field("nccl_bytes_per_communicator", integer=True, minimum_inclusive=True),
+    Field("allocator_fragmentation_fraction", minimum_inclusive=True, maximum=1.0),
+    Field("peak_fp8_flops", minimum_inclusive=True, required=False),
+)
+"""The numbers of a system file (``data/systems/*.json``, ``--system-file``); ``peak_fp8_flops`` optional."""
+
+EFFICIENCY = Field("efficiencies")
+"""Every fitted efficiency: a finite number > 0 (a fraction of a peak, or an overhead count)."""
+
+
+def _number(where: str, name: str, value: Any, rule: Field) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SchemaError(f"{where}: field {name} must be {rule.valid}, got {value!r}")
+    if not math.isfinite(value) or (rule.integer and value != int(value)):
+        raise SchemaError(f"{where}: field {name} must be {rule.valid}, got {value!r}")
+    low_ok = value >= rule.minimum if rule.minimum_inclusive else value > rule.minimum
+    if not low_ok or (rule.maximum is not None and value >= rule.maximum):
+        raise SchemaError(f"{where}: field {name} must be {rule.valid}, got {value!r}")
+    return float(value)
+
+
+def check_fields(where: str, d: Any, rules: tuple[Field, ...]) -> None:
+    """Raise SchemaError (one line: ``where``, the field, the valid range) unless ``d`` is an object whose
+    fields satisfy ``rules``."""
+    if not isinstance(d, Mapping):
+        raise SchemaError(f"{where}: must be a JSON object, got {type(d).__name__}")
+    for rule in rules:
+        if rule.name not in d or d[rule.name] is None:
+            if rule.required:
+                raise SchemaError(f"{where}: field {rule.name} is missing; it must be {rule.valid}")
+            continue
+        _number(where, rule.name, d[rule.name], rule)
+
+
+def check_system_dict(where: str, d: Any) -> None:
+    """A system file: its numbers (:data:`SYSTEM_FIELDS`), its ``source`` text, its inline ``efficiencies``
+    (when present) and a positive memory budget (HBM above the CUDA context and NCCL buffers)."""
+    check_fields(where, d, SYSTEM_FIELDS)
+    if not isinstance(d.get("source"), str):
+        raise SchemaError(f"{where}: field source must be a string (where the numbers come from)")
+    if "efficiencies" in d:
+        eff = d["efficiencies"]
+        if not isinstance(eff, Mapping):
+            raise SchemaError(f"{where}: field efficiencies must be an object of {EFFICIENCY.valid}")
+        for k, v in eff.items():
+            if not str(k).startswith("_"):
+                _number(where, f"efficiencies.{k}", v, EFFICIENCY)
+
+
+def check_positive_rate(where: str, name: str, value: Any) -> float:
+    """A measured rate (tokens/s per GPU): a finite number > 0, given as a number or as text."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise SchemaError(f"{where}: field {name} must be a finite number > 0, got {value!r}") from None
+    return _number(where, name, value, Field(name))

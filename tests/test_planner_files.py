@@ -1,0 +1,127 @@
+"""Schema checks of every file the planner reads or writes (costmodel/schema.py): a bad field is exit 2 and
+one line naming the file and the field, never a traceback. The CLI runs in-process (h3t_ext.planner.cli.main)."""
+import json
+import math
+
+import pytest
+
+from h3t_ext.costmodel.schema import SYSTEM_FIELDS
+from h3t_ext.costmodel.specs import system_file_dict
+from h3t_ext.planner.cli import main
+
+ESTIMATE = ["estimate", "--model", "llama-7b", "--num-gpus", "8", "--seq-length", "4096", "--global-batch-size", "8",
+            "--tensor-model-parallel-size", "8"]
+BAD = {"text": "fast", "null": None, "zero": 0, "negative": -1, "nan": math.nan, "inf": math.inf, "list": [1]}
+CSV_HEAD = "num_gpus,seq_length,global_batch_size,tensor_model_parallel_size,tokens_per_second_per_gpu\n"
+
+
+def _run(argv, capsys):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    return code, err
+
+
+def _cases():
+    for f in SYSTEM_FIELDS:
+        for label, value in BAD.items():
+            if label == "zero" and f.minimum_inclusive:
+                continue  # 0 is valid where the range includes it
+            if label == "null" and not f.required:
+                continue  # an optional field left null is absent
+            yield pytest.param(f.name, value, id=f"{f.name}-{label}")
+        if f.required:
+            yield pytest.param(f.name, "<missing>", id=f"{f.name}-missing")
+
+
+@pytest.mark.parametrize("field,value", list(_cases()))
+def test_system_file_field(tmp_path, capsys, field, value):
+    d = system_file_dict("h100-sxm")
+    if value == "<missing>":
+        del d[field]
+    else:
+        d[field] = value
+    path = tmp_path / "sys.json"
+    path.write_text(json.dumps(d))  # json writes NaN / Infinity, which Python's reader accepts
+    code, err = _run(ESTIMATE + ["--system-file", str(path)], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert field in err and str(path) in err, err
+
+
+@pytest.mark.parametrize("value", [0, -0.5, math.nan, math.inf, "x", None])
+def test_system_file_efficiency(tmp_path, capsys, value):
+    d = system_file_dict("h100-sxm")
+    d["efficiencies"]["network_fraction"] = value
+    path = tmp_path / "sys.json"
+    path.write_text(json.dumps(d))
+    code, err = _run(ESTIMATE + ["--system-file", str(path)], capsys)
+    assert code == 2 and "efficiencies.network_fraction" in err and len(err.splitlines()) == 1, err
+
+
+def test_system_file_list_and_budget(tmp_path, capsys):
+    path = tmp_path / "sys.json"
+    path.write_text("[1, 2]")
+    code, err = _run(ESTIMATE + ["--system-file", str(path)], capsys)
+    assert code == 2 and "must be a JSON object" in err
+    d = system_file_dict("h100-sxm")
+    d["hbm_bytes"] = 10**9  # below the CUDA context and NCCL buffers
+    path.write_text(json.dumps(d))
+    code, err = _run(ESTIMATE + ["--system-file", str(path)], capsys)
+    assert code == 2 and "hbm_bytes" in err and len(err.splitlines()) == 1, err
+
+
+def test_optional_peak_fp8_flops_accepted(tmp_path, capsys):
+    d = system_file_dict("h100-sxm")
+    d["peak_fp8_flops"] = 1.979e15
+    path = tmp_path / "sys.json"
+    path.write_text(json.dumps(d))
+    assert main(ESTIMATE + ["--system-file", str(path), "--json"]) == 0
+
+
+def _calibrate(runs, out, capsys):
+    return _run(["calibrate", "--model", "llama-7b", "--runs", str(runs), "--output", str(out)], capsys)
+
+
+@pytest.mark.parametrize("value", ["fast", "", "0", "-5", "nan", "inf"])
+def test_csv_throughput(tmp_path, capsys, value):
+    runs = tmp_path / "runs.csv"
+    runs.write_text(CSV_HEAD + f"8,4096,8,8,{value}\n")
+    code, err = _calibrate(runs, tmp_path / "out.json", capsys)
+    assert code == 2 and "tokens_per_second_per_gpu" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("value", ["fast", 0, -5, math.nan, math.inf, [1], True])
+def test_metrics_json_throughput(tmp_path, capsys, value):
+    runs = tmp_path / "m.json"
+    runs.write_text(json.dumps({"config": {"num_gpus": 8, "seq_length": 4096, "global_batch_size": 8,
+                                           "tensor_model_parallel_size": 8},
+                                "iterations": [{"tokens_per_second_per_gpu": value}]}))
+    code, err = _calibrate(runs, tmp_path / "out.json", capsys)
+    assert code == 2 and "tokens_per_second_per_gpu" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("field", ["num_gpus", "seq_length", "global_batch_size"])
+@pytest.mark.parametrize("value", ["x", None, [1]])
+def test_metrics_json_config_types(tmp_path, capsys, field, value):
+    cfg = {"num_gpus": 8, "seq_length": 4096, "global_batch_size": 8, "tensor_model_parallel_size": 8, field: value}
+    runs = tmp_path / "m.json"
+    runs.write_text(json.dumps({"config": cfg, "iterations": [{"tokens_per_second_per_gpu": 3000.0}]}))
+    code, err = _calibrate(runs, tmp_path / "out.json", capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+
+
+def test_output_paths_checked_before_the_fit(tmp_path, capsys):
+    runs = tmp_path / "runs.csv"
+    runs.write_text(CSV_HEAD + "8,4096,8,8,fast\n")  # a bad run: the output check must come first
+    code, err = _calibrate(runs, tmp_path, capsys)
+    assert code == 2 and "is a directory" in err
+    code, err = _calibrate(runs, tmp_path / "missing" / "out.json", capsys)
+    assert code == 2 and "does not exist" in err
+    (tmp_path / "ro").mkdir(mode=0o500)
+    code, err = _calibrate(runs, tmp_path / "ro" / "out.json", capsys)
+    import os
+    if os.access(tmp_path / "ro", os.W_OK):  # running as root: permissions are not enforced
+        assert "tokens_per_second_per_gpu" in err
+    else:
+        assert code == 2 and "not writable" in err
