@@ -13,6 +13,7 @@ from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms
 from h3t_ext.costmodel.timing import TimeTerms, time_terms
+from h3t_ext.costmodel.plausibility import Plausibility, plausibility
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 
 GB = 1e9
@@ -48,6 +49,8 @@ class Estimate:
     """Peak bf16 FLOP/s of one GPU."""
     pcie_bytes_per_iteration: int = 0
     """Host<->device bytes per iteration per GPU (both directions, the worst stage)."""
+    efficiency_set: str = ""
+    """GPU family of the system it was priced on (what :attr:`plausibility` compares within)."""
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -87,6 +90,11 @@ class Estimate:
     @property
     def mfu(self) -> float:
         return self.tokens_per_second_per_gpu * self.model_flops_per_token / self.peak_flops
+
+    @property
+    def plausibility(self) -> Plausibility:
+        """The predicted MFU against the best published MFU of this GPU family and precision."""
+        return plausibility(self.mfu, self.efficiency_set, self.plan.precision)
 
     def infeasibility(self) -> Optional[InfeasiblePlanError]:
         """The error describing why the plan does not fit, or None when it fits."""
@@ -155,6 +163,7 @@ class Estimate:
             "tokens_per_second_interval": list(self.tokens_per_second_interval),
             "tokens_per_second_relative_half_width": throughput_uncertainty().relative_half_width,
             "mfu": self.mfu,
+            "plausibility": self.plausibility.to_dict(),
             "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,
         }
 
@@ -193,5 +202,5 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         closed_form=closed, timeline=tl,
         tokens_per_iteration=plan.tokens_per_iteration, num_gpus=plan.num_gpus,
         model_flops_per_token=model_flops_per_token(model, plan.seq_length), peak_flops=system.peak_bf16_flops,
-        pcie_bytes_per_iteration=pcie,
+        pcie_bytes_per_iteration=pcie, efficiency_set=system.efficiency_set,
     )

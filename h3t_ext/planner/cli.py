@@ -73,6 +73,7 @@ def _search(ns, model, system) -> int:
     console = _console()
     console.print(fmt.search_table(result, ns.top))
     console.print(fmt.tie_line(result), highlight=False, markup=False, soft_wrap=True)
+    console.print(fmt.plausibility_line(result, ns.top), highlight=False, markup=False, soft_wrap=True)
     for i, r in enumerate(result.plans[:ns.top], 1):
         console.print(f"#{i:<3d} " + " ".join(r.megatron_flags), highlight=False, markup=False, soft_wrap=True)
     for line in fmt.rejected_lines(result):

@@ -35,6 +35,7 @@ def evaluation_dict(ev: Evaluation) -> dict:
         "tokens_per_second_per_gpu": est.tokens_per_second_per_gpu,
         "tokens_per_second_interval": list(est.tokens_per_second_interval),
         "mfu": est.mfu,
+        "plausibility": est.plausibility.to_dict(),
         "iteration_time_s": est.iteration_time_s,
         "closed_form_iteration_time_s": est.closed_form_time_s,
         "pcie_bytes_per_iteration": est.pcie_bytes_per_iteration,
@@ -79,6 +80,7 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         f"interval    {est.tokens_per_second_interval[0]:,.0f} - {est.tokens_per_second_interval[1]:,.0f} tokens/s "
         f"(+-{100 * throughput_uncertainty().relative_half_width:.1f}%: {100 * throughput_uncertainty().coverage:.0f}% "
         f"of held-out published runs)",
+        f"plausible   {est.plausibility.line()}",
     ]
     err = est.infeasibility()
     if err is not None:
@@ -127,7 +129,8 @@ def search_table(result: SearchResult, top: int) -> Table:
     """The best ``top`` plans."""
     tab = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} feasible plans priced")
     balanced = any(r.evaluation.pcie_bytes_saved_vs_auto is not None for r in result.plans[:top])
-    cols = ["#", "t", "c", "p", "l", "d", "ckpt", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU", "MFU"]
+    cols = ["#", "t", "c", "p", "l", "d", "ckpt", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU", "MFU",
+            "vs published"]
     for col in cols + (["PCIe saved vs auto"] if balanced else []):
         tab.add_column(col, justify="left" if col == "ckpt" else "right")
     for i, r in enumerate(result.plans[:top], 1):
@@ -139,8 +142,27 @@ def search_table(result: SearchResult, top: int) -> Table:
                     p.ckpt, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
                     str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
                     f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
-                    *extra)
+                    _plausibility_cell(est.plausibility), *extra)
     return tab
+
+
+def _plausibility_cell(pl) -> str:
+    return "ABOVE" if pl.above_ceiling else ("-" if pl.ceiling is None else "ok")
+
+
+def plausibility_line(result: SearchResult, top: int) -> str:
+    """Which of the printed rows are priced above the best published MFU of their GPU family and precision."""
+    rows = [(i, r.evaluation.estimate.plausibility) for i, r in enumerate(result.plans[:top], 1)]
+    above = [(i, pl) for i, pl in rows if pl.above_ceiling]
+    if not above:
+        known = [pl for _, pl in rows if pl.ceiling is not None]
+        if not known:
+            return "plausibility: no published run of this GPU family and precision to compare the MFU with"
+        return f"plausibility: every row is within the published MFU range (best {known[0].ceiling.describe()})"
+    ceiling = above[0][1].ceiling
+    return (f"plausibility: rows {', '.join(f'#{i}' for i, _ in above)} are priced ABOVE the best published MFU for "
+            f"this GPU family and precision, {ceiling.describe()}: the cost model was never checked there; treat "
+            f"them as optimistic")
 
 
 def search_dicts(result: SearchResult, top: int) -> list[dict]:
