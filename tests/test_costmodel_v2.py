@@ -114,7 +114,8 @@ def test_fitted_numbers_are_named_in_range_and_counted():
     assert len(published_runs()) == 38
     # the rest are stated assumptions, not fitted
     assert set(ranges) - set(FITTABLE) == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction",
-                                           "attention_dropout_fwd_slowdown", "attention_dropout_bwd_slowdown"}
+                                           "attention_dropout_fwd_slowdown", "attention_dropout_bwd_slowdown",
+                                           "gemm_fp8_peak_fraction"}  # no FP8 run among the sources yet
     assert set(ranges) - set(FITTABLE) - {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"} <= set(
         data["stated_sources"])  # the dropout slowdowns carry their public source
 
