@@ -139,3 +139,29 @@ def test_fp8_flags_round_trip(kw):
 def get_model_65b():
     from h3t_ext.costmodel import get_model
     return get_model("llama-65b")
+
+
+def test_nemo_reference_copy_states_its_source_and_settings():
+    from h3t_ext.costmodel.published import REFERENCE_DIR, published_runs, settings
+    import json
+    ref = json.loads((REFERENCE_DIR / "nemo_fp8_h100.json").read_text())
+    assert ref["commit"].startswith("0b8a80ee") and "NeMo 24.07" in ref["nemo_version"] and ref["not_stated"]
+    assert len(ref["rows"]) == 12  # every pre-training row copied; 7 have a model shape here
+    runs = published_runs("nemo_fp8_h100")
+    assert len(runs) == 7 and all(r.plan.fp8 == "hybrid" and r.plan.fp8_param_gather for r in runs)
+    assert "bf16_with_fp8_mixed" in settings()["sources"]["nemo_fp8_h100"]["assumed"]
+    # VP chunks per rank -> layers per virtual stage: GPT3-175B p 8 VP 6 -> 2, Llama 3 70B p 4 VP 5 -> 4
+    by = {r.label.split()[0] + str(r.plan.num_gpus): r.plan for r in runs}
+    assert by["GPT3-175B128"].num_layers_per_virtual_pipeline_stage == 2
+    assert by["LLAMA3-70B64"].num_layers_per_virtual_pipeline_stage == 4
+    assert by["LLAMA2-7B8"].num_layers_per_virtual_pipeline_stage is None
+
+
+def test_one_fp8_row_identifies_the_fp8_gemm_rate():
+    from h3t_ext.costmodel.fit import FITTABLE, MeasuredRun, fit_system
+    from h3t_ext.costmodel.published import published_runs
+    run = next(r for r in published_runs("nemo_fp8_h100") if r.label.startswith("LLAMA2-70B"))
+    fit = fit_system(run.system, [MeasuredRun(run.model, run.plan, run.tokens_per_s_per_gpu)])
+    assert list(fit.fitted) == ["gemm_fp8_peak_fraction"]
+    assert set(fit.unidentified) == set(FITTABLE) - {"gemm_fp8_peak_fraction"}
+    assert fit.mae_after < 0.002
