@@ -2,7 +2,7 @@
 """Time the planner's search: in-process (wall and CPU time of the search call) and as a CLI process.
 
 Default case: ``h3t-plan search --model llama-175b --num-gpus 4096 --seq-length 4096
---global-batch-size 2048 --gpu h800`` (target: search call under 0.5 s CPU on one core, with the CLI's
+--global-batch-size 2048 --gpu h800 --precision auto`` (BF16 and FP8 plans; target: search call under 0.5 s CPU on one core, with the CLI's
 default ``--top 10``; ``--top 0`` ranks every feasible plan, as ``search(top=None)`` does).
 
     python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]
@@ -22,13 +22,16 @@ sys.path.insert(0, REPO)
 
 from h3t_ext.costmodel import get_model, get_system  # noqa: E402
 from h3t_ext.planner.search import search  # noqa: E402
+from h3t_ext.planner.space import SearchConstraints  # noqa: E402
 
 
 def _in_process(args) -> dict:
     model, system = get_model(args.model), get_system(args.gpu)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     result = search(model, system, num_gpus=args.num_gpus, seq_length=args.seq_length,
-                    global_batch_size=args.global_batch_size, top=args.top or None)
+                    global_batch_size=args.global_batch_size, top=args.top or None,
+                    constraints=SearchConstraints(precisions=("bf16", "fp8") if args.precision == "auto"
+                                                  else (args.precision,)))
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     best = result.best
     return {
@@ -45,7 +48,7 @@ def _in_process(args) -> dict:
 def _cli(args) -> dict:
     cmd = [sys.executable, "-m", "h3t_ext.planner", "search", "--model", args.model, "--num-gpus", str(args.num_gpus),
            "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size), "--gpu", args.gpu,
-           "--json", "--top", str(args.top or 10**9)]
+           "--precision", args.precision, "--json", "--top", str(args.top or 10**9)]
     t0 = time.perf_counter()
     before = os.times()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -63,6 +66,7 @@ def main() -> int:
     ap.add_argument("--global-batch-size", type=int, default=2048)
     ap.add_argument("--gpu", default="h800")
     ap.add_argument("--top", type=int, default=10, help="best plans wanted (0: rank every feasible plan)")
+    ap.add_argument("--precision", default="auto", choices=("bf16", "fp8", "auto"))
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs; the minimum is reported")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -224,3 +224,52 @@ def test_bench_script_reports_its_figures():
     for key in ("search_wall_s", "search_cpu_s", "cli_wall_s", "plans_priced", "plans_feasible"):
         assert key in d
     assert d["cli_exit_code"] == 0 and d["plans_feasible"] > 0
+
+
+def test_search_precision_auto_chooses_fp8_on_h100_and_prints_its_flags(capsys):
+    code, out, err = run_main(["search", "--model", "llama-65b", "--seq-length", "4096", "--num-gpus", "256",
+                               "--global-batch-size", "256", "--gpu", "h100-sxm", "--precision", "auto", "--top", "3",
+                               "--json"], capsys)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert rows[0]["precision"] == "fp8" and rows[0]["fp8"] == "hybrid" and rows[0]["fp8_recipe"] == "delayed"
+    flags = rows[0]["megatron_flags"]
+    assert flags[flags.index("--fp8-format") + 1] == "hybrid" and "--fp8-recipe" in flags
+    plan = plan_from_megatron_flags(flags, num_gpus=256, seq_length=4096)
+    assert plan.fp8 == "hybrid"
+    code, out, _ = run_main(["search", "--model", "llama-65b", "--seq-length", "4096", "--num-gpus", "256",
+                             "--global-batch-size", "256", "--gpu", "h100-sxm", "--top", "1", "--json"], capsys)
+    bf16 = json.loads(out)[0]
+    assert bf16["precision"] == "bf16" and "--fp8-format" not in bf16["megatron_flags"]
+    assert rows[0]["tokens_per_second"] > 1.1 * bf16["tokens_per_second"]
+
+
+def test_search_precision_auto_on_a100_keeps_bf16(capsys):
+    code, out, err = run_main(["search", *SMALL, "--gpu", "a100-80g", "--precision", "auto", "--top", "2", "--json"],
+                              capsys)
+    assert code == 0, err
+    assert {r["precision"] for r in json.loads(out)} == {"bf16"}
+
+
+def test_estimate_fp8_flags(capsys):
+    code, out, err = run_main(["estimate", *SMALL, "--gpu", "h100-sxm", "--fp8-format", "e4m3", "--fp8-recipe",
+                               "tensorwise", "--fp8-param-gather", "--json"], capsys)
+    assert code == 0, err
+    row = json.loads(out)
+    assert (row["fp8"], row["fp8_recipe"], row["fp8_param_gather"]) == ("e4m3", "tensorwise", True)
+    assert row["megatron_flags"][-5:] == ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-param-gather"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["estimate", *SMALL, "--gpu", "a100-80g", "--fp8-format", "hybrid"], "--fp8-format needs FP8 tensor cores"),
+    (["estimate", *SMALL, "--gpu", "h100-sxm", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
+     "--fp8-recipe mxfp8 needs Blackwell"),
+    (["estimate", *SMALL, "--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
+    (["estimate", *SMALL, "--fp8-format", "e5m2"], "--fp8-format"),
+    (["search", *SMALL, "--precision", "bf16", "--fp8-format", "hybrid"], "need --precision fp8 or auto"),
+    (["search", *SMALL, "--precision", "fp16"], "--precision"),
+])
+def test_bad_fp8_input_is_one_line_exit_2(argv, needle, capsys):
+    code, out, err = run_main(argv, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("h3t-plan: error:") and needle in err

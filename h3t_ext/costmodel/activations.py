@@ -20,6 +20,15 @@ Terms of one transformer layer (elements per token; ``dtype_bytes`` each unless 
 * ``hidden_dropout_mask`` 2 h bytes: the bool masks of the two bias-dropout-adds, with hidden dropout
                                (flash attention's dropout keeps only its RNG state)
 
+With FP8 (--fp8-format, ``fp8=True``; 'te' spec only) TransformerEngine saves the inputs of its four GEMMs
+quantized, 1 byte per element (``transformer_engine/pytorch/module/linear.py`` and ``layernorm_linear.py``,
+``_Linear.forward``: after the forward GEMM the quantized input is kept with ``update_usage(rowwise_usage=False,
+columnwise_usage=True)`` -- its FP8 transpose for the weight-gradient GEMM -- or, when the backward must
+all-gather it again under sequence parallelism, its FP8 row-wise local shard): ``norm1_output`` (QKV input, the
+fused norm's FP8 output), ``norm2_output`` (FC1 input) and ``fc2_input`` become 1 byte. The projection's input is
+flash attention's output, which attention itself keeps in bf16 for its backward: ``attention_output`` stays and
+the projection's own FP8 copy is ``projection_input_fp8`` (h bytes, 1 byte each).
+
 ckpt='ours' drops ``norm1_output``, ``norm2_output`` and ``swiglu_output``/``fc2_input`` (recomputed in
 backward from the kept norm inputs, rstd and FC1 output). ckpt='full' keeps only ``layer_input``.
 With bf16 and the 'te' spec, ckpt=no is 12h + 4h_kv + 8f (+ 4 heads + 8) bytes, ours 8h + 4h_kv + 4f (+ ...).
@@ -50,19 +59,22 @@ INT64, BOOL = 8, 1
 _REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
                           "hidden_dropout_mask")
 _OURS_DROPS = ("norm1_output", "norm2_output", "swiglu_output", "fc2_input")
+FP8 = 1
 
 
 def activation_bytes_per_layer_token(model: ModelSpec, ckpt: str, *, dtype_bytes: int = 2,
-                                     layer_spec: str = "te", dropout_mask_bytes: int = BOOL) -> dict[str, int]:
+                                     layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
+                                     fp8: bool = False) -> dict[str, int]:
     """Saved bytes of one layer per local token, by term, plus ``total``. ``dropout_mask_bytes``: bytes per
     element of a hidden-dropout mask: 1 on a GPU (CUDA's fused dropout keeps a bool mask); PyTorch's CPU
-    dropout keeps its noise tensor in the activation dtype (pass ``dtype_bytes`` for the CPU stand-in)."""
-    return dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes))
+    dropout keeps its noise tensor in the activation dtype (pass ``dtype_bytes`` for the CPU stand-in).
+    ``fp8``: TransformerEngine's FP8 linear layers save their inputs in FP8 (module docstring)."""
+    return dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes, fp8))
 
 
 @functools.lru_cache(maxsize=1024)
 def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
-                 dropout_mask_bytes: int = BOOL) -> tuple[tuple[str, int], ...]:
+                 dropout_mask_bytes: int = BOOL, fp8: bool = False) -> tuple[tuple[str, int], ...]:
     if layer_spec not in ("te", "local"):
         raise ValueError(f"layer_spec must be 'te' or 'local', got {layer_spec!r}")
     if ckpt == "selective":  # flash attention saves no s^2 scores: recomputing the core saves nothing more
@@ -88,6 +100,10 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
     }
     if not model.swiglu:
         terms["swiglu_output"] = f * b  # GeLU output
+    if fp8:
+        if layer_spec != "te":
+            raise ValueError("FP8 runs in TransformerEngine: layer_spec must be 'te'")
+        terms.update(norm1_output=h * FP8, norm2_output=h * FP8, fc2_input=f * FP8, projection_input_fp8=h * FP8)
     if ckpt == "ours":
         terms = {k: (0 if k in _OURS_DROPS else v) for k, v in terms.items()}
     elif ckpt == "full":
@@ -99,10 +115,10 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
 @functools.lru_cache(maxsize=1024)
 def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_parallel_size: int = 1,
                                 sequence_parallel: bool = True, dtype_bytes: int = 2,
-                                layer_spec: str = "te", dropout_mask_bytes: int = BOOL) -> int:
+                                layer_spec: str = "te", dropout_mask_bytes: int = BOOL, fp8: bool = False) -> int:
     """Total saved bytes of one layer per local token; without sequence parallel the norm-side terms are
     replicated over the tensor-parallel group (t times more tokens)."""
-    terms = dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes))
+    terms = dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes, fp8))
     total = terms["total"]
     if not sequence_parallel and tensor_model_parallel_size > 1:
         total += (tensor_model_parallel_size - 1) * sum(terms[k] for k in _REPLICATED_WITHOUT_SP)
@@ -234,7 +250,7 @@ def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_
 
 def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, *, dtype_bytes: int = 2,
                            layer_spec: str = "te", sequence_parallel: bool = True,
-                           dropout_mask_bytes: int = BOOL) -> int:
+                           dropout_mask_bytes: int = BOOL, fp8: bool = False) -> int:
     """A: saved bytes of one microbatch-chunk (l layers, or the stage's layers without interleaving) on pipeline
     rank ``stage`` (None: a middle stage). The stage matters with uneven first/last stages, and the first
     stage's chunks also carry the embedding's dropout mask (:func:`embedding_dropout_chunk_bytes`)."""
@@ -245,7 +261,7 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
     tokens = plan.micro_batch_size * plan.seq_length // (c * t)
     per_tok = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
                                           sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
-                                          layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes)
+                                          layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes, fp8=fp8)
     chunk = rank_layers // v * (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
                                                                         layer_spec=layer_spec))
     if stage == 0:

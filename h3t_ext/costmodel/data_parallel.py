@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from h3t_ext.costmodel import fp8
 from h3t_ext.costmodel.collectives import Link, all_gather_seconds, group_link, group_node_spread
 from h3t_ext.costmodel.kernels import BF16, FP32, elementwise_seconds, kernel_rates
 from h3t_ext.costmodel.memory import optimizer_shards, stage_params
@@ -119,9 +120,10 @@ def dp_comm(model: ModelSpec, plan: Plan, system: SystemSpec) -> DataParallelCom
     rest = (n - last) / max(1, buckets - 1)  # the other buckets (all alike when v = 1)
     if plan.use_distributed_optimizer:
         # reduce-scatter: the same ring cost as the all-gather of its input
-        last_g, last_p = all_gather_seconds(last * FP32, d, link), all_gather_seconds(last * BF16, d, link)
+        pbytes = fp8.param_gather_bytes(plan)  # BF16, or FP8 with --fp8-param-gather
+        last_g, last_p = all_gather_seconds(last * FP32, d, link), all_gather_seconds(last * pbytes, d, link)
         grads = last_g + (buckets - 1) * all_gather_seconds(rest * FP32, d, link)
-        params = last_p + (buckets - 1) * all_gather_seconds(rest * BF16, d, link)
+        params = last_p + (buckets - 1) * all_gather_seconds(rest * pbytes, d, link)
         latency, algo = 2 * buckets * (d - 1) * link.latency, "ring"
     else:
         last_g, algo = all_reduce_choice(last * FP32, d, t, link, system)
@@ -184,8 +186,10 @@ def dp_exposed(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float
 
 def optimizer_step_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """The ``optimizer`` term: the step on the optimizer shard of the stage with most parameters (HBM-bound:
-    ``ADAM_BYTES_PER_PARAM`` per parameter of the shard, the fp32 gradient zeroing of the whole buffer)."""
+    ``ADAM_BYTES_PER_PARAM`` per parameter of the shard, the fp32 gradient zeroing of the whole buffer); with FP8
+    also the weights' once-per-iteration cast (``fp8.step_seconds``)."""
     p = plan.pipeline_model_parallel_size
-    n = max(stage_params(model, plan, k) for k in {0, p - 1})
+    n, k = max((stage_params(model, plan, k), k) for k in {0, p - 1})
     return elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, kernel_rates(system),
-                               kernels=OPTIMIZER_KERNELS)
+                               kernels=OPTIMIZER_KERNELS) \
+        + fp8.step_seconds(model, plan, system, plan.stage_layers(model.num_layers, k))

@@ -19,8 +19,8 @@ from h3t_ext.costmodel.estimate import estimate
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, plausible_ranges
 
-FITTABLE = ("gemm_peak_fraction", "attention_peak_fraction", "gemm_tile_overhead_k", "tp_comm_overlap_exposed",
-            "network_fraction", "hbm_fraction")
+FITTABLE = ("gemm_peak_fraction", "gemm_fp8_peak_fraction", "attention_peak_fraction", "gemm_tile_overhead_k",
+            "tp_comm_overlap_exposed", "network_fraction", "hbm_fraction")
 """Efficiencies a calibration may fit, in the order of their usual influence on tokens/s."""
 MIN_SENSITIVITY = 0.01
 """Smallest |d log time / d log efficiency| (over the runs) for a run set to identify an efficiency."""
@@ -83,8 +83,8 @@ def mean_abs(errors: Sequence[float]) -> float:
 Param = tuple[str, str]
 """(scope, efficiency): scope is a family (efficiency set) or ``SHARED``."""
 SHARED = "shared"
-FAMILY_KEYS = ("gemm_peak_fraction", "attention_peak_fraction", "hbm_fraction")
-"""Efficiencies of one GPU family (its tensor cores, clocks under its power limit, its attention kernels, its
+FAMILY_KEYS = ("gemm_peak_fraction", "gemm_fp8_peak_fraction", "attention_peak_fraction", "hbm_fraction")
+"""Efficiencies of one GPU family (its tensor cores at bf16 and at fp8 (no fp8 run: not identified), clocks under its power limit, its attention kernels, its
 memory system: HBM2e on Ampere, HBM3 on Hopper)."""
 SHARED_KEYS = ("gemm_tile_overhead_k", "network_fraction", "tp_comm_overlap_exposed")
 """Efficiencies of the kernels' structure and the software stack, common to the GPU families."""

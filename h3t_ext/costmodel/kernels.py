@@ -8,7 +8,9 @@ ceil(M / tile_m) * ceil(N / tile_n) even when the edge tile is mostly empty (til
 costs its 2 * tile_m * tile_n * (K + ``gemm_tile_overhead_k``) FLOPs at the per-SM share of the achievable
 peak (``gemm_peak_fraction`` x datasheet peak / SMs); the overhead term is the prologue (pipeline fill) and
 epilogue (writing the tile) of a tile expressed as extra K, which is what makes thin-K GEMMs (small t
-shards) slow. A thin GEMM is bound by memory instead: it reads A and B and writes C at the achievable HBM
+shards) slow. Under FP8 (``fp8=True``, TransformerEngine's linear layers) the K loop runs at the FP8 rate
+(``gemm_fp8_peak_fraction`` x the dense FP8 peak / SMs) while the tile's prologue and epilogue (bf16 output)
+keep their bf16 time, and the inputs are 1 byte. A thin GEMM is bound by memory instead: it reads A and B and writes C at the achievable HBM
 bandwidth; the kernel takes the larger of the two (roofline), plus one launch.
 
 Attention (``flash_attention_seconds``). Flash attention forward is 4 * s_q * s_k * d FLOPs per head
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 from h3t_ext.costmodel.specs import SystemSpec
 
-BF16, FP32 = 2, 4
+FP8, BF16, FP32 = 1, 2, 4
 ATTENTION_BLOCK_Q = 128
 """Query rows per flash-attention thread block (FlashAttention-2 forward and backward on A100/H100)."""
 UNFUSED_SOFTMAX_BYTES_FWD = 2 + 2
@@ -62,6 +64,8 @@ class KernelRates:
     tile_overhead_k: float
     sm_flops: float
     """Achievable dense bf16 FLOP/s of one SM on large tiles."""
+    fp8_sm_flops: float
+    """Achievable dense FP8 FLOP/s of one SM on large tiles (0: the GPU has no FP8)."""
     attention_flops: float
     """Achievable flash-attention FLOP/s of the GPU at infinite head dim."""
     head_dim_overhead: float
@@ -83,6 +87,8 @@ def kernel_rates(system: SystemSpec) -> KernelRates:
         tile_n=system.gemm_tile_n,
         tile_overhead_k=e("gemm_tile_overhead_k"),
         sm_flops=system.peak_bf16_flops * e("gemm_peak_fraction") / system.num_sms,
+        fp8_sm_flops=(system.peak_fp8_flops * e("gemm_fp8_peak_fraction") / system.num_sms
+                      if system.peak_fp8_flops > 0 else 0.0),
         attention_flops=system.peak_bf16_flops * e("attention_peak_fraction"),
         head_dim_overhead=e("attention_head_dim_overhead"),
         dropout_fwd_slowdown=e("attention_dropout_fwd_slowdown"),
@@ -92,22 +98,25 @@ def kernel_rates(system: SystemSpec) -> KernelRates:
     )
 
 
-def gemm_seconds(m: int, n: int, k: int, r: KernelRates, *, out_bytes: int = BF16, batch: int = 1) -> float:
-    """One (batched) GEMM [m, k] x [k, n] -> [m, n]: max(tile waves, HBM traffic) + launch."""
+def gemm_seconds(m: int, n: int, k: int, r: KernelRates, *, out_bytes: int = BF16, batch: int = 1,
+                 fp8: bool = False) -> float:
+    """One (batched) GEMM [m, k] x [k, n] -> [m, n]: max(tile waves, HBM traffic) + launch; ``fp8``: FP8
+    inputs (1 byte) with the K loop at the FP8 rate."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     tiles = batch * (-(-m // r.tile_m)) * (-(-n // r.tile_n))
     waves = -(-tiles // r.sms)
-    compute = waves * 2.0 * r.tile_m * r.tile_n * (k + r.tile_overhead_k) / r.sm_flops
-    memory = batch * (BF16 * (m * k + k * n) + out_bytes * m * n) / r.hbm
+    k_time = k / (r.fp8_sm_flops if fp8 else r.sm_flops) + r.tile_overhead_k / r.sm_flops
+    compute = waves * 2.0 * r.tile_m * r.tile_n * k_time
+    memory = batch * ((FP8 if fp8 else BF16) * (m * k + k * n) + out_bytes * m * n) / r.hbm
     return max(compute, memory) + r.launch_s
 
 
-def wgrad_seconds(m: int, n: int, k: int, r: KernelRates, *, accumulate_fp32: bool = True) -> float:
+def wgrad_seconds(m: int, n: int, k: int, r: KernelRates, *, accumulate_fp32: bool = True, fp8: bool = False) -> float:
     """Weight-gradient GEMM dW[m, n] = X^T[m, k] dY[k, n] accumulated into fp32 main grads (read + write
     4 bytes each) with Megatron's gradient-accumulation fusion."""
     out = 2 * FP32 if accumulate_fp32 else BF16
-    return gemm_seconds(m, n, k, r, out_bytes=out)
+    return gemm_seconds(m, n, k, r, out_bytes=out, fp8=fp8)
 
 
 def _attention_waves(batch_heads: int, s_q: int, r: KernelRates) -> float:

@@ -25,6 +25,10 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
                            state, in ``output_layer_activations``.
 * ``output_layer_activations`` last stage: one microbatch's saved tensors of the final norm, output
                            GEMM and cross entropy (``activations.output_layer_bytes``), counted once.
+* ``fp8_weight_cache``     with --fp8-format: TransformerEngine's FP8 copy of every GEMM weight and its
+                           transpose, cached for the iteration (only the transpose with --fp8-param-gather,
+                           whose parameters are the FP8 copy: ``weights`` holds them at 1 byte).
+* ``fp8_scaling_state``    with --fp8-format: scales and amax histories of the FP8 tensors (a few kB a layer).
 * ``offload_reload_buffer`` the reload double buffer, 2 * alpha * A (reported next to ``activations``).
 * ``p2p_buffers``          received activations/gradients waiting for their compute action (2 per
                            direction), 4 * (s/(c t)) * h bf16 (p > 1 only).
@@ -50,6 +54,7 @@ from h3t_ext.costmodel.activations import (
     rank_offloads,
     residency_lines,
 )
+from h3t_ext.costmodel import fp8
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
 
@@ -98,7 +103,7 @@ def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = 
     """A: saved bytes of one microbatch-chunk on pipeline rank ``stage`` (None: a middle stage) as the plan
     runs it (its layer spec and sequence parallelism, bf16): ``activations.microbatch_chunk_bytes``."""
     return microbatch_chunk_bytes(model, plan, stage, layer_spec=LAYER_SPEC[plan.transformer_impl],
-                                  sequence_parallel=plan.sequence_parallel)
+                                  sequence_parallel=plan.sequence_parallel, fp8=plan.fp8 is not None)
 
 
 def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
@@ -140,11 +145,16 @@ def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, 
     """The alpha-independent terms of a stage holding ``n`` parameters."""
     d = plan.data_parallel_size
     strategy = plan.data_parallel_sharding_strategy
+    layers = plan.stage_layers(model.num_layers, stage)
+    weights = fp8.weight_bytes(model, plan, n, layers)
     terms = {
-        "weights": -(-n * BF16 // d) if strategy == "optim_grads_params" else n * BF16,
+        "weights": -(-weights // d) if strategy == "optim_grads_params" else weights,
         "grads": -(-n * FP32 // d) if strategy is not None else n * FP32,
         "optimizer_states": -(-n * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
     }
+    if plan.fp8 is not None:
+        terms["fp8_weight_cache"] = fp8.weight_cache_bytes(model, plan, layers)
+        terms["fp8_scaling_state"] = fp8.scaling_state_bytes(plan, layers)
     terms.update(_transients(model, plan, stage))
     return terms
 

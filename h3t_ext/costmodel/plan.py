@@ -6,6 +6,7 @@ from typing import Optional
 
 from h3t_ext.ckpt import CKPT_CHOICES, Ckpt  # noqa: F401  (CKPT_CHOICES re-exported by h3t_ext.costmodel)
 from h3t_ext.costmodel.errors import InvalidPlanError
+from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.layout import LayoutError, ParallelLayout
 from h3t_ext.offload_alpha import Alpha, check_alpha
@@ -84,6 +85,13 @@ class Plan:
     """Megatron's --decoder-first-pipeline-num-layers: layers of the first stage (the rest split evenly)."""
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Megatron's --decoder-last-pipeline-num-layers: layers of the last stage."""
+    fp8: Optional[str] = None
+    """Megatron's --fp8-format (its field ``fp8``): 'e4m3' or 'hybrid' runs the linear layers' GEMMs in FP8
+    through TransformerEngine (h3t_ext.costmodel.fp8); None: BF16 (Megatron's default)."""
+    fp8_recipe: str = "delayed"
+    """Megatron's --fp8-recipe: 'delayed' (its default), 'tensorwise', 'blockwise' or 'mxfp8' (Blackwell)."""
+    fp8_param_gather: bool = False
+    """Megatron's --fp8-param-gather: parameters held and all-gathered in FP8 (needs --fp8-format)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, Ckpt):
@@ -91,6 +99,11 @@ class Plan:
                 object.__setattr__(self, "ckpt", Ckpt(self.ckpt))
             except ValueError:
                 raise InvalidPlanError(f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {self.ckpt!r}") from None
+
+    @property
+    def precision(self) -> str:
+        """'fp8' with --fp8-format, else 'bf16'."""
+        return "bf16" if self.fp8 is None else "fp8"
 
     @property
     def data_parallel_size(self) -> int:
@@ -172,6 +185,7 @@ def _validate_ranges(plan: Plan) -> None:
            "data_parallel_sharding_strategy shards the optimizer states too: it needs use_distributed_optimizer")
     _check(plan.attention_backend in ATTENTION_BACKENDS,
            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {plan.attention_backend!r}")
+    validate_fp8(plan)
 
 
 def _validate_alphas(plan: Plan) -> None:
@@ -223,5 +237,6 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     The parallel layout rules are :mod:`h3t_ext.layout`'s (:func:`plan_layout`), so the cost model, the
     schedule builder, the runtime and the driver refuse a layout with the same reason."""
     _validate_ranges(plan)
+    validate_fp8(plan, system)
     _validate_alphas(plan)
     plan_layout(model, plan, system)

@@ -1,8 +1,8 @@
 """Published training runs as (model, plan, system, measured tokens/s per GPU), one list per source.
 
 Sources (copies under ``data/reference``): ``atc24_65b`` (the ATC '24 Llama-65B throughput table, H800),
-``megatron_h100`` (Megatron-LM's H100 weak-scaling table) and ``korthikanti`` (Korthikanti et al. 2022,
-A100). How each row becomes a Plan, and which settings the sources leave unstated and are assumed, is in
+``megatron_h100`` (Megatron-LM's H100 weak-scaling table), ``korthikanti`` (Korthikanti et al. 2022,
+A100) and ``nemo_fp8_h100`` (NeMo 24.07's FP8 pre-training table, DGX-H100). How each row becomes a Plan, and which settings the sources leave unstated and are assumed, is in
 ``data/reference/run_settings.json``.
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_system
+from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_model, get_system
 
 REFERENCE_DIR = DATA_DIR / "reference"
-SOURCES = ("atc24_65b", "megatron_h100", "korthikanti")
-"""The three held-out-checked sources of the leave-one-source-out test."""
+SOURCES = ("atc24_65b", "megatron_h100", "korthikanti", "nemo_fp8_h100")
+"""The held-out-checked sources of the leave-one-source-out test."""
 TRAINING_ONLY = ("atc24_demo7b",)
 """Runs used for fitting only: the ATC '24 7B demo (A800 and H800, the only Ampere runs besides Korthikanti)."""
 MEGATRON_VOCAB = 131072
@@ -148,6 +148,28 @@ def _korthikanti() -> list[PublishedRun]:
     return runs
 
 
+def _nemo_fp8() -> list[PublishedRun]:
+    """NeMo 24.07's FP8 rows whose model has a shape here (run_settings.json: models); VP chunks per rank
+    become l = L / (p * VP), VP = 1 plain 1F1B; t > 1 runs sequence parallel with TP comm overlap."""
+    cfg = settings()["sources"]["nemo_fp8_h100"]
+    system = get_system(cfg["system"])
+    runs = []
+    for r in _json(cfg["file"])["rows"]:
+        name = cfg["models"].get(r["model"])
+        if name is None:
+            continue
+        model = replace(get_model(name), name=name, vocab_size=cfg["vocab_size"][r["model"]], **cfg["model"])
+        t, p, vp = r["tp"], r["pp"], r["vp"]
+        plan = Plan(num_gpus=r["num_gpus"], seq_length=r["seq_length"], global_batch_size=r["global_batch_size"],
+                    micro_batch_size=r["micro_batch_size"], tensor_model_parallel_size=t,
+                    context_parallel_size=r["cp"], pipeline_model_parallel_size=p,
+                    num_layers_per_virtual_pipeline_stage=model.num_layers // (p * vp) if vp > 1 else None,
+                    sequence_parallel=t > 1, tp_comm_overlap=t > 1, **cfg["plan"])
+        runs.append(PublishedRun("nemo_fp8_h100", f"{r['model']} {r['num_gpus']} GPUs t{t} p{p} c{r['cp']} v{vp}",
+                                 model, plan, system, float(r["tokens_per_s_per_gpu"])))
+    return runs
+
+
 def atc24_memory_budget_bytes() -> int:
     """The memory budget the ATC '24 runs planned their alphas against (run_settings.json)."""
     return int(settings()["sources"]["atc24_65b"]["memory_budget_bytes"])
@@ -156,7 +178,7 @@ def atc24_memory_budget_bytes() -> int:
 def published_runs(source: str | None = None) -> list[PublishedRun]:
     """The runs of one source (or all of them)."""
     loaders = {"atc24_65b": _atc24, "megatron_h100": _megatron, "korthikanti": _korthikanti,
-               "atc24_demo7b": _demo7b}
+               "atc24_demo7b": _demo7b, "nemo_fp8_h100": _nemo_fp8}
     if source is not None and source not in loaders:
         raise ValueError(f"source must be one of {', '.join(loaders)}, got {source!r}")
     names = SOURCES + TRAINING_ONLY if source is None else (source,)

@@ -142,6 +142,11 @@ class SystemSpec:
     """Host<->device PCIe bandwidth per GPU and direction, bytes/s."""
     gpus_per_node: int
     """GPUs sharing one NVLink domain."""
+    peak_fp8_flops: float = 0.0
+    """Dense FP8 tensor-core peak, FLOP/s per GPU (datasheet); 0 where the GPU has no FP8 (A100/A800)."""
+    compute_capability: float = 0.0
+    """CUDA compute capability (8.0 Ampere, 9.0 Hopper, 10.0 Blackwell): FP8 needs peak_fp8_flops > 0, MXFP8
+    (block scales in the tensor cores) compute capability >= 10.0."""
     num_sms: int = 0
     """Streaming multiprocessors (GEMM tiles and attention blocks are quantized into waves over them)."""
     gemm_tile_m: int = 0
@@ -291,6 +296,8 @@ def system_from_dict(name: str, d: dict) -> SystemSpec:
         network_bandwidth=float(d["network_bandwidth"]),
         pcie_bandwidth=float(d["pcie_bandwidth"]),
         gpus_per_node=int(d["gpus_per_node"]),
+        peak_fp8_flops=float(d.get("peak_fp8_flops") or 0.0),
+        compute_capability=float(d.get("compute_capability") or 0.0),
         num_sms=int(d["num_sms"]),
         gemm_tile_m=int(d["gemm_tile_m"]),
         gemm_tile_n=int(d["gemm_tile_n"]),

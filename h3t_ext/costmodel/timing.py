@@ -7,7 +7,8 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
 * GEMMs: QKV [T, h] x [h, (h + 2 h_kv)/t], projection [T, h/t] x [h/t, h], FC1 [T, h] x [h, fc1/t],
   FC2 [T, f/t] x [f/t, h]; backward runs the data-gradient GEMM (same FLOPs) and the weight-gradient GEMM
   that accumulates into the fp32 main grads. Each is priced by ``kernels.gemm_seconds`` (tile and wave
-  quantization over the SMs, memory-bound roofline for thin GEMMs).
+  quantization over the SMs, memory-bound roofline for thin GEMMs). With --fp8-format all three run at the FP8
+  rate and each GEMM input / output gradient is cast (``fp8.cast_seconds``; the weights' cast: ``optimizer``).
 * attention: flash attention over the rank's heads (h/t) and chunk (``attention_seconds``), slower with
   attention dropout (``kernels.flash_attention_seconds``); with context
   parallelism a ring of c steps in which each step's K/V exchange with the neighbour runs against that
@@ -41,6 +42,7 @@ import math
 from dataclasses import dataclass, fields
 
 from h3t_ext.costmodel.activations import BOOL
+from h3t_ext.costmodel import fp8
 from h3t_ext.costmodel.collectives import (
     Link,
     all_gather_seconds,
@@ -124,11 +126,12 @@ def _gemms(model: ModelSpec, plan: Plan) -> tuple[tuple[int, int, int], ...]:
 
 def layer_gemm_seconds(model: ModelSpec, plan: Plan, r: KernelRates) -> dict[str, float]:
     """Forward, data-gradient and weight-gradient GEMM seconds of one layer (one microbatch, one rank),
-    and the QKV and FC1 backward GEMMs that the sequence-parallel backward communication overlaps."""
+    and the QKV and FC1 backward GEMMs that the sequence-parallel backward communication overlaps; all
+    three at the FP8 rate with --fp8-format (TransformerEngine runs dgrad and wgrad in FP8 too)."""
     fwd = dgrad = wgrad = 0.0
-    per = []
+    per, q = [], plan.fp8 is not None
     for m, n, k in _gemms(model, plan):
-        f, d, w = gemm_seconds(m, n, k, r), gemm_seconds(m, k, n, r), wgrad_seconds(k, n, m, r)
+        f, d, w = gemm_seconds(m, n, k, r, fp8=q), gemm_seconds(m, k, n, r, fp8=q), wgrad_seconds(k, n, m, r, fp8=q)
         fwd, dgrad, wgrad = fwd + f, dgrad + d, wgrad + w
         per.append((f, d, w))
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "qkv_dgrad": per[0][1], "qkv_wgrad": per[0][2],
@@ -337,7 +340,8 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
     (SystemSpec's hash leaves out its efficiencies, so their values are part of the key: fits try many.)"""
     return (model, system, tuple(system.efficiencies.values()), plan.tensor_model_parallel_size,
             plan.context_parallel_size, plan.seq_length,
-            plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend)
+            plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend,
+            plan.fp8 is not None, plan.fp8_recipe)
 
 
 def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
@@ -377,11 +381,12 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     e_bwd = elementwise_seconds(elem_bwd + masks, r, kernels=ELEMENTWISE_KERNELS_BWD + rope + (
         HIDDEN_DROPOUT_KERNELS_BWD if model.hidden_dropout > 0 else 0) + (BIAS_GRAD_KERNELS if model.add_bias_linear else 0))
     tp_f, tp_b = _tp_seconds(model, plan, system, g)
-    fwd = g["fwd"] + a["fwd"] + e_fwd
+    cast_fwd, cast_bwd = fp8.cast_seconds(model, plan, r)  # (0, 0) in BF16
+    fwd = g["fwd"] + a["fwd"] + e_fwd + cast_fwd
     rec = {"no": 0.0, "ours": elementwise_seconds(elem_ours, r, kernels=OURS_RECOMPUTE_KERNELS), "selective": a["fwd"],
            "full": fwd}[plan.ckpt]  # its communication is in tp / cp below
     full = plan.ckpt == "full"
-    return LayerTime(fwd=fwd, bwd=g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd, recompute=rec,
+    return LayerTime(fwd=fwd, bwd=g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd + cast_bwd, recompute=rec,
                      tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_f if full else 0.0,
                      cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=a["cp_fwd"] if full else 0.0)
 

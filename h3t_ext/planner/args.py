@@ -12,6 +12,7 @@ from typing import NoReturn, Optional, Union
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
+from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES
 from h3t_ext.ckpt import CKPT_CHOICES
 from h3t_ext.offload_alpha import OffloadAlpha
@@ -112,6 +113,17 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                    help="Megatron FSDP (--use-megatron-fsdp): shard the gradients too (optim_grads, "
                         "reduce-scattered after every microbatch) or gradients and parameters "
                         "(optim_grads_params, all-gathered for every microbatch); default: Megatron's DDP")
+    p.add_argument("--fp8-format", dest="fp8", choices=FP8_FORMATS, default=None,
+                   help="FP8 linear layers through TransformerEngine (Hopper or newer): e4m3, or hybrid (E5M2 "
+                        "gradients); default BF16")
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+                   help="FP8 scaling recipe (default delayed, Megatron's); mxfp8 needs Blackwell")
+    p.add_argument("--fp8-param-gather", action="store_true",
+                   help="parameters held and all-gathered in FP8 (needs --fp8-format)")
+    if search:
+        p.add_argument("--precision", choices=PRECISIONS, default=None,
+                       help="bf16, fp8 or auto (both; the best of either ranks first); default fp8 with "
+                            "--fp8-format, else bf16. FP8 plans use --fp8-format (default hybrid) and --fp8-recipe")
     if not search:
         p.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None)
         p.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None)
@@ -236,5 +248,8 @@ def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
             and ns.max_micro_batch_size < ns.micro_batch_size:
         raise UsageError(f"argument --max-micro-batch-size: {ns.max_micro_batch_size} is below --micro-batch-size "
                          f"{ns.micro_batch_size}")
-    return translate.constraints_from_args(ns, max_micro_batch_size=ns.max_micro_batch_size,
-                                           use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
+    try:
+        return translate.constraints_from_args(ns, max_micro_batch_size=ns.max_micro_batch_size,
+                                               use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None

@@ -29,7 +29,9 @@ from h3t_ext.planner.translate import plan_from_args
 INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
               "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
 SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
-            "sequence_parallel", "use_distributed_optimizer")
+            "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather")
+TEXT_FIELDS = ("fp8", "fp8_recipe")
+"""Megatron's --fp8-format (field ``fp8``; empty: BF16) and --fp8-recipe, as the run names them."""
 
 
 class RunFileError(ValueError):
@@ -63,6 +65,9 @@ def _fields(path: str, cfg: dict) -> dict:
     for k in SWITCHES:
         if cfg.get(k) not in (None, ""):
             out[k] = _truthy(cfg[k])
+    for k in TEXT_FIELDS:
+        if cfg.get(k) not in (None, ""):
+            out[k] = str(cfg[k])
     return out
 
 

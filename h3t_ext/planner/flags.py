@@ -18,7 +18,7 @@ def megatron_flags(plan: Plan) -> list[str]:
     """The Megatron (plus h3t-ext) command-line flags that launch ``plan``.
 
     ``--sequence-parallel`` (with t > 1), ``--use-distributed-optimizer`` and ``--tp-comm-overlap`` follow
-    the plan's switches. ``--seq-length`` and
+    the plan's switches; an FP8 plan adds ``--fp8-format``, ``--fp8-recipe`` (and ``--fp8-param-gather``). ``--seq-length`` and
     the GPU count are the launcher's business and are not repeated here.
     """
     flags = ["--tensor-model-parallel-size", str(plan.tensor_model_parallel_size)]
@@ -38,6 +38,10 @@ def megatron_flags(plan: Plan) -> list[str]:
         flags.append("--no-overlap-p2p-communication")
     flags += ["--ckpt", str(plan.ckpt), "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
+    if plan.fp8 is not None:
+        flags += ["--fp8-format", plan.fp8, "--fp8-recipe", plan.fp8_recipe]
+        if plan.fp8_param_gather:
+            flags.append("--fp8-param-gather")
     return flags
 
 
@@ -52,7 +56,9 @@ _INT_FLAGS = {
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
                        "--no-overlap-p2p-communication"})
 _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
-            "--tp-comm-overlap": "tp_comm_overlap"}
+            "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather"}
+_TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
+               "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe"}
 
 
 def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int) -> Plan:
@@ -70,15 +76,13 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
         if flag in _OVERLAP:
             setattr(ns, _OVERLAP[flag], True)
             continue
-        if flag not in _INT_FLAGS and flag not in ("--ckpt", "--offload-alpha", "--data-parallel-sharding-strategy"):
+        if flag not in _INT_FLAGS and flag not in _TEXT_FLAGS and flag != "--offload-alpha":
             raise ValueError(f"unexpected flag {flag!r}")
         value = next(it, None)
         if value is None:
             raise ValueError(f"flag {flag} needs a value")
-        if flag == "--ckpt":
-            ns.ckpt = value
-        elif flag == "--data-parallel-sharding-strategy":
-            ns.data_parallel_sharding_strategy = value
+        if flag in _TEXT_FLAGS:
+            setattr(ns, _TEXT_FLAGS[flag], value)
         elif flag == "--offload-alpha":
             alpha = OffloadAlpha.parse(value).alpha
         else:

@@ -13,7 +13,7 @@ from h3t_ext.planner.units import format_bytes
 
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
              "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-             "ckpt")
+             "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather")
 
 
 def _alpha_value(alphas: tuple[float, ...]):
@@ -61,7 +61,14 @@ def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
     inter = f" l={l} (v={v})" if l is not None else ""
     return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
             f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
-            f" micro_batch={p.micro_batch_size} m={p.num_microbatches}")
+            f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)}")
+
+
+def _precision(plan) -> str:
+    """``bf16``, or ``fp8 (hybrid, delayed)`` with the FP8 settings."""
+    if plan.fp8 is None:
+        return "bf16"
+    return f"fp8 ({plan.fp8}, {plan.fp8_recipe}{', fp8 params' if plan.fp8_param_gather else ''})"
 
 
 def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list[str]:
@@ -129,17 +136,17 @@ def search_table(result: SearchResult, top: int) -> Table:
     """The best ``top`` plans."""
     tab = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} feasible plans priced")
     balanced = any(r.evaluation.pcie_bytes_saved_vs_auto is not None for r in result.plans[:top])
-    cols = ["#", "t", "c", "p", "l", "d", "ckpt", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU", "MFU",
-            "vs published"]
+    cols = ["#", "t", "c", "p", "l", "d", "ckpt", "precision", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU",
+            "MFU", "vs published"]
     for col in cols + (["PCIe saved vs auto"] if balanced else []):
-        tab.add_column(col, justify="left" if col == "ckpt" else "right")
+        tab.add_column(col, justify="left" if col in ("ckpt", "precision") else "right")
     for i, r in enumerate(result.plans[:top], 1):
         p, est = r.plan, r.evaluation.estimate
         l = p.num_layers_per_virtual_pipeline_stage
         extra = [format_bytes(r.evaluation.pcie_bytes_saved_vs_auto or 0)] if balanced else []
         tab.add_row(str(i), str(p.tensor_model_parallel_size), str(p.context_parallel_size),
                     str(p.pipeline_model_parallel_size), "-" if l is None else str(l), str(p.data_parallel_size),
-                    p.ckpt, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
+                    p.ckpt, p.precision, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
                     str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
                     f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
                     _plausibility_cell(est.plausibility), *extra)

@@ -29,6 +29,7 @@ from typing import Mapping, Optional
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
+from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.memory import stage_fixed_terms
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
@@ -228,27 +229,50 @@ def search(
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
                                                       "overlap_p2p_comm", "sequence_parallel",
                                                       "use_distributed_optimizer", "data_parallel_sharding_strategy")}
-    run = (num_gpus, seq_length, global_batch_size, switches)
     best_first = top is not None and not exhaustive
-    live: list[Layout] = []
-    for layout in layouts:
-        key = (layout.tensor_model_parallel_size, layout.context_parallel_size, layout.pipeline_model_parallel_size)
-        if key not in static:
-            probe = _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
-            static[key] = _static_infeasibility(model, system, probe, memory_budget_bytes)
-        if static[key] is not None:
-            col.reject_memory(static[key], len(ckpts) * len(layout.micro_batch_sizes))
+    live: list[tuple[tuple, Layout]] = []
+    for run in _runs(num_gpus, seq_length, global_batch_size, switches, constraints):
+        if reason := _precision_refusal(run, system):  # e.g. FP8 on a GPU without it: no plan of that precision
+            col.rejected[reason] += sum(len(ckpts) * len(x.micro_batch_sizes) for x in layouts)
             continue
-        if best_first:
-            live.append(layout)
-        else:
-            _search_layout(col, model, system, layout, ckpts, alpha_mode, memory_budget_bytes, run, exhaustive)
+        for layout in layouts:
+            key = (run[3].get("fp8"), layout.tensor_model_parallel_size, layout.context_parallel_size,
+                   layout.pipeline_model_parallel_size)
+            if key not in static:
+                probe = _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
+                static[key] = _static_infeasibility(model, system, probe, memory_budget_bytes)
+            if static[key] is not None:
+                col.reject_memory(static[key], len(ckpts) * len(layout.micro_batch_sizes))
+                continue
+            if best_first:
+                live.append((run, layout))
+            else:
+                _search_layout(col, model, system, layout, ckpts, alpha_mode, memory_budget_bytes, run, exhaustive)
     if best_first:
-        _search_best_first(col, model, system, live, ckpts, alpha_mode, memory_budget_bytes, run, top)
+        _search_best_first(col, model, system, live, ckpts, alpha_mode, memory_budget_bytes, top)
     ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
     ranked = _with_timeline(model, system, ranked, min(top or TIMELINE_TOP, TIMELINE_TOP), alpha_mode,
                             memory_budget_bytes)
     return SearchResult(tuple(ranked), dict(col.rejected), col.considered, col.closest)
+
+
+def _runs(num_gpus: int, seq_length: int, global_batch_size: int, switches: dict,
+          k: SearchConstraints) -> list[tuple]:
+    """One (GPUs, sequence, batch, switches) per precision searched; FP8 plans carry the FP8 settings."""
+    fp8 = {"fp8": k.fp8, "fp8_recipe": k.fp8_recipe, "fp8_param_gather": k.fp8_param_gather}
+    return [(num_gpus, seq_length, global_batch_size, {**switches, **(fp8 if precision == "fp8" else {})})
+            for precision in k.precisions]
+
+
+def _precision_refusal(run: tuple, system: SystemSpec) -> Optional[str]:
+    """Why no plan of this run's precision can run on ``system`` (the plan's FP8 rules), or None."""
+    num_gpus, seq_length, global_batch_size, switches = run
+    try:
+        validate_fp8(Plan(num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size, **switches),
+                     system)
+    except InvalidPlanError as e:
+        return e.reason
+    return None
 
 
 def _with_timeline(model, system, ranked: list[RankedPlan], k: int, alpha_mode, budget) -> list[RankedPlan]:
@@ -288,7 +312,7 @@ def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_
                 previous = ranked.tokens_per_second
 
 
-def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tuple[float, int, int, int]]:
+def _upper_bounds(model, system, layouts: list[tuple[tuple, Layout]], ckpts) -> list[tuple[float, int, int, int]]:
     """(upper bound on tokens/s, layout index, ckpt index, micro batch index) of every candidate.
 
     The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
@@ -296,11 +320,11 @@ def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tupl
     stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its
     value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
     """
-    num_gpus, seq_length, global_batch, _ = run
     L = model.num_layers
     per_shape: dict[tuple, tuple[float, float]] = {}
     out = []
-    for li, layout in enumerate(layouts):
+    for li, (run, layout) in enumerate(layouts):
+        num_gpus, seq_length, global_batch, switches = run
         t, c, p = (layout.tensor_model_parallel_size, layout.context_parallel_size,
                    layout.pipeline_model_parallel_size)
         l = layout.num_layers_per_virtual_pipeline_stage
@@ -312,7 +336,7 @@ def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tupl
         dp = dp_seconds_lower_bound(model, first, system)
         for ci, ckpt in enumerate(ckpts):
             for i, mb in enumerate(layout.micro_batch_sizes):
-                key = (t, c, mb, ckpt)
+                key = (t, c, mb, ckpt, switches.get("fp8"))
                 if key not in per_shape:
                     plan = _plan(run, layout, mb, ckpt)
                     st = shape_times(model, plan, system)
@@ -325,10 +349,10 @@ def _upper_bounds(model, system, layouts: list[Layout], ckpts, run) -> list[tupl
     return out
 
 
-def _search_best_first(col: _Collector, model, system, layouts: list[Layout], ckpts, alpha_mode, budget, run,
-                       top: int) -> None:
+def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple, Layout]], ckpts, alpha_mode,
+                       budget, top: int) -> None:
     """Price candidates from the highest tokens/s bound down until no remaining one can enter the top."""
-    cands = _upper_bounds(model, system, layouts, ckpts, run)
+    cands = _upper_bounds(model, system, layouts, ckpts)
     cands.sort(key=lambda x: (-x[0], x[1], x[2], x[3]))
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
     failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (ckpt, micro batch) indices that did not fit
@@ -339,7 +363,7 @@ def _search_best_first(col: _Collector, model, system, layouts: list[Layout], ck
         if any(ci >= fc and i >= fi for fc, fi in failed.get(li, ())):
             col.rejected[R_PRUNED] += 1
             continue
-        layout = layouts[li]
+        run, layout = layouts[li]
         ranked = _price(col, model, system, _plan(run, layout, layout.micro_batch_sizes[i], ckpts[ci]), alpha_mode,
                         budget)
         if ranked is None:

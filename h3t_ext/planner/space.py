@@ -72,6 +72,14 @@ class SearchConstraints:
     """Megatron's --use-distributed-optimizer for every plan searched."""
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP's --data-parallel-sharding-strategy for every plan searched (None: Megatron's DDP)."""
+    precisions: tuple[str, ...] = ("bf16",)
+    """Precisions searched: ('bf16',), ('fp8',) or both (``search --precision auto``)."""
+    fp8: str = "hybrid"
+    """--fp8-format of the FP8 plans searched."""
+    fp8_recipe: str = "delayed"
+    """--fp8-recipe of the FP8 plans searched."""
+    fp8_param_gather: bool = False
+    """--fp8-param-gather for the FP8 plans searched."""
 
 
 @dataclass(frozen=True)

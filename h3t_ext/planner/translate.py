@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from h3t_ext.ckpt import Ckpt
+from h3t_ext.costmodel.fp8 import FP8_FORMATS, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, Plan
 from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.space import SearchConstraints
@@ -42,6 +43,9 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "transformer_impl": "transformer_engine",
     "decoder_first_pipeline_num_layers": None,
     "decoder_last_pipeline_num_layers": None,
+    "fp8": None,  # --fp8-format (dest fp8): BF16 unless given
+    "fp8_recipe": "delayed",
+    "fp8_param_gather": False,
 }
 """Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
 not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
@@ -50,7 +54,8 @@ _REQUIRED = ("seq_length", "global_batch_size")
 _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
            "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "use_distributed_optimizer",
            "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
-           "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+           "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "fp8",
+           "fp8_recipe", "fp8_param_gather")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
 save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""
@@ -130,7 +135,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
 
     switches = {name: _value(read, name, fixed) for name in (
         "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
-        "use_distributed_optimizer")}
+        "use_distributed_optimizer", "fp8_param_gather")}
     return SearchConstraints(
         tensor_model_parallel_size=given("tensor_model_parallel_size"),
         context_parallel_size=given("context_parallel_size"),
@@ -140,8 +145,30 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         max_micro_batch_size=max_micro_batch_size,
         ckpt=_ckpt(read, fixed),
         data_parallel_sharding_strategy=_sharding(read, fixed),
+        **_precision(read, fixed),
         **{k: bool(v) for k, v in switches.items()},
     )
+
+
+DEFAULT_SEARCH_FP8_FORMAT = "hybrid"
+"""--fp8-format of the FP8 plans of ``search --precision fp8|auto`` when none is given: E4M3 forward, E5M2
+gradients, the format of NVIDIA's published FP8 recipes (NeMo / Megatron-Bridge)."""
+
+
+def _precision(read, fixed: Mapping[str, Any]) -> dict[str, Any]:
+    """The precisions a search prices (h3t-ext's ``precision``: bf16, fp8 or auto = both; default fp8 when
+    --fp8-format is given, else bf16) and the FP8 settings of its FP8 plans."""
+    fmt, precision = _value(read, "fp8", fixed), _named(read, "precision", fixed)
+    if precision is _MISSING or precision is None:
+        precision = "bf16" if fmt is None else "fp8"
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if fmt is not None and fmt not in FP8_FORMATS:
+        raise ValueError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {fmt!r}")
+    if precision == "bf16" and (fmt is not None or _value(read, "fp8_param_gather", fixed)):
+        raise ValueError("--fp8-format / --fp8-param-gather need --precision fp8 or auto (bf16 plans have no FP8)")
+    return {"precisions": ("bf16", "fp8") if precision == "auto" else (precision,),
+            "fp8": fmt or DEFAULT_SEARCH_FP8_FORMAT, "fp8_recipe": _value(read, "fp8_recipe", fixed)}
 
 
 __all__ = ["MEGATRON_DEFAULTS", "constraints_from_args", "plan_from_args"]

@@ -1,0 +1,172 @@
+"""FP8 training as Megatron-LM runs it through TransformerEngine (``--fp8-format``, ``--fp8-recipe``,
+``--fp8-param-gather``): the plan's rules, the time of the casts, and the memory of the FP8 copies.
+
+What runs in FP8 (TransformerEngine's ``Linear`` / ``LayerNormLinear`` in megatron-core's TE layer spec): the
+four GEMMs of every transformer layer -- QKV, projection, FC1, FC2 -- forward (input x weight, E4M3), data
+gradient (dY x W^T) and weight gradient (X^T x dY), the gradients in E5M2 with ``hybrid`` and E4M3 with
+``e4m3`` (Hopper's tensor cores run both at the same rate, so the format changes neither time nor bytes). The
+GEMM rates are ``kernels.gemm_seconds(..., fp8=True)``. Attention stays BF16 (TransformerEngine's
+``fp8_dot_product_attention`` is off by default), as do the output layer (megatron-core's own
+``ColumnParallelLinear``), the norms, the element-wise kernels and the communication here.
+
+Casts (``cast_bytes``), priced as HBM traffic (``kernels.elementwise_seconds``): per layer and microbatch,
+each GEMM's activation input is read in bf16 and written in FP8 twice (row-wise for the forward GEMM and the
+transposed, column-wise copy the weight-gradient GEMM reads) -- ``CAST_TRANSPOSE_BYTES`` per element, one fused
+cast-transpose kernel that also reduces the amax; in the backward the same for each GEMM's output gradient.
+The weights are cast once per iteration (megatron-core passes ``is_first_microbatch`` to TransformerEngine,
+which caches the FP8 weight and its transpose for the other microbatches), priced with the optimizer step
+(``step_seconds``); with ``--fp8-param-gather`` the parameters already are FP8 (the optimizer writes them from
+the fp32 main params) and only the transpose is made. The recipes differ in their scaling:
+
+* ``delayed``: scales from an amax history (Megatron's ``--fp8-amax-history-len``, default 1); the amax comes
+  out of the cast kernel, and one fused kernel per iteration updates the histories and scales.
+* ``tensorwise`` (current scaling): the scale of a tensor is its own amax, so an extra pass reads every input
+  (``AMAX_PASS_BYTES``) before the cast.
+* ``blockwise``: a scale per 1x128 (activations, gradients) or 128x128 (weights) block, computed inside the
+  cast: no extra pass, fp32 scales written beside both copies (``BLOCKWISE_SCALE_BYTES``).
+* ``mxfp8``: Blackwell's microscaling, a 1-byte E8M0 scale per 32 elements (``MXFP8_SCALE_BYTES``); refused on
+  GPUs before compute capability 10.0.
+
+Memory (``memory.py`` and ``activations.py`` read the byte rules here): the FP8 weight cache (an FP8 copy and
+its transpose per GEMM weight, ``WEIGHT_CACHE_BYTES``), the scaling state of every FP8 tensor (small), and the
+saved inputs of the four GEMMs in FP8 (``activations.py``).
+"""
+from __future__ import annotations
+
+from h3t_ext.costmodel.errors import InvalidPlanError
+from h3t_ext.costmodel.kernels import BF16, FP8, FP32, KernelRates, elementwise_seconds, kernel_rates
+
+FP8_FORMATS = ("e4m3", "hybrid")
+"""Megatron-LM's ``--fp8-format`` choices (dest ``fp8``): E4M3 everywhere, or E4M3 forward and E5M2 gradients."""
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""Megatron-LM's ``--fp8-recipe`` choices (default ``delayed``)."""
+PRECISIONS = ("bf16", "fp8", "auto")
+"""``h3t-plan search --precision``: BF16 plans, FP8 plans, or both."""
+FP8_MIN_COMPUTE_CAPABILITY = 8.9
+"""FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards (the system files' ``peak_fp8_flops`` is 0 before)."""
+MXFP8_MIN_COMPUTE_CAPABILITY = 10.0
+"""MXFP8 block scaling in the tensor cores: Blackwell (10.0) onwards (TransformerEngine refuses it before)."""
+CAST_TRANSPOSE_BYTES = BF16 + FP8 + FP8
+"""Per element cast: read bf16, write the FP8 row-wise copy and the FP8 transpose (TransformerEngine's fused
+cast-transpose; the amax reduction rides in the same kernel)."""
+AMAX_PASS_BYTES = BF16
+"""Current (tensorwise) scaling: the amax is needed before the cast, so every input is read once more."""
+BLOCKWISE_SCALE_BYTES = 2 * FP32 / 128
+"""Blockwise: an fp32 scale per 128 elements for each of the two copies, per element."""
+MXFP8_SCALE_BYTES = 2 * 1 / 32
+"""MXFP8: a 1-byte E8M0 scale per 32 elements for each of the two copies, per element."""
+CAST_KERNELS_PER_TENSOR = 1
+"""One fused cast-transpose kernel per cast tensor (a second, the amax pass, with current scaling)."""
+WEIGHT_CACHE_BYTES = FP8 + FP8
+"""Per GEMM weight parameter: the FP8 copy and its transpose TransformerEngine keeps for the iteration."""
+FP8_TENSORS_PER_GEMM = 5
+"""FP8 meta entries of one TransformerEngine GEMM module: forward input, weight and output, backward output
+gradient and input gradient (``FP8FwdTensors`` / ``FP8BwdTensors``)."""
+AMAX_HISTORY_LEN = 1
+"""Megatron-LM's default ``--fp8-amax-history-len``."""
+STEP_KERNELS = 1
+"""The per-iteration fused amax-history and scale update (delayed scaling; counted for every recipe)."""
+
+
+def validate_fp8(plan, system=None) -> None:
+    """The plan's FP8 switches (and, with ``system``, the GPU's FP8 support); InvalidPlanError with a one-line
+    reason naming Megatron's flag and the valid values."""
+    fmt, recipe = plan.fp8, plan.fp8_recipe
+    if fmt is not None and fmt not in FP8_FORMATS:
+        raise InvalidPlanError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {fmt!r}")
+    if recipe not in FP8_RECIPES:
+        raise InvalidPlanError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {recipe!r}")
+    if plan.fp8_param_gather and fmt is None:
+        raise InvalidPlanError("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
+    if fmt is None:
+        return
+    if plan.transformer_impl != "transformer_engine":
+        raise InvalidPlanError("--fp8-format needs --transformer-impl transformer_engine (FP8 runs in TransformerEngine)")
+    if system is None:
+        return
+    if system.peak_fp8_flops <= 0:
+        raise InvalidPlanError(f"--fp8-format needs FP8 tensor cores (Hopper or newer, compute capability >= "
+                               f"{FP8_MIN_COMPUTE_CAPABILITY}): {system.name} has none (peak_fp8_flops 0)")
+    if recipe == "mxfp8" and system.compute_capability < MXFP8_MIN_COMPUTE_CAPABILITY:
+        raise InvalidPlanError(f"--fp8-recipe mxfp8 needs Blackwell (compute capability >= "
+                               f"{MXFP8_MIN_COMPUTE_CAPABILITY}): {system.name} has {system.compute_capability}")
+
+
+def cast_bytes_per_element(recipe: str) -> float:
+    """HBM bytes per element of one cast tensor under ``recipe`` (cast-transpose, amax pass, scales)."""
+    extra = {"delayed": 0.0, "tensorwise": AMAX_PASS_BYTES, "blockwise": BLOCKWISE_SCALE_BYTES,
+             "mxfp8": MXFP8_SCALE_BYTES}[recipe]
+    return CAST_TRANSPOSE_BYTES + extra
+
+
+def _cast_kernels(recipe: str) -> int:
+    return CAST_KERNELS_PER_TENSOR + (1 if recipe == "tensorwise" else 0)
+
+
+def cast_elements(model, plan) -> tuple[int, int]:
+    """(forward, backward) elements one layer casts per microbatch on one rank: the activation inputs of QKV
+    [T, h], projection [T, h/t], FC1 [T, h] and FC2 [T, f/t]; the output gradients of QKV [T, (h + 2 h_kv)/t],
+    projection [T, h], FC1 [T, fc1/t] and FC2 [T, h] (T = micro batch x s / c, the GEMMs' tokens)."""
+    t = plan.tensor_model_parallel_size
+    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    h, hkv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    fwd = tokens * (h + h // t + h + f // t)
+    bwd = tokens * ((h + 2 * hkv) // t + h + model.fc1_width // t + h)
+    return fwd, bwd
+
+
+def cast_seconds(model, plan, r: KernelRates) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's casts for one microbatch on one rank (0, 0 without FP8)."""
+    if plan.fp8 is None:
+        return 0.0, 0.0
+    per, kernels = cast_bytes_per_element(plan.fp8_recipe), 4 * _cast_kernels(plan.fp8_recipe)
+    fwd, bwd = cast_elements(model, plan)
+    return elementwise_seconds(fwd * per, r, kernels=kernels), elementwise_seconds(bwd * per, r, kernels=kernels)
+
+
+def gemm_weight_params(model, plan, layers: int) -> int:
+    """GEMM weights of ``layers`` layers on one tensor-parallel rank (what TransformerEngine casts to FP8)."""
+    return layers * model.params_per_layer // plan.tensor_model_parallel_size
+
+
+def step_seconds(model, plan, system, layers: int) -> float:
+    """Once per iteration on a rank holding ``layers`` layers: the weights' cast (read bf16, write FP8 and its
+    transpose; with --fp8-param-gather only the transpose of the FP8 parameters) and the scale update."""
+    if plan.fp8 is None:
+        return 0.0
+    w = gemm_weight_params(model, plan, layers)
+    per = (FP8 + FP8) if plan.fp8_param_gather else cast_bytes_per_element(plan.fp8_recipe)
+    return elementwise_seconds(w * per, kernel_rates(system), kernels=STEP_KERNELS + 4 * layers * _cast_kernels(
+        plan.fp8_recipe))
+
+
+def weight_bytes(model, plan, n: int, layers: int) -> int:
+    """bf16 parameters of a rank holding ``n`` parameters, ``layers`` of its layers; with --fp8-param-gather
+    the GEMM weights are held in FP8 (1 byte) and only the rest (embeddings, norms, biases) in bf16."""
+    if plan.fp8 is None or not plan.fp8_param_gather:
+        return n * BF16
+    w = gemm_weight_params(model, plan, layers)
+    return (n - w) * BF16 + w * FP8
+
+
+def weight_cache_bytes(model, plan, layers: int) -> int:
+    """TransformerEngine's FP8 weight copies kept through the iteration: the FP8 copy and its transpose per GEMM
+    weight (with --fp8-param-gather the parameter is the FP8 copy: only the transpose)."""
+    if plan.fp8 is None:
+        return 0
+    per = FP8 if plan.fp8_param_gather else WEIGHT_CACHE_BYTES
+    return gemm_weight_params(model, plan, layers) * per
+
+
+def scaling_state_bytes(plan, layers: int) -> int:
+    """FP8 meta of ``layers`` layers: per tensor an fp32 scale, its inverse and (delayed scaling) the amax
+    history; a few kB per layer. Block scales travel with their tensors (in the cast traffic), not here."""
+    if plan.fp8 is None:
+        return 0
+    history = AMAX_HISTORY_LEN if plan.fp8_recipe == "delayed" else 1
+    return layers * 4 * FP8_TENSORS_PER_GEMM * (2 + history) * FP32
+
+
+def param_gather_bytes(plan) -> int:
+    """Bytes per parameter of the data-parallel parameter all-gather: FP8 with --fp8-param-gather."""
+    return FP8 if plan.fp8 is not None and plan.fp8_param_gather else BF16
