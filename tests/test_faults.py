@@ -70,23 +70,42 @@ def _one_line_exit_2(proc) -> str:
     return lines[0]
 
 
-def test_unwritable_save_is_refused_before_the_first_iteration(tmp_path):
+DAC_CAPABILITIES = ("dac_override", "dac_read_search", "fowner")
+"""What lets root write where the mode bits say no (capabilities(7)); dropped to make 0555 bind for root."""
+
+
+def _unwritable_to_the_driver(directory) -> list[str]:
+    """Make ``directory`` read-only to a driver started with the returned command prefix, as this same user
+    (who owns the checkout, however private it is: no other uid needs to read it). For an ordinary user the mode
+    bits bind; root passes them through its DAC capabilities, so the driver runs as root without them (setpriv
+    drops them from the bounding set: gone after exec, for the process and its children)."""
     import os
     import shutil
+
+    directory.chmod(0o555)
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:  # util-linux; present on every Debian image this project runs on
+        raise AssertionError("setpriv is needed to drop root's DAC capabilities")
+    return ["setpriv", "--bounding-set=" + ",".join("-" + c for c in DAC_CAPABILITIES), "--inh-caps=-all"]
+
+
+def test_unwritable_save_is_refused_before_the_first_iteration(tmp_path):
     import subprocess
 
     from driver_harness import PYTHON, REPO, _env
-    if shutil.which("setpriv") is None:  # util-linux; present on every Debian image this project runs on
-        raise AssertionError("setpriv is needed to run the driver as an unprivileged user")
-    os.chmod(tmp_path, 0o755)
     ro = tmp_path / "ro"
-    ro.mkdir(mode=0o555)
-    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", PYTHON, str(REPO / "pretrain_llama.py"),
-           *MOCK, "--train-iters", "2", "--save", str(ro / "ckpt")]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(_env(), HOME=str(tmp_path)), capture_output=True, text=True,
-                          timeout=120)
+    ro.mkdir()
+    prefix = _unwritable_to_the_driver(ro)
+    try:
+        cmd = [*prefix, PYTHON, str(REPO / "pretrain_llama.py"), *MOCK, "--train-iters", "2", "--save",
+               str(ro / "ckpt")]
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        ro.chmod(0o755)  # so that pytest can remove it
     line = _one_line_exit_2(proc)
     assert f"--save {ro / 'ckpt'} is not writable (Permission denied)" in line and "iteration" not in proc.stdout
+    assert not (ro / "ckpt").exists()
 
 
 def test_a_save_that_runs_out_of_space_is_one_line_and_leaves_the_previous_checkpoint(tmp_path):
