@@ -180,12 +180,13 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
                     num_microbatches=batches.batch_size(it) // shard, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
         lr, norm = optimizer.step(it)
+        progress.iteration = it + 1  # complete on this rank once its step is applied (before any rank logs it)
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
         if args.check_for_nan_in_loss_and_grad:
             _check_loss(loss if is_last_stage else 0.0, it + 1)
         rec = logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm, loss_scale=optimizer.get_loss_scale(),
                             skipped=optimizer.skipped)
-        done = progress.iteration = it + 1
+        done = it + 1
         _write_scalars(args, scalars, rec, optimizer, runtime, chunks, config)
         if evaluator.due(done):
             result = evaluator.evaluate(done, "valid")
