@@ -13,35 +13,21 @@ PROG = "pretrain_llama.py"
 
 
 def main(argv=None, prog: str = PROG, defaults=None) -> int:
-    """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train."""
+    """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train; a failure or
+    Ctrl-C ends in one line (h3t_training.failures)."""
+    from h3t_training.failures import run_reported
     from h3t_training.run_guard import die_with_launcher
     die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
-    from h3t_training.config import parse_args
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # the launcher's; the library reads no environment
-    args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size)  # one-line error, exit 2
+    rank = int(os.environ.get("RANK", "0"))  # the launcher's; the library reads no environment
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
-    from h3t_ext.runtime.config import RuntimeConfigError
-    from h3t_training.checkpointing import CheckpointError
-    from h3t_training.optimizer import NonFiniteError
-    from h3t_training.run_guard import RunLockError
-    from h3t_training.training import pretrain
-    try:
-        return pretrain(args, rank=int(os.environ.get("RANK", "0")))
-    except NonFiniteError as e:  # raised on every rank alike: said once
-        if os.environ.get("RANK", "0") == "0":
-            sys.stderr.write(f"{prog}: error: {e}\n")
-        return 2
-    except (CheckpointError, RuntimeConfigError, RunLockError) as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
-        return 2
-    except RuntimeError as e:  # a collective or transfer that failed: a peer died, or a wait timed out
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        if not any(k in first for k in ("Connection closed by peer", "Connection reset by peer", "Timed out",
-                                         "timed out", "Broken pipe")):
-            raise
-        sys.stderr.write(f"{prog}: error: rank {os.environ.get('RANK', '0')}: a distributed operation failed: "
-                         f"{first}\n")
-        return 3
+    def run(progress) -> int:
+        from h3t_training.config import parse_args
+        progress.args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size)  # bad flag: exit 2
+        from h3t_training.training import pretrain
+        return pretrain(progress.args, rank=rank, progress=progress)
+
+    return run_reported(run, prog=prog, rank=rank)
 
 
 if __name__ == "__main__":

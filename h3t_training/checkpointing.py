@@ -137,6 +137,51 @@ def _verify_files(directory: str, rank: int, world_size: int) -> None:
             raise CheckpointError(f"checkpoint file {path} is corrupt (checksum mismatch)")
 
 
+ZIP_LOCAL_HEADER = b"PK\x03\x04"
+"""The first bytes of a zip archive: every tensor item of a .distcp file is one ``torch.save`` archive."""
+ZIP_END_RECORD = b"PK\x05\x06"
+ZIP_END_RECORD_BYTES = 22
+"""A zip archive ends with its end-of-central-directory record, 22 bytes without a comment (torch writes none)."""
+
+
+def _verify_layout(directory: str, rank: int, world_size: int) -> None:
+    """Every tensor that ``.metadata`` places in a ``.distcp`` file (file, offset, length) is a whole
+    ``torch.save`` archive there: it starts with a zip header and ends with a zip end record. Checksums prove
+    that the files are the ones that were written, not that they are where ``.metadata`` looks for them (a
+    shard file swapped with another, the manifest fixed up, passes them). This rank checks its share of the files;
+    two small reads per tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - an unpickling failure can be of any type
+        raise CheckpointError(f"checkpoint file {os.path.join(directory, '.metadata')} cannot be read "
+                              f"({type(e).__name__})") from None
+    items: dict[str, list] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata) and \
+                not getattr(info, "transform_descriptors", None):
+            items.setdefault(info.relative_path, []).append((index.fqn, info.offset, info.length))
+    for i, name in enumerate(sorted(items)):
+        if i % world_size != rank:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                for fqn, offset, length in sorted(items[name], key=lambda x: x[1]):
+                    end = offset + length
+                    if end > size or length < ZIP_END_RECORD_BYTES or \
+                            os.pread(f.fileno(), 4, offset) != ZIP_LOCAL_HEADER or \
+                            os.pread(f.fileno(), 4, end - ZIP_END_RECORD_BYTES) != ZIP_END_RECORD:
+                        raise CheckpointError(f"checkpoint file {path} is corrupt or misplaced: {fqn} is not where "
+                                              f".metadata records it (bytes {offset}..{end}); was a shard file "
+                                              f"swapped, renamed or rewritten?")
+        except OSError as e:
+            raise CheckpointError(f"checkpoint file {path} cannot be read ({e.strerror or type(e).__name__})") from None
+
+
 def _read_common(directory: str) -> dict:
     meta = os.path.join(directory, "metadata.json")
     if any(n.startswith("rank_") and n.endswith(".pt") for n in os.listdir(directory)):
@@ -181,6 +226,7 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
                               + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"))
     common = _read_common(directory)
     _verify_files(directory, rank, args.world_size)
+    _verify_layout(directory, rank, args.world_size)
     saved = common["h3t"]["model"]
     mine = _model_shape(args)
     if saved.get("padded_vocab_size") != mine["padded_vocab_size"] and \
@@ -299,8 +345,8 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
         error = _first_line(e)
     failed = [None] * dist.get_world_size()
     dist.all_gather_object(failed, error)
-    if any(failed):
-        rank = next(r for r, e in enumerate(failed) if e)
+    if any(failed):  # the rank whose own write failed (its error names the file), else the first
+        rank = min((r for r, e in enumerate(failed) if e), key=lambda r: ("[Errno " not in failed[r], r))
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         dist.barrier()
@@ -324,7 +370,7 @@ def _first_line(e: BaseException) -> str:
     if failures:
         wrapped = next(iter(failures.values()))
         e = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-    while e.__cause__ is not None or e.__context__ is not None:
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
         e = e.__cause__ or e.__context__
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
@@ -350,7 +396,6 @@ def _write_checksums(directory: str) -> None:
 def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[int, list[str]]:
     """Load ``found`` into the model (and optimizer, RNG); returns (start iteration, notices)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.core import CheckpointingException
 
     notes = []
     finetune = bool(args.finetune)
@@ -364,15 +409,18 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
                               with_rng=with_rng)
     try:
         loaded = dist_checkpointing.load(template, found.directory)
-    except (CheckpointingException, RuntimeError, KeyError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {found.directory} cannot be loaded into this model: {first}") from None
-    for key, chunk in zip(_model_keys(chunks), chunks):
-        _unwrap(chunk).load_state_dict(loaded[key], strict=True)
-    if with_optimizer:
-        optimizer.load_sharded_state_dict(loaded["optimizer"])
-    if with_rng:
-        set_rng_state(loaded["rng_state"])
+        for key, chunk in zip(_model_keys(chunks), chunks):
+            _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        if with_optimizer:
+            optimizer.load_sharded_state_dict(loaded["optimizer"])
+        if with_rng:
+            set_rng_state(loaded["rng_state"])
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; only an interrupt or exit passes
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        _verify_layout(found.directory, 0, 1)  # every file, now: names the file when one is misplaced
+        raise CheckpointError(f"checkpoint {found.directory} cannot be loaded into this model: "
+                              f"{_first_line(e)}") from None
     return (0 if finetune else found.iteration), notes
 
 

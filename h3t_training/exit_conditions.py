@@ -14,22 +14,30 @@ import torch.distributed as dist
 
 
 class ExitSignalHandler:
-    """Records that ``--exit-signal`` arrived (the run then saves and exits after the iteration)."""
+    """Records that ``--exit-signal`` or SIGINT arrived (the run then saves and exits after the iteration; after
+    SIGINT the driver ends as interrupted, :mod:`h3t_training.failures`)."""
 
     def __init__(self, signame: str = "SIGTERM"):
-        self.sig = getattr(signal, signame)
-        self.received = False
-        self._previous = None
+        self.sigs = tuple(dict.fromkeys((getattr(signal, signame), signal.SIGINT)))
+        self.received: Optional[int] = None
+        """The first signal that arrived (None: none yet)."""
+        self._previous: dict = {}
 
     def __enter__(self) -> "ExitSignalHandler":
-        self._previous = signal.signal(self.sig, self._handle)
+        self._previous = {s: signal.signal(s, self._handle) for s in self.sigs}
         return self
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal API
-        self.received = True
+        if self.received is None:
+            self.received = signum
+
+    @property
+    def interrupted(self) -> bool:
+        return self.received == signal.SIGINT
 
     def __exit__(self, *exc) -> None:
-        signal.signal(self.sig, self._previous)
+        for s, previous in self._previous.items():
+            signal.signal(s, previous)
 
 
 class ExitConditions:
@@ -39,6 +47,8 @@ class ExitConditions:
         self.minutes = args.exit_duration_in_mins
         self.start_time, self.handler = start_time, handler
         self.reason = ""
+        self.interrupted = False
+        """Every rank stops because some rank got SIGINT (the driver then ends as interrupted)."""
 
     @property
     def active(self) -> bool:
@@ -48,12 +58,13 @@ class ExitConditions:
         if not self.active:
             return False
         code = 0
-        if self.handler is not None and self.handler.received:
-            code = 2
+        if self.handler is not None and self.handler.received is not None:
+            code = 3 if self.handler.interrupted else 2
         elif self.minutes is not None and (time.time() - self.start_time) / 60 > self.minutes:
             code = 1
         flag = torch.tensor([code])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.reason = {0: "", 1: f"--exit-duration-in-mins {self.minutes} reached", 2: "exit signal received"}[
-            int(flag.item())]
+        self.reason = {0: "", 1: f"--exit-duration-in-mins {self.minutes} reached", 2: "exit signal received",
+                       3: "SIGINT received"}[int(flag.item())]
+        self.interrupted = int(flag.item()) == 3
         return bool(flag.item())

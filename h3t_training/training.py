@@ -25,6 +25,7 @@ from h3t_training import checkpointing as ckpt_io
 from h3t_training.batch_schedule import schedule_of
 from h3t_training.data import build_data_iterators, build_datasets
 from h3t_training.evaluation import Evaluator
+from h3t_training.failures import Interrupted, RunProgress
 from h3t_training.exit_conditions import ExitConditions, ExitSignalHandler
 from h3t_training.heartbeat import start_heartbeat
 from h3t_training.initialize import initialize_distributed, shutdown, uses_gpu
@@ -163,10 +164,11 @@ def _write_scalars(args, scalars: TrainingScalars, rec: dict, optimizer, runtime
 
 def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators,
           on_gpu: bool, evaluator: Evaluator, scalars: TrainingScalars, config: H3TConfig,
-          exits: Optional[ExitConditions] = None) -> tuple[int, bool]:
+          exits: Optional[ExitConditions] = None, progress: Optional[RunProgress] = None) -> tuple[int, bool]:
     """Run iterations ``start_iteration .. --train-iters`` (evaluating, saving and exiting as asked:
     --exit-interval, --exit-duration-in-mins, --exit-signal-handler); returns the last iteration done
-    and whether the run exited early."""
+    and whether the run exited early. ``progress.iteration`` follows the iterations done."""
+    progress = progress or RunProgress()
     fb = get_forward_backward_func()
     batches, shard = schedule_of(args), args.micro_batch_size * args.data_parallel_size
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -179,6 +181,7 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
                     num_microbatches=batches.batch_size(it) // shard, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
         lr, norm = optimizer.step(it)
+        progress.iteration = it + 1  # complete on this rank once its step is applied (before any rank logs it)
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
         if args.check_for_nan_in_loss_and_grad:
             _check_loss(loss if is_last_stage else 0.0, it + 1)
@@ -215,22 +218,24 @@ def _rank0_printer():
     return (lambda line: print(line, flush=True)) if dist.get_rank() == 0 else (lambda line: None)
 
 
-def pretrain(args, *, rank: int) -> int:
+def pretrain(args, *, rank: int, progress: Optional[RunProgress] = None) -> int:
     """Everything after argument parsing (``rank``: this process's rank, from its launcher); returns the
-    process exit status."""
+    process exit status. ``progress`` (:mod:`h3t_training.failures`) follows the iterations done; raises
+    :class:`~h3t_training.failures.Interrupted` after a clean stop on SIGINT under --exit-signal-handler."""
+    progress = progress or RunProgress()
     start_time = time.time()
     found = ckpt_io.find_checkpoint(args, rank=rank)  # before any process group: a bad checkpoint stops all ranks
     if found is not None and found.schedule:  # --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
         args = args.replace(**found.schedule)
     lock = RunLock(args.save).acquire() if args.save and rank == 0 else None
     try:
-        return _pretrain(args, found, start_time)
+        return _pretrain(args, found, start_time, progress)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _pretrain(args, found, start_time: float) -> int:
+def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
     initialize_distributed(args)
     heartbeat = start_heartbeat(args.distributed_timeout_minutes)  # a frozen peer ends the run in one line
     on_gpu = uses_gpu(args)
@@ -242,6 +247,7 @@ def _pretrain(args, found, start_time: float) -> int:
     runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
     start, load_notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
+    progress.iteration = start
     train_ds, valid_ds, test_ds = build_datasets(args, tokenizer, notify=_rank0_printer())
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     iters = None if args.skip_train else build_data_iterators(
@@ -262,11 +268,12 @@ def _pretrain(args, found, start_time: float) -> int:
                  if is_logging_rank and writers_requested(args) else {})
     scalars = TrainingScalars(args, writer, on_gpu=on_gpu, predicted=predicted)
     handler = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None
+    exits = ExitConditions(args, start_time, handler)
     try:
         with handler or contextlib.nullcontext():
             iteration, exited = (start, False) if args.skip_train else train(
                 args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config,
-                exits=ExitConditions(args, start_time, handler))
+                exits=exits, progress=progress)
         stats = _gather_stage_stats(runtime, chunks)
         if not exited:
             _final_evaluations(args, evaluator, scalars, iteration)
@@ -281,4 +288,6 @@ def _pretrain(args, found, start_time: float) -> int:
         dist.barrier()
         heartbeat.stop()
     shutdown()
+    if exits.interrupted:
+        raise Interrupted(f"SIGINT: stopped after iteration {iteration}")
     return 0

@@ -226,7 +226,9 @@ def _validate_io(args):
     for flag in ("tensorboard_dir", "wandb_save_dir"):
         if getattr(args, flag):
             _check_writable_dir("--" + flag.replace("_", "-"), getattr(args, flag))
-    if args.metrics_json is not None:
+    if args.metrics_json is not None:  # written once, at the end: every way it could fail is found now
+        if os.path.isdir(args.metrics_json):
+            raise ArgumentError(f"--metrics-json {args.metrics_json} is a directory; give the path of a file")
         parent = os.path.dirname(os.path.abspath(args.metrics_json))
         if not os.path.isdir(parent):
             raise ArgumentError(f"--metrics-json {args.metrics_json}: directory {parent} does not exist")

@@ -21,7 +21,8 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
-CMD=("$PYTHON" -m torch.distributed.run
+# torchrun through h3t_training.torchrun: the same launcher, ending with status 130 and no traceback on Ctrl-C
+CMD=("$PYTHON" -m h3t_training.torchrun
      --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
      --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
      "$ROOT/pretrain_llama.py" "${ARGS[@]}")
@@ -32,4 +33,5 @@ fi
 # Check the flags once for the whole world before any rank starts (one line and exit 2 when bad).
 (cd "$ROOT" && "$PYTHON" -m h3t_training.preflight --world-size "$((NPROC_PER_NODE * NNODES))" -- "${ARGS[@]}") || exit $?
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's h3t_training, wherever it is started from
 exec "${CMD[@]}"

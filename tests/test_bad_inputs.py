@@ -151,6 +151,8 @@ DRIVER_CASES = [
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent", "--merge-file", "/x"],
      "--vocab-file /nonexistent does not exist"),
     (["--metrics-json", "/nonexistent/dir/m.json"], "directory /nonexistent/dir does not exist"),
+    (["--metrics-json", "/tmp"], "--metrics-json /tmp is a directory; give the path of a file"),
+    (["--metrics-json", "/proc/m.json"], "--metrics-json /proc is not writable"),
     (["--save", "/proc/h3t-save"], "--save /proc/h3t-save is not writable"),
     (["--load", "/etc/hostname"], "is a file, not a directory"),
     (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0.0 is outside (0, inf)"),

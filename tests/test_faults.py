@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
@@ -70,23 +71,42 @@ def _one_line_exit_2(proc) -> str:
     return lines[0]
 
 
-def test_unwritable_save_is_refused_before_the_first_iteration(tmp_path):
+DAC_CAPABILITIES = ("dac_override", "dac_read_search", "fowner")
+"""What lets root write where the mode bits say no (capabilities(7)); dropped to make 0555 bind for root."""
+
+
+def _unwritable_to_the_driver(directory) -> list[str]:
+    """Make ``directory`` read-only to a driver started with the returned command prefix, as this same user
+    (who owns the checkout, however private it is: no other uid needs to read it). For an ordinary user the mode
+    bits bind; root passes them through its DAC capabilities, so the driver runs as root without them (setpriv
+    drops them from the bounding set: gone after exec, for the process and its children)."""
     import os
     import shutil
+
+    directory.chmod(0o555)
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:  # util-linux; present on every Debian image this project runs on
+        raise AssertionError("setpriv is needed to drop root's DAC capabilities")
+    return ["setpriv", "--bounding-set=" + ",".join("-" + c for c in DAC_CAPABILITIES), "--inh-caps=-all"]
+
+
+def test_unwritable_save_is_refused_before_the_first_iteration(tmp_path):
     import subprocess
 
     from driver_harness import PYTHON, REPO, _env
-    if shutil.which("setpriv") is None:  # util-linux; present on every Debian image this project runs on
-        raise AssertionError("setpriv is needed to run the driver as an unprivileged user")
-    os.chmod(tmp_path, 0o755)
     ro = tmp_path / "ro"
-    ro.mkdir(mode=0o555)
-    cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", PYTHON, str(REPO / "pretrain_llama.py"),
-           *MOCK, "--train-iters", "2", "--save", str(ro / "ckpt")]
-    proc = subprocess.run(cmd, cwd=REPO, env=dict(_env(), HOME=str(tmp_path)), capture_output=True, text=True,
-                          timeout=120)
+    ro.mkdir()
+    prefix = _unwritable_to_the_driver(ro)
+    try:
+        cmd = [*prefix, PYTHON, str(REPO / "pretrain_llama.py"), *MOCK, "--train-iters", "2", "--save",
+               str(ro / "ckpt")]
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        ro.chmod(0o755)  # so that pytest can remove it
     line = _one_line_exit_2(proc)
     assert f"--save {ro / 'ckpt'} is not writable (Permission denied)" in line and "iteration" not in proc.stdout
+    assert not (ro / "ckpt").exists()
 
 
 def test_a_save_that_runs_out_of_space_is_one_line_and_leaves_the_previous_checkpoint(tmp_path):
@@ -229,15 +249,116 @@ def test_a_frozen_rank_ends_the_run_within_90s_naming_it(tmp_path):
             launcher.kill()
 
 
-def test_swapped_checkpoint_files_are_one_line(tmp_path):
+@pytest.fixture(scope="module")
+def saved_pp2(tmp_path_factory):
+    """A 2-rank, 2-stage checkpoint at iteration 1 (its shard files are swapped by the tests, on a copy)."""
+    ckpt = tmp_path_factory.mktemp("pp2") / "ckpt"
+    check_ok(run_pretrain([*PP2, "--save", str(ckpt), "--exit-interval", "1"], nproc=2))
+    return ckpt
+
+
+PP2 = [*MOCK, "--train-iters", "2", "--pipeline-model-parallel-size", "2"]
+
+
+def _swapped(saved, tmp_path, *, fix_checksums: bool):
+    import hashlib
+    import shutil
     ckpt = tmp_path / "ckpt"
-    argv = [*MOCK, "--train-iters", "2", "--pipeline-model-parallel-size", "2"]
-    check_ok(run_pretrain([*argv, "--save", str(ckpt), "--exit-interval", "1"], nproc=2))
-    a, b = ckpt / "iter_0000001" / "__0_0.distcp", ckpt / "iter_0000001" / "__1_0.distcp"
+    shutil.copytree(saved, ckpt)
+    d = ckpt / "iter_0000001"
+    a, b = d / "__0_0.distcp", d / "__1_0.distcp"
     data_a, data_b = a.read_bytes(), b.read_bytes()
     a.write_bytes(data_b)
     b.write_bytes(data_a)
-    proc = run_pretrain([*argv, "--load", str(ckpt)], nproc=2)
-    assert proc.returncode != 0 and "[rank" not in proc.stderr  # no worker traceback (torchrun adds its report)
-    ours = [l for l in proc.stderr.splitlines() if l.startswith("pretrain_llama.py: error: ")]
-    assert ours and all("__0_0.distcp is corrupt" in l or "__1_0.distcp is corrupt" in l for l in ours), proc.stderr
+    if fix_checksums:  # the manifest agrees with the files: only their places are wrong
+        manifest = json.loads((d / "h3t_checksums.json").read_text())
+        for name in manifest:
+            data = (d / name).read_bytes()
+            manifest[name] = [len(data), hashlib.sha256(data).hexdigest()]
+        (d / "h3t_checksums.json").write_text(json.dumps(manifest))
+    return ckpt
+
+
+def _ours(proc) -> list[str]:
+    assert proc.returncode != 0 and "[rank" not in proc.stderr, proc.stderr[-5000:]  # no worker traceback (plain
+    # torchrun, which run_pretrain starts, adds its own report of the failed workers)
+    return [l for l in proc.stderr.splitlines() if l.startswith("pretrain_llama.py: error: ")]
+
+
+@pytest.mark.parametrize("fix_checksums", [False, True])
+def test_swapped_checkpoint_files_are_one_line(saved_pp2, tmp_path, fix_checksums):
+    ckpt = _swapped(saved_pp2, tmp_path, fix_checksums=fix_checksums)
+    ours = _ours(run_pretrain([*PP2, "--load", str(ckpt)], nproc=2))
+    reason = "is corrupt or misplaced: " if fix_checksums else "is corrupt ("
+    assert ours and all(("__0_0.distcp " + reason) in l or ("__1_0.distcp " + reason) in l for l in ours), ours
+
+
+def test_out_of_memory_is_one_line_naming_the_stage_its_largest_terms_and_the_flags():
+    proc = run_pretrain(["cpu-oom-stage-1", "--", *PP2], nproc=2, entry="tests/fault_injection.py")
+    ours = _ours(proc)
+    oom = [l for l in ours if "out of CPU memory" in l]
+    assert len(oom) == 1, ours
+    assert oom[0].startswith("pretrain_llama.py: error: rank 1 (pipeline stage 1 of 2): out of CPU memory "
+                             "(RuntimeError: [enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't "
+                             "allocate memory"), oom[0]
+    assert "the cost model's largest terms for this stage: " in oom[0] and "--offload-alpha" in oom[0] and \
+        "--ckpt ours" in oom[0] and "--pipeline-model-parallel-size" in oom[0]
+    assert all("a distributed operation failed" in l for l in ours if l not in oom)  # its peer, cut off
+
+
+def test_a_save_on_a_full_disk_says_so_naming_the_file(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run_pretrain(["full-disk", "--", *MOCK, "--train-iters", "1", "--save", str(ckpt)],
+                        entry="tests/fault_injection.py")
+    line = _one_line_exit_2(proc)
+    assert (f"iteration 1: the checkpoint could not be written to {ckpt} (rank 0: OSError: [Errno 28] No space "
+            f"left on device: '{ckpt / 'iter_0000001.tmp' / '__0_0.distcp'}')") in line, line
+    assert "enforce fail" not in line and not list(ckpt.glob("iter_*"))
+
+
+def _interrupted(tmp_path, *extra):
+    """A 2-rank run through the launcher, in its own process group, sent SIGINT once iteration 2 is logged."""
+    import os
+    import re
+    import signal
+    import subprocess
+
+    from driver_harness import REPO, _env
+    from h3t_ext.testing import free_port
+    tiny = [*MOCK]
+    for flag, value in (("--num-layers", "2"), ("--hidden-size", "32"), ("--ffn-hidden-size", "64")):
+        tiny[tiny.index(flag) + 1] = value
+    launcher = subprocess.Popen(["bash", str(REPO / "scripts/launch_torchrun.sh"), *tiny, "--train-iters", "100000",
+                                 *extra], cwd=REPO, env=dict(_env(), NPROC_PER_NODE="2", MASTER_PORT=str(free_port())),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = []
+    try:
+        for line in launcher.stdout:
+            out.append(line)
+            m = re.search(r" iteration +(\d+)/", line)
+            if m and int(m.group(1)) >= 2:
+                break
+        os.killpg(launcher.pid, signal.SIGINT)
+        rest, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    text = "".join(out) + rest
+    assert launcher.returncode == 130 and "Traceback" not in text, text[-5000:]
+    said = [l for l in text.splitlines() if "interrupted at iteration" in l]
+    assert len(said) == 1, text[-5000:]
+    return said[0], text
+
+
+def test_ctrl_c_is_one_line_and_status_130(tmp_path):
+    line, _ = _interrupted(tmp_path)
+    n = int(line.split("interrupted at iteration ")[1].split(";")[0])
+    assert n >= 2 and line == f"pretrain_llama.py: interrupted at iteration {n}; last complete checkpoint: none"
+
+
+def test_ctrl_c_with_the_exit_signal_handler_saves_first(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    line, text = _interrupted(tmp_path, "--exit-signal-handler", "--save", str(ckpt))
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 2 and f"saved checkpoint at iteration {saved}" in text
+    assert line == f"pretrain_llama.py: interrupted at iteration {saved}; last complete checkpoint: iteration {saved}"
