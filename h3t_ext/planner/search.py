@@ -277,14 +277,17 @@ def _precision_refusal(run: tuple, system: SystemSpec) -> Optional[str]:
 
 def _with_timeline(model, system, ranked: list[RankedPlan], k: int, alpha_mode, budget) -> list[RankedPlan]:
     """The first ``k`` plans (closed-form order) priced again on the timeline of their action lists and
-    ranked by it; the rest keep their closed-form estimates, after them."""
-    kept = []
-    for r in ranked[:k]:
-        ev = r.evaluation
+    ranked by it; the rest keep their closed-form estimates, after them. A closed-form plan that would rank
+    above the last timeline-priced one is priced on the timeline too (until none does), so the whole list is
+    best first."""
+    kept: list[RankedPlan] = []
+    rest = list(ranked)
+    while rest and (len(kept) < k or rest[0].tokens_per_second > kept[-1].tokens_per_second):
+        ev = rest.pop(0).evaluation
         est = estimate(model, ev.plan, system, memory_budget_bytes=budget)
-        kept.append(RankedPlan(replace(ev, estimate=est), r.megatron_flags))
-    kept.sort(key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
-    return kept + ranked[k:]
+        kept.append(RankedPlan(replace(ev, estimate=est), tuple(megatron_flags(ev.plan))))
+        kept.sort(key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
+    return kept + rest
 
 
 def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_mode, budget, run,
