@@ -155,13 +155,3 @@ def test_nemo_reference_copy_states_its_source_and_settings():
     assert by["GPT3-175B128"].num_layers_per_virtual_pipeline_stage == 2
     assert by["LLAMA3-70B64"].num_layers_per_virtual_pipeline_stage == 4
     assert by["LLAMA2-7B8"].num_layers_per_virtual_pipeline_stage is None
-
-
-def test_one_fp8_row_identifies_the_fp8_gemm_rate():
-    from h3t_ext.costmodel.fit import FITTABLE, MeasuredRun, fit_system
-    from h3t_ext.costmodel.published import published_runs
-    run = next(r for r in published_runs("nemo_fp8_h100") if r.label.startswith("LLAMA2-70B"))
-    fit = fit_system(run.system, [MeasuredRun(run.model, run.plan, run.tokens_per_s_per_gpu)])
-    assert list(fit.fitted) == ["gemm_fp8_peak_fraction"]
-    assert set(fit.unidentified) == set(FITTABLE) - {"gemm_fp8_peak_fraction"}
-    assert fit.mae_after < 0.002

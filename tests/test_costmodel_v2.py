@@ -163,11 +163,14 @@ def test_memory_budget_is_first_principles():
             assert 3e9 < reserve < 10e9, (name, reserve)
 
 
-def test_one_row_identifies_one_efficiency():
-    run = next(r for r in published_runs("megatron_h100") if r.label.startswith("177B"))
+@pytest.mark.parametrize("source,label,efficiency", [("megatron_h100", "177B", "gemm_peak_fraction"),
+                                                     ("nemo_fp8_h100", "LLAMA2-70B", "gemm_fp8_peak_fraction")])
+def test_one_row_identifies_one_efficiency(source, label, efficiency):
+    """One BF16 row identifies the BF16 GEMM rate, one FP8 row the FP8 GEMM rate, and nothing else."""
+    run = next(r for r in published_runs(source) if r.label.startswith(label))
     fit = fit_system(run.system, [MeasuredRun(run.model, run.plan, run.tokens_per_s_per_gpu)])
-    assert list(fit.fitted) == ["gemm_peak_fraction"]
-    assert set(fit.unidentified) == set(FITTABLE) - {"gemm_peak_fraction"}
+    assert list(fit.fitted) == [efficiency]
+    assert set(fit.unidentified) == set(FITTABLE) - {efficiency}
     assert fit.mae_after < 0.002
 
 

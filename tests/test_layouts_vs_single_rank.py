@@ -57,13 +57,18 @@ def single_rank_float64(corpus_prefix, tmp_path_factory):  # noqa: F811
     return argv, ckpt, metrics(ckpt.parent / "ref.json")["iterations"]
 
 
+def _run_layout(argv, ckpt, layout, tmp_path) -> list[dict]:
+    """The metrics of every iteration of ``layout`` (flags, ranks) started from the single-rank checkpoint."""
+    flags, nproc = layout
+    out = tmp_path / "m.json"
+    check_ok(run_pretrain([*argv, *flags, "--load", str(ckpt), "--metrics-json", str(out)], nproc=nproc))
+    return metrics(out)["iterations"]
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_layout_gives_the_single_rank_losses(single_rank, layout, tmp_path):
     argv, ckpt, ref = single_rank
-    flags, nproc = LAYOUTS[layout]
-    out = tmp_path / "m.json"
-    check_ok(run_pretrain([*argv, *flags, "--load", str(ckpt), "--metrics-json", str(out)], nproc=nproc))
-    got = losses(out)
+    got = [r["loss"] for r in _run_layout(argv, ckpt, LAYOUTS[layout], tmp_path)]
     assert len(got) == len(ref)
     for a, b in zip(ref, got):
         assert abs(a - b) <= 1e-5 * abs(a), (layout, ref, got)
@@ -72,10 +77,7 @@ def test_layout_gives_the_single_rank_losses(single_rank, layout, tmp_path):
 @pytest.mark.parametrize("layout", sorted(FLOAT64_LAYOUTS))
 def test_layout_gives_the_single_rank_losses_and_gradients_in_float64(single_rank_float64, layout, tmp_path):
     argv, ckpt, ref = single_rank_float64
-    flags, nproc = FLOAT64_LAYOUTS[layout]
-    out = tmp_path / "m.json"
-    check_ok(run_pretrain([*argv, *flags, "--load", str(ckpt), "--metrics-json", str(out)], nproc=nproc))
-    got = metrics(out)["iterations"]
+    got = _run_layout(argv, ckpt, FLOAT64_LAYOUTS[layout], tmp_path)
     assert len(got) == len(ref) == 3
     for it, (a, b) in enumerate(zip(ref, got), start=1):
         for key in ("loss", "grad_norm"):

@@ -69,10 +69,6 @@ class Plausibility:
                                                        "precision": c.precision}}
 
 
-def _run_precision(plan) -> str:
-    return plan.precision
-
-
 @functools.lru_cache(maxsize=1)
 def published_mfu_ceilings() -> dict[tuple[str, str], MfuCeiling]:
     """(efficiency set, precision) -> best published MFU, over every run of ``published.published_runs()``."""
@@ -80,7 +76,7 @@ def published_mfu_ceilings() -> dict[tuple[str, str], MfuCeiling]:
 
     best: dict[tuple[str, str], MfuCeiling] = {}
     for r in published_runs():
-        key = (r.system.efficiency_set, _run_precision(r.plan))
+        key = (r.system.efficiency_set, r.plan.precision)
         value = mfu(r.model, r.plan.seq_length, r.tokens_per_s_per_gpu, r.system.peak_bf16_flops)
         if key not in best or value > best[key].mfu:
             best[key] = MfuCeiling(key[0], key[1], value, r.source, r.label, r.system.name)
