@@ -273,3 +273,27 @@ def test_bad_fp8_input_is_one_line_exit_2(argv, needle, capsys):
     code, out, err = run_main(argv, capsys)
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("h3t-plan: error:") and needle in err
+
+
+def test_mfu_ceilings_come_from_the_published_runs():
+    from h3t_ext.costmodel.plausibility import plausibility, published_mfu_ceilings
+    ceilings = published_mfu_ceilings()
+    amp = ceilings[("ampere", "bf16")]
+    assert (amp.source, amp.gpu) == ("atc24_demo7b", "a800") and 0.60 < amp.mfu < 0.61  # published MFU 0.601
+    assert ceilings[("hopper", "fp8")].source == "nemo_fp8_h100"
+    assert plausibility(amp.mfu + 0.001, "ampere", "bf16").above_ceiling
+    assert not plausibility(amp.mfu - 0.001, "ampere", "bf16").above_ceiling
+    assert plausibility(0.5, "ampere", "fp8").ceiling is None  # no FP8 run on A100/A800 to compare with
+
+
+def test_search_flags_plans_above_the_published_mfu_ceiling(capsys):
+    """Issue #20's case: GPT-3 175B on 64 A100-80G tops above every published A100-class MFU and says so."""
+    argv = ["search", "--model", "gpt3-175b", "--num-gpus", "64", "--gpu", "a100-80g", "--seq-length", "2048",
+            "--global-batch-size", "512", "--top", "3"]
+    code, out, _ = run_main([*argv, "--json"], capsys)
+    assert code == 0
+    best = json.loads(out)[0]
+    assert best["mfu"] > 0.601 and best["plausibility"]["above_ceiling"]
+    assert best["plausibility"]["ceiling_run"]["source"] == "atc24_demo7b"
+    code, text, _ = run_main(argv, capsys)
+    assert code == 0 and "rows #1" in text and "ABOVE the best published MFU" in text
