@@ -20,7 +20,8 @@ from h3t_ext.costmodel.fit import SHARED_KEYS  # noqa: E402
 from h3t_ext.costmodel.published import published_runs  # noqa: E402
 from h3t_ext.costmodel.specs import DATA_DIR  # noqa: E402
 from h3t_ext.costmodel.validation import errors_with, fit_families, leave_one_source_out  # noqa: E402
-from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, computed_uncertainty  # noqa: E402
+from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE  # noqa: E402
+from h3t_ext.costmodel.validation import computed_uncertainty  # noqa: E402
 
 ROUND = {"gemm_tile_overhead_k": 0, "attention_head_dim_overhead": 0}
 

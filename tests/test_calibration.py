@@ -144,7 +144,8 @@ def test_stored_prediction_interval_is_what_validation_computes_now():
     """data/uncertainty.json cannot go stale: rewrite it with scripts/costmodel_calibration.py
     --write-uncertainty after a refit."""
     import json
-    from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, computed_uncertainty, throughput_uncertainty
+    from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, throughput_uncertainty
+    from h3t_ext.costmodel.validation import computed_uncertainty
     with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
         stored = json.load(f)
     assert stored == computed_uncertainty()

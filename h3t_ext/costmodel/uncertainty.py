@@ -3,8 +3,8 @@
 ``validation.leave_one_source_out`` predicts every run of each published source with efficiencies fitted
 on the other sources only. The pooled absolute relative errors of those held-out predictions are the
 honest error of an uncalibrated estimate; the interval half-width is their nearest-rank ``COVERAGE``
-quantile. It is stored in ``data/uncertainty.json`` (written by ``scripts/costmodel_calibration.py
---write-uncertainty``, with what it was computed from) so that estimates need not re-run the fits;
+quantile. It is stored in ``data/uncertainty.json`` (computed by ``validation.computed_uncertainty``, written
+by ``scripts/costmodel_calibration.py --write-uncertainty``, with what it was computed from) so that estimates need not re-run the fits;
 tests/test_calibration.py checks that the stored value equals what validation computes now.
 """
 from __future__ import annotations
@@ -46,22 +46,6 @@ def half_width_from_errors(errors: Sequence[float], coverage: float = COVERAGE) 
         raise ValueError("no held-out errors")
     ranked = sorted(abs(e) for e in errors)
     return ranked[max(0, math.ceil(coverage * len(ranked)) - 1)]
-
-
-def computed_uncertainty() -> dict:
-    """What validation gives now (the content of ``data/uncertainty.json``); runs the held-out fits (~5 s)."""
-    from h3t_ext.costmodel.validation import leave_one_source_out
-    held = leave_one_source_out()
-    errors = [e for h in held for e in h.errors_uncalibrated]
-    return {
-        "relative_half_width": round(half_width_from_errors(errors), 6),
-        "coverage": COVERAGE,
-        "held_out_rows": len(errors),
-        "computed_from": ("validation.leave_one_source_out(): pooled |relative tokens/s error| of every run of "
-                          + ", ".join(h.source for h in held) + " predicted with efficiencies fitted on the other "
-                          "sources (no calibration on the held-out one); nearest-rank quantile at the coverage"),
-        "per_source_mae_uncalibrated": {h.source: round(h.mae_uncalibrated, 6) for h in held},
-    }
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,6 +14,7 @@ from h3t_ext.costmodel.fit import FITTABLE, FitResult, MeasuredRun, fit_joint, f
     with_efficiencies
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
 from h3t_ext.costmodel.specs import SystemSpec, prior_efficiencies
+from h3t_ext.costmodel.uncertainty import COVERAGE, half_width_from_errors
 
 
 def measured(runs: Sequence[PublishedRun]) -> list[MeasuredRun]:
@@ -97,3 +98,19 @@ def hold_out(source: str) -> HeldOut:
 
 def leave_one_source_out(sources: Sequence[str] = SOURCES) -> list[HeldOut]:
     return [hold_out(s) for s in sources]
+
+
+def computed_uncertainty() -> dict:
+    """What validation gives now (the content of ``data/uncertainty.json``, ``uncertainty.COVERAGE`` quantile of
+    the held-out errors); runs the held-out fits."""
+    held = leave_one_source_out()
+    errors = [e for h in held for e in h.errors_uncalibrated]
+    return {
+        "relative_half_width": round(half_width_from_errors(errors), 6),
+        "coverage": COVERAGE,
+        "held_out_rows": len(errors),
+        "computed_from": ("validation.leave_one_source_out(): pooled |relative tokens/s error| of every run of "
+                          + ", ".join(h.source for h in held) + " predicted with efficiencies fitted on the other "
+                          "sources (no calibration on the held-out one); nearest-rank quantile at the coverage"),
+        "per_source_mae_uncalibrated": {h.source: round(h.mae_uncalibrated, 6) for h in held},
+    }
