@@ -238,6 +238,22 @@ def output_layer_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
     return terms
 
 
+def unfused_scores_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2,
+                                   dropout_mask_bytes: int = BOOL) -> int:
+    """The s^2 tensors Megatron's unfused core attention (--attention-backend unfused/local) saves per layer and
+    microbatch for its backward: the fused scale-mask-softmax's output (the probabilities, activation dtype),
+    and with --attention-dropout > 0 the dropout mask and the dropped probabilities that feed the P.V batched
+    GEMM (Korthikanti et al. 2022, Sec. 4.1: 5as^2b bytes per layer at bf16 with dropout). Over the rank's
+    a/t heads. Flash attention and TE's fused attention keep none; ckpt 'selective' recomputes the core
+    attention and 'full' the whole layer, so both keep none either."""
+    if plan.attention_backend != "unfused" or str(plan.ckpt) in ("selective", "full"):
+        return 0
+    per_score = dtype_bytes + ((dropout_mask_bytes + dtype_bytes) if model.attention_dropout > 0 else 0)
+    heads = model.num_attention_heads // plan.tensor_model_parallel_size
+    s = plan.seq_length // plan.context_parallel_size
+    return plan.micro_batch_size * heads * s * s * per_score
+
+
 def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_spec: str = "te") -> int:
     """cos and sin ([s/c, 1, 1, head_dim], for q and for k) that megatron-core's unfused RoPE saves per
     layer and microbatch with the 'local' spec; 0 with the 'te' spec (fused RoPE) and for GPT models with
@@ -262,8 +278,10 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
     per_tok = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
                                           sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
                                           layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes, fp8=fp8)
-    chunk = rank_layers // v * (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
-                                                                        layer_spec=layer_spec))
+    chunk = rank_layers // v * (tokens * per_tok
+                                + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
+                                + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
+                                                                 dropout_mask_bytes=dropout_mask_bytes))
     if stage == 0:
         chunk += embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,
                                                dropout_mask_bytes=dropout_mask_bytes)

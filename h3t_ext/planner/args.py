@@ -13,7 +13,7 @@ from typing import NoReturn, Optional, Union
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
-from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES
+from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, TRANSFORMER_IMPLS
 from h3t_ext.ckpt import CKPT_CHOICES
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner import translate
@@ -98,7 +98,9 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     for flag in ("tensor-model-parallel-size", "context-parallel-size", "pipeline-model-parallel-size"):
         p.add_argument("--" + flag, type=_positive_int, default=None if search else 1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
-    p.add_argument("--ckpt", choices=CKPT_CHOICES, default=None if search else "no")
+    p.add_argument("--ckpt", choices=CKPT_CHOICES, default=None, help="h3t-ext's checkpointing (default no)")
+    p.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="Megatron's recompute: full (= --ckpt full) or selective (the core attention)")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
     p.add_argument("--tp-comm-overlap", action="store_true",
@@ -113,6 +115,11 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                    help="Megatron FSDP (--use-megatron-fsdp): shard the gradients too (optim_grads, "
                         "reduce-scattered after every microbatch) or gradients and parameters "
                         "(optim_grads_params, all-gathered for every microbatch); default: Megatron's DDP")
+    p.add_argument("--attention-backend", choices=translate.ATTENTION_BACKEND_CHOICES, default="auto",
+                   help="Megatron's attention backend: auto/flash/fused save no s^2 scores, unfused/local do "
+                        "(batched GEMMs and a softmax over the scores in HBM)")
+    p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="transformer_engine",
+                   help="Megatron's --transformer-impl (local: no TransformerEngine; no FP8)")
     p.add_argument("--fp8-format", dest="fp8", choices=FP8_FORMATS, default=None,
                    help="FP8 linear layers through TransformerEngine (Hopper or newer): e4m3, or hybrid (E5M2 "
                         "gradients); default BF16")
@@ -233,12 +240,26 @@ def system_file_from_args(ns: argparse.Namespace) -> dict:
     return system_file_dict(ns.gpu)
 
 
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+"""Megatron's --recompute-granularity values the planner prices."""
+
+
+def _ckpt_of(ns: argparse.Namespace, *, search: bool) -> Optional[str]:
+    """--ckpt or Megatron's --recompute-granularity (one of them); estimate's default is 'no', search's None
+    (searched)."""
+    granularity = getattr(ns, "recompute_granularity", None)
+    if granularity is not None and ns.ckpt is not None and ns.ckpt != granularity:
+        raise UsageError(f"argument --recompute-granularity: {granularity} contradicts --ckpt {ns.ckpt} "
+                         "(give one of them)")
+    return ns.ckpt or granularity or (None if search else "no")
+
+
 def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Plan:
     """The plan of ``estimate``'s flags (the one translation, :mod:`h3t_ext.planner.translate`); ``alpha``
     replaces a symbolic ``--offload-alpha``."""
     if alpha is None:
         alpha = 0.0 if isinstance(ns.offload_alpha, str) else ns.offload_alpha
-    return translate.plan_from_args(ns, num_gpus=ns.num_gpus, offload_alpha=alpha,
+    return translate.plan_from_args(ns, num_gpus=ns.num_gpus, offload_alpha=alpha, ckpt=_ckpt_of(ns, search=False),
                                     use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
 
 
@@ -250,6 +271,7 @@ def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
                          f"{ns.micro_batch_size}")
     try:
         return translate.constraints_from_args(ns, max_micro_batch_size=ns.max_micro_batch_size,
+                                               ckpt=_ckpt_of(ns, search=True),
                                                use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -33,6 +33,10 @@ def megatron_flags(plan: Plan) -> list[str]:
         flags.append("--use-distributed-optimizer")
     if plan.data_parallel_sharding_strategy is not None:
         flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.data_parallel_sharding_strategy]
+    if plan.attention_backend != "flash":
+        flags += ["--attention-backend", "unfused"]
+    if plan.transformer_impl != "transformer_engine":
+        flags += ["--transformer-impl", plan.transformer_impl]
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
     if not plan.overlap_p2p_comm:
         flags.append("--no-overlap-p2p-communication")
@@ -58,7 +62,8 @@ _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--
 _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather"}
 _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
-               "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe"}
+               "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--attention-backend": "attention_backend",
+               "--transformer-impl": "transformer_impl"}
 
 
 def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int) -> Plan:

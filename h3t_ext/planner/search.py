@@ -228,7 +228,8 @@ def search(
     static: dict[tuple[int, int, int], Optional[ClosestInfeasible]] = {}
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
                                                       "overlap_p2p_comm", "sequence_parallel",
-                                                      "use_distributed_optimizer", "data_parallel_sharding_strategy")}
+                                                      "use_distributed_optimizer", "data_parallel_sharding_strategy",
+                                                      "attention_backend", "transformer_impl")}
     best_first = top is not None and not exhaustive
     live: list[tuple[tuple, Layout]] = []
     for run in _runs(num_gpus, seq_length, global_batch_size, switches, constraints):

@@ -72,6 +72,11 @@ class SearchConstraints:
     """Megatron's --use-distributed-optimizer for every plan searched."""
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP's --data-parallel-sharding-strategy for every plan searched (None: Megatron's DDP)."""
+    attention_backend: str = "flash"
+    """The cost model's attention of every plan searched ('flash' or 'unfused'; Megatron's --attention-backend
+    through the one translation)."""
+    transformer_impl: str = "transformer_engine"
+    """Megatron's --transformer-impl of every plan searched."""
     precisions: tuple[str, ...] = ("bf16",)
     """Precisions searched: ('bf16',), ('fp8',) or both (``search --precision auto``)."""
     fp8: str = "hybrid"

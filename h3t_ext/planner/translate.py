@@ -59,6 +59,8 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
 save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""
+ATTENTION_BACKEND_CHOICES = tuple(_ATTENTION_BACKENDS)
+"""Megatron's --attention-backend values (its AttnBackend names)."""
 _MISSING = object()
 
 
@@ -117,12 +119,17 @@ def plan_from_args(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fi
     ckpt = _ckpt(read, fixed)
     if ckpt is None:
         raise ValueError("ckpt is not set (give --ckpt no|full|ours)")
+    return Plan(num_gpus=num_gpus, offload_alpha=offload_alpha, ckpt=ckpt, attention_backend=_attention(read, fixed),
+                data_parallel_sharding_strategy=_sharding(read, fixed), **values)
+
+
+def _attention(read, fixed: Mapping[str, Any]) -> str:
+    """The cost model's attention ('flash' or 'unfused') of Megatron's --attention-backend."""
     backend = _value(read, "attention_backend", fixed)
     backend = getattr(backend, "name", backend)  # Megatron's AttnBackend enum or its name
     if backend not in _ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend {backend!r} is not one of {{{','.join(_ATTENTION_BACKENDS)}}}")
-    return Plan(num_gpus=num_gpus, offload_alpha=offload_alpha, ckpt=ckpt, attention_backend=_ATTENTION_BACKENDS[backend],
-                data_parallel_sharding_strategy=_sharding(read, fixed), **values)
+    return _ATTENTION_BACKENDS[backend]
 
 
 def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = None, **fixed: Any) -> SearchConstraints:
@@ -145,6 +152,8 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         max_micro_batch_size=max_micro_batch_size,
         ckpt=_ckpt(read, fixed),
         data_parallel_sharding_strategy=_sharding(read, fixed),
+        attention_backend=_attention(read, fixed),
+        transformer_impl=_value(read, "transformer_impl", fixed),
         **_precision(read, fixed),
         **{k: bool(v) for k, v in switches.items()},
     )
@@ -171,4 +180,4 @@ def _precision(read, fixed: Mapping[str, Any]) -> dict[str, Any]:
             "fp8": fmt or DEFAULT_SEARCH_FP8_FORMAT, "fp8_recipe": _value(read, "fp8_recipe", fixed)}
 
 
-__all__ = ["MEGATRON_DEFAULTS", "constraints_from_args", "plan_from_args"]
+__all__ = ["ATTENTION_BACKEND_CHOICES", "MEGATRON_DEFAULTS", "constraints_from_args", "plan_from_args"]
