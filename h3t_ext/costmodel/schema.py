@@ -39,6 +39,7 @@ SYSTEM_FIELDS = (
     Field("nccl_bytes_per_communicator", integer=True, minimum_inclusive=True),
     Field("allocator_fragmentation_fraction", minimum_inclusive=True, maximum=1.0),
     Field("peak_fp8_flops", minimum_inclusive=True, required=False),
+    Field("compute_capability", minimum_inclusive=True, required=False),
 )
 """The numbers of a system file (``data/systems/*.json``, ``--system-file``); ``peak_fp8_flops`` optional."""
 
@@ -70,12 +71,16 @@ def check_fields(where: str, d: Any, rules: tuple[Field, ...]) -> None:
         _number(where, rule.name, d[rule.name], rule)
 
 
-def check_system_dict(where: str, d: Any) -> None:
+def check_system_dict(where: str, d: Any, efficiency_set_names: tuple[str, ...] = ("hopper", "ampere")) -> None:
     """A system file: its numbers (:data:`SYSTEM_FIELDS`), its ``source`` text, its inline ``efficiencies``
-    (when present) and a positive memory budget (HBM above the CUDA context and NCCL buffers)."""
+    (when present), its ``efficiency_set`` (one of ``efficiency_set_names``, when no efficiencies are inline)
+    and a positive memory budget (HBM above the CUDA context and NCCL buffers)."""
     check_fields(where, d, SYSTEM_FIELDS)
     if not isinstance(d.get("source"), str):
         raise SchemaError(f"{where}: field source must be a string (where the numbers come from)")
+    if "efficiencies" not in d and d.get("efficiency_set") not in efficiency_set_names:
+        raise SchemaError(f"{where}: field efficiency_set must be one of {', '.join(efficiency_set_names)} "
+                          f"(or give an efficiencies object), got {d['efficiency_set']!r}")
     if "efficiencies" in d:
         eff = d["efficiencies"]
         if not isinstance(eff, Mapping):

@@ -241,8 +241,13 @@ def load_system_file(path: str | Path) -> SystemSpec:
     if not p.is_file():
         raise FileNotFoundError(f"--system-file {path}: no such file")
     d = _read_json(p)
-    check_system_dict(f"--system-file {path}", d)
+    check_system_dict(f"--system-file {path}", d, efficiency_set_names())
     return system_from_dict(str(d.get("name", p.stem)).lower(), d)
+
+
+def efficiency_set_names() -> tuple[str, ...]:
+    """The GPU-family efficiency sets of ``fitted_efficiencies.json`` a system file may name."""
+    return tuple(k for k in _fitted()["efficiencies"] if k != "shared")
 
 
 def efficiency_set(name: str) -> dict:
@@ -283,7 +288,7 @@ def memory_budget_from_first_principles(d: dict) -> int:
 def system_from_dict(name: str, d: dict) -> SystemSpec:
     """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``), checked by
     :func:`h3t_ext.costmodel.schema.check_system_dict` (SchemaError, a ValueError, names the field)."""
-    check_system_dict(f"system {name}", d)
+    check_system_dict(f"system {name}", d, efficiency_set_names())
     eff_name = d.get("efficiency_set", name)
     eff = dict(d["efficiencies"]) if "efficiencies" in d else efficiency_set(eff_name)
     return SystemSpec(
