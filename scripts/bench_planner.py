@@ -22,7 +22,7 @@ sys.path.insert(0, REPO)
 
 from h3t_ext.costmodel import get_model, get_system  # noqa: E402
 from h3t_ext.planner.search import search  # noqa: E402
-from h3t_ext.planner.space import SearchConstraints  # noqa: E402
+from h3t_ext.planner.space import MEMORY_LADDER, SearchConstraints  # noqa: E402
 
 
 def _in_process(args) -> dict:
@@ -31,7 +31,7 @@ def _in_process(args) -> dict:
     result = search(model, system, num_gpus=args.num_gpus, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, top=args.top or None,
                     constraints=SearchConstraints(precisions=("bf16", "fp8") if args.precision == "auto"
-                                                  else (args.precision,)))
+                                                  else (args.precision,), memory_ladder=MEMORY_LADDER))
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     best = result.best
     return {

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from h3t_ext.costmodel import fp8
+from h3t_ext.costmodel import fp8, optimizer_offload
 from h3t_ext.costmodel.collectives import Link, all_gather_seconds, group_link, group_node_spread
 from h3t_ext.costmodel.kernels import BF16, FP32, elementwise_seconds, kernel_rates
 from h3t_ext.costmodel.memory import optimizer_shards, stage_params
@@ -187,9 +187,13 @@ def dp_exposed(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float
 def optimizer_step_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """The ``optimizer`` term: the step on the optimizer shard of the stage with most parameters (HBM-bound:
     ``ADAM_BYTES_PER_PARAM`` per parameter of the shard, the fp32 gradient zeroing of the whole buffer); with FP8
-    also the weights' once-per-iteration cast (``fp8.step_seconds``)."""
+    also the weights' once-per-iteration cast (``fp8.step_seconds``); with --optimizer-cpu-offload the device
+    steps 1 - F of the shard and the CPU the rest (``optimizer_offload.step_seconds``)."""
     p = plan.pipeline_model_parallel_size
     n, k = max((stage_params(model, plan, k), k) for k in {0, p - 1})
-    return elementwise_seconds(n * ADAM_BYTES_PER_PARAM / optimizer_shards(plan) + n * FP32, kernel_rates(system),
+    shard = n / optimizer_shards(plan)
+    on_device = shard * (1.0 - optimizer_offload.offload_fraction(plan))
+    return elementwise_seconds(on_device * ADAM_BYTES_PER_PARAM + n * FP32, kernel_rates(system),
                                kernels=OPTIMIZER_KERNELS) \
-        + fp8.step_seconds(model, plan, system, plan.stage_layers(model.num_layers, k))
+        + fp8.step_seconds(model, plan, system, plan.stage_layers(model.num_layers, k)) \
+        + optimizer_offload.step_seconds(model, plan, system, shard)

@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from h3t_ext.costmodel.activations import rank_offloads
+from h3t_ext.costmodel.activations import rank_offloads, residency_lines
 from h3t_ext.costmodel.errors import InfeasiblePlanError
-from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_memory
+from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_host_bytes, stage_memory
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan, validate_plan
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
@@ -17,6 +17,15 @@ from h3t_ext.costmodel.plausibility import Plausibility, plausibility
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 
 GB = 1e9
+HOST_MEMORY_USABLE_FRACTION = 0.8
+"""Share of a node's host DRAM (system file ``host_memory_bytes``) the default host budget gives the training
+ranks' offloaded state: the operating system, the page cache of the dataset, the data-loader workers and the
+ranks' own Python heaps keep the rest (an assumption, stated; ``--host-memory-budget`` replaces it)."""
+
+
+def default_host_memory_budget_bytes(system: SystemSpec) -> Optional[int]:
+    """Host bytes per node offloaded state may take by default; None when the system file states no host memory."""
+    return int(system.host_memory_bytes * HOST_MEMORY_USABLE_FRACTION) if system.host_memory_bytes else None
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,25 @@ class Estimate:
     """Host<->device bytes per iteration per GPU (both directions, the worst stage)."""
     efficiency_set: str = ""
     """GPU family of the system it was priced on (what :attr:`plausibility` compares within)."""
+    host_terms: tuple[tuple[str, int], ...] = ()
+    """Host bytes of the rank that holds most, by term (offloaded optimizer share, offloaded activations)."""
+    gpus_per_node: int = 1
+    """Ranks sharing one host."""
+    host_memory_budget_bytes: Optional[int] = None
+    """Host bytes per node offloaded state may take (None: not checked)."""
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        return sum(b for _, b in self.host_terms)
+
+    @property
+    def host_bytes_per_node(self) -> int:
+        """Every rank of a node taken as the one that holds most."""
+        return self.host_bytes_per_rank * self.gpus_per_node
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_memory_budget_bytes is None or self.host_bytes_per_node <= self.host_memory_budget_bytes
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -62,7 +90,8 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.memory_budget_bytes
+        """Device memory within its budget and the node's offloaded state within the host budget."""
+        return self.peak_memory_bytes <= self.memory_budget_bytes and self.host_fits
 
     @property
     def iteration_time_s(self) -> float:
@@ -100,6 +129,14 @@ class Estimate:
         """The error describing why the plan does not fit, or None when it fits."""
         if self.fits:
             return None
+        if self.peak_memory_bytes <= self.memory_budget_bytes:  # the host is what does not fit
+            excess = self.host_bytes_per_node - self.host_memory_budget_bytes
+            terms = ", ".join(f"{k} {b / GB:.1f} GB" for k, b in self.host_terms if b)
+            return InfeasiblePlanError(
+                f"host memory: {self.gpus_per_node} ranks x {self.host_bytes_per_rank / GB:.1f} GB ({terms}) = "
+                f"{self.host_bytes_per_node / GB:.1f} GB per node > host budget "
+                f"{self.host_memory_budget_bytes / GB:.1f} GB, over by {excess / GB:.1f} GB",
+                term="host_memory", excess_bytes=int(excess), stage=None)
         return over_budget_error(self.stages[self.peak_stage], self.memory_budget_bytes)
 
     def raise_if_infeasible(self) -> None:
@@ -165,6 +202,8 @@ class Estimate:
             "mfu": self.mfu,
             "plausibility": self.plausibility.to_dict(),
             "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,
+            "host_memory": {"terms_per_rank": dict(self.host_terms), "bytes_per_node": self.host_bytes_per_node,
+                            "budget_bytes_per_node": self.host_memory_budget_bytes, "fits": self.host_fits},
         }
 
 
@@ -178,12 +217,14 @@ def over_budget_error(stage: StageMemory, budget: int, suffix: str = "") -> Infe
 
 
 def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
-             memory_budget_bytes: Optional[int] = None, timeline: bool = True) -> Estimate:
+             memory_budget_bytes: Optional[int] = None, timeline: bool = True,
+             host_memory_budget_bytes: Optional[int] = None) -> Estimate:
     """Price ``plan``; raises InvalidPlanError for plans that cannot be built. Does not raise when the plan
     does not fit memory: check ``fits`` or call ``raise_if_infeasible()``.
 
     The time is the simulated timeline of the schedule builder's action lists (:mod:`timeline`);
-    ``timeline=False`` prices the closed form only (the planner's pruning), which ``closed_form`` always holds."""
+    ``timeline=False`` prices the closed form only (the planner's pruning), which ``closed_form`` always holds.
+    ``host_memory_budget_bytes`` (per node) replaces :func:`default_host_memory_budget_bytes`."""
     validate_plan(model, plan, system)
     budget = (default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None
               else int(memory_budget_bytes))
@@ -197,10 +238,27 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     tl = plan_timeline(model, plan, system, alphas) if timeline else None
     terms = closed if tl is None else timeline_terms(model, plan, system, tl)
     pcie = max(int(2 * a * chunk * n) for a, n in zip(alphas, offloaded))
+    host = max((_host_terms(model, plan, k, alphas[k], v, offloaded[k]) for k in range(p)),
+               key=lambda terms: sum(b for _, b in terms))
     return Estimate(
         plan=plan, offload_alpha=alphas, stages=stages, memory_budget_bytes=budget, time_terms=terms,
         closed_form=closed, timeline=tl,
         tokens_per_iteration=plan.tokens_per_iteration, num_gpus=plan.num_gpus,
         model_flops_per_token=model_flops_per_token(model, plan.seq_length), peak_flops=system.peak_bf16_flops,
-        pcie_bytes_per_iteration=pcie, efficiency_set=system.efficiency_set,
+        pcie_bytes_per_iteration=pcie, efficiency_set=system.efficiency_set, host_terms=host,
+        gpus_per_node=min(system.gpus_per_node, plan.num_gpus),
+        host_memory_budget_bytes=(default_host_memory_budget_bytes(system) if host_memory_budget_bytes is None
+                                  else int(host_memory_budget_bytes)),
     )
+
+
+def _host_terms(model: ModelSpec, plan: Plan, stage: int, alpha: float, v: int,
+                offloads: int) -> tuple[tuple[str, int], ...]:
+    """Host bytes of one rank of ``stage``: its offloaded optimizer share and, with activation offload, at most
+    alpha of every microbatch-chunk it holds at its peak (the pinned copies wait on the host until reloaded)."""
+    terms = dict(stage_host_bytes(model, plan, stage))
+    if alpha > 0 and offloads:
+        held = max(full + n_off for full, n_off in residency_lines(plan.pipeline_model_parallel_size,
+                                                                   plan.num_microbatches, v, stage))
+        terms["activations"] = int(alpha * held * chunk_activation_bytes(model, plan, stage))
+    return tuple(terms.items())

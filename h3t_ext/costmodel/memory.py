@@ -37,6 +37,9 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
                            parameters also the bf16 all-gathered parameters of two layers (the one running
                            and the prefetched one).
 
+With --optimizer-cpu-offload the device keeps the optimizer states of 1 - F of the shard; the rest is on the
+host (:func:`stage_host_bytes`, :mod:`h3t_ext.costmodel.optimizer_offload`).
+
 With Megatron FSDP's ``optim_grads`` the gradients are sharded over d like the optimizer states
 (4 n / d), with ``optim_grads_params`` the bf16 weights too (2 n / d).
 """
@@ -54,7 +57,7 @@ from h3t_ext.costmodel.activations import (
     rank_offloads,
     residency_lines,
 )
-from h3t_ext.costmodel import fp8
+from h3t_ext.costmodel import fp8, optimizer_offload
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
 
@@ -141,6 +144,13 @@ def optimizer_shards(plan: Plan) -> int:
     return plan.data_parallel_size if plan.use_distributed_optimizer else 1
 
 
+def stage_host_bytes(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
+    """Host bytes of one rank of pipeline stage ``stage``, by term: the offloaded optimizer share
+    (``optimizer_offload.host_bytes``)."""
+    shard = stage_params(model, plan, stage) / optimizer_shards(plan)
+    return optimizer_offload.host_bytes(shard, plan)
+
+
 def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
     """The alpha-independent terms of a stage holding ``n`` parameters."""
     d = plan.data_parallel_size
@@ -150,7 +160,8 @@ def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, 
     terms = {
         "weights": -(-weights // d) if strategy == "optim_grads_params" else weights,
         "grads": -(-n * FP32 // d) if strategy is not None else n * FP32,
-        "optimizer_states": -(-n * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
+        "optimizer_states": -(-int(round(n * (1.0 - optimizer_offload.offload_fraction(plan))))
+                              * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
     }
     if plan.fp8 is not None:
         terms["fp8_weight_cache"] = fp8.weight_cache_bytes(model, plan, layers)

@@ -77,6 +77,14 @@ class Plan:
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP (--use-megatron-fsdp) with --data-parallel-sharding-strategy 'optim_grads' or
     'optim_grads_params' (see FSDP_SHARDING_STRATEGIES); None: Megatron's DDP."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's --optimizer-cpu-offload (with --use-precision-aware-optimizer and the distributed optimizer, as
+    Megatron-LM's arguments.py requires): a share of the optimizer shard is stepped on the CPU by megatron-core's
+    HybridDeviceOptimizer (:mod:`h3t_ext.costmodel.optimizer_offload`)."""
+    optimizer_offload_fraction: float = 1.0
+    """Megatron's --optimizer-offload-fraction (default 1.0): that share, in [0, 1]."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """Megatron's --overlap-cpu-optimizer-d2h-h2d: gradient and parameter copies pipelined with the CPU steps."""
     attention_backend: str = "flash"
     """'flash' or 'unfused' (see ATTENTION_BACKENDS)."""
     transformer_impl: str = "transformer_engine"
@@ -183,6 +191,12 @@ def _validate_ranges(plan: Plan) -> None:
            f"data_parallel_sharding_strategy must be one of {', '.join(FSDP_SHARDING_STRATEGIES)}, got {strategy!r}")
     _check(strategy is None or plan.use_distributed_optimizer,
            "data_parallel_sharding_strategy shards the optimizer states too: it needs use_distributed_optimizer")
+    f = plan.optimizer_offload_fraction
+    _check(isinstance(f, (int, float)) and 0.0 <= f <= 1.0,
+           f"optimizer_offload_fraction must be a number in [0, 1], got {f!r}")
+    _check(not plan.optimizer_cpu_offload or (plan.use_distributed_optimizer and strategy is None),
+           "optimizer_cpu_offload needs use_distributed_optimizer (Megatron-LM: --use-precision-aware-optimizer, "
+           "which needs the distributed optimizer) and Megatron's DDP, not Megatron FSDP")
     _check(plan.attention_backend in ATTENTION_BACKENDS,
            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {plan.attention_backend!r}")
     validate_fp8(plan)

@@ -40,6 +40,8 @@ SYSTEM_FIELDS = (
     Field("allocator_fragmentation_fraction", minimum_inclusive=True, maximum=1.0),
     Field("peak_fp8_flops", minimum_inclusive=True, required=False),
     Field("compute_capability", minimum_inclusive=True, required=False),
+    Field("host_memory_bytes", integer=True, minimum_inclusive=True, required=False),
+    Field("host_memory_bandwidth", minimum_inclusive=True, required=False),
 )
 """The numbers of a system file (``data/systems/*.json``, ``--system-file``); ``peak_fp8_flops`` optional."""
 

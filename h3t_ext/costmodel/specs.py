@@ -166,6 +166,10 @@ class SystemSpec:
     nccl_bytes_per_communicator: int = 0
     """NCCL receive buffers of one collective communicator: channels x 3 connections (ring + tree) x 9.19 MiB
     (SIMPLE + LL128 + LL); outside max_memory_allocated (``reserve.py``)."""
+    host_memory_bytes: int = 0
+    """Host DRAM of one node (the limit on what its ranks offload; 0: not stated, not checked)."""
+    host_memory_bandwidth: float = 0.0
+    """Host DRAM bandwidth of one node, bytes/s (CPU optimizer steps; 0: not stated, CPU offload not priced)."""
     efficiencies: Mapping[str, float] = field(default_factory=dict, hash=False)
     """Fitted efficiencies (fractions of the peaks above); see ``fitted_efficiencies.json``."""
     source: str = ""
@@ -312,6 +316,8 @@ def system_from_dict(name: str, d: dict) -> SystemSpec:
         cuda_context_bytes=int(d["cuda_context_bytes"]),
         allocator_fragmentation_fraction=float(d["allocator_fragmentation_fraction"]),
         nccl_bytes_per_communicator=int(d["nccl_bytes_per_communicator"]),
+        host_memory_bytes=int(d.get("host_memory_bytes") or 0),
+        host_memory_bandwidth=float(d.get("host_memory_bandwidth") or 0.0),
         efficiencies=MappingProxyType({k: float(v) for k, v in eff.items() if not k.startswith("_")}),
         source=d["source"],
         efficiency_set=eff_name,

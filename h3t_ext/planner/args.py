@@ -68,6 +68,16 @@ def _dropout(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (valid: a fraction in [0, 1])") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails both
+        raise argparse.ArgumentTypeError(f"{value} out of range (valid: a fraction in [0, 1])")
+    return value
+
+
 def _alpha(text: str) -> AlphaArg:
     try:
         value = OffloadAlpha.parse(text, flag="")
@@ -92,6 +102,9 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     _add_system(r)
     r.add_argument("--memory-budget", type=_budget, help="bytes per GPU, e.g. 80000000000, 78GB, 72GiB "
                    "(default: the system's budget)")
+    r.add_argument("--host-memory-budget", type=_budget, default=None,
+                   help="host bytes per node offloaded state may use (default 80%% of the system file's "
+                        "host_memory_bytes)")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     p = sp.add_argument_group("plan" + (" (fixes that dimension of the search)" if search else ""))
     p.add_argument("--micro-batch-size", type=_positive_int, default=None if search else 1)
@@ -115,6 +128,13 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                    help="Megatron FSDP (--use-megatron-fsdp): shard the gradients too (optim_grads, "
                         "reduce-scattered after every microbatch) or gradients and parameters "
                         "(optim_grads_params, all-gathered for every microbatch); default: Megatron's DDP")
+    p.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="megatron-core's HybridDeviceOptimizer: step a share of the optimizer on the CPU (needs the "
+                        "distributed optimizer); search tries it by itself when nothing else fits")
+    p.add_argument("--optimizer-offload-fraction", type=_fraction, default=1.0,
+                   help="share of the optimizer shard stepped on the CPU, in [0, 1] (default 1.0)")
+    p.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="pipeline the gradient and parameter copies with the CPU optimizer steps")
     p.add_argument("--attention-backend", choices=translate.ATTENTION_BACKEND_CHOICES, default="auto",
                    help="Megatron's attention backend: auto/flash/fused save no s^2 scores, unfused/local do "
                         "(batched GEMMs and a softmax over the scores in HBM)")

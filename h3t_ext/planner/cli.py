@@ -40,7 +40,7 @@ def _console() -> Console:
 def _estimate(ns, model, system) -> int:
     try:
         ev = evaluate(model, plan_from_args(ns), system, alpha_mode=ns.offload_alpha,
-                      memory_budget_bytes=ns.memory_budget)
+                      memory_budget_bytes=ns.memory_budget, host_memory_budget_bytes=ns.host_memory_budget)
     except InfeasiblePlanError as e:
         return _fail(f"--offload-alpha {ns.offload_alpha}: no alpha in [0, 1] fits the memory budget: {e.reason}")
     if ns.json:
@@ -64,7 +64,7 @@ def _search(ns, model, system) -> int:
     result = search(model, system, num_gpus=ns.num_gpus, seq_length=ns.seq_length,
                     global_batch_size=ns.global_batch_size, constraints=constraints_from_args(ns),
                     alpha_mode=ns.offload_alpha, memory_budget_bytes=ns.memory_budget, exhaustive=ns.exhaustive,
-                    top=ns.top)
+                    top=ns.top, host_memory_budget_bytes=ns.host_memory_budget)
     if not result.plans:
         return _fail(fmt.no_plan_message(result))
     if ns.json:

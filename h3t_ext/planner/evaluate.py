@@ -54,7 +54,8 @@ def _validate_mode(alpha_mode: AlphaMode) -> None:
 
 
 def evaluate(model: ModelSpec, plan: Plan, system: SystemSpec, *, alpha_mode: AlphaMode = "auto",
-             memory_budget_bytes: Optional[int] = None, timeline: bool = True) -> Evaluation:
+             memory_budget_bytes: Optional[int] = None, timeline: bool = True,
+             host_memory_budget_bytes: Optional[int] = None) -> Evaluation:
     """Resolve alpha and estimate; raises the cost model's PlanError subclasses.
 
     With ``auto``/``balanced`` an InfeasiblePlanError means that even alpha = 1 does not fit.
@@ -64,21 +65,25 @@ def evaluate(model: ModelSpec, plan: Plan, system: SystemSpec, *, alpha_mode: Al
     _validate_mode(alpha_mode)
     if not isinstance(alpha_mode, str):
         resolved = plan.with_alpha(alpha_mode if isinstance(alpha_mode, tuple) else float(alpha_mode))
-        return Evaluation(resolved, estimate(model, resolved, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline),
+        return Evaluation(resolved, estimate(model, resolved, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline,
+                   host_memory_budget_bytes=host_memory_budget_bytes),
                           alpha_mode)
     zero_plan = plan.with_alpha(0.0)
-    zero_est = estimate(model, zero_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline)
+    zero_est = estimate(model, zero_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline,
+                   host_memory_budget_bytes=host_memory_budget_bytes)
     if zero_est.fits:  # nothing to offload: auto and balanced are both 0
         return Evaluation(zero_plan, zero_est, alpha_mode, auto_estimate=None if alpha_mode == "auto" else zero_est,
                           pcie_bytes_saved_vs_auto=None if alpha_mode == "auto" else 0)
     auto_alpha = solve_offload_alpha(model, plan, system, memory_budget_bytes=memory_budget_bytes, mode="auto")
     auto_plan = plan.with_alpha(auto_alpha)
-    auto_est = estimate(model, auto_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline)
+    auto_est = estimate(model, auto_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline,
+                   host_memory_budget_bytes=host_memory_budget_bytes)
     if alpha_mode == "auto":
         return Evaluation(auto_plan, auto_est, alpha_mode)
     bal_alpha = solve_offload_alpha(model, plan, system, memory_budget_bytes=memory_budget_bytes, mode="balanced")
     bal_plan = plan.with_alpha(bal_alpha)
-    bal_est = estimate(model, bal_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline)
+    bal_est = estimate(model, bal_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline,
+                   host_memory_budget_bytes=host_memory_budget_bytes)
     saved = (sum(pcie_bytes_per_iteration(model, plan, auto_plan.alphas()))
              - sum(pcie_bytes_per_iteration(model, plan, bal_plan.alphas())))
     return Evaluation(bal_plan, bal_est, alpha_mode, auto_estimate=auto_est, pcie_bytes_saved_vs_auto=int(saved))

@@ -37,6 +37,9 @@ def megatron_flags(plan: Plan) -> list[str]:
         flags += ["--attention-backend", "unfused"]
     if plan.transformer_impl != "transformer_engine":
         flags += ["--transformer-impl", plan.transformer_impl]
+    if plan.optimizer_cpu_offload:
+        flags += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
+                  f"{plan.optimizer_offload_fraction:g}"]
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
     if not plan.overlap_p2p_comm:
         flags.append("--no-overlap-p2p-communication")
@@ -58,9 +61,10 @@ _INT_FLAGS = {
     "--global-batch-size": "global_batch_size",
 }
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
-                       "--no-overlap-p2p-communication"})
+                       "--no-overlap-p2p-communication", "--use-precision-aware-optimizer"})
 _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
-            "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather"}
+            "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather",
+            "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d"}
 _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
                "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--attention-backend": "attention_backend",
                "--transformer-impl": "transformer_impl"}
@@ -76,18 +80,24 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
     alpha = 0.0
     it = iter(flags)
     for flag in it:
+        if flag == "--optimizer-cpu-offload":
+            ns.optimizer_cpu_offload = True
+            continue
         if flag in _SWITCHES:
             continue
         if flag in _OVERLAP:
             setattr(ns, _OVERLAP[flag], True)
             continue
-        if flag not in _INT_FLAGS and flag not in _TEXT_FLAGS and flag != "--offload-alpha":
+        if flag not in _INT_FLAGS and flag not in _TEXT_FLAGS and flag not in ("--offload-alpha",
+                                                                               "--optimizer-offload-fraction"):
             raise ValueError(f"unexpected flag {flag!r}")
         value = next(it, None)
         if value is None:
             raise ValueError(f"flag {flag} needs a value")
         if flag in _TEXT_FLAGS:
             setattr(ns, _TEXT_FLAGS[flag], value)
+        elif flag == "--optimizer-offload-fraction":
+            ns.optimizer_offload_fraction = float(value)
         elif flag == "--offload-alpha":
             alpha = OffloadAlpha.parse(value).alpha
         else:

@@ -203,7 +203,11 @@ def no_plan_message(result: SearchResult) -> str:
             r for r in result.rejected if r not in (R_PRUNED, R_SLOWER, R_BOUND)) + ")"
     p = c.plan
     l = p.num_layers_per_virtual_pipeline_stage
+    options = "".join(f" {name}" for name, on in (
+        (f"sharding={p.data_parallel_sharding_strategy}", p.data_parallel_sharding_strategy is not None),
+        (f"optimizer_offload_fraction={p.optimizer_offload_fraction:g}", p.optimizer_cpu_offload)) if on)
+    terms = "; its terms: " + ", ".join(f"{k} {format_bytes(b)}" for k, b in c.terms) if c.terms else ""
     return (f"no plan fits the memory budget; closest: t={p.tensor_model_parallel_size} "
             f"c={p.context_parallel_size} p={p.pipeline_model_parallel_size} l={l if l is not None else '-'} "
-            f"ckpt={p.ckpt} micro_batch={p.micro_batch_size}: {c.term} over budget by {format_bytes(c.excess_bytes)} "
-            f"on stage {c.stage} ({c.reason})")
+            f"ckpt={p.ckpt} micro_batch={p.micro_batch_size}{options}: {c.term} over budget by "
+            f"{format_bytes(c.excess_bytes)} on stage {c.stage} ({c.reason}){terms}")

@@ -21,28 +21,35 @@ search (the memory pruning above still applies; the micro-batch heuristic does n
 from __future__ import annotations
 
 import heapq
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.memory import stage_fixed_terms
+from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
-from h3t_ext.planner.space import CKPT_BY_MEMORY, Layout, SearchConstraints, enumerate_layouts
+from h3t_ext.planner.space import CKPT_BY_MEMORY, Layout, MemoryOption, SearchConstraints, enumerate_layouts
 
 TIMELINE_TOP = 3
 """Plans a search prices on the timeline of the schedule's action lists (the best of the closed form's ranking,
 re-ranked by the timeline): building and simulating the lists takes 10-400 ms per plan shape at the sizes of
 ``scripts/bench_planner.py``, so only the kept plans get it."""
+TIMELINE_CAP = 10
+"""Most plans one search prices on the timeline: when the timeline keeps pricing the closed form's next plans
+below it (offloads whose reloads stall, near-ties), the plans after the cap keep their closed-form estimates
+and follow the timeline-priced ones (each row says which it carries: ``estimate.timeline``)."""
 R_PRUNED = "memory: does not fit (a smaller micro batch or more recompute already did not)"
 R_SLOWER = "slower: a larger micro batch only adds pipeline bubble (throughput already fell with micro batch)"
 R_BOUND = "slower: cannot beat the top plans (upper bound on tokens/s below the last of them)"
+OFFLOAD_FRACTION_STEP = 0.05
+"""Granularity of the --optimizer-offload-fraction a search picks (the smallest multiple that fits)."""
 STATIC_TERMS = ("weights", "grads", "optimizer_states")
 """The cost model's memory terms that depend on neither l, micro batch, ckpt nor alpha."""
 
@@ -79,6 +86,8 @@ class ClosestInfeasible:
     """Pipeline rank over budget, when known."""
     reason: str
     """The cost model's one-line reason."""
+    terms: tuple[tuple[str, int], ...] = ()
+    """Memory terms (bytes) of the stage over budget, largest first, at the largest alpha tried."""
 
 
 @dataclass(frozen=True)
@@ -148,35 +157,110 @@ class _Collector:
         if self.closest is None or verdict.excess_bytes < self.closest.excess_bytes:
             self.closest = verdict
 
-    def infeasible(self, plan: Plan, term: str, excess: int, stage: Optional[int], reason: str) -> None:
-        self.reject_memory(ClosestInfeasible(plan, term, int(excess), stage, reason))
+    def infeasible(self, plan: Plan, term: str, excess: int, stage: Optional[int], reason: str,
+                   terms: Callable[[], Mapping[str, int]] = dict) -> None:
+        """Count one plan rejected for memory; ``terms`` (the stage's memory terms) is called only when it is
+        the closest to fitting so far."""
+        closest = self.closest is None or int(excess) < self.closest.excess_bytes
+        listed = tuple(sorted(((k, int(b)) for k, b in terms().items() if b > 0), key=lambda kv: -kv[1])) \
+            if closest else ()
+        self.reject_memory(ClosestInfeasible(plan, term, int(excess), stage, reason, listed))
 
 
-def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget):
+@dataclass(frozen=True)
+class _Budgets:
+    """What one search checks every plan against (None: the plan's default on the system)."""
+
+    device: Optional[int]
+    """Bytes per GPU (``memory_budget_bytes``)."""
+    host: Optional[int]
+    """Host bytes per node (``host_memory_budget_bytes``)."""
+    ladder: tuple[MemoryOption, ...] = ()
+    """Memory options tried on a plan that needs activation offload or does not fit."""
+
+
+def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets):
+    """Price one plan and, when it fits only by offloading activations or not at all, the same plan with each
+    option of the memory ladder in turn until one fits without activation offload (every one that fits is a
+    feasible plan of its own). The fastest RankedPlan, None when none fits (even at the largest alpha
+    allowed), False when the cost model finds the plan invalid."""
+    ranked = _price_one(col, model, system, plan, alpha_mode, budget)
+    if ranked is False or not budget.ladder or (ranked is not None and not any(ranked.plan.alphas())):
+        return ranked
+    best = ranked
+    for option in budget.ladder:
+        variant = _with_option(model, system, plan, option, budget)
+        if variant is None:
+            continue
+        r = _price_one(col, model, system, variant, alpha_mode, budget)
+        if r and (best is None or r.tokens_per_second > best.tokens_per_second):
+            best = r
+        if r and not any(r.plan.alphas()):
+            break
+    return best
+
+
+def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budgets) -> Optional[Plan]:
+    """``plan`` with one memory option; with optimizer offload, the smallest --optimizer-offload-fraction (in
+    steps of ``OFFLOAD_FRACTION_STEP``) that brings the stage over budget at alpha 0 within it, else 1."""
+    if option.data_parallel_sharding_strategy is not None:
+        return replace(plan, data_parallel_sharding_strategy=option.data_parallel_sharding_strategy)
+    if not option.optimizer_cpu_offload:
+        return None
+    base = replace(plan, offload_alpha=0.0)
+    device = default_memory_budget_bytes(model, base, system) if budget.device is None else budget.device
+    fraction = 0.0
+    for k in sorted({0, plan.pipeline_model_parallel_size - 1}):
+        terms = stage_fixed_terms(model, base, k)
+        excess = stage_memory(model, base, k, 0.0).peak_bytes - device
+        if excess > 0 and terms["optimizer_states"] > 0:
+            fraction = max(fraction, excess / terms["optimizer_states"])
+    fraction = min(1.0, math.ceil(fraction / OFFLOAD_FRACTION_STEP) * OFFLOAD_FRACTION_STEP) if fraction else 1.0
+    return replace(plan, optimizer_cpu_offload=True, optimizer_offload_fraction=round(fraction, 2))
+
+
+def _price_one(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets):
     """Price one plan: the RankedPlan, None when it does not fit (even at the largest alpha allowed),
     False when the cost model finds it invalid."""
     col.considered += 1
     try:
-        ev = evaluate(model, plan, system, alpha_mode=alpha_mode, memory_budget_bytes=budget, timeline=False)
+        ev = evaluate(model, plan, system, alpha_mode=alpha_mode, memory_budget_bytes=budget.device, timeline=False,
+                      host_memory_budget_bytes=budget.host)
     except InvalidPlanError as e:
         col.rejected[reason_category(e.reason)] += 1
         return False  # not a memory verdict: no pruning
     except InfeasiblePlanError as e:
-        col.infeasible(plan, e.term, e.excess_bytes, e.stage, e.reason)
+        col.infeasible(plan, e.term, e.excess_bytes, e.stage, e.reason,
+                       lambda: stage_memory(model, plan.with_alpha(1.0), e.stage or 0, 1.0).terms)
         return None
     est = ev.estimate
     err = est.infeasibility()
     if err is not None:
-        col.infeasible(ev.plan, err.term, err.excess_bytes, err.stage, err.reason)
+        col.infeasible(ev.plan, err.term, err.excess_bytes, err.stage, err.reason,
+                       lambda: est.stages[est.peak_stage].terms if err.stage is not None else dict(est.host_terms))
         return None
     ranked = RankedPlan(ev, tuple(megatron_flags(ev.plan)))
     col.feasible.append(ranked)
     return ranked
 
 
-def _static_infeasibility(model, system, plan: Plan, budget: Optional[int]) -> Optional[ClosestInfeasible]:
+def _static_infeasibility(model, system, plan: Plan, budgets: _Budgets) -> Optional[ClosestInfeasible]:
     """Weights, gradients and optimizer states alone (independent of l, micro batch, ckpt and alpha)
-    over the budget on some stage: the whole (t, c, p) subtree is infeasible."""
+    over the budget on some stage, with the plan's switches and with every option of the memory ladder: the
+    whole (t, c, p) subtree is infeasible (the verdict closest to fitting)."""
+    verdicts = [_static_verdict(model, system, plan, budgets.device)]
+    for option in budgets.ladder:
+        if verdicts[-1] is None:
+            return None
+        variant = replace(plan, data_parallel_sharding_strategy=option.data_parallel_sharding_strategy,
+                          optimizer_cpu_offload=option.optimizer_cpu_offload, optimizer_offload_fraction=1.0)
+        verdicts.append(_static_verdict(model, system, variant, budgets.device))
+    if verdicts[-1] is None:
+        return None
+    return min(verdicts, key=lambda v: v.excess_bytes)
+
+
+def _static_verdict(model, system, plan: Plan, budget: Optional[int]) -> Optional[ClosestInfeasible]:
     budget = default_memory_budget_bytes(model, plan, system) if budget is None else budget
     p = plan.pipeline_model_parallel_size
     for k in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold the same (stage_kind in memory.py)
@@ -188,7 +272,8 @@ def _static_infeasibility(model, system, plan: Plan, budget: Optional[int]) -> O
             reason = (f"stage {k}: weights, grads and optimizer states alone need {need / 1e9:.1f} GB > budget "
                       f"{budget / 1e9:.1f} GB ({term} {static[term] / 1e9:.1f} GB is the largest), over by at least "
                       f"{(need - budget) / 1e9:.1f} GB")
-            return ClosestInfeasible(plan, term, need - budget, k, reason)
+            return ClosestInfeasible(plan, term, need - budget, k, reason,
+                                     tuple(sorted(static.items(), key=lambda kv: -kv[1])))
     return None
 
 
@@ -204,6 +289,7 @@ def search(
     memory_budget_bytes: Optional[int] = None,
     exhaustive: bool = False,
     top: Optional[int] = None,
+    host_memory_budget_bytes: Optional[int] = None,
 ) -> SearchResult:
     """Enumerate, price and rank every valid plan (pure; no printing).
 
@@ -229,8 +315,10 @@ def search(
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
                                                       "overlap_p2p_comm", "sequence_parallel",
                                                       "use_distributed_optimizer", "data_parallel_sharding_strategy",
-                                                      "attention_backend", "transformer_impl")}
+                                                      "attention_backend", "transformer_impl", "optimizer_cpu_offload",
+                                                      "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d")}
     best_first = top is not None and not exhaustive
+    budgets = _Budgets(memory_budget_bytes, host_memory_budget_bytes, constraints.memory_ladder)
     live: list[tuple[tuple, Layout]] = []
     for run in _runs(num_gpus, seq_length, global_batch_size, switches, constraints):
         if reason := _precision_refusal(run, system):  # e.g. FP8 on a GPU without it: no plan of that precision
@@ -241,19 +329,18 @@ def search(
                    layout.pipeline_model_parallel_size)
             if key not in static:
                 probe = _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
-                static[key] = _static_infeasibility(model, system, probe, memory_budget_bytes)
+                static[key] = _static_infeasibility(model, system, probe, budgets)
             if static[key] is not None:
                 col.reject_memory(static[key], len(ckpts) * len(layout.micro_batch_sizes))
                 continue
             if best_first:
                 live.append((run, layout))
             else:
-                _search_layout(col, model, system, layout, ckpts, alpha_mode, memory_budget_bytes, run, exhaustive)
+                _search_layout(col, model, system, layout, ckpts, alpha_mode, budgets, run, exhaustive)
     if best_first:
-        _search_best_first(col, model, system, live, ckpts, alpha_mode, memory_budget_bytes, top)
+        _search_best_first(col, model, system, live, ckpts, alpha_mode, budgets, top)
     ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
-    ranked = _with_timeline(model, system, ranked, min(top or TIMELINE_TOP, TIMELINE_TOP), alpha_mode,
-                            memory_budget_bytes)
+    ranked = _with_timeline(model, system, ranked, min(top or TIMELINE_TOP, TIMELINE_TOP), alpha_mode, budgets)
     return SearchResult(tuple(ranked), dict(col.rejected), col.considered, col.closest)
 
 
@@ -279,13 +366,15 @@ def _precision_refusal(run: tuple, system: SystemSpec) -> Optional[str]:
 def _with_timeline(model, system, ranked: list[RankedPlan], k: int, alpha_mode, budget) -> list[RankedPlan]:
     """The first ``k`` plans (closed-form order) priced again on the timeline of their action lists and
     ranked by it; the rest keep their closed-form estimates, after them. A closed-form plan that would rank
-    above the last timeline-priced one is priced on the timeline too (until none does), so the whole list is
-    best first."""
+    above the last timeline-priced one is priced on the timeline too (until none does, or ``TIMELINE_CAP``
+    plans have been), so the list is best first up to that cap."""
     kept: list[RankedPlan] = []
     rest = list(ranked)
-    while rest and (len(kept) < k or rest[0].tokens_per_second > kept[-1].tokens_per_second):
+    while rest and (len(kept) < k or (rest[0].tokens_per_second > kept[-1].tokens_per_second
+                                      and len(kept) < TIMELINE_CAP)):
         ev = rest.pop(0).evaluation
-        est = estimate(model, ev.plan, system, memory_budget_bytes=budget)
+        est = estimate(model, ev.plan, system, memory_budget_bytes=budget.device,
+                       host_memory_budget_bytes=budget.host)
         kept.append(RankedPlan(replace(ev, estimate=est), tuple(megatron_flags(ev.plan))))
         kept.sort(key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
     return kept + rest

@@ -41,6 +41,27 @@ R_MB_INTERLEAVE = "interleaved 1F1B needs num_microbatches to be a multiple of p
 
 
 @dataclass(frozen=True)
+class MemoryOption:
+    """One step of the search's memory ladder: Megatron FSDP's sharding strategy or megatron-core's optimizer CPU
+    offload, applied on top of a plan that does not fit (or fits only by offloading activations)."""
+
+    data_parallel_sharding_strategy: Optional[str] = None
+    """'optim_grads' or 'optim_grads_params' (Megatron FSDP), or None (Megatron's DDP)."""
+    optimizer_cpu_offload: bool = False
+    """--optimizer-cpu-offload with the smallest --optimizer-offload-fraction that fits (at most 1)."""
+
+
+MEMORY_LADDER: tuple[MemoryOption, ...] = (
+    MemoryOption(data_parallel_sharding_strategy="optim_grads"),
+    MemoryOption(data_parallel_sharding_strategy="optim_grads_params"),
+    MemoryOption(optimizer_cpu_offload=True),
+)
+"""The options ``search`` tries, in this order (each saves more device memory and costs more time than the one
+before it in the usual case: gradient reduce-scatters per microbatch, then parameter all-gathers, then PCIe and
+the CPU step), when neither is fixed on the command line."""
+
+
+@dataclass(frozen=True)
 class SearchConstraints:
     """Values the user fixed on the command line; None means search over all of them."""
 
@@ -70,6 +91,12 @@ class SearchConstraints:
     """Megatron's --sequence-parallel (with t > 1) for every plan searched."""
     use_distributed_optimizer: bool = True
     """Megatron's --use-distributed-optimizer for every plan searched."""
+    optimizer_cpu_offload: bool = False
+    """Megatron's --optimizer-cpu-offload for every plan searched (with ``optimizer_offload_fraction``)."""
+    optimizer_offload_fraction: float = 1.0
+    """Megatron's --optimizer-offload-fraction of those plans."""
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    """Megatron's --overlap-cpu-optimizer-d2h-h2d for every plan that offloads the optimizer."""
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP's --data-parallel-sharding-strategy for every plan searched (None: Megatron's DDP)."""
     attention_backend: str = "flash"
@@ -77,6 +104,9 @@ class SearchConstraints:
     through the one translation)."""
     transformer_impl: str = "transformer_engine"
     """Megatron's --transformer-impl of every plan searched."""
+    memory_ladder: tuple[MemoryOption, ...] = ()
+    """Memory options tried on a plan that needs activation offload or does not fit (:data:`MEMORY_LADDER`; the
+    CLI's default); empty: every plan keeps the switches above."""
     precisions: tuple[str, ...] = ("bf16",)
     """Precisions searched: ('bf16',), ('fp8',) or both (``search --precision auto``)."""
     fp8: str = "hybrid"

@@ -20,7 +20,7 @@ from h3t_ext.ckpt import Ckpt
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, Plan
 from h3t_ext.offload_alpha import Alpha
-from h3t_ext.planner.space import SearchConstraints
+from h3t_ext.planner.space import MEMORY_LADDER, MemoryOption, SearchConstraints
 
 MEGATRON_ARGUMENTS_SOURCE = ("https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/"
                              "megatron/training/arguments.py")
@@ -46,6 +46,9 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "fp8": None,  # --fp8-format (dest fp8): BF16 unless given
     "fp8_recipe": "delayed",
     "fp8_param_gather": False,
+    "optimizer_cpu_offload": False,
+    "optimizer_offload_fraction": 1.0,
+    "overlap_cpu_optimizer_d2h_h2d": False,
 }
 """Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
 not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
@@ -55,7 +58,8 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "use_distributed_optimizer",
            "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
            "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "fp8",
-           "fp8_recipe", "fp8_param_gather")
+           "fp8_recipe", "fp8_param_gather", "optimizer_cpu_offload", "optimizer_offload_fraction",
+           "overlap_cpu_optimizer_d2h_h2d")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
 save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""
@@ -142,7 +146,8 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
 
     switches = {name: _value(read, name, fixed) for name in (
         "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
-        "use_distributed_optimizer", "fp8_param_gather")}
+        "use_distributed_optimizer", "fp8_param_gather", "optimizer_cpu_offload", "optimizer_offload_fraction",
+        "overlap_cpu_optimizer_d2h_h2d")}
     return SearchConstraints(
         tensor_model_parallel_size=given("tensor_model_parallel_size"),
         context_parallel_size=given("context_parallel_size"),
@@ -155,8 +160,19 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         attention_backend=_attention(read, fixed),
         transformer_impl=_value(read, "transformer_impl", fixed),
         **_precision(read, fixed),
-        **{k: bool(v) for k, v in switches.items()},
+        memory_ladder=_ladder(read, fixed, switches),
+        **{k: (v if k == "optimizer_offload_fraction" else bool(v)) for k, v in switches.items()},
     )
+
+
+def _ladder(read, fixed: Mapping[str, Any], switches: Mapping[str, Any]) -> tuple[MemoryOption, ...]:
+    """The memory options a search may add (:data:`~h3t_ext.planner.space.MEMORY_LADDER`): none that the
+    arguments fix. Sharding and optimizer offload both need the distributed optimizer; a fixed
+    --data-parallel-sharding-strategy or --optimizer-cpu-offload keeps every plan to it."""
+    if not switches["use_distributed_optimizer"] or switches["optimizer_cpu_offload"] \
+            or _sharding(read, fixed) is not None or _value(read, "use_megatron_fsdp", fixed):
+        return ()
+    return MEMORY_LADDER
 
 
 DEFAULT_SEARCH_FP8_FORMAT = "hybrid"
