@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one command, on a machine with one NVIDIA GPU, PyTorch and no
 # network: the `gpu` pytest tier, the per-stage memory check (two ranks on the GPU against the cost
-# model), the offload-overlap, copy-kernel and attention-dropout benchmarks; writes one JSON report under
+# model), the offload-overlap, copy-kernel and attention-dropout benchmarks, and the cost model's ground truth
+# (scripts/gpu/ground_truth.py, 420 s budget: its JSON lands beside the report); writes one JSON report under
 # docs/gpu-reports/ and prints a short table.
 #
 #   bash scripts/gpu_check.sh [--dry-run]

@@ -90,3 +90,9 @@ def all_reduce_seconds(nbytes: float, size: int, link: Link) -> float:
 def p2p_seconds(nbytes: float, link: Link) -> float:
     """One send/recv of ``nbytes``."""
     return link.latency + nbytes / link.bandwidth
+
+
+def host_copy_seconds(nbytes: float, system: SystemSpec) -> float:
+    """A host<->device copy of ``nbytes`` between pinned host memory and the GPU, one direction: bytes over
+    the PCIe per-direction rate times ``pcie_fraction`` (the offload copies and reloads of activations)."""
+    return nbytes / (system.pcie_bandwidth * system.efficiency("pcie_fraction"))

@@ -119,19 +119,55 @@ def wgrad_seconds(m: int, n: int, k: int, r: KernelRates, *, accumulate_fp32: bo
     return gemm_seconds(m, n, k, r, out_bytes=out, fp8=fp8)
 
 
+LINEAR_PASSES = ("fwd", "dgrad", "wgrad")
+"""The three GEMMs of a linear layer Y[m, n] = X[m, k] W^T: forward, data gradient, weight gradient."""
+
+
+def linear_pass_gemm(pass_: str, m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(M, N, K) of the GEMM that one pass of a linear layer X[m, k] -> Y[m, n] runs: the forward
+    (m, n, k); the data gradient dX[m, k] = dY[m, n] W[n, k], (m, k, n); the weight gradient
+    dW^T[k, n] = X^T[k, m] dY[m, n], (k, n, m)."""
+    if pass_ == "fwd":
+        return m, n, k
+    if pass_ == "dgrad":
+        return m, k, n
+    if pass_ == "wgrad":
+        return k, n, m
+    raise ValueError(f"pass must be one of {', '.join(LINEAR_PASSES)}, got {pass_!r}")
+
+
+def linear_pass_seconds(pass_: str, m: int, n: int, k: int, r: KernelRates, *, fp8: bool = False,
+                        out_bytes: int | None = None) -> float:
+    """One pass of a linear layer X[m, k] -> Y[m, n] (:func:`linear_pass_gemm`): forward and data gradient
+    write a bf16 output, the weight gradient accumulates into the fp32 main grads (:func:`wgrad_seconds`);
+    ``out_bytes`` replaces the bytes per output element (a GEMM that writes a plain bf16 or fp32 output)."""
+    gm, gn, gk = linear_pass_gemm(pass_, m, n, k)
+    if out_bytes is not None:
+        return gemm_seconds(gm, gn, gk, r, out_bytes=out_bytes, fp8=fp8)
+    if pass_ == "wgrad":
+        return wgrad_seconds(gm, gn, gk, r, fp8=fp8)
+    return gemm_seconds(gm, gn, gk, r, fp8=fp8)
+
+
 def _attention_waves(batch_heads: int, s_q: int, r: KernelRates) -> float:
     """Quantization factor (>= 1) of flash-attention blocks over the SMs."""
     blocks = batch_heads * -(-s_q // ATTENTION_BLOCK_Q)
     return math.ceil(blocks / r.sms) * r.sms / blocks
 
 
+def flash_attention_flops(batch_heads: int, s_q: int, s_k: int, head_dim: int, *, causal: bool,
+                          backward: bool) -> float:
+    """FLOPs of one flash-attention call: 4 s_q s_k d per head (QK^T and PV), half of it causal, times
+    ``FLASH_BACKWARD_FLOP_RATIO`` for the backward."""
+    flops = 4.0 * batch_heads * s_q * s_k * head_dim * (0.5 if causal else 1.0)
+    return flops * FLASH_BACKWARD_FLOP_RATIO if backward else flops
+
+
 def flash_attention_seconds(batch_heads: int, s_q: int, s_k: int, head_dim: int, r: KernelRates, *,
                             causal: bool, backward: bool, dropout: bool = False) -> float:
     """One flash-attention call of ``batch_heads`` (batch x local heads) of s_q queries over s_k keys, with
     or without attention dropout."""
-    flops = 4.0 * batch_heads * s_q * s_k * head_dim * (0.5 if causal else 1.0)
-    if backward:
-        flops *= FLASH_BACKWARD_FLOP_RATIO
+    flops = flash_attention_flops(batch_heads, s_q, s_k, head_dim, causal=causal, backward=backward)
     rate = r.attention_flops * head_dim / (head_dim + r.head_dim_overhead)
     if dropout:
         rate /= 1.0 + (r.dropout_bwd_slowdown if backward else r.dropout_fwd_slowdown)

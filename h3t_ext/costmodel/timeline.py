@@ -43,6 +43,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from h3t_ext.costmodel.collectives import host_copy_seconds
 from h3t_ext.costmodel.memory import chunk_activation_bytes
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
@@ -334,8 +335,8 @@ def plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opti
             b[-1] += st.head.bwd
         forward.append(f)
         backward.append(b)
-    pcie = system.pcie_bandwidth * system.efficiency("pcie_fraction")
-    copy = [a * chunk_activation_bytes(model, plan, r) / pcie if a > 0 else 0.0 for r, a in enumerate(alphas)]
+    copy = [host_copy_seconds(a * chunk_activation_bytes(model, plan, r), system) if a > 0 else 0.0
+            for r, a in enumerate(alphas)]
     blocking = v == 1 or not plan.overlap_p2p_comm
     hop = pipeline_hop_seconds(model, plan, system) if p > 1 else 0.0
     ranks = simulate(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking, copy=copy)

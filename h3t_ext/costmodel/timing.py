@@ -48,50 +48,39 @@ from h3t_ext.costmodel.collectives import (
     all_gather_seconds,
     all_reduce_seconds,
     group_link,
+    host_copy_seconds,
     p2p_link,
     p2p_seconds,
+)
+from h3t_ext.costmodel.elementwise import (
+    NORM_ELEMENTS_BWD,
+    NORM_ELEMENTS_FWD,
+    NORM_KERNELS_BWD,
+    NORM_KERNELS_FWD,
+    RESIDUAL_ADD_ELEMENTS,
+    activation_elements,
+    cross_entropy_seconds,
 )
 from h3t_ext.costmodel.kernels import (
     BF16,
     FP32,
+    LINEAR_PASSES,
     KernelRates,
     elementwise_seconds,
     flash_attention_seconds,
-    gemm_seconds,
     kernel_rates,
+    linear_pass_seconds,
     unfused_attention_seconds,
-    wgrad_seconds,
 )
 from h3t_ext.costmodel.data_parallel import dp_exposed, optimizer_step_seconds
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
-CROSS_ENTROPY_BYTES_PER_LOGIT_FWD = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4)
-"""Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard
-(megatron-core 0.16.1 ``tensor_parallel/cross_entropy.py``), forward: cast bf16 -> fp32, max, subtract the
-max in place, exp in place, sum, divide in place (the softmax is kept for backward)."""
-CROSS_ENTROPY_BYTES_PER_LOGIT_BWD = (4 + 4) + (4 + 2)
-"""Backward: the softmax becomes the gradient in place (subtracting the one-hot target touches one logit per
-token), scaled by the loss gradient in place, and autograd casts it to bf16."""
-CROSS_ENTROPY_BYTES_PER_LOGIT = CROSS_ENTROPY_BYTES_PER_LOGIT_FWD + CROSS_ENTROPY_BYTES_PER_LOGIT_BWD
-CROSS_ENTROPY_KERNELS_FWD = 6 + 12
-"""Kernels ``_VocabParallelCrossEntropy.forward`` launches (megatron-core 0.16.1; the tensor-parallel
-all-reduces are collectives, not counted): over the logits ``float()``, ``max``, the in-place subtract,
-``exp``, ``sum``, ``div_`` (6); over the tokens the target mask (``<``, ``>=``, ``|``), ``clone`` and the
-subtract of the masked target, its masked fill, ``arange``, the gather of the predicted logits and its
-``clone``, their masked fill, ``log`` and the loss subtract (12)."""
-CROSS_ENTROPY_KERNELS_BWD = 3 + 3
-"""Kernels of its backward: ``arange``, ``target_mask.float()`` and ``1.0 - ...`` over the tokens (3); the
-indexed subtract of the one-hot target, ``mul_`` by the loss gradient and autograd's cast to bf16 (3)."""
 CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
 """Context-parallel ring forward, per output element and step: read the step's bf16 output, read and write
 the fp32 accumulated output (the softmax-lse rescaling of TransformerEngine's ring attention)."""
 CP_MERGE_BYTES_BWD = FP32 + FP32
 """Backward, per dQ / dK / dV element and step: read and write the fp32 gradient accumulators."""
-NORM_KERNELS_FWD, NORM_KERNELS_BWD = 1, 2
-"""A fused norm (TransformerEngine's LayerNorm/RMSNorm in ``TELayerNormColumnParallelLinear``, or Apex's
-``FusedLayerNorm`` in the local spec) runs one kernel forward; backward one kernel for dx and the partial
-dgamma (dbeta) and one that finalizes the dgamma reduction over the thread blocks."""
 ELEMENTWISE_KERNELS_FWD = 2 * NORM_KERNELS_FWD + 2 + 1
 """Element-wise kernels of one layer's forward in megatron-core 0.16.1 ``transformer/transformer_layer.py``:
 ``input_layernorm`` and ``pre_mlp_layernorm``, the two jit-fused bias-dropout-adds (``self_attn_bda``,
@@ -116,12 +105,24 @@ OURS_RECOMPUTE_KERNELS = 2 * NORM_KERNELS_FWD + 1
 CP_MERGE_KERNELS = 2
 """Context-parallel ring: per step after the first, the softmax-lse correction and the fp32 accumulation
 of the step's partial result (TransformerEngine's ``AttnFuncWithCPAndKVP2P``: two element-wise kernels)."""
-def _gemms(model: ModelSpec, plan: Plan) -> tuple[tuple[int, int, int], ...]:
-    """(M, N, K) of the four GEMMs of one layer on one rank."""
+LAYER_GEMMS = ("qkv", "proj", "fc1", "fc2")
+"""The linear layers of one transformer layer, in order."""
+
+
+def layer_gemm_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[int, int, int]]:
+    """(m, n, k) of the four linear layers of one layer on one rank (X[m, k] -> Y[m, n], m the GEMMs' tokens);
+    ``kernels.linear_pass_gemm`` gives the GEMM each pass runs."""
     t, tokens = plan.tensor_model_parallel_size, plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
     h, hkv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
-    return ((tokens, (h + 2 * hkv) // t, h), (tokens, h, h // t), (tokens, model.fc1_width // t, h),
-            (tokens, h, f // t))
+    return dict(zip(LAYER_GEMMS, ((tokens, (h + 2 * hkv) // t, h), (tokens, h, h // t),
+                                  (tokens, model.fc1_width // t, h), (tokens, h, f // t))))
+
+
+def output_layer_gemm_shape(model: ModelSpec, plan: Plan) -> tuple[int, int, int]:
+    """(m, n, k) of the output layer on the last stage: tokens x the rank's padded vocabulary shard x h."""
+    t = plan.tensor_model_parallel_size
+    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    return tokens, model.padded_vocab_size(t) // t, model.hidden_size
 
 
 def layer_gemm_seconds(model: ModelSpec, plan: Plan, r: KernelRates) -> dict[str, float]:
@@ -130,8 +131,8 @@ def layer_gemm_seconds(model: ModelSpec, plan: Plan, r: KernelRates) -> dict[str
     three at the FP8 rate with --fp8-format (TransformerEngine runs dgrad and wgrad in FP8 too)."""
     fwd = dgrad = wgrad = 0.0
     per, q = [], plan.fp8 is not None
-    for m, n, k in _gemms(model, plan):
-        f, d, w = gemm_seconds(m, n, k, r, fp8=q), gemm_seconds(m, k, n, r, fp8=q), wgrad_seconds(k, n, m, r, fp8=q)
+    for m, n, k in layer_gemm_shapes(model, plan).values():
+        f, d, w = (linear_pass_seconds(p, m, n, k, r, fp8=q) for p in LINEAR_PASSES)
         fwd, dgrad, wgrad = fwd + f, dgrad + d, wgrad + w
         per.append((f, d, w))
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "qkv_dgrad": per[0][1], "qkv_wgrad": per[0][2],
@@ -197,11 +198,12 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
     norm_tokens = tokens // t if plan.sequence_parallel else tokens
     h, hkv, f, fc1 = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.fc1_width
     dropout = model.hidden_dropout > 0
-    norms_fwd, norms_bwd = 2 * 2 * h * norm_tokens, 2 * 3 * h * norm_tokens
-    residual_fwd = 2 * 3 * h * norm_tokens
-    residual_bwd = 2 * 3 * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
+    norms_fwd, norms_bwd = 2 * NORM_ELEMENTS_FWD * h * norm_tokens, 2 * NORM_ELEMENTS_BWD * h * norm_tokens
+    residual_fwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens
+    residual_bwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
     rope = 2 * (h + hkv) * tokens // t if model.swiglu else 0  # Llama models rotate q and k
-    act_fwd, act_bwd = (fc1 + f) * tokens // t, (2 * fc1 + f) * tokens // t
+    act_fwd = activation_elements(fc1, f, backward=False) * tokens // t
+    act_bwd = activation_elements(fc1, f, backward=True) * tokens // t
     if model.add_bias_linear:  # the fused bias-activation's bias gradient, reduced over the tokens by autograd
         act_bwd += fc1 * tokens // t
     # hidden dropout: the two fused bias-dropout-adds also write their 1-byte masks
@@ -393,14 +395,10 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
     r = kernel_rates(system)
-    t = plan.tensor_model_parallel_size
-    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    h, v_shard = model.hidden_size, model.padded_vocab_size(t) // t
-    logits = tokens * v_shard
-    fwd = gemm_seconds(tokens, v_shard, h, r) + elementwise_seconds(
-        logits * CROSS_ENTROPY_BYTES_PER_LOGIT_FWD, r, kernels=CROSS_ENTROPY_KERNELS_FWD)
-    bwd = gemm_seconds(tokens, h, v_shard, r) + wgrad_seconds(h, v_shard, tokens, r) + elementwise_seconds(
-        logits * CROSS_ENTROPY_BYTES_PER_LOGIT_BWD, r, kernels=CROSS_ENTROPY_KERNELS_BWD)
+    tokens, v_shard, h = output_layer_gemm_shape(model, plan)
+    fwd = linear_pass_seconds("fwd", tokens, v_shard, h, r) + cross_entropy_seconds(tokens, v_shard, r, backward=False)
+    bwd = (linear_pass_seconds("dgrad", tokens, v_shard, h, r) + linear_pass_seconds("wgrad", tokens, v_shard, h, r)
+           + cross_entropy_seconds(tokens, v_shard, r, backward=True))
     return HeadTime(fwd, bwd)
 
 
@@ -505,9 +503,8 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     if chunk_bytes and any(a > 0 for a in alphas):
         f_chunk = layers * lt.fwd / v
         b_chunk = layers * (lt.bwd + lt.recompute) / v
-        pcie = system.pcie_bandwidth * system.efficiency("pcie_fraction")
         for a, n in zip(alphas, offloaded_chunks):
-            copy = a * chunk_bytes / pcie
+            copy = host_copy_seconds(a * chunk_bytes, system)
             off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
 
     return TimeTerms(

@@ -10,7 +10,10 @@ alpha 0, one rank), ``copy_speedup_small`` (native batched over the copy_ loop, 
 worse direction) and ``copy_bandwidth_share`` (of one large copy, the worse of both cases and
 directions), ``attention_dropout_slowdown`` (per SDPA backend that runs, the measured forward and
 backward slowdown of attention dropout 0.1 at the Megatron 1.7B row's shape, next to the data file's
-stated values; scripts/gpu/bench_attention_dropout.py); the raw results of each part are kept under
+stated values; scripts/gpu/bench_attention_dropout.py), ``ground_truth`` (scripts/gpu/ground_truth.py: the cost
+model's terms measured beside its predictions; its own JSON lands beside this report as
+``<date>-<gpu>-ground-truth.json``, here its path, the rows measured and those within 10% of the model);
+the raw results of each part are kept under
 ``details`` (with ``megatron_native``: a
 tiny pretrain_gpt.py run on Megatron's own loop where megatron-core 0.17+ was carried in). A field is
 null only where its part failed; ``missing`` then holds that part's last stderr line.
@@ -83,9 +86,28 @@ def megatron_native(timeout_s: int) -> dict:
             "last_error": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else ""}
 
 
+def ground_truth(path: str, budget_s: float) -> tuple[Optional[dict], str]:
+    """scripts/gpu/ground_truth.py --json PATH: (its summary, why it is missing)."""
+    cmd = [sys.executable, "scripts/gpu/ground_truth.py", "--budget-s", f"{budget_s:g}", "--json", path]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s + 300)
+    except subprocess.TimeoutExpired:
+        return None, f"scripts/gpu/ground_truth.py did not finish within {budget_s + 300:g}s"
+    if proc.returncode != 0 or not os.path.isfile(path):
+        return None, (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    measured = [r for r in rows if r["status"] == "measured"]
+    return {"json": os.path.relpath(path, ROOT), "measured": len(measured),
+            "within_10_percent": sum(abs(r["ratio"] - 1) <= 0.10 for r in measured),
+            "not_measured": sum(r["status"] in ("skipped", "failed") for r in rows)}, ""
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "gpu-reports"))
+    p.add_argument("--ground-truth-budget-s", type=float, default=420.0,
+                   help="time budget of scripts/gpu/ground_truth.py (0: skip it)")
     args = p.parse_args(argv)
     import torch
 
@@ -128,6 +150,12 @@ def main(argv=None) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
     path = os.path.join(args.out_dir, f"{report['date']}-{slug}.json")
+    report["ground_truth"] = None
+    if args.ground_truth_budget_s > 0:
+        report["ground_truth"], why = ground_truth(os.path.join(args.out_dir, f"{report['date']}-{slug}-ground-truth.json"),
+                                                   args.ground_truth_budget_s)
+        if report["ground_truth"] is None:
+            report["missing"]["ground_truth"] = why
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     rows = [("GPU tests passed / failed", f"{report['tests_passed']} / {report['tests_failed']}", "all pass"),
@@ -137,6 +165,9 @@ def main(argv=None) -> int:
             ("share of one large copy (worse case)", report["copy_bandwidth_share"], ">= 0.8")]
     stated = "stated " + ("?" if dropout is None else
                           f"{dropout['stated']['fwd_slowdown']:.2f} / {dropout['stated']['bwd_slowdown']:.2f}")
+    gt = report["ground_truth"]
+    rows.append(("cost-model terms within 10% (ground truth)",
+                 None if gt is None else f"{gt['within_10_percent']} / {gt['measured']}", "all, after the refit"))
     for name, r in (report["attention_dropout_slowdown"] or {"flash": None}).items():
         rows.append((f"attention dropout slowdown fwd / bwd ({name})",
                      None if r is None else f"{r['fwd']:.2f} / {r['bwd']:.2f}", stated))
