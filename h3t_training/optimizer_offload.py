@@ -146,7 +146,7 @@ class HostPartition:
     def _optimizer_of(self, p) -> torch.optim.Optimizer:
         if not self.overlap:
             return self.optimizers[0]
-        return self.optimizers[self.model_params.index(p)]
+        return self.optimizers[next(i for i, q in enumerate(self.model_params) if q is p)]
 
     def state(self, p) -> dict:
         """AdamW's state of model parameter ``p`` (empty before the first step)."""
