@@ -129,6 +129,22 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="megatron-core's precision-aware optimizer (GPU: TransformerEngine's FusedAdam; needs "
+                        "--use-distributed-optimizer)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep the optimizer's fp32 master weights and Adam states of --optimizer-offload-fraction "
+                        "of the parameters in host memory and step them there (needs --use-precision-aware-optimizer)")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=None, metavar="F",
+                   help="fraction in [0, 1] of the optimizer's elements offloaded (default 1.0, as Megatron-LM)")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="offloaded parameters copied in, stepped and copied back one at a time (overlapped on GPU)")
+    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true",
+                   help="megatron-core's option of that name (GPU); on CPU both partitions use torch's AdamW")
+    g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads",
+                   help="host gradient copies in pageable memory (GPU)")
+    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params",
+                   help="host parameter copies in pageable memory (GPU)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
                    help="stop with one line at a non-finite loss or gradient norm (the default)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",

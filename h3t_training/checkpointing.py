@@ -413,6 +413,8 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
             _unwrap(chunk).load_state_dict(loaded[key], strict=True)
         if with_optimizer:
             optimizer.load_sharded_state_dict(loaded["optimizer"])
+        else:  # as Megatron-LM: the optimizer's own copies of the weights follow the loaded model
+            optimizer.reload_model_params()
         if with_rng:
             set_rng_state(loaded["rng_state"])
     except BaseException as e:  # DCP's CheckpointException is a BaseException; only an interrupt or exit passes

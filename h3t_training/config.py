@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 from h3t_training import arguments, auto_plan, megatron_compat, validation
 from h3t_training.errors import ArgumentError
 from h3t_training.flag_table import given_table_flags, notice_lines, refusal
+from h3t_training.optimizer_offload import check_optimizer_offload
 from h3t_training.tokenizer import TokenizerError
 
 
@@ -121,7 +122,7 @@ Step = Callable[[TrainConfig], TrainConfig]
 
 def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
-    steps: list[Step] = [arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
+    steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
                          arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)

@@ -99,8 +99,11 @@ REASONS: dict[str, Reason] = {
                     "--use-distributed-optimizer"),
     "cuda_graphs": Reason("noticed", "CUDA graphs exist only on a GPU",
                     "none needed"),
-    "megatron_offload": Reason("noticed", "Megatron-LM's own activation / optimizer CPU offload; h3t-ext's offload is --offload-alpha (same result either way)",
+    "megatron_offload": Reason("noticed", "Megatron-LM's own activation CPU offload; h3t-ext's offload is --offload-alpha (same result either way)",
                     "--offload-alpha A"),
+    "optimizer_offload": Reason("implemented", "optimizer CPU offload as in Megatron-LM: megatron-core's "
+                                "HybridDeviceOptimizer on a GPU, a host partition with the same split on CPU "
+                                "(h3t_training/optimizer_offload.py)"),
     "profiling": Reason("noticed", "profiling / tracing / extra diagnostics are not collected by this driver",
                     "none needed"),
     "memory_mgmt": Reason("noticed", "Python GC / CUDA cache management; no effect on the result",
@@ -316,8 +319,7 @@ _MEGATRON_LM: dict[str, str] = {
 --fp8-param-gather=0 --fp8-quantizer-factory=1 --fp8-recipe=1 --grad-reduce-in-bf16=0
 --keep-fp8-transpose-cache=0
 --main-grads-dtype=1 --main-params-dtype=1 --no-fp8-wgrad=0 --num-layers-at-end-in-bf16=1
---num-layers-at-start-in-bf16=1 --reuse-grad-buf-for-mxfp8-param-ag=0 --te-precision-config-file=1
---use-precision-aware-optimizer=0""",
+--num-layers-at-start-in-bf16=1 --reuse-grad-buf-for-mxfp8-param-ag=0 --te-precision-config-file=1""",
     "comm_overlap": """
 --account-for-embedding-in-pipeline-split=0 --account-for-loss-in-pipeline-split=0 --cp-comm-type=+
 --create-all-gather-group=0 --ddp-average-in-collective=0 --ddp-bucket-size=1 --ddp-num-buckets=1
@@ -355,9 +357,10 @@ _MEGATRON_LM: dict[str, str] = {
 --activation-offload-fraction=1 --cpu-offloading-num-layers=1 --cpu-offloading-retain-pinned-cpu-buffers=0
 --delay-offload-until-cuda-graph=0 --delta-offload-bytes-across-pp-ranks=1 --distribute-saved-activations=0
 --dump-param-to-param-group-map=1 --fine-grained-activation-offloading=0
---fine-grained-offloading-max-inflight-offloads=1 --min-offloaded-tensor-size=1 --no-pin-cpu-grads=0
---no-pin-cpu-params=0 --offload-modules=+ --optimizer-cpu-offload=0 --optimizer-offload-fraction=1
---overlap-cpu-optimizer-d2h-h2d=0 --recompute-modules=+ --use-torch-optimizer-for-cpu-offload=0""",
+--fine-grained-offloading-max-inflight-offloads=1 --min-offloaded-tensor-size=1 --offload-modules=+ --recompute-modules=+""",
+    "optimizer_offload": """
+--no-pin-cpu-grads=0 --no-pin-cpu-params=0 --optimizer-cpu-offload=0 --optimizer-offload-fraction=1
+--overlap-cpu-optimizer-d2h-h2d=0 --use-precision-aware-optimizer=0 --use-torch-optimizer-for-cpu-offload=0""",
     "profiling": """
 --app-tag-run-name=1 --app-tag-run-version=1 --config-logger-dir=1 --disable-straggler-on-startup=0
 --log-device-memory-used=0 --log-energy=0 --log-max-attention-logit=0 --log-memory-interval=1

@@ -7,18 +7,21 @@ one all-reduce of a flat buffer, the global gradient norm is summed over the mod
 (tensor-parallel replicas of a parameter counted once) and clipped as Megatron does, then AdamW
 (decoupled weight decay, no decay on 1-D weights) steps. With ``--use-distributed-optimizer``
 each data-parallel rank keeps Adam state only for its share of the parameters (ZeRO-1), steps that
-share, and broadcasts it to the other replicas; the numbers are the same as without sharding.
+share, and broadcasts it to the other replicas; the numbers are the same as without sharding. With
+``--optimizer-cpu-offload`` the share megatron-core's split picks steps in a host partition
+(:mod:`h3t_training.optimizer_offload`), with the same numbers.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from h3t_training.batch_schedule import schedule_of
+from h3t_training.optimizer_offload import HostPartition, OptimizerOffload, split_groups
 
 
 def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
@@ -112,11 +115,30 @@ class DataParallelAdamW:
             groups += [{"params": [p for p in mine if p.dim() > 1], "weight_decay": args.weight_decay, **extra},
                        {"params": [p for p in mine if p.dim() <= 1], "weight_decay": 0.0, **extra}]
         groups = [g for g in groups if g["params"]]
-        self.adam = torch.optim.AdamW(groups or [{"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=args.lr,
-                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+        self.offload = OptimizerOffload.from_args(args)
+        self.host: Optional[HostPartition] = None
+        """The offloaded share's master copies, gradient copies and Adam states (--optimizer-cpu-offload)."""
+        if self.offload.enabled:
+            groups, host_groups = split_groups(groups, self.offload.fraction)
+            if host_groups:
+                self.host = HostPartition(host_groups, self._adamw, overlap=self.offload.overlap_d2h_h2d)
+        self.adam = self._adamw(groups or [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
         self.has_params = bool(groups)
         self.steps = 0
         """Optimizer steps taken (Adam's bias-correction count; the same for every parameter)."""
+
+    def _adamw(self, groups: list[dict]) -> torch.optim.AdamW:
+        a = self.args
+        return torch.optim.AdamW(groups, lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps)
+
+    def _param_groups(self) -> list[dict]:
+        return [*self.adam.param_groups, *(self.host.param_groups if self.host is not None else ())]
+
+    def _state(self, p) -> dict:
+        """Adam's state of parameter ``p`` wherever it lives (empty before the first step)."""
+        if self.host is not None and p in self.host.master:
+            return self.host.state(p)
+        return self.adam.state.get(p, {})
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -177,10 +199,12 @@ class DataParallelAdamW:
             for p in self.params:
                 p.grad.mul_(coeff)
         lr = learning_rate(self.args, iteration)
-        for g in self.adam.param_groups:
+        for g in self._param_groups():
             g["lr"] = group_learning_rate(self.args, iteration, g)
         if self.has_params:
             self.adam.step()
+        if self.host is not None:
+            self.host.step()
         self.steps += 1
         if self.dp_size > 1 and any(o != self.dp_rank for o in self.owners):
             self._broadcast_shards()
@@ -198,7 +222,7 @@ class DataParallelAdamW:
                 continue
             model_sh = by_storage.get((p.data_ptr(), tuple(p.shape)))
             assert model_sh is not None, f"parameter {i} {tuple(p.shape)} is not in the model's sharded state dict"
-            held = self.adam.state.get(p, {})
+            held = self._state(p)
             entry = {}
             for name in ("exp_avg", "exp_avg_sq"):
                 data = torch.zeros_like(p) if is_loading or name not in held else held[name]
@@ -214,8 +238,32 @@ class DataParallelAdamW:
         self.steps = int(loaded["steps"])
         for i, entry in loaded["state"].items():
             p = self.params[i]
-            self.adam.state[p] = {"step": torch.tensor(float(self.steps), dtype=torch.float32),
-                                  "exp_avg": entry["exp_avg"].clone(), "exp_avg_sq": entry["exp_avg_sq"].clone()}
+            state = {"step": torch.tensor(float(self.steps), dtype=torch.float32),
+                     "exp_avg": entry["exp_avg"].clone(), "exp_avg_sq": entry["exp_avg_sq"].clone()}
+            if self.host is not None and p in self.host.master:
+                self.host.set_state(p, state)
+            else:
+                self.adam.state[p] = state
+        self.reload_model_params()
+
+    def reload_model_params(self) -> None:
+        """After a checkpoint loaded the model: the host partition's master copies from the parameters
+        (megatron-core's name; the device side's master weights are the float32 parameters themselves)."""
+        if self.host is not None:
+            self.host.reload_model_params()
+
+    def state_tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(category, placement, tensor) of the gradients and optimizer state this rank holds (the model's
+        parameters are the caller's): the gradients of the parameters, Adam's moments and step counts of the
+        device share; the host partition's gradient copies, master copies and states."""
+        for p in self.params:
+            if p.grad is not None:
+                yield "grads", "device", p.grad
+        if self.has_params:
+            for state in self.adam.state.values():
+                yield from (("optimizer", "device", v) for v in state.values() if isinstance(v, torch.Tensor))
+        if self.host is not None:
+            yield from ((category, "host", t) for category, t in self.host.tensors())
 
 
 def _sharded_params(model_sharded_state_dicts: list) -> dict:
@@ -245,6 +293,11 @@ class MegatronOptimizerAdapter:
 
     def __init__(self, chunks, args, tf_config):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from h3t_training.optimizer_offload import optimizer_config_fields, require_transformer_engine
+        missing = require_transformer_engine(args)
+        if missing:
+            raise RuntimeError(missing)
         self.args, self.chunks = args, chunks
         cfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
                               bf16=args.bf16, fp16=args.fp16, params_dtype=tf_config.params_dtype,
@@ -253,7 +306,7 @@ class MegatronOptimizerAdapter:
                               loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                               min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
                               hysteresis=args.hysteresis, decoupled_lr=args.decoupled_lr,
-                              decoupled_min_lr=args.decoupled_min_lr)
+                              decoupled_min_lr=args.decoupled_min_lr, **optimizer_config_fields(args))
         self.opt = get_megatron_optimizer(cfg, chunks)
         self.skipped = False
         """Whether the last step was skipped: with --fp16 an overflow skips it and lowers the loss scale
@@ -285,3 +338,42 @@ class MegatronOptimizerAdapter:
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         self.opt.load_state_dict(loaded)
+
+    def reload_model_params(self) -> None:
+        """After a checkpoint loaded the model without the optimizer: the fp32 main weights (host copies with
+        --optimizer-cpu-offload) from the model's parameters, as Megatron-LM's load_checkpoint does."""
+        self.opt.reload_model_params()
+
+    def state_tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(category, placement, tensor) of what megatron-core holds: the DDP parameter and gradient buffers,
+        the gradients, and every inner optimizer's parameters (fp32 main weights, host copies) and states;
+        placement by the tensor's device (a CPU tensor of a GPU run is on the host)."""
+        def place(t):
+            return "device" if t.is_cuda else "host"
+        for c in self.chunks:
+            for buf in [*getattr(c, "buffers", ()), *getattr(c, "expert_parallel_buffers", ())]:
+                if getattr(buf, "param_data", None) is not None:
+                    yield "params", place(buf.param_data), buf.param_data
+                yield "grads", place(buf.grad_data), buf.grad_data
+        for c in self.chunks:
+            for p in c.parameters():
+                for g in (getattr(p, "main_grad", None), p.grad):
+                    if g is not None:
+                        yield "grads", place(g), g
+        for inner in _torch_optimizers(self.opt):
+            for g in getattr(inner, "cpu_copy_map_grad", {}).values():  # HybridDeviceOptimizer's host grads
+                yield "grads", place(g), g
+            for group in inner.param_groups:
+                yield from (("optimizer", place(p), p) for p in group["params"])
+            for state in inner.state.values():
+                yield from (("optimizer", place(v), v) for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _torch_optimizers(opt) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron-core's (chained, mixed-precision, distributed, hybrid) optimizer."""
+    for member in getattr(opt, "chained_optimizers", [opt]):
+        inner = getattr(member, "optimizer", None)
+        if inner is None:
+            continue
+        yield inner
+        yield from getattr(inner, "sub_optimizers", ())

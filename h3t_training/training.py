@@ -32,9 +32,11 @@ from h3t_training.initialize import initialize_distributed, shutdown, uses_gpu
 from h3t_training.loggers import build_writer, writers_requested
 from h3t_training.model_provider import build_model_chunks, num_parameters
 from h3t_training.optimizer import NonFiniteError
+from h3t_training.optimizer_offload import cpu_notes
 from h3t_training.prediction import predicted_scalars
 from h3t_training.run_guard import RunLock
 from h3t_training.scalars import TrainingScalars
+from h3t_training.state_bytes import rank_state_bytes
 from h3t_training.tokenizer import padded_vocab_size, tokenizer_from_args
 from h3t_training.training_log import IterationLogger, write_metrics_json
 
@@ -126,6 +128,17 @@ def _gather_stage_stats(runtime, chunks) -> list[dict]:
     return [by_stage[r] for r in sorted(by_stage)]
 
 
+def _gather_state_bytes(chunks, optimizer, on_gpu: bool) -> list[dict]:
+    """Every rank's measured state bytes after the last step (h3t_training.state_bytes), by global rank."""
+    mine = {"rank": dist.get_rank(), "pipeline_rank": ps.get_pipeline_model_parallel_rank(),
+            "tensor_rank": ps.get_tensor_model_parallel_rank(), "context_rank": ps.get_context_parallel_rank(),
+            "data_parallel_rank": ps.get_data_parallel_rank(),
+            **rank_state_bytes(chunks, optimizer, on_gpu=on_gpu).as_dict()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
 def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
     for line in args.flag_notices:  # the flag table's, --auto-plan's and --offload-alpha auto's notices, once
         print(line, flush=True)
@@ -145,6 +158,9 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
     if overlaps and not on_gpu:
         print(f"note: {' and '.join(overlaps)} apply to megatron-core's DDP on GPU; the CPU optimizer reduces "
               "gradients in one call after the backward", flush=True)
+    if not on_gpu:
+        for line in cpu_notes(args):
+            print(line, flush=True)
     if args.load and found is None:
         print(f"note: no checkpoint in --load {args.load}; training from scratch", flush=True)
     if args.async_save:
@@ -275,6 +291,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
                 args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config,
                 exits=exits, progress=progress)
         stats = _gather_stage_stats(runtime, chunks)
+        state_bytes = _gather_state_bytes(chunks, optimizer, on_gpu)
         if not exited:
             _final_evaluations(args, evaluator, scalars, iteration)
     finally:
@@ -282,7 +299,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
         writer.close()
     if is_logging_rank and args.metrics_json:
         write_metrics_json(args.metrics_json, args, logger.records, stats,
-                           [r.as_dict() for r in evaluator.results])
+                           [r.as_dict() for r in evaluator.results], state_bytes=state_bytes)
     h3t_ext.uninstall()
     if heartbeat is not None:  # before the groups go: a rank that finished first is not "frozen"
         dist.barrier()

@@ -144,12 +144,15 @@ def _strict(x):
 
 
 def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[dict],
-                       evaluations: Optional[list[dict]] = None) -> None:
+                       evaluations: Optional[list[dict]] = None, state_bytes: Optional[list[dict]] = None) -> None:
     """The ``--metrics-json`` object (written by the last rank); ``evaluations`` holds one
-    ``{iteration, split, loss, ppl, at_end}`` per evaluation (split ``valid`` or ``test``)."""
+    ``{iteration, split, loss, ppl, at_end}`` per evaluation (split ``valid`` or ``test``); ``state_bytes``
+    one ``{rank, pipeline_rank, tensor_rank, context_rank, data_parallel_rank, device: {params, grads,
+    optimizer}, host: {...}}`` per global rank (:mod:`h3t_training.state_bytes`)."""
     out = {
         "iterations": records,
         "evaluations": list(evaluations or []),
+        "state_bytes": list(state_bytes or []),
         "stage_peak_activation_bytes": [s.get("peak_activation_bytes") for s in stage_stats],
         "offloaded_bytes": [s.get("offloaded_bytes") for s in stage_stats],
         "config": {"ckpt": args.ckpt, "offload_alpha": args.offload_alpha, "world_size": args.world_size,
@@ -158,6 +161,9 @@ def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[d
                    "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
                    "context_parallel_size": args.context_parallel_size,
                    "data_parallel_size": args.data_parallel_size, "micro_batch_size": args.micro_batch_size,
+                   "use_distributed_optimizer": args.use_distributed_optimizer,
+                   "optimizer_cpu_offload": args.optimizer_cpu_offload,
+                   "optimizer_offload_fraction": args.optimizer_offload_fraction,
                    "global_batch_size": args.global_batch_size, "seq_length": args.seq_length,
                    "auto_plan_flags": args.auto_plan_flags},
     }

@@ -12,7 +12,9 @@ from h3t_training.optimizer import DataParallelAdamW, _shard_owners, learning_ra
 ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine",
                        weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.5,
                        check_for_nan_in_loss_and_grad=True, lr_warmup_init=0.0, decoupled_lr=None,
-                       decoupled_min_lr=None, lr_warmup_steps=None, lr_decay_steps=None)
+                       decoupled_min_lr=None, lr_warmup_steps=None, lr_decay_steps=None,
+                       optimizer_cpu_offload=False, optimizer_offload_fraction=None, overlap_cpu_optimizer_d2h_h2d=False,
+                       use_torch_optimizer_for_cpu_offload=False, pin_cpu_grads=True, pin_cpu_params=True)
 """The optimizer's fields of the driver's config (which is closed: every field is present, None when unset)."""
 STEPS = 4
 
