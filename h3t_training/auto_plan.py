@@ -67,8 +67,9 @@ def plan_config(args):
     alpha = OffloadAlpha.parse("auto" if args.offload_alpha is None else args.offload_alpha)
     # Flags left out are the search's; sequence parallelism and the distributed optimizer are the planner's to
     # switch on (a store_true flag left out cannot say "keep it off").
+    # The memory ladder is off: the driver runs neither Megatron FSDP nor a search-chosen optimizer offload.
     constraints = constraints_from_args(args, sequence_parallel=True, use_distributed_optimizer=True,
-                                        tp_comm_overlap=False, use_megatron_fsdp=False)
+                                        tp_comm_overlap=False, use_megatron_fsdp=False, memory_ladder=())
     result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, constraints=constraints,
                     alpha_mode=_alpha_mode(alpha), memory_budget_bytes=budget)

@@ -79,10 +79,14 @@ def _named(read, name: str, fixed: Mapping[str, Any]) -> Any:
     return fixed[name] if name in fixed else read(name)
 
 
+_NONE_IS_UNSET = frozenset({"optimizer_offload_fraction"})
+"""Fields whose None (an argparse default) means "not given": Megatron's default applies."""
+
+
 def _value(read, name: str, fixed: Mapping[str, Any]) -> Any:
     """:func:`_named`, with Megatron's default for a field the arguments do not name."""
     v = _named(read, name, fixed)
-    if v is _MISSING:
+    if v is _MISSING or (v is None and name in _NONE_IS_UNSET):
         if name not in MEGATRON_DEFAULTS:
             raise ValueError(f"the run does not name {name} (needed to price it)")
         return MEGATRON_DEFAULTS[name]
@@ -136,8 +140,10 @@ def _attention(read, fixed: Mapping[str, Any]) -> str:
     return _ATTENTION_BACKENDS[backend]
 
 
-def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = None, **fixed: Any) -> SearchConstraints:
-    """The search dimensions the arguments fix (None: searched) and the switches every searched plan keeps."""
+def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = None,
+                          memory_ladder: Optional[tuple[MemoryOption, ...]] = None, **fixed: Any) -> SearchConstraints:
+    """The search dimensions the arguments fix (None: searched) and the switches every searched plan keeps.
+    ``memory_ladder`` replaces the ladder the arguments allow (the driver passes () for what it does not run)."""
     read = _reader(args)
 
     def given(name: str) -> Any:
@@ -160,7 +166,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         attention_backend=_attention(read, fixed),
         transformer_impl=_value(read, "transformer_impl", fixed),
         **_precision(read, fixed),
-        memory_ladder=_ladder(read, fixed, switches),
+        memory_ladder=_ladder(read, fixed, switches) if memory_ladder is None else memory_ladder,
         **{k: (v if k == "optimizer_offload_fraction" else bool(v)) for k, v in switches.items()},
     )
 
