@@ -121,7 +121,7 @@ def build_datasets(args, tokenizer, *, notify: Callable[[str], None] = _silent) 
         # forever on a requested split that holds no document (e.g. the 1 of 949,50,1 on a small corpus)
         config.split_matrix = [config.split_matrix[0], config.split_matrix[1] if valid_on else None,
                                config.split_matrix[2] if test_on else None]
-    cls = MockGPTDataset if args.mock_data else GPTDataset
+    cls = TrainingMockGPTDataset if args.mock_data else TrainingGPTDataset
     train_needed = not args.skip_train
     sizes = split_sizes(args)
     sizes = [sizes[0] if (train_needed or not per_split or args.train_data_path) else None,
@@ -136,6 +136,28 @@ def build_datasets(args, tokenizer, *, notify: Callable[[str], None] = _silent) 
             raise RuntimeError(f"the {name} split has {0 if ds is None else len(ds)} samples, {n} needed "
                                f"(check --split)")
     return train, (valid if valid_on else None), (test if test_on else None)
+
+
+class _UncachedMasks:
+    """megatron-core's GPT datasets without their mask cache. In megatron-core 0.16.1 ``GPTDataset.__getitem__``
+    caches the loss mask of the first sample a process reads and then, on that same tensor, zeroes the positions
+    whose label is the pad token (``loss_mask[labels == pad] = 0``): every later sample of the process inherits the
+    first one's padding zeros. The loss then depends on which sample each rank happened to read first, so the same
+    model and data give different losses at another data-parallel size, micro batch size or after a resume
+    (found as a 1.4e-4 relative loss difference after resuming a d=2 run). Computing the masks for every sample
+    (cheap: a comparison per token, no attention mask is built) makes each sample's mask its own."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.masks_and_position_ids_are_cacheable = False
+
+
+class TrainingGPTDataset(_UncachedMasks, GPTDataset):
+    """:class:`GPTDataset` with each sample's own loss mask (:class:`_UncachedMasks`)."""
+
+
+class TrainingMockGPTDataset(_UncachedMasks, MockGPTDataset):
+    """:class:`MockGPTDataset` with each sample's own loss mask (:class:`_UncachedMasks`)."""
 
 
 def build_train_dataset(args, tokenizer) -> GPTDataset:

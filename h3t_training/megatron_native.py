@@ -121,7 +121,9 @@ def forward_step(data_iterator, model):
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
     """Megatron's dataset provider: GPT datasets (or mock ones) from Megatron's data flags."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder  # noqa
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset  # noqa: PLC0415
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig  # noqa: PLC0415
+
+    from h3t_training.data import TrainingGPTDataset, TrainingMockGPTDataset  # noqa: PLC0415
 
     training = _megatron("")
     args = training.get_args()
@@ -132,7 +134,7 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         split=args.split, path_to_cache=args.data_cache_path, tokenizer=training.get_tokenizer(),
         reset_position_ids=args.reset_position_ids, reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss, create_attention_mask=args.create_attention_mask_in_dataloader)
-    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+    dataset_type = TrainingMockGPTDataset if args.mock_data else TrainingGPTDataset  # each sample's own mask
     return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, lambda: True, config).build()
 
 
