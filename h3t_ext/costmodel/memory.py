@@ -151,6 +151,32 @@ def stage_host_bytes(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]
     return optimizer_offload.host_bytes(shard, plan)
 
 
+STATE_KINDS = ("params", "grads", "optimizer")
+
+
+def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: int = BF16,
+                      master_weights: bool = True) -> dict[str, dict[str, int]]:
+    """Bytes of parameters, gradients and optimizer states one rank of ``stage`` holds, on the device and on
+    the host (the driver's measured ``state_bytes``): parameters at ``param_bytes`` each (sharded over d with
+    ``optim_grads_params``), fp32 gradients (sharded with Megatron FSDP), Adam's m and v (+ an fp32 master
+    copy with ``master_weights``: bf16 training; the CPU stand-in trains in fp32 and steps the parameters
+    themselves) of the device share of the optimizer shard; the host holds the offloaded share's fp32 master,
+    m and v and its fp32 gradient copy (``optimizer_offload.host_bytes``). Adam's per-tensor step counts are
+    not counted (a few bytes per tensor)."""
+    n = stage_params(model, plan, stage)
+    d = plan.data_parallel_size
+    strategy = plan.data_parallel_sharding_strategy
+    shard = n / optimizer_shards(plan)
+    on_device = shard * (1.0 - optimizer_offload.offload_fraction(plan))
+    host = optimizer_offload.host_bytes(shard, plan)
+    return {
+        "device": {"params": int(round(n * param_bytes / (d if strategy == "optim_grads_params" else 1))),
+                   "grads": int(round(n * FP32 / (d if strategy is not None else 1))),
+                   "optimizer": int(round(on_device * (2 * FP32 + (FP32 if master_weights else 0))))},
+        "host": {"params": 0, "grads": host["grads"], "optimizer": host["optimizer_states"]},
+    }
+
+
 def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
     """The alpha-independent terms of a stage holding ``n`` parameters."""
     d = plan.data_parallel_size
