@@ -85,6 +85,15 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                    help="overlap the data-parallel gradient reduce with backward (megatron-core DDP buckets, GPU)")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="overlap the distributed optimizer's parameter all-gather with forward (GPU)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer states over the data-parallel group with torch "
+                        "FSDP2 (megatron-core's TorchFullyShardedDataParallel; p=1, no distributed optimizer)")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_true",
+                   help="FSDP2 keeps each layer's gathered parameters from its forward to its backward")
+    g.add_argument("--use-megatron-fsdp", action="store_true", help="Megatron FSDP: refused (needs CUDA; see docs)")
+    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+                   help="Megatron FSDP's sharding: only no_shard (Megatron FSDP is refused)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--strict-p2p", action="store_true",

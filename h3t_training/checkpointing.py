@@ -263,7 +263,8 @@ def _check_schedule(args, saved: dict, iteration: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- state
-def _unwrap(chunk):
+def unwrap(chunk):
+    """The model chunk inside a data-parallel wrapper (DDP, FSDP2), else ``chunk``."""
     return getattr(chunk, "module", chunk)
 
 
@@ -301,7 +302,7 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
     state: dict = {}
     model_sds = []
     for key, chunk in zip(_model_keys(chunks), chunks):
-        sd = _unwrap(chunk).sharded_state_dict()
+        sd = unwrap(chunk).sharded_state_dict()
         state[key] = sd
         model_sds.append(sd)
     if with_optimizer:
@@ -410,7 +411,7 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
     try:
         loaded = dist_checkpointing.load(template, found.directory)
         for key, chunk in zip(_model_keys(chunks), chunks):
-            _unwrap(chunk).load_state_dict(loaded[key], strict=True)
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
         if with_optimizer:
             optimizer.load_sharded_state_dict(loaded["optimizer"])
         else:  # as Megatron-LM: the optimizer's own copies of the weights follow the loaded model

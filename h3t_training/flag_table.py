@@ -95,8 +95,15 @@ REASONS: dict[str, Reason] = {
                     "none needed on CPU"),
     "comm_overlap": Reason("noticed", "a GPU communication / overlap / bucketing setting; the CPU driver communicates with gloo in one call, same result",
                     "none needed"),
-    "fsdp": Reason("noticed", "a sharded-data-parallel (FSDP) setting; this driver shards optimizer state with --use-distributed-optimizer, same result",
-                    "--use-distributed-optimizer"),
+    "fsdp": Reason("noticed", "a tuning setting of Megatron FSDP or of the distributed optimizer's instances; this driver runs neither Megatron FSDP nor several optimizer instances, same result",
+                    "--use-torch-fsdp2 or --use-distributed-optimizer"),
+    "torch_fsdp2": Reason("implemented", "torch FSDP2 as in Megatron-LM: megatron-core's TorchFullyShardedDataParallel "
+                          "over the data-parallel group, on CPU (gloo) and GPU (h3t_training/fsdp.py; p=1, no "
+                          "distributed optimizer, untied embeddings, no --save)"),
+    "megatron_fsdp": Reason("refused", "Megatron FSDP needs CUDA (megatron-core 0.16.1's MegatronFSDP takes "
+                            "torch.cuda.current_device(), a 'cuda' device mesh and CUDA streams) and is not wired on "
+                            "a GPU by this driver; --data-parallel-sharding-strategy no_shard (no sharding) is accepted",
+                            "--use-torch-fsdp2, or --use-distributed-optimizer (optim)"),
     "cuda_graphs": Reason("noticed", "CUDA graphs exist only on a GPU",
                     "none needed"),
     "megatron_offload": Reason("noticed", "Megatron-LM's own activation CPU offload; h3t-ext's offload is --offload-alpha (same result either way)",
@@ -342,14 +349,17 @@ _MEGATRON_LM: dict[str, str] = {
 --tp-comm-overlap=0 --tp-comm-overlap-cfg=1 --tp-comm-overlap-rs-dgrad=0 --use-nccl-ub=0
 --use-ring-exchange-p2p=0 --use-sharp=0 --use-tp-pp-dp-mapping=0 --wgrad-deferral-limit=1""",
     "fsdp": """
---data-parallel-sharding-strategy=1 --enable-full-sharding-in-hsdp=0
+--enable-full-sharding-in-hsdp=0
 --fsdp-db-use-persist-buf-on-alloc-fail=0 --fsdp-double-buffer=0 --fsdp-manual-registration=0
 --init-model-with-meta-device=0 --megatron-fsdp-enable-fine-grained-param-gather=0
 --megatron-fsdp-grad-comm-dtype=1 --megatron-fsdp-main-grads-dtype=1 --megatron-fsdp-main-params-dtype=1
 --megatron-fsdp-max-pool-double-buffer=0 --megatron-fsdp-version=1 --no-use-layer-wise-param-layout=0
 --num-distributed-optimizer-instances=1 --outer-dp-sharding-strategy=1
---torch-fsdp2-no-reshard-after-forward=0 --use-cpu-initialization=0 --use-megatron-fsdp=0
---use-torch-fsdp2=0""",
+--use-cpu-initialization=0""",
+    "torch_fsdp2": """
+--torch-fsdp2-no-reshard-after-forward=0 --use-torch-fsdp2=0""",
+    "megatron_fsdp": """
+--data-parallel-sharding-strategy=1 --use-megatron-fsdp=0""",
     "cuda_graphs": """
 --cuda-graph-impl=1 --cuda-graph-modules=+ --cuda-graph-scope=+ --cuda-graph-warmup-steps=1
 --enable-cuda-graph=0 --external-cuda-graph=0 --optimizer-cuda-graph=0 --te-rng-tracker=0""",

@@ -11,8 +11,15 @@ from h3t_training.optimizer import MegatronOptimizerAdapter
 
 
 def wrap_for_gpu(args, chunks):
-    """Wrap each chunk in megatron-core DDP and build megatron-core's optimizer over them."""
+    """Wrap each chunk in megatron-core DDP (or, with --use-torch-fsdp2, its TorchFullyShardedDataParallel) and
+    build megatron-core's optimizer over them."""
     config = chunks[0].config
+    if args.use_torch_fsdp2:
+        from h3t_training.fsdp import wrap_chunks
+        wrapped = wrap_chunks(args, chunks, on_gpu=True)
+        config.no_sync_func = wrapped[0].no_sync  # FSDP2 reduce-scatters in backward; megatron-core's no-op
+        config.finalize_model_grads_func = finalize_model_grads
+        return wrapped, MegatronOptimizerAdapter(wrapped, args, config)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
                                                overlap_param_gather=args.overlap_param_gather,
                                                check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,

@@ -93,8 +93,12 @@ class DataParallelAdamW:
     """AdamW over this rank's chunks with data-parallel gradient averaging (CPU, gloo)."""
 
     def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool,
-                 tp_group=None):
+                 tp_group=None, fsdp: bool = False):
         self.args = args
+        self.fsdp = fsdp
+        """Over torch FSDP2's DTensor shards (--use-torch-fsdp2, :mod:`h3t_training.fsdp`): the gradients arrive
+        reduce-scattered and averaged over ``dp_group``; the norm sums the local shards over it."""
+        assert not (fsdp and distributed), "--use-torch-fsdp2 excludes the distributed optimizer"
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.dp_group, self.mp_group, self.tp_rank = dp_group, model_parallel_group, tp_rank
         self.tp_group = tp_group  # sums the gradients of sequence-parallel parameters
@@ -152,6 +156,9 @@ class DataParallelAdamW:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if self.fsdp:  # reduce-scattered over the data-parallel group by FSDP2 already
+            _allreduce_local_shards([p for p in self.params if getattr(p, "sequence_parallel", False)], self.tp_group)
+            return
         from h3t_ext.runtime.modules.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: PLC0415
 
         allreduce_sequence_parallel_grads(self.params, self.tp_group)
@@ -167,10 +174,14 @@ class DataParallelAdamW:
             offset += n
 
     def _grad_norm(self) -> float:
+        from h3t_training.fsdp import local  # noqa: PLC0415
+
         sq = torch.zeros(1, dtype=torch.float64)
         for p in self.params:
             if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
-                sq += p.grad.double().pow(2).sum()
+                sq += local(p.grad).double().pow(2).sum()
+        if self.fsdp and self.dp_size > 1:  # each rank holds one shard of every gradient
+            dist.all_reduce(sq, group=self.dp_group)
         if self.mp_group is not None and dist.get_world_size(self.mp_group) > 1:
             dist.all_reduce(sq, group=self.mp_group)
         return float(sq.sqrt())
@@ -264,6 +275,22 @@ class DataParallelAdamW:
                 yield from (("optimizer", "device", v) for v in state.values() if isinstance(v, torch.Tensor))
         if self.host is not None:
             yield from ((category, "host", t) for category, t in self.host.tensors())
+
+
+def _allreduce_local_shards(params: list, group) -> None:
+    """Sum the local gradient shards of FSDP2's DTensor ``params`` over ``group`` (the sequence-parallel
+    parameters' gradients over the tensor-parallel group: each tensor-parallel rank holds the same shard)."""
+    if group is None or not params or dist.get_world_size(group) == 1:
+        return
+    from h3t_training.fsdp import local  # noqa: PLC0415
+
+    shards = [local(p.grad) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in shards])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in shards:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def _sharded_params(model_sharded_state_dicts: list) -> dict:

@@ -6,7 +6,8 @@ optimizer reports (:meth:`state_tensors` of :class:`~h3t_training.optimizer.Data
 :class:`~h3t_training.optimizer.MegatronOptimizerAdapter`). Each storage is counted once, whole
 (``untyped_storage().nbytes()``), in the first category that holds it in the order params, grads, optimizer
 (a view of a buffer counts as the buffer; an optimizer parameter that is the model parameter itself, as the
-float32 weights Adam updates in place, counts as params).
+float32 weights Adam updates in place, counts as params). A DTensor (torch FSDP2's parameters, gradients and Adam
+moments, ``--use-torch-fsdp2``) counts as the local shard this rank holds.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from dataclasses import asdict, dataclass
 from typing import Iterable
 
 import torch
+
+from h3t_training.fsdp import local
 
 CATEGORIES = ("params", "grads", "optimizer")
 PLACEMENTS = ("device", "host")
@@ -46,7 +49,7 @@ def measure(tensors: Iterable[tuple[str, str, torch.Tensor]]) -> StateBytes:
     seen: set[tuple[str, int]] = set()
     totals = {(c, p): 0 for c in CATEGORIES for p in PLACEMENTS}
     for category, placement, t in ordered:
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         key = (str(t.device), storage.data_ptr())
         if key in seen:
             continue

@@ -58,15 +58,45 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def _cpu_optimizer(args, chunks, *, fsdp: bool):
+    from h3t_training.optimizer import DataParallelAdamW
+    return DataParallelAdamW(
+        chunks, args, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        model_parallel_group=ps.get_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        distributed=args.use_distributed_optimizer, tp_group=ps.get_tensor_model_parallel_group(), fsdp=fsdp)
+
+
 def _build_optimizer(args, chunks, on_gpu: bool):
     if on_gpu:
         from h3t_training.gpu_wrap import wrap_for_gpu
         return wrap_for_gpu(args, chunks)
-    from h3t_training.optimizer import DataParallelAdamW
-    return chunks, DataParallelAdamW(
-        chunks, args, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
-        model_parallel_group=ps.get_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
-        distributed=args.use_distributed_optimizer, tp_group=ps.get_tensor_model_parallel_group())
+    if args.use_torch_fsdp2:
+        from h3t_training.fsdp import wrap_chunks
+        chunks = wrap_chunks(args, chunks, on_gpu=False)
+        return chunks, _cpu_optimizer(args, chunks, fsdp=True)
+    return chunks, _cpu_optimizer(args, chunks, fsdp=False)
+
+
+def _param_names(chunks) -> list[str]:
+    return [f"{i}.{n}" for i, c in enumerate(chunks) for n, _ in ckpt_io.unwrap(c).named_parameters()]
+
+
+def _build_and_load(args, chunks, found, on_gpu: bool):
+    """The wrapped chunks, the optimizer, the start iteration and the load notices. With --use-torch-fsdp2 the
+    checkpoint (whole parameters) is read before the wrap, into the chunks and a whole-parameter optimizer whose
+    Adam state is then sharded as FSDP2 shards the parameters (h3t_training.fsdp)."""
+    if not (args.use_torch_fsdp2 and found is not None):
+        chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
+        start, notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
+        return chunks, optimizer, start, notes
+    from h3t_training.fsdp import shard_optimizer_state
+    whole = _cpu_optimizer(args, chunks, fsdp=False)
+    start, notes = ckpt_io.load_checkpoint(found, args, chunks, whole)
+    names_whole = _param_names(chunks)
+    chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
+    if not on_gpu:  # on a GPU only the model is loaded (--no-load-optim or --finetune: checked with the flags)
+        shard_optimizer_state(whole, optimizer, names_whole, _param_names(chunks))
+    return chunks, optimizer, start, notes
 
 
 def _iteration_loss(losses: list) -> float:
@@ -261,8 +291,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
     config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha, strict_p2p=args.strict_p2p,
                        strict_p2p_comm=args.strict_p2p_comm, p2p_timeout_s=args.distributed_timeout_minutes * 60)
     runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
-    chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
-    start, load_notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
+    chunks, optimizer, start, load_notes = _build_and_load(args, chunks, found, on_gpu)
     progress.iteration = start
     train_ds, valid_ds, test_ds = build_datasets(args, tokenizer, notify=_rank0_printer())
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")

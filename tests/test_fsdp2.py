@@ -1,0 +1,107 @@
+"""torch FSDP2 (--use-torch-fsdp2) through megatron-core's TorchFullyShardedDataParallel on CPU (gloo), and the
+one-line refusals of what megatron-core / Megatron-LM refuse with it and of Megatron FSDP.
+
+From one checkpoint of a single-rank run, d=2 (and t=2 with sequence parallelism x d=2) with FSDP2 and --ckpt ours
+gives the single-rank losses within 1e-6 relative, and every rank's measured ``state_bytes`` (DTensor local shards) are half the single rank's parameters,
+gradients and Adam moments (the tiny Llama's dimensions are all even, so FSDP2's dim-0 shards are exact halves
+without padding); Adam's step counts (one 4-byte scalar per parameter) stay whole on each rank."""
+from __future__ import annotations
+
+import pytest
+
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain
+from h3t_training.config import parse_args
+
+COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
+          "--make-vocab-size-divisible-by", "256", "--ckpt", "ours", "--mock-data"]
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
+N_PARAMS = 27  # embedding, 4 x 6 per layer, final norm, output layer (test_optimizer_offload_driver's shapes)
+
+
+def _error(argv, capsys, prog="pretrain_llama.py", world_size=2) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, prog=prog, world_size=world_size)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp is not supported: megatron-core 0.16.1's MegatronFSDP needs CUDA"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+     "--use-megatron-fsdp is not supported"),
+    (["--data-parallel-sharding-strategy", "optim_grads"],
+     "--data-parallel-sharding-strategy optim_grads is Megatron FSDP's (--use-megatron-fsdp), which is not supported"),
+    (["--data-parallel-sharding-strategy", "bogus"], "argument --data-parallel-sharding-strategy: invalid choice"),
+    (["--torch-fsdp2-no-reshard-after-forward"], "--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2"),
+    (["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"],
+     "--use-torch-fsdp2 is not supported with --pipeline-model-parallel-size 2 (pipeline parallelism)"),
+    (["--use-torch-fsdp2", "--use-distributed-optimizer"],
+     "--use-torch-fsdp2 is not supported with --use-distributed-optimizer"),
+    (["--use-torch-fsdp2", "--fp16"], "--use-torch-fsdp2 is not supported with --fp16"),
+    (["--use-torch-fsdp2", "--save", "{tmp}"], "--use-torch-fsdp2 is not supported with --save"),
+])
+def test_sharding_flags_are_refused_in_one_line(extra, expected, capsys, tmp_path):
+    extra = [str(tmp_path) if a == "{tmp}" else a for a in extra]
+    assert expected in _error(BASE + extra, capsys)
+
+
+def test_torch_fsdp2_needs_untied_embeddings(capsys):
+    """pretrain_gpt.py ties them by default (Megatron-LM); pretrain_llama.py unties them."""
+    line = _error(BASE + ["--use-torch-fsdp2"], capsys, prog="pretrain_gpt.py")
+    assert "--use-torch-fsdp2 is not supported with tied embedding and output weights" in line
+    assert parse_args(BASE + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], prog="pretrain_gpt.py",
+                      world_size=2).use_torch_fsdp2
+
+
+def test_accepted_sharding_flags():
+    """no_shard is Megatron-LM's default (no sharding); --use-torch-fsdp2 at t=2 d=2 is accepted."""
+    assert parse_args(BASE + ["--data-parallel-sharding-strategy", "no_shard"], world_size=2).data_parallel_size == 2
+    cfg = parse_args(BASE + ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"], world_size=2)
+    assert cfg.use_torch_fsdp2 and cfg.torch_fsdp2_no_reshard_after_forward
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory):
+    d = tmp_path_factory.mktemp("single")
+    argv = [*TINY_MODEL, *COMMON]
+    check_ok(run_pretrain([*argv, "--save", str(d / "ckpt"), "--exit-interval", "1"]))
+    check_ok(run_pretrain([*argv, "--load", str(d / "ckpt"), "--metrics-json", str(d / "ref.json")]))
+    ref = metrics(d / "ref.json")
+    assert len(ref["iterations"]) == 3 and len({r["loss"] for r in ref["iterations"]}) == 3
+    return argv, d / "ckpt", ref
+
+
+def _fsdp2_run(single_rank, flags, nproc, tmp_path) -> dict:
+    """The metrics of an FSDP2 run from the single-rank checkpoint, its losses checked against the single rank's."""
+    argv, ckpt, ref = single_rank
+    out = tmp_path / "m.json"
+    check_ok(run_pretrain([*argv, "--use-torch-fsdp2", *flags, "--load", str(ckpt), "--metrics-json", str(out)],
+                          nproc=nproc))
+    want = [r["loss"] for r in ref["iterations"]]
+    assert len(losses(out)) == len(want)
+    for a, b in zip(want, losses(out)):
+        assert abs(a - b) <= 1e-6 * abs(a), (want, losses(out))
+    return metrics(out)
+
+
+def test_fsdp2_t2_sp_d2_gives_the_single_rank_losses(single_rank, tmp_path):
+    got = _fsdp2_run(single_rank, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, tmp_path)
+    assert len(got["state_bytes"]) == 4
+
+
+@pytest.mark.parametrize("flags", [[], ["--torch-fsdp2-no-reshard-after-forward"]], ids=["reshard", "no-reshard"])
+def test_fsdp2_d2_gives_the_single_rank_losses_with_half_the_state(single_rank, flags, tmp_path):
+    ref = single_rank[2]
+    got = _fsdp2_run(single_rank, flags, 2, tmp_path)
+    (one,) = ref["state_bytes"]
+    steps = 4 * N_PARAMS
+    assert one["device"]["params"] == 4 * 213568  # the tiny Llama's 213,568 float32 parameters
+    assert one["device"]["optimizer"] == 2 * one["device"]["params"] + steps
+    assert len(got["state_bytes"]) == 2
+    for rank in got["state_bytes"]:
+        assert rank["device"] == {"params": one["device"]["params"] // 2, "grads": one["device"]["grads"] // 2,
+                                  "optimizer": (one["device"]["optimizer"] - steps) // 2 + steps}, rank
+        assert rank["host"] == {"params": 0, "grads": 0, "optimizer": 0}
