@@ -7,7 +7,8 @@
   ``OptimizerParamScheduler`` does (iteration-based flags are multiplied by the global batch size).
 * batch-size schedules: ``--step-batch-size-schedule`` / ``--rampup-batch-size`` as a
   :class:`~h3t_training.batch_schedule.BatchSchedule` (``batch_schedule``);
-* ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here.
+* ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here;
+* ``--distributed-backend nccl`` without CUDA -> gloo, with a notice.
 Each step reads the config and returns the fields it sets (a dict); every problem is an
 :class:`~h3t_training.errors.ArgumentError` (one line).
 """
@@ -38,6 +39,23 @@ def kwai_aliases(args) -> dict:
         raise ArgumentError(f"{one} alone is not supported (recomputing only one of the two parts); give both "
                             "--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (= --ckpt ours)")
     return changes
+
+
+def _cuda_available() -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
+
+
+def _distributed_backend(args) -> dict:
+    """``--distributed-backend nccl`` (Megatron-LM's default, in nearly every recipe) on a machine without CUDA runs
+    on gloo, with one notice: on CPU gloo gives the same result. On a GPU it stays nccl. The resolved backend is
+    what :func:`~h3t_training.initialize.initialize_distributed` is given."""
+    if args.distributed_backend != "nccl" or _cuda_available():
+        return {}
+    return {"distributed_backend": "gloo", "flag_notices": (
+        *args.flag_notices, "note: --distributed-backend nccl: no CUDA device on this machine; the process groups "
+                            "run on gloo (the same result on CPU)")}
 
 
 def _tied_embeddings(args) -> dict:
@@ -153,7 +171,7 @@ def _tokenizer_files(args) -> dict:
 
 def apply_megatron_behaviours(config):
     """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
-    for step in (kwai_aliases, _positions, _tied_embeddings, _batch_schedule, _schedule, _virtual_stages, _split,
-                 _tokenizer_files):
+    for step in (kwai_aliases, _distributed_backend, _positions, _tied_embeddings, _batch_schedule, _schedule,
+                 _virtual_stages, _split, _tokenizer_files):
         config = config.replace(**step(config))
     return config

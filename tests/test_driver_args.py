@@ -157,3 +157,17 @@ def test_cost_model_sees_the_model_the_flags_build(prog, gelu_gpt, monkeypatch):
     assert (spec.attention_dropout, spec.hidden_dropout) == ((0.1, 0.1) if gelu_gpt else (0.0, 0.0))
     spec = model_spec(parse_args(BASE + ["--attention-dropout", "0.2", "--hidden-dropout", "0"], prog=prog), 512)
     assert (spec.attention_dropout, spec.hidden_dropout) == (0.2, 0.0)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_nccl_backend_runs_on_gloo_without_cuda_with_one_notice(cuda, monkeypatch):
+    """Megatron's recipes pass --distributed-backend nccl: without CUDA the run takes gloo and says so once;
+    on a GPU nccl stays nccl, silently."""
+    from h3t_training import megatron_compat
+    monkeypatch.setattr(megatron_compat, "_cuda_available", lambda: cuda)
+    config = parse_args([*BASE, "--distributed-backend", "nccl"], world_size=2)
+    notices = [n for n in config.flag_notices if n.startswith("note: --distributed-backend")]
+    assert config.distributed_backend == ("nccl" if cuda else "gloo")
+    assert notices == ([] if cuda else ["note: --distributed-backend nccl: no CUDA device on this machine; the "
+                                        "process groups run on gloo (the same result on CPU)"])
+    assert parse_args([*BASE, "--distributed-backend", "gloo"], world_size=2).distributed_backend == "gloo"
