@@ -58,18 +58,6 @@ def _distributed_backend(args) -> dict:
                             "run on gloo (the same result on CPU)")}
 
 
-def _tied_embeddings(args) -> dict:
-    import torch  # noqa: PLC0415
-
-    if (not args.untie_embeddings_and_output_weights and (args.pipeline_model_parallel_size or 1) > 1
-            and not torch.cuda.is_available()):
-        raise ArgumentError("tied embeddings (no --untie-embeddings-and-output-weights) with "
-                            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} are not supported "
-                            "on CPU (the embedding group's all-reduce is CUDA-only); give "
-                            "--untie-embeddings-and-output-weights or one pipeline stage")
-    return {}
-
-
 def _positions(args) -> dict:
     if args.no_position_embedding and args.position_embedding_type != "rope":
         raise ArgumentError("--no-position-embedding without --use-rotary-position-embeddings (or "
@@ -171,7 +159,7 @@ def _tokenizer_files(args) -> dict:
 
 def apply_megatron_behaviours(config):
     """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
-    for step in (kwai_aliases, _distributed_backend, _positions, _tied_embeddings, _batch_schedule, _schedule,
-                 _virtual_stages, _split, _tokenizer_files):
+    for step in (kwai_aliases, _distributed_backend, _positions, _batch_schedule, _schedule, _virtual_stages,
+                 _split, _tokenizer_files):
         config = config.replace(**step(config))
     return config
