@@ -40,7 +40,8 @@ def main(argv=None) -> int:
         try:
             return megatron_native.run(argv, defaults=MEGATRON_GPT_DEFAULTS)
         except (ArgumentError, RuntimeConfigError) as e:
-            sys.stderr.write(f"{PROG}: error: {e}\n")
+            if int(os.environ.get("RANK", "0")) == 0:  # the launcher's rank: every rank fails alike, one says so
+                sys.stderr.write(f"{PROG}: error: {e}\n")
             return 2
     from pretrain_llama import main as driver_main
     return driver_main(argv, prog=PROG, defaults=MEGATRON_GPT_DEFAULTS)

@@ -23,7 +23,8 @@ def main(argv=None, prog: str = PROG, defaults=None) -> int:
 
     def run(progress) -> int:
         from h3t_training.config import parse_args
-        progress.args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size)  # bad flag: exit 2
+        progress.args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size,
+                                   rank=rank)  # bad flag: exit 2, said by rank 0
         from h3t_training.training import pretrain
         return pretrain(progress.args, rank=rank, progress=progress)
 

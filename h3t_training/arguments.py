@@ -20,10 +20,16 @@ from h3t_training.tokenizer import add_tokenizer_flags
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse without the usage block on error: one line ``prog: error: message``, exit 2."""
+    """argparse without the usage block on error: one line ``prog: error: message``, exit 2; written only where
+    ``report`` is true (rank 0 of a launcher's job: every rank parses the same command line)."""
+
+    def __init__(self, *args, report: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report = report
 
     def error(self, message: str):  # noqa: D401 - argparse API
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        if self.report:
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
         sys.exit(2)
 
 
@@ -240,10 +246,12 @@ MEGATRON_GPT_DEFAULTS = dict(tokenizer_type="GPT2BPETokenizer")
 """What Megatron-LM's pretrain_gpt.py sets beyond its parser's defaults (``args_defaults``)."""
 
 
-def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None) -> OneLineParser:
-    """The parser with every flag the driver accepts (and every other flag of the flag table)."""
+def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None, *,
+                 report: bool = True) -> OneLineParser:
+    """The parser with every flag the driver accepts (and every other flag of the flag table); ``report``: whether
+    its one-line error is written here (rank 0) or only the exit status is given (other ranks)."""
     p = OneLineParser(prog=prog, description="Pretrain a GPT model with Megatron-core and h3t-ext.",
-                      allow_abbrev=False)
+                      allow_abbrev=False, report=report)
     _add_model(p)
     _add_parallel(p)
     _add_training(p)

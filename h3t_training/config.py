@@ -134,26 +134,27 @@ def resolve(config: TrainConfig) -> TrainConfig:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
-               defaults: Optional[dict] = None, world_size: int = 1) -> TrainConfig:
+               defaults: Optional[dict] = None, world_size: int = 1, rank: int = 0) -> TrainConfig:
     """Parse and resolve the command line; exit 2 with one line on a bad flag.
 
     ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py gets
     :data:`~h3t_training.arguments.LLAMA_DEFAULTS`. ``world_size`` is the job's (the entry point reads the
-    launcher's; nothing here reads the environment)."""
+    launcher's; nothing here reads the environment); every rank parses, rank 0 (``rank``) writes the error line.
+    The flag table's refusals and the first problem the resolve steps find are one line together."""
     if defaults is None and prog == "pretrain_llama.py":
         defaults = arguments.LLAMA_DEFAULTS
-    parser = arguments.build_parser(prog, defaults)
+    parser = arguments.build_parser(prog, defaults, report=rank == 0)
     namespace = parser.parse_args(argv)
     given = given_table_flags(namespace)
     refused = refusal(given)
-    if refused:
-        parser.error(refused)
     config = TrainConfig.from_namespace(namespace, world_size=world_size, flag_notices=tuple(notice_lines(given)))
     try:
-        return resolve(config)
+        config = resolve(config)  # also with refused flags (the steps never read them): one launch names all
     except (ArgumentError, TokenizerError) as e:
-        parser.error(str(e))
-    raise AssertionError("unreachable: parser.error exits")
+        parser.error(f"{refused}; {e}" if refused else str(e))
+    if refused:
+        parser.error(refused)
+    return config
 
 
 __all__ = ["DERIVED_FIELDS", "FrozenConfigError", "TrainConfig", "UnknownConfigFieldError", "parse_args", "resolve"]

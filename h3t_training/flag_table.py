@@ -500,11 +500,17 @@ def table_value(args: argparse.Namespace, flag: str, default=None):
 
 
 def refusal(entries: list[FlagEntry]) -> Optional[str]:
-    """The one-line error for the first refused flag among ``entries``, else None."""
+    """One line naming every refused flag among ``entries`` (flags of one reason together, each reason with
+    its alternative), so a command line's refusals are learnt in one launch; None when none is refused."""
+    by_reason: dict[Reason, list[str]] = {}
     for e in entries:
         if e.cls == "refused":
-            return f"{e.flag} is not supported: {e.reason.text} (use {e.reason.alternative})"
-    return None
+            by_reason.setdefault(e.reason, []).append(e.flag)
+    if not by_reason:
+        return None
+    parts = [f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} not supported: {reason.text} "
+             f"(instead: {reason.alternative})" for reason, flags in by_reason.items()]
+    return "; ".join(parts)
 
 
 def notice_lines(entries: list[FlagEntry]) -> list[str]:

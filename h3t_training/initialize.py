@@ -2,7 +2,8 @@
 
 torchrun, our mpirun launcher and srun all provide RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT; a plain ``python pretrain_llama.py`` runs as a single rank on a free local port.
-The backend is NCCL on GPUs and gloo on CPU (``--distributed-backend`` overrides).
+The backend is NCCL on GPUs and gloo on CPU; ``--distributed-backend`` overrides, as the flags resolved it
+(``nccl`` on a machine without CUDA became gloo, with a notice, in :mod:`h3t_training.megatron_compat`).
 """
 from __future__ import annotations
 

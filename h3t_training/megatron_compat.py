@@ -7,7 +7,8 @@
   ``OptimizerParamScheduler`` does (iteration-based flags are multiplied by the global batch size).
 * batch-size schedules: ``--step-batch-size-schedule`` / ``--rampup-batch-size`` as a
   :class:`~h3t_training.batch_schedule.BatchSchedule` (``batch_schedule``);
-* ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here.
+* ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here;
+* ``--distributed-backend nccl`` without CUDA -> gloo, with a notice.
 Each step reads the config and returns the fields it sets (a dict); every problem is an
 :class:`~h3t_training.errors.ArgumentError` (one line).
 """
@@ -40,16 +41,21 @@ def kwai_aliases(args) -> dict:
     return changes
 
 
-def _tied_embeddings(args) -> dict:
+def _cuda_available() -> bool:
     import torch  # noqa: PLC0415
 
-    if (not args.untie_embeddings_and_output_weights and (args.pipeline_model_parallel_size or 1) > 1
-            and not torch.cuda.is_available()):
-        raise ArgumentError("tied embeddings (no --untie-embeddings-and-output-weights) with "
-                            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} are not supported "
-                            "on CPU (the embedding group's all-reduce is CUDA-only); give "
-                            "--untie-embeddings-and-output-weights or one pipeline stage")
-    return {}
+    return torch.cuda.is_available()
+
+
+def _distributed_backend(args) -> dict:
+    """``--distributed-backend nccl`` (Megatron-LM's default, in nearly every recipe) on a machine without CUDA runs
+    on gloo, with one notice: on CPU gloo gives the same result. On a GPU it stays nccl. The resolved backend is
+    what :func:`~h3t_training.initialize.initialize_distributed` is given."""
+    if args.distributed_backend != "nccl" or _cuda_available():
+        return {}
+    return {"distributed_backend": "gloo", "flag_notices": (
+        *args.flag_notices, "note: --distributed-backend nccl: no CUDA device on this machine; the process groups "
+                            "run on gloo (the same result on CPU)")}
 
 
 def _positions(args) -> dict:
@@ -153,7 +159,7 @@ def _tokenizer_files(args) -> dict:
 
 def apply_megatron_behaviours(config):
     """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
-    for step in (kwai_aliases, _positions, _tied_embeddings, _batch_schedule, _schedule, _virtual_stages, _split,
-                 _tokenizer_files):
+    for step in (kwai_aliases, _distributed_backend, _positions, _batch_schedule, _schedule, _virtual_stages,
+                 _split, _tokenizer_files):
         config = config.replace(**step(config))
     return config

@@ -5,7 +5,10 @@ marked ``sequence_parallel=True``) are first summed over the tensor-parallel gro
 ``finalize_model_grads`` step), then gradients are averaged over the data-parallel group with
 one all-reduce of a flat buffer, the global gradient norm is summed over the model-parallel group
 (tensor-parallel replicas of a parameter counted once) and clipped as Megatron does, then AdamW
-(decoupled weight decay, no decay on 1-D weights) steps. With ``--use-distributed-optimizer``
+(decoupled weight decay, no decay on 1-D weights) steps. A word embedding tied to the output layer with
+p > 1 has a copy on the first and the last stage; their gradients are summed over megatron-core's
+embedding group (``finalize_model_grads``' step) and the last stage's copy (``shared``) is left out of
+the norm, as Megatron does. With ``--use-distributed-optimizer``
 each data-parallel rank keeps Adam state only for its share of the parameters (ZeRO-1), steps that
 share, and broadcasts it to the other replicas; the numbers are the same as without sharding. With
 ``--optimizer-cpu-offload`` the share megatron-core's split picks steps in a host partition
@@ -93,12 +96,16 @@ class DataParallelAdamW:
     """AdamW over this rank's chunks with data-parallel gradient averaging (CPU, gloo)."""
 
     def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool,
-                 tp_group=None, fsdp: bool = False):
+                 tp_group=None, fsdp: bool = False, embedding_group=None, pipeline_group=None):
         self.args = args
         self.fsdp = fsdp
         """Over torch FSDP2's DTensor shards (--use-torch-fsdp2, :mod:`h3t_training.fsdp`): the gradients arrive
         reduce-scattered and averaged over ``dp_group``; the norm sums the local shards over it."""
         assert not (fsdp and distributed), "--use-torch-fsdp2 excludes the distributed optimizer"
+        self.tied_embedding, self.embedding_group = tied_embedding_weight(chunks, embedding_group, pipeline_group), \
+            embedding_group
+        """This rank's copy of a tied word embedding duplicated on the first and last pipeline stage (or None),
+        and the group its gradient is summed over (megatron-core's embedding group)."""
         self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
         self.dp_group, self.mp_group, self.tp_rank = dp_group, model_parallel_group, tp_rank
         self.tp_group = tp_group  # sums the gradients of sequence-parallel parameters
@@ -162,6 +169,8 @@ class DataParallelAdamW:
         from h3t_ext.runtime.modules.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: PLC0415
 
         allreduce_sequence_parallel_grads(self.params, self.tp_group)
+        if self.tied_embedding is not None:  # finalize_model_grads' word-embedding step: both copies get the sum
+            dist.all_reduce(self.tied_embedding.grad, group=self.embedding_group)
         if self.dp_size == 1:
             return
         flat = torch.cat([p.grad.reshape(-1) for p in self.params])
@@ -177,8 +186,8 @@ class DataParallelAdamW:
         from h3t_training.fsdp import local  # noqa: PLC0415
 
         sq = torch.zeros(1, dtype=torch.float64)
-        for p in self.params:
-            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
+        for p in self.params:  # the last stage's copy of a tied embedding (``shared``) is counted once, as Megatron
+            if (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0) and not getattr(p, "shared", False):
                 sq += local(p.grad).double().pow(2).sum()
         if self.fsdp and self.dp_size > 1:  # each rank holds one shard of every gradient
             dist.all_reduce(sq, group=self.dp_group)
@@ -291,6 +300,20 @@ def _allreduce_local_shards(params: list, group) -> None:
     for g in shards:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def tied_embedding_weight(chunks, embedding_group, pipeline_group) -> Optional[torch.nn.Parameter]:
+    """The word-embedding weight this rank holds a copy of when it is tied to the output layer and duplicated on
+    the first and last pipeline stage (megatron-core's ``_allreduce_word_embedding_grads``: the first chunk of the
+    first stage, the last chunk of the last stage), else None (one stage, untied, or a middle stage)."""
+    if embedding_group is None or dist.get_world_size(embedding_group) == 1 or \
+            dist.get_rank() not in dist.get_process_group_ranks(embedding_group):
+        return None
+    pp_rank, pp_size = dist.get_rank(pipeline_group), dist.get_world_size(pipeline_group)
+    chunk = chunks[0] if pp_rank == 0 else chunks[-1] if pp_rank == pp_size - 1 else None
+    if chunk is None or not getattr(chunk, "share_embeddings_and_output_weights", False):
+        return None
+    return chunk.shared_embedding_or_output_weight()
 
 
 def _sharded_params(model_sharded_state_dicts: list) -> dict:

@@ -12,9 +12,16 @@ Each carries what megatron-core's GPT datasets and the driver read (``vocab_size
 ``GPT2BPETokenizer``       ``--vocab-file`` (vocab.json) and ``--merge-file`` (merges.txt):
                            byte-level BPE, end of document ``<|endoftext|>``
 ``SentencePieceTokenizer`` ``--tokenizer-model``: a SentencePiece ``.model`` file
+``GPTSentencePieceTokenizer`` ``--tokenizer-model``: as ``SentencePieceTokenizer`` (Megatron's: the model's
+                           pieces, end of document its ``</s>``)
+``Llama2Tokenizer``        ``--tokenizer-model``: as ``SentencePieceTokenizer``, and each text tokenized
+                           starts with the model's BOS (Megatron's ``tokenize(s, bos=True)``)
 ``NullTokenizer``          none: text is whitespace-separated ids; ``--vocab-size`` of them
 ``ByteTokenizer``          none: UTF-8 bytes (h3t-ext's own, the default)
 =========================  ===================================================================
+
+Megatron's other names (:data:`REFUSED_TOKENIZER_TYPES`: BERT's WordPiece, tiktoken, multimodal, SFT) are
+one line saying why, as is a name Megatron does not have.
 
 Where a tokenizer has no end-of-document token of its own, one id is appended after its
 vocabulary (``vocab_size`` grows by one), as Megatron does for SentencePiece.
@@ -29,7 +36,17 @@ from typing import Optional
 import numpy
 
 TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
-                   "SentencePieceTokenizer")
+                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+_BERT = "BERT's WordPiece vocabulary and its special tokens are not implemented; its ids would differ"
+REFUSED_TOKENIZER_TYPES = {
+    "BertWordPieceCase": _BERT, "BertWordPieceLowerCase": _BERT,
+    "TikTokenizer": "tiktoken vocabularies are not implemented; its ids would differ",
+    "MultimodalTokenizer": "multimodal tokenizers belong to other Megatron-LM models",
+    "NullMultimodalTokenizer": "multimodal tokenizers belong to other Megatron-LM models",
+    "SFTTokenizer": "supervised fine-tuning chat templates are not implemented",
+}
+"""Megatron-LM's other ``--tokenizer-type`` names, each with why it is refused (one line, not argparse's
+"invalid choice")."""
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<eod>")
 """End-of-document spellings looked up, in order, in a vocabulary that does not name its own."""
 
@@ -133,6 +150,24 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in numpy.asarray(ids).ravel() if int(i) != self.eod])
 
 
+class Llama2Tokenizer(SentencePieceTokenizer):
+    """Megatron's Llama2Tokenizer: a SentencePiece model whose ``tokenize`` starts each text with the model's BOS
+    (Megatron's default ``bos=True, eos=False``; tools/preprocess_data.py then appends the end of document)."""
+
+    def __init__(self, model_file: str) -> None:
+        super().__init__(model_file)
+        self.bos = self._sp.bos_id()
+        if self.bos < 0:
+            raise TokenizerError(f"--tokenizer-model {model_file} has no BOS piece; Llama2Tokenizer starts every "
+                                 "text with one (use --tokenizer-type GPTSentencePieceTokenizer)")
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self.bos, *self._sp.encode(text)]
+
+    def detokenize(self, ids) -> str:
+        return super().detokenize([i for i in numpy.asarray(ids).ravel() if int(i) != self.bos])
+
+
 def _need_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
     if path is None:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag} PATH")
@@ -188,13 +223,18 @@ def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, to
     if tokenizer_type == "GPT2BPETokenizer":
         return _gpt2_bpe(_need_file("--vocab-file", vocab_file, tokenizer_type),
                          _need_file("--merge-file", merge_file, tokenizer_type))
-    if tokenizer_type == "SentencePieceTokenizer":
+    if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         path = _need_file("--tokenizer-model", tokenizer_model, tokenizer_type)
         try:
-            return SentencePieceTokenizer(path)
+            tok = (Llama2Tokenizer if tokenizer_type == "Llama2Tokenizer" else SentencePieceTokenizer)(path)
         except (OSError, RuntimeError) as e:
             raise TokenizerError(f"--tokenizer-model {path} is not a SentencePiece model "
                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        tok.unique_identifiers["class"] = tokenizer_type
+        return tok
+    if tokenizer_type in REFUSED_TOKENIZER_TYPES:
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type} is not supported: "
+                             f"{REFUSED_TOKENIZER_TYPES[tokenizer_type]} (instead: one of {', '.join(TOKENIZER_TYPES)})")
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
@@ -212,7 +252,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_
 
 def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
     """Megatron's tokenizer flags, shared by the driver and tools/preprocess_data.py."""
-    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=default)
+    group.add_argument("--tokenizer-type", default=default, metavar="{" + ",".join(TOKENIZER_TYPES) + "}",
+                       help="checked when the tokenizer is built: Megatron's other names are one line saying why")
     group.add_argument("--tokenizer-model", default=None,
                        help="tokenizer.json (or its directory) or a SentencePiece .model file")
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
@@ -220,5 +261,5 @@ def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
     group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer")
 
 
-__all__ = ["TOKENIZER_TYPES", "TokenizerError", "add_tokenizer_flags", "build_tokenizer", "padded_vocab_size",
+__all__ = ["REFUSED_TOKENIZER_TYPES", "TOKENIZER_TYPES", "TokenizerError", "add_tokenizer_flags", "build_tokenizer", "padded_vocab_size",
            "tokenizer_from_args"]

@@ -63,7 +63,9 @@ def _cpu_optimizer(args, chunks, *, fsdp: bool):
     return DataParallelAdamW(
         chunks, args, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
         model_parallel_group=ps.get_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
-        distributed=args.use_distributed_optimizer, tp_group=ps.get_tensor_model_parallel_group(), fsdp=fsdp)
+        distributed=args.use_distributed_optimizer, tp_group=ps.get_tensor_model_parallel_group(), fsdp=fsdp,
+        embedding_group=ps.get_embedding_group(check_initialized=False),
+        pipeline_group=ps.get_pipeline_model_parallel_group())
 
 
 def _build_optimizer(args, chunks, on_gpu: bool):

@@ -157,3 +157,44 @@ def test_cost_model_sees_the_model_the_flags_build(prog, gelu_gpt, monkeypatch):
     assert (spec.attention_dropout, spec.hidden_dropout) == ((0.1, 0.1) if gelu_gpt else (0.0, 0.0))
     spec = model_spec(parse_args(BASE + ["--attention-dropout", "0.2", "--hidden-dropout", "0"], prog=prog), 512)
     assert (spec.attention_dropout, spec.hidden_dropout) == (0.2, 0.0)
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_nccl_backend_runs_on_gloo_without_cuda_with_one_notice(cuda, monkeypatch):
+    """Megatron's recipes pass --distributed-backend nccl: without CUDA the run takes gloo and says so once;
+    on a GPU nccl stays nccl, silently."""
+    from h3t_training import megatron_compat
+    monkeypatch.setattr(megatron_compat, "_cuda_available", lambda: cuda)
+    config = parse_args([*BASE, "--distributed-backend", "nccl"], world_size=2)
+    notices = [n for n in config.flag_notices if n.startswith("note: --distributed-backend")]
+    assert config.distributed_backend == ("nccl" if cuda else "gloo")
+    assert notices == ([] if cuda else ["note: --distributed-backend nccl: no CUDA device on this machine; the "
+                                        "process groups run on gloo (the same result on CPU)"])
+    assert parse_args([*BASE, "--distributed-backend", "gloo"], world_size=2).distributed_backend == "gloo"
+
+
+def test_every_refusal_of_a_command_line_is_one_line(capsys, monkeypatch):
+    """A MoE recipe learns all its refused flags in one launch, with the resolve steps' first problem."""
+    line = _error([*BASE, "--num-experts", "8", "--moe-router-topk", "2", "--multi-latent-attention",
+                   "--lr", "-1"], capsys, monkeypatch)
+    body = line.split(": error: ", 1)[1]
+    assert body.startswith("--moe-router-topk, --num-experts are not supported: mixture-of-experts")
+    assert "(instead: a dense model (leave the MoE flags out)); --multi-latent-attention is not supported: " \
+           "multi-latent attention" in body
+    assert body.count("not supported") == 2
+    assert body.endswith("; --lr -1.0 is outside (0, inf)")
+
+
+def test_only_rank_0_writes_the_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*BASE, "--num-experts", "8"], world_size=2, rank=1)
+    assert exc.value.code == 2 and capsys.readouterr().err == ""
+
+
+def test_bad_flag_under_torchrun_is_said_once(tmp_path):
+    from h3t_ext.testing import free_port
+    proc = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), str(REPO / "pretrain_llama.py"), *BASE,
+                           "--num-experts", "8"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("pretrain_llama.py: error: --num-experts is not supported") == 1, proc.stderr[-3000:]

@@ -46,6 +46,7 @@ def _flags(kind: str, d) -> list[str]:
         "GPT2BPETokenizer": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(d / "vocab.json"),
                              "--merge-file", str(d / "merges.txt")],
         "SentencePieceTokenizer": ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(d / "sp.model")],
+        "Llama2Tokenizer": ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", str(d / "sp.model")],
     }[kind]
 
 
@@ -66,7 +67,7 @@ def test_tokenizer_round_trip_and_vocabulary(files, kind):
     assert tok.vocab_size == expected[kind]  # the trained eod is in the vocabulary: no extra id
 
 
-@pytest.mark.parametrize("kind", KINDS + ["ByteTokenizer"])
+@pytest.mark.parametrize("kind", KINDS + ["ByteTokenizer", "Llama2Tokenizer"])
 def test_preprocess_and_train_with_each_tokenizer(files, kind, tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -109,3 +110,34 @@ def test_a_file_that_is_no_tokenizer_is_one_line(tmp_path):
         build_tokenizer("SentencePieceTokenizer", tokenizer_model=str(bad))
     with pytest.raises(TokenizerError, match=r"is not a tokenizer.json the tokenizers package reads"):
         build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(bad))
+
+
+def test_megatron_sentencepiece_names(files):
+    """GPTSentencePieceTokenizer is the model's pieces (eod its </s>); Llama2Tokenizer starts each text with the
+    model's BOS, as Megatron's ``tokenize(s, bos=True)``; both have the model's vocabulary."""
+    model = str(files / "sp.model")
+    sp, gpt, llama = (build_tokenizer(k, tokenizer_model=model) for k in
+                      ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"))
+    text = "Return the number of items in a container."
+    assert gpt.tokenize(text) == sp.tokenize(text) and len(sp.tokenize(text)) > 1
+    assert llama.tokenize(text) == [llama.bos, *sp.tokenize(text)] and llama.bos not in sp.tokenize(text)
+    assert llama.detokenize(llama.tokenize(text) + [llama.eod]).strip() == text
+    assert sp.vocab_size == gpt.vocab_size == llama.vocab_size == SP_VOCAB and sp.eod == gpt.eod == llama.eod
+    assert (gpt.unique_identifiers["class"], llama.unique_identifiers["class"]) == \
+        ("GPTSentencePieceTokenizer", "Llama2Tokenizer")  # other ids, other dataset caches
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("BertWordPieceCase", "--tokenizer-type BertWordPieceCase is not supported: BERT's WordPiece vocabulary and its "
+     "special tokens are not implemented; its ids would differ (instead: one of ByteTokenizer, NullTokenizer, "
+     "HuggingFaceTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer)"),
+    ("NoSuchTokenizer", "--tokenizer-type 'NoSuchTokenizer' is not one of ByteTokenizer, NullTokenizer, "
+     "HuggingFaceTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer"),
+])
+def test_other_megatron_tokenizer_names_are_one_line(kind, expected, capsys):
+    from h3t_training.config import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
+                    "--tokenizer-type", kind], prog="pretrain_gpt.py", defaults={})
+    assert exc.value.code == 2 and capsys.readouterr().err == f"pretrain_gpt.py: error: {expected}\n"

@@ -7,7 +7,9 @@ the stock ``DotProductAttention`` takes a CUDA buffer from the global memory buf
 
 :class:`H3TGPTModel` is megatron-core's GPTModel that, on a host without CUDA, keeps RoPE
 frequencies on the host and runs the sequence-parallel scatter of the embedding and the gather of
-the output layer with :mod:`h3t_ext.runtime.modules.sequence_parallel` (megatron-core's allocate CUDA buffers).
+the output layer with :mod:`h3t_ext.runtime.modules.sequence_parallel` (megatron-core's allocate CUDA buffers),
+and copies a tied embedding from the first to the last pipeline stage over the embedding group where the
+weight is (megatron-core moves it to CUDA first).
 """
 from __future__ import annotations
 
@@ -84,6 +86,22 @@ class H3TGPTModel(GPTModel):
                 use_cpu_initialization=self.config.use_cpu_initialization, cp_group=self.pg_collection.cp)
         if self._h3t_host_sp and self.post_process:
             self.output_layer = self._host_output_layer(self.output_layer)
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        """megatron-core's setup, whose first-to-last-stage copy of a tied embedding (an all-reduce over the
+        embedding group of the first stage's weight and the last stage's zeros) moves the weight to CUDA first:
+        a weight on the host is all-reduced where it is (gloo), one on a GPU as megatron-core does."""
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if weight is None or weight.is_cuda:
+            return super().setup_embeddings_and_output_layer()
+        group, self.embd_group = self.embd_group, None  # megatron-core skips its CUDA all-reduce without a group
+        try:
+            super().setup_embeddings_and_output_layer()
+        finally:
+            self.embd_group = group
+        if torch.distributed.is_initialized() and self.config.pipeline_model_parallel_size > 1 \
+                and self._is_in_embd_group():
+            torch.distributed.all_reduce(weight.data, group=group)
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """megatron-core's loss, except that float64 logits keep float64 through the cross entropy
