@@ -55,6 +55,14 @@ def losses(path) -> list[float]:
     return [r["loss"] for r in metrics(path)["iterations"]]
 
 
+def single_rank_reference(directory: Path, argv: list[str]) -> tuple[Path, dict]:
+    """A single-rank run saved after its first iteration (the start checkpoint every layout under test loads, as
+    ``test_layouts_vs_single_rank.py`` does) and the metrics of that run continued from it: (checkpoint, metrics)."""
+    check_ok(run_pretrain([*argv, "--save", str(directory / "ckpt"), "--exit-interval", "1"]))
+    check_ok(run_pretrain([*argv, "--load", str(directory / "ckpt"), "--metrics-json", str(directory / "ref.json")]))
+    return directory / "ckpt", metrics(directory / "ref.json")
+
+
 def make_corpus_data(directory: Path) -> str:
     """A byte-level indexed dataset of the stdlib documentation; returns its prefix."""
     corpus = directory / "corpus.jsonl"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain, single_rank_reference
 from h3t_training.config import parse_args
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
@@ -65,13 +65,10 @@ def test_accepted_sharding_flags():
 
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory):
-    d = tmp_path_factory.mktemp("single")
     argv = [*TINY_MODEL, *COMMON]
-    check_ok(run_pretrain([*argv, "--save", str(d / "ckpt"), "--exit-interval", "1"]))
-    check_ok(run_pretrain([*argv, "--load", str(d / "ckpt"), "--metrics-json", str(d / "ref.json")]))
-    ref = metrics(d / "ref.json")
+    ckpt, ref = single_rank_reference(tmp_path_factory.mktemp("single"), argv)
     assert len(ref["iterations"]) == 3 and len({r["loss"] for r in ref["iterations"]}) == 3
-    return argv, d / "ckpt", ref
+    return argv, ckpt, ref
 
 
 def _fsdp2_run(single_rank, flags, nproc, tmp_path) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain, single_rank_reference
 from h3t_training.optimizer import _shard_owners
 from h3t_training.optimizer_offload import offloaded_prefix
 
@@ -47,13 +47,11 @@ def _expected(dp: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory):
-    d = tmp_path_factory.mktemp("single")
     argv = [*TINY_MODEL, *COMMON]
-    check_ok(run_pretrain([*argv, "--save", str(d / "ckpt"), "--exit-interval", "1"]))
-    check_ok(run_pretrain([*argv, "--load", str(d / "ckpt"), "--metrics-json", str(d / "ref.json")]))
-    ref = losses(d / "ref.json")
+    ckpt, m = single_rank_reference(tmp_path_factory.mktemp("single"), argv)
+    ref = [r["loss"] for r in m["iterations"]]
     assert len(ref) == 3 and len(set(ref)) == 3
-    return argv, d / "ckpt", ref
+    return argv, ckpt, ref
 
 
 def _run(single_rank, tmp_path, flags, nproc, name="m.json"):
