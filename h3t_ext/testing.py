@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import io
 import multiprocessing as mp
-import os
 import queue
 import socket
 import traceback

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
-from typing import Optional, Sequence
+from typing import Optional
 
 from h3t_ext.ckpt import Ckpt
 from h3t_training.errors import ArgumentError

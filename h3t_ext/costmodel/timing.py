@@ -482,7 +482,7 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     """The closed form: seconds per iteration by term (they add up to the iteration time). The cost model's
     time is the timeline (:mod:`h3t_ext.costmodel.timeline`); this form prices the same terms without walking
     the schedule, and the planner prunes with it."""
-    t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
+    p = plan.pipeline_model_parallel_size
     m, L = plan.num_microbatches, model.num_layers
     v = plan.virtual_size(L)
     st = shape_times(model, plan, system)

@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from h3t_ext.costmodel.fit import FITTABLE, FitResult, MeasuredRun, fit_joint, fit_system, mean_abs, relative_errors, \
+from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_joint, fit_system, mean_abs, relative_errors, \
     with_efficiencies
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
 from h3t_ext.costmodel.specs import SystemSpec, prior_efficiencies

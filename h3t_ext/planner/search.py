@@ -231,7 +231,7 @@ def _price_one(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode
         return False  # not a memory verdict: no pruning
     except InfeasiblePlanError as e:
         col.infeasible(plan, e.term, e.excess_bytes, e.stage, e.reason,
-                       lambda: stage_memory(model, plan.with_alpha(1.0), e.stage or 0, 1.0).terms)
+                       lambda stage=e.stage or 0: stage_memory(model, plan.with_alpha(1.0), stage, 1.0).terms)
         return None
     est = ev.estimate
     err = est.infeasibility()

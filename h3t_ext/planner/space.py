@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from h3t_ext.costmodel import CKPT_CHOICES, ModelSpec
+from h3t_ext.costmodel import ModelSpec
 from h3t_ext.layout import LayoutError, ParallelLayout, virtual_pipeline_size
 
 CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
