@@ -22,10 +22,12 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
+from h3t_ext.planner.translate import MEGATRON_DEFAULTS
 from h3t_training.errors import ArgumentError
 
-DEFAULT_OFFLOAD_FRACTION = 1.0
-"""Megatron-LM's default of ``--optimizer-offload-fraction`` (its arguments.py: ``default=1.0``)."""
+DEFAULT_OFFLOAD_FRACTION = MEGATRON_DEFAULTS["optimizer_offload_fraction"]
+"""Megatron-LM's default of ``--optimizer-offload-fraction`` (its arguments.py: ``default=1.0``), from the one
+table of Megatron's defaults the planner's translation reads too."""
 
 
 def offloaded_prefix(numels: Sequence[int], fraction: float) -> list[bool]:

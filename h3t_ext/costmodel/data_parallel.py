@@ -192,7 +192,7 @@ def optimizer_step_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> 
     p = plan.pipeline_model_parallel_size
     n, k = max((stage_params(model, plan, k), k) for k in {0, p - 1})
     shard = n / optimizer_shards(plan)
-    on_device = shard * (1.0 - optimizer_offload.offload_fraction(plan))
+    on_device = optimizer_offload.device_params(shard, plan)
     return elementwise_seconds(on_device * ADAM_BYTES_PER_PARAM + n * FP32, kernel_rates(system),
                                kernels=OPTIMIZER_KERNELS) \
         + fp8.step_seconds(model, plan, system, plan.stage_layers(model.num_layers, k)) \

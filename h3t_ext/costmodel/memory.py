@@ -151,9 +151,6 @@ def stage_host_bytes(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]
     return optimizer_offload.host_bytes(shard, plan)
 
 
-STATE_KINDS = ("params", "grads", "optimizer")
-
-
 def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: int = BF16,
                       master_weights: bool = True) -> dict[str, dict[str, int]]:
     """Bytes of parameters, gradients and optimizer states one rank of ``stage`` holds, on the device and on
@@ -166,9 +163,8 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
     n = stage_params(model, plan, stage)
     d = plan.data_parallel_size
     strategy = plan.data_parallel_sharding_strategy
-    shard = n / optimizer_shards(plan)
-    on_device = shard * (1.0 - optimizer_offload.offload_fraction(plan))
-    host = optimizer_offload.host_bytes(shard, plan)
+    on_device = optimizer_offload.device_params(n / optimizer_shards(plan), plan)
+    host = stage_host_bytes(model, plan, stage)
     return {
         "device": {"params": int(round(n * param_bytes / (d if strategy == "optim_grads_params" else 1))),
                    "grads": int(round(n * FP32 / (d if strategy is not None else 1))),
@@ -186,7 +182,7 @@ def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, 
     terms = {
         "weights": -(-weights // d) if strategy == "optim_grads_params" else weights,
         "grads": -(-n * FP32 // d) if strategy is not None else n * FP32,
-        "optimizer_states": -(-int(round(n * (1.0 - optimizer_offload.offload_fraction(plan))))
+        "optimizer_states": -(-int(round(optimizer_offload.device_params(n, plan)))
                               * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
     }
     if plan.fp8 is not None:

@@ -68,6 +68,11 @@ def offloaded_params(shard_params: float, plan: Plan) -> float:
     return shard_params * offload_fraction(plan)
 
 
+def device_params(shard_params: float, plan: Plan) -> float:
+    """Parameters of a rank's optimizer shard stepped on the device (the rest of :func:`offloaded_params`)."""
+    return shard_params * (1.0 - offload_fraction(plan))
+
+
 def host_bytes(shard_params: float, plan: Plan) -> dict[str, int]:
     """Host bytes one rank holds for its offloaded optimizer share, by term."""
     n = offloaded_params(shard_params, plan)

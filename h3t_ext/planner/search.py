@@ -190,8 +190,6 @@ def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bu
     best = ranked
     for option in budget.ladder:
         variant = _with_option(model, system, plan, option, budget)
-        if variant is None:
-            continue
         r = _price_one(col, model, system, variant, alpha_mode, budget)
         if r and (best is None or r.tokens_per_second > best.tokens_per_second):
             best = r
@@ -200,13 +198,11 @@ def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bu
     return best
 
 
-def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budgets) -> Optional[Plan]:
+def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budgets) -> Plan:
     """``plan`` with one memory option; with optimizer offload, the smallest --optimizer-offload-fraction (in
     steps of ``OFFLOAD_FRACTION_STEP``) that brings the stage over budget at alpha 0 within it, else 1."""
-    if option.data_parallel_sharding_strategy is not None:
-        return replace(plan, data_parallel_sharding_strategy=option.data_parallel_sharding_strategy)
     if not option.optimizer_cpu_offload:
-        return None
+        return option.on(plan)
     base = replace(plan, offload_alpha=0.0)
     device = default_memory_budget_bytes(model, base, system) if budget.device is None else budget.device
     fraction = 0.0
@@ -216,7 +212,7 @@ def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budge
         if excess > 0 and terms["optimizer_states"] > 0:
             fraction = max(fraction, excess / terms["optimizer_states"])
     fraction = min(1.0, math.ceil(fraction / OFFLOAD_FRACTION_STEP) * OFFLOAD_FRACTION_STEP) if fraction else 1.0
-    return replace(plan, optimizer_cpu_offload=True, optimizer_offload_fraction=round(fraction, 2))
+    return option.on(plan, round(fraction, 2))
 
 
 def _price_one(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets):
@@ -252,9 +248,7 @@ def _static_infeasibility(model, system, plan: Plan, budgets: _Budgets) -> Optio
     for option in budgets.ladder:
         if verdicts[-1] is None:
             return None
-        variant = replace(plan, data_parallel_sharding_strategy=option.data_parallel_sharding_strategy,
-                          optimizer_cpu_offload=option.optimizer_cpu_offload, optimizer_offload_fraction=1.0)
-        verdicts.append(_static_verdict(model, system, variant, budgets.device))
+        verdicts.append(_static_verdict(model, system, option.on(plan), budgets.device))
     if verdicts[-1] is None:
         return None
     return min(verdicts, key=lambda v: v.excess_bytes)

@@ -17,7 +17,7 @@ plus the cost model's "t stays within one node":
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from h3t_ext.costmodel import ModelSpec
@@ -49,6 +49,12 @@ class MemoryOption:
     """'optim_grads' or 'optim_grads_params' (Megatron FSDP), or None (Megatron's DDP)."""
     optimizer_cpu_offload: bool = False
     """--optimizer-cpu-offload with the smallest --optimizer-offload-fraction that fits (at most 1)."""
+
+    def on(self, plan, optimizer_offload_fraction: float = 1.0):
+        """``plan`` with this option (and, when it offloads the optimizer, that fraction)."""
+        return replace(plan, data_parallel_sharding_strategy=self.data_parallel_sharding_strategy,
+                       optimizer_cpu_offload=self.optimizer_cpu_offload,
+                       optimizer_offload_fraction=optimizer_offload_fraction)
 
 
 MEMORY_LADDER: tuple[MemoryOption, ...] = (
