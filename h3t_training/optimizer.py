@@ -163,24 +163,19 @@ class DataParallelAdamW:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.fsdp:  # reduce-scattered over the data-parallel group by FSDP2 already
-            _allreduce_local_shards([p for p in self.params if getattr(p, "sequence_parallel", False)], self.tp_group)
-            return
-        from h3t_ext.runtime.modules.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: PLC0415
+        from h3t_ext.runtime.modules.sequence_parallel import (  # noqa: PLC0415
+            allreduce_flat_, allreduce_sequence_parallel_grads)
 
         allreduce_sequence_parallel_grads(self.params, self.tp_group)
+        if self.fsdp:  # reduce-scattered over the data-parallel group by FSDP2 already
+            return
         if self.tied_embedding is not None:  # finalize_model_grads' word-embedding step: both copies get the sum
             dist.all_reduce(self.tied_embedding.grad, group=self.embedding_group)
         if self.dp_size == 1:
             return
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.dp_size
-        offset = 0
+        allreduce_flat_([p.grad for p in self.params], self.dp_group)
         for p in self.params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-            offset += n
+            p.grad /= self.dp_size
 
     def _grad_norm(self) -> float:
         from h3t_training.fsdp import local  # noqa: PLC0415
@@ -284,22 +279,6 @@ class DataParallelAdamW:
                 yield from (("optimizer", "device", v) for v in state.values() if isinstance(v, torch.Tensor))
         if self.host is not None:
             yield from ((category, "host", t) for category, t in self.host.tensors())
-
-
-def _allreduce_local_shards(params: list, group) -> None:
-    """Sum the local gradient shards of FSDP2's DTensor ``params`` over ``group`` (the sequence-parallel
-    parameters' gradients over the tensor-parallel group: each tensor-parallel rank holds the same shard)."""
-    if group is None or not params or dist.get_world_size(group) == 1:
-        return
-    from h3t_training.fsdp import local  # noqa: PLC0415
-
-    shards = [local(p.grad) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in shards])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in shards:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def tied_embedding_weight(chunks, embedding_group, pipeline_group) -> Optional[torch.nn.Parameter]:

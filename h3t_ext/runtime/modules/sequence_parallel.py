@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -162,21 +163,29 @@ def sequence_parallel_params(modules: Iterable[torch.nn.Module]) -> list[torch.n
     return out
 
 
+def allreduce_flat_(tensors: list[torch.Tensor], group) -> None:
+    """Sum ``tensors`` over ``group`` in place, with one all-reduce of their concatenation."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def allreduce_sequence_parallel_grads(params: Iterable[torch.nn.Parameter], tp_group) -> int:
-    """Sum the ``.grad`` of sequence-parallel parameters over ``tp_group`` (one flat all-reduce).
+    """Sum the ``.grad`` of sequence-parallel parameters over ``tp_group`` (one flat all-reduce, in place); of a
+    DTensor gradient (torch FSDP2) the local shard, which every tensor-parallel rank holds alike.
 
     Returns how many gradients were reduced (parameters without a gradient count as zeros).
     """
     params = [p for p in params if getattr(p, "sequence_parallel", False)]
     if tp_group is None or not params or dist.get_world_size(tp_group) == 1:
         return 0
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=tp_group)
-    offset = 0
-    for p, g in zip(params, grads):
-        p.grad = flat[offset:offset + g.numel()].view_as(g).clone()
-        offset += g.numel()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    allreduce_flat_([g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)], tp_group)
     return len(params)
 
 
@@ -202,7 +211,7 @@ def host_sequence_parallel(config) -> bool:
 
 
 __all__ = [
-    "SPColumnParallelLinear", "SPRowParallelLinear", "allreduce_sequence_parallel_grads", "ensure_host_rng_tracker",
-    "host_sequence_parallel", "mark_sequence_parallel", "reduce_scatter_to_sequence_parallel",
+    "SPColumnParallelLinear", "SPRowParallelLinear", "allreduce_flat_", "allreduce_sequence_parallel_grads",
+    "ensure_host_rng_tracker", "host_sequence_parallel", "mark_sequence_parallel", "reduce_scatter_to_sequence_parallel",
     "scatter_to_sequence_parallel", "sequence_parallel_params",
 ]
