@@ -2,7 +2,7 @@
 # Runs the kernel tests against an AddressSanitizer + UBSan build of the native CPU module
 # and of its tensor front end (_copy_torch, built when torch's headers are found).
 #
-# The package, csrc/ and tests/test_kernels*.py are copied to a scratch directory, the
+# The package, csrc/ and the kernel tests (tests/*/test_kernels*.py but the two below) are copied to a scratch directory, the
 # extensions are compiled there with -fsanitize=address,undefined, and pytest runs from that
 # copy with libasan preloaded (with libstdc++; python itself is not instrumented; leak checking is off
 # because the interpreter and torch keep allocations alive at exit).
@@ -44,12 +44,17 @@ TORCH_BUILD_CMD=("${CXX}" -O1 -g -std=c++20 -shared -fPIC -pthread "-fsanitize=$
                  -fno-sanitize-recover=all -I"${REPO}/csrc" -I"${PYBIND_INCLUDE}" -I"${PY_INCLUDE}"
                  "${REPO}/csrc/bindings_torch.cpp"
                  "${TORCH_FLAGS[@]}" -o "${WORK}/h3t_ext/kernels/_copy_torch${EXT_SUFFIX}")
+# the kernel tests, in their tier folders (their paths to the repo count the folders); the two that compile
+# their own C++ (tests/integration/test_kernels_threads.py, a TSan stress driver, and test_kernels_build.py, a
+# torch-free syntax check) never load the module under test and are left out
+KERNEL_TESTS=(tests/unit/test_kernels.py tests/unit/test_kernels_errors.py tests/unit/test_kernels_fast.py
+              tests/integration/test_kernels_pack.py tests/gpu/test_kernels_cuda.py)
 TEST_CMD=(env "LD_PRELOAD=${LIBASAN}" "ASAN_OPTIONS=detect_leaks=0:abort_on_error=1"
           "UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1" "PYTHONPATH=${WORK}"
           "${PYTHON}" -m pytest -q -p no:cacheprovider "${WORK}/tests" "${PYTEST_ARGS[@]}")
 
 if [[ ${DRY_RUN} -eq 1 ]]; then
-  echo "copy h3t_ext csrc tests/test_kernels*.py -> ${WORK}"
+  echo "copy h3t_ext csrc ${KERNEL_TESTS[*]} -> ${WORK}"
   echo "${BUILD_CMD[*]}"
   echo "${TORCH_BUILD_CMD[*]}"
   echo "(cd ${WORK} && ${TEST_CMD[*]})"
@@ -57,13 +62,10 @@ if [[ ${DRY_RUN} -eq 1 ]]; then
 fi
 
 rm -rf "${WORK}/h3t_ext" "${WORK}/csrc" "${WORK}/tests"
-mkdir -p "${WORK}/tests"
+mkdir -p "${WORK}/tests/unit" "${WORK}/tests/integration" "${WORK}/tests/gpu"
 cp -r "${REPO}/h3t_ext" "${REPO}/csrc" "${WORK}/"
 find "${WORK}/h3t_ext" \( -name '*.so' -o -name '__pycache__' \) -prune -exec rm -rf {} +
-cp "${REPO}"/tests/test_kernels*.py "${WORK}/tests/"
-# These two compile their own C++ (TSan stress driver, torch-free syntax check) and never
-# load the module under test.
-rm -f "${WORK}/tests/test_kernels_threads.py" "${WORK}/tests/test_kernels_build.py"
+for t in "${KERNEL_TESTS[@]}"; do cp "${REPO}/${t}" "${WORK}/${t}"; done
 "${BUILD_CMD[@]}"
 "${TORCH_BUILD_CMD[@]}"
 cd "${WORK}"

@@ -159,7 +159,7 @@ def _walk_schedule(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int],
 @functools.lru_cache(maxsize=4096)
 def _closed_form(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
     """What :func:`_walk_schedule` returns, in closed form (equality with the builder is asserted for
-    every p <= 12, v <= 5 and valid m <= 4p in tests/test_costmodel_activations.py).
+    every p <= 12, v <= 5 and valid m <= 4p in tests/unit/test_costmodel_activations.py).
 
     The peak is the first steady-state forward (or the last forward when the warm-up covers every
     chunk): it holds N = min(warm-up + 1, m v) chunks, of which the two newest are still whole. Every

@@ -1,6 +1,6 @@
 """Figures of the cost model against the published reference (h3t_ext/data/reference/atc24_calibration.json).
 
-Used by tests/test_calibration.py and scripts/costmodel_calibration.py; pure arithmetic.
+Used by tests/integration/test_calibration.py and scripts/costmodel_calibration.py; pure arithmetic.
 """
 from __future__ import annotations
 

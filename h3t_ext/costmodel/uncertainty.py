@@ -5,7 +5,7 @@ on the other sources only. The pooled absolute relative errors of those held-out
 honest error of an uncalibrated estimate; the interval half-width is their nearest-rank ``COVERAGE``
 quantile. It is stored in ``data/uncertainty.json`` (computed by ``validation.computed_uncertainty``, written
 by ``scripts/costmodel_calibration.py --write-uncertainty``, with what it was computed from) so that estimates need not re-run the fits;
-tests/test_calibration.py checks that the stored value equals what validation computes now.
+tests/integration/test_calibration.py checks that the stored value equals what validation computes now.
 """
 from __future__ import annotations
 

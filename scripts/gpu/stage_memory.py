@@ -15,7 +15,7 @@ step separately) and compares the larger with
 ``--device cpu`` runs the same pipeline on the CPU in float32 (host staging on; the copies are
 counted). The allocator's peak is not measurable there: what is compared is each stage's peak of
 saved activation bytes held by the activation manager against ``stage_activation_peak_bytes``
-(fp32, 'local', no sequence parallelism), as tests/test_memory_prediction.py does.
+(fp32, 'local', no sequence parallelism), as tests/integration/test_memory_prediction.py does.
 
     python scripts/gpu/stage_memory.py [--device cuda|cpu] [--json]
 

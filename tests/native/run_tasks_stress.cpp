@@ -1,4 +1,4 @@
-// Stress driver for h3t::run_tasks, built by tests/test_kernels_threads.py (under
+// Stress driver for h3t::run_tasks, built by tests/integration/test_kernels_threads.py (under
 // ThreadSanitizer when the compiler supports it): random batches of contiguous and
 // row-strided tasks copied by up to three threads in odd-sized chunks, with and without
 // non-temporal stores; every destination must equal its source and the gaps between

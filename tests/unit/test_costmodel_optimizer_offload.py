@@ -2,7 +2,6 @@
 and the search's memory ladder (Megatron FSDP's sharding, then optimizer offload): H3T's headline cases."""
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -123,23 +122,18 @@ TINY_LLAMA = dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_query
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_state_bytes_are_what_the_driver_measures(fraction):
     """The cost model's state bytes of one rank (CPU stand-in precision: fp32 parameters, no separate master)
-    against the bytes the driver measures from its tensors (tests/test_optimizer_offload_driver.py asserts the
+    against the bytes the driver measures from its tensors (tests/integration/test_optimizer_offload_driver.py asserts the
     measurement equals ``_expected``), within 1% per kind and side; at d=1, where both shard nothing."""
     from h3t_ext.costmodel import ModelSpec
     from h3t_ext.costmodel.memory import stage_state_bytes
-    import test_optimizer_offload_driver as drv
+    from state_bytes_harness import expected_state_bytes
 
     model = ModelSpec(name="tiny", **TINY_LLAMA)
     plan = Plan(num_gpus=1, seq_length=64, global_batch_size=4, use_distributed_optimizer=True,
                 optimizer_cpu_offload=fraction > 0, optimizer_offload_fraction=fraction or 1.0)
     assert stage_params(model, plan, 0) == 213_568  # the driver's parameter count of this model
     predicted = stage_state_bytes(model, plan, 0, param_bytes=4, master_weights=False)
-    old = drv.FRACTION
-    try:
-        drv.FRACTION = fraction
-        measured = drv._expected(1)[0]
-    finally:
-        drv.FRACTION = old
+    measured = expected_state_bytes(1, fraction)[0]
     # megatron-core's split offloads whole tensors (the shortest prefix holding F of the elements): off F in
     # {0, 1} the measurement is off the model's F * n by up to one tensor, here the 512 x 64 embedding (8 bytes
     # of moments and master or gradient per element); Adam's step counts are 4 bytes per tensor.

@@ -13,7 +13,7 @@ activation manager on every stage counting the saved bytes it holds on the devic
   does not (its FC2 saves the SwiGLU output itself), i.e. the cost model's ``no - ours`` for
   layer_spec='local'.
 
-The manager's count is checked against the allocator's live storages in tests/test_activations.py.
+The manager's count is checked against the allocator's live storages in tests/integration/test_activations.py.
 """
 from __future__ import annotations
 

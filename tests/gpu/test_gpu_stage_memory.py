@@ -1,7 +1,7 @@
 """The GPU tier's stage-memory check (``pytest -m gpu``, run by scripts/gpu_check.sh): two gloo ranks on
 the one GPU, host-staged pipeline transfers, pipeline 2 interleaved, ckpt=ours, alpha 0.5; every stage's
 ``torch.cuda.max_memory_allocated`` within 3% of the cost model's ``stage_memory(...).peak_bytes``.
-Skipped without a GPU (the CPU run of the same script is tests/test_gpu_check.py's)."""
+Skipped without a GPU (the CPU run of the same script is tests/integration/test_gpu_check.py's)."""
 from __future__ import annotations
 
 import json

@@ -16,7 +16,7 @@ from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config import TrainConfig, UnknownConfigFieldError, parse_args
 from h3t_training.training_log import IterationLogger
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
 

@@ -14,7 +14,7 @@ from h3t_ext.costmodel.schema import SYSTEM_FIELDS
 from h3t_ext.costmodel.specs import load_system_file
 from h3t_ext.planner.cli import main
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(REPO, "docs", "system-files.md")
 RUN = ["--model", "llama2-70b", "--seq-length", "4096", "--num-gpus", "64", "--global-batch-size", "512",
        "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2", "--json"]

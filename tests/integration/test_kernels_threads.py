@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CXX = shutil.which("g++") or shutil.which("c++")
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")

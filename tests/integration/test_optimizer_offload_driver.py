@@ -8,43 +8,12 @@ import pytest
 import torch
 
 from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain, single_rank_reference
-from h3t_training.optimizer import _shard_owners
-from h3t_training.optimizer_offload import offloaded_prefix
+from state_bytes_harness import H, VOCAB, _llama_shapes, expected_state_bytes
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
           "--make-vocab-size-divisible-by", "256", "--ckpt", "ours", "--use-distributed-optimizer", "--mock-data"]
 OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "0.5"]
 FRACTION = 0.5
-H, FFN, QKV, VOCAB, LAYERS = 64, 128, 128, 512, 4  # QKV rows: (4 heads + 2 x 2 query groups) x head dim 16
-
-
-def _llama_shapes() -> list[tuple[int, ...]]:
-    """The tiny Llama's parameters in megatron-core's registration order (untied, SwiGLU, RMSNorm, no biases):
-    embedding; per layer input norm, linear_proj (registered before linear_qkv), linear_qkv, pre-MLP norm, fc1
-    (gate and up), fc2; final norm; output layer."""
-    layer = [(H,), (H, H), (QKV, H), (H,), (2 * FFN, H), (H, FFN)]
-    return [(VOCAB, H), *layer * LAYERS, (H,), (VOCAB, H)]
-
-
-def _expected(dp: int) -> list[dict]:
-    """Each data-parallel rank's state bytes by the rules: the distributed optimizer's whole-parameter shards,
-    AdamW's groups (weights with decay first, then norms), megatron-core's prefix split of each rank's share;
-    device: the parameters and their float32 gradients, Adam's moments and step count of the device share; host:
-    the offloaded share's gradient copy, master copy, moments and step count."""
-    params = [torch.empty(s) for s in _llama_shapes()]
-    owners = _shard_owners(params, dp)
-    model = 4 * sum(p.numel() for p in params)
-    out = []
-    for r in range(dp):
-        mine = [p for p, o in zip(params, owners) if o == r]
-        ordered = [p for p in mine if p.dim() > 1] + [p for p in mine if p.dim() <= 1]
-        host = [p.numel() for p, off in zip(ordered, offloaded_prefix([p.numel() for p in ordered], FRACTION)) if off]
-        device = [p.numel() for p in ordered][len(host):]
-        out.append({"device": {"params": model, "grads": model, "optimizer": 8 * sum(device) + 4 * len(device)},
-                    "host": {"params": 0, "grads": 4 * sum(host), "optimizer": 12 * sum(host) + 4 * len(host)}})
-    return out
-
-
 @pytest.fixture(scope="module")
 def single_rank(tmp_path_factory):
     argv = [*TINY_MODEL, *COMMON]
@@ -70,7 +39,7 @@ def test_offload_at_d1_gives_the_same_losses_and_the_split_bytes(single_rank, tm
     m = _run(single_rank, tmp_path, OFFLOAD, 1)
     assert [r["loss"] for r in m["iterations"]] == single_rank[2]  # the same fp32 math: bit for bit
     sb = m["state_bytes"]
-    assert [{k: s[k] for k in ("device", "host")} for s in sb] == _expected(1)
+    assert [{k: s[k] for k in ("device", "host")} for s in sb] == expected_state_bytes(1, FRACTION)
     assert sb[0]["device"]["params"] == 4 * sum(torch.Size(s).numel() for s in _llama_shapes())
 
 
@@ -82,8 +51,8 @@ def d2_offload(single_rank, tmp_path_factory):
 def test_offload_at_d2_with_the_distributed_optimizer(single_rank, d2_offload):
     _close(single_rank[2], [r["loss"] for r in d2_offload["iterations"]], 1e-6)
     sb = sorted(d2_offload["state_bytes"], key=lambda s: s["data_parallel_rank"])
-    assert [{k: s[k] for k in ("device", "host")} for s in sb] == _expected(2)
-    one = _expected(1)[0]
+    assert [{k: s[k] for k in ("device", "host")} for s in sb] == expected_state_bytes(2, FRACTION)
+    one = expected_state_bytes(1, FRACTION)[0]
 
     def moments(s):  # Adam's moments and steps on both sides (optimizer bytes less the host's master copies)
         return s["device"]["optimizer"] + s["host"]["optimizer"] - s["host"]["grads"]

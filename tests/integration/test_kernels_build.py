@@ -12,7 +12,7 @@ import sysconfig
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CXX = shutil.which("g++") or shutil.which("c++")
 pybind11 = pytest.importorskip("pybind11")
 

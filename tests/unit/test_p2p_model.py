@@ -2,29 +2,10 @@
 import pytest
 
 from h3t_ext.schedule import build_schedule
-from h3t_ext.schedule.builder import Action, ActionKind as K, PipelineSchedule, ScheduleConfig, _compute_order
+from h3t_ext.schedule.builder import ActionKind as K, ScheduleConfig
 from h3t_ext.schedule.p2p_model import COMM_MAPPINGS, Batch, Compute, Transfer, check_schedule, simulate
 from h3t_ext.schedule.posting import posting_batches
-
-
-def just_in_time_schedule(p, m, v=1):
-    """The earlier posting order: each receive right before its compute, each send right after."""
-    cfg = ScheduleConfig(p, m, v, offload=False)
-    last, ranks = p * v - 1, []
-    for r in range(p):
-        out = []
-        for a in _compute_order(cfg, r):
-            stage, fwd = a.chunk * p + r, a.kind is K.FORWARD
-            src_ok, dst_ok = (stage > 0, stage < last) if fwd else (stage < last, stage > 0)
-            if src_ok:
-                out.append(Action(K.RECV_FORWARD if fwd else K.RECV_BACKWARD, a.microbatch, a.chunk,
-                                  (r - 1) % p if fwd else (r + 1) % p))
-            out.append(a)
-            if dst_ok:
-                out.append(Action(K.SEND_FORWARD if fwd else K.SEND_BACKWARD, a.microbatch, a.chunk,
-                                  (r + 1) % p if fwd else (r - 1) % p))
-        ranks.append(tuple(out))
-    return PipelineSchedule(cfg, tuple(ranks))
+from schedule_harness import just_in_time_schedule
 
 
 def _shapes():

@@ -6,21 +6,9 @@ import subprocess
 import pytest
 
 from driver_harness import PYTHON, REPO, _env
+from parse_harness import BASE, _error  # noqa: F401
 from h3t_training.config import parse_args
 
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
-
-
-def _error(argv, capsys, monkeypatch, world_size=2) -> str:
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv, world_size=world_size)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("pretrain_llama.py: error: ")
-    return lines[0]
 
 
 @pytest.mark.parametrize("extra, expected", [

@@ -14,7 +14,7 @@ from h3t_ext.planner.evaluate import evaluate
 from h3t_ext.planner.flags import plan_from_megatron_flags
 from h3t_ext.costmodel import Plan
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = ["--seq-length", "4096", "--num-gpus", "8", "--global-batch-size", "16"]
 SMALL = ["--model", "llama-7b", *RUN]
 PLAN65 = ["--model", "llama-65b", "--seq-length", "4096", "--num-gpus", "256", "--global-batch-size", "256",

@@ -19,7 +19,7 @@ from gpt_harness import (
     MBS, SEQ, build_stage, compare_grads, forward_step_func, init_parallel, load_reference, make_batches,
     model_config, recording_factory, reference_run,
 )
-from test_p2p_model import just_in_time_schedule
+from schedule_harness import just_in_time_schedule
 
 DEADLOCK_TIMEOUT_S = 5.0
 

@@ -161,7 +161,7 @@ def test_stage_peaks_match_cost_model(ckpt, alpha):
     spec = tiny_model_spec(layers * p)
     predicted = list(stage_activation_peak_bytes(spec, plan, dtype_bytes=4, layer_spec="local",
                                                  sequence_parallel=False))
-    # layers-only chunks: the last stage here has no output layer (tests/test_memory_prediction.py has one)
+    # layers-only chunks: the last stage here has no output layer (tests/integration/test_memory_prediction.py has one)
     predicted[-1] -= output_layer_bytes(spec, plan, dtype_bytes=4, sequence_parallel=False)["total"]
     for rank in range(p):
         model = middle_stage_model(num_layers=layers, ckpt=ckpt)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "scripts", "reproduce_tables.py")
 REFERENCE = os.path.join(REPO, "h3t_ext", "data", "reference", "atc24_calibration.json")
 

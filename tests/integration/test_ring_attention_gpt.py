@@ -9,7 +9,7 @@ token counts added over the context-parallel group) equal the single-process ref
 relative, every gradient within float32 tolerance, and the first stage offloads at alpha 0.5.
 
 Memory: every stage has a counting activation manager (every saved tensor offloadable, as in
-tests/test_memory_prediction.py); its measured peak is compared with the cost model's
+tests/integration/test_memory_prediction.py); its measured peak is compared with the cost model's
 ``stage_activation_peak_bytes`` for the same plan (c = 2, 'local' spec, fp32).
 """
 from __future__ import annotations

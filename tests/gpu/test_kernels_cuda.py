@@ -10,7 +10,7 @@ import torch
 
 from h3t_ext import kernels
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(REPO, "csrc")
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
 # Compilers must not inherit a sanitizer preload (scripts/run_kernel_tests_asan.sh sets one).

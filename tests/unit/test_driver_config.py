@@ -11,7 +11,7 @@ from h3t_training.arguments import LLAMA_DEFAULTS, build_parser
 from h3t_training.checkpointing import _check_schedule
 from h3t_training.config import FrozenConfigError, TrainConfig, parse_args, resolve
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
 

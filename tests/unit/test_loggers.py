@@ -13,7 +13,7 @@ from h3t_training.errors import ArgumentError
 from h3t_training.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer, check_writer_packages,
                                        wandb_mode)
 from h3t_training.scalars import TrainingScalars
-from test_driver_args import BASE, _error
+from parse_harness import BASE, _error
 
 
 class RecordingWriter:

@@ -9,7 +9,7 @@ import torch
 
 from h3t_ext import kernels
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tensors(gen):

@@ -1,0 +1,27 @@
+"""Test tiers, one folder each; every test carries its folder's marker.
+
+* ``tests/unit``: pure and fast (the cost model, planner, layout, schedule builder, configuration and the
+  runtime's single-process pieces); ``pytest tests/unit`` is the quick check of a change (under 3 minutes on
+  2 cores).
+* ``tests/integration``: multi-process gloo runs, the driver and launchers end to end, small models, the
+  calibration against published runs.
+* ``tests/gpu``: needs a CUDA GPU (``scripts/gpu_check.sh`` runs ``-m gpu``); skipped without one.
+
+``pytest tests`` (the README's command) runs all three; ``-m unit`` / ``-m "not integration"`` select by
+marker. The shared harnesses (``driver_harness.py``, ``gpt_harness.py``, ...) stay in ``tests/`` and are
+importable from every tier.
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+TIERS = ("unit", "integration", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = os.path.relpath(str(item.path), HERE).split(os.sep)[0]
+        if tier in TIERS:
+            item.add_marker(tier)

@@ -1,0 +1,19 @@
+"""The driver's argument parser in-process: a small valid command line and the one-line error a bad one gives
+(shared by the driver-argument tests of both tiers)."""
+import pytest
+
+from h3t_training.config import parse_args
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
+
+
+def _error(argv, capsys, monkeypatch, world_size=2) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=world_size)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pretrain_llama.py: error: ")
+    return lines[0]
