@@ -3,7 +3,7 @@
 
 Where Megatron's own ``megatron.training`` is importable (megatron-core 0.17+) and a GPU is
 present, the run is Megatron's own ``pretrain()`` with h3t-ext's flags, layer spec and schedules
-added through its seams (:mod:`h3t_training.megatron_native`). Otherwise (CPU, megatron-core
+added through its seams (:mod:`h3t_training.loop.megatron_native`). Otherwise (CPU, megatron-core
 0.16.1, or flags only h3t-ext's driver has, such as ``--auto-plan``) it is the driver of
 ``pretrain_llama.py`` with Megatron-LM's ``pretrain_gpt.py`` defaults (LayerNorm, GeLU MLP, learned
 absolute positions, biases, tied embeddings, dropout 0.1, linear LR decay, GPT2BPETokenizer).
@@ -21,7 +21,7 @@ DRIVER_ONLY_FLAGS = ("--auto-plan", "--strict-p2p", "--strict-p2p-comm", "--metr
 
 def use_megatron_loop(argv) -> bool:
     """Megatron's own pretrain() when it is importable, a GPU is present and no driver-only flag is given."""
-    from h3t_training import megatron_native
+    from h3t_training.loop import megatron_native
 
     if not megatron_native.available() or any(a.split("=")[0] in DRIVER_ONLY_FLAGS for a in argv):
         return False
@@ -30,13 +30,13 @@ def use_megatron_loop(argv) -> bool:
 
 
 def main(argv=None) -> int:
-    from h3t_training.arguments import MEGATRON_GPT_DEFAULTS
+    from h3t_training.config.arguments import MEGATRON_GPT_DEFAULTS
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if use_megatron_loop(argv):
         from h3t_ext.runtime.config import RuntimeConfigError
-        from h3t_training import megatron_native
-        from h3t_training.errors import ArgumentError
+        from h3t_training.loop import megatron_native
+        from h3t_training.config.errors import ArgumentError
         try:
             return megatron_native.run(argv, defaults=MEGATRON_GPT_DEFAULTS)
         except (ArgumentError, RuntimeConfigError) as e:

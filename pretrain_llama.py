@@ -14,18 +14,18 @@ PROG = "pretrain_llama.py"
 
 def main(argv=None, prog: str = PROG, defaults=None) -> int:
     """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train; a failure or
-    Ctrl-C ends in one line (h3t_training.failures)."""
-    from h3t_training.failures import run_reported
-    from h3t_training.run_guard import die_with_launcher
+    Ctrl-C ends in one line (h3t_training.launch.failures)."""
+    from h3t_training.launch.failures import run_reported
+    from h3t_training.launch.run_guard import die_with_launcher
     die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
     rank = int(os.environ.get("RANK", "0"))  # the launcher's; the library reads no environment
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
 
     def run(progress) -> int:
-        from h3t_training.config import parse_args
+        from h3t_training.config.sections import parse_args
         progress.args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size,
                                    rank=rank)  # bad flag: exit 2, said by rank 0
-        from h3t_training.training import pretrain
+        from h3t_training.loop.training import pretrain
         return pretrain(progress.args, rank=rank, progress=progress)
 
     return run_reported(run, prog=prog, rank=rank)

@@ -117,7 +117,7 @@ def _worker(rank, world, args):
     import torch.distributed as dist
 
     from megatron.core import parallel_state as ps
-    from h3t_training.training import forward_step  # the driver's own step and loss
+    from h3t_training.loop.training import forward_step  # the driver's own step and loss
 
     from h3t_ext.runtime.memory.activations import ActivationManager
     from h3t_ext.runtime.config import H3TConfig
@@ -247,7 +247,7 @@ def _vs_worker(rank, world, args):
 
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-    from h3t_training.training import forward_step  # the driver's own step and loss
+    from h3t_training.loop.training import forward_step  # the driver's own step and loss
 
     import h3t_ext
     from h3t_ext.runtime.config import H3TConfig

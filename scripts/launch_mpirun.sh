@@ -45,5 +45,5 @@ if [[ $DRY_RUN == 1 ]]; then
   exit 0
 fi
 # Check the flags once for the whole world before any rank starts (one line and exit 2 when bad).
-(cd "$ROOT" && "$PYTHON" -m h3t_training.preflight --world-size "$NP" -- "${ARGS[@]}") || exit $?
+(cd "$ROOT" && "$PYTHON" -m h3t_training.launch.preflight --world-size "$NP" -- "${ARGS[@]}") || exit $?
 exec "${CMD[@]}"

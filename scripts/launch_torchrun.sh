@@ -6,7 +6,7 @@
 # Environment (defaults): NPROC_PER_NODE=2, NNODES=1, NODE_RANK=0, MASTER_ADDR=127.0.0.1,
 # MASTER_PORT=29500, PYTHON (the repo's .venv python if present, else python3).
 # Every argument except --dry-run goes to pretrain_llama.py; --dry-run prints the command instead.
-# The flags are checked once (h3t_training.preflight) before any rank starts.
+# The flags are checked once (h3t_training.launch.preflight) before any rank starts.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DRY_RUN=0
@@ -21,8 +21,8 @@ NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-29500}
-# torchrun through h3t_training.torchrun: the same launcher, ending with status 130 and no traceback on Ctrl-C
-CMD=("$PYTHON" -m h3t_training.torchrun
+# torchrun through h3t_training.launch.torchrun: the same launcher, ending with status 130 and no traceback on Ctrl-C
+CMD=("$PYTHON" -m h3t_training.launch.torchrun
      --nproc-per-node "$NPROC_PER_NODE" --nnodes "$NNODES" --node-rank "$NODE_RANK"
      --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
      "$ROOT/pretrain_llama.py" "${ARGS[@]}")
@@ -31,7 +31,7 @@ if [[ $DRY_RUN == 1 ]]; then
   exit 0
 fi
 # Check the flags once for the whole world before any rank starts (one line and exit 2 when bad).
-(cd "$ROOT" && "$PYTHON" -m h3t_training.preflight --world-size "$((NPROC_PER_NODE * NNODES))" -- "${ARGS[@]}") || exit $?
+(cd "$ROOT" && "$PYTHON" -m h3t_training.launch.preflight --world-size "$((NPROC_PER_NODE * NNODES))" -- "${ARGS[@]}") || exit $?
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's h3t_training, wherever it is started from
 exec "${CMD[@]}"

@@ -23,7 +23,7 @@ CPU_OOM_TEXT = ("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: 
 def _cpu_oom_at(stage: int) -> None:
     from megatron.core import parallel_state as ps
 
-    import h3t_training.training as training
+    import h3t_training.loop.training as training
     real = training.forward_step
 
     def forward_step(data_iterator, model):

@@ -2,7 +2,7 @@
 (shared by the driver-argument tests of both tiers)."""
 import pytest
 
-from h3t_training.config import parse_args
+from h3t_training.config.sections import parse_args
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from h3t_training.optimizer import _shard_owners
-from h3t_training.optimizer_offload import offloaded_prefix
+from h3t_training.loop.optimizer import _shard_owners
+from h3t_training.loop.optimizer_offload import offloaded_prefix
 
 H, FFN, QKV, VOCAB, LAYERS = 64, 128, 128, 512, 4  # QKV rows: (4 heads + 2 x 2 query groups) x head dim 16
 

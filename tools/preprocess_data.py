@@ -28,7 +28,7 @@ import warnings  # noqa: E402
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 import numpy  # noqa: E402
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path  # noqa: E402
-from h3t_training.tokenizer import TokenizerError, add_tokenizer_flags, tokenizer_from_args  # noqa: E402
+from h3t_training.data.tokenizer import TokenizerError, add_tokenizer_flags, tokenizer_from_args  # noqa: E402
 
 PROG = "preprocess_data.py"
 

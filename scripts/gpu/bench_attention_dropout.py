@@ -71,7 +71,7 @@ def measure(backend: str, *, device: str, batch: int, heads: int, seq: int, head
 
 
 def main(argv=None) -> int:
-    from h3t_training.arguments import OneLineParser
+    from h3t_training.config.arguments import OneLineParser
 
     ap = OneLineParser(prog="bench_attention_dropout.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")

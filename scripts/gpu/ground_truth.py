@@ -35,7 +35,7 @@ PROG = "ground_truth.py"
 
 
 def _parser():
-    from h3t_training.arguments import OneLineParser
+    from h3t_training.config.arguments import OneLineParser
 
     p = OneLineParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="list the measurements and predictions; needs no GPU")

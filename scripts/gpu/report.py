@@ -69,13 +69,13 @@ NATIVE_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-hea
                 "--train-iters", "3", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
                 "--vocab-size", "1000", "--bf16", "--transformer-impl", "local", "--ckpt", "ours", "--log-interval", "1",
                 "--eval-iters", "0"]
-"""A tiny run of pretrain_gpt.py through Megatron's own pretrain() (h3t_training.megatron_native)."""
+"""A tiny run of pretrain_gpt.py through Megatron's own pretrain() (h3t_training.loop.megatron_native)."""
 
 
 def megatron_native(timeout_s: int) -> dict:
     """pretrain_gpt.py on Megatron's own loop, where megatron.training is importable (megatron-core 0.17+)."""
     sys.path.insert(0, ROOT)
-    from h3t_training import megatron_native as native
+    from h3t_training.loop import megatron_native as native
 
     if not native.available():
         return {"ran": False, "why": "megatron.training is not importable (megatron-core < 0.17)"}

@@ -43,7 +43,7 @@ SIZES = {  # per device: large enough on a GPU that activations and weights dwar
 
 
 def _parse(argv):
-    from h3t_training.arguments import OneLineParser
+    from h3t_training.config.arguments import OneLineParser
 
     ap = OneLineParser(prog="stage_memory.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

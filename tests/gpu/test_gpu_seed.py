@@ -11,7 +11,7 @@ def _seed_and_record(rank: int, world_size: int, on_gpu: bool):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mp_random
 
-    from h3t_training.initialize import set_random_seed
+    from h3t_training.loop.initialize import set_random_seed
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     calls = []
@@ -45,7 +45,7 @@ def _build_on_gpu(rank: int, world_size: int):
     from megatron.core import parallel_state as ps
 
     from h3t_ext.runtime.modules.gpt import build_gpt_model, tiny_llama_config
-    from h3t_training.initialize import set_random_seed
+    from h3t_training.loop.initialize import set_random_seed
 
     ps.initialize_model_parallel()
     set_random_seed(1234, on_gpu=True)

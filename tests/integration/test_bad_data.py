@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from driver_harness import PYTHON, REPO, TINY_MODEL, _env, corpus_prefix  # noqa: F401
-from h3t_training.data_checks import DataFileError, check_indexed_dataset, parse_split
+from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, parse_split
 
 
 def _run(argv):

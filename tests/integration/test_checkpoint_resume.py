@@ -87,7 +87,7 @@ def test_mismatched_model_is_refused(saved_single_rank):
 
 def test_resume_after_a_resharded_start_is_exact(tmp_path):
     """A d=2 run that began from a single-rank checkpoint, saved and resumed, gives the losses of the same run
-    uninterrupted (each sample's loss mask its own: h3t_training.data._UncachedMasks; before, the first resumed
+    uninterrupted (each sample's loss mask its own: h3t_training.data.datasets._UncachedMasks; before, the first resumed
     loss differed by 1.4e-4 relative), and its first loss is the single-rank one."""
     argv = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4",
             "--lr-warmup-iters", "1", "--make-vocab-size-divisible-by", "256", "--ckpt", "ours",

@@ -8,8 +8,8 @@ import numpy
 import torch
 
 from driver_harness import PYTHON, REPO, _env
-from h3t_training.data import MicrobatchIterator
-from h3t_training.tokenizer import ByteTokenizer, NullTokenizer, padded_vocab_size
+from h3t_training.data.datasets import MicrobatchIterator
+from h3t_training.data.tokenizer import ByteTokenizer, NullTokenizer, padded_vocab_size
 
 
 def test_byte_tokenizer_round_trip():

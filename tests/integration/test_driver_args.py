@@ -7,7 +7,7 @@ import pytest
 
 from driver_harness import PYTHON, REPO, _env
 from parse_harness import BASE, _error  # noqa: F401
-from h3t_training.config import parse_args
+from h3t_training.config.sections import parse_args
 
 
 
@@ -77,7 +77,7 @@ def test_good_flags_derive_sizes(monkeypatch):
 
 
 def test_published_65b_flags_parse_for_256_ranks(monkeypatch):
-    import h3t_training.validation as validation
+    import h3t_training.config.validation as validation
     monkeypatch.setattr(validation, "_cuda_available", lambda: True)  # as on a GPU host
     args = parse_args(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
                        "--ffn-hidden-size", "22016", "--seq-length", "4096", "--global-batch-size", "256",
@@ -137,7 +137,7 @@ def test_cost_model_sees_the_model_the_flags_build(prog, gelu_gpt, monkeypatch):
     """--auto-plan and the predictions price the model that runs: pretrain_gpt.py's GeLU MLP, tied output
     layer, linear biases and Megatron's 0.1 dropout; pretrain_llama.py's SwiGLU, untied, no biases and no
     dropout; flags override."""
-    from h3t_training.run_spec import model_spec
+    from h3t_training.config.run_spec import model_spec
     spec = model_spec(parse_args(BASE, prog=prog), vocab_size=512)
     assert spec.swiglu is not gelu_gpt and spec.untie_embeddings_and_output_weights is not gelu_gpt
     assert spec.add_bias_linear is gelu_gpt
@@ -151,7 +151,7 @@ def test_cost_model_sees_the_model_the_flags_build(prog, gelu_gpt, monkeypatch):
 def test_nccl_backend_runs_on_gloo_without_cuda_with_one_notice(cuda, monkeypatch):
     """Megatron's recipes pass --distributed-backend nccl: without CUDA the run takes gloo and says so once;
     on a GPU nccl stays nccl, silently."""
-    from h3t_training import megatron_compat
+    from h3t_training.config import megatron_compat
     monkeypatch.setattr(megatron_compat, "_cuda_available", lambda: cuda)
     config = parse_args([*BASE, "--distributed-backend", "nccl"], world_size=2)
     notices = [n for n in config.flag_notices if n.startswith("note: --distributed-backend")]

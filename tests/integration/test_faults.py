@@ -144,7 +144,7 @@ def test_resume_with_another_learning_rate_schedule_needs_a_choice(tmp_path):
 
 
 def test_a_second_run_on_the_same_save_directory_is_refused(tmp_path):
-    from h3t_training.run_guard import RunLock
+    from h3t_training.launch.run_guard import RunLock
     lock = RunLock(str(tmp_path / "ckpt")).acquire()  # a run in progress (this process)
     try:
         line = _one_line_exit_2(run_pretrain([*MOCK, "--train-iters", "1", "--save", str(tmp_path / "ckpt")]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain, single_rank_reference
-from h3t_training.config import parse_args
+from h3t_training.config.sections import parse_args
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
           "--make-vocab-size-divisible-by", "256", "--ckpt", "ours", "--mock-data"]

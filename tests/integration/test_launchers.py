@@ -21,7 +21,7 @@ def _dry(script: str, *args: str, **env: str) -> list[str]:
 def test_torchrun_dry_run_resolves_env_and_passes_args_through():
     cmd = _dry("scripts/launch_torchrun.sh", "--lr", "1e-3", "--data-path", "a b", NPROC_PER_NODE="4",
                MASTER_PORT="1234")
-    assert cmd[1:3] == ["-m", "h3t_training.torchrun"]  # torchrun, ending quietly on Ctrl-C
+    assert cmd[1:3] == ["-m", "h3t_training.launch.torchrun"]  # torchrun, ending quietly on Ctrl-C
     assert cmd[cmd.index("--nproc-per-node") + 1] == "4" and cmd[cmd.index("--master-port") + 1] == "1234"
     assert cmd[-5:] == [str(REPO / "pretrain_llama.py"), "--lr", "1e-3", "--data-path", "a b"]
 
@@ -77,7 +77,7 @@ def test_every_python_module_a_launcher_runs_exists():
 
     scripts = sorted((REPO / "scripts").glob("*.sh")) + sorted((REPO / "scripts").glob("*.sbatch"))
     found = {m for s in scripts for m in re.findall(r'"?\$\{?PYTHON\}?"? -m ([A-Za-z_][\w.]*)', s.read_text())}
-    assert "h3t_training.preflight" in found  # the check below does look at the launchers
+    assert "h3t_training.launch.preflight" in found  # the check below does look at the launchers
     def missing(module: str) -> bool:
         try:
             return importlib.util.find_spec(module) is None

@@ -82,7 +82,7 @@ def test_unknown_ckpt_or_backend_is_one_line():
 def test_no_module_imports_transformer_engine_at_import_time():
     code = ("import sys\n"
             "import h3t_ext.runtime.modules.layer_specs, h3t_ext.runtime.modules.gpt, h3t_ext.runtime.modules.recompute_ours\n"
-            "import h3t_training.model_provider\n"
+            "import h3t_training.loop.model_provider\n"
             "mods = [m for m in sys.modules if m.split('.')[0] == 'transformer_engine']\n"
             "print(len(mods))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

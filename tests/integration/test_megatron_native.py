@@ -58,7 +58,7 @@ def _train(model_provider, forward_step_func, model_type):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from h3t_training.initialize import set_random_seed
+    from h3t_training.loop.initialize import set_random_seed
     from h3t_ext.runtime.pipeline.install import installed
     from h3t_ext.runtime.modules.layer_specs import built_for_ckpt
 
@@ -148,7 +148,7 @@ def _run(tmp_path: Path, generation: str, flags: list[str]) -> tuple[subprocess.
         import sys, warnings
         warnings.filterwarnings("ignore")
         sys.path[:0] = [{str(root)!r}, {str(REPO)!r}]
-        from h3t_training import megatron_native
+        from h3t_training.loop import megatron_native
         assert megatron_native.available()
         sys.exit(megatron_native.run({flags!r}, defaults={{"num_layers": 2}}))
     """)
@@ -183,8 +183,8 @@ def test_kwai_offload_ratio_reaches_the_runtime_and_its_layout_check(tmp_path):
 
 
 def test_megatron_loop_refuses_what_its_own_flags_do(tmp_path):
-    from h3t_training.errors import ArgumentError
-    from h3t_training.megatron_native import add_h3t_arguments, runtime_config
+    from h3t_training.config.errors import ArgumentError
+    from h3t_training.loop.megatron_native import add_h3t_arguments, runtime_config
     import argparse
 
     parser = add_h3t_arguments(argparse.ArgumentParser())

@@ -9,7 +9,7 @@ import numpy
 import pytest
 
 from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, losses, run_pretrain
-from h3t_training.tokenizer import TokenizerError, build_tokenizer
+from h3t_training.data.tokenizer import TokenizerError, build_tokenizer
 
 BPE_VOCAB = 400
 SP_VOCAB = 300
@@ -135,7 +135,7 @@ def test_megatron_sentencepiece_names(files):
      "HuggingFaceTokenizer, GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer"),
 ])
 def test_other_megatron_tokenizer_names_are_one_line(kind, expected, capsys):
-    from h3t_training.config import parse_args
+    from h3t_training.config.sections import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args([*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "1", "--mock-data",

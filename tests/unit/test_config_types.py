@@ -13,8 +13,8 @@ from h3t_ext.costmodel import ModelSpec
 from h3t_ext.costmodel.mfu import mfu
 from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
 from h3t_ext.planner.translate import plan_from_args
-from h3t_training.config import TrainConfig, UnknownConfigFieldError, parse_args
-from h3t_training.training_log import IterationLogger
+from h3t_training.config.sections import TrainConfig, UnknownConfigFieldError, parse_args
+from h3t_training.telemetry.training_log import IterationLogger
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -1,6 +1,6 @@
 """Each training sample carries its own loss mask, whatever a process read before it: megatron-core 0.16.1's
 GPTDataset writes the first sample's padding zeros into the loss mask it caches, which made losses depend on the
-data-parallel size, the micro batch size and resumes (h3t_training.data._UncachedMasks)."""
+data-parallel size, the micro batch size and resumes (h3t_training.data.datasets._UncachedMasks)."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +9,8 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 
-from h3t_training.data import TrainingMockGPTDataset
-from h3t_training.tokenizer import ByteTokenizer
+from h3t_training.data.datasets import TrainingMockGPTDataset
+from h3t_training.data.tokenizer import ByteTokenizer
 
 
 def _build(cls):

@@ -7,9 +7,9 @@ import pickle
 
 import pytest
 
-from h3t_training.arguments import LLAMA_DEFAULTS, build_parser
-from h3t_training.checkpointing import _check_schedule
-from h3t_training.config import FrozenConfigError, TrainConfig, parse_args, resolve
+from h3t_training.config.arguments import LLAMA_DEFAULTS, build_parser
+from h3t_training.loop.checkpointing import _check_schedule
+from h3t_training.config.sections import FrozenConfigError, TrainConfig, parse_args, resolve
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

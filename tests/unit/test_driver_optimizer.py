@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from h3t_ext.testing import run_distributed
-from h3t_training.optimizer import DataParallelAdamW, _shard_owners, learning_rate
+from h3t_training.loop.optimizer import DataParallelAdamW, _shard_owners, learning_rate
 
 ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine",
                        weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.5,

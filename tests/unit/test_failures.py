@@ -1,4 +1,4 @@
-"""h3t_training.failures in-process: what each known failure and Ctrl-C become (one line, exit status), and a
+"""h3t_training.launch.failures in-process: what each known failure and Ctrl-C become (one line, exit status), and a
 checkpoint load whose failure is a BaseException (PyTorch DCP's CheckpointException)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from driver_harness import TINY_MODEL
-from h3t_training import failures
-from h3t_training.config import parse_args
+from h3t_training.launch import failures
+from h3t_training.config.sections import parse_args
 
 PP2 = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2", "--mock-data",
        "--pipeline-model-parallel-size", "2"]
@@ -46,8 +46,8 @@ def _reported(body, args=None, rank=0):
 ])
 def test_out_of_memory_is_one_line_naming_stage_terms_and_flags(pp2_args, capsys, error, where):
     from h3t_ext.costmodel.memory import stage_memory
-    from h3t_training.run_spec import model_spec, run_plan
-    from h3t_training.tokenizer import padded_vocab_size, tokenizer_from_args
+    from h3t_training.config.run_spec import model_spec, run_plan
+    from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
 
     def body(progress):
         raise error
@@ -109,7 +109,7 @@ def test_a_checkpoint_load_failing_with_a_base_exception_is_one_checkpoint_error
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from h3t_training import checkpointing as ckpt_io
+    from h3t_training.loop import checkpointing as ckpt_io
 
     inner = RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory")
     monkeypatch.setattr(dist_checkpointing, "load", lambda template, directory: (_ for _ in ()).throw(

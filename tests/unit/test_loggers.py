@@ -7,12 +7,12 @@ import types
 
 import pytest
 
-from h3t_training.arguments import build_parser
-from h3t_training.config import TrainConfig
-from h3t_training.errors import ArgumentError
-from h3t_training.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer, check_writer_packages,
+from h3t_training.config.arguments import build_parser
+from h3t_training.config.sections import TrainConfig
+from h3t_training.config.errors import ArgumentError
+from h3t_training.telemetry.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer, check_writer_packages,
                                        wandb_mode)
-from h3t_training.scalars import TrainingScalars
+from h3t_training.telemetry.scalars import TrainingScalars
 from parse_harness import BASE, _error
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from h3t_ext.testing import run_distributed
-from h3t_training.config import parse_args
-from h3t_training.optimizer import DataParallelAdamW
-from h3t_training.optimizer_offload import offloaded_prefix
-from h3t_training.state_bytes import measure
+from h3t_training.config.sections import parse_args
+from h3t_training.loop.optimizer import DataParallelAdamW
+from h3t_training.loop.optimizer_offload import offloaded_prefix
+from h3t_training.telemetry.state_bytes import measure
 from test_driver_optimizer import ARGS, STEPS, _batch, _loss, _model
 
 

@@ -1,0 +1,349 @@
+"""Command line of ``pretrain_llama.py``: Megatron-LM's flag names plus the h3t-ext flags.
+
+Every check that needs no process group runs here, so a bad flag ends the program with one
+Megatron-style line (``pretrain_llama.py: error: --offload-alpha 1.5 is outside [0, 1]``, exit
+status 2) before any rank is started.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Optional
+
+from h3t_ext.ckpt import Ckpt
+from h3t_training.config.errors import ArgumentError
+from h3t_training.config.flag_table import add_table_flags
+from h3t_training.config.h3t_flags import add_h3t_flags
+from h3t_training.data.tokenizer import add_tokenizer_flags
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse without the usage block on error: one line ``prog: error: message``, exit 2; written only where
+    ``report`` is true (rank 0 of a launcher's job: every rank parses the same command line)."""
+
+    def __init__(self, *args, report: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.report = report
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        if self.report:
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--kv-channels", type=int, default=None, help="head dim (default hidden / heads)")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--rms-norm", dest="normalization", action="store_const", const="RMSNorm",
+                   help="Megatron-Kwai's name for --normalization RMSNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--apply-layernorm-1p", action="store_true", help="norm weight stored as (weight - 1), zero-init")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
+                   const="rope", help="older Megatron name for --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_true",
+                   help="no learned absolute positions (older Megatron; with --use-rotary-position-embeddings)")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-interleaved", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true", help="float16 on a GPU, with dynamic loss scaling")
+    g.add_argument("--h3t-float64", action="store_true",
+                   help="CPU only: parameters, activations, gradients, pipeline transfers and the loss in float64 "
+                        "(equivalence checks that must tell roundoff from a bug)")
+    g.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16); default dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+
+
+def _add_parallel(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism (left-out values are filled by --auto-plan)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument("--context-parallel-size", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="overlap the data-parallel gradient reduce with backward (megatron-core DDP buckets, GPU)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="overlap the distributed optimizer's parameter all-gather with forward (GPU)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="shard parameters, gradients and optimizer states over the data-parallel group with torch "
+                        "FSDP2 (megatron-core's TorchFullyShardedDataParallel; p=1, no distributed optimizer)")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_true",
+                   help="FSDP2 keeps each layer's gathered parameters from its forward to its backward")
+    g.add_argument("--use-megatron-fsdp", action="store_true", help="Megatron FSDP: refused (needs CUDA; see docs)")
+    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+                   choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+                   help="Megatron FSDP's sharding: only no_shard (Megatron FSDP is refused)")
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--strict-p2p", action="store_true",
+                   help="pipeline sends/receives on gloo follow NCCL's semantics (batches in order, a send waits "
+                        "for the peer's receive), so a posting order that would deadlock on GPUs fails here too")
+    g.add_argument("--strict-p2p-comm", choices=("group", "pair"), default="group",
+                   help="NCCL communicator mapping --strict-p2p emulates: one per process group (stricter) or one "
+                        "per rank pair")
+
+
+def _add_training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("batch and optimizer")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration (required unless --step-batch-size-schedule gives them)")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help="Megatron's 'THRESHOLD:BATCH_SIZE ...' (thresholds in tokens, K/M/B/T suffixes)")
+    g.add_argument("--rampup-batch-size", type=int, nargs=3, default=None, metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="ramp the batch size from START to --global-batch-size (megatron-core 0.16)")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="round --global-batch-size down to a multiple of micro batch x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None, help="train for this many samples (not --train-iters)")
+    g.add_argument("--optimizer", choices=("adam",), default="adam")
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="peak learning rate of the embedding and output layer (their own group, as Megatron)")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="minimum learning rate of that group (default --min-lr)")
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warm-up as a fraction of the decay span")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the token-weighted mean over the global batch (this driver's only loss)")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="megatron-core's precision-aware optimizer (GPU: TransformerEngine's FusedAdam; needs "
+                        "--use-distributed-optimizer)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep the optimizer's fp32 master weights and Adam states of --optimizer-offload-fraction "
+                        "of the parameters in host memory and step them there (needs --use-precision-aware-optimizer)")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=None, metavar="F",
+                   help="fraction in [0, 1] of the optimizer's elements offloaded (default 1.0, as Megatron-LM)")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="offloaded parameters copied in, stepped and copied back one at a time (overlapped on GPU)")
+    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true",
+                   help="megatron-core's option of that name (GPU); on CPU both partitions use torch's AdamW")
+    g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads",
+                   help="host gradient copies in pageable memory (GPU)")
+    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params",
+                   help="host parameter copies in pageable memory (GPU)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                   help="stop with one line at a non-finite loss or gradient norm (the default)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad", help="go on past non-finite values")
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("activation memory")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    add_h3t_flags(g)
+    g.add_argument("--auto-plan", action="store_true",
+                   help="let the planner fill every parallel and memory flag left out, and print its plan")
+    g.add_argument("--gpu", default=None, help="system name of the cost model (auto-plan, MFU peak)")
+    g.add_argument("--memory-budget", default=None, help="bytes per GPU for --auto-plan / --offload-alpha auto")
+
+
+def _add_data_io(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", default=None, help="[weight] prefix ... of indexed .bin/.idx")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--train-data-path", nargs="+", default=None, help="[weight] prefix ... of the training split")
+    g.add_argument("--valid-data-path", nargs="+", default=None, help="[weight] prefix ... of the validation split")
+    g.add_argument("--test-data-path", nargs="+", default=None, help="[weight] prefix ... of the test split")
+    g.add_argument("--split", default="100,0,0")
+    add_tokenizer_flags(g)
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g = p.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   help="checkpoint format: torch_dist (megatron-core dist_checkpointing, resharding on load)")
+    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the tracker's")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model only; start at iteration 0 with a fresh optimizer and RNG")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
+    g.add_argument("--async-save", action="store_true", help="accepted; this driver saves synchronously")
+    g.add_argument("--override-opt_param-scheduler", action="store_true", dest="override_opt_param_scheduler",
+                   help="on resume, use this command line's learning-rate schedule over the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler",
+                   help="on resume, use the checkpoint's learning-rate schedule over this command line's")
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="save (with --save) and exit after this many minutes")
+    g.add_argument("--exit-signal-handler", action="store_true", help="on --exit-signal: save and exit")
+    g.add_argument("--exit-signal", default="SIGTERM", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"))
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-throughput", action="store_true", help="the log line always shows throughput")
+    g.add_argument("--metrics-json", default=None, metavar="PATH")
+    g.add_argument("--no-progress-bar", action="store_true")
+
+
+def _add_eval_and_logging(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--eval-interval", type=int, default=1000, help="evaluate on the validation split every N iterations")
+    g.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation (0: no evaluation)")
+    g.add_argument("--skip-train", action="store_true", help="evaluate only (validation, then test)")
+    g = p.add_argument_group("TensorBoard and wandb (written by the last rank)")
+    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
+                   action="store_false", dest="log_learning_rate_to_tensorboard")
+    g.add_argument("--wandb-project", default=None)
+    g.add_argument("--wandb-exp-name", default=None)
+    g.add_argument("--wandb-save-dir", default=None)
+    g.add_argument("--wandb-entity", default=None)
+
+
+LLAMA_DEFAULTS = dict(normalization="RMSNorm", swiglu=True, untie_embeddings_and_output_weights=True,
+                      position_embedding_type="rope", disable_bias_linear=True, hidden_dropout=0.0,
+                      attention_dropout=0.0, lr_decay_style="cosine")
+"""pretrain_llama.py's defaults (a Llama); pretrain_gpt.py keeps Megatron-LM's (the parser's own)."""
+MEGATRON_GPT_DEFAULTS = dict(tokenizer_type="GPT2BPETokenizer")
+"""What Megatron-LM's pretrain_gpt.py sets beyond its parser's defaults (``args_defaults``)."""
+
+
+def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None, *,
+                 report: bool = True) -> OneLineParser:
+    """The parser with every flag the driver accepts (and every other flag of the flag table); ``report``: whether
+    its one-line error is written here (rank 0) or only the exit status is given (other ranks)."""
+    p = OneLineParser(prog=prog, description="Pretrain a GPT model with Megatron-core and h3t-ext.",
+                      allow_abbrev=False, report=report)
+    _add_model(p)
+    _add_parallel(p)
+    _add_training(p)
+    _add_data_io(p)
+    _add_eval_and_logging(p)
+    if defaults:
+        p.set_defaults(**defaults)
+    add_table_flags(p)
+    return p
+
+
+def fill_model_defaults(args):
+    """Megatron's derived model sizes where the flags leave them open."""
+    changes = {}
+    if args.num_query_groups is None or not args.group_query_attention:
+        if args.num_query_groups is not None and not args.group_query_attention:
+            raise ArgumentError("--num-query-groups needs --group-query-attention")
+        changes["num_query_groups"] = args.num_attention_heads
+    if args.ffn_hidden_size is None:  # Megatron's: a SwiGLU MLP keeps about the parameters of a 4h GeLU one
+        changes["ffn_hidden_size"] = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu \
+            else 4 * args.hidden_size
+    if args.kv_channels is None:
+        changes["kv_channels"] = args.hidden_size // args.num_attention_heads
+    if args.max_position_embeddings is None:
+        changes["max_position_embeddings"] = args.seq_length
+    return args.replace(**changes)
+
+
+def check_finite(args):
+    """Every number a flag took is finite (float() accepts 'inf' and 'nan')."""
+    for name, v in sorted(args.as_dict().items()):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is not a finite number")
+    return args
+
+
+def check_positive(args):
+    """Sizes, rates and probabilities in their ranges."""
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                 "seq_length", "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size", "context_parallel_size", "micro_batch_size",
+                 "num_layers_per_virtual_pipeline_stage", "save_interval", "exit_interval",
+                 "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
+                 "tensorboard_log_interval", "tensorboard_queue_size"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")
+    if args.decoupled_lr is not None and not args.decoupled_lr > 0:
+        raise ArgumentError(f"--decoupled-lr {args.decoupled_lr} is outside (0, inf)")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ArgumentError("--decoupled-min-lr needs --decoupled-lr (it is the floor of that group's schedule)")
+    if args.decoupled_min_lr is not None and args.decoupled_min_lr < 0:
+        raise ArgumentError(f"--decoupled-min-lr {args.decoupled_min_lr} is outside [0, inf)")
+    for name in ("lr", "adam_eps", "distributed_timeout_minutes"):
+        v = getattr(args, name)
+        if not v > 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside (0, inf)")
+    for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters", "eval_iters"):
+        v = getattr(args, name)
+        if v < 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, inf)")
+    for name in ("norm_epsilon", "rotary_base"):
+        v = getattr(args, name)
+        if not v > 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside (0, inf)")
+    if not 0 < args.rotary_percent <= 1:
+        raise ArgumentError(f"--rotary-percent {args.rotary_percent} is outside (0, 1]")
+    for name in ("adam_beta1", "adam_beta2", "hidden_dropout", "attention_dropout"):
+        v = getattr(args, name)
+        if not 0 <= v < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, 1)")
+    return args
+
+
+def resolve_ckpt(args):
+    """Megatron's --recompute-* flags and --ckpt describe the same thing; they must agree."""
+    if args.recompute_granularity is None:
+        if args.recompute_method is not None or args.recompute_num_layers is not None:
+            raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
+        return args
+    if args.recompute_granularity == "selective":
+        raise ArgumentError("--recompute-granularity selective is not supported (use --ckpt ours)")
+    if (args.recompute_method or "uniform") != "uniform" or (args.recompute_num_layers or 1) != 1:
+        raise ArgumentError("--recompute-granularity full supports only --recompute-method uniform "
+                            "--recompute-num-layers 1")
+    if args.ckpt not in (None, "full"):
+        raise ArgumentError(f"--ckpt {args.ckpt} contradicts --recompute-granularity full")
+    return args.replace(ckpt="full")
+
+
+def fill_parallel_defaults(args):
+    """The layout's defaults where neither the flags nor ``--auto-plan`` set it."""
+    defaults = (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1), ("context_parallel_size", 1),
+                ("micro_batch_size", 1), ("ckpt", "no"), ("offload_alpha", "0"))
+    args = args.replace(**{name: default for name, default in defaults if getattr(args, name) is None})
+    return args.replace(ckpt=Ckpt.parse(args.ckpt))

@@ -1,0 +1,116 @@
+"""``--auto-plan`` and ``--offload-alpha auto|balanced``: the planner fills what the user left out.
+
+The cost model prices plans for a GPU system (``--gpu NAME``, default: the CUDA device's name
+when it is known, else ``h800``) under ``--memory-budget`` (default: the system's). Flags the
+user gave are constraints of the search; the best plan's values fill the rest, and the chosen
+plan is printed (rank 0) as the Megatron flags that launch it.
+"""
+from __future__ import annotations
+
+from h3t_ext.offload_alpha import OffloadAlpha
+from h3t_training.config.errors import ArgumentError
+from h3t_training.config.run_spec import model_spec, run_plan
+from h3t_training.data.tokenizer import tokenizer_from_args
+
+DEFAULT_SYSTEM = "h800"
+_CUDA_NAMES = (("H800", "h800"), ("H100", "h100-sxm"), ("H200", "h200"), ("A800", "a800"), ("A100", "a100-80g"))
+
+
+def system_name(args) -> str:
+    """``--gpu``, else the CUDA device's system file, else the default system."""
+    if args.gpu:
+        return args.gpu
+    import torch
+    if torch.cuda.is_available():
+        dev = torch.cuda.get_device_name()
+        for key, name in _CUDA_NAMES:
+            if key in dev:
+                return name
+    return DEFAULT_SYSTEM
+
+
+def _model_spec(args):
+    return model_spec(args, tokenizer_from_args(args).vocab_size)
+
+
+def _system_and_budget(args):
+    from h3t_ext.costmodel import get_system
+    from h3t_ext.costmodel.errors import UnknownNameError
+    from h3t_ext.planner.units import parse_bytes
+    try:
+        system = get_system(system_name(args))
+    except UnknownNameError as e:
+        raise ArgumentError(f"--gpu {args.gpu}: {e}") from None
+    budget = None
+    if args.memory_budget is not None:
+        try:
+            budget = parse_bytes(args.memory_budget)
+        except ValueError as e:
+            raise ArgumentError(f"--memory-budget {e}") from None
+    return system, budget
+
+
+def _alpha_mode(alpha: OffloadAlpha):
+    if alpha.is_mode:
+        return alpha.mode
+    if isinstance(alpha.alpha, tuple):
+        raise ArgumentError("--auto-plan takes one --offload-alpha value, 'auto' or 'balanced'")
+    return alpha.alpha
+
+
+def plan_config(args):
+    """A new config: plans searched under the user's fixed flags, the others taken from the best one. The chosen
+    plan's line joins the config's notices (printed once, by rank 0, when training starts)."""
+    from h3t_ext.planner.search import search
+    from h3t_ext.planner.translate import constraints_from_args
+    system, budget = _system_and_budget(args)
+    alpha = OffloadAlpha.parse("auto" if args.offload_alpha is None else args.offload_alpha)
+    # Flags left out are the search's; sequence parallelism and the distributed optimizer are the planner's to
+    # switch on (a store_true flag left out cannot say "keep it off").
+    # The memory ladder is off: the driver runs neither Megatron FSDP nor a search-chosen optimizer offload.
+    constraints = constraints_from_args(args, sequence_parallel=True, use_distributed_optimizer=True,
+                                        tp_comm_overlap=False, use_megatron_fsdp=False, memory_ladder=())
+    result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
+                    global_batch_size=args.global_batch_size, constraints=constraints,
+                    alpha_mode=_alpha_mode(alpha), memory_budget_bytes=budget)
+    best = result.best
+    if best is None:
+        closest = result.closest_infeasible
+        why = closest.reason if closest else "no valid layout for these flags and world size"
+        raise ArgumentError(f"--auto-plan found no plan for {args.world_size} ranks on {system.name}: {why}")
+    plan = best.plan
+    est = best.evaluation.estimate
+    line = (f"auto-plan ({system.name}, {result.considered} plans priced): {' '.join(best.megatron_flags)} | "
+            f"predicted {est.tokens_per_second / args.world_size:.1f} tokens/s/GPU, "
+            f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB")
+    return args.replace(
+        tensor_model_parallel_size=plan.tensor_model_parallel_size,
+        context_parallel_size=plan.context_parallel_size,
+        pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=plan.num_layers_per_virtual_pipeline_stage,
+        micro_batch_size=plan.micro_batch_size,
+        ckpt=plan.ckpt,
+        offload_alpha=OffloadAlpha.parse(plan.offload_alpha),
+        sequence_parallel=plan.sequence_parallel and plan.tensor_model_parallel_size > 1,
+        use_distributed_optimizer=plan.use_distributed_optimizer,
+        overlap_grad_reduce=plan.overlap_grad_reduce,
+        overlap_param_gather=plan.overlap_param_gather,
+        auto_plan_flags=tuple(best.megatron_flags),
+        flag_notices=(*args.flag_notices, line),
+    )
+
+
+def resolve_alpha(args):
+    """A new config whose ``--offload-alpha auto|balanced`` is the cost model's smallest alpha that fits the
+    plan this driver runs (:func:`h3t_training.config.run_spec.run_plan`)."""
+    from h3t_ext.costmodel.errors import PlanError
+    from h3t_ext.planner.evaluate import evaluate
+    system, budget = _system_and_budget(args)
+    mode = args.offload_alpha.mode
+    try:
+        ev = evaluate(_model_spec(args), run_plan(args), system, alpha_mode=mode, memory_budget_bytes=budget)
+    except PlanError as e:
+        raise ArgumentError(f"--offload-alpha {mode}: {e}") from None
+    resolved = OffloadAlpha.parse(ev.plan.offload_alpha)
+    line = f"--offload-alpha {mode} resolved by the cost model ({system.name}): {resolved}"
+    return args.replace(offload_alpha=resolved, flag_notices=(*args.flag_notices, line))

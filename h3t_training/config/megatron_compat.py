@@ -1,0 +1,165 @@
+"""Megatron-LM's (and Megatron-Kwai's) flag semantics mapped onto this driver's fields, before validation.
+
+* Megatron-Kwai aliases: ``--kaimm-offload-activation-ratio A`` is ``--offload-alpha A``;
+  ``--kaimm-recompute-norm`` with ``--kaimm-recompute-mlp-activation-func`` is ``--ckpt ours``.
+* sample-based training: ``--train-samples`` / ``--lr-decay-samples`` / ``--lr-warmup-samples`` (or
+  ``--lr-warmup-fraction`` of the decay span); the schedule runs in samples, as Megatron's
+  ``OptimizerParamScheduler`` does (iteration-based flags are multiplied by the global batch size).
+* batch-size schedules: ``--step-batch-size-schedule`` / ``--rampup-batch-size`` as a
+  :class:`~h3t_training.data.batch_schedule.BatchSchedule` (``batch_schedule``);
+* ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here;
+* ``--distributed-backend nccl`` without CUDA -> gloo, with a notice.
+Each step reads the config and returns the fields it sets (a dict); every problem is an
+:class:`~h3t_training.config.errors.ArgumentError` (one line).
+"""
+from __future__ import annotations
+
+from h3t_training.data.batch_schedule import BatchSchedule, parse_step_schedule, rampup_schedule
+from h3t_training.data.data_checks import DataFileError, parse_split
+from h3t_training.config.errors import ArgumentError
+
+
+def kwai_aliases(args) -> dict:
+    """Megatron-Kwai's offload and recompute flags as the fields they stand for (ckpt, offload_alpha)."""
+    changes = {}
+    ratio = args.kaimm_offload_ratio
+    if ratio is not None:
+        if args.offload_alpha is not None and str(args.offload_alpha) != str(ratio):
+            raise ArgumentError(f"--kaimm-offload-activation-ratio {ratio} contradicts --offload-alpha "
+                                f"{args.offload_alpha}")
+        changes["offload_alpha"] = str(ratio)
+    norm, act = args.kaimm_recompute_norm, args.kaimm_recompute_mlp_activation_func
+    if norm and act:
+        if args.ckpt not in (None, "ours"):
+            raise ArgumentError(f"--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (--ckpt ours) "
+                                f"contradict --ckpt {args.ckpt}")
+        changes["ckpt"] = "ours"
+    elif norm or act:
+        one = "--kaimm-recompute-norm" if norm else "--kaimm-recompute-mlp-activation-func"
+        raise ArgumentError(f"{one} alone is not supported (recomputing only one of the two parts); give both "
+                            "--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func (= --ckpt ours)")
+    return changes
+
+
+def _cuda_available() -> bool:
+    import torch  # noqa: PLC0415
+
+    return torch.cuda.is_available()
+
+
+def _distributed_backend(args) -> dict:
+    """``--distributed-backend nccl`` (Megatron-LM's default, in nearly every recipe) on a machine without CUDA runs
+    on gloo, with one notice: on CPU gloo gives the same result. On a GPU it stays nccl. The resolved backend is
+    what :func:`~h3t_training.loop.initialize.initialize_distributed` is given."""
+    if args.distributed_backend != "nccl" or _cuda_available():
+        return {}
+    return {"distributed_backend": "gloo", "flag_notices": (
+        *args.flag_notices, "note: --distributed-backend nccl: no CUDA device on this machine; the process groups "
+                            "run on gloo (the same result on CPU)")}
+
+
+def _positions(args) -> dict:
+    if args.no_position_embedding and args.position_embedding_type != "rope":
+        raise ArgumentError("--no-position-embedding without --use-rotary-position-embeddings (or "
+                            "--position-embedding-type rope) gives a model without positions; not supported")
+    return {}
+
+
+def _batch_schedule(args) -> dict:
+    """--global-batch-size, --step-batch-size-schedule or --rampup-batch-size as one BatchSchedule; the global
+    batch size of the config is the final one (the learning-rate flags in iterations count it)."""
+    step, rampup = args.step_batch_size_schedule, args.rampup_batch_size
+    if step is not None and rampup is not None:
+        raise ArgumentError("give one of --step-batch-size-schedule and --rampup-batch-size")
+    if step is not None:
+        if args.decrease_batch_size_if_needed:
+            raise ArgumentError("--decrease-batch-size-if-needed does not apply to --step-batch-size-schedule (as in "
+                                "Megatron-LM); leave it out")
+        schedule = parse_step_schedule(step, args.seq_length)
+        if args.global_batch_size is not None and args.global_batch_size != schedule.final_batch_size:
+            raise ArgumentError(f"--global-batch-size {args.global_batch_size} contradicts --step-batch-size-schedule, "
+                                f"whose last batch size is {schedule.final_batch_size}; leave one out")
+        return {"batch_schedule": schedule, "global_batch_size": schedule.final_batch_size}
+    if args.global_batch_size is None:
+        raise ArgumentError("--global-batch-size is required (or --step-batch-size-schedule)")
+    if rampup is not None:
+        return {"batch_schedule": rampup_schedule(*rampup, args.global_batch_size)}
+    return {"batch_schedule": BatchSchedule.constant(args.global_batch_size)}
+
+
+def _schedule(args) -> dict:
+    B = args.global_batch_size
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ArgumentError("give exactly one of --train-iters and --train-samples")
+    if args.train_samples is not None:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            raise ArgumentError("--train-samples needs the sample-based --lr-decay-samples / --lr-warmup-samples "
+                                "(not --lr-decay-iters / --lr-warmup-iters)")
+        first = args.batch_schedule.batch_size(0)
+        if args.train_samples < first:
+            raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch ({first} samples)")
+        train_iters = args.train_samples // B if args.batch_schedule.is_constant \
+            else args.batch_schedule.iterations_for_samples(args.train_samples)  # as Megatron-LM counts each
+        decay = args.lr_decay_samples if args.lr_decay_samples is not None else args.train_samples
+        warm = args.lr_warmup_samples
+    else:
+        if args.lr_decay_samples is not None or args.lr_warmup_samples:
+            raise ArgumentError("--lr-decay-samples / --lr-warmup-samples need --train-samples (not --train-iters)")
+        train_iters = args.train_iters
+        decay = (args.lr_decay_iters if args.lr_decay_iters is not None else train_iters) * B
+        warm = args.lr_warmup_iters * B
+    if args.lr_warmup_fraction is not None:
+        if warm:
+            raise ArgumentError("give one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
+        if not 0 <= args.lr_warmup_fraction <= 1:
+            raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} is outside [0, 1]")
+        warm = int(args.lr_warmup_fraction * decay)
+    lr_decay_iters = -(-decay // B) if args.lr_decay_iters is None else args.lr_decay_iters
+    return dict(train_iters=train_iters, lr_decay_iters=lr_decay_iters,
+                lr_warmup_steps=warm, lr_decay_steps=decay)  # steps in samples, as Megatron's scheduler counts
+
+
+def _virtual_stages(args) -> dict:
+    v = args.num_virtual_stages_per_pipeline_rank
+    if v is None:
+        return {}
+    p = args.pipeline_model_parallel_size or 1
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ArgumentError("give one of --num-virtual-stages-per-pipeline-rank and "
+                            "--num-layers-per-virtual-pipeline-stage")
+    if v < 1 or args.num_layers % (p * v):
+        raise ArgumentError(f"--num-virtual-stages-per-pipeline-rank {v} does not divide the layers per pipeline rank")
+    return {"num_layers_per_virtual_pipeline_stage": args.num_layers // (p * v)}
+
+
+def _split(args) -> dict:
+    """Megatron's scripts quote ``--split`` inside a shell string ('99,1,0'): the quotes are dropped; the
+    shares are checked by :func:`~h3t_training.data.data_checks.parse_split` (training data unless
+    ``--skip-train``)."""
+    text = args.split.strip().strip("'\"")
+    try:
+        parse_split(text, allow_no_train=args.data_path is None or args.skip_train)
+    except DataFileError as e:
+        raise ArgumentError(str(e)) from None
+    return {"split": text}
+
+
+def _tokenizer_files(args) -> dict:
+    """Tokenizer files given to this driver's own ByteTokenizer (pretrain_llama.py's default; not a Megatron
+    tokenizer) would be ignored: an error instead (Megatron's tokenizers ignore what they do not read, as there)."""
+    if args.tokenizer_type != "ByteTokenizer":
+        return {}
+    for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
+        if getattr(args, name) is not None:
+            raise ArgumentError(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give the "
+                                "--tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, "
+                                "NullTokenizer)")
+    return {}
+
+
+def apply_megatron_behaviours(config):
+    """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
+    for step in (kwai_aliases, _distributed_backend, _positions, _batch_schedule, _schedule, _virtual_stages,
+                 _split, _tokenizer_files):
+        config = config.replace(**step(config))
+    return config

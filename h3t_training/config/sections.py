@@ -1,0 +1,168 @@
+"""The run's configuration: parsed once, resolved by pure steps, then frozen.
+
+:func:`parse_args` turns the command line into a :class:`TrainConfig` through a fixed sequence of
+steps, each a function ``TrainConfig -> TrainConfig`` that returns a new config (nothing is changed
+in place): Megatron-LM's flag semantics, derived model sizes, ``--auto-plan`` (a new config with the
+planner's layout), parallel defaults, and validation with the derived sizes (data-parallel size,
+microbatches, virtual stages). A bad flag ends the program with one Megatron-style line
+(``pretrain_llama.py: error: ...``, exit status 2) before any process group exists.
+
+Later changes are new configs too: a checkpoint's schedule under
+``--use-checkpoint-opt_param-scheduler`` is ``config.replace(...)``.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+from h3t_training.config import arguments
+
+from h3t_training.config import auto_plan
+
+from h3t_training.loop import fsdp
+
+from h3t_training.config import megatron_compat
+
+from h3t_training.config import validation
+from h3t_training.config.errors import ArgumentError
+from h3t_training.config.flag_table import given_table_flags, notice_lines, refusal
+from h3t_training.loop.optimizer_offload import check_optimizer_offload
+from h3t_training.data.tokenizer import TokenizerError
+
+
+class FrozenConfigError(AttributeError):
+    """An attempt to change a field of a :class:`TrainConfig` (use :meth:`TrainConfig.replace`)."""
+
+
+class UnknownConfigFieldError(AttributeError):
+    """A field name that is neither a flag's destination nor a declared derived field (a misspelling), raised
+    where it is written (``config.replace(num_layer=...)``) or read (``config.num_layer``)."""
+
+
+DERIVED_FIELDS: dict[str, tuple[object, str]] = {
+    "world_size": (1, "ranks of the job (the launcher's WORLD_SIZE, passed to parse_args)"),
+    "flag_notices": ((), "one-line notices printed once by rank 0 at start-up (flag table, auto-plan, alpha)"),
+    "batch_schedule": (None, "the global batch size per iteration (BatchSchedule: constant, step or ramp-up)"),
+    "lr_warmup_steps": (None, "warm-up in samples, when the schedule counts samples (Megatron's scheduler)"),
+    "lr_decay_steps": (None, "decay span in samples, when the schedule counts samples"),
+    "parallel_layout": (None, "the h3t_ext.layout.ParallelLayout of the final global batch size"),
+    "data_parallel_size": (None, "Megatron's data-parallel size world / (t c p)"),
+    "num_microbatches": (None, "microbatches per iteration at the final global batch size"),
+    "virtual_pipeline_model_parallel_size": (None, "v with interleaving, else None"),
+    "auto_plan_flags": (None, "the Megatron flags of the plan --auto-plan chose, or None"),
+}
+"""Every field a resolve step may add beyond the flags' destinations, with its value before the step runs and
+what it holds. A field outside the flags and this table does not exist."""
+
+
+def _closest(name: str, names) -> str:
+    import difflib
+    match = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+class TrainConfig:
+    """The resolved flags of one run under Megatron's field names (``config.num_layers``, ...).
+
+    Read like Megatron's ``args``; immutable (:meth:`replace` returns a changed copy) and closed: its fields are
+    the parser's destinations plus :data:`DERIVED_FIELDS`, each present from the start, so a reader never needs a
+    default and a misspelled name raises :class:`UnknownConfigFieldError` where it is written or read."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: Mapping[str, Any]):
+        object.__setattr__(self, "_values", dict(values))
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace, **derived: Any) -> "TrainConfig":
+        """The flags' values, every derived field at its initial value, then ``derived``'s."""
+        values = {**{k: v for k, (v, _) in DERIVED_FIELDS.items()}, **vars(namespace)}
+        return cls(values).replace(**derived)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            if name.startswith("__"):
+                raise AttributeError(name) from None
+            raise UnknownConfigFieldError(f"TrainConfig has no field {name!r}{_closest(name, self._values)}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenConfigError(f"TrainConfig is frozen: {name} cannot be set (use config.replace({name}=...))")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenConfigError(f"TrainConfig is frozen: {name} cannot be deleted")
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A new config with ``changes`` applied; a name that is not a field raises here."""
+        unknown = [k for k in changes if k not in self._values]
+        if unknown:
+            k = unknown[0]
+            raise UnknownConfigFieldError(f"TrainConfig has no field {k!r}{_closest(k, self._values)}; its fields are "
+                                          "the flags' destinations and h3t_training.config.sections.DERIVED_FIELDS")
+        return TrainConfig({**self._values, **changes})
+
+    def as_dict(self) -> dict:
+        """A copy of every field (for logging and for APIs that want a plain mapping)."""
+        return dict(self._values)
+
+    def as_namespace(self) -> argparse.Namespace:
+        """An ``argparse.Namespace`` copy, for APIs that want Megatron's mutable ``args``."""
+        return argparse.Namespace(**self._values)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TrainConfig) and self._values == other._values
+
+    __hash__ = None  # fields may be lists
+
+    def __repr__(self) -> str:
+        return f"TrainConfig({len(self._values)} fields, num_layers={self._values.get('num_layers')})"
+
+    def __reduce__(self):
+        return TrainConfig, (self._values,)
+
+
+Step = Callable[[TrainConfig], TrainConfig]
+
+
+def resolve(config: TrainConfig) -> TrainConfig:
+    """Every step after parsing, in order (later steps read what earlier ones derived)."""
+    steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
+                         arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt]
+    if config.auto_plan:
+        steps.append(auto_plan.plan_config)
+    steps += [arguments.fill_parallel_defaults, fsdp.check_sharding_flags, validation.validate_args]
+    for step in steps:
+        config = step(config)
+        assert isinstance(config, TrainConfig), f"{step.__name__} must return a TrainConfig"
+    return config
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
+               defaults: Optional[dict] = None, world_size: int = 1, rank: int = 0) -> TrainConfig:
+    """Parse and resolve the command line; exit 2 with one line on a bad flag.
+
+    ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py gets
+    :data:`~h3t_training.config.arguments.LLAMA_DEFAULTS`. ``world_size`` is the job's (the entry point reads the
+    launcher's; nothing here reads the environment); every rank parses, rank 0 (``rank``) writes the error line.
+    The flag table's refusals and the first problem the resolve steps find are one line together."""
+    if defaults is None and prog == "pretrain_llama.py":
+        defaults = arguments.LLAMA_DEFAULTS
+    parser = arguments.build_parser(prog, defaults, report=rank == 0)
+    namespace = parser.parse_args(argv)
+    given = given_table_flags(namespace)
+    refused = refusal(given)
+    config = TrainConfig.from_namespace(namespace, world_size=world_size, flag_notices=tuple(notice_lines(given)))
+    try:
+        config = resolve(config)  # also with refused flags (the steps never read them): one launch names all
+    except (ArgumentError, TokenizerError) as e:
+        parser.error(f"{refused}; {e}" if refused else str(e))
+    if refused:
+        parser.error(refused)
+    return config
+
+
+__all__ = ["DERIVED_FIELDS", "FrozenConfigError", "TrainConfig", "UnknownConfigFieldError", "parse_args", "resolve"]

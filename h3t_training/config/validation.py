@@ -1,0 +1,262 @@
+"""Checks of the parsed flags that need no process group (world size comes from WORLD_SIZE).
+
+Each ``_validate_*`` step takes the config and returns it, or a new one with what it derived
+(``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, ``num_microbatches``, the
+parsed ``offload_alpha``); a problem is an :class:`ArgumentError` with one line naming the flag,
+its value and the valid range.
+"""
+from __future__ import annotations
+
+import os
+
+from h3t_ext.layout import LayoutError, ParallelLayout
+from h3t_ext.offload_alpha import OffloadAlpha
+from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
+from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout
+from h3t_training.config.auto_plan import resolve_alpha
+from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
+from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
+from h3t_training.config.errors import ArgumentError
+from h3t_training.telemetry.loggers import check_writer_packages
+from h3t_training.data.tokenizer import TokenizerError, tokenizer_from_args
+
+
+def validate_args(config):
+    """Validate and derive; the order matters (later checks use derived sizes)."""
+    for step in (_validate_heads, _validate_layout, _validate_sequence_parallel,
+                 _validate_overlap, _validate_precision, _validate_context_parallel, _validate_alpha,
+                 _validate_offload_overlap, _validate_data, _validate_io, _validate_eval_and_logging):
+        config = step(config)
+    return config
+
+
+def _validate_heads(args):
+    if args.hidden_size % args.num_attention_heads:
+        raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
+                            f"{args.num_attention_heads}")
+    if args.num_attention_heads % args.num_query_groups:
+        raise ArgumentError(f"--num-query-groups {args.num_query_groups} does not divide --num-attention-heads "
+                            f"{args.num_attention_heads}")
+    if args.seq_length > args.max_position_embeddings:
+        raise ArgumentError(f"--seq-length {args.seq_length} is outside [1, --max-position-embeddings "
+                            f"{args.max_position_embeddings}]")
+    return args
+
+
+def _validate_layout(args):
+    """The parallel layout (:class:`~h3t_ext.layout.ParallelLayout`, the library's one set of layout rules)
+    for every global batch size the run will use; the config gets the final one's sizes
+    (``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, ``num_microbatches``, ``parallel_layout``)."""
+    schedule = schedule_of(args)
+    if args.decrease_batch_size_if_needed and schedule.is_constant:
+        args = _decrease_batch_size(args)
+        schedule = args.batch_schedule
+    source = None if schedule.is_constant else (
+        "--step-batch-size-schedule" if args.step_batch_size_schedule is not None else "--rampup-batch-size")
+    layout = None
+    for batch in schedule.batch_sizes(args.train_iters) + (args.global_batch_size,):
+        try:
+            layout = _layout(args, batch)
+        except LayoutError as e:
+            raise ArgumentError(e.reason if source is None else f"{source}: " + e.reason.replace(
+                f"--global-batch-size {batch}", f"its batch size {batch}")) from None
+    try:
+        layout.check_tensor_split(num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                                  ffn_hidden_size=args.ffn_hidden_size)
+    except LayoutError as e:
+        raise ArgumentError(e.reason) from None
+    return args.replace(data_parallel_size=layout.data_parallel_size, num_microbatches=layout.num_microbatches,
+                        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size
+                        if layout.interleaved else None, parallel_layout=layout)
+
+
+def _layout(args, global_batch_size: int) -> ParallelLayout:
+    return ParallelLayout.from_sizes(
+        world_size=args.world_size, global_batch_size=global_batch_size, micro_batch_size=args.micro_batch_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size, context_parallel_size=args.context_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, num_layers=args.num_layers,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
+
+
+def _decrease_batch_size(args):
+    """--decrease-batch-size-if-needed: a constant batch size rounded down to micro batch x data-parallel size."""
+    ranks = args.tensor_model_parallel_size * args.context_parallel_size * args.pipeline_model_parallel_size
+    if args.world_size % ranks:
+        return args  # the layout's world-size rule says why, in one line
+    shard = args.micro_batch_size * (args.world_size // ranks)
+    if args.global_batch_size % shard == 0:
+        return args
+    running = args.global_batch_size // shard * shard
+    if running == 0:
+        raise ArgumentError(f"--decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} is "
+                            f"below one micro batch x data-parallel size ({shard})")
+    return args.replace(global_batch_size=running, batch_schedule=BatchSchedule.constant(running), flag_notices=(
+        *args.flag_notices, f"note: --decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} "
+                            f"runs as {running} (a multiple of --micro-batch-size x data-parallel size {shard})"))
+
+
+def _validate_sequence_parallel(args):
+    t = args.tensor_model_parallel_size
+    if args.sequence_parallel and t == 1:  # as Megatron-LM: disabled, with a notice
+        args = args.replace(sequence_parallel=False, flag_notices=(
+            *args.flag_notices,
+            "note: --sequence-parallel: disabled with --tensor-model-parallel-size 1 (as Megatron-LM does)"))
+    try:  # with c > 1 the sequence is 2c chunks; --sequence-parallel splits each rank's shard over t
+        args.parallel_layout.check_seq_length(args.seq_length, sequence_parallel=args.sequence_parallel)
+    except LayoutError as e:
+        raise ArgumentError(e.reason) from None
+    return args
+
+
+def _validate_precision(args):
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16 are exclusive; give one")
+    if args.h3t_float64 and (args.fp16 or args.bf16):
+        raise ArgumentError(f"--h3t-float64 and {'--fp16' if args.fp16 else '--bf16'} are exclusive; give one")
+    for flag, v in (("--initial-loss-scale", args.initial_loss_scale), ("--min-loss-scale", args.min_loss_scale),
+                    ("--loss-scale-window", args.loss_scale_window)):
+        if not v > 0:
+            raise ArgumentError(f"{flag} {v} is outside (0, inf)")
+    if args.loss_scale is not None and not args.loss_scale > 0:
+        raise ArgumentError(f"--loss-scale {args.loss_scale} is outside (0, inf)")
+    if args.hysteresis < 1:
+        raise ArgumentError(f"--hysteresis {args.hysteresis} is outside [1, inf)")
+    return args
+
+
+def _validate_overlap(args):
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps that "
+                            "optimizer's parameter all-gather)")
+    return args
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def _validate_context_parallel(args):
+    """c > 1 runs TransformerEngine's attention on a GPU and h3t-ext's ring attention
+    (``h3t_ext.runtime.modules.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks."""
+    c = args.context_parallel_size
+    if c > 1 and args.attention_dropout and not _cuda_available():
+        raise ArgumentError(f"--attention-dropout {args.attention_dropout} is not supported with "
+                            f"--context-parallel-size {c} on CPU (ring attention); use 0")
+    return args
+
+
+def _validate_alpha(args):
+    """``--offload-alpha`` parsed once (:class:`~h3t_ext.offload_alpha.OffloadAlpha`), ``auto``/``balanced``
+    resolved by the cost model; the config keeps the numbers that run (one float, or one per stage)."""
+    try:
+        alpha = OffloadAlpha.parse(args.offload_alpha)
+        if alpha.is_mode:
+            args = resolve_alpha(args.replace(offload_alpha=alpha))
+            alpha = args.offload_alpha
+        return args.replace(offload_alpha=alpha.for_pipeline(args.pipeline_model_parallel_size))
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
+def _validate_data(args):
+    per_split = [f for f in ("train", "valid", "test") if getattr(args, f"{f}_data_path") is not None]
+    if (args.mock_data + (args.data_path is not None) + bool(per_split)) != 1:
+        raise ArgumentError("give exactly one of --data-path PREFIX and --mock-data (or --train-data-path, "
+                            "--valid-data-path, --test-data-path)")
+    if per_split and "train" not in per_split and not args.skip_train:
+        raise ArgumentError("--valid-data-path/--test-data-path need --train-data-path (or --skip-train)")
+    try:  # the tokenizer's files are read now, so a bad one stops every rank before any process group
+        tokenizer = tokenizer_from_args(args)
+    except TokenizerError as e:
+        raise ArgumentError(str(e)) from None
+    try:  # and the data files: a damaged or mismatched one is one line here, not a traceback per rank
+        if args.data_path is not None and not args.skip_train:  # evaluation alone may have no training share
+            parse_split(args.split)
+    except DataFileError as e:
+        raise ArgumentError(str(e)) from None
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, flag) is None:
+            continue
+        try:
+            for _, prefix in parse_blend(getattr(args, flag)):
+                check_indexed_dataset(prefix, vocab_size=tokenizer.vocab_size)
+        except DataFileError as e:  # the checks name --data-path; say which of the four flags it was
+            raise ArgumentError(str(e).replace("--data-path", "--" + flag.replace("_", "-"), 1)) from None
+    return args
+
+
+def _validate_eval_and_logging(args):
+    try:  # the one --split parser (also run earlier with the Megatron-compat step)
+        shares = parse_split(str(args.split), allow_no_train=True)
+    except DataFileError as e:
+        raise ArgumentError(str(e)) from None
+    if sum(shares) <= 0:
+        raise ArgumentError(f"--split {args.split} has no positive share (train,valid,test)")
+    if args.skip_train and args.eval_iters == 0:
+        raise ArgumentError("--skip-train with --eval-iters 0 has nothing to do; give --eval-iters >= 1")
+    from h3t_training.data.datasets import splits_wanted
+    if args.skip_train and not any(splits_wanted(args)):
+        raise ArgumentError(f"--skip-train with --split {args.split} has no validation or test data; give --split "
+                            f"with nonzero valid/test parts (e.g. 98,1,1) or --valid-data-path/--test-data-path")
+    check_writer_packages(args)
+    return args
+
+
+CKPT_FORMATS_REFUSED = {
+    "torch": "Megatron's legacy per-rank torch files cannot be resharded; use --ckpt-format torch_dist",
+    "torch_dcp": "use --ckpt-format torch_dist (megatron-core dist_checkpointing over PyTorch DCP)",
+    "zarr": "zarr is deprecated in megatron-core; use --ckpt-format torch_dist",
+    "fsdp_dtensor": "needs Megatron FSDP, which this driver does not run; use --ckpt-format torch_dist",
+}
+
+
+def _validate_io(args):
+    if args.ckpt_format != "torch_dist":
+        reason = CKPT_FORMATS_REFUSED.get(args.ckpt_format, "the valid value is torch_dist")
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: {reason}")
+    if args.ckpt_step is not None and args.ckpt_step < 0:
+        raise ArgumentError(f"--ckpt-step {args.ckpt_step} is outside [0, inf)")
+    if args.ckpt_step is not None and args.load is None:
+        raise ArgumentError("--ckpt-step needs --load DIR")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise ArgumentError(f"--load {args.load} is a file, not a directory")
+    if args.save is not None:
+        _check_writable_dir("--save", args.save)
+    for flag in ("tensorboard_dir", "wandb_save_dir"):
+        if getattr(args, flag):
+            _check_writable_dir("--" + flag.replace("_", "-"), getattr(args, flag))
+    if args.metrics_json is not None:  # written once, at the end: every way it could fail is found now
+        if os.path.isdir(args.metrics_json):
+            raise ArgumentError(f"--metrics-json {args.metrics_json} is a directory; give the path of a file")
+        parent = os.path.dirname(os.path.abspath(args.metrics_json))
+        if not os.path.isdir(parent):
+            raise ArgumentError(f"--metrics-json {args.metrics_json}: directory {parent} does not exist")
+        _check_writable_dir("--metrics-json", parent, create=False)
+    return args
+
+
+def _check_writable_dir(flag: str, path: str, *, create: bool = True) -> None:
+    """Create ``path`` if asked and write a probe file into it, so an unwritable directory is found
+    now, in one line, and not at the first save after hours of training."""
+    try:
+        if create:
+            os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".h3t_write_probe_{os.getpid()}")
+        with open(probe, "wb") as f:
+            f.write(b"x")
+        os.remove(probe)
+    except OSError as e:
+        raise ArgumentError(f"{flag} {path} is not writable ({e.strerror or type(e).__name__})") from None
+
+
+def _validate_offload_overlap(args):
+    """The runtime's own check of the offload on every pipeline rank's schedule, for each microbatch count
+    the run will use, before any process starts."""
+    try:
+        config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
+        for batch in schedule_of(args).batch_sizes(args.train_iters):
+            validate_parallel_layout(config, _layout(args, batch))
+    except RuntimeConfigError as e:
+        raise ArgumentError(str(e)) from None
+    return args

@@ -1,0 +1,431 @@
+"""Save and resume through megatron-core's ``dist_checkpointing`` (``--ckpt-format torch_dist``).
+
+Megatron-LM's layout under ``--save DIR``::
+
+    latest_checkpointed_iteration.txt     the last complete iteration (the tracker)
+    iter_0000010/metadata.json            megatron-core: backend torch_dist
+    iter_0000010/common.pt                what every rank shares (iteration, schedule, model shape)
+    iter_0000010/.metadata, *.distcp      the sharded tensors (PyTorch distributed checkpoint)
+
+What is saved (Megatron's keys): ``model`` (``model0``, ``model1``, ... with a virtual pipeline)
+from each chunk's ``sharded_state_dict()``, ``optimizer`` (the full Adam state: fp32 weights
+where the optimizer keeps them, both moments, the step count; with the distributed optimizer
+each shard from its owner), ``opt_param_scheduler``, ``rng_state`` (one object per rank: torch's
+CPU generator, and the CUDA generator and model-parallel tracker on a GPU), ``iteration``,
+``consumed_train_samples``, ``checkpoint_version``, and ``h3t`` (model shape and layout).
+
+Because tensors are stored by their global keys and offsets, a run may load with another
+t/p/c/v or data-parallel size than the one that saved (resharding); the RNG states are then
+not restored (they belong to ranks that no longer exist) and a notice says so.
+
+A save is atomic: every rank writes into ``iter_N.tmp``; after all have finished, rank 0 writes
+``h3t_checksums.json`` (size and SHA-256 of every file, each rank hashing the files it wrote),
+renames the directory to ``iter_N`` and then moves the tracker. A run killed mid-save leaves the
+previous checkpoint as the latest. Everything that can be checked without process groups
+(tracker, format, model shape, file sizes, and the checksums, each rank hashing its share of the
+files) is checked by :func:`find_checkpoint` before any rank starts, with one line naming the file
+and the reason (:class:`CheckpointError`).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from h3t_training.data.batch_schedule import schedule_of
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKSUMS = "h3t_checksums.json"
+CHECKPOINT_VERSION = 3.0
+"""Megatron-LM's checkpoint version for dist_checkpointing checkpoints."""
+MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by")
+"""What must match between the saving and the loading run (the parallel layout need not)."""
+LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
+SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",
+                  "decoupled_min_lr")
+"""The learning-rate schedule a resumed run must agree on (Megatron's opt_param_scheduler)."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message is one line."""
+
+
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    """A complete checkpoint under ``--load``, checked before any process group exists."""
+
+    directory: str
+    """The ``iter_NNNNNNN`` directory."""
+    iteration: int
+    same_layout: bool
+    """Saved with this run's parallel layout (then RNG states are restored too)."""
+    common: dict
+    """The shared part (``common.pt``)."""
+    schedule: dict = field(default_factory=dict)
+    """The checkpoint's LR schedule fields this run takes (``--use-checkpoint-opt_param-scheduler``):
+    the driver continues with ``config.replace(**found.schedule)``."""
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _model_shape(args) -> dict:
+    from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
+
+    shape = {k: getattr(args, k) for k in MODEL_SHAPE_FLAGS}
+    shape["padded_vocab_size"] = padded_vocab_size(tokenizer_from_args(args).vocab_size,
+                                                   args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    return shape
+
+
+def _layout(args) -> dict:
+    return {k: getattr(args, k) for k in LAYOUT_FLAGS}
+
+
+def _schedule(args) -> dict:
+    return {k: getattr(args, k) for k in SCHEDULE_FLAGS}
+
+
+def _read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    if text == "release":
+        raise CheckpointError(f"--load {root}: {TRACKER} says 'release' (a converted release checkpoint); "
+                              f"load it with --finetune --ckpt-step 0 after renaming it to iter_0000000")
+    if not text.isdigit():
+        raise CheckpointError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def _file_digest(path: str) -> list:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return [os.path.getsize(path), h.hexdigest()]
+
+
+def _verify_files(directory: str, rank: int, world_size: int) -> None:
+    """Every file of the manifest is there with its size; this rank checks the SHA-256 of its share."""
+    manifest = os.path.join(directory, CHECKSUMS)
+    try:
+        with open(manifest) as f:
+            files = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {directory} is partial or corrupt: {CHECKSUMS} cannot be read "
+                              f"({type(e).__name__})") from None
+    for i, (name, (size, digest)) in enumerate(sorted(files.items())):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"checkpoint file {path} is missing")
+        if os.path.getsize(path) != size:
+            raise CheckpointError(f"checkpoint file {path} is corrupt (length {os.path.getsize(path)}, "
+                                  f"{CHECKSUMS} says {size})")
+        if i % world_size == rank and _file_digest(path)[1] != digest:
+            raise CheckpointError(f"checkpoint file {path} is corrupt (checksum mismatch)")
+
+
+ZIP_LOCAL_HEADER = b"PK\x03\x04"
+"""The first bytes of a zip archive: every tensor item of a .distcp file is one ``torch.save`` archive."""
+ZIP_END_RECORD = b"PK\x05\x06"
+ZIP_END_RECORD_BYTES = 22
+"""A zip archive ends with its end-of-central-directory record, 22 bytes without a comment (torch writes none)."""
+
+
+def _verify_layout(directory: str, rank: int, world_size: int) -> None:
+    """Every tensor that ``.metadata`` places in a ``.distcp`` file (file, offset, length) is a whole
+    ``torch.save`` archive there: it starts with a zip header and ends with a zip end record. Checksums prove
+    that the files are the ones that were written, not that they are where ``.metadata`` looks for them (a
+    shard file swapped with another, the manifest fixed up, passes them). This rank checks its share of the files;
+    two small reads per tensor."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except Exception as e:  # noqa: BLE001 - an unpickling failure can be of any type
+        raise CheckpointError(f"checkpoint file {os.path.join(directory, '.metadata')} cannot be read "
+                              f"({type(e).__name__})") from None
+    items: dict[str, list] = {}
+    for index, info in (metadata.storage_data or {}).items():
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), TensorStorageMetadata) and \
+                not getattr(info, "transform_descriptors", None):
+            items.setdefault(info.relative_path, []).append((index.fqn, info.offset, info.length))
+    for i, name in enumerate(sorted(items)):
+        if i % world_size != rank:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                for fqn, offset, length in sorted(items[name], key=lambda x: x[1]):
+                    end = offset + length
+                    if end > size or length < ZIP_END_RECORD_BYTES or \
+                            os.pread(f.fileno(), 4, offset) != ZIP_LOCAL_HEADER or \
+                            os.pread(f.fileno(), 4, end - ZIP_END_RECORD_BYTES) != ZIP_END_RECORD:
+                        raise CheckpointError(f"checkpoint file {path} is corrupt or misplaced: {fqn} is not where "
+                                              f".metadata records it (bytes {offset}..{end}); was a shard file "
+                                              f"swapped, renamed or rewritten?")
+        except OSError as e:
+            raise CheckpointError(f"checkpoint file {path} cannot be read ({e.strerror or type(e).__name__})") from None
+
+
+def _read_common(directory: str) -> dict:
+    meta = os.path.join(directory, "metadata.json")
+    if any(n.startswith("rank_") and n.endswith(".pt") for n in os.listdir(directory)):
+        raise CheckpointError(f"{directory} is in h3t-ext's former per-rank format (rank_*.pt), which this "
+                              f"release does not read; train again or convert it with the previous release")
+    try:
+        with open(meta) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint file {meta} cannot be read ({type(e).__name__})") from None
+    if backend != "torch_dist":
+        raise CheckpointError(f"checkpoint file {meta} names backend {backend!r}; --ckpt-format torch_dist "
+                              f"is what this driver reads")
+    path = os.path.join(directory, "common.pt")
+    try:
+        common = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises several unrelated types for a damaged file
+        raise CheckpointError(f"checkpoint file {path} is corrupt or partial ({type(e).__name__})") from None
+    if not isinstance(common, dict) or "h3t" not in common or "iteration" not in common:
+        raise CheckpointError(f"checkpoint file {path} was not written by this driver (no 'h3t' section)")
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise CheckpointError(f"checkpoint {directory} is partial: its .metadata file is missing")
+    return common
+
+
+def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
+    """The checkpoint ``--load`` (and ``--ckpt-step``) names, checked; None when there is none.
+
+    A missing or empty ``--load`` directory means "start from scratch", as in Megatron. ``rank`` checks the
+    SHA-256 of its share of the files (of ``args.world_size`` ranks).
+    """
+    root = args.load
+    if root is None or not os.path.isdir(root):
+        return None
+    step = args.ckpt_step
+    iteration = step if step is not None else _read_tracker(root)
+    if iteration is None:
+        return None
+    directory = iter_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"--load {root}: {directory} does not exist"
+                              + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"))
+    common = _read_common(directory)
+    _verify_files(directory, rank, args.world_size)
+    _verify_layout(directory, rank, args.world_size)
+    saved = common["h3t"]["model"]
+    mine = _model_shape(args)
+    if saved.get("padded_vocab_size") != mine["padded_vocab_size"] and \
+            saved.get("make_vocab_size_divisible_by") == mine["make_vocab_size_divisible_by"]:
+        layout = common["h3t"]["layout"]
+        raise CheckpointError(
+            f"--load {root}: checkpoint iteration {iteration} has a vocabulary padded to {saved.get('padded_vocab_size')} "
+            f"(--make-vocab-size-divisible-by x --tensor-model-parallel-size {layout['tensor_model_parallel_size']}), "
+            f"this run pads to {mine['padded_vocab_size']}; choose --make-vocab-size-divisible-by so that both "
+            f"layouts pad alike")
+    for k in MODEL_SHAPE_FLAGS:
+        if saved.get(k) != mine[k]:
+            raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with "
+                                  f"--{k.replace('_', '-')} {saved.get(k)}, this run has {mine[k]}")
+    schedule = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
+    return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common, schedule)
+
+
+def _check_schedule(args, saved: dict, iteration: int) -> dict:
+    """Megatron refuses a resume whose schedule differs from the checkpoint's unless told which wins:
+    ``--override-opt_param-scheduler`` (this command line) or ``--use-checkpoint-opt_param-scheduler``
+    (the checkpoint: its values replace this run's, returned as the fields to replace)."""
+    if args.finetune or args.override_opt_param_scheduler:
+        return {}
+    if args.use_checkpoint_opt_param_scheduler:
+        return {k: saved[k] for k in SCHEDULE_FLAGS if k in saved}
+    mine = _schedule(args)
+    for k in SCHEDULE_FLAGS:
+        if k in saved and saved[k] != mine[k]:
+            raise CheckpointError(f"--load {args.load}: checkpoint iteration {iteration} was trained with "
+                                  f"--{k.replace('_', '-')} {saved[k]}, this run has {mine[k]}; add "
+                                  f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler")
+    return {}
+
+
+# ----------------------------------------------------------------------------------------- state
+def unwrap(chunk):
+    """The model chunk inside a data-parallel wrapper (DDP, FSDP2), else ``chunk``."""
+    return getattr(chunk, "module", chunk)
+
+
+def _model_keys(chunks) -> list[str]:
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def rng_state() -> dict:
+    """This rank's RNG streams: torch's CPU generator and, on a GPU, the CUDA generator and
+    megatron-core's model-parallel CUDA RNG tracker (dropout in tensor-parallel regions)."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` saved (CUDA parts only where saved and a GPU is in use)."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+        torch.cuda.set_rng_state(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["cuda_tracker"])
+
+
+def _rng_object(state):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, with_optimizer: bool = True,
+                   with_rng: bool = True) -> dict:
+    state: dict = {}
+    model_sds = []
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        sd = unwrap(chunk).sharded_state_dict()
+        state[key] = sd
+        model_sds.append(sd)
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sds, is_loading=loading)
+    if with_rng:
+        state["rng_state"] = _rng_object(None if loading else rng_state())
+    if not loading:
+        state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
+                     consumed_train_samples=schedule_of(args).consumed_samples(iteration),
+                     opt_param_scheduler=_schedule(args),
+                     h3t={"model": _model_shape(args), "layout": _layout(args)})
+    return state
+
+
+# ----------------------------------------------------------------------------------------- save / load
+def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) -> None:
+    """Write ``iter_N`` under ``--save`` (collective: every rank calls it)."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    from h3t_ext.checkpointing import save_strategy
+
+    finite = torch.tensor([all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters())], dtype=torch.int)
+    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite.item():
+        raise CheckpointError(f"iteration {iteration}: the model holds non-finite weights; no checkpoint written, "
+                              f"the latest stays the previous one")
+    final = iter_dir(args.save, iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed mid-save
+        os.makedirs(tmp)
+    dist.barrier()
+    error = ""
+    try:
+        dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False), tmp,
+                                sharded_strategy=save_strategy(on_gpu))
+        dist.barrier()
+        _write_checksums(tmp)
+    except (Exception, CheckpointException) as e:  # disk full, permissions, quota: abandoned on every rank
+        error = _first_line(e)
+    failed = [None] * dist.get_world_size()
+    dist.all_gather_object(failed, error)
+    if any(failed):  # the rank whose own write failed (its error names the file), else the first
+        rank = min((r for r, e in enumerate(failed) if e), key=lambda r: ("[Errno " not in failed[r], r))
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        raise CheckpointError(f"iteration {iteration}: the checkpoint could not be written to {args.save} (rank "
+                              f"{rank}: {failed[rank]}); its temporary files are removed and the latest "
+                              f"checkpoint is unchanged")
+    if dist.get_rank() == 0:
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        tracker = os.path.join(args.save, TRACKER)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(f"{iteration}\n")
+        os.replace(tracker + ".tmp", tracker)
+    dist.barrier()
+
+
+def _first_line(e: BaseException) -> str:
+    """The innermost cause of ``e`` in one line (DCP gathers each rank's failure into its own exception)."""
+    failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if failures:
+        wrapped = next(iter(failures.values()))
+        e = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _write_checksums(directory: str) -> None:
+    """Each rank hashes the tensor files it wrote (``__<rank>_*.distcp``), rank 0 the shared ones
+    too, and rank 0 writes the manifest (collective)."""
+    rank = dist.get_rank()
+    mine = {}
+    for name in sorted(os.listdir(directory)):
+        shared = not name.startswith("__")
+        if (name.startswith(f"__{rank}_") or (shared and rank == 0)) and name != CHECKSUMS:
+            mine[name] = _file_digest(os.path.join(directory, name))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        files = {k: v for part in everyone for k, v in part.items()}
+        with open(os.path.join(directory, CHECKSUMS), "w") as f:
+            json.dump(files, f, indent=0, sort_keys=True)
+
+
+def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[int, list[str]]:
+    """Load ``found`` into the model (and optimizer, RNG); returns (start iteration, notices)."""
+    from megatron.core import dist_checkpointing
+
+    notes = []
+    finetune = bool(args.finetune)
+    with_optimizer = not (finetune or args.no_load_optim)
+    with_rng = not (finetune or args.no_load_rng)
+    if with_rng and not found.same_layout:
+        with_rng = False
+        notes.append(f"checkpoint iteration {found.iteration} was saved with another parallel layout: resharded; "
+                     f"RNG states start from --seed")
+    template = _sharded_state(args, found.iteration, chunks, optimizer, loading=True, with_optimizer=with_optimizer,
+                              with_rng=with_rng)
+    try:
+        loaded = dist_checkpointing.load(template, found.directory)
+        for key, chunk in zip(_model_keys(chunks), chunks):
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        if with_optimizer:
+            optimizer.load_sharded_state_dict(loaded["optimizer"])
+        else:  # as Megatron-LM: the optimizer's own copies of the weights follow the loaded model
+            optimizer.reload_model_params()
+        if with_rng:
+            set_rng_state(loaded["rng_state"])
+    except BaseException as e:  # DCP's CheckpointException is a BaseException; only an interrupt or exit passes
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        _verify_layout(found.directory, 0, 1)  # every file, now: names the file when one is misplaced
+        raise CheckpointError(f"checkpoint {found.directory} cannot be loaded into this model: "
+                              f"{_first_line(e)}") from None
+    return (0 if finetune else found.iteration), notes
+
+
+__all__ = ["CheckpointError", "FoundCheckpoint", "find_checkpoint", "load_checkpoint", "rng_state",
+           "save_checkpoint", "set_rng_state"]

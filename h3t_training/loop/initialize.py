@@ -1,0 +1,71 @@
+"""Process groups: torch.distributed from the launcher's environment, then megatron-core's groups.
+
+torchrun, our mpirun launcher and srun all provide RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT; a plain ``python pretrain_llama.py`` runs as a single rank on a free local port.
+The backend is NCCL on GPUs and gloo on CPU; ``--distributed-backend`` overrides, as the flags resolved it
+(``nccl`` on a machine without CUDA became gloo, with a notice, in :mod:`h3t_training.config.megatron_compat`).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dist_rank_from_env() -> int:
+    """This process's global rank as the launcher set it (0 for a plain single-process run)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def uses_gpu(args) -> bool:
+    """True when this run trains on CUDA devices."""
+    return torch.cuda.is_available() and args.distributed_backend != "gloo"
+
+
+def initialize_distributed(args) -> None:
+    """Create the default process group and megatron-core's model/data-parallel groups."""
+    if "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    on_gpu = uses_gpu(args)
+    backend = args.distributed_backend or ("nccl" if on_gpu else "gloo")
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        create_gloo_process_groups=on_gpu,
+    )
+
+
+def set_random_seed(seed: int, *, on_gpu: bool) -> None:
+    """Megatron's seeding, after the groups exist: ``seed + 100 * pipeline rank`` for torch's
+    generators (every data-parallel replica draws the same weights) and, on a GPU, megatron-core's
+    model-parallel CUDA RNG tracker, which weight init, dropout in tensor-parallel regions and
+    full recompute read (megatron-core raises "cuda rng state model-parallel-rng is not added"
+    without it)."""
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    torch.manual_seed(seed)
+    if on_gpu:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed)
+
+
+def shutdown() -> None:
+    """Tear down megatron-core's groups and the default group."""
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

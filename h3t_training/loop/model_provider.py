@@ -1,0 +1,110 @@
+"""GPT model chunks (GPT-3 or Llama shapes, as the flags say) from megatron-core's GPTModel, built with the h3t layer spec of ``--ckpt``.
+
+The spec (``h3t_ext.runtime.modules.layer_specs``) uses TransformerEngine's modules when TE is importable
+on a GPU (backend 'te'), else megatron-core's local modules with h3t-ext's SDPA core attention and
+sequence-parallel-capable norms and linears (backend 'local'), and with context parallelism on
+CPU the ring attention of ``h3t_ext.runtime.modules.ring_attention``. One chunk per virtual pipeline stage;
+weights come from the generators seeded by :func:`~h3t_training.loop.initialize.set_random_seed`
+(``--seed + 100 * pipeline rank``, as Megatron seeds), so every data-parallel replica starts identical.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
+from h3t_training.config.errors import ArgumentError
+from h3t_training.loop.initialize import set_random_seed
+from h3t_training.data.tokenizer import padded_vocab_size
+
+
+def layer_spec_backend(on_gpu: bool) -> str:
+    """'te' on a GPU with TransformerEngine importable, else 'local'."""
+    if not on_gpu:
+        return "local"
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return "local"
+    return "te"
+
+
+def core_attention(args, *, on_gpu: bool):
+    """None (the spec's default) except with context parallelism on CPU: the ring attention of
+    ``h3t_ext.runtime.modules.ring_attention``, its waits bounded by ``--distributed-timeout-minutes`` (on a
+    GPU, TransformerEngine's attention does context parallelism)."""
+    if on_gpu or args.context_parallel_size == 1:
+        return None
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from h3t_ext.runtime.modules.ring_attention import RingSDPACoreAttention
+    return ModuleSpec(module=RingSDPACoreAttention, params={"cp_timeout_s": args.distributed_timeout_minutes * 60})
+
+
+def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
+    """Megatron's TransformerConfig of the run: the architecture Megatron's flags describe (norm, MLP,
+    biases, head dim, ...) with the parallel layout and dtype."""
+    if on_gpu and args.h3t_float64:
+        raise ArgumentError("--h3t-float64 is for CPU equivalence checks only (a GPU runs float64 GEMMs at a "
+                            "fraction of its bf16 rate); drop it, or train on CPU with --distributed-backend gloo")
+    if on_gpu:
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    else:
+        dtype = torch.float64 if args.h3t_float64 else torch.float32
+    common = dict(
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        glu_linear_offset=args.glu_linear_offset,
+        add_bias_linear=not args.disable_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        kv_channels=args.kv_channels,
+        rotary_interleaved=args.rotary_interleaved,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        init_method_std=args.init_method_std,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+    )
+    if not on_gpu:
+        return tiny_llama_config(**common)
+    return TransformerConfig(bias_activation_fusion=args.swiglu or not args.disable_bias_linear,
+                             apply_rope_fusion=False, **common)
+
+
+def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.Module]:
+    """This rank's model chunks, in virtual-stage order."""
+    config = transformer_config(args, on_gpu=on_gpu)
+    set_random_seed(args.seed, on_gpu=on_gpu)
+    padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
+                                pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=args.ckpt,
+                                position_embedding_type=args.position_embedding_type,
+                                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                                rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                                backend=layer_spec_backend(on_gpu), core_attention=core_attention(args, on_gpu=on_gpu))
+    if on_gpu:
+        for chunk in chunks:
+            chunk.cuda(torch.cuda.current_device())
+    return chunks
+
+
+def num_parameters(chunks) -> int:
+    """Parameters held by this rank."""
+    return sum(p.numel() for c in chunks for p in c.parameters())

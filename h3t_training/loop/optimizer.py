@@ -1,0 +1,408 @@
+"""Optimizer: megatron-core's distributed optimizer on GPU, an exact equivalent on CPU.
+
+CPU path (:class:`DataParallelAdamW`): gradients of sequence-parallel parameters (norm weights,
+marked ``sequence_parallel=True``) are first summed over the tensor-parallel group (Megatron's
+``finalize_model_grads`` step), then gradients are averaged over the data-parallel group with
+one all-reduce of a flat buffer, the global gradient norm is summed over the model-parallel group
+(tensor-parallel replicas of a parameter counted once) and clipped as Megatron does, then AdamW
+(decoupled weight decay, no decay on 1-D weights) steps. A word embedding tied to the output layer with
+p > 1 has a copy on the first and the last stage; their gradients are summed over megatron-core's
+embedding group (``finalize_model_grads``' step) and the last stage's copy (``shared``) is left out of
+the norm, as Megatron does. With ``--use-distributed-optimizer``
+each data-parallel rank keeps Adam state only for its share of the parameters (ZeRO-1), steps that
+share, and broadcasts it to the other replicas; the numbers are the same as without sharding. With
+``--optimizer-cpu-offload`` the share megatron-core's split picks steps in a host partition
+(:mod:`h3t_training.loop.optimizer_offload`), with the same numbers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from h3t_training.data.batch_schedule import schedule_of
+from h3t_training.loop.optimizer_offload import HostPartition, OptimizerOffload, split_groups
+
+
+def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
+    """Megatron's schedule: linear warm-up (from --lr-warmup-init), then constant, linear or cosine decay to
+    --min-lr; counted in samples when the driver set ``lr_warmup_steps``/``lr_decay_steps`` (Megatron's
+    scheduler counts samples: iteration-based flags times the global batch size), else in iterations.
+    ``max_lr``/``min_lr`` replace --lr/--min-lr for a parameter group of its own (--decoupled-lr)."""
+    peak = args.lr if max_lr is None else max_lr
+    floor = args.min_lr if min_lr is None else min_lr
+    if args.lr_decay_steps is not None:  # samples consumed once this iteration is done
+        warm, decay = args.lr_warmup_steps, args.lr_decay_steps
+        step = schedule_of(args).consumed_samples(iteration + 1)
+    else:
+        warm, decay = args.lr_warmup_iters, args.lr_decay_iters
+        step = iteration + 1
+    if warm and step <= warm:
+        init = args.lr_warmup_init
+        return init + (peak - init) * step / warm
+    if args.lr_decay_style == "constant":
+        return peak
+    span = max(1, decay - warm)
+    ratio = min(1.0, max(0.0, (step - warm) / span))
+    if args.lr_decay_style == "linear":
+        coeff = 1.0 - ratio
+    else:
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return floor + coeff * (peak - floor)
+
+
+def decoupled_lr_group(args) -> dict:
+    """The learning-rate fields of the embedding and output-layer group under --decoupled-lr (as
+    megatron-core's optimizer: ``max_lr``, and ``min_lr`` when --decoupled-min-lr is given); empty without it."""
+    if args.decoupled_lr is None:
+        return {}
+    fields = {"max_lr": args.decoupled_lr}
+    if args.decoupled_min_lr is not None:
+        fields["min_lr"] = args.decoupled_min_lr
+    return fields
+
+
+def group_learning_rate(args, iteration: int, group: dict) -> float:
+    """The learning rate of one optimizer parameter group (its own ``max_lr``/``min_lr`` if it has them)."""
+    return learning_rate(args, iteration, group.get("max_lr"), group.get("min_lr"))
+
+
+def _shard_owners(params: list[torch.nn.Parameter], world: int) -> list[int]:
+    """Greedy balanced assignment of parameters to data-parallel ranks (deterministic)."""
+    load, owners = [0] * world, [0] * len(params)
+    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        owners[i], load[r] = r, load[r] + params[i].numel()
+    return owners
+
+
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is NaN or infinite; one line naming the iteration and the value.
+    Raised on every rank alike (the values it looks at are reduced over all ranks), before the
+    optimizer applies anything."""
+
+
+def check_grad_norm(norm: float, iteration: int) -> None:
+    """Stop before a step with a non-finite gradient norm (``iteration`` is 1-based)."""
+    if not math.isfinite(norm):
+        raise NonFiniteError(f"iteration {iteration}: the gradient norm is {norm}; stopped before the optimizer "
+                             f"step (--no-check-for-nan-in-loss-and-grad goes on)")
+
+
+class DataParallelAdamW:
+    """AdamW over this rank's chunks with data-parallel gradient averaging (CPU, gloo)."""
+
+    def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool,
+                 tp_group=None, fsdp: bool = False, embedding_group=None, pipeline_group=None):
+        self.args = args
+        self.fsdp = fsdp
+        """Over torch FSDP2's DTensor shards (--use-torch-fsdp2, :mod:`h3t_training.loop.fsdp`): the gradients arrive
+        reduce-scattered and averaged over ``dp_group``; the norm sums the local shards over it."""
+        assert not (fsdp and distributed), "--use-torch-fsdp2 excludes the distributed optimizer"
+        self.tied_embedding, self.embedding_group = tied_embedding_weight(chunks, embedding_group, pipeline_group), \
+            embedding_group
+        """This rank's copy of a tied word embedding duplicated on the first and last pipeline stage (or None),
+        and the group its gradient is summed over (megatron-core's embedding group)."""
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        self.dp_group, self.mp_group, self.tp_rank = dp_group, model_parallel_group, tp_rank
+        self.tp_group = tp_group  # sums the gradients of sequence-parallel parameters
+        self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
+        self.dp_ranks = dist.get_process_group_ranks(dp_group)
+        self.sharded = distributed and self.dp_size > 1
+        self.skipped = False
+        """Whether the last step was skipped (never here: float32 has no loss scaling)."""
+        self.owners = _shard_owners(self.params, self.dp_size) if distributed else [self.dp_rank] * len(self.params)
+        owned = [p for p, o in zip(self.params, self.owners) if o == self.dp_rank]
+        decoupled = decoupled_lr_group(args)
+        groups = []
+        for own_lr in (False, True):  # --decoupled-lr: the embedding and output weights get their own schedule
+            mine = [p for p in owned
+                    if bool(decoupled and getattr(p, "is_embedding_or_output_parameter", False)) == own_lr]
+            extra = decoupled if own_lr else {}
+            groups += [{"params": [p for p in mine if p.dim() > 1], "weight_decay": args.weight_decay, **extra},
+                       {"params": [p for p in mine if p.dim() <= 1], "weight_decay": 0.0, **extra}]
+        groups = [g for g in groups if g["params"]]
+        self.offload = OptimizerOffload.from_args(args)
+        self.host: Optional[HostPartition] = None
+        """The offloaded share's master copies, gradient copies and Adam states (--optimizer-cpu-offload)."""
+        if self.offload.enabled:
+            groups, host_groups = split_groups(groups, self.offload.fraction)
+            if host_groups:
+                self.host = HostPartition(host_groups, self._adamw, overlap=self.offload.overlap_d2h_h2d)
+        self.adam = self._adamw(groups or [{"params": [torch.nn.Parameter(torch.zeros(1))]}])
+        self.has_params = bool(groups)
+        self.steps = 0
+        """Optimizer steps taken (Adam's bias-correction count; the same for every parameter)."""
+
+    def _adamw(self, groups: list[dict]) -> torch.optim.AdamW:
+        a = self.args
+        return torch.optim.AdamW(groups, lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps)
+
+    def _param_groups(self) -> list[dict]:
+        return [*self.adam.param_groups, *(self.host.param_groups if self.host is not None else ())]
+
+    def _state(self, p) -> dict:
+        """Adam's state of parameter ``p`` wherever it lives (empty before the first step)."""
+        if self.host is not None and p in self.host.master:
+            return self.host.state(p)
+        return self.adam.state.get(p, {})
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def get_loss_scale(self) -> float:
+        """1.0: float32 training scales no loss."""
+        return 1.0
+
+    def _reduce_grads(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        from h3t_ext.runtime.modules.sequence_parallel import (  # noqa: PLC0415
+            allreduce_flat_, allreduce_sequence_parallel_grads)
+
+        allreduce_sequence_parallel_grads(self.params, self.tp_group)
+        if self.fsdp:  # reduce-scattered over the data-parallel group by FSDP2 already
+            return
+        if self.tied_embedding is not None:  # finalize_model_grads' word-embedding step: both copies get the sum
+            dist.all_reduce(self.tied_embedding.grad, group=self.embedding_group)
+        if self.dp_size == 1:
+            return
+        allreduce_flat_([p.grad for p in self.params], self.dp_group)
+        for p in self.params:
+            p.grad /= self.dp_size
+
+    def _grad_norm(self) -> float:
+        from h3t_training.loop.fsdp import local  # noqa: PLC0415
+
+        sq = torch.zeros(1, dtype=torch.float64)
+        for p in self.params:  # the last stage's copy of a tied embedding (``shared``) is counted once, as Megatron
+            if (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0) and not getattr(p, "shared", False):
+                sq += local(p.grad).double().pow(2).sum()
+        if self.fsdp and self.dp_size > 1:  # each rank holds one shard of every gradient
+            dist.all_reduce(sq, group=self.dp_group)
+        if self.mp_group is not None and dist.get_world_size(self.mp_group) > 1:
+            dist.all_reduce(sq, group=self.mp_group)
+        return float(sq.sqrt())
+
+    def _broadcast_shards(self) -> None:
+        for owner in range(self.dp_size):
+            mine = [p for p, o in zip(self.params, self.owners) if o == owner]
+            if not mine:
+                continue
+            flat = torch.cat([p.data.reshape(-1) for p in mine])
+            dist.broadcast(flat, src=self.dp_ranks[owner], group=self.dp_group)
+            offset = 0
+            for p in mine:
+                p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def step(self, iteration: int) -> tuple[float, float]:
+        """Average, clip and apply the gradients; returns (learning rate, gradient norm)."""
+        self._reduce_grads()
+        norm = self._grad_norm()
+        if self.args.check_for_nan_in_loss_and_grad:
+            check_grad_norm(norm, iteration + 1)
+        clip = self.args.clip_grad
+        if clip > 0 and norm > clip:
+            coeff = clip / (norm + 1e-6)
+            for p in self.params:
+                p.grad.mul_(coeff)
+        lr = learning_rate(self.args, iteration)
+        for g in self._param_groups():
+            g["lr"] = group_learning_rate(self.args, iteration, g)
+        if self.has_params:
+            self.adam.step()
+        if self.host is not None:
+            self.host.step()
+        self.steps += 1
+        if self.dp_size > 1 and any(o != self.dp_rank for o in self.owners):
+            self._broadcast_shards()
+        return lr, norm
+
+    def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False) -> dict:
+        """Adam's moments as ShardedTensors keyed like the parameters they belong to (so they
+        reshard with the model), each from the rank that owns it; the step count in common."""
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+        by_storage = _sharded_params(model_sharded_state_dicts)
+        state: dict = {}
+        for i, (p, owner) in enumerate(zip(self.params, self.owners)):
+            if owner != self.dp_rank:
+                continue
+            model_sh = by_storage.get((p.data_ptr(), tuple(p.shape)))
+            assert model_sh is not None, f"parameter {i} {tuple(p.shape)} is not in the model's sharded state dict"
+            held = self._state(p)
+            entry = {}
+            for name in ("exp_avg", "exp_avg_sq"):
+                data = torch.zeros_like(p) if is_loading or name not in held else held[name]
+                sh = make_sharded_optimizer_tensor(model_sh, data, f"optimizer.state.{name}")
+                # sharded over data-parallel ranks: the owner writes its shard; replicated: as the model does
+                entry[name] = replace(sh, replica_id=_main_data_parallel_replica(sh.replica_id)) \
+                    if self.sharded else sh
+            state[i] = entry
+        return {"state": state, "steps": self.steps}
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Install what :meth:`sharded_state_dict` loaded (bit-exact moments and step count)."""
+        self.steps = int(loaded["steps"])
+        for i, entry in loaded["state"].items():
+            p = self.params[i]
+            state = {"step": torch.tensor(float(self.steps), dtype=torch.float32),
+                     "exp_avg": entry["exp_avg"].clone(), "exp_avg_sq": entry["exp_avg_sq"].clone()}
+            if self.host is not None and p in self.host.master:
+                self.host.set_state(p, state)
+            else:
+                self.adam.state[p] = state
+        self.reload_model_params()
+
+    def reload_model_params(self) -> None:
+        """After a checkpoint loaded the model: the host partition's master copies from the parameters
+        (megatron-core's name; the device side's master weights are the float32 parameters themselves)."""
+        if self.host is not None:
+            self.host.reload_model_params()
+
+    def state_tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(category, placement, tensor) of the gradients and optimizer state this rank holds (the model's
+        parameters are the caller's): the gradients of the parameters, Adam's moments and step counts of the
+        device share; the host partition's gradient copies, master copies and states."""
+        for p in self.params:
+            if p.grad is not None:
+                yield "grads", "device", p.grad
+        if self.has_params:
+            for state in self.adam.state.values():
+                yield from (("optimizer", "device", v) for v in state.values() if isinstance(v, torch.Tensor))
+        if self.host is not None:
+            yield from ((category, "host", t) for category, t in self.host.tensors())
+
+
+def tied_embedding_weight(chunks, embedding_group, pipeline_group) -> Optional[torch.nn.Parameter]:
+    """The word-embedding weight this rank holds a copy of when it is tied to the output layer and duplicated on
+    the first and last pipeline stage (megatron-core's ``_allreduce_word_embedding_grads``: the first chunk of the
+    first stage, the last chunk of the last stage), else None (one stage, untied, or a middle stage)."""
+    if embedding_group is None or dist.get_world_size(embedding_group) == 1 or \
+            dist.get_rank() not in dist.get_process_group_ranks(embedding_group):
+        return None
+    pp_rank, pp_size = dist.get_rank(pipeline_group), dist.get_world_size(pipeline_group)
+    chunk = chunks[0] if pp_rank == 0 else chunks[-1] if pp_rank == pp_size - 1 else None
+    if chunk is None or not getattr(chunk, "share_embeddings_and_output_weights", False):
+        return None
+    return chunk.shared_embedding_or_output_weight()
+
+
+def _sharded_params(model_sharded_state_dicts: list) -> dict:
+    """(storage pointer, shape) -> the model's ShardedTensor (or factory, e.g. a gated FC1 split
+    over tensor-parallel ranks) of that parameter."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for sd in model_sharded_state_dicts:
+        for sh in nested_values(sd):
+            if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and sh.data is not None:
+                out[(sh.data.data_ptr(), tuple(sh.data.shape))] = sh
+    return out
+
+
+def _main_data_parallel_replica(replica_id):
+    """The owner of an optimizer shard writes it: the data-parallel part of its replica id is 0
+    (megatron-core's replica ids end with the data-parallel rank)."""
+    if isinstance(replica_id, tuple):
+        return replica_id[:-1] + (0,)
+    return 0
+
+
+class MegatronOptimizerAdapter:
+    """megatron-core's (distributed) optimizer behind the same step/zero_grad/state_dict calls (GPU)."""
+
+    def __init__(self, chunks, args, tf_config):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from h3t_training.loop.optimizer_offload import optimizer_config_fields, require_transformer_engine
+        missing = require_transformer_engine(args)
+        if missing:
+            raise RuntimeError(missing)
+        self.args, self.chunks = args, chunks
+        cfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+                              bf16=args.bf16, fp16=args.fp16, params_dtype=tf_config.params_dtype,
+                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+                              clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
+                              loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+                              min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+                              hysteresis=args.hysteresis, decoupled_lr=args.decoupled_lr,
+                              decoupled_min_lr=args.decoupled_min_lr, **optimizer_config_fields(args))
+        self.opt = get_megatron_optimizer(cfg, chunks)
+        self.skipped = False
+        """Whether the last step was skipped: with --fp16 an overflow skips it and lowers the loss scale
+        (megatron-core's dynamic grad scaler, as in Megatron-LM)."""
+
+    def get_loss_scale(self) -> float:
+        scale = self.opt.get_loss_scale()
+        return float(scale.item() if hasattr(scale, "item") else scale)
+
+    def zero_grad(self) -> None:
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def step(self, iteration: int) -> tuple[float, Optional[float]]:
+        lr = learning_rate(self.args, iteration)
+        for g in self.opt.param_groups:  # megatron-core's groups carry max_lr/min_lr (--decoupled-lr)
+            g["lr"] = group_learning_rate(self.args, iteration, g)
+        ok, norm, _ = self.opt.step()
+        self.skipped = not ok
+        return lr, norm
+
+    def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False) -> dict:
+        """megatron-core's own sharded optimizer state (with the distributed optimizer: the fp32
+        main weights and Adam moments of every shard), in its fully reshardable form."""
+        model = {f"model{i}": sd for i, sd in enumerate(model_sharded_state_dicts)}
+        return self.opt.sharded_state_dict(model, is_loading,
+                                           metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        self.opt.load_state_dict(loaded)
+
+    def reload_model_params(self) -> None:
+        """After a checkpoint loaded the model without the optimizer: the fp32 main weights (host copies with
+        --optimizer-cpu-offload) from the model's parameters, as Megatron-LM's load_checkpoint does."""
+        self.opt.reload_model_params()
+
+    def state_tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(category, placement, tensor) of what megatron-core holds: the DDP parameter and gradient buffers,
+        the gradients, and every inner optimizer's parameters (fp32 main weights, host copies) and states;
+        placement by the tensor's device (a CPU tensor of a GPU run is on the host)."""
+        def place(t):
+            return "device" if t.is_cuda else "host"
+        for c in self.chunks:
+            for buf in [*getattr(c, "buffers", ()), *getattr(c, "expert_parallel_buffers", ())]:
+                if getattr(buf, "param_data", None) is not None:
+                    yield "params", place(buf.param_data), buf.param_data
+                yield "grads", place(buf.grad_data), buf.grad_data
+        for c in self.chunks:
+            for p in c.parameters():
+                for g in (getattr(p, "main_grad", None), p.grad):
+                    if g is not None:
+                        yield "grads", place(g), g
+        for inner in _torch_optimizers(self.opt):
+            for g in getattr(inner, "cpu_copy_map_grad", {}).values():  # HybridDeviceOptimizer's host grads
+                yield "grads", place(g), g
+            for group in inner.param_groups:
+                yield from (("optimizer", place(p), p) for p in group["params"])
+            for state in inner.state.values():
+                yield from (("optimizer", place(v), v) for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _torch_optimizers(opt) -> Iterator[torch.optim.Optimizer]:
+    """The torch optimizers inside megatron-core's (chained, mixed-precision, distributed, hybrid) optimizer."""
+    for member in getattr(opt, "chained_optimizers", [opt]):
+        inner = getattr(member, "optimizer", None)
+        if inner is None:
+            continue
+        yield inner
+        yield from getattr(inner, "sub_optimizers", ())

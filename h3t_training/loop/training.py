@@ -1,0 +1,341 @@
+"""The training loop: megatron-core's ``get_forward_backward_func()`` after ``h3t_ext.install``.
+
+``pretrain`` reads (and checks) any checkpoint before the process groups exist, builds the model
+chunks, installs the h3t-ext schedules with ``--ckpt`` / ``--offload-alpha``, and trains
+``--train-iters`` iterations. The loss of an iteration is the token-weighted mean over its
+microbatches and data-parallel replicas (context-parallel ranks included: their loss sums and token
+counts add up to the full sequence's), computed on the last pipeline stage.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Optional
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+import h3t_ext
+from h3t_ext.runtime.config import H3TConfig
+from h3t_training.loop import checkpointing as ckpt_io
+from h3t_training.data.batch_schedule import schedule_of
+from h3t_training.data.datasets import build_data_iterators, build_datasets
+from h3t_training.loop.evaluation import Evaluator
+from h3t_training.launch.failures import Interrupted, RunProgress
+from h3t_training.loop.exit_conditions import ExitConditions, ExitSignalHandler
+from h3t_training.loop.heartbeat import start_heartbeat
+from h3t_training.loop.initialize import initialize_distributed, shutdown, uses_gpu
+from h3t_training.telemetry.loggers import build_writer, writers_requested
+from h3t_training.loop.model_provider import build_model_chunks, num_parameters
+from h3t_training.loop.optimizer import NonFiniteError
+from h3t_training.loop.optimizer_offload import cpu_notes
+from h3t_training.telemetry.prediction import predicted_scalars
+from h3t_training.launch.run_guard import RunLock
+from h3t_training.telemetry.scalars import TrainingScalars
+from h3t_training.telemetry.state_bytes import rank_state_bytes
+from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
+from h3t_training.telemetry.training_log import IterationLogger, write_metrics_json
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's 3-tuple: summed loss, token count, and the pair reported for logging."""
+    dtype = torch.promote_types(output_tensor.dtype, torch.float32)  # float32, or float64 with --h3t-float64
+    losses = output_tensor.to(dtype).reshape(-1)
+    mask = loss_mask.reshape(-1).to(dtype)
+    loss_sum = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach().float()])}
+
+
+def forward_step(data_iterator, model):
+    """One microbatch through one model chunk (later stages read their input from the pipeline)."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(loss_func, batch["loss_mask"])
+
+
+def _cpu_optimizer(args, chunks, *, fsdp: bool):
+    from h3t_training.loop.optimizer import DataParallelAdamW
+    return DataParallelAdamW(
+        chunks, args, dp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        model_parallel_group=ps.get_model_parallel_group(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        distributed=args.use_distributed_optimizer, tp_group=ps.get_tensor_model_parallel_group(), fsdp=fsdp,
+        embedding_group=ps.get_embedding_group(check_initialized=False),
+        pipeline_group=ps.get_pipeline_model_parallel_group())
+
+
+def _build_optimizer(args, chunks, on_gpu: bool):
+    if on_gpu:
+        from h3t_training.loop.gpu_wrap import wrap_for_gpu
+        return wrap_for_gpu(args, chunks)
+    if args.use_torch_fsdp2:
+        from h3t_training.loop.fsdp import wrap_chunks
+        chunks = wrap_chunks(args, chunks, on_gpu=False)
+        return chunks, _cpu_optimizer(args, chunks, fsdp=True)
+    return chunks, _cpu_optimizer(args, chunks, fsdp=False)
+
+
+def _param_names(chunks) -> list[str]:
+    return [f"{i}.{n}" for i, c in enumerate(chunks) for n, _ in ckpt_io.unwrap(c).named_parameters()]
+
+
+def _build_and_load(args, chunks, found, on_gpu: bool):
+    """The wrapped chunks, the optimizer, the start iteration and the load notices. With --use-torch-fsdp2 the
+    checkpoint (whole parameters) is read before the wrap, into the chunks and a whole-parameter optimizer whose
+    Adam state is then sharded as FSDP2 shards the parameters (h3t_training.loop.fsdp)."""
+    if not (args.use_torch_fsdp2 and found is not None):
+        chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
+        start, notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
+        return chunks, optimizer, start, notes
+    from h3t_training.loop.fsdp import shard_optimizer_state
+    whole = _cpu_optimizer(args, chunks, fsdp=False)
+    start, notes = ckpt_io.load_checkpoint(found, args, chunks, whole)
+    names_whole = _param_names(chunks)
+    chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
+    if not on_gpu:  # on a GPU only the model is loaded (--no-load-optim or --finetune: checked with the flags)
+        shard_optimizer_state(whole, optimizer, names_whole, _param_names(chunks))
+    return chunks, optimizer, start, notes
+
+
+def _iteration_loss(losses: list) -> float:
+    """Token-weighted mean loss over microbatches and data-parallel replicas (last stage only)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for d in losses:
+        total += d["lm loss"].detach().double().cpu()
+    dp = ps.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(dp) > 1:
+        dist.all_reduce(total, group=dp)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def _check_loss(loss: float, iteration: int) -> None:
+    """Every rank stops at a non-finite loss (known on the last pipeline stage), naming its value."""
+    code = 0 if math.isfinite(loss) else 1 if math.isnan(loss) else 2 if loss > 0 else 3
+    flag = torch.tensor([code])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        value = ("nan", "inf", "-inf")[flag.item() - 1]
+        raise NonFiniteError(f"iteration {iteration}: the loss is {value}; stopped "
+                             f"(--no-check-for-nan-in-loss-and-grad goes on)")
+
+
+def _save(args, iteration: int, chunks, optimizer, on_gpu: bool) -> None:
+    ckpt_io.save_checkpoint(args, iteration, chunks, optimizer, on_gpu=on_gpu)
+    if dist.get_rank() == 0:
+        print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
+
+
+def _measuring_manager_factory(config, pipeline_rank: int, pipeline_size: int, device):
+    """Every stage gets an activation manager (also at alpha 0, ckpt no) so its bytes are measured."""
+    from h3t_ext.runtime.memory.activations import ActivationManager
+    from h3t_ext.runtime.memory.device import make_device_layer
+    layer = make_device_layer(config.device_mode, torch.device(device))
+    return ActivationManager(config.stage_alpha(pipeline_rank, pipeline_size), layer,
+                             min_offload_bytes=config.min_offload_bytes)
+
+
+def _stage_manager(runtime, chunks):
+    pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    return runtime.preparer.manager(pp_rank, pp_size, next(chunks[0].parameters()).device)
+
+
+def _stage_stats(runtime, chunks) -> dict:
+    """This pipeline stage's saved-activation peak and offloaded bytes over the last iteration."""
+    stats = _stage_manager(runtime, chunks).stats
+    return {"pipeline_rank": ps.get_pipeline_model_parallel_rank(),
+            "peak_activation_bytes": int(stats.peak_resident_bytes), "offloaded_bytes": int(stats.offloaded_bytes)}
+
+
+def _gather_stage_stats(runtime, chunks) -> list[dict]:
+    mine = _stage_stats(runtime, chunks)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    by_stage = {}
+    for s in everyone:
+        by_stage.setdefault(s["pipeline_rank"], s)
+    return [by_stage[r] for r in sorted(by_stage)]
+
+
+def _gather_state_bytes(chunks, optimizer, on_gpu: bool) -> list[dict]:
+    """Every rank's measured state bytes after the last step (h3t_training.telemetry.state_bytes), by global rank."""
+    mine = {"rank": dist.get_rank(), "pipeline_rank": ps.get_pipeline_model_parallel_rank(),
+            "tensor_rank": ps.get_tensor_model_parallel_rank(), "context_rank": ps.get_context_parallel_rank(),
+            "data_parallel_rank": ps.get_data_parallel_rank(),
+            **rank_state_bytes(chunks, optimizer, on_gpu=on_gpu).as_dict()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
+    for line in args.flag_notices:  # the flag table's, --auto-plan's and --offload-alpha auto's notices, once
+        print(line, flush=True)
+    if config.offloads:
+        from h3t_ext import kernels  # noqa: PLC0415  (only needed for this note)
+
+        print(f"note: activation offload copies use {kernels.describe('cuda' if on_gpu else 'cpu')}", flush=True)
+    if config.strict_p2p:
+        effect = "no effect: NCCL is strict already" if "nccl" in str(dist.get_backend()).lower() else \
+            f"pipeline transfers follow NCCL's ordering ({config.strict_p2p_comm} communicators)"
+        print(f"note: --strict-p2p: {effect}", flush=True)
+    for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16)):
+        if on and not on_gpu:
+            print(f"note: {flag}: no effect on CPU; training in float32", flush=True)
+    overlaps = [f for f, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
+                                ("--overlap-param-gather", args.overlap_param_gather)) if on]
+    if overlaps and not on_gpu:
+        print(f"note: {' and '.join(overlaps)} apply to megatron-core's DDP on GPU; the CPU optimizer reduces "
+              "gradients in one call after the backward", flush=True)
+    if not on_gpu:
+        for line in cpu_notes(args):
+            print(line, flush=True)
+    if args.load and found is None:
+        print(f"note: no checkpoint in --load {args.load}; training from scratch", flush=True)
+    if args.async_save:
+        print("note: --async-save: checkpoints are written synchronously by this driver", flush=True)
+
+
+def _write_scalars(args, scalars: TrainingScalars, rec: dict, optimizer, runtime, chunks, config) -> None:
+    """TensorBoard/wandb scalars of one iteration; the stage statistics are gathered on every rank."""
+    if not writers_requested(args):
+        return
+    scalars.iteration(rec, loss_scale=rec["loss_scale"])
+    if scalars.tensorboard_due(rec["iteration"]):
+        p = args.pipeline_model_parallel_size
+        scalars.stages(rec["iteration"], _gather_stage_stats(runtime, chunks),
+                       [config.stage_alpha(r, p) for r in range(p)])
+
+
+def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators,
+          on_gpu: bool, evaluator: Evaluator, scalars: TrainingScalars, config: H3TConfig,
+          exits: Optional[ExitConditions] = None, progress: Optional[RunProgress] = None) -> tuple[int, bool]:
+    """Run iterations ``start_iteration .. --train-iters`` (evaluating, saving and exiting as asked:
+    --exit-interval, --exit-duration-in-mins, --exit-signal-handler); returns the last iteration done
+    and whether the run exited early. ``progress.iteration`` follows the iterations done."""
+    progress = progress or RunProgress()
+    fb = get_forward_backward_func()
+    batches, shard = schedule_of(args), args.micro_batch_size * args.data_parallel_size
+    is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+    done = start_iteration
+    for it in range(start_iteration, args.train_iters):
+        t0 = time.perf_counter()
+        _stage_manager(runtime, chunks).reset_stats()
+        optimizer.zero_grad()
+        losses = fb(forward_step_func=forward_step, data_iterator=data_iterators, model=chunks,
+                    num_microbatches=batches.batch_size(it) // shard, seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size, forward_only=False)
+        lr, norm = optimizer.step(it)
+        progress.iteration = it + 1  # complete on this rank once its step is applied (before any rank logs it)
+        loss = _iteration_loss(losses) if is_last_stage else float("nan")
+        if args.check_for_nan_in_loss_and_grad:
+            _check_loss(loss if is_last_stage else 0.0, it + 1)
+        rec = logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm, loss_scale=optimizer.get_loss_scale(),
+                            skipped=optimizer.skipped)
+        done = it + 1
+        _write_scalars(args, scalars, rec, optimizer, runtime, chunks, config)
+        if evaluator.due(done):
+            result = evaluator.evaluate(done, "valid")
+            if result is not None:
+                scalars.evaluation(done, "valid", result.loss, result.ppl)
+        leave = exits is not None and done < args.train_iters and exits.should_exit()
+        if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
+                          or (args.exit_interval and done % args.exit_interval == 0) or leave):
+            _save(args, done, chunks, optimizer, on_gpu)
+        if leave and dist.get_rank() == 0:
+            print(f"exiting program at iteration {done}: {exits.reason}", flush=True)
+        if leave or (args.exit_interval and done % args.exit_interval == 0):
+            return done, True
+    return done, False
+
+
+def _final_evaluations(args, evaluator: Evaluator, scalars: TrainingScalars, iteration: int) -> None:
+    """Megatron's end of training: the validation split, then the test split (no scalars with --skip-train)."""
+    for split, on in (("valid", evaluator.do_valid), ("test", evaluator.do_test)):
+        if on:
+            result = evaluator.evaluate(iteration, split, at_end=True)
+            if result is not None and not args.skip_train:
+                scalars.evaluation(iteration, split, result.loss, result.ppl)
+
+
+def _rank0_printer():
+    """``print`` on rank 0 of the job's process group, a no-op elsewhere."""
+    return (lambda line: print(line, flush=True)) if dist.get_rank() == 0 else (lambda line: None)
+
+
+def pretrain(args, *, rank: int, progress: Optional[RunProgress] = None) -> int:
+    """Everything after argument parsing (``rank``: this process's rank, from its launcher); returns the
+    process exit status. ``progress`` (:mod:`h3t_training.launch.failures`) follows the iterations done; raises
+    :class:`~h3t_training.launch.failures.Interrupted` after a clean stop on SIGINT under --exit-signal-handler."""
+    progress = progress or RunProgress()
+    start_time = time.time()
+    found = ckpt_io.find_checkpoint(args, rank=rank)  # before any process group: a bad checkpoint stops all ranks
+    if found is not None and found.schedule:  # --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
+        args = args.replace(**found.schedule)
+    lock = RunLock(args.save).acquire() if args.save and rank == 0 else None
+    try:
+        return _pretrain(args, found, start_time, progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
+    initialize_distributed(args)
+    heartbeat = start_heartbeat(args.distributed_timeout_minutes)  # a frozen peer ends the run in one line
+    on_gpu = uses_gpu(args)
+    tokenizer = tokenizer_from_args(args)
+    chunks = build_model_chunks(args, on_gpu=on_gpu, vocab_size=tokenizer.vocab_size)
+    n_params = num_parameters(chunks)
+    config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha, strict_p2p=args.strict_p2p,
+                       strict_p2p_comm=args.strict_p2p_comm, p2p_timeout_s=args.distributed_timeout_minutes * 60)
+    runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
+    chunks, optimizer, start, load_notes = _build_and_load(args, chunks, found, on_gpu)
+    progress.iteration = start
+    train_ds, valid_ds, test_ds = build_datasets(args, tokenizer, notify=_rank0_printer())
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    iters = None if args.skip_train else build_data_iterators(
+        args, train_ds, start_iteration=start, num_chunks=len(chunks), data_parallel_rank=ps.get_data_parallel_rank(),
+        device=device, cp_group=ps.get_context_parallel_group())
+    is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
+    if dist.get_rank() == 0:
+        _notes(args, on_gpu, found, config)
+        for note in load_notes:
+            print(f"note: {note}", flush=True)
+    logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
+    logger.header(start, n_params)
+    evaluator = Evaluator(args, chunks, forward_step, valid_dataset=valid_ds, test_dataset=test_ds,
+                          start_iteration=start, device=device, print_fn=logger._print, is_logging_rank=is_logging_rank)
+    writer = build_writer(args, is_logging_rank)
+    predicted = (predicted_scalars(args, vocab_size=padded_vocab_size(
+        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size), on_gpu=on_gpu)
+                 if is_logging_rank and writers_requested(args) else {})
+    scalars = TrainingScalars(args, writer, on_gpu=on_gpu, predicted=predicted)
+    handler = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None
+    exits = ExitConditions(args, start_time, handler)
+    try:
+        with handler or contextlib.nullcontext():
+            iteration, exited = (start, False) if args.skip_train else train(
+                args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config,
+                exits=exits, progress=progress)
+        stats = _gather_stage_stats(runtime, chunks)
+        state_bytes = _gather_state_bytes(chunks, optimizer, on_gpu)
+        if not exited:
+            _final_evaluations(args, evaluator, scalars, iteration)
+    finally:
+        logger.close()
+        writer.close()
+    if is_logging_rank and args.metrics_json:
+        write_metrics_json(args.metrics_json, args, logger.records, stats,
+                           [r.as_dict() for r in evaluator.results], state_bytes=state_bytes)
+    h3t_ext.uninstall()
+    if heartbeat is not None:  # before the groups go: a rank that finished first is not "frozen"
+        dist.barrier()
+        heartbeat.stop()
+    shutdown()
+    if exits.interrupted:
+        raise Interrupted(f"SIGINT: stopped after iteration {iteration}")
+    return 0
