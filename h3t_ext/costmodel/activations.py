@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.schedule import ActionKind, build_schedule
 
@@ -295,19 +296,24 @@ def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
 
     ``alphas`` overrides ``plan.alphas()``. On the first stage of interleaved 1F1B with m > p this is
     A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one of its microbatch-chunks
-    (:func:`microbatch_chunk_bytes`); the last stage adds one microbatch's :func:`output_layer_bytes`."""
+    (:func:`microbatch_chunk_bytes`); the last stage adds one microbatch's :func:`output_layer_bytes`. At
+    pipeline size 1 the offload is layer-granular (:mod:`h3t_ext.costmodel.layer_offload`)."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
     opts = dict(dtype_bytes=dtype_bytes, layer_spec=layer_spec, sequence_parallel=sequence_parallel,
                 dropout_mask_bytes=dropout_mask_bytes)
     head = output_layer_bytes(model, plan, dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)["total"]
     alphas = plan.alphas() if alphas is None else alphas
-    return tuple(
-        int(round(microbatch_chunk_bytes(model, plan, r, **opts)
-                  * chunk_resident_factor(residency_lines(p, m, v, r), alphas[r], rank_offloads(p, m, v, r) > 0)))
-        + (head if r == p - 1 else 0)
-        for r in range(p)
-    )
+    layers = layers_per_chunk(model, plan)
+
+    def factor(r: int) -> float:
+        if layers is not None:
+            lo = layer_offload(alphas[r], layers)
+            return lo.resident + lo.reload_buffer
+        return chunk_resident_factor(residency_lines(p, m, v, r), alphas[r], rank_offloads(p, m, v, r) > 0)
+
+    return tuple(int(round(microbatch_chunk_bytes(model, plan, r, **opts) * factor(r))) + (head if r == p - 1 else 0)
+                 for r in range(p))
 
 
 def embedding_dropout_chunk_bytes(model: ModelSpec, plan, *, sequence_parallel: bool = True,

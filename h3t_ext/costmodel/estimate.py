@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from h3t_ext.costmodel.activations import rank_offloads, residency_lines
+from h3t_ext.costmodel.layer_offload import OffloadTraffic, layer_offload, layers_per_chunk, p1_traffic
 from h3t_ext.costmodel.errors import InfeasiblePlanError
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_host_bytes, stage_memory
 from h3t_ext.costmodel.mfu import model_flops_per_token
@@ -12,7 +13,7 @@ from h3t_ext.costmodel.plan import Plan, validate_plan
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms
-from h3t_ext.costmodel.timing import TimeTerms, time_terms
+from h3t_ext.costmodel.timing import TimeTerms, shape_times, time_terms
 from h3t_ext.costmodel.plausibility import Plausibility, plausibility
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 
@@ -66,6 +67,8 @@ class Estimate:
     """Ranks sharing one host."""
     host_memory_budget_bytes: Optional[int] = None
     """Host bytes per node offloaded state may take (None: not checked)."""
+    offload_traffic: Optional[OffloadTraffic] = None
+    """Pipeline size 1 with alpha > 0: the layer-granular offload's PCIe traffic and what it hides behind."""
 
     @property
     def host_bytes_per_rank(self) -> int:
@@ -170,6 +173,14 @@ class Estimate:
                 f"{r.busy:.2f}/{r.bubble:.2f}/{r.p2p:.2f}/{r.stall:.2f}" for r in tl.ranks))
         if self.pcie_bytes_per_iteration:
             lines.append(f"pcie: {self.pcie_bytes_per_iteration / GB:.1f} GB per iteration per GPU")
+        tr = self.offload_traffic
+        if tr is not None:
+            lines.append(f"  layer-granular offload: layers 0-{tr.offloaded_layers - 1} of {tr.num_layers}, "
+                         f"{tr.bytes_per_microbatch / GB:.2f} GB each way per microbatch; a layer's copy "
+                         f"({tr.layer_copy_bytes / GB:.3f} GB, {tr.layer_copy_s * 1e3:.2f} ms) hides behind the next "
+                         f"layer's forward ({tr.next_forward_s * 1e3:.2f} ms) and backward "
+                         f"({tr.next_backward_s * 1e3:.2f} ms); exposed {tr.exposed_per_microbatch_s * 1e3:.2f} ms "
+                         "per microbatch")
         return lines
 
     def to_dict(self) -> dict:
@@ -202,6 +213,7 @@ class Estimate:
             "mfu": self.mfu,
             "plausibility": self.plausibility.to_dict(),
             "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,
+            "offload_traffic": None if self.offload_traffic is None else self.offload_traffic.to_dict(),
             "host_memory": {"terms_per_rank": dict(self.host_terms), "bytes_per_node": self.host_bytes_per_node,
                             "budget_bytes_per_node": self.host_memory_budget_bytes, "fits": self.host_fits},
         }
@@ -237,7 +249,15 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     closed = time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded)
     tl = plan_timeline(model, plan, system, alphas) if timeline else None
     terms = closed if tl is None else timeline_terms(model, plan, system, tl)
-    pcie = max(int(2 * a * chunk * n) for a, n in zip(alphas, offloaded))
+    layers = layers_per_chunk(model, plan)
+    traffic = None
+    if layers is not None:  # pipeline size 1: layer-granular, every microbatch
+        pcie = int(2 * m * layer_offload(alphas[0], layers).offloaded * chunk)
+        if alphas[0] > 0:
+            st = shape_times(model, plan, system)
+            traffic = p1_traffic(st.layer, st.head.total, chunk, layers, alphas[0], system)
+    else:
+        pcie = max(int(2 * a * chunk * n) for a, n in zip(alphas, offloaded))
     host = max((_host_terms(model, plan, k, alphas[k], v, offloaded[k]) for k in range(p)),
                key=lambda terms: sum(b for _, b in terms))
     return Estimate(
@@ -249,6 +269,7 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         gpus_per_node=min(system.gpus_per_node, plan.num_gpus),
         host_memory_budget_bytes=(default_host_memory_budget_bytes(system) if host_memory_budget_bytes is None
                                   else int(host_memory_budget_bytes)),
+        offload_traffic=traffic,
     )
 
 
@@ -257,7 +278,10 @@ def _host_terms(model: ModelSpec, plan: Plan, stage: int, alpha: float, v: int,
     """Host bytes of one rank of ``stage``: its offloaded optimizer share and, with activation offload, at most
     alpha of every microbatch-chunk it holds at its peak (the pinned copies wait on the host until reloaded)."""
     terms = dict(stage_host_bytes(model, plan, stage))
-    if alpha > 0 and offloads:
+    layers = layers_per_chunk(model, plan)
+    if layers is not None and alpha > 0:  # pipeline size 1: one microbatch's offloaded layers at a time
+        terms["activations"] = int(layer_offload(alpha, layers).offloaded * chunk_activation_bytes(model, plan, stage))
+    elif alpha > 0 and offloads:
         held = max(full + n_off for full, n_off in residency_lines(plan.pipeline_model_parallel_size,
                                                                    plan.num_microbatches, v, stage))
         terms["activations"] = int(alpha * held * chunk_activation_bytes(model, plan, stage))

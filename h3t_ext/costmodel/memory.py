@@ -29,7 +29,9 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
                            transpose, cached for the iteration (only the transpose with --fp8-param-gather,
                            whose parameters are the FP8 copy: ``weights`` holds them at 1 byte).
 * ``fp8_scaling_state``    with --fp8-format: scales and amax histories of the FP8 tensors (a few kB a layer).
-* ``offload_reload_buffer`` the reload double buffer, 2 * alpha * A (reported next to ``activations``).
+* ``offload_reload_buffer`` the reload double buffer, 2 * alpha * A (reported next to ``activations``); at
+                           pipeline size 1 (layer-granular offload, :mod:`h3t_ext.costmodel.layer_offload`) two
+                           slots of one layer, 2 A / L.
 * ``p2p_buffers``          received activations/gradients waiting for their compute action (2 per
                            direction), 4 * (s/(c t)) * h bf16 (p > 1 only).
 * ``fsdp_buffers``         Megatron FSDP with sharded gradients: the fp32 gradients of two layers waiting
@@ -58,6 +60,7 @@ from h3t_ext.costmodel.activations import (
     residency_lines,
 )
 from h3t_ext.costmodel import fp8, optimizer_offload
+from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
 
@@ -192,8 +195,13 @@ def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, 
     return terms
 
 
-def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: bool, alpha: float) -> tuple[int, int]:
-    """(activations, offload_reload_buffer) bytes at ``alpha``."""
+def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: bool, alpha: float,
+                      layers: Optional[int] = None) -> tuple[int, int]:
+    """(activations, offload_reload_buffer) bytes at ``alpha``; ``layers``: the chunk's layers when the offload
+    is layer-granular (pipeline size 1)."""
+    if layers is not None:
+        lo = layer_offload(alpha, layers)
+        return int(round(chunk * lo.resident)), int(round(chunk * lo.reload_buffer))
     act = int(round(chunk * chunk_resident_factor(lines, alpha, False)))
     reload = int(round(2 * alpha * chunk)) if offloads and alpha > 0 else 0
     return act, reload
@@ -229,7 +237,8 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> Stag
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
     n, fixed, chunk = _constants(model, plan, stage)
-    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0, alpha)
+    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0, alpha,
+                                    layers_per_chunk(model, plan))
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
@@ -243,4 +252,5 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[f
     _, terms, chunk = _constants(model, plan, stage)
     fixed = sum(terms.values())
     lines, offloads = residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0
-    return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha))
+    layers = layers_per_chunk(model, plan)
+    return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha, layers))

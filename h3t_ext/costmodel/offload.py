@@ -8,6 +8,7 @@ from typing import Optional, Union
 from h3t_ext.costmodel.estimate import over_budget_error
 from h3t_ext.costmodel.memory import chunk_activation_bytes, stage_memory, stage_peak_function
 from h3t_ext.costmodel.activations import rank_offloads
+from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.plan import Plan, validate_plan
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
@@ -66,10 +67,14 @@ def solve_offload_alpha(model: ModelSpec, plan: Plan, system: SystemSpec, memory
 
 
 def pcie_bytes_per_iteration(model: ModelSpec, plan: Plan, alphas: tuple[float, ...]) -> tuple[int, ...]:
-    """Host<->device bytes per iteration of every stage (offload + reload)."""
+    """Host<->device bytes per iteration of every stage (offload + reload); at pipeline size 1 layer by layer
+    (:mod:`h3t_ext.costmodel.layer_offload`)."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
     chunk = chunk_activation_bytes(model, plan)
+    layers = layers_per_chunk(model, plan)
+    if layers is not None:
+        return tuple(int(2 * m * layer_offload(a, layers).offloaded * chunk) for a in alphas)
     return tuple(int(2 * a * chunk * rank_offloads(p, m, v, s)) for s, a in enumerate(alphas))
 
 

@@ -26,6 +26,10 @@ action gets its price from the cost model's per-layer terms (:class:`~h3t_ext.co
   cannot start before its reload has ended: that wait is the rank's *stall*. A copy takes
   ``alpha * chunk bytes / (PCIe bandwidth * pcie_fraction)``. Ranks whose alpha is 0 carry no copies
   (the builder is told which stages offload).
+* At pipeline size 1 the offload is layer-granular: the layer OFFLOAD/RELOAD actions run inside the forward
+  and backward they follow. A backward carrying layer reloads waits ``layer_stall[r]`` seconds for them
+  (:func:`h3t_ext.costmodel.layer_offload.exposed_seconds_per_microbatch`: each layer's copy against the
+  next layer's forward and backward), counted as stall.
 
 Per rank the result has compute busy time, bubble (waiting for peers' compute), exposed transfer time and
 stall. The iteration is the latest rank's end, then the tied-embedding gradient all-reduce and the
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from h3t_ext.costmodel.collectives import host_copy_seconds
+from h3t_ext.costmodel.layer_offload import layers_per_chunk, p1_exposed_seconds
 from h3t_ext.costmodel.memory import chunk_activation_bytes
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
@@ -168,6 +173,10 @@ def _compile(cfg: ScheduleConfig) -> tuple[_Program, ...]:
                 inp = recv_batch[key] if needs_input else -1
                 prev = len(batches) - 1 if items and items[-1][0] == "T" else -1
                 items.append(["C", k is _F, a.chunk, inp, prev, a.microbatch * v + a.chunk])
+            elif a.layer is not None:  # runs inside the compute action before it (layer-granular, p = 1)
+                c = items[-1]
+                if k is ActionKind.RELOAD and len(c) == 6:
+                    items[-1] = c + [True]  # this backward waits for its layers' reloads
             elif k is ActionKind.OFFLOAD:
                 items.append(("O", a.microbatch * v + a.chunk))
             elif k is ActionKind.RELOAD:
@@ -185,7 +194,7 @@ def _compile(cfg: ScheduleConfig) -> tuple[_Program, ...]:
                 last = it[1]
                 fixed.append(it)
             elif it[0] == "C":
-                fixed.append(("C", it[1], it[2], it[3], last if it[4] >= 0 else -1, it[5]))
+                fixed.append(("C", it[1], it[2], it[3], last if it[4] >= 0 else -1, it[5], len(it) > 6))
             else:
                 fixed.append(it)
         peers = tuple(tuple(where[(key, not send)] for key, send in b) for b in batches)
@@ -194,17 +203,20 @@ def _compile(cfg: ScheduleConfig) -> tuple[_Program, ...]:
 
 
 def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,
-             hop: float, blocking: bool, copy: Sequence[float] = (), in_order_batches: bool = False) -> tuple[RankTimeline, ...]:
+             hop: float, blocking: bool, copy: Sequence[float] = (), in_order_batches: bool = False,
+             layer_stall: Sequence[float] = ()) -> tuple[RankTimeline, ...]:
     """Run every rank's action list on a clock.
 
     ``forward[r][c]`` / ``backward[r][c]``: seconds of the FORWARD / BACKWARD of model chunk c on rank r;
     ``hop``: seconds of one pipeline transfer; ``blocking``: every compute waits for the batch just before
-    it; ``copy[r]``: seconds of one OFFLOAD or RELOAD on rank r (0 or absent where the rank copies nothing).
+    it; ``copy[r]``: seconds of one OFFLOAD or RELOAD on rank r (0 or absent where the rank copies nothing);
+    ``layer_stall[r]``: seconds a backward with layer-granular reloads waits for them on rank r.
     """
     cfg = schedule_or_config.config if isinstance(schedule_or_config, PipelineSchedule) else schedule_or_config
     progs = _compile(cfg)
     p = len(progs)
     copy = list(copy) + [0.0] * (p - len(copy))
+    layer_stall = list(layer_stall) + [0.0] * (p - len(layer_stall))
     ptr = [0] * p
     cs = [0.0] * p  # compute stream: end of the last compute
     d2h = [0.0] * p
@@ -268,6 +280,9 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
                         if rl is not None and rl > start:
                             stall[r] += rl - start
                             start = rl
+                        if it[6]:
+                            stall[r] += layer_stall[r]
+                            start += layer_stall[r]
                     dur = fwd_r[it[2]] if it[1] else bwd_r[it[2]]
                     busy[r] += dur
                     cs[r] = start + dur
@@ -311,12 +326,16 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
 
 
 def schedule_config(model: ModelSpec, plan: Plan, alphas: Sequence[float]) -> ScheduleConfig:
-    """The builder's shape for ``plan``: its p, m, v and which stages offload (alpha > 0)."""
+    """The builder's shape for ``plan``: its p, m, v, which stages offload (alpha > 0) and, at pipeline size 1,
+    the layers of its chunk (layer-granular offload)."""
     offload = tuple(a > 0 for a in alphas)
+    layers = layers_per_chunk(model, plan)
     return ScheduleConfig(pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
                           num_microbatches=plan.num_microbatches,
                           virtual_pipeline_model_parallel_size=plan.virtual_size(model.num_layers),
-                          offload=any(offload), offload_stages=offload if any(offload) else None)
+                          offload=any(offload), offload_stages=offload if any(offload) else None,
+                          offload_alphas=tuple(alphas) if layers is not None and any(offload) else None,
+                          num_layers_per_chunk=layers if any(offload) else None)
 
 
 def plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Optional[Sequence[float]] = None) -> Timeline:
@@ -337,9 +356,16 @@ def plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opti
         backward.append(b)
     copy = [host_copy_seconds(a * chunk_activation_bytes(model, plan, r), system) if a > 0 else 0.0
             for r, a in enumerate(alphas)]
+    layers = layers_per_chunk(model, plan)
+    stalls = ()
+    if layers is not None and alphas[0] > 0:  # layer-granular: the copies are priced inside the compute
+        copy = [0.0]
+        stalls = (p1_exposed_seconds(st.layer, st.head.total, chunk_activation_bytes(model, plan, 0), layers,
+                                     alphas[0], system),)
     blocking = v == 1 or not plan.overlap_p2p_comm
     hop = pipeline_hop_seconds(model, plan, system) if p > 1 else 0.0
-    ranks = simulate(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking, copy=copy)
+    ranks = simulate(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking, copy=copy,
+                     layer_stall=stalls)
     return Timeline(ranks=ranks, pipeline_s=max(r.end for r in ranks),
                     tied_embedding_s=tied_embedding_seconds(model, plan, system),
                     dp_exposed_s=dp_exposed_seconds(model, plan, system), optimizer_s=optimizer_seconds(model, plan, system))

@@ -73,6 +73,7 @@ from h3t_ext.costmodel.kernels import (
     unfused_attention_seconds,
 )
 from h3t_ext.costmodel.data_parallel import dp_exposed, optimizer_step_seconds
+from h3t_ext.costmodel.layer_offload import p1_exposed_seconds
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
@@ -500,7 +501,9 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     pp = pipeline_p2p_seconds(model, plan, system)
 
     off = 0.0
-    if chunk_bytes and any(a > 0 for a in alphas):
+    if p == 1 and chunk_bytes and alphas[0] > 0:  # layer-granular (h3t_ext.costmodel.layer_offload)
+        off = m * p1_exposed_seconds(lt, st.head.total, chunk_bytes, layers, alphas[0], system)
+    elif chunk_bytes and any(a > 0 for a in alphas):
         f_chunk = layers * lt.fwd / v
         b_chunk = layers * (lt.bwd + lt.recompute) / v
         for a, n in zip(alphas, offloaded_chunks):

@@ -122,7 +122,20 @@ def explain_tables(ev: Evaluation) -> list[Table]:
     for name, sec in est.time_terms.as_dict().items():
         tim.add_row(name, f"{sec:.4f}", f"{100 * sec / total:.1f}%")
     tim.add_row("[b]total[/b]", f"[b]{total:.4f}[/b]", "100%")
-    return [mem, tim]
+    tr = est.offload_traffic
+    if tr is None:
+        return [mem, tim]
+    off = Table(title=f"activation offload, layer by layer (pipeline size 1): layers 0-{tr.offloaded_layers - 1} "
+                      f"of {tr.num_layers}")
+    off.add_column("per microbatch")
+    off.add_column("value", justify="right")
+    off.add_row("to the host and back (GiB each way)", f"{tr.bytes_per_microbatch / 2**30:.3f}")
+    off.add_row("one layer's copy (GiB)", f"{tr.layer_copy_bytes / 2**30:.3f}")
+    off.add_row("one layer's copy (ms)", f"{tr.layer_copy_s * 1e3:.3f}")
+    off.add_row("hides behind the next layer's forward (ms)", f"{tr.next_forward_s * 1e3:.3f}")
+    off.add_row("hides behind the next layer's backward (ms)", f"{tr.next_backward_s * 1e3:.3f}")
+    off.add_row("exposed (ms)", f"{tr.exposed_per_microbatch_s * 1e3:.3f}")
+    return [mem, tim, off]
 
 
 def _alpha_cell(alphas: tuple[float, ...]) -> str:

@@ -10,6 +10,7 @@ from h3t_ext.schedule.builder import (
     build_schedule,
     schedule_table,
 )
+from h3t_ext.schedule.actions import layer_offload_fractions, offloaded_layers
 from h3t_ext.schedule.posting import posting_batches
 
 __all__ = [
@@ -21,6 +22,8 @@ __all__ = [
     "ScheduleConfig",
     "build_rank_actions",
     "build_schedule",
+    "layer_offload_fractions",
+    "offloaded_layers",
     "posting_batches",
     "schedule_table",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,12 +45,38 @@ class Action:
     """Local model chunk index in ``[0, v)`` (always 0 without interleaving)."""
     peer: Optional[int] = None
     """Pipeline rank on the other end, for send/recv actions; None otherwise."""
+    layer: Optional[int] = None
+    """Layer-granular OFFLOAD/RELOAD (pipeline size 1): the layer of the microbatch-chunk it moves, counted
+    from 0 in the chunk. Such an action runs *inside* the compute action just before it in the list:
+    ``OFFLOAD(layer=l)`` when layer l+1's forward starts, ``RELOAD(layer=l)`` when layer l+1's backward
+    starts. None: the whole microbatch-chunk (chunk-granular, with pipelines)."""
 
     def __str__(self) -> str:  # compact form used in tests and --explain output
         s = f"{self.kind.value}{self.microbatch}"
         if self.chunk:
             s += f".{self.chunk}"
+        if self.layer is not None:
+            s += f"@{self.layer}"
         return s
+
+
+def layer_offload_fractions(alpha: float, num_layers: int) -> tuple[float, ...]:
+    """The one rule of layer-granular offload: the fraction of each layer's saved bytes that goes to the host.
+
+    alpha means what it means chunk-granularly, the first alpha of a microbatch-chunk's saved bytes in save
+    order, with the layers taken as equal: layers ``0 .. floor(alpha L) - 1`` whole, the next one in part
+    (``alpha L - floor(alpha L)`` of its bytes, in save order). The last layer never offloads (no later
+    layer's forward hides its copy, and its backward comes first), so alpha above (L - 1) / L offloads
+    (L - 1) / L."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    x = round(float(alpha) * num_layers, 9)  # 0.5 * 4 is 2 layers, not 2.0000000001
+    return tuple(0.0 if l == num_layers - 1 else min(1.0, max(0.0, x - l)) for l in range(num_layers))
+
+
+def offloaded_layers(alpha: float, num_layers: int) -> int:
+    """Layers (from the first) with an OFFLOAD/RELOAD pair: those of :func:`layer_offload_fractions` > 0."""
+    return min(num_layers - 1, max(0, math.ceil(round(float(alpha) * num_layers, 9))))
 
 
 @dataclass(frozen=True)
@@ -71,18 +98,44 @@ class ScheduleConfig:
     offload_stages: Optional[tuple[bool, ...]] = None
     """Per pipeline rank, whether it offloads at all (its alpha > 0); None: every rank (with ``offload``).
     A rank that does not offload gets no OFFLOAD/RELOAD actions, so its list is the list that runs."""
+    offload_alphas: Optional[tuple[float, ...]] = None
+    """Per pipeline rank, its offload fraction alpha (a rank with alpha 0 does not offload). Layer-granular
+    offload (pipeline size 1) needs it with ``num_layers_per_chunk``: which layers offload follows from it
+    (:func:`layer_offload_fractions`). None: only ``offload_stages`` says which ranks offload."""
+    num_layers_per_chunk: Optional[int] = None
+    """Transformer layers of one model chunk. At pipeline size 1 (no microbatch has a compute action between
+    its forward and its backward to hide a whole-chunk offload behind) the offload is layer-granular when this
+    and ``offload_alphas`` are given; None: no layer-granular offload."""
 
     def __post_init__(self) -> None:
         _ = self.layout  # the sizes and megatron-core's interleaving rules: h3t_ext.layout raises LayoutError
-        if self.offload_stages is not None and len(self.offload_stages) != self.pipeline_model_parallel_size:
-            raise ValueError(f"offload_stages has {len(self.offload_stages)} entries for "
-                             f"{self.pipeline_model_parallel_size} pipeline ranks")
+        p = self.pipeline_model_parallel_size
+        for name in ("offload_stages", "offload_alphas"):
+            value = getattr(self, name)
+            if value is not None and len(value) != p:
+                raise ValueError(f"{name} has {len(value)} entries for {p} pipeline ranks")
+        if self.num_layers_per_chunk is not None and self.num_layers_per_chunk < 1:
+            raise ValueError(f"num_layers_per_chunk must be >= 1, got {self.num_layers_per_chunk}")
 
     def rank_offloads(self, rank: int) -> bool:
         """Whether ``rank``'s list carries OFFLOAD/RELOAD actions (where a microbatch-chunk can hide them)."""
         if not self.offload or self.forward_only:
             return False
+        if self.offload_alphas is not None and not self.offload_alphas[rank] > 0:
+            return False
         return True if self.offload_stages is None else bool(self.offload_stages[rank])
+
+    @property
+    def layer_granular(self) -> bool:
+        """Offload per layer rather than per microbatch-chunk: pipeline size 1, with the layers and alphas known."""
+        return (self.pipeline_model_parallel_size == 1 and self.num_layers_per_chunk is not None
+                and self.offload_alphas is not None)
+
+    def rank_offloaded_layers(self, rank: int) -> int:
+        """Layers of each microbatch-chunk ``rank`` offloads layer-granularly (0 when it does not)."""
+        if not self.layer_granular or not self.rank_offloads(rank):
+            return 0
+        return offloaded_layers(self.offload_alphas[rank], self.num_layers_per_chunk)
 
     @functools.cached_property
     def layout(self) -> ParallelLayout:
@@ -102,4 +155,5 @@ class ScheduleConfig:
         return self.layout.microbatch_group_size
 
 
-__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "Action", "ActionKind", "ScheduleConfig"]
+__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "Action", "ActionKind", "ScheduleConfig", "layer_offload_fractions",
+           "offloaded_layers"]

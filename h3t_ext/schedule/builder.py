@@ -27,6 +27,15 @@ Semantics of the offload actions (shared by the cost model and the runtime):
 * A microbatch-chunk is offloaded only when at least two compute actions lie between its
   forward and its backward (one to hide the offload behind, one to hide the reload behind);
   otherwise it stays on the device and the list carries no offload/reload for it.
+* At pipeline size 1 no microbatch-chunk has a compute action between its forward and its backward, so
+  the offload is *layer-granular* (when the config knows the layers per chunk and the alphas): right after
+  ``FORWARD(mb, chunk)`` come ``OFFLOAD(mb, chunk, layer=l)`` for the layers that offload (the first ones,
+  :func:`~h3t_ext.schedule.actions.offloaded_layers`; never the last), and right after ``BACKWARD(mb, chunk)``
+  their ``RELOAD(mb, chunk, layer=l)`` from the last to the first. A layer action runs inside the compute
+  action before it: ``OFFLOAD(layer=l)`` is issued when layer l+1's forward starts (the copy overlaps it;
+  layer l's device bytes are dropped when it ends), ``RELOAD(layer=l)`` when layer l+1's backward starts
+  (the copy overlaps it; layer l's backward waits for it). Every offloaded layer is reloaded after its
+  offload and before its own backward.
 * Only the ranks that offload (``offload_stages``: the stages whose alpha is > 0) carry OFFLOAD/RELOAD
   actions, so every rank's list is exactly what it runs, and what the cost model's timeline
   (:mod:`h3t_ext.costmodel.timeline`) prices.
@@ -55,8 +64,16 @@ class PipelineSchedule:
         return [a for a in self.ranks[rank] if a.kind in COMPUTE_KINDS]
 
     def offloaded(self, rank: int) -> set[tuple[int, int]]:
-        """(microbatch, chunk) pairs that ``rank`` offloads."""
+        """(microbatch, chunk) pairs that ``rank`` offloads (wholly, or some of their layers)."""
         return {(a.microbatch, a.chunk) for a in self.ranks[rank] if a.kind is ActionKind.OFFLOAD}
+
+    def offloaded_layers(self, rank: int) -> dict[tuple[int, int], tuple[int, ...]]:
+        """(microbatch, chunk) -> the layers ``rank`` offloads layer-granularly, in OFFLOAD order."""
+        out: dict[tuple[int, int], tuple[int, ...]] = {}
+        for a in self.ranks[rank]:
+            if a.kind is ActionKind.OFFLOAD and a.layer is not None:
+                out[(a.microbatch, a.chunk)] = out.get((a.microbatch, a.chunk), ()) + (a.layer,)
+        return out
 
     def in_flight(self, rank: int) -> list[int]:
         """Microbatch-chunks whose activations are held, right after each compute action.
@@ -150,6 +167,28 @@ def _with_offload(compute: list[Action], actions: list[Action]) -> list[Action]:
     return out
 
 
+def _with_layer_offload(actions: list[Action], layers: int) -> list[Action]:
+    """Layer-granular offload (pipeline size 1): OFFLOAD of layers 0..layers-1 inside each forward, their
+    RELOAD from the last to the first inside each backward."""
+    out: list[Action] = []
+    for a in actions:
+        out.append(a)
+        if a.kind is ActionKind.FORWARD:
+            out.extend(Action(ActionKind.OFFLOAD, a.microbatch, a.chunk, layer=l) for l in range(layers))
+        elif a.kind is ActionKind.BACKWARD:
+            out.extend(Action(ActionKind.RELOAD, a.microbatch, a.chunk, layer=l) for l in reversed(range(layers)))
+    return out
+
+
+def _rank_list(cfg: ScheduleConfig, rank: int, compute: list[Action], placed: list[Action]) -> list[Action]:
+    if not cfg.rank_offloads(rank):
+        return placed
+    if cfg.layer_granular:
+        layers = cfg.rank_offloaded_layers(rank)
+        return _with_layer_offload(placed, layers) if layers else placed
+    return _with_offload(compute, placed)
+
+
 @functools.lru_cache(maxsize=64)
 def _placed(shape: ScheduleConfig) -> tuple[tuple[list[Action], ...], tuple[list[Action], ...]]:
     """(compute order, list with the transfers placed) of every rank, for a shape without offload (the
@@ -162,8 +201,9 @@ def _placed(shape: ScheduleConfig) -> tuple[tuple[list[Action], ...], tuple[list
 @functools.lru_cache(maxsize=256)
 def _all_rank_actions(cfg: ScheduleConfig) -> tuple[tuple[Action, ...], ...]:
     p = cfg.pipeline_model_parallel_size
-    compute, lists = _placed(dataclasses.replace(cfg, offload=False, offload_stages=None))
-    return tuple(tuple(_with_offload(compute[r], lists[r]) if cfg.rank_offloads(r) else lists[r]) for r in range(p))
+    compute, lists = _placed(dataclasses.replace(cfg, offload=False, offload_stages=None, offload_alphas=None,
+                                                 num_layers_per_chunk=None))
+    return tuple(tuple(_rank_list(cfg, r, compute[r], lists[r])) for r in range(p))
 
 
 def build_rank_actions(cfg: ScheduleConfig, rank: int) -> tuple[Action, ...]:
@@ -187,11 +227,15 @@ def build_schedule(
     forward_only: bool = False,
     offload: bool = True,
     offload_stages: Optional[Sequence[bool]] = None,
+    offload_alphas: Optional[Sequence[float]] = None,
+    num_layers_per_chunk: Optional[int] = None,
 ) -> PipelineSchedule:
     """Build the per-rank action lists of one iteration (pure; no torch, no process group).
 
     ``offload_stages`` (one flag per pipeline rank, e.g. ``alpha > 0`` of each stage) says which ranks
-    offload; the others get no OFFLOAD/RELOAD actions. None: every rank (when ``offload``)."""
+    offload; the others get no OFFLOAD/RELOAD actions. None: every rank (when ``offload``). ``offload_alphas``
+    (one per rank) does too, and with ``num_layers_per_chunk`` makes the offload of pipeline size 1
+    layer-granular (module docstring)."""
     cfg = ScheduleConfig(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         num_microbatches=num_microbatches,
@@ -200,5 +244,7 @@ def build_schedule(
         forward_only=forward_only,
         offload=offload,
         offload_stages=None if offload_stages is None else tuple(bool(x) for x in offload_stages),
+        offload_alphas=None if offload_alphas is None else tuple(float(x) for x in offload_alphas),
+        num_layers_per_chunk=num_layers_per_chunk,
     )
     return PipelineSchedule(cfg, tuple(build_rank_actions(cfg, r) for r in range(pipeline_model_parallel_size)))

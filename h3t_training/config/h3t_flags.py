@@ -14,7 +14,8 @@ def add_h3t_flags(group) -> None:
                             "recompute the norms and the MLP activation in backward)")
     group.add_argument("--offload-alpha", default=None, metavar="{FLOAT,auto,balanced}",
                        help="fraction of saved activations sent to host memory (one value or one per stage, "
-                            "comma-separated; auto/balanced: the cost model's smallest that fits)")
+                            "comma-separated; auto/balanced: the cost model's smallest that fits); at "
+                            "--pipeline-model-parallel-size 1 layer by layer, never the last layer")
     group.add_argument("--kaimm-offload-activation-ratio", "--pipeline-parallel-aware-offloading-ratio",
                        dest="kaimm_offload_ratio", default=None, help="Megatron-Kwai's name for --offload-alpha")
     group.add_argument("--kaimm-recompute-norm", action="store_true",

@@ -256,7 +256,8 @@ def _validate_offload_overlap(args):
     try:
         config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha)
         for batch in schedule_of(args).batch_sizes(args.train_iters):
-            validate_parallel_layout(config, _layout(args, batch))
+            validate_parallel_layout(config, _layout(args, batch), num_layers_per_chunk=(
+                args.num_layers if args.pipeline_model_parallel_size == 1 else None))  # p=1: layer-granular
     except RuntimeConfigError as e:
         raise ArgumentError(str(e)) from None
     return args

@@ -41,7 +41,7 @@ from h3t_training.config.sections import parse_args
      "--seq-length 66 is not a multiple of 2 x --context-parallel-size 2"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"],
      "--attention-dropout 0.1 is not supported with --context-parallel-size 2 on CPU"),
-    (["--offload-alpha", "0.5"], "cannot be overlapped"),
+    (["--offload-alpha", "0.5", "--num-layers", "1"], "a model chunk has 1 layer(s)"),
     (["--split", "0,100,0", "--data-path", "x", "--mock-data"], "--split 0,100,0 leaves no training data"),
     (["--num-experts", "8"], "--num-experts is not supported: mixture-of-experts"),
     (["--kaimm-recompute-norm"], "--kaimm-recompute-norm alone is not supported"),

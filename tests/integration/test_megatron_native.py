@@ -175,10 +175,17 @@ def test_kwai_flags_run_ckpt_ours_inside_megatrons_loop(tmp_path, generation):
 
 
 def test_kwai_offload_ratio_reaches_the_runtime_and_its_layout_check(tmp_path):
-    """One pipeline stage has no compute to overlap an offload with: the runtime refuses it in one line."""
-    proc, _ = _run(tmp_path, "0.17", ["--kaimm-offload-activation-ratio", "0.5"])
+    """One pipeline stage offloads layer by layer: the Kwai ratio trains with the losses of no offload; with one
+    layer nothing hides a layer's copy and the runtime refuses it in one line."""
+    proc, kwai = _run(tmp_path, "0.17", ["--kaimm-offload-activation-ratio", "0.5"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert kwai["alpha"] == 0.5
+    proc, plain = _run(tmp_path, "0.17", [])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert kwai["losses"] == pytest.approx(plain["losses"], rel=1e-6, abs=0)
+    proc, _ = _run(tmp_path, "0.17", ["--kaimm-offload-activation-ratio", "0.5", "--num-layers", "1"])
     assert proc.returncode != 0
-    assert "RuntimeConfigError: --offload-alpha 0.5 cannot be overlapped: with --pipeline-model-parallel-size 1" \
+    assert "RuntimeConfigError: --offload-alpha 0.5 cannot be overlapped: at --pipeline-model-parallel-size 1" \
         in proc.stderr
 
 

@@ -125,3 +125,52 @@ def test_interleaved_grouping_validation():
         build_schedule(4, 6, 2)  # 6 mod 4 = 2 < p
     with pytest.raises(ValueError):
         build_schedule(4, 2, 2)  # m < p
+
+
+# ---- layer-granular offload (pipeline size 1) ----------------------------------------------------------
+
+@pytest.mark.parametrize("alpha,layers", [(0.5, 4), (0.3, 4), (1.0, 4), (0.5, 8), (0.99, 3), (0.1, 2)])
+def test_p1_layer_offload_reloads_every_offloaded_layer_before_its_backward(alpha, layers):
+    from h3t_ext.schedule import layer_offload_fractions
+
+    m = 3
+    s = build_schedule(1, m, offload_alphas=(alpha,), num_layers_per_chunk=layers)
+    acts = list(s.ranks[0])
+    fractions = layer_offload_fractions(alpha, layers)
+    expected = tuple(l for l, f in enumerate(fractions) if f > 0)
+    assert expected and layers - 1 not in expected  # something offloads; never the last layer
+    assert s.offloaded_layers(0) == {(mb, 0): expected for mb in range(m)}
+    for mb in range(m):
+        f, b = acts.index(next(a for a in acts if str(a) == f"F{mb}")), acts.index(
+            next(a for a in acts if str(a) == f"B{mb}"))
+        for l in expected:
+            off, rl = (next(i for i, a in enumerate(acts) if a.kind is kind and a.microbatch == mb and a.layer == l)
+                       for kind in (ActionKind.OFFLOAD, ActionKind.RELOAD))
+            # the offload runs inside this microbatch's forward (right after it in the list), after which its
+            # reload runs inside the backward: both layer l+1 exists and is where they are issued
+            assert f < off < b < rl
+            assert all(a.microbatch == mb and a.layer is not None for a in acts[f + 1:off + 1])
+            assert all(a.microbatch == mb and a.layer is not None for a in acts[b + 1:rl + 1])
+            assert l + 1 < layers
+        reloads = [a.layer for a in acts if a.kind is ActionKind.RELOAD and a.microbatch == mb]
+        assert reloads == sorted(expected, reverse=True)  # layer l+1's backward (and reload of l) comes first
+
+
+def test_p1_layer_fractions_follow_alpha():
+    from h3t_ext.schedule import layer_offload_fractions
+
+    assert layer_offload_fractions(0.5, 4) == (1.0, 1.0, 0.0, 0.0)
+    assert layer_offload_fractions(0.3, 4) == pytest.approx((1.0, 0.2, 0.0, 0.0))
+    assert layer_offload_fractions(1.0, 4) == (1.0, 1.0, 1.0, 0.0)  # the last layer never offloads
+    assert layer_offload_fractions(0.0, 4) == (0.0,) * 4
+    s = build_schedule(1, 2, offload_alphas=(0.0,), num_layers_per_chunk=4)
+    assert not s.offloaded(0)  # alpha 0: no OFFLOAD/RELOAD at all
+    s = build_schedule(1, 2, offload_alphas=(0.9,), num_layers_per_chunk=1)
+    assert not s.offloaded(0)  # one layer per chunk: nothing can hide
+
+
+def test_pipelines_stay_chunk_granular_with_layers_known():
+    plain = build_schedule(2, 4)
+    layered = build_schedule(2, 4, offload_alphas=(0.5, 0.5), num_layers_per_chunk=4)
+    assert layered.ranks == plain.ranks
+    assert all(a.layer is None for r in layered.ranks for a in r)

@@ -17,6 +17,18 @@ Timeline, following the schedule builder's OFFLOAD/RELOAD semantics:
 * In ``backward_scope`` the first unpack waits for the reload (and reloads first if the schedule
   had no RELOAD for it); a chunk that was never offloaded is read in place.
 
+Layer-granular offload (pipeline size 1; the schedule's OFFLOAD/RELOAD actions with a ``layer``, handed to
+``forward_scope`` / ``backward_scope`` with the compute action they run in): the layers of the h3t layer spec
+tell the manager where each layer's forward starts (:func:`h3t_ext.runtime.modules.layer_boundary.layer_starts`),
+so the chunk's records are split into *layer segments* (segment l: what is saved from layer l's start to layer
+l+1's; the embedding's saves are in segment 0, the output layer's in the last). When layer l+1's forward
+starts, segment l-1's offloaded bytes are dropped (its copy overlapped layer l's forward) and the copy of
+``layer_offload_fractions(alpha, L)[l]`` of segment l's bytes starts. In backward the first unpack of a tensor
+saved in segment l+1 is where layer l+1's backward starts: the slots of the later segments are free again,
+and segment l's reload starts (into one of two reload slots, each the size of the largest offloaded
+segment); the first unpack of segment l waits for it. A segment's records are forgotten by storage once
+dropped, so a freed storage whose address comes back later in the forward is a new record.
+
 A grad-requiring leaf among the saved tensors is a received stage input, which the schedule (and
 the leaf's ``AccumulateGrad`` node) keeps for its ``.grad``; when its storage is offloaded its
 data is replaced by a one-element expanded tensor, so the device bytes are really freed.
@@ -30,14 +42,16 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
-from h3t_ext.runtime.config import H3TConfig
+from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
 from h3t_ext.runtime.memory.device import DeviceLayer, Event, make_device_layer
 from h3t_ext.runtime.memory.host_pool import HostPool
+from h3t_ext.runtime.modules.layer_boundary import listening
 from h3t_ext.runtime.modules.recompute_ours import lookup_recipe
+from h3t_ext.schedule.actions import Action, ActionKind, layer_offload_fractions
 
 ALIGN = 64
 """Byte alignment of every record inside host buffers and reload slots."""
@@ -66,16 +80,18 @@ class ActivationStats:
     host_pool_allocations: int = 0
     """Host buffers the pool has allocated since it was created."""
     reload_buffer_bytes: int = 0
-    """Bytes of the two reload slots."""
+    """Bytes of the reload slots (two; more only when a backward read a segment out of order)."""
 
 
 class _Record:
     """One storage saved by a microbatch-chunk's forward."""
 
-    __slots__ = ("flat", "nbytes", "off_bytes", "host_offset", "slot_offset", "tail", "storage_ref", "leaves")
+    __slots__ = ("flat", "nbytes", "off_bytes", "host_offset", "slot_offset", "tail", "storage_ref", "leaves",
+                 "ptr", "group")
 
-    def __init__(self, flat: torch.Tensor):
+    def __init__(self, flat: torch.Tensor, ptr: int, group: "_ChunkState"):
         self.flat: Optional[torch.Tensor] = flat  # uint8 over the whole storage, None once offloaded
+        self.ptr, self.group = ptr, group  # storage address; what moves it (the chunk, or its layer segment)
         self.nbytes = flat.numel()
         self.off_bytes = 0  # leading bytes that go to host memory
         self.host_offset = 0
@@ -86,10 +102,11 @@ class _Record:
 
 
 class _Saved:
-    __slots__ = ("state", "rec", "dtype", "size", "stride", "offset")
+    __slots__ = ("state", "rec", "dtype", "size", "stride", "offset", "segment")
 
-    def __init__(self, state: "_ChunkState", rec: _Record, t: torch.Tensor):
+    def __init__(self, state: "_ChunkState", rec: _Record, t: torch.Tensor, segment: Optional["_ChunkState"] = None):
         self.state, self.rec, self.dtype = state, rec, t.dtype
+        self.segment = segment  # layer-granular: the layer segment that saved it (its first unpack: that layer's backward)
         self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
 
 
@@ -101,8 +118,10 @@ class _Recipe:
 
 
 class _ChunkState:
-    def __init__(self, key: tuple[int, int]):
-        self.key = key
+    """A microbatch-chunk, or (``layer`` set) one layer segment of it: the bytes one OFFLOAD/RELOAD moves."""
+
+    def __init__(self, key: tuple[int, int], layer: Optional[int] = None):
+        self.key, self.layer = key, layer
         self.records: list[_Record] = []
         self.by_storage: dict[int, _Record] = {}
         self.small: dict[int, tuple[torch.Tensor, int]] = {}
@@ -117,6 +136,21 @@ class _ChunkState:
         self.reload_waited = False
         self.slot: Optional[int] = None
         self.slot_bytes = 0
+        self.slot_given_back = False  # layer segment: its slot went to another segment
+        # layer-granular (chunk states only): segments, their planned offload fractions and reloads
+        self.segments: list[_ChunkState] = []
+        self.layer_starts = 0
+        self.offload_fractions: dict[int, float] = {}
+        self.reload_layers: set[int] = set()
+        self.read_segments: set[int] = set()
+
+    @property
+    def layer_granular(self) -> bool:
+        return bool(self.offload_fractions)
+
+    @property
+    def current_segment(self) -> "_ChunkState":
+        return self.segments[-1]
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -158,7 +192,7 @@ class ActivationManager:
         self._states: dict[tuple[int, int], _ChunkState] = {}
         self._to_drop: list[_ChunkState] = []
         self._slots: list[Optional[torch.Tensor]] = [None, None]
-        self._slot_owner: list[Optional[tuple[int, int]]] = [None, None]
+        self._slot_owner: list[Optional[_ChunkState]] = [None, None]
         self._slot_free: list[Optional[Event]] = [None, None]
         self._resident = 0
         self._suspended = 0
@@ -168,17 +202,28 @@ class ActivationManager:
 
     # ------------------------------------------------------------------ scopes
     @contextlib.contextmanager
-    def forward_scope(self, microbatch: int, chunk: int) -> Iterator[None]:
-        """Run the forward of one microbatch-chunk with its saved tensors managed."""
+    def forward_scope(self, microbatch: int, chunk: int, layer_actions: Sequence[Action] = (),
+                      num_layers: Optional[int] = None) -> Iterator[None]:
+        """Run the forward of one microbatch-chunk with its saved tensors managed. ``layer_actions``: the
+        schedule's layer-granular OFFLOADs of this forward (the chunk has ``num_layers`` layers); each runs when
+        the forward of the layer after it starts."""
         key = (microbatch, chunk)
         assert self._in_forward is None, "forward scopes do not nest"
         assert key not in self._states, f"microbatch-chunk {key} is still held (no release after its backward)"
         if self._new_iteration:
             self.reset_stats()
         st = self._states[key] = _ChunkState(key)
+        if layer_actions:
+            if num_layers is None:
+                raise ValueError("layer-granular offload needs the number of layers of the chunk")
+            fractions = layer_offload_fractions(self.alpha, num_layers)
+            for a in layer_actions:
+                assert a.kind is ActionKind.OFFLOAD and (a.microbatch, a.chunk) == key and a.layer is not None, a
+                st.offload_fractions[a.layer] = fractions[a.layer]
+            st.segments.append(_ChunkState(key, 0))
         self._in_forward = st
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), listening(self._layer_starts):
                 yield
         finally:
             self._in_forward = None
@@ -186,15 +231,45 @@ class ActivationManager:
             self.stats.small_bytes[key] = st.small_bytes
             self.stats.recomputed[key] = st.recomputed
             self._compute_ended()
+        missed = [l for l in st.offload_fractions if l >= len(st.segments) - 1]
+        if missed:
+            raise RuntimeConfigError(
+                f"layer-granular offload: the forward of microbatch {microbatch} saw {st.layer_starts} layer starts, "
+                f"too few to offload layer(s) {missed}; build the model with the h3t layer spec "
+                "(h3t_ext.runtime.modules.layer_specs), whose layers mark their starts")
 
     @contextlib.contextmanager
-    def backward_scope(self, microbatch: int, chunk: int) -> Iterator[None]:
-        """Run the backward of one microbatch-chunk; its first unpack waits for its reload."""
-        assert (microbatch, chunk) in self._states, f"backward of {(microbatch, chunk)} without its forward"
+    def backward_scope(self, microbatch: int, chunk: int, layer_actions: Sequence[Action] = ()) -> Iterator[None]:
+        """Run the backward of one microbatch-chunk; its first unpack waits for its reload. ``layer_actions``:
+        the schedule's layer-granular RELOADs of this backward; each runs when the backward of the layer after
+        it starts (the first unpack of what that layer saved)."""
+        st = self._states.get((microbatch, chunk))
+        assert st is not None, f"backward of {(microbatch, chunk)} without its forward"
+        for a in layer_actions:
+            assert a.kind is ActionKind.RELOAD and (a.microbatch, a.chunk) == st.key and a.layer is not None, a
+            st.reload_layers.add(a.layer)
         try:
             yield
         finally:
             self._compute_ended()
+
+    def _layer_starts(self) -> None:
+        """A transformer layer's forward starts (the h3t layer spec's layers call this): a new layer segment;
+        segment l-1's offloaded bytes are dropped and segment l's offload starts (l: the segment that ends)."""
+        st = self._in_forward
+        if st is None or self._suspended or not st.layer_granular:
+            return
+        st.layer_starts += 1
+        if st.layer_starts == 1:  # layer 0: segment 0 (with what the embedding saved) goes on
+            return
+        k = len(st.segments)  # the segment that starts now
+        if k >= 2 and st.segments[k - 2] in self._to_drop:  # its copy overlapped layer k-1's forward
+            self._drop_device_bytes(st.segments[k - 2])
+        ending = st.segments[k - 1]
+        fraction = st.offload_fractions.get(k - 1)
+        if fraction:
+            self._offload(ending, int(fraction * ending.saved_bytes))
+        st.segments.append(_ChunkState(st.key, k))
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -228,10 +303,12 @@ class ActivationManager:
                 st.small_bytes += nbytes
                 self._add_resident(nbytes)
             return t
+        segment = st.current_segment if st.layer_granular else None
         rec = st.by_storage.get(ptr)
         if rec is None:
+            group = segment or st
             with torch.no_grad():
-                rec = _Record(_flat_bytes(t))
+                rec = _Record(_flat_bytes(t), ptr, group)
             if self.track_storages:
                 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: PLC0415
 
@@ -239,10 +316,13 @@ class ActivationManager:
             st.by_storage[ptr] = rec
             st.records.append(rec)
             st.saved_bytes += nbytes
+            if segment is not None:
+                segment.records.append(rec)
+                segment.saved_bytes += nbytes
             self._add_resident(nbytes)
         if t.is_leaf and t.requires_grad:
             rec.leaves.append(weakref.ref(t))
-        return _Saved(st, rec, t)
+        return _Saved(rec.group, rec, t, segment)
 
     def _unpack(self, packed):
         if isinstance(packed, _Saved):
@@ -255,9 +335,15 @@ class ActivationManager:
 
     def _materialize(self, s: _Saved) -> torch.Tensor:
         rec, st = s.rec, s.state
+        seg = s.segment
+        if seg is not None and seg.layer not in self._states[seg.key].read_segments:
+            self._segment_backward_starts(self._states[seg.key], seg.layer)
         if rec.flat is not None:
             flat = rec.flat
         else:
+            if st.slot_given_back:
+                raise AssertionError(f"layer {st.layer} of microbatch-chunk {st.key} was read after the backward of "
+                                     "an earlier layer had started (its reload slot is reused)")
             self._ensure_reloaded(st)
             flat = self._slots[st.slot][rec.slot_offset:rec.slot_offset + rec.nbytes]
             self.device.check_ready(flat)
@@ -274,12 +360,32 @@ class ActivationManager:
         self.device.wait(st.reload_event)
         st.reload_waited = True
 
+    def _segment_backward_starts(self, st: _ChunkState, k: int) -> None:
+        """The first unpack of layer segment ``k``: the later segments' backward is over (their slots are
+        free again) and segment k-1's RELOAD starts, to overlap layer k's backward."""
+        st.read_segments.add(k)
+        for seg in st.segments[k + 1:]:
+            self._give_back_slot(seg)
+        for l in sorted(st.reload_layers, reverse=True):
+            if l >= k - 1:
+                self._start_reload(st.segments[l])
+
+    def _give_back_slot(self, st: _ChunkState) -> None:
+        if st.slot is None:
+            return
+        self._slot_owner[st.slot] = None
+        self._slot_free[st.slot] = self.device.compute_event()
+        st.slot, st.slot_given_back = None, True
+
     # ------------------------------------------------------------------ offload / reload / release
     def offload(self, microbatch: int, chunk: int) -> None:
         """Start copying alpha of this microbatch-chunk's saved bytes to host memory (async)."""
         st = self._states[(microbatch, chunk)]
-        assert not st.offloaded, f"microbatch-chunk {st.key} offloaded twice"
-        target = int(self.alpha * st.saved_bytes)
+        self._offload(st, int(self.alpha * st.saved_bytes))
+
+    def _offload(self, st: _ChunkState, target: int) -> None:
+        """Start copying the first ``target`` saved bytes of ``st`` (a chunk or a layer segment) to the host."""
+        assert not st.offloaded, f"microbatch-chunk {st.key} (layer {st.layer}) offloaded twice"
         if target <= 0:
             return
         plan: list[_Record] = []
@@ -315,11 +421,16 @@ class ActivationManager:
             return
         if not st.dropped:
             self._drop_device_bytes(st)
-        free = [i for i in (0, 1) if self._slot_owner[i] is None]
-        assert free, "both reload slots are in use: more than two reloads outstanding"
+        free = [i for i, owner in enumerate(self._slot_owner) if owner is None]
+        assert free or st.layer is not None, "both reload slots are in use: more than two reloads outstanding"
+        if not free:  # a layer segment read out of order (on demand): one more slot
+            self._slots.append(None)
+            self._slot_owner.append(None)
+            self._slot_free.append(None)
+            free = [len(self._slots) - 1]
         i = free[0]
         self._ensure_slot(i, st.slot_bytes)
-        self._slot_owner[i], st.slot = st.key, i
+        self._slot_owner[i], st.slot = st, i
         slot = self._slots[i]
         dsts, srcs = [], []
         for rec in (r for r in st.records if r.off_bytes):
@@ -334,15 +445,16 @@ class ActivationManager:
         st.host = None
 
     def release(self, microbatch: int, chunk: int) -> None:
-        """Forget a microbatch-chunk after its backward; its reload slot becomes free."""
+        """Forget a microbatch-chunk after its backward; its reload slot(s) become free."""
         st = self._states.pop((microbatch, chunk))
-        if st in self._to_drop:
-            self._to_drop.remove(st)
-        if st.host is not None:  # offloaded but never reloaded (no backward read it)
-            self.pool.release(st.host, after=st.off_event)
-        if st.slot is not None:
-            self._slot_owner[st.slot] = None
-            self._slot_free[st.slot] = self.device.compute_event()
+        for group in st.segments or [st]:
+            if group in self._to_drop:
+                self._to_drop.remove(group)
+            if group.host is not None:  # offloaded but never reloaded (no backward read it)
+                self.pool.release(group.host, after=group.off_event)
+            if group.slot is not None:
+                self._slot_owner[group.slot] = None
+                self._slot_free[group.slot] = self.device.compute_event()
         freed = st.small_bytes
         for rec in st.records:
             freed += self._device_bytes(rec)
@@ -405,6 +517,11 @@ class ActivationManager:
         if st in self._to_drop:
             self._to_drop.remove(st)
         offloaded = [r for r in st.records if r.off_bytes]
+        chunk = self._states.get(st.key)
+        if chunk is not None:  # a storage freed now may come back at the same address: that is a new record
+            for rec in offloaded:
+                if chunk.by_storage.get(rec.ptr) is rec:
+                    del chunk.by_storage[rec.ptr]
         for rec in offloaded:  # whole records first, so a split tail never raises the peak
             if rec.off_bytes == rec.nbytes:
                 _release_leaves(rec)

@@ -13,7 +13,9 @@ ours          :class:`OursRMSNorm`, :class:`OursMLP`           :class:`OursTENor
                                                                :class:`OursMLP` with TE linears
 ============  ===============================================  =========================================
 
-ckpt=full recomputes whole layers at run time (:mod:`h3t_ext.runtime.modules.recompute_full`); its layers
+Every layer is an :class:`~h3t_ext.runtime.modules.layer_boundary.H3TTransformerLayer`: megatron-core's
+TransformerLayer, which tells the activation manager where its forward starts (layer-granular offload at
+pipeline size 1). ckpt=full recomputes whole layers at run time (:mod:`h3t_ext.runtime.modules.recompute_full`); its layers
 are those of ``no``. The local backend's linears are :class:`SPColumnParallelLinear` /
 :class:`SPRowParallelLinear` (megatron-core's, with a sequence-parallel path that runs on CPU) and
 its norms carry Megatron's ``sequence_parallel`` parameter attribute, so the spec works with
@@ -42,6 +44,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from ..config import CKPT_CHOICES, RuntimeConfigError
 from .attention import SDPACoreAttention
 from .fused_saves import FusedSavesMLP, FusedSavesRMSNorm
+from .layer_boundary import H3TTransformerLayer
 from .norms import LayerNorm
 from .recompute_ours import OursLayerNorm, OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
 from .sequence_parallel import SPColumnParallelLinear, SPRowParallelLinear
@@ -78,7 +81,7 @@ def _te_modules():
 
 
 def _layer(norm, attention: ModuleSpec, mlp: ModuleSpec, keys_map: Optional[dict] = None) -> ModuleSpec:
-    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+    return ModuleSpec(module=H3TTransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=norm, self_attention=attention, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=norm, mlp=mlp, mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=keys_map or {}))
 
@@ -117,6 +120,7 @@ def h3t_layer_spec(config, *, ckpt: str = "no", backend: str = "local", core_att
 
         spec = get_gpt_layer_with_transformer_engine_spec()
         spec.submodules.self_attention.submodules.core_attention = core_attention
+        spec.module = H3TTransformerLayer  # says where its forward starts (layer-granular offload)
         return spec
     # ckpt=ours: the norm is separate so that its output can be recomputed instead of saved
     mlp = ModuleSpec(module=OursMLP, params={"ffn_hidden_size": config.ffn_hidden_size},

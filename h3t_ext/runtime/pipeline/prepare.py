@@ -35,6 +35,11 @@ def _validate_overlap(config: H3TConfig, schedule: PipelineSchedule, alphas: lis
         f"{cfg.virtual_pipeline_model_parallel_size} model chunk(s), {cfg.num_microbatches} microbatch(es)"
     )
     can = [bool(schedule.offloaded(r)) for r in range(cfg.pipeline_model_parallel_size)]
+    if cfg.layer_granular and config.offloads and not any(can):
+        raise RuntimeConfigError(
+            f"--offload-alpha {config.offload_alpha} cannot be overlapped: at --pipeline-model-parallel-size 1 a "
+            f"layer's offload hides behind the next layer's forward, and a model chunk has "
+            f"{cfg.num_layers_per_chunk} layer(s); use --offload-alpha 0 or at least 2 layers")
     if isinstance(config.offload_alpha, (int, float)):
         if config.offload_alpha > 0 and not any(can):
             raise RuntimeConfigError(
@@ -64,14 +69,18 @@ def validate_layout(config: H3TConfig, schedule: PipelineSchedule, pipeline_rank
     _validate_overlap(config, schedule, alphas)
 
 
-def validate_parallel_layout(config: H3TConfig, layout: ParallelLayout) -> None:
+def validate_parallel_layout(config: H3TConfig, layout: ParallelLayout, *,
+                             num_layers_per_chunk: Optional[int] = None) -> None:
     """The runtime's verdict on a whole job before any process starts: the schedule of ``layout`` (the one
     every pipeline rank will run) and ``config``'s offload on each of its ranks, as :func:`validate_layout`
-    checks them at the first call. ``layout`` was checked when it was built (``LayoutError``); this
-    raises :class:`RuntimeConfigError` (one line) for what the runtime adds."""
-    schedule = build_schedule(layout.pipeline_model_parallel_size, layout.num_microbatches,
-                              layout.virtual_pipeline_model_parallel_size,
-                              microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage)
+    checks them at the first call. ``num_layers_per_chunk`` (the model's layers per model chunk) makes the
+    offload of pipeline size 1 layer-granular, as the runtime runs it. ``layout`` was checked when it was built
+    (``LayoutError``); this raises :class:`RuntimeConfigError` (one line) for what the runtime adds."""
+    p = layout.pipeline_model_parallel_size
+    schedule = build_schedule(p, layout.num_microbatches, layout.virtual_pipeline_model_parallel_size,
+                              microbatch_group_size_per_vp_stage=layout.microbatch_group_size_per_vp_stage,
+                              offload_alphas=_validate_stage_alphas(config, p),
+                              num_layers_per_chunk=num_layers_per_chunk)
     for rank in range(layout.pipeline_model_parallel_size):
         validate_layout(config, schedule, rank)
 
@@ -110,6 +119,18 @@ class ModelPreparer:
         if key not in self._managers:
             self._managers[key] = self.manager_factory(self.config, pipeline_rank, pipeline_size, device)
         return self._managers[key]
+
+    def layers_per_chunk(self, model_chunks: list) -> int:
+        """Transformer layers of the (one) model chunk of pipeline size 1, for layer-granular offload. Raises
+        :class:`RuntimeConfigError` (one line) when its layers do not say where their forward starts (a model
+        not built with the h3t layer spec)."""
+        from ..modules.layer_boundary import count_layers, marks_layer_starts
+
+        if not marks_layer_starts(model_chunks):
+            raise RuntimeConfigError(
+                "--offload-alpha > 0 at --pipeline-model-parallel-size 1 offloads layer by layer: build the model "
+                "with h3t_ext.runtime.modules.layer_specs.h3t_layer_spec, whose layers mark where they start")
+        return count_layers(model_chunks[0])
 
     @property
     def managers(self) -> list:

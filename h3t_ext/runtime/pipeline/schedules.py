@@ -11,7 +11,10 @@ megatron-core's own ``forward_step``/``backward_step`` (they do not touch CUDA o
 unless ``enable_autocast`` is set), sends and receives go through :class:`PipelineP2P` (every
 run of them between two compute actions is posted as one batch, before the compute that follows,
 so the posting order is the builder's), and
-OFFLOAD/RELOAD drive the activation manager of this stage.
+OFFLOAD/RELOAD drive the activation manager of this stage. At pipeline size 1 the offload is layer-granular:
+the layer actions that follow a compute action in the list run inside it, so the executor hands them to the
+manager's ``forward_scope`` / ``backward_scope`` with that compute action (the manager issues each at its
+layer boundary).
 
 Gradient synchronisation follows Megatron: ``no_sync_func`` is entered for the iteration and
 left before the backward of each chunk's last microbatch (on every rank when
@@ -263,19 +266,24 @@ class H3TSchedules:
         )
 
     def schedule(self, pp_rank: int, pp_size: int, num_microbatches: int, num_model_chunks: int, *,
-                 microbatch_group_size_per_vp_stage: Optional[int] = None, forward_only: bool = False):
+                 microbatch_group_size_per_vp_stage: Optional[int] = None, forward_only: bool = False,
+                 num_layers_per_chunk: Optional[int] = None):
         """The builder's schedule of one call's shape, checked for this rank (cached per shape).
 
-        A shape the parallel layout rules refuse raises :class:`h3t_ext.layout.LayoutError` (the builder's,
-        the cost model's and the driver's reason); an offload it cannot overlap raises RuntimeConfigError."""
-        shape = (pp_size, num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage, forward_only)
+        ``num_layers_per_chunk`` (the model chunk's transformer layers) makes the offload of pipeline size 1
+        layer-granular. A shape the parallel layout rules refuse raises :class:`h3t_ext.layout.LayoutError` (the
+        builder's, the cost model's and the driver's reason); an offload it cannot overlap raises
+        RuntimeConfigError."""
+        shape = (pp_size, num_microbatches, num_model_chunks, microbatch_group_size_per_vp_stage, forward_only,
+                 num_layers_per_chunk)
         schedule = self._schedules.get(shape)
         if schedule is None:  # pure and the same every iteration: build and validate once per shape
             # the stages with alpha 0 get no OFFLOAD/RELOAD: the lists are what runs (and what the cost model prices)
-            offload_stages = tuple(self.config.stage_alpha(r, pp_size) > 0 for r in range(pp_size))
+            alphas = tuple(self.config.stage_alpha(r, pp_size) for r in range(pp_size))
             schedule = build_schedule(pp_size, num_microbatches, num_model_chunks,
                                       microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
-                                      forward_only=forward_only, offload_stages=offload_stages)
+                                      forward_only=forward_only, offload_alphas=alphas,
+                                      num_layers_per_chunk=num_layers_per_chunk)
             validate_layout(self.config, schedule, pp_rank)
             self._schedules[shape] = schedule
         return schedule
@@ -286,11 +294,15 @@ class H3TSchedules:
         v = len(call.model)
         _validate_megatron_config(config)
         group = getattr(config, "microbatch_group_size_per_vp_stage", None) if v > 1 else None
+        layers = None
+        if call.pp_size == 1 and self.config.stage_alpha(0, 1) > 0 and not call.forward_only:
+            layers = self.preparer.layers_per_chunk(call.model)  # layer-granular offload: one rank, one chunk
         schedule = self.schedule(call.pp_rank, call.pp_size, call.num_microbatches, v,
-                                 microbatch_group_size_per_vp_stage=group, forward_only=call.forward_only)
+                                 microbatch_group_size_per_vp_stage=group, forward_only=call.forward_only,
+                                 num_layers_per_chunk=layers)
         manager = self.preparer.prepare(call.model, call.pp_rank, call.pp_size)
         actions = list(schedule.ranks[call.pp_rank])  # OFFLOAD/RELOAD only where this stage's alpha > 0
-        executor = _Executor(call, config, self.config, manager, mode, v)
+        executor = _Executor(call, config, self.config, manager, mode, v, num_layers_per_chunk=layers)
         store = executor.run(actions)
         self.last_posted = executor.p2p.posted if executor.p2p is not None else []
         self.last_staging = executor.p2p.staging_stats if executor.p2p is not None else None
@@ -300,8 +312,10 @@ class H3TSchedules:
 class _Executor:
     """Runs one rank's action list once."""
 
-    def __init__(self, call: _Call, config, h3t: H3TConfig, manager, mode: str, v: int):
+    def __init__(self, call: _Call, config, h3t: H3TConfig, manager, mode: str, v: int, *,
+                 num_layers_per_chunk: Optional[int] = None):
         self.call, self.config, self.manager, self.mode, self.v = call, config, manager, mode, v
+        self.num_layers_per_chunk = num_layers_per_chunk
         self.num_stages = call.pp_size * v
         self.last_stage = self.num_stages - 1
         param = next(call.model[0].parameters())
@@ -332,8 +346,13 @@ class _Executor:
         sync = _GradSync(config, call.model, self.mode, call.pp_rank, call.forward_only)
         try:
             sync.start()
-            for a in actions:
-                self._step(a, sync)
+            i = 0
+            while i < len(actions):  # a compute action with the layer actions that run inside it
+                j = i + 1
+                while j < len(actions) and actions[j].layer is not None:
+                    j += 1
+                self._step(actions[i], sync, tuple(actions[i + 1:j]))
+                i = j
             if self.p2p is not None:
                 self.p2p.wait_all()
         finally:
@@ -350,8 +369,9 @@ class _Executor:
             config.timers("forward-backward").stop()
         return self.store
 
-    def _step(self, a: Action, sync: _GradSync) -> None:
+    def _step(self, a: Action, sync: _GradSync, layer_actions: tuple = ()) -> None:
         k, key = a.kind, (a.microbatch, a.chunk)
+        assert not layer_actions or k in (ActionKind.FORWARD, ActionKind.BACKWARD), "layer actions follow compute"
         what = f"{k.name} microbatch {a.microbatch} chunk {a.chunk} with pipeline rank {a.peer}"
         if k is ActionKind.RECV_FORWARD:
             self.p2p.queue_recv(("F",) + key, self.call.shapes, self.dtype, self.device,
@@ -367,9 +387,9 @@ class _Executor:
         elif k is ActionKind.SEND_BACKWARD:
             self.p2p.queue_send(self.input_grads.pop(key), a.peer, BACKWARD, a.microbatch, self.stage(a), what)
         elif k is ActionKind.FORWARD:
-            self._forward(a, sync)
+            self._forward(a, sync, layer_actions)
         elif k is ActionKind.BACKWARD:
-            self._backward(a, sync)
+            self._backward(a, sync, layer_actions)
         elif k is ActionKind.OFFLOAD:
             self.manager.offload(a.microbatch, a.chunk)
         elif k is ActionKind.RELOAD:
@@ -377,7 +397,7 @@ class _Executor:
         else:  # pragma: no cover - the builder emits nothing else
             raise AssertionError(f"unknown action {a}")
 
-    def _forward(self, a: Action, sync: _GradSync) -> None:
+    def _forward(self, a: Action, sync: _GradSync, layer_actions: tuple = ()) -> None:
         call, key, stage = self.call, (a.microbatch, a.chunk), self.stage(a)
         if stage > 0:
             inp = self.p2p.wait_recv(("F",) + key)
@@ -389,7 +409,9 @@ class _Executor:
                 self.p2p.flush()
             inp = [None]
         sync.before_forward(a, a.microbatch == 0)
-        scope = self.manager.forward_scope(*key) if self.manager and not call.forward_only else contextlib.nullcontext()
+        layered = {"layer_actions": layer_actions, "num_layers": self.num_layers_per_chunk} if layer_actions else {}
+        scope = (self.manager.forward_scope(*key, **layered) if self.manager and not call.forward_only
+                 else contextlib.nullcontext())
         with scope:
             out, tokens = forward_step(
                 call.forward_step_func, call.data_iterators[a.chunk], call.model[a.chunk], call.num_microbatches,
@@ -409,7 +431,7 @@ class _Executor:
         if not call.forward_only:
             self.inputs[key] = inp
 
-    def _backward(self, a: Action, sync: _GradSync) -> None:
+    def _backward(self, a: Action, sync: _GradSync, layer_actions: tuple = ()) -> None:
         key, stage = (a.microbatch, a.chunk), self.stage(a)
         if stage < self.last_stage:
             grad = self.p2p.wait_recv(("B",) + key)
@@ -419,7 +441,8 @@ class _Executor:
             grad = [None]
         is_last_mb = a.microbatch == self.call.num_microbatches - 1
         sync.before_backward(a, is_last_mb)
-        scope = self.manager.backward_scope(*key) if self.manager else contextlib.nullcontext()
+        layered = {"layer_actions": layer_actions} if layer_actions else {}
+        scope = self.manager.backward_scope(*key, **layered) if self.manager else contextlib.nullcontext()
         with scope:
             in_grad = backward_step(self.inputs.pop(key), self.outputs.pop(key), grad, self.model_type, self.config)
         if self.manager is not None:
