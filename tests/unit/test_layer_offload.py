@@ -11,7 +11,7 @@ import torch
 from h3t_ext.runtime.memory.activations import ActivationManager
 from h3t_ext.runtime.memory.device import make_device_layer
 from h3t_ext.schedule import ActionKind, build_schedule
-from tests.activation_harness import batches, init_single_process_megatron, tiny_model
+from activation_harness import batches, init_single_process_megatron, tiny_model
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -37,10 +37,10 @@ def test_offload_at_p1_gives_the_losses_of_alpha_0(runs, ckpt, nproc):
 @pytest.mark.parametrize("key", list(RUNS))
 def test_measured_peak_is_the_cost_models(runs, corpus_prefix, key):  # noqa: F811
     """The measured saved-activation peak of the rank equals the prediction the driver makes for the same flags
-    (h3t_training.prediction: the model spec and plan through h3t_ext.planner.translate) within 3%."""
-    from h3t_training.config import parse_args
-    from h3t_training.prediction import predicted_scalars
-    from h3t_training.tokenizer import padded_vocab_size, tokenizer_from_args
+    (h3t_training.telemetry.prediction: the model spec and plan through h3t_ext.planner.translate) within 3%."""
+    from h3t_training.config.sections import parse_args
+    from h3t_training.telemetry.prediction import predicted_scalars
+    from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
 
     ckpt, alpha, nproc = key
     args = parse_args(_argv(corpus_prefix, ckpt, alpha, RUNS[key]), prog="pretrain_llama.py", world_size=nproc,
