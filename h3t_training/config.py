@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-from h3t_training import arguments, auto_plan, fsdp, megatron_compat, validation
+from h3t_training import arguments, auto_plan, fsdp, megatron_compat, sdc_guards, validation
 from h3t_training.errors import ArgumentError
 from h3t_training.flag_table import given_table_flags, notice_lines, refusal
 from h3t_training.optimizer_offload import check_optimizer_offload
@@ -126,7 +126,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
                          arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
-    steps += [arguments.fill_parallel_defaults, fsdp.check_sharding_flags, validation.validate_args]
+    steps += [arguments.fill_parallel_defaults, fsdp.check_sharding_flags, sdc_guards.check_flags,
+              validation.validate_args]
     for step in steps:
         config = step(config)
         assert isinstance(config, TrainConfig), f"{step.__name__} must return a TrainConfig"
