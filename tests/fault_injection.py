@@ -4,7 +4,8 @@
 
 FAULT is ``cpu-oom-stage-N`` (torch's CPU allocator fails in the forward of pipeline stage N, with the
 RuntimeError text torch raises when malloc fails) or ``full-disk`` (every write of PyTorch DCP's file
-writer raises ``OSError(ENOSPC)``, as on a full disk).
+writer raises ``OSError(ENOSPC)``, as on a full disk) or ``weight-flip-rank-R-iter-N`` (after the optimizer step of
+iteration N, one bit of rank R's first weight flips: the lowest bit of its first element, as a memory fault would).
 """
 from __future__ import annotations
 
@@ -57,11 +58,32 @@ def _full_disk() -> None:
     FileSystem.create_stream = create_stream
 
 
+def _weight_flip(rank: int, iteration: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from h3t_training.loop.optimizer import DataParallelAdamW
+    real = DataParallelAdamW.step
+
+    def step(self, it):
+        out = real(self, it)
+        if dist.get_rank() == rank and it + 1 == iteration:
+            with torch.no_grad():
+                byte = self.params[0].data.view(-1)[:1].view(torch.uint8)
+                byte[0] = byte[0] ^ 1
+        return out
+
+    DataParallelAdamW.step = step
+
+
 def main() -> int:
     fault, sep, *argv = sys.argv[1:]
     assert sep == "--", __doc__
     if fault.startswith("cpu-oom-stage-"):
         _cpu_oom_at(int(fault.rsplit("-", 1)[1]))
+    elif fault.startswith("weight-flip-rank-"):
+        rank, iteration = fault[len("weight-flip-rank-"):].split("-iter-")
+        _weight_flip(int(rank), int(iteration))
     elif fault == "full-disk":
         _full_disk()
     else:

@@ -164,6 +164,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad", help="go on past non-finite values")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None, metavar="N",
+                   help="every N iterations, stop with one line when data-parallel replicas hold different weights")
+    g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"), default="disabled",
+                   help="Megatron-LM's rerun state machine: only disabled (the default; the others are refused)")
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)

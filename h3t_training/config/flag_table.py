@@ -119,6 +119,11 @@ REASONS: dict[str, Reason] = {
                     "none needed"),
     "resilience": Reason("noticed", "fault tolerance / restart / straggler / rerun machinery of Megatron-LM's GPU clusters is not part of this driver",
                     "none needed"),
+    "sdc_guards": Reason("implemented", "Megatron-LM's silent-data-corruption guards: the weight hash check across "
+                         "data-parallel replicas as in Megatron-LM, one line and exit status 5 on a mismatch; "
+                         "--rerun-mode disabled (Megatron-LM's default), validate_results and report_stats refused in "
+                         "one line (they need Megatron-LM's rerun state machine, which replays iterations) "
+                         "(h3t_training/loop/sdc_guards.py)"),
     "ckpt_io": Reason("noticed", "a checkpoint I/O strategy setting; this driver writes megatron-core torch_dist checkpoints synchronously with every shard",
                     "none needed"),
     "eval_extra": Reason("noticed", "a validation setting beyond --eval-interval/--eval-iters; validation uses the training micro and global batch sizes on the single validation split",
@@ -394,7 +399,7 @@ _MEGATRON_LM: dict[str, str] = {
 --num-workers=1 --object-storage-cache-path=1""",
     "resilience": """
 --adlr-autoresume=0 --adlr-autoresume-interval=1 --calc-ft-timeouts=0 --check-for-large-grads=0
---check-for-spiky-loss=0 --check-weight-hash-across-dp-replicas-interval=1 --deterministic-mode=0
+--check-for-spiky-loss=0 --deterministic-mode=0
 --disable-flight-recorder-dump-on-timeout=0 --disable-flight-recorder-extra-dump-on-exec=0
 --disable-flight-recorder-include-only-active=0 --distributed-timeout-seconds-after-init=1
 --enable-experimental=0 --enable-ft-package=0 --error-injection-rate=1 --error-injection-type=1
@@ -409,8 +414,10 @@ _MEGATRON_LM: dict[str, str] = {
 --inprocess-max-iterations=1 --inprocess-monitor-process-interval=1 --inprocess-monitor-thread-interval=1
 --inprocess-progress-watchdog-interval=1 --inprocess-restart=0 --inprocess-soft-timeout=1
 --inprocess-termination-grace-time=1 --no-flight-recorder-dump-on-timeout=0
---no-flight-recorder-extra-dump-on-exec=0 --no-flight-recorder-include-only-active=0 --rerun-mode=1
+--no-flight-recorder-extra-dump-on-exec=0 --no-flight-recorder-include-only-active=0
 --result-rejected-tracker-filename=1 --train-sync-interval=1""",
+    "sdc_guards": """
+--check-weight-hash-across-dp-replicas-interval=1 --rerun-mode=1""",
     "ckpt_io": """
 --async-ckpt-cpu-priority=1 --async-ckpt-io-priority=1 --async-ckpt-use-cpu-shm=0 --async-strategy=1
 --auto-detect-ckpt-format=0 --ckpt-assume-constant-structure=0 --ckpt-drop-redundant-extra-state=0

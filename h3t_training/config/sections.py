@@ -23,6 +23,8 @@ from h3t_training.loop import fsdp
 
 from h3t_training.config import megatron_compat
 
+from h3t_training.loop import sdc_guards
+
 from h3t_training.config import validation
 from h3t_training.config.errors import ArgumentError
 from h3t_training.config.flag_table import given_table_flags, notice_lines, refusal
@@ -134,7 +136,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
                          arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
-    steps += [arguments.fill_parallel_defaults, fsdp.check_sharding_flags, validation.validate_args]
+    steps += [arguments.fill_parallel_defaults, fsdp.check_sharding_flags, sdc_guards.check_flags,
+              validation.validate_args]
     for step in steps:
         config = step(config)
         assert isinstance(config, TrainConfig), f"{step.__name__} must return a TrainConfig"

@@ -10,6 +10,9 @@ The entry point hands the whole run to :func:`run_reported` (``pretrain_llama.py
   (``torch.OutOfMemoryError``): the rank and its pipeline stage, the cost model's largest memory terms of that
   stage for this run's plan (:func:`h3t_training.config.run_spec.run_plan`, :func:`h3t_ext.costmodel.memory.stage_memory`)
   and the flags that relieve them; status :data:`EXIT_OUT_OF_MEMORY`;
+* data-parallel replicas whose weights differ (``--check-weight-hash-across-dp-replicas-interval``,
+  :mod:`h3t_training.loop.sdc_guards`; raised on every rank alike): said by rank 0, status
+  :data:`EXIT_SILENT_DATA_CORRUPTION`;
 * a collective that failed because a peer died or a wait timed out: status 3 (the heartbeat's);
 * SIGINT (Ctrl-C at a terminal reaches the launcher and every rank; torchrun forwards it too): rank 0 says
   ``interrupted at iteration N; last complete checkpoint: iteration M`` (N iterations complete, M from the
@@ -34,6 +37,9 @@ EXIT_PEER_FAILED = 3
 """A peer died or froze (h3t_training.loop.heartbeat.EXIT_STATUS)."""
 EXIT_OUT_OF_MEMORY = 4
 """The plan does not fit this rank's memory (distinct from bad input: the flags are valid)."""
+EXIT_SILENT_DATA_CORRUPTION = 5
+"""Data-parallel replicas hold different weights (--check-weight-hash-across-dp-replicas-interval): neither bad
+input nor a dead peer, but a fault of some device's memory or arithmetic."""
 EXIT_INTERRUPTED = 128 + int(signal.SIGINT)
 """130: what a shell reports for a program ended by Ctrl-C."""
 CPU_ALLOCATION_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
@@ -185,9 +191,12 @@ def _describe(e: BaseException, args, rank: int, prog: str) -> tuple[Optional[st
     from h3t_training.loop.initialize import uses_gpu
     from h3t_training.loop.optimizer import NonFiniteError
     from h3t_training.launch.run_guard import RunLockError
+    from h3t_training.loop.sdc_guards import WeightHashMismatchError
 
     if isinstance(e, NonFiniteError):  # raised on every rank alike: said once
         return (f"{prog}: error: {e}" if rank == 0 else None), EXIT_ERROR
+    if isinstance(e, WeightHashMismatchError):  # every rank gathered every digest: said once
+        return (f"{prog}: error: {e}" if rank == 0 else None), EXIT_SILENT_DATA_CORRUPTION
     if isinstance(e, (CheckpointError, RuntimeConfigError, RunLockError)):
         return f"{prog}: error: {e}", EXIT_ERROR
     if is_out_of_memory(e) and args is not None:
@@ -226,5 +235,5 @@ def run_reported(body: Callable[[RunProgress], int], *, prog: str, rank: int) ->
     return status
 
 
-__all__ = ["CPU_ALLOCATION_FAILURES", "EXIT_INTERRUPTED", "EXIT_OUT_OF_MEMORY", "InterruptGuard", "Interrupted",
+__all__ = ["CPU_ALLOCATION_FAILURES", "EXIT_INTERRUPTED", "EXIT_OUT_OF_MEMORY", "EXIT_SILENT_DATA_CORRUPTION", "InterruptGuard", "Interrupted",
            "RunProgress", "interrupted_line", "is_out_of_memory", "out_of_memory_line", "run_reported"]

@@ -245,6 +245,22 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common, schedule)
 
 
+def check_latest(root: str) -> Optional[int]:
+    """The iteration ``root``'s tracker names, after checking that its checkpoint is complete (every file of
+    the manifest there with its size and SHA-256, ``.metadata`` and ``common.pt`` readable); None when there is no
+    tracker. A supervisor (``scripts/chaos_run.py``) calls it between a kill and the resume; a checkpoint that is
+    not complete is a :class:`CheckpointError` naming the file."""
+    iteration = _read_tracker(root)
+    if iteration is None:
+        return None
+    directory = iter_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{root}: {TRACKER} names iteration {iteration}, but {directory} does not exist")
+    _read_common(directory)
+    _verify_files(directory, 0, 1)
+    return iteration
+
+
 def _check_schedule(args, saved: dict, iteration: int) -> dict:
     """Megatron refuses a resume whose schedule differs from the checkpoint's unless told which wins:
     ``--override-opt_param-scheduler`` (this command line) or ``--use-checkpoint-opt_param-scheduler``
@@ -427,5 +443,5 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
     return (0 if finetune else found.iteration), notes
 
 
-__all__ = ["CheckpointError", "FoundCheckpoint", "find_checkpoint", "load_checkpoint", "rng_state",
+__all__ = ["CheckpointError", "FoundCheckpoint", "check_latest", "find_checkpoint", "load_checkpoint", "rng_state",
            "save_checkpoint", "set_rng_state"]

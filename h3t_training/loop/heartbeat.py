@@ -85,8 +85,12 @@ class Heartbeat:
 def _client_store(timeout_s: float):
     import torch.distributed as dist
 
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    from h3t_training.loop.initialize import attempt_store
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                           timeout=timeout, wait_for_workers=False)
+    return attempt_store(timeout, client)  # this start's keys only (a restarted group's peers start afresh)
 
 
 def _stop_process(verdict: str) -> None:

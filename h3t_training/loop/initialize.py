@@ -32,6 +32,32 @@ def uses_gpu(args) -> bool:
     return torch.cuda.is_available() and args.distributed_backend != "gloo"
 
 
+def attempt_prefix() -> str:
+    """The key prefix of this start of the worker group in the launcher's store: ``h3t_attempt_N/`` under
+    torchrun's agent store (N: ``TORCHELASTIC_RESTART_COUNT``), empty otherwise.
+
+    torchrun's static rendezvous (``--master-addr``/``--master-port``, one node) keeps one store for the whole job,
+    and the workers of every start of the group connect to it directly (``TORCHELASTIC_USE_AGENT_STORE``). gloo
+    publishes each rank's address there under the same keys at every start, so after ``--max-restarts`` restarts a
+    group the new ranks read the dead ranks' addresses and fail to connect ("Gloo connectFullMesh failed ...
+    Connection refused"). One prefix per start keeps the starts apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return ""
+    return f"h3t_attempt_{int(os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))}/"
+
+
+def attempt_store(timeout: datetime.timedelta, store=None):
+    """The launcher's store (a new client, or ``store``) under :func:`attempt_prefix`; None where there is no
+    agent store (rank 0 hosts the store: mpirun, srun, a plain start) and ``store`` is None."""
+    prefix = attempt_prefix()
+    if not prefix:
+        return store
+    if store is None:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(prefix, store)
+
+
 def initialize_distributed(args) -> None:
     """Create the default process group and megatron-core's model/data-parallel groups."""
     if "MASTER_ADDR" not in os.environ:
@@ -40,8 +66,10 @@ def initialize_distributed(args) -> None:
     backend = args.distributed_backend or ("nccl" if on_gpu else "gloo")
     if on_gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    store = attempt_store(timeout)
+    dist.init_process_group(backend=backend, timeout=timeout, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), **({"store": store} if store else {}))
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

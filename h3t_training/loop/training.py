@@ -36,6 +36,7 @@ from h3t_training.loop.optimizer_offload import cpu_notes
 from h3t_training.telemetry.prediction import predicted_scalars
 from h3t_training.launch.run_guard import RunLock
 from h3t_training.telemetry.scalars import TrainingScalars
+from h3t_training.loop.sdc_guards import check_weight_hashes
 from h3t_training.telemetry.state_bytes import rank_state_bytes
 from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
 from h3t_training.telemetry.training_log import IterationLogger, write_metrics_json
@@ -241,6 +242,9 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
             result = evaluator.evaluate(done, "valid")
             if result is not None:
                 scalars.evaluation(done, "valid", result.loss, result.ppl)
+        interval = args.check_weight_hash_across_dp_replicas_interval
+        if interval and done % interval == 0:  # as Megatron-LM: after the step and its log line, before any save
+            check_weight_hashes(args, chunks, done)
         leave = exits is not None and done < args.train_iters and exits.should_exit()
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
                           or (args.exit_interval and done % args.exit_interval == 0) or leave):

@@ -57,6 +57,15 @@ from h3t_training.config.sections import parse_args
     (["--ckpt-format", "torch"], "--ckpt-format torch: Megatron's legacy per-rank torch files cannot be resharded"),
     (["--ckpt-step", "3"], "--ckpt-step needs --load DIR"),
     (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
+    (["--check-weight-hash-across-dp-replicas-interval", "0"],
+     "--check-weight-hash-across-dp-replicas-interval 0 is outside [1, inf)"),
+    (["--check-weight-hash-across-dp-replicas-interval", "2", "--use-torch-fsdp2",
+      "--untie-embeddings-and-output-weights"],
+     "--check-weight-hash-across-dp-replicas-interval is not supported with --use-torch-fsdp2: FSDP2 shards"),
+    (["--rerun-mode", "validate_results"], "--rerun-mode validate_results is not supported: it needs Megatron-LM's "
+     "rerun state machine"),
+    (["--rerun-mode", "report_stats"], "--rerun-mode report_stats is not supported: it needs Megatron-LM's rerun"),
+    (["--rerun-mode", "replay"], "argument --rerun-mode: invalid choice: 'replay'"),
 ])
 def test_bad_flag_gives_one_line(extra, expected, capsys, monkeypatch):
     assert expected in _error(BASE + extra, capsys, monkeypatch)
@@ -186,3 +195,10 @@ def test_bad_flag_under_torchrun_is_said_once(tmp_path):
                            "--num-experts", "8"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("pretrain_llama.py: error: --num-experts is not supported") == 1, proc.stderr[-3000:]
+
+
+def test_the_silent_data_corruption_guards_megatron_runs_by_default_are_accepted():
+    config = parse_args(BASE + ["--check-weight-hash-across-dp-replicas-interval", "5", "--rerun-mode", "disabled"],
+                        world_size=2)
+    assert config.check_weight_hash_across_dp_replicas_interval == 5 and config.rerun_mode == "disabled"
+    assert not [n for n in config.flag_notices if "rerun" in n or "weight-hash" in n]

@@ -362,3 +362,17 @@ def test_ctrl_c_with_the_exit_signal_handler_saves_first(tmp_path):
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= 2 and f"saved checkpoint at iteration {saved}" in text
     assert line == f"pretrain_llama.py: interrupted at iteration {saved}; last complete checkpoint: iteration {saved}"
+
+
+def test_a_weight_that_flips_on_one_replica_stops_the_run_before_it_is_saved(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    proc = run_pretrain(["weight-flip-rank-1-iter-3", "--", *MOCK, "--train-iters", "6", "--save", str(ckpt),
+                         "--save-interval", "1", "--check-weight-hash-across-dp-replicas-interval", "1"], nproc=2,
+                        entry="tests/fault_injection.py")
+    ours = _ours(proc)
+    assert ours == ["pretrain_llama.py: error: iteration 3: the weights differ across data-parallel replicas "
+                    "(--check-weight-hash-across-dp-replicas-interval 1): pipeline stage 0, tensor rank 0: rank 1 "
+                    "holds other weights than rank 0; stopped before saving (silent data corruption: check the "
+                    "hardware of the ranks named)"], proc.stderr[-5000:]
+    assert "exitcode: 5" in proc.stderr.replace("exitcode  : 5", "exitcode: 5"), proc.stderr[-3000:]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"  # iterations 1, 2 passed

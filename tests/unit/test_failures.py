@@ -122,3 +122,33 @@ def test_a_checkpoint_load_failing_with_a_base_exception_is_one_checkpoint_error
         ckpt_io.load_checkpoint(found, args, [], None)
     assert str(e.value) == (f"checkpoint {tmp_path / 'iter_0000001'} cannot be loaded into this model: RuntimeError: "
                             "PytorchStreamReader failed reading zip archive: failed finding central directory")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_replicas_with_other_weights_are_said_once_by_rank_0_with_status_5(pp2_args, capsys, rank):
+    from h3t_training.loop.sdc_guards import WeightHashMismatchError
+
+    def body(progress):
+        progress.args = pp2_args
+        raise WeightHashMismatchError("iteration 4: the weights differ across data-parallel replicas")
+
+    assert failures.run_reported(body, prog="pretrain_llama.py", rank=rank) == failures.EXIT_SILENT_DATA_CORRUPTION
+    err = capsys.readouterr().err
+    assert err == ("pretrain_llama.py: error: iteration 4: the weights differ across data-parallel replicas\n"
+                   if rank == 0 else "")
+
+
+def test_the_weight_hash_mismatch_line_names_the_odd_ranks_of_each_replica_set():
+    from h3t_training.loop.sdc_guards import mismatch_line
+
+    good, bad = "a" * 64, "b" * 64
+    # 8 ranks: tensor ranks 0/1 on one stage, 4 data-parallel replicas each; rank 5 (tensor rank 1) differs
+    digests = [(r, (0, r % 2), bad if r == 5 else good) for r in range(8)]
+    assert mismatch_line(6, 3, [(r, k, good) for r, k, _ in digests]) is None
+    line = mismatch_line(6, 3, digests)
+    assert line == ("iteration 6: the weights differ across data-parallel replicas "
+                    "(--check-weight-hash-across-dp-replicas-interval 3): pipeline stage 0, tensor rank 1: rank 5 "
+                    "holds other weights than ranks 1, 3, 7; stopped before saving (silent data corruption: check "
+                    "the hardware of the ranks named)")
+    two = mismatch_line(2, 1, [(0, (0, 0), good), (1, (0, 0), bad)])  # a tie: the lowest rank is the reference
+    assert "tensor rank 0: rank 1 holds other weights than rank 0;" in two
