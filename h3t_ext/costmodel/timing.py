@@ -169,12 +169,13 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
         diag = flash_attention_seconds(bh, q, q, d, r, causal=True, backward=backward, dropout=drop)
         off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward, dropout=drop)
         send = p2p_seconds(bytes_per_step, link)
-        steps = [diag] + [off] * (c - 1)
-        # every step after the first merges its partial result into fp32 accumulators
+        # the c steps: the diagonal block, then c - 1 off-diagonal ones; every step after the first merges its
+        # partial result into fp32 accumulators
         merge = (CP_MERGE_BYTES_BWD if backward else CP_MERGE_BYTES_FWD) * mb * q * (
             model.hidden_size + (2 * model.kv_hidden_size if backward else 0)) // t
-        out[name] = sum(steps) + (c - 1) * elementwise_seconds(merge, r, kernels=CP_MERGE_KERNELS)
-        out["cp_" + name] = sum(max(0.0, send - x) for x in steps[:-1])
+        out[name] = diag + (c - 1) * off + (c - 1) * elementwise_seconds(merge, r, kernels=CP_MERGE_KERNELS)
+        # the next block's K/V travels while a step computes (not after the last): exposed where it is longer
+        out["cp_" + name] = max(0.0, send - diag) + (c - 2) * max(0.0, send - off)
     return out
 
 

@@ -27,6 +27,7 @@ differs).
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -48,6 +49,34 @@ from ...schedule.builder import Action, ActionKind, build_schedule
 from ..config import H3TConfig, RuntimeConfigError
 from .p2p import BACKWARD, FORWARD, PipelineP2P
 from .prepare import ModelPreparer, validate_layout
+
+
+class ScheduleMode(enum.Enum):
+    """Which of Megatron's three forward-backward functions was called."""
+
+    NO_PIPELINING = "no_pipelining"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+@dataclass(frozen=True)
+class MegatronCallArgs:
+    """The keyword arguments of Megatron's forward-backward functions (one call), named as Megatron names them."""
+
+    forward_step_func: Callable
+    data_iterator: Any
+    model: Any
+    num_microbatches: int
+    seq_length: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+    decoder_seq_length: Optional[int] = None
+    forward_only: bool = False
+    collect_non_loss_data: bool = False
+    first_val_step: Optional[bool] = None
+    adjust_tensor_shapes_fn: Optional[Callable] = None
+    p2p_communicator: Any = None
+    pg_collection: Any = None
+    force_all_reduce: bool = False
 
 
 @dataclass
@@ -93,10 +122,15 @@ def _as_list(x) -> list:
 
 
 class _GradSync:
-    """Megatron's no_sync / grad_sync_func / param_sync_func protocol for one call."""
+    """Megatron's no_sync / grad_sync_func / param_sync_func protocol for one call.
 
-    def __init__(self, config, model: list, mode: str, pp_rank: int, forward_only: bool):
-        self.config, self.model, self.mode, self.pp_rank = config, model, mode, pp_rank
+    The sync functions are read from Megatron's model config once and held here, one per model chunk under
+    interleaving (Megatron's own interleaved schedule writes that list back into the config; this does not,
+    and a forward-only call uses none of them without touching the config either)."""
+
+    def __init__(self, config, model: list, mode: ScheduleMode, pp_rank: int, forward_only: bool):
+        self.model, self.mode, self.pp_rank = model, mode, pp_rank
+        self.interleaved = mode is ScheduleMode.INTERLEAVED
         no_sync = config.no_sync_func
         if isinstance(no_sync, list):
             funcs = no_sync
@@ -104,15 +138,11 @@ class _GradSync:
         self.no_sync_func = no_sync or contextlib.nullcontext
         self._ctx = None
         self.synced: set[int] = set()
-        self._saved = None
-        if mode == "interleaved":
-            for name in ("grad_sync_func", "param_sync_func"):
-                f = getattr(config, name)
-                if f is not None and not isinstance(f, list):
-                    setattr(config, name, [f for _ in model])
-            if forward_only:
-                self._saved = (config.grad_sync_func, config.param_sync_func)
-                config.grad_sync_func, config.param_sync_func = None, None
+        self.grad_sync, self.param_sync = config.grad_sync_func, config.param_sync_func
+        if self.interleaved:
+            self.grad_sync, self.param_sync = (
+                None if forward_only or f is None else (f if isinstance(f, list) else [f for _ in model])
+                for f in (self.grad_sync, self.param_sync))
         self.disable()
 
     def disable(self) -> None:
@@ -126,31 +156,31 @@ class _GradSync:
             self._ctx = None
 
     def start(self) -> None:
-        psf = self.config.param_sync_func
-        if self.mode == "interleaved" and psf is not None:
+        psf = self.param_sync
+        if self.interleaved and psf is not None:
             for c in range(min(2, len(self.model))):
                 psf[c](self.model[c].parameters())
 
     def before_forward(self, a: Action, is_first_mb: bool) -> None:
-        psf = self.config.param_sync_func
-        if self.mode == "interleaved" and psf is not None and is_first_mb and 1 < a.chunk + 1 < len(self.model):
+        psf = self.param_sync
+        if self.interleaved and psf is not None and is_first_mb and 1 < a.chunk + 1 < len(self.model):
             psf[a.chunk + 1](self.model[a.chunk + 1].parameters())
 
     def before_backward(self, a: Action, is_last_mb: bool) -> None:
-        gsf = self.config.grad_sync_func
+        gsf = self.grad_sync
         if not is_last_mb:
             return
-        if self.mode == "interleaved":
+        if self.interleaved:
             if gsf is None:
                 self.enable()
                 self.synced.add(a.chunk)
-        elif gsf is None or self.pp_rank == 0 or self.mode == "none":
+        elif gsf is None or self.pp_rank == 0 or self.mode is ScheduleMode.NO_PIPELINING:
             self.enable()
 
     def after_backward(self, a: Action, is_last_mb: bool) -> None:
-        if self.mode != "interleaved":
+        if not self.interleaved:
             return
-        gsf = self.config.grad_sync_func
+        gsf = self.grad_sync
         if gsf is not None and is_last_mb:
             self.enable()
             gsf[a.chunk](self.model[a.chunk].parameters())
@@ -158,20 +188,18 @@ class _GradSync:
         self.disable()
 
     def finish(self, forward_only: bool) -> None:
-        gsf = self.config.grad_sync_func
+        gsf = self.grad_sync
         if forward_only:
             self.enable()
-        elif self.mode == "interleaved":
+        elif self.interleaved:
             self.enable()
             for c in range(len(self.model)):
                 if gsf is not None and c not in self.synced:
                     gsf[c](self.model[c].parameters())
         elif self._ctx is not None:
             self.enable()
-            if gsf is not None and self.mode != "none":
+            if gsf is not None and self.mode is not ScheduleMode.NO_PIPELINING:
                 gsf(self.model[0].parameters())
-        if self._saved is not None:
-            self.config.grad_sync_func, self.config.param_sync_func = self._saved
 
 
 def _enter_all(funcs):
@@ -208,7 +236,13 @@ class H3TSchedules:
                                        adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
                                        force_all_reduce=False):
         """Run all microbatches on one pipeline stage (PP=1)."""
-        return self._run("none", locals())
+        return self._run(ScheduleMode.NO_PIPELINING, MegatronCallArgs(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce))
 
     def forward_backward_pipelining_without_interleaving(self, *, forward_step_func, data_iterator, model,
                                                          num_microbatches, seq_length, micro_batch_size,
@@ -217,7 +251,13 @@ class H3TSchedules:
                                                          adjust_tensor_shapes_fn=None, p2p_communicator=None,
                                                          pg_collection=None, force_all_reduce=False):
         """1F1B over the pipeline group, one model chunk per rank."""
-        return self._run("1f1b", locals())
+        return self._run(ScheduleMode.ONE_F_ONE_B, MegatronCallArgs(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce))
 
     def forward_backward_pipelining_with_interleaving(self, *, forward_step_func, data_iterator, model,
                                                       num_microbatches, seq_length, micro_batch_size,
@@ -226,43 +266,49 @@ class H3TSchedules:
                                                       adjust_tensor_shapes_fn=None, p2p_communicator=None,
                                                       pg_collection=None, force_all_reduce=False):
         """Interleaved 1F1B over the pipeline group, ``len(model)`` chunks per rank."""
-        return self._run("interleaved", locals())
+        return self._run(ScheduleMode.INTERLEAVED, MegatronCallArgs(
+            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
+            pg_collection=pg_collection, force_all_reduce=force_all_reduce))
 
     # -- the one executor --------------------------------------------------------------------
-    def _resolve(self, mode: str, kw: dict) -> _Call:
-        model, iters = _as_list(kw["model"]), _as_list(kw["data_iterator"])
-        if mode != "interleaved" and len(model) != 1:
-            raise ValueError(f"{mode} schedule runs one model chunk, got {len(model)}")
+    def _resolve(self, mode: ScheduleMode, kw: MegatronCallArgs) -> _Call:
+        model, iters = _as_list(kw.model), _as_list(kw.data_iterator)
+        if mode is not ScheduleMode.INTERLEAVED and len(model) != 1:
+            raise ValueError(f"{mode.value} schedule runs one model chunk, got {len(model)}")
         if len(iters) != len(model):
             raise ValueError(f"need one data iterator per model chunk, got {len(iters)} for {len(model)} chunks")
-        pgc = kw["pg_collection"]
+        pgc = kw.pg_collection
         if pgc is None:
             pgc = _default_pg_collection()
-        p2p_comm = kw["p2p_communicator"]
+        p2p_comm = kw.p2p_communicator
         pp_group = p2p_comm.pp_group if p2p_comm is not None else pgc.pp
         pp_rank, pp_size = _group_rank_size(pp_group)
-        if mode == "none":
+        if mode is ScheduleMode.NO_PIPELINING:
             pp_rank, pp_size = 0, 1
         config = get_model_config(model[0])
         shapes: list = []
         if pp_size > 1:
             shapes = get_tensor_shapes(
-                seq_length=kw["seq_length"], micro_batch_size=kw["micro_batch_size"],
-                decoder_seq_length=kw["decoder_seq_length"], config=config, tp_group=pgc.tp, cp_group=pgc.cp,
+                seq_length=kw.seq_length, micro_batch_size=kw.micro_batch_size,
+                decoder_seq_length=kw.decoder_seq_length, config=config, tp_group=pgc.tp, cp_group=pgc.cp,
             )
-            if kw["adjust_tensor_shapes_fn"] is not None:
-                if mode == "interleaved":
+            if kw.adjust_tensor_shapes_fn is not None:
+                if mode is ScheduleMode.INTERLEAVED:
                     raise ValueError("adjust_tensor_shapes_fn is not supported with interleaving")
-                recv, send = kw["adjust_tensor_shapes_fn"](shapes, list(shapes))
+                recv, send = kw.adjust_tensor_shapes_fn(shapes, list(shapes))
                 if list(map(tuple, recv)) != list(map(tuple, send)):
                     raise ValueError("adjust_tensor_shapes_fn must give the same send and receive shapes")
                 shapes = list(recv)
         return _Call(
-            forward_step_func=kw["forward_step_func"], data_iterators=iters, model=model,
-            num_microbatches=kw["num_microbatches"], forward_only=kw["forward_only"],
-            collect_non_loss_data=kw["collect_non_loss_data"], first_val_step=kw["first_val_step"], shapes=shapes,
+            forward_step_func=kw.forward_step_func, data_iterators=iters, model=model,
+            num_microbatches=kw.num_microbatches, forward_only=kw.forward_only,
+            collect_non_loss_data=kw.collect_non_loss_data, first_val_step=kw.first_val_step, shapes=shapes,
             pg_collection=pgc, pp_group=pp_group, pp_rank=pp_rank, pp_size=pp_size,
-            interleaved=mode == "interleaved", force_all_reduce=bool(kw["force_all_reduce"]),
+            interleaved=mode is ScheduleMode.INTERLEAVED, force_all_reduce=bool(kw.force_all_reduce),
         )
 
     def schedule(self, pp_rank: int, pp_size: int, num_microbatches: int, num_model_chunks: int, *,
@@ -288,7 +334,7 @@ class H3TSchedules:
             self._schedules[shape] = schedule
         return schedule
 
-    def _run(self, mode: str, kw: dict) -> list:
+    def _run(self, mode: ScheduleMode, kw: MegatronCallArgs) -> list:
         call = self._resolve(mode, kw)
         config = get_model_config(call.model[0])
         v = len(call.model)
@@ -312,7 +358,7 @@ class H3TSchedules:
 class _Executor:
     """Runs one rank's action list once."""
 
-    def __init__(self, call: _Call, config, h3t: H3TConfig, manager, mode: str, v: int, *,
+    def __init__(self, call: _Call, config, h3t: H3TConfig, manager, mode: ScheduleMode, v: int, *,
                  num_layers_per_chunk: Optional[int] = None):
         self.call, self.config, self.manager, self.mode, self.v = call, config, manager, mode, v
         self.num_layers_per_chunk = num_layers_per_chunk
@@ -452,4 +498,4 @@ class _Executor:
             self.input_grads[key] = in_grad
 
 
-__all__ = ["H3TSchedules"]
+__all__ = ["H3TSchedules", "MegatronCallArgs", "ScheduleMode"]
