@@ -20,7 +20,10 @@ Each row and point says what it was used for (``used_for``; empty = held out, th
 * ``USE_MEMORY_MODEL``: one of ``atc24_calibration.json``'s memory-versus-alpha points, the ones the memory model
   was built and checked on (:func:`calibration.calibration_report`). No memory term is fitted to a number.
 
-Predictions: tokens/s and MFU at the published alpha (the simulated timeline); alpha solved with
+Predictions: tokens/s and MFU at the published alpha (the simulated timeline, what ``estimate`` and ``h3t-plan``
+report), and the closed form's tokens/s beside them (what the efficiencies were fitted on,
+``fit.relative_errors``; on these cross-node interleaved pipelines the timeline is a few percent slower, DESIGN.md
+"Timeline"); alpha solved with
 ``solve_offload_alpha(mode='auto')`` against the runs' own budget; the peak memory and the out-of-memory verdict
 against the plan's default budget (``reserve.py``: HBM less the CUDA context, the NCCL buffers of the layout's
 communicators and the allocator gap), which is what decides whether a run fits on the GPU. Pure arithmetic.
@@ -110,6 +113,7 @@ def _run_switches() -> dict:
     return settings()["sources"]["atc24_65b"]["plan"]
 
 
+@functools.lru_cache(maxsize=1)
 def _fit_uses() -> dict[tuple[str, Plan, str, float], tuple[str, ...]]:
     """(model name, plan, system name, measured tokens/s per GPU) of every run the data file's efficiencies were
     fitted on, with its uses (the measurement is in the key: stock Megatron's demo row has the baseline's plan)."""
@@ -188,7 +192,9 @@ def artifact_rows() -> list[ArtifactRow]:
 class RowPrediction:
     row: ArtifactRow
     tokens_per_s_per_gpu: float
-    """At the published alpha (0 where none)."""
+    """At the published alpha (0 where none), on the simulated timeline."""
+    closed_form_tokens_per_s_per_gpu: float
+    """The same plan priced by the closed form (``estimate(..., timeline=False)``), which the fit uses."""
     mfu: float
     published_mfu: Optional[float]
     """As printed, else from the published tokens/s with ``mfu.py``'s FLOPs (None: out of memory)."""
@@ -205,6 +211,11 @@ class RowPrediction:
         """Predicted over published tokens/s, minus 1 (None for a run that went out of memory)."""
         pub = self.row.published_tokens_per_s_per_gpu
         return None if pub is None else self.tokens_per_s_per_gpu / pub - 1.0
+
+    @property
+    def closed_form_error(self) -> Optional[float]:
+        pub = self.row.published_tokens_per_s_per_gpu
+        return None if pub is None else self.closed_form_tokens_per_s_per_gpu / pub - 1.0
 
     @property
     def alpha_error(self) -> Optional[float]:
@@ -248,7 +259,8 @@ def predict_row(row: ArtifactRow, alpha_budget_bytes: Optional[int] = None) -> R
     pub = row.printed_mfu
     if pub is None and row.ran:
         pub = mfu(row.model, row.plan.seq_length, row.published_tokens_per_s_per_gpu, row.system.peak_bf16_flops)
-    return RowPrediction(row, est.tokens_per_second_per_gpu, est.mfu, pub, alpha, est.peak_memory_bytes,
+    closed = est.tokens_per_iteration / est.closed_form_time_s / est.num_gpus
+    return RowPrediction(row, est.tokens_per_second_per_gpu, closed, est.mfu, pub, alpha, est.peak_memory_bytes,
                          est.memory_budget_bytes, est.fits)
 
 
@@ -308,6 +320,12 @@ class ArtifactReport:
                 for g, ps in _groups(t, self.table(t), lambda p: p.row.model.name, lambda p: p.row.held_out)]
 
     @property
+    def closed_form_tokens_errors(self) -> list[ErrorSummary]:
+        """The closed form's tokens/s, grouped as :attr:`tokens_errors`."""
+        return [ErrorSummary.of(g, (p.closed_form_error for p in ps)) for t in TABLES
+                for g, ps in _groups(t, self.table(t), lambda p: p.row.model.name, lambda p: p.row.held_out)]
+
+    @property
     def mfu_errors(self) -> list[ErrorSummary]:
         """MFU, absolute (predicted minus published, in MFU units), per table."""
         return [ErrorSummary.of(t, (None if p.published_mfu is None else p.mfu - p.published_mfu
@@ -347,6 +365,8 @@ class ArtifactReport:
                 "predicted_tokens_per_s_per_gpu": p.tokens_per_s_per_gpu,
                 "published_tokens_per_s": None if not r.ran else r.published_tokens_per_s_per_gpu * plan.num_gpus,
                 "predicted_tokens_per_s": p.tokens_per_s_per_gpu * plan.num_gpus, "error": p.error,
+                "closed_form_tokens_per_s_per_gpu": p.closed_form_tokens_per_s_per_gpu,
+                "closed_form_error": p.closed_form_error,
                 "published_mfu": p.published_mfu, "mfu_printed": r.printed_mfu is not None, "predicted_mfu": p.mfu,
                 "published_out_of_memory": not r.ran, "predicted_peak_memory_bytes": p.peak_memory_bytes,
                 "memory_budget_bytes": p.memory_budget_bytes, "predicted_fits": p.fits,
@@ -365,6 +385,7 @@ class ArtifactReport:
             "tables": {t: [row(p) for p in self.table(t)] for t in TABLES},
             "figure7": [point(p) for p in self.points],
             "tokens_per_s_error": [s.to_dict() for s in self.tokens_errors],
+            "closed_form_tokens_per_s_error": [s.to_dict() for s in self.closed_form_tokens_errors],
             "mfu_error": [s.to_dict() for s in self.mfu_errors],
             "alpha_error": [s.to_dict() for s in self.alpha_errors],
             "memory_error": [s.to_dict() for s in self.memory_errors],
