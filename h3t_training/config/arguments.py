@@ -12,7 +12,7 @@ import sys
 from typing import Optional
 
 from h3t_ext.ckpt import Ckpt
-from h3t_training.config.errors import ArgumentError
+from h3t_training.errors import ArgumentError
 from h3t_training.config.flag_table import add_table_flags
 from h3t_training.config.h3t_flags import add_h3t_flags
 from h3t_training.data.tokenizer import add_tokenizer_flags

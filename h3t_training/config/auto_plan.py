@@ -8,7 +8,7 @@ plan is printed (rank 0) as the Megatron flags that launch it.
 from __future__ import annotations
 
 from h3t_ext.offload_alpha import OffloadAlpha
-from h3t_training.config.errors import ArgumentError
+from h3t_training.errors import ArgumentError
 from h3t_training.config.run_spec import model_spec, run_plan
 from h3t_training.data.tokenizer import tokenizer_from_args
 

@@ -10,13 +10,13 @@
 * ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here;
 * ``--distributed-backend nccl`` without CUDA -> gloo, with a notice.
 Each step reads the config and returns the fields it sets (a dict); every problem is an
-:class:`~h3t_training.config.errors.ArgumentError` (one line).
+:class:`~h3t_training.errors.ArgumentError` (one line).
 """
 from __future__ import annotations
 
 from h3t_training.data.batch_schedule import BatchSchedule, parse_step_schedule, rampup_schedule
 from h3t_training.data.data_checks import DataFileError, parse_split
-from h3t_training.config.errors import ArgumentError
+from h3t_training.errors import ArgumentError
 
 
 def kwai_aliases(args) -> dict:

@@ -19,16 +19,14 @@ from h3t_training.config import arguments
 
 from h3t_training.config import auto_plan
 
-from h3t_training.loop import fsdp
 
 from h3t_training.config import megatron_compat
 
-from h3t_training.loop import sdc_guards
 
 from h3t_training.config import validation
-from h3t_training.config.errors import ArgumentError
+from h3t_training.errors import ArgumentError
 from h3t_training.config.flag_table import given_table_flags, notice_lines, refusal
-from h3t_training.loop.optimizer_offload import check_optimizer_offload
+from h3t_training.config.feature_checks import check_optimizer_offload, check_sdc_flags, check_sharding_flags
 from h3t_training.data.tokenizer import TokenizerError
 
 
@@ -136,7 +134,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
                          arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
-    steps += [arguments.fill_parallel_defaults, fsdp.check_sharding_flags, sdc_guards.check_flags,
+    steps += [arguments.fill_parallel_defaults, check_sharding_flags, check_sdc_flags,
               validation.validate_args]
     for step in steps:
         config = step(config)

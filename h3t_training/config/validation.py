@@ -16,8 +16,8 @@ from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout
 from h3t_training.config.auto_plan import resolve_alpha
 from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
-from h3t_training.config.errors import ArgumentError
-from h3t_training.telemetry.loggers import check_writer_packages
+from h3t_training.errors import ArgumentError
+from h3t_training.config.feature_checks import check_writer_packages
 from h3t_training.data.tokenizer import TokenizerError, tokenizer_from_args
 
 

@@ -10,14 +10,14 @@
 
 The schedule is a list of segments (first consumed sample, batch size); an iteration's batch size
 depends on the samples consumed before it, so iterations are walked segment by segment in closed
-form. Every problem is one :class:`~h3t_training.config.errors.ArgumentError` line.
+form. Every problem is one :class:`~h3t_training.errors.ArgumentError` line.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from h3t_training.config.errors import ArgumentError
+from h3t_training.errors import ArgumentError
 
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 

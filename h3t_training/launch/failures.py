@@ -188,7 +188,7 @@ def _describe(e: BaseException, args, rank: int, prog: str) -> tuple[Optional[st
     """(line or None for no line on this rank, exit status) for a known failure; raises ``e`` otherwise."""
     from h3t_ext.runtime.config import RuntimeConfigError
     from h3t_training.loop.checkpointing import CheckpointError
-    from h3t_training.loop.initialize import uses_gpu
+    from h3t_training.config.feature_checks import uses_gpu
     from h3t_training.loop.optimizer import NonFiniteError
     from h3t_training.launch.run_guard import RunLockError
     from h3t_training.loop.sdc_guards import WeightHashMismatchError

@@ -37,46 +37,6 @@ from typing import Iterator
 
 import torch
 
-from h3t_training.config.errors import ArgumentError
-
-MEGATRON_FSDP_CPU_REASON = ("megatron-core 0.16.1's MegatronFSDP needs CUDA (its adapter takes torch.cuda.current_device() "
-                            "and a 'cuda' device mesh, MegatronFSDP creates torch.cuda streams)")
-"""Why Megatron FSDP cannot run on the CPU path (gloo)."""
-
-
-def check_sharding_flags(args):
-    """Megatron FSDP's flags refused and ``--use-torch-fsdp2``'s combinations checked (a resolve step; one line
-    naming the flags). Runs after the parallel sizes are filled."""
-    if args.use_megatron_fsdp:
-        raise ArgumentError(f"--use-megatron-fsdp is not supported: {MEGATRON_FSDP_CPU_REASON}, and this driver does "
-                            "not wire it on a GPU (use --use-torch-fsdp2 or --use-distributed-optimizer)")
-    if args.data_parallel_sharding_strategy != "no_shard":
-        raise ArgumentError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} is Megatron "
-                            f"FSDP's (--use-megatron-fsdp), which is not supported: {MEGATRON_FSDP_CPU_REASON} "
-                            "(use --use-torch-fsdp2, or --use-distributed-optimizer for optim)")
-    if args.torch_fsdp2_no_reshard_after_forward and not args.use_torch_fsdp2:
-        raise ArgumentError("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
-    if not args.use_torch_fsdp2:
-        return args
-    clashes = [(args.pipeline_model_parallel_size > 1,
-                f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} (pipeline parallelism)"),
-               (args.use_distributed_optimizer, "--use-distributed-optimizer (megatron-core's distributed optimizer)"),
-               (args.optimizer_cpu_offload, "--optimizer-cpu-offload (it needs the distributed optimizer)"),
-               (not args.untie_embeddings_and_output_weights,
-                "tied embedding and output weights (give --untie-embeddings-and-output-weights)"),
-               (args.fp16, "--fp16"),
-               (args.save is not None, "--save (the driver's checkpoints hold whole parameters, not FSDP2's DTensor "
-                                       "shards; train without --save, or without --use-torch-fsdp2)")]
-    from h3t_training.loop.initialize import uses_gpu  # noqa: PLC0415
-
-    clashes.append((uses_gpu(args) and args.load is not None and not (args.finetune or args.no_load_optim),
-                    "--load of the optimizer state on a GPU (the whole-parameter Adam state is sharded into the CPU "
-                    "path's optimizer only; give --no-load-optim or --finetune)"))
-    for clash, what in clashes:
-        if clash:
-            raise ArgumentError(f"--use-torch-fsdp2 is not supported with {what}")
-    return args
-
 
 @contextlib.contextmanager
 def _mesh_device(device_type: str) -> Iterator[None]:
@@ -157,5 +117,5 @@ def shard_optimizer_state(whole, sharded, names_whole: list[str], names_sharded:
                                  **{k: shard_like(held[k], p) for k in ("exp_avg", "exp_avg_sq")}}
 
 
-__all__ = ["MEGATRON_FSDP_CPU_REASON", "check_sharding_flags", "is_dtensor", "local", "shard_like",
+__all__ = ["is_dtensor", "local", "shard_like",
            "shard_optimizer_state", "wrap_chunks"]

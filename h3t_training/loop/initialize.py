@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from h3t_training.config.feature_checks import uses_gpu
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -25,11 +27,6 @@ def _free_port() -> int:
 def dist_rank_from_env() -> int:
     """This process's global rank as the launcher set it (0 for a plain single-process run)."""
     return int(os.environ.get("RANK", "0"))
-
-
-def uses_gpu(args) -> bool:
-    """True when this run trains on CUDA devices."""
-    return torch.cuda.is_available() and args.distributed_backend != "gloo"
 
 
 def attempt_prefix() -> str:

@@ -29,7 +29,7 @@ import inspect
 from typing import Optional, Sequence
 
 from h3t_ext.offload_alpha import OffloadAlpha
-from h3t_training.config.errors import ArgumentError
+from h3t_training.errors import ArgumentError
 from h3t_training.config.h3t_flags import add_h3t_flags
 from h3t_training.config.megatron_compat import kwai_aliases
 

@@ -15,7 +15,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
-from h3t_training.config.errors import ArgumentError
+from h3t_training.errors import ArgumentError
 from h3t_training.loop.initialize import set_random_seed
 from h3t_training.data.tokenizer import padded_vocab_size
 

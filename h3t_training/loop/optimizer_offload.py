@@ -23,7 +23,6 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from h3t_ext.planner.translate import MEGATRON_DEFAULTS
-from h3t_training.config.errors import ArgumentError
 
 DEFAULT_OFFLOAD_FRACTION = MEGATRON_DEFAULTS["optimizer_offload_fraction"]
 """Megatron-LM's default of ``--optimizer-offload-fraction`` (its arguments.py: ``default=1.0``), from the one
@@ -70,35 +69,6 @@ class OptimizerOffload:
     @property
     def enabled(self) -> bool:
         return self.fraction > 0
-
-
-def check_optimizer_offload(args):
-    """The flags' range and Megatron-LM's rules for combining them (a resolve step; one line per problem).
-
-    ``--optimizer-cpu-offload`` needs ``--use-precision-aware-optimizer`` (Megatron-LM's arguments.py: "the
-    hybrid device optimizer reuses the code path of this flag"), which needs ``--use-distributed-optimizer``
-    (megatron-core's ``OptimizerConfig``). The other offload flags without ``--optimizer-cpu-offload`` have no
-    effect in Megatron-LM; here they get a notice saying so."""
-    f = args.optimizer_offload_fraction
-    if f is not None and not (isinstance(f, float) and 0.0 <= f <= 1.0):  # nan fails the comparison too
-        raise ArgumentError(f"--optimizer-offload-fraction {f} is outside [0, 1]")
-    if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
-        raise ArgumentError("--use-precision-aware-optimizer needs --use-distributed-optimizer "
-                            "(megatron-core's OptimizerConfig)")
-    if args.optimizer_cpu_offload and not args.use_precision_aware_optimizer:
-        raise ArgumentError("--optimizer-cpu-offload needs --use-precision-aware-optimizer (as Megatron-LM: the "
-                            "hybrid device optimizer reuses that flag's code path) and --use-distributed-optimizer")
-    if args.optimizer_cpu_offload:
-        return args
-    idle = [flag for flag, on in (("--optimizer-offload-fraction", f is not None),
-                                  ("--overlap-cpu-optimizer-d2h-h2d", args.overlap_cpu_optimizer_d2h_h2d),
-                                  ("--use-torch-optimizer-for-cpu-offload", args.use_torch_optimizer_for_cpu_offload),
-                                  ("--no-pin-cpu-grads", not args.pin_cpu_grads),
-                                  ("--no-pin-cpu-params", not args.pin_cpu_params)) if on]
-    if not idle:
-        return args
-    return args.replace(flag_notices=(*args.flag_notices, f"note: {', '.join(idle)}: no effect without "
-                                                          "--optimizer-cpu-offload (as in Megatron-LM)"))
 
 
 def cpu_notes(args) -> list[str]:
@@ -226,5 +196,5 @@ def require_transformer_engine(args) -> Optional[str]:
     return None
 
 
-__all__ = ["DEFAULT_OFFLOAD_FRACTION", "HostPartition", "OptimizerOffload", "check_optimizer_offload", "cpu_notes",
+__all__ = ["DEFAULT_OFFLOAD_FRACTION", "HostPartition", "OptimizerOffload", "cpu_notes",
            "offloaded_prefix", "optimizer_config_fields", "require_transformer_engine", "split_groups"]

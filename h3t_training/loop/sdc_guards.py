@@ -17,33 +17,9 @@ from __future__ import annotations
 
 import hashlib
 
-from h3t_training.config.errors import ArgumentError
-
-RERUN_MODES = ("disabled", "validate_results", "report_stats")
-"""Megatron-LM's --rerun-mode choices (megatron/training/arguments.py)."""
-RERUN_REFUSAL = ("needs Megatron-LM's rerun state machine (it re-executes an iteration's forward and backward when a "
-                 "result check fails, to tell a transient hardware fault from a persistent one); this driver does "
-                 "not replay iterations")
-
 
 class WeightHashMismatchError(RuntimeError):
     """Data-parallel replicas hold different weights (raised on every rank alike; the message is one line)."""
-
-
-def check_flags(args):
-    """A resolve step: the interval's range, its clash with FSDP2, and the rerun modes this driver has."""
-    interval = args.check_weight_hash_across_dp_replicas_interval
-    if interval is not None and interval < 1:
-        raise ArgumentError(f"--check-weight-hash-across-dp-replicas-interval {interval} is outside [1, inf)")
-    if interval is not None and args.use_torch_fsdp2:
-        raise ArgumentError("--check-weight-hash-across-dp-replicas-interval is not supported with --use-torch-fsdp2: "
-                            "FSDP2 shards the parameters over the data-parallel group, so no two ranks hold a "
-                            "replica to compare")
-    if args.rerun_mode != "disabled":
-        raise ArgumentError(f"--rerun-mode {args.rerun_mode} is not supported: it {RERUN_REFUSAL} (use --rerun-mode "
-                            f"disabled, Megatron-LM's default; --check-for-nan-in-loss-and-grad stops at a "
-                            f"non-finite loss)")
-    return args
 
 
 def weight_digest(chunks) -> str:
@@ -108,5 +84,5 @@ def check_weight_hashes(args, chunks, iteration: int) -> None:
         raise WeightHashMismatchError(line)
 
 
-__all__ = ["RERUN_MODES", "WeightHashMismatchError", "check_flags", "check_weight_hashes", "mismatch_line",
+__all__ = ["WeightHashMismatchError", "check_weight_hashes", "mismatch_line",
            "weight_digest"]

@@ -28,7 +28,8 @@ from h3t_training.loop.evaluation import Evaluator
 from h3t_training.launch.failures import Interrupted, RunProgress
 from h3t_training.loop.exit_conditions import ExitConditions, ExitSignalHandler
 from h3t_training.loop.heartbeat import start_heartbeat
-from h3t_training.loop.initialize import initialize_distributed, shutdown, uses_gpu
+from h3t_training.config.feature_checks import uses_gpu
+from h3t_training.loop.initialize import initialize_distributed, shutdown
 from h3t_training.telemetry.loggers import build_writer, writers_requested
 from h3t_training.loop.model_provider import build_model_chunks, num_parameters
 from h3t_training.loop.optimizer import NonFiniteError

@@ -3,8 +3,8 @@
 The driver talks to a :class:`ScalarWriter` (``add_scalar(tag, value, step)``, ``flush``,
 ``close``); :func:`build_writer` returns TensorBoard's ``SummaryWriter``, a wandb run, both (a
 :class:`FanOutWriter`) or a :class:`NullWriter`. As in Megatron-LM, only the last rank writes.
-Both backends are optional packages: :func:`check_writer_packages` runs with the other flag checks,
-so a missing package ends the program with one line naming it before any process starts.
+Both backends are optional packages: :func:`h3t_training.config.feature_checks.check_writer_packages` runs with
+the other flag checks, so a missing package ends the program with one line naming it before any process starts.
 
 wandb has a single step axis, so it receives the scalars keyed by iteration and skips Megatron's
 ``... vs samples`` twins (those have the consumed-sample count as their step). Without
@@ -13,11 +13,9 @@ machine without network never waits on the wandb service.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Optional, Protocol
 
-from h3t_training.config.errors import ArgumentError
 
 SAMPLES_SUFFIX = " vs samples"
 
@@ -125,15 +123,6 @@ class FanOutWriter:
     def close(self) -> None:
         for w in self.writers:
             w.close()
-
-
-def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
-    """One line naming the missing package when a writer is asked for (before any process group)."""
-    if args.tensorboard_dir is not None and find_spec("tensorboard") is None:
-        raise ArgumentError(f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard package "
-                            "(pip install 'tensorboard>=2.14,<3')")
-    if args.wandb_project is not None and find_spec("wandb") is None:
-        raise ArgumentError(f"--wandb-project {args.wandb_project} needs the wandb package (pip install wandb)")
 
 
 def wandb_save_dir(args) -> str:

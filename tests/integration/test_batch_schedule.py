@@ -12,7 +12,7 @@ from driver_harness import check_ok, metrics, run_pretrain
 from h3t_training.data.batch_schedule import BatchSchedule, parse_step_schedule, rampup_schedule
 from h3t_training.config.sections import parse_args
 from h3t_training.data.datasets import MicrobatchIterator
-from h3t_training.config.errors import ArgumentError
+from h3t_training.errors import ArgumentError
 
 
 def _simulate(batch_at_consumed, iterations: int) -> list[tuple[int, int]]:

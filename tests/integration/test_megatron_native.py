@@ -190,7 +190,7 @@ def test_kwai_offload_ratio_reaches_the_runtime_and_its_layout_check(tmp_path):
 
 
 def test_megatron_loop_refuses_what_its_own_flags_do(tmp_path):
-    from h3t_training.config.errors import ArgumentError
+    from h3t_training.errors import ArgumentError
     from h3t_training.loop.megatron_native import add_h3t_arguments, runtime_config
     import argparse
 

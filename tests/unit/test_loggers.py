@@ -9,8 +9,9 @@ import pytest
 
 from h3t_training.config.arguments import build_parser
 from h3t_training.config.sections import TrainConfig
-from h3t_training.config.errors import ArgumentError
-from h3t_training.telemetry.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer, check_writer_packages,
+from h3t_training.errors import ArgumentError
+from h3t_training.config.feature_checks import check_writer_packages
+from h3t_training.telemetry.loggers import (FanOutWriter, NullWriter, WandbWriter, build_writer,
                                        wandb_mode)
 from h3t_training.telemetry.scalars import TrainingScalars
 from parse_harness import BASE, _error

@@ -1,0 +1,118 @@
+"""Resolve steps of the driver's optional run features: the flags' ranges and the combinations Megatron-LM allows,
+each problem one :class:`~h3t_training.errors.ArgumentError` line. The features themselves run in
+``loop/``: optimizer CPU offload (``loop/optimizer_offload.py``), FSDP2 (``loop/fsdp.py``), the weight-hash check
+across data-parallel replicas (``loop/sdc_guards.py``), the TensorBoard and W&B writers (``telemetry/loggers.py``)."""
+from __future__ import annotations
+
+import importlib.util
+
+from h3t_training.errors import ArgumentError
+
+
+def uses_gpu(args) -> bool:
+    """True when this run trains on CUDA devices (a GPU is present and the backend is not gloo)."""
+    import torch
+
+    return torch.cuda.is_available() and args.distributed_backend != "gloo"
+
+
+def check_optimizer_offload(args):
+    """The flags' range and Megatron-LM's rules for combining them (a resolve step; one line per problem).
+
+    ``--optimizer-cpu-offload`` needs ``--use-precision-aware-optimizer`` (Megatron-LM's arguments.py: "the
+    hybrid device optimizer reuses the code path of this flag"), which needs ``--use-distributed-optimizer``
+    (megatron-core's ``OptimizerConfig``). The other offload flags without ``--optimizer-cpu-offload`` have no
+    effect in Megatron-LM; here they get a notice saying so."""
+    f = args.optimizer_offload_fraction
+    if f is not None and not (isinstance(f, float) and 0.0 <= f <= 1.0):  # nan fails the comparison too
+        raise ArgumentError(f"--optimizer-offload-fraction {f} is outside [0, 1]")
+    if args.use_precision_aware_optimizer and not args.use_distributed_optimizer:
+        raise ArgumentError("--use-precision-aware-optimizer needs --use-distributed-optimizer "
+                            "(megatron-core's OptimizerConfig)")
+    if args.optimizer_cpu_offload and not args.use_precision_aware_optimizer:
+        raise ArgumentError("--optimizer-cpu-offload needs --use-precision-aware-optimizer (as Megatron-LM: the "
+                            "hybrid device optimizer reuses that flag's code path) and --use-distributed-optimizer")
+    if args.optimizer_cpu_offload:
+        return args
+    idle = [flag for flag, on in (("--optimizer-offload-fraction", f is not None),
+                                  ("--overlap-cpu-optimizer-d2h-h2d", args.overlap_cpu_optimizer_d2h_h2d),
+                                  ("--use-torch-optimizer-for-cpu-offload", args.use_torch_optimizer_for_cpu_offload),
+                                  ("--no-pin-cpu-grads", not args.pin_cpu_grads),
+                                  ("--no-pin-cpu-params", not args.pin_cpu_params)) if on]
+    if not idle:
+        return args
+    return args.replace(flag_notices=(*args.flag_notices, f"note: {', '.join(idle)}: no effect without "
+                                                          "--optimizer-cpu-offload (as in Megatron-LM)"))
+
+
+MEGATRON_FSDP_CPU_REASON = ("megatron-core 0.16.1's MegatronFSDP needs CUDA (its adapter takes torch.cuda.current_device() "
+                            "and a 'cuda' device mesh, MegatronFSDP creates torch.cuda streams)")
+"""Why Megatron FSDP cannot run on the CPU path (gloo)."""
+
+
+def check_sharding_flags(args):
+    """Megatron FSDP's flags refused and ``--use-torch-fsdp2``'s combinations checked (a resolve step; one line
+    naming the flags). Runs after the parallel sizes are filled."""
+    if args.use_megatron_fsdp:
+        raise ArgumentError(f"--use-megatron-fsdp is not supported: {MEGATRON_FSDP_CPU_REASON}, and this driver does "
+                            "not wire it on a GPU (use --use-torch-fsdp2 or --use-distributed-optimizer)")
+    if args.data_parallel_sharding_strategy != "no_shard":
+        raise ArgumentError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} is Megatron "
+                            f"FSDP's (--use-megatron-fsdp), which is not supported: {MEGATRON_FSDP_CPU_REASON} "
+                            "(use --use-torch-fsdp2, or --use-distributed-optimizer for optim)")
+    if args.torch_fsdp2_no_reshard_after_forward and not args.use_torch_fsdp2:
+        raise ArgumentError("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
+    if not args.use_torch_fsdp2:
+        return args
+    clashes = [(args.pipeline_model_parallel_size > 1,
+                f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size} (pipeline parallelism)"),
+               (args.use_distributed_optimizer, "--use-distributed-optimizer (megatron-core's distributed optimizer)"),
+               (args.optimizer_cpu_offload, "--optimizer-cpu-offload (it needs the distributed optimizer)"),
+               (not args.untie_embeddings_and_output_weights,
+                "tied embedding and output weights (give --untie-embeddings-and-output-weights)"),
+               (args.fp16, "--fp16"),
+               (args.save is not None, "--save (the driver's checkpoints hold whole parameters, not FSDP2's DTensor "
+                                       "shards; train without --save, or without --use-torch-fsdp2)")]
+    clashes.append((uses_gpu(args) and args.load is not None and not (args.finetune or args.no_load_optim),
+                    "--load of the optimizer state on a GPU (the whole-parameter Adam state is sharded into the CPU "
+                    "path's optimizer only; give --no-load-optim or --finetune)"))
+    for clash, what in clashes:
+        if clash:
+            raise ArgumentError(f"--use-torch-fsdp2 is not supported with {what}")
+    return args
+
+
+RERUN_MODES = ("disabled", "validate_results", "report_stats")
+"""Megatron-LM's --rerun-mode choices (megatron/training/arguments.py)."""
+RERUN_REFUSAL = ("needs Megatron-LM's rerun state machine (it re-executes an iteration's forward and backward when a "
+                 "result check fails, to tell a transient hardware fault from a persistent one); this driver does "
+                 "not replay iterations")
+
+
+def check_sdc_flags(args):
+    """A resolve step: the interval's range, its clash with FSDP2, and the rerun modes this driver has."""
+    interval = args.check_weight_hash_across_dp_replicas_interval
+    if interval is not None and interval < 1:
+        raise ArgumentError(f"--check-weight-hash-across-dp-replicas-interval {interval} is outside [1, inf)")
+    if interval is not None and args.use_torch_fsdp2:
+        raise ArgumentError("--check-weight-hash-across-dp-replicas-interval is not supported with --use-torch-fsdp2: "
+                            "FSDP2 shards the parameters over the data-parallel group, so no two ranks hold a "
+                            "replica to compare")
+    if args.rerun_mode != "disabled":
+        raise ArgumentError(f"--rerun-mode {args.rerun_mode} is not supported: it {RERUN_REFUSAL} (use --rerun-mode "
+                            f"disabled, Megatron-LM's default; --check-for-nan-in-loss-and-grad stops at a "
+                            f"non-finite loss)")
+    return args
+
+
+def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
+    """One line naming the missing package when a writer is asked for (before any process group)."""
+    if args.tensorboard_dir is not None and find_spec("tensorboard") is None:
+        raise ArgumentError(f"--tensorboard-dir {args.tensorboard_dir} needs the tensorboard package "
+                            "(pip install 'tensorboard>=2.14,<3')")
+    if args.wandb_project is not None and find_spec("wandb") is None:
+        raise ArgumentError(f"--wandb-project {args.wandb_project} needs the wandb package (pip install wandb)")
+
+
+__all__ = ["MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_REFUSAL", "check_optimizer_offload",
+           "check_sdc_flags", "check_sharding_flags", "check_writer_packages", "uses_gpu"]
