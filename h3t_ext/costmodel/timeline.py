@@ -16,8 +16,10 @@ action gets its price from the cost model's per-layer terms (:class:`~h3t_ext.co
   pipeline link); a batch ends with its last transfer. A compute that consumes a receive waits for the batch
   that carries it (NCCL's batch returns one work for the whole batch); with blocking exchanges (plain 1F1B,
   and interleaved 1F1B without --overlap-p2p-communication, as Megatron runs them and as the closed form
-  prices them) every compute waits for the batch posted just before it. The rank's iteration ends when its
-  last compute and its last batch have ended (``wait_all``).
+  prices them) the lists are posted in the order of those exchanges (``build_rank_actions(...,
+  early_receives=False)``: each receive right before its consumer) and every compute waits for the batch
+  posted just before it. The rank's iteration ends when its last compute and its last batch have ended
+  (``wait_all``).
 * ``OFFLOAD`` (right after its chunk's forward) copies alpha of the chunk's saved bytes to host memory on
   the rank's device-to-host copy stream: it starts when the forward has ended and the stream is free.
   ``RELOAD`` copies them back on the host-to-device stream (the opposite direction has its own stream, as
