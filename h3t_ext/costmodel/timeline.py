@@ -16,8 +16,10 @@ action gets its price from the cost model's per-layer terms (:class:`~h3t_ext.co
   pipeline link); a batch ends with its last transfer. A compute that consumes a receive waits for the batch
   that carries it (NCCL's batch returns one work for the whole batch); with blocking exchanges (plain 1F1B,
   and interleaved 1F1B without --overlap-p2p-communication, as Megatron runs them and as the closed form
-  prices them) every compute waits for the batch posted just before it. The rank's iteration ends when its
-  last compute and its last batch have ended (``wait_all``).
+  prices them) the lists are posted in the order of those exchanges (``build_rank_actions(...,
+  early_receives=False)``: each receive right before its consumer) and every compute waits for the batch
+  posted just before it. The rank's iteration ends when its last compute and its last batch have ended
+  (``wait_all``).
 * ``OFFLOAD`` (right after its chunk's forward) copies alpha of the chunk's saved bytes to host memory on
   the rank's device-to-host copy stream: it starts when the forward has ended and the stream is free.
   ``RELOAD`` copies them back on the host-to-device stream (the opposite direction has its own stream, as
@@ -140,11 +142,12 @@ def _transfer_key(cfg: ScheduleConfig, rank: int, a: Action) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(cfg: ScheduleConfig) -> tuple[_Program, ...]:
-    """The builder's lists of ``cfg`` as per-rank programs: batches numbered, every transfer tied to the
-    peer's batch, every compute tied to the batch carrying its input and to the batch just before it."""
+def _compile(cfg: ScheduleConfig, early_receives: bool) -> tuple[_Program, ...]:
+    """The builder's lists of ``cfg`` (posted with ``early_receives`` or not) as per-rank programs: batches
+    numbered, every transfer tied to the peer's batch, every compute tied to the batch carrying its input and
+    to the batch just before it."""
     p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
-    lists = [build_rank_actions(cfg, r) for r in range(p)]
+    lists = [build_rank_actions(cfg, r, early_receives=early_receives) for r in range(p)]
     where: dict[tuple, tuple[int, int]] = {}  # (transfer key, is_send) -> (rank, batch index)
     raw = []
     for r, actions in enumerate(lists):
@@ -208,12 +211,13 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
     """Run every rank's action list on a clock.
 
     ``forward[r][c]`` / ``backward[r][c]``: seconds of the FORWARD / BACKWARD of model chunk c on rank r;
-    ``hop``: seconds of one pipeline transfer; ``blocking``: every compute waits for the batch just before
-    it; ``copy[r]``: seconds of one OFFLOAD or RELOAD on rank r (0 or absent where the rank copies nothing);
+    ``hop``: seconds of one pipeline transfer; ``blocking``: Megatron's blocking exchanges, the lists posted
+    in their order (``early_receives=False``) with every compute waiting for the batch just before it (else
+    the builder's lists, as the runtime posts them); ``copy[r]``: seconds of one OFFLOAD or RELOAD on rank r (0 or absent where the rank copies nothing);
     ``layer_stall[r]``: seconds a backward with layer-granular reloads waits for them on rank r.
     """
     cfg = schedule_or_config.config if isinstance(schedule_or_config, PipelineSchedule) else schedule_or_config
-    progs = _compile(cfg)
+    progs = _compile(cfg, not blocking)
     p = len(progs)
     copy = list(copy) + [0.0] * (p - len(copy))
     layer_stall = list(layer_stall) + [0.0] * (p - len(layer_stall))

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from h3t_ext.schedule.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, ScheduleConfig
-from h3t_ext.schedule.posting import place_comms
+from h3t_ext.schedule.posting import EARLY, place_comms
 
 
 @dataclass(frozen=True)
@@ -190,32 +190,34 @@ def _rank_list(cfg: ScheduleConfig, rank: int, compute: list[Action], placed: li
 
 
 @functools.lru_cache(maxsize=64)
-def _placed(shape: ScheduleConfig) -> tuple[tuple[list[Action], ...], tuple[list[Action], ...]]:
+def _placed(shape: ScheduleConfig, early_receives: bool) -> tuple[tuple[list[Action], ...], tuple[list[Action], ...]]:
     """(compute order, list with the transfers placed) of every rank, for a shape without offload (the
     offload actions do not move the transfers, so the lists of all offload choices share this)."""
     p = shape.pipeline_model_parallel_size
     compute = tuple(_compute_order(shape, r) for r in range(p))
-    return compute, tuple(place_comms(shape, compute))
+    return compute, tuple(place_comms(shape, compute, early_receives=early_receives))
 
 
 @functools.lru_cache(maxsize=256)
-def _all_rank_actions(cfg: ScheduleConfig) -> tuple[tuple[Action, ...], ...]:
+def _all_rank_actions(cfg: ScheduleConfig, early_receives: bool) -> tuple[tuple[Action, ...], ...]:
     p = cfg.pipeline_model_parallel_size
     compute, lists = _placed(dataclasses.replace(cfg, offload=False, offload_stages=None, offload_alphas=None,
-                                                 num_layers_per_chunk=None))
+                                                 num_layers_per_chunk=None), early_receives)
     return tuple(tuple(_rank_list(cfg, r, compute[r], lists[r])) for r in range(p))
 
 
-def build_rank_actions(cfg: ScheduleConfig, rank: int) -> tuple[Action, ...]:
+def build_rank_actions(cfg: ScheduleConfig, rank: int, *, early_receives: bool = EARLY) -> tuple[Action, ...]:
     """Ordered action list of one pipeline rank.
 
     Sends and receives are placed by :func:`h3t_ext.schedule.posting.place_comms` (a posting
     order that cannot deadlock under NCCL); it needs every rank's compute order, so the lists
-    of all ranks are built (and cached per shape) together.
+    of all ranks are built (and cached per shape) together. ``early_receives=False``: the order of
+    Megatron's blocking exchanges, which the cost model's timeline prices those schedules on (the
+    runtime posts the default).
     """
     if not 0 <= rank < cfg.pipeline_model_parallel_size:
         raise ValueError(f"rank {rank} outside [0, {cfg.pipeline_model_parallel_size})")
-    return _all_rank_actions(cfg)[rank]
+    return _all_rank_actions(cfg, early_receives)[rank]
 
 
 def build_schedule(

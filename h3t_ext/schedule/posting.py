@@ -1,4 +1,4 @@
-"""Where the sends and receives go in the action lists: a posting order that cannot deadlock
+"""Where the sends and receives go in the action lists: posting orders that cannot deadlock
 under NCCL's point-to-point semantics (pure; no torch).
 
 The runtime posts the comm actions of a rank in *batches*: every maximal run of
@@ -7,41 +7,84 @@ send/receive actions with no FORWARD/BACKWARD between them is one ``batch_isend_
 executor posts exactly them. NCCL runs a rank's batches in order on one stream (or, with one
 communicator per rank pair, in order per pair), a large send completes only while the matching
 receive's batch is running on the peer, and sends and receives between two ranks are matched by
-order, not by tag. A receive posted just before the compute that needs it, in a batch of its
+order, not by tag; a compute that needs a received tensor waits for the whole batch that carries
+it (one work per batch). A receive posted just before the compute that needs it, in a batch of its
 own order, can therefore close a cycle (interleaved 1F1B, p=2, m=4: each rank's first batch
 sends what the other receives in its second batch).
 
-The order built here: number the compute actions of all ranks with *as-soon-as-possible unit
-times* ``T``: ``T`` of a rank's compute is one more than the larger of the rank's previous
-compute's ``T`` and the ``T`` of the compute on the neighbouring rank that produces its input.
-Every transfer gets the label ``L = T(producer)``. On the sending rank the send goes right
-after its producer; on the receiving rank the receive goes right after the rank's last
-compute with ``T <= L`` (so before its consumer, whose ``T`` is larger than ``L``). Within the
-run between two computes the transfers are ordered by ``(L, direction, microbatch, sending
-stage)``, the same key on both ends, so every rank pair posts its sends and the matching
-receives in the same order (what NCCL's order matching needs).
+Both orders built here number the compute actions of all ranks with *as-soon-as-possible times*
+``T``: the end of the compute on a clock where the rank's computes run one after the other and a
+compute starts once the compute on the neighbouring rank that produces its input has ended and
+the transfer has taken ``hop``: ``T = max(T(previous compute), T(producer) + hop) + duration``.
+Every transfer gets the label ``L = T(producer)``. On the sending rank the send goes right after
+its producer; on the receiving rank the receive goes right after the rank's last compute with
+``T <= L`` (the last one that ends, on that clock, before the send is posted), so before its
+consumer, whose ``T`` is larger than ``L``. Within the run between two computes the transfers are
+ordered by a *key* that starts with ``L``, the same key on both ends, so every rank pair posts its
+sends and the matching receives in the same order (what NCCL's order matching needs).
 
-Why this cannot deadlock (under either communicator mapping). On every rank, labels never
-decrease along the posting order and differ between runs (a run lies between two computes
-with times ``T_i <= L < T_{i+1}``); a compute's receives all sit in earlier runs, with labels
-smaller than any label of a later run. Suppose some transfer never completes and take one,
-``o``, with the smallest label ``t``, in the earliest stuck run on its rank ``r``. Take the
-first item (batch or compute) of ``r``'s posting order (of ``o``'s stream, per-pair mapping)
-that never completes. A compute only waits for earlier computes and for receives in earlier
-runs, whose labels are ``< t`` and which therefore complete; so the first stuck item is a batch,
-and it is ``o``'s: an earlier batch on the stream would hold a stuck transfer with a label
-``< t``. Everything before ``o``'s batch completes, so that batch starts. ``o`` then waits only
-for the peer's batch ``B'`` holding the matching transfer (label ``t`` too) to start; for
-``B'`` never to start, something before it on the peer never completes, and by the same
-argument that is a started batch with a stuck transfer of label ``< t``, which contradicts the
-choice of ``t``. So every transfer completes and every compute runs. The argument uses only
-the per-rank orders, so it holds for any compute durations.
+* ``early_receives=False``, the order Megatron's blocking exchanges post (the timeline prices
+  plain 1F1B and interleaved 1F1B without --overlap-p2p-communication on it): unit durations and
+  ``hop = 0``, key ``(L, direction, microbatch, sending stage)``. In the busy steady state the
+  producer ends exactly when the consumer's predecessor does, so the receive lands in the batch
+  right before its consumer and the transfer starts only when that predecessor ends: a compute
+  that waits for it waits a hop, once per microbatch-chunk.
+* ``early_receives=True`` (:data:`EARLY`, what the builder's lists and the runtime post): forward
+  2, backward 4 and ``hop = 1`` (:data:`EARLY_TIMES`), key ``(L, T(consumer), direction,
+  microbatch, sending stage)``. The clock now has the hop in it, so in the steady state the
+  consumer's predecessor ends a hop after the producer, and the receive is posted one compute
+  earlier, with the send of the compute before (as Megatron's --overlap-p2p-communication
+  schedule posts the receive of the next forward with the current send): a hop shorter than the
+  compute between hides behind it. A receive posted that early can share a run with the receive
+  the next compute needs, and that compute would wait for both; so, walking a rank's runs in
+  order, when the compute after a run needs a receive of the run, the receives whose keys are
+  larger than every key that stays (the needed receives and the sends) move to the next run. A
+  receive never moves past its consumer (in the run right before it, it is needed).
+
+Why neither order can deadlock (under either communicator mapping). Keys increase from batch to
+batch along every rank's posting order: every key of a batch is smaller than every key of a later
+batch. Before any move, the run between computes ``i`` and ``i + 1`` holds labels in
+``[T_i, T_{i+1})`` (its sends ``T_i``, its receives ``T_i <= L < T_{i+1}``); a move takes keys
+above every key that stays in the run to the next run, whose own labels are ``>= T_{i+1}``, larger
+than the label of any receive placed at or before run ``i``. Suppose some transfer never completes
+and take the one, ``o``, with the smallest key ``t``. Every batch posted before ``o``'s on its
+rank holds only keys ``< t``, so it completes, and so does every compute before ``o``'s batch (it
+waits for earlier computes and for batches before it). So ``o``'s batch starts, whichever stream
+it is on. On the peer, the batch holding the matching transfer (key ``t`` too) starts by the same
+argument, so ``o`` completes: a contradiction. So every transfer completes and every compute
+runs. The argument uses only the per-rank orders, so it holds for any compute durations; the
+clock above only decides how early a receive is posted.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from h3t_ext.schedule.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, ScheduleConfig
+
+
+@dataclass(frozen=True)
+class PostingTimes:
+    """The clock of :func:`asap_times` (integers, so the labels compare exactly)."""
+
+    forward: int
+    backward: int
+    hop: int
+
+
+AT_LABEL_TIMES = PostingTimes(forward=1, backward=1, hop=0)
+"""Unit computes, no hop: the order of Megatron's blocking exchanges (``early_receives=False``)."""
+
+EARLY_TIMES = PostingTimes(forward=2, backward=4, hop=1)
+"""A forward 2, a backward 4 (Megatron's chunks: the backward takes about twice the forward) and a
+transfer half a forward. Any hop > 0 posts the steady state's receives one compute early; half a
+forward keeps the warm-up and cool-down receives (whose producers are late) in the batch right
+before their consumers: with uniform durations and a real hop below a chunk's compute, the timeline
+of these lists exposes only the fill and drain hops ``2 (p v - 1) hop`` (tests/unit/test_posting.py),
+and the lists of the default group size are never slower than the unit-clock order's."""
+
+EARLY = True
+"""The order the builder's lists (and so the runtime) post."""
 
 
 def _producer(cfg: ScheduleConfig, rank: int, a: Action) -> tuple[int, Action] | None:
@@ -59,11 +102,13 @@ def _producer(cfg: ScheduleConfig, rank: int, a: Action) -> tuple[int, Action] |
     return src % p, Action(a.kind, a.microbatch, src // p)
 
 
-def asap_times(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]]) -> list[list[int]]:
-    """As-soon-as-possible unit times of every rank's compute actions (see the module docstring)."""
+def asap_times(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]],
+               times: PostingTimes = AT_LABEL_TIMES) -> list[list[int]]:
+    """As-soon-as-possible end times of every rank's compute actions on the clock ``times`` (see the
+    module docstring)."""
     p = cfg.pipeline_model_parallel_size
     index = [{a: i for i, a in enumerate(c)} for c in compute]
-    times: list[list[int]] = [[-1] * len(c) for c in compute]
+    out: list[list[int]] = [[-1] * len(c) for c in compute]
     nxt = [0] * p
     progress = True
     while progress:
@@ -71,27 +116,31 @@ def asap_times(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]]) -> list
         for r in range(p):
             while nxt[r] < len(compute[r]):
                 i, a = nxt[r], compute[r][nxt[r]]
-                t = times[r][i - 1] + 1 if i else 0
+                t = out[r][i - 1] if i else 0
                 prod = _producer(cfg, r, a)
                 if prod is not None:
-                    tp = times[prod[0]][index[prod[0]][prod[1]]]
+                    tp = out[prod[0]][index[prod[0]][prod[1]]]
                     if tp < 0:
                         break
-                    t = max(t, tp + 1)
-                times[r][i] = t
+                    t = max(t, tp + times.hop)
+                out[r][i] = t + (times.forward if a.kind is ActionKind.FORWARD else times.backward)
                 nxt[r] += 1
                 progress = True
     if any(nxt[r] < len(compute[r]) for r in range(p)):  # pragma: no cover - Megatron's orders are acyclic
         raise AssertionError(f"compute orders wait on each other in a cycle: stuck at {nxt}")
-    return times
+    return out
 
 
-def place_comms(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]]) -> list[list[Action]]:
-    """Every rank's compute actions with its sends and receives placed in the deadlock-free order."""
+def place_comms(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]], *,
+                early_receives: bool = EARLY) -> list[list[Action]]:
+    """Every rank's compute actions with its sends and receives placed in a deadlock-free order (module
+    docstring): ``early_receives`` the builder's, else the order of Megatron's blocking exchanges."""
     p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
     last_stage = p * v - 1
-    times = asap_times(cfg, compute)
-    # gaps[r][i]: (sort key, action) of the transfers posted right after compute i (gap -1: before all)
+    times = asap_times(cfg, compute, EARLY_TIMES if early_receives else AT_LABEL_TIMES)
+    index = [{a: i for i, a in enumerate(c)} for c in compute]
+    # gaps[r][i]: (key, action, index of the consuming compute or -1 for a send) of the transfers posted
+    # right after compute i (gap -1: before all)
     gaps: list[dict[int, list]] = [{} for _ in range(p)]
 
     def gap_of(r: int, label: int) -> int:
@@ -114,18 +163,28 @@ def place_comms(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]]) -> lis
             dst_stage = stage + 1 if fwd else stage - 1
             dst = dst_stage % p
             label = times[r][i]
-            key = (label, 0 if fwd else 1, a.microbatch, stage)
+            consumer = index[dst][Action(a.kind, a.microbatch, dst_stage // p)]
+            key = ((label, times[dst][consumer], 0 if fwd else 1, a.microbatch, stage) if early_receives
+                   else (label, 0 if fwd else 1, a.microbatch, stage))
             send = Action(ActionKind.SEND_FORWARD if fwd else ActionKind.SEND_BACKWARD, a.microbatch, a.chunk, dst)
             recv = Action(ActionKind.RECV_FORWARD if fwd else ActionKind.RECV_BACKWARD, a.microbatch,
                           dst_stage // p, r)
-            gaps[r].setdefault(i, []).append((key, send))
-            gaps[dst].setdefault(gap_of(dst, label), []).append((key, recv))
+            gaps[r].setdefault(i, []).append((key, send, -1))
+            gaps[dst].setdefault(gap_of(dst, label), []).append((key, recv, consumer))
     out = []
     for r in range(p):
-        acts: list[Action] = [a for _, a in sorted(gaps[r].get(-1, []), key=lambda e: e[0])]
-        for i, a in enumerate(compute[r]):
-            acts.append(a)
-            acts.extend(c for _, c in sorted(gaps[r].get(i, []), key=lambda e: e[0]))
+        acts: list[Action] = []
+        moved: list = []
+        for g in range(-1, len(compute[r])):
+            if g >= 0:
+                acts.append(compute[r][g])
+            run = sorted(moved + gaps[r].get(g, []), key=lambda e: e[0])
+            moved = []
+            if early_receives and any(c == g + 1 for _, _, c in run):
+                top = max(k for k, _, c in run if c in (-1, g + 1))  # the needed receives and the sends stay
+                moved = [e for e in run if e[0] > top]
+                run = [e for e in run if e[0] <= top]
+            acts.extend(a for _, a, _ in run)
         out.append(acts)
     return out
 
@@ -145,4 +204,5 @@ def posting_batches(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
     return batches
 
 
-__all__ = ["asap_times", "place_comms", "posting_batches"]
+__all__ = ["AT_LABEL_TIMES", "EARLY", "EARLY_TIMES", "PostingTimes", "asap_times", "place_comms",
+           "posting_batches"]

@@ -2,7 +2,7 @@
 import pytest
 
 from h3t_ext.schedule import build_schedule
-from h3t_ext.schedule.builder import ActionKind as K, ScheduleConfig
+from h3t_ext.schedule.builder import ActionKind as K, PipelineSchedule, ScheduleConfig, build_rank_actions
 from h3t_ext.schedule.p2p_model import COMM_MAPPINGS, Batch, Compute, Transfer, check_schedule, simulate
 from h3t_ext.schedule.posting import posting_batches
 from schedule_harness import just_in_time_schedule
@@ -24,12 +24,18 @@ def _shapes():
 SHAPES = list(_shapes())
 
 
+@pytest.mark.parametrize("early_receives", [True, False])
 @pytest.mark.parametrize("comm", COMM_MAPPINGS)
-def test_every_schedule_completes_under_nccl_semantics(comm):
+def test_every_schedule_completes_under_nccl_semantics(comm, early_receives):
+    """The builder's order (early receives, what the runtime posts) and Megatron's blocking order (what the
+    timeline prices blocking schedules on), every shape p <= 8, v <= 4."""
     interleaved = 0
     for p, m, v, g in SHAPES:
         for forward_only in (False, True):
             s = build_schedule(p, m, v, microbatch_group_size_per_vp_stage=g, forward_only=forward_only)
+            if not early_receives:
+                s = PipelineSchedule(s.config, tuple(build_rank_actions(s.config, r, early_receives=False)
+                                                     for r in range(p)))
             res = check_schedule(s, comm)
             assert res.ok, f"p={p} m={m} v={v} g={g} forward_only={forward_only} comm={comm}: {res}"
             interleaved += v > 1 and m >= 2 * p
