@@ -164,6 +164,8 @@ class Recompute:
 NO_RECOMPUTE = Recompute()
 FULL_UNIFORM_1 = Recompute("full", "uniform", 1)
 """``--ckpt full``: every layer its own unit."""
+SELECTIVE_CORE_ATTN = Recompute("selective", None, None, ("core_attn",))
+"""``--recompute-granularity selective`` with Megatron's default module (``Ckpt.SELECTIVE``)."""
 
 
 def split_ckpt(ckpt: Union[str, Ckpt], recompute: Recompute = NO_RECOMPUTE) -> tuple[Ckpt, Recompute]:
@@ -172,12 +174,13 @@ def split_ckpt(ckpt: Union[str, Ckpt], recompute: Recompute = NO_RECOMPUTE) -> t
     ValueError (one line) when ``ckpt`` and ``recompute`` say different things."""
     ckpt = Ckpt.parse(ckpt)
     if ckpt in (Ckpt.FULL, Ckpt.SELECTIVE):
-        implied = FULL_UNIFORM_1 if ckpt is Ckpt.FULL else Recompute("selective", None, None, ("core_attn",))
+        implied = FULL_UNIFORM_1 if ckpt is Ckpt.FULL else SELECTIVE_CORE_ATTN
         if recompute.granularity is not None and recompute != implied:
             raise ValueError(f"--ckpt {ckpt} contradicts {' '.join(recompute.flags())} (give one of them)")
         return Ckpt.NO, implied
     if ckpt is Ckpt.OURS and recompute.full and recompute.method == "uniform":
-        raise ValueError("--ckpt ours contradicts --recompute-method uniform (every layer is recomputed whole); "
+        raise ValueError("--ckpt ours contradicts --recompute-granularity full --recompute-method uniform (every layer "
+                         "is recomputed whole); "
                          "use --recompute-method block to recompute some layers whole and the rest as ours")
     return ckpt, recompute
 
@@ -190,5 +193,18 @@ def combined_ckpt(base: Ckpt, recompute: Recompute) -> Ckpt:
     return base
 
 
+def normal_form(ckpt: Union[str, Ckpt], recompute: Recompute = NO_RECOMPUTE) -> tuple[Ckpt, Recompute]:
+    """One spelling of a recompute setting, so that equal settings make equal plans: ``ckpt`` full / selective
+    where Megatron's flags say exactly that (their ``Recompute`` then empty), else the base with the record.
+    ValueError (one line) where ``ckpt`` and ``recompute`` contradict (:func:`split_ckpt`)."""
+    base, recompute = split_ckpt(ckpt, recompute)
+    if base is Ckpt.NO and recompute == FULL_UNIFORM_1:
+        return Ckpt.FULL, NO_RECOMPUTE
+    if base is Ckpt.NO and recompute == SELECTIVE_CORE_ATTN:
+        return Ckpt.SELECTIVE, NO_RECOMPUTE
+    return base, recompute
+
+
 __all__ = ["CKPT_CHOICES", "Ckpt", "DENSE_RECOMPUTE_MODULES", "FULL_UNIFORM_1", "NO_RECOMPUTE", "RECOMPUTE_METHODS",
-           "RECOMPUTE_MODULES", "RUNTIME_CKPTS", "Recompute", "combined_ckpt", "split_ckpt"]
+           "RECOMPUTE_MODULES", "RUNTIME_CKPTS", "Recompute", "SELECTIVE_CORE_ATTN", "combined_ckpt", "normal_form",
+           "split_ckpt"]
