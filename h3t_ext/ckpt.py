@@ -6,8 +6,9 @@ flag value; code compares members (``ckpt is Ckpt.OURS``), never spelled strings
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
-from typing import Union
+from typing import Optional, Union
 
 
 class Ckpt(str, Enum):
@@ -22,8 +23,9 @@ class Ckpt(str, Enum):
     """Keep every GEMM output; recompute the two norm outputs and the MLP activation in backward
     (Megatron-Kwai's ``--kaimm-recompute-norm --kaimm-recompute-mlp-activation-func``)."""
     SELECTIVE = "selective"
-    """Megatron's ``--recompute-granularity selective`` (the attention core recomputed): priced by the cost
-    model for published runs; the runtime does not run it (:data:`RUNTIME_CKPTS`)."""
+    """Megatron's ``--recompute-granularity selective`` with its default module (the attention core): the
+    shorthand of published runs for ``NO`` plus :class:`Recompute` ``('selective', modules=('core_attn',))``,
+    which is what the runtime runs (:data:`RUNTIME_CKPTS` holds the per-layer base modes)."""
 
     def __str__(self) -> str:  # the flag value, not 'Ckpt.OURS'
         return self.value
@@ -46,4 +48,163 @@ RUNTIME_CKPTS: tuple[Ckpt, ...] = (Ckpt.NO, Ckpt.FULL, Ckpt.OURS)
 CKPT_CHOICES: tuple[str, ...] = tuple(m.value for m in RUNTIME_CKPTS)
 """:data:`RUNTIME_CKPTS` as flag values (argparse ``choices``)."""
 
-__all__ = ["CKPT_CHOICES", "Ckpt", "RUNTIME_CKPTS"]
+
+# --------------------------------------------------------------------------- Megatron's --recompute-* flags
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = ("full", "selective")
+"""Megatron's ``--recompute-granularity`` values."""
+RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
+"""Megatron's ``--recompute-method`` values."""
+DENSE_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "layernorm", "mlp")
+"""``--recompute-modules`` values of a dense model (megatron-core 0.16.1 ``TransformerConfig.recompute_modules``):
+the core attention, the two norms (their outputs dropped, recomputed from their inputs) and the whole MLP."""
+MOE_RECOMPUTE_MODULES: tuple[str, ...] = ("moe", "moe_act", "shared_experts")
+"""``--recompute-modules`` values that act on MoE layers only (a dense model has none to recompute)."""
+MLA_RECOMPUTE_MODULES: tuple[str, ...] = ("mla_up_proj",)
+"""``--recompute-modules`` values that act on multi-latent attention only."""
+RECOMPUTE_MODULES: tuple[str, ...] = DENSE_RECOMPUTE_MODULES + MOE_RECOMPUTE_MODULES + MLA_RECOMPUTE_MODULES
+"""Every value megatron-core 0.16.1 accepts."""
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Megatron's activation recompute (``--recompute-granularity``, ``--recompute-method``,
+    ``--recompute-num-layers``, ``--recompute-modules``; megatron-core's ``TransformerConfig`` fields of the
+    same names), on top of a per-layer :class:`Ckpt` base (``no`` or ``ours``).
+
+    * ``full``: a *unit* of consecutive layers keeps only its input and is rerun whole in backward.
+      ``uniform``: every model chunk's layers split into units of ``num_layers`` (which must divide them);
+      ``block``: the first ``num_layers`` layers of every model chunk, one unit each, the rest not recomputed.
+    * ``selective``: inside every layer the ``modules`` are recomputed: ``core_attn`` (keeps q, k, v),
+      ``layernorm`` (the two norm outputs and their statistics), ``mlp`` (keeps the MLP input).
+
+    :meth:`parse` gives the one-line errors of bad values; construct through it.
+    """
+
+    granularity: Optional[str] = None
+    method: Optional[str] = None
+    num_layers: Optional[int] = None
+    modules: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, granularity: Optional[str] = None, method: Optional[str] = None,
+              num_layers: Optional[int] = None, modules=None) -> "Recompute":
+        """The record of Megatron's four flags; ValueError (one line, naming the flag and the valid values)
+        otherwise. ``full`` without a method is ``uniform`` with 1 layer; ``selective`` without modules is
+        Megatron's default ``core_attn``; MoE-only and MLA-only modules are refused (dense models only)."""
+        if granularity is None:
+            if method is not None or num_layers is not None:
+                raise ValueError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
+            if modules:
+                raise ValueError("--recompute-modules needs --recompute-granularity selective")
+            return cls()
+        if granularity not in RECOMPUTE_GRANULARITIES:
+            raise ValueError(f"--recompute-granularity {granularity!r} is not one of "
+                             f"{{{','.join(RECOMPUTE_GRANULARITIES)}}}")
+        if method is not None and method not in RECOMPUTE_METHODS:
+            raise ValueError(f"--recompute-method {method!r} is not one of {{{','.join(RECOMPUTE_METHODS)}}}")
+        if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                                       or num_layers < 1):
+            raise ValueError(f"--recompute-num-layers {num_layers!r} is outside [1, inf)")
+        if granularity == "full":
+            if modules:
+                raise ValueError("--recompute-modules needs --recompute-granularity selective (full recomputes "
+                                 "whole layers)")
+            return cls("full", method or "uniform", 1 if num_layers is None else num_layers)
+        if num_layers is not None:
+            raise ValueError("--recompute-num-layers needs --recompute-granularity full (selective recomputes "
+                             "its --recompute-modules in every layer)")
+        names = tuple(dict.fromkeys(modules or ("core_attn",)))
+        for name in names:
+            if name in MOE_RECOMPUTE_MODULES:
+                raise ValueError(f"--recompute-modules {name} recomputes MoE layers; the model is dense (valid: "
+                                 f"{{{','.join(DENSE_RECOMPUTE_MODULES)}}})")
+            if name in MLA_RECOMPUTE_MODULES:
+                raise ValueError(f"--recompute-modules {name} needs multi-latent attention, which is not implemented"
+                                 f" (valid: {{{','.join(DENSE_RECOMPUTE_MODULES)}}})")
+            if name not in DENSE_RECOMPUTE_MODULES:
+                raise ValueError(f"--recompute-modules {name!r} is not one of {{{','.join(DENSE_RECOMPUTE_MODULES)}}}")
+        return cls("selective", None, None, tuple(m for m in DENSE_RECOMPUTE_MODULES if m in names))
+
+    @property
+    def full(self) -> bool:
+        return self.granularity == "full"
+
+    @property
+    def selective(self) -> bool:
+        return self.granularity == "selective"
+
+    def recomputes(self, module: str) -> bool:
+        """True when selective recompute covers ``module`` (one of :data:`DENSE_RECOMPUTE_MODULES`)."""
+        return self.selective and module in self.modules
+
+    def units(self, layers: int) -> tuple[tuple[int, int], ...]:
+        """The full-recompute units ``(start, end)`` of a model chunk of ``layers`` layers (none unless full);
+        ValueError (one line) when ``uniform``'s ``num_layers`` does not divide ``layers`` (megatron-core's
+        ``TransformerBlock._checkpointed_forward`` would index past its last layer)."""
+        if not self.full or layers == 0:
+            return ()
+        n = self.num_layers
+        if self.method == "block":
+            return tuple((i, i + 1) for i in range(min(n, layers)))
+        if layers % n:
+            raise ValueError(f"--recompute-num-layers {n} must divide the {layers} layers of each model chunk with "
+                             "--recompute-method uniform")
+        return tuple((i, i + n) for i in range(0, layers, n))
+
+    def flags(self) -> tuple[str, ...]:
+        """Megatron's flags of this record (empty without recompute)."""
+        if self.granularity is None:
+            return ()
+        if self.full:
+            return ("--recompute-granularity", "full", "--recompute-method", self.method,
+                    "--recompute-num-layers", str(self.num_layers))
+        return ("--recompute-granularity", "selective", "--recompute-modules", *self.modules)
+
+
+NO_RECOMPUTE = Recompute()
+FULL_UNIFORM_1 = Recompute("full", "uniform", 1)
+"""``--ckpt full``: every layer its own unit."""
+SELECTIVE_CORE_ATTN = Recompute("selective", None, None, ("core_attn",))
+"""``--recompute-granularity selective`` with Megatron's default module (``Ckpt.SELECTIVE``)."""
+
+
+def split_ckpt(ckpt: Union[str, Ckpt], recompute: Recompute = NO_RECOMPUTE) -> tuple[Ckpt, Recompute]:
+    """(per-layer base ``NO``/``OURS``, Megatron's recompute) of a ``--ckpt`` value with Megatron's flags:
+    ``full`` is ``NO`` with :data:`FULL_UNIFORM_1`, ``selective`` is ``NO`` with selective ``core_attn``.
+    ValueError (one line) when ``ckpt`` and ``recompute`` say different things."""
+    ckpt = Ckpt.parse(ckpt)
+    if ckpt in (Ckpt.FULL, Ckpt.SELECTIVE):
+        implied = FULL_UNIFORM_1 if ckpt is Ckpt.FULL else SELECTIVE_CORE_ATTN
+        if recompute.granularity is not None and recompute != implied:
+            raise ValueError(f"--ckpt {ckpt} contradicts {' '.join(recompute.flags())} (give one of them)")
+        return Ckpt.NO, implied
+    if ckpt is Ckpt.OURS and recompute.full and recompute.method == "uniform":
+        raise ValueError("--ckpt ours contradicts --recompute-granularity full --recompute-method uniform (every layer "
+                         "is recomputed whole); "
+                         "use --recompute-method block to recompute some layers whole and the rest as ours")
+    return ckpt, recompute
+
+
+def combined_ckpt(base: Ckpt, recompute: Recompute) -> Ckpt:
+    """The one :class:`Ckpt` value that names ``base`` with ``recompute`` where one does (``full`` for uniform/1
+    on ``no``), else ``base``."""
+    if base is Ckpt.NO and recompute == FULL_UNIFORM_1:
+        return Ckpt.FULL
+    return base
+
+
+def normal_form(ckpt: Union[str, Ckpt], recompute: Recompute = NO_RECOMPUTE) -> tuple[Ckpt, Recompute]:
+    """One spelling of a recompute setting, so that equal settings make equal plans: ``ckpt`` full / selective
+    where Megatron's flags say exactly that (their ``Recompute`` then empty), else the base with the record.
+    ValueError (one line) where ``ckpt`` and ``recompute`` contradict (:func:`split_ckpt`)."""
+    base, recompute = split_ckpt(ckpt, recompute)
+    if base is Ckpt.NO and recompute == FULL_UNIFORM_1:
+        return Ckpt.FULL, NO_RECOMPUTE
+    if base is Ckpt.NO and recompute == SELECTIVE_CORE_ATTN:
+        return Ckpt.SELECTIVE, NO_RECOMPUTE
+    return base, recompute
+
+
+__all__ = ["CKPT_CHOICES", "Ckpt", "DENSE_RECOMPUTE_MODULES", "FULL_UNIFORM_1", "NO_RECOMPUTE", "RECOMPUTE_METHODS",
+           "RECOMPUTE_MODULES", "RUNTIME_CKPTS", "Recompute", "SELECTIVE_CORE_ATTN", "combined_ckpt", "normal_form",
+           "split_ckpt"]

@@ -126,12 +126,9 @@ def reference_run(seed: int = 0, m: int = NUM_MICROBATCHES, ckpt_full: bool = Fa
 
     init_parallel()
     torch.manual_seed(seed)
-    model = build_gpt_model(model_config(**overrides), vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = build_gpt_model(model_config(**overrides), vocab_size=VOCAB, max_sequence_length=SEQ,
+                            ckpt="full" if ckpt_full else "no")
     state = {k: v.detach().clone() for k, v in model.named_parameters()}
-    if ckpt_full:
-        from h3t_ext.runtime.modules.recompute_full import apply_full_recompute
-
-        apply_full_recompute([model])
     losses = []
     it = iter(make_batches(m))
     torch.manual_seed(seed + 1)

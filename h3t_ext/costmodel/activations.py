@@ -30,7 +30,9 @@ flash attention's output, which attention itself keeps in bf16 for its backward:
 the projection's own FP8 copy is ``projection_input_fp8`` (h bytes, 1 byte each).
 
 ckpt='ours' drops ``norm1_output``, ``norm2_output`` and ``swiglu_output``/``fc2_input`` (recomputed in
-backward from the kept norm inputs, rstd and FC1 output). ckpt='full' keeps only ``layer_input``.
+backward from the kept norm inputs, rstd and FC1 output). ckpt='full' keeps only ``layer_input``. Megatron's
+``--recompute-*`` flags (``Plan.recompute``: full uniform/block with N layers, selective modules) are priced
+per chunk by :mod:`h3t_ext.costmodel.recompute`.
 With bf16 and the 'te' spec, ckpt=no is 12h + 4h_kv + 8f (+ 4 heads + 8) bytes, ours 8h + 4h_kv + 4f (+ ...).
 
 The last stage also holds the output layer's saved tensors of the microbatch whose last chunk is
@@ -51,7 +53,10 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from h3t_ext.ckpt import NO_RECOMPUTE, Ckpt, Recompute
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
+from h3t_ext.costmodel.recompute import chunk_layers_bytes, core_attention_pinned_qkv, plan_recompute, \
+    recomputes_core_attention, selective_terms
 from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.schedule import ActionKind, build_schedule
 
@@ -116,10 +121,13 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
 @functools.lru_cache(maxsize=1024)
 def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_parallel_size: int = 1,
                                 sequence_parallel: bool = True, dtype_bytes: int = 2,
-                                layer_spec: str = "te", dropout_mask_bytes: int = BOOL, fp8: bool = False) -> int:
+                                layer_spec: str = "te", dropout_mask_bytes: int = BOOL, fp8: bool = False,
+                                recompute: Recompute = NO_RECOMPUTE) -> int:
     """Total saved bytes of one layer per local token; without sequence parallel the norm-side terms are
-    replicated over the tensor-parallel group (t times more tokens)."""
-    terms = dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes, fp8))
+    replicated over the tensor-parallel group (t times more tokens). ``recompute``: Megatron's selective
+    modules drop their terms (:mod:`h3t_ext.costmodel.recompute`; full recompute is per unit, not per layer)."""
+    terms = selective_terms(dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes, fp8)),
+                            recompute)
     total = terms["total"]
     if not sequence_parallel and tensor_model_parallel_size > 1:
         total += (tensor_model_parallel_size - 1) * sum(terms[k] for k in _REPLICATED_WITHOUT_SP)
@@ -245,9 +253,11 @@ def unfused_scores_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int =
     microbatch for its backward: the fused scale-mask-softmax's output (the probabilities, activation dtype),
     and with --attention-dropout > 0 the dropout mask and the dropped probabilities that feed the P.V batched
     GEMM (Korthikanti et al. 2022, Sec. 4.1: 5as^2b bytes per layer at bf16 with dropout). Over the rank's
-    a/t heads. Flash attention and TE's fused attention keep none; ckpt 'selective' recomputes the core
-    attention and 'full' the whole layer, so both keep none either."""
-    if plan.attention_backend != "unfused" or str(plan.ckpt) in ("selective", "full"):
+    a/t heads. Flash attention and TE's fused attention keep none; selective ``core_attn`` recomputes the core
+    attention and a full unit the whole layer (:func:`microbatch_chunk_bytes` counts this for the layers outside
+    units only), so both keep none either."""
+    if plan.attention_backend != "unfused" or recomputes_core_attention(plan_recompute(plan)[1]) \
+            or plan.ckpt == "full":
         return 0
     per_score = dtype_bytes + ((dropout_mask_bytes + dtype_bytes) if model.attention_dropout > 0 else 0)
     heads = model.num_attention_heads // plan.tensor_model_parallel_size
@@ -276,13 +286,15 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
     rank_layers = plan.layers_per_rank(model.num_layers) if stage is None else plan.stage_layers(model.num_layers,
                                                                                                  stage)
     tokens = plan.micro_batch_size * plan.seq_length // (c * t)
-    per_tok = layer_bytes_per_local_token(model, plan.ckpt, tensor_model_parallel_size=t,
-                                          sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
-                                          layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes, fp8=fp8)
-    chunk = rank_layers // v * (tokens * per_tok
-                                + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
-                                + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes,
-                                                                 dropout_mask_bytes=dropout_mask_bytes))
+    base, recompute = plan_recompute(plan)
+    opts = dict(tensor_model_parallel_size=t, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+                layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes, fp8=fp8)
+    per_tok = layer_bytes_per_local_token(model, base, recompute=recompute, **opts) + core_attention_pinned_qkv(
+        model, recompute, layer_spec=layer_spec, dtype_bytes=dtype_bytes)
+    kept = (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
+            + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, dropout_mask_bytes=dropout_mask_bytes))
+    unit_input = tokens * layer_bytes_per_local_token(model, Ckpt.FULL, **opts)
+    chunk = chunk_layers_bytes(rank_layers // v, recompute, kept=kept, unit_input=unit_input)
     if stage == 0:
         chunk += embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,
                                                dropout_mask_bytes=dropout_mask_bytes)

@@ -15,7 +15,8 @@ short-lived allocations that ``max_memory_allocated`` sees on top of that:
                            the MLP backward workspace), mb * s * 2 h_kv / t bf16.
 * ``recompute_workspace``  ckpt=ours: the largest tensor recomputed in backward (norm output or SwiGLU
                            output of one layer; they are produced one at a time and freed after use);
-                           ckpt=full: the saved activations of one layer re-created in backward.
+                           full recompute: the saved activations of a unit's layers (one for ckpt=full,
+                           N with --recompute-method uniform --recompute-num-layers N) re-created in backward.
 * ``embedding_grad``       first stage: the dense bf16 gradient of the vocabulary-parallel embedding
                            (V_pad/t * h) before it is added to the fp32 main grad.
 * ``logits_transient``     last stage: the bf16 logits, alive next to the fp32 softmax while the
@@ -51,6 +52,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
+from h3t_ext.costmodel.recompute import chunk_layers, plan_recompute, unit_workspace_layers
 from h3t_ext.costmodel.activations import (
     activation_bytes_per_layer_token,
     chunk_resident_factor,
@@ -127,11 +129,13 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
         layer_params = model.layer_params_per_rank(t)
         gathered = 2 * layer_params * BF16 if plan.data_parallel_sharding_strategy == "optim_grads_params" else 0
         out["fsdp_buffers"] = 2 * layer_params * FP32 + gathered
-    if plan.ckpt == "ours":
+    base, recompute = plan_recompute(plan)
+    unit_layers = unit_workspace_layers(recompute, chunk_layers(model, plan, stage))
+    if unit_layers:  # a full unit's layers re-created in its backward
+        out["recompute_workspace"] = unit_layers * local * activation_bytes_per_layer_token(model, "no")["total"]
+    elif base == "ours":
         terms_no = activation_bytes_per_layer_token(model, "no")
         out["recompute_workspace"] = local * max(terms_no[k] for k in ("norm2_output", "swiglu_output"))
-    elif plan.ckpt == "full":
-        out["recompute_workspace"] = local * activation_bytes_per_layer_token(model, "no")["total"]
     vocab_shard = model.padded_vocab_size(t) // t
     if stage == 0:
         out["embedding_grad"] = vocab_shard * h * BF16

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from h3t_ext.ckpt import CKPT_CHOICES, Ckpt  # noqa: F401  (CKPT_CHOICES re-exported by h3t_ext.costmodel)
+from h3t_ext.ckpt import CKPT_CHOICES, NO_RECOMPUTE, Ckpt, Recompute, split_ckpt  # noqa: F401  (CKPT_CHOICES re-exported)
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
@@ -53,6 +53,9 @@ class Plan:
     """l; None means L/p (plain 1F1B, v = 1)."""
     ckpt: Ckpt = Ckpt.NO
     """Activation checkpointing (a :class:`~h3t_ext.ckpt.Ckpt`; its flag text is coerced)."""
+    recompute: Recompute = NO_RECOMPUTE
+    """Megatron's --recompute-granularity/-method/-num-layers/-modules on top of ``ckpt`` (``no`` or ``ours``;
+    ``full`` and ``selective`` imply their own), priced by :mod:`h3t_ext.costmodel.recompute`."""
     offload_alpha: Alpha = 0.0
     """Fraction of saved activations offloaded to host; a tuple gives one value per pipeline stage."""
     overlap_grad_reduce: bool = False
@@ -107,6 +110,10 @@ class Plan:
                 object.__setattr__(self, "ckpt", Ckpt(self.ckpt))
             except ValueError:
                 raise InvalidPlanError(f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {self.ckpt!r}") from None
+        try:
+            split_ckpt(self.ckpt, self.recompute)
+        except ValueError as exc:
+            raise InvalidPlanError(str(exc)) from None
 
     @property
     def precision(self) -> str:
@@ -254,3 +261,14 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     validate_fp8(plan, system)
     _validate_alphas(plan)
     plan_layout(model, plan, system)
+    _validate_recompute(model, plan)
+
+
+def _validate_recompute(model: ModelSpec, plan: Plan) -> None:
+    """Megatron's uniform recompute needs its N to divide every model chunk's layers."""
+    v = plan.virtual_size(model.num_layers)
+    for stage in range(plan.pipeline_model_parallel_size):
+        try:
+            plan.recompute.units(plan.stage_layers(model.num_layers, stage) // v)
+        except ValueError as e:
+            raise InvalidPlanError(str(e)) from None

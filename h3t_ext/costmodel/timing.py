@@ -15,7 +15,8 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
   step's attention block (only what outlasts the block is exposed; backward moves K/V and dK/dV).
 * element-wise: norms, residual adds (with hidden dropout, their masks), RoPE and the activation function
   as HBM traffic.
-* ``recompute``: ckpt=ours the norm outputs and activation function; selective the attention core forward;
+* ``recompute``: ckpt=ours the norm outputs and activation function; Megatron's recompute as
+  :mod:`h3t_ext.costmodel.recompute` prices it (full units their forward, selective core_attn / mlp their forward);
   full one more forward of every layer (and its tensor-parallel traffic).
 * ``tp_comm``: sequence parallel: 4 collectives (all-gather / reduce-scatter of [T, h]) forward, 6
   backward; without sequence parallel 2 all-reduces each way. --tp-comm-overlap leaves
@@ -75,6 +76,7 @@ from h3t_ext.costmodel.kernels import (
 from h3t_ext.costmodel.data_parallel import dp_exposed, optimizer_step_seconds
 from h3t_ext.costmodel.layer_offload import p1_exposed_seconds
 from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.recompute import chunk_layers, plan_recompute, recompute_seconds
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
 CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
@@ -345,7 +347,8 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
     return (model, system, tuple(system.efficiencies.values()), plan.tensor_model_parallel_size,
             plan.context_parallel_size, plan.seq_length,
             plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend,
-            plan.fp8 is not None, plan.fp8_recipe)
+            plan.fp8 is not None, plan.fp8_recipe, plan.recompute,
+            chunk_layers(model, plan) if plan.recompute.full else None)
 
 
 def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
@@ -387,12 +390,16 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     tp_f, tp_b = _tp_seconds(model, plan, system, g)
     cast_fwd, cast_bwd = fp8.cast_seconds(model, plan, r)  # (0, 0) in BF16
     fwd = g["fwd"] + a["fwd"] + e_fwd + cast_fwd
-    rec = {"no": 0.0, "ours": elementwise_seconds(elem_ours, r, kernels=OURS_RECOMPUTE_KERNELS), "selective": a["fwd"],
-           "full": fwd}[plan.ckpt]  # its communication is in tp / cp below
-    full = plan.ckpt == "full"
+    base, recompute = plan_recompute(plan)  # ckpt full / selective are Megatron's recompute on ckpt no
+    shapes = layer_gemm_shapes(model, plan)
+    mlp_fwd = sum(linear_pass_seconds("fwd", *shapes[k], r, fp8=plan.fp8 is not None) for k in ("fc1", "fc2"))
+    rec, tp_rec, cp_rec = recompute_seconds(
+        recompute, chunk_layers(model, plan), forward=fwd, attention_forward=a["fwd"], mlp_forward=mlp_fwd,
+        base=elementwise_seconds(elem_ours, r, kernels=OURS_RECOMPUTE_KERNELS) if base == "ours" else 0.0,
+        tp_forward=tp_f, cp_forward=a["cp_fwd"])
     return LayerTime(fwd=fwd, bwd=g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd + cast_bwd, recompute=rec,
-                     tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_f if full else 0.0,
-                     cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=a["cp_fwd"] if full else 0.0)
+                     tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_rec, cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"],
+                     cp_recompute=cp_rec)
 
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:

@@ -14,7 +14,7 @@ from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, TRANSFORMER_IMPLS
-from h3t_ext.ckpt import CKPT_CHOICES
+from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES, RECOMPUTE_METHODS
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner import translate
 from h3t_ext.planner.space import SearchConstraints
@@ -113,7 +113,15 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
     p.add_argument("--ckpt", choices=CKPT_CHOICES, default=None, help="h3t-ext's checkpointing (default no)")
     p.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
-                   help="Megatron's recompute: full (= --ckpt full) or selective (the core attention)")
+                   help="Megatron's recompute: full (whole layers; = --ckpt full with uniform, 1 layer) or selective "
+                        "(the --recompute-modules of every layer; default core_attn)")
+    if not search:
+        p.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                       help="full recompute: uniform (units of --recompute-num-layers layers) or block (the first "
+                            "--recompute-num-layers layers of each model chunk)")
+        p.add_argument("--recompute-num-layers", type=_positive_int, default=None, help="full recompute's N (default 1)")
+        p.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
+                       help=f"selective recompute: any of {', '.join(DENSE_RECOMPUTE_MODULES)}")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
     p.add_argument("--tp-comm-overlap", action="store_true",
@@ -265,8 +273,11 @@ RECOMPUTE_GRANULARITIES = ("full", "selective")
 
 
 def _ckpt_of(ns: argparse.Namespace, *, search: bool) -> Optional[str]:
-    """--ckpt or Megatron's --recompute-granularity (one of them); estimate's default is 'no', search's None
-    (searched)."""
+    """search: --ckpt or Megatron's --recompute-granularity (one of them), else None (searched). estimate: --ckpt
+    (default 'no'); Megatron's --recompute-* flags go on top of it through the one translation, which says where
+    they contradict."""
+    if not search:
+        return ns.ckpt or "no"
     granularity = getattr(ns, "recompute_granularity", None)
     if granularity is not None and ns.ckpt is not None and ns.ckpt != granularity:
         raise UsageError(f"argument --recompute-granularity: {granularity} contradicts --ckpt {ns.ckpt} "
@@ -279,8 +290,12 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Pla
     replaces a symbolic ``--offload-alpha``."""
     if alpha is None:
         alpha = 0.0 if isinstance(ns.offload_alpha, str) else ns.offload_alpha
-    return translate.plan_from_args(ns, num_gpus=ns.num_gpus, offload_alpha=alpha, ckpt=_ckpt_of(ns, search=False),
-                                    use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
+    try:
+        return translate.plan_from_args(ns, num_gpus=ns.num_gpus, offload_alpha=alpha,
+                                        ckpt=_ckpt_of(ns, search=False),
+                                        use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:

@@ -43,7 +43,7 @@ def megatron_flags(plan: Plan) -> list[str]:
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
     if not plan.overlap_p2p_comm:
         flags.append("--no-overlap-p2p-communication")
-    flags += ["--ckpt", str(plan.ckpt), "--offload-alpha", format_alpha(plan.offload_alpha)]
+    flags += ["--ckpt", str(plan.ckpt), *plan.recompute.flags(), "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
     if plan.fp8 is not None:
         flags += ["--fp8-format", plan.fp8, "--fp8-recipe", plan.fp8_recipe]
@@ -59,6 +59,7 @@ _INT_FLAGS = {
     "--num-layers-per-virtual-pipeline-stage": "num_layers_per_virtual_pipeline_stage",
     "--micro-batch-size": "micro_batch_size",
     "--global-batch-size": "global_batch_size",
+    "--recompute-num-layers": "recompute_num_layers",
 }
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
                        "--no-overlap-p2p-communication", "--use-precision-aware-optimizer"})
@@ -67,7 +68,8 @@ _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gat
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d"}
 _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
                "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--attention-backend": "attention_backend",
-               "--transformer-impl": "transformer_impl"}
+               "--transformer-impl": "transformer_impl", "--recompute-granularity": "recompute_granularity",
+               "--recompute-method": "recompute_method"}
 
 
 def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int) -> Plan:
@@ -78,6 +80,11 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
                             sequence_parallel="--sequence-parallel" in flags,
                             use_megatron_fsdp="--use-megatron-fsdp" in flags)
     alpha = 0.0
+    flags = list(flags)
+    if "--recompute-modules" in flags:  # its values run to the next flag
+        i = flags.index("--recompute-modules")
+        j = next((k for k in range(i + 1, len(flags)) if flags[k].startswith("--")), len(flags))
+        ns.recompute_modules, flags = flags[i + 1:j], flags[:i] + flags[j:]
     it = iter(flags)
     for flag in it:
         if flag == "--optimizer-cpu-offload":

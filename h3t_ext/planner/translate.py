@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from h3t_ext.ckpt import Ckpt
+from h3t_ext.ckpt import Ckpt, Recompute, normal_form
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, Plan
 from h3t_ext.offload_alpha import Alpha
@@ -31,6 +31,10 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "pipeline_model_parallel_size": 1,
     "num_layers_per_virtual_pipeline_stage": None,
     "recompute_granularity": None,
+    "recompute_activations": False,
+    "recompute_method": None,
+    "recompute_num_layers": None,
+    "recompute_modules": None,
     "sequence_parallel": False,
     "use_distributed_optimizer": False,
     "overlap_grad_reduce": False,
@@ -93,14 +97,25 @@ def _value(read, name: str, fixed: Mapping[str, Any]) -> Any:
     return v
 
 
-def _ckpt(read, fixed: Mapping[str, Any]) -> Optional[Ckpt]:
-    """``ckpt`` when the arguments name it (h3t-ext's flag), else Megatron's ``--recompute-granularity``
-    (``full`` or ``selective``; none: ``no``). None when the arguments leave it to a search."""
+def _recompute(read, fixed: Mapping[str, Any]) -> Recompute:
+    """Megatron's --recompute-granularity/-method/-num-layers/-modules (--recompute-activations: selective)."""
+    granularity = _value(read, "recompute_granularity", fixed)
+    if _value(read, "recompute_activations", fixed) and granularity is None:
+        granularity = "selective"
+    return Recompute.parse(granularity, _value(read, "recompute_method", fixed),
+                           _value(read, "recompute_num_layers", fixed), _value(read, "recompute_modules", fixed))
+
+
+def _ckpt(read, fixed: Mapping[str, Any]) -> tuple[Optional[Ckpt], Recompute]:
+    """(``ckpt``, Megatron's recompute) in their normal form (:func:`h3t_ext.ckpt.normal_form`): ``ckpt`` when
+    the arguments name it (h3t-ext's flag), else ``no``, with Megatron's ``--recompute-*`` flags on top
+    (``full``/uniform/1 is ``ckpt`` full, selective ``core_attn`` is ``ckpt`` selective). ``ckpt`` None when the
+    arguments leave it to a search. ValueError (one line) where they contradict."""
+    recompute = _recompute(read, fixed)
     ckpt = _named(read, "ckpt", fixed)
-    if ckpt is _MISSING:
-        granularity = _value(read, "recompute_granularity", fixed)
-        return Ckpt.NO if granularity is None else Ckpt.parse(granularity, flag="--recompute-granularity")
-    return None if ckpt is None else Ckpt.parse(ckpt)
+    if ckpt is None:
+        return None, recompute
+    return normal_form(Ckpt.NO if ckpt is _MISSING else Ckpt.parse(ckpt), recompute)
 
 
 def _sharding(read, fixed: Mapping[str, Any]) -> Optional[str]:
@@ -124,10 +139,11 @@ def plan_from_args(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fi
         values[name] = _value(read, name, fixed)
         if values[name] is None:
             raise ValueError(f"the run does not name {name} (needed to price it)")
-    ckpt = _ckpt(read, fixed)
+    ckpt, recompute = _ckpt(read, fixed)
     if ckpt is None:
         raise ValueError("ckpt is not set (give --ckpt no|full|ours)")
-    return Plan(num_gpus=num_gpus, offload_alpha=offload_alpha, ckpt=ckpt, attention_backend=_attention(read, fixed),
+    return Plan(num_gpus=num_gpus, offload_alpha=offload_alpha, ckpt=ckpt, recompute=recompute,
+                attention_backend=_attention(read, fixed),
                 data_parallel_sharding_strategy=_sharding(read, fixed), **values)
 
 
@@ -150,6 +166,10 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         v = _named(read, name, fixed)
         return None if v is _MISSING else v
 
+    ckpt, recompute = _ckpt(read, fixed)
+    if recompute.granularity is not None:
+        raise ValueError(f"search does not choose {' '.join(recompute.flags())} (price it with estimate; search "
+                         "takes --ckpt no|full|ours or --recompute-granularity alone)")
     switches = {name: _value(read, name, fixed) for name in (
         "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
         "use_distributed_optimizer", "fp8_param_gather", "optimizer_cpu_offload", "optimizer_offload_fraction",
@@ -161,7 +181,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         num_layers_per_virtual_pipeline_stage=given("num_layers_per_virtual_pipeline_stage"),
         micro_batch_size=given("micro_batch_size"),
         max_micro_batch_size=max_micro_batch_size,
-        ckpt=_ckpt(read, fixed),
+        ckpt=ckpt,
         data_parallel_sharding_strategy=_sharding(read, fixed),
         attention_backend=_attention(read, fixed),
         transformer_impl=_value(read, "transformer_impl", fixed),

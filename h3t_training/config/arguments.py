@@ -11,7 +11,8 @@ import math
 import sys
 from typing import Optional
 
-from h3t_ext.ckpt import Ckpt
+from h3t_ext.ckpt import DENSE_RECOMPUTE_MODULES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, Ckpt, Recompute, \
+    combined_ckpt, split_ckpt
 from h3t_training.errors import ArgumentError
 from h3t_training.config.flag_table import add_table_flags
 from h3t_training.config.h3t_flags import add_h3t_flags
@@ -169,9 +170,17 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"), default="disabled",
                    help="Megatron-LM's rerun state machine: only disabled (the default; the others are refused)")
     g = p.add_argument_group("activation memory")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's shorthand of --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="full: layers rerun whole in backward (see --recompute-method); selective: the "
+                        "--recompute-modules of every layer")
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                   help="full recompute: uniform (units of --recompute-num-layers layers, the default) or block "
+                        "(the first --recompute-num-layers layers of each model chunk)")
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="full recompute's N (default 1)")
+    g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
+                   help=f"selective recompute: any of {', '.join(DENSE_RECOMPUTE_MODULES)} (default core_attn)")
     add_h3t_flags(g)
     g.add_argument("--auto-plan", action="store_true",
                    help="let the planner fill every parallel and memory flag left out, and print its plan")
@@ -329,20 +338,48 @@ def check_positive(args):
     return args
 
 
+def recompute_of(args) -> Recompute:
+    """Megatron's --recompute-* flags as one :class:`~h3t_ext.ckpt.Recompute` (ArgumentError, one line, on bad
+    values); ``--recompute-activations`` is ``--recompute-granularity selective``."""
+    granularity = args.recompute_granularity
+    if args.recompute_activations:
+        if granularity not in (None, "selective"):
+            raise ArgumentError(f"--recompute-activations (selective) contradicts --recompute-granularity {granularity}")
+        granularity = "selective"
+    try:
+        return Recompute.parse(granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+
+
 def resolve_ckpt(args):
-    """Megatron's --recompute-* flags and --ckpt describe the same thing; they must agree."""
-    if args.recompute_granularity is None:
-        if args.recompute_method is not None or args.recompute_num_layers is not None:
-            raise ArgumentError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
-        return args
-    if args.recompute_granularity == "selective":
-        raise ArgumentError("--recompute-granularity selective is not supported (use --ckpt ours)")
-    if (args.recompute_method or "uniform") != "uniform" or (args.recompute_num_layers or 1) != 1:
-        raise ArgumentError("--recompute-granularity full supports only --recompute-method uniform "
-                            "--recompute-num-layers 1")
-    if args.ckpt not in (None, "full"):
-        raise ArgumentError(f"--ckpt {args.ckpt} contradicts --recompute-granularity full")
-    return args.replace(ckpt="full")
+    """Megatron's --recompute-* flags and --ckpt: ``ckpt`` becomes the one :class:`Ckpt` that names both (``full``
+    for full/uniform/1 without --ckpt ours) and ``recompute`` Megatron's record; one line where they contradict
+    (--ckpt full with other recompute flags, --ckpt ours with full uniform or with full block over every layer
+    of a model chunk), or where uniform's N does not divide a model chunk's layers."""
+    recompute = recompute_of(args)
+    try:
+        base, recompute = split_ckpt(args.ckpt or "no", recompute)
+        chunk = _chunk_layers(args)
+        if chunk is not None:
+            recompute.units(chunk)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if base is Ckpt.OURS and recompute.full and chunk is not None and recompute.num_layers >= chunk:
+        raise ArgumentError(f"--ckpt ours contradicts --recompute-method block --recompute-num-layers "
+                            f"{recompute.num_layers} (every one of the {chunk} layers of a model chunk is recomputed "
+                            "whole); use fewer layers or leave --ckpt ours out")
+    ckpt = combined_ckpt(base, recompute) if (args.ckpt is not None or recompute.granularity) else None
+    return args.replace(ckpt=ckpt, recompute=recompute)
+
+
+def _chunk_layers(args) -> Optional[int]:
+    """Layers of one model chunk when the flags fix them (even split), else None (--auto-plan picks later)."""
+    p = args.pipeline_model_parallel_size
+    if p is None or args.num_layers is None or args.num_layers % p:
+        return None
+    per_rank = args.num_layers // p
+    return args.num_layers_per_virtual_pipeline_stage or per_rank
 
 
 def fill_parallel_defaults(args):

@@ -59,8 +59,6 @@ REASONS: dict[str, Reason] = {
     "kaimm_warmup": Reason("noticed", "Megatron-Kwai's warm-up iterations for tuning on GPU; not run here", "none needed"),
     "deprecated": Reason("refused", "removed from Megatron-LM (its own parser rejects it)",
                     "see the flag named in Megatron-LM's message"),
-    "selective": Reason("refused", "selective recompute (core attention) is not implemented",
-                    "--ckpt ours (or --recompute-granularity full)"),
     "moe": Reason("refused", "mixture-of-experts layers are not implemented; without them the model would be dense",
                     "a dense model (leave the MoE flags out)"),
     "mla": Reason("refused", "multi-latent attention is not implemented",
@@ -150,7 +148,8 @@ _MEGATRON_LM: dict[str, str] = {
 --norm-epsilon=1 --normalization=1 --num-attention-heads=1 --num-layers=1
 --num-layers-per-virtual-pipeline-stage=1 --num-query-groups=1 --num-virtual-stages-per-pipeline-rank=1
 --optimizer=1 --overlap-grad-reduce=0 --overlap-param-gather=0 --pipeline-model-parallel-size=1
---position-embedding-type=1 --recompute-granularity=1 --recompute-method=1 --recompute-num-layers=1
+--position-embedding-type=1 --recompute-activations=0 --recompute-granularity=1 --recompute-method=1
+--recompute-modules=* --recompute-num-layers=1
 --rotary-base=1 --rotary-interleaved=0 --rotary-percent=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
 --sequence-parallel=0 --skip-train=0 --split=1 --swiglu=0 --tensor-model-parallel-size=1 --tensorboard-dir=1
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
@@ -160,8 +159,6 @@ _MEGATRON_LM: dict[str, str] = {
 --min-loss-scale=1 --loss-scale-window=1 --hysteresis=1""",
     "deprecated": """
 --batch-size=1 --checkpoint-activations=0 --model-parallel-size=1 --warmup=1""",
-    "selective": """
---recompute-activations=0""",
     "moe": """
 --ep-overlap-early-attn-memory-release=0 --expert-model-parallel-size=1
 --expert-tensor-parallel-num-weight-shards=1 --expert-tensor-parallel-size=1 --gtp-expert-remat-nccl-ub=0
@@ -372,7 +369,7 @@ _MEGATRON_LM: dict[str, str] = {
 --activation-offload-fraction=1 --cpu-offloading-num-layers=1 --cpu-offloading-retain-pinned-cpu-buffers=0
 --delay-offload-until-cuda-graph=0 --delta-offload-bytes-across-pp-ranks=1 --distribute-saved-activations=0
 --dump-param-to-param-group-map=1 --fine-grained-activation-offloading=0
---fine-grained-offloading-max-inflight-offloads=1 --min-offloaded-tensor-size=1 --offload-modules=+ --recompute-modules=+""",
+--fine-grained-offloading-max-inflight-offloads=1 --min-offloaded-tensor-size=1 --offload-modules=+""",
     "optimizer_offload": """
 --no-pin-cpu-grads=0 --no-pin-cpu-params=0 --optimizer-cpu-offload=0 --optimizer-offload-fraction=1
 --overlap-cpu-optimizer-d2h-h2d=0 --use-precision-aware-optimizer=0 --use-torch-optimizer-for-cpu-offload=0""",

@@ -50,6 +50,7 @@ DERIVED_FIELDS: dict[str, tuple[object, str]] = {
     "num_microbatches": (None, "microbatches per iteration at the final global batch size"),
     "virtual_pipeline_model_parallel_size": (None, "v with interleaving, else None"),
     "auto_plan_flags": (None, "the Megatron flags of the plan --auto-plan chose, or None"),
+    "recompute": (None, "Megatron's --recompute-* flags as one h3t_ext.ckpt.Recompute (resolve_ckpt)"),
 }
 """Every field a resolve step may add beyond the flags' destinations, with its value before the step runs and
 what it holds. A field outside the flags and this table does not exist."""

@@ -95,6 +95,7 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
     padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
                                 pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=args.ckpt,
+                                recompute=args.recompute,
                                 position_embedding_type=args.position_embedding_type,
                                 share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                                 rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,

@@ -138,7 +138,7 @@ DRIVER_CASES = [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "63", "--max-position-embeddings",
       "64"], "--seq-length 63 is not a multiple of --context-parallel-size 1 x --tensor-model-parallel-size 2 = 2"),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "--attention-dropout"),
-    (["--recompute-granularity", "selective"], "--recompute-granularity selective"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe"], "--recompute-modules moe recomputes MoE"),
     (["--recompute-granularity", "full", "--ckpt", "ours"], "contradicts --recompute-granularity full"),
     (["--recompute-method", "block"], "need --recompute-granularity full"),
     (["--data-path", "/nonexistent/prefix"], "give exactly one of --data-path PREFIX and --mock-data"),

@@ -66,12 +66,7 @@ def _manager(alpha, mode="cpu-sync", min_offload_bytes=0, **kw):
 
 
 def _model(ckpt, layers, mgr=None):
-    model = tiny_model(num_layers=layers, ckpt="no" if ckpt == "full" else ckpt)
-    if ckpt == "full":
-        from h3t_ext.runtime.modules.recompute_full import apply_full_recompute
-
-        apply_full_recompute([model], suspend=mgr.suspended if mgr is not None else None)
-    return model
+    return tiny_model(num_layers=layers, ckpt=ckpt)  # ckpt=full: the recomputed layers of the spec
 
 
 @pytest.mark.parametrize("mode", ["cpu-sync", "cpu-thread"])

@@ -50,6 +50,7 @@ from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
 from h3t_ext.runtime.memory.device import DeviceLayer, Event, make_device_layer
 from h3t_ext.runtime.memory.host_pool import HostPool
 from h3t_ext.runtime.modules.layer_boundary import listening
+from h3t_ext.runtime.modules.recompute import recording_under
 from h3t_ext.runtime.modules.recompute_ours import lookup_recipe
 from h3t_ext.schedule.actions import Action, ActionKind, layer_offload_fractions
 
@@ -223,7 +224,8 @@ class ActivationManager:
             st.segments.append(_ChunkState(key, 0))
         self._in_forward = st
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), listening(self._layer_starts):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), listening(self._layer_starts), \
+                    recording_under(self.suspended):
                 yield
         finally:
             self._in_forward = None

@@ -24,6 +24,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from h3t_ext.ckpt import NO_RECOMPUTE, Recompute
+
 from .attention import SDPACoreAttention
 from .layer_specs import h3t_block_spec
 
@@ -167,16 +169,19 @@ def build_gpt_model(
     share_embeddings_and_output_weights: bool = False,
     rotary_percent: float = 1.0,
     rotary_base: int = 10000,
+    recompute: Recompute = NO_RECOMPUTE,
 ) -> GPTModel:
     """A GPTModel for one pipeline (virtual) stage; by default Llama-style (RoPE, untied embeddings),
     GPT-3-style with ``position_embedding_type='learned_absolute'`` and tied embeddings.
 
     Its layers come from ``h3t_layer_spec(config, ckpt=ckpt, backend=backend,
-    core_attention=core_attention)``, or from ``layer_spec`` when given (then with megatron-core's
-    default final norm); the ckpt=ours spec raises UnsupportedLayerSpecError for configs it cannot run.
+    core_attention=core_attention)`` with Megatron's ``recompute`` built in (:func:`h3t_block_spec`), or from
+    ``layer_spec`` when given (then with megatron-core's default final norm); the ckpt=ours spec raises
+    UnsupportedLayerSpecError for configs it cannot run.
     """
     spec = layer_spec if layer_spec is not None else h3t_block_spec(
-        config, ckpt=ckpt, backend=backend, core_attention=core_attention, vp_stage=vp_stage, pp_rank=pipeline_rank)
+        config, ckpt=ckpt, backend=backend, core_attention=core_attention, vp_stage=vp_stage, pp_rank=pipeline_rank,
+        recompute=recompute)
     return H3TGPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -15,8 +15,12 @@ ours          :class:`OursRMSNorm`, :class:`OursMLP`           :class:`OursTENor
 
 Every layer is an :class:`~h3t_ext.runtime.modules.layer_boundary.H3TTransformerLayer`: megatron-core's
 TransformerLayer, which tells the activation manager where its forward starts (layer-granular offload at
-pipeline size 1). ckpt=full recomputes whole layers at run time (:mod:`h3t_ext.runtime.modules.recompute_full`); its layers
-are those of ``no``. The local backend's linears are :class:`SPColumnParallelLinear` /
+pipeline size 1). Megatron's recompute (``recompute``, a :class:`~h3t_ext.ckpt.Recompute`; ckpt=full is full,
+uniform, 1 layer on the layers of ``no``) is built in too (:mod:`h3t_ext.runtime.modules.recompute`): full
+recompute makes the layers of a unit :class:`~h3t_ext.runtime.modules.recompute.RecomputedLayer` (one spec per
+layer, from :meth:`Recompute.units`), selective ``core_attn`` / ``mlp`` wrap the core attention / MLP class,
+selective ``layernorm`` takes the norms of ckpt=ours (on the te backend the norms are fused into the linears,
+megatron-core's ``IdentityOp``, so there is nothing to recompute, as in megatron-core). The local backend's linears are :class:`SPColumnParallelLinear` /
 :class:`SPRowParallelLinear` (megatron-core's, with a sequence-parallel path that runs on CPU) and
 its norms carry Megatron's ``sequence_parallel`` parameter attribute, so the spec works with
 ``--sequence-parallel``. The core attention is a parameter (default: :class:`SDPACoreAttention` on
@@ -28,6 +32,7 @@ TransformerEngine is imported only when a te spec is built.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterable, Optional
 
@@ -41,11 +46,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from h3t_ext.ckpt import NO_RECOMPUTE, Recompute, split_ckpt
+
 from ..config import CKPT_CHOICES, RuntimeConfigError
 from .attention import SDPACoreAttention
 from .fused_saves import FusedSavesMLP, FusedSavesRMSNorm
 from .layer_boundary import H3TTransformerLayer
 from .norms import LayerNorm
+from .recompute import RecomputedLayer, is_recomputed, recomputed_module
 from .recompute_ours import OursLayerNorm, OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
 from .sequence_parallel import SPColumnParallelLinear, SPRowParallelLinear
 
@@ -59,11 +67,23 @@ def _check_choice(ckpt: str, backend: str) -> None:
         raise RuntimeConfigError(f"layer spec backend must be one of {{{','.join(BACKENDS)}}}, got {backend!r}")
 
 
-def _local_norm(config, ckpt: str) -> type:
+class RecomputedRMSNorm(OursRMSNorm):
+    """RMSNorm of ``--recompute-modules layernorm`` on a ckpt=no layer: saves its input, its output recomputed."""
+
+    h3t_ckpt = None
+
+
+class RecomputedLayerNorm(OursLayerNorm):
+    """LayerNorm of ``--recompute-modules layernorm`` on a ckpt=no layer: saves its inputs, its output recomputed."""
+
+    h3t_ckpt = None
+
+
+def _local_norm(config, ckpt: str, recompute_norm: bool = False) -> type:
     if config.normalization == "RMSNorm":
-        return OursRMSNorm if ckpt == "ours" else FusedSavesRMSNorm
+        return OursRMSNorm if ckpt == "ours" else (RecomputedRMSNorm if recompute_norm else FusedSavesRMSNorm)
     if config.normalization == "LayerNorm":
-        return OursLayerNorm if ckpt == "ours" else LayerNorm
+        return OursLayerNorm if ckpt == "ours" else (RecomputedLayerNorm if recompute_norm else LayerNorm)
     raise UnsupportedLayerSpecError(f"--normalization {config.normalization} is not supported by the h3t local "
                                     "layer spec; use RMSNorm or LayerNorm")
 
@@ -93,37 +113,65 @@ def _attention(linear_qkv, core_attention, linear_proj) -> ModuleSpec:
                                                          k_layernorm=IdentityOp))
 
 
-def h3t_layer_spec(config, *, ckpt: str = "no", backend: str = "local", core_attention: Optional[type] = None
-                   ) -> ModuleSpec:
-    """The TransformerLayer spec of ``ckpt`` for ``backend`` ('local' or 'te') and ``config``.
+def _base_and_recompute(ckpt: str, recompute: Recompute) -> tuple[str, Recompute]:
+    try:
+        base, recompute = split_ckpt(ckpt, recompute)
+    except ValueError as exc:
+        raise RuntimeConfigError(str(exc)) from None
+    return base.value, recompute
+
+
+def h3t_layer_spec(config, *, ckpt: str = "no", backend: str = "local", core_attention: Optional[type] = None,
+                   recompute: Recompute = NO_RECOMPUTE) -> ModuleSpec:
+    """The TransformerLayer spec of ``ckpt`` for ``backend`` ('local' or 'te') and ``config``, with the selective
+    ``recompute`` modules built in (full recompute is per layer: :func:`h3t_block_spec`; ckpt 'full' here gives
+    a one-layer unit).
 
     Raises :class:`UnsupportedLayerSpecError` (one line) when ``config`` cannot run ``ckpt``
-    (ckpt=ours needs RMSNorm or LayerNorm, a dense SwiGLU or GeLU MLP and no Megatron recompute).
+    (ckpt=ours needs RMSNorm or LayerNorm, a dense SwiGLU or GeLU MLP and no Megatron recompute in its config).
     """
     _check_choice(ckpt, backend)
+    base, recompute = _base_and_recompute(ckpt, recompute)
+    spec = _selective_layer_spec(config, base, backend, core_attention, recompute)
+    if recompute.full:
+        spec = dataclasses.replace(spec, module=RecomputedLayer, params={**spec.params, "h3t_unit": (0, 1)})
+    return spec
+
+
+def _selective_layer_spec(config, ckpt: str, backend: str, core_attention: Optional[type],
+                          recompute: Recompute) -> ModuleSpec:
     if ckpt == "ours":
         validate_ours_config(config)
     if backend == "local":
         if core_attention is None:
             core_attention = SDPACoreAttention
+        if recompute.recomputes("core_attn"):
+            core_attention = recomputed_module(core_attention)
         mlp_cls = OursMLP if ckpt == "ours" else (FusedSavesMLP if config.normalization == "RMSNorm" else MLP)
+        if recompute.recomputes("mlp"):
+            mlp_cls = recomputed_module(mlp_cls)
         mlp = ModuleSpec(module=mlp_cls, params={"ffn_hidden_size": config.ffn_hidden_size},
                          submodules=MLPSubmodules(linear_fc1=SPColumnParallelLinear, linear_fc2=SPRowParallelLinear))
         attention = _attention(SPColumnParallelLinear, core_attention, SPRowParallelLinear)
-        return _layer(_local_norm(config, ckpt), attention, mlp, keys_map={
+        return _layer(_local_norm(config, ckpt, recompute.recomputes("layernorm")), attention, mlp, keys_map={
             "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})
     te = _te_modules()
     core_attention = core_attention or te.TEDotProductAttention
+    if recompute.recomputes("core_attn"):
+        core_attention = recomputed_module(core_attention)
     if ckpt != "ours":  # TE's fused layernorm-linear saves what the cost model counts
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa
 
         spec = get_gpt_layer_with_transformer_engine_spec()
         spec.submodules.self_attention.submodules.core_attention = core_attention
+        if recompute.recomputes("mlp"):
+            spec.submodules.mlp.module = recomputed_module(spec.submodules.mlp.module)
         spec.module = H3TTransformerLayer  # says where its forward starts (layer-granular offload)
         return spec
     # ckpt=ours: the norm is separate so that its output can be recomputed instead of saved
-    mlp = ModuleSpec(module=OursMLP, params={"ffn_hidden_size": config.ffn_hidden_size},
+    mlp_cls = recomputed_module(OursMLP) if recompute.recomputes("mlp") else OursMLP
+    mlp = ModuleSpec(module=mlp_cls, params={"ffn_hidden_size": config.ffn_hidden_size},
                      submodules=MLPSubmodules(linear_fc1=te.TEColumnParallelLinear, linear_fc2=te.TERowParallelLinear))
     attention = _attention(te.TEColumnParallelLinear, core_attention, te.TERowParallelLinear)
     return _layer(OursTENorm, attention, mlp)
@@ -139,12 +187,28 @@ def final_norm_spec(config, *, backend: str = "local") -> type:
 
 def h3t_block_spec(config, *, ckpt: str = "no", backend: str = "local", core_attention: Optional[type] = None,
                    layer_spec: Optional[ModuleSpec] = None, vp_stage: Optional[int] = None,
-                   pp_rank: Optional[int] = None) -> TransformerBlockSubmodules:
+                   pp_rank: Optional[int] = None, recompute: Recompute = NO_RECOMPUTE) -> TransformerBlockSubmodules:
     """The decoder block of one (virtual) pipeline stage: its layers and, on the last stage, the final
-    norm. ``layer_spec`` overrides the layers (the final norm stays h3t's)."""
-    layer = layer_spec or h3t_layer_spec(config, ckpt=ckpt, backend=backend, core_attention=core_attention)
+    norm. ``layer_spec`` overrides the layers (the final norm stays h3t's). With full ``recompute`` (or ckpt
+    'full') the layers of each unit of :meth:`Recompute.units` are :class:`RecomputedLayer` s at their place
+    in it; RuntimeConfigError (one line) for a ``uniform`` number of layers that does not divide the chunk's."""
     n = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm_spec(config, backend=backend))
+    final = final_norm_spec(config, backend=backend)
+    if layer_spec is not None:
+        return TransformerBlockSubmodules(layer_specs=[layer_spec] * n, layer_norm=final)
+    _check_choice(ckpt, backend)
+    base, recompute = _base_and_recompute(ckpt, recompute)
+    layer = _selective_layer_spec(config, base, backend, core_attention, recompute)
+    layers = [layer] * n
+    try:
+        units = recompute.units(n)
+    except ValueError as exc:
+        raise RuntimeConfigError(str(exc)) from None
+    for start, end in units:
+        for i in range(start, end):
+            layers[i] = dataclasses.replace(layer, module=RecomputedLayer,
+                                            params={**layer.params, "h3t_unit": (i - start, end - start)})
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final)
 
 
 # --------------------------------------------------------------------------- what a built model is for
@@ -195,6 +259,10 @@ def check_built_for(chunks: Iterable[torch.nn.Module], ckpt: str) -> None:
     except UnsupportedLayerSpecError as exc:
         raise UnsupportedLayerSpecError(f"--ckpt {ckpt}: {exc}") from None
     want = "ours" if ckpt == "ours" else "no"
+    if ckpt == "full" and not all(is_recomputed(layer) for layer in _layers(chunks)):
+        raise RuntimeConfigError(
+            "--ckpt full: the model was not built with the full-recompute layer spec; build it with "
+            "h3t_block_spec(config, ckpt='full') (build_gpt_model(..., ckpt='full'))")
     if built in (None, want):
         return
     if want == "ours":
@@ -208,4 +276,4 @@ def check_built_for(chunks: Iterable[torch.nn.Module], ckpt: str) -> None:
         f"h3t_layer_spec(config, ckpt='{ckpt}') (build_gpt_model(..., ckpt='{ckpt}'))")
 
 
-__all__ = ["BACKENDS", "built_for_ckpt", "check_built_for", "final_norm_spec", "h3t_block_spec", "h3t_layer_spec"]
+__all__ = ["BACKENDS", "RecomputedLayerNorm", "RecomputedRMSNorm", "built_for_ckpt", "check_built_for", "final_norm_spec", "h3t_block_spec", "h3t_layer_spec"]

@@ -7,12 +7,11 @@ waiting on a peer that gave up; :func:`validate_parallel_layout` does so for eve
 layout rules themselves (sizes, divisibility, interleaving) are :mod:`h3t_ext.layout`'s.
 :class:`ModelPreparer` checks once per model chunk that it was built for the chosen ``ckpt``
 (ckpt=ours and the fused saves of ckpt=no come from the h3t layer spec the model was built with,
-:mod:`h3t_ext.runtime.modules.layer_specs`; nothing is transformed), wraps the layers for ckpt=full (a
-run-time recompute), and owns the activation manager of this stage.
+:mod:`h3t_ext.runtime.modules.layer_specs`, and so do the recomputed layers of ckpt=full; nothing is
+transformed), and owns the activation manager of this stage.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -105,7 +104,7 @@ def _check_built_for(model_chunks: list, ckpt: str) -> None:
 
 
 class ModelPreparer:
-    """Checks each model chunk once against ``ckpt`` (wrapping it for ckpt=full) and keeps one
+    """Checks each model chunk once against ``ckpt`` and keeps one
     activation manager per stage."""
 
     def __init__(self, config: H3TConfig, *, manager_factory: Optional[Callable] = None):
@@ -149,27 +148,18 @@ class ModelPreparer:
             if mark is None:
                 todo.append(m)
                 continue
-            ckpt, owner = mark
+            ckpt, _owner = mark
             if ckpt != self.config.ckpt:
                 raise RuntimeConfigError(
                     f"model was prepared for --ckpt {ckpt} by an earlier install(); build a fresh model for "
                     f"--ckpt {self.config.ckpt}"
                 )
-            if owner != id(self) and ckpt == "full":  # re-wrap so recompute suspends this install's manager
-                from ..modules.recompute_full import remove_full_recompute
-
-                remove_full_recompute([m])
-                todo.append(m)
         if todo:
             self._transform(todo, mgr)
         return mgr
 
     def _transform(self, chunks: list, mgr) -> None:
         _check_built_for(chunks, self.config.ckpt)
-        if self.config.ckpt == "full":
-            from ..modules.recompute_full import apply_full_recompute
-
-            apply_full_recompute(chunks, suspend=(mgr.suspended if mgr is not None else contextlib.nullcontext))
         for m in chunks:
             object.__setattr__(m, _PREPARED, (self.config.ckpt, id(self)))
 
