@@ -110,6 +110,8 @@ class Plan:
                 object.__setattr__(self, "ckpt", Ckpt(self.ckpt))
             except ValueError:
                 raise InvalidPlanError(f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {self.ckpt!r}") from None
+        if self.recompute is NO_RECOMPUTE:  # the search's plans: nothing to contradict
+            return
         try:
             split_ckpt(self.ckpt, self.recompute)
         except ValueError as exc:
