@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     if use_megatron_loop(argv):
         from h3t_ext.runtime.config import RuntimeConfigError
         from h3t_training.loop import megatron_native
-        from h3t_training.config.errors import ArgumentError
+        from h3t_training.errors import ArgumentError
         try:
             return megatron_native.run(argv, defaults=MEGATRON_GPT_DEFAULTS)
         except (ArgumentError, RuntimeConfigError) as e:

@@ -99,6 +99,12 @@ class _Call:
     force_all_reduce: bool
 
 
+def _call_args(kw: dict) -> MegatronCallArgs:
+    """One entry point's keyword arguments as the typed record, at the boundary of Megatron's API (nothing past it
+    reads a dict)."""
+    return MegatronCallArgs(**{k: v for k, v in kw.items() if k != "self"})
+
+
 def _default_pg_collection() -> ProcessGroupCollection:
     """Megatron's global groups, only when the caller passed none (the Megatron-API boundary)."""
     pgc = ProcessGroupCollection()
@@ -236,13 +242,7 @@ class H3TSchedules:
                                        adjust_tensor_shapes_fn=None, p2p_communicator=None, pg_collection=None,
                                        force_all_reduce=False):
         """Run all microbatches on one pipeline stage (PP=1)."""
-        return self._run(ScheduleMode.NO_PIPELINING, MegatronCallArgs(
-            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
-            pg_collection=pg_collection, force_all_reduce=force_all_reduce))
+        return self._run(ScheduleMode.NO_PIPELINING, _call_args(locals()))
 
     def forward_backward_pipelining_without_interleaving(self, *, forward_step_func, data_iterator, model,
                                                          num_microbatches, seq_length, micro_batch_size,
@@ -251,13 +251,7 @@ class H3TSchedules:
                                                          adjust_tensor_shapes_fn=None, p2p_communicator=None,
                                                          pg_collection=None, force_all_reduce=False):
         """1F1B over the pipeline group, one model chunk per rank."""
-        return self._run(ScheduleMode.ONE_F_ONE_B, MegatronCallArgs(
-            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
-            pg_collection=pg_collection, force_all_reduce=force_all_reduce))
+        return self._run(ScheduleMode.ONE_F_ONE_B, _call_args(locals()))
 
     def forward_backward_pipelining_with_interleaving(self, *, forward_step_func, data_iterator, model,
                                                       num_microbatches, seq_length, micro_batch_size,
@@ -266,13 +260,7 @@ class H3TSchedules:
                                                       adjust_tensor_shapes_fn=None, p2p_communicator=None,
                                                       pg_collection=None, force_all_reduce=False):
         """Interleaved 1F1B over the pipeline group, ``len(model)`` chunks per rank."""
-        return self._run(ScheduleMode.INTERLEAVED, MegatronCallArgs(
-            forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-            num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
-            decoder_seq_length=decoder_seq_length, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-            adjust_tensor_shapes_fn=adjust_tensor_shapes_fn, p2p_communicator=p2p_communicator,
-            pg_collection=pg_collection, force_all_reduce=force_all_reduce))
+        return self._run(ScheduleMode.INTERLEAVED, _call_args(locals()))
 
     # -- the one executor --------------------------------------------------------------------
     def _resolve(self, mode: ScheduleMode, kw: MegatronCallArgs) -> _Call:
