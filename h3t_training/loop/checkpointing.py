@@ -45,8 +45,9 @@ CHECKSUMS = "h3t_checksums.json"
 CHECKPOINT_VERSION = 3.0
 """Megatron-LM's checkpoint version for dist_checkpointing checkpoints."""
 MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                     "tokenizer_type", "vocab_size", "make_vocab_size_divisible_by")
-"""What must match between the saving and the loading run (the parallel layout need not)."""
+                     "tokenizer_type", "vocab_size")
+"""What must match between the saving and the loading run (the parallel layout need not), with the padded
+vocabulary (``--make-vocab-size-divisible-by`` x t rounds the tokenizer's up): the flag itself may differ."""
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
 SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",
@@ -76,6 +77,18 @@ class FoundCheckpoint:
 
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def vocabulary_padding_advice(saved_padded: int, args) -> str:
+    """How this run pads its vocabulary like the checkpoint's: Megatron pads the tokenizer's V up to a multiple of
+    ``--make-vocab-size-divisible-by`` D x t, so D = P / t gives P exactly when t divides P (P >= V); otherwise
+    no D at this t does."""
+    t = args.tensor_model_parallel_size
+    if saved_padded and saved_padded % t == 0:
+        return (f"give --make-vocab-size-divisible-by {saved_padded // t} (x --tensor-model-parallel-size {t} pads "
+                f"to {saved_padded})")
+    return (f"no --make-vocab-size-divisible-by pads to {saved_padded} at --tensor-model-parallel-size {t}; load "
+            f"with a tensor-parallel size that divides {saved_padded}")
 
 
 def _model_shape(args) -> dict:
@@ -229,14 +242,10 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     _verify_layout(directory, rank, args.world_size)
     saved = common["h3t"]["model"]
     mine = _model_shape(args)
-    if saved.get("padded_vocab_size") != mine["padded_vocab_size"] and \
-            saved.get("make_vocab_size_divisible_by") == mine["make_vocab_size_divisible_by"]:
-        layout = common["h3t"]["layout"]
-        raise CheckpointError(
-            f"--load {root}: checkpoint iteration {iteration} has a vocabulary padded to {saved.get('padded_vocab_size')} "
-            f"(--make-vocab-size-divisible-by x --tensor-model-parallel-size {layout['tensor_model_parallel_size']}), "
-            f"this run pads to {mine['padded_vocab_size']}; choose --make-vocab-size-divisible-by so that both "
-            f"layouts pad alike")
+    if saved.get("padded_vocab_size") != mine["padded_vocab_size"]:
+        raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} has a vocabulary padded to "
+                              f"{saved.get('padded_vocab_size')}, this run pads to {mine['padded_vocab_size']}; "
+                              + vocabulary_padding_advice(saved.get("padded_vocab_size"), args))
     for k in MODEL_SHAPE_FLAGS:
         if saved.get(k) != mine[k]:
             raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with "

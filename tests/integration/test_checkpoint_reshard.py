@@ -111,4 +111,18 @@ def test_a_layout_that_pads_the_vocabulary_otherwise_is_refused(corpus_prefix, t
     assert proc.returncode != 0 and "[rank" not in proc.stderr  # no worker traceback (torchrun adds its report)
     lines = [l for l in proc.stderr.splitlines() if l.startswith("pretrain_llama.py: error: ")]
     assert len(lines) == 2 and all("has a vocabulary padded to 384" in l and "this run pads to 512" in l
-                                   for l in lines)
+                                   and "give --make-vocab-size-divisible-by 192" in l for l in lines)
+
+
+def test_the_vocabulary_padding_advice_works(corpus_prefix, tmp_path):  # noqa: F811
+    """A t=1 checkpoint with the default padding (258 tokens to 384) loads at t=2 with the advised
+    --make-vocab-size-divisible-by 192 and continues with the loss the t=1 run continues with."""
+    argv = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--data-path", corpus_prefix]
+    ckpt = tmp_path / "ckpt"
+    check_ok(run_pretrain([*argv, "--train-iters", "2", "--exit-interval", "1", "--save", str(ckpt)]))
+    cont = [*argv, "--train-iters", "2", "--load", str(ckpt)]
+    check_ok(run_pretrain([*cont, "--metrics-json", str(tmp_path / "t1.json")]))
+    check_ok(run_pretrain([*cont, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "192",
+                           "--metrics-json", str(tmp_path / "t2.json")], nproc=2))
+    (a,), (b,) = losses(tmp_path / "t1.json"), losses(tmp_path / "t2.json")
+    assert abs(a - b) <= 1e-5 * abs(a), (a, b)
