@@ -8,7 +8,9 @@ and megatron-core 0.16.1 enforce:
 * the global batch is a whole number of micro batches per data-parallel rank
   (``num_microbatches = global_batch_size // (micro_batch_size x d)``);
 * the layers split evenly over the p pipeline ranks (or, with uneven first/last stages, the rest
-  splits evenly over the middle ranks), and over the v model chunks of each rank;
+  splits evenly over the middle ranks; with --account-for-embedding/loss-in-pipeline-split the embedding
+  and the loss count as one layer each), and over the v model chunks of each rank (:class:`PipelineSplit`,
+  megatron-core's ``get_num_layers_to_build`` / ``get_transformer_layer_offset``);
 * interleaving (v > 1) needs p > 1 and megatron-core's microbatch grouping of
   ``forward_backward_pipelining_with_interleaving``: with ``microbatch_group_size_per_vp_stage`` g
   (default p), p <= g <= m and m mod g is 0 or >= p (so with the default, m a multiple of p);
@@ -93,6 +95,9 @@ def _check_interleaving(p: int, v: int, m: int, group: Optional[int]) -> None:
                           f"--pipeline-model-parallel-size {p}; valid remainders: {valid}", "interleaving")
 
 
+_ACCOUNT = ("--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split")
+
+
 def _check_uneven(num_layers: int, p: int, first: Optional[int], last: Optional[int]) -> None:
     """Megatron's uneven stages: the first/last stage layers as given, the rest split evenly over the others."""
     L = num_layers
@@ -116,36 +121,162 @@ def _check_uneven(num_layers: int, p: int, first: Optional[int], last: Optional[
                           "uneven_stages")
 
 
-def virtual_pipeline_size(num_layers: int, pipeline_model_parallel_size: int,
-                          num_layers_per_virtual_pipeline_stage: Optional[int] = None, *,
-                          decoder_first_pipeline_num_layers: Optional[int] = None,
-                          decoder_last_pipeline_num_layers: Optional[int] = None) -> int:
-    """v = (L/p) / l model chunks per pipeline rank (1 when ``l`` is None), after checking that the layers
-    split over the pipeline ranks (evenly, or with the uneven first/last stages) and over the chunks."""
+def _check_uneven_chunks(num_layers: int, p: int, v: int, first: Optional[int], last: Optional[int]) -> None:
+    """megatron-core's TransformerConfig with uneven stages and v model chunks: the first stage's, the last
+    stage's and each middle stage's layers are each a multiple of v (every chunk of a stage is as large)."""
+    flag_v = "--num-virtual-stages-per-pipeline-rank"
+    for flag, n in (("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)):
+        if n is not None and n % v:
+            raise LayoutError(f"{flag} {n} is not a multiple of {flag_v} {v} (each of the stage's {v} model chunks "
+                              f"holds as many layers); valid: multiples of {v}", "uneven_stages")
+    middle = p - (first is not None) - (last is not None)
+    if middle:
+        per = (num_layers - (first or 0) - (last or 0)) // middle
+        if per % v:
+            raise LayoutError(f"the {per} layers of each middle pipeline stage (--num-layers {num_layers} minus the "
+                              f"first/last stages' over {middle} stage(s)) are not a multiple of {flag_v} {v}; valid: "
+                              f"first/last stage layers that leave a multiple of {v} per middle stage", "uneven_stages")
+
+
+def _slots(num_layers: int, embedding: bool, loss: bool) -> tuple[int, str]:
+    """Megatron's layer count of the split with --account-for-*: the embedding and the loss each count as one
+    layer; the count and how it was made (for messages)."""
+    n = num_layers + bool(embedding) + bool(loss)
+    said = " + ".join([f"--num-layers {num_layers}"] + [f"1 for {flag}" for flag, on in zip(_ACCOUNT, (embedding, loss))
+                                                        if on])
+    return n, (said if n == num_layers else f"({said}) = {n}")
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Which transformer layers each pipeline rank and model chunk builds, by megatron-core 0.16.1's rule
+    (``transformer_block.get_num_layers_to_build``, ``transformer_layer.get_transformer_layer_offset``).
+
+    Evenly: each rank holds n / p "layers" with n = L (+ 1 with --account-for-embedding-in-pipeline-split, + 1
+    with --account-for-loss-in-pipeline-split), split evenly over its v chunks; the first chunk of the first rank
+    builds one layer fewer for the embedding, the last chunk of the last rank one fewer for the loss. Unevenly
+    (--decoder-first/last-pipeline-num-layers): the first/last rank hold the layers given, the middle ranks the
+    rest evenly, each rank's split evenly over its v chunks. Layers are numbered chunk-major: virtual stage 0 of
+    ranks 0..p-1, then virtual stage 1, ... Build one with :func:`pipeline_split` (which checks the rules);
+    the arithmetic here assumes a split that passed them."""
+
+    num_layers: int
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int = 1
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
+
+    @property
+    def uneven(self) -> bool:
+        """True with --decoder-first/last-pipeline-num-layers."""
+        return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
+
+    def rank_slots(self, stage: int) -> int:
+        """Layers of pipeline rank ``stage`` as the split counts them (the embedding and loss slots included)."""
+        p, first, last = self.pipeline_model_parallel_size, self.decoder_first_pipeline_num_layers, \
+            self.decoder_last_pipeline_num_layers
+        if not self.uneven:
+            return _slots(self.num_layers, self.account_for_embedding_in_pipeline_split,
+                          self.account_for_loss_in_pipeline_split)[0] // p
+        if stage == 0 and first is not None:
+            return first
+        if stage == p - 1 and last is not None:
+            return last
+        middle = p - (first is not None) - (last is not None)
+        return (self.num_layers - (first or 0) - (last or 0)) // middle if middle > 0 else 0
+
+    def chunk_layers(self, stage: int, chunk: int = 0) -> int:
+        """Transformer layers that model chunk ``chunk`` of pipeline rank ``stage`` builds."""
+        p, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        n = self.rank_slots(stage) // v
+        if self.account_for_embedding_in_pipeline_split and stage == 0 and chunk == 0:
+            n -= 1
+        if self.account_for_loss_in_pipeline_split and stage == p - 1 and chunk == v - 1:
+            n -= 1
+        return n
+
+    def stage_layers(self, stage: int) -> int:
+        """Transformer layers of pipeline rank ``stage`` (all its chunks)."""
+        return sum(self.chunk_layers(stage, c) for c in range(self.virtual_pipeline_model_parallel_size))
+
+    def layer_offset(self, stage: int, chunk: int = 0) -> int:
+        """Index of the first layer of model chunk ``chunk`` of pipeline rank ``stage`` in the whole model."""
+        p = self.pipeline_model_parallel_size
+        return sum(self.chunk_layers(r, c) for c in range(chunk + 1) for r in range(p) if (c, r) < (chunk, stage))
+
+
+def pipeline_split(num_layers: int, pipeline_model_parallel_size: int,
+                   num_layers_per_virtual_pipeline_stage: Optional[int] = None, *,
+                   num_virtual_stages_per_pipeline_rank: Optional[int] = None,
+                   decoder_first_pipeline_num_layers: Optional[int] = None,
+                   decoder_last_pipeline_num_layers: Optional[int] = None,
+                   account_for_embedding_in_pipeline_split: bool = False,
+                   account_for_loss_in_pipeline_split: bool = False) -> PipelineSplit:
+    """The :class:`PipelineSplit` of Megatron's flags, after Megatron-LM's and megatron-core's checks
+    (``arguments.py`` and ``TransformerConfig.__post_init__``): uneven stages exclude the --account-for-* flags
+    and --num-layers-per-virtual-pipeline-stage (their chunks come from --num-virtual-stages-per-pipeline-rank,
+    which must divide each stage's layers); otherwise L (+1 per --account-for-* flag) splits evenly over the p
+    ranks and each rank's share over its chunks. Each broken rule is a :class:`LayoutError` naming the flags."""
     L, p, l = num_layers, pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage
+    V = num_virtual_stages_per_pipeline_rank
+    first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
+    e, lo = bool(account_for_embedding_in_pipeline_split), bool(account_for_loss_in_pipeline_split)
     _positive("--num-layers", L)
     _positive("--pipeline-model-parallel-size", p)
-    first, last = decoder_first_pipeline_num_layers, decoder_last_pipeline_num_layers
-    if first is not None or last is not None:
+    if l is not None and V is not None:
+        raise LayoutError("give one of --num-layers-per-virtual-pipeline-stage and "
+                          "--num-virtual-stages-per-pipeline-rank; valid: one of them", "range")
+    if V is not None:
+        _positive("--num-virtual-stages-per-pipeline-rank", V)
+    uneven = first is not None or last is not None
+    if uneven:
+        if e or lo:
+            accounted = " and ".join(flag for flag, on in zip(_ACCOUNT, (e, lo)) if on)
+            raise LayoutError(f"{accounted} cannot be combined with {_UNEVEN} (megatron-core's TransformerConfig "
+                              f"refuses both); valid: one of them", "uneven_stages")
         if l is not None:
-            raise LayoutError(f"--num-layers-per-virtual-pipeline-stage cannot be combined with {_UNEVEN}; "
-                              f"valid: one of them", "uneven_stages")
+            raise LayoutError(f"--num-layers-per-virtual-pipeline-stage cannot be combined with {_UNEVEN} "
+                              f"(Megatron-LM's rule); valid: "
+                              f"--num-virtual-stages-per-pipeline-rank with uneven stages", "uneven_stages")
         _check_uneven(L, p, first, last)
-        return 1
-    if L % p:
-        raise LayoutError(f"--num-layers {L} is not a multiple of --pipeline-model-parallel-size {p}; valid: "
-                          f"multiples of {p}, or uneven stages with {_UNEVEN}", "num_layers")
-    if l is None:
-        return 1
-    _positive("--num-layers-per-virtual-pipeline-stage", l)
-    per_rank = L // p
-    if per_rank % l:
-        raise LayoutError(f"--num-layers-per-virtual-pipeline-stage {l} does not divide the {per_rank} layers per "
-                          f"pipeline rank (--num-layers {L} / --pipeline-model-parallel-size {p}); "
-                          f"valid: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage")
-    v = per_rank // l
+        v = V or 1
+        _check_chunks(p, v)
+        if v > 1:
+            _check_uneven_chunks(L, p, v, first, last)
+        return PipelineSplit(L, p, v, first, last)
+    n, said = _slots(L, e, lo)
+    if n % p:
+        alternative = f", or uneven stages with {_UNEVEN}" if not (e or lo) else ""
+        raise LayoutError(f"{said} is not a multiple of --pipeline-model-parallel-size {p}; valid: "
+                          f"multiples of {p}{alternative}", "num_layers")
+    per_rank = n // p
+    if l is not None:
+        _positive("--num-layers-per-virtual-pipeline-stage", l)
+        if per_rank % l:
+            raise LayoutError(f"--num-layers-per-virtual-pipeline-stage {l} does not divide the {per_rank} layers "
+                              f"per pipeline rank ({said} / --pipeline-model-parallel-size {p}); "
+                              f"valid: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage")
+        v = per_rank // l
+    elif V is not None:
+        if per_rank % V:
+            raise LayoutError(f"--num-virtual-stages-per-pipeline-rank {V} does not divide the {per_rank} layers "
+                              f"per pipeline rank ({said} / --pipeline-model-parallel-size {p}); "
+                              f"valid: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage")
+        v = V
+    else:
+        v = 1
     _check_chunks(p, v)
-    return v
+    return PipelineSplit(L, p, v, account_for_embedding_in_pipeline_split=e, account_for_loss_in_pipeline_split=lo)
+
+
+def virtual_pipeline_size(num_layers: int, pipeline_model_parallel_size: int,
+                          num_layers_per_virtual_pipeline_stage: Optional[int] = None, **split) -> int:
+    """v = (n/p) / l model chunks per pipeline rank (1 when ``l`` is None), after checking the layer split
+    (:func:`pipeline_split`, whose keyword arguments ``split`` takes)."""
+    return pipeline_split(num_layers, pipeline_model_parallel_size, num_layers_per_virtual_pipeline_stage,
+                          **split).virtual_pipeline_model_parallel_size
 
 
 @dataclass(frozen=True)
@@ -190,13 +321,14 @@ class ParallelLayout:
                    pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
                    microbatch_group_size_per_vp_stage: Optional[int] = None, num_layers: Optional[int] = None,
                    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
-                   decoder_first_pipeline_num_layers: Optional[int] = None,
-                   decoder_last_pipeline_num_layers: Optional[int] = None) -> "ParallelLayout":
+                   **split) -> "ParallelLayout":
         """The layout of a job of ``world_size`` ranks, with d and m derived and every rule checked.
 
         v comes from ``virtual_pipeline_model_parallel_size`` (None or 1: not interleaved) or, given
-        ``num_layers``, from ``num_layers_per_virtual_pipeline_stage`` as Megatron-LM derives it; with
-        ``num_layers`` the layer split over the stages is checked too (:func:`virtual_pipeline_size`).
+        ``num_layers``, from ``num_layers_per_virtual_pipeline_stage`` (or ``split``'s
+        ``num_virtual_stages_per_pipeline_rank``) as Megatron-LM derives it; with ``num_layers`` the layer split
+        over the stages is checked too (:func:`pipeline_split`, whose keyword arguments ``split`` takes: uneven
+        first/last stages, --account-for-*).
         Checks run in the order world size, layers, batch, interleaving; the first broken rule raises.
         """
         t, c, p = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
@@ -211,9 +343,7 @@ class ParallelLayout:
         d = world_size // (t * c * p)
         v = virtual_pipeline_model_parallel_size or 1
         if num_layers is not None:
-            derived = virtual_pipeline_size(num_layers, p, num_layers_per_virtual_pipeline_stage,
-                                            decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
-                                            decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers)
+            derived = virtual_pipeline_size(num_layers, p, num_layers_per_virtual_pipeline_stage, **split)
             if virtual_pipeline_model_parallel_size not in (None, derived):
                 raise LayoutError(f"virtual pipeline size {virtual_pipeline_model_parallel_size} differs from the "
                                   f"{derived} model chunks per rank of --num-layers-per-virtual-pipeline-stage "
@@ -255,21 +385,25 @@ class ParallelLayout:
         return self.pipeline_model_parallel_size if g is None else g
 
     # -- rules that involve the model's shape ----------------------------------------------------------
-    def check_num_layers(self, num_layers: int, *, decoder_first_pipeline_num_layers: Optional[int] = None,
-                         decoder_last_pipeline_num_layers: Optional[int] = None) -> None:
-        """The layers split over the p stages (evenly or with uneven first/last stages) and the v chunks."""
+    def check_num_layers(self, num_layers: int, **split) -> PipelineSplit:
+        """The layers split over the p stages (evenly, with uneven first/last stages or with --account-for-*:
+        ``split``, :func:`pipeline_split`'s keyword arguments) and into this layout's v chunks; the split."""
         p, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
-        uneven = decoder_first_pipeline_num_layers is not None or decoder_last_pipeline_num_layers is not None
-        if v > 1 and uneven:
-            raise LayoutError(f"--num-layers-per-virtual-pipeline-stage cannot be combined with {_UNEVEN}; "
-                              f"valid: one of them", "uneven_stages")
-        virtual_pipeline_size(num_layers, p, decoder_first_pipeline_num_layers=decoder_first_pipeline_num_layers,
-                              decoder_last_pipeline_num_layers=decoder_last_pipeline_num_layers)
-        per_rank = num_layers // p
-        if per_rank % v:
+        even = pipeline_split(num_layers, p, **{k: x for k, x in split.items()
+                                                if k != "num_virtual_stages_per_pipeline_rank"}) if v == 1 else None
+        if even is not None:
+            return even
+        try:
+            return pipeline_split(num_layers, p, num_virtual_stages_per_pipeline_rank=v, **split)
+        except LayoutError as e:
+            if e.rule != "num_layers_per_virtual_pipeline_stage":
+                raise
+            per_rank = PipelineSplit(num_layers, p, 1, **{k: x for k, x in split.items()
+                                                          if k != "num_virtual_stages_per_pipeline_rank"}).rank_slots(0)
             raise LayoutError(f"the {per_rank} layers per pipeline rank (--num-layers {num_layers} / "
                               f"--pipeline-model-parallel-size {p}) do not split into {v} model chunks; "
-                              f"valid chunk counts: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage")
+                              f"valid chunk counts: {_divisors(per_rank)}", "num_layers_per_virtual_pipeline_stage") \
+                from None
 
     def check_tensor_split(self, *, num_attention_heads: int, num_query_groups: Optional[int] = None,
                            ffn_hidden_size: Optional[int] = None) -> None:
@@ -298,4 +432,4 @@ class ParallelLayout:
                               "seq_length_sequence_parallel")
 
 
-__all__ = ["RULES", "LayoutError", "ParallelLayout", "virtual_pipeline_size"]
+__all__ = ["RULES", "LayoutError", "ParallelLayout", "PipelineSplit", "pipeline_split", "virtual_pipeline_size"]

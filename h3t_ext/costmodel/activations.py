@@ -279,12 +279,15 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
                            layer_spec: str = "te", sequence_parallel: bool = True,
                            dropout_mask_bytes: int = BOOL, fp8: bool = False) -> int:
     """A: saved bytes of one microbatch-chunk (l layers, or the stage's layers without interleaving) on pipeline
-    rank ``stage`` (None: a middle stage). The stage matters with uneven first/last stages, and the first
-    stage's chunks also carry the embedding's dropout mask (:func:`embedding_dropout_chunk_bytes`)."""
+    rank ``stage`` (None: a middle stage). The stage matters with uneven first/last stages and --account-for-*
+    (whose first/last stage's chunks differ by the embedding's / loss's layer slot under interleaving: A is then
+    their mean), and the first stage's chunks also carry the embedding's dropout mask
+    (:func:`embedding_dropout_chunk_bytes`)."""
     t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
     v = plan.virtual_size(model.num_layers)
-    rank_layers = plan.layers_per_rank(model.num_layers) if stage is None else plan.stage_layers(model.num_layers,
-                                                                                                 stage)
+    split = plan.pipeline_split(model.num_layers)
+    chunks = [plan.layers_per_rank(model.num_layers) // v] if stage is None else \
+        [split.chunk_layers(stage, k) for k in range(v)]
     tokens = plan.micro_batch_size * plan.seq_length // (c * t)
     base, recompute = plan_recompute(plan)
     opts = dict(tensor_model_parallel_size=t, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
@@ -294,7 +297,7 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
     kept = (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
             + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, dropout_mask_bytes=dropout_mask_bytes))
     unit_input = tokens * layer_bytes_per_local_token(model, Ckpt.FULL, **opts)
-    chunk = chunk_layers_bytes(rank_layers // v, recompute, kept=kept, unit_input=unit_input)
+    chunk = sum(chunk_layers_bytes(n, recompute, kept=kept, unit_input=unit_input) for n in chunks) // len(chunks)
     if stage == 0:
         chunk += embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,
                                                dropout_mask_bytes=dropout_mask_bytes)

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 from h3t_ext.ckpt import CKPT_CHOICES, NO_RECOMPUTE, Ckpt, Recompute, split_ckpt  # noqa: F401  (CKPT_CHOICES re-exported)
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
-from h3t_ext.layout import LayoutError, ParallelLayout
+from h3t_ext.layout import LayoutError, ParallelLayout, PipelineSplit
 from h3t_ext.offload_alpha import Alpha, check_alpha
 
 SELECTIVE = Ckpt.SELECTIVE
@@ -96,6 +97,14 @@ class Plan:
     """Megatron's --decoder-first-pipeline-num-layers: layers of the first stage (the rest split evenly)."""
     decoder_last_pipeline_num_layers: Optional[int] = None
     """Megatron's --decoder-last-pipeline-num-layers: layers of the last stage."""
+    num_virtual_stages_per_pipeline_rank: Optional[int] = None
+    """Megatron's --num-virtual-stages-per-pipeline-rank: v model chunks per rank given directly, the way
+    Megatron-LM interleaves uneven stages (which refuse ``num_layers_per_virtual_pipeline_stage``)."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Megatron's --account-for-embedding-in-pipeline-split: the embedding counts as one layer of the first stage
+    (L + 1 split evenly; the first stage's first chunk builds one transformer layer fewer)."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Megatron's --account-for-loss-in-pipeline-split: the loss counts as one layer of the last stage."""
     fp8: Optional[str] = None
     """Megatron's --fp8-format (its field ``fp8``): 'e4m3' or 'hybrid' runs the linear layers' GEMMs in FP8
     through TransformerEngine (h3t_ext.costmodel.fp8); None: BF16 (Megatron's default)."""
@@ -140,29 +149,35 @@ class Plan:
         """m = B / (micro_batch * d / c)."""
         return self.global_batch_size // (self.micro_batch_size * self.data_parallel_sample_shards)
 
+    def pipeline_split(self, num_layers: int) -> PipelineSplit:
+        """Megatron's layer split of this plan (:class:`~h3t_ext.layout.PipelineSplit`: uneven first/last
+        stages, --account-for-*, v chunks); its rules are checked by :func:`validate_plan`, not here."""
+        return _split(num_layers, self.pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage,
+                      self.num_virtual_stages_per_pipeline_rank, self.decoder_first_pipeline_num_layers,
+                      self.decoder_last_pipeline_num_layers, self.account_for_embedding_in_pipeline_split,
+                      self.account_for_loss_in_pipeline_split)
+
     def layers_per_rank(self, num_layers: int) -> int:
-        """Layers of a middle stage: L / p, or with uneven first/last stages the rest split evenly."""
-        p = self.pipeline_model_parallel_size
+        """Layers of a middle stage: L / p, (L + 1 per --account-for-* flag) / p, or with uneven first/last stages
+        the rest split evenly (the first stage's layers when there is no middle stage); L at p = 1."""
+        split, p = self.pipeline_split(num_layers), self.pipeline_model_parallel_size
+        if p == 1:
+            return split.stage_layers(0)
+        if not split.uneven:
+            return split.rank_slots(0)
         first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
-        if first is None and last is None:
-            return num_layers // p
-        middle = p - (first is not None) - (last is not None)
-        rest = num_layers - (first or 0) - (last or 0)
-        return rest // middle if middle > 0 else (first or last or 0)
+        if p - (first is not None) - (last is not None) == 0:
+            return first
+        return split.rank_slots(0 if first is None else 1)
 
     def stage_layers(self, num_layers: int, stage: int) -> int:
-        """Layers held by pipeline rank ``stage``."""
-        p = self.pipeline_model_parallel_size
-        if stage == 0 and self.decoder_first_pipeline_num_layers is not None:
-            return self.decoder_first_pipeline_num_layers
-        if stage == p - 1 and self.decoder_last_pipeline_num_layers is not None:
-            return self.decoder_last_pipeline_num_layers
-        return self.layers_per_rank(num_layers)
+        """Transformer layers held by pipeline rank ``stage`` (Megatron's rule: the embedding / loss of
+        --account-for-* take one layer's place on the first / last stage)."""
+        return self.pipeline_split(num_layers).stage_layers(stage)
 
     def virtual_size(self, num_layers: int) -> int:
-        """v = (L/p) / l."""
-        l = self.num_layers_per_virtual_pipeline_stage
-        return 1 if l is None else self.layers_per_rank(num_layers) // l
+        """v = (L/p) / l, or --num-virtual-stages-per-pipeline-rank."""
+        return self.pipeline_split(num_layers).virtual_pipeline_model_parallel_size
 
     def virtual_pipeline_model_parallel_size(self, num_layers: int) -> int:
         """v = (L/p) / l (1 for plain 1F1B); L comes from the model, so this takes ``num_layers``."""
@@ -183,6 +198,19 @@ class Plan:
     @property
     def tokens_per_iteration(self) -> int:
         return self.global_batch_size * self.seq_length
+
+
+@lru_cache(maxsize=4096)
+def _split(L: int, p: int, l: Optional[int], V: Optional[int], first: Optional[int], last: Optional[int],
+           embedding: bool, loss: bool) -> PipelineSplit:
+    """The plan's split without the layout checks (v = (n/p) / l, with n = L + the --account-for-* slots)."""
+    if V is not None:
+        v = V
+    elif l is None or first is not None or last is not None:
+        v = 1
+    else:
+        v = max(1, (L + embedding + loss) // p // l)
+    return PipelineSplit(L, p, v, first, last, embedding, loss)
 
 
 def _check(cond: bool, reason: str) -> None:
@@ -241,8 +269,11 @@ def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = Non
             tensor_model_parallel_size=t, context_parallel_size=c,
             pipeline_model_parallel_size=plan.pipeline_model_parallel_size, num_layers=model.num_layers,
             num_layers_per_virtual_pipeline_stage=plan.num_layers_per_virtual_pipeline_stage,
+            num_virtual_stages_per_pipeline_rank=plan.num_virtual_stages_per_pipeline_rank,
             decoder_first_pipeline_num_layers=plan.decoder_first_pipeline_num_layers,
-            decoder_last_pipeline_num_layers=plan.decoder_last_pipeline_num_layers)
+            decoder_last_pipeline_num_layers=plan.decoder_last_pipeline_num_layers,
+            account_for_embedding_in_pipeline_split=plan.account_for_embedding_in_pipeline_split,
+            account_for_loss_in_pipeline_split=plan.account_for_loss_in_pipeline_split)
     except LayoutError as e:
         raise InvalidPlanError(e.reason) from None
 
@@ -268,9 +299,11 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
 
 def _validate_recompute(model: ModelSpec, plan: Plan) -> None:
     """Megatron's uniform recompute needs its N to divide every model chunk's layers."""
-    v = plan.virtual_size(model.num_layers)
-    for stage in range(plan.pipeline_model_parallel_size):
+    split = plan.pipeline_split(model.num_layers)
+    sizes = {split.chunk_layers(stage, chunk) for stage in range(plan.pipeline_model_parallel_size)
+             for chunk in range(split.virtual_pipeline_model_parallel_size)}
+    for layers in sorted(sizes - {0}):
         try:
-            plan.recompute.units(plan.stage_layers(model.num_layers, stage) // v)
+            plan.recompute.units(layers)
         except ValueError as e:
             raise InvalidPlanError(str(e)) from None

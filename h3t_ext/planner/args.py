@@ -160,8 +160,16 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                        help="bf16, fp8 or auto (both; the best of either ranks first); default fp8 with "
                             "--fp8-format, else bf16. FP8 plans use --fp8-format (default hybrid) and --fp8-recipe")
     if not search:
-        p.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None)
-        p.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None)
+        p.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None,
+                       help="layers of the first pipeline stage (the rest split evenly over the others)")
+        p.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None,
+                       help="layers of the last pipeline stage")
+        p.add_argument("--num-virtual-stages-per-pipeline-rank", type=_positive_int, default=None,
+                       help="model chunks per pipeline rank (interleaving; the way to interleave uneven stages)")
+        p.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                       help="the embedding counts as one layer of the first stage in the layer split")
+        p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                       help="the loss counts as one layer of the last stage in the layer split")
     p.add_argument("--offload-alpha", type=_alpha, default="auto" if search else 0.0,
                    help="FLOAT in [0, 1] (or one per stage: 0.3,0.2,...), auto (smallest alpha that fits) or "
                    "balanced (one smallest alpha per stage)")

@@ -27,6 +27,9 @@ def megatron_flags(plan: Plan) -> list[str]:
     flags += ["--pipeline-model-parallel-size", str(plan.pipeline_model_parallel_size)]
     if plan.num_layers_per_virtual_pipeline_stage is not None:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(plan.num_layers_per_virtual_pipeline_stage)]
+    flags += [flag for flag, attr in _SPLIT_INTS.items() if getattr(plan, attr) is not None
+              for flag in (flag, str(getattr(plan, attr)))]
+    flags += [flag for flag, attr in _SPLIT_SWITCHES.items() if getattr(plan, attr)]
     if plan.tensor_model_parallel_size > 1 and plan.sequence_parallel:
         flags.append("--sequence-parallel")
     if plan.use_distributed_optimizer:
@@ -61,6 +64,17 @@ _INT_FLAGS = {
     "--global-batch-size": "global_batch_size",
     "--recompute-num-layers": "recompute_num_layers",
 }
+_SPLIT_INTS = {
+    "--num-virtual-stages-per-pipeline-rank": "num_virtual_stages_per_pipeline_rank",
+    "--decoder-first-pipeline-num-layers": "decoder_first_pipeline_num_layers",
+    "--decoder-last-pipeline-num-layers": "decoder_last_pipeline_num_layers",
+}
+"""Megatron's flags of the layer split (uneven stages, virtual stages given as a count), when set."""
+_SPLIT_SWITCHES = {
+    "--account-for-embedding-in-pipeline-split": "account_for_embedding_in_pipeline_split",
+    "--account-for-loss-in-pipeline-split": "account_for_loss_in_pipeline_split",
+}
+_INT_FLAGS.update(_SPLIT_INTS)
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
                        "--no-overlap-p2p-communication", "--use-precision-aware-optimizer"})
 _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
@@ -92,8 +106,8 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
             continue
         if flag in _SWITCHES:
             continue
-        if flag in _OVERLAP:
-            setattr(ns, _OVERLAP[flag], True)
+        if flag in _OVERLAP or flag in _SPLIT_SWITCHES:
+            setattr(ns, {**_OVERLAP, **_SPLIT_SWITCHES}[flag], True)
             continue
         if flag not in _INT_FLAGS and flag not in _TEXT_FLAGS and flag not in ("--offload-alpha",
                                                                                "--optimizer-offload-fraction"):

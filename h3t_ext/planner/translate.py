@@ -47,6 +47,9 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "transformer_impl": "transformer_engine",
     "decoder_first_pipeline_num_layers": None,
     "decoder_last_pipeline_num_layers": None,
+    "num_virtual_stages_per_pipeline_rank": None,
+    "account_for_embedding_in_pipeline_split": False,
+    "account_for_loss_in_pipeline_split": False,
     "fp8": None,  # --fp8-format (dest fp8): BF16 unless given
     "fp8_recipe": "delayed",
     "fp8_param_gather": False,
@@ -61,7 +64,9 @@ _REQUIRED = ("seq_length", "global_batch_size")
 _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
            "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "use_distributed_optimizer",
            "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
-           "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "fp8",
+           "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+           "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
+           "account_for_loss_in_pipeline_split", "fp8",
            "fp8_recipe", "fp8_param_gather", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}

@@ -89,7 +89,7 @@ FROM_SIZES_CASES = [
     (dict(world_size=4, global_batch_size=4, pipeline_model_parallel_size=4, num_layers=16,
           num_layers_per_virtual_pipeline_stage=2, decoder_first_pipeline_num_layers=4), "uneven_stages",
      ["--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first-pipeline-num-layers",
-      "valid: one of them"]),
+      "valid: --num-virtual-stages-per-pipeline-rank with uneven stages"]),
     (dict(world_size=2, global_batch_size=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
           num_layers=8, num_layers_per_virtual_pipeline_stage=1), "num_layers_per_virtual_pipeline_stage",
      ["virtual pipeline size 2 differs from the 4 model chunks per rank", "valid: 4"]),
