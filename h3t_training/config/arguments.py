@@ -13,6 +13,7 @@ from typing import Optional
 
 from h3t_ext.ckpt import DENSE_RECOMPUTE_MODULES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, Ckpt, Recompute, \
     combined_ckpt, split_ckpt
+from h3t_ext.layout import LayoutError, pipeline_split
 from h3t_training.errors import ArgumentError
 from h3t_training.config.flag_table import add_table_flags
 from h3t_training.config.h3t_flags import add_h3t_flags
@@ -84,6 +85,14 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers of the first pipeline stage (the rest split evenly over the others)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers of the last pipeline stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the embedding counts as one layer of the first stage when the layers are split")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the loss counts as one layer of the last stage when the layers are split")
     g.add_argument("--context-parallel-size", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -305,7 +314,9 @@ def check_positive(args):
     for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                  "seq_length", "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "context_parallel_size", "micro_batch_size",
-                 "num_layers_per_virtual_pipeline_stage", "save_interval", "exit_interval",
+                 "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                 "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "save_interval",
+                 "exit_interval",
                  "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
                  "tensorboard_log_interval", "tensorboard_queue_size"):
         v = getattr(args, name)
@@ -360,26 +371,42 @@ def resolve_ckpt(args):
     recompute = recompute_of(args)
     try:
         base, recompute = split_ckpt(args.ckpt or "no", recompute)
-        chunk = _chunk_layers(args)
-        if chunk is not None:
+        chunks = _chunk_layers(args)
+        for chunk in chunks:
             recompute.units(chunk)
     except ValueError as e:
         raise ArgumentError(str(e)) from None
-    if base is Ckpt.OURS and recompute.full and chunk is not None and recompute.num_layers >= chunk:
+    whole = [chunk for chunk in chunks if recompute.full and recompute.num_layers >= chunk]
+    if base is Ckpt.OURS and whole:
         raise ArgumentError(f"--ckpt ours contradicts --recompute-method block --recompute-num-layers "
-                            f"{recompute.num_layers} (every one of the {chunk} layers of a model chunk is recomputed "
-                            "whole); use fewer layers or leave --ckpt ours out")
+                            f"{recompute.num_layers} (every one of the {whole[0]} layers of a model chunk is "
+                            "recomputed whole); use fewer layers or leave --ckpt ours out")
     ckpt = combined_ckpt(base, recompute) if (args.ckpt is not None or recompute.granularity) else None
     return args.replace(ckpt=ckpt, recompute=recompute)
 
 
-def _chunk_layers(args) -> Optional[int]:
-    """Layers of one model chunk when the flags fix them (even split), else None (--auto-plan picks later)."""
+def _chunk_layers(args) -> tuple[int, ...]:
+    """The layer counts of the model chunks (Megatron's split: uneven first/last stages and --account-for-* make
+    several) when the flags fix them, else none (--auto-plan picks later; a bad split is refused by validation)."""
     p = args.pipeline_model_parallel_size
-    if p is None or args.num_layers is None or args.num_layers % p:
-        return None
-    per_rank = args.num_layers // p
-    return args.num_layers_per_virtual_pipeline_stage or per_rank
+    if p is None or args.num_layers is None:
+        return ()
+    try:
+        split = pipeline_split(args.num_layers, p, args.num_layers_per_virtual_pipeline_stage, **split_flags(args))
+    except LayoutError:
+        return ()
+    v = split.virtual_pipeline_model_parallel_size
+    return tuple(sorted({n for r in range(p) for c in range(v) if (n := split.chunk_layers(r, c)) > 0}))
+
+
+def split_flags(args) -> dict:
+    """Megatron's flags of the layer split beyond --num-layers-per-virtual-pipeline-stage, as
+    :func:`h3t_ext.layout.pipeline_split` takes them."""
+    return dict(num_virtual_stages_per_pipeline_rank=args.num_virtual_stages_per_pipeline_rank,
+                decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+                decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+                account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+                account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
 
 
 def fill_parallel_defaults(args):

@@ -63,6 +63,14 @@ def plan_config(args):
     plan's line joins the config's notices (printed once, by rank 0, when training starts)."""
     from h3t_ext.planner.search import search
     from h3t_ext.planner.translate import constraints_from_args
+    split = [flag for flag, given in (
+        ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers is not None),
+        ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None),
+        ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
+        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split)) if given]
+    if split:
+        raise ArgumentError(f"--auto-plan searches even layer splits only; it cannot keep {', '.join(split)}: give the "
+                            "parallel flags yourself, or leave those out")
     system, budget = _system_and_budget(args)
     alpha = OffloadAlpha.parse("auto" if args.offload_alpha is None else args.offload_alpha)
     # Flags left out are the search's; sequence parallelism and the distributed optimizer are the planner's to

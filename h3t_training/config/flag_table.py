@@ -131,9 +131,11 @@ REASONS: dict[str, Reason] = {
 # reason key -> 'flag=arity ...' (Megatron-LM's pretrain_gpt.py flags, from its parser at MEGATRON_LM_SOURCE)
 _MEGATRON_LM: dict[str, str] = {
     "implemented": """
+--account-for-embedding-in-pipeline-split=0 --account-for-loss-in-pipeline-split=0
 --adam-beta1=1 --adam-beta2=1 --adam-eps=1 --add-qkv-bias=0 --apply-layernorm-1p=0 --async-save=0
 --attention-dropout=1 --bf16=0 --calculate-per-token-loss=0 --ckpt-format=1 --ckpt-step=1 --clip-grad=1
---context-parallel-size=1 --data-cache-path=1 --data-path=* --decoupled-lr=1 --decoupled-min-lr=1
+--context-parallel-size=1 --data-cache-path=1 --data-path=* --decoder-first-pipeline-num-layers=1
+--decoder-last-pipeline-num-layers=1 --decoupled-lr=1 --decoupled-min-lr=1
 --decrease-batch-size-if-needed=0 --disable-bias-linear=0 --rampup-batch-size=3 --step-batch-size-schedule=1
 --disable-log-loss-scale-to-tensorboard=0 --distributed-backend=1 --distributed-timeout-minutes=1
 --eod-mask-loss=0 --eval-interval=1 --eval-iters=1 --exit-duration-in-mins=1 --exit-interval=1
@@ -330,11 +332,10 @@ _MEGATRON_LM: dict[str, str] = {
 --main-grads-dtype=1 --main-params-dtype=1 --no-fp8-wgrad=0 --num-layers-at-end-in-bf16=1
 --num-layers-at-start-in-bf16=1 --reuse-grad-buf-for-mxfp8-param-ag=0 --te-precision-config-file=1""",
     "comm_overlap": """
---account-for-embedding-in-pipeline-split=0 --account-for-loss-in-pipeline-split=0 --cp-comm-type=+
+--cp-comm-type=+
 --create-all-gather-group=0 --ddp-average-in-collective=0 --ddp-bucket-size=1 --ddp-num-buckets=1
 --ddp-pad-buckets-for-high-nccl-busbw=0 --ddp-param-name-patterns-for-fp32-local-accumulation=+
---ddp-reduce-scatter-with-fp32-accumulation=0 --decoder-first-pipeline-num-layers=1
---decoder-last-pipeline-num-layers=1 --defer-embedding-wgrad-compute=0 --delay-wgrad-compute=0
+--ddp-reduce-scatter-with-fp32-accumulation=0 --defer-embedding-wgrad-compute=0 --delay-wgrad-compute=0
 --disable-align-grad-reduce=0 --disable-clone-scatter-output-in-embedding=0 --disable-gloo-process-groups=0
 --disable-symmetric-registration=0 --disable-tp-comm-bulk-dgrad=0 --disable-tp-comm-bulk-wgrad=0
 --disable-tp-comm-overlap-ag=0 --disable-tp-comm-overlap-rs=0 --disable-tp-comm-split-ag=0

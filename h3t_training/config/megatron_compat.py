@@ -120,6 +120,9 @@ def _schedule(args) -> dict:
 
 
 def _virtual_stages(args) -> dict:
+    """--num-virtual-stages-per-pipeline-rank V as Megatron-LM reads it: with an even split (the --account-for-*
+    slots counted) it is --num-layers-per-virtual-pipeline-stage (L + slots) / (p V); with uneven first/last
+    stages (which refuse that flag) V stays as given and the layout checks it."""
     v = args.num_virtual_stages_per_pipeline_rank
     if v is None:
         return {}
@@ -127,9 +130,15 @@ def _virtual_stages(args) -> dict:
     if args.num_layers_per_virtual_pipeline_stage is not None:
         raise ArgumentError("give one of --num-virtual-stages-per-pipeline-rank and "
                             "--num-layers-per-virtual-pipeline-stage")
-    if v < 1 or args.num_layers % (p * v):
-        raise ArgumentError(f"--num-virtual-stages-per-pipeline-rank {v} does not divide the layers per pipeline rank")
-    return {"num_layers_per_virtual_pipeline_stage": args.num_layers // (p * v)}
+    if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
+        return {}
+    n = args.num_layers + args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
+    if v < 1 or n % (p * v):
+        slots = f" + {n - args.num_layers} --account-for-* slot(s)" if n != args.num_layers else ""
+        raise ArgumentError(f"--num-virtual-stages-per-pipeline-rank {v} does not divide the layers per pipeline rank "
+                            f"(--num-layers {args.num_layers}{slots} over --pipeline-model-parallel-size {p}); valid: "
+                            f"V with {n} a multiple of {p} x V")
+    return {"num_layers_per_virtual_pipeline_stage": n // (p * v), "num_virtual_stages_per_pipeline_rank": None}
 
 
 def _split(args) -> dict:

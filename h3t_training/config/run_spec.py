@@ -5,7 +5,8 @@ The flags go through the library's one translation (:func:`h3t_ext.planner.trans
 switches this driver does not run are fixed here whatever the command line says (``docs/flags.md`` lists them as
 noticed), so ``--auto-plan``, ``--offload-alpha auto|balanced``, the logged predictions and the MFU price the run
 that is launched: its sequence parallelism and distributed optimizer as given, no TransformerEngine
-userbuffers (``--tp-comm-overlap``), no Megatron FSDP, an even pipeline split.
+userbuffers (``--tp-comm-overlap``), no Megatron FSDP. The layer split (uneven first/last stages,
+``--account-for-*``, ``--num-virtual-stages-per-pipeline-rank``) is priced as given: the driver builds it.
 """
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixe
     """The plan of this run (``fixed``: fields a caller decides). On a GPU without TransformerEngine the model
     provider builds the local spec; elsewhere the plan is the GPU job's (``--transformer-impl``, Megatron's
     default TransformerEngine), which is what ``--gpu``'s budget and ``h3t-plan`` price."""
-    runs = dict(tp_comm_overlap=False, use_megatron_fsdp=False, decoder_first_pipeline_num_layers=None,
-                decoder_last_pipeline_num_layers=None, attention_backend="flash")
+    runs = dict(tp_comm_overlap=False, use_megatron_fsdp=False, attention_backend="flash")
     if on_gpu and not uses_transformer_engine(on_gpu):
         runs["transformer_impl"] = "local"  # on CPU the plan is for the GPU job: --transformer-impl (Megatron's TE)
     return plan_from_args(config, num_gpus=config.world_size, offload_alpha=offload_alpha, **{**runs, **fixed})

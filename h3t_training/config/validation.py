@@ -13,6 +13,7 @@ from h3t_ext.layout import LayoutError, ParallelLayout
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
 from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout
+from h3t_training.config.arguments import split_flags
 from h3t_training.config.auto_plan import resolve_alpha
 from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
@@ -75,7 +76,7 @@ def _layout(args, global_batch_size: int) -> ParallelLayout:
         world_size=args.world_size, global_batch_size=global_batch_size, micro_batch_size=args.micro_batch_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size, context_parallel_size=args.context_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, num_layers=args.num_layers,
-        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage)
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage, **split_flags(args))
 
 
 def _decrease_batch_size(args):

@@ -146,10 +146,14 @@ def _stage_manager(runtime, chunks):
 
 
 def _stage_stats(runtime, chunks) -> dict:
-    """This pipeline stage's saved-activation peak and offloaded bytes over the last iteration."""
+    """This pipeline stage's saved-activation peak and offloaded bytes over the last iteration, and the
+    (1-based, megatron-core's ``layer_number``) transformer layers each of its model chunks built."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
     stats = _stage_manager(runtime, chunks).stats
+    layers = [[m.layer_number for m in c.modules() if isinstance(m, TransformerLayer)] for c in chunks]
     return {"pipeline_rank": ps.get_pipeline_model_parallel_rank(),
-            "peak_activation_bytes": int(stats.peak_resident_bytes), "offloaded_bytes": int(stats.offloaded_bytes)}
+            "peak_activation_bytes": int(stats.peak_resident_bytes), "offloaded_bytes": int(stats.offloaded_bytes),
+            "layer_numbers": layers}
 
 
 def _gather_stage_stats(runtime, chunks) -> list[dict]:

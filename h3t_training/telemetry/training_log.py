@@ -155,6 +155,7 @@ def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[d
         "state_bytes": list(state_bytes or []),
         "stage_peak_activation_bytes": [s.get("peak_activation_bytes") for s in stage_stats],
         "offloaded_bytes": [s.get("offloaded_bytes") for s in stage_stats],
+        "stage_layer_numbers": [s.get("layer_numbers") for s in stage_stats],
         "config": {"ckpt": args.ckpt, "offload_alpha": args.offload_alpha, "world_size": args.world_size,
                    "tensor_model_parallel_size": args.tensor_model_parallel_size,
                    "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
