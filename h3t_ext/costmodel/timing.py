@@ -39,6 +39,7 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -239,6 +240,12 @@ def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, f
     return fwd_total, bwd_blocking + sum(max(0.0, comm - gemm) for comm, gemm in bwd_overlappable)
 
 
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> tuple[str, ...]:
+    """The fields of a record type, in order (``dataclasses.fields`` is slow; the search sums thousands)."""
+    return tuple(f.name for f in fields(cls))
+
+
 @dataclass(frozen=True)
 class LayerTime:
     """Seconds of one transformer layer for one microbatch on one rank, by part. The forward action of a
@@ -285,7 +292,7 @@ class LayerTime:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(getattr(self, name) for name in _field_names(LayerTime))
 
 
 @dataclass(frozen=True)
@@ -331,10 +338,10 @@ class TimeTerms:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(getattr(self, name) for name in _field_names(TimeTerms))
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _field_names(TimeTerms)}
 
 
 _CACHE_LIMIT = 65536
@@ -419,9 +426,13 @@ def _pipeline_link(plan: Plan, system: SystemSpec) -> Link:
 def pipeline_hop_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """One pipeline transfer: Megatron sends 1/t of the activation between stages (sequence parallel, or the
     scatter-gather optimization without it, which all-gathers it over NVLink on arrival)."""
-    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    return _hop_seconds(model, plan, plan.micro_batch_size, _pipeline_link(plan, system))
+
+
+def _hop_seconds(model: ModelSpec, plan: Plan, micro_batch_size: int, link: Link) -> float:
+    tokens = micro_batch_size * plan.seq_length // plan.context_parallel_size
     hop_bytes = tokens // plan.tensor_model_parallel_size * model.hidden_size * BF16
-    return p2p_seconds(hop_bytes, _pipeline_link(plan, system))
+    return p2p_seconds(hop_bytes, link)
 
 
 def tied_embedding_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
@@ -437,20 +448,32 @@ def tied_embedding_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> 
 def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """The ``pp_p2p`` term: activations between pipeline ranks on the critical path of one iteration, and
     the gradient all-reduce of a tied embedding between the first and the last stage."""
+    return pipeline_p2p_seconds_by_micro_batch(model, plan, system, (plan.micro_batch_size,))[0]
+
+
+def pipeline_p2p_seconds_by_micro_batch(model: ModelSpec, plan: Plan, system: SystemSpec,
+                                        micro_batch_sizes: tuple[int, ...]) -> list[float]:
+    """:func:`pipeline_p2p_seconds` of ``plan`` at each of ``micro_batch_sizes`` (the same numbers as for the plan
+    with that micro batch size; the search bounds every micro batch of a layout with them)."""
     p = plan.pipeline_model_parallel_size
     if p == 1:
-        return 0.0
-    m, v = plan.num_microbatches, plan.virtual_size(model.num_layers)
-    hop = pipeline_hop_seconds(model, plan, system)
-    # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
-    # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
-    # while the microbatch took p hops more to come back (and the same in the cool-down)
-    activations = 2 * (p * v - 1) * hop
-    if v == 1:  # 1F1B: send_forward_recv_backward and send_backward_recv_forward block every steady step
-        activations += 2 * m * hop
-    elif not plan.overlap_p2p_comm:  # each interleaved step waits for its batched exchange (both directions)
-        activations += m * v * hop
-    return activations + tied_embedding_seconds(model, plan, system)
+        return [0.0] * len(micro_batch_sizes)
+    v, link, tied = plan.virtual_size(model.num_layers), _pipeline_link(plan, system), None
+    out = []
+    for mb in micro_batch_sizes:
+        m = plan.global_batch_size // (mb * plan.data_parallel_sample_shards)  # Plan.num_microbatches at mb
+        hop = _hop_seconds(model, plan, mb, link)
+        # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
+        # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
+        # while the microbatch took p hops more to come back (and the same in the cool-down)
+        activations = 2 * (p * v - 1) * hop
+        if v == 1:  # 1F1B: send_forward_recv_backward and send_backward_recv_forward block every steady step
+            activations += 2 * m * hop
+        elif not plan.overlap_p2p_comm:  # each interleaved step waits for its batched exchange (both directions)
+            activations += m * v * hop
+        tied = tied_embedding_seconds(model, plan, system) if tied is None else tied
+        out.append(activations + tied)
+    return out
 
 
 def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:

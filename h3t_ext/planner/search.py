@@ -32,7 +32,7 @@ from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory
-from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds, shape_times
+from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.space import CKPT_BY_MEMORY, Layout, MemoryOption, SearchConstraints, enumerate_layouts
@@ -417,9 +417,8 @@ def _upper_bounds(model, system, layouts: list[tuple[tuple, Layout]], ckpts) -> 
         l = layout.num_layers_per_virtual_pipeline_stage
         v = 1 if l is None else L // p // l
         shards = num_gpus // (t * p) // c
-        plans = [_plan(run, layout, mb, ckpts[0]) for mb in layout.micro_batch_sizes] if p > 1 else []
-        pp = [pipeline_p2p_seconds(model, x, system) for x in plans] or [0.0] * len(layout.micro_batch_sizes)
-        first = plans[0] if plans else _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
+        first = _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
+        pp = pipeline_p2p_seconds_by_micro_batch(model, first, system, layout.micro_batch_sizes)
         dp = dp_seconds_lower_bound(model, first, system)
         for ci, ckpt in enumerate(ckpts):
             for i, mb in enumerate(layout.micro_batch_sizes):
