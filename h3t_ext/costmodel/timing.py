@@ -133,14 +133,21 @@ def layer_gemm_seconds(model: ModelSpec, plan: Plan, r: KernelRates) -> dict[str
     """Forward, data-gradient and weight-gradient GEMM seconds of one layer (one microbatch, one rank),
     and the QKV and FC1 backward GEMMs that the sequence-parallel backward communication overlaps; all
     three at the FP8 rate with --fp8-format (TransformerEngine runs dgrad and wgrad in FP8 too)."""
+    return dict(_layer_gemms(tuple(layer_gemm_shapes(model, plan).values()), r, plan.fp8 is not None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_gemms(shapes: tuple[tuple[int, int, int], ...], r: KernelRates, q: bool) -> tuple[tuple[str, float], ...]:
+    """:func:`layer_gemm_seconds` of the four GEMM shapes (pure; memoised: plans of many micro batch and context
+    sizes share their tokens, and every checkpointing mode its GEMMs)."""
     fwd = dgrad = wgrad = 0.0
-    per, q = [], plan.fp8 is not None
-    for m, n, k in layer_gemm_shapes(model, plan).values():
+    per = []
+    for m, n, k in shapes:
         f, d, w = (linear_pass_seconds(p, m, n, k, r, fp8=q) for p in LINEAR_PASSES)
         fwd, dgrad, wgrad = fwd + f, dgrad + d, wgrad + w
         per.append((f, d, w))
-    return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "qkv_dgrad": per[0][1], "qkv_wgrad": per[0][2],
-            "fc1_dgrad": per[2][1], "fc1_wgrad": per[2][2]}
+    return (("fwd", fwd), ("dgrad", dgrad), ("wgrad", wgrad), ("qkv_dgrad", per[0][1]), ("qkv_wgrad", per[0][2]),
+            ("fc1_dgrad", per[2][1]), ("fc1_wgrad", per[2][2]))
 
 
 def _cp_link(plan: Plan, system: SystemSpec) -> Link:
@@ -410,8 +417,12 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
 
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
-    r = kernel_rates(system)
-    tokens, v_shard, h = output_layer_gemm_shape(model, plan)
+    return _head_seconds(*output_layer_gemm_shape(model, plan), kernel_rates(system))
+
+
+@functools.lru_cache(maxsize=4096)
+def _head_seconds(tokens: int, v_shard: int, h: int, r: KernelRates) -> HeadTime:
+    """:func:`_head_time` of the output layer's GEMM shape (pure; memoised like :func:`_layer_gemms`)."""
     fwd = linear_pass_seconds("fwd", tokens, v_shard, h, r) + cross_entropy_seconds(tokens, v_shard, r, backward=False)
     bwd = (linear_pass_seconds("dgrad", tokens, v_shard, h, r) + linear_pass_seconds("wgrad", tokens, v_shard, h, r)
            + cross_entropy_seconds(tokens, v_shard, r, backward=True))
