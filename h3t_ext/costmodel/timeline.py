@@ -136,43 +136,55 @@ def _compile(cfg: ScheduleConfig, early_receives: bool) -> tuple[_Program, ...]:
     a transfer is numbered ``(direction * m + microbatch) * p v + receiving stage`` on both ends."""
     p, v, m = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
     pv = p * v
-    at: tuple[list, list] = ([None] * (2 * m * pv), [None] * (2 * m * pv))  # [is_send][transfer] -> (rank, batch)
-    recv_batch = at[0]
+    at = ([None] * (2 * m * pv), [None] * (2 * m * pv))  # [is_send][transfer] -> (rank, batch)
+    recv_at = at[0]
     raw = []
     for r, steps in enumerate(build_rank_steps(cfg, early_receives)):
         items: list = []
         batches: list[list[tuple]] = []
-        open_run = False
+        batch: list = []
+        open_run = False  # a transfer since the last compute (an offload or a reload does not end a batch)
+        where = (r, -1)  # (rank, index) of the open batch
+        after_batch = False  # the item before is a batch
         for code, mb, chunk, _peer, layer in steps:
-            s = chunk * p + r
-            if code in _TRANSFER_SHIFT:  # (is_send, direction, stage shift to the receiving stage)
+            shift = _TRANSFER_SHIFT.get(code)
+            if shift is not None:  # (is_send, direction, stage shift to the receiving stage)
                 if not open_run:
-                    batches.append([])
-                    items.append(("T", len(batches) - 1))
-                    open_run = True
-                send, direction, shift = _TRANSFER_SHIFT[code]
-                tid = (direction * m + mb) * pv + s + shift
-                batches[-1].append((tid, send))
-                at[send][tid] = (r, len(batches) - 1)
-            elif code <= S_B:
+                    batch = []
+                    where = (r, len(batches))
+                    items.append(("T", len(batches)))
+                    batches.append(batch)
+                    open_run = after_batch = True
+                tid = (shift[1] * m + mb) * pv + chunk * p + r + shift[2]
+                batch.append(tid * 2 + shift[0])
+                at[shift[0]][tid] = where
+                continue
+            if code <= S_B:
                 open_run = False
-                fwd = code == S_F
-                needs_input = s > 0 if fwd else s < pv - 1
-                inp = recv_batch[((0 if fwd else 1) * m + mb) * pv + s][1] if needs_input else -1
-                prev = len(batches) - 1 if items and items[-1][0] == "T" else -1
-                items.append(("C", fwd, chunk, inp, prev, mb * v + chunk, False))
+                s = chunk * p + r
+                if code == S_F:
+                    inp = recv_at[mb * pv + s][1] if s > 0 else -1
+                    items.append(("C", True, chunk, inp, len(batches) - 1 if after_batch else -1, mb * v + chunk,
+                                  False))
+                else:
+                    inp = recv_at[(m + mb) * pv + s][1] if s < pv - 1 else -1
+                    items.append(("C", False, chunk, inp, len(batches) - 1 if after_batch else -1, mb * v + chunk,
+                                  False))
             elif layer is not None:  # runs inside the compute action before it (layer-granular, p = 1)
                 if code == S_RL:
                     items[-1] = items[-1][:6] + (True,)  # this backward waits for its layers' reloads
+                continue
             elif code == S_OFF:
                 items.append(("O", mb * v + chunk))
             elif code == S_RL:
                 items.append(("R", mb * v + chunk))
             else:  # pragma: no cover - the builder emits nothing else
                 raise AssertionError(f"no price for action {step_action((code, mb, chunk, _peer, layer))}")
+            after_batch = False
         raw.append((items, batches))
-    return tuple(_Program(tuple(items), tuple(tuple(at[not send][tid] for tid, send in b) for b in batches))
-                 for items, batches in raw)
+    send_at = at[1]  # a batch entry is 2 * transfer id + is_send: its peer is the other end
+    return tuple(_Program(tuple(items), tuple(tuple(send_at[e >> 1] if e & 1 == 0 else recv_at[e >> 1] for e in b)
+                                              for b in batches)) for items, batches in raw)
 
 
 def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,

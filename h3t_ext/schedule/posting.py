@@ -159,12 +159,16 @@ def place_steps(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]], *,
                 early_receives: bool = EARLY) -> list[list[tuple]]:
     """:func:`place_comms` on steps (``actions.step_action``): what the builder runs."""
     p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
-    last_stage = p * v - 1
+    pv = p * v
+    last_stage = pv - 1
     fpos, bpos = _positions(v, cfg.num_microbatches, compute)
     times = _asap(cfg, compute, EARLY_TIMES if early_receives else AT_LABEL_TIMES, fpos, bpos)
     # gaps[r][i + 1]: (key, step, index of the consuming compute or -1 for a send) of the transfers posted
-    # right after compute i (gaps[r][0]: before all); keys are unique, so sorting the entries sorts by key
+    # right after compute i (gaps[r][0]: before all); keys are unique, so sorting the entries sorts by key. A key
+    # is the tuple of the module docstring as one integer (mixed radix: the same order, one object less)
     gaps: list[list[list]] = [[[] for _ in range(len(c) + 1)] for c in compute]
+    m = cfg.num_microbatches
+    radix = 1 + max((t[-1] for t in times if t), default=0)  # above every T
     for r, row in enumerate(compute):
         tr, gr = times[r], gaps[r]
         for i, s in enumerate(row):
@@ -180,7 +184,7 @@ def place_steps(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]], *,
             dst, dst_chunk = dst_stage % p, dst_stage // p
             label, td = tr[i], times[dst]
             consumer = pos[dst][mb * v + dst_chunk]
-            key = (label, td[consumer], direction, mb, stage) if early_receives else (label, direction, mb, stage)
+            key = (((label * radix + td[consumer] if early_receives else label) * 2 + direction) * m + mb) * pv + stage
             gr[i + 1].append((key, (send, mb, s[2], dst, None), -1))
             gaps[dst][bisect.bisect_right(td, label)].append((key, (recv, mb, dst_chunk, r, None), consumer))
     out = []
@@ -193,14 +197,22 @@ def place_steps(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]], *,
             if moved:
                 run = moved + run
                 moved = []
-            if not run:
+            if len(run) < 2:  # nothing to order, nothing that could move
+                if run:
+                    acts.append(run[0][1])
                 continue
             run.sort()
-            if early_receives and any(c == g for _, _, c in run):
-                top = max(k for k, _, c in run if c == -1 or c == g)  # the needed receives and the sends stay
-                moved = [e for e in run if e[0] > top]
-                run = [e for e in run if e[0] <= top]
-            acts.extend(e[1] for e in run)
+            if early_receives:  # the needed receives and the sends stay, the entries above them move
+                needed, keep = False, 0
+                for j, e in enumerate(run):
+                    if e[2] == g:
+                        needed, keep = True, j + 1
+                    elif e[2] == -1:
+                        keep = j + 1
+                if needed and keep < len(run):
+                    moved = run[keep:]
+                    del run[keep:]
+            acts.extend([e[1] for e in run])
         out.append(acts)
     return out
 
