@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 from dataclasses import dataclass, fields
 
 from h3t_ext.costmodel.activations import BOOL
@@ -157,24 +158,32 @@ def _cp_link(plan: Plan, system: SystemSpec) -> Link:
 def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: KernelRates) -> dict[str, float]:
     """Attention of one layer (one microbatch, one rank): forward and backward seconds including what the
     context-parallel K/V ring leaves exposed (reported separately as ``cp_fwd``/``cp_bwd``)."""
-    t, c, s, mb = (plan.tensor_model_parallel_size, plan.context_parallel_size, plan.seq_length,
-                   plan.micro_batch_size)
-    bh, d = mb * model.num_attention_heads // t, model.kv_channels
-    drop = model.attention_dropout > 0
-    if plan.attention_backend == "unfused":
-        return {"fwd": unfused_attention_seconds(bh, s // c, d, r, backward=False, dropout=drop),
-                "bwd": unfused_attention_seconds(bh, s // c, d, r, backward=True, dropout=drop), "cp_fwd": 0.0,
-                "cp_bwd": 0.0}
+    c = plan.context_parallel_size
+    link = _cp_link(plan, system) if c > 1 and plan.attention_backend != "unfused" else None
+    return dict(_attention(model.num_attention_heads, model.kv_channels, model.kv_hidden_size, model.hidden_size,
+                           model.attention_dropout > 0, plan.attention_backend, plan.tensor_model_parallel_size, c,
+                           plan.seq_length, plan.micro_batch_size, r, link))
+
+
+@functools.lru_cache(maxsize=4096)
+def _attention(heads: int, d: int, kv_hidden: int, hidden: int, drop: bool, backend: str, t: int, c: int, s: int,
+               mb: int, r: KernelRates, link: Optional[Link]) -> tuple[tuple[str, float], ...]:
+    """:func:`attention_seconds` of the model's attention sizes and the plan's (pure; memoised: every
+    checkpointing mode and precision of a search shares it)."""
+    bh = mb * heads // t
+    if backend == "unfused":
+        return (("fwd", unfused_attention_seconds(bh, s // c, d, r, backward=False, dropout=drop)),
+                ("bwd", unfused_attention_seconds(bh, s // c, d, r, backward=True, dropout=drop)), ("cp_fwd", 0.0),
+                ("cp_bwd", 0.0))
     if c == 1:
-        return {"fwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=False, dropout=drop),
-                "bwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=True, dropout=drop),
-                "cp_fwd": 0.0, "cp_bwd": 0.0}
+        return (("fwd", flash_attention_seconds(bh, s, s, d, r, causal=True, backward=False, dropout=drop)),
+                ("bwd", flash_attention_seconds(bh, s, s, d, r, causal=True, backward=True, dropout=drop)),
+                ("cp_fwd", 0.0), ("cp_bwd", 0.0))
     # load-balanced causal ring (2c chunks): step 0 is the rank's own causal block, steps 1..c-1 are
     # s/c queries against half of a neighbour's s/c keys
     q = s // c
     out = {"cp_fwd": 0.0, "cp_bwd": 0.0}
-    kv_bytes = mb * q * 2 * model.kv_hidden_size // t * BF16
-    link = _cp_link(plan, system)
+    kv_bytes = mb * q * 2 * kv_hidden // t * BF16
     for name, backward, bytes_per_step in (("fwd", False, kv_bytes), ("bwd", True, 2 * kv_bytes)):
         diag = flash_attention_seconds(bh, q, q, d, r, causal=True, backward=backward, dropout=drop)
         off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward, dropout=drop)
@@ -182,11 +191,11 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
         # the c steps: the diagonal block, then c - 1 off-diagonal ones; every step after the first merges its
         # partial result into fp32 accumulators
         merge = (CP_MERGE_BYTES_BWD if backward else CP_MERGE_BYTES_FWD) * mb * q * (
-            model.hidden_size + (2 * model.kv_hidden_size if backward else 0)) // t
+            hidden + (2 * kv_hidden if backward else 0)) // t
         out[name] = diag + (c - 1) * off + (c - 1) * elementwise_seconds(merge, r, kernels=CP_MERGE_KERNELS)
         # the next block's K/V travels while a step computes (not after the last): exposed where it is longer
         out["cp_" + name] = max(0.0, send - diag) + (c - 2) * max(0.0, send - off)
-    return out
+    return tuple(out.items())
 
 
 def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, float, float]:
