@@ -2,8 +2,12 @@
 """Time the planner's search: in-process (wall and CPU time of the search call) and as a CLI process.
 
 Default case: ``h3t-plan search --model llama-175b --num-gpus 4096 --seq-length 4096
---global-batch-size 2048 --gpu h800 --precision auto`` (BF16 and FP8 plans; target: search call under 0.5 s CPU on one core, with the CLI's
-default ``--top 10``; ``--top 0`` ranks every feasible plan, as ``search(top=None)`` does).
+--global-batch-size 2048 --gpu h800 --precision auto`` (BF16 and FP8 plans, the memory ladder; target: search call
+under 0.5 s CPU on one core, with the CLI's default ``--top 10``; ``--top 0`` ranks every feasible plan, as
+``search(top=None)`` does). The search call runs in this process after the CLI runs, with its caches empty (a cold
+call, as the CLI's): 0.37-0.40 s CPU (22 plans priced, 3 on the timeline; best of 3 runs 0.369 s on the shared
+2-core machine, was 0.737 s; ``--precision bf16`` 0.25 s, was 0.52 s), the CLI process 0.48 s CPU (was 0.96 s);
+where the time goes: docs/DESIGN.md, "Search speed".
 
     python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]
                                     [--global-batch-size 2048] [--gpu h800] [--top 10] [--repeat 1] [--json]

@@ -27,6 +27,7 @@ backward its ``u`` layers' activations live at once (:func:`unit_workspace_layer
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from h3t_ext.ckpt import Ckpt, Recompute, split_ckpt
@@ -60,8 +61,10 @@ def core_attention_pinned_qkv(model, recompute: Recompute, *, layer_spec: str, d
     return (model.hidden_size + model.kv_hidden_size) * dtype_bytes
 
 
+@functools.lru_cache(maxsize=1024)
 def chunk_units(recompute: Recompute, layers: int) -> tuple[int, int]:
-    """(units, layers inside units) of full recompute in a model chunk of ``layers`` layers."""
+    """(units, layers inside units) of full recompute in a model chunk of ``layers`` layers (pure; memoised: the
+    search asks it for thousands of plans)."""
     units = recompute.units(layers)
     return len(units), sum(end - start for start, end in units)
 

@@ -62,11 +62,8 @@ from h3t_ext.costmodel.timing import (
     shape_times,
     tied_embedding_seconds,
 )
-from h3t_ext.schedule.actions import COMM_KINDS, Action, ActionKind, ScheduleConfig
-from h3t_ext.schedule.builder import PipelineSchedule, build_rank_actions
-
-_F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
-_SENDS = (ActionKind.SEND_FORWARD, ActionKind.SEND_BACKWARD)
+from h3t_ext.schedule.actions import S_B, S_F, S_OFF, S_RB, S_RF, S_RL, S_SB, S_SF, ScheduleConfig, step_action
+from h3t_ext.schedule.builder import PipelineSchedule, build_rank_steps
 
 
 @dataclass(frozen=True)
@@ -127,82 +124,67 @@ class _Program:
     """Per batch: tuple of (peer rank, peer's batch index) of its transfers."""
 
 
-def _stage(cfg: ScheduleConfig, rank: int, a: Action) -> int:
-    return a.chunk * cfg.pipeline_model_parallel_size + rank
-
-
-def _transfer_key(cfg: ScheduleConfig, rank: int, a: Action) -> tuple:
-    """The same key on both ends: (direction, microbatch, receiving stage)."""
-    s = _stage(cfg, rank, a)
-    if a.kind is ActionKind.SEND_FORWARD:
-        return (0, a.microbatch, s + 1)
-    if a.kind is ActionKind.SEND_BACKWARD:
-        return (1, a.microbatch, s - 1)
-    return (0 if a.kind is ActionKind.RECV_FORWARD else 1, a.microbatch, s)
+_TRANSFER_SHIFT = {S_SF: (True, 0, 1), S_SB: (True, 1, -1), S_RF: (False, 0, 0), S_RB: (False, 1, 0)}
+"""Per transfer step code: (is a send, direction, receiving stage minus the step's own stage)."""
 
 
 @functools.lru_cache(maxsize=64)
 def _compile(cfg: ScheduleConfig, early_receives: bool) -> tuple[_Program, ...]:
     """The builder's lists of ``cfg`` (posted with ``early_receives`` or not) as per-rank programs: batches
     numbered, every transfer tied to the peer's batch, every compute tied to the batch carrying its input and
-    to the batch just before it."""
-    p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
-    lists = [build_rank_actions(cfg, r, early_receives=early_receives) for r in range(p)]
-    where: dict[tuple, tuple[int, int]] = {}  # (transfer key, is_send) -> (rank, batch index)
+    to the batch just before it. Reads the builder's steps (``build_rank_steps``: the lists, element for element);
+    a transfer is numbered ``(direction * m + microbatch) * p v + receiving stage`` on both ends."""
+    p, v, m = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
+    pv = p * v
+    at = ([None] * (2 * m * pv), [None] * (2 * m * pv))  # [is_send][transfer] -> (rank, batch)
+    recv_at = at[0]
     raw = []
-    for r, actions in enumerate(lists):
+    for r, steps in enumerate(build_rank_steps(cfg, early_receives)):
         items: list = []
         batches: list[list[tuple]] = []
-        recv_batch: dict[tuple, int] = {}
-        open_run = False
-        for a in actions:
-            k = a.kind
-            if k in COMM_KINDS:
+        batch: list = []
+        open_run = False  # a transfer since the last compute (an offload or a reload does not end a batch)
+        where = (r, -1)  # (rank, index) of the open batch
+        after_batch = False  # the item before is a batch
+        for code, mb, chunk, _peer, layer in steps:
+            shift = _TRANSFER_SHIFT.get(code)
+            if shift is not None:  # (is_send, direction, stage shift to the receiving stage)
                 if not open_run:
-                    batches.append([])
-                    items.append(("T", len(batches) - 1))
-                    open_run = True
-                key = _transfer_key(cfg, r, a)
-                send = k in _SENDS
-                batches[-1].append((key, send))
-                where[(key, send)] = (r, len(batches) - 1)
-                if not send:
-                    recv_batch[key] = len(batches) - 1
-            elif k is _F or k is _B:
+                    batch = []
+                    where = (r, len(batches))
+                    items.append(("T", len(batches)))
+                    batches.append(batch)
+                    open_run = after_batch = True
+                tid = (shift[1] * m + mb) * pv + chunk * p + r + shift[2]
+                batch.append(tid * 2 + shift[0])
+                at[shift[0]][tid] = where
+                continue
+            if code <= S_B:
                 open_run = False
-                s = _stage(cfg, r, a)
-                needs_input = s > 0 if k is _F else s < p * v - 1
-                key = (0 if k is _F else 1, a.microbatch, s)
-                inp = recv_batch[key] if needs_input else -1
-                prev = len(batches) - 1 if items and items[-1][0] == "T" else -1
-                items.append(["C", k is _F, a.chunk, inp, prev, a.microbatch * v + a.chunk])
-            elif a.layer is not None:  # runs inside the compute action before it (layer-granular, p = 1)
-                c = items[-1]
-                if k is ActionKind.RELOAD and len(c) == 6:
-                    items[-1] = c + [True]  # this backward waits for its layers' reloads
-            elif k is ActionKind.OFFLOAD:
-                items.append(("O", a.microbatch * v + a.chunk))
-            elif k is ActionKind.RELOAD:
-                items.append(("R", a.microbatch * v + a.chunk))
+                s = chunk * p + r
+                if code == S_F:
+                    inp = recv_at[mb * pv + s][1] if s > 0 else -1
+                    items.append(("C", True, chunk, inp, len(batches) - 1 if after_batch else -1, mb * v + chunk,
+                                  False))
+                else:
+                    inp = recv_at[(m + mb) * pv + s][1] if s < pv - 1 else -1
+                    items.append(("C", False, chunk, inp, len(batches) - 1 if after_batch else -1, mb * v + chunk,
+                                  False))
+            elif layer is not None:  # runs inside the compute action before it (layer-granular, p = 1)
+                if code == S_RL:
+                    items[-1] = items[-1][:6] + (True,)  # this backward waits for its layers' reloads
+                continue
+            elif code == S_OFF:
+                items.append(("O", mb * v + chunk))
+            elif code == S_RL:
+                items.append(("R", mb * v + chunk))
             else:  # pragma: no cover - the builder emits nothing else
-                raise AssertionError(f"no price for action {a}")
+                raise AssertionError(f"no price for action {step_action((code, mb, chunk, _peer, layer))}")
+            after_batch = False
         raw.append((items, batches))
-    out = []
-    for r, (items, batches) in enumerate(raw):
-        # a compute waits for the batch posted right before it (blocking mode) only if it directly precedes
-        last = -1
-        fixed = []
-        for it in items:
-            if it[0] == "T":
-                last = it[1]
-                fixed.append(it)
-            elif it[0] == "C":
-                fixed.append(("C", it[1], it[2], it[3], last if it[4] >= 0 else -1, it[5], len(it) > 6))
-            else:
-                fixed.append(it)
-        peers = tuple(tuple(where[(key, not send)] for key, send in b) for b in batches)
-        out.append(_Program(tuple(fixed), peers))
-    return tuple(out)
+    send_at = at[1]  # a batch entry is 2 * transfer id + is_send: its peer is the other end
+    return tuple(_Program(tuple(items), tuple(tuple(send_at[e >> 1] if e & 1 == 0 else recv_at[e >> 1] for e in b)
+                                              for b in batches)) for items, batches in raw)
 
 
 def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,

@@ -39,7 +39,9 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Optional
 from dataclasses import dataclass, fields
 
 from h3t_ext.costmodel.activations import BOOL
@@ -132,14 +134,21 @@ def layer_gemm_seconds(model: ModelSpec, plan: Plan, r: KernelRates) -> dict[str
     """Forward, data-gradient and weight-gradient GEMM seconds of one layer (one microbatch, one rank),
     and the QKV and FC1 backward GEMMs that the sequence-parallel backward communication overlaps; all
     three at the FP8 rate with --fp8-format (TransformerEngine runs dgrad and wgrad in FP8 too)."""
+    return dict(_layer_gemms(tuple(layer_gemm_shapes(model, plan).values()), r, plan.fp8 is not None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_gemms(shapes: tuple[tuple[int, int, int], ...], r: KernelRates, q: bool) -> tuple[tuple[str, float], ...]:
+    """:func:`layer_gemm_seconds` of the four GEMM shapes (pure; memoised: plans of many micro batch and context
+    sizes share their tokens, and every checkpointing mode its GEMMs)."""
     fwd = dgrad = wgrad = 0.0
-    per, q = [], plan.fp8 is not None
-    for m, n, k in layer_gemm_shapes(model, plan).values():
+    per = []
+    for m, n, k in shapes:
         f, d, w = (linear_pass_seconds(p, m, n, k, r, fp8=q) for p in LINEAR_PASSES)
         fwd, dgrad, wgrad = fwd + f, dgrad + d, wgrad + w
         per.append((f, d, w))
-    return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad, "qkv_dgrad": per[0][1], "qkv_wgrad": per[0][2],
-            "fc1_dgrad": per[2][1], "fc1_wgrad": per[2][2]}
+    return (("fwd", fwd), ("dgrad", dgrad), ("wgrad", wgrad), ("qkv_dgrad", per[0][1]), ("qkv_wgrad", per[0][2]),
+            ("fc1_dgrad", per[2][1]), ("fc1_wgrad", per[2][2]))
 
 
 def _cp_link(plan: Plan, system: SystemSpec) -> Link:
@@ -149,24 +158,32 @@ def _cp_link(plan: Plan, system: SystemSpec) -> Link:
 def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: KernelRates) -> dict[str, float]:
     """Attention of one layer (one microbatch, one rank): forward and backward seconds including what the
     context-parallel K/V ring leaves exposed (reported separately as ``cp_fwd``/``cp_bwd``)."""
-    t, c, s, mb = (plan.tensor_model_parallel_size, plan.context_parallel_size, plan.seq_length,
-                   plan.micro_batch_size)
-    bh, d = mb * model.num_attention_heads // t, model.kv_channels
-    drop = model.attention_dropout > 0
-    if plan.attention_backend == "unfused":
-        return {"fwd": unfused_attention_seconds(bh, s // c, d, r, backward=False, dropout=drop),
-                "bwd": unfused_attention_seconds(bh, s // c, d, r, backward=True, dropout=drop), "cp_fwd": 0.0,
-                "cp_bwd": 0.0}
+    c = plan.context_parallel_size
+    link = _cp_link(plan, system) if c > 1 and plan.attention_backend != "unfused" else None
+    return dict(_attention(model.num_attention_heads, model.kv_channels, model.kv_hidden_size, model.hidden_size,
+                           model.attention_dropout > 0, plan.attention_backend, plan.tensor_model_parallel_size, c,
+                           plan.seq_length, plan.micro_batch_size, r, link))
+
+
+@functools.lru_cache(maxsize=4096)
+def _attention(heads: int, d: int, kv_hidden: int, hidden: int, drop: bool, backend: str, t: int, c: int, s: int,
+               mb: int, r: KernelRates, link: Optional[Link]) -> tuple[tuple[str, float], ...]:
+    """:func:`attention_seconds` of the model's attention sizes and the plan's (pure; memoised: every
+    checkpointing mode and precision of a search shares it)."""
+    bh = mb * heads // t
+    if backend == "unfused":
+        return (("fwd", unfused_attention_seconds(bh, s // c, d, r, backward=False, dropout=drop)),
+                ("bwd", unfused_attention_seconds(bh, s // c, d, r, backward=True, dropout=drop)), ("cp_fwd", 0.0),
+                ("cp_bwd", 0.0))
     if c == 1:
-        return {"fwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=False, dropout=drop),
-                "bwd": flash_attention_seconds(bh, s, s, d, r, causal=True, backward=True, dropout=drop),
-                "cp_fwd": 0.0, "cp_bwd": 0.0}
+        return (("fwd", flash_attention_seconds(bh, s, s, d, r, causal=True, backward=False, dropout=drop)),
+                ("bwd", flash_attention_seconds(bh, s, s, d, r, causal=True, backward=True, dropout=drop)),
+                ("cp_fwd", 0.0), ("cp_bwd", 0.0))
     # load-balanced causal ring (2c chunks): step 0 is the rank's own causal block, steps 1..c-1 are
     # s/c queries against half of a neighbour's s/c keys
     q = s // c
     out = {"cp_fwd": 0.0, "cp_bwd": 0.0}
-    kv_bytes = mb * q * 2 * model.kv_hidden_size // t * BF16
-    link = _cp_link(plan, system)
+    kv_bytes = mb * q * 2 * kv_hidden // t * BF16
     for name, backward, bytes_per_step in (("fwd", False, kv_bytes), ("bwd", True, 2 * kv_bytes)):
         diag = flash_attention_seconds(bh, q, q, d, r, causal=True, backward=backward, dropout=drop)
         off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward, dropout=drop)
@@ -174,11 +191,11 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
         # the c steps: the diagonal block, then c - 1 off-diagonal ones; every step after the first merges its
         # partial result into fp32 accumulators
         merge = (CP_MERGE_BYTES_BWD if backward else CP_MERGE_BYTES_FWD) * mb * q * (
-            model.hidden_size + (2 * model.kv_hidden_size if backward else 0)) // t
+            hidden + (2 * kv_hidden if backward else 0)) // t
         out[name] = diag + (c - 1) * off + (c - 1) * elementwise_seconds(merge, r, kernels=CP_MERGE_KERNELS)
         # the next block's K/V travels while a step computes (not after the last): exposed where it is longer
         out["cp_" + name] = max(0.0, send - diag) + (c - 2) * max(0.0, send - off)
-    return out
+    return tuple(out.items())
 
 
 def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, float, float]:
@@ -239,6 +256,12 @@ def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, f
     return fwd_total, bwd_blocking + sum(max(0.0, comm - gemm) for comm, gemm in bwd_overlappable)
 
 
+@functools.lru_cache(maxsize=None)
+def _field_names(cls) -> tuple[str, ...]:
+    """The fields of a record type, in order (``dataclasses.fields`` is slow; the search sums thousands)."""
+    return tuple(f.name for f in fields(cls))
+
+
 @dataclass(frozen=True)
 class LayerTime:
     """Seconds of one transformer layer for one microbatch on one rank, by part. The forward action of a
@@ -285,7 +308,7 @@ class LayerTime:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(getattr(self, name) for name in _field_names(LayerTime))
 
 
 @dataclass(frozen=True)
@@ -331,10 +354,10 @@ class TimeTerms:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return sum(getattr(self, name) for name in _field_names(TimeTerms))
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: getattr(self, name) for name in _field_names(TimeTerms)}
 
 
 _CACHE_LIMIT = 65536
@@ -403,8 +426,12 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
 
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
-    r = kernel_rates(system)
-    tokens, v_shard, h = output_layer_gemm_shape(model, plan)
+    return _head_seconds(*output_layer_gemm_shape(model, plan), kernel_rates(system))
+
+
+@functools.lru_cache(maxsize=4096)
+def _head_seconds(tokens: int, v_shard: int, h: int, r: KernelRates) -> HeadTime:
+    """:func:`_head_time` of the output layer's GEMM shape (pure; memoised like :func:`_layer_gemms`)."""
     fwd = linear_pass_seconds("fwd", tokens, v_shard, h, r) + cross_entropy_seconds(tokens, v_shard, r, backward=False)
     bwd = (linear_pass_seconds("dgrad", tokens, v_shard, h, r) + linear_pass_seconds("wgrad", tokens, v_shard, h, r)
            + cross_entropy_seconds(tokens, v_shard, r, backward=True))
@@ -419,9 +446,13 @@ def _pipeline_link(plan: Plan, system: SystemSpec) -> Link:
 def pipeline_hop_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """One pipeline transfer: Megatron sends 1/t of the activation between stages (sequence parallel, or the
     scatter-gather optimization without it, which all-gathers it over NVLink on arrival)."""
-    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
+    return _hop_seconds(model, plan, plan.micro_batch_size, _pipeline_link(plan, system))
+
+
+def _hop_seconds(model: ModelSpec, plan: Plan, micro_batch_size: int, link: Link) -> float:
+    tokens = micro_batch_size * plan.seq_length // plan.context_parallel_size
     hop_bytes = tokens // plan.tensor_model_parallel_size * model.hidden_size * BF16
-    return p2p_seconds(hop_bytes, _pipeline_link(plan, system))
+    return p2p_seconds(hop_bytes, link)
 
 
 def tied_embedding_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
@@ -437,20 +468,32 @@ def tied_embedding_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> 
 def pipeline_p2p_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """The ``pp_p2p`` term: activations between pipeline ranks on the critical path of one iteration, and
     the gradient all-reduce of a tied embedding between the first and the last stage."""
+    return pipeline_p2p_seconds_by_micro_batch(model, plan, system, (plan.micro_batch_size,))[0]
+
+
+def pipeline_p2p_seconds_by_micro_batch(model: ModelSpec, plan: Plan, system: SystemSpec,
+                                        micro_batch_sizes: tuple[int, ...]) -> list[float]:
+    """:func:`pipeline_p2p_seconds` of ``plan`` at each of ``micro_batch_sizes`` (the same numbers as for the plan
+    with that micro batch size; the search bounds every micro batch of a layout with them)."""
     p = plan.pipeline_model_parallel_size
     if p == 1:
-        return 0.0
-    m, v = plan.num_microbatches, plan.virtual_size(model.num_layers)
-    hop = pipeline_hop_seconds(model, plan, system)
-    # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
-    # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
-    # while the microbatch took p hops more to come back (and the same in the cool-down)
-    activations = 2 * (p * v - 1) * hop
-    if v == 1:  # 1F1B: send_forward_recv_backward and send_backward_recv_forward block every steady step
-        activations += 2 * m * hop
-    elif not plan.overlap_p2p_comm:  # each interleaved step waits for its batched exchange (both directions)
-        activations += m * v * hop
-    return activations + tied_embedding_seconds(model, plan, system)
+        return [0.0] * len(micro_batch_sizes)
+    v, link, tied = plan.virtual_size(model.num_layers), _pipeline_link(plan, system), None
+    out = []
+    for mb in micro_batch_sizes:
+        m = plan.global_batch_size // (mb * plan.data_parallel_sample_shards)  # Plan.num_microbatches at mb
+        hop = _hop_seconds(model, plan, mb, link)
+        # the first microbatch's forward (and the last one's backward) crosses every virtual stage boundary
+        # on the critical path: at each of the v - 1 wraps of the warm-up, rank 0 has done its p chunks
+        # while the microbatch took p hops more to come back (and the same in the cool-down)
+        activations = 2 * (p * v - 1) * hop
+        if v == 1:  # 1F1B: send_forward_recv_backward and send_backward_recv_forward block every steady step
+            activations += 2 * m * hop
+        elif not plan.overlap_p2p_comm:  # each interleaved step waits for its batched exchange (both directions)
+            activations += m * v * hop
+        tied = tied_embedding_seconds(model, plan, system) if tied is None else tied
+        out.append(activations + tied)
+    return out
 
 
 def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:

@@ -32,7 +32,7 @@ from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory
-from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds, shape_times
+from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.space import CKPT_BY_MEMORY, Layout, MemoryOption, SearchConstraints, enumerate_layouts
@@ -400,7 +400,8 @@ def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_
 
 
 def _upper_bounds(model, system, layouts: list[tuple[tuple, Layout]], ckpts) -> list[tuple[float, int, int, int]]:
-    """(upper bound on tokens/s, layout index, ckpt index, micro batch index) of every candidate.
+    """(minus the upper bound on tokens/s, layout index, ckpt index, micro batch index) of every candidate (so
+    that they sort best first).
 
     The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
     per-microbatch time T and the bubble is (sum over stages - T)/v, so together (m - 1/v) T + (sum over
@@ -417,22 +418,22 @@ def _upper_bounds(model, system, layouts: list[tuple[tuple, Layout]], ckpts) -> 
         l = layout.num_layers_per_virtual_pipeline_stage
         v = 1 if l is None else L // p // l
         shards = num_gpus // (t * p) // c
-        plans = [_plan(run, layout, mb, ckpts[0]) for mb in layout.micro_batch_sizes] if p > 1 else []
-        pp = [pipeline_p2p_seconds(model, x, system) for x in plans] or [0.0] * len(layout.micro_batch_sizes)
-        first = plans[0] if plans else _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
+        mbs, fp8, tokens, stage_layers = layout.micro_batch_sizes, switches.get("fp8"), global_batch * seq_length, L // p
+        first = _plan(run, layout, mbs[0], ckpts[0])
+        pp = pipeline_p2p_seconds_by_micro_batch(model, first, system, mbs)
         dp = dp_seconds_lower_bound(model, first, system)
         for ci, ckpt in enumerate(ckpts):
-            for i, mb in enumerate(layout.micro_batch_sizes):
-                key = (t, c, mb, ckpt, switches.get("fp8"))
-                if key not in per_shape:
-                    plan = _plan(run, layout, mb, ckpt)
-                    st = shape_times(model, plan, system)
-                    per_shape[key] = (st.layer.total, st.head.total)
-                per_layer, head = per_shape[key]
+            for i, mb in enumerate(mbs):
+                key = (t, c, mb, ckpt, fp8)
+                times = per_shape.get(key)
+                if times is None:
+                    st = shape_times(model, _plan(run, layout, mb, ckpt), system)
+                    times = per_shape[key] = (st.layer.total, st.head.total)
+                per_layer, head = times
                 m = global_batch // (mb * shards)
-                last = (L // p) * per_layer + head
+                last = stage_layers * per_layer + head
                 lower = ((m - 1 / v) * last + (L * per_layer + head) / v if p > 1 else m * last) + pp[i] + dp
-                out.append((global_batch * seq_length / lower, li, ci, i))
+                out.append((-(tokens / lower), li, ci, i))
     return out
 
 
@@ -440,11 +441,11 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
                        budget, top: int) -> None:
     """Price candidates from the highest tokens/s bound down until no remaining one can enter the top."""
     cands = _upper_bounds(model, system, layouts, ckpts)
-    cands.sort(key=lambda x: (-x[0], x[1], x[2], x[3]))
+    cands.sort()
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
     failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (ckpt, micro batch) indices that did not fit
-    for n, (bound, li, ci, i) in enumerate(cands):
-        if len(best) >= top and bound * (1 + 1e-9) < best[0]:
+    for n, (minus_bound, li, ci, i) in enumerate(cands):
+        if len(best) >= top and -minus_bound * (1 + 1e-9) < best[0]:
             col.rejected[R_BOUND] += len(cands) - n
             break
         if any(ci >= fc and i >= fi for fc, fi in failed.get(li, ())):

@@ -27,6 +27,15 @@ class ActionKind(str, enum.Enum):
     RELOAD = "RL"
 
 
+STEP_KINDS: tuple[ActionKind, ...] = (
+    ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.RECV_FORWARD, ActionKind.SEND_FORWARD,
+    ActionKind.RECV_BACKWARD, ActionKind.SEND_BACKWARD, ActionKind.OFFLOAD, ActionKind.RELOAD)
+"""The kind of each step code. A *step* is one action as a plain tuple ``(code, microbatch, chunk, peer, layer)``
+(``STEP_KINDS[code]`` its kind): what the builder and the posting order compute on and the cost model's
+timeline reads (:func:`step_action` makes the :class:`Action`)."""
+S_F, S_B, S_RF, S_SF, S_RB, S_SB, S_OFF, S_RL = range(len(STEP_KINDS))
+STEP_CODES = {k: i for i, k in enumerate(STEP_KINDS)}
+
 COMPUTE_KINDS = frozenset({ActionKind.FORWARD, ActionKind.BACKWARD})
 COMM_KINDS = frozenset(
     {ActionKind.RECV_FORWARD, ActionKind.SEND_FORWARD, ActionKind.RECV_BACKWARD, ActionKind.SEND_BACKWARD}
@@ -58,6 +67,16 @@ class Action:
         if self.layer is not None:
             s += f"@{self.layer}"
         return s
+
+
+def step_action(step: tuple) -> Action:
+    """The :class:`Action` of a step ``(code, microbatch, chunk, peer, layer)``."""
+    return Action(STEP_KINDS[step[0]], step[1], step[2], step[3], step[4])
+
+
+def action_step(a: Action) -> tuple:
+    """The step of an :class:`Action` (inverse of :func:`step_action`)."""
+    return (STEP_CODES[a.kind], a.microbatch, a.chunk, a.peer, a.layer)
 
 
 def layer_offload_fractions(alpha: float, num_layers: int) -> tuple[float, ...]:
@@ -155,5 +174,5 @@ class ScheduleConfig:
         return self.layout.microbatch_group_size
 
 
-__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "Action", "ActionKind", "ScheduleConfig", "layer_offload_fractions",
-           "offloaded_layers"]
+__all__ = ["COMM_KINDS", "COMPUTE_KINDS", "STEP_KINDS", "Action", "ActionKind", "ScheduleConfig", "action_step",
+           "layer_offload_fractions", "offloaded_layers", "step_action"]

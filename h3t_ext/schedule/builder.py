@@ -47,8 +47,11 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from h3t_ext.schedule.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, ScheduleConfig
-from h3t_ext.schedule.posting import EARLY, place_comms
+from h3t_ext.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, S_B, S_F, S_OFF, S_RB, S_RF, S_RL, S_SB, S_SF, Action,
+                                      ActionKind, ScheduleConfig, step_action)  # noqa: F401 (COMM_KINDS re-exported)
+from h3t_ext.schedule.posting import EARLY, place_steps
+
+_TRANSFERS = frozenset({S_RF, S_SF, S_RB, S_SB})
 
 
 @dataclass(frozen=True)
@@ -122,14 +125,13 @@ def _num_warmup(cfg: ScheduleConfig, rank: int) -> int:
     return min(warm, total)
 
 
-def _compute_order(cfg: ScheduleConfig, rank: int) -> list[Action]:
-    """Forward/backward actions of one rank in Megatron's order."""
+def _compute_steps(cfg: ScheduleConfig, rank: int, table: Sequence[tuple[int, int]]) -> list[tuple]:
+    """Forward/backward steps of one rank in Megatron's order (``table``: :func:`schedule_table` of ``cfg``)."""
     v = cfg.virtual_pipeline_model_parallel_size
-    table = schedule_table(cfg.num_microbatches, v, cfg.group_size)
-    fwd = [Action(ActionKind.FORWARD, mb, c) for mb, c in table]
+    fwd = [(S_F, mb, c, None, None) for mb, c in table]
     if cfg.forward_only:
         return fwd
-    bwd = [Action(ActionKind.BACKWARD, mb, v - 1 - c) for mb, c in table]
+    bwd = [(S_B, mb, v - 1 - c, None, None) for mb, c in table]
     warm = _num_warmup(cfg, rank)
     order = fwd[:warm]
     for k in range(len(fwd) - warm):
@@ -139,71 +141,92 @@ def _compute_order(cfg: ScheduleConfig, rank: int) -> list[Action]:
     return order
 
 
-def _with_offload(compute: list[Action], actions: list[Action]) -> list[Action]:
-    """Insert OFFLOAD after each forward and RELOAD before the compute preceding its backward."""
-    pos = {(a.kind, a.microbatch, a.chunk): i for i, a in enumerate(compute)}
-    offload_after: set[Action] = set()
-    reload_before: dict[Action, Action] = {}
-    for i, a in enumerate(compute):
-        if a.kind is not ActionKind.FORWARD:
+def _compute_order(cfg: ScheduleConfig, rank: int) -> list[Action]:
+    """Forward/backward actions of one rank in Megatron's order."""
+    table = schedule_table(cfg.num_microbatches, cfg.virtual_pipeline_model_parallel_size, cfg.group_size)
+    return [step_action(s) for s in _compute_steps(cfg, rank, table)]
+
+
+def _with_offload(v: int, compute: list[tuple], steps: list[tuple]) -> list[tuple]:
+    """Insert OFFLOAD after each forward and RELOAD before the compute preceding its backward (``compute``: the
+    rank's compute steps, in ``steps`` in the same order)."""
+    backward_at = {s[1] * v + s[2]: i for i, s in enumerate(compute) if s[0] == S_B}
+    offload_after: set[int] = set()  # compute indices
+    reload_before: dict[int, tuple] = {}
+    for i, s in enumerate(compute):
+        if s[0] != S_F:
             continue
-        j = pos.get((ActionKind.BACKWARD, a.microbatch, a.chunk))
+        j = backward_at.get(s[1] * v + s[2])
         if j is None or j - i - 1 < 2:
             continue
-        offload_after.add(a)
-        reload_before[compute[j - 1]] = Action(ActionKind.RELOAD, a.microbatch, a.chunk)
-    out: list[Action] = []
-    for a in actions:
-        if a in reload_before:
+        offload_after.add(i)
+        reload_before[j - 1] = (S_RL, s[1], s[2], None, None)
+    out: list[tuple] = []
+    i = -1
+    for s in steps:
+        if s[0] in _TRANSFERS:
+            out.append(s)
+            continue
+        i += 1
+        if i in reload_before:
             # The reload goes before the batch of transfers posted ahead of this compute action,
             # so the copy is in flight while the rank waits for its input.
             k = len(out)
-            while k > 0 and out[k - 1].kind in COMM_KINDS:
+            while k > 0 and out[k - 1][0] in _TRANSFERS:
                 k -= 1
-            out.insert(k, reload_before[a])
-        out.append(a)
-        if a in offload_after:
-            out.append(Action(ActionKind.OFFLOAD, a.microbatch, a.chunk))
+            out.insert(k, reload_before[i])
+        out.append(s)
+        if i in offload_after:
+            out.append((S_OFF, s[1], s[2], None, None))
     return out
 
 
-def _with_layer_offload(actions: list[Action], layers: int) -> list[Action]:
+def _with_layer_offload(steps: list[tuple], layers: int) -> list[tuple]:
     """Layer-granular offload (pipeline size 1): OFFLOAD of layers 0..layers-1 inside each forward, their
     RELOAD from the last to the first inside each backward."""
-    out: list[Action] = []
-    for a in actions:
-        out.append(a)
-        if a.kind is ActionKind.FORWARD:
-            out.extend(Action(ActionKind.OFFLOAD, a.microbatch, a.chunk, layer=l) for l in range(layers))
-        elif a.kind is ActionKind.BACKWARD:
-            out.extend(Action(ActionKind.RELOAD, a.microbatch, a.chunk, layer=l) for l in reversed(range(layers)))
+    out: list[tuple] = []
+    for s in steps:
+        out.append(s)
+        if s[0] == S_F:
+            out.extend((S_OFF, s[1], s[2], None, l) for l in range(layers))
+        elif s[0] == S_B:
+            out.extend((S_RL, s[1], s[2], None, l) for l in reversed(range(layers)))
     return out
 
 
-def _rank_list(cfg: ScheduleConfig, rank: int, compute: list[Action], placed: list[Action]) -> list[Action]:
+def _rank_steps(cfg: ScheduleConfig, rank: int, compute: list[tuple], placed: list[tuple]) -> list[tuple]:
     if not cfg.rank_offloads(rank):
         return placed
     if cfg.layer_granular:
         layers = cfg.rank_offloaded_layers(rank)
         return _with_layer_offload(placed, layers) if layers else placed
-    return _with_offload(compute, placed)
+    return _with_offload(cfg.virtual_pipeline_model_parallel_size, compute, placed)
 
 
 @functools.lru_cache(maxsize=64)
-def _placed(shape: ScheduleConfig, early_receives: bool) -> tuple[tuple[list[Action], ...], tuple[list[Action], ...]]:
-    """(compute order, list with the transfers placed) of every rank, for a shape without offload (the
+def _placed(shape: ScheduleConfig, early_receives: bool) -> tuple[tuple[list[tuple], ...], tuple[list[tuple], ...]]:
+    """(compute steps, steps with the transfers placed) of every rank, for a shape without offload (the
     offload actions do not move the transfers, so the lists of all offload choices share this)."""
     p = shape.pipeline_model_parallel_size
-    compute = tuple(_compute_order(shape, r) for r in range(p))
-    return compute, tuple(place_comms(shape, compute, early_receives=early_receives))
+    table = schedule_table(shape.num_microbatches, shape.virtual_pipeline_model_parallel_size, shape.group_size)
+    compute = tuple(_compute_steps(shape, r, table) for r in range(p))
+    return compute, tuple(place_steps(shape, compute, early_receives=early_receives))
+
+
+@functools.lru_cache(maxsize=256)
+def build_rank_steps(cfg: ScheduleConfig, early_receives: bool = EARLY) -> tuple[tuple[tuple, ...], ...]:
+    """Every rank's list as steps ``(code, microbatch, chunk, peer, layer)`` (``actions.STEP_KINDS``): the lists
+    of :func:`build_rank_actions`, element for element, without making an :class:`Action` per step (the cost
+    model's timeline reads these)."""
+    p = cfg.pipeline_model_parallel_size
+    compute, lists = _placed(dataclasses.replace(cfg, offload=False, offload_stages=None, offload_alphas=None,
+                                                 num_layers_per_chunk=None), early_receives)
+    return tuple(tuple(_rank_steps(cfg, r, compute[r], lists[r])) for r in range(p))
 
 
 @functools.lru_cache(maxsize=256)
 def _all_rank_actions(cfg: ScheduleConfig, early_receives: bool) -> tuple[tuple[Action, ...], ...]:
-    p = cfg.pipeline_model_parallel_size
-    compute, lists = _placed(dataclasses.replace(cfg, offload=False, offload_stages=None, offload_alphas=None,
-                                                 num_layers_per_chunk=None), early_receives)
-    return tuple(tuple(_rank_list(cfg, r, compute[r], lists[r])) for r in range(p))
+    return tuple(tuple(step_action(s) for s in steps) for steps in build_rank_steps(cfg, early_receives))
 
 
 def build_rank_actions(cfg: ScheduleConfig, rank: int, *, early_receives: bool = EARLY) -> tuple[Action, ...]:

@@ -57,10 +57,12 @@ clock above only decides how early a receive is posted.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Sequence
 
-from h3t_ext.schedule.actions import COMM_KINDS, COMPUTE_KINDS, Action, ActionKind, ScheduleConfig
+from h3t_ext.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, S_B, S_F, S_RB, S_RF, S_SB, S_SF, Action,
+                                      ScheduleConfig, action_step, step_action)
 
 
 @dataclass(frozen=True)
@@ -87,47 +89,131 @@ EARLY = True
 """The order the builder's lists (and so the runtime) post."""
 
 
-def _producer(cfg: ScheduleConfig, rank: int, a: Action) -> tuple[int, Action] | None:
-    """(rank, compute action) whose output ``a`` consumes from another stage, or None."""
+def _positions(v: int, m: int, compute: Sequence[Sequence[tuple]]) -> tuple[list[list[int]], list[list[int]]]:
+    """(forward, backward) position of each microbatch-chunk ``mb * v + chunk`` in every rank's compute steps."""
+    fpos, bpos = [], []
+    for row in compute:
+        f, b = [-1] * (m * v), [-1] * (m * v)
+        for i, s in enumerate(row):
+            (f if s[0] == S_F else b)[s[1] * v + s[2]] = i
+        fpos.append(f)
+        bpos.append(b)
+    return fpos, bpos
+
+
+def _asap(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]], times: PostingTimes, fpos, bpos) -> list[list[int]]:
+    """:func:`asap_times` on compute steps, with their positions (:func:`_positions`)."""
     p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
-    stage = a.chunk * p + rank
-    if a.kind is ActionKind.FORWARD:
-        if stage == 0:
-            return None
-        src = stage - 1
-    else:
-        if stage == p * v - 1:
-            return None
-        src = stage + 1
-    return src % p, Action(a.kind, a.microbatch, src // p)
-
-
-def asap_times(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]],
-               times: PostingTimes = AT_LABEL_TIMES) -> list[list[int]]:
-    """As-soon-as-possible end times of every rank's compute actions on the clock ``times`` (see the
-    module docstring)."""
-    p = cfg.pipeline_model_parallel_size
-    index = [{a: i for i, a in enumerate(c)} for c in compute]
+    last = p * v - 1
+    producers = []  # per rank and compute: (rank, index) of the compute on another stage whose output it needs
+    for r, row in enumerate(compute):
+        prod: list = []
+        for s in row:
+            stage = s[2] * p + r
+            if s[0] == S_F:
+                src = stage - 1
+                prod.append(None if stage == 0 else (src % p, fpos[src % p][s[1] * v + src // p]))
+            else:
+                src = stage + 1
+                prod.append(None if stage == last else (src % p, bpos[src % p][s[1] * v + src // p]))
+        producers.append(prod)
+    dur = {S_F: times.forward, S_B: times.backward}
+    hop = times.hop
     out: list[list[int]] = [[-1] * len(c) for c in compute]
     nxt = [0] * p
     progress = True
     while progress:
         progress = False
         for r in range(p):
-            while nxt[r] < len(compute[r]):
-                i, a = nxt[r], compute[r][nxt[r]]
-                t = out[r][i - 1] if i else 0
-                prod = _producer(cfg, r, a)
-                if prod is not None:
-                    tp = out[prod[0]][index[prod[0]][prod[1]]]
+            row, o, prod, i, n = compute[r], out[r], producers[r], nxt[r], len(compute[r])
+            t = o[i - 1] if i else 0
+            start = i
+            while i < n:
+                q = prod[i]
+                if q is not None:
+                    tp = out[q[0]][q[1]]
                     if tp < 0:
                         break
-                    t = max(t, tp + times.hop)
-                out[r][i] = t + (times.forward if a.kind is ActionKind.FORWARD else times.backward)
-                nxt[r] += 1
+                    if tp + hop > t:
+                        t = tp + hop
+                t += dur[row[i][0]]
+                o[i] = t
+                i += 1
+            if i != start:
+                nxt[r] = i
                 progress = True
     if any(nxt[r] < len(compute[r]) for r in range(p)):  # pragma: no cover - Megatron's orders are acyclic
         raise AssertionError(f"compute orders wait on each other in a cycle: stuck at {nxt}")
+    return out
+
+
+def asap_times(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]],
+               times: PostingTimes = AT_LABEL_TIMES) -> list[list[int]]:
+    """As-soon-as-possible end times of every rank's compute actions on the clock ``times`` (see the
+    module docstring)."""
+    steps = [[action_step(a) for a in c] for c in compute]
+    return _asap(cfg, steps, times, *_positions(cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches, steps))
+
+
+def place_steps(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]], *,
+                early_receives: bool = EARLY) -> list[list[tuple]]:
+    """:func:`place_comms` on steps (``actions.step_action``): what the builder runs."""
+    p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
+    pv = p * v
+    last_stage = pv - 1
+    fpos, bpos = _positions(v, cfg.num_microbatches, compute)
+    times = _asap(cfg, compute, EARLY_TIMES if early_receives else AT_LABEL_TIMES, fpos, bpos)
+    # gaps[r][i + 1]: (key, step, index of the consuming compute or -1 for a send) of the transfers posted
+    # right after compute i (gaps[r][0]: before all); keys are unique, so sorting the entries sorts by key. A key
+    # is the tuple of the module docstring as one integer (mixed radix: the same order, one object less)
+    gaps: list[list[list]] = [[[] for _ in range(len(c) + 1)] for c in compute]
+    m = cfg.num_microbatches
+    radix = 1 + max((t[-1] for t in times if t), default=0)  # above every T
+    for r, row in enumerate(compute):
+        tr, gr = times[r], gaps[r]
+        for i, s in enumerate(row):
+            mb, stage = s[1], s[2] * p + r
+            if s[0] == S_F:
+                if stage == last_stage:
+                    continue
+                dst_stage, direction, pos, send, recv = stage + 1, 0, fpos, S_SF, S_RF
+            else:
+                if stage == 0:
+                    continue
+                dst_stage, direction, pos, send, recv = stage - 1, 1, bpos, S_SB, S_RB
+            dst, dst_chunk = dst_stage % p, dst_stage // p
+            label, td = tr[i], times[dst]
+            consumer = pos[dst][mb * v + dst_chunk]
+            key = (((label * radix + td[consumer] if early_receives else label) * 2 + direction) * m + mb) * pv + stage
+            gr[i + 1].append((key, (send, mb, s[2], dst, None), -1))
+            gaps[dst][bisect.bisect_right(td, label)].append((key, (recv, mb, dst_chunk, r, None), consumer))
+    out = []
+    for r, row in enumerate(compute):
+        acts: list[tuple] = []
+        moved: list = []
+        for g, run in enumerate(gaps[r]):  # run g follows compute g - 1
+            if g:
+                acts.append(row[g - 1])
+            if moved:
+                run = moved + run
+                moved = []
+            if len(run) < 2:  # nothing to order, nothing that could move
+                if run:
+                    acts.append(run[0][1])
+                continue
+            run.sort()
+            if early_receives:  # the needed receives and the sends stay, the entries above them move
+                needed, keep = False, 0
+                for j, e in enumerate(run):
+                    if e[2] == g:
+                        needed, keep = True, j + 1
+                    elif e[2] == -1:
+                        keep = j + 1
+                if needed and keep < len(run):
+                    moved = run[keep:]
+                    del run[keep:]
+            acts.extend([e[1] for e in run])
+        out.append(acts)
     return out
 
 
@@ -135,58 +221,8 @@ def place_comms(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]], *,
                 early_receives: bool = EARLY) -> list[list[Action]]:
     """Every rank's compute actions with its sends and receives placed in a deadlock-free order (module
     docstring): ``early_receives`` the builder's, else the order of Megatron's blocking exchanges."""
-    p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
-    last_stage = p * v - 1
-    times = asap_times(cfg, compute, EARLY_TIMES if early_receives else AT_LABEL_TIMES)
-    index = [{a: i for i, a in enumerate(c)} for c in compute]
-    # gaps[r][i]: (key, action, index of the consuming compute or -1 for a send) of the transfers posted
-    # right after compute i (gap -1: before all)
-    gaps: list[dict[int, list]] = [{} for _ in range(p)]
-
-    def gap_of(r: int, label: int) -> int:
-        ts = times[r]
-        lo, hi = 0, len(ts)  # index of the last compute with T <= label, -1 if none
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if ts[mid] <= label:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo - 1
-
-    for r in range(p):
-        for i, a in enumerate(compute[r]):
-            stage = a.chunk * p + r
-            fwd = a.kind is ActionKind.FORWARD
-            if (fwd and stage == last_stage) or (not fwd and stage == 0):
-                continue
-            dst_stage = stage + 1 if fwd else stage - 1
-            dst = dst_stage % p
-            label = times[r][i]
-            consumer = index[dst][Action(a.kind, a.microbatch, dst_stage // p)]
-            key = ((label, times[dst][consumer], 0 if fwd else 1, a.microbatch, stage) if early_receives
-                   else (label, 0 if fwd else 1, a.microbatch, stage))
-            send = Action(ActionKind.SEND_FORWARD if fwd else ActionKind.SEND_BACKWARD, a.microbatch, a.chunk, dst)
-            recv = Action(ActionKind.RECV_FORWARD if fwd else ActionKind.RECV_BACKWARD, a.microbatch,
-                          dst_stage // p, r)
-            gaps[r].setdefault(i, []).append((key, send, -1))
-            gaps[dst].setdefault(gap_of(dst, label), []).append((key, recv, consumer))
-    out = []
-    for r in range(p):
-        acts: list[Action] = []
-        moved: list = []
-        for g in range(-1, len(compute[r])):
-            if g >= 0:
-                acts.append(compute[r][g])
-            run = sorted(moved + gaps[r].get(g, []), key=lambda e: e[0])
-            moved = []
-            if early_receives and any(c == g + 1 for _, _, c in run):
-                top = max(k for k, _, c in run if c in (-1, g + 1))  # the needed receives and the sends stay
-                moved = [e for e in run if e[0] > top]
-                run = [e for e in run if e[0] <= top]
-            acts.extend(a for _, a, _ in run)
-        out.append(acts)
-    return out
+    steps = place_steps(cfg, [[action_step(a) for a in c] for c in compute], early_receives=early_receives)
+    return [[step_action(s) for s in row] for row in steps]
 
 
 def posting_batches(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
@@ -204,5 +240,5 @@ def posting_batches(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
     return batches
 
 
-__all__ = ["AT_LABEL_TIMES", "EARLY", "EARLY_TIMES", "PostingTimes", "asap_times", "place_comms",
+__all__ = ["AT_LABEL_TIMES", "EARLY", "EARLY_TIMES", "PostingTimes", "asap_times", "place_comms", "place_steps",
            "posting_batches"]
