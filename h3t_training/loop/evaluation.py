@@ -1,8 +1,8 @@
 """Evaluation on the validation and test splits, as Megatron-LM's ``evaluate`` / ``evaluate_and_print_results``.
 
 An evaluation runs ``--eval-iters`` forward-only iterations of ``--global-batch-size`` samples through
-``get_forward_backward_func()`` (the installed h3t-ext schedules: no backward, no activation
-offload) with every model chunk in eval mode (dropout off) and back in train mode afterwards,
+the training loop's h3t-ext runtime (its forward-backward function for the layout, forward only: no backward, no
+activation offload) with every model chunk in eval mode (dropout off) and back in train mode afterwards,
 under ``torch.no_grad``. Its loss is the token-weighted mean over all its microbatches and
 data-parallel replicas, computed on the last pipeline stage; the perplexity is ``exp(min(20, loss))``.
 
@@ -26,8 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 from h3t_training.data.datasets import build_data_iterators
 
 
@@ -64,10 +64,10 @@ def boxed_line(result: EvalResult) -> str:
 class Evaluator:
     """Holds the validation and test iterators of this rank and runs evaluations on them."""
 
-    def __init__(self, args, chunks, forward_step_func: Callable, *, valid_dataset, test_dataset,
+    def __init__(self, args, chunks, forward_step_func: Callable, runtime: H3TSchedules, *, valid_dataset, test_dataset,
                  start_iteration: int, device: torch.device, print_fn: Callable[[str], None],
                  is_logging_rank: bool):
-        self.args, self.chunks, self.forward_step_func = args, chunks, forward_step_func
+        self.args, self.chunks, self.forward_step_func, self.runtime = args, chunks, forward_step_func, runtime
         self.print_fn, self.is_logging_rank = print_fn, is_logging_rank
         self.results: list[EvalResult] = []
         first_valid = 0 if args.skip_train else (start_iteration // args.eval_interval) * args.eval_iters
@@ -106,7 +106,7 @@ class Evaluator:
 
     def _run(self, iterators) -> float:
         a = self.args
-        fb = get_forward_backward_func()
+        fb = self.runtime.forward_backward_func(a.pipeline_model_parallel_size, len(self.chunks))
         total = torch.zeros(2, dtype=torch.float64)
         hooks_off = a.overlap_param_gather and all(hasattr(m, "disable_forward_pre_hook") for m in self.chunks)
         for m in self.chunks:

@@ -1,7 +1,8 @@
-"""The training loop: megatron-core's ``get_forward_backward_func()`` after ``h3t_ext.install``.
+"""The training loop: the forward-backward function of the h3t-ext runtime it holds (``H3TSchedules``; the one
+megatron-core's ``get_forward_backward_func()`` would hand out for the layout, called directly, nothing installed).
 
 ``pretrain`` reads (and checks) any checkpoint before the process groups exist, builds the model
-chunks, installs the h3t-ext schedules with ``--ckpt`` / ``--offload-alpha``, and trains
+chunks, builds the h3t-ext runtime with ``--ckpt`` / ``--offload-alpha``, and trains
 ``--train-iters`` iterations. The loss of an iteration is the token-weighted mean over its
 microbatches and data-parallel replicas (context-parallel ranks included: their loss sums and token
 counts add up to the full sequence's), computed on the last pipeline stage.
@@ -17,10 +18,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
-import h3t_ext
 from h3t_ext.runtime.config import H3TConfig
+from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 from h3t_training.loop import checkpointing as ckpt_io
 from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.data.datasets import build_data_iterators, build_datasets
@@ -223,7 +223,7 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
     --exit-interval, --exit-duration-in-mins, --exit-signal-handler); returns the last iteration done
     and whether the run exited early. ``progress.iteration`` follows the iterations done."""
     progress = progress or RunProgress()
-    fb = get_forward_backward_func()
+    fb = runtime.forward_backward_func(args.pipeline_model_parallel_size, len(chunks))
     batches, shard = schedule_of(args), args.micro_batch_size * args.data_parallel_size
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     done = start_iteration
@@ -301,7 +301,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
     n_params = num_parameters(chunks)
     config = H3TConfig(ckpt=args.ckpt, offload_alpha=args.offload_alpha, strict_p2p=args.strict_p2p,
                        strict_p2p_comm=args.strict_p2p_comm, p2p_timeout_s=args.distributed_timeout_minutes * 60)
-    runtime = h3t_ext.install(config, manager_factory=_measuring_manager_factory)
+    runtime = H3TSchedules(config, manager_factory=_measuring_manager_factory)  # held and called, not installed
     chunks, optimizer, start, load_notes = _build_and_load(args, chunks, found, on_gpu)
     progress.iteration = start
     train_ds, valid_ds, test_ds = build_datasets(args, tokenizer, notify=_rank0_printer())
@@ -316,7 +316,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
             print(f"note: {note}", flush=True)
     logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
     logger.header(start, n_params)
-    evaluator = Evaluator(args, chunks, forward_step, valid_dataset=valid_ds, test_dataset=test_ds,
+    evaluator = Evaluator(args, chunks, forward_step, runtime, valid_dataset=valid_ds, test_dataset=test_ds,
                           start_iteration=start, device=device, print_fn=logger._print, is_logging_rank=is_logging_rank)
     writer = build_writer(args, is_logging_rank)
     predicted = (predicted_scalars(args, vocab_size=padded_vocab_size(
@@ -340,7 +340,6 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
     if is_logging_rank and args.metrics_json:
         write_metrics_json(args.metrics_json, args, logger.records, stats,
                            [r.as_dict() for r in evaluator.results], state_bytes=state_bytes)
-    h3t_ext.uninstall()
     if heartbeat is not None:  # before the groups go: a rank that finished first is not "frozen"
         dist.barrier()
         heartbeat.stop()

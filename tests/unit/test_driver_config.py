@@ -192,3 +192,17 @@ def test_the_runtime_floors_import_only_downwards():
     upward = [f"{m} -> {d}" for m, deps in import_graph(REPO / "h3t_ext").items() for d in sorted(deps)
               if floor(m) is not None and floor(d) is not None and floor(d) > floor(m)]
     assert not upward, "runtime imports running upwards: " + "; ".join(upward)
+
+
+def test_the_driver_calls_the_runtime_it_holds():
+    """Only Megatron's own loop (loop/megatron_native.py) attaches h3t-ext by installing it into megatron-core; the
+    driver's loop and evaluation call the H3TSchedules they hold (nothing rebinds megatron-core's functions)."""
+    calls = {}
+    for path in sorted((REPO / "h3t_training").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name in ("install", "get_forward_backward_func"):
+                    calls.setdefault(str(path.relative_to(REPO)), set()).add(name)
+    assert calls == {"h3t_training/loop/megatron_native.py": {"install"}}, calls

@@ -56,3 +56,13 @@ def test_1f1b_syncs_the_one_chunk_once_at_the_end():
     sync.before_backward(Action(ActionKind.BACKWARD, 3, 0), is_last_mb=True)
     sync.finish(forward_only=False)
     assert calls == [("grad", 2)] and config.grad_sync_func is grad_sync
+
+
+def test_the_runtime_hands_out_the_function_megatron_would_for_the_shape():
+    from h3t_ext.runtime.config import H3TConfig
+    from h3t_ext.runtime.pipeline.schedules import H3TSchedules
+
+    rt = H3TSchedules(H3TConfig())
+    assert rt.forward_backward_func(1, 1) == rt.forward_backward_no_pipelining
+    assert rt.forward_backward_func(2, 1) == rt.forward_backward_pipelining_without_interleaving
+    assert rt.forward_backward_func(4, 3) == rt.forward_backward_pipelining_with_interleaving

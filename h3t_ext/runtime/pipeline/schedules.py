@@ -262,6 +262,16 @@ class H3TSchedules:
         """Interleaved 1F1B over the pipeline group, ``len(model)`` chunks per rank."""
         return self._run(ScheduleMode.INTERLEAVED, _call_args(locals()))
 
+    def forward_backward_func(self, pipeline_model_parallel_size: int, num_model_chunks: int) -> Callable:
+        """The one of the three functions megatron-core's ``get_forward_backward_func()`` hands out for this shape
+        (a driver that holds the runtime calls it directly; :func:`~h3t_ext.runtime.pipeline.install.install` is
+        the adapter for Megatron's own loop)."""
+        if pipeline_model_parallel_size == 1:
+            return self.forward_backward_no_pipelining
+        if num_model_chunks > 1:
+            return self.forward_backward_pipelining_with_interleaving
+        return self.forward_backward_pipelining_without_interleaving
+
     # -- the one executor --------------------------------------------------------------------
     def _resolve(self, mode: ScheduleMode, kw: MegatronCallArgs) -> _Call:
         model, iters = _as_list(kw.model), _as_list(kw.data_iterator)
