@@ -145,7 +145,7 @@ def _worker(rank, world, args):
                                 virtual_pipeline_model_parallel_size=v if v > 1 else None)
         torch.manual_seed(0)
         model = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=args.seq_length, pipeline_rank=rank,
-                                   ckpt=ckpt)
+                                   ckpt=ckpt, device_type="cpu")
         sched = H3TSchedules(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode=args.device_mode),
                              manager_factory=measuring_factory if measure else None)
         runs.append((model, sched))
@@ -271,7 +271,7 @@ def _vs_worker(rank, world, args):
                                     overlap_p2p_comm=v > 1, batch_p2p_comm=v == 1)
             torch.manual_seed(0)
             model = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=args.seq_length,
-                                       pipeline_rank=rank, ckpt="no")
+                                       pipeline_rank=rank, ckpt="no", device_type="cpu")
             # the same chunks (so the same weights) for both; megatron's function taken before install()
             funcs = {"megatron": get_forward_backward_func(world, vp)}
             runtime = h3t_ext.install(H3TConfig(ckpt="no", offload_alpha=0.0, device_mode=args.device_mode))

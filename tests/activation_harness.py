@@ -36,7 +36,7 @@ def _build(seed: int, num_layers: int, layers_only: bool, ckpt: Optional[str], *
     cfg = tiny_llama_config(num_layers=num_layers, **overrides)
     stock = local_layer_spec() if ckpt is None else None
     return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=128, pre_process=not layers_only,
-                           post_process=not layers_only, ckpt=ckpt or "no", layer_spec=stock)
+                           post_process=not layers_only, ckpt=ckpt or "no", layer_spec=stock, device_type="cpu")
 
 
 def tiny_model(seed: int = 0, num_layers: int = 2, ckpt: Optional[str] = None, **overrides):

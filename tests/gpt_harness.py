@@ -62,7 +62,7 @@ def build_stage(config, v: int = 1, ckpt: str = "no") -> list:
     assert (config.virtual_pipeline_model_parallel_size or 1) == v
     assert config.pipeline_model_parallel_size == ps.get_pipeline_model_parallel_world_size()
     return build_stage_chunks(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                              pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=ckpt)
+                              pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=ckpt, device_type="cpu")
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -127,7 +127,7 @@ def reference_run(seed: int = 0, m: int = NUM_MICROBATCHES, ckpt_full: bool = Fa
     init_parallel()
     torch.manual_seed(seed)
     model = build_gpt_model(model_config(**overrides), vocab_size=VOCAB, max_sequence_length=SEQ,
-                            ckpt="full" if ckpt_full else "no")
+                            ckpt="full" if ckpt_full else "no", device_type="cpu")
     state = {k: v.detach().clone() for k, v in model.named_parameters()}
     losses = []
     it = iter(make_batches(m))

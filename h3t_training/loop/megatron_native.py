@@ -89,6 +89,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     from megatron.core import parallel_state as ps  # noqa: PLC0415
 
     from h3t_ext.runtime.modules.gpt import build_gpt_model  # noqa: PLC0415
+    from h3t_training.config.feature_checks import uses_gpu  # noqa: PLC0415
     from h3t_training.loop.model_provider import layer_spec_backend  # noqa: PLC0415
 
     args = _megatron("").get_args()
@@ -102,7 +103,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         pipeline_rank=ps.get_pipeline_model_parallel_rank(), pg_collection=pg_collection,
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base)
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        device_type="cuda" if uses_gpu(args) else "cpu")
 
 
 def forward_step(data_iterator, model):

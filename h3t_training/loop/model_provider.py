@@ -103,7 +103,8 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
                                 position_embedding_type=args.position_embedding_type,
                                 share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                                 rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-                                backend=layer_spec_backend(on_gpu), core_attention=core_attention(args, on_gpu=on_gpu))
+                                backend=layer_spec_backend(on_gpu), core_attention=core_attention(args, on_gpu=on_gpu),
+                                device_type="cuda" if on_gpu else "cpu")
     if on_gpu:
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())

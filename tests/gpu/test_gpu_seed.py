@@ -50,7 +50,7 @@ def _build_on_gpu(rank: int, world_size: int):
     ps.initialize_model_parallel()
     set_random_seed(1234, on_gpu=True)
     config = tiny_llama_config(use_cpu_initialization=False)
-    model = build_gpt_model(config, vocab_size=128, max_sequence_length=32).cuda()
+    model = build_gpt_model(config, vocab_size=128, max_sequence_length=32, device_type="cuda").cuda()
     n = sum(p.numel() for p in model.parameters())
     ps.destroy_model_parallel()
     return n

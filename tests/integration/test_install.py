@@ -200,7 +200,7 @@ def _unsupported_worker(rank, world):
     spec = get_gpt_layer_local_spec(normalization="LayerNorm")
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     model = build_gpt_model(model_config(normalization="LayerNorm"), vocab_size=128, max_sequence_length=SEQ,
-                            layer_spec=spec)
+                            layer_spec=spec, device_type="cpu")
     h3t_ext.install(H3TConfig(ckpt="ours"))
     try:
         get_forward_backward_func(1, None)(

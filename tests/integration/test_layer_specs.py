@@ -126,7 +126,8 @@ def test_te_specs_build_with_transformer_engine():
     models = {}
     for ckpt in ("no", "ours"):
         torch.manual_seed(0)
-        models[ckpt] = build_gpt_model(cfg, vocab_size=256, max_sequence_length=64, ckpt=ckpt, backend="te").cuda()
+        models[ckpt] = build_gpt_model(cfg, vocab_size=256, max_sequence_length=64, ckpt=ckpt, backend="te",
+                                       device_type="cuda").cuda()
     assert built_for_ckpt([models["ours"]]) == "ours"
     ids = torch.randint(0, 256, (2, 64), device="cuda")
     pos = torch.arange(64, device="cuda").expand(2, 64)

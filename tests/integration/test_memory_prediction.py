@@ -59,7 +59,8 @@ def _worker(rank, world):
     out = {}
     for ckpt, alpha in VARIANTS:
         torch.manual_seed(0)
-        chunks = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, pipeline_rank=rank, ckpt=ckpt)
+        chunks = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=SEQ, pipeline_rank=rank, ckpt=ckpt,
+                                    device_type="cpu")
         sched = H3TSchedules(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode="cpu-sync"),
                              manager_factory=factory)
         sched.forward_backward_pipelining_with_interleaving(

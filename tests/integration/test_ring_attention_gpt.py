@@ -85,7 +85,7 @@ def _layout_worker(rank, world, cp, pp, ref):
         cfg = model_config(1, pp, 1, context_parallel_size=cp)
         (chunk,) = build_stage_chunks(cfg, vocab_size=VOCAB, max_sequence_length=SEQ,
                                       pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=ckpt,
-                                      core_attention=RingSDPACoreAttention)
+                                      core_attention=RingSDPACoreAttention, device_type="cpu")
         load_reference([chunk], ref["state"])
         runtime = h3t_ext.install(H3TConfig(ckpt=ckpt, offload_alpha=alpha, device_mode="cpu-sync"),
                                   manager_factory=_counting_factory)

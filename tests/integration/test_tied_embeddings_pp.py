@@ -32,7 +32,8 @@ def _copies_worker(rank, world):
     torch.manual_seed(1 + 100 * rank)  # different draws per stage, as Megatron seeds
     config = tiny_llama_config(num_layers=2, pipeline_model_parallel_size=2)
     chunks = build_stage_chunks(config, vocab_size=128, max_sequence_length=32, pipeline_rank=rank,
-                                position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+                                position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True,
+                                device_type="cpu")
     weight = chunks[0].shared_embedding_or_output_weight()
     ps.destroy_model_parallel()
     return weight.detach().clone(), bool(getattr(weight, "shared", False))

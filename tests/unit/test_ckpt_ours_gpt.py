@@ -27,7 +27,8 @@ def gpt3_model(ckpt: str, **overrides):
     cfg = tiny_llama_config(num_layers=LAYERS, num_query_groups=4, normalization="LayerNorm", gated_linear_unit=False,
                             activation_func=F.gelu, add_bias_linear=True, hidden_dropout=0.0, **overrides)
     return build_gpt_model(cfg, vocab_size=VOCAB, max_sequence_length=128, ckpt=ckpt,
-                           position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+                           position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True,
+                           device_type="cpu")
 
 
 def _train_step(model, mgr, data):

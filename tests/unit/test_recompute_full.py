@@ -58,7 +58,8 @@ def _worker(rank, world):
 
     def fresh(ckpt="no", recompute=Recompute()):
         torch.manual_seed(0)
-        return build_gpt_model(cfg, vocab_size=128, max_sequence_length=SEQ, ckpt=ckpt, recompute=recompute)
+        return build_gpt_model(cfg, vocab_size=128, max_sequence_length=SEQ, ckpt=ckpt, recompute=recompute,
+                               device_type="cpu")
 
     def manager():  # every saved tensor counted in saved_bytes (none kept aside as small)
         return ActivationManager(0.0, make_device_layer("cpu-sync", torch.device("cpu")), min_offload_bytes=0)

@@ -60,7 +60,8 @@ class HostRotaryEmbedding(RotaryEmbedding):
 class H3TGPTModel(GPTModel):
     """megatron-core's GPTModel that runs without CUDA (RoPE, sequence-parallel embedding and output).
 
-    Takes GPTModel's arguments. Without CUDA, the RoPE module is a :class:`HostRotaryEmbedding`
+    Takes GPTModel's arguments and ``device_type``, where the model runs ('cpu' or 'cuda'; passed in, never
+    probed). On 'cpu' the RoPE module is a :class:`HostRotaryEmbedding`
     (built from the same arguments) and, under sequence parallelism, the embedding output is
     scattered to this rank's sequence shard by :func:`scatter_to_sequence_parallel` and the output
     layer is an :class:`SPColumnParallelLinear` that takes over the stock layer's weight.
@@ -68,10 +69,12 @@ class H3TGPTModel(GPTModel):
 
     def __init__(self, config: TransformerConfig, *args, rotary_percent: float = 1.0, rotary_base: int = 10000,
                  rope_scaling: bool = False, rope_scaling_factor: float = 8.0,
-                 seq_len_interpolation_factor: Optional[float] = None, **kwargs):
+                 seq_len_interpolation_factor: Optional[float] = None, device_type: str, **kwargs):
         from .sequence_parallel import ensure_host_rng_tracker, host_sequence_parallel  # noqa: PLC0415
 
-        host_sp = host_sequence_parallel(config)
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+        host_sp = host_sequence_parallel(config, device_type)
         if host_sp:
             kwargs["scatter_embedding_sequence_parallel"] = False  # scattered in _preprocess instead
             ensure_host_rng_tracker()
@@ -79,7 +82,7 @@ class H3TGPTModel(GPTModel):
                          rope_scaling=rope_scaling, rope_scaling_factor=rope_scaling_factor,
                          seq_len_interpolation_factor=seq_len_interpolation_factor, **kwargs)
         self._h3t_host_sp = host_sp
-        if isinstance(getattr(self, "rotary_pos_emb", None), RotaryEmbedding) and not torch.cuda.is_available():
+        if isinstance(getattr(self, "rotary_pos_emb", None), RotaryEmbedding) and device_type == "cpu":
             self.rotary_pos_emb = HostRotaryEmbedding(
                 kv_channels=self.config.kv_channels, rotary_percent=rotary_percent,
                 rotary_interleaved=self.config.rotary_interleaved,
@@ -170,13 +173,15 @@ def build_gpt_model(
     rotary_percent: float = 1.0,
     rotary_base: int = 10000,
     recompute: Recompute = NO_RECOMPUTE,
+    device_type: str,
 ) -> GPTModel:
     """A GPTModel for one pipeline (virtual) stage; by default Llama-style (RoPE, untied embeddings),
     GPT-3-style with ``position_embedding_type='learned_absolute'`` and tied embeddings.
 
     Its layers come from ``h3t_layer_spec(config, ckpt=ckpt, backend=backend,
     core_attention=core_attention)`` with Megatron's ``recompute`` built in (:func:`h3t_block_spec`), or from
-    ``layer_spec`` when given (then with megatron-core's default final norm); the ckpt=ours spec raises
+    ``layer_spec`` when given (then with megatron-core's default final norm); ``device_type`` ('cpu' or 'cuda') is
+    where the model runs, given by the caller (never probed); the ckpt=ours spec raises
     UnsupportedLayerSpecError for configs it cannot run.
     """
     spec = layer_spec if layer_spec is not None else h3t_block_spec(
@@ -195,6 +200,7 @@ def build_gpt_model(
         rotary_base=rotary_base,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
+        device_type=device_type,
     )
 
 

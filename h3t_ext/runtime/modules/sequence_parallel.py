@@ -205,9 +205,10 @@ def ensure_host_rng_tracker() -> None:
     mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
-def host_sequence_parallel(config) -> bool:
-    """True when sequence parallelism must use this module's collectives (no CUDA on this host)."""
-    return bool(config.sequence_parallel) and config.tensor_model_parallel_size > 1 and not torch.cuda.is_available()
+def host_sequence_parallel(config, device_type: str) -> bool:
+    """True when sequence parallelism must use this module's collectives (the model runs on ``device_type``
+    'cpu', where megatron-core's CUDA-only sequence-parallel paths cannot)."""
+    return bool(config.sequence_parallel) and config.tensor_model_parallel_size > 1 and device_type == "cpu"
 
 
 __all__ = [
