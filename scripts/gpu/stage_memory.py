@@ -27,6 +27,7 @@ workspace and the predicted terms), ``max_error``, ``losses``, the model, plan a
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -236,7 +237,7 @@ def compare(args, per_rank: list) -> dict:
                "max_memory_allocated is not measurable on CPU")
     return {"device": args.device, "measure": measure, "max_error": max(abs(s["rel_error"]) for s in stages),
             "stages": stages, "losses": per_rank[-1]["losses"],
-            "model": spec.__dict__, "plan": dict(plan.__dict__),
+            "model": spec.__dict__, "plan": dataclasses.asdict(plan),
             "run": {"pipeline_model_parallel_size": PP, "virtual_pipeline_model_parallel_size": V, "ckpt": CKPT,
                     "offload_alpha": ALPHA, "p2p_staging": "host", "dtype": "bf16" if on_gpu else "fp32",
                     "warmup": args.warmup, "iterations": args.iterations}}
