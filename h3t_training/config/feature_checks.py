@@ -9,11 +9,16 @@ import importlib.util
 from h3t_training.errors import ArgumentError
 
 
-def uses_gpu(args) -> bool:
-    """True when this run trains on CUDA devices (a GPU is present and the backend is not gloo)."""
+def cuda_available() -> bool:
+    """A CUDA device is present (the one probe of the driver's flag checks; tests replace it to act as a GPU host)."""
     import torch
 
-    return torch.cuda.is_available() and args.distributed_backend != "gloo"
+    return torch.cuda.is_available()
+
+
+def uses_gpu(args) -> bool:
+    """True when this run trains on CUDA devices (a GPU is present and the backend is not gloo)."""
+    return cuda_available() and args.distributed_backend != "gloo"
 
 
 def check_optimizer_offload(args):
@@ -115,4 +120,4 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
 
 
 __all__ = ["MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_REFUSAL", "check_optimizer_offload",
-           "check_sdc_flags", "check_sharding_flags", "check_writer_packages", "uses_gpu"]
+           "check_sdc_flags", "check_sharding_flags", "check_writer_packages", "cuda_available", "uses_gpu"]

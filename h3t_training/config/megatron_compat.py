@@ -14,6 +14,7 @@ Each step reads the config and returns the fields it sets (a dict); every proble
 """
 from __future__ import annotations
 
+from h3t_training.config import feature_checks
 from h3t_training.data.batch_schedule import BatchSchedule, parse_step_schedule, rampup_schedule
 from h3t_training.data.data_checks import DataFileError, parse_split
 from h3t_training.errors import ArgumentError
@@ -41,17 +42,11 @@ def kwai_aliases(args) -> dict:
     return changes
 
 
-def _cuda_available() -> bool:
-    import torch  # noqa: PLC0415
-
-    return torch.cuda.is_available()
-
-
 def _distributed_backend(args) -> dict:
     """``--distributed-backend nccl`` (Megatron-LM's default, in nearly every recipe) on a machine without CUDA runs
     on gloo, with one notice: on CPU gloo gives the same result. On a GPU it stays nccl. The resolved backend is
     what :func:`~h3t_training.loop.initialize.initialize_distributed` is given."""
-    if args.distributed_backend != "nccl" or _cuda_available():
+    if args.distributed_backend != "nccl" or feature_checks.cuda_available():
         return {}
     return {"distributed_backend": "gloo", "flag_notices": (
         *args.flag_notices, "note: --distributed-backend nccl: no CUDA device on this machine; the process groups "

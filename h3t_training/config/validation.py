@@ -18,6 +18,7 @@ from h3t_training.config.auto_plan import resolve_alpha
 from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, parse_blend, parse_split
 from h3t_training.errors import ArgumentError
+from h3t_training.config import feature_checks
 from h3t_training.config.feature_checks import check_writer_packages
 from h3t_training.data.tokenizer import TokenizerError, tokenizer_from_args
 
@@ -132,16 +133,11 @@ def _validate_overlap(args):
     return args
 
 
-def _cuda_available() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
 def _validate_context_parallel(args):
     """c > 1 runs TransformerEngine's attention on a GPU and h3t-ext's ring attention
     (``h3t_ext.runtime.modules.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks."""
     c = args.context_parallel_size
-    if c > 1 and args.attention_dropout and not _cuda_available():
+    if c > 1 and args.attention_dropout and not feature_checks.cuda_available():
         raise ArgumentError(f"--attention-dropout {args.attention_dropout} is not supported with "
                             f"--context-parallel-size {c} on CPU (ring attention); use 0")
     return args

@@ -87,8 +87,8 @@ def test_good_flags_derive_sizes(monkeypatch):
 
 
 def test_published_65b_flags_parse_for_256_ranks(monkeypatch):
-    import h3t_training.config.validation as validation
-    monkeypatch.setattr(validation, "_cuda_available", lambda: True)  # as on a GPU host
+    from h3t_training.config import feature_checks
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)  # as on a GPU host
     args = parse_args(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
                        "--ffn-hidden-size", "22016", "--seq-length", "4096", "--global-batch-size", "256",
                        "--train-iters", "10", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
@@ -161,8 +161,8 @@ def test_cost_model_sees_the_model_the_flags_build(prog, gelu_gpt, monkeypatch):
 def test_nccl_backend_runs_on_gloo_without_cuda_with_one_notice(cuda, monkeypatch):
     """Megatron's recipes pass --distributed-backend nccl: without CUDA the run takes gloo and says so once;
     on a GPU nccl stays nccl, silently."""
-    from h3t_training.config import megatron_compat
-    monkeypatch.setattr(megatron_compat, "_cuda_available", lambda: cuda)
+    from h3t_training.config import feature_checks
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: cuda)
     config = parse_args([*BASE, "--distributed-backend", "nccl"], world_size=2)
     notices = [n for n in config.flag_notices if n.startswith("note: --distributed-backend")]
     assert config.distributed_backend == ("nccl" if cuda else "gloo")
