@@ -204,7 +204,9 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-data-path", nargs="+", default=None, help="[weight] prefix ... of the training split")
     g.add_argument("--valid-data-path", nargs="+", default=None, help="[weight] prefix ... of the validation split")
     g.add_argument("--test-data-path", nargs="+", default=None, help="[weight] prefix ... of the test split")
-    g.add_argument("--split", default="100,0,0")
+    g.add_argument("--split", default=None,
+                   help="train,valid,test shares of --data-path (default as Megatron-LM: 969,30,1 with --data-path, "
+                        "1,1,1 with --mock-data)")
     add_tokenizer_flags(g)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--eod-mask-loss", action="store_true")

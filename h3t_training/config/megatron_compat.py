@@ -136,16 +136,37 @@ def _virtual_stages(args) -> dict:
     return {"num_layers_per_virtual_pipeline_stage": n // (p * v), "num_virtual_stages_per_pipeline_rank": None}
 
 
+MEGATRON_LEGACY_SPLIT = "969,30,1"
+"""Megatron-LM's ``--split`` when ``--data-path`` is given without one (megatron/training/arguments.py,
+``validate_args``: "Please specify --split when using --data-path. Using legacy default value")."""
+MOCK_SPLIT = "1,1,1"
+"""megatron-core's split of mock data given none (``BlendedMegatronDatasetConfig.__post_init__``: "an arbitrarily
+even split, as mock is True"), so Megatron's mock data has validation and test splits."""
+
+
 def _split(args) -> dict:
-    """Megatron's scripts quote ``--split`` inside a shell string ('99,1,0'): the quotes are dropped; the
+    """``--split`` as Megatron resolves it: left out, the legacy 969,30,1 with ``--data-path`` (with Megatron's
+    notice) and megatron-core's even 1,1,1 with ``--mock-data`` (with per-split paths it stays unset: they need
+    none). Megatron's scripts quote ``--split`` inside a shell string ('99,1,0'): the quotes are dropped; the
     shares are checked by :func:`~h3t_training.data.data_checks.parse_split` (training data unless
     ``--skip-train``)."""
-    text = args.split.strip().strip("'\"")
+    notices = ()
+    if args.split is None:
+        if args.data_path is not None:
+            notices = (f"note: --split not given with --data-path: Megatron-LM's legacy default {MEGATRON_LEGACY_SPLIT} "
+                       "(train,valid,test), as Megatron-LM uses it",)
+            text = MEGATRON_LEGACY_SPLIT
+        elif args.mock_data:
+            text = MOCK_SPLIT
+        else:
+            return {}
+    else:
+        text = args.split.strip().strip("'\"")
     try:
         parse_split(text, allow_no_train=args.data_path is None or args.skip_train)
     except DataFileError as e:
         raise ArgumentError(str(e)) from None
-    return {"split": text}
+    return {"split": text, "flag_notices": args.flag_notices + notices}
 
 
 def _tokenizer_files(args) -> dict:

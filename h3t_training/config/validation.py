@@ -184,11 +184,11 @@ def _validate_data(args):
 
 
 def _validate_eval_and_logging(args):
-    try:  # the one --split parser (also run earlier with the Megatron-compat step)
-        shares = parse_split(str(args.split), allow_no_train=True)
+    try:  # the one --split parser (also run earlier with the Megatron-compat step); unset with per-split paths
+        shares = None if args.split is None else parse_split(str(args.split), allow_no_train=True)
     except DataFileError as e:
         raise ArgumentError(str(e)) from None
-    if sum(shares) <= 0:
+    if shares is not None and sum(shares) <= 0:
         raise ArgumentError(f"--split {args.split} has no positive share (train,valid,test)")
     if args.skip_train and args.eval_iters == 0:
         raise ArgumentError("--skip-train with --eval-iters 0 has nothing to do; give --eval-iters >= 1")

@@ -94,7 +94,7 @@ def test_the_data_order_follows_the_schedule():
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
         "--micro-batch-size", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "200", "--no-progress-bar"]
+        "--vocab-size", "200", "--no-progress-bar", "--eval-iters", "0"]
 
 
 def test_flags_resolve_to_one_schedule(capsys):

@@ -142,3 +142,23 @@ def test_resume_continues_the_validation_data(corpus_prefix, tmp_path):  # noqa:
     assert len(ref) == 6 and len({e[3] for e in ref}) == 6
     assert evals(first) == ref[:2]  # --exit-interval stops before the end-of-training evaluations, as Megatron
     assert evals(resumed) == ref[2:]  # the validation position follows the iteration
+
+
+def test_without_split_the_run_evaluates_as_megatron_does(corpus_prefix, tmp_path):  # noqa: F811
+    """No --split: --mock-data evaluates at --eval-interval (megatron-core splits mock data 1,1,1), and --data-path
+    takes Megatron-LM's legacy 969,30,1 with its notice (its 1 part holds no document of the small corpus: no test
+    evaluation, said in a note) and evaluates at the end of training."""
+    i = TINY_MODEL.index("--split")
+    model = TINY_MODEL[:i] + TINY_MODEL[i + 2:]
+    common = [*model, "--global-batch-size", "2", "--micro-batch-size", "1", "--train-iters", "2", "--eval-iters", "1"]
+    mock_json, data_json = tmp_path / "mock.json", tmp_path / "data.json"
+    check_ok(run_pretrain([*common, "--mock-data", "--eval-interval", "1", "--metrics-json", str(mock_json)]))
+    assert [(e["iteration"], e["split"], e["at_end"]) for e in metrics(mock_json)["evaluations"]] == [
+        (1, "valid", False), (2, "valid", False), (2, "valid", True), (2, "test", True)]
+    proc = run_pretrain([*common, "--data-path", corpus_prefix, "--metrics-json", str(data_json)])
+    check_ok(proc)
+    assert "note: --split not given with --data-path: Megatron-LM's legacy default 969,30,1" in proc.stdout
+    assert "leaves the test split no document" in proc.stdout
+    evals = metrics(data_json)["evaluations"]
+    assert [(e["iteration"], e["split"], e["at_end"]) for e in evals] == [(2, "valid", True)]
+    assert all(math.isfinite(e["loss"]) for e in evals)

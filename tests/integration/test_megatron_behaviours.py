@@ -12,7 +12,7 @@ from driver_harness import PYTHON, REPO, _env, check_ok, metrics, run_pretrain
 
 TINY_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
-            "NullTokenizer", "--vocab-size", "200", "--no-progress-bar"]
+            "NullTokenizer", "--vocab-size", "200", "--no-progress-bar", "--eval-iters", "0"]
 
 
 def test_exit_duration_saves_and_exits_after_the_iteration(tmp_path):

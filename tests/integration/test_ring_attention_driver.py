@@ -19,7 +19,7 @@ MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4
          "--num-query-groups", "2", "--ffn-hidden-size", "128", "--seq-length", "64", "--lr", "1e-3",
          "--lr-decay-style", "constant", "--log-interval", "1", "--no-progress-bar", "--seed", "7", "--mock-data",
          "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--micro-batch-size", "1",
-         "--global-batch-size", "4", "--train-iters", "3"]
+         "--global-batch-size", "4", "--train-iters", "3", "--eval-iters", "0"]
 RUNS = {  # name: (ranks, flags)
     "ref": (1, ["--ckpt", "no"]),
     "cp2": (2, ["--context-parallel-size", "2", "--ckpt", "ours"]),

@@ -19,7 +19,7 @@ TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads",
             "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
             "--train-iters", "4", "--lr", "1e-3", "--lr-decay-style", "constant", "--mock-data", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "200", "--no-progress-bar", "--hidden-dropout", "0",
-            "--attention-dropout", "0", "--log-interval", "1", "--seed", "7"]  # tied: pretrain_gpt.py's default
+            "--attention-dropout", "0", "--log-interval", "1", "--seed", "7", "--eval-iters", "0"]  # tied: pretrain_gpt.py's default
 
 
 def _copies_worker(rank, world):

@@ -206,3 +206,29 @@ def test_the_driver_calls_the_runtime_it_holds():
                 if name in ("install", "get_forward_backward_func"):
                     calls.setdefault(str(path.relative_to(REPO)), set()).add(name)
     assert calls == {"h3t_training/loop/megatron_native.py": {"install"}}, calls
+
+
+def test_split_left_out_is_resolved_as_megatron_resolves_it():
+    """No --split: megatron-core's even 1,1,1 with --mock-data (so mock data evaluates, as in Megatron), nothing
+    with per-split paths; an explicit split keeps its value (quotes from a shell string dropped)."""
+    mock = parse_args(BASE, world_size=1)
+    assert mock.split == "1,1,1"
+    from h3t_training.data.datasets import splits_wanted
+    assert splits_wanted(mock) == (True, True)
+    assert splits_wanted(parse_args([*BASE, "--eval-iters", "0"], world_size=1)) == (False, False)
+    given = parse_args([*BASE, "--split", "'99,1,0'"], world_size=1)
+    assert given.split == "99,1,0" and splits_wanted(given) == (True, False)
+    assert not any("--split" in n for n in mock.flag_notices)
+
+
+def test_data_path_without_split_takes_megatrons_legacy_default_with_its_notice(monkeypatch):
+    from h3t_training.config import megatron_compat
+
+    args = parse_args(BASE, world_size=1).replace(mock_data=False, data_path=["corpus"], split=None)
+    out = megatron_compat._split(args)
+    assert out["split"] == megatron_compat.MEGATRON_LEGACY_SPLIT == "969,30,1"
+    assert [n for n in out["flag_notices"] if "--split" in n] == [
+        "note: --split not given with --data-path: Megatron-LM's legacy default 969,30,1 (train,valid,test), as "
+        "Megatron-LM uses it"]
+    per_split = args.replace(data_path=None, train_data_path=["corpus"])
+    assert megatron_compat._split(per_split) == {}
