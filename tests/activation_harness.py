@@ -66,35 +66,51 @@ def batches(num_microbatches: int, micro_batch: int = 2, seq: int = 32, seed: in
 
 
 def run_rank_schedule(model, data, mgr=None, *, pipeline_size: int = 4, rank: int = 0,
-                      check_live: Optional[list] = None):
-    """Run one iteration in the order of ``rank``'s action list; return (losses, grads)."""
-    sched = build_schedule(pipeline_size, len(data))
+                      check_live: Optional[list] = None, offload_alphas: Optional[tuple[float, ...]] = None,
+                      num_layers_per_chunk: Optional[int] = None):
+    """Run one iteration in the order of ``rank``'s action list; return (losses, grads).
+
+    With ``offload_alphas`` and ``num_layers_per_chunk`` the builder adds its layer-granular actions (pipeline size
+    1): those that follow a compute action are handed to that action's forward or backward scope."""
+    sched = build_schedule(pipeline_size, len(data), offload_alphas=offload_alphas,
+                           num_layers_per_chunk=num_layers_per_chunk)
+    acts = list(sched.ranks[rank])
     outputs, losses = {}, {}
-    for a in sched.ranks[rank]:
+    i = 0
+    while i < len(acts):
+        a, j = acts[i], i + 1
+        while j < len(acts) and acts[j].layer is not None:
+            j += 1
+        inside, i = tuple(acts[i + 1:j]), j
         key = (a.microbatch, a.chunk)
+        granular = num_layers_per_chunk is not None
+        layer_kw = {"layer_actions": inside, "num_layers": num_layers_per_chunk} if granular else {}
         if a.kind is ActionKind.FORWARD:
             ids, pos = data[a.microbatch]
             if mgr is None:
                 out = model(ids, pos, None)
             else:
-                with mgr.forward_scope(*key):
+                with mgr.forward_scope(*key, **layer_kw):
                     out = model(ids, pos, None)
             loss = out.float().pow(2).mean()
             outputs[key] = loss
             losses[a.microbatch] = loss.detach().clone()
+            del out
         elif a.kind is ActionKind.BACKWARD:
             loss = outputs.pop(key)
             if mgr is None:
                 loss.backward()
             else:
-                with mgr.backward_scope(*key):
+                with mgr.backward_scope(*key, **({"layer_actions": inside} if granular else {})):
                     loss.backward()
+                del loss
                 mgr.release(*key)
         elif a.kind is ActionKind.OFFLOAD and mgr is not None:
             mgr.offload(*key)
         elif a.kind is ActionKind.RELOAD and mgr is not None:
             mgr.reload(*key)
         if check_live is not None and mgr is not None and a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+            mgr.device.synchronize()
             check_live.append((mgr.resident_bytes, mgr.live_storage_bytes()))
     if mgr is not None:
         mgr.end_iteration()

@@ -10,8 +10,7 @@ import torch
 
 from h3t_ext.runtime.memory.activations import ActivationManager
 from h3t_ext.runtime.memory.device import make_device_layer
-from h3t_ext.schedule import ActionKind, build_schedule
-from activation_harness import batches, init_single_process_megatron, tiny_model
+from activation_harness import batches, init_single_process_megatron, run_rank_schedule, tiny_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -21,44 +20,8 @@ def _megatron():
 
 def run_p1(model, data, mgr=None, *, alpha: float = 0.0, layers: int = 2, check_live=None):
     """One iteration of the p=1 list (layer-granular offload at ``alpha``); returns (losses, grads)."""
-    sched = build_schedule(1, len(data), offload_alphas=(alpha,), num_layers_per_chunk=layers)
-    acts = list(sched.ranks[0])
-    outputs, losses = {}, {}
-    i = 0
-    while i < len(acts):
-        a, j = acts[i], i + 1
-        while j < len(acts) and acts[j].layer is not None:
-            j += 1
-        inside, i = tuple(acts[i + 1:j]), j
-        key = (a.microbatch, a.chunk)
-        if a.kind is ActionKind.FORWARD:
-            ids, pos = data[a.microbatch]
-            if mgr is None:
-                out = model(ids, pos, None)
-            else:
-                with mgr.forward_scope(*key, layer_actions=inside, num_layers=layers):
-                    out = model(ids, pos, None)
-            outputs[key] = out.float().pow(2).mean()
-            losses[a.microbatch] = outputs[key].detach().clone()
-            del out
-        else:
-            assert a.kind is ActionKind.BACKWARD
-            loss = outputs.pop(key)
-            if mgr is None:
-                loss.backward()
-            else:
-                with mgr.backward_scope(*key, layer_actions=inside):
-                    loss.backward()
-                del loss
-                mgr.release(*key)
-        if check_live is not None and mgr is not None:
-            mgr.device.synchronize()
-            check_live.append((mgr.resident_bytes, mgr.live_storage_bytes()))
-    if mgr is not None:
-        mgr.end_iteration()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return [losses[k] for k in sorted(losses)], grads
+    return run_rank_schedule(model, data, mgr, pipeline_size=1, check_live=check_live, offload_alphas=(alpha,),
+                             num_layers_per_chunk=layers)
 
 
 def _manager(alpha, mode="cpu-sync", min_offload_bytes=0, **kw):
