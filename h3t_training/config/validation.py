@@ -201,15 +201,24 @@ def _validate_eval_and_logging(args):
 
 
 CKPT_FORMATS_REFUSED = {
-    "torch": "Megatron's legacy per-rank torch files cannot be resharded; use --ckpt-format torch_dist",
     "torch_dcp": "use --ckpt-format torch_dist (megatron-core dist_checkpointing over PyTorch DCP)",
     "zarr": "zarr is deprecated in megatron-core; use --ckpt-format torch_dist",
     "fsdp_dtensor": "needs Megatron FSDP, which this driver does not run; use --ckpt-format torch_dist",
 }
 
 
+CKPT_FORMAT_TORCH_NOTICE = (
+    "note: --ckpt-format torch: checkpoints are written as torch_dist (megatron-core dist_checkpointing, which "
+    "Megatron-LM reads with --ckpt-format torch_dist or --auto-detect-ckpt-format, and which reshards to another "
+    "layout); training and resuming are the same. A legacy per-rank torch checkpoint is not read by --load")
+"""Megatron-LM's legacy ``--ckpt-format torch`` (one ``mp_rank_XX[_YYY]/model_optim_rng.pt`` per model-parallel
+rank) saves the same state as torch_dist; only the files differ, so the flag is accepted with this notice."""
+
+
 def _validate_io(args):
-    if args.ckpt_format != "torch_dist":
+    if args.ckpt_format == "torch":
+        args = args.replace(flag_notices=args.flag_notices + (CKPT_FORMAT_TORCH_NOTICE,))
+    elif args.ckpt_format != "torch_dist":
         reason = CKPT_FORMATS_REFUSED.get(args.ckpt_format, "the valid value is torch_dist")
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: {reason}")
     if args.ckpt_step is not None and args.ckpt_step < 0:

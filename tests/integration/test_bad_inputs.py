@@ -143,7 +143,6 @@ DRIVER_CASES = [
     (["--recompute-method", "block"], "need --recompute-granularity full"),
     (["--data-path", "/nonexistent/prefix"], "give exactly one of --data-path PREFIX and --mock-data"),
     (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
-    (["--ckpt-format", "torch"], "--ckpt-format torch"),
     (["--ckpt-step", "3"], "--ckpt-step needs --load DIR"),
     (["--ckpt-step", "-1", "--load", "/tmp"], "--ckpt-step -1 is outside [0, inf)"),
     (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --vocab-size"),

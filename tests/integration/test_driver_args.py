@@ -55,7 +55,6 @@ from h3t_training.config.sections import parse_args
      "--recompute-modules moe_act recomputes MoE layers; the model is dense"),
     (["--recompute-granularity", "full", "--ckpt", "ours"], "--ckpt ours contradicts --recompute-granularity full"),
     (["--data-path", "/nonexistent/prefix"], "give exactly one of --data-path PREFIX and --mock-data"),
-    (["--ckpt-format", "torch"], "--ckpt-format torch: Megatron's legacy per-rank torch files cannot be resharded"),
     (["--ckpt-step", "3"], "--ckpt-step needs --load DIR"),
     (["--num-query-groups", "2"], "--num-query-groups needs --group-query-attention"),
     (["--check-weight-hash-across-dp-replicas-interval", "0"],
