@@ -7,7 +7,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from h3t_training.config.flag_table import render_markdown  # noqa: E402
+from h3t_training.config.flag_docs import render_markdown  # noqa: E402
 
 PATH = os.path.join(ROOT, "docs", "flags.md")
 

@@ -16,6 +16,12 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def transformer_engine_available() -> bool:
+    """TransformerEngine is importable (the one probe of the driver's layer spec and GPU flag checks; tests
+    replace it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
 def uses_gpu(args) -> bool:
     """True when this run trains on CUDA devices (a GPU is present and the backend is not gloo)."""
     return cuda_available() and args.distributed_backend != "gloo"
@@ -120,4 +126,5 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
 
 
 __all__ = ["MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_REFUSAL", "check_optimizer_offload",
-           "check_sdc_flags", "check_sharding_flags", "check_writer_packages", "cuda_available", "uses_gpu"]
+           "check_sdc_flags", "check_sharding_flags", "check_writer_packages", "cuda_available",
+           "transformer_engine_available", "uses_gpu"]

@@ -12,13 +12,19 @@ Three classes:
 :func:`add_table_flags` adds to a parser every table flag it does not define itself (consuming the
 flag's values as Megatron's parser would), so a script's flags never fail as unknown; the parsed
 values of those flags are then looked up by :func:`notices` and :func:`refusals`.
-``docs/flags.md`` is rendered from this table by ``scripts/render_flag_docs.py`` (a test keeps it in sync).
+Each row also has a GPU class (:attr:`FlagEntry.gpu`, the column of :mod:`~h3t_training.config.gpu_flags`): what a
+flag that CPU training notices does when the run uses a GPU -- passed to megatron-core, refused, or (where its
+effect there is nil) noticed; :func:`reason_on` gives a row's class on a :class:`RunDevice`.
+``docs/flags.md`` is rendered from this table by ``scripts/render_flag_docs.py`` (:mod:`~h3t_training.config.flag_docs`;
+a test keeps it in sync).
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 from typing import Optional
+
+from h3t_training.config.gpu_flags import GPU_BY_FLAG, GPU_BY_REASON, GpuRule
 
 MEGATRON_LM_SOURCE = ("https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/"
                       "megatron/training/arguments.py")
@@ -49,6 +55,36 @@ class FlagEntry:
     @property
     def cls(self) -> str:
         return self.reason.cls
+
+    @property
+    def gpu(self) -> Optional[GpuRule]:
+        """What the flag does when the run uses a GPU (:mod:`~h3t_training.config.gpu_flags`); None: as on CPU."""
+        return GPU_BY_FLAG.get(self.flag) or GPU_BY_REASON.get(self.key)
+
+
+@dataclass(frozen=True)
+class RunDevice:
+    """Where a run trains: on a GPU (``uses_gpu``) and whether TransformerEngine is importable there."""
+
+    on_gpu: bool = False
+    transformer_engine: bool = False
+
+
+CPU = RunDevice()
+TE_MISSING = "TransformerEngine is not importable here"
+
+
+def reason_on(entry: FlagEntry, device: RunDevice, value=None) -> Reason:
+    """The flag's class and reason on ``device`` (given ``value``, the flag's value on the command line)."""
+    rule = entry.gpu if device.on_gpu else None
+    if rule is None:
+        return entry.reason
+    te_needed = rule.needs_te or (str(value) in rule.te_values)
+    if rule.cls == "implemented" and te_needed and not device.transformer_engine:
+        what = f"with the value {value} " if rule.te_values else ""
+        return Reason("refused", f"on a GPU {what}it runs through TransformerEngine (megatron-core's TE layers), and "
+                      f"{TE_MISSING}", "install TransformerEngine, or leave the flag out")
+    return Reason(rule.cls, rule.text, rule.alternative)
 
 
 REASONS: dict[str, Reason] = {
@@ -504,13 +540,19 @@ def table_value(args: argparse.Namespace, flag: str, default=None):
     return getattr(args, dest) if hasattr(args, dest) else default
 
 
-def refusal(entries: list[FlagEntry]) -> Optional[str]:
-    """One line naming every refused flag among ``entries`` (flags of one reason together, each reason with
-    its alternative), so a command line's refusals are learnt in one launch; None when none is refused."""
+def _value(args, entry: FlagEntry):
+    return None if args is None else table_value(args, entry.flag)
+
+
+def refusal(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> Optional[str]:
+    """One line naming every refused flag among ``entries`` on ``device`` (flags of one reason together, each
+    reason with its alternative), so a command line's refusals are learnt in one launch; None when none is
+    refused. ``args``: the parsed flags (a GPU rule may depend on a flag's value)."""
     by_reason: dict[Reason, list[str]] = {}
     for e in entries:
-        if e.cls == "refused":
-            by_reason.setdefault(e.reason, []).append(e.flag)
+        reason = reason_on(e, device, _value(args, e))
+        if reason.cls == "refused":
+            by_reason.setdefault(reason, []).append(e.flag)
     if not by_reason:
         return None
     parts = [f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} not supported: {reason.text} "
@@ -518,40 +560,18 @@ def refusal(entries: list[FlagEntry]) -> Optional[str]:
     return "; ".join(parts)
 
 
-def notice_lines(entries: list[FlagEntry]) -> list[str]:
-    """One line per noticed flag (implemented flags that this build has no explicit definition for are
-    said too: nothing is ignored silently)."""
+def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> list[str]:
+    """One line per flag noticed on ``device`` (implemented flags that this build has no explicit definition for
+    are said too: nothing is ignored silently; a flag a GPU run passes to megatron-core says nothing)."""
     lines = []
     for e in entries:
-        if e.cls == "noticed":
-            lines.append(f"note: {e.flag}: {e.reason.text}")
+        reason = reason_on(e, device, _value(args, e))
+        if reason.cls == "noticed":
+            lines.append(f"note: {e.flag}: {reason.text}")
         elif e.cls == "implemented":
             lines.append(f"note: {e.flag}: accepted; not wired into this build of the driver, no effect")
     return lines
 
 
-def render_markdown() -> str:
-    """docs/flags.md: the table, by class and reason."""
-    out = ["# Command-line flags of pretrain_gpt.py / pretrain_llama.py", "",
-           "Generated from `h3t_training/config/flag_table.py` by `scripts/render_flag_docs.py`; do not edit.", "",
-           f"Sources: Megatron-LM {MEGATRON_LM_SOURCE}; Megatron-Kwai {KWAI_SOURCE}.", "",
-           "* **implemented**: does what Megatron does.",
-           "* **noticed**: accepted; one line at start-up says why it cannot apply here (same result).",
-           "* **refused**: one-line error (exit 2) with the reason and the alternative, only where running "
-           "without it would give a different model or result.", ""]
-    counts = {c: sum(1 for e in TABLE.values() if e.cls == c) for c in ("implemented", "noticed", "refused")}
-    out += [f"{len(TABLE)} flags: " + ", ".join(f"{n} {c}" for c, n in counts.items()) + ".", ""]
-    for cls in ("implemented", "noticed", "refused"):
-        out += [f"## {cls}", ""]
-        for key, reason in REASONS.items():
-            flags = [e for e in TABLE.values() if e.key == key and e.cls == cls]
-            if not flags:
-                continue
-            what = reason.text + (f" -- instead: {reason.alternative}" if reason.alternative else "")
-            out += [f"### {key}: {what}", ""]
-            out += [" ".join(f"`{e.flag}`" + ("" if e.source == "megatron-lm" else " (Kwai)") for e in flags), ""]
-    return "\n".join(out)
-
-
-__all__ = ["FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "TABLE", "add_table_flags",
-           "given_table_flags", "notice_lines", "refusal", "render_markdown", "table_value"]
+__all__ = ["CPU", "FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
+           "add_table_flags", "given_table_flags", "notice_lines", "reason_on", "refusal", "table_value"]

@@ -10,17 +10,33 @@ userbuffers (``--tp-comm-overlap``), no Megatron FSDP. The layer split (uneven f
 """
 from __future__ import annotations
 
-import importlib.util
-
 from h3t_ext.costmodel import ModelSpec, Plan
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.translate import plan_from_args
+from h3t_training.config import feature_checks
+from h3t_training.config.flag_table import table_value
+from h3t_training.config.megatron_fields import attention_backend, spec_backend
 
 
-def uses_transformer_engine(on_gpu: bool) -> bool:
-    """The layer spec the model provider builds: TransformerEngine's on a GPU where it is importable."""
-    return on_gpu and importlib.util.find_spec("transformer_engine") is not None
+def uses_transformer_engine(on_gpu: bool, config=None) -> bool:
+    """The layer spec the model provider builds: TransformerEngine's on a GPU where it is importable (and, given
+    the run's ``config``, unless ``--transformer-impl local``)."""
+    if config is not None:
+        return spec_backend(config, on_gpu=on_gpu) == "te"
+    return on_gpu and feature_checks.transformer_engine_available()
+
+
+def gpu_plan_fields(config) -> dict:
+    """The Plan fields of the table flags a GPU run with TransformerEngine passes to megatron-core
+    (:mod:`h3t_training.config.megatron_fields`): FP8 (format, recipe, parameter all-gather) and the attention
+    backend, so the plan prices what runs."""
+    fields = {"fp8": table_value(config, "--fp8-format"), "fp8_param_gather": table_value(config, "--fp8-param-gather",
+                                                                                          False) is not False,
+              "attention_backend": attention_backend(config) or "flash"}
+    if fields["fp8"] is not None:
+        fields["fp8_recipe"] = table_value(config, "--fp8-recipe", "delayed")
+    return fields
 
 
 def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
@@ -37,10 +53,14 @@ def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
 def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixed) -> Plan:
     """The plan of this run (``fixed``: fields a caller decides). On a GPU without TransformerEngine the model
     provider builds the local spec; elsewhere the plan is the GPU job's (``--transformer-impl``, Megatron's
-    default TransformerEngine), which is what ``--gpu``'s budget and ``h3t-plan`` price."""
+    default TransformerEngine), which is what ``--gpu``'s budget and ``h3t-plan`` price. On a GPU with
+    TransformerEngine the plan has the FP8 and attention backend the run passes to megatron-core
+    (:func:`gpu_plan_fields`)."""
     runs = dict(tp_comm_overlap=False, use_megatron_fsdp=False, attention_backend="flash")
-    if on_gpu and not uses_transformer_engine(on_gpu):
+    if on_gpu and not uses_transformer_engine(on_gpu, config):
         runs["transformer_impl"] = "local"  # on CPU the plan is for the GPU job: --transformer-impl (Megatron's TE)
+    elif on_gpu:
+        runs.update(gpu_plan_fields(config), transformer_impl="transformer_engine")
     return plan_from_args(config, num_gpus=config.world_size, offload_alpha=offload_alpha, **{**runs, **fixed})
 
 
@@ -50,4 +70,4 @@ def model_flops_per_iteration_token(config, vocab_size: int) -> float:
     return model_flops_per_token(model_spec(config, vocab_size), config.seq_length)
 
 
-__all__ = ["model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]
+__all__ = ["gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]

@@ -25,8 +25,10 @@ from h3t_training.config import megatron_compat
 
 from h3t_training.config import validation
 from h3t_training.errors import ArgumentError
-from h3t_training.config.flag_table import given_table_flags, notice_lines, refusal
+from h3t_training.config import feature_checks
+from h3t_training.config.flag_table import RunDevice, given_table_flags, notice_lines, refusal
 from h3t_training.config.feature_checks import check_optimizer_offload, check_sdc_flags, check_sharding_flags
+from h3t_training.config.megatron_fields import check_gpu_flags
 from h3t_training.data.tokenizer import TokenizerError
 
 
@@ -135,12 +137,19 @@ def resolve(config: TrainConfig) -> TrainConfig:
                          arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
-    steps += [arguments.fill_parallel_defaults, check_sharding_flags, check_sdc_flags,
+    steps += [arguments.fill_parallel_defaults, check_sharding_flags, check_sdc_flags, check_gpu_flags,
               validation.validate_args]
     for step in steps:
         config = step(config)
         assert isinstance(config, TrainConfig), f"{step.__name__} must return a TrainConfig"
     return config
+
+
+def run_device(args) -> RunDevice:
+    """Where the run trains (a GPU: ``uses_gpu``) and whether TransformerEngine is importable there: the flag
+    table's classes depend on it."""
+    on_gpu = feature_checks.uses_gpu(args)
+    return RunDevice(on_gpu, on_gpu and feature_checks.transformer_engine_available())
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
@@ -156,8 +165,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
     parser = arguments.build_parser(prog, defaults, report=rank == 0)
     namespace = parser.parse_args(argv)
     given = given_table_flags(namespace)
-    refused = refusal(given)
-    config = TrainConfig.from_namespace(namespace, world_size=world_size, flag_notices=tuple(notice_lines(given)))
+    device = run_device(namespace)
+    refused = refusal(given, device, namespace)
+    config = TrainConfig.from_namespace(namespace, world_size=world_size,
+                                        flag_notices=tuple(notice_lines(given, device, namespace)))
     try:
         config = resolve(config)  # also with refused flags (the steps never read them): one launch names all
     except (ArgumentError, TokenizerError) as e:
@@ -167,4 +178,5 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
     return config
 
 
-__all__ = ["DERIVED_FIELDS", "FrozenConfigError", "TrainConfig", "UnknownConfigFieldError", "parse_args", "resolve"]
+__all__ = ["DERIVED_FIELDS", "FrozenConfigError", "TrainConfig", "UnknownConfigFieldError", "parse_args", "resolve",
+           "run_device"]

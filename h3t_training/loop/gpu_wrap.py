@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
+from h3t_training.config.megatron_fields import ddp_fields
 from h3t_training.loop.optimizer import MegatronOptimizerAdapter
 
 
@@ -20,7 +21,7 @@ def wrap_for_gpu(args, chunks):
         config.no_sync_func = wrapped[0].no_sync  # FSDP2 reduce-scatters in backward; megatron-core's no-op
         config.finalize_model_grads_func = finalize_model_grads
         return wrapped, MegatronOptimizerAdapter(wrapped, args, config)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+    ddp_config = DistributedDataParallelConfig(**ddp_fields(args), overlap_grad_reduce=args.overlap_grad_reduce,
                                                overlap_param_gather=args.overlap_param_gather,
                                                check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
                                                use_distributed_optimizer=args.use_distributed_optimizer)

@@ -15,20 +15,17 @@ from megatron.core import parallel_state as ps
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
+from h3t_training.config import feature_checks
+from h3t_training.config.megatron_fields import spec_backend, transformer_fields
 from h3t_training.errors import ArgumentError
 from h3t_training.loop.initialize import set_random_seed
 from h3t_training.data.tokenizer import padded_vocab_size
 
 
 def layer_spec_backend(on_gpu: bool) -> str:
-    """'te' on a GPU with TransformerEngine importable, else 'local'."""
-    if not on_gpu:
-        return "local"
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return "local"
-    return "te"
+    """'te' on a GPU with TransformerEngine importable, else 'local' (Megatron's own loop; the driver's run takes
+    ``--transformer-impl`` too: :func:`~h3t_training.config.megatron_fields.spec_backend`)."""
+    return "te" if on_gpu and feature_checks.transformer_engine_available() else "local"
 
 
 def core_attention(args, *, on_gpu: bool):
@@ -45,7 +42,8 @@ def core_attention(args, *, on_gpu: bool):
 
 def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
     """Megatron's TransformerConfig of the run: the architecture Megatron's flags describe (norm, MLP,
-    biases, head dim, ...) with the parallel layout and dtype."""
+    biases, head dim, ...) with the parallel layout and dtype; on a GPU also the fields of the table flags a GPU
+    run implements (FP8, fusions, attention backend: :func:`~h3t_training.config.megatron_fields.transformer_fields`)."""
     if on_gpu and args.h3t_float64:
         raise ArgumentError("--h3t-float64 is for CPU equivalence checks only (a GPU runs float64 GEMMs at a "
                             "fraction of its bf16 rate); drop it, or train on CPU with --distributed-backend gloo")
@@ -88,8 +86,11 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
     )
     if not on_gpu:
         return tiny_llama_config(**common)
-    return TransformerConfig(bias_activation_fusion=args.swiglu or not args.disable_bias_linear,
-                             apply_rope_fusion=False, **common)
+    try:
+        fields = transformer_fields(args)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return TransformerConfig(**fields, **common)
 
 
 def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.Module]:
@@ -103,7 +104,7 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
                                 position_embedding_type=args.position_embedding_type,
                                 share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                                 rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-                                backend=layer_spec_backend(on_gpu), core_attention=core_attention(args, on_gpu=on_gpu),
+                                backend=spec_backend(args, on_gpu=on_gpu), core_attention=core_attention(args, on_gpu=on_gpu),
                                 device_type="cuda" if on_gpu else "cpu")
     if on_gpu:
         for chunk in chunks:

@@ -323,6 +323,7 @@ class MegatronOptimizerAdapter:
     def __init__(self, chunks, args, tf_config):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from h3t_training.config.megatron_fields import optimizer_dtype_fields
         from h3t_training.loop.optimizer_offload import optimizer_config_fields, require_transformer_engine
         missing = require_transformer_engine(args)
         if missing:
@@ -335,7 +336,8 @@ class MegatronOptimizerAdapter:
                               loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                               min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
                               hysteresis=args.hysteresis, decoupled_lr=args.decoupled_lr,
-                              decoupled_min_lr=args.decoupled_min_lr, **optimizer_config_fields(args))
+                              decoupled_min_lr=args.decoupled_min_lr, **optimizer_config_fields(args),
+                              **optimizer_dtype_fields(args))
         self.opt = get_megatron_optimizer(cfg, chunks)
         self.skipped = False
         """Whether the last step was skipped: with --fp16 an overflow skips it and lowers the loss scale

@@ -26,7 +26,7 @@ def predicted_scalars(args, *, vocab_size: int, on_gpu: bool) -> dict[str, float
     model = model_spec(args, vocab_size, name="run")
     plan = run_plan(args, offload_alpha=args.offload_alpha, on_gpu=on_gpu)
     out: dict[str, float] = {}
-    te = uses_transformer_engine(on_gpu)
+    te = uses_transformer_engine(on_gpu, args)
     try:
         dtype_bytes = 2 if (on_gpu and args.bf16) else 4
         acts = stage_activation_peak_bytes(model, plan, dtype_bytes=dtype_bytes, layer_spec="te" if te else "local",

@@ -13,7 +13,8 @@ import pytest
 
 from driver_harness import REPO, check_ok, corpus_prefix, metrics, run_pretrain  # noqa: F401
 from h3t_training.config.arguments import LLAMA_DEFAULTS, build_parser
-from h3t_training.config.flag_table import TABLE, render_markdown
+from h3t_training.config.flag_docs import render_markdown
+from h3t_training.config.flag_table import TABLE
 from megatron_scripts import GPT3_175B, LLAMA3_8B_FP8, kwai_pretrain_llama, script_flags, shrink
 
 FLAG_LIST = Path(__file__).resolve().parents[1] / "data" / "megatron_lm_pretrain_gpt_flags.txt"

@@ -1,0 +1,172 @@
+"""The megatron-core config fields of the table flags a GPU run implements (the "implemented" rows of
+:mod:`h3t_training.config.gpu_flags`): ``TransformerConfig`` (FP8, fusions, attention backend), the
+``DistributedDataParallelConfig`` and the ``OptimizerConfig`` the driver builds, and the layer spec
+(``--transformer-impl``). Values are checked as Megatron-LM's parser and megatron-core check them; a bad one is a
+ValueError naming the flag, turned into one line before any process group by :func:`check_gpu_flags`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from h3t_training.config import feature_checks
+from h3t_training.config.flag_table import table_value
+from h3t_training.errors import ArgumentError
+
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+"""megatron-core 0.16.1's ``TransformerConfig`` literals of fp8, fp8_recipe and fp8_amax_compute_algo."""
+ATTENTION_BACKENDS = ("flash", "fused", "unfused", "auto")
+"""megatron-core's AttnBackend names a GPU run takes ('local' needs the local spec: ``--transformer-impl local``)."""
+OPTIMIZER_DTYPES = {"--main-grads-dtype": ("main_grads_dtype", ("fp32", "bf16")),
+                    "--main-params-dtype": ("main_params_dtype", ("fp32", "fp16")),
+                    "--exp-avg-dtype": ("exp_avg_dtype", ("fp32", "fp16", "bf16", "fp8")),
+                    "--exp-avg-sq-dtype": ("exp_avg_sq_dtype", ("fp32", "fp16", "bf16", "fp8"))}
+"""Megatron-LM's precision-aware optimizer dtype flags: ``OptimizerConfig`` field and choices."""
+
+
+def _given(args, flag: str) -> bool:
+    return table_value(args, flag) is not None
+
+
+def _choice(args, flag: str, choices: tuple[str, ...], default: Optional[str] = None) -> Optional[str]:
+    value = table_value(args, flag, default)
+    if value is not None and value not in choices:
+        raise ValueError(f"{flag} {value} is not one of {', '.join(choices)}")
+    return value
+
+
+def _int(args, flag: str, default: int, low: int = 0) -> int:
+    value = table_value(args, flag, default)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag} {value} is not an integer in [{low}, inf)") from None
+    if number < low:
+        raise ValueError(f"{flag} {value} is outside [{low}, inf)")
+    return number
+
+
+def fp8_fields(args) -> dict[str, Any]:
+    """``TransformerConfig``'s FP8 fields (megatron-core runs its TransformerEngine layers in FP8 with them);
+    empty without ``--fp8-format``."""
+    fmt = _choice(args, "--fp8-format", FP8_FORMATS)
+    fp8_only = [f for f in ("--fp8-param-gather", "--first-last-layers-bf16") if _given(args, f)]
+    if fmt is None:
+        if fp8_only:
+            raise ValueError(f"{fp8_only[0]} needs --fp8-format (e4m3 or hybrid)")
+        return {}
+    fields = dict(fp8=fmt, fp8_recipe=_choice(args, "--fp8-recipe", FP8_RECIPES, "delayed"),
+                  fp8_margin=_int(args, "--fp8-margin", 0), fp8_interval=_int(args, "--fp8-interval", 1, 1),
+                  fp8_amax_history_len=_int(args, "--fp8-amax-history-len", 1, 1),
+                  fp8_amax_compute_algo=_choice(args, "--fp8-amax-compute-algo", AMAX_COMPUTE_ALGOS, "most_recent"),
+                  fp8_param=_given(args, "--fp8-param-gather"),
+                  fp8_wgrad=not (_given(args, "--no-fp8-wgrad") or _given(args, "--disable-fp8-wgrad")),
+                  first_last_layers_bf16=_given(args, "--first-last-layers-bf16"),
+                  num_layers_at_start_in_bf16=_int(args, "--num-layers-at-start-in-bf16", 1),
+                  num_layers_at_end_in_bf16=_int(args, "--num-layers-at-end-in-bf16", 1))
+    if _given(args, "--fp8-quantizer-factory"):
+        fields["fp8_quantizer_factory"] = table_value(args, "--fp8-quantizer-factory")
+    if fields["fp8_recipe"] == "custom" and "fp8_quantizer_factory" not in fields:
+        raise ValueError("--fp8-recipe custom needs --fp8-quantizer-factory")
+    if fields["first_last_layers_bf16"] and fields["fp8_recipe"] == "delayed":
+        raise ValueError("--first-last-layers-bf16 does not work with --fp8-recipe delayed (megatron-core)")
+    return fields
+
+
+def attention_backend(args) -> Optional[str]:
+    """The AttnBackend name of ``--attention-backend`` (``--use-flash-attn``: flash), or None when neither is given."""
+    backend = table_value(args, "--attention-backend")
+    if backend is None:
+        return "flash" if _given(args, "--use-flash-attn") else None
+    if backend == "local":
+        raise ValueError("--attention-backend local on a GPU needs --transformer-impl local (the driver's "
+                         "TransformerEngine spec has no local attention); use flash, fused, unfused or auto")
+    return _choice(args, "--attention-backend", ATTENTION_BACKENDS)
+
+
+def transformer_fields(args) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields the GPU run takes from the table flags (beyond the architecture and layout
+    the model provider sets)."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    swiglu = bool(args.swiglu)
+    off = "--no-bias-swiglu-fusion" if swiglu else "--no-bias-gelu-fusion"
+    fields: dict[str, Any] = dict(
+        bias_activation_fusion=(swiglu or not args.disable_bias_linear) and not _given(args, off),
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,  # the driver's: each --no-*-fusion flag asks for what it runs
+        cross_entropy_loss_fusion=_given(args, "--cross-entropy-loss-fusion"),
+        cross_entropy_fusion_impl=_choice(args, "--cross-entropy-fusion-impl", ("native", "te"), "native"),
+        attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
+        fp32_residual_connection=_given(args, "--fp32-residual-connection"),
+        disable_bf16_reduced_precision_matmul=_given(args, "--disable-bf16-reduced-precision-matmul"),
+        **fp8_fields(args))
+    backend = attention_backend(args)
+    if backend is not None:
+        fields["attention_backend"] = AttnBackend[backend]
+    return fields
+
+
+def ddp_fields(args) -> dict[str, Any]:
+    """The ``DistributedDataParallelConfig`` fields of the table flags (the driver reduces gradients in fp32 unless
+    ``--grad-reduce-in-bf16``)."""
+    if _given(args, "--grad-reduce-in-bf16") and _given(args, "--accumulate-allreduce-grads-in-fp32"):
+        raise ValueError("--grad-reduce-in-bf16 contradicts --accumulate-allreduce-grads-in-fp32; give one")
+    fields: dict[str, Any] = dict(grad_reduce_in_fp32=not _given(args, "--grad-reduce-in-bf16"),
+                                  fp8_param_gather=_given(args, "--fp8-param-gather"),
+                                  gradient_reduce_div_fusion=not _given(args, "--no-gradient-reduce-div-fusion"),
+                                  average_in_collective=_given(args, "--ddp-average-in-collective"),
+                                  pad_buckets_for_high_nccl_busbw=_given(args, "--ddp-pad-buckets-for-high-nccl-busbw"))
+    if _given(args, "--ddp-bucket-size"):
+        fields["bucket_size"] = _int(args, "--ddp-bucket-size", 0, 1)
+    return fields
+
+
+def optimizer_dtype_fields(args) -> dict[str, Any]:
+    """``OptimizerConfig``'s precision-aware dtypes (Megatron-LM's mapping; fp8 states are stored as uint8)."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
+    fields = {}
+    for flag, (field, choices) in OPTIMIZER_DTYPES.items():
+        value = _choice(args, flag, choices, "fp32")
+        if value != "fp32" and not args.use_precision_aware_optimizer:
+            raise ValueError(f"{flag} {value} needs --use-precision-aware-optimizer (as in Megatron-LM)")
+        fields[field] = dtypes[value]
+    return fields
+
+
+def spec_backend(args, *, on_gpu: bool) -> str:
+    """The layer spec: 'te' on a GPU with TransformerEngine importable unless ``--transformer-impl local``, else
+    'local'. ValueError for ``--transformer-impl transformer_engine`` on a GPU without it."""
+    impl = _choice(args, "--transformer-impl", ("transformer_engine", "local"))
+    if not on_gpu or impl == "local":
+        return "local"
+    if not feature_checks.transformer_engine_available():
+        if impl == "transformer_engine":
+            raise ValueError("--transformer-impl transformer_engine needs TransformerEngine, which is not importable")
+        return "local"
+    return "te"
+
+
+def check_gpu_flags(args):
+    """A resolve step: on a GPU, every megatron-core field of the table flags is computed once, so a bad value or
+    combination is one line before any process group."""
+    if not feature_checks.uses_gpu(args):
+        return args
+    try:
+        spec_backend(args, on_gpu=True)
+        ddp_fields(args)
+        optimizer_dtype_fields(args)
+        fp8_fields(args)
+        attention_backend(args)
+        _choice(args, "--cross-entropy-fusion-impl", ("native", "te"), "native")
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return args
+
+
+__all__ = ["AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
+           "attention_backend", "check_gpu_flags", "ddp_fields", "fp8_fields", "optimizer_dtype_fields",
+           "spec_backend", "transformer_fields"]

@@ -1,0 +1,135 @@
+"""On a GPU no flag that changes memory, speed or numerics is accepted and ignored: every flag the CPU run notices
+has a GPU class (implemented through megatron-core, refused in one line, or a notice where its effect on a GPU is
+nil), FP8 goes through TransformerEngine or is refused naming it, and the implemented flags reach megatron-core's
+TransformerConfig / DDP config and the Plan the driver prices. The GPU and TransformerEngine are faked by replacing
+the driver's two probes (``feature_checks.cuda_available``, ``feature_checks.transformer_engine_available``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h3t_training.config import feature_checks
+from h3t_training.config.flag_table import TABLE, RunDevice, reason_on
+from h3t_training.config.gpu_flags import GPU_BY_FLAG, GPU_BY_REASON, GPU_NEUTRAL
+from h3t_training.config.megatron_fields import ddp_fields
+from h3t_training.config.run_spec import run_plan
+from h3t_training.config.sections import parse_args
+from h3t_training.loop.model_provider import transformer_config
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--bf16"]
+
+PENDING = {"megatron_offload"}
+"""Reasons whose GPU mapping is another engineer's task (--fine-grained-activation-offloading and friends)."""
+
+
+def _gpu(monkeypatch, te: bool) -> None:
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)
+    monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: te)
+
+
+def _error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=2)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0].split(": error: ", 1)[1]
+
+
+def test_every_flag_noticed_on_cpu_has_a_gpu_class_or_a_reasoned_neutral_notice():
+    neutral_flags = {f for f, rule in GPU_BY_FLAG.items() if rule.cls == "noticed"}
+    assert neutral_flags == {"--onnx-safe", "--use-mcore-models", "--local-rank"}
+    unmapped = []
+    for e in TABLE.values():
+        if e.cls != "noticed" or e.key in PENDING:
+            continue
+        rule = e.gpu
+        assert rule is not None, e.flag
+        if rule.cls == "noticed":  # only the explicit, reasoned list keeps a notice on a GPU
+            assert e.key in GPU_NEUTRAL or e.flag in neutral_flags, e.flag
+            assert rule.text != e.reason.text or "CPU" not in rule.text, e.flag  # a reason true on a GPU
+        else:
+            assert rule.cls in ("implemented", "refused"), e.flag
+            assert rule.text and (rule.cls == "implemented" or rule.alternative), e.flag
+        unmapped += [] if rule.cls != "implemented" or rule.text.startswith("megatron-core's") else [e.flag]
+    assert unmapped == []
+    assert set(GPU_BY_FLAG) <= set(TABLE) and set(GPU_BY_REASON) <= {e.key for e in TABLE.values()}
+    assert {TABLE[f].cls for f in GPU_BY_FLAG} == {"noticed"}  # the GPU column only changes noticed rows
+
+
+def test_cpu_classes_are_unchanged_on_cpu():
+    cpu = RunDevice()
+    assert all(reason_on(e, cpu) == e.reason for e in TABLE.values())
+    gpu = RunDevice(True, True)
+    assert reason_on(TABLE["--fp8-format"], gpu).cls == "implemented"
+    assert reason_on(TABLE["--tp-comm-overlap"], gpu).cls == "refused"
+    assert reason_on(TABLE["--enable-cuda-graph"], gpu).cls == "refused"
+    assert reason_on(TABLE["--log-params-norm"], gpu).cls == "noticed"
+
+
+def test_fp8_on_a_gpu_without_transformer_engine_is_refused_naming_it(monkeypatch, capsys):
+    _gpu(monkeypatch, te=False)
+    body = _error([*BASE, "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--tp-comm-overlap",
+                   "--no-masked-softmax-fusion"], capsys)
+    assert body.startswith("--fp8-amax-history-len, --fp8-format are not supported: on a GPU it runs through "
+                           "TransformerEngine")
+    assert "TransformerEngine is not importable here" in body
+    assert "--tp-comm-overlap is not supported: a GPU communication" in body  # all refusals in one line
+    assert "--no-masked-softmax-fusion" not in body  # implemented without TE
+    # on CPU the same flags are notices, as before
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: False)
+    notes = parse_args([*BASE, "--fp8-format", "hybrid", "--tp-comm-overlap"], world_size=2).flag_notices
+    assert "note: --fp8-format: a low-precision (fp16/fp8/fp4) or loss-scaling setting; CPU training is float32" \
+        in notes
+
+
+def test_fp8_with_transformer_engine_reaches_the_transformer_config_and_the_plan(monkeypatch):
+    _gpu(monkeypatch, te=True)
+    args = parse_args([*BASE, "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo",
+                       "max", "--fp8-param-gather", "--use-distributed-optimizer"], world_size=2)
+    assert not any(n.startswith("note: --fp8") for n in args.flag_notices)
+    config = transformer_config(args, on_gpu=True)
+    assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len, config.fp8_amax_compute_algo,
+            config.fp8_param) == ("hybrid", "delayed", 1024, "max", True)
+    assert ddp_fields(args)["fp8_param_gather"] is True
+    plan = run_plan(args, on_gpu=True)
+    assert (plan.fp8, plan.fp8_recipe, plan.fp8_param_gather) == ("hybrid", "delayed", True)
+    bf16 = run_plan(parse_args(BASE, world_size=2), on_gpu=True)
+    assert bf16.fp8 is None and bf16.fp8_param_gather is False
+
+
+def test_fusion_and_attention_flags_reach_the_transformer_config_on_a_gpu(monkeypatch):
+    from megatron.core.transformer.enums import AttnBackend
+    _gpu(monkeypatch, te=True)
+    plain = transformer_config(parse_args(BASE, world_size=2), on_gpu=True)
+    assert plain.bias_activation_fusion is True and plain.cross_entropy_loss_fusion is False
+    assert plain.attention_backend == AttnBackend.auto and plain.params_dtype == torch.bfloat16
+    assert parse_args(BASE, world_size=2).swiglu  # pretrain_llama.py's default MLP
+    args = parse_args([*BASE, "--no-bias-swiglu-fusion", "--cross-entropy-loss-fusion", "--attention-backend",
+                       "unfused"], world_size=2)
+    config = transformer_config(args, on_gpu=True)
+    assert config.bias_activation_fusion is False and config.cross_entropy_loss_fusion is True
+    assert config.attention_backend == AttnBackend.unfused
+    assert run_plan(args, on_gpu=True).attention_backend == "unfused"
+
+
+def test_gradient_reduction_precision_reaches_the_ddp_config(monkeypatch, capsys):
+    _gpu(monkeypatch, te=True)
+    assert ddp_fields(parse_args(BASE, world_size=2))["grad_reduce_in_fp32"] is True
+    assert ddp_fields(parse_args([*BASE, "--grad-reduce-in-bf16"], world_size=2))["grad_reduce_in_fp32"] is False
+    body = _error([*BASE, "--exp-avg-dtype", "bf16"], capsys)
+    assert body == "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer (as in Megatron-LM)"
+
+
+def test_bad_gpu_values_are_one_line(monkeypatch, capsys):
+    _gpu(monkeypatch, te=True)
+    assert _error([*BASE, "--fp8-format", "e5m2"], capsys) == "--fp8-format e5m2 is not one of e4m3, hybrid"
+    assert _error([*BASE, "--fp8-param-gather"], capsys) == "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)"
+    assert _error([*BASE, "--attention-backend", "local"], capsys).startswith("--attention-backend local on a GPU "
+                                                                              "needs --transformer-impl local")
+    _gpu(monkeypatch, te=False)
+    body = _error([*BASE, "--cross-entropy-fusion-impl", "te"], capsys)
+    assert body.startswith("--cross-entropy-fusion-impl is not supported: on a GPU with the value te it runs "
+                           "through TransformerEngine")
+    parse_args([*BASE, "--cross-entropy-fusion-impl", "native"], world_size=2)  # native needs no TE
