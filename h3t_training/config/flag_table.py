@@ -147,8 +147,10 @@ REASONS: dict[str, Reason] = {
                                 "(h3t_training/loop/optimizer_offload.py)"),
     "profiling": Reason("noticed", "profiling / tracing / extra diagnostics are not collected by this driver",
                     "none needed"),
-    "memory_mgmt": Reason("noticed", "Python GC / CUDA cache management; no effect on the result",
-                    "none needed"),
+    "memory_mgmt": Reason("implemented", "Python GC and CUDA cache management as in Megatron-LM: --manual-gc "
+                          "(automatic collector off, a collection every --manual-gc-interval iterations and around "
+                          "evaluations), --empty-unused-memory-level (torch.cuda.empty_cache() after forward-backward "
+                          "and optimizer steps on a GPU; CPU has no cache) (h3t_training/config/memory_hygiene.py)"),
     "data_loading": Reason("noticed", "a data-loader performance setting; the driver reads the same samples in the same order",
                     "none needed"),
     "resilience": Reason("noticed", "fault tolerance / restart / straggler / rerun machinery of Megatron-LM's GPU clusters is not part of this driver",

@@ -85,9 +85,6 @@ GPU_BY_REASON: dict[str, GpuRule] = {
                              "leave it out (--overlap-grad-reduce / --overlap-param-gather are implemented)"),
     "cuda_graphs": _refused("CUDA graphs are not wired by this driver; on a GPU they change speed and memory",
                             "leave it out (eager kernels)"),
-    "memory_mgmt": _refused("Python GC / CUDA cache management is not run by this driver; on a GPU it changes "
-                            "memory (freed cache) or speed (collection pauses)",
-                            "leave it out (Python's automatic GC, torch's caching allocator)"),
 }
 """The GPU rule of every flag of a reason (overridden per flag by :data:`GPU_BY_FLAG`)."""
 
@@ -142,10 +139,10 @@ GPU_BY_FLAG: dict[str, GpuRule] = {
                                          "recomputes it); TransformerEngine's activation module is not wired"),
     "--disable-jit-fuser": _refused("switches megatron-core's JIT-fused elementwise kernels off process-wide; this "
                                     "driver does not, and on a GPU the kernels differ in speed"),
-    "--use-fast-rms-norm": _refused("Megatron-Kwai's own fused RMSNorm kernel is not part of this driver",
-                                    "leave it out (TransformerEngine's / megatron-core's norm runs)"),
-    "--use-fast-rope": _refused("Megatron-Kwai's own fused RoPE kernel is not part of this driver",
-                                "leave it out (megatron-core's RoPE runs)"),
+    "--use-fast-rms-norm": _mcore("TransformerEngine RMSNorm", " (Megatron-Kwai's fused RMSNorm: the TransformerEngine "
+                                  "layer spec's norm is TransformerEngine's fused kernel)", needs_te=True),
+    "--use-fast-rope": _mcore("TransformerConfig.apply_rope_fusion (True)", " (Megatron-Kwai's fused RoPE: "
+                              "TransformerEngine's fused rotary embedding, as megatron-core fuses it)", needs_te=True),
     # attention kernels
     "--attention-backend": _mcore("TransformerConfig.attention_backend", " (it selects TransformerEngine's "
                                   "flash / fused / unfused attention; 'local' is refused on a GPU: the driver's "

@@ -94,7 +94,8 @@ def transformer_fields(args) -> dict[str, Any]:
     off = "--no-bias-swiglu-fusion" if swiglu else "--no-bias-gelu-fusion"
     fields: dict[str, Any] = dict(
         bias_activation_fusion=(swiglu or not args.disable_bias_linear) and not _given(args, off),
-        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=_given(args, "--use-fast-rope") and not _given(args, "--no-rope-fusion"),
         gradient_accumulation_fusion=False,  # the driver's: each --no-*-fusion flag asks for what it runs
         cross_entropy_loss_fusion=_given(args, "--cross-entropy-loss-fusion"),
         cross_entropy_fusion_impl=_choice(args, "--cross-entropy-fusion-impl", ("native", "te"), "native"),

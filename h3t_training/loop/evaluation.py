@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from h3t_ext.runtime.pipeline.schedules import H3TSchedules
+from h3t_training.config.memory_hygiene import MemoryHygiene
 from h3t_training.data.datasets import build_data_iterators
 
 
@@ -66,8 +67,9 @@ class Evaluator:
 
     def __init__(self, args, chunks, forward_step_func: Callable, runtime: H3TSchedules, *, valid_dataset, test_dataset,
                  start_iteration: int, device: torch.device, print_fn: Callable[[str], None],
-                 is_logging_rank: bool):
+                 is_logging_rank: bool, hygiene: MemoryHygiene = MemoryHygiene()):
         self.args, self.chunks, self.forward_step_func, self.runtime = args, chunks, forward_step_func, runtime
+        self.hygiene = hygiene
         self.print_fn, self.is_logging_rank = print_fn, is_logging_rank
         self.results: list[EvalResult] = []
         first_valid = 0 if args.skip_train else (start_iteration // args.eval_interval) * args.eval_iters
@@ -119,6 +121,7 @@ class Evaluator:
                     losses = fb(forward_step_func=self.forward_step_func, data_iterator=iterators, model=self.chunks,
                                 num_microbatches=a.num_microbatches, seq_length=a.seq_length,
                                 micro_batch_size=a.micro_batch_size, forward_only=True)
+                    self.hygiene.after_eval_step()
                     for d in losses or ():
                         total += d["lm loss"].detach().double().cpu()
         finally:

@@ -29,6 +29,7 @@ from h3t_training.launch.failures import Interrupted, RunProgress
 from h3t_training.loop.exit_conditions import ExitConditions, ExitSignalHandler
 from h3t_training.loop.heartbeat import start_heartbeat
 from h3t_training.config.feature_checks import uses_gpu
+from h3t_training.config.memory_hygiene import MemoryHygiene
 from h3t_training.loop.initialize import initialize_distributed, shutdown
 from h3t_training.telemetry.loggers import build_writer, writers_requested
 from h3t_training.loop.model_provider import build_model_chunks, num_parameters
@@ -218,11 +219,20 @@ def _write_scalars(args, scalars: TrainingScalars, rec: dict, optimizer, runtime
 
 def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators,
           on_gpu: bool, evaluator: Evaluator, scalars: TrainingScalars, config: H3TConfig,
-          exits: Optional[ExitConditions] = None, progress: Optional[RunProgress] = None) -> tuple[int, bool]:
+          exits: Optional[ExitConditions] = None, progress: Optional[RunProgress] = None,
+          hygiene: MemoryHygiene = MemoryHygiene()) -> tuple[int, bool]:
     """Run iterations ``start_iteration .. --train-iters`` (evaluating, saving and exiting as asked:
     --exit-interval, --exit-duration-in-mins, --exit-signal-handler); returns the last iteration done
-    and whether the run exited early. ``progress.iteration`` follows the iterations done."""
+    and whether the run exited early. ``progress.iteration`` follows the iterations done; ``hygiene``: Megatron's
+    --manual-gc and --empty-unused-memory-level, at the points of Megatron-LM's loop."""
     progress = progress or RunProgress()
+    with hygiene.training():
+        return _train(args, chunks, optimizer, runtime, start_iteration, logger, data_iterators, on_gpu, evaluator,
+                      scalars, config, exits, progress, hygiene)
+
+
+def _train(args, chunks, optimizer, runtime, start_iteration, logger, data_iterators, on_gpu, evaluator, scalars,
+           config, exits, progress, hygiene) -> tuple[int, bool]:
     fb = runtime.forward_backward_func(args.pipeline_model_parallel_size, len(chunks))
     batches, shard = schedule_of(args), args.micro_batch_size * args.data_parallel_size
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -234,7 +244,9 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         losses = fb(forward_step_func=forward_step, data_iterator=data_iterators, model=chunks,
                     num_microbatches=batches.batch_size(it) // shard, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
+        hygiene.after_forward_backward()
         lr, norm = optimizer.step(it)
+        hygiene.after_optimizer_step()
         progress.iteration = it + 1  # complete on this rank once its step is applied (before any rank logs it)
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
         if args.check_for_nan_in_loss_and_grad:
@@ -243,8 +255,10 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
                             skipped=optimizer.skipped)
         done = it + 1
         _write_scalars(args, scalars, rec, optimizer, runtime, chunks, config)
+        hygiene.after_iteration(done)
         if evaluator.due(done):
-            result = evaluator.evaluate(done, "valid")
+            with hygiene.evaluation():
+                result = evaluator.evaluate(done, "valid")
             if result is not None:
                 scalars.evaluation(done, "valid", result.loss, result.ppl)
         interval = args.check_weight_hash_across_dp_replicas_interval
@@ -316,8 +330,10 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
             print(f"note: {note}", flush=True)
     logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
     logger.header(start, n_params)
+    hygiene = MemoryHygiene.from_args(args, on_gpu=on_gpu)
     evaluator = Evaluator(args, chunks, forward_step, runtime, valid_dataset=valid_ds, test_dataset=test_ds,
-                          start_iteration=start, device=device, print_fn=logger._print, is_logging_rank=is_logging_rank)
+                          start_iteration=start, device=device, print_fn=logger._print, is_logging_rank=is_logging_rank,
+                          hygiene=hygiene)
     writer = build_writer(args, is_logging_rank)
     predicted = (predicted_scalars(args, vocab_size=padded_vocab_size(
         tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size), on_gpu=on_gpu)
@@ -329,7 +345,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
         with handler or contextlib.nullcontext():
             iteration, exited = (start, False) if args.skip_train else train(
                 args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config,
-                exits=exits, progress=progress)
+                exits=exits, progress=progress, hygiene=hygiene)
         stats = _gather_stage_stats(runtime, chunks)
         state_bytes = _gather_state_bytes(chunks, optimizer, on_gpu)
         if not exited:

@@ -11,7 +11,7 @@ import torch
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import TABLE, RunDevice, reason_on
 from h3t_training.config.gpu_flags import GPU_BY_FLAG, GPU_BY_REASON, GPU_NEUTRAL
-from h3t_training.config.megatron_fields import ddp_fields
+from h3t_training.config.megatron_fields import ddp_fields, transformer_fields
 from h3t_training.config.run_spec import run_plan
 from h3t_training.config.sections import parse_args
 from h3t_training.loop.model_provider import transformer_config
@@ -112,6 +112,9 @@ def test_fusion_and_attention_flags_reach_the_transformer_config_on_a_gpu(monkey
     assert config.bias_activation_fusion is False and config.cross_entropy_loss_fusion is True
     assert config.attention_backend == AttnBackend.unfused
     assert run_plan(args, on_gpu=True).attention_backend == "unfused"
+    assert plain.apply_rope_fusion is False  # Megatron-Kwai's --use-fast-rope asks for the fused RoPE
+    kwai = parse_args([*BASE, "--use-fast-rope", "--use-fast-rms-norm"], world_size=2)
+    assert transformer_fields(kwai)["apply_rope_fusion"] is True  # (megatron-core's config then asks for TE >= 1.4)
 
 
 def test_gradient_reduction_precision_reaches_the_ddp_config(monkeypatch, capsys):
