@@ -62,7 +62,7 @@ from h3t_ext.schedule import ActionKind, build_schedule
 
 FP32 = 4
 INT64, BOOL = 8, 1
-_REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
+REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
                           "hidden_dropout_mask")
 _OURS_DROPS = ("norm1_output", "norm2_output", "swiglu_output", "fc2_input")
 FP8 = 1
@@ -130,7 +130,7 @@ def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_par
                             recompute)
     total = terms["total"]
     if not sequence_parallel and tensor_model_parallel_size > 1:
-        total += (tensor_model_parallel_size - 1) * sum(terms[k] for k in _REPLICATED_WITHOUT_SP)
+        total += (tensor_model_parallel_size - 1) * sum(terms[k] for k in REPLICATED_WITHOUT_SP)
     return total
 
 
@@ -275,6 +275,28 @@ def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_
     return 4 * (plan.seq_length // plan.context_parallel_size) * head_dim * dtype_bytes
 
 
+def local_tokens(plan) -> int:
+    """Tokens of one microbatch on a rank's local sequence shard: b s / (c t)."""
+    return plan.micro_batch_size * plan.seq_length // (plan.context_parallel_size * plan.tensor_model_parallel_size)
+
+
+def layer_kept_bytes(model: ModelSpec, plan, *, tensor_model_parallel_size: int, sequence_parallel: bool = True,
+                     dtype_bytes: int = 2, layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
+                     fp8: bool = False) -> int:
+    """Saved bytes of one layer and microbatch outside full-recompute units (``plan``'s ckpt and selective
+    modules): the per-token terms over :func:`local_tokens`, the local spec's RoPE cos/sin and unfused attention's
+    scores."""
+    base, recompute = plan_recompute(plan)
+    per_tok = layer_bytes_per_local_token(
+        model, base, recompute=recompute, tensor_model_parallel_size=tensor_model_parallel_size,
+        sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes, layer_spec=layer_spec,
+        dropout_mask_bytes=dropout_mask_bytes, fp8=fp8) + core_attention_pinned_qkv(
+        model, recompute, layer_spec=layer_spec, dtype_bytes=dtype_bytes)
+    return (local_tokens(plan) * per_tok
+            + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
+            + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, dropout_mask_bytes=dropout_mask_bytes))
+
+
 def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, *, dtype_bytes: int = 2,
                            layer_spec: str = "te", sequence_parallel: bool = True,
                            dropout_mask_bytes: int = BOOL, fp8: bool = False) -> int:
@@ -283,20 +305,16 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
     (whose first/last stage's chunks differ by the embedding's / loss's layer slot under interleaving: A is then
     their mean), and the first stage's chunks also carry the embedding's dropout mask
     (:func:`embedding_dropout_chunk_bytes`)."""
-    t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
+    t = plan.tensor_model_parallel_size
     v = plan.virtual_size(model.num_layers)
     split = plan.pipeline_split(model.num_layers)
     chunks = [plan.layers_per_rank(model.num_layers) // v] if stage is None else \
         [split.chunk_layers(stage, k) for k in range(v)]
-    tokens = plan.micro_batch_size * plan.seq_length // (c * t)
-    base, recompute = plan_recompute(plan)
+    _, recompute = plan_recompute(plan)
     opts = dict(tensor_model_parallel_size=t, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
                 layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes, fp8=fp8)
-    per_tok = layer_bytes_per_local_token(model, base, recompute=recompute, **opts) + core_attention_pinned_qkv(
-        model, recompute, layer_spec=layer_spec, dtype_bytes=dtype_bytes)
-    kept = (tokens * per_tok + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
-            + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, dropout_mask_bytes=dropout_mask_bytes))
-    unit_input = tokens * layer_bytes_per_local_token(model, Ckpt.FULL, **opts)
+    kept = layer_kept_bytes(model, plan, **opts)
+    unit_input = local_tokens(plan) * layer_bytes_per_local_token(model, Ckpt.FULL, **opts)
     chunk = sum(chunk_layers_bytes(n, recompute, kept=kept, unit_input=unit_input) for n in chunks) // len(chunks)
     if stage == 0:
         chunk += embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,

@@ -13,6 +13,7 @@ from typing import NoReturn, Optional, Union
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
+from h3t_ext.costmodel.megatron_offload import DENSE_OFFLOAD_MODULES, MIN_OFFLOADED_TENSOR_SIZE
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, TRANSFORMER_IMPLS
 from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES, RECOMPUTE_METHODS
 from h3t_ext.offload_alpha import OffloadAlpha
@@ -170,9 +171,39 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                        help="the embedding counts as one layer of the first stage in the layer split")
         p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                        help="the loss counts as one layer of the last stage in the layer split")
+    if not search:
+        _add_megatron_offload(p)
     p.add_argument("--offload-alpha", type=_alpha, default="auto" if search else 0.0,
                    help="FLOAT in [0, 1] (or one per stage: 0.3,0.2,...), auto (smallest alpha that fits) or "
                    "balanced (one smallest alpha per stage)")
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (valid: integer >= 0)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} out of range (valid: integer >= 0)")
+    return value
+
+
+def _add_megatron_offload(p) -> None:
+    """Megatron-LM's activation offload flags: priced as the --offload-alpha that moves the same saved bytes
+    (:mod:`h3t_ext.costmodel.megatron_offload`)."""
+    p.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="Megatron's module-level offload (with --offload-modules): priced as the --offload-alpha "
+                        "that moves the same saved bytes")
+    p.add_argument("--offload-modules", nargs="+", default=None, metavar="MODULE",
+                   help=f"any of {', '.join(DENSE_OFFLOAD_MODULES)} (attn_proj needs core_attn)")
+    p.add_argument("--activation-offload-fraction", type=_fraction, default=None,
+                   help="fraction in [0, 1] of the eligible module groups offloaded (default 1.0)")
+    p.add_argument("--min-offloaded-tensor-size", type=_nonnegative_int, default=None,
+                   help=f"saved tensors with fewer elements stay (default {MIN_OFFLOADED_TENSOR_SIZE})")
+    p.add_argument("--delta-offload-bytes-across-pp-ranks", type=_nonnegative_int, default=None,
+                   help="only 0 (a nonzero delta has no per-stage alpha that reproduces it)")
+    p.add_argument("--cpu-offloading-num-layers", type=_nonnegative_int, default=None,
+                   help="Megatron's layer offload of the first N layers (p=1): priced as --offload-alpha N/L")
 
 
 def _add_system(g) -> None:
@@ -293,13 +324,25 @@ def _ckpt_of(ns: argparse.Namespace, *, search: bool) -> Optional[str]:
     return ns.ckpt or granularity or (None if search else "no")
 
 
-def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None) -> Plan:
+def megatron_offload_requested(ns: argparse.Namespace) -> bool:
+    """Whether ``estimate``'s flags ask for Megatron's activation offload (its alpha is then the mapping's)."""
+    try:
+        return translate.megatron_offload_from_args(ns).requested
+    except (TypeError, ValueError):
+        return False
+
+
+def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None,
+                   model: Optional[ModelSpec] = None) -> Plan:
     """The plan of ``estimate``'s flags (the one translation, :mod:`h3t_ext.planner.translate`); ``alpha``
-    replaces a symbolic ``--offload-alpha``."""
+    replaces a symbolic ``--offload-alpha``; with ``model``, Megatron's activation offload flags set the alpha."""
+    if model is not None and isinstance(ns.offload_alpha, str) and megatron_offload_requested(ns):
+        raise UsageError(f"argument --offload-alpha: {ns.offload_alpha} and Megatron's activation offload flags are "
+                         "two offload requests; give one")
     if alpha is None:
         alpha = 0.0 if isinstance(ns.offload_alpha, str) else ns.offload_alpha
     try:
-        return translate.plan_from_args(ns, num_gpus=ns.num_gpus, offload_alpha=alpha,
+        return translate.plan_from_args(ns, num_gpus=ns.num_gpus, offload_alpha=alpha, model=model,
                                         ckpt=_ckpt_of(ns, search=False),
                                         use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
     except ValueError as e:

@@ -10,8 +10,8 @@ from rich.console import Console
 
 from h3t_ext.costmodel import InfeasiblePlanError, PlanError
 from h3t_ext.planner import format as fmt
-from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_from_args, model_from_args, \
-    plan_from_args, system_file_from_args, system_from_args
+from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_from_args, megatron_offload_requested, \
+    model_from_args, plan_from_args, system_file_from_args, system_from_args
 from h3t_ext.planner.calibrate import RunFileError, calibrate, check_output_path, read_runs
 from h3t_ext.planner.evaluate import evaluate
 from h3t_ext.planner.search import search
@@ -39,7 +39,9 @@ def _console() -> Console:
 
 def _estimate(ns, model, system) -> int:
     try:
-        ev = evaluate(model, plan_from_args(ns), system, alpha_mode=ns.offload_alpha,
+        plan = plan_from_args(ns, model=model)
+        mode = plan.offload_alpha if megatron_offload_requested(ns) else ns.offload_alpha
+        ev = evaluate(model, plan, system, alpha_mode=mode,
                       memory_budget_bytes=ns.memory_budget, host_memory_budget_bytes=ns.host_memory_budget)
     except InfeasiblePlanError as e:
         return _fail(f"--offload-alpha {ns.offload_alpha}: no alpha in [0, 1] fits the memory budget: {e.reason}")

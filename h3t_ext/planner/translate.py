@@ -17,8 +17,12 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from h3t_ext.ckpt import Ckpt, Recompute, normal_form
+from h3t_ext.costmodel.activations import BOOL
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, PRECISIONS
-from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, Plan
+from h3t_ext.costmodel.megatron_offload import MIN_OFFLOADED_TENSOR_SIZE, MegatronOffload, MegatronOffloadMapping, \
+    megatron_offload_alpha
+from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, LAYER_SPEC, Plan
+from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.space import MEMORY_LADDER, MemoryOption, SearchConstraints
 
@@ -56,6 +60,12 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "optimizer_cpu_offload": False,
     "optimizer_offload_fraction": 1.0,
     "overlap_cpu_optimizer_d2h_h2d": False,
+    "fine_grained_activation_offloading": False,
+    "offload_modules": None,
+    "activation_offload_fraction": 1.0,
+    "min_offloaded_tensor_size": MIN_OFFLOADED_TENSOR_SIZE,
+    "delta_offload_bytes_across_pp_ranks": 0,
+    "cpu_offloading_num_layers": 0,
 }
 """Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
 not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
@@ -88,7 +98,9 @@ def _named(read, name: str, fixed: Mapping[str, Any]) -> Any:
     return fixed[name] if name in fixed else read(name)
 
 
-_NONE_IS_UNSET = frozenset({"optimizer_offload_fraction"})
+_NONE_IS_UNSET = frozenset({"optimizer_offload_fraction", "fine_grained_activation_offloading", "offload_modules",
+                            "activation_offload_fraction", "min_offloaded_tensor_size",
+                            "delta_offload_bytes_across_pp_ranks", "cpu_offloading_num_layers"})
 """Fields whose None (an argparse default) means "not given": Megatron's default applies."""
 
 
@@ -132,12 +144,56 @@ def _sharding(read, fixed: Mapping[str, Any]) -> Optional[str]:
     return strategy if strategy in FSDP_SHARDING_STRATEGIES else None  # 'optim' prices as the distributed optimizer
 
 
-def plan_from_args(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fixed: Any) -> Plan:
+def megatron_offload_from_args(args: Any, **fixed: Any) -> MegatronOffload:
+    """Megatron-LM's activation offload flags (``--fine-grained-activation-offloading``, ``--offload-modules``,
+    ``--activation-offload-fraction``, ``--min-offloaded-tensor-size``, ``--delta-offload-bytes-across-pp-ranks``,
+    ``--cpu-offloading-num-layers``) as one :class:`~h3t_ext.costmodel.megatron_offload.MegatronOffload`."""
+    read = _reader(args)
+
+    def value(name: str) -> Any:
+        return _value(read, name, fixed)
+
+    return MegatronOffload(
+        fine_grained_activation_offloading=bool(value("fine_grained_activation_offloading")),
+        offload_modules=tuple(value("offload_modules") or ()),
+        activation_offload_fraction=float(value("activation_offload_fraction")),
+        min_offloaded_tensor_size=int(value("min_offloaded_tensor_size")),
+        delta_offload_bytes_across_pp_ranks=int(value("delta_offload_bytes_across_pp_ranks")),
+        cpu_offloading_num_layers=int(value("cpu_offloading_num_layers")))
+
+
+def megatron_offload_mapping(args: Any, model: ModelSpec, plan: Plan, **spec: Any) -> Optional[MegatronOffloadMapping]:
+    """The alpha of the arguments' Megatron offload request on ``plan``
+    (:func:`~h3t_ext.costmodel.megatron_offload.megatron_offload_alpha`), or None when they ask for none. ``spec``:
+    the layer spec keywords (``layer_spec``, ``dtype_bytes``, ``dropout_mask_bytes``, ``fp8``); by default the
+    plan's own, as the cost model prices it (its ``transformer_impl``, bf16, its FP8)."""
+    spec = {"layer_spec": LAYER_SPEC[plan.transformer_impl], "dtype_bytes": 2, "dropout_mask_bytes": BOOL,
+            "fp8": plan.fp8 is not None, **spec}
+    return megatron_offload_alpha(model, plan, megatron_offload_from_args(args), **spec)
+
+
+def plan_from_args(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, model: Optional[ModelSpec] = None,
+                   **fixed: Any) -> Plan:
     """The :class:`Plan` of a run described by Megatron's field names.
 
     ``fixed`` gives fields the caller knows better than the arguments (the driver: the switches it does not
-    run, whatever the flags say). ValueError (one line) when ``seq_length`` or ``global_batch_size`` is missing
-    or ``ckpt`` is not a mode; the plan's own checks are :func:`~h3t_ext.costmodel.validate_plan`'s."""
+    run, whatever the flags say). With ``model``, Megatron's activation offload flags set the plan's alpha
+    (:func:`megatron_offload_mapping`; a nonzero ``offload_alpha`` with them is two offload requests). ValueError
+    (one line) when ``seq_length`` or ``global_batch_size`` is missing or ``ckpt`` is not a mode; the plan's own
+    checks are :func:`~h3t_ext.costmodel.validate_plan`'s."""
+    plan = _plan(args, num_gpus=num_gpus, offload_alpha=offload_alpha, **fixed)
+    if model is None:
+        return plan
+    mapping = megatron_offload_mapping(args, model, plan)
+    if mapping is None:
+        return plan
+    if any(plan.alphas()):
+        raise ValueError(f"{megatron_offload_from_args(args).flags()} and --offload-alpha "
+                         f"{offload_alpha} are two offload requests; give one")
+    return plan.with_alpha(mapping.alpha)
+
+
+def _plan(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fixed: Any) -> Plan:
     read = _reader(args)
     values = {name: _value(read, name, fixed) for name in _COPIED}
     for name in _REQUIRED:  # no Megatron default: _value raises when they are missing
@@ -227,4 +283,5 @@ def _precision(read, fixed: Mapping[str, Any]) -> dict[str, Any]:
             "fp8": fmt or DEFAULT_SEARCH_FP8_FORMAT, "fp8_recipe": _value(read, "fp8_recipe", fixed)}
 
 
-__all__ = ["ATTENTION_BACKEND_CHOICES", "MEGATRON_DEFAULTS", "constraints_from_args", "plan_from_args"]
+__all__ = ["ATTENTION_BACKEND_CHOICES", "MEGATRON_DEFAULTS", "constraints_from_args", "megatron_offload_from_args",
+           "megatron_offload_mapping", "plan_from_args"]

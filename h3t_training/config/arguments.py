@@ -191,6 +191,19 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
                    help=f"selective recompute: any of {', '.join(DENSE_RECOMPUTE_MODULES)} (default core_attn)")
     add_h3t_flags(g)
+    g.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="Megatron-LM's module-level activation offload (with --offload-modules): runs as the "
+                        "--offload-alpha that moves the same saved bytes (one notice states it)")
+    g.add_argument("--offload-modules", nargs="+", default=None, metavar="MODULE",
+                   help="attn_norm, qkv_linear, core_attn, attn_proj (needs core_attn), mlp_norm")
+    g.add_argument("--activation-offload-fraction", type=float, default=None, metavar="F",
+                   help="fraction in [0, 1] of the eligible module groups offloaded (default 1.0, as Megatron-LM)")
+    g.add_argument("--min-offloaded-tensor-size", type=int, default=None, metavar="N",
+                   help="saved tensors with fewer elements stay on the device (default 1048576, as Megatron-LM)")
+    g.add_argument("--delta-offload-bytes-across-pp-ranks", type=int, default=None, metavar="BYTES",
+                   help="only 0 (Megatron-LM's default) is accepted")
+    g.add_argument("--cpu-offloading-num-layers", type=int, default=None, metavar="N",
+                   help="Megatron-LM's layer offload of the first N layers (p=1): runs as --offload-alpha N/L")
     g.add_argument("--auto-plan", action="store_true",
                    help="let the planner fill every parallel and memory flag left out, and print its plan")
     g.add_argument("--gpu", default=None, help="system name of the cost model (auto-plan, MFU peak)")

@@ -140,8 +140,26 @@ REASONS: dict[str, Reason] = {
                             "--use-torch-fsdp2, or --use-distributed-optimizer (optim)"),
     "cuda_graphs": Reason("noticed", "CUDA graphs exist only on a GPU",
                     "none needed"),
-    "megatron_offload": Reason("noticed", "Megatron-LM's own activation CPU offload; h3t-ext's offload is --offload-alpha (same result either way)",
-                    "--offload-alpha A"),
+    "megatron_offload": Reason("implemented", "Megatron-LM's activation CPU offload (fine-grained modules, or "
+                               "--cpu-offloading-num-layers) runs as h3t-ext's: the --offload-alpha that moves the same "
+                               "saved bytes, stated in one notice (h3t_ext/costmodel/megatron_offload.py); refused in one "
+                               "line: MoE / gdp_qkv modules, attn_proj without core_attn, --offload-modules without "
+                               "--fine-grained-activation-offloading, a nonzero --delta-offload-bytes-across-pp-ranks, "
+                               "--cpu-offloading-num-layers with p > 1 or recompute, either with --offload-alpha or "
+                               "--auto-plan"),
+    "megatron_offload_tuning": Reason("noticed", "a setting of Megatron-LM's own offload manager (pinned host buffers "
+                                      "kept across iterations; MoE expert groups' copies deferred past CUDA graph "
+                                      "replays; in-flight copies per module group), which this driver does not run: its "
+                                      "offload is h3t-ext's (--offload-alpha), whose host pool keeps its pinned buffers "
+                                      "and which copies one layer at a time on its own stream, and no MoE groups exist",
+                                      "none needed"),
+    "distribute_saved": Reason("refused", "distributing full recompute's saved layer inputs over the tensor-parallel "
+                               "group is not implemented (Megatron-LM allows it only with --recompute-granularity full, "
+                               "t > 1 and no sequence parallelism); it changes activation memory",
+                               "--sequence-parallel (shards those inputs over the tensor-parallel group too)"),
+    "param_group_dump": Reason("noticed", "writes a file of the optimizer's parameter-to-group map (a diagnostic of "
+                               "megatron-core's optimizer setup); not written by this driver, no effect on training",
+                               "none needed"),
     "optimizer_offload": Reason("implemented", "optimizer CPU offload as in Megatron-LM: megatron-core's "
                                 "HybridDeviceOptimizer on a GPU, a host partition with the same split on CPU "
                                 "(h3t_training/loop/optimizer_offload.py)"),
@@ -405,10 +423,13 @@ _MEGATRON_LM: dict[str, str] = {
 --cuda-graph-impl=1 --cuda-graph-modules=+ --cuda-graph-scope=+ --cuda-graph-warmup-steps=1
 --enable-cuda-graph=0 --external-cuda-graph=0 --optimizer-cuda-graph=0 --te-rng-tracker=0""",
     "megatron_offload": """
---activation-offload-fraction=1 --cpu-offloading-num-layers=1 --cpu-offloading-retain-pinned-cpu-buffers=0
---delay-offload-until-cuda-graph=0 --delta-offload-bytes-across-pp-ranks=1 --distribute-saved-activations=0
---dump-param-to-param-group-map=1 --fine-grained-activation-offloading=0
---fine-grained-offloading-max-inflight-offloads=1 --min-offloaded-tensor-size=1 --offload-modules=+""",
+--activation-offload-fraction=1 --cpu-offloading-num-layers=1 --delta-offload-bytes-across-pp-ranks=1
+--fine-grained-activation-offloading=0 --min-offloaded-tensor-size=1 --offload-modules=+""",
+    "megatron_offload_tuning": """
+--cpu-offloading-retain-pinned-cpu-buffers=0 --delay-offload-until-cuda-graph=0
+--fine-grained-offloading-max-inflight-offloads=1""",
+    "distribute_saved": "--distribute-saved-activations=0",
+    "param_group_dump": "--dump-param-to-param-group-map=1",
     "optimizer_offload": """
 --no-pin-cpu-grads=0 --no-pin-cpu-params=0 --optimizer-cpu-offload=0 --optimizer-offload-fraction=1
 --overlap-cpu-optimizer-d2h-h2d=0 --use-precision-aware-optimizer=0 --use-torch-optimizer-for-cpu-offload=0""",

@@ -62,6 +62,12 @@ GPU_NEUTRAL: dict[str, GpuRule] = {
                         "are the same)"),
     "eval_extra": _neutral("a validation setting beyond --eval-interval/--eval-iters; validation uses the training "
                            "micro and global batch sizes on the single validation split, on a GPU as on CPU"),
+    "megatron_offload_tuning": _neutral("a setting of Megatron-LM's own offload manager, which this driver does not "
+                                        "run on a GPU either: Megatron's offload request runs as h3t-ext's "
+                                        "--offload-alpha, whose pinned host pool persists and which copies one layer "
+                                        "at a time on its own CUDA stream; no MoE groups exist"),
+    "param_group_dump": _neutral("writes a diagnostic file of the optimizer's parameter groups; not written by this "
+                                 "driver, on a GPU either, and training is the same"),
     "fsdp": _neutral("a setting of Megatron FSDP, which this driver refuses (--use-megatron-fsdp); without it the "
                      "setting has no effect, as in Megatron-LM"),
 }

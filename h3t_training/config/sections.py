@@ -21,6 +21,7 @@ from h3t_training.config import auto_plan
 
 
 from h3t_training.config import megatron_compat
+from h3t_training.config import megatron_offload
 
 
 from h3t_training.config import validation
@@ -135,11 +136,12 @@ Step = Callable[[TrainConfig], TrainConfig]
 def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
     steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
-                         arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt]
+                         arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt,
+                         megatron_offload.check_offload_requests]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
-    steps += [arguments.fill_parallel_defaults, check_sharding_flags, check_sdc_flags, check_memory_hygiene, check_gpu_flags,
-              validation.validate_args]
+    steps += [arguments.fill_parallel_defaults, megatron_offload.map_offload_request, check_sharding_flags,
+              check_sdc_flags, check_memory_hygiene, check_gpu_flags, validation.validate_args]
     for step in steps:
         config = step(config)
         assert isinstance(config, TrainConfig), f"{step.__name__} must return a TrainConfig"
