@@ -129,7 +129,7 @@ def test_wandb_project_without_wandb_is_one_line(capsys, monkeypatch):
     (["--split", "90,x,5"], "--split '90,x,5' is not comma-separated numbers"),
     (["--split", "0,0,0"], "--split 0,0,0 has no positive share"),
     (["--skip-train", "--eval-iters", "0"], "--skip-train with --eval-iters 0 has nothing to do"),
-    (["--skip-train"], "--skip-train with --split 100,0,0 has no validation or test data"),
+    (["--skip-train", "--split", "100,0,0"], "--skip-train with --split 100,0,0 has no validation or test data"),
     (["--valid-data-path", "/nonexistent/p"], "give exactly one of --data-path PREFIX and --mock-data"),
 ])
 def test_bad_eval_flags_give_one_line(extra, expected, capsys, monkeypatch):
