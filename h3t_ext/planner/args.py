@@ -13,11 +13,10 @@ from typing import NoReturn, Optional, Union
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
-from h3t_ext.costmodel.megatron_offload import DENSE_OFFLOAD_MODULES, MIN_OFFLOADED_TENSOR_SIZE
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, TRANSFORMER_IMPLS
-from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES, RECOMPUTE_METHODS
+from h3t_ext.ckpt import CKPT_CHOICES
 from h3t_ext.offload_alpha import OffloadAlpha
-from h3t_ext.planner import translate
+from h3t_ext.planner import cli_flags, translate
 from h3t_ext.planner.space import SearchConstraints
 from h3t_ext.planner.units import parse_bytes
 
@@ -109,20 +108,10 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     r.add_argument("--json", action="store_true", help="machine-readable output")
     p = sp.add_argument_group("plan" + (" (fixes that dimension of the search)" if search else ""))
     p.add_argument("--micro-batch-size", type=_positive_int, default=None if search else 1)
-    for flag in ("tensor-model-parallel-size", "context-parallel-size", "pipeline-model-parallel-size"):
-        p.add_argument("--" + flag, type=_positive_int, default=None if search else 1)
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=_positive_int, default=None)
+    cli_flags.add_parallel_size_flags(p, count=_positive_int, default=None if search else 1)
+    cli_flags.add_virtual_pipeline_flags(p, count=_positive_int, uneven=not search)
     p.add_argument("--ckpt", choices=CKPT_CHOICES, default=None, help="h3t-ext's checkpointing (default no)")
-    p.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
-                   help="Megatron's recompute: full (whole layers; = --ckpt full with uniform, 1 layer) or selective "
-                        "(the --recompute-modules of every layer; default core_attn)")
-    if not search:
-        p.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
-                       help="full recompute: uniform (units of --recompute-num-layers layers) or block (the first "
-                            "--recompute-num-layers layers of each model chunk)")
-        p.add_argument("--recompute-num-layers", type=_positive_int, default=None, help="full recompute's N (default 1)")
-        p.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
-                       help=f"selective recompute: any of {', '.join(DENSE_RECOMPUTE_MODULES)}")
+    cli_flags.add_recompute_flags(p, count=_positive_int, full_method=not search)
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
     p.add_argument("--tp-comm-overlap", action="store_true",
@@ -160,18 +149,7 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
         p.add_argument("--precision", choices=PRECISIONS, default=None,
                        help="bf16, fp8 or auto (both; the best of either ranks first); default fp8 with "
                             "--fp8-format, else bf16. FP8 plans use --fp8-format (default hybrid) and --fp8-recipe")
-    if not search:
-        p.add_argument("--decoder-first-pipeline-num-layers", type=_positive_int, default=None,
-                       help="layers of the first pipeline stage (the rest split evenly over the others)")
-        p.add_argument("--decoder-last-pipeline-num-layers", type=_positive_int, default=None,
-                       help="layers of the last pipeline stage")
-        p.add_argument("--num-virtual-stages-per-pipeline-rank", type=_positive_int, default=None,
-                       help="model chunks per pipeline rank (interleaving; the way to interleave uneven stages)")
-        p.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                       help="the embedding counts as one layer of the first stage in the layer split")
-        p.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                       help="the loss counts as one layer of the last stage in the layer split")
-    if not search:
+    if not search:  # a Megatron offload request fixes alpha: estimate prices it, search chooses alpha itself
         _add_megatron_offload(p)
     p.add_argument("--offload-alpha", type=_alpha, default="auto" if search else 0.0,
                    help="FLOAT in [0, 1] (or one per stage: 0.3,0.2,...), auto (smallest alpha that fits) or "
@@ -189,21 +167,7 @@ def _nonnegative_int(text: str) -> int:
 
 
 def _add_megatron_offload(p) -> None:
-    """Megatron-LM's activation offload flags: priced as the --offload-alpha that moves the same saved bytes
-    (:mod:`h3t_ext.costmodel.megatron_offload`)."""
-    p.add_argument("--fine-grained-activation-offloading", action="store_true",
-                   help="Megatron's module-level offload (with --offload-modules): priced as the --offload-alpha "
-                        "that moves the same saved bytes")
-    p.add_argument("--offload-modules", nargs="+", default=None, metavar="MODULE",
-                   help=f"any of {', '.join(DENSE_OFFLOAD_MODULES)} (attn_proj needs core_attn)")
-    p.add_argument("--activation-offload-fraction", type=_fraction, default=None,
-                   help="fraction in [0, 1] of the eligible module groups offloaded (default 1.0)")
-    p.add_argument("--min-offloaded-tensor-size", type=_nonnegative_int, default=None,
-                   help=f"saved tensors with fewer elements stay (default {MIN_OFFLOADED_TENSOR_SIZE})")
-    p.add_argument("--delta-offload-bytes-across-pp-ranks", type=_nonnegative_int, default=None,
-                   help="only 0 (a nonzero delta has no per-stage alpha that reproduces it)")
-    p.add_argument("--cpu-offloading-num-layers", type=_nonnegative_int, default=None,
-                   help="Megatron's layer offload of the first N layers (p=1): priced as --offload-alpha N/L")
+    cli_flags.add_megatron_offload_flags(p, nonnegative=_nonnegative_int, fraction=_fraction)
 
 
 def _add_system(g) -> None:
@@ -305,10 +269,6 @@ def system_file_from_args(ns: argparse.Namespace) -> dict:
         with open(ns.system_file, encoding="utf-8") as f:
             return json.load(f)
     return system_file_dict(ns.gpu)
-
-
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-"""Megatron's --recompute-granularity values the planner prices."""
 
 
 def _ckpt_of(ns: argparse.Namespace, *, search: bool) -> Optional[str]:

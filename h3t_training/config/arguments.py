@@ -11,9 +11,9 @@ import math
 import sys
 from typing import Optional
 
-from h3t_ext.ckpt import DENSE_RECOMPUTE_MODULES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS, Ckpt, Recompute, \
-    combined_ckpt, split_ckpt
+from h3t_ext.ckpt import Ckpt, Recompute, combined_ckpt, split_ckpt
 from h3t_ext.layout import LayoutError, pipeline_split
+from h3t_ext.planner import cli_flags
 from h3t_training.errors import ArgumentError
 from h3t_training.config.flag_table import add_table_flags
 from h3t_training.config.h3t_flags import add_h3t_flags
@@ -81,19 +81,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 def _add_parallel(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism (left-out values are filled by --auto-plan)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=None)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
-                   help="transformer layers of the first pipeline stage (the rest split evenly over the others)")
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="transformer layers of the last pipeline stage")
-    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
-                   help="the embedding counts as one layer of the first stage when the layers are split")
-    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
-                   help="the loss counts as one layer of the last stage when the layers are split")
-    g.add_argument("--context-parallel-size", type=int, default=None)
+    cli_flags.add_parallel_size_flags(g, count=int, default=None)
+    cli_flags.add_virtual_pipeline_flags(g, count=int, uneven=True)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -181,29 +170,9 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand of --recompute-granularity selective")
-    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
-                   help="full: layers rerun whole in backward (see --recompute-method); selective: the "
-                        "--recompute-modules of every layer")
-    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
-                   help="full recompute: uniform (units of --recompute-num-layers layers, the default) or block "
-                        "(the first --recompute-num-layers layers of each model chunk)")
-    g.add_argument("--recompute-num-layers", type=int, default=None, help="full recompute's N (default 1)")
-    g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
-                   help=f"selective recompute: any of {', '.join(DENSE_RECOMPUTE_MODULES)} (default core_attn)")
+    cli_flags.add_recompute_flags(g, count=int, full_method=True)
     add_h3t_flags(g)
-    g.add_argument("--fine-grained-activation-offloading", action="store_true",
-                   help="Megatron-LM's module-level activation offload (with --offload-modules): runs as the "
-                        "--offload-alpha that moves the same saved bytes (one notice states it)")
-    g.add_argument("--offload-modules", nargs="+", default=None, metavar="MODULE",
-                   help="attn_norm, qkv_linear, core_attn, attn_proj (needs core_attn), mlp_norm")
-    g.add_argument("--activation-offload-fraction", type=float, default=None, metavar="F",
-                   help="fraction in [0, 1] of the eligible module groups offloaded (default 1.0, as Megatron-LM)")
-    g.add_argument("--min-offloaded-tensor-size", type=int, default=None, metavar="N",
-                   help="saved tensors with fewer elements stay on the device (default 1048576, as Megatron-LM)")
-    g.add_argument("--delta-offload-bytes-across-pp-ranks", type=int, default=None, metavar="BYTES",
-                   help="only 0 (Megatron-LM's default) is accepted")
-    g.add_argument("--cpu-offloading-num-layers", type=int, default=None, metavar="N",
-                   help="Megatron-LM's layer offload of the first N layers (p=1): runs as --offload-alpha N/L")
+    cli_flags.add_megatron_offload_flags(g, nonnegative=int, fraction=float)
     g.add_argument("--auto-plan", action="store_true",
                    help="let the planner fill every parallel and memory flag left out, and print its plan")
     g.add_argument("--gpu", default=None, help="system name of the cost model (auto-plan, MFU peak)")

@@ -1,0 +1,91 @@
+"""Megatron-LM's layout, recompute and activation-offload flags, defined once for both command lines that take
+them: ``h3t-plan`` (:mod:`h3t_ext.planner.args`) and the training driver (``h3t_training/config/arguments.py``).
+
+Each function adds one family of flags to an argparse group with Megatron-LM's names, destinations, choices and
+help. What differs between the two command lines is passed in, not copied: the type that parses a count (the
+planner checks ranges as it parses, with its own one-line message; the driver parses ``int`` and checks every size
+after resolving Megatron's aliases, :func:`h3t_training.config.arguments.check_positive`), the default of the
+parallel sizes (the planner's ``estimate`` prices 1, its ``search`` and the driver leave them to be chosen), and
+which members of a family a command line takes (``h3t-plan search`` chooses the layout, so it takes no uneven split
+and no full-recompute method). The planner's and the driver's defaults of sequence parallelism and the distributed
+optimizer differ on purpose and stay in their own modules.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from h3t_ext.ckpt import DENSE_RECOMPUTE_MODULES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
+from h3t_ext.costmodel.megatron_offload import DENSE_OFFLOAD_MODULES, MIN_OFFLOADED_TENSOR_SIZE
+
+Parse = Callable[[str], Any]
+
+PARALLEL_SIZE_FLAGS = {
+    "--tensor-model-parallel-size": "t: ranks that split every layer's weights (and, with sequence parallelism, its "
+                                    "norm-side activations)",
+    "--pipeline-model-parallel-size": "p: pipeline stages, each a consecutive share of the layers",
+    "--context-parallel-size": "c: ranks that split the sequence (ring attention over c)",
+}
+
+
+def add_parallel_size_flags(g, *, count: Parse, default: Optional[int]) -> None:
+    """t, p and c (``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``, ``--context-parallel-size``)."""
+    for flag, text in PARALLEL_SIZE_FLAGS.items():
+        g.add_argument(flag, type=count, default=default, help=text)
+
+
+def add_virtual_pipeline_flags(g, *, count: Parse, uneven: bool) -> None:
+    """Interleaving (``--num-layers-per-virtual-pipeline-stage``) and, with ``uneven``, Megatron's uneven first and
+    last stages and the second way to interleave them."""
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=count, default=None,
+                   help="layers of each model chunk (interleaved 1F1B)")
+    if not uneven:
+        return
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=count, default=None,
+                   help="model chunks per pipeline rank (interleaving; the way to interleave uneven stages)")
+    g.add_argument("--decoder-first-pipeline-num-layers", type=count, default=None,
+                   help="transformer layers of the first pipeline stage (the rest split evenly over the others)")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=count, default=None,
+                   help="transformer layers of the last pipeline stage")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the embedding counts as one layer of the first stage when the layers are split")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the loss counts as one layer of the last stage when the layers are split")
+
+
+def add_recompute_flags(g, *, count: Parse, full_method: bool) -> None:
+    """Megatron's activation recompute: ``--recompute-granularity`` and, with ``full_method``, how full recompute
+    picks its layers and which modules selective recompute reruns."""
+    g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
+                   help="full: whole layers rerun in backward (see --recompute-method); selective: the "
+                        "--recompute-modules of every layer (default core_attn)")
+    if not full_method:
+        return
+    g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
+                   help="full recompute: uniform (units of --recompute-num-layers layers, the default) or block "
+                        "(the first --recompute-num-layers layers of each model chunk)")
+    g.add_argument("--recompute-num-layers", type=count, default=None, help="full recompute's N (default 1)")
+    g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
+                   help=f"selective recompute: any of {', '.join(DENSE_RECOMPUTE_MODULES)} (default core_attn)")
+
+
+def add_megatron_offload_flags(g, *, nonnegative: Parse, fraction: Parse) -> None:
+    """Megatron-LM's activation CPU offload, which runs (and is priced) as the ``--offload-alpha`` that moves the
+    same saved bytes (:mod:`h3t_ext.costmodel.megatron_offload`)."""
+    g.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="Megatron-LM's module-level activation offload (with --offload-modules): runs as the "
+                        "--offload-alpha that moves the same saved bytes (one notice states it)")
+    g.add_argument("--offload-modules", nargs="+", default=None, metavar="MODULE",
+                   help=f"any of {', '.join(DENSE_OFFLOAD_MODULES)} (attn_proj needs core_attn)")
+    g.add_argument("--activation-offload-fraction", type=fraction, default=None, metavar="F",
+                   help="fraction in [0, 1] of the eligible module groups offloaded (default 1.0, as Megatron-LM)")
+    g.add_argument("--min-offloaded-tensor-size", type=nonnegative, default=None, metavar="N",
+                   help=f"saved tensors with fewer elements stay on the device (default {MIN_OFFLOADED_TENSOR_SIZE}, "
+                        "as Megatron-LM)")
+    g.add_argument("--delta-offload-bytes-across-pp-ranks", type=nonnegative, default=None, metavar="BYTES",
+                   help="only 0 (Megatron-LM's default; a nonzero delta has no per-stage alpha that reproduces it)")
+    g.add_argument("--cpu-offloading-num-layers", type=nonnegative, default=None, metavar="N",
+                   help="Megatron-LM's layer offload of the first N layers (p=1): runs as --offload-alpha N/L")
+
+
+__all__ = ["PARALLEL_SIZE_FLAGS", "add_megatron_offload_flags", "add_parallel_size_flags", "add_recompute_flags",
+           "add_virtual_pipeline_flags"]
