@@ -1,9 +1,10 @@
 """Per-stage memory: parameters, gradients, optimizer states, activations over the schedule, transients.
 
-Bytes per parameter on a rank: 2 (bf16 weight) + 4 (fp32 main grad) + 12/d (fp32 master, Adam m and v,
-sharded over the whole data-parallel group d, context-parallel ranks included). Activations are priced
-over the schedule builder's timeline (see activations.py). Transient buffers are the largest
-short-lived allocations that ``max_memory_allocated`` sees on top of that:
+Bytes per parameter on a rank: 2 (bf16 weight) + 4 (fp32 main grad; 2 with --grad-reduce-in-bf16,
+``Plan.grad_bytes``) + 12/d (fp32 master, Adam m and v, sharded over the whole data-parallel group d,
+context-parallel ranks included). Activations are priced over the schedule builder's timeline (see
+activations.py). Transient buffers are the largest short-lived allocations that ``max_memory_allocated``
+sees on top of that:
 
 * ``sp_allgather_buffer``  the sequence-parallel all-gather of a norm output before the QKV/FC1 GEMM:
                            (s/c) * h bf16 (t > 1 only).
@@ -174,7 +175,7 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
     host = stage_host_bytes(model, plan, stage)
     return {
         "device": {"params": int(round(n * param_bytes / (d if strategy == "optim_grads_params" else 1))),
-                   "grads": int(round(n * FP32 / (d if strategy is not None else 1))),
+                   "grads": int(round(n * plan.grad_bytes / (d if strategy is not None else 1))),
                    "optimizer": int(round(on_device * (2 * FP32 + (FP32 if master_weights else 0))))},
         "host": {"params": 0, "grads": host["grads"], "optimizer": host["optimizer_states"]},
     }
@@ -188,7 +189,7 @@ def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, 
     weights = fp8.weight_bytes(model, plan, n, layers)
     terms = {
         "weights": -(-weights // d) if strategy == "optim_grads_params" else weights,
-        "grads": -(-n * FP32 // d) if strategy is not None else n * FP32,
+        "grads": -(-n * plan.grad_bytes // d) if strategy is not None else n * plan.grad_bytes,
         "optimizer_states": -(-int(round(optimizer_offload.device_params(n, plan)))
                               * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
     }

@@ -91,6 +91,14 @@ class Plan:
     """Megatron's --overlap-cpu-optimizer-d2h-h2d: gradient and parameter copies pipelined with the CPU steps."""
     attention_backend: str = "flash"
     """'flash' or 'unfused' (see ATTENTION_BACKENDS)."""
+    grad_reduce_in_bf16: bool = False
+    """Megatron's --grad-reduce-in-bf16: the gradient buffer and its data-parallel reduction in bf16 (2 bytes per
+    parameter) instead of fp32 (megatron-core's DDP ``grad_reduce_in_fp32``, Megatron-LM's default with bf16)."""
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per parameter of the gradient buffer and of its reduce-scatter / all-reduce."""
+        return 2 if self.grad_reduce_in_bf16 else 4
     transformer_impl: str = "transformer_engine"
     """Megatron's --transformer-impl: 'transformer_engine' (FC2 keeps its own copy of its input) or 'local'."""
     decoder_first_pipeline_num_layers: Optional[int] = None

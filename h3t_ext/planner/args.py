@@ -114,6 +114,8 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     cli_flags.add_recompute_flags(p, count=_positive_int, full_method=not search)
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
+    p.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="gradient buffer and its data-parallel reduction in bf16 (half the bytes of fp32)")
     p.add_argument("--tp-comm-overlap", action="store_true",
                    help="TransformerEngine userbuffers overlap the tensor-parallel communication with the GEMMs")
     p.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",

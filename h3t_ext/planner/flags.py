@@ -79,7 +79,8 @@ _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--
                        "--no-overlap-p2p-communication", "--use-precision-aware-optimizer"})
 _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather",
-            "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d"}
+            "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
+            "--grad-reduce-in-bf16": "grad_reduce_in_bf16"}
 _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
                "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--attention-backend": "attention_backend",
                "--transformer-impl": "transformer_impl", "--recompute-granularity": "recompute_granularity",

@@ -57,6 +57,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "fp8": None,  # --fp8-format (dest fp8): BF16 unless given
     "fp8_recipe": "delayed",
     "fp8_param_gather": False,
+    "grad_reduce_in_bf16": False,
     "optimizer_cpu_offload": False,
     "optimizer_offload_fraction": 1.0,
     "overlap_cpu_optimizer_d2h_h2d": False,
@@ -77,7 +78,7 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
            "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split", "fp8",
-           "fp8_recipe", "fp8_param_gather", "optimizer_cpu_offload", "optimizer_offload_fraction",
+           "fp8_recipe", "fp8_param_gather", "grad_reduce_in_bf16", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
@@ -233,8 +234,8 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
                          "takes --ckpt no|full|ours or --recompute-granularity alone)")
     switches = {name: _value(read, name, fixed) for name in (
         "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
-        "use_distributed_optimizer", "fp8_param_gather", "optimizer_cpu_offload", "optimizer_offload_fraction",
-        "overlap_cpu_optimizer_d2h_h2d")}
+        "use_distributed_optimizer", "fp8_param_gather", "grad_reduce_in_bf16", "optimizer_cpu_offload",
+        "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d")}
     return SearchConstraints(
         tensor_model_parallel_size=given("tensor_model_parallel_size"),
         context_parallel_size=given("context_parallel_size"),

@@ -2,6 +2,8 @@
 global batch fixed, tokens/s per GPU falls, and the named terms say why."""
 from dataclasses import replace
 
+import pytest
+
 from h3t_ext.costmodel import Plan, estimate, get_model, get_system
 from h3t_ext.costmodel.data_parallel import all_reduce_choice, dp_comm, tree_all_reduce_latency
 from h3t_ext.costmodel.collectives import group_link
@@ -59,3 +61,25 @@ def test_all_reduce_takes_the_tree_over_many_nodes_for_small_buckets():
     model = get_model("llama-7b")
     c = dp_comm(model, replace(_plan(1024), use_distributed_optimizer=False, overlap_grad_reduce=False), system)
     assert c.buckets == 1 and c.param_seconds == 0.0
+
+
+def test_grad_reduce_in_bf16_halves_the_gradient_buffer_and_its_reduction():
+    """--grad-reduce-in-bf16: the gradient buffer holds 2 bytes per parameter instead of 4 (megatron-core's DDP with
+    grad_reduce_in_fp32 off) and the reduce-scatter moves half the bytes; the flag round-trips through the planner's
+    flags, and the driver's translation reads it."""
+    from h3t_ext.costmodel.memory import stage_memory
+    from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
+
+    model, system = get_model("llama-7b"), get_system("h100-sxm")
+    fp32, bf16 = _plan(64), _plan(64, grad_reduce_in_bf16=True)
+    g32, g16 = stage_memory(model, fp32, 0, 0.0).terms["grads"], stage_memory(model, bf16, 0, 0.0).terms["grads"]
+    assert g32 == 2 * g16 and g16 == stage_memory(model, bf16, 0, 0.0).terms["weights"]  # bf16 weights: 2 bytes too
+    c32, c16 = dp_comm(model, fp32, system), dp_comm(model, bf16, system)
+    assert c32.buckets == c16.buckets and c16.param_seconds == c32.param_seconds
+    assert c16.grad_seconds < c32.grad_seconds
+    # ring time = latency + bytes / bandwidth: the bandwidth part halves
+    assert (c16.grad_seconds - c16.latency_seconds / 2) == \
+        pytest.approx((c32.grad_seconds - c32.latency_seconds / 2) / 2, rel=1e-9)
+    flags = megatron_flags(bf16)
+    assert "--grad-reduce-in-bf16" in flags and "--grad-reduce-in-bf16" not in megatron_flags(fp32)
+    assert plan_from_megatron_flags(flags, num_gpus=64, seq_length=4096).grad_reduce_in_bf16

@@ -120,7 +120,10 @@ def test_fusion_and_attention_flags_reach_the_transformer_config_on_a_gpu(monkey
 def test_gradient_reduction_precision_reaches_the_ddp_config(monkeypatch, capsys):
     _gpu(monkeypatch, te=True)
     assert ddp_fields(parse_args(BASE, world_size=2))["grad_reduce_in_fp32"] is True
-    assert ddp_fields(parse_args([*BASE, "--grad-reduce-in-bf16"], world_size=2))["grad_reduce_in_fp32"] is False
+    bf16 = parse_args([*BASE, "--grad-reduce-in-bf16"], world_size=2)
+    assert ddp_fields(bf16)["grad_reduce_in_fp32"] is False
+    assert run_plan(bf16, on_gpu=True).grad_reduce_in_bf16 and not run_plan(parse_args(BASE, world_size=2),
+                                                                            on_gpu=True).grad_reduce_in_bf16
     body = _error([*BASE, "--exp-avg-dtype", "bf16"], capsys)
     assert body == "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer (as in Megatron-LM)"
 
