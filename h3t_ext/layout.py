@@ -178,8 +178,8 @@ class PipelineSplit:
         p, first, last = self.pipeline_model_parallel_size, self.decoder_first_pipeline_num_layers, \
             self.decoder_last_pipeline_num_layers
         if not self.uneven:
-            return _slots(self.num_layers, self.account_for_embedding_in_pipeline_split,
-                          self.account_for_loss_in_pipeline_split)[0] // p
+            return (self.num_layers + self.account_for_embedding_in_pipeline_split
+                    + self.account_for_loss_in_pipeline_split) // p  # _slots' count, without its message
         if stage == 0 and first is not None:
             return first
         if stage == p - 1 and last is not None:
