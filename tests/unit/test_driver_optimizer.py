@@ -94,8 +94,11 @@ def test_shards_are_balanced_and_deterministic():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 10, 90, 5, 5)]
     owners = _shard_owners(params, 2)
     assert owners == _shard_owners(params, 2)
-    load = [sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(2)]
-    assert max(load) - min(load) <= 10
+    # largest first, each to the least-loaded rank: 100 -> 0, 90 -> 1, 10 -> 1, 5 -> 0, 5 -> 1
+    assert owners == [0, 1, 1, 0, 1]
+    assert [sum(p.numel() for p, o in zip(params, owners) if o == r) for r in range(2)] == [105, 105]
+    odd = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 7, 7)]  # no even split: the greedy one is 14 / 7
+    assert _shard_owners(odd, 2) == [0, 1, 0]
 
 
 def test_learning_rate_schedule():
