@@ -10,12 +10,11 @@ ratio) or ``--auto-plan``, is one line (exit status 2) before any process group.
 """
 from __future__ import annotations
 
-from h3t_ext.costmodel.activations import BOOL
 from h3t_ext.costmodel.megatron_offload import MegatronOffloadError, MegatronOffloadMapping
 from h3t_ext.planner.translate import megatron_offload_from_args, megatron_offload_mapping
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import table_value
-from h3t_training.config.run_spec import model_spec, run_plan, uses_transformer_engine
+from h3t_training.config.run_spec import activation_spec, model_spec, run_plan
 from h3t_training.data.tokenizer import tokenizer_from_args
 from h3t_training.errors import ArgumentError
 
@@ -57,14 +56,12 @@ def map_offload_request(args):
     if not (request.requested or request.offload_modules):
         return args
     on_gpu = feature_checks.uses_gpu(args)
-    te = uses_transformer_engine(on_gpu, args)
-    dtype_bytes = 2 if (on_gpu and args.bf16) else 4
+    spec = activation_spec(args, on_gpu=on_gpu)
+    te = spec["layer_spec"] == "te"
     plan = run_plan(args, on_gpu=on_gpu)
     model = model_spec(args, tokenizer_from_args(args).vocab_size)
     try:
-        mapping = megatron_offload_mapping(args, model, plan, layer_spec="te" if te else "local",
-                                           dtype_bytes=dtype_bytes, dropout_mask_bytes=BOOL if on_gpu else dtype_bytes,
-                                           fp8=te and plan.fp8 is not None)
+        mapping = megatron_offload_mapping(args, model, plan, **spec, fp8=te and plan.fp8 is not None)
     except MegatronOffloadError as e:
         raise ArgumentError(str(e)) from None
     line = notice(request.flags(), mapping, args.pipeline_model_parallel_size, request.min_offloaded_tensor_size,

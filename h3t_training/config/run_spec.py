@@ -11,20 +11,27 @@ userbuffers (``--tp-comm-overlap``), no Megatron FSDP. The layer split (uneven f
 from __future__ import annotations
 
 from h3t_ext.costmodel import ModelSpec, Plan
+from h3t_ext.costmodel.activations import BOOL
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.translate import plan_from_args
-from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import table_value
 from h3t_training.config.megatron_fields import attention_backend, spec_backend
 
 
-def uses_transformer_engine(on_gpu: bool, config=None) -> bool:
-    """The layer spec the model provider builds: TransformerEngine's on a GPU where it is importable (and, given
-    the run's ``config``, unless ``--transformer-impl local``)."""
-    if config is not None:
-        return spec_backend(config, on_gpu=on_gpu) == "te"
-    return on_gpu and feature_checks.transformer_engine_available()
+def uses_transformer_engine(on_gpu: bool, config) -> bool:
+    """The layer spec the model provider builds for ``config``: TransformerEngine's on a GPU where it is importable,
+    unless ``--transformer-impl local`` (:func:`~h3t_training.config.megatron_fields.spec_backend`)."""
+    return spec_backend(config, on_gpu=on_gpu) == "te"
+
+
+def activation_spec(config, *, on_gpu: bool) -> dict:
+    """How this run's saved activations are priced (the keywords of the cost model's activation terms): the layer
+    spec the model provider builds, 2 bytes per element with --bf16 on a GPU (fp32 on CPU), and a hidden-dropout
+    mask of one byte on a GPU (PyTorch's CPU dropout keeps its noise in the activation dtype)."""
+    dtype_bytes = 2 if (on_gpu and config.bf16) else 4
+    return {"layer_spec": "te" if uses_transformer_engine(on_gpu, config) else "local", "dtype_bytes": dtype_bytes,
+            "dropout_mask_bytes": BOOL if on_gpu else dtype_bytes}
 
 
 def gpu_plan_fields(config) -> dict:
@@ -71,4 +78,4 @@ def model_flops_per_iteration_token(config, vocab_size: int) -> float:
     return model_flops_per_token(model_spec(config, vocab_size), config.seq_length)
 
 
-__all__ = ["gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]
+__all__ = ["activation_spec", "gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]

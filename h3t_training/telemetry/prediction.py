@@ -17,21 +17,18 @@ def predicted_scalars(args, *, vocab_size: int, on_gpu: bool) -> dict[str, float
     """Tag -> predicted value for this run's plan (:func:`h3t_training.config.run_spec.run_plan`); tags the cost model
     cannot price are left out."""
     from h3t_ext.costmodel import get_system
-    from h3t_ext.costmodel.activations import BOOL, stage_activation_peak_bytes
+    from h3t_ext.costmodel.activations import stage_activation_peak_bytes
     from h3t_ext.costmodel.errors import PlanError, UnknownNameError
     from h3t_ext.costmodel.estimate import estimate
     from h3t_training.config.auto_plan import system_name
-    from h3t_training.config.run_spec import model_spec, run_plan, uses_transformer_engine
+    from h3t_training.config.run_spec import activation_spec, model_spec, run_plan
 
     model = model_spec(args, vocab_size, name="run")
     plan = run_plan(args, offload_alpha=args.offload_alpha, on_gpu=on_gpu)
     out: dict[str, float] = {}
-    te = uses_transformer_engine(on_gpu, args)
     try:
-        dtype_bytes = 2 if (on_gpu and args.bf16) else 4
-        acts = stage_activation_peak_bytes(model, plan, dtype_bytes=dtype_bytes, layer_spec="te" if te else "local",
-                                           sequence_parallel=args.sequence_parallel,
-                                           dropout_mask_bytes=BOOL if on_gpu else dtype_bytes)
+        acts = stage_activation_peak_bytes(model, plan, sequence_parallel=args.sequence_parallel,
+                                           **activation_spec(args, on_gpu=on_gpu))
         for r, b in enumerate(acts):
             out[f"h3t/predicted-peak-activation-bytes/stage-{r}"] = float(b)
     except (PlanError, ValueError):
