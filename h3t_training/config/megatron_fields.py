@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES as PRICED_FP8_RECIPES
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import table_value
 from h3t_training.errors import ArgumentError
 
-FP8_FORMATS = ("e4m3", "hybrid")
-FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise", "custom")
+FP8_RECIPES = PRICED_FP8_RECIPES + ("custom",)
+"""megatron-core 0.16.1's ``TransformerConfig.fp8_recipe`` literals: the recipes the cost model prices and 'custom'
+(a user's quantizer factory, passed to megatron-core; a logged prediction cannot price it)."""
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
-"""megatron-core 0.16.1's ``TransformerConfig`` literals of fp8, fp8_recipe and fp8_amax_compute_algo."""
+"""megatron-core 0.16.1's ``TransformerConfig.fp8_amax_compute_algo`` literals (``fp8``: ``FP8_FORMATS``, the
+cost model's)."""
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "auto")
 """megatron-core's AttnBackend names a GPU run takes ('local' needs the local spec: ``--transformer-impl local``)."""
 OPTIMIZER_DTYPES = {"--main-grads-dtype": ("main_grads_dtype", ("fp32", "bf16")),
