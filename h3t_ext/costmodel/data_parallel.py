@@ -118,17 +118,17 @@ def dp_comm(model: ModelSpec, plan: Plan, system: SystemSpec) -> DataParallelCom
     link = group_link(t, d, system)
     buckets, last = ddp_buckets(model, plan, n)
     rest = (n - last) / max(1, buckets - 1)  # the other buckets (all alike when v = 1)
+    gbytes = plan.grad_bytes  # fp32, or bf16 with --grad-reduce-in-bf16
     if plan.use_distributed_optimizer:
         # reduce-scatter: the same ring cost as the all-gather of its input
         pbytes = fp8.param_gather_bytes(plan)  # BF16, or FP8 with --fp8-param-gather
-        gbytes = plan.grad_bytes  # fp32, or bf16 with --grad-reduce-in-bf16
         last_g, last_p = all_gather_seconds(last * gbytes, d, link), all_gather_seconds(last * pbytes, d, link)
         grads = last_g + (buckets - 1) * all_gather_seconds(rest * gbytes, d, link)
         params = last_p + (buckets - 1) * all_gather_seconds(rest * pbytes, d, link)
         latency, algo = 2 * buckets * (d - 1) * link.latency, "ring"
     else:
-        last_g, algo = all_reduce_choice(last * plan.grad_bytes, d, t, link, system)
-        grads = last_g + (buckets - 1) * all_reduce_choice(rest * plan.grad_bytes, d, t, link, system)[0]
+        last_g, algo = all_reduce_choice(last * gbytes, d, t, link, system)
+        grads = last_g + (buckets - 1) * all_reduce_choice(rest * gbytes, d, t, link, system)[0]
         params = last_p = 0.0
         latency = buckets * (2 * (d - 1) * link.latency if algo == "ring" else tree_all_reduce_latency(t, d, system))
     return DataParallelComm(buckets, grads, params, latency, last_g, last_p, algo)

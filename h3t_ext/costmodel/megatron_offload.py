@@ -205,6 +205,14 @@ def check_request(request: MegatronOffload, *, num_layers: int, pipeline_model_p
                                    "full (a recomputed layer keeps only its input; use --offload-alpha)")
 
 
+def _checked(model: ModelSpec, plan, request: MegatronOffload):
+    """``plan``'s (ckpt, recompute) after :func:`check_request` of ``request`` on it."""
+    base, recompute = plan_recompute(plan)
+    check_request(request, num_layers=model.num_layers, pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
+                  recompute_granularity=recompute.granularity)
+    return base, recompute
+
+
 def fine_grained_alpha(model: ModelSpec, plan, request: MegatronOffload, *, dtype_bytes: int = 2,
                        layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
                        fp8: bool = False) -> MegatronOffloadMapping:
@@ -212,9 +220,7 @@ def fine_grained_alpha(model: ModelSpec, plan, request: MegatronOffload, *, dtyp
     for ``plan``'s micro batch, sequence shard, sequence parallelism and ckpt/selective recompute, in
     ``layer_spec``'s terms (``dtype_bytes``, ``dropout_mask_bytes``, ``fp8`` as
     :func:`~h3t_ext.costmodel.activations.activation_bytes_per_layer_token` takes them)."""
-    base, recompute = plan_recompute(plan)
-    check_request(request, num_layers=model.num_layers, pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
-                  recompute_granularity=recompute.granularity)
+    base, recompute = _checked(model, plan, request)
     if layer_spec not in MODULE_TERMS:
         raise ValueError(f"layer_spec must be 'te' or 'local', got {layer_spec!r}")
     t, sp = plan.tensor_model_parallel_size, plan.sequence_parallel
@@ -252,9 +258,7 @@ def fine_grained_alpha(model: ModelSpec, plan, request: MegatronOffload, *, dtyp
 def layer_offload_alpha(model: ModelSpec, plan, request: MegatronOffload) -> MegatronOffloadMapping:
     """``--cpu-offloading-num-layers N``: alpha = N / L (h3t-ext's layer rule moves the first N layers whole, as
     TransformerEngine's layer offload does), with megatron-core's rules (:func:`check_request`)."""
-    _, recompute = plan_recompute(plan)
-    check_request(request, num_layers=model.num_layers, pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
-                  recompute_granularity=recompute.granularity)
+    _checked(model, plan, request)
     n, layers = request.cpu_offloading_num_layers, model.num_layers
     return MegatronOffloadMapping(n / layers, (), n, layers)
 
@@ -266,9 +270,7 @@ def megatron_offload_alpha(model: ModelSpec, plan, request: MegatronOffload, **s
         return fine_grained_alpha(model, plan, request, **spec)
     if request.cpu_offloading_num_layers:
         return layer_offload_alpha(model, plan, request)
-    _, recompute = plan_recompute(plan)
-    check_request(request, num_layers=model.num_layers, pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
-                  recompute_granularity=recompute.granularity)
+    _checked(model, plan, request)
     return None
 
 
