@@ -224,15 +224,9 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
     """Run iterations ``start_iteration .. --train-iters`` (evaluating, saving and exiting as asked:
     --exit-interval, --exit-duration-in-mins, --exit-signal-handler); returns the last iteration done
     and whether the run exited early. ``progress.iteration`` follows the iterations done; ``hygiene``: Megatron's
-    --manual-gc and --empty-unused-memory-level, at the points of Megatron-LM's loop."""
+    --manual-gc and --empty-unused-memory-level at the points of Megatron-LM's loop (the caller holds
+    ``hygiene.training()`` around the call, as Megatron's ``train`` switches the collector off)."""
     progress = progress or RunProgress()
-    with hygiene.training():
-        return _train(args, chunks, optimizer, runtime, start_iteration, logger, data_iterators, on_gpu, evaluator,
-                      scalars, config, exits, progress, hygiene)
-
-
-def _train(args, chunks, optimizer, runtime, start_iteration, logger, data_iterators, on_gpu, evaluator, scalars,
-           config, exits, progress, hygiene) -> tuple[int, bool]:
     fb = runtime.forward_backward_func(args.pipeline_model_parallel_size, len(chunks))
     batches, shard = schedule_of(args), args.micro_batch_size * args.data_parallel_size
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -343,9 +337,13 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
     exits = ExitConditions(args, start_time, handler)
     try:
         with handler or contextlib.nullcontext():
-            iteration, exited = (start, False) if args.skip_train else train(
-                args, chunks, optimizer, runtime, start, logger, iters, on_gpu, evaluator, scalars, config,
-                exits=exits, progress=progress, hygiene=hygiene)
+            if args.skip_train:
+                iteration, exited = start, False
+            else:
+                with hygiene.training():
+                    iteration, exited = train(args, chunks, optimizer, runtime, start, logger, iters, on_gpu,
+                                              evaluator, scalars, config, exits=exits, progress=progress,
+                                              hygiene=hygiene)
         stats = _gather_stage_stats(runtime, chunks)
         state_bytes = _gather_state_bytes(chunks, optimizer, on_gpu)
         if not exited:
