@@ -197,12 +197,14 @@ def _verify_layout(directory: str, rank: int, world_size: int) -> None:
 
 def _read_common(directory: str) -> dict:
     meta = os.path.join(directory, "metadata.json")
-    legacy = sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
+    names = os.listdir(directory)
+    legacy = sorted(n for n in names if n.startswith("mp_rank_"))
     if legacy:
-        raise CheckpointError(f"{directory} is a Megatron-LM legacy --ckpt-format torch checkpoint ({legacy[0]}/...), "
-                              f"which this driver does not read; convert it with Megatron-LM (--load it with --ckpt-convert-format "
-                              f"torch_dist --ckpt-convert-save DIR) and --load the result")
-    if any(n.startswith("rank_") and n.endswith(".pt") for n in os.listdir(directory)):
+        raise CheckpointError(f"{directory} is a Megatron-LM legacy --ckpt-format torch checkpoint "
+                              f"({legacy[0]}/...), which this driver does not read; convert it with Megatron-LM "
+                              "(--load it with --ckpt-convert-format torch_dist --ckpt-convert-save DIR) and --load "
+                              "the result")
+    if any(n.startswith("rank_") and n.endswith(".pt") for n in names):
         raise CheckpointError(f"{directory} is in h3t-ext's former per-rank format (rank_*.pt), which this "
                               f"release does not read; train again or convert it with the previous release")
     try:
