@@ -32,15 +32,22 @@ def use_megatron_loop(argv) -> bool:
 def main(argv=None) -> int:
     from h3t_training.config.arguments import MEGATRON_GPT_DEFAULTS
 
+    from h3t_training.errors import ArgumentError
+    from h3t_training.launch import launch_env
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:  # Open MPI's variables (a bare mpirun, as Megatron-Kwai's scripts launch) become torch's for both loops
+        rank = launch_env.adopt(os.environ).rank
+    except ArgumentError as e:
+        sys.stderr.write(f"{PROG}: error: {e}\n")
+        return 2
     if use_megatron_loop(argv):
         from h3t_ext.runtime.config import RuntimeConfigError
         from h3t_training.loop import megatron_native
-        from h3t_training.errors import ArgumentError
         try:
             return megatron_native.run(argv, defaults=MEGATRON_GPT_DEFAULTS)
         except (ArgumentError, RuntimeConfigError) as e:
-            if int(os.environ.get("RANK", "0")) == 0:  # the launcher's rank: every rank fails alike, one says so
+            if rank == 0:  # every rank fails alike, one says so
                 sys.stderr.write(f"{PROG}: error: {e}\n")
             return 2
     from pretrain_llama import main as driver_main

@@ -15,11 +15,17 @@ PROG = "pretrain_llama.py"
 def main(argv=None, prog: str = PROG, defaults=None) -> int:
     """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train; a failure or
     Ctrl-C ends in one line (h3t_training.launch.failures)."""
+    from h3t_training.errors import ArgumentError
+    from h3t_training.launch import launch_env
     from h3t_training.launch.failures import run_reported
     from h3t_training.launch.run_guard import die_with_launcher
     die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
-    rank = int(os.environ.get("RANK", "0"))  # the launcher's; the library reads no environment
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # the launcher's (torch's variables, or Open MPI's under a bare mpirun); the library reads no environment
+        launch = launch_env.adopt(os.environ)
+    except ArgumentError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        return 2
+    rank, world_size = launch.rank, launch.world_size
 
     def run(progress) -> int:
         from h3t_training.config.sections import parse_args

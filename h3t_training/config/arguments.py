@@ -89,6 +89,10 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                    help="overlap the data-parallel gradient reduce with backward (megatron-core DDP buckets, GPU)")
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="overlap the distributed optimizer's parameter all-gather with forward (GPU)")
+    g.add_argument("--overlap-p2p-communication", dest="overlap_p2p_comm", action="store_true", default=True,
+                   help="Megatron-Kwai's switch for what Megatron-LM and this driver do by default: an interleaved "
+                        "pipeline posts each receive one compute before the compute that needs it "
+                        "(megatron-core's overlap_p2p_comm)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="shard parameters, gradients and optimizer states over the data-parallel group with torch "
                         "FSDP2 (megatron-core's TorchFullyShardedDataParallel; p=1, no distributed optimizer)")
@@ -234,7 +238,8 @@ def _add_eval_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false", dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard")
     g.add_argument("--no-log-learnig-rate-to-tensorboard", "--no-log-learning-rate-to-tensorboard",
                    action="store_false", dest="log_learning_rate_to_tensorboard")
     g.add_argument("--wandb-project", default=None)

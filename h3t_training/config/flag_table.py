@@ -168,7 +168,8 @@ REASONS: dict[str, Reason] = {
     "memory_mgmt": Reason("implemented", "Python GC and CUDA cache management as in Megatron-LM: --manual-gc "
                           "(automatic collector off, a collection every --manual-gc-interval iterations and around "
                           "evaluations), --empty-unused-memory-level (torch.cuda.empty_cache() after forward-backward "
-                          "and optimizer steps on a GPU; CPU has no cache) (h3t_training/config/memory_hygiene.py)"),
+                          "and optimizer steps on a GPU; CPU has no cache); Megatron-Kwai's --kaimm-gc-interval "
+                          "(collector off, generation 0 every N iterations) (h3t_training/config/memory_hygiene.py)"),
     "data_loading": Reason("noticed", "a data-loader performance setting; the driver reads the same samples in the same order",
                     "none needed"),
     "resilience": Reason("noticed", "fault tolerance / restart / straggler / rerun machinery of Megatron-LM's GPU clusters is not part of this driver",
@@ -503,7 +504,7 @@ _MEGATRON_KWAI: dict[str, str] = {
     "kaimm_cp": "--kaimm-cp-offload-mode=1 --kaimm-overlap-cp-slow-ctas=1",
     "kaimm_sync": "--kaimm-cuda-synchronize-level=1",
     "memory_mgmt": "--kaimm-gc-interval=1",
-    "implemented": "--kaimm-offload-activation-ratio=1 --kaimm-recompute-mlp-activation-func=0 --kaimm-recompute-norm=0 --pipeline-parallel-aware-offloading-ratio=1 --rms-norm=0",
+    "implemented": "--kaimm-offload-activation-ratio=1 --kaimm-recompute-mlp-activation-func=0 --kaimm-recompute-norm=0 --overlap-p2p-communication=0 --pipeline-parallel-aware-offloading-ratio=1 --rms-norm=0",
     "profiling": "--kaimm-profile-analysis=0",
     "kaimm_warmup": "--kaimm-warmup-iters=1",
     "comm_overlap": "--no-context-parallel-comm-overlap-gemm=0 --overlap-sp-ag=0 --overlap-sp-rs=0",
@@ -584,16 +585,10 @@ def refusal(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> Opt
 
 
 def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> list[str]:
-    """One line per flag noticed on ``device`` (implemented flags that this build has no explicit definition for
-    are said too: nothing is ignored silently; a flag a GPU run passes to megatron-core says nothing)."""
-    lines = []
-    for e in entries:
-        reason = reason_on(e, device, _value(args, e))
-        if reason.cls == "noticed":
-            lines.append(f"note: {e.flag}: {reason.text}")
-        elif e.cls == "implemented":
-            lines.append(f"note: {e.flag}: accepted; not wired into this build of the driver, no effect")
-    return lines
+    """One line per flag noticed on ``device``; an implemented flag says nothing (each table-only one is read with
+    :func:`table_value` where it acts: ``tests/unit/test_flag_table.py`` holds that true)."""
+    return [f"note: {e.flag}: {reason.text}" for e in entries
+            if (reason := reason_on(e, device, _value(args, e))).cls == "noticed"]
 
 
 __all__ = ["CPU", "FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",

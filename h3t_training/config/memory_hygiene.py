@@ -4,6 +4,9 @@
   no rank pauses at a moment of its own; ``--manual-gc-interval N`` (default 0: never) collects every N
   iterations; unless ``--no-manual-gc-eval`` / ``--disable-manual-gc-eval``, a full collection runs before each
   evaluation and a generation-0 one after it. The collector is switched back on when training ends.
+* Megatron-Kwai's ``--kaimm-gc-interval N`` (N > 0; its ``megatron/training.py``): the same collector switch, a
+  generation-0 collection every N iterations and none around evaluations (Kwai's fork also collects after each
+  checkpoint save; here the save's own objects are freed by the next interval's collection).
 * ``--empty-unused-memory-level L`` (0, 1 or 2): on a GPU, ``torch.cuda.empty_cache()`` after each
   forward-backward and each evaluation step at L >= 1, and after each optimizer step at L = 2. The caching
   allocator's free blocks are given back (less memory reserved, slower allocation); on CPU there is no cache.
@@ -15,6 +18,7 @@ Megatron-LM: ``megatron/training/training.py`` (``train``, ``train_step``, ``eva
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from dataclasses import dataclass
 from typing import Iterator
@@ -44,6 +48,8 @@ class MemoryHygiene:
     manual_gc: bool = False
     manual_gc_interval: int = 0
     manual_gc_eval: bool = True
+    manual_gc_generation: int = 2
+    """The generation collected every interval: 2 (all: Megatron-LM), 0 (the youngest: Megatron-Kwai)."""
     empty_unused_memory_level: int = 0
     on_gpu: bool = False
 
@@ -55,6 +61,15 @@ class MemoryHygiene:
                       manual_gc_eval=not (table_value(args, "--no-manual-gc-eval", False)
                                           or table_value(args, "--disable-manual-gc-eval", False)),
                       empty_unused_memory_level=_int(args, "--empty-unused-memory-level", 0), on_gpu=on_gpu)
+        kwai = _int(args, "--kaimm-gc-interval", 0)
+        if kwai < 0:
+            raise ArgumentError(f"--kaimm-gc-interval {kwai} is outside [0, inf) (0: Python's automatic collector)")
+        if kwai and hygiene.manual_gc:
+            raise ArgumentError(f"--kaimm-gc-interval {kwai} (Megatron-Kwai's) and --manual-gc (Megatron-LM's) both "
+                                "ask for the garbage collector: give one of them")
+        if kwai:
+            hygiene = dataclasses.replace(hygiene, manual_gc=True, manual_gc_interval=kwai, manual_gc_eval=False,
+                                          manual_gc_generation=0)
         if hygiene.manual_gc_interval < 0:
             raise ArgumentError(f"--manual-gc-interval {hygiene.manual_gc_interval} is outside [0, inf) "
                                 "(0: no collection between evaluations)")
@@ -94,7 +109,7 @@ class MemoryHygiene:
     def after_iteration(self, iteration: int) -> None:
         """``iteration``: the 1-based number of the iteration just done."""
         if self.manual_gc and self.manual_gc_interval and iteration % self.manual_gc_interval == 0:
-            gc.collect()
+            gc.collect(generation=self.manual_gc_generation)
 
     @contextlib.contextmanager
     def evaluation(self) -> Iterator[None]:
@@ -108,7 +123,7 @@ class MemoryHygiene:
 
 
 def check_memory_hygiene(config):
-    """Resolve step: a bad value of the four flags is one line before any process group."""
+    """Resolve step: a bad value of the flags is one line before any process group."""
     MemoryHygiene.from_args(config, on_gpu=False)
     return config
 

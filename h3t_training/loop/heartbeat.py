@@ -1,8 +1,10 @@
 """Who is still alive: per-rank heartbeats in the job's key-value store, and a watchdog.
 
 Every rank runs one daemon thread that, every ``interval_s``, bumps its own counter in the
-launcher's TCP store (the one ``init_process_group`` rendezvoused through; a client of its own
-with a short timeout) and reads its two ring neighbours' (ranks r-1 and r+1: every rank is
+launcher's TCP store (the one ``init_process_group`` rendezvoused through; a client of its own,
+whose requests time out after ``stale_after_s`` as a peer's silence does: a store that cannot answer one
+request in that long is gone, while a short timeout failed the connection itself when dozens of ranks
+share a few busy cores) and reads its two ring neighbours' (ranks r-1 and r+1: every rank is
 watched by two others, and the store sees O(world size) requests per interval, not its square).
 A counter that has not moved for
 ``stale_after_s`` (half of ``--distributed-timeout-minutes``) by this rank's own clock means that
@@ -34,7 +36,7 @@ class Heartbeat:
         assert world_size > 1 and 0 <= rank < world_size and stale_after_s > interval_s > 0
         self.rank, self.world_size = rank, world_size
         self.stale_after_s, self.interval_s = stale_after_s, interval_s
-        self.store = store if store is not None else _client_store(timeout_s=max(5.0, 5 * interval_s))
+        self.store = store if store is not None else _client_store(timeout_s=stale_after_s)
         self.on_stale = on_stale or _stop_process
         self._beats = 0
         watched = {(rank - 1) % world_size, (rank + 1) % world_size} - {rank}

@@ -83,3 +83,25 @@ def test_the_cuda_cache_is_emptied_at_the_levels_megatron_uses(monkeypatch):
     h = MemoryHygiene(empty_unused_memory_level=2, on_gpu=False)  # CPU: no cache
     h.after_forward_backward(), h.after_optimizer_step(), h.after_eval_step()
     assert emptied == []
+
+
+def test_kwai_gc_interval_collects_the_youngest_generation_and_nothing_around_evaluations(collections):
+    h = MemoryHygiene.from_args(parse_args([*BASE, "--kaimm-gc-interval", "2"], world_size=1), on_gpu=False)
+    assert h == MemoryHygiene(manual_gc=True, manual_gc_interval=2, manual_gc_eval=False, manual_gc_generation=0)
+    collections.clear()  # the automatic ones while parsing
+    with h.training():
+        assert not gc.isenabled()
+        for it in range(1, 6):
+            h.after_iteration(it)
+        with h.evaluation():
+            pass
+    assert collections == [2, 0, 0]  # the start, then generation 0 after iterations 2 and 4
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--kaimm-gc-interval", "-2"], "--kaimm-gc-interval -2 is outside [0, inf)"),
+    (["--kaimm-gc-interval", "9", "--manual-gc"], "--kaimm-gc-interval 9 (Megatron-Kwai's) and --manual-gc"),
+])
+def test_bad_kwai_gc_interval_is_one_line(extra, expected, capsys, monkeypatch):
+    assert expected in _error([*BASE, *extra], capsys, monkeypatch)

@@ -1,0 +1,47 @@
+"""The flag table's promise that no flag is accepted and ignored: an implemented flag that the driver's parser does
+not define itself (a table-only flag, parsed as a string) must be read where it acts."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from h3t_training.config.arguments import build_parser
+from h3t_training.config.flag_table import TABLE, notice_lines
+from h3t_training.config.sections import parse_args
+from parse_harness import BASE
+
+PACKAGE = Path(__file__).resolve().parents[2] / "h3t_training"
+
+
+def _flags_read_with_table_value() -> set[str]:
+    read = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
+                    "table_value", "_int"):
+                read.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
+                            and a.value.startswith("--"))
+    return read
+
+
+def _table_only(parser) -> dict[str, object]:
+    return {f: e for f, e in TABLE.items()
+            if parser._option_string_actions[f].dest.startswith("_table_flag_")}  # noqa: SLF001
+
+
+def test_every_table_only_implemented_flag_is_read_where_it_acts():
+    parser = build_parser("pretrain_gpt.py", {})
+    implemented = {f for f, e in _table_only(parser).items() if e.cls == "implemented"}
+    assert implemented >= {"--manual-gc", "--kaimm-gc-interval", "--empty-unused-memory-level"}
+    assert implemented - _flags_read_with_table_value() == set()
+
+
+def test_an_implemented_flag_gets_no_notice_and_a_noticed_one_gets_its_reason():
+    lines = notice_lines([TABLE["--manual-gc"], TABLE["--kaimm-gc-interval"], TABLE["--overlap-sp-ag"]])
+    assert lines == [f"note: --overlap-sp-ag: {TABLE['--overlap-sp-ag'].reason.text}"]
+
+
+def test_megatron_kwai_overlap_p2p_switch_is_the_drivers_default():
+    for argv in (BASE, [*BASE, "--overlap-p2p-communication"]):
+        assert parse_args(argv, world_size=1).overlap_p2p_comm is True
+    assert TABLE["--overlap-p2p-communication"].cls == "implemented"
