@@ -82,8 +82,9 @@ def check_sharding_flags(args):
                (not args.untie_embeddings_and_output_weights,
                 "tied embedding and output weights (give --untie-embeddings-and-output-weights)"),
                (args.fp16, "--fp16"),
-               (args.save is not None, "--save (the driver's checkpoints hold whole parameters, not FSDP2's DTensor "
-                                       "shards; train without --save, or without --use-torch-fsdp2)")]
+               (uses_gpu(args) and args.save is not None,
+                "--save on a GPU (megatron-core's optimizer there maps its Adam state to one ShardedTensor per "
+                "parameter, not to the row pieces of FSDP2's shards that the CPU path saves; train without --save)")]
     clashes.append((uses_gpu(args) and args.load is not None and not (args.finetune or args.no_load_optim),
                     "--load of the optimizer state on a GPU (the whole-parameter Adam state is sharded into the CPU "
                     "path's optimizer only; give --no-load-optim or --finetune)"))

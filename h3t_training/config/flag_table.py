@@ -133,7 +133,7 @@ REASONS: dict[str, Reason] = {
                     "--use-torch-fsdp2 or --use-distributed-optimizer"),
     "torch_fsdp2": Reason("implemented", "torch FSDP2 as in Megatron-LM: megatron-core's TorchFullyShardedDataParallel "
                           "over the data-parallel group, on CPU (gloo) and GPU (h3t_training/loop/fsdp.py; p=1, no "
-                          "distributed optimizer, untied embeddings, no --save)"),
+                          "distributed optimizer, untied embeddings; --save on CPU only)"),
     "megatron_fsdp": Reason("refused", "Megatron FSDP needs CUDA (megatron-core 0.16.1's MegatronFSDP takes "
                             "torch.cuda.current_device(), a 'cuda' device mesh and CUDA streams) and is not wired on "
                             "a GPU by this driver; --data-parallel-sharding-strategy no_shard (no sharding) is accepted",

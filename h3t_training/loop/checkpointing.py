@@ -8,8 +8,9 @@ Megatron-LM's layout under ``--save DIR``::
     iter_0000010/.metadata, *.distcp      the sharded tensors (PyTorch distributed checkpoint)
 
 What is saved (Megatron's keys): ``model`` (``model0``, ``model1``, ... with a virtual pipeline)
-from each chunk's ``sharded_state_dict()``, ``optimizer`` (the full Adam state: fp32 weights
-where the optimizer keeps them, both moments, the step count; with the distributed optimizer
+from each chunk's ``sharded_state_dict()`` (with ``--use-torch-fsdp2``, the same entries cut to the rows of
+this rank's DTensor shards: :func:`h3t_training.loop.fsdp.sharded_state_dict`), ``optimizer`` (the full Adam
+state: fp32 weights where the optimizer keeps them, both moments, the step count; with the distributed optimizer
 each shard from its owner), ``opt_param_scheduler``, ``rng_state`` (one object per rank: torch's
 CPU generator, and the CUDA generator and model-parallel tracker on a GPU), ``iteration``,
 ``consumed_train_samples``, ``checkpoint_version``, and ``h3t`` (model shape and layout).
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from h3t_training.data.batch_schedule import schedule_of
+from h3t_training.loop import fsdp
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "h3t_checksums.json"
@@ -334,7 +336,7 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
     state: dict = {}
     model_sds = []
     for key, chunk in zip(_model_keys(chunks), chunks):
-        sd = unwrap(chunk).sharded_state_dict()
+        sd = fsdp.sharded_state_dict(chunk) if fsdp.is_fsdp2(chunk) else unwrap(chunk).sharded_state_dict()
         state[key] = sd
         model_sds.append(sd)
     if with_optimizer:
@@ -357,7 +359,8 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
 
     from h3t_ext.checkpointing import save_strategy
 
-    finite = torch.tensor([all(bool(torch.isfinite(p).all()) for c in chunks for p in c.parameters())], dtype=torch.int)
+    finite = torch.tensor([all(bool(torch.isfinite(fsdp.local(p)).all()) for c in chunks for p in c.parameters())],
+                          dtype=torch.int)
     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if not finite.item():
         raise CheckpointError(f"iteration {iteration}: the model holds non-finite weights; no checkpoint written, "

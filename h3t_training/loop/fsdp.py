@@ -20,9 +20,28 @@ reduced already; the gradient norm sums the local shards over the data-parallel 
 
 Megatron-LM's rules for ``--use-torch-fsdp2`` (its ``arguments.py``) are one-line refusals here: no pipeline
 parallelism, no distributed optimizer (so no optimizer CPU offload), untied embedding and output weights, no
-``--fp16``. The driver's checkpoint code writes whole-parameter state: ``--load`` is read into the model and a
-whole-parameter optimizer before the wrap, which then shards both (:func:`shard_optimizer_state`; on a GPU only the
-model: loading the optimizer state there is refused); ``--save`` is refused.
+``--fp16``.
+
+Checkpoints. ``--load`` is read into the model and a whole-parameter optimizer before the wrap, which then shards
+both (:func:`shard_optimizer_state`; on a GPU only the model: loading the optimizer state there is refused); the
+checkpoint format is layout-free, so this reads any driver checkpoint, FSDP2's or not. ``--save`` writes each rank's
+DTensor shards, not gathered, as ShardedTensors at their global offsets through the same ``dist_checkpointing``
+path (:func:`sharded_state_dict`): before the wrap, :func:`wrap_chunks` records the chunk's own
+``sharded_state_dict()`` (megatron-core's keys, tensor-parallel offsets and factories, exactly what a run without
+FSDP2 writes and reads), each ShardedTensor as the rows [start, stop) of its whole (tensor-parallel-local) parameter
+it covers (:class:`RowPiece`; a SwiGLU ``linear_fc1`` is two, its W and V halves). FSDP2 shards dim 0 as
+``torch.chunk``: this rank holds rows [r*ceil(n/d), ...) of each parameter; at a save every piece is cut to those
+rows, its global offset moved by as much, its replica id the main data-parallel one (each rank writes its own rows),
+its grid marked irregular (``axis_fragmentations=None``: dim 0 need not divide by d; ``torch.distributed.checkpoint``
+checks the coverage); Adam's moments are cut as their parameter (:func:`pieces_of`). The cost: no extra memory (the
+pieces are views of the local shards) and no communication beyond ``dist_checkpointing``'s metadata exchange;
+gathering with ``full_tensor()`` and writing one data-parallel replica instead would hold, at every save, the whole
+parameters and both moments on each rank (3x the state FSDP2 keeps there, divided by d) and all-gather them. The
+DTensor branch of megatron-core 0.16.1's ``make_*sharded_tensor_for_checkpoint`` is not used: it labels the local
+shard as fragment r of d (wrong when d does not divide dim 0), and its SwiGLU factory then splits this rank's rows
+into W and V halves (rank 0 holds all of W at d=2), a permuted ``linear_fc1`` for any run that loads the checkpoint
+without FSDP2. On a GPU ``--save`` stays refused: megatron-core's optimizer there maps its Adam state to one
+ShardedTensor per parameter, not to the row pieces of FSDP2's shards.
 
 Megatron FSDP (``MegatronFSDP``, ``megatron/core/distributed/fsdp``) cannot run on CPU: megatron-core 0.16.1's
 adapter takes ``torch.cuda.current_device()`` as its device and builds its device meshes with device type "cuda",
@@ -33,7 +52,8 @@ no sharding and is accepted).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from dataclasses import dataclass, replace
+from typing import Iterator, Optional
 
 import torch
 
@@ -79,9 +99,12 @@ def wrap_chunks(args, chunks, *, on_gpu: bool, process_group=None) -> list:
     ddp_config = TorchFullyShardedDataParallelConfig(
         reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
+    layouts = [None if on_gpu else row_layout(c) for c in chunks]  # before fully_shard replaces the parameters
     with _mesh_device("cuda" if on_gpu else "cpu"):
         wrapped = [TorchFullyShardedDataParallel(config=config, ddp_config=ddp_config, module=c,
                                                  process_group=process_group, **kwargs) for c in chunks]
+    for w, layout in zip(wrapped, layouts):
+        w.h3t_row_layout = layout
     return wrapped
 
 
@@ -117,5 +140,135 @@ def shard_optimizer_state(whole, sharded, names_whole: list[str], names_sharded:
                                  **{k: shard_like(held[k], p) for k in ("exp_avg", "exp_avg_sq")}}
 
 
-__all__ = ["is_dtensor", "local", "shard_like",
-           "shard_optimizer_state", "wrap_chunks"]
+# ----------------------------------------------------------------------------------------- checkpoints
+@dataclass(frozen=True)
+class RowPiece:
+    """One of the ShardedTensors a run without FSDP2 writes for a parameter (without its data): it holds the rows
+    [start, stop) (dim 0) of the whole tensor-parallel-local parameter."""
+
+    template: object
+    """megatron-core's ShardedTensor, ``data=None``."""
+    start: int
+    stop: int
+
+
+def _leaves(tree, path=()) -> Iterator[tuple[tuple, object]]:
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else None
+    if items is None:
+        yield path, tree
+        return
+    for k, v in items:
+        yield from _leaves(v, (*path, k))
+
+
+def _first_row(view: torch.Tensor, whole: torch.Tensor) -> Optional[int]:
+    """The row of ``whole`` where ``view`` (a block of whole rows of it) starts, else None."""
+    if view.dim() != whole.dim() or view.dim() == 0 or view.numel() == 0 or \
+            view.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr() or \
+            tuple(view.shape[1:]) != tuple(whole.shape[1:]) or view.stride() != whole.stride():
+        return None
+    offset = view.storage_offset() - whole.storage_offset()
+    row = whole.stride(0)
+    if offset < 0 or offset % row or offset // row + view.shape[0] > whole.shape[0]:
+        return None
+    return offset // row
+
+
+def row_layout(chunk) -> dict[tuple, tuple[str, tuple[RowPiece, ...]]]:
+    """For each parameter entry of ``chunk.sharded_state_dict()`` (its path in that dict) before the wrap: the
+    parameter's name and its :class:`RowPiece` s (a factory, e.g. SwiGLU's, built into its ShardedTensors)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    names = {(p.data_ptr(), tuple(p.shape)): n for n, p in chunk.named_parameters()}
+    layout = {}
+    for path, leaf in _leaves(chunk.sharded_state_dict()):
+        if not isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) or leaf.data is None:
+            continue
+        whole = leaf.data
+        name = names.get((whole.data_ptr(), tuple(whole.shape)))
+        if name is None:
+            continue
+        built = leaf.build() if isinstance(leaf, ShardedTensorFactory) else leaf
+        pieces = []
+        for _, sh in _leaves(built):
+            start = _first_row(sh.data, whole)
+            if start is None:
+                raise RuntimeError(f"FSDP2 save: {sh.key} is not a block of rows of parameter {name}")
+            pieces.append(RowPiece(replace(sh, data=None), start, start + sh.local_shape[0]))
+        layout[path] = (name, tuple(pieces))
+    return layout
+
+
+def _main_replica(replica_id):
+    """Every data-parallel rank writes its own rows: the data-parallel part of the replica id (the last) is 0."""
+    return replica_id[:-1] + (0,) if isinstance(replica_id, tuple) else 0
+
+
+def _cut(pieces: tuple[RowPiece, ...], param) -> list:
+    """The pieces of ``param`` (a DTensor sharded on dim 0) that fall in the rows this rank holds, as ShardedTensors
+    over views of its local shard."""
+    from torch.distributed.tensor import Shard
+
+    assert tuple(param.placements) == (Shard(0),), param.placements
+    shard = param.to_local()
+    n, d, r = param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank()
+    first = min(r * -(-n // d), n)  # torch.chunk's rows: ceil(n/d) per rank, the last ones fewer (or none)
+    last = first + shard.shape[0]
+    assert last == min(first - (-n // d), n), (n, d, r, tuple(shard.shape))
+    out = []
+    for piece in pieces:
+        lo, hi = max(first, piece.start), min(last, piece.stop)
+        if lo >= hi:
+            continue
+        t = piece.template
+        k = t.prepend_axis_num  # megatron-core's layer axis: held as leading axes of size 1 (same global tensor;
+        offset = list(t.global_offset)  # DCP's chunks of an irregular grid have no prepended axes)
+        offset[k] += lo - piece.start
+        rows = shard[lo - first:hi - first]
+        out.append(replace(t, data=rows.view(*(1,) * k, *rows.shape), local_shape=(*(1,) * k, *rows.shape),
+                           global_offset=tuple(offset), axis_fragmentations=None, prepend_axis_num=0,
+                           replica_id=_main_replica(t.replica_id)))
+    return out
+
+
+def is_fsdp2(chunk) -> bool:
+    """Wrapped by :func:`wrap_chunks` on the CPU path (its checkpoint state comes from :func:`sharded_state_dict`)."""
+    return getattr(chunk, "h3t_row_layout", None) is not None
+
+
+def sharded_state_dict(chunk) -> dict:
+    """The wrapped chunk's model state for ``dist_checkpointing.save``: megatron-core's ``sharded_state_dict()`` of
+    the module, each parameter's entry replaced by this rank's rows of its pieces (a list, empty where it holds none
+    of them)."""
+    module = chunk.module
+    sd = module.sharded_state_dict()
+    params = dict(module.named_parameters())
+    for path, (name, pieces) in chunk.h3t_row_layout.items():
+        parent = sd
+        for k in path[:-1]:
+            parent = parent[k]
+        parent[path[-1]] = _cut(pieces, params[name])
+    return sd
+
+
+def pieces_of(model_sharded_state_dicts: list, shard: torch.Tensor) -> list[tuple[object, slice]]:
+    """The ShardedTensors of :func:`sharded_state_dict` that hold rows of ``shard`` (a parameter's local shard),
+    each with the rows of ``shard`` it holds (Adam's moments are cut the same way: ``moment[rows]`` viewed as the
+    ShardedTensor's ``local_shape``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out = []
+    for sd in model_sharded_state_dicts:
+        for _, sh in _leaves(sd):
+            if not (isinstance(sh, ShardedTensor) and sh.data is not None and sh.data.dim() >= shard.dim() > 0):
+                continue
+            lead = sh.data.dim() - shard.dim()
+            if all(n == 1 for n in sh.data.shape[:lead]):
+                row = _first_row(sh.data.view(sh.data.shape[lead:]), shard)
+                if row is not None:
+                    out.append((sh, slice(row, row + sh.data.shape[lead])))
+    return out
+
+
+__all__ = ["RowPiece", "is_dtensor", "is_fsdp2", "local", "pieces_of", "row_layout", "shard_like",
+           "shard_optimizer_state", "sharded_state_dict", "wrap_chunks"]

@@ -230,6 +230,8 @@ class DataParallelAdamW:
         reshard with the model), each from the rank that owns it; the step count in common."""
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
+        if self.fsdp:
+            return {"state": self._fsdp_sharded_state(model_sharded_state_dicts, is_loading), "steps": self.steps}
         by_storage = _sharded_params(model_sharded_state_dicts)
         state: dict = {}
         for i, (p, owner) in enumerate(zip(self.params, self.owners)):
@@ -247,6 +249,25 @@ class DataParallelAdamW:
                     if self.sharded else sh
             state[i] = entry
         return {"state": state, "steps": self.steps}
+
+    def _fsdp_sharded_state(self, model_sharded_state_dicts: list, is_loading: bool) -> dict:
+        """Over FSDP2's shards: each moment cut into the row pieces of its parameter's local shard
+        (:func:`h3t_training.loop.fsdp.pieces_of`), keyed as those pieces."""
+        from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+
+        from h3t_training.loop.fsdp import local, pieces_of  # noqa: PLC0415
+        state: dict = {}
+        for i, p in enumerate(self.params):
+            shard, held = local(p), self._state(p)
+            pieces = pieces_of(model_sharded_state_dicts, shard)
+            assert pieces or shard.numel() == 0, f"parameter {i} {tuple(p.shape)} has no rows in the model's state"
+            entry = {}
+            for name in ("exp_avg", "exp_avg_sq"):
+                data = torch.zeros_like(shard) if is_loading or name not in held else local(held[name])
+                entry[name] = [make_sharded_optimizer_tensor(sh, data[rows].view(sh.local_shape),
+                                                             f"optimizer.state.{name}") for sh, rows in pieces]
+            state[i] = entry
+        return state
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         """Install what :meth:`sharded_state_dict` loaded (bit-exact moments and step count)."""

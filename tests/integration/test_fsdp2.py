@@ -1,6 +1,11 @@
 """torch FSDP2 (--use-torch-fsdp2) through megatron-core's TorchFullyShardedDataParallel on CPU (gloo), and the
 one-line refusals of what megatron-core / Megatron-LM refuse with it and of Megatron FSDP.
 
+An FSDP2 run saved halfway resumes bit-exact (its losses, its measured ``state_bytes`` and its checkpoint at the
+end, parameters and Adam moments, equal the uninterrupted run's), at d=2, t=2 x d=2, and d=3 (dim 0 of every
+parameter uneven over 3 ranks: 64 rows are 22, 22, 20); a run without FSDP2 loads the FSDP2 checkpoint and continues
+within 1e-6 relative of the FSDP2 run.
+
 From one checkpoint of a single-rank run, d=2 (and t=2 with sequence parallelism x d=2) with FSDP2 and --ckpt ours
 gives the single-rank losses within 1e-6 relative, and every rank's measured ``state_bytes`` (DTensor local shards) are half the single rank's parameters,
 gradients and Adam moments (the tiny Llama's dimensions are all even, so FSDP2's dim-0 shards are exact halves
@@ -8,6 +13,7 @@ without padding); Adam's step counts (one 4-byte scalar per parameter) stay whol
 from __future__ import annotations
 
 import pytest
+import torch
 
 from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain, single_rank_reference
 from h3t_training.config.sections import parse_args
@@ -41,11 +47,19 @@ def _error(argv, capsys, prog="pretrain_llama.py", world_size=2) -> str:
     (["--use-torch-fsdp2", "--use-distributed-optimizer"],
      "--use-torch-fsdp2 is not supported with --use-distributed-optimizer"),
     (["--use-torch-fsdp2", "--fp16"], "--use-torch-fsdp2 is not supported with --fp16"),
-    (["--use-torch-fsdp2", "--save", "{tmp}"], "--use-torch-fsdp2 is not supported with --save"),
 ])
 def test_sharding_flags_are_refused_in_one_line(extra, expected, capsys, tmp_path):
     extra = [str(tmp_path) if a == "{tmp}" else a for a in extra]
     assert expected in _error(BASE + extra, capsys)
+
+
+def test_fsdp2_save_is_refused_on_a_gpu_only(monkeypatch, capsys, tmp_path):
+    """The CPU path saves FSDP2's shards; megatron-core's GPU optimizer cannot map its state to them."""
+    assert parse_args(BASE + ["--use-torch-fsdp2", "--save", str(tmp_path)], world_size=2).save == str(tmp_path)
+    from h3t_training.config import feature_checks
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)  # as on a GPU host
+    assert "--use-torch-fsdp2 is not supported with --save on a GPU (megatron-core's optimizer" in \
+        _error(BASE + ["--use-torch-fsdp2", "--save", str(tmp_path)], capsys)
 
 
 def test_torch_fsdp2_needs_untied_embeddings(capsys):
@@ -102,3 +116,51 @@ def test_fsdp2_d2_gives_the_single_rank_losses_with_half_the_state(single_rank, 
         assert rank["device"] == {"params": one["device"]["params"] // 2, "grads": one["device"]["grads"] // 2,
                                   "optimizer": (one["device"]["optimizer"] - steps) // 2 + steps}, rank
         assert rank["host"] == {"params": 0, "grads": 0, "optimizer": 0}
+
+
+SAVE_LAYOUTS = {  # name: (FSDP2 flags, ranks; the run without FSDP2 that loads its checkpoint: flags, ranks)
+    "d2": ([], 2, [], 2),
+    "t2-sp-d2": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, [], 1),
+    "d3-uneven": (["--global-batch-size", "6"], 3, ["--global-batch-size", "6"], 1),
+}
+
+
+def _tensors(directory, out):
+    """Every tensor of a checkpoint directory by key (read whole by torch.distributed.checkpoint, one process)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(directory), str(out))
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("layout", list(SAVE_LAYOUTS))
+def test_fsdp2_saves_and_resumes_bit_exact(layout, tmp_path):
+    flags, nproc, other_flags, other_nproc = SAVE_LAYOUTS[layout]
+    argv = [*TINY_MODEL, *COMMON]
+    fsdp2 = [*argv, "--use-torch-fsdp2", *flags]
+    full, resumed, other = (tmp_path / f"{n}.json" for n in ("full", "resumed", "other"))
+    check_ok(run_pretrain([*fsdp2, "--save", str(tmp_path / "a"), "--save-interval", "2", "--metrics-json", str(full)],
+                          nproc=nproc))
+    proc = run_pretrain([*fsdp2, "--load", str(tmp_path / "a"), "--ckpt-step", "2", "--save", str(tmp_path / "b"),
+                         "--metrics-json", str(resumed)], nproc=nproc)
+    check_ok(proc)
+    assert "iterations from 2" in proc.stdout and "resharded" not in proc.stdout  # RNG states restored too
+    want = losses(full)
+    assert len(want) == 4 and len(set(want)) == 4
+    assert losses(resumed) == want[2:]
+    assert metrics(resumed)["state_bytes"] == metrics(full)["state_bytes"]
+
+    saved = _tensors(tmp_path / "a" / "iter_0000002", tmp_path / "a2.pt")
+    ends = [_tensors(tmp_path / d / "iter_0000004", tmp_path / f"{d}4.pt") for d in ("a", "b")]
+    moments = [k for k in saved if k.startswith("optimizer.state.exp_avg")]
+    assert len(moments) == 2 * 9 and sorted(ends[0]) == sorted(ends[1]) == sorted(saved)  # 9 keys: layers stacked
+    assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])  # weights and Adam moments, bit for bit
+    assert not any(torch.equal(saved[k], ends[0][k]) for k in moments)  # (they moved in iterations 3 and 4)
+    steps = [torch.load(tmp_path / d / it / "common.pt", weights_only=False)["optimizer"]["steps"]
+             for d, it in (("a", "iter_0000002"), ("a", "iter_0000004"), ("b", "iter_0000004"))]
+    assert steps == [2, 4, 4]
+
+    check_ok(run_pretrain([*argv, *other_flags, "--load", str(tmp_path / "a"), "--ckpt-step", "2",
+                           "--metrics-json", str(other)], nproc=other_nproc))
+    assert len(losses(other)) == 2
+    for a, b in zip(want[2:], losses(other)):
+        assert abs(a - b) <= 1e-6 * abs(a), (want, losses(other))
