@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from h3t_training.config.gpu_flags import GPU_BY_FLAG, GPU_BY_REASON, GpuRule
+from h3t_training.errors import ArgumentError
 
 MEGATRON_LM_SOURCE = ("https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/"
                       "megatron/training/arguments.py")
@@ -564,6 +565,21 @@ def table_value(args: argparse.Namespace, flag: str, default=None):
     return getattr(args, dest) if hasattr(args, dest) else default
 
 
+def table_int(args: argparse.Namespace, flag: str, default: int, low: int = 0) -> int:
+    """The integer a table-only flag was given (``default`` when it was not), checked to lie in ``[low, inf)``;
+    :class:`~h3t_training.errors.ArgumentError` names the flag, its value and the range in one line."""
+    value = table_value(args, flag, None)
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{flag} {value!r} is not an integer in [{low}, inf)") from None
+    if number < low:
+        raise ArgumentError(f"{flag} {number} is outside [{low}, inf)")
+    return number
+
+
 def _value(args, entry: FlagEntry):
     return None if args is None else table_value(args, entry.flag)
 
@@ -592,4 +608,5 @@ def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -
 
 
 __all__ = ["CPU", "FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
-           "add_table_flags", "given_table_flags", "notice_lines", "reason_on", "refusal", "table_value"]
+           "add_table_flags", "given_table_flags", "notice_lines", "reason_on", "refusal", "table_int",
+           "table_value"]

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES as PRICED_FP8_RECIPES
 from h3t_training.config import feature_checks
-from h3t_training.config.flag_table import table_value
+from h3t_training.config.flag_table import table_int, table_value
 from h3t_training.errors import ArgumentError
 
 FP8_RECIPES = PRICED_FP8_RECIPES + ("custom",)
@@ -39,17 +39,6 @@ def _choice(args, flag: str, choices: tuple[str, ...], default: Optional[str] = 
     return value
 
 
-def _int(args, flag: str, default: int, low: int = 0) -> int:
-    value = table_value(args, flag, default)
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{flag} {value} is not an integer in [{low}, inf)") from None
-    if number < low:
-        raise ValueError(f"{flag} {value} is outside [{low}, inf)")
-    return number
-
-
 def fp8_fields(args) -> dict[str, Any]:
     """``TransformerConfig``'s FP8 fields (megatron-core runs its TransformerEngine layers in FP8 with them);
     empty without ``--fp8-format``."""
@@ -60,14 +49,14 @@ def fp8_fields(args) -> dict[str, Any]:
             raise ValueError(f"{fp8_only[0]} needs --fp8-format (e4m3 or hybrid)")
         return {}
     fields = dict(fp8=fmt, fp8_recipe=_choice(args, "--fp8-recipe", FP8_RECIPES, "delayed"),
-                  fp8_margin=_int(args, "--fp8-margin", 0), fp8_interval=_int(args, "--fp8-interval", 1, 1),
-                  fp8_amax_history_len=_int(args, "--fp8-amax-history-len", 1, 1),
+                  fp8_margin=table_int(args, "--fp8-margin", 0), fp8_interval=table_int(args, "--fp8-interval", 1, 1),
+                  fp8_amax_history_len=table_int(args, "--fp8-amax-history-len", 1, 1),
                   fp8_amax_compute_algo=_choice(args, "--fp8-amax-compute-algo", AMAX_COMPUTE_ALGOS, "most_recent"),
                   fp8_param=_given(args, "--fp8-param-gather"),
                   fp8_wgrad=not (_given(args, "--no-fp8-wgrad") or _given(args, "--disable-fp8-wgrad")),
                   first_last_layers_bf16=_given(args, "--first-last-layers-bf16"),
-                  num_layers_at_start_in_bf16=_int(args, "--num-layers-at-start-in-bf16", 1),
-                  num_layers_at_end_in_bf16=_int(args, "--num-layers-at-end-in-bf16", 1))
+                  num_layers_at_start_in_bf16=table_int(args, "--num-layers-at-start-in-bf16", 1),
+                  num_layers_at_end_in_bf16=table_int(args, "--num-layers-at-end-in-bf16", 1))
     if _given(args, "--fp8-quantizer-factory"):
         fields["fp8_quantizer_factory"] = table_value(args, "--fp8-quantizer-factory")
     if fields["fp8_recipe"] == "custom" and "fp8_quantizer_factory" not in fields:
@@ -123,7 +112,7 @@ def ddp_fields(args) -> dict[str, Any]:
                                   average_in_collective=_given(args, "--ddp-average-in-collective"),
                                   pad_buckets_for_high_nccl_busbw=_given(args, "--ddp-pad-buckets-for-high-nccl-busbw"))
     if _given(args, "--ddp-bucket-size"):
-        fields["bucket_size"] = _int(args, "--ddp-bucket-size", 0, 1)
+        fields["bucket_size"] = table_int(args, "--ddp-bucket-size", 0, 1)
     return fields
 
 

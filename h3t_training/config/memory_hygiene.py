@@ -25,20 +25,10 @@ from typing import Iterator
 
 import torch
 
-from h3t_training.config.flag_table import table_value
+from h3t_training.config.flag_table import table_int, table_value
 from h3t_training.errors import ArgumentError
 
 EMPTY_CACHE_LEVELS = (0, 1, 2)
-
-
-def _int(args, flag: str, default: int) -> int:
-    value = table_value(args, flag, None)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ArgumentError(f"{flag} {value!r} is not an integer") from None
 
 
 @dataclass(frozen=True)
@@ -57,22 +47,17 @@ class MemoryHygiene:
     def from_args(cls, args, *, on_gpu: bool) -> "MemoryHygiene":
         """The flags' values (checked: ArgumentError names a bad one and its valid range)."""
         hygiene = cls(manual_gc=bool(table_value(args, "--manual-gc", False)),
-                      manual_gc_interval=_int(args, "--manual-gc-interval", 0),
+                      manual_gc_interval=table_int(args, "--manual-gc-interval", 0),
                       manual_gc_eval=not (table_value(args, "--no-manual-gc-eval", False)
                                           or table_value(args, "--disable-manual-gc-eval", False)),
-                      empty_unused_memory_level=_int(args, "--empty-unused-memory-level", 0), on_gpu=on_gpu)
-        kwai = _int(args, "--kaimm-gc-interval", 0)
-        if kwai < 0:
-            raise ArgumentError(f"--kaimm-gc-interval {kwai} is outside [0, inf) (0: Python's automatic collector)")
+                      empty_unused_memory_level=table_int(args, "--empty-unused-memory-level", 0), on_gpu=on_gpu)
+        kwai = table_int(args, "--kaimm-gc-interval", 0)
         if kwai and hygiene.manual_gc:
             raise ArgumentError(f"--kaimm-gc-interval {kwai} (Megatron-Kwai's) and --manual-gc (Megatron-LM's) both "
                                 "ask for the garbage collector: give one of them")
         if kwai:
             hygiene = dataclasses.replace(hygiene, manual_gc=True, manual_gc_interval=kwai, manual_gc_eval=False,
                                           manual_gc_generation=0)
-        if hygiene.manual_gc_interval < 0:
-            raise ArgumentError(f"--manual-gc-interval {hygiene.manual_gc_interval} is outside [0, inf) "
-                                "(0: no collection between evaluations)")
         if hygiene.empty_unused_memory_level not in EMPTY_CACHE_LEVELS:
             raise ArgumentError(f"--empty-unused-memory-level {hygiene.empty_unused_memory_level} is not one of "
                                 f"{', '.join(map(str, EMPTY_CACHE_LEVELS))}")

@@ -18,7 +18,7 @@ def _flags_read_with_table_value() -> set[str]:
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
-                    "table_value", "_int"):
+                    "table_value", "table_int"):
                 read.update(a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)
                             and a.value.startswith("--"))
     return read

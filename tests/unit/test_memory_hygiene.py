@@ -101,6 +101,7 @@ def test_kwai_gc_interval_collects_the_youngest_generation_and_nothing_around_ev
 
 @pytest.mark.parametrize("extra, expected", [
     (["--kaimm-gc-interval", "-2"], "--kaimm-gc-interval -2 is outside [0, inf)"),
+    (["--kaimm-gc-interval", "2.5"], "--kaimm-gc-interval '2.5' is not an integer in [0, inf)"),
     (["--kaimm-gc-interval", "9", "--manual-gc"], "--kaimm-gc-interval 9 (Megatron-Kwai's) and --manual-gc"),
 ])
 def test_bad_kwai_gc_interval_is_one_line(extra, expected, capsys, monkeypatch):
