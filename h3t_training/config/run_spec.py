@@ -25,11 +25,23 @@ def uses_transformer_engine(on_gpu: bool, config) -> bool:
     return spec_backend(config, on_gpu=on_gpu) == "te"
 
 
+COMPUTE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def compute_dtype(config, *, on_gpu: bool) -> str:
+    """The torch dtype (its name) the model's parameters and activations are in: --bf16 / --fp16 on a GPU (else
+    float32); on CPU float32, or float64 with --h3t-float64 (CPU has no fast half-precision GEMMs, and the
+    equivalence checks want float64)."""
+    if on_gpu:
+        return "bfloat16" if config.bf16 else "float16" if config.fp16 else "float32"
+    return "float64" if config.h3t_float64 else "float32"
+
+
 def activation_spec(config, *, on_gpu: bool) -> dict:
     """How this run's saved activations are priced (the keywords of the cost model's activation terms): the layer
-    spec the model provider builds, 2 bytes per element with --bf16 on a GPU (fp32 on CPU), and a hidden-dropout
-    mask of one byte on a GPU (PyTorch's CPU dropout keeps its noise in the activation dtype)."""
-    dtype_bytes = 2 if (on_gpu and config.bf16) else 4
+    spec the model provider builds, the bytes of :func:`compute_dtype` per element, and a hidden-dropout mask of one
+    byte on a GPU (PyTorch's CPU dropout keeps its noise in the activation dtype)."""
+    dtype_bytes = COMPUTE_DTYPE_BYTES[compute_dtype(config, on_gpu=on_gpu)]
     return {"layer_spec": "te" if uses_transformer_engine(on_gpu, config) else "local", "dtype_bytes": dtype_bytes,
             "dropout_mask_bytes": BOOL if on_gpu else dtype_bytes}
 
@@ -78,4 +90,4 @@ def model_flops_per_iteration_token(config, vocab_size: int) -> float:
     return model_flops_per_token(model_spec(config, vocab_size), config.seq_length)
 
 
-__all__ = ["activation_spec", "gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]
+__all__ = ["COMPUTE_DTYPE_BYTES", "activation_spec", "compute_dtype", "gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]

@@ -17,6 +17,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
 from h3t_training.config import feature_checks
 from h3t_training.config.megatron_fields import spec_backend, transformer_fields
+from h3t_training.config.run_spec import compute_dtype
 from h3t_training.errors import ArgumentError
 from h3t_training.loop.initialize import set_random_seed
 from h3t_training.data.tokenizer import padded_vocab_size
@@ -47,10 +48,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
     if on_gpu and args.h3t_float64:
         raise ArgumentError("--h3t-float64 is for CPU equivalence checks only (a GPU runs float64 GEMMs at a "
                             "fraction of its bf16 rate); drop it, or train on CPU with --distributed-backend gloo")
-    if on_gpu:
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    else:
-        dtype = torch.float64 if args.h3t_float64 else torch.float32
+    dtype = getattr(torch, compute_dtype(args, on_gpu=on_gpu))
     common = dict(
         normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon,
