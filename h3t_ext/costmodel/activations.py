@@ -329,12 +329,13 @@ def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
 
     ``alphas`` overrides ``plan.alphas()``. On the first stage of interleaved 1F1B with m > p this is
     A * (N - (N - 4) * alpha), N = 2(p-1) + (v-1)p + 1, A the bytes of one of its microbatch-chunks
-    (:func:`microbatch_chunk_bytes`); the last stage adds one microbatch's :func:`output_layer_bytes`. At
-    pipeline size 1 the offload is layer-granular (:mod:`h3t_ext.costmodel.layer_offload`)."""
+    (:func:`microbatch_chunk_bytes`, in FP8 where ``plan.fp8`` is set, as the memory model prices it); the last
+    stage adds one microbatch's :func:`output_layer_bytes`. At pipeline size 1 the offload is layer-granular
+    (:mod:`h3t_ext.costmodel.layer_offload`)."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
     opts = dict(dtype_bytes=dtype_bytes, layer_spec=layer_spec, sequence_parallel=sequence_parallel,
-                dropout_mask_bytes=dropout_mask_bytes)
+                dropout_mask_bytes=dropout_mask_bytes, fp8=plan.fp8 is not None)
     head = output_layer_bytes(model, plan, dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)["total"]
     alphas = plan.alphas() if alphas is None else alphas
     layers = layers_per_chunk(model, plan)

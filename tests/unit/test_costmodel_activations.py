@@ -137,3 +137,17 @@ def test_uneven_stages_price_their_own_layers():
         assert terms["activations"] + terms["offload_reload_buffer"] + terms.get("output_layer_activations", 0) == peak
     assert 3 * microbatch_chunk_bytes(model, plan, 0, sequence_parallel=False) == \
         microbatch_chunk_bytes(model, plan, 1, sequence_parallel=False)
+
+
+def test_an_fp8_plan_prices_its_stage_peaks_with_fp8_saved_inputs_as_the_memory_model_does():
+    from h3t_ext.costmodel.memory import chunk_activation_bytes
+
+    model = get_model("llama-65b")
+    plan = Plan(num_gpus=64, seq_length=4096, global_batch_size=64, tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=4, ckpt="no")
+    fp8 = replace(plan, fp8="hybrid")
+    bf16_peaks, fp8_peaks = stage_activation_peak_bytes(model, plan), stage_activation_peak_bytes(model, fp8)
+    assert all(f < b for f, b in zip(fp8_peaks, bf16_peaks))
+    # at alpha 0 without interleaving the first stage holds p chunks: the memory model's A, p times
+    assert fp8_peaks[0] == 4 * chunk_activation_bytes(model, fp8, 0)
+    assert bf16_peaks[0] == 4 * chunk_activation_bytes(model, plan, 0)
