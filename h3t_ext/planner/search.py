@@ -34,7 +34,7 @@ from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, 
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory
+from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
@@ -261,7 +261,7 @@ def _static_verdict(model, system, plan: Plan, budget: Optional[int]) -> Optiona
     budget = default_memory_budget_bytes(model, plan, system) if budget is None else budget
     p = plan.pipeline_model_parallel_size
     for k in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold the same (stage_kind in memory.py)
-        terms = stage_fixed_terms(model, plan, k)
+        terms = stage_static_terms(model, plan, k)
         static = {name: terms.get(name, 0) for name in STATIC_TERMS}
         need = sum(static.values())
         if need > budget:
