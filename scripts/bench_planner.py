@@ -5,12 +5,14 @@ Default case: ``h3t-plan search --model llama-175b --num-gpus 4096 --seq-length 
 --global-batch-size 2048 --gpu h800 --precision auto`` (BF16 and FP8 plans, the memory ladder; target: search call
 under 0.5 s CPU on one core, with the CLI's default ``--top 10``; ``--top 0`` ranks every feasible plan, as
 ``search(top=None)`` does). The search call runs in this process after the CLI runs, with its caches empty (a cold
-call, as the CLI's): 0.37-0.40 s CPU (22 plans priced, 3 on the timeline; best of 3 runs 0.369 s on the shared
-2-core machine, was 0.737 s; ``--precision bf16`` 0.25 s, was 0.52 s), the CLI process 0.48 s CPU (was 0.96 s);
+call, as the CLI's): 0.24-0.30 s CPU (22 plans priced, 3 on the timeline; best of 5 runs 0.236 s on the shared
+2-core machine, the commit before interleaved with it 0.458 s; ``--precision bf16`` 0.195 s, was 0.291 s), the CLI
+process 0.42 s CPU (was 0.59 s); results unchanged (``scripts/planner_search_digest.py``);
 where the time goes: docs/DESIGN.md, "Search speed".
 
     python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]
-                                    [--global-batch-size 2048] [--gpu h800] [--top 10] [--repeat 1] [--json]
+                                    [--global-batch-size 2048] [--gpu h800] [--precision auto] [--top 10]
+                                    [--repeat 1] [--json]
 """
 from __future__ import annotations
 

@@ -181,18 +181,31 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
     }
 
 
-def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
-    """The alpha-independent terms of a stage holding ``n`` parameters."""
+def _static_terms(model: ModelSpec, plan: Plan, n: int, layers: int) -> dict[str, int]:
+    """Weights, gradients and optimizer states of a stage holding ``n`` parameters in ``layers`` layers."""
     d = plan.data_parallel_size
     strategy = plan.data_parallel_sharding_strategy
-    layers = plan.stage_layers(model.num_layers, stage)
     weights = fp8.weight_bytes(model, plan, n, layers)
-    terms = {
+    return {
         "weights": -(-weights // d) if strategy == "optim_grads_params" else weights,
         "grads": -(-n * plan.grad_bytes // d) if strategy is not None else n * plan.grad_bytes,
         "optimizer_states": -(-int(round(optimizer_offload.device_params(n, plan)))
                               * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
     }
+
+
+def stage_static_terms(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
+    """The terms of :func:`stage_fixed_terms` that depend on neither l, the micro batch, ckpt nor alpha (weights,
+    grads, optimizer_states), without computing the others (the planner's check that they alone exceed the
+    budget, on every parallel layout)."""
+    return _static_terms(model, plan, stage_params(model, plan, stage),
+                         plan.stage_layers(model.num_layers, stage))
+
+
+def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
+    """The alpha-independent terms of a stage holding ``n`` parameters."""
+    layers = plan.stage_layers(model.num_layers, stage)
+    terms = _static_terms(model, plan, n, layers)
     if plan.fp8 is not None:
         terms["fp8_weight_cache"] = fp8.weight_cache_bytes(model, plan, layers)
         terms["fp8_scaling_state"] = fp8.scaling_state_bytes(plan, layers)

@@ -16,7 +16,10 @@ recompute, tensor- and context-parallel terms and bubble priced with the last st
 pp_p2p and the data-parallel traffic with unbounded overlap; the other terms are >= 0 and offloading only adds
 time), candidates are priced from the highest bound down, and pricing stops once the bound falls below the
 ``top``-th best plan found (``R_BOUND``). The first ``top`` plans are then exactly those of an exhaustive
-search (the memory pruning above still applies; the micro-batch heuristic does not).
+search (the memory pruning above still applies; the micro-batch heuristic does not). Bounds are computed as the
+queue reaches them: a layout first enters with one bound for all its candidates (no pp_p2p, dp_exposed), then
+each micro batch with ckpt ``no``'s bound (the smallest layer time), then each candidate with its own; the
+candidates come out in the same order as if all had been bounded and sorted.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, 
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory
+from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
@@ -258,7 +261,7 @@ def _static_verdict(model, system, plan: Plan, budget: Optional[int]) -> Optiona
     budget = default_memory_budget_bytes(model, plan, system) if budget is None else budget
     p = plan.pipeline_model_parallel_size
     for k in sorted({0, min(1, p - 1), p - 1}):  # middle stages hold the same (stage_kind in memory.py)
-        terms = stage_fixed_terms(model, plan, k)
+        terms = stage_static_terms(model, plan, k)
         static = {name: terms.get(name, 0) for name in STATIC_TERMS}
         need = sum(static.values())
         if need > budget:
@@ -400,55 +403,113 @@ def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_
                 previous = ranked.tokens_per_second
 
 
-def _upper_bounds(model, system, layouts: list[tuple[tuple, Layout]], ckpts) -> list[tuple[float, int, int, int]]:
-    """(minus the upper bound on tokens/s, layout index, ckpt index, micro batch index) of every candidate (so
-    that they sort best first).
+_LAYOUT, _GROUP = -2, -1
+"""Ckpt index of a best-first queue entry that stands for every candidate of a layout / of a (layout, micro batch)."""
+
+
+class _Bounds:
+    """Upper bounds on the tokens/s of the best-first candidates (layout index, ckpt index, micro batch index), and
+    of groups of them, each computed when first asked for.
 
     The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
     per-microbatch time T and the bubble is (sum over stages - T)/v, so together (m - 1/v) T + (sum over
     stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its
     value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
+
+    A layer's time with ckpt ``no`` is its time with any other mode without the recompute terms (>= 0; nothing
+    else in it depends on the mode), and the bound only falls as the layer's time grows, so the bound of ckpt
+    ``no`` at a micro batch is also one for every mode at that micro batch (:meth:`group`); leaving out pp_p2p and
+    dp_exposed (>= 0) bounds a whole layout (:meth:`layout`).
     """
-    L = model.num_layers
-    per_shape: dict[tuple, tuple[float, float]] = {}
-    out = []
-    for li, (run, layout) in enumerate(layouts):
-        num_gpus, seq_length, global_batch, switches = run
-        t, c, p = (layout.tensor_model_parallel_size, layout.context_parallel_size,
-                   layout.pipeline_model_parallel_size)
+
+    def __init__(self, model, system, layouts: list[tuple[tuple, Layout]], ckpts) -> None:
+        self.model, self.system, self.layouts, self.ckpts = model, system, layouts, ckpts
+        self.grouped = len(ckpts) > 1 and "no" in ckpts
+        """Whether candidates are grouped by (layout, micro batch) under ckpt ``no``'s bound."""
+        self._floor = (ckpts.index("no"),) if "no" in ckpts else tuple(range(len(ckpts)))
+        """The ckpt indices whose bounds bound every ckpt's."""
+        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, ckpt, fp8) -> (layer, output layer) s
+        self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
+
+    def _pipelined(self, li: int, ci: int, i: int) -> float:
+        """Lower bound on compute + recompute + tp_comm + cp_comm + bubble of candidate (``li``, ``ci``, ``i``)."""
+        model, (run, layout) = self.model, self.layouts[li]
+        num_gpus, _, global_batch, switches = run
+        L, t, c, p = (model.num_layers, layout.tensor_model_parallel_size, layout.context_parallel_size,
+                      layout.pipeline_model_parallel_size)
         l = layout.num_layers_per_virtual_pipeline_stage
         v = 1 if l is None else L // p // l
-        shards = num_gpus // (t * p) // c
-        mbs, fp8, tokens, stage_layers = layout.micro_batch_sizes, switches.get("fp8"), global_batch * seq_length, L // p
-        first = _plan(run, layout, mbs[0], ckpts[0])
-        pp = pipeline_p2p_seconds_by_micro_batch(model, first, system, mbs)
-        dp = dp_seconds_lower_bound(model, first, system)
-        for ci, ckpt in enumerate(ckpts):
-            for i, mb in enumerate(mbs):
-                key = (t, c, mb, ckpt, fp8)
-                times = per_shape.get(key)
-                if times is None:
-                    st = shape_times(model, _plan(run, layout, mb, ckpt), system)
-                    times = per_shape[key] = (st.layer.total, st.head.total)
-                per_layer, head = times
-                m = global_batch // (mb * shards)
-                last = stage_layers * per_layer + head
-                lower = ((m - 1 / v) * last + (L * per_layer + head) / v if p > 1 else m * last) + pp[i] + dp
-                out.append((-(tokens / lower), li, ci, i))
-    return out
+        mb, ckpt = layout.micro_batch_sizes[i], self.ckpts[ci]
+        key = (t, c, mb, ckpt, switches.get("fp8"))
+        times = self._shapes.get(key)
+        if times is None:
+            st = shape_times(model, _plan(run, layout, mb, ckpt), self.system)
+            times = self._shapes[key] = (st.layer.total, st.head.total)
+        per_layer, head = times
+        m = global_batch // (mb * (num_gpus // (t * p) // c))
+        last = L // p * per_layer + head
+        return (m - 1 / v) * last + (L * per_layer + head) / v if p > 1 else m * last
+
+    def _tokens(self, li: int) -> int:
+        _, seq_length, global_batch, _ = self.layouts[li][0]
+        return global_batch * seq_length
+
+    def bound(self, li: int, ci: int, i: int) -> float:
+        """Upper bound on the tokens/s of candidate (``li``, ``ci``, ``i``)."""
+        traffic = self._traffic.get(li)
+        if traffic is None:
+            run, layout = self.layouts[li]
+            first = _plan(run, layout, layout.micro_batch_sizes[0], self.ckpts[0])
+            traffic = self._traffic[li] = (
+                pipeline_p2p_seconds_by_micro_batch(self.model, first, self.system, layout.micro_batch_sizes),
+                dp_seconds_lower_bound(self.model, first, self.system))
+        pp, dp = traffic
+        return self._tokens(li) / (self._pipelined(li, ci, i) + pp[i] + dp)
+
+    def group(self, li: int, i: int) -> float:
+        """Upper bound on the tokens/s of every ckpt of layout ``li`` at micro batch index ``i`` (with
+        :attr:`grouped`)."""
+        return self.bound(li, self._floor[0], i)
+
+    def layout(self, li: int) -> float:
+        """Upper bound on the tokens/s of every candidate of layout ``li``."""
+        return self._tokens(li) / min(self._pipelined(li, ci, i) for ci in self._floor
+                                      for i in range(len(self.layouts[li][1].micro_batch_sizes)))
+
+    def expand(self, li: int, ci: int, i: int) -> list[tuple[float, int, int, int]]:
+        """The queue entries of what the entry (``li``, ``ci``, ``i``) stands for (a layout or a group)."""
+        if ci == _LAYOUT and self.grouped:
+            return [(-self.group(li, j), li, _GROUP, j) for j in range(len(self.layouts[li][1].micro_batch_sizes))]
+        mbs = range(len(self.layouts[li][1].micro_batch_sizes)) if ci == _LAYOUT else (i,)
+        return [(-self.bound(li, cj, j), li, cj, j) for cj in range(len(self.ckpts)) for j in mbs]
 
 
 def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple, Layout]], ckpts, alpha_mode,
                        budget, top: int) -> None:
-    """Price candidates from the highest tokens/s bound down until no remaining one can enter the top."""
-    cands = _upper_bounds(model, system, layouts, ckpts)
-    cands.sort()
+    """Price candidates from the highest tokens/s bound down until no remaining one can enter the top.
+
+    The candidates are taken in the order of (minus the bound, layout index, ckpt index, micro batch index). The
+    queue starts with one entry per layout holding the bound of all its candidates (:meth:`_Bounds.layout`, ckpt
+    index ``_LAYOUT``: it comes out before any of them); taking it out puts in one entry per micro batch holding the
+    bound of its ckpts (``_GROUP``, when several are searched), and taking that out its candidates with their own
+    bounds. Candidates come out in the order of sorting every candidate's bound, while only the layouts and micro
+    batches that could enter the top are bounded one by one."""
+    bounds = _Bounds(model, system, layouts, ckpts)
+    queue = [(-bounds.layout(li), li, _LAYOUT, -1) for li in range(len(layouts))]
+    heapq.heapify(queue)
+    remaining = len(ckpts) * sum(len(layout.micro_batch_sizes) for _, layout in layouts)  # candidates not taken
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
     failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (ckpt, micro batch) indices that did not fit
-    for n, (minus_bound, li, ci, i) in enumerate(cands):
+    while queue:
+        minus_bound, li, ci, i = heapq.heappop(queue)
         if len(best) >= top and -minus_bound * (1 + 1e-9) < best[0]:
-            col.rejected[R_BOUND] += len(cands) - n
+            col.rejected[R_BOUND] += remaining
             break
+        if ci < 0:
+            for entry in bounds.expand(li, ci, i):
+                heapq.heappush(queue, entry)
+            continue
+        remaining -= 1
         if any(ci >= fc and i >= fi for fc, fi in failed.get(li, ())):
             col.rejected[R_PRUNED] += 1
             continue

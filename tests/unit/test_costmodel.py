@@ -126,6 +126,23 @@ def test_stage_params_embedding_and_output():
         M65.num_parameters + (32256 - 32004) * 8192 * 2 + 8192 * 80 * 2 * 0, rel=0.01)
 
 
+
+@pytest.mark.parametrize("extra", [{}, {"fp8": "hybrid"}, {"fp8": "hybrid", "fp8_param_gather": True},
+                                   {"data_parallel_sharding_strategy": "optim_grads"},
+                                   {"data_parallel_sharding_strategy": "optim_grads_params"},
+                                   {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.35},
+                                   {"use_distributed_optimizer": False, "grad_reduce_in_bf16": True}])
+def test_stage_static_terms_are_those_of_the_fixed_terms(extra):
+    """The planner's static memory check reads weights, grads and optimizer states without the other terms."""
+    from h3t_ext.costmodel.memory import stage_fixed_terms, stage_static_terms
+    plan = Plan(num_gpus=64, seq_length=4096, global_batch_size=64, tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=4, **extra)
+    for stage in range(4):
+        static, fixed = stage_static_terms(M65, plan, stage), stage_fixed_terms(M65, plan, stage)
+        assert list(static) == ["weights", "grads", "optimizer_states"]
+        assert static == {k: fixed[k] for k in static} and all(b > 0 for b in static.values())
+        assert len(fixed) > len(static)
+
 # ---- estimate --------------------------------------------------------------------------------------------
 
 def test_estimate_fields_and_json():

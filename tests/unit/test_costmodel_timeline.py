@@ -104,3 +104,16 @@ def test_builder_emits_offload_only_for_stages_that_offload():
     assert all(r.stall == 0 for r in e.timeline.ranks)
     with pytest.raises(ValueError):
         ScheduleConfig(4, 8, 2, offload_stages=(True,))
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_timeline_leaves_the_garbage_collector_as_it_was(enabled):
+    """plan_timeline pauses the cyclic collector while it builds the lists, then restores its state."""
+    import gc
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        e = estimate(M7, _plan(4, 1, 0.2, 16), H800)
+        assert e.timeline is not None and gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()

@@ -1,6 +1,7 @@
 """Planner library: enumeration and its rejection reasons, search ranking, flags round trip, byte parsing."""
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import pytest
@@ -224,3 +225,38 @@ def test_ties_with_the_best_are_the_plans_inside_its_interval():
     assert tied[0] == 0 and tied == tuple(i for i, x in enumerate(tps) if x >= tps[0] * (1 - w))
     assert result.tied_with_best(0.0) == tuple(i for i, x in enumerate(tps) if x == tps[0])
     assert len(tied) < len(tps)  # the interval does not swallow every plan
+
+
+@pytest.mark.parametrize("model_name,precisions", [("llama-7b", ("bf16", "fp8")), ("gpt3-175b", ("bf16",))])
+def test_best_first_group_bounds_hold_their_candidates(model_name, precisions):
+    """The best-first queue takes candidates in the order of their own bounds only if a layout's bound is at least
+    each of its micro batches' group bound, and that at least each of their ckpts' bound (ckpt no has the
+    smallest layer time: the other modes add recompute terms)."""
+    search_mod = importlib.import_module("h3t_ext.planner.search")  # the package exports search() by that name
+    model, system = get_model(model_name), get_system("h800")
+    k = SearchConstraints(precisions=precisions)
+    layouts, _ = enumerate_layouts(model, num_gpus=16, seq_length=4096, global_batch_size=32, gpus_per_node=8,
+                                   constraints=k)
+    switches = {"sequence_parallel": True, "use_distributed_optimizer": True}
+    live = [(run, x) for run in search_mod._runs(16, 4096, 32, switches, k) for x in layouts]
+    bounds = search_mod._Bounds(model, system, live, space.CKPT_BY_MEMORY)
+    assert bounds.grouped and len(live) > 20
+    strict = 0
+    for li, (_, layout) in enumerate(live):
+        top = bounds.layout(li)
+        for i in range(len(layout.micro_batch_sizes)):
+            group = bounds.group(li, i)
+            own = [bounds.bound(li, ci, i) for ci in range(3)]
+            assert top >= group >= max(own) and group == own[2]  # ckpt no (index 2) is the group's bound
+            strict += own[0] < group
+    assert strict > 0  # full recompute's bound is below the group's somewhere (the grouping skips work)
+
+
+def test_best_first_with_one_ckpt_is_the_exhaustive_top():
+    model, system = get_model("llama-7b"), get_system("h800")
+    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, constraints=SearchConstraints(ckpt="full"))
+    full = search(model, system, exhaustive=True, **kw)
+    best = search(model, system, top=5, **kw)
+    assert best.considered < full.considered
+    assert [(r.plan, r.tokens_per_second) for r in best.plans[:5]] == [(r.plan, r.tokens_per_second)
+                                                                        for r in full.plans[:5]]
