@@ -1,14 +1,17 @@
 """Search: every valid plan for a model, GPU count and global batch, priced and ranked.
 
 The structural enumeration (``space.py``) gives the layouts (t, c, p, l, micro batch); for each,
-every checkpointing mode is priced with its offload ratio resolved (``evaluate.py``), plans that
-cannot fit the budget even with alpha = 1 are rejected with the memory term that is over, and the
-rest are ranked by predicted tokens/s (ties: less peak memory first).
+every recompute mode (``recompute_modes.py``: ckpt ``full``, ``ours``, ``no``; Megatron's block recompute with
+the smallest ``--recompute-num-layers`` that fits without activation offload, on ``ours`` and on ``no``; with
+unfused attention Megatron's selective ``core_attn`` on ``no`` and on ``ours``) is priced with its offload
+ratio resolved (``evaluate.py``), plans that cannot fit the budget even with alpha = 1 are rejected with the
+memory term that is over, and the rest are ranked by predicted tokens/s (ties: less peak memory first).
 
-Memory grows with the micro batch and from ``full`` to ``ours`` to ``no``, so once a
-(layout, ckpt, micro batch) does not fit, the larger micro batches and the modes that keep more
-are rejected without pricing them (counted under ``R_PRUNED``); micro batches past the one where
-throughput starts to fall are skipped (``R_SLOWER``). ``exhaustive=True`` turns both off.
+Memory grows with the micro batch and from ``full`` to ``ours`` to ``no`` (block on ``ours`` to block on
+``no``), so once a (layout, mode, micro batch) does not fit, the larger micro batches and the modes that keep
+more are rejected without pricing them (counted under ``R_PRUNED``; ``RecomputeMode.fails_where``); micro
+batches past the one where throughput starts to fall are skipped (``R_SLOWER``). ``exhaustive=True`` turns
+both off.
 
 With ``top`` (the CLI's ``--top``) the search is best-first instead: every candidate gets an exact upper bound
 on its tokens/s from the cost model itself (the iteration time at alpha = 0 is at least its compute,
@@ -38,7 +41,8 @@ from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_stat
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
-from h3t_ext.planner.space import CKPT_BY_MEMORY, Layout, MemoryOption, SearchConstraints, enumerate_layouts
+from h3t_ext.planner.recompute_modes import R_BLOCK_NONE, RecomputeMode, search_modes, smallest_block_layers
+from h3t_ext.planner.space import Layout, MemoryOption, SearchConstraints, enumerate_layouts
 
 TIMELINE_TOP = 3
 """Plans a search prices on the timeline of the schedule's action lists (the best of the closed form's ranking,
@@ -129,8 +133,11 @@ def reason_category(reason: str) -> str:
     return " ".join(_NUMBERS.sub("", reason).split())
 
 
-def _plan(run: tuple, layout: Layout, mb: int, ckpt: str) -> Plan:
+def _plan(run: tuple, layout: Layout, mb: int, mode, block_layers: Optional[int] = None) -> Plan:
+    """The plan of one candidate: ``mode`` a :class:`RecomputeMode` (or a ckpt value), a block mode with its N
+    (None: its base alone)."""
     num_gpus, seq_length, global_batch_size, switches = run
+    mode = RecomputeMode.of(mode)
     return Plan(
         num_gpus=num_gpus,
         seq_length=seq_length,
@@ -140,7 +147,8 @@ def _plan(run: tuple, layout: Layout, mb: int, ckpt: str) -> Plan:
         context_parallel_size=layout.context_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=layout.num_layers_per_virtual_pipeline_stage,
-        ckpt=ckpt,
+        ckpt=mode.ckpt,
+        recompute=mode.recompute_of(block_layers),
         **switches,
     )
 
@@ -290,8 +298,13 @@ def search(
 ) -> SearchResult:
     """Enumerate, price and rank every valid plan (pure; no printing).
 
+    The space: layouts x micro batches x recompute modes (``constraints.ckpt`` fixes one; else ckpt ``full``,
+    Megatron's block recompute of the smallest N that fits without offload on ``ours`` and on ``no``, selective
+    ``core_attn`` on ``ours`` and ``no`` with unfused attention, ckpt ``ours`` and ``no``) x activation offload
+    alpha (``alpha_mode``) x the memory ladder's options x precisions.
+
     By default two shortcuts skip pricing: memory grows with the micro batch and from ckpt ``full``
-    to ``ours`` to ``no`` (so what does not fit prunes what keeps more), and for one layout and ckpt
+    to ``ours`` to ``no`` (so what does not fit prunes what keeps more), and for one layout and mode
     the micro batches after the first one that is slower than the previous are skipped (throughput
     is unimodal in the micro batch: per-microbatch work scales with it, the bubble grows as the
     microbatch count falls). ``exhaustive`` prices every valid plan; only the exact check that
@@ -307,7 +320,7 @@ def search(
         model, num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
         gpus_per_node=system.gpus_per_node, constraints=constraints)
     col = _Collector(rejected)
-    ckpts = (constraints.ckpt,) if constraints.ckpt is not None else CKPT_BY_MEMORY
+    ckpts = search_modes(constraints.ckpt, constraints.attention_backend)
     static: dict[tuple[int, int, int], Optional[ClosestInfeasible]] = {}
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
                                                       "overlap_p2p_comm", "sequence_parallel",
@@ -378,24 +391,47 @@ def _with_timeline(model, system, ranked: list[RankedPlan], k: int, alpha_mode, 
     return kept + rest
 
 
-def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_mode, budget, run,
+def _candidate_plan(col: _Collector, model, system, run, layout: Layout, mb: int, mode: RecomputeMode, alpha_mode,
+                    budget: _Budgets) -> tuple[Optional[Plan], bool]:
+    """(the plan of one candidate, False); a block mode's with its smallest N that fits
+    (:func:`~h3t_ext.planner.recompute_modes.smallest_block_layers`), or (None, whether that is a memory verdict
+    that prunes) after counting why it has none."""
+    plan = _plan(run, layout, mb, mode)
+    if not mode.block:
+        return plan, False
+    try:
+        choice = smallest_block_layers(model, system, plan, alpha_mode=alpha_mode, memory_budget_bytes=budget.device)
+    except InvalidPlanError as e:
+        col.rejected[reason_category(e.reason)] += 1
+        return None, False
+    if choice.num_layers is None:
+        col.rejected[choice.reason] += 1
+        return None, choice.reason == R_BLOCK_NONE
+    return _plan(run, layout, mb, mode, choice.num_layers), False
+
+
+def _search_layout(col: _Collector, model, system, layout: Layout, modes, alpha_mode, budget, run,
                    exhaustive: bool) -> None:
-    """Price one layout over checkpointing modes (least memory first) and micro batches (ascending)."""
+    """Price one layout over recompute modes (least memory first) and micro batches (ascending)."""
     mbs = layout.micro_batch_sizes
-    fit_limit = len(mbs)  # micro batches at index >= fit_limit did not fit with a mode that keeps less
-    for ckpt in ckpts:
+    failed: list[tuple[RecomputeMode, int]] = []  # (mode, micro batch index) that did not fit
+    for mode in modes:
         previous = None
         for i, mb in enumerate(mbs):
-            if i >= fit_limit:
+            if any(i >= fi and mode.fails_where(f) for f, fi in failed):
                 col.rejected[R_PRUNED] += len(mbs) - i
                 break
-            ranked = _price(col, model, system, _plan(run, layout, mb, ckpt), alpha_mode, budget)
+            plan, no_fit = _candidate_plan(col, model, system, run, layout, mb, mode, alpha_mode, budget)
+            if plan is None:
+                if no_fit and not exhaustive:
+                    failed.append((mode, i))
+                continue
+            ranked = _price(col, model, system, plan, alpha_mode, budget)
             if exhaustive:
                 continue
             if ranked is None:
-                col.rejected[R_PRUNED] += len(mbs) - i - 1
-                fit_limit = i
-                break
+                failed.append((mode, i))  # the next micro batch counts the rest as pruned
+                continue
             if ranked and previous is not None and ranked.tokens_per_second < previous:
                 col.rejected[R_SLOWER] += len(mbs) - i - 1
                 break
@@ -404,11 +440,11 @@ def _search_layout(col: _Collector, model, system, layout: Layout, ckpts, alpha_
 
 
 _LAYOUT, _GROUP = -2, -1
-"""Ckpt index of a best-first queue entry that stands for every candidate of a layout / of a (layout, micro batch)."""
+"""Mode index of a best-first queue entry that stands for every candidate of a layout / of a (layout, micro batch)."""
 
 
 class _Bounds:
-    """Upper bounds on the tokens/s of the best-first candidates (layout index, ckpt index, micro batch index), and
+    """Upper bounds on the tokens/s of the best-first candidates (layout index, mode index, micro batch index), and
     of groups of them, each computed when first asked for.
 
     The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
@@ -419,16 +455,23 @@ class _Bounds:
     A layer's time with ckpt ``no`` is its time with any other mode without the recompute terms (>= 0; nothing
     else in it depends on the mode), and the bound only falls as the layer's time grows, so the bound of ckpt
     ``no`` at a micro batch is also one for every mode at that micro batch (:meth:`group`); leaving out pp_p2p and
-    dp_exposed (>= 0) bounds a whole layout (:meth:`layout`).
+    dp_exposed (>= 0) bounds a whole layout (:meth:`layout`). A block mode's candidate is bounded by its base's
+    bound (block recompute only adds time) until its N is known (:attr:`block_layers`), then by its own.
     """
 
     def __init__(self, model, system, layouts: list[tuple[tuple, Layout]], ckpts) -> None:
-        self.model, self.system, self.layouts, self.ckpts = model, system, layouts, ckpts
-        self.grouped = len(ckpts) > 1 and "no" in ckpts
+        self.model, self.system, self.layouts = model, system, layouts
+        self.ckpts = tuple(RecomputeMode.of(c) for c in ckpts)
+        no = RecomputeMode.of("no")
+        self.grouped = len(self.ckpts) > 1 and no in self.ckpts
         """Whether candidates are grouped by (layout, micro batch) under ckpt ``no``'s bound."""
-        self._floor = (ckpts.index("no"),) if "no" in ckpts else tuple(range(len(ckpts)))
-        """The ckpt indices whose bounds bound every ckpt's."""
-        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, ckpt, fp8) -> (layer, output layer) s
+        self._floor = (self.ckpts.index(no),) if no in self.ckpts else tuple(range(len(self.ckpts)))
+        """The mode indices whose bounds bound every mode's."""
+        self._plain = tuple(RecomputeMode(m.ckpt, m.recompute) for m in self.ckpts)
+        """Each mode without block recompute (an unresolved block candidate's bound is its base's)."""
+        self.block_layers: dict[tuple[int, int, int], int] = {}
+        """The N of the block candidates (layout, mode, micro batch indices) resolved so far."""
+        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode, N, chunk, fp8) -> (layer, output) s
         self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
 
     def _pipelined(self, li: int, ci: int, i: int) -> float:
@@ -439,11 +482,14 @@ class _Bounds:
                       layout.pipeline_model_parallel_size)
         l = layout.num_layers_per_virtual_pipeline_stage
         v = 1 if l is None else L // p // l
-        mb, ckpt = layout.micro_batch_sizes[i], self.ckpts[ci]
-        key = (t, c, mb, ckpt, switches.get("fp8"))
+        mb, mode = layout.micro_batch_sizes[i], self.ckpts[ci]
+        n = self.block_layers.get((li, ci, i)) if mode.block else None
+        if n is None:
+            mode = self._plain[ci]
+        key = (t, c, mb, mode, n, L // p // v if n else None, switches.get("fp8"))
         times = self._shapes.get(key)
         if times is None:
-            st = shape_times(model, _plan(run, layout, mb, ckpt), self.system)
+            st = shape_times(model, _plan(run, layout, mb, mode, n), self.system)
             times = self._shapes[key] = (st.layer.total, st.head.total)
         per_layer, head = times
         m = global_batch // (mb * (num_gpus // (t * p) // c))
@@ -467,7 +513,7 @@ class _Bounds:
         return self._tokens(li) / (self._pipelined(li, ci, i) + pp[i] + dp)
 
     def group(self, li: int, i: int) -> float:
-        """Upper bound on the tokens/s of every ckpt of layout ``li`` at micro batch index ``i`` (with
+        """Upper bound on the tokens/s of every mode of layout ``li`` at micro batch index ``i`` (with
         :attr:`grouped`)."""
         return self.bound(li, self._floor[0], i)
 
@@ -484,22 +530,24 @@ class _Bounds:
         return [(-self.bound(li, cj, j), li, cj, j) for cj in range(len(self.ckpts)) for j in mbs]
 
 
-def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple, Layout]], ckpts, alpha_mode,
+def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple, Layout]], modes, alpha_mode,
                        budget, top: int) -> None:
     """Price candidates from the highest tokens/s bound down until no remaining one can enter the top.
 
-    The candidates are taken in the order of (minus the bound, layout index, ckpt index, micro batch index). The
-    queue starts with one entry per layout holding the bound of all its candidates (:meth:`_Bounds.layout`, ckpt
+    The candidates are taken in the order of (minus the bound, layout index, mode index, micro batch index). The
+    queue starts with one entry per layout holding the bound of all its candidates (:meth:`_Bounds.layout`, mode
     index ``_LAYOUT``: it comes out before any of them); taking it out puts in one entry per micro batch holding the
-    bound of its ckpts (``_GROUP``, when several are searched), and taking that out its candidates with their own
+    bound of its modes (``_GROUP``, when several are searched), and taking that out its candidates with their own
     bounds. Candidates come out in the order of sorting every candidate's bound, while only the layouts and micro
-    batches that could enter the top are bounded one by one."""
-    bounds = _Bounds(model, system, layouts, ckpts)
+    batches that could enter the top are bounded one by one. A block candidate comes out first with its base's
+    bound; its N is then chosen and it goes back in with its own (lower) bound."""
+    bounds = _Bounds(model, system, layouts, modes)
+    modes = bounds.ckpts
     queue = [(-bounds.layout(li), li, _LAYOUT, -1) for li in range(len(layouts))]
     heapq.heapify(queue)
-    remaining = len(ckpts) * sum(len(layout.micro_batch_sizes) for _, layout in layouts)  # candidates not taken
+    remaining = len(modes) * sum(len(layout.micro_batch_sizes) for _, layout in layouts)  # candidates not taken
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
-    failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (ckpt, micro batch) indices that did not fit
+    failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (mode, micro batch) indices that did not fit
     while queue:
         minus_bound, li, ci, i = heapq.heappop(queue)
         if len(best) >= top and -minus_bound * (1 + 1e-9) < best[0]:
@@ -509,13 +557,26 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
             for entry in bounds.expand(li, ci, i):
                 heapq.heappush(queue, entry)
             continue
-        remaining -= 1
-        if any(ci >= fc and i >= fi for fc, fi in failed.get(li, ())):
+        mode = modes[ci]
+        if any(i >= fi and mode.fails_where(modes[fc]) for fc, fi in failed.get(li, ())):
+            remaining -= 1
             col.rejected[R_PRUNED] += 1
             continue
         run, layout = layouts[li]
-        ranked = _price(col, model, system, _plan(run, layout, layout.micro_batch_sizes[i], ckpts[ci]), alpha_mode,
-                        budget)
+        mb = layout.micro_batch_sizes[i]
+        if mode.block and (li, ci, i) not in bounds.block_layers:
+            plan, no_fit = _candidate_plan(col, model, system, run, layout, mb, mode, alpha_mode, budget)
+            if plan is None:
+                remaining -= 1
+                if no_fit:
+                    failed.setdefault(li, []).append((ci, i))
+                continue
+            bounds.block_layers[(li, ci, i)] = plan.recompute.num_layers
+            heapq.heappush(queue, (-bounds.bound(li, ci, i), li, ci, i))
+            continue
+        remaining -= 1
+        plan = _plan(run, layout, mb, mode, bounds.block_layers.get((li, ci, i)))
+        ranked = _price(col, model, system, plan, alpha_mode, budget)
         if ranked is None:
             failed.setdefault(li, []).append((ci, i))
         elif ranked:

@@ -24,7 +24,8 @@ from h3t_ext.costmodel import ModelSpec
 from h3t_ext.layout import LayoutError, ParallelLayout, virtual_pipeline_size
 
 CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
-"""Checkpointing modes from least to most saved activation memory (the search's pruning order)."""
+"""The plain checkpointing modes from least to most saved activation memory (the search's recompute axis adds
+block and selective modes between them: :func:`h3t_ext.planner.recompute_modes.search_modes`)."""
 
 R_T_NODE = "tensor_model_parallel_size does not divide gpus_per_node (t must stay within a node)"
 R_T_HEADS = "num_attention_heads not divisible by tensor_model_parallel_size"
