@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
+from h3t_ext.ckpt import SELECTIVE_CORE_ATTN, Ckpt
 from h3t_ext.costmodel import Plan
 from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
 from h3t_ext.planner.translate import plan_from_args
@@ -18,7 +19,9 @@ def megatron_flags(plan: Plan) -> list[str]:
     """The Megatron (plus h3t-ext) command-line flags that launch ``plan``.
 
     ``--sequence-parallel`` (with t > 1), ``--use-distributed-optimizer`` and ``--tp-comm-overlap`` follow
-    the plan's switches; an FP8 plan adds ``--fp8-format``, ``--fp8-recipe`` (and ``--fp8-param-gather``). ``--seq-length`` and
+    the plan's switches; Megatron's recompute follows ``--ckpt`` (``--recompute-granularity full --recompute-method block
+    --recompute-num-layers N`` for a block plan; ckpt ``selective`` as ``--ckpt no --recompute-granularity selective
+    --recompute-modules core_attn``, which the driver takes); an FP8 plan adds ``--fp8-format``, ``--fp8-recipe`` (and ``--fp8-param-gather``). ``--seq-length`` and
     the GPU count are the launcher's business and are not repeated here.
     """
     flags = ["--tensor-model-parallel-size", str(plan.tensor_model_parallel_size)]
@@ -46,7 +49,9 @@ def megatron_flags(plan: Plan) -> list[str]:
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
     if not plan.overlap_p2p_comm:
         flags.append("--no-overlap-p2p-communication")
-    flags += ["--ckpt", str(plan.ckpt), *plan.recompute.flags(), "--offload-alpha", format_alpha(plan.offload_alpha)]
+    # ckpt selective is h3t-ext's name of Megatron's selective core_attn on ckpt no: the driver takes Megatron's flags
+    ckpt, recompute = (Ckpt.NO, SELECTIVE_CORE_ATTN) if plan.ckpt is Ckpt.SELECTIVE else (plan.ckpt, plan.recompute)
+    flags += ["--ckpt", str(ckpt), *recompute.flags(), "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
     if plan.fp8 is not None:
         flags += ["--fp8-format", plan.fp8, "--fp8-recipe", plan.fp8_recipe]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.planner.evaluate import Evaluation
@@ -14,6 +15,27 @@ from h3t_ext.planner.units import format_bytes
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
              "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
              "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather")
+
+
+def recompute_label(plan) -> str:
+    """The plan's recompute choice in a word: ``no``, ``ours``, ``full``, ``selective`` (Megatron's selective
+    ``core_attn`` on ckpt no), ``ours+core_attn``, ``ours+block(3)`` (Megatron's block recompute of the first 3
+    layers of every model chunk on top of ckpt ours), ``no+uniform(2)``."""
+    base, recompute = split_ckpt(plan.ckpt, plan.recompute)
+    if recompute.granularity is None:
+        return str(base)
+    if plan.ckpt in (Ckpt.FULL, Ckpt.SELECTIVE) or recompute == FULL_UNIFORM_1:
+        return str(plan.ckpt if plan.ckpt is not base else Ckpt.FULL)
+    if recompute.full:
+        return f"{base}+{recompute.method}({recompute.num_layers})"
+    return f"{base}+{'+'.join(recompute.modules)}"
+
+
+def recompute_fields(plan) -> dict:
+    """Megatron's recompute fields of the plan (megatron-core's ``TransformerConfig`` names; None/[] when off)."""
+    _, recompute = split_ckpt(plan.ckpt, plan.recompute)
+    return {"recompute_granularity": recompute.granularity, "recompute_method": recompute.method,
+            "recompute_num_layers": recompute.num_layers, "recompute_modules": list(recompute.modules)}
 
 
 def _alpha_value(alphas: tuple[float, ...]):
@@ -41,6 +63,8 @@ def evaluation_dict(ev: Evaluation) -> dict:
         "pcie_bytes_per_iteration": est.pcie_bytes_per_iteration,
     }
     out.update({k: getattr(plan, k) for k in PLAN_KEYS})
+    out["recompute"] = recompute_label(plan)
+    out.update(recompute_fields(plan))
     out["data_parallel_size"] = plan.data_parallel_size
     out["num_microbatches"] = plan.num_microbatches
     if ev.auto_estimate is not None:
@@ -54,13 +78,13 @@ def evaluation_dict(ev: Evaluation) -> dict:
 
 
 def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
-    """``t=2 c=1 p=8 l=2 (v=5) ckpt=no alpha=0.355 mb=1 m=16``."""
+    """``t=2 c=1 p=8 l=2 (v=5) ckpt=no recompute=no+block(3) alpha=0.355 mb=1 m=16``."""
     p = ev.plan
     l = p.num_layers_per_virtual_pipeline_stage
     v = p.virtual_size(model.num_layers)
     inter = f" l={l} (v={v})" if l is not None else ""
     return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
-            f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
+            f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} recompute={recompute_label(p)} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
             f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)}")
 
 
@@ -149,17 +173,17 @@ def search_table(result: SearchResult, top: int) -> Table:
     """The best ``top`` plans."""
     tab = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} feasible plans priced")
     balanced = any(r.evaluation.pcie_bytes_saved_vs_auto is not None for r in result.plans[:top])
-    cols = ["#", "t", "c", "p", "l", "d", "ckpt", "precision", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU",
+    cols = ["#", "t", "c", "p", "l", "d", "recompute", "precision", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU",
             "MFU", "vs published"]
     for col in cols + (["PCIe saved vs auto"] if balanced else []):
-        tab.add_column(col, justify="left" if col in ("ckpt", "precision") else "right")
+        tab.add_column(col, justify="left" if col in ("recompute", "precision") else "right")
     for i, r in enumerate(result.plans[:top], 1):
         p, est = r.plan, r.evaluation.estimate
         l = p.num_layers_per_virtual_pipeline_stage
         extra = [format_bytes(r.evaluation.pcie_bytes_saved_vs_auto or 0)] if balanced else []
         tab.add_row(str(i), str(p.tensor_model_parallel_size), str(p.context_parallel_size),
                     str(p.pipeline_model_parallel_size), "-" if l is None else str(l), str(p.data_parallel_size),
-                    p.ckpt, p.precision, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
+                    recompute_label(p), p.precision, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
                     str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
                     f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
                     _plausibility_cell(est.plausibility), *extra)
@@ -222,5 +246,5 @@ def no_plan_message(result: SearchResult) -> str:
     terms = "; its terms: " + ", ".join(f"{k} {format_bytes(b)}" for k, b in c.terms) if c.terms else ""
     return (f"no plan fits the memory budget; closest: t={p.tensor_model_parallel_size} "
             f"c={p.context_parallel_size} p={p.pipeline_model_parallel_size} l={l if l is not None else '-'} "
-            f"ckpt={p.ckpt} micro_batch={p.micro_batch_size}{options}: {c.term} over budget by "
+            f"recompute={recompute_label(p)} micro_batch={p.micro_batch_size}{options}: {c.term} over budget by "
             f"{format_bytes(c.excess_bytes)} on stage {c.stage} ({c.reason}){terms}")
