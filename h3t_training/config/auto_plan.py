@@ -7,6 +7,7 @@ plan is printed (rank 0) as the Megatron flags that launch it.
 """
 from __future__ import annotations
 
+from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_training.errors import ArgumentError
 from h3t_training.config.run_spec import model_spec, run_plan
@@ -91,13 +92,20 @@ def plan_config(args):
     line = (f"auto-plan ({system.name}, {result.considered} plans priced): {' '.join(best.megatron_flags)} | "
             f"predicted {est.tokens_per_second / args.world_size:.1f} tokens/s/GPU, "
             f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB")
+    base, recompute = split_ckpt(plan.ckpt, plan.recompute)  # the config's form (arguments.resolve_ckpt)
     return args.replace(
         tensor_model_parallel_size=plan.tensor_model_parallel_size,
         context_parallel_size=plan.context_parallel_size,
         pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=plan.num_layers_per_virtual_pipeline_stage,
         micro_batch_size=plan.micro_batch_size,
-        ckpt=plan.ckpt,
+        ckpt=combined_ckpt(base, recompute),
+        recompute=recompute,
+        recompute_granularity=recompute.granularity,
+        recompute_method=recompute.method,
+        recompute_num_layers=recompute.num_layers,
+        recompute_modules=list(recompute.modules) or None,
+        recompute_activations=False,
         offload_alpha=OffloadAlpha.parse(plan.offload_alpha),
         sequence_parallel=plan.sequence_parallel and plan.tensor_model_parallel_size > 1,
         use_distributed_optimizer=plan.use_distributed_optimizer,
