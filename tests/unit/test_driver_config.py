@@ -249,3 +249,25 @@ def test_ckpt_format_torch_is_accepted_with_a_notice_and_a_legacy_checkpoint_is_
         find_checkpoint(args, rank=0)
     assert "is a Megatron-LM legacy --ckpt-format torch checkpoint (mp_rank_00/...)" in str(e.value)
     assert "--ckpt-convert-format torch_dist" in str(e.value)
+
+
+def test_auto_plan_runs_the_recompute_it_chose(monkeypatch):
+    """A budget where ckpt ours does not fit without offload and full is slower: the search picks Megatron's block
+    recompute, and the config (its Megatron flags, its record and the plan the driver prices) carries it."""
+    from h3t_ext.ckpt import Ckpt, Recompute
+    from h3t_training.config.run_spec import run_plan
+    monkeypatch.setenv("RANK", "1")
+    argv = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "4096",
+            "--global-batch-size", "16", "--train-iters", "10", "--lr", "1e-4", "--mock-data",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--gpu", "h800", "--auto-plan",
+            "--memory-budget", "20GB", "--offload-alpha", "0", "--tensor-model-parallel-size", "2",
+            "--pipeline-model-parallel-size", "4", "--num-layers-per-virtual-pipeline-stage", "4",
+            "--micro-batch-size", "1"]
+    after = resolve(TrainConfig.from_namespace(build_parser(defaults=LLAMA_DEFAULTS).parse_args(argv), world_size=8,
+                                               flag_notices=()))
+    n = after.recompute_num_layers
+    assert after.recompute == Recompute("full", "block", n) and after.ckpt is Ckpt.OURS
+    assert (after.recompute_granularity, after.recompute_method) == ("full", "block")
+    assert f"--recompute-method block --recompute-num-layers {n}" in " ".join(after.auto_plan_flags)
+    plan = run_plan(after)
+    assert plan.ckpt is Ckpt.OURS and plan.recompute == after.recompute

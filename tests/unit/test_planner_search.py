@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from h3t_ext.ckpt import SELECTIVE_CORE_ATTN, Recompute
 from h3t_ext.costmodel import ModelSpec, Plan, estimate, get_model, get_system
 from h3t_ext.planner import space
 from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
@@ -175,6 +176,14 @@ PLANS = [
          data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True),
     Plan(num_gpus=64, seq_length=4096, global_batch_size=64, tensor_model_parallel_size=2,
          pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=2, overlap_p2p_comm=False),
+    # the search's recompute choices: block N on ours and on no, selective core_attn on no and on ours
+    Plan(num_gpus=8, seq_length=4096, global_batch_size=16, tensor_model_parallel_size=2,
+         pipeline_model_parallel_size=4, ckpt="ours", recompute=Recompute("full", "block", 3)),
+    Plan(num_gpus=8, seq_length=4096, global_batch_size=16, pipeline_model_parallel_size=2, ckpt="no",
+         recompute=Recompute("full", "block", 5), offload_alpha=0.25),
+    Plan(num_gpus=8, seq_length=4096, global_batch_size=16, ckpt="selective", attention_backend="unfused"),
+    Plan(num_gpus=8, seq_length=4096, global_batch_size=16, ckpt="ours", recompute=SELECTIVE_CORE_ATTN,
+         attention_backend="unfused"),
 ]
 
 
