@@ -166,7 +166,7 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None, metavar="N",
                    help="every N iterations, stop with one line when data-parallel replicas hold different weights")
     g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"), default="disabled",
-                   help="Megatron-LM's rerun state machine: only disabled (the default; the others are refused)")
+                   help="Megatron-LM's rerun state machine: disabled (the default); the others are accepted with a notice")
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand of --recompute-granularity selective")

@@ -175,8 +175,9 @@ REASONS: dict[str, Reason] = {
                     "none needed"),
     "sdc_guards": Reason("implemented", "Megatron-LM's silent-data-corruption guards: the weight hash check across "
                          "data-parallel replicas as in Megatron-LM, one line and exit status 5 on a mismatch; "
-                         "--rerun-mode disabled (Megatron-LM's default), validate_results and report_stats refused in "
-                         "one line (they need Megatron-LM's rerun state machine, which replays iterations) "
+                         "--rerun-mode disabled (Megatron-LM's default); validate_results and report_stats with a "
+                         "notice (Megatron-LM's rerun state machine, which replays an iteration after a failed "
+                         "result check, is not part of this driver; without a fault the run is the same) "
                          "(h3t_training/loop/sdc_guards.py)"),
     "ckpt_io": Reason("noticed", "a checkpoint I/O strategy setting; this driver writes megatron-core torch_dist checkpoints synchronously with every shard",
                     "none needed"),

@@ -62,9 +62,6 @@ from h3t_training.config.sections import parse_args
     (["--check-weight-hash-across-dp-replicas-interval", "2", "--use-torch-fsdp2",
       "--untie-embeddings-and-output-weights"],
      "--check-weight-hash-across-dp-replicas-interval is not supported with --use-torch-fsdp2: FSDP2 shards"),
-    (["--rerun-mode", "validate_results"], "--rerun-mode validate_results is not supported: it needs Megatron-LM's "
-     "rerun state machine"),
-    (["--rerun-mode", "report_stats"], "--rerun-mode report_stats is not supported: it needs Megatron-LM's rerun"),
     (["--rerun-mode", "replay"], "argument --rerun-mode: invalid choice: 'replay'"),
 ])
 def test_bad_flag_gives_one_line(extra, expected, capsys, monkeypatch):

@@ -249,3 +249,16 @@ def test_ckpt_format_torch_is_accepted_with_a_notice_and_a_legacy_checkpoint_is_
         find_checkpoint(args, rank=0)
     assert "is a Megatron-LM legacy --ckpt-format torch checkpoint (mp_rank_00/...)" in str(e.value)
     assert "--ckpt-convert-format torch_dist" in str(e.value)
+
+
+RERUN_BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+              "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
+
+@pytest.mark.parametrize("mode", ["validate_results", "report_stats"])
+def test_rerun_modes_are_a_notice(mode):
+    """Megatron's rerun state machine only acts after a failed result check; without a fault the run is the same,
+    so the flag rule accepts it with one notice (Megatron's CI reruns_* recipes pass validate_results)."""
+    config = parse_args(RERUN_BASE + ["--rerun-mode", mode], world_size=2)
+    lines = [n for n in config.flag_notices if n.startswith("note: --rerun-mode")]
+    assert len(lines) == 1 and lines[0].startswith(f"note: --rerun-mode {mode}: Megatron-LM's rerun state machine")
+    assert not any(n.startswith("note: --rerun-mode") for n in parse_args(RERUN_BASE, world_size=2).flag_notices)

@@ -55,3 +55,4 @@ def test_refusals_are_one_line(flags, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
