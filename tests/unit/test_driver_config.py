@@ -262,3 +262,12 @@ def test_rerun_modes_are_a_notice(mode):
     lines = [n for n in config.flag_notices if n.startswith("note: --rerun-mode")]
     assert len(lines) == 1 and lines[0].startswith(f"note: --rerun-mode {mode}: Megatron-LM's rerun state machine")
     assert not any(n.startswith("note: --rerun-mode") for n in parse_args(RERUN_BASE, world_size=2).flag_notices)
+
+
+def test_expert_tensor_parallel_size_on_a_dense_model_is_a_notice():
+    """It splits MoE expert layers only; a dense model has none (Megatron's CI etp4 recipes pass it with t=2)."""
+    config = parse_args(RERUN_BASE + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"],
+                        world_size=2)
+    assert [n for n in config.flag_notices if n.startswith("note: --expert-tensor-parallel-size: ")] != []
+    with pytest.raises(SystemExit):  # a MoE model is still refused
+        parse_args(RERUN_BASE + ["--expert-tensor-parallel-size", "4", "--num-experts", "8"], world_size=2)
