@@ -90,12 +90,10 @@ class Recompute:
               num_layers: Optional[int] = None, modules=None) -> "Recompute":
         """The record of Megatron's four flags; ValueError (one line, naming the flag and the valid values)
         otherwise. ``full`` without a method is ``uniform`` with 1 layer; ``selective`` without modules is
-        Megatron's default ``core_attn``; MoE-only and MLA-only modules are refused (dense models only)."""
+        Megatron's default ``core_attn``; MoE-only and MLA-only modules are refused (dense models only). Without a
+        granularity the other three are ignored, as Megatron-LM and megatron-core ignore them (no recompute: the
+        CI recipe gpt3_mcore_reruns_resume_check_grads passes ``--recompute-num-layers 1`` alone)."""
         if granularity is None:
-            if method is not None or num_layers is not None:
-                raise ValueError("--recompute-method/--recompute-num-layers need --recompute-granularity full")
-            if modules:
-                raise ValueError("--recompute-modules needs --recompute-granularity selective")
             return cls()
         if granularity not in RECOMPUTE_GRANULARITIES:
             raise ValueError(f"--recompute-granularity {granularity!r} is not one of "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from typing import Optional
 
 from h3t_ext.ckpt import Ckpt, Recompute, combined_ckpt, split_ckpt
@@ -20,9 +21,19 @@ from h3t_training.config.h3t_flags import add_h3t_flags
 from h3t_training.data.tokenizer import add_tokenizer_flags
 
 
+SILENT_RANK_EXIT_DELAY_S = 10.0
+"""How long a rank that does not write the error waits before its exit 2. torchrun stops the whole worker group
+(SIGTERM) as soon as one worker exits; a silent rank that finished parsing first would have rank 0 stopped before
+it wrote the line (seen with 2-8 ranks on a loaded 2-core machine in tests/integration/test_megatron_ci_recipes.py).
+Rank 0 parses the same command line in the same time give or take the scheduler's delays (seconds at worst), so
+10 s lets it write and exit first; its exit then stops the waiting ranks."""
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse without the usage block on error: one line ``prog: error: message``, exit 2; written only where
-    ``report`` is true (rank 0 of a launcher's job: every rank parses the same command line)."""
+    ``report`` is true (rank 0 of a launcher's job: every rank parses the same command line); the other ranks wait
+    :data:`SILENT_RANK_EXIT_DELAY_S` before their exit so that the launcher does not stop rank 0 before it has
+    written the line."""
 
     def __init__(self, *args, report: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
@@ -31,6 +42,8 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401 - argparse API
         if self.report:
             sys.stderr.write(f"{self.prog}: error: {message}\n")
+        else:
+            time.sleep(SILENT_RANK_EXIT_DELAY_S)
         sys.exit(2)
 
 
@@ -170,7 +183,7 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None, metavar="N",
                    help="every N iterations, stop with one line when data-parallel replicas hold different weights")
     g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"), default="disabled",
-                   help="Megatron-LM's rerun state machine: only disabled (the default; the others are refused)")
+                   help="Megatron-LM's rerun state machine: disabled (the default); the others are accepted with a notice")
     g = p.add_argument_group("activation memory")
     g.add_argument("--recompute-activations", action="store_true",
                    help="Megatron's shorthand of --recompute-granularity selective")

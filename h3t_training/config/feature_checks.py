@@ -96,13 +96,15 @@ def check_sharding_flags(args):
 
 RERUN_MODES = ("disabled", "validate_results", "report_stats")
 """Megatron-LM's --rerun-mode choices (megatron/training/arguments.py)."""
-RERUN_REFUSAL = ("needs Megatron-LM's rerun state machine (it re-executes an iteration's forward and backward when a "
-                 "result check fails, to tell a transient hardware fault from a persistent one); this driver does "
-                 "not replay iterations")
+RERUN_NOTICE = ("Megatron-LM's rerun state machine (it re-executes an iteration's forward and backward when a result "
+                "check fails, to tell a transient hardware fault from a persistent one) is not part of this driver; "
+                "without a fault every iteration is the same, and --check-for-nan-in-loss-and-grad (on by default) "
+                "stops at a non-finite loss")
 
 
 def check_sdc_flags(args):
-    """A resolve step: the interval's range, its clash with FSDP2, and the rerun modes this driver has."""
+    """A resolve step: the interval's range, its clash with FSDP2, and a notice for the rerun modes other than
+    disabled (they change nothing in a run without a fault, so the flag rule accepts them)."""
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval < 1:
         raise ArgumentError(f"--check-weight-hash-across-dp-replicas-interval {interval} is outside [1, inf)")
@@ -111,9 +113,7 @@ def check_sdc_flags(args):
                             "FSDP2 shards the parameters over the data-parallel group, so no two ranks hold a "
                             "replica to compare")
     if args.rerun_mode != "disabled":
-        raise ArgumentError(f"--rerun-mode {args.rerun_mode} is not supported: it {RERUN_REFUSAL} (use --rerun-mode "
-                            f"disabled, Megatron-LM's default; --check-for-nan-in-loss-and-grad stops at a "
-                            f"non-finite loss)")
+        return args.replace(flag_notices=(*args.flag_notices, f"note: --rerun-mode {args.rerun_mode}: {RERUN_NOTICE}"))
     return args
 
 
@@ -126,6 +126,6 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
         raise ArgumentError(f"--wandb-project {args.wandb_project} needs the wandb package (pip install wandb)")
 
 
-__all__ = ["MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_REFUSAL", "check_optimizer_offload",
+__all__ = ["MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE", "check_optimizer_offload",
            "check_sdc_flags", "check_sharding_flags", "check_writer_packages", "cuda_available",
            "transformer_engine_available", "uses_gpu"]

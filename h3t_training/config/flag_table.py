@@ -98,6 +98,9 @@ REASONS: dict[str, Reason] = {
                     "see the flag named in Megatron-LM's message"),
     "moe": Reason("refused", "mixture-of-experts layers are not implemented; without them the model would be dense",
                     "a dense model (leave the MoE flags out)"),
+    "expert_layout": Reason("noticed", "the tensor-parallel size of MoE expert layers; a dense model has no expert "
+                            "layers to split (a MoE model is refused through --num-experts), so the result is the same",
+                            "none needed"),
     "mla": Reason("refused", "multi-latent attention is not implemented",
                     "standard multi-head / grouped-query attention"),
     "hybrid": Reason("refused", "Mamba / hybrid / experimental attention variants / multi-token prediction are not implemented",
@@ -177,8 +180,9 @@ REASONS: dict[str, Reason] = {
                     "none needed"),
     "sdc_guards": Reason("implemented", "Megatron-LM's silent-data-corruption guards: the weight hash check across "
                          "data-parallel replicas as in Megatron-LM, one line and exit status 5 on a mismatch; "
-                         "--rerun-mode disabled (Megatron-LM's default), validate_results and report_stats refused in "
-                         "one line (they need Megatron-LM's rerun state machine, which replays iterations) "
+                         "--rerun-mode disabled (Megatron-LM's default); validate_results and report_stats with a "
+                         "notice (Megatron-LM's rerun state machine, which replays an iteration after a failed "
+                         "result check, is not part of this driver; without a fault the run is the same) "
                          "(h3t_training/loop/sdc_guards.py)"),
     "ckpt_io": Reason("noticed", "a checkpoint I/O strategy setting; this driver writes megatron-core torch_dist checkpoints synchronously with every shard",
                     "none needed"),
@@ -217,11 +221,13 @@ _MEGATRON_LM: dict[str, str] = {
 --use-rotary-position-embeddings=0 --vocab-file=1 --vocab-size=1 --wandb-entity=1 --wandb-exp-name=1
 --wandb-project=1 --wandb-save-dir=1 --weight-decay=1 --fp16=0 --loss-scale=1 --initial-loss-scale=1
 --min-loss-scale=1 --loss-scale-window=1 --hysteresis=1""",
+    "expert_layout": """
+--expert-tensor-parallel-size=1""",
     "deprecated": """
 --batch-size=1 --checkpoint-activations=0 --model-parallel-size=1 --warmup=1""",
     "moe": """
 --ep-overlap-early-attn-memory-release=0 --expert-model-parallel-size=1
---expert-tensor-parallel-num-weight-shards=1 --expert-tensor-parallel-size=1 --gtp-expert-remat-nccl-ub=0
+--expert-tensor-parallel-num-weight-shards=1 --gtp-expert-remat-nccl-ub=0
 --gtp-remat-nccl-ub=0 --gtp-remat-opt-in-modules=+ --gtp-remat-reduce-scatter-with-fp32-accumulation=0
 --moe-apply-probs-on-input=0 --moe-aux-loss-coeff=+ --moe-combine-bwd-dtype=1 --moe-deepep-num-sms=1
 --moe-dispatch-fwd-dtype=1 --moe-enable-deepep=0 --moe-enable-routing-replay=0

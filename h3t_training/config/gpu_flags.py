@@ -55,6 +55,8 @@ GPU_NEUTRAL: dict[str, GpuRule] = {
                           "the same kernels without them"),
     "data_loading": _neutral("a data-loader setting; the driver reads the same samples in the same order from "
                              "memory-mapped files in the training process (no loader workers), on a GPU as on CPU"),
+    "expert_layout": _neutral("the tensor-parallel size of MoE expert layers; a dense model has none to split, on a "
+                              "GPU as on CPU"),
     "resilience": _neutral("fault tolerance / restart / straggler / rerun machinery of Megatron-LM's GPU clusters "
                            "is not part of this driver; without a fault, a step is the same"),
     "ckpt_io": _neutral("a checkpoint I/O strategy setting; this driver writes megatron-core torch_dist "

@@ -140,7 +140,6 @@ DRIVER_CASES = [
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], "--attention-dropout"),
     (["--recompute-granularity", "selective", "--recompute-modules", "moe"], "--recompute-modules moe recomputes MoE"),
     (["--recompute-granularity", "full", "--ckpt", "ours"], "contradicts --recompute-granularity full"),
-    (["--recompute-method", "block"], "need --recompute-granularity full"),
     (["--data-path", "/nonexistent/prefix"], "give exactly one of --data-path PREFIX and --mock-data"),
     (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
     (["--ckpt-step", "3"], "--ckpt-step needs --load DIR"),

@@ -62,9 +62,6 @@ from h3t_training.config.sections import parse_args
     (["--check-weight-hash-across-dp-replicas-interval", "2", "--use-torch-fsdp2",
       "--untie-embeddings-and-output-weights"],
      "--check-weight-hash-across-dp-replicas-interval is not supported with --use-torch-fsdp2: FSDP2 shards"),
-    (["--rerun-mode", "validate_results"], "--rerun-mode validate_results is not supported: it needs Megatron-LM's "
-     "rerun state machine"),
-    (["--rerun-mode", "report_stats"], "--rerun-mode report_stats is not supported: it needs Megatron-LM's rerun"),
     (["--rerun-mode", "replay"], "argument --rerun-mode: invalid choice: 'replay'"),
 ])
 def test_bad_flag_gives_one_line(extra, expected, capsys, monkeypatch):
@@ -182,10 +179,15 @@ def test_every_refusal_of_a_command_line_is_one_line(capsys, monkeypatch):
     assert body.endswith("; --lr -1.0 is outside (0, inf)")
 
 
-def test_only_rank_0_writes_the_error(capsys):
+def test_only_rank_0_writes_the_error(capsys, monkeypatch):
+    from h3t_training.config import arguments
+
+    waits = []
+    monkeypatch.setattr(arguments.time, "sleep", waits.append)
     with pytest.raises(SystemExit) as exc:
         parse_args([*BASE, "--num-experts", "8"], world_size=2, rank=1)
     assert exc.value.code == 2 and capsys.readouterr().err == ""
+    assert waits == [arguments.SILENT_RANK_EXIT_DELAY_S]  # rank 0 writes the line before torchrun stops the group
 
 
 def test_bad_flag_under_torchrun_is_said_once(tmp_path):

@@ -97,13 +97,17 @@ def test_recompute_time():
     (dict(granularity="selective", modules=["mla_up_proj"]), "--recompute-modules mla_up_proj needs multi-latent"),
     (dict(granularity="selective", modules=["attn"]), "--recompute-modules 'attn' is not one of"),
     (dict(granularity="selective", num_layers=2), "--recompute-num-layers needs --recompute-granularity full"),
-    (dict(method="block"), "need --recompute-granularity full"),
     (dict(granularity="full", num_layers=0), "--recompute-num-layers 0 is outside [1, inf)"),
 ])
 def test_bad_flags_are_one_line(flags, message):
     with pytest.raises(ValueError, match=re.escape(message)) as e:
         Recompute.parse(**flags)
     assert "\n" not in str(e.value)
+
+
+def test_without_a_granularity_the_other_flags_are_ignored_as_megatron_does():
+    assert Recompute.parse(method="block", num_layers=2, modules=["mlp"]) == Recompute()
+    assert Recompute.parse(num_layers=1) == Recompute() and not Recompute.parse(method="uniform").full
 
 
 def test_contradictions_with_ckpt():

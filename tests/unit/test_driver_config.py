@@ -271,3 +271,25 @@ def test_auto_plan_runs_the_recompute_it_chose(monkeypatch):
     assert f"--recompute-method block --recompute-num-layers {n}" in " ".join(after.auto_plan_flags)
     plan = run_plan(after)
     assert plan.ckpt is Ckpt.OURS and plan.recompute == after.recompute
+
+
+RERUN_BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+              "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
+
+@pytest.mark.parametrize("mode", ["validate_results", "report_stats"])
+def test_rerun_modes_are_a_notice(mode):
+    """Megatron's rerun state machine only acts after a failed result check; without a fault the run is the same,
+    so the flag rule accepts it with one notice (Megatron's CI reruns_* recipes pass validate_results)."""
+    config = parse_args(RERUN_BASE + ["--rerun-mode", mode], world_size=2)
+    lines = [n for n in config.flag_notices if n.startswith("note: --rerun-mode")]
+    assert len(lines) == 1 and lines[0].startswith(f"note: --rerun-mode {mode}: Megatron-LM's rerun state machine")
+    assert not any(n.startswith("note: --rerun-mode") for n in parse_args(RERUN_BASE, world_size=2).flag_notices)
+
+
+def test_expert_tensor_parallel_size_on_a_dense_model_is_a_notice():
+    """It splits MoE expert layers only; a dense model has none (Megatron's CI etp4 recipes pass it with t=2)."""
+    config = parse_args(RERUN_BASE + ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"],
+                        world_size=2)
+    assert [n for n in config.flag_notices if n.startswith("note: --expert-tensor-parallel-size: ")] != []
+    with pytest.raises(SystemExit):  # a MoE model is still refused
+        parse_args(RERUN_BASE + ["--expert-tensor-parallel-size", "4", "--num-experts", "8"], world_size=2)
