@@ -26,14 +26,16 @@ tracker is set back to N/2 (the last checkpoint removed) and a second launch res
 iterations' losses must equal the uninterrupted run's exactly. ``frozen-start``, ``frozen-resume``,
 ``release`` and ``checkpoint-consistency`` recipes need checkpoints from Megatron's CI storage; here they run
 once from an empty ``--load`` directory, as their first run does (for checkpoint-consistency: its MODEL_ARGS,
-not its further MODEL_ARGS_N). Recipes whose shrunk flag sets are identical (the ``_1node`` twins and a few
-others, same TEST_TYPE and MODEL_ARGS) share one launch: 156 recipes, 119 launches.
+not its further MODEL_ARGS_N). Recipes that run the same run share one launch (:func:`run_key`: their shrunk
+flags are equal once the flags the driver notices on CPU, which by the flag table's rule give the same result, are
+set aside; the ``_1node`` twins, the logging, data-loader and kernel-tuning variants): 156 recipes, 82 runs, 31
+of them ckpt-resume (a group with a ckpt-resume recipe runs as one), 113 launches.
 
-Outcomes at the pin (``expect``): 136 train (53 of them ckpt-resume recipes, resumed exactly), 20 are refused:
+Outcomes at the pin (``expect``): 137 train (54 of them ckpt-resume recipes, resumed exactly), 19 are refused:
 MLA/DSA (3), --qk-layernorm (3), --squared-relu (the 4 release recipes), FIM data (2), muP (1) -- model or
-data features not implemented; Megatron FSDP, which needs CUDA (2); torch FSDP2 with --save or with tied
-embeddings (2); --attention-dropout 0.1 with context parallelism on CPU (1); Megatron's modelopt flags
-(--export-kd-*, --export-te-mcore-model: 2), which the driver's parser does not know (argparse's one line).
+data features not implemented; Megatron FSDP, which needs CUDA (2); torch FSDP2 with tied embeddings (1);
+--attention-dropout 0.1 with context parallelism on CPU (1); Megatron's modelopt flags (--export-kd-*,
+--export-te-mcore-model: 2), which the driver's parser does not know (argparse's one line).
 """
 from __future__ import annotations
 
@@ -46,18 +48,35 @@ import subprocess
 import pytest
 
 from driver_harness import make_corpus_data
+from h3t_training.config.flag_table import CPU, TABLE, reason_on
 from megatron_recipes import Paths, command_line, launch, load, shrink, world_size
 
 DATA = load()
 RESUME_ITERS, ITERS = 4, 2
 
 
+KEY_PATHS = Paths("corpus", "vocab.json", "merges.txt", "sp.model", "save", "load", "tb", "cache")
+
+
+def run_key(recipe: dict) -> str:
+    """What decides a recipe's run: its shrunk flags without those the driver notices on CPU (the flag table's
+    rule: a noticed flag gives the same result, so recipes that differ only in noticed flags run the same run)."""
+    kept = [(k, v) for k, v in shrink(recipe["model_args"], KEY_PATHS, RESUME_ITERS)
+            if k not in TABLE or reason_on(TABLE[k], CPU).cls != "noticed"]
+    return json.dumps(sorted(kept))
+
+
 def _groups() -> dict[str, list[dict]]:
-    """Recipes that launch the same command line, keyed by the first one's name."""
-    by_args: dict[str, list[dict]] = collections.defaultdict(list)
+    """Recipes that run the same run (:func:`run_key`), keyed by the name of the one launched: a ckpt-resume
+    recipe where the group has one (its first launch trains the others' iterations and more), else the first."""
+    by_run: dict[str, list[dict]] = collections.defaultdict(list)
     for r in DATA["recipes"]:
-        by_args[json.dumps([r["test_type"], r["model_args"]])].append(r)
-    return {rs[0]["name"]: rs for rs in by_args.values()}
+        by_run[run_key(r)].append(r)
+    out = {}
+    for rs in by_run.values():
+        rs = sorted(rs, key=lambda r: r["test_type"] != "ckpt-resume")
+        out[rs[0]["name"]] = rs
+    return out
 
 
 GROUPS = _groups()
@@ -70,7 +89,7 @@ def test_recipe_data_counts():
     assert collections.Counter(DATA["excluded"].values()) == {
         "not training (MODE inference)": 38, "not training (MODE rl)": 6, "MoE (--num-experts)": 5,
         "no model_config.yaml (or an empty one)": 2, "not training (an inference recipe by its name)": 1}
-    assert len(GROUPS) == 119
+    assert len(GROUPS) == 82 and sum(rs[0]["test_type"] == "ckpt-resume" for rs in GROUPS.values()) == 31
     outcomes = collections.Counter(r["expect"].split(":")[0] for r in DATA["recipes"])
     assert outcomes == EXPECTED_OUTCOMES
     for rs in GROUPS.values():  # recipes sharing a launch share its outcome
@@ -78,7 +97,7 @@ def test_recipe_data_counts():
     assert sum(r["test_type"] == "ckpt-resume" for r in DATA["recipes"]) == 62
 
 
-EXPECTED_OUTCOMES = {"trains": 136, "refused": 20}
+EXPECTED_OUTCOMES = {"trains": 137, "refused": 19}
 
 
 @pytest.fixture(scope="module")
