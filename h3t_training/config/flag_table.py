@@ -119,6 +119,9 @@ REASONS: dict[str, Reason] = {
                     "--tokenizer-type with --tokenizer-model / --vocab-file / --merge-file / --vocab-size"),
     "distill": Reason("refused", "logit distillation / RL training changes the loss; not implemented",
                     "plain language-model pretraining"),
+    "modelopt": Reason("refused", "a flag of Megatron-LM's post-training with NVIDIA ModelOpt (megatron/post_training/"
+                       "arguments.py: knowledge distillation, quantization, model export); it changes the loss, "
+                       "the model or its numerics; not implemented", "plain language-model pretraining"),
     "ckpt_load": Reason("refused", "this checkpoint loading mode is not implemented",
                     "--load DIR (with --finetune / --no-load-optim / --no-load-rng / --ckpt-step)"),
     "seq_model": Reason("refused", "encoder-decoder layer counts do not describe a GPT model",
@@ -308,6 +311,13 @@ _MEGATRON_LM: dict[str, str] = {
 --null-tokenizer-pad-id=1 --padded-vocab-size=1 --tokenizer-hf-no-include-special-tokens=0
 --tokenizer-hf-no-use-fast=0 --tokenizer-metadata=1 --tokenizer-sentencepiece-legacy=0
 --tokenizer-special-tokens=+ --trust-remote-code=0 --use-gigatoken=0 --vocab-extra-ids=1""",
+    "modelopt": """
+--enable-gpt-oss=0 --export-default-te-spec=0 --export-force-local-attention=0 --export-kd-cfg=1
+--export-kd-teacher-ckpt-format=1 --export-kd-teacher-load=1 --export-kd-teacher-model-config=1
+--export-kv-cache-quant=1 --export-legacy-megatron=0 --export-model-type=1 --export-moe-apply-probs-on-input=0
+--export-offline-model=0 --export-qk-l2-norm=0 --export-quant-cfg=1 --export-real-quant-cfg=1
+--export-te-mcore-model=0 --finetune-data-files=+ --finetune-data-split=1 --finetune-hf-dataset=1
+--freeze-base-for-mtp=0 --modelopt-enabled=0 --qad-train-target=1""",
     "distill": """
 --logits-load-decode-threads=1 --logits-load-dir=1 --logits-load-ignore-errors=0
 --logits-load-kd-loss-alpha=1 --logits-load-msc-prefetch-depth=1 --logits-load-prefetch-factor=1

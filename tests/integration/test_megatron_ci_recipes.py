@@ -34,8 +34,8 @@ of them ckpt-resume (a group with a ckpt-resume recipe runs as one), 113 launche
 Outcomes at the pin (``expect``): 137 train (54 of them ckpt-resume recipes, resumed exactly), 19 are refused:
 MLA/DSA (3), --qk-layernorm (3), --squared-relu (the 4 release recipes), FIM data (2), muP (1) -- model or
 data features not implemented; Megatron FSDP, which needs CUDA (2); torch FSDP2 with tied embeddings (1);
---attention-dropout 0.1 with context parallelism on CPU (1); Megatron's modelopt flags (--export-kd-*,
---export-te-mcore-model: 2), which the driver's parser does not know (argparse's one line).
+--attention-dropout 0.1 with context parallelism on CPU (1); Megatron's post-training (ModelOpt) distillation
+flags (--export-kd-*, --export-te-mcore-model: 2).
 """
 from __future__ import annotations
 
