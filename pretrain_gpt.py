@@ -32,26 +32,25 @@ def use_megatron_loop(argv) -> bool:
 def main(argv=None) -> int:
     from h3t_training.config.arguments import MEGATRON_GPT_DEFAULTS
 
-    from h3t_training.errors import ArgumentError
     from h3t_training.launch import launch_env
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:  # Open MPI's variables (a bare mpirun, as Megatron-Kwai's scripts launch) become torch's for both loops
-        rank = launch_env.adopt(os.environ).rank
-    except ArgumentError as e:
-        sys.stderr.write(f"{PROG}: error: {e}\n")
+    # Open MPI's variables (a bare mpirun, as Megatron-Kwai's scripts launch) become torch's for both loops
+    launch = launch_env.adopt_or_report(os.environ, PROG)
+    if launch is None:
         return 2
     if use_megatron_loop(argv):
         from h3t_ext.runtime.config import RuntimeConfigError
+        from h3t_training.errors import ArgumentError
         from h3t_training.loop import megatron_native
         try:
             return megatron_native.run(argv, defaults=MEGATRON_GPT_DEFAULTS)
         except (ArgumentError, RuntimeConfigError) as e:
-            if rank == 0:  # every rank fails alike, one says so
+            if launch.rank == 0:  # every rank fails alike, one says so
                 sys.stderr.write(f"{PROG}: error: {e}\n")
             return 2
     from pretrain_llama import main as driver_main
-    return driver_main(argv, prog=PROG, defaults=MEGATRON_GPT_DEFAULTS)
+    return driver_main(argv, prog=PROG, defaults=MEGATRON_GPT_DEFAULTS, launch=launch)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,17 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|Transforme
 PROG = "pretrain_llama.py"
 
 
-def main(argv=None, prog: str = PROG, defaults=None) -> int:
+def main(argv=None, prog: str = PROG, defaults=None, launch=None) -> int:
     """Parse (Llama defaults for pretrain_llama.py, Megatron-LM's for pretrain_gpt.py) and train; a failure or
-    Ctrl-C ends in one line (h3t_training.launch.failures)."""
-    from h3t_training.errors import ArgumentError
+    Ctrl-C ends in one line (h3t_training.launch.failures). ``launch``: the launcher's environment when the caller
+    (``pretrain_gpt.py``) has read it already."""
     from h3t_training.launch import launch_env
     from h3t_training.launch.failures import run_reported
     from h3t_training.launch.run_guard import die_with_launcher
     die_with_launcher()  # under torchrun/mpirun/srun: no orphan outlives a killed launcher
-    try:  # the launcher's (torch's variables, or Open MPI's under a bare mpirun); the library reads no environment
-        launch = launch_env.adopt(os.environ)
-    except ArgumentError as e:
-        sys.stderr.write(f"{prog}: error: {e}\n")
+    # the launcher's (torch's variables, or Open MPI's under a bare mpirun); the library reads no environment
+    launch = launch or launch_env.adopt_or_report(os.environ, prog)
+    if launch is None:
         return 2
     rank, world_size = launch.rank, launch.world_size
 

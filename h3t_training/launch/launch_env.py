@@ -14,6 +14,7 @@ one rank (``scripts/launch_slurm.sh`` maps it per task).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Mapping, MutableMapping, Optional
 
@@ -100,4 +101,13 @@ def adopt(environ: MutableMapping[str, str]) -> LaunchEnv:
     return env
 
 
-__all__ = ["LaunchEnv", "OPEN_MPI", "adopt", "from_environ", "torch_variables"]
+def adopt_or_report(environ: MutableMapping[str, str], prog: str) -> Optional[LaunchEnv]:
+    """:func:`adopt` for an entry point: None after writing ``prog: error: ...`` (one line) when the launch is bad."""
+    try:
+        return adopt(environ)
+    except ArgumentError as e:
+        sys.stderr.write(f"{prog}: error: {e}\n")
+        return None
+
+
+__all__ = ["LaunchEnv", "OPEN_MPI", "adopt", "adopt_or_report", "from_environ", "torch_variables"]

@@ -46,3 +46,12 @@ def test_a_bad_launch_is_one_line(environ, expected):
 def test_one_open_mpi_rank_needs_no_rendezvous_address():
     env = from_environ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"})
     assert env.world_size == 1 and "MASTER_ADDR" not in torch_variables(env)
+
+
+def test_an_entry_point_reports_a_bad_launch_in_one_line(capsys):
+    from h3t_training.launch.launch_env import adopt_or_report
+
+    assert adopt_or_report({**OMPI, "OMPI_COMM_WORLD_SIZE": "four"}, "pretrain_gpt.py") is None
+    assert capsys.readouterr().err == ("pretrain_gpt.py: error: OMPI_COMM_WORLD_SIZE='four' from the launcher is not "
+                                       "an integer\n")
+    assert adopt_or_report(dict(OMPI), "pretrain_gpt.py").rank == 3 and capsys.readouterr().err == ""
