@@ -320,7 +320,7 @@ def search(
         model, num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
         gpus_per_node=system.gpus_per_node, constraints=constraints)
     col = _Collector(rejected)
-    ckpts = search_modes(constraints.ckpt, constraints.attention_backend)
+    modes = search_modes(constraints.ckpt, constraints.attention_backend)
     static: dict[tuple[int, int, int], Optional[ClosestInfeasible]] = {}
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
                                                       "overlap_p2p_comm", "sequence_parallel",
@@ -333,23 +333,23 @@ def search(
     live: list[tuple[tuple, Layout]] = []
     for run in _runs(num_gpus, seq_length, global_batch_size, switches, constraints):
         if reason := _precision_refusal(run, system):  # e.g. FP8 on a GPU without it: no plan of that precision
-            col.rejected[reason] += sum(len(ckpts) * len(x.micro_batch_sizes) for x in layouts)
+            col.rejected[reason] += sum(len(modes) * len(x.micro_batch_sizes) for x in layouts)
             continue
         for layout in layouts:
             key = (run[3].get("fp8"), layout.tensor_model_parallel_size, layout.context_parallel_size,
                    layout.pipeline_model_parallel_size)
             if key not in static:
-                probe = _plan(run, layout, layout.micro_batch_sizes[0], ckpts[0])
+                probe = _plan(run, layout, layout.micro_batch_sizes[0], modes[0])
                 static[key] = _static_infeasibility(model, system, probe, budgets)
             if static[key] is not None:
-                col.reject_memory(static[key], len(ckpts) * len(layout.micro_batch_sizes))
+                col.reject_memory(static[key], len(modes) * len(layout.micro_batch_sizes))
                 continue
             if best_first:
                 live.append((run, layout))
             else:
-                _search_layout(col, model, system, layout, ckpts, alpha_mode, budgets, run, exhaustive)
+                _search_layout(col, model, system, layout, modes, alpha_mode, budgets, run, exhaustive)
     if best_first:
-        _search_best_first(col, model, system, live, ckpts, alpha_mode, budgets, top)
+        _search_best_first(col, model, system, live, modes, alpha_mode, budgets, top)
     ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
     ranked = _with_timeline(model, system, ranked, min(top or TIMELINE_TOP, TIMELINE_TOP), alpha_mode, budgets)
     return SearchResult(tuple(ranked), dict(col.rejected), col.considered, col.closest)
@@ -459,15 +459,15 @@ class _Bounds:
     bound (block recompute only adds time) until its N is known (:attr:`block_layers`), then by its own.
     """
 
-    def __init__(self, model, system, layouts: list[tuple[tuple, Layout]], ckpts) -> None:
+    def __init__(self, model, system, layouts: list[tuple[tuple, Layout]], modes) -> None:
         self.model, self.system, self.layouts = model, system, layouts
-        self.ckpts = tuple(RecomputeMode.of(c) for c in ckpts)
+        self.modes = tuple(RecomputeMode.of(c) for c in modes)
         no = RecomputeMode.of("no")
-        self.grouped = len(self.ckpts) > 1 and no in self.ckpts
+        self.grouped = len(self.modes) > 1 and no in self.modes
         """Whether candidates are grouped by (layout, micro batch) under ckpt ``no``'s bound."""
-        self._floor = (self.ckpts.index(no),) if no in self.ckpts else tuple(range(len(self.ckpts)))
+        self._floor = (self.modes.index(no),) if no in self.modes else tuple(range(len(self.modes)))
         """The mode indices whose bounds bound every mode's."""
-        self._plain = tuple(RecomputeMode(m.ckpt, m.recompute) for m in self.ckpts)
+        self._plain = tuple(RecomputeMode(m.ckpt, m.recompute) for m in self.modes)
         """Each mode without block recompute (an unresolved block candidate's bound is its base's)."""
         self.block_layers: dict[tuple[int, int, int], int] = {}
         """The N of the block candidates (layout, mode, micro batch indices) resolved so far."""
@@ -482,7 +482,7 @@ class _Bounds:
                       layout.pipeline_model_parallel_size)
         l = layout.num_layers_per_virtual_pipeline_stage
         v = 1 if l is None else L // p // l
-        mb, mode = layout.micro_batch_sizes[i], self.ckpts[ci]
+        mb, mode = layout.micro_batch_sizes[i], self.modes[ci]
         n = self.block_layers.get((li, ci, i)) if mode.block else None
         if n is None:
             mode = self._plain[ci]
@@ -505,7 +505,7 @@ class _Bounds:
         traffic = self._traffic.get(li)
         if traffic is None:
             run, layout = self.layouts[li]
-            first = _plan(run, layout, layout.micro_batch_sizes[0], self.ckpts[0])
+            first = _plan(run, layout, layout.micro_batch_sizes[0], self.modes[0])
             traffic = self._traffic[li] = (
                 pipeline_p2p_seconds_by_micro_batch(self.model, first, self.system, layout.micro_batch_sizes),
                 dp_seconds_lower_bound(self.model, first, self.system))
@@ -527,7 +527,7 @@ class _Bounds:
         if ci == _LAYOUT and self.grouped:
             return [(-self.group(li, j), li, _GROUP, j) for j in range(len(self.layouts[li][1].micro_batch_sizes))]
         mbs = range(len(self.layouts[li][1].micro_batch_sizes)) if ci == _LAYOUT else (i,)
-        return [(-self.bound(li, cj, j), li, cj, j) for cj in range(len(self.ckpts)) for j in mbs]
+        return [(-self.bound(li, cj, j), li, cj, j) for cj in range(len(self.modes)) for j in mbs]
 
 
 def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple, Layout]], modes, alpha_mode,
@@ -542,7 +542,7 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
     batches that could enter the top are bounded one by one. A block candidate comes out first with its base's
     bound; its N is then chosen and it goes back in with its own (lower) bound."""
     bounds = _Bounds(model, system, layouts, modes)
-    modes = bounds.ckpts
+    modes = bounds.modes
     queue = [(-bounds.layout(li), li, _LAYOUT, -1) for li in range(len(layouts))]
     heapq.heapify(queue)
     remaining = len(modes) * sum(len(layout.micro_batch_sizes) for _, layout in layouts)  # candidates not taken
