@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -188,6 +189,7 @@ def _describe(e: BaseException, args, rank: int, prog: str) -> tuple[Optional[st
     """(line or None for no line on this rank, exit status) for a known failure; raises ``e`` otherwise."""
     from h3t_ext.runtime.config import RuntimeConfigError
     from h3t_training.loop.checkpointing import CheckpointError
+    from h3t_training.config.arguments import SILENT_RANK_EXIT_DELAY_S
     from h3t_training.config.feature_checks import uses_gpu
     from h3t_training.loop.optimizer import NonFiniteError
     from h3t_training.launch.run_guard import RunLockError
@@ -197,6 +199,9 @@ def _describe(e: BaseException, args, rank: int, prog: str) -> tuple[Optional[st
         return (f"{prog}: error: {e}" if rank == 0 else None), EXIT_ERROR
     if isinstance(e, WeightHashMismatchError):  # every rank gathered every digest: said once
         return (f"{prog}: error: {e}" if rank == 0 else None), EXIT_SILENT_DATA_CORRUPTION
+    if isinstance(e, CheckpointError) and e.alike and rank != 0:  # found alike on every rank: said once
+        time.sleep(SILENT_RANK_EXIT_DELAY_S)  # rank 0 writes its line before the launcher stops the group
+        return None, EXIT_ERROR
     if isinstance(e, (CheckpointError, RuntimeConfigError, RunLockError)):
         return f"{prog}: error: {e}", EXIT_ERROR
     if is_out_of_memory(e) and args is not None:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from h3t_training.data.batch_schedule import schedule_of
+from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
 from h3t_training.loop import fsdp
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -58,7 +59,12 @@ SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay
 
 
 class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message is one line."""
+    """A checkpoint that cannot be used; the message is one line. ``alike``: every rank finds it alike (the
+    tracker, the shared ``common.pt`` and what it says of the model), so rank 0 alone reports it."""
+
+    def __init__(self, message: str, *, alike: bool = False):
+        super().__init__(message)
+        self.alike = alike
 
 
 @dataclass(frozen=True)
@@ -72,30 +78,46 @@ class FoundCheckpoint:
     """Saved with this run's parallel layout (then RNG states are restored too)."""
     common: dict
     """The shared part (``common.pt``)."""
-    schedule: dict = field(default_factory=dict)
-    """The checkpoint's LR schedule fields this run takes (``--use-checkpoint-opt_param-scheduler``):
-    the driver continues with ``config.replace(**found.schedule)``."""
+    adopted: dict = field(default_factory=dict)
+    """The fields this run takes from the checkpoint: its LR schedule under
+    ``--use-checkpoint-opt_param-scheduler``, and the ``--make-vocab-size-divisible-by`` that pads the vocabulary
+    to the checkpoint's rows (:func:`adopted_padding`); the driver continues with ``args.replace(**found.adopted)``."""
+    notices: tuple = ()
+    """What rank 0 says of the adopted fields."""
 
 
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def vocabulary_padding_advice(saved_padded: int, args) -> str:
-    """How this run pads its vocabulary like the checkpoint's: Megatron pads the tokenizer's V up to a multiple of
-    ``--make-vocab-size-divisible-by`` D x t, so D = P / t gives P exactly when t divides P (P >= V); otherwise
-    no D at this t does."""
+def adopted_padding(saved_padded: Optional[int], vocab_size: int, args, where: str) -> tuple[dict, tuple]:
+    """The fields and notice with which this run pads its vocabulary to the checkpoint's ``saved_padded`` rows.
+
+    Megatron pads the tokenizer's V up to a multiple of ``--make-vocab-size-divisible-by`` D x t, so the default
+    padding changes with t (258 tokens: 384 rows at t=1, 512 at t=2) and Megatron refuses the load. The padding
+    rows are part of the trained model (their logits are in every token's softmax), so the run takes the
+    checkpoint's rows: D = P / t pads to P exactly when t divides P and P >= V. Otherwise no D at this t does, and
+    the load is refused naming the tensor-parallel sizes that would."""
     t = args.tensor_model_parallel_size
-    if saved_padded and saved_padded % t == 0:
-        return (f"give --make-vocab-size-divisible-by {saved_padded // t} (x --tensor-model-parallel-size {t} pads "
-                f"to {saved_padded})")
-    return (f"no --make-vocab-size-divisible-by pads to {saved_padded} at --tensor-model-parallel-size {t}; load "
-            f"with a tensor-parallel size that divides {saved_padded}")
+    mine = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, t)
+    if saved_padded == mine:
+        return {}, ()
+    if not isinstance(saved_padded, int) or saved_padded < vocab_size:
+        raise CheckpointError(f"{where} has a vocabulary of {saved_padded} rows, fewer than the tokenizer's "
+                              f"{vocab_size} tokens", alike=True)
+    if saved_padded % t:
+        sizes = [d for d in range(1, saved_padded + 1) if saved_padded % d == 0 and d <= 64]
+        raise CheckpointError(f"{where} has its vocabulary padded to {saved_padded} rows, which "
+                              f"--tensor-model-parallel-size {t} does not divide; load it at a tensor-parallel size "
+                              f"that does ({', '.join(map(str, sizes))})", alike=True)
+    divisor = saved_padded // t
+    return ({"make_vocab_size_divisible_by": divisor},
+            (f"note: {where} has its vocabulary of {vocab_size} tokens padded to {saved_padded} rows, this run's flags "
+             f"pad to {mine}: continuing with the checkpoint's {saved_padded} rows "
+             f"(--make-vocab-size-divisible-by {divisor} at --tensor-model-parallel-size {t})",))
 
 
 def _model_shape(args) -> dict:
-    from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
-
     shape = {k: getattr(args, k) for k in MODEL_SHAPE_FLAGS}
     shape["padded_vocab_size"] = padded_vocab_size(tokenizer_from_args(args).vocab_size,
                                                    args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
@@ -118,9 +140,9 @@ def _read_tracker(root: str) -> Optional[int]:
         text = f.read().strip()
     if text == "release":
         raise CheckpointError(f"--load {root}: {TRACKER} says 'release' (a converted release checkpoint); "
-                              f"load it with --finetune --ckpt-step 0 after renaming it to iter_0000000")
+                              f"load it with --finetune --ckpt-step 0 after renaming it to iter_0000000", alike=True)
     if not text.isdigit():
-        raise CheckpointError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number")
+        raise CheckpointError(f"--load {root}: {TRACKER} holds {text!r}, not an iteration number", alike=True)
     return int(text)
 
 
@@ -205,27 +227,27 @@ def _read_common(directory: str) -> dict:
         raise CheckpointError(f"{directory} is a Megatron-LM legacy --ckpt-format torch checkpoint "
                               f"({legacy[0]}/...), which this driver does not read; convert it with Megatron-LM "
                               "(--load it with --ckpt-convert-format torch_dist --ckpt-convert-save DIR) and --load "
-                              "the result")
+                              "the result", alike=True)
     if any(n.startswith("rank_") and n.endswith(".pt") for n in names):
         raise CheckpointError(f"{directory} is in h3t-ext's former per-rank format (rank_*.pt), which this "
-                              f"release does not read; train again or convert it with the previous release")
+                              f"release does not read; train again or convert it with the previous release", alike=True)
     try:
         with open(meta) as f:
             backend = json.load(f).get("sharded_backend")
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint file {meta} cannot be read ({type(e).__name__})") from None
+        raise CheckpointError(f"checkpoint file {meta} cannot be read ({type(e).__name__})", alike=True) from None
     if backend != "torch_dist":
         raise CheckpointError(f"checkpoint file {meta} names backend {backend!r}; --ckpt-format torch_dist "
-                              f"is what this driver reads")
+                              f"is what this driver reads", alike=True)
     path = os.path.join(directory, "common.pt")
     try:
         common = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # torch raises several unrelated types for a damaged file
-        raise CheckpointError(f"checkpoint file {path} is corrupt or partial ({type(e).__name__})") from None
+        raise CheckpointError(f"checkpoint file {path} is corrupt or partial ({type(e).__name__})", alike=True) from None
     if not isinstance(common, dict) or "h3t" not in common or "iteration" not in common:
-        raise CheckpointError(f"checkpoint file {path} was not written by this driver (no 'h3t' section)")
+        raise CheckpointError(f"checkpoint file {path} was not written by this driver (no 'h3t' section)", alike=True)
     if not os.path.isfile(os.path.join(directory, ".metadata")):
-        raise CheckpointError(f"checkpoint {directory} is partial: its .metadata file is missing")
+        raise CheckpointError(f"checkpoint {directory} is partial: its .metadata file is missing", alike=True)
     return common
 
 
@@ -245,22 +267,21 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     directory = iter_dir(root, iteration)
     if not os.path.isdir(directory):
         raise CheckpointError(f"--load {root}: {directory} does not exist"
-                              + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"))
+                              + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"), alike=True)
     common = _read_common(directory)
     _verify_files(directory, rank, args.world_size)
     _verify_layout(directory, rank, args.world_size)
     saved = common["h3t"]["model"]
-    mine = _model_shape(args)
-    if saved.get("padded_vocab_size") != mine["padded_vocab_size"]:
-        raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} has a vocabulary padded to "
-                              f"{saved.get('padded_vocab_size')}, this run pads to {mine['padded_vocab_size']}; "
-                              + vocabulary_padding_advice(saved.get("padded_vocab_size"), args))
+    mine = {k: getattr(args, k) for k in MODEL_SHAPE_FLAGS}
     for k in MODEL_SHAPE_FLAGS:
         if saved.get(k) != mine[k]:
             raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with "
-                                  f"--{k.replace('_', '-')} {saved.get(k)}, this run has {mine[k]}")
-    schedule = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
-    return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common, schedule)
+                                  f"--{k.replace('_', '-')} {saved.get(k)}, this run has {mine[k]}", alike=True)
+    adopted = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
+    padding, notices = adopted_padding(saved.get("padded_vocab_size"), tokenizer_from_args(args).vocab_size, args,
+                                       f"--load {root}: checkpoint iteration {iteration}")
+    return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common,
+                           {**adopted, **padding}, notices)
 
 
 def check_latest(root: str) -> Optional[int]:
@@ -292,7 +313,7 @@ def _check_schedule(args, saved: dict, iteration: int) -> dict:
         if k in saved and saved[k] != mine[k]:
             raise CheckpointError(f"--load {args.load}: checkpoint iteration {iteration} was trained with "
                                   f"--{k.replace('_', '-')} {saved[k]}, this run has {mine[k]}; add "
-                                  f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler")
+                                  f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler", alike=True)
     return {}
 
 

@@ -200,6 +200,8 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
     if not on_gpu:
         for line in cpu_notes(args):
             print(line, flush=True)
+    for line in found.notices if found is not None else ():
+        print(line, flush=True)
     if args.load and found is None:
         print(f"note: no checkpoint in --load {args.load}; training from scratch", flush=True)
     if args.async_save:
@@ -290,8 +292,8 @@ def pretrain(args, *, rank: int, progress: Optional[RunProgress] = None) -> int:
     progress = progress or RunProgress()
     start_time = time.time()
     found = ckpt_io.find_checkpoint(args, rank=rank)  # before any process group: a bad checkpoint stops all ranks
-    if found is not None and found.schedule:  # --use-checkpoint-opt_param-scheduler: the checkpoint's schedule
-        args = args.replace(**found.schedule)
+    if found is not None and found.adopted:  # the checkpoint's LR schedule, vocabulary padding
+        args = args.replace(**found.adopted)
     lock = RunLock(args.save).acquire() if args.save and rank == 0 else None
     try:
         return _pretrain(args, found, start_time, progress)
