@@ -5,10 +5,11 @@ Megatron-LM's flag names; see ``python pretrain_llama.py --help`` and examples/.
 """
 import os
 import sys
-import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # h3t_training and h3t_ext of this repo
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|TransformerEngine|cuda_graph_scope).*")
+from h3t_training.launch.quiet_imports import ignore_optional_accelerator_warnings  # noqa: E402
+
+ignore_optional_accelerator_warnings()
 PROG = "pretrain_llama.py"
 
 
@@ -31,7 +32,8 @@ def main(argv=None, prog: str = PROG, defaults=None, launch=None) -> int:
         progress.args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size,
                                    rank=rank)  # bad flag: exit 2, said by rank 0
         from h3t_training.loop.training import pretrain
-        return pretrain(progress.args, rank=rank, progress=progress)
+        return pretrain(progress.args, rank=rank, progress=progress,
+                        progress_bar=launch.watched_terminal(sys.stdout))
 
     return run_reported(run, prog=prog, rank=rank)
 

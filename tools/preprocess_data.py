@@ -23,9 +23,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import warnings  # noqa: E402
+from h3t_training.launch.quiet_imports import ignore_optional_accelerator_warnings  # noqa: E402
 
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+ignore_optional_accelerator_warnings()
 import numpy  # noqa: E402
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path  # noqa: E402
 from h3t_training.data.tokenizer import TokenizerError, add_tokenizer_flags, tokenizer_from_args  # noqa: E402

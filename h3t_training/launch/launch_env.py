@@ -1,7 +1,7 @@
 """Who this process is in the job: its rank, the world size and the rendezvous address, from its launcher.
 
 torch.distributed's ``env://`` convention (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``) is what torchrun, ``scripts/launch_mpirun.sh`` and ``scripts/launch_slurm.sh``
+``MASTER_ADDR``, ``MASTER_PORT``) is what torchrun, ``scripts/launch_mpirun.sh`` and ``scripts/launch_slurm.sbatch``
 set, and what megatron-core's and Megatron-LM's own initialisation read. Open MPI's ``mpirun`` starting
 ``python pretrain_gpt.py`` directly (Megatron-Kwai's ATC '24 scripts do, passing only
 ``-x MASTER_ADDR -x MASTER_PORT``) sets its own variables instead, ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,
@@ -10,7 +10,7 @@ point; :func:`torch_variables` is what the entry point exports so that every lat
 Megatron's own loop) sees torch's names. Nothing below the entry points reads the launcher's variables.
 
 Slurm's ``SLURM_PROCID`` is not read: a batch script's own shell has it too, and a plain ``python`` there must stay
-one rank (``scripts/launch_slurm.sh`` maps it per task).
+one rank (``scripts/launch_slurm.sbatch`` maps it per task).
 """
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ class LaunchEnv:
     """``torch`` (torch's variables were set: torchrun, this project's wrappers), ``openmpi`` or ``none``."""
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
+
+    def watched_terminal(self, stdout) -> bool:
+        """Whether ``stdout`` is a terminal a person watches (where a progress bar belongs): a tty, except under
+        Open MPI, whose mpirun hands every rank a pty of its own and forwards it to mpirun's stdout, which
+        scripts (Megatron-Kwai's) tee into their logs; Megatron-LM draws no bar at all."""
+        return self.launcher != "openmpi" and stdout.isatty()
 
 
 def _int(environ: Mapping[str, str], name: str, default: Optional[int], low: int) -> int:

@@ -1,6 +1,6 @@
 """Check a training command line once, before a launcher starts any rank.
 
-    python -m h3t_training.launch.preflight --world-size 16 -- <pretrain_llama.py flags>
+    python -m h3t_training.launch.preflight --world-size 16 [--entry pretrain_gpt.py] -- <the entry's flags>
 
 Runs every check the driver makes before its process groups exist (flags, layout for this world
 size, tokenizer and data files, the checkpoint under ``--load``, writable output directories) and
@@ -11,21 +11,47 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sys
+from typing import Optional
+
+
+ENTRIES = ("pretrain_llama.py", "pretrain_gpt.py")
+"""The entry points whose command lines this checks, each with its defaults (Llama's; Megatron-LM's GPT)."""
+USAGE = ("preflight: usage: python -m h3t_training.launch.preflight --world-size N [--entry "
+         + "|".join(ENTRIES) + "] -- FLAGS...")
+
+
+def _options(argv: list) -> Optional[tuple[int, str, list]]:
+    """(world size, entry, the entry's flags), or None for a malformed command line."""
+    if "--" not in argv:
+        return None
+    cut = argv.index("--")
+    head, flags = argv[:cut], argv[cut + 1:]
+    if len(head) not in (2, 4) or head[0] != "--world-size" or not head[1].isdigit() or int(head[1]) < 1:
+        return None
+    entry = ENTRIES[0]
+    if len(head) == 4:
+        if head[2] != "--entry" or head[3] not in ENTRIES:
+            return None
+        entry = head[3]
+    return int(head[1]), entry, flags
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) < 3 or argv[0] != "--world-size" or argv[2] != "--" or not argv[1].isdigit() or int(argv[1]) < 1:
-        sys.stderr.write("preflight: usage: python -m h3t_training.launch.preflight --world-size N -- FLAGS...\n")
+    options = _options(list(sys.argv[1:] if argv is None else argv))
+    if options is None:
+        sys.stderr.write(USAGE + "\n")
         return 2
+    world_size, prog, flags = options
+    from h3t_training.launch.quiet_imports import ignore_optional_accelerator_warnings
+    ignore_optional_accelerator_warnings()
+    from h3t_training.config.arguments import MEGATRON_GPT_DEFAULTS
     from h3t_training.config.sections import parse_args
     from h3t_training.loop.checkpointing import CheckpointError, find_checkpoint
 
-    prog = os.environ.get("H3T_PROG", "pretrain_llama.py")
+    defaults = MEGATRON_GPT_DEFAULTS if prog == "pretrain_gpt.py" else None
     with contextlib.redirect_stdout(io.StringIO()):
-        args = parse_args(argv[3:], prog=prog, world_size=int(argv[1]))  # exits 2 with one line on a bad flag
+        args = parse_args(flags, prog=prog, defaults=defaults, world_size=world_size)  # bad flag: one line, exit 2
         try:
             find_checkpoint(args, rank=0)
         except CheckpointError as e:

@@ -285,10 +285,12 @@ def _rank0_printer():
     return (lambda line: print(line, flush=True)) if dist.get_rank() == 0 else (lambda line: None)
 
 
-def pretrain(args, *, rank: int, progress: Optional[RunProgress] = None) -> int:
+def pretrain(args, *, rank: int, progress: Optional[RunProgress] = None, progress_bar: bool = False) -> int:
     """Everything after argument parsing (``rank``: this process's rank, from its launcher); returns the
     process exit status. ``progress`` (:mod:`h3t_training.launch.failures`) follows the iterations done; raises
-    :class:`~h3t_training.launch.failures.Interrupted` after a clean stop on SIGINT under --exit-signal-handler."""
+    :class:`~h3t_training.launch.failures.Interrupted` after a clean stop on SIGINT under --exit-signal-handler.
+    ``progress_bar``: stdout is a terminal a person watches (the entry point's
+    :meth:`~h3t_training.launch.launch_env.LaunchEnv.watched_terminal`); ``--no-progress-bar`` turns it off."""
     progress = progress or RunProgress()
     start_time = time.time()
     found = ckpt_io.find_checkpoint(args, rank=rank)  # before any process group: a bad checkpoint stops all ranks
@@ -296,13 +298,13 @@ def pretrain(args, *, rank: int, progress: Optional[RunProgress] = None) -> int:
         args = args.replace(**found.adopted)
     lock = RunLock(args.save).acquire() if args.save and rank == 0 else None
     try:
-        return _pretrain(args, found, start_time, progress)
+        return _pretrain(args, found, start_time, progress, progress_bar)
     finally:
         if lock is not None:
             lock.release()
 
 
-def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
+def _pretrain(args, found, start_time: float, progress: RunProgress, progress_bar: bool) -> int:
     initialize_distributed(args)
     heartbeat = start_heartbeat(args.distributed_timeout_minutes)  # a frozen peer ends the run in one line
     on_gpu = uses_gpu(args)
@@ -324,7 +326,8 @@ def _pretrain(args, found, start_time: float, progress: RunProgress) -> int:
         _notes(args, on_gpu, found, config)
         for note in load_notes:
             print(f"note: {note}", flush=True)
-    logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank)
+    logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank,
+                             progress_bar=progress_bar and not args.no_progress_bar)
     logger.header(start, n_params)
     hygiene = MemoryHygiene.from_args(args, on_gpu=on_gpu)
     evaluator = Evaluator(args, chunks, forward_step, runtime, valid_dataset=valid_ds, test_dataset=test_ds,

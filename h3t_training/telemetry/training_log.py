@@ -12,7 +12,6 @@ import json
 import math
 import os
 import resource
-import sys
 import time
 from typing import Optional
 
@@ -56,14 +55,14 @@ def max_memory_mb(on_gpu: bool) -> float:
 class IterationLogger:
     """Logs on the last rank every ``--log-interval`` iterations and keeps the per-iteration metrics."""
 
-    def __init__(self, args, *, vocab_size: int, on_gpu: bool, is_logging_rank: bool):
+    def __init__(self, args, *, vocab_size: int, on_gpu: bool, is_logging_rank: bool, progress_bar: bool = False):
         self.args, self.on_gpu, self.enabled = args, on_gpu, is_logging_rank
         self.flops_per_token = model_flops_per_iteration_token(args, vocab_size)  # forward + backward
         self.peak, self.peak_what = peak_flops(args, on_gpu) if is_logging_rank else (1.0, "")
         self.records: list[dict] = []
         self._interval: list[dict] = []  # the records since the last log line (Megatron averages over them)
         self.progress = None
-        if is_logging_rank and sys.stdout.isatty() and not args.no_progress_bar:
+        if is_logging_rank and progress_bar:  # a rich bar on a watched terminal (the entry point decides)
             from rich.progress import Progress
             self.progress = Progress(transient=True)
             self.task = self.progress.add_task("training", total=args.train_iters)

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from driver_harness import REPO, TINY_MODEL, _env, check_ok, free_port, losses
+from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, free_port, losses
 
 
 def _dry(script: str, *args: str, **env: str) -> list[str]:
@@ -40,6 +40,34 @@ def test_slurm_dry_run_uses_srun_with_slurm_rank_variables():
     task = cmd[cmd.index("-c") + 1]
     assert "RANK=$SLURM_PROCID" in task and "WORLD_SIZE=$SLURM_NTASKS" in task and "LOCAL_RANK=$SLURM_LOCALID" in task
     assert cmd[-2:] == ["--seed", "5"]
+
+
+@pytest.mark.parametrize("script", ["scripts/launch_torchrun.sh", "scripts/launch_mpirun.sh",
+                                    "scripts/launch_slurm.sbatch"])
+def test_every_launcher_starts_megatron_lms_entry_name_when_asked(script):
+    cmd = _dry(script, "--seed", "5", ENTRY="pretrain_gpt.py")
+    started = cmd[cmd.index("-x") + 1:] if script.endswith("mpirun.sh") else cmd
+    assert (str(REPO / "pretrain_gpt.py") in cmd) or ("ENTRY=pretrain_gpt.py" in started), cmd
+    assert str(REPO / "pretrain_llama.py") not in cmd
+    proc = subprocess.run(["bash", str(REPO / script), "--dry-run"], cwd=REPO, env={**_env(), "ENTRY": "train.py"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == (f"{os.path.basename(script)}: error: ENTRY=train.py is not one "
+                                                    "of pretrain_llama.py, pretrain_gpt.py\n")
+
+
+def test_the_preflight_check_applies_the_entrys_defaults_and_is_silent_when_the_flags_are_good():
+    flags = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--mock-data"]
+
+    def preflight(*entry):
+        return subprocess.run([PYTHON, "-m", "h3t_training.launch.preflight",
+                               "--world-size", "2", *entry, "--", *flags], cwd=REPO, env=_env(),
+                              capture_output=True, text=True, timeout=120)
+
+    llama = preflight()
+    assert llama.returncode == 0 and llama.stdout == llama.stderr == ""  # no optional-accelerator warnings either
+    gpt = preflight("--entry", "pretrain_gpt.py")  # Megatron-LM's default tokenizer, GPT2BPETokenizer
+    assert gpt.returncode == 2 and gpt.stderr == ("pretrain_gpt.py: error: --tokenizer-type GPT2BPETokenizer needs "
+                                                  "--vocab-file PATH\n"), gpt.stderr
 
 
 @pytest.mark.parametrize("script, env", [

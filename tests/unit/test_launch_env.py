@@ -55,3 +55,20 @@ def test_an_entry_point_reports_a_bad_launch_in_one_line(capsys):
     assert capsys.readouterr().err == ("pretrain_gpt.py: error: OMPI_COMM_WORLD_SIZE='four' from the launcher is not "
                                        "an integer\n")
     assert adopt_or_report(dict(OMPI), "pretrain_gpt.py").rank == 3 and capsys.readouterr().err == ""
+
+
+class _Stdout:
+    def __init__(self, tty: bool):
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_a_progress_bar_is_drawn_on_a_watched_terminal_only():
+    """mpirun gives each rank a pty that scripts tee into logs: no bar there; torchrun's or a bare process's tty
+    gets one, a pipe or file none."""
+    assert from_environ({}).watched_terminal(_Stdout(True))
+    assert from_environ({"RANK": "0", "WORLD_SIZE": "2"}).watched_terminal(_Stdout(True))
+    assert not from_environ(OMPI).watched_terminal(_Stdout(True))
+    assert not from_environ({}).watched_terminal(_Stdout(False))
