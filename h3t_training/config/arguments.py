@@ -214,7 +214,8 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-format", default="torch_dist",
-                   help="checkpoint format: torch_dist (megatron-core dist_checkpointing, resharding on load)")
+                   help="checkpoint format: torch_dist (megatron-core dist_checkpointing, resharding on load) or "
+                        "torch (Megatron-LM's legacy mp_rank_XX[_YYY] files, loaded at the same t/p/v)")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the tracker's")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only; start at iteration 0 with a fresh optimizer and RNG")

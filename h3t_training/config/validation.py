@@ -200,6 +200,9 @@ def _validate_eval_and_logging(args):
     return args
 
 
+CKPT_FORMATS = ("torch_dist", "torch")
+"""torch_dist (megatron-core dist_checkpointing, resharding on load) and Megatron-LM's legacy per-rank files
+(h3t_training.loop.legacy_checkpoint). --load reads either, whatever --ckpt-format says."""
 CKPT_FORMATS_REFUSED = {
     "torch_dcp": "use --ckpt-format torch_dist (megatron-core dist_checkpointing over PyTorch DCP)",
     "zarr": "zarr is deprecated in megatron-core; use --ckpt-format torch_dist",
@@ -207,20 +210,14 @@ CKPT_FORMATS_REFUSED = {
 }
 
 
-CKPT_FORMAT_TORCH_NOTICE = (
-    "note: --ckpt-format torch: checkpoints are written as torch_dist (megatron-core dist_checkpointing, which "
-    "Megatron-LM reads with --ckpt-format torch_dist or --auto-detect-ckpt-format, and which reshards to another "
-    "layout); training and resuming are the same. A legacy per-rank torch checkpoint is not read by --load")
-"""Megatron-LM's legacy ``--ckpt-format torch`` (one ``mp_rank_XX[_YYY]/model_optim_rng.pt`` per model-parallel
-rank) saves the same state as torch_dist; only the files differ, so the flag is accepted with this notice."""
-
-
 def _validate_io(args):
-    if args.ckpt_format == "torch":
-        args = args.replace(flag_notices=args.flag_notices + (CKPT_FORMAT_TORCH_NOTICE,))
-    elif args.ckpt_format != "torch_dist":
-        reason = CKPT_FORMATS_REFUSED.get(args.ckpt_format, "the valid value is torch_dist")
+    if args.ckpt_format not in CKPT_FORMATS:
+        reason = CKPT_FORMATS_REFUSED.get(args.ckpt_format, "the valid values are " + ", ".join(CKPT_FORMATS))
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: {reason}")
+    if args.ckpt_format == "torch" and args.use_torch_fsdp2 and args.save is not None:
+        raise ArgumentError("--ckpt-format torch with --use-torch-fsdp2: Megatron's legacy per-rank files hold whole "
+                            "tensor-parallel shards, FSDP2's are cut over data-parallel ranks; use --ckpt-format "
+                            "torch_dist")
     if args.ckpt_step is not None and args.ckpt_step < 0:
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} is outside [0, inf)")
     if args.ckpt_step is not None and args.load is None:

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
-from h3t_training.loop import fsdp
+from h3t_training.loop import fsdp, legacy_checkpoint as legacy
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "h3t_checksums.json"
@@ -84,6 +84,8 @@ class FoundCheckpoint:
     to the checkpoint's rows (:func:`adopted_padding`); the driver continues with ``args.replace(**found.adopted)``."""
     notices: tuple = ()
     """What rank 0 says of the adopted fields."""
+    legacy: bool = False
+    """Written with ``--ckpt-format torch`` (Megatron's per-rank files, :mod:`h3t_training.loop.legacy_checkpoint`)."""
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -222,10 +224,13 @@ def _verify_layout(directory: str, rank: int, world_size: int) -> None:
 def _read_common(directory: str) -> dict:
     meta = os.path.join(directory, "metadata.json")
     names = os.listdir(directory)
-    legacy = sorted(n for n in names if n.startswith("mp_rank_"))
-    if legacy:
+    per_rank = sorted(n for n in names if n.startswith("mp_rank_"))
+    if per_rank and "common.pt" in names:  # --ckpt-format torch, written by this driver
+        return _read_common_pt(directory)
+    if per_rank:
         raise CheckpointError(f"{directory} is a Megatron-LM legacy --ckpt-format torch checkpoint "
-                              f"({legacy[0]}/...), which this driver does not read; convert it with Megatron-LM "
+                              f"({per_rank[0]}/...) without this driver's common.pt, which this driver does not read; "
+                              "convert it with Megatron-LM "
                               "(--load it with --ckpt-convert-format torch_dist --ckpt-convert-save DIR) and --load "
                               "the result", alike=True)
     if any(n.startswith("rank_") and n.endswith(".pt") for n in names):
@@ -239,6 +244,13 @@ def _read_common(directory: str) -> dict:
     if backend != "torch_dist":
         raise CheckpointError(f"checkpoint file {meta} names backend {backend!r}; --ckpt-format torch_dist "
                               f"is what this driver reads", alike=True)
+    common = _read_common_pt(directory)
+    if not os.path.isfile(os.path.join(directory, ".metadata")):
+        raise CheckpointError(f"checkpoint {directory} is partial: its .metadata file is missing", alike=True)
+    return common
+
+
+def _read_common_pt(directory: str) -> dict:
     path = os.path.join(directory, "common.pt")
     try:
         common = torch.load(path, map_location="cpu", weights_only=False)
@@ -246,8 +258,6 @@ def _read_common(directory: str) -> dict:
         raise CheckpointError(f"checkpoint file {path} is corrupt or partial ({type(e).__name__})", alike=True) from None
     if not isinstance(common, dict) or "h3t" not in common or "iteration" not in common:
         raise CheckpointError(f"checkpoint file {path} was not written by this driver (no 'h3t' section)", alike=True)
-    if not os.path.isfile(os.path.join(directory, ".metadata")):
-        raise CheckpointError(f"checkpoint {directory} is partial: its .metadata file is missing", alike=True)
     return common
 
 
@@ -270,7 +280,13 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
                               + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"), alike=True)
     common = _read_common(directory)
     _verify_files(directory, rank, args.world_size)
-    _verify_layout(directory, rank, args.world_size)
+    per_rank = legacy.is_legacy(directory)
+    if per_rank:
+        reason = legacy.check_layout(common["h3t"]["layout"], args, f"--load {root}: checkpoint iteration {iteration}")
+        if reason:
+            raise CheckpointError(reason, alike=True)
+    else:
+        _verify_layout(directory, rank, args.world_size)
     saved = common["h3t"]["model"]
     mine = {k: getattr(args, k) for k in MODEL_SHAPE_FLAGS}
     for k in MODEL_SHAPE_FLAGS:
@@ -281,7 +297,7 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     padding, notices = adopted_padding(saved.get("padded_vocab_size"), tokenizer_from_args(args).vocab_size, args,
                                        f"--load {root}: checkpoint iteration {iteration}")
     return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common,
-                           {**adopted, **padding}, notices)
+                           {**adopted, **padding}, notices, per_rank)
 
 
 def check_latest(root: str) -> Optional[int]:
@@ -365,11 +381,15 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
     if with_rng:
         state["rng_state"] = _rng_object(None if loading else rng_state())
     if not loading:
-        state.update(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
-                     consumed_train_samples=schedule_of(args).consumed_samples(iteration),
-                     opt_param_scheduler=_schedule(args),
-                     h3t={"model": _model_shape(args), "layout": _layout(args)})
+        state.update(_common_state(args, iteration))
     return state
+
+
+def _common_state(args, iteration: int) -> dict:
+    """What every rank shares (``common.pt``): iteration, samples, schedule, model shape and layout."""
+    return dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
+                consumed_train_samples=schedule_of(args).consumed_samples(iteration),
+                opt_param_scheduler=_schedule(args), h3t={"model": _model_shape(args), "layout": _layout(args)})
 
 
 # ----------------------------------------------------------------------------------------- save / load
@@ -394,10 +414,17 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
     dist.barrier()
     error = ""
     try:
-        dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False), tmp,
-                                sharded_strategy=save_strategy(on_gpu))
-        dist.barrier()
-        _write_checksums(tmp)
+        if args.ckpt_format == "torch":  # Megatron-LM's legacy per-rank files
+            common = _common_state(args, iteration)
+            written = legacy.save(tmp, args, iteration, [unwrap(c) for c in chunks], optimizer, common=common,
+                                  rng=rng_state())
+            dist.barrier()
+            _write_checksums(tmp, written)
+        else:
+            dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False), tmp,
+                                    sharded_strategy=save_strategy(on_gpu))
+            dist.barrier()
+            _write_checksums(tmp)
     except (Exception, CheckpointException) as e:  # disk full, permissions, quota: abandoned on every rank
         error = _first_line(e)
     failed = [None] * dist.get_world_size()
@@ -433,12 +460,15 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _write_checksums(directory: str) -> None:
-    """Each rank hashes the tensor files it wrote (``__<rank>_*.distcp``), rank 0 the shared ones
-    too, and rank 0 writes the manifest (collective)."""
+def _write_checksums(directory: str, written: Optional[list] = None) -> None:
+    """Each rank hashes the files it wrote (``written``, paths relative to ``directory``; by default its
+    ``__<rank>_*.distcp`` tensor files, and rank 0 the shared ones too), and rank 0 writes the manifest
+    (collective)."""
     rank = dist.get_rank()
     mine = {}
-    for name in sorted(os.listdir(directory)):
+    if written is not None:
+        mine = {name: _file_digest(os.path.join(directory, name)) for name in written}
+    for name in sorted(os.listdir(directory)) if written is None else ():
         shared = not name.startswith("__")
         if (name.startswith(f"__{rank}_") or (shared and rank == 0)) and name != CHECKSUMS:
             mine[name] = _file_digest(os.path.join(directory, name))
@@ -458,6 +488,8 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
     finetune = bool(args.finetune)
     with_optimizer = not (finetune or args.no_load_optim)
     with_rng = not (finetune or args.no_load_rng)
+    if found.legacy:
+        return _load_legacy(found, args, chunks, optimizer, with_optimizer, with_rng)
     if with_rng and not found.same_layout:
         with_rng = False
         notes.append(f"checkpoint iteration {found.iteration} was saved with another parallel layout: resharded; "
@@ -481,6 +513,27 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
         raise CheckpointError(f"checkpoint {found.directory} cannot be loaded into this model: "
                               f"{_first_line(e)}") from None
     return (0 if finetune else found.iteration), notes
+
+
+def _load_legacy(found: FoundCheckpoint, args, chunks, optimizer, with_optimizer: bool,
+                 with_rng: bool) -> tuple[int, list[str]]:
+    """:func:`load_checkpoint` of a ``--ckpt-format torch`` checkpoint (its layout was checked by
+    :func:`find_checkpoint`); RNG states where it has one for this data-parallel rank."""
+    try:
+        rng = legacy.load(found.directory, [unwrap(c) for c in chunks], optimizer, with_optimizer=with_optimizer,
+                          with_rng=with_rng)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - a file that does not fit this model, in one line
+        raise CheckpointError(f"checkpoint {found.directory} cannot be loaded into this model: "
+                              f"{_first_line(e)}") from None
+    notes = []
+    if rng is not None:
+        set_rng_state(rng)
+    elif with_rng:
+        notes.append(f"checkpoint iteration {found.iteration} was saved at another data-parallel size; RNG states "
+                     f"start from --seed")
+    return (0 if args.finetune else found.iteration), notes
 
 
 __all__ = ["CheckpointError", "FoundCheckpoint", "check_latest", "find_checkpoint", "load_checkpoint", "rng_state",

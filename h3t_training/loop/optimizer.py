@@ -17,6 +17,7 @@ share, and broadcasts it to the other replicas; the numbers are the same as with
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import replace
 from typing import Iterator, Optional
 
@@ -273,13 +274,58 @@ class DataParallelAdamW:
         """Install what :meth:`sharded_state_dict` loaded (bit-exact moments and step count)."""
         self.steps = int(loaded["steps"])
         for i, entry in loaded["state"].items():
-            p = self.params[i]
-            state = {"step": torch.tensor(float(self.steps), dtype=torch.float32),
-                     "exp_avg": entry["exp_avg"].clone(), "exp_avg_sq": entry["exp_avg_sq"].clone()}
-            if self.host is not None and p in self.host.master:
-                self.host.set_state(p, state)
-            else:
-                self.adam.state[p] = state
+            self._install(i, {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]})
+        self.reload_model_params()
+
+    def _moments(self, i: int) -> dict:
+        held = self._state(self.params[i])
+        return {name: held[name].clone() for name in ("exp_avg", "exp_avg_sq") if name in held}
+
+    def _install(self, i: int, moments: dict) -> None:
+        p = self.params[i]
+        state = {"step": torch.tensor(float(self.steps), dtype=torch.float32), **{k: v.clone() for k, v in
+                                                                                 moments.items()}}
+        if self.host is not None and p in self.host.master:
+            self.host.set_state(p, state)
+        else:
+            self.adam.state[p] = state
+
+    def legacy_state_dict(self) -> dict:
+        """The ``optimizer`` entry of a ``--ckpt-format torch`` file (:mod:`h3t_training.loop.legacy_checkpoint`):
+        the step count, and every parameter's moments by index unless they are sharded over data-parallel ranks
+        (then they are in :meth:`legacy_parameter_state`)."""
+        assert not self.fsdp, "--ckpt-format torch with --use-torch-fsdp2 is refused with the flags"
+        if self.sharded:
+            return {"steps": self.steps}
+        return {"steps": self.steps, "state": {i: self._moments(i) for i in range(len(self.params))}}
+
+    def save_parameter_state(self, path: str) -> bool:
+        """With the distributed optimizer, every shard's moments gathered on data-parallel rank 0, which writes
+        them to ``path`` (megatron-core's name; collective over the data-parallel group); returns whether this rank
+        wrote the file. Without it nothing (the moments are in :meth:`legacy_state_dict`)."""
+        if not self.sharded:
+            return False
+        mine = {i: self._moments(i) for i, o in enumerate(self.owners) if o == self.dp_rank}
+        gathered = [None] * self.dp_size if self.dp_rank == 0 else None
+        dist.gather_object(mine, gathered, dst=self.dp_ranks[0], group=self.dp_group)
+        if gathered is None:
+            return False
+        torch.save({k: v for part in gathered for k, v in part.items()}, path)
+        return True
+
+    def load_legacy_state_dict(self, state: dict, parameter_state_path: Optional[str]) -> None:
+        """Install what :meth:`legacy_state_dict` and :meth:`save_parameter_state` saved (this rank's share;
+        bit-exact, at another data-parallel size too: every shard's moments are in the file)."""
+        self.steps = int(state["steps"])
+        if "state" in state:
+            moments = state["state"]
+        elif parameter_state_path is not None and os.path.isfile(parameter_state_path):
+            moments = torch.load(parameter_state_path, map_location="cpu", weights_only=False)
+        else:
+            raise RuntimeError(f"the distributed optimizer's state {parameter_state_path} is missing")
+        for i, o in enumerate(self.owners):
+            if o == self.dp_rank and moments.get(i):
+                self._install(i, moments[i])
         self.reload_model_params()
 
     def reload_model_params(self) -> None:
@@ -390,6 +436,26 @@ class MegatronOptimizerAdapter:
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         self.opt.load_state_dict(loaded)
+
+    def legacy_state_dict(self) -> dict:
+        """megatron-core's ``state_dict()``, as Megatron-LM's legacy save stores it."""
+        return self.opt.state_dict()
+
+    def save_parameter_state(self, path: str) -> bool:
+        """With the distributed optimizer, megatron-core's ``save_parameter_state`` (gathered on data-parallel
+        rank 0, which writes ``path``; collective); returns whether this rank wrote it."""
+        if not self.args.use_distributed_optimizer:
+            return False
+        from megatron.core import parallel_state as ps
+        self.opt.save_parameter_state(path)
+        return ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+    def load_legacy_state_dict(self, state: dict, parameter_state_path: Optional[str]) -> None:
+        """megatron-core's ``load_state_dict`` and, with the distributed optimizer, ``load_parameter_state``,
+        as Megatron-LM's legacy load calls them."""
+        self.opt.load_state_dict(state)
+        if self.args.use_distributed_optimizer:
+            self.opt.load_parameter_state(parameter_state_path)
 
     def reload_model_params(self) -> None:
         """After a checkpoint loaded the model without the optimizer: the fp32 main weights (host copies with

@@ -234,21 +234,27 @@ def test_data_path_without_split_takes_megatrons_legacy_default_with_its_notice(
     assert megatron_compat._split(per_split) == {}
 
 
-def test_ckpt_format_torch_is_accepted_with_a_notice_and_a_legacy_checkpoint_is_refused_on_load(tmp_path):
-    """--ckpt-format torch saves the same state (only Megatron's legacy files differ): accepted, saying the files are
-    torch_dist; a legacy mp_rank_XX checkpoint named by --load is one line naming Megatron's converter."""
-    from h3t_training.config.validation import CKPT_FORMAT_TORCH_NOTICE
+def test_ckpt_format_torch_is_megatrons_legacy_format_and_one_megatron_wrote_is_refused_on_load(tmp_path, capsys):
+    """--ckpt-format torch is accepted without a notice (the driver writes Megatron's legacy files); other values
+    name the valid ones; a legacy mp_rank_XX checkpoint without this driver's common.pt (Megatron-LM wrote it) is
+    one line naming Megatron's converter."""
     from h3t_training.loop.checkpointing import TRACKER, CheckpointError, find_checkpoint
 
     args = parse_args([*BASE, "--ckpt-format", "torch", "--load", str(tmp_path)], world_size=1)
-    assert CKPT_FORMAT_TORCH_NOTICE in args.flag_notices
-    assert CKPT_FORMAT_TORCH_NOTICE not in parse_args(BASE, world_size=1).flag_notices
+    assert not [n for n in args.flag_notices if "--ckpt-format" in n]
+    for extra, line in ((["--ckpt-format", "tar"], "--ckpt-format tar: the valid values are torch_dist, torch\n"),
+                        (["--ckpt-format", "torch", "--use-torch-fsdp2", "--save", str(tmp_path)],
+                         "--ckpt-format torch with --use-torch-fsdp2: Megatron's legacy per-rank files")):
+        with pytest.raises(SystemExit):
+            parse_args([*BASE, *extra], world_size=1)
+        assert line in capsys.readouterr().err
     (tmp_path / TRACKER).write_text("10")
     (tmp_path / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
     with pytest.raises(CheckpointError) as e:
         find_checkpoint(args, rank=0)
-    assert "is a Megatron-LM legacy --ckpt-format torch checkpoint (mp_rank_00/...)" in str(e.value)
-    assert "--ckpt-convert-format torch_dist" in str(e.value)
+    assert "is a Megatron-LM legacy --ckpt-format torch checkpoint (mp_rank_00/...) without this driver's " \
+           "common.pt" in str(e.value)
+    assert "--ckpt-convert-format torch_dist" in str(e.value) and e.value.alike
 
 
 def test_auto_plan_runs_the_recompute_it_chose(monkeypatch):
