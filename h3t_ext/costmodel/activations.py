@@ -58,17 +58,15 @@ from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.recompute import chunk_layers_bytes, core_attention_pinned_qkv, plan_recompute, \
     recomputes_core_attention, selective_terms
 from h3t_ext.costmodel.specs import ModelSpec
+from h3t_ext.dtypes import BF16, BOOL, FP8, FP32, INT64
 from h3t_ext.schedule import ActionKind, build_schedule
 
-FP32 = 4
-INT64, BOOL = 8, 1
 REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
                           "hidden_dropout_mask")
 _OURS_DROPS = ("norm1_output", "norm2_output", "swiglu_output", "fc2_input")
-FP8 = 1
 
 
-def activation_bytes_per_layer_token(model: ModelSpec, ckpt: str, *, dtype_bytes: int = 2,
+def activation_bytes_per_layer_token(model: ModelSpec, ckpt: str, *, dtype_bytes: int = BF16,
                                      layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
                                      fp8: bool = False) -> dict[str, int]:
     """Saved bytes of one layer per local token, by term, plus ``total``. ``dropout_mask_bytes``: bytes per
@@ -120,7 +118,7 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
 
 @functools.lru_cache(maxsize=1024)
 def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_parallel_size: int = 1,
-                                sequence_parallel: bool = True, dtype_bytes: int = 2,
+                                sequence_parallel: bool = True, dtype_bytes: int = BF16,
                                 layer_spec: str = "te", dropout_mask_bytes: int = BOOL, fp8: bool = False,
                                 recompute: Recompute = NO_RECOMPUTE) -> int:
     """Total saved bytes of one layer per local token; without sequence parallel the norm-side terms are
@@ -221,7 +219,7 @@ def chunk_resident_factor(lines: tuple[tuple[int, int], ...], alpha: float, offl
     return peak + (2.0 * alpha if offloads and alpha > 0 else 0.0)
 
 
-def output_layer_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
+def output_layer_bytes(model: ModelSpec, plan, *, dtype_bytes: int = BF16,
                        sequence_parallel: bool = True) -> dict[str, int]:
     """Saved bytes of the output layer of one microbatch on the last stage, by term, plus ``total``.
 
@@ -247,7 +245,7 @@ def output_layer_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2,
     return terms
 
 
-def unfused_scores_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2,
+def unfused_scores_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = BF16,
                                    dropout_mask_bytes: int = BOOL) -> int:
     """The s^2 tensors Megatron's unfused core attention (--attention-backend unfused/local) saves per layer and
     microbatch for its backward: the fused scale-mask-softmax's output (the probabilities, activation dtype),
@@ -265,7 +263,7 @@ def unfused_scores_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int =
     return plan.micro_batch_size * heads * s * s * per_score
 
 
-def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_spec: str = "te") -> int:
+def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = BF16, layer_spec: str = "te") -> int:
     """cos and sin ([s/c, 1, 1, head_dim], for q and for k) that megatron-core's unfused RoPE saves per
     layer and microbatch with the 'local' spec; 0 with the 'te' spec (fused RoPE) and for GPT models with
     learned positions (the non-SwiGLU models here, as in the time model)."""
@@ -281,7 +279,7 @@ def local_tokens(plan) -> int:
 
 
 def layer_kept_bytes(model: ModelSpec, plan, *, tensor_model_parallel_size: int, sequence_parallel: bool = True,
-                     dtype_bytes: int = 2, layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
+                     dtype_bytes: int = BF16, layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
                      fp8: bool = False) -> int:
     """Saved bytes of one layer and microbatch outside full-recompute units (``plan``'s ckpt and selective
     modules): the per-token terms over :func:`local_tokens`, the local spec's RoPE cos/sin and unfused attention's
@@ -297,7 +295,7 @@ def layer_kept_bytes(model: ModelSpec, plan, *, tensor_model_parallel_size: int,
             + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, dropout_mask_bytes=dropout_mask_bytes))
 
 
-def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, *, dtype_bytes: int = 2,
+def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, *, dtype_bytes: int = BF16,
                            layer_spec: str = "te", sequence_parallel: bool = True,
                            dropout_mask_bytes: int = BOOL, fp8: bool = False) -> int:
     """A: saved bytes of one microbatch-chunk (l layers, or the stage's layers without interleaving) on pipeline
@@ -322,7 +320,7 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
     return chunk
 
 
-def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = 2, layer_spec: str = "te",
+def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = BF16, layer_spec: str = "te",
                                 sequence_parallel: bool = True, alphas: Optional[tuple[float, ...]] = None,
                                 dropout_mask_bytes: int = BOOL) -> tuple[int, ...]:
     """Peak saved-activation bytes (with the reload double buffer) of every pipeline stage of ``plan``.

@@ -29,10 +29,11 @@ from dataclasses import dataclass
 
 from h3t_ext.costmodel import fp8, optimizer_offload
 from h3t_ext.costmodel.collectives import Link, all_gather_seconds, group_link, group_node_spread
-from h3t_ext.costmodel.kernels import BF16, FP32, elementwise_seconds, kernel_rates
+from h3t_ext.costmodel.kernels import elementwise_seconds, kernel_rates
 from h3t_ext.costmodel.memory import optimizer_shards, stage_params
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.dtypes import BF16, FP32
 
 DDP_BUCKET_PARAMS = 40_000_000
 """Megatron DDP's default bucket size: max(40M, 1M x data-parallel size) parameters (megatron-core 0.16.1
@@ -42,7 +43,7 @@ DDP_BUCKET_PARAMS_PER_RANK = 1_000_000
 OPTIMIZER_KERNELS = 4
 """Optimizer step (per bucket, counted once): the gradient-norm kernel of clipping, Adam (multi-tensor
 apply), the fp32 master -> bf16 weight copy and the gradient zeroing (``ADAM_BYTES_PER_PARAM`` + fp32)."""
-ADAM_BYTES_PER_PARAM = FP32 + (4 * 4 + 3 * 4) + (FP32 + BF16)
+ADAM_BYTES_PER_PARAM = FP32 + (4 * FP32 + 3 * FP32) + (FP32 + BF16)
 """Optimizer step per parameter of the shard, as Megatron's mixed-precision optimizers run it (separate
 kernels): the gradient-norm kernel of gradient clipping (--clip-grad, default 1.0) reads the fp32 gradient;
 Adam reads grad, master, m, v and writes master, m, v (fp32); _copy_main_params_to_model_params reads the

@@ -7,7 +7,8 @@ Elements are counted per element of the tensor the kernel runs on (a token's ``w
 """
 from __future__ import annotations
 
-from h3t_ext.costmodel.kernels import BF16, KernelRates, elementwise_seconds
+from h3t_ext.costmodel.kernels import KernelRates, elementwise_seconds
+from h3t_ext.dtypes import BF16, FP32
 
 NORM_ELEMENTS_FWD = 2
 """A norm's forward reads x and writes y."""
@@ -21,11 +22,11 @@ RESIDUAL_ADD_ELEMENTS = 3
 """A residual add reads the branch and the residual and writes the sum; in the backward autograd's sum of the
 residual stream's two gradients moves the same (read 2, write 1)."""
 
-CROSS_ENTROPY_BYTES_PER_LOGIT_FWD = (2 + 4) + 4 + (4 + 4) + (4 + 4) + 4 + (4 + 4)
+CROSS_ENTROPY_BYTES_PER_LOGIT_FWD = (BF16 + FP32) + FP32 + (FP32 + FP32) + (FP32 + FP32) + FP32 + (FP32 + FP32)
 """Megatron's vocab-parallel cross entropy, unfused, per logit of the rank's vocabulary shard
 (megatron-core 0.16.1 ``tensor_parallel/cross_entropy.py``), forward: cast bf16 -> fp32, max, subtract the
 max in place, exp in place, sum, divide in place (the softmax is kept for backward)."""
-CROSS_ENTROPY_BYTES_PER_LOGIT_BWD = (4 + 4) + (4 + 2)
+CROSS_ENTROPY_BYTES_PER_LOGIT_BWD = (FP32 + FP32) + (FP32 + BF16)
 """Backward: the softmax becomes the gradient in place (subtracting the one-hot target touches one logit per
 token), scaled by the loss gradient in place, and autograd casts it to bf16."""
 CROSS_ENTROPY_BYTES_PER_LOGIT = CROSS_ENTROPY_BYTES_PER_LOGIT_FWD + CROSS_ENTROPY_BYTES_PER_LOGIT_BWD

@@ -34,7 +34,8 @@ saved inputs of the four GEMMs in FP8 (``activations.py``).
 from __future__ import annotations
 
 from h3t_ext.costmodel.errors import InvalidPlanError
-from h3t_ext.costmodel.kernels import BF16, FP8, FP32, KernelRates, elementwise_seconds, kernel_rates
+from h3t_ext.costmodel.kernels import KernelRates, elementwise_seconds, kernel_rates
+from h3t_ext.dtypes import BF16, E8M0, FP8, FP32
 
 FP8_FORMATS = ("e4m3", "hybrid")
 """Megatron-LM's ``--fp8-format`` choices (dest ``fp8``): E4M3 everywhere, or E4M3 forward and E5M2 gradients."""
@@ -53,7 +54,7 @@ AMAX_PASS_BYTES = BF16
 """Current (tensorwise) scaling: the amax is needed before the cast, so every input is read once more."""
 BLOCKWISE_SCALE_BYTES = 2 * FP32 / 128
 """Blockwise: an fp32 scale per 128 elements for each of the two copies, per element."""
-MXFP8_SCALE_BYTES = 2 * 1 / 32
+MXFP8_SCALE_BYTES = 2 * E8M0 / 32
 """MXFP8: a 1-byte E8M0 scale per 32 elements for each of the two copies, per element."""
 CAST_KERNELS_PER_TENSOR = 1
 """One fused cast-transpose kernel per cast tensor (a second, the amax pass, with current scaling)."""

@@ -35,20 +35,20 @@ import math
 from dataclasses import dataclass
 
 from h3t_ext.costmodel.specs import SystemSpec
+from h3t_ext.dtypes import BF16, BOOL, FP8, FP32
 
-FP8, BF16, FP32 = 1, 2, 4
 ATTENTION_BLOCK_Q = 128
 """Query rows per flash-attention thread block (FlashAttention-2 forward and backward on A100/H100)."""
-UNFUSED_SOFTMAX_BYTES_FWD = 2 + 2
+UNFUSED_SOFTMAX_BYTES_FWD = BF16 + BF16
 """Bytes per attention score of the unfused forward's fused scale-mask-softmax: read bf16 scores, write bf16
 probabilities."""
-UNFUSED_DROPOUT_BYTES_FWD = 2 + 2 + 1
+UNFUSED_DROPOUT_BYTES_FWD = BF16 + BF16 + BOOL
 """Attention dropout over the unfused scores: read the probabilities, write the dropped copy and its 1-byte
 mask -- Korthikanti et al. 2022, Sec. 4.1: 5as^2b bytes saved per layer = 2 (softmax) + 1 (mask) + 2
 (dropout)."""
-UNFUSED_SOFTMAX_BYTES_BWD = 2 + 2 + 2
+UNFUSED_SOFTMAX_BYTES_BWD = BF16 + BF16 + BF16
 """Backward softmax: read probabilities and gradient, write the score gradient."""
-UNFUSED_DROPOUT_BYTES_BWD = 1 + 2 + 2
+UNFUSED_DROPOUT_BYTES_BWD = BOOL + BF16 + BF16
 """Backward dropout: read the mask and the gradient, write the gradient."""
 FLASH_BACKWARD_FLOP_RATIO = 2.5
 """Backward / forward FLOPs of flash attention: 5 products (S recompute, dP, dS Q->dK, dQ, dV) vs 2."""

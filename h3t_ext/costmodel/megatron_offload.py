@@ -34,10 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from h3t_ext.costmodel.activations import BOOL, REPLICATED_WITHOUT_SP, activation_bytes_per_layer_token, \
+from h3t_ext.costmodel.activations import REPLICATED_WITHOUT_SP, activation_bytes_per_layer_token, \
     layer_kept_bytes, local_tokens, unfused_scores_bytes_per_layer
 from h3t_ext.costmodel.recompute import plan_recompute, selective_terms
 from h3t_ext.costmodel.specs import ModelSpec
+from h3t_ext.dtypes import BF16, BOOL
 
 MEGATRON_OFFLOAD_SOURCE = ("https://github.com/NVIDIA/Megatron-LM/blob/d98e8a64ddf34856e74b24714e3bedb2f5a39553/"
                            "megatron/core/pipeline_parallel/fine_grained_activation_offload.py")
@@ -213,7 +214,7 @@ def _checked(model: ModelSpec, plan, request: MegatronOffload):
     return base, recompute
 
 
-def fine_grained_alpha(model: ModelSpec, plan, request: MegatronOffload, *, dtype_bytes: int = 2,
+def fine_grained_alpha(model: ModelSpec, plan, request: MegatronOffload, *, dtype_bytes: int = BF16,
                        layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
                        fp8: bool = False) -> MegatronOffloadMapping:
     """The alpha that offloads the bytes Megatron's fine-grained offload of ``request`` moves (module docstring),

@@ -66,9 +66,9 @@ from h3t_ext.costmodel import fp8, optimizer_offload
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
+from h3t_ext.dtypes import BF16, FP32
 
-BF16, FP32 = 2, 4
-OPTIMIZER_BYTES_PER_PARAM = 12  # fp32 master weight + Adam m + Adam v
+OPTIMIZER_BYTES_PER_PARAM = 3 * FP32  # fp32 master weight + Adam m + Adam v
 
 
 @dataclass(frozen=True)

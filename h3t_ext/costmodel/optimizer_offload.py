@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.dtypes import FP32
 
-FP32 = 4
 HOST_OPTIMIZER_BYTES_PER_PARAM = 3 * FP32
 """fp32 master weight, Adam m and v of an offloaded parameter, on the host (pinned, ``pin_cpu_params``)."""
 HOST_GRAD_BYTES_PER_PARAM = FP32

@@ -44,7 +44,6 @@ import math
 from typing import Optional
 from dataclasses import dataclass, fields
 
-from h3t_ext.costmodel.activations import BOOL
 from h3t_ext.costmodel import fp8
 from h3t_ext.costmodel.collectives import (
     Link,
@@ -65,8 +64,6 @@ from h3t_ext.costmodel.elementwise import (
     cross_entropy_seconds,
 )
 from h3t_ext.costmodel.kernels import (
-    BF16,
-    FP32,
     LINEAR_PASSES,
     KernelRates,
     elementwise_seconds,
@@ -80,6 +77,7 @@ from h3t_ext.costmodel.layer_offload import p1_exposed_seconds
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.recompute import chunk_layers, plan_recompute, recompute_seconds
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.dtypes import BF16, BOOL, FP32
 
 CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
 """Context-parallel ring forward, per output element and step: read the step's bf16 output, read and write

@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from h3t_ext.ckpt import Ckpt, Recompute, normal_form
-from h3t_ext.costmodel.activations import BOOL
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, PRECISIONS
 from h3t_ext.costmodel.megatron_offload import MIN_OFFLOADED_TENSOR_SIZE, MegatronOffload, MegatronOffloadMapping, \
     megatron_offload_alpha
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
+from h3t_ext.dtypes import BF16, BOOL
 from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.space import MEMORY_LADDER, MemoryOption, SearchConstraints
 
@@ -168,7 +168,7 @@ def megatron_offload_mapping(args: Any, model: ModelSpec, plan: Plan, **spec: An
     (:func:`~h3t_ext.costmodel.megatron_offload.megatron_offload_alpha`), or None when they ask for none. ``spec``:
     the layer spec keywords (``layer_spec``, ``dtype_bytes``, ``dropout_mask_bytes``, ``fp8``); by default the
     plan's own, as the cost model prices it (its ``transformer_impl``, bf16, its FP8)."""
-    spec = {"layer_spec": LAYER_SPEC[plan.transformer_impl], "dtype_bytes": 2, "dropout_mask_bytes": BOOL,
+    spec = {"layer_spec": LAYER_SPEC[plan.transformer_impl], "dtype_bytes": BF16, "dropout_mask_bytes": BOOL,
             "fp8": plan.fp8 is not None, **spec}
     return megatron_offload_alpha(model, plan, megatron_offload_from_args(args), **spec)
 

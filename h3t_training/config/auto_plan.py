@@ -59,6 +59,15 @@ def _alpha_mode(alpha: OffloadAlpha):
     return alpha.alpha
 
 
+def _recompute_args(plan) -> dict:
+    """Megatron's --recompute-* values of ``plan`` as the config holds them: the planner's one rule
+    (:func:`h3t_ext.planner.format.recompute_fields`), with argparse's None for no --recompute-modules where the
+    rule (megatron-core's ``TransformerConfig``) says []."""
+    from h3t_ext.planner.format import recompute_fields
+    fields = recompute_fields(plan)
+    return {**fields, "recompute_modules": fields["recompute_modules"] or None}
+
+
 def plan_config(args):
     """A new config: plans searched under the user's fixed flags, the others taken from the best one. The chosen
     plan's line joins the config's notices (printed once, by rank 0, when training starts)."""
@@ -101,10 +110,7 @@ def plan_config(args):
         micro_batch_size=plan.micro_batch_size,
         ckpt=combined_ckpt(base, recompute),
         recompute=recompute,
-        recompute_granularity=recompute.granularity,
-        recompute_method=recompute.method,
-        recompute_num_layers=recompute.num_layers,
-        recompute_modules=list(recompute.modules) or None,
+        **_recompute_args(plan),
         recompute_activations=False,
         offload_alpha=OffloadAlpha.parse(plan.offload_alpha),
         sequence_parallel=plan.sequence_parallel and plan.tensor_model_parallel_size > 1,

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h3t_training.config.fp8_flags import FP8_FLAGS
+
 
 @dataclass(frozen=True)
 class GpuRule:
@@ -99,21 +101,9 @@ GPU_BY_REASON: dict[str, GpuRule] = {
 _NOT_A_FIELD = "is not a field of megatron-core 0.16.1's TransformerConfig"
 
 GPU_BY_FLAG: dict[str, GpuRule] = {
-    # precision: FP8 through TransformerEngine, the precision-aware optimizer's dtypes, gradient reduction
-    "--fp8-format": _mcore("TransformerConfig.fp8", _TE_FP8, needs_te=True),
-    "--fp8-recipe": _mcore("TransformerConfig.fp8_recipe", _TE_FP8, needs_te=True),
-    "--fp8-margin": _mcore("TransformerConfig.fp8_margin", _TE_FP8, needs_te=True),
-    "--fp8-interval": _mcore("TransformerConfig.fp8_interval", _TE_FP8, needs_te=True),
-    "--fp8-amax-history-len": _mcore("TransformerConfig.fp8_amax_history_len", _TE_FP8, needs_te=True),
-    "--fp8-amax-compute-algo": _mcore("TransformerConfig.fp8_amax_compute_algo", _TE_FP8, needs_te=True),
-    "--fp8-param-gather": _mcore("TransformerConfig.fp8_param and DistributedDataParallelConfig.fp8_param_gather",
-                                 _TE_FP8, needs_te=True),
-    "--fp8-quantizer-factory": _mcore("TransformerConfig.fp8_quantizer_factory", _TE_FP8, needs_te=True),
-    "--no-fp8-wgrad": _mcore("TransformerConfig.fp8_wgrad (False)", _TE_FP8, needs_te=True),
-    "--disable-fp8-wgrad": _mcore("TransformerConfig.fp8_wgrad (False)", _TE_FP8, needs_te=True),
-    "--first-last-layers-bf16": _mcore("TransformerConfig.first_last_layers_bf16", _TE_FP8, needs_te=True),
-    "--num-layers-at-start-in-bf16": _mcore("TransformerConfig.num_layers_at_start_in_bf16", _TE_FP8, needs_te=True),
-    "--num-layers-at-end-in-bf16": _mcore("TransformerConfig.num_layers_at_end_in_bf16", _TE_FP8, needs_te=True),
+    # precision: FP8 through TransformerEngine (the one list, fp8_flags.FP8_FLAGS), the precision-aware
+    # optimizer's dtypes, gradient reduction
+    **{f.flag: _mcore(f.gpu_column, _TE_FP8, needs_te=True) for f in FP8_FLAGS},
     "--fp4-format": _refused("FP4 training is not wired by this driver (megatron-core's fp4 needs TransformerEngine's "
                              "NVFP4 recipe on Blackwell GPUs)", "--fp8-format with TransformerEngine, or --bf16"),
     "--fp4-recipe": _refused("FP4 training is not wired by this driver", "--fp8-recipe"),

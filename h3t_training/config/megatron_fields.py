@@ -8,17 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES as PRICED_FP8_RECIPES
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import table_int, table_value
+from h3t_training.config.fp8_flags import AMAX_COMPUTE_ALGOS, FP8_FLAGS, FP8_FORMATS, FP8_RECIPES, Fp8Flag
 from h3t_training.errors import ArgumentError
 
-FP8_RECIPES = PRICED_FP8_RECIPES + ("custom",)
-"""megatron-core 0.16.1's ``TransformerConfig.fp8_recipe`` literals: the recipes the cost model prices and 'custom'
-(a user's quantizer factory, passed to megatron-core; a logged prediction cannot price it)."""
-AMAX_COMPUTE_ALGOS = ("most_recent", "max")
-"""megatron-core 0.16.1's ``TransformerConfig.fp8_amax_compute_algo`` literals (``fp8``: ``FP8_FORMATS``, the
-cost model's)."""
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "auto")
 """megatron-core's AttnBackend names a GPU run takes ('local' needs the local spec: ``--transformer-impl local``)."""
 OPTIMIZER_DTYPES = {"--main-grads-dtype": ("main_grads_dtype", ("fp32", "bf16")),
@@ -39,26 +33,33 @@ def _choice(args, flag: str, choices: tuple[str, ...], default: Optional[str] = 
     return value
 
 
+def _fp8_value(args, f: Fp8Flag):
+    """The value ``f``'s flag gives its field (:data:`~h3t_training.config.fp8_flags.Fp8Read`)."""
+    if f.read == "choice":
+        return _choice(args, f.flag, f.choices, f.default)
+    if f.read == "int":
+        return table_int(args, f.flag, f.default, f.low)
+    if f.read in ("switch", "off_switch"):
+        return _given(args, f.flag) == (f.read == "switch")
+    return table_value(args, f.flag)
+
+
 def fp8_fields(args) -> dict[str, Any]:
-    """``TransformerConfig``'s FP8 fields (megatron-core runs its TransformerEngine layers in FP8 with them);
-    empty without ``--fp8-format``."""
-    fmt = _choice(args, "--fp8-format", FP8_FORMATS)
-    fp8_only = [f for f in ("--fp8-param-gather", "--first-last-layers-bf16") if _given(args, f)]
-    if fmt is None:
+    """``TransformerConfig``'s FP8 fields (megatron-core runs its TransformerEngine layers in FP8 with them), one per
+    flag of :data:`~h3t_training.config.fp8_flags.FP8_FLAGS`; empty without ``--fp8-format``."""
+    fmt = FP8_FLAGS[0]
+    if _fp8_value(args, fmt) is None:
+        fp8_only = [f.flag for f in FP8_FLAGS if f.needs_format and _given(args, f.flag)]
         if fp8_only:
-            raise ValueError(f"{fp8_only[0]} needs --fp8-format (e4m3 or hybrid)")
+            raise ValueError(f"{fp8_only[0]} needs {fmt.flag} ({' or '.join(fmt.choices)})")
         return {}
-    fields = dict(fp8=fmt, fp8_recipe=_choice(args, "--fp8-recipe", FP8_RECIPES, "delayed"),
-                  fp8_margin=table_int(args, "--fp8-margin", 0), fp8_interval=table_int(args, "--fp8-interval", 1, 1),
-                  fp8_amax_history_len=table_int(args, "--fp8-amax-history-len", 1, 1),
-                  fp8_amax_compute_algo=_choice(args, "--fp8-amax-compute-algo", AMAX_COMPUTE_ALGOS, "most_recent"),
-                  fp8_param=_given(args, "--fp8-param-gather"),
-                  fp8_wgrad=not (_given(args, "--no-fp8-wgrad") or _given(args, "--disable-fp8-wgrad")),
-                  first_last_layers_bf16=_given(args, "--first-last-layers-bf16"),
-                  num_layers_at_start_in_bf16=table_int(args, "--num-layers-at-start-in-bf16", 1),
-                  num_layers_at_end_in_bf16=table_int(args, "--num-layers-at-end-in-bf16", 1))
-    if _given(args, "--fp8-quantizer-factory"):
-        fields["fp8_quantizer_factory"] = table_value(args, "--fp8-quantizer-factory")
+    fields: dict[str, Any] = {}
+    for f in FP8_FLAGS:
+        value = _fp8_value(args, f)
+        if f.read == "off_switch":
+            fields[f.field] = fields.get(f.field, True) and value
+        elif f.read != "value" or value is not None:
+            fields[f.field] = value
     if fields["fp8_recipe"] == "custom" and "fp8_quantizer_factory" not in fields:
         raise ValueError("--fp8-recipe custom needs --fp8-quantizer-factory")
     if fields["first_last_layers_bf16"] and fields["fp8_recipe"] == "delayed":

@@ -11,8 +11,8 @@ userbuffers (``--tp-comm-overlap``), no Megatron FSDP. The layer split (uneven f
 from __future__ import annotations
 
 from h3t_ext.costmodel import ModelSpec, Plan
-from h3t_ext.costmodel.activations import BOOL
 from h3t_ext.costmodel.mfu import model_flops_per_token
+from h3t_ext.dtypes import BOOL, DtypeName, bytes_per_element
 from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config.flag_table import table_value
@@ -25,10 +25,7 @@ def uses_transformer_engine(on_gpu: bool, config) -> bool:
     return spec_backend(config, on_gpu=on_gpu) == "te"
 
 
-COMPUTE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-
-
-def compute_dtype(config, *, on_gpu: bool) -> str:
+def compute_dtype(config, *, on_gpu: bool) -> DtypeName:
     """The torch dtype (its name) the model's parameters and activations are in: --bf16 / --fp16 on a GPU (else
     float32); on CPU float32, or float64 with --h3t-float64 (CPU has no fast half-precision GEMMs, and the
     equivalence checks want float64)."""
@@ -39,9 +36,9 @@ def compute_dtype(config, *, on_gpu: bool) -> str:
 
 def activation_spec(config, *, on_gpu: bool) -> dict:
     """How this run's saved activations are priced (the keywords of the cost model's activation terms): the layer
-    spec the model provider builds, the bytes of :func:`compute_dtype` per element, and a hidden-dropout mask of one
-    byte on a GPU (PyTorch's CPU dropout keeps its noise in the activation dtype)."""
-    dtype_bytes = COMPUTE_DTYPE_BYTES[compute_dtype(config, on_gpu=on_gpu)]
+    spec the model provider builds, the bytes of :func:`compute_dtype` per element (:mod:`h3t_ext.dtypes`), and a
+    hidden-dropout mask of one byte on a GPU (PyTorch's CPU dropout keeps its noise in the activation dtype)."""
+    dtype_bytes = bytes_per_element(compute_dtype(config, on_gpu=on_gpu))
     return {"layer_spec": "te" if uses_transformer_engine(on_gpu, config) else "local", "dtype_bytes": dtype_bytes,
             "dropout_mask_bytes": BOOL if on_gpu else dtype_bytes}
 
@@ -90,4 +87,4 @@ def model_flops_per_iteration_token(config, vocab_size: int) -> float:
     return model_flops_per_token(model_spec(config, vocab_size), config.seq_length)
 
 
-__all__ = ["COMPUTE_DTYPE_BYTES", "activation_spec", "compute_dtype", "gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]
+__all__ = ["activation_spec", "compute_dtype", "gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]

@@ -207,10 +207,11 @@ def _worker(rank, world, args):
 def compare(args, per_rank: list) -> dict:
     """Measured against predicted per stage, and the largest relative error."""
     from h3t_ext.costmodel import stage_activation_peak_bytes, stage_memory, stage_params
+    from h3t_ext.dtypes import BF16, FP32
 
     spec, plan = spec_and_plan(args)
     on_gpu = args.device == "cuda"
-    act_pred = stage_activation_peak_bytes(spec, plan, dtype_bytes=2 if on_gpu else 4, layer_spec="local",
+    act_pred = stage_activation_peak_bytes(spec, plan, dtype_bytes=BF16 if on_gpu else FP32, layer_spec="local",
                                            sequence_parallel=False)
     stages = []
     for stage, r in enumerate(per_rank):

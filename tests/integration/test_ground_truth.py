@@ -181,7 +181,7 @@ def test_the_per_kernel_element_wise_rules_add_up_to_the_layer():
     """The element-wise kernels the script measures one by one, priced by costmodel/elementwise.py, are what
     timing.py sums for a layer (no sequence parallel, no dropout, GPT-style: no RoPE)."""
     from h3t_ext.costmodel import elementwise as ew
-    from h3t_ext.costmodel.kernels import BF16
+    from h3t_ext.dtypes import BF16
     from h3t_ext.costmodel.plan import Plan
     from h3t_ext.costmodel.specs import get_model
     from h3t_ext.costmodel.timing import _elementwise_bytes

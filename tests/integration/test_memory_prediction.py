@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import pytest
 
+from h3t_ext.dtypes import FP32
 from h3t_ext.testing import run_distributed
 from gpt_harness import forward_step_func
 
 PP, V, LAYERS, HIDDEN, FFN, HEADS, GROUPS = 4, 2, 8, 64, 128, 4, 2
 VOCAB, SEQ, MBS, M = 256, 32, 2, 8
 VARIANTS = [(ckpt, alpha) for ckpt in ("no", "ours") for alpha in (0.0, 0.5, 1.0)]
-FP32 = 4
 
 
 def _batches(torch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from h3t_ext.dtypes import FP32
 from h3t_ext.testing import run_distributed
 from gpt_harness import (
     MBS, NUM_LAYERS, NUM_MICROBATCHES, SEQ, VOCAB, build_stage, compare_grads, forward_step_func, init_parallel,
@@ -20,7 +21,6 @@ from gpt_harness import (
 )
 
 TOL = 2e-6
-FP32 = 4
 LAYOUTS = [(2, 1), (2, 2)]
 
 

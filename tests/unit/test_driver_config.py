@@ -299,3 +299,25 @@ def test_expert_tensor_parallel_size_on_a_dense_model_is_a_notice():
     assert [n for n in config.flag_notices if n.startswith("note: --expert-tensor-parallel-size: ")] != []
     with pytest.raises(SystemExit):  # a MoE model is still refused
         parse_args(RERUN_BASE + ["--expert-tensor-parallel-size", "4", "--num-experts", "8"], world_size=2)
+
+
+
+@pytest.mark.parametrize("ckpt,recompute,modules", [
+    ("no", None, None), ("full", None, None), ("selective", None, ["core_attn"]),
+    ("ours", ("full", "block", 3), None), ("no", ("selective", None, None, ("core_attn", "mlp")), ["core_attn", "mlp"])])
+def test_auto_plan_writes_the_planners_recompute_fields(ckpt, recompute, modules):
+    """The config's --recompute-* values of a chosen plan are the planner's one rule (format.recompute_fields),
+    with argparse's None (not []) where no --recompute-modules are given; the driver's parser reads them back as
+    the plan's recompute."""
+    from types import SimpleNamespace
+    from h3t_ext.ckpt import Recompute, split_ckpt
+    from h3t_ext.costmodel.plan import Plan
+    from h3t_ext.planner.format import recompute_fields
+    from h3t_training.config.arguments import recompute_of
+    from h3t_training.config.auto_plan import _recompute_args
+    plan = Plan(num_gpus=8, seq_length=4096, global_batch_size=16, tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=4, ckpt=ckpt, recompute=Recompute(*recompute) if recompute else Recompute())
+    fields = _recompute_args(plan)
+    assert fields == {**recompute_fields(plan), "recompute_modules": modules}
+    assert recompute_of(SimpleNamespace(recompute_activations=False, **fields)) == split_ckpt(plan.ckpt,
+                                                                                              plan.recompute)[1]

@@ -10,8 +10,9 @@ import torch
 
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import TABLE, RunDevice, reason_on
+from h3t_training.config.fp8_flags import FP8_FLAGS, Fp8Flag
 from h3t_training.config.gpu_flags import GPU_BY_FLAG, GPU_BY_REASON, GPU_NEUTRAL
-from h3t_training.config.megatron_fields import ddp_fields, transformer_fields
+from h3t_training.config.megatron_fields import ddp_fields, fp8_fields, transformer_fields
 from h3t_training.config.run_spec import run_plan
 from h3t_training.config.sections import parse_args
 from h3t_training.loop.model_provider import transformer_config
@@ -97,6 +98,47 @@ def test_fp8_with_transformer_engine_reaches_the_transformer_config_and_the_plan
     assert (plan.fp8, plan.fp8_recipe, plan.fp8_param_gather) == ("hybrid", "delayed", True)
     bf16 = run_plan(parse_args(BASE, world_size=2), on_gpu=True)
     assert bf16.fp8 is None and bf16.fp8_param_gather is False
+
+
+def test_each_fp8_flag_is_one_entry_of_the_one_list():
+    """The GPU column's FP8 rows are FP8_FLAGS's (no other row names an FP8 field through TransformerEngine), each
+    names its TransformerConfig field, and each field is one of megatron-core's TransformerConfig."""
+    import dataclasses
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    te_fp8 = {flag for flag, rule in GPU_BY_FLAG.items() if rule.cls == "implemented" and "FP8 through" in rule.text}
+    assert te_fp8 == {f.flag for f in FP8_FLAGS} and set(te_fp8) <= set(TABLE)
+    for f in FP8_FLAGS:
+        rule = GPU_BY_FLAG[f.flag]
+        assert rule.needs_te and rule.text.startswith(f"megatron-core's TransformerConfig.{f.field}"), f.flag
+    assert GPU_BY_FLAG["--fp8-param-gather"].text.startswith(
+        "megatron-core's TransformerConfig.fp8_param and DistributedDataParallelConfig.fp8_param_gather (")
+    assert GPU_BY_FLAG["--no-fp8-wgrad"].text.startswith("megatron-core's TransformerConfig.fp8_wgrad (False) (")
+    assert {f.field for f in FP8_FLAGS} <= {x.name for x in dataclasses.fields(TransformerConfig)}
+    with pytest.raises(ValueError, match="--x: read 'bool' is not one of choice, int"):
+        Fp8Flag("--x", "x", "bool")
+
+
+def test_every_fp8_flag_sets_its_field(monkeypatch):
+    """All FP8 flags given: fp8_fields has one value per field of FP8_FLAGS, read as each entry says; none given
+    (but the format): the defaults."""
+    _gpu(monkeypatch, te=True)
+    fmt = ["--fp8-format", "hybrid"]
+    every = parse_args([*BASE, *fmt, "--fp8-recipe", "tensorwise", "--fp8-margin", "1", "--fp8-interval", "2",
+                        "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max", "--fp8-param-gather",
+                        "--use-distributed-optimizer", "--fp8-quantizer-factory", "pkg.factory", "--no-fp8-wgrad",
+                        "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2",
+                        "--num-layers-at-end-in-bf16", "3"], world_size=2)
+    assert fp8_fields(every) == dict(
+        fp8="hybrid", fp8_recipe="tensorwise", fp8_margin=1, fp8_interval=2, fp8_amax_history_len=16,
+        fp8_amax_compute_algo="max", fp8_param=True, fp8_quantizer_factory="pkg.factory", fp8_wgrad=False,
+        first_last_layers_bf16=True, num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=3)
+    assert set(fp8_fields(every)) == {f.field for f in FP8_FLAGS}
+    assert fp8_fields(parse_args([*BASE, *fmt], world_size=2)) == dict(
+        fp8="hybrid", fp8_recipe="delayed", fp8_margin=0, fp8_interval=1, fp8_amax_history_len=1,
+        fp8_amax_compute_algo="most_recent", fp8_param=False, fp8_wgrad=True, first_last_layers_bf16=False,
+        num_layers_at_start_in_bf16=1, num_layers_at_end_in_bf16=1)
+    assert fp8_fields(parse_args([*BASE, *fmt, "--disable-fp8-wgrad"], world_size=2))["fp8_wgrad"] is False
+    assert fp8_fields(parse_args(BASE, world_size=2)) == {}
 
 
 def test_fusion_and_attention_flags_reach_the_transformer_config_on_a_gpu(monkeypatch):

@@ -35,7 +35,6 @@ from typing import ClassVar, Optional, Union
 from h3t_ext.costmodel import elementwise as ew
 from h3t_ext.costmodel.collectives import host_copy_seconds
 from h3t_ext.costmodel.kernels import (
-    FP32,
     LINEAR_PASSES,
     flash_attention_flops,
     flash_attention_seconds,
@@ -46,6 +45,7 @@ from h3t_ext.costmodel.kernels import (
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, get_model
 from h3t_ext.costmodel.timing import LAYER_GEMMS, layer_gemm_shapes, output_layer_gemm_shape
+from h3t_ext.dtypes import FP32
 
 KINDS = ("copy", "elementwise", "attention", "gemm")
 """Measured in this order: the fixed, short lists first, then GEMMs in priority order (a run stopped by

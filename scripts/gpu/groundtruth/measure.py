@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from groundtruth.cases import AttentionCase, Case, CopyCase, ElementwiseCase, GemmCase, op_parts
-from h3t_ext.costmodel.kernels import BF16
+from h3t_ext.dtypes import BF16
 from h3t_ext.costmodel.specs import SystemSpec
 
 
