@@ -251,24 +251,36 @@ def sharded_state_dict(chunk) -> dict:
     return sd
 
 
-def pieces_of(model_sharded_state_dicts: list, shard: torch.Tensor) -> list[tuple[object, slice]]:
-    """The ShardedTensors of :func:`sharded_state_dict` that hold rows of ``shard`` (a parameter's local shard),
-    each with the rows of ``shard`` it holds (Adam's moments are cut the same way: ``moment[rows]`` viewed as the
-    ShardedTensor's ``local_shape``)."""
+def piece_index(model_sharded_state_dicts: list) -> dict[int, list]:
+    """The ShardedTensors of :func:`sharded_state_dict` by the storage their data views (one pass over the state;
+    every piece of a parameter is a view of its local shard, whose storage FSDP2 allocates per parameter), each
+    list in the order of the state dicts; built once per save or load for :func:`pieces_of`."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    out = []
+    index: dict[int, list] = {}
     for sd in model_sharded_state_dicts:
         for _, sh in _leaves(sd):
-            if not (isinstance(sh, ShardedTensor) and sh.data is not None and sh.data.dim() >= shard.dim() > 0):
-                continue
-            lead = sh.data.dim() - shard.dim()
-            if all(n == 1 for n in sh.data.shape[:lead]):
-                row = _first_row(sh.data.view(sh.data.shape[lead:]), shard)
-                if row is not None:
-                    out.append((sh, slice(row, row + sh.data.shape[lead])))
+            if isinstance(sh, ShardedTensor) and sh.data is not None and sh.data.numel() > 0:
+                index.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
+    return index
+
+
+def pieces_of(index: dict[int, list], shard: torch.Tensor) -> list[tuple[object, slice]]:
+    """The ShardedTensors of :func:`sharded_state_dict` (``index``: :func:`piece_index` of them) that hold rows of
+    ``shard`` (a parameter's local shard), each with the rows of ``shard`` it holds (Adam's moments are cut the
+    same way: ``moment[rows]`` viewed as the ShardedTensor's ``local_shape``). Only the ShardedTensors over
+    ``shard``'s storage are looked at, so all parameters together cost O(P), not a scan of the P entries each."""
+    out = []
+    if shard.dim() == 0 or shard.numel() == 0:
+        return out
+    for sh in index.get(shard.untyped_storage().data_ptr(), ()):
+        lead = sh.data.dim() - shard.dim()
+        if lead >= 0 and all(n == 1 for n in sh.data.shape[:lead]):
+            row = _first_row(sh.data.view(sh.data.shape[lead:]), shard)
+            if row is not None:
+                out.append((sh, slice(row, row + sh.data.shape[lead])))
     return out
 
 
-__all__ = ["RowPiece", "is_dtensor", "is_fsdp2", "local", "pieces_of", "row_layout", "shard_like",
+__all__ = ["RowPiece", "is_dtensor", "is_fsdp2", "local", "piece_index", "pieces_of", "row_layout", "shard_like",
            "shard_optimizer_state", "sharded_state_dict", "wrap_chunks"]

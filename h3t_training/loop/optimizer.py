@@ -255,11 +255,12 @@ class DataParallelAdamW:
         (:func:`h3t_training.loop.fsdp.pieces_of`), keyed as those pieces."""
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-        from h3t_training.loop.fsdp import local, pieces_of  # noqa: PLC0415
+        from h3t_training.loop.fsdp import local, piece_index, pieces_of  # noqa: PLC0415
+        index = piece_index(model_sharded_state_dicts)
         state: dict = {}
         for i, p in enumerate(self.params):
             shard, held = local(p), self._state(p)
-            pieces = pieces_of(model_sharded_state_dicts, shard)
+            pieces = pieces_of(index, shard)
             assert pieces or shard.numel() == 0, f"parameter {i} {tuple(p.shape)} has no rows in the model's state"
             entry = {}
             for name in ("exp_avg", "exp_avg_sq"):
