@@ -9,8 +9,8 @@ a deep model has many parameters), wraps it in FSDP2 as the driver does, builds 
   number of parameters P;
 - ``save_s``: the whole ``save_checkpoint`` (collective; the files on a temporary directory);
 - ``load_s``: the driver's load of that checkpoint into freshly built chunks (``training._build_and_load``);
-- ``load_model_bytes``: the bytes of the model ShardedTensors (and factories) that load hands ``dist_checkpointing.load``, next
-  to this rank's local shards (``shard_bytes``) and the whole model (``model_bytes``).
+- ``load_model_bytes``: the bytes of the model ShardedTensors (and factories) that load hands
+  ``dist_checkpointing.load``, next to this rank's local shards (``shard_bytes``) and the whole model (``model_bytes``).
 
 Figures are the slowest rank's (times) and rank 0's (bytes). Nothing is asserted: this is a measurement.
 
