@@ -9,7 +9,8 @@ Megatron-LM's layout under ``--save DIR``::
 
 What is saved (Megatron's keys): ``model`` (``model0``, ``model1``, ... with a virtual pipeline)
 from each chunk's ``sharded_state_dict()`` (with ``--use-torch-fsdp2``, the same entries cut to the rows of
-this rank's DTensor shards: :func:`h3t_training.loop.fsdp.sharded_state_dict`), ``optimizer`` (the full Adam
+this rank's DTensor shards: :func:`h3t_training.loop.fsdp.sharded_state_dict`; a load reads those rows into the
+shards, :func:`h3t_training.loop.fsdp.load_state`), ``optimizer`` (the full Adam
 state: fp32 weights where the optimizer keeps them, both moments, the step count; with the distributed optimizer
 each shard from its owner), ``opt_param_scheduler``, ``rng_state`` (one object per rank: torch's
 CPU generator, and the CUDA generator and model-parallel tracker on a GPU), ``iteration``,
@@ -499,7 +500,10 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
     try:
         loaded = dist_checkpointing.load(template, found.directory)
         for key, chunk in zip(_model_keys(chunks), chunks):
-            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+            if fsdp.is_fsdp2(chunk):  # this rank's rows only, read into its shards
+                fsdp.load_state(chunk, loaded[key])
+            else:
+                unwrap(chunk).load_state_dict(loaded[key], strict=True)
         if with_optimizer:
             optimizer.load_sharded_state_dict(loaded["optimizer"])
         else:  # as Megatron-LM: the optimizer's own copies of the weights follow the loaded model

@@ -22,9 +22,7 @@ Megatron-LM's rules for ``--use-torch-fsdp2`` (its ``arguments.py``) are one-lin
 parallelism, no distributed optimizer (so no optimizer CPU offload), untied embedding and output weights, no
 ``--fp16``.
 
-Checkpoints. ``--load`` is read into the model and a whole-parameter optimizer before the wrap, which then shards
-both (:func:`shard_optimizer_state`; on a GPU only the model: loading the optimizer state there is refused); the
-checkpoint format is layout-free, so this reads any driver checkpoint, FSDP2's or not. ``--save`` writes each rank's
+Checkpoints. ``--save`` writes each rank's
 DTensor shards, not gathered, as ShardedTensors at their global offsets through the same ``dist_checkpointing``
 path (:func:`sharded_state_dict`): before the wrap, :func:`wrap_chunks` records the chunk's own
 ``sharded_state_dict()`` (megatron-core's keys, tensor-parallel offsets and factories, exactly what a run without
@@ -33,7 +31,9 @@ it covers (:class:`RowPiece`; a SwiGLU ``linear_fc1`` is two, its W and V halves
 ``torch.chunk``: this rank holds rows [r*ceil(n/d), ...) of each parameter; at a save every piece is cut to those
 rows, its global offset moved by as much, its replica id the main data-parallel one (each rank writes its own rows),
 its grid marked irregular (``axis_fragmentations=None``: dim 0 need not divide by d; ``torch.distributed.checkpoint``
-checks the coverage); Adam's moments are cut as their parameter (:func:`pieces_of`). The cost: no extra memory (the
+checks the coverage); Adam's moments are cut as their parameter (:func:`pieces_of`, over :func:`piece_index`: the
+pieces by the storage they view, built once per save, so a save costs O(P) in the number of parameters P, not a scan
+of all entries for each). The cost: no extra memory (the
 pieces are views of the local shards) and no communication beyond ``dist_checkpointing``'s metadata exchange;
 gathering with ``full_tensor()`` and writing one data-parallel replica instead would hold, at every save, the whole
 parameters and both moments on each rank (3x the state FSDP2 keeps there, divided by d) and all-gather them. The
@@ -42,6 +42,15 @@ shard as fragment r of d (wrong when d does not divide dim 0), and its SwiGLU fa
 into W and V halves (rank 0 holds all of W at d=2), a permuted ``linear_fc1`` for any run that loads the checkpoint
 without FSDP2. On a GPU ``--save`` stays refused: megatron-core's optimizer there maps its Adam state to one
 ShardedTensor per parameter, not to the row pieces of FSDP2's shards.
+
+``--load`` (CPU) reads after the wrap through the same state dict: the row pieces, views of this rank's local shards
+and of local-size Adam buffers, are what ``dist_checkpointing.load`` is asked for, so each rank reads only its rows,
+in place (torch.distributed.checkpoint copies the overlap of every stored chunk into them), and its peak host memory
+is its shard, not the model (:func:`load_state`; the optimizer's moments become DTensors laid out as their
+parameters, :func:`from_local_like`). Every entry loads this way, SwiGLU's ``linear_fc1`` included: its W and V
+halves are separate pieces of the layout. Stored chunks need not match the pieces (any driver checkpoint, FSDP2's or
+not, at any layout: torch.distributed.checkpoint reads overlaps). On a GPU the wrap records no layout and loads only
+the model (loading the optimizer state there is refused): it is read whole before the wrap, which shards it.
 
 Megatron FSDP (``MegatronFSDP``, ``megatron/core/distributed/fsdp``) cannot run on CPU: megatron-core 0.16.1's
 adapter takes ``torch.cuda.current_device()`` as its device and builds its device meshes with device type "cuda",
@@ -117,27 +126,6 @@ def is_dtensor(t) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds of a DTensor, else ``t``."""
     return t.to_local() if is_dtensor(t) else t
-
-
-def shard_like(full: torch.Tensor, param) -> torch.Tensor:
-    """``full`` (a whole-parameter tensor every rank holds) as a DTensor laid out as ``param``; each rank keeps its
-    own shard (no communication)."""
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-
-
-def shard_optimizer_state(whole, sharded, names_whole: list[str], names_sharded: list[str]) -> None:
-    """Move a whole-parameter :class:`~h3t_training.loop.optimizer.DataParallelAdamW`'s Adam state (read from a
-    checkpoint before the wrap) into the FSDP2 one, each moment sharded as its parameter (matched by name)."""
-    by_name = dict(zip(names_whole, whole.params))
-    sharded.steps = whole.steps
-    for name, p in zip(names_sharded, sharded.params):
-        held = whole.adam.state.get(by_name[name])
-        if not held:
-            continue
-        sharded.adam.state[p] = {"step": held["step"].clone(),
-                                 **{k: shard_like(held[k], p) for k in ("exp_avg", "exp_avg_sq")}}
 
 
 # ----------------------------------------------------------------------------------------- checkpoints
@@ -251,24 +239,69 @@ def sharded_state_dict(chunk) -> dict:
     return sd
 
 
-def pieces_of(model_sharded_state_dicts: list, shard: torch.Tensor) -> list[tuple[object, slice]]:
-    """The ShardedTensors of :func:`sharded_state_dict` that hold rows of ``shard`` (a parameter's local shard),
-    each with the rows of ``shard`` it holds (Adam's moments are cut the same way: ``moment[rows]`` viewed as the
-    ShardedTensor's ``local_shape``)."""
+def load_state(chunk, loaded: dict) -> None:
+    """Install in the wrapped ``chunk`` what ``dist_checkpointing.load`` read for :func:`sharded_state_dict`: each
+    parameter's row pieces land in its local shard (the pieces are views of it, which torch.distributed.checkpoint
+    reads into in place; a piece it returned elsewhere is copied there), the other entries (``_extra_state``) go
+    through the module's ``load_state_dict``, strict: nothing but the parameters of the layout may be missing."""
+    params = dict(chunk.module.named_parameters())
+    rest = dict(loaded)
+    for path, (name, pieces) in chunk.h3t_row_layout.items():
+        parent = rest
+        for k in path[:-1]:
+            parent[k] = parent = dict(parent[k])
+        got = parent.pop(path[-1])
+        targets = _cut(pieces, params[name])
+        if len(got) != len(targets):
+            raise RuntimeError(f"FSDP2 load: {name} came back as {len(got)} pieces, {len(targets)} were asked")
+        for t, g in zip(targets, got):
+            if g.data_ptr() != t.data.data_ptr():
+                t.data.copy_(g.view(t.data.shape))
+    missing, unexpected = chunk.module.load_state_dict(rest, strict=False)
+    expected = {name for name, _ in chunk.h3t_row_layout.values()}
+    if unexpected or set(missing) != expected:
+        raise RuntimeError(f"FSDP2 load: unexpected keys {sorted(unexpected)[:3]}, missing keys "
+                           f"{sorted(set(missing) - expected)[:3]}")
+
+
+def from_local_like(shard: torch.Tensor, param) -> torch.Tensor:
+    """``shard`` (this rank's rows) as a DTensor laid out as ``param`` (no communication)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def piece_index(model_sharded_state_dicts: list) -> dict[int, list]:
+    """The ShardedTensors of :func:`sharded_state_dict` by the storage their data views (one pass over the state;
+    every piece of a parameter is a view of its local shard, whose storage FSDP2 allocates per parameter), each
+    list in the order of the state dicts; built once per save or load for :func:`pieces_of`."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    out = []
+    index: dict[int, list] = {}
     for sd in model_sharded_state_dicts:
         for _, sh in _leaves(sd):
-            if not (isinstance(sh, ShardedTensor) and sh.data is not None and sh.data.dim() >= shard.dim() > 0):
-                continue
-            lead = sh.data.dim() - shard.dim()
-            if all(n == 1 for n in sh.data.shape[:lead]):
-                row = _first_row(sh.data.view(sh.data.shape[lead:]), shard)
-                if row is not None:
-                    out.append((sh, slice(row, row + sh.data.shape[lead])))
+            if isinstance(sh, ShardedTensor) and sh.data is not None and sh.data.numel() > 0:
+                index.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
+    return index
+
+
+def pieces_of(index: dict[int, list], shard: torch.Tensor) -> list[tuple[object, slice]]:
+    """The ShardedTensors of :func:`sharded_state_dict` (``index``: :func:`piece_index` of them) that hold rows of
+    ``shard`` (a parameter's local shard), each with the rows of ``shard`` it holds (Adam's moments are cut the
+    same way: ``moment[rows]`` viewed as the ShardedTensor's ``local_shape``). Only the ShardedTensors over
+    ``shard``'s storage are looked at, so all parameters together cost O(P), not a scan of the P entries each."""
+    out = []
+    if shard.dim() == 0 or shard.numel() == 0:
+        return out
+    for sh in index.get(shard.untyped_storage().data_ptr(), ()):
+        lead = sh.data.dim() - shard.dim()
+        if lead >= 0 and all(n == 1 for n in sh.data.shape[:lead]):
+            row = _first_row(sh.data.view(sh.data.shape[lead:]), shard)
+            if row is not None:
+                out.append((sh, slice(row, row + sh.data.shape[lead])))
     return out
 
 
-__all__ = ["RowPiece", "is_dtensor", "is_fsdp2", "local", "pieces_of", "row_layout", "shard_like",
-           "shard_optimizer_state", "sharded_state_dict", "wrap_chunks"]
+__all__ = ["RowPiece", "from_local_like", "is_dtensor", "is_fsdp2", "load_state", "local", "piece_index", "pieces_of",
+           "row_layout", "sharded_state_dict", "wrap_chunks"]

@@ -103,6 +103,8 @@ class DataParallelAdamW:
         """Over torch FSDP2's DTensor shards (--use-torch-fsdp2, :mod:`h3t_training.loop.fsdp`): the gradients arrive
         reduce-scattered and averaged over ``dp_group``; the norm sums the local shards over it."""
         assert not (fsdp and distributed), "--use-torch-fsdp2 excludes the distributed optimizer"
+        self._fsdp_loading: dict = {}
+        """Parameter index -> moment name -> (local buffer, its row-piece views) a FSDP2 load reads into."""
         self.tied_embedding, self.embedding_group = tied_embedding_weight(chunks, embedding_group, pipeline_group), \
             embedding_group
         """This rank's copy of a tied word embedding duplicated on the first and last pipeline stage (or None),
@@ -256,23 +258,47 @@ class DataParallelAdamW:
         (:func:`h3t_training.loop.fsdp.pieces_of`), keyed as those pieces."""
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
-        from h3t_training.loop.fsdp import local, pieces_of  # noqa: PLC0415
+        from h3t_training.loop.fsdp import local, piece_index, pieces_of  # noqa: PLC0415
+        index = piece_index(model_sharded_state_dicts)
         state: dict = {}
         for i, p in enumerate(self.params):
             shard, held = local(p), self._state(p)
-            pieces = pieces_of(model_sharded_state_dicts, shard)
+            pieces = pieces_of(index, shard)
             assert pieces or shard.numel() == 0, f"parameter {i} {tuple(p.shape)} has no rows in the model's state"
             entry = {}
             for name in ("exp_avg", "exp_avg_sq"):
                 data = torch.zeros_like(shard) if is_loading or name not in held else local(held[name])
-                entry[name] = [make_sharded_optimizer_tensor(sh, data[rows].view(sh.local_shape),
-                                                             f"optimizer.state.{name}") for sh, rows in pieces]
+                views = [data[rows].view(sh.local_shape) for sh, rows in pieces]
+                entry[name] = [make_sharded_optimizer_tensor(sh, v, f"optimizer.state.{name}")
+                               for (sh, _), v in zip(pieces, views)]
+                if is_loading:  # read in place; load_sharded_state_dict installs them
+                    self._fsdp_loading.setdefault(i, {})[name] = (data, views)
             state[i] = entry
         return state
+
+    def _load_fsdp_state(self, loaded: dict) -> None:
+        """Adam's moments of FSDP2's shards from the pieces :meth:`_fsdp_sharded_state` asked for (this rank's
+        rows only: each moment is read into a buffer of its local shard's size), as DTensors laid out as their
+        parameters."""
+        from h3t_training.loop.fsdp import from_local_like  # noqa: PLC0415
+        buffers, self._fsdp_loading = self._fsdp_loading, {}
+        for i, entry in loaded["state"].items():
+            p = self.params[i]
+            state = {"step": torch.tensor(float(self.steps), dtype=torch.float32)}
+            for name in ("exp_avg", "exp_avg_sq"):
+                data, views = buffers[i][name]
+                for view, got in zip(views, entry[name]):
+                    if got.data_ptr() != view.data_ptr():
+                        view.copy_(got.view(view.shape))
+                state[name] = from_local_like(data, p)
+            self.adam.state[p] = state
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         """Install what :meth:`sharded_state_dict` loaded (bit-exact moments and step count)."""
         self.steps = int(loaded["steps"])
+        if self.fsdp:
+            self._load_fsdp_state(loaded)
+            return
         for i, entry in loaded["state"].items():
             self._install(i, {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]})
         self.reload_model_params()

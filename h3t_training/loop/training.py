@@ -82,25 +82,17 @@ def _build_optimizer(args, chunks, on_gpu: bool):
     return chunks, _cpu_optimizer(args, chunks, fsdp=False)
 
 
-def _param_names(chunks) -> list[str]:
-    return [f"{i}.{n}" for i, c in enumerate(chunks) for n, _ in ckpt_io.unwrap(c).named_parameters()]
-
-
 def _build_and_load(args, chunks, found, on_gpu: bool):
-    """The wrapped chunks, the optimizer, the start iteration and the load notices. With --use-torch-fsdp2 the
-    checkpoint (whole parameters) is read before the wrap, into the chunks and a whole-parameter optimizer whose
-    Adam state is then sharded as FSDP2 shards the parameters (h3t_training.loop.fsdp)."""
-    if not (args.use_torch_fsdp2 and found is not None):
+    """The wrapped chunks, the optimizer, the start iteration and the load notices. With --use-torch-fsdp2 on CPU
+    the checkpoint is read after the wrap, each rank reading only its rows of every parameter and Adam moment into
+    its shards (h3t_training.loop.fsdp.load_state). On a GPU (model only: --no-load-optim or --finetune, checked
+    with the flags) it is read whole before the wrap, which shards it: the GPU wrap records no row layout."""
+    if not (args.use_torch_fsdp2 and found is not None and on_gpu):
         chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
         start, notes = ckpt_io.load_checkpoint(found, args, chunks, optimizer) if found is not None else (0, [])
         return chunks, optimizer, start, notes
-    from h3t_training.loop.fsdp import shard_optimizer_state
-    whole = _cpu_optimizer(args, chunks, fsdp=False)
-    start, notes = ckpt_io.load_checkpoint(found, args, chunks, whole)
-    names_whole = _param_names(chunks)
+    start, notes = ckpt_io.load_checkpoint(found, args, chunks, _cpu_optimizer(args, chunks, fsdp=False))
     chunks, optimizer = _build_optimizer(args, chunks, on_gpu)
-    if not on_gpu:  # on a GPU only the model is loaded (--no-load-optim or --finetune: checked with the flags)
-        shard_optimizer_state(whole, optimizer, names_whole, _param_names(chunks))
     return chunks, optimizer, start, notes
 
 
