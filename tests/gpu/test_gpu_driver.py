@@ -20,8 +20,9 @@ def test_bf16_training_loss_falls(corpus_prefix, tmp_path):  # noqa: F811
     assert got[-1] < 0.8 * got[0]
 
 
-def test_resume_with_the_distributed_optimizer_is_bit_exact(corpus_prefix, tmp_path):  # noqa: F811
-    argv = [*GPU, "--train-iters", "4", "--data-path", corpus_prefix]
+@pytest.mark.parametrize("ckpt_format", ["torch_dist", "torch"])  # torch: Megatron's save/load_parameter_state
+def test_resume_with_the_distributed_optimizer_is_bit_exact(corpus_prefix, tmp_path, ckpt_format):  # noqa: F811
+    argv = [*GPU, "--train-iters", "4", "--data-path", corpus_prefix, "--ckpt-format", ckpt_format]
     check_ok(run_pretrain([*argv, "--metrics-json", str(tmp_path / "full.json")]))
     check_ok(run_pretrain([*argv, "--save", str(tmp_path / "ckpt"), "--exit-interval", "2"]))
     check_ok(run_pretrain([*argv, "--load", str(tmp_path / "ckpt"), "--metrics-json", str(tmp_path / "r.json")]))
