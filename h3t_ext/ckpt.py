@@ -203,6 +203,16 @@ def normal_form(ckpt: Union[str, Ckpt], recompute: Recompute = NO_RECOMPUTE) -> 
     return base, recompute
 
 
+def recompute_fields(ckpt: Union[str, Ckpt], recompute: Recompute = NO_RECOMPUTE) -> dict:
+    """Megatron's recompute fields of a ckpt and recompute pair (megatron-core's ``TransformerConfig`` names:
+    ``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``; None/[] when
+    off). The planner prints them as flags and ``--auto-plan`` writes them into the driver's config."""
+    _, rec = split_ckpt(ckpt, recompute)
+    return {"recompute_granularity": rec.granularity, "recompute_method": rec.method,
+            "recompute_num_layers": rec.num_layers, "recompute_modules": list(rec.modules)}
+
+
 __all__ = ["CKPT_CHOICES", "Ckpt", "DENSE_RECOMPUTE_MODULES", "FULL_UNIFORM_1", "NO_RECOMPUTE", "RECOMPUTE_METHODS",
+           "recompute_fields",
            "RECOMPUTE_MODULES", "RUNTIME_CKPTS", "Recompute", "SELECTIVE_CORE_ATTN", "combined_ckpt", "normal_form",
            "split_ckpt"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, split_ckpt
+from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.planner.evaluate import Evaluation
@@ -32,10 +32,8 @@ def recompute_label(plan) -> str:
 
 
 def recompute_fields(plan) -> dict:
-    """Megatron's recompute fields of the plan (megatron-core's ``TransformerConfig`` names; None/[] when off)."""
-    _, recompute = split_ckpt(plan.ckpt, plan.recompute)
-    return {"recompute_granularity": recompute.granularity, "recompute_method": recompute.method,
-            "recompute_num_layers": recompute.num_layers, "recompute_modules": list(recompute.modules)}
+    """Megatron's recompute fields of the plan (:func:`h3t_ext.ckpt.recompute_fields`)."""
+    return ckpt_recompute_fields(plan.ckpt, plan.recompute)
 
 
 def _alpha_value(alphas: tuple[float, ...]):

@@ -61,10 +61,10 @@ def _alpha_mode(alpha: OffloadAlpha):
 
 def _recompute_args(plan) -> dict:
     """Megatron's --recompute-* values of ``plan`` as the config holds them: the planner's one rule
-    (:func:`h3t_ext.planner.format.recompute_fields`), with argparse's None for no --recompute-modules where the
+    (:func:`h3t_ext.ckpt.recompute_fields`), with argparse's None for no --recompute-modules where the
     rule (megatron-core's ``TransformerConfig``) says []."""
-    from h3t_ext.planner.format import recompute_fields
-    fields = recompute_fields(plan)
+    from h3t_ext.ckpt import recompute_fields
+    fields = recompute_fields(plan.ckpt, plan.recompute)
     return {**fields, "recompute_modules": fields["recompute_modules"] or None}
 
 
