@@ -283,9 +283,14 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     _verify_files(directory, rank, args.world_size)
     per_rank = legacy.is_legacy(directory)
     if per_rank:
-        reason = legacy.check_layout(common["h3t"]["layout"], args, f"--load {root}: checkpoint iteration {iteration}")
+        where = f"--load {root}: checkpoint iteration {iteration}"
+        reason = legacy.check_layout(common["h3t"]["layout"], args, where)
         if reason:
             raise CheckpointError(reason, alike=True)
+        if args.use_torch_fsdp2:
+            raise CheckpointError(f"{where} is a --ckpt-format torch checkpoint (whole tensor-parallel shards per "
+                                  f"file), which loads without --use-torch-fsdp2; resume without it, save with "
+                                  f"--ckpt-format torch_dist, then add it", alike=True)
     else:
         _verify_layout(directory, rank, args.world_size)
     saved = common["h3t"]["model"]

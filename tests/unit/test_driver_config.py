@@ -257,6 +257,31 @@ def test_ckpt_format_torch_is_megatrons_legacy_format_and_one_megatron_wrote_is_
     assert "--ckpt-convert-format torch_dist" in str(e.value) and e.value.alike
 
 
+def test_a_legacy_checkpoint_is_found_at_its_layout_and_refused_at_another_or_under_fsdp2(tmp_path):
+    """find_checkpoint on a --ckpt-format torch checkpoint (its common.pt and an empty manifest): found at the
+    layout that saved it, at any data-parallel size; another tensor-parallel size, and --use-torch-fsdp2, are one
+    line each, found alike on every rank."""
+    import json
+    import torch
+    from h3t_training.loop.checkpointing import CHECKSUMS, TRACKER, CheckpointError, _common_state, find_checkpoint
+
+    saved = parse_args([*BASE, "--ckpt-format", "torch"], world_size=1)
+    it = tmp_path / "iter_0000010"
+    (it / "mp_rank_00").mkdir(parents=True)
+    torch.save(_common_state(saved, 10), it / "common.pt")
+    (it / CHECKSUMS).write_text(json.dumps({}))
+    (tmp_path / TRACKER).write_text("10")
+    found = find_checkpoint(parse_args([*BASE, "--load", str(tmp_path)], world_size=2), rank=1)
+    assert found.legacy and found.iteration == 10 and not found.same_layout  # d=2 now
+    for extra, text in ((["--tensor-model-parallel-size", "2"], "saved with --tensor-model-parallel-size 1; it "
+                                                                 "loads only at that layout"),
+                        (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
+                         "which loads without --use-torch-fsdp2")):
+        with pytest.raises(CheckpointError, match=text) as e:
+            find_checkpoint(parse_args([*BASE, *extra, "--load", str(tmp_path)], world_size=2), rank=0)
+        assert e.value.alike
+
+
 def test_auto_plan_runs_the_recompute_it_chose(monkeypatch):
     """A budget where ckpt ours does not fit without offload and full is slower: the search picks Megatron's block
     recompute, and the config (its Megatron flags, its record and the plan the driver prices) carries it."""
