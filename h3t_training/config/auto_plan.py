@@ -11,7 +11,6 @@ from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_training.errors import ArgumentError
 from h3t_training.config.run_spec import model_spec, run_plan
-from h3t_training.data.tokenizer import tokenizer_from_args
 
 DEFAULT_SYSTEM = "h800"
 _CUDA_NAMES = (("H800", "h800"), ("H100", "h100-sxm"), ("H200", "h200"), ("A800", "a800"), ("A100", "a100-80g"))
@@ -31,7 +30,7 @@ def system_name(args) -> str:
 
 
 def _model_spec(args):
-    return model_spec(args, tokenizer_from_args(args).vocab_size)
+    return model_spec(args, args.tokenizer_vocab_size)
 
 
 def _system_and_budget(args):

@@ -15,7 +15,6 @@ from h3t_ext.planner.translate import megatron_offload_from_args, megatron_offlo
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import table_value
 from h3t_training.config.run_spec import activation_spec, model_spec, run_plan
-from h3t_training.data.tokenizer import tokenizer_from_args
 from h3t_training.errors import ArgumentError
 
 _TUNING = (("--activation-offload-fraction", "activation_offload_fraction"),
@@ -59,7 +58,7 @@ def map_offload_request(args):
     spec = activation_spec(args, on_gpu=on_gpu)
     te = spec["layer_spec"] == "te"
     plan = run_plan(args, on_gpu=on_gpu)
-    model = model_spec(args, tokenizer_from_args(args).vocab_size)
+    model = model_spec(args, args.tokenizer_vocab_size)
     try:
         mapping = megatron_offload_mapping(args, model, plan, **spec, fp8=te and plan.fp8 is not None)
     except MegatronOffloadError as e:

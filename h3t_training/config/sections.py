@@ -55,6 +55,8 @@ DERIVED_FIELDS: dict[str, tuple[object, str]] = {
     "virtual_pipeline_model_parallel_size": (None, "v with interleaving, else None"),
     "auto_plan_flags": (None, "the Megatron flags of the plan --auto-plan chose, or None"),
     "recompute": (None, "Megatron's --recompute-* flags as one h3t_ext.ckpt.Recompute (resolve_ckpt)"),
+    "tokenizer_vocab_size": (None, "the tokenizer's vocabulary V before padding, its files read once "
+                                   "(validation.resolve_tokenizer)"),
 }
 """Every field a resolve step may add beyond the flags' destinations, with its value before the step runs and
 what it holds. A field outside the flags and this table does not exist."""
@@ -137,7 +139,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
     steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
                          arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt,
-                         megatron_offload.check_offload_requests]
+                         validation.resolve_tokenizer, megatron_offload.check_offload_requests]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
     steps += [arguments.fill_parallel_defaults, megatron_offload.map_offload_request, check_sharding_flags,

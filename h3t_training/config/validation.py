@@ -163,11 +163,7 @@ def _validate_data(args):
                             "--valid-data-path, --test-data-path)")
     if per_split and "train" not in per_split and not args.skip_train:
         raise ArgumentError("--valid-data-path/--test-data-path need --train-data-path (or --skip-train)")
-    try:  # the tokenizer's files are read now, so a bad one stops every rank before any process group
-        tokenizer = tokenizer_from_args(args)
-    except TokenizerError as e:
-        raise ArgumentError(str(e)) from None
-    try:  # and the data files: a damaged or mismatched one is one line here, not a traceback per rank
+    try:  # the data files (the tokenizer's were read by resolve_tokenizer): a damaged or mismatched one is one line here, not a traceback per rank
         if args.data_path is not None and not args.skip_train:  # evaluation alone may have no training share
             parse_split(args.split)
     except DataFileError as e:
@@ -177,10 +173,21 @@ def _validate_data(args):
             continue
         try:
             for _, prefix in parse_blend(getattr(args, flag)):
-                check_indexed_dataset(prefix, vocab_size=tokenizer.vocab_size)
+                check_indexed_dataset(prefix, vocab_size=args.tokenizer_vocab_size)
         except DataFileError as e:  # the checks name --data-path; say which of the four flags it was
             raise ArgumentError(str(e).replace("--data-path", "--" + flag.replace("_", "-"), 1)) from None
     return args
+
+
+def resolve_tokenizer(args):
+    """The tokenizer's files are read once, here, so a bad one stops every rank before any process group; its
+    vocabulary size is kept (``tokenizer_vocab_size``) for everything that pads the vocabulary or prices the
+    model (:func:`h3t_training.data.tokenizer.run_padded_vocab_size`)."""
+    try:
+        tokenizer = tokenizer_from_args(args)
+    except TokenizerError as e:
+        raise ArgumentError(str(e)) from None
+    return args.replace(tokenizer_vocab_size=tokenizer.vocab_size)
 
 
 def _validate_eval_and_logging(args):

@@ -250,6 +250,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_
     return -(-vocab_size // q) * q
 
 
+def run_padded_vocab_size(config) -> int:
+    """The run's padded vocabulary: :func:`padded_vocab_size` of the tokenizer's V, which the driver's config read
+    once (``tokenizer_vocab_size``), at its ``--make-vocab-size-divisible-by`` and tensor-parallel size."""
+    return padded_vocab_size(config.tokenizer_vocab_size, config.make_vocab_size_divisible_by,
+                             config.tensor_model_parallel_size)
+
+
 def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
     """Megatron's tokenizer flags, shared by the driver and tools/preprocess_data.py."""
     group.add_argument("--tokenizer-type", default=default, metavar="{" + ",".join(TOKENIZER_TYPES) + "}",
@@ -261,5 +268,5 @@ def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
     group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer")
 
 
-__all__ = ["REFUSED_TOKENIZER_TYPES", "TOKENIZER_TYPES", "TokenizerError", "add_tokenizer_flags", "build_tokenizer", "padded_vocab_size",
+__all__ = ["REFUSED_TOKENIZER_TYPES", "TOKENIZER_TYPES", "TokenizerError", "add_tokenizer_flags", "build_tokenizer", "padded_vocab_size", "run_padded_vocab_size",
            "tokenizer_from_args"]

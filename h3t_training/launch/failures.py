@@ -137,11 +137,10 @@ def stage_memory_terms(args, stage: int, *, on_gpu: bool) -> list[tuple[str, int
     from h3t_ext.costmodel.errors import PlanError
     from h3t_ext.costmodel.memory import stage_memory
     from h3t_training.config.run_spec import model_spec, run_plan
-    from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
+    from h3t_training.data.tokenizer import run_padded_vocab_size
 
     try:
-        vocab = padded_vocab_size(tokenizer_from_args(args).vocab_size, args.make_vocab_size_divisible_by,
-                                  args.tensor_model_parallel_size)
+        vocab = run_padded_vocab_size(args)
         plan = run_plan(args, offload_alpha=args.offload_alpha, on_gpu=on_gpu)
         memory = stage_memory(model_spec(args, vocab, name="run"), plan, stage, plan.alphas()[stage])
     except (PlanError, ValueError, OSError):

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from h3t_training.data.batch_schedule import schedule_of
-from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
+from h3t_training.data.tokenizer import padded_vocab_size, run_padded_vocab_size
 from h3t_training.loop import fsdp, legacy_checkpoint as legacy
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -122,8 +122,7 @@ def adopted_padding(saved_padded: Optional[int], vocab_size: int, args, where: s
 
 def _model_shape(args) -> dict:
     shape = {k: getattr(args, k) for k in MODEL_SHAPE_FLAGS}
-    shape["padded_vocab_size"] = padded_vocab_size(tokenizer_from_args(args).vocab_size,
-                                                   args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    shape["padded_vocab_size"] = run_padded_vocab_size(args)
     return shape
 
 
@@ -300,7 +299,7 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
             raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with "
                                   f"--{k.replace('_', '-')} {saved.get(k)}, this run has {mine[k]}", alike=True)
     adopted = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
-    padding, notices = adopted_padding(saved.get("padded_vocab_size"), tokenizer_from_args(args).vocab_size, args,
+    padding, notices = adopted_padding(saved.get("padded_vocab_size"), args.tokenizer_vocab_size, args,
                                        f"--load {root}: checkpoint iteration {iteration}")
     return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common,
                            {**adopted, **padding}, notices, per_rank)

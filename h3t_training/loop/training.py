@@ -40,7 +40,7 @@ from h3t_training.launch.run_guard import RunLock
 from h3t_training.telemetry.scalars import TrainingScalars
 from h3t_training.loop.sdc_guards import check_weight_hashes
 from h3t_training.telemetry.state_bytes import rank_state_bytes
-from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args
+from h3t_training.data.tokenizer import run_padded_vocab_size, tokenizer_from_args
 from h3t_training.telemetry.training_log import IterationLogger, write_metrics_json
 
 
@@ -326,8 +326,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress, progress_ba
                           start_iteration=start, device=device, print_fn=logger._print, is_logging_rank=is_logging_rank,
                           hygiene=hygiene)
     writer = build_writer(args, is_logging_rank)
-    predicted = (predicted_scalars(args, vocab_size=padded_vocab_size(
-        tokenizer.vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size), on_gpu=on_gpu)
+    predicted = (predicted_scalars(args, vocab_size=run_padded_vocab_size(args), on_gpu=on_gpu)
                  if is_logging_rank and writers_requested(args) else {})
     scalars = TrainingScalars(args, writer, on_gpu=on_gpu, predicted=predicted)
     handler = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None

@@ -346,3 +346,22 @@ def test_auto_plan_writes_the_planners_recompute_fields(ckpt, recompute, modules
     assert fields == {**recompute_fields(plan), "recompute_modules": modules}
     assert recompute_of(SimpleNamespace(recompute_activations=False, **fields)) == split_ckpt(plan.ckpt,
                                                                                               plan.recompute)[1]
+
+
+def test_the_tokenizer_is_read_once_at_start_up(monkeypatch, tmp_path):
+    """parse_args reads the tokenizer's files once (validation.resolve_tokenizer) and keeps its vocabulary for
+    --auto-plan, Megatron's offload request, the checkpoint checks and the out-of-memory line; none reads it again."""
+    import h3t_training.data.tokenizer as tokenizer
+    from h3t_training.loop.checkpointing import find_checkpoint
+    builds = []
+    real = tokenizer.build_tokenizer
+    monkeypatch.setattr(tokenizer, "build_tokenizer", lambda *a, **k: builds.append(a) or real(*a, **k))
+    argv = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--seq-length", "1024",
+            "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-4", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "32000", "--gpu", "h800", "--load", str(tmp_path)]
+    for extra in (["--auto-plan"], ["--cpu-offloading-num-layers", "1"]):
+        builds.clear()
+        args = parse_args([*argv, *extra], world_size=8)
+        assert len(builds) == 1 and args.tokenizer_vocab_size == 32001  # NullTokenizer adds its end-of-document
+        assert find_checkpoint(args, rank=0) is None and len(builds) == 1
+    assert args.offload_alpha != 0  # Megatron's offload request was priced (with the vocabulary read once)
