@@ -163,7 +163,8 @@ def _validate_data(args):
                             "--valid-data-path, --test-data-path)")
     if per_split and "train" not in per_split and not args.skip_train:
         raise ArgumentError("--valid-data-path/--test-data-path need --train-data-path (or --skip-train)")
-    try:  # the data files (the tokenizer's were read by resolve_tokenizer): a damaged or mismatched one is one line here, not a traceback per rank
+    try:  # the data files (the tokenizer's were read by resolve_tokenizer): a damaged or mismatched one is one
+        # line here, not a traceback per rank
         if args.data_path is not None and not args.skip_train:  # evaluation alone may have no training share
             parse_split(args.split)
     except DataFileError as e:

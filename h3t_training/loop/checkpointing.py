@@ -109,7 +109,7 @@ def adopted_padding(saved_padded: Optional[int], vocab_size: int, args, where: s
         raise CheckpointError(f"{where} has a vocabulary of {saved_padded} rows, fewer than the tokenizer's "
                               f"{vocab_size} tokens", alike=True)
     if saved_padded % t:
-        sizes = [d for d in range(1, saved_padded + 1) if saved_padded % d == 0 and d <= 64]
+        sizes = [d for d in range(1, min(saved_padded, 64) + 1) if saved_padded % d == 0]
         raise CheckpointError(f"{where} has its vocabulary padded to {saved_padded} rows, which "
                               f"--tensor-model-parallel-size {t} does not divide; load it at a tensor-parallel size "
                               f"that does ({', '.join(map(str, sizes))})", alike=True)
@@ -224,7 +224,7 @@ def _verify_layout(directory: str, rank: int, world_size: int) -> None:
 def _read_common(directory: str) -> dict:
     meta = os.path.join(directory, "metadata.json")
     names = os.listdir(directory)
-    per_rank = sorted(n for n in names if n.startswith("mp_rank_"))
+    per_rank = legacy.rank_dirs(directory)
     if per_rank and "common.pt" in names:  # --ckpt-format torch, written by this driver
         return _read_common_pt(directory)
     if per_rank:
@@ -280,7 +280,7 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
                               + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"), alike=True)
     common = _read_common(directory)
     _verify_files(directory, rank, args.world_size)
-    per_rank = legacy.is_legacy(directory)
+    per_rank = bool(legacy.rank_dirs(directory))
     if per_rank:
         where = f"--load {root}: checkpoint iteration {iteration}"
         reason = legacy.check_layout(common["h3t"]["layout"], args, where)
@@ -346,6 +346,11 @@ def unwrap(chunk):
 
 def _model_keys(chunks) -> list[str]:
     return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
+def _unwrapped_by_key(chunks) -> dict:
+    """The model chunks, unwrapped, by Megatron's checkpoint key (``model``, or ``model0``, ``model1``, ...)."""
+    return {key: unwrap(chunk) for key, chunk in zip(_model_keys(chunks), chunks)}
 
 
 def rng_state() -> dict:
@@ -421,7 +426,7 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
     try:
         if args.ckpt_format == "torch":  # Megatron-LM's legacy per-rank files
             common = _common_state(args, iteration)
-            written = legacy.save(tmp, args, iteration, [unwrap(c) for c in chunks], optimizer, common=common,
+            written = legacy.save(tmp, args, iteration, _unwrapped_by_key(chunks), optimizer, common=common,
                                   rng=rng_state())
             dist.barrier()
             _write_checksums(tmp, written)
@@ -470,13 +475,10 @@ def _write_checksums(directory: str, written: Optional[list] = None) -> None:
     ``__<rank>_*.distcp`` tensor files, and rank 0 the shared ones too), and rank 0 writes the manifest
     (collective)."""
     rank = dist.get_rank()
-    mine = {}
-    if written is not None:
-        mine = {name: _file_digest(os.path.join(directory, name)) for name in written}
-    for name in sorted(os.listdir(directory)) if written is None else ():
-        shared = not name.startswith("__")
-        if (name.startswith(f"__{rank}_") or (shared and rank == 0)) and name != CHECKSUMS:
-            mine[name] = _file_digest(os.path.join(directory, name))
+    if written is None:
+        written = [name for name in sorted(os.listdir(directory)) if name != CHECKSUMS and
+                   (name.startswith(f"__{rank}_") or (rank == 0 and not name.startswith("__")))]
+    mine = {name: _file_digest(os.path.join(directory, name)) for name in written}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -528,7 +530,7 @@ def _load_legacy(found: FoundCheckpoint, args, chunks, optimizer, with_optimizer
     """:func:`load_checkpoint` of a ``--ckpt-format torch`` checkpoint (its layout was checked by
     :func:`find_checkpoint`); RNG states where it has one for this data-parallel rank."""
     try:
-        rng = legacy.load(found.directory, [unwrap(c) for c in chunks], optimizer, with_optimizer=with_optimizer,
+        rng = legacy.load(found.directory, _unwrapped_by_key(chunks), optimizer, with_optimizer=with_optimizer,
                           with_rng=with_rng)
     except (KeyboardInterrupt, SystemExit):
         raise

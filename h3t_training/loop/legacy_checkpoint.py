@@ -42,8 +42,9 @@ def rank_dir(directory: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return os.path.join(directory, name)
 
 
-def is_legacy(directory: str) -> bool:
-    return any(n.startswith("mp_rank_") for n in os.listdir(directory))
+def rank_dirs(directory: str) -> list[str]:
+    """The per-rank directories of a legacy checkpoint under ``directory`` (sorted; empty for torch_dist)."""
+    return sorted(n for n in os.listdir(directory) if n.startswith("mp_rank_"))
 
 
 def check_layout(saved_layout: dict, args, where: str) -> Optional[str]:
@@ -71,11 +72,11 @@ def _namespace(args) -> argparse.Namespace:
     return args.as_namespace() if hasattr(args, "as_namespace") else argparse.Namespace(**vars(args))
 
 
-def save(directory: str, args, iteration: int, chunks, optimizer, *, common: dict, rng: dict,
+def save(directory: str, args, iteration: int, chunks: dict, optimizer, *, common: dict, rng: dict,
          flops_so_far: float = 0.0) -> list[str]:
     """Write this rank's part of a legacy checkpoint into ``directory`` (collective over every rank); returns the
     paths (relative to ``directory``) this rank wrote, for the checksum manifest. ``chunks``: the model chunks
-    (unwrapped from their data-parallel wrapper)."""
+    (unwrapped from their data-parallel wrapper) by Megatron's key (``model``, or ``model0``, ``model1``, ...)."""
     group = _dp_group()
     dp_rank, dp_size = dist.get_rank(group), dist.get_world_size(group)
     rngs = [None] * dp_size
@@ -92,8 +93,7 @@ def save(directory: str, args, iteration: int, chunks, optimizer, *, common: dic
                  "optimizer": optimizer.legacy_state_dict(), "opt_param_scheduler": common["opt_param_scheduler"],
                  "rng_state": rngs, "num_floating_point_operations_so_far": flops_so_far,
                  "consumed_train_samples": common["consumed_train_samples"]}
-        keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-        for key, chunk in zip(keys, chunks):
+        for key, chunk in chunks.items():
             state[key] = chunk.state_dict()
         torch.save(state, os.path.join(mine, MODEL_FILE))
         written.append(os.path.relpath(os.path.join(mine, MODEL_FILE), directory))
@@ -103,13 +103,13 @@ def save(directory: str, args, iteration: int, chunks, optimizer, *, common: dic
     return written
 
 
-def load(directory: str, chunks, optimizer, *, with_optimizer: bool, with_rng: bool) -> Optional[dict]:
-    """Load this rank's file into the (unwrapped) chunks and the optimizer; returns this data-parallel rank's RNG
-    state when ``with_rng`` and the checkpoint has one for it (same data-parallel size), else None."""
+def load(directory: str, chunks: dict, optimizer, *, with_optimizer: bool, with_rng: bool) -> Optional[dict]:
+    """Load this rank's file into the (unwrapped) chunks, by key as :func:`save` takes them, and the optimizer;
+    returns this data-parallel rank's RNG state when ``with_rng`` and the checkpoint has one for it (same
+    data-parallel size), else None."""
     mine = _my_dir(directory)
     state = torch.load(os.path.join(mine, MODEL_FILE), map_location="cpu", weights_only=False)
-    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
-    for key, chunk in zip(keys, chunks):
+    for key, chunk in chunks.items():
         chunk.load_state_dict(state[key], strict=True)
     if with_optimizer:
         optimizer.load_legacy_state_dict(state["optimizer"], os.path.join(mine, OPTIMIZER_FILE))
@@ -122,4 +122,4 @@ def load(directory: str, chunks, optimizer, *, with_optimizer: bool, with_rng: b
     return None
 
 
-__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "RESHARD_FLAGS", "check_layout", "is_legacy", "load", "rank_dir", "save"]
+__all__ = ["MODEL_FILE", "OPTIMIZER_FILE", "RESHARD_FLAGS", "check_layout", "load", "rank_dir", "rank_dirs", "save"]

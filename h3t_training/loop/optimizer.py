@@ -304,8 +304,9 @@ class DataParallelAdamW:
         self.reload_model_params()
 
     def _moments(self, i: int) -> dict:
+        """Parameter ``i``'s Adam moments as held (written out as they are; :meth:`_install` copies on the way in)."""
         held = self._state(self.params[i])
-        return {name: held[name].clone() for name in ("exp_avg", "exp_avg_sq") if name in held}
+        return {name: held[name] for name in ("exp_avg", "exp_avg_sq") if name in held}
 
     def _install(self, i: int, moments: dict) -> None:
         p = self.params[i]
@@ -319,7 +320,7 @@ class DataParallelAdamW:
     def legacy_state_dict(self) -> dict:
         """The ``optimizer`` entry of a ``--ckpt-format torch`` file (:mod:`h3t_training.loop.legacy_checkpoint`):
         the step count, and every parameter's moments by index unless they are sharded over data-parallel ranks
-        (then they are in :meth:`legacy_parameter_state`)."""
+        (then :meth:`save_parameter_state` writes them)."""
         assert not self.fsdp, "--ckpt-format torch with --use-torch-fsdp2 is refused with the flags"
         if self.sharded:
             return {"steps": self.steps}
