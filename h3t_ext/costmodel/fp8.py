@@ -40,7 +40,10 @@ from h3t_ext.dtypes import BF16, E8M0, FP8, FP32
 FP8_FORMATS = ("e4m3", "hybrid")
 """Megatron-LM's ``--fp8-format`` choices (dest ``fp8``): E4M3 everywhere, or E4M3 forward and E5M2 gradients."""
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-"""Megatron-LM's ``--fp8-recipe`` choices (default ``delayed``)."""
+"""Megatron-LM's ``--fp8-recipe`` choices."""
+DEFAULT_FP8_RECIPE = "delayed"
+"""Megatron-LM's ``--fp8-recipe`` default (and ``TransformerConfig.fp8_recipe``'s): the one every layer of this
+project defaults to (the plan, the search space, the flags-to-Plan translation, both CLIs)."""
 PRECISIONS = ("bf16", "fp8", "auto")
 """``h3t-plan search --precision``: BF16 plans, FP8 plans, or both."""
 FP8_MIN_COMPUTE_CAPABILITY = 8.9

@@ -7,7 +7,7 @@ from typing import Optional
 
 from h3t_ext.ckpt import CKPT_CHOICES, NO_RECOMPUTE, Ckpt, Recompute, split_ckpt  # noqa: F401  (CKPT_CHOICES re-exported)
 from h3t_ext.costmodel.errors import InvalidPlanError
-from h3t_ext.costmodel.fp8 import validate_fp8
+from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, validate_fp8
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.layout import LayoutError, ParallelLayout, PipelineSplit
 from h3t_ext.offload_alpha import Alpha, check_alpha
@@ -116,7 +116,7 @@ class Plan:
     fp8: Optional[str] = None
     """Megatron's --fp8-format (its field ``fp8``): 'e4m3' or 'hybrid' runs the linear layers' GEMMs in FP8
     through TransformerEngine (h3t_ext.costmodel.fp8); None: BF16 (Megatron's default)."""
-    fp8_recipe: str = "delayed"
+    fp8_recipe: str = DEFAULT_FP8_RECIPE
     """Megatron's --fp8-recipe: 'delayed' (its default), 'tensorwise', 'blockwise' or 'mxfp8' (Blackwell)."""
     fp8_param_gather: bool = False
     """Megatron's --fp8-param-gather: parameters held and all-gathered in FP8 (needs --fp8-format)."""

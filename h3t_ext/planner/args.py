@@ -12,7 +12,7 @@ from typing import NoReturn, Optional, Union
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
-from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
+from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_FORMATS, FP8_RECIPES, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, TRANSFORMER_IMPLS
 from h3t_ext.ckpt import CKPT_CHOICES
 from h3t_ext.offload_alpha import OffloadAlpha
@@ -143,7 +143,7 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--fp8-format", dest="fp8", choices=FP8_FORMATS, default=None,
                    help="FP8 linear layers through TransformerEngine (Hopper or newer): e4m3, or hybrid (E5M2 "
                         "gradients); default BF16")
-    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=DEFAULT_FP8_RECIPE,
                    help="FP8 scaling recipe (default delayed, Megatron's); mxfp8 needs Blackwell")
     p.add_argument("--fp8-param-gather", action="store_true",
                    help="parameters held and all-gathered in FP8 (needs --fp8-format)")

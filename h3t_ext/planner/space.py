@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from h3t_ext.costmodel import ModelSpec
+from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE
 from h3t_ext.layout import LayoutError, ParallelLayout, virtual_pipeline_size
 
 CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
@@ -120,7 +121,7 @@ class SearchConstraints:
     """Precisions searched: ('bf16',), ('fp8',) or both (``search --precision auto``)."""
     fp8: str = "hybrid"
     """--fp8-format of the FP8 plans searched."""
-    fp8_recipe: str = "delayed"
+    fp8_recipe: str = DEFAULT_FP8_RECIPE
     """--fp8-recipe of the FP8 plans searched."""
     fp8_param_gather: bool = False
     """--fp8-param-gather for the FP8 plans searched."""

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from h3t_ext.ckpt import Ckpt, Recompute, normal_form
-from h3t_ext.costmodel.fp8 import FP8_FORMATS, PRECISIONS
+from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_FORMATS, PRECISIONS
 from h3t_ext.costmodel.megatron_offload import MIN_OFFLOADED_TENSOR_SIZE, MegatronOffload, MegatronOffloadMapping, \
     megatron_offload_alpha
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, LAYER_SPEC, Plan
@@ -55,7 +55,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "account_for_embedding_in_pipeline_split": False,
     "account_for_loss_in_pipeline_split": False,
     "fp8": None,  # --fp8-format (dest fp8): BF16 unless given
-    "fp8_recipe": "delayed",
+    "fp8_recipe": DEFAULT_FP8_RECIPE,
     "fp8_param_gather": False,
     "grad_reduce_in_bf16": False,
     "optimizer_cpu_offload": False,

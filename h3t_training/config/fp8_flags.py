@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Union, get_args
 
-from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES as PRICED_FP8_RECIPES
+from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_FORMATS, FP8_RECIPES as PRICED_FP8_RECIPES
 
 FP8_RECIPES = PRICED_FP8_RECIPES + ("custom",)
 """megatron-core 0.16.1's ``TransformerConfig.fp8_recipe`` literals: the recipes the cost model prices and 'custom'
@@ -52,7 +52,7 @@ class Fp8Flag:
 
 FP8_FLAGS: tuple[Fp8Flag, ...] = (
     Fp8Flag("--fp8-format", "fp8", "choice", FP8_FORMATS),
-    Fp8Flag("--fp8-recipe", "fp8_recipe", "choice", FP8_RECIPES, "delayed"),
+    Fp8Flag("--fp8-recipe", "fp8_recipe", "choice", FP8_RECIPES, DEFAULT_FP8_RECIPE),
     Fp8Flag("--fp8-margin", "fp8_margin", "int", default=0),
     Fp8Flag("--fp8-interval", "fp8_interval", "int", default=1, low=1),
     Fp8Flag("--fp8-amax-history-len", "fp8_amax_history_len", "int", default=1, low=1),
@@ -70,4 +70,12 @@ FP8_FLAGS: tuple[Fp8Flag, ...] = (
 ``--fp8-format`` (without it the others set nothing)."""
 
 
-__all__ = ["AMAX_COMPUTE_ALGOS", "FP8_FLAGS", "FP8_FORMATS", "FP8_RECIPES", "Fp8Flag", "Fp8Read"]
+def fp8_flag(flag: str) -> Fp8Flag:
+    """The entry of :data:`FP8_FLAGS` for ``flag`` (its field, choices and default); a KeyError names the list."""
+    for entry in FP8_FLAGS:
+        if entry.flag == flag:
+            return entry
+    raise KeyError(f"{flag} is not one of FP8_FLAGS: {', '.join(f.flag for f in FP8_FLAGS)}")
+
+
+__all__ = ["AMAX_COMPUTE_ALGOS", "FP8_FLAGS", "FP8_FORMATS", "FP8_RECIPES", "Fp8Flag", "Fp8Read", "fp8_flag"]

@@ -16,6 +16,7 @@ from h3t_ext.dtypes import BOOL, DtypeName, bytes_per_element
 from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config.flag_table import table_value
+from h3t_training.config.fp8_flags import fp8_flag
 from h3t_training.config.megatron_fields import attention_backend, spec_backend
 
 
@@ -51,7 +52,7 @@ def gpu_plan_fields(config) -> dict:
                                                                                           False) is not False,
               "attention_backend": attention_backend(config) or "flash"}
     if fields["fp8"] is not None:
-        fields["fp8_recipe"] = table_value(config, "--fp8-recipe", "delayed")
+        fields["fp8_recipe"] = table_value(config, "--fp8-recipe", fp8_flag("--fp8-recipe").default)
     return fields
 
 
