@@ -68,7 +68,7 @@ def _search(ns, model, system) -> int:
                     alpha_mode=ns.offload_alpha, memory_budget_bytes=ns.memory_budget, exhaustive=ns.exhaustive,
                     top=ns.top, host_memory_budget_bytes=ns.host_memory_budget)
     if not result.plans:
-        return _fail(fmt.no_plan_message(result))
+        return _fail(_flagify(fmt.no_plan_message(result)))
     if ns.json:
         print(json.dumps(fmt.search_dicts(result, ns.top), indent=2))
         return 0
