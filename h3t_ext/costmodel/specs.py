@@ -243,9 +243,13 @@ def load_system_file(path: str | Path) -> SystemSpec:
     its ``efficiencies`` object, when present, replaces the named efficiency set)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--system-file {path}: no such file")
-    d = _read_json(p)
-    check_system_dict(f"--system-file {path}", d, efficiency_set_names())
+        raise FileNotFoundError(f"--system-file {path}: " + ("a directory; give the path of a system file (JSON)"
+                                                               if p.is_dir() else "no such file"))
+    try:
+        d = _read_json(p)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SchemaError(f"--system-file {path}: not a JSON file ({str(e) or type(e).__name__})") from None
+    check_system_dict(f"--system-file {path}", d, efficiency_set_names(), tuple(plausible_ranges()))
     return system_from_dict(str(d.get("name", p.stem)).lower(), d)
 
 
@@ -292,7 +296,7 @@ def memory_budget_from_first_principles(d: dict) -> int:
 def system_from_dict(name: str, d: dict) -> SystemSpec:
     """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``), checked by
     :func:`h3t_ext.costmodel.schema.check_system_dict` (SchemaError, a ValueError, names the field)."""
-    check_system_dict(f"system {name}", d, efficiency_set_names())
+    check_system_dict(f"system {name}", d, efficiency_set_names(), tuple(plausible_ranges()))
     eff_name = d.get("efficiency_set", name)
     eff = dict(d["efficiencies"]) if "efficiencies" in d else efficiency_set(eff_name)
     return SystemSpec(

@@ -19,7 +19,7 @@ from h3t_ext.planner.search import search
 _FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|tensor_model_parallel_size|"
                     r"context_parallel_size|pipeline_model_parallel_size|num_layers_per_virtual_pipeline_stage|"
                     r"offload_alpha|ckpt|num_layers|hidden_size|num_attention_heads|num_query_groups|ffn_hidden_size|"
-                    r"vocab_size)\b")
+                    r"vocab_size|optimizer_cpu_offload|use_distributed_optimizer)\b")
 
 
 def _flagify(reason: str) -> str:

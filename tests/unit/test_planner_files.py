@@ -125,3 +125,77 @@ def test_output_paths_checked_before_the_fit(tmp_path, capsys):
         assert "tokens_per_second_per_gpu" in err
     else:
         assert code == 2 and "not writable" in err
+
+
+def _system_file(tmp_path, text: str) -> str:
+    path = tmp_path / "sys.json"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("hello", "not a JSON file (Expecting value: line 1 column 1"),
+    ("", "not a JSON file (Expecting value"),
+    ('{"source": "x",', "not a JSON file (Expecting property name"),
+    ("[" * 100000 + "]" * 100000, "not a JSON file (maximum recursion depth exceeded"),
+])
+def test_system_file_that_is_not_json_is_named(tmp_path, capsys, text, expected):
+    path = _system_file(tmp_path, text)
+    code, err = _run(ESTIMATE + ["--system-file", path], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and f"--system-file {path}: {expected}" in err, err
+
+
+def test_system_file_that_is_a_directory(tmp_path, capsys):
+    code, err = _run(ESTIMATE + ["--system-file", str(tmp_path)], capsys)
+    assert code == 2 and f"--system-file {tmp_path}: a directory; give the path of a system file" in err, err
+
+
+def test_system_file_without_efficiencies_or_set(tmp_path, capsys):
+    d = system_file_dict("h100-sxm")
+    del d["efficiencies"], d["efficiency_set"]  # was a KeyError: 'efficiency_set'
+    code, err = _run(ESTIMATE + ["--system-file", _system_file(tmp_path, json.dumps(d))], capsys)
+    assert code == 2 and "field efficiency_set must be one of hopper, ampere (or give an efficiencies object), got " \
+        "None" in err, err
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda e: e.clear(), "field efficiencies.gemm_peak_fraction is missing; it must be a finite number > 0 and <= 1"),
+    (lambda e: e.pop("gemm_tile_overhead_k"), "field efficiencies.gemm_tile_overhead_k is missing; it must be a "
+                                              "finite number > 0"),
+    (lambda e: e.update(netwrok_fraction=0.9), "field efficiencies.netwrok_fraction is not an efficiency of the cost "
+                                               "model; valid: gemm_peak_fraction, "),
+    (lambda e: e.update(network_fraction=1.5), "field efficiencies.network_fraction must be a finite number > 0 and "
+                                               "<= 1, got 1.5"),
+    (lambda e: e.update(tp_comm_overlap_exposed=2), "field efficiencies.tp_comm_overlap_exposed must be a finite "
+                                                    "number > 0 and <= 1, got 2"),
+])
+def test_system_file_inline_efficiencies(tmp_path, capsys, edit, expected):
+    """A missing efficiency was a KeyError traceback at pricing time; a typo or a share above 1 priced silently."""
+    d = system_file_dict("h100-sxm")
+    edit(d["efficiencies"])
+    code, err = _run(ESTIMATE + ["--system-file", _system_file(tmp_path, json.dumps(d))], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and expected in err, err
+
+
+def test_system_file_inline_efficiencies_at_their_bounds_load(tmp_path, capsys):
+    d = system_file_dict("h100-sxm")
+    d["efficiencies"].update(network_fraction=1.0, gemm_tile_overhead_k=4096, _note="a note is not an efficiency")
+    assert main(ESTIMATE + ["--system-file", _system_file(tmp_path, json.dumps(d)), "--json"]) == 0
+
+
+def test_system_file_gpus_per_node_is_bounded(tmp_path, capsys):
+    """A billion GPUs per node hung the node-spread walk of the collectives; 1024 is the bound."""
+    d = system_file_dict("h100-sxm")
+    d["gpus_per_node"] = 10**9
+    code, err = _run(ESTIMATE + ["--system-file", _system_file(tmp_path, json.dumps(d))], capsys)
+    assert code == 2 and "field gpus_per_node must be an integer > 0 and <= 1024, got 1000000000" in err, err
+
+
+@pytest.mark.parametrize("command", [["--optimizer-cpu-offload"], ["--optimizer-cpu-offload", "--json"]])
+def test_optimizer_offload_without_host_bandwidth(tmp_path, capsys, command):
+    """An optional field left out: the plan that needs it is refused in one line (was a ValueError traceback)."""
+    d = system_file_dict("h100-sxm")
+    del d["host_memory_bandwidth"]
+    code, err = _run(ESTIMATE + ["--system-file", _system_file(tmp_path, json.dumps(d)), *command], capsys)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "--optimizer-cpu-offload needs the system's host_memory_bandwidth (a number > 0" in err, err
