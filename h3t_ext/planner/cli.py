@@ -86,7 +86,7 @@ def _search(ns, model, system) -> int:
 def _calibrate(ns, model, system) -> int:
     try:
         check_output_path(ns.output)
-        runs = read_runs(ns.runs, model)
+        runs = read_runs(ns.runs, model, system)
         result = calibrate(system, system_file_from_args(ns), runs)
     except (RunFileError, OSError) as e:
         return _fail(str(e))

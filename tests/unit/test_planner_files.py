@@ -199,3 +199,48 @@ def test_optimizer_offload_without_host_bandwidth(tmp_path, capsys, command):
     code, err = _run(ESTIMATE + ["--system-file", _system_file(tmp_path, json.dumps(d)), *command], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "--optimizer-cpu-offload needs the system's host_memory_bandwidth (a number > 0" in err, err
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", "[" * 100000 + "]" * 100000])
+def test_metrics_json_that_is_not_an_object(tmp_path, capsys, text):
+    """A JSON list or null was a TypeError traceback, a deep nesting a RecursionError."""
+    runs = tmp_path / "m.json"
+    runs.write_text(text)
+    code, err = _calibrate(runs, tmp_path / "out.json", capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and f"--runs {runs}: not a --metrics-json file" in err, err
+
+
+@pytest.mark.parametrize("columns, values, expected", [
+    ("ckpt", "some", ":2: --ckpt 'some' is not one of {no,full,ours,selective}"),
+    ("pipeline_model_parallel_size,virtual_pipeline_model_parallel_size", "1,0",
+     ":2: field virtual_pipeline_model_parallel_size must be an integer >= 1, got '0'"),
+    ("sequence_parallel", "maybe", ":2: field sequence_parallel must be 0 or 1 (or true/false, yes/no, on/off), got "
+                                   "'maybe'"),
+])
+def test_csv_run_fields(tmp_path, capsys, columns, values, expected):
+    """A bad --ckpt was a ValueError traceback, a virtual size 0 a ZeroDivisionError; a switch that is neither on
+    nor off was read as off."""
+    runs = tmp_path / "runs.csv"
+    runs.write_text(CSV_HEAD.strip() + f",{columns}\n8,4096,8,8,3000,{values}\n")
+    code, err = _calibrate(runs, tmp_path / "out.json", capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and f"{runs}{expected}" in err, err
+
+
+def test_run_plan_refusal_names_the_file_and_row(tmp_path, capsys):
+    """The model's rules (heads divisible by t) are checked as each run is read, so the refusal names its row."""
+    runs = tmp_path / "runs.csv"
+    runs.write_text(CSV_HEAD + "8,4096,8,8,3000\n24,4096,8,3,3000\n")
+    code, err = _calibrate(runs, tmp_path / "out.json", capsys)
+    assert code == 2 and f"{runs}:3: --num-attention-heads 32 is not a multiple of --tensor-model-parallel-size 3; " \
+        "valid --tensor-model-parallel-size: 1, 2, 4, 8, 16, 32" in err, err
+
+
+@pytest.mark.parametrize("value", [2.5, True, "two"])
+def test_metrics_json_integer_field(tmp_path, capsys, value):
+    """A fractional size was truncated (2.5 read as 2)."""
+    runs = tmp_path / "m.json"
+    runs.write_text(json.dumps({"config": {"num_gpus": 8, "seq_length": 4096, "global_batch_size": 8,
+                                           "tensor_model_parallel_size": value},
+                                "iterations": [{"tokens_per_second_per_gpu": 3000.0}]}))
+    code, err = _calibrate(runs, tmp_path / "out.json", capsys)
+    assert code == 2 and f"field tensor_model_parallel_size must be an integer, got {value!r}" in err, err
