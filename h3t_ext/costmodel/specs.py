@@ -60,10 +60,11 @@ class ModelSpec:
                 raise ValueError(f"{f} must be in [0, 1), got {getattr(self, f)}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                             f"({self.num_attention_heads})")
+                             f"({self.num_attention_heads}); valid hidden_size: multiples of {self.num_attention_heads}")
         if self.num_attention_heads % self.num_query_groups:
+            groups = ", ".join(str(g) for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0)
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                             f"num_query_groups ({self.num_query_groups})")
+                             f"num_query_groups ({self.num_query_groups}); valid num_query_groups: {groups}")
 
     @property
     def kv_channels(self) -> int:

@@ -38,3 +38,19 @@ def test_enumeration_counts_a_fixed_size_that_does_not_divide_the_gpus():
                                           constraints=SearchConstraints(tensor_model_parallel_size=1,
                                                                         context_parallel_size=3))
     assert layouts == [] and rejected == {R_GPUS: 1}
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--num-query-groups", "5", "model: --num-attention-heads (32) must be divisible by --num-query-groups (5); "
+                                "valid --num-query-groups: 1, 2, 4, 8, 16, 32"),
+    ("--hidden-size", "4097", "model: --hidden-size (4097) must be divisible by --num-attention-heads (32); "
+                              "valid --hidden-size: multiples of 32"),
+])
+def test_model_shape_error_names_the_flags_and_the_valid_values(capsys, flag, value, expected):
+    """The model's own rules were printed with its field names and no valid values."""
+    assert expected in _error(ESTIMATE + [flag, value], capsys)
+
+
+def test_optimizer_offload_refusal_names_the_flags(capsys):
+    err = _error(ESTIMATE + ["--optimizer-cpu-offload", "--no-use-distributed-optimizer"], capsys)
+    assert "--optimizer-cpu-offload needs --use-distributed-optimizer" in err, err
