@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.dtypes import FP32
@@ -85,7 +86,8 @@ def step_time(shard_params: float, plan: Plan, system: SystemSpec) -> OptimizerO
     n = offloaded_params(shard_params, plan)
     pcie = system.pcie_bandwidth * system.efficiency("pcie_fraction")
     if n and not system.host_memory_bandwidth:
-        raise ValueError(f"system {system.name} has no host_memory_bandwidth: cannot price --optimizer-cpu-offload")
+        raise InvalidPlanError(f"optimizer_cpu_offload needs the system's host_memory_bandwidth (a number > 0, bytes/s "
+                               f"of a node's host DRAM), which system {system.name} does not give")
     host = (system.host_memory_bandwidth * system.efficiency("host_memory_fraction") / system.gpus_per_node
             if n else 1.0)
     return OptimizerOffloadTime(d2h_seconds=n * D2H_BYTES_PER_PARAM / pcie,

@@ -13,7 +13,7 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True)
 class Field:
-    """One numeric field: its type, its lower bound (inclusive or not) and optional upper bound (exclusive)."""
+    """One numeric field: its type, its lower bound and optional upper bound (each inclusive or not)."""
 
     name: str
     integer: bool = False
@@ -21,18 +21,20 @@ class Field:
     minimum_inclusive: bool = False
     maximum: Optional[float] = None
     required: bool = True
+    maximum_inclusive: bool = False
 
     @property
     def valid(self) -> str:
         low = f"{'>=' if self.minimum_inclusive else '>'} {self.minimum:g}"
         kind = "an integer" if self.integer else "a finite number"
-        return f"{kind} {low}" + ("" if self.maximum is None else f" and < {self.maximum:g}")
+        high = "" if self.maximum is None else f" and {'<=' if self.maximum_inclusive else '<'} {self.maximum:g}"
+        return f"{kind} {low}{high}"
 
 
 SYSTEM_FIELDS = (
     Field("peak_bf16_flops"), Field("hbm_bytes", integer=True), Field("hbm_bandwidth"),
     Field("nvlink_bandwidth"), Field("network_bandwidth"), Field("pcie_bandwidth"),
-    Field("gpus_per_node", integer=True), Field("num_sms", integer=True), Field("gemm_tile_m", integer=True),
+    Field("gpus_per_node", integer=True, maximum=1024, maximum_inclusive=True), Field("num_sms", integer=True), Field("gemm_tile_m", integer=True),
     Field("gemm_tile_n", integer=True), Field("kernel_launch_s", minimum_inclusive=True),
     Field("nvlink_latency_s", minimum_inclusive=True), Field("network_latency_s", minimum_inclusive=True),
     Field("cuda_context_bytes", integer=True, minimum_inclusive=True),
@@ -43,10 +45,21 @@ SYSTEM_FIELDS = (
     Field("host_memory_bytes", integer=True, minimum_inclusive=True, required=False),
     Field("host_memory_bandwidth", minimum_inclusive=True, required=False),
 )
-"""The numbers of a system file (``data/systems/*.json``, ``--system-file``); ``peak_fp8_flops`` optional."""
+"""The numbers of a system file (``data/systems/*.json``, ``--system-file``); ``peak_fp8_flops`` optional.
+``gpus_per_node`` (the GPUs of one NVLink domain) is at most 1024, above the largest announced domain (576 GPUs),
+which also bounds the node-spread walk of :mod:`h3t_ext.costmodel.collectives` (a billion hung it)."""
 
 EFFICIENCY = Field("efficiencies")
 """Every fitted efficiency: a finite number > 0 (a fraction of a peak, or an overhead count)."""
+
+FRACTION_EFFICIENCY = Field("efficiencies", maximum=1.0, maximum_inclusive=True)
+"""An efficiency that is a share of something (its name ends in ``_fraction``: of a peak rate or of a memory;
+``tp_comm_overlap_exposed``: of the tensor-parallel communication time): in (0, 1]."""
+
+
+def efficiency_rule(name: str) -> Field:
+    """The range of the efficiency ``name`` (:data:`FRACTION_EFFICIENCY` or :data:`EFFICIENCY`)."""
+    return FRACTION_EFFICIENCY if name.endswith("_fraction") or name == "tp_comm_overlap_exposed" else EFFICIENCY
 
 
 def _number(where: str, name: str, value: Any, rule: Field) -> float:
@@ -55,7 +68,8 @@ def _number(where: str, name: str, value: Any, rule: Field) -> float:
     if not math.isfinite(value) or (rule.integer and value != int(value)):
         raise SchemaError(f"{where}: field {name} must be {rule.valid}, got {value!r}")
     low_ok = value >= rule.minimum if rule.minimum_inclusive else value > rule.minimum
-    if not low_ok or (rule.maximum is not None and value >= rule.maximum):
+    high_ok = rule.maximum is None or (value <= rule.maximum if rule.maximum_inclusive else value < rule.maximum)
+    if not low_ok or not high_ok:
         raise SchemaError(f"{where}: field {name} must be {rule.valid}, got {value!r}")
     return float(value)
 
@@ -73,23 +87,32 @@ def check_fields(where: str, d: Any, rules: tuple[Field, ...]) -> None:
         _number(where, rule.name, d[rule.name], rule)
 
 
-def check_system_dict(where: str, d: Any, efficiency_set_names: tuple[str, ...] = ("hopper", "ampere")) -> None:
+def check_system_dict(where: str, d: Any, efficiency_set_names: tuple[str, ...] = ("hopper", "ampere"),
+                      efficiency_names: tuple[str, ...] = ()) -> None:
     """A system file: its numbers (:data:`SYSTEM_FIELDS`), its ``source`` text, its inline ``efficiencies``
-    (when present), its ``efficiency_set`` (one of ``efficiency_set_names``, when no efficiencies are inline)
-    and a positive memory budget (HBM above the CUDA context and NCCL buffers)."""
+    (when present: each of ``efficiency_names`` given, in its :func:`efficiency_rule` range, and no other name
+    than those and ``_``-prefixed notes), its ``efficiency_set`` (one of ``efficiency_set_names``, when no
+    efficiencies are inline) and a positive memory budget (HBM above the CUDA context and NCCL buffers)."""
     check_fields(where, d, SYSTEM_FIELDS)
     if not isinstance(d.get("source"), str):
         raise SchemaError(f"{where}: field source must be a string (where the numbers come from)")
     if "efficiencies" not in d and d.get("efficiency_set") not in efficiency_set_names:
         raise SchemaError(f"{where}: field efficiency_set must be one of {', '.join(efficiency_set_names)} "
-                          f"(or give an efficiencies object), got {d['efficiency_set']!r}")
+                          f"(or give an efficiencies object), got {d.get('efficiency_set')!r}")
     if "efficiencies" in d:
         eff = d["efficiencies"]
         if not isinstance(eff, Mapping):
             raise SchemaError(f"{where}: field efficiencies must be an object of {EFFICIENCY.valid}")
         for k, v in eff.items():
-            if not str(k).startswith("_"):
-                _number(where, f"efficiencies.{k}", v, EFFICIENCY)
+            if str(k).startswith("_"):
+                continue
+            if efficiency_names and k not in efficiency_names:
+                raise SchemaError(f"{where}: field efficiencies.{k} is not an efficiency of the cost model; "
+                                  f"valid: {', '.join(efficiency_names)}")
+            _number(where, f"efficiencies.{k}", v, efficiency_rule(k))
+        for k in efficiency_names:
+            if k not in eff:
+                raise SchemaError(f"{where}: field efficiencies.{k} is missing; it must be {efficiency_rule(k).valid}")
 
 
 def check_positive_rate(where: str, name: str, value: Any) -> float:

@@ -60,10 +60,11 @@ class ModelSpec:
                 raise ValueError(f"{f} must be in [0, 1), got {getattr(self, f)}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                             f"({self.num_attention_heads})")
+                             f"({self.num_attention_heads}); valid hidden_size: multiples of {self.num_attention_heads}")
         if self.num_attention_heads % self.num_query_groups:
+            groups = ", ".join(str(g) for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0)
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-                             f"num_query_groups ({self.num_query_groups})")
+                             f"num_query_groups ({self.num_query_groups}); valid num_query_groups: {groups}")
 
     @property
     def kv_channels(self) -> int:
@@ -243,9 +244,13 @@ def load_system_file(path: str | Path) -> SystemSpec:
     its ``efficiencies`` object, when present, replaces the named efficiency set)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--system-file {path}: no such file")
-    d = _read_json(p)
-    check_system_dict(f"--system-file {path}", d, efficiency_set_names())
+        raise FileNotFoundError(f"--system-file {path}: " + ("a directory; give the path of a system file (JSON)"
+                                                               if p.is_dir() else "no such file"))
+    try:
+        d = _read_json(p)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise SchemaError(f"--system-file {path}: not a JSON file ({str(e) or type(e).__name__})") from None
+    check_system_dict(f"--system-file {path}", d, efficiency_set_names(), tuple(plausible_ranges()))
     return system_from_dict(str(d.get("name", p.stem)).lower(), d)
 
 
@@ -292,7 +297,7 @@ def memory_budget_from_first_principles(d: dict) -> int:
 def system_from_dict(name: str, d: dict) -> SystemSpec:
     """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``), checked by
     :func:`h3t_ext.costmodel.schema.check_system_dict` (SchemaError, a ValueError, names the field)."""
-    check_system_dict(f"system {name}", d, efficiency_set_names())
+    check_system_dict(f"system {name}", d, efficiency_set_names(), tuple(plausible_ranges()))
     eff_name = d.get("efficiency_set", name)
     eff = dict(d["efficiencies"]) if "efficiencies" in d else efficiency_set(eff_name)
     return SystemSpec(

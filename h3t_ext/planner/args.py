@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 from typing import NoReturn, Optional, Union
 
@@ -29,6 +30,17 @@ AlphaArg = Union[float, tuple[float, ...], str]
 _CUSTOM_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                        "ffn_hidden_size", "vocab_size")
 _REQUIRED_CUSTOM = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
+
+
+_FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|tensor_model_parallel_size|"
+                    r"context_parallel_size|pipeline_model_parallel_size|num_layers_per_virtual_pipeline_stage|"
+                    r"offload_alpha|ckpt|num_layers|hidden_size|num_attention_heads|num_query_groups|ffn_hidden_size|"
+                    r"vocab_size|optimizer_cpu_offload|use_distributed_optimizer|data_parallel_sharding_strategy)\b")
+
+
+def flagify(reason: str) -> str:
+    """Name the command-line flags instead of the Plan fields in a cost-model reason."""
+    return _FIELD.sub(lambda m: "--" + m.group(1).replace("_", "-"), reason)
 
 
 class UsageError(Exception):
@@ -249,7 +261,7 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
         given.setdefault("num_query_groups", given["num_attention_heads"])
         return ModelSpec(name="custom", **given, **switches)
     except ValueError as e:
-        raise UsageError(f"model: {e}") from None
+        raise UsageError(f"model: {flagify(str(e))}") from None
 
 
 def system_from_args(ns: argparse.Namespace) -> SystemSpec:

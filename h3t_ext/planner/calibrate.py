@@ -21,6 +21,7 @@ from typing import Sequence
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec
 from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system
+from h3t_ext.costmodel.plan import validate_plan
 from h3t_ext.costmodel.schema import SchemaError, check_positive_rate
 from h3t_ext.costmodel.specs import plausible_ranges
 from h3t_ext.offload_alpha import OffloadAlpha
@@ -38,24 +39,44 @@ class RunFileError(ValueError):
     """A run file that cannot be read; the message names the file and the problem."""
 
 
-def _truthy(text: str) -> bool:
-    return str(text).strip().lower() in ("1", "true", "yes", "on")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _switch(path: str, name: str, value) -> bool:
+    """A 0/1 switch of a run: a JSON boolean or number 0/1, or text 1/true/yes/on or 0/false/no/off."""
+    text = str(value).strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise RunFileError(f"{path}: field {name} must be 0 or 1 (or true/false, yes/no, on/off), got {value!r}")
+    return text in _TRUE
+
+
+def _int(name: str, value) -> int:
+    """An integer field of a run, given as a JSON integer (or an integral number) or as text."""
+    if isinstance(value, bool) or (isinstance(value, float) and value != int(value)):
+        raise ValueError(f"field {name} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except (ValueError, TypeError, OverflowError):
+        raise ValueError(f"field {name} must be an integer, got {value!r}") from None
 
 
 def _fields(path: str, cfg: dict) -> dict:
     """The run's Megatron fields as numbers and switches (what the translation reads)."""
     try:
-        out = {"num_gpus": int(cfg.get("num_gpus") or cfg["world_size"]), "seq_length": int(cfg["seq_length"]),
-               "global_batch_size": int(cfg["global_batch_size"])}
-    except (KeyError, ValueError, TypeError) as e:
+        out = {"num_gpus": _int("num_gpus", cfg.get("num_gpus") or cfg["world_size"]),
+               "seq_length": _int("seq_length", cfg["seq_length"]),
+               "global_batch_size": _int("global_batch_size", cfg["global_batch_size"])}
+    except (KeyError, ValueError) as e:
         raise RunFileError(f"{path}: needs num_gpus (or world_size), seq_length and global_batch_size ({e})") from None
     try:
         for k in INT_FIELDS:
             if cfg.get(k) not in (None, ""):
-                out[k] = int(cfg[k])
+                out[k] = _int(k, cfg[k])
         vpp = cfg.get("virtual_pipeline_model_parallel_size")
         if vpp not in (None, "", 1, "1") and "num_layers_per_virtual_pipeline_stage" not in out:
-            out["_virtual"] = int(vpp)
+            out["_virtual"] = _int("virtual_pipeline_model_parallel_size", vpp)
+            if out["_virtual"] < 1:
+                raise ValueError(f"field virtual_pipeline_model_parallel_size must be an integer >= 1, got {vpp!r}")
         if cfg.get("ckpt") not in (None, ""):
             out["ckpt"] = str(cfg["ckpt"])
         if cfg.get("offload_alpha") not in (None, ""):
@@ -64,7 +85,7 @@ def _fields(path: str, cfg: dict) -> dict:
         raise RunFileError(f"{path}: {e}") from None
     for k in SWITCHES:
         if cfg.get(k) not in (None, ""):
-            out[k] = _truthy(cfg[k])
+            out[k] = _switch(path, k, cfg[k])
     for k in TEXT_FIELDS:
         if cfg.get(k) not in (None, ""):
             out[k] = str(cfg[k])
@@ -92,18 +113,26 @@ def check_output_path(path: str) -> None:
         raise RunFileError(f"--output {path}: not writable")
 
 
-def _finish(fields: dict, model: ModelSpec) -> Plan:
+def _finish(where: str, fields: dict, model: ModelSpec, system: SystemSpec) -> Plan:
     """The run's plan through the one translation (a field the run does not name is Megatron's default: no
-    recompute, no sequence parallelism, no distributed optimizer)."""
+    recompute, no sequence parallelism, no distributed optimizer), checked against the model and system
+    (:func:`~h3t_ext.costmodel.plan.validate_plan`); a plan refused by either is a RunFileError naming
+    ``where`` (the file, and the row of a CSV)."""
     virtual = fields.pop("_virtual", None)
     if virtual is not None:
         p = fields.get("pipeline_model_parallel_size", 1)
         fields["num_layers_per_virtual_pipeline_stage"] = model.num_layers // (p * virtual)
-    return plan_from_args(fields, num_gpus=fields["num_gpus"], offload_alpha=fields.get("offload_alpha", 0.0))
+    try:
+        plan = plan_from_args(fields, num_gpus=fields["num_gpus"], offload_alpha=fields.get("offload_alpha", 0.0))
+        validate_plan(model, plan, system)
+        return plan
+    except ValueError as e:  # the translation's one-line refusals, PlanError among them
+        raise RunFileError(f"{where}: {' '.join(str(e).split())}") from None
 
 
-def read_runs(paths: Sequence[str], model: ModelSpec) -> list[MeasuredRun]:
-    """Measured runs of every file (``.json``: --metrics-json, ``.csv``: one run per row)."""
+def read_runs(paths: Sequence[str], model: ModelSpec, system: SystemSpec) -> list[MeasuredRun]:
+    """Measured runs of every file (``.json``: --metrics-json, ``.csv``: one run per row) of ``model`` on
+    ``system``."""
     runs: list[MeasuredRun] = []
     for path in paths:
         p = Path(path)
@@ -114,7 +143,7 @@ def read_runs(paths: Sequence[str], model: ModelSpec) -> list[MeasuredRun]:
                 for i, row in enumerate(csv.DictReader(f), 2):
                     if not row.get("tokens_per_second_per_gpu"):
                         raise RunFileError(f"{path}:{i}: needs a tokens_per_second_per_gpu column")
-                    plan = _finish(_fields(f"{path}:{i}", row), model)
+                    plan = _finish(f"{path}:{i}", _fields(f"{path}:{i}", row), model, system)
                     rate = _rate(f"{path}:{i}", row["tokens_per_second_per_gpu"])
                     runs.append(MeasuredRun(model, plan, rate, f"{p.name}:{i}"))
             continue
@@ -122,7 +151,7 @@ def read_runs(paths: Sequence[str], model: ModelSpec) -> list[MeasuredRun]:
             with open(p, encoding="utf-8") as f:
                 d = json.load(f)
             cfg, iters = d["config"], d["iterations"]
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # TypeError: not an object
             raise RunFileError(f"--runs {path}: not a --metrics-json file ({e})") from None
         if not isinstance(cfg, dict) or not isinstance(iters, list) or not all(isinstance(r, dict) for r in iters):
             raise RunFileError(f"--runs {path}: not a --metrics-json file (config must be an object, iterations "
@@ -131,7 +160,7 @@ def read_runs(paths: Sequence[str], model: ModelSpec) -> list[MeasuredRun]:
                  if r.get("tokens_per_second_per_gpu") is not None]
         if not rates:
             raise RunFileError(f"--runs {path}: no iteration with tokens_per_second_per_gpu")
-        plan = _finish(_fields(path, cfg), model)
+        plan = _finish(f"--runs {path}", _fields(path, cfg), model, system)
         runs.append(MeasuredRun(model, plan, statistics.median(rates), p.name))
     if not runs:
         raise RunFileError("--runs: no runs in the given files")

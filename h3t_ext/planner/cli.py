@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 from typing import Optional, Sequence
 
@@ -10,22 +9,12 @@ from rich.console import Console
 
 from h3t_ext.costmodel import InfeasiblePlanError, PlanError
 from h3t_ext.planner import format as fmt
-from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_from_args, megatron_offload_requested, \
+from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_from_args, flagify, \
+    megatron_offload_requested, \
     model_from_args, plan_from_args, system_file_from_args, system_from_args
 from h3t_ext.planner.calibrate import RunFileError, calibrate, check_output_path, read_runs
 from h3t_ext.planner.evaluate import evaluate
 from h3t_ext.planner.search import search
-
-_FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|tensor_model_parallel_size|"
-                    r"context_parallel_size|pipeline_model_parallel_size|num_layers_per_virtual_pipeline_stage|"
-                    r"offload_alpha|ckpt|num_layers|hidden_size|num_attention_heads|num_query_groups|ffn_hidden_size|"
-                    r"vocab_size)\b")
-
-
-def _flagify(reason: str) -> str:
-    """Name the command-line flags instead of the Plan fields in a cost-model reason."""
-    return _FIELD.sub(lambda m: "--" + m.group(1).replace("_", "-"), reason)
-
 
 def _fail(message: str) -> int:
     sys.stderr.write(f"{PROG}: error: {' '.join(message.split())}\n")
@@ -68,7 +57,7 @@ def _search(ns, model, system) -> int:
                     alpha_mode=ns.offload_alpha, memory_budget_bytes=ns.memory_budget, exhaustive=ns.exhaustive,
                     top=ns.top, host_memory_budget_bytes=ns.host_memory_budget)
     if not result.plans:
-        return _fail(fmt.no_plan_message(result))
+        return _fail(flagify(fmt.no_plan_message(result)))
     if ns.json:
         print(json.dumps(fmt.search_dicts(result, ns.top), indent=2))
         return 0
@@ -86,7 +75,7 @@ def _search(ns, model, system) -> int:
 def _calibrate(ns, model, system) -> int:
     try:
         check_output_path(ns.output)
-        runs = read_runs(ns.runs, model)
+        runs = read_runs(ns.runs, model, system)
         result = calibrate(system, system_file_from_args(ns), runs)
     except (RunFileError, OSError) as e:
         return _fail(str(e))
@@ -117,7 +106,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as e:
         return _fail(str(e))
     except PlanError as e:
-        return _fail(_flagify(e.reason))
+        return _fail(flagify(e.reason))
 
 
 if __name__ == "__main__":

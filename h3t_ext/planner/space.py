@@ -40,6 +40,7 @@ R_L_SAME = "num_layers_per_virtual_pipeline_stage = num_layers / pipeline_model_
 R_L_P1 = "interleaving needs pipeline_model_parallel_size > 1"
 R_MB_BATCH = "global_batch_size not divisible by micro_batch_size * data_parallel_size / context_parallel_size"
 R_MB_INTERLEAVE = "interleaved 1F1B needs num_microbatches to be a multiple of pipeline_model_parallel_size"
+R_GPUS = "num_gpus not divisible by the parallel sizes"
 
 
 @dataclass(frozen=True)
@@ -225,16 +226,18 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
     if k.num_layers_per_virtual_pipeline_stage is not None:
         l_options = [k.num_layers_per_virtual_pipeline_stage]
     for t in _pick(k.tensor_model_parallel_size, divisors(num_gpus)):
-        if num_gpus % t or (reason := _validate_tensor(model, seq_length, t, gpus_per_node, k.sequence_parallel)):
-            rejected[reason or "num_gpus not divisible by the parallel sizes"] += 1
+        # a fixed t need not divide num_gpus (the divisors are only the free choices): that is its own reason
+        if reason := R_GPUS if num_gpus % t else _validate_tensor(model, seq_length, t, gpus_per_node,
+                                                                  k.sequence_parallel):
+            rejected[reason] += 1
             continue
         for c in _pick(k.context_parallel_size, divisors(num_gpus // t)):
-            if (num_gpus // t) % c or (reason := _validate_context(seq_length, t, c, k.sequence_parallel)):
-                rejected[reason or "num_gpus not divisible by the parallel sizes"] += 1
+            if reason := R_GPUS if (num_gpus // t) % c else _validate_context(seq_length, t, c, k.sequence_parallel):
+                rejected[reason] += 1
                 continue
             for p in _pick(k.pipeline_model_parallel_size, divisors(num_gpus // (t * c))):
                 if (num_gpus // (t * c)) % p:
-                    rejected["num_gpus not divisible by the parallel sizes"] += 1
+                    rejected[R_GPUS] += 1
                     continue
                 if reason := _refusal(lambda: virtual_pipeline_size(L, p)):
                     rejected[reason] += 1

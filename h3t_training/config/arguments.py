@@ -312,6 +312,11 @@ def check_finite(args):
     return args
 
 
+SEED_MAX = 2**32 - 1
+"""Largest ``--seed``: NumPy's generators (Megatron's dataset shuffles) take seeds in [0, 2**32 - 1]; torch's
+would overflow above 2**64."""
+
+
 def check_positive(args):
     """Sizes, rates and probabilities in their ranges."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -321,7 +326,7 @@ def check_positive(args):
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "save_interval",
                  "exit_interval",
                  "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
-                 "tensorboard_log_interval", "tensorboard_queue_size"):
+                 "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")
@@ -335,10 +340,19 @@ def check_positive(args):
         v = getattr(args, name)
         if not v > 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside (0, inf)")
-    for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters", "eval_iters"):
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
+        raise ArgumentError(f"--exit-duration-in-mins {args.exit_duration_in_mins} is outside (0, inf)")
+    for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters", "lr_warmup_samples",
+                 "eval_iters"):
         v = getattr(args, name)
         if v < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, inf)")
+    for name in ("min_lr", "lr_warmup_init"):  # megatron-core's scheduler asserts min_lr <= lr and init_lr <= lr
+        v = getattr(args, name)
+        if not 0 <= v <= args.lr:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, --lr {args.lr}]")
+    if not 0 <= args.seed <= SEED_MAX:
+        raise ArgumentError(f"--seed {args.seed} is outside [0, {SEED_MAX}]")
     for name in ("norm_epsilon", "rotary_base"):
         v = getattr(args, name)
         if not v > 0:

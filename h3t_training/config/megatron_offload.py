@@ -52,8 +52,8 @@ def map_offload_request(args):
     ``--offload-modules`` without ``--fine-grained-activation-offloading`` and the mapping's refusals are one
     line."""
     request = megatron_offload_from_args(args)
-    if not (request.requested or request.offload_modules):
-        return args
+    if not (request.requested or request.offload_modules or request.cpu_offloading_num_layers):
+        return args  # a negative --cpu-offloading-num-layers requests nothing, and is refused by the mapping
     on_gpu = feature_checks.uses_gpu(args)
     spec = activation_spec(args, on_gpu=on_gpu)
     te = spec["layer_spec"] == "te"

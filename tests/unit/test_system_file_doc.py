@@ -62,7 +62,7 @@ def _bad_values(rule):
     if rule.integer:
         yield 1.5
     if rule.maximum is not None:
-        yield rule.maximum
+        yield rule.maximum + (1 if rule.maximum_inclusive else 0)
 
 
 @pytest.mark.parametrize("rule", SYSTEM_FIELDS, ids=lambda r: r.name)

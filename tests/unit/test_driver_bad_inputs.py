@@ -1,0 +1,41 @@
+"""Bad driver flags found by the bad-input sweep (parsed in-process, as the driver does before any process group):
+each was accepted and either failed later (megatron-core's scheduler asserts, NumPy's seed range) or ran with a
+meaningless value; now each is one line naming the flag and its valid range, exit 2."""
+from __future__ import annotations
+
+import pytest
+
+from parse_harness import BASE, _error
+from h3t_training.config.sections import parse_args
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--lr-decay-iters", "0"], "--lr-decay-iters 0 is outside [1, inf)"),
+    (["--lr-decay-iters", "-1"], "--lr-decay-iters -1 is outside [1, inf)"),
+    (["--train-iters", None, "--train-samples", "64", "--lr-decay-samples", "0"],
+     "--lr-decay-samples 0 is outside [1, inf)"),
+    (["--train-iters", None, "--train-samples", "64", "--lr-warmup-samples", "-8"],
+     "--lr-warmup-samples -8 is outside [0, inf)"),
+    (["--min-lr", "1"], "--min-lr 1.0 is outside [0, --lr 0.001]"),
+    (["--lr-warmup-init", "-1"], "--lr-warmup-init -1.0 is outside [0, --lr 0.001]"),
+    (["--lr-warmup-init", "0.01"], "--lr-warmup-init 0.01 is outside [0, --lr 0.001]"),
+    (["--seed", "-1"], "--seed -1 is outside [0, 4294967295]"),
+    (["--seed", str(2**64)], f"--seed {2**64} is outside [0, 4294967295]"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0.0 is outside (0, inf)"),
+    (["--cpu-offloading-num-layers", "-1"], "--cpu-offloading-num-layers -1 is outside [0, 3]"),
+])
+def test_bad_driver_value_is_one_line(capsys, monkeypatch, extra, expected):
+    argv = list(BASE)
+    for flag, value in zip(extra[::2], extra[1::2]):
+        if flag in argv:
+            i = argv.index(flag)
+            del argv[i:i + 2]
+        if value is not None:
+            argv += [flag, value]
+    assert expected in _error(argv, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("extra", [["--seed", "0"], ["--seed", str(2**32 - 1)], ["--min-lr", "1e-3"],
+                                   ["--lr-warmup-init", "1e-3"], ["--lr-decay-iters", "1"]])
+def test_driver_values_at_their_bounds_parse(extra):
+    parse_args(BASE + extra, world_size=2)

@@ -1,0 +1,56 @@
+"""Bad input to ``h3t-plan`` found by the bad-input sweep: each is exit 2 and one line on stderr naming the flag
+(or file field) and the valid range, never a traceback. The CLI runs in-process (h3t_ext.planner.cli.main)."""
+from __future__ import annotations
+
+import pytest
+
+from h3t_ext.costmodel import get_model
+from h3t_ext.planner.cli import main
+from h3t_ext.planner.space import R_GPUS, SearchConstraints, enumerate_layouts
+
+RUN = ["--model", "llama-7b", "--seq-length", "4096", "--num-gpus", "8", "--global-batch-size", "64"]
+SEARCH = ["search", *RUN]
+ESTIMATE = ["estimate", *RUN]
+
+
+def _error(argv, capsys) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("h3t-plan: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("flag", ["--tensor-model-parallel-size", "--context-parallel-size",
+                                  "--pipeline-model-parallel-size"])
+def test_search_fixed_size_that_does_not_divide_the_gpus(capsys, flag):
+    """A fixed parallel size that does not divide --num-gpus was an UnboundLocalError (the walrus never ran)."""
+    err = _error(SEARCH + [flag, "3"], capsys)
+    assert "no valid plan for these sizes" in err and "--num-gpus not divisible by the parallel sizes" in err, err
+
+
+def test_enumeration_counts_a_fixed_size_that_does_not_divide_the_gpus():
+    """Each rejection is counted under its own reason (a stale reason of an earlier c was reused before)."""
+    model = get_model("llama-7b")
+    layouts, rejected = enumerate_layouts(model, num_gpus=8, seq_length=4096, global_batch_size=64, gpus_per_node=8,
+                                          constraints=SearchConstraints(tensor_model_parallel_size=3))
+    assert layouts == [] and rejected == {R_GPUS: 1}
+    layouts, rejected = enumerate_layouts(model, num_gpus=8, seq_length=6, global_batch_size=64, gpus_per_node=8,
+                                          constraints=SearchConstraints(tensor_model_parallel_size=1,
+                                                                        context_parallel_size=3))
+    assert layouts == [] and rejected == {R_GPUS: 1}
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--num-query-groups", "5", "model: --num-attention-heads (32) must be divisible by --num-query-groups (5); "
+                                "valid --num-query-groups: 1, 2, 4, 8, 16, 32"),
+    ("--hidden-size", "4097", "model: --hidden-size (4097) must be divisible by --num-attention-heads (32); "
+                              "valid --hidden-size: multiples of 32"),
+])
+def test_model_shape_error_names_the_flags_and_the_valid_values(capsys, flag, value, expected):
+    """The model's own rules were printed with its field names and no valid values."""
+    assert expected in _error(ESTIMATE + [flag, value], capsys)
+
+
+def test_optimizer_offload_refusal_names_the_flags(capsys):
+    err = _error(ESTIMATE + ["--optimizer-cpu-offload", "--no-use-distributed-optimizer"], capsys)
+    assert "--optimizer-cpu-offload needs --use-distributed-optimizer" in err, err
