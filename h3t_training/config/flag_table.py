@@ -132,7 +132,7 @@ REASONS: dict[str, Reason] = {
                     "none needed"),
     "attention_backend": Reason("noticed", "the attention kernel / implementation choice; on CPU attention runs through torch's scaled_dot_product_attention with the same result",
                     "none needed"),
-    "precision": Reason("noticed", "a low-precision (fp16/fp8/fp4) or loss-scaling setting; CPU training is float32",
+    "precision": Reason("noticed", "a low-precision (fp16/fp8/fp4) or loss-scaling setting; CPU training is float32 (an FP8 or optimizer-dtype value a GPU run would refuse is refused on CPU too)",
                     "none needed on CPU"),
     "comm_overlap": Reason("noticed", "a GPU communication / overlap / bucketing setting; the CPU driver communicates with gloo in one call, same result",
                     "none needed"),

@@ -145,16 +145,23 @@ def spec_backend(args, *, on_gpu: bool) -> str:
 
 
 def check_gpu_flags(args):
-    """A resolve step: on a GPU, every megatron-core field of the table flags is computed once, so a bad value or
-    combination is one line before any process group."""
-    if not feature_checks.uses_gpu(args):
-        return args
+    """A resolve step: every megatron-core field of the table flags is computed once, so a bad value or combination
+    is one line before any process group. On CPU too (the CPU stand-in is as strict as a GPU run): the FP8, DDP,
+    optimizer-dtype and cross-entropy fields and the choices of ``--transformer-impl`` and ``--attention-backend``
+    (``--fp8-format e5m2`` or ``--fp8-param-gather`` without a format is refused there as on a GPU, not noticed
+    and dropped); only what needs a GPU's TransformerEngine (the spec it builds, the backend it takes) is left to
+    the GPU."""
+    on_gpu = feature_checks.uses_gpu(args)
     try:
-        spec_backend(args, on_gpu=True)
+        if on_gpu:
+            spec_backend(args, on_gpu=True)
+            attention_backend(args)
+        else:
+            _choice(args, "--transformer-impl", ("transformer_engine", "local"))
+            _choice(args, "--attention-backend", ATTENTION_BACKENDS + ("local",))  # the CPU spec is local
         ddp_fields(args)
         optimizer_dtype_fields(args)
         fp8_fields(args)
-        attention_backend(args)
         _choice(args, "--cross-entropy-fusion-impl", ("native", "te"), "native")
     except ValueError as e:
         raise ArgumentError(str(e)) from None

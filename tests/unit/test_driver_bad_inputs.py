@@ -39,3 +39,25 @@ def test_bad_driver_value_is_one_line(capsys, monkeypatch, extra, expected):
                                    ["--lr-warmup-init", "1e-3"], ["--lr-decay-iters", "1"]])
 def test_driver_values_at_their_bounds_parse(extra):
     parse_args(BASE + extra, world_size=2)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--fp8-format", "e5m2"], "--fp8-format e5m2 is not one of e4m3, hybrid"),
+    (["--fp8-param-gather"], "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)"),
+    (["--fp8-format", "hybrid", "--fp8-recipe", "bogus"], "--fp8-recipe bogus is not one of delayed, tensorwise"),
+    (["--fp8-format", "hybrid", "--fp8-amax-history-len", "0"], "--fp8-amax-history-len"),
+    (["--attention-backend", "nope"], "--attention-backend nope is not one of flash, fused, unfused, auto, local"),
+    (["--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer"),
+    (["--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"], "--grad-reduce-in-bf16 contradicts"),
+])
+def test_megatron_core_fields_are_checked_on_cpu_as_on_a_gpu(capsys, monkeypatch, extra, expected):
+    """A GPU run computes these megatron-core fields before any process group and refuses a bad value in one line;
+    the CPU run (which notices the precision flags and trains in float32) refuses the same values, not more
+    forgivingly."""
+    assert expected in _error(BASE + extra, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("extra", [["--fp8-format", "hybrid"], ["--fp8-format", "e4m3", "--fp8-recipe", "tensorwise"],
+                                   ["--attention-backend", "local"], ["--attention-backend", "flash"]])
+def test_valid_megatron_core_fields_still_parse_on_cpu(extra):
+    parse_args(BASE + extra, world_size=2)

@@ -81,8 +81,8 @@ def test_fp8_on_a_gpu_without_transformer_engine_is_refused_naming_it(monkeypatc
     # on CPU the same flags are notices, as before
     monkeypatch.setattr(feature_checks, "cuda_available", lambda: False)
     notes = parse_args([*BASE, "--fp8-format", "hybrid", "--tp-comm-overlap"], world_size=2).flag_notices
-    assert "note: --fp8-format: a low-precision (fp16/fp8/fp4) or loss-scaling setting; CPU training is float32" \
-        in notes
+    assert ("note: --fp8-format: a low-precision (fp16/fp8/fp4) or loss-scaling setting; CPU training is float32 (an "
+            "FP8 or optimizer-dtype value a GPU run would refuse is refused on CPU too)") in notes
 
 
 def test_fp8_with_transformer_engine_reaches_the_transformer_config_and_the_plan(monkeypatch):
