@@ -41,7 +41,7 @@ from h3t_ext.costmodel.estimate import estimate
 from h3t_ext.costmodel.mfu import mfu
 from h3t_ext.costmodel.offload import solve_offload_alpha
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.published import atc24_memory_budget_bytes, published_runs, settings
+from h3t_ext.costmodel.published import atc24_memory_budget_bytes, published_runs, settings, stated_switches
 from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_system
 
 FIG9, TABLE8, DEMO7B, FIG7 = "Figure 9", "Table 8", "7B demo", "Figure 7"
@@ -108,9 +108,10 @@ def _load(name: str) -> dict:
         return json.load(f)
 
 
-def _run_switches() -> dict:
-    """Plan switches of every ATC '24 run (TP comm overlap, no DP overlap, ...): run_settings.json atc24_65b."""
-    return settings()["sources"]["atc24_65b"]["plan"]
+def _run_switches(tensor_model_parallel_size: int) -> dict:
+    """Plan switches of every ATC '24 run (TP comm overlap where t > 1, no DP overlap, ...): run_settings.json
+    atc24_65b (:func:`~h3t_ext.costmodel.published.stated_switches`)."""
+    return stated_switches(settings()["sources"]["atc24_65b"]["plan"], tensor_model_parallel_size)
 
 
 @functools.lru_cache(maxsize=1)
@@ -141,7 +142,7 @@ def figure9_rows() -> list[ArtifactRow]:
                     global_batch_size=int(r["global_batch"]), tensor_model_parallel_size=int(r["t"]),
                     context_parallel_size=int(r["c"]), pipeline_model_parallel_size=int(r["p"]),
                     num_layers_per_virtual_pipeline_stage=int(r["l"]), ckpt=r["ckpt"],
-                    offload_alpha=float(r["alpha"]), **_run_switches())
+                    offload_alpha=float(r["alpha"]), **_run_switches(int(r["t"])))
         label = f"{r['model']} {r['num_gpus']} GPUs t{r['t']} c{r['c']} p{r['p']} l{r['l']} {r['ckpt']}"
         out.append(_row(FIG9, label, model, plan, h800, float(r["alpha"]),
                         float(r["tokens_per_s"]) / int(r["num_gpus"]), None))
@@ -156,7 +157,7 @@ def _method_rows(table: str, rows: Iterable[dict], label: Callable[[dict], str])
         plan = Plan(num_gpus=r["num_gpus"], seq_length=r["seq_length"], global_batch_size=r["global_batch_size"],
                     tensor_model_parallel_size=r["t"], context_parallel_size=r["c"],
                     pipeline_model_parallel_size=r["p"], num_layers_per_virtual_pipeline_stage=r["l"],
-                    ckpt=r["ckpt"], offload_alpha=0.0 if alpha is None else alpha, **_run_switches())
+                    ckpt=r["ckpt"], offload_alpha=0.0 if alpha is None else alpha, **_run_switches(r["t"]))
         tokens = r["tokens_per_s_per_gpu"]
         out.append(_row(table, label(r), reference_model(r["model"]), plan, get_system(r.get("gpu", "h800")), alpha,
                         None if tokens is None else float(tokens), r["mfu"]))

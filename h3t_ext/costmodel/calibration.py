@@ -13,7 +13,7 @@ from h3t_ext.costmodel.estimate import estimate
 from h3t_ext.costmodel.mfu import mfu
 from h3t_ext.costmodel.offload import solve_offload_alpha
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.published import atc24_memory_budget_bytes, settings
+from h3t_ext.costmodel.published import atc24_memory_budget_bytes, settings, stated_switches
 from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_system
 
 REFERENCE = DATA_DIR / "reference" / "atc24_calibration.json"
@@ -58,7 +58,7 @@ def memory_points() -> list[tuple[Plan, Optional[int]]]:
     ref = reference()["memory_vs_alpha"]
     cfg = {k: v for k, v in ref["config"].items() if k not in ("model", "gpu")}
     run = settings()["sources"]["atc24_65b"]["plan"]
-    return [(Plan(**{**run, **cfg}, ckpt=pt["ckpt"], offload_alpha=float(pt["alpha"])), pt["bytes"])
+    return [(Plan(**{**stated_switches(run, cfg["tensor_model_parallel_size"]), **cfg}, ckpt=pt["ckpt"], offload_alpha=float(pt["alpha"])), pt["bytes"])
             for pt in ref["points"]]
 
 
@@ -148,7 +148,8 @@ def memory_verdict_runs() -> list[MemoryRun]:
     out = []
     for ckpt in ("ours", "no"):
         for alpha, measured in fig7[ckpt].items():
-            plan = Plan(**{**run, **cfg}, ckpt=ckpt, offload_alpha=float(alpha))
+            plan = Plan(**{**stated_switches(run, cfg["tensor_model_parallel_size"]), **cfg}, ckpt=ckpt,
+                        offload_alpha=float(alpha))
             out.append(MemoryRun(f"Figure 7 ckpt={ckpt} alpha={alpha}", m65, plan, h800, measured is not None, measured))
     for r in ref["table8"]["rows"]:
         if r["method"] == "origin-megatron":  # stock Megatron's recompute, no alpha: not a plan of this runtime
@@ -156,7 +157,7 @@ def memory_verdict_runs() -> list[MemoryRun]:
         plan = Plan(num_gpus=r["num_gpus"], seq_length=r["seq_length"], global_batch_size=r["global_batch_size"],
                     tensor_model_parallel_size=r["t"], context_parallel_size=r["c"], pipeline_model_parallel_size=r["p"],
                     num_layers_per_virtual_pipeline_stage=r["l"], ckpt=r["ckpt"], offload_alpha=float(r["alpha"]),
-                    **run)
+                    **stated_switches(run, r["t"]))
         out.append(MemoryRun(f"Table 8 {r['method']}", reference_model(r["model"]), plan, h800,
                              r["tokens_per_s_per_gpu"] is not None))
     return out

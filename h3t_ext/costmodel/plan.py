@@ -242,6 +242,13 @@ def _validate_ranges(plan: Plan) -> None:
     _check(not plan.optimizer_cpu_offload or (plan.use_distributed_optimizer and strategy is None),
            "optimizer_cpu_offload needs use_distributed_optimizer (Megatron-LM: --use-precision-aware-optimizer, "
            "which needs the distributed optimizer) and Megatron's DDP, not Megatron FSDP")
+    # Megatron-LM's validate_args asserts these two (training/arguments.py): the userbuffer overlap splits the
+    # sequence-parallel all-gathers and reduce-scatters, which exist only with t > 1; the parameter all-gather
+    # belongs to the distributed optimizer and is issued by the gradient reduce's buckets
+    _check(not plan.tp_comm_overlap or (plan.tensor_model_parallel_size > 1 and plan.sequence_parallel),
+           "tp_comm_overlap needs sequence_parallel with tensor_model_parallel_size > 1 (Megatron-LM asserts it)")
+    _check(not plan.overlap_param_gather or (plan.use_distributed_optimizer and plan.overlap_grad_reduce),
+           "overlap_param_gather needs use_distributed_optimizer and overlap_grad_reduce (Megatron-LM asserts it)")
     _check(plan.attention_backend in ATTENTION_BACKENDS,
            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {plan.attention_backend!r}")
     validate_fp8(plan)

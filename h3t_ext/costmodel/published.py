@@ -49,6 +49,13 @@ def settings() -> dict:
     return _json("run_settings.json")
 
 
+def stated_switches(plan: dict, tensor_model_parallel_size: int) -> dict:
+    """A source's stated run switches (``run_settings.json`` ``plan``) for one of its runs: ``tp_comm_overlap`` only
+    where t > 1 (Megatron-LM refuses --tp-comm-overlap without sequence parallelism, which it turns off at t = 1, so a
+    source that states it for its runs means its tensor-parallel ones)."""
+    return {**plan, "tp_comm_overlap": bool(plan.get("tp_comm_overlap")) and tensor_model_parallel_size > 1}
+
+
 def _gpt(label: str, heads: int, hidden: int, layers: int, vocab: int, settings: dict) -> ModelSpec:
     """A GPT-3 style model of a source; its dropout comes from the source's ``model`` settings."""
     return ModelSpec(name=label, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -75,7 +82,7 @@ def _atc24() -> list[PublishedRun]:
         plan = Plan(num_gpus=int(r["num_gpus"]), seq_length=int(r["seq_length"]), global_batch_size=int(r["global_batch"]),
                     tensor_model_parallel_size=int(r["t"]), context_parallel_size=int(r["c"]),
                     pipeline_model_parallel_size=int(r["p"]), num_layers_per_virtual_pipeline_stage=int(r["l"]),
-                    ckpt=r["ckpt"], offload_alpha=float(r["alpha"]), **cfg["plan"])
+                    ckpt=r["ckpt"], offload_alpha=float(r["alpha"]), **stated_switches(cfg["plan"], int(r["t"])))
         label = f"65B {r['num_gpus']} GPUs t{r['t']} p{r['p']} {r['ckpt']}"
         runs.append(PublishedRun("atc24_65b", label, model, plan, system,
                                  float(r["tokens_per_s"]) / int(r["num_gpus"]), cfg["memory_budget_bytes"]))
@@ -93,7 +100,7 @@ def _demo7b() -> list[PublishedRun]:
         plan = Plan(num_gpus=r["num_gpus"], seq_length=r["seq_length"], global_batch_size=r["global_batch_size"],
                     tensor_model_parallel_size=r["t"], context_parallel_size=r["c"], pipeline_model_parallel_size=r["p"],
                     num_layers_per_virtual_pipeline_stage=r["l"], ckpt=r["ckpt"], offload_alpha=float(r["alpha"]),
-                    **cfg["plan"])
+                    **stated_switches(cfg["plan"], r["t"]))
         runs.append(PublishedRun("atc24_demo7b", f"7B demo {r['gpu']} {r['method']}", model, plan,
                                  get_system(r["gpu"]), float(r["tokens_per_s_per_gpu"]), cfg["memory_budget_bytes"]))
     return runs
@@ -111,10 +118,11 @@ def _megatron() -> list[PublishedRun]:
                      MEGATRON_VOCAB, cfg)
         # one microbatch per replica without a pipeline, one sample per microbatch with one (run_settings.json)
         mb = r["batch_size"] // r["dp"] if r["pp"] == 1 else 1
+        switches = {k: v for k, v in stated_switches(cfg["plan"], r["tp"]).items() if k != "micro_batch_size"}
         plan = Plan(num_gpus=r["num_gpus"], seq_length=4096, global_batch_size=r["batch_size"], micro_batch_size=mb,
                     tensor_model_parallel_size=r["tp"], pipeline_model_parallel_size=r["pp"],
                     num_layers_per_virtual_pipeline_stage=cfg["num_layers_per_virtual_pipeline_stage"].get(r["model_size"]),
-                    **{k: v for k, v in cfg["plan"].items() if k != "micro_batch_size"})
+                    **switches)
         tokens = r["per_gpu_tflops"] * 1e12 / megatron_flops_per_token(model, 4096)
         runs.append(PublishedRun("megatron_h100", f"{r['model_size']} {r['num_gpus']} GPUs", model, plan, system, tokens))
     return runs

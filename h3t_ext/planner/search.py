@@ -138,6 +138,8 @@ def _plan(run: tuple, layout: Layout, mb: int, mode, block_layers: Optional[int]
     (None: its base alone)."""
     num_gpus, seq_length, global_batch_size, switches = run
     mode = RecomputeMode.of(mode)
+    if switches.get("tp_comm_overlap") and layout.tensor_model_parallel_size == 1:  # where t > 1 (nothing to overlap)
+        switches = {**switches, "tp_comm_overlap": False}
     return Plan(
         num_gpus=num_gpus,
         seq_length=seq_length,

@@ -130,6 +130,9 @@ def _validate_overlap(args):
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps that "
                             "optimizer's parameter all-gather)")
+    if args.overlap_param_gather and not args.overlap_grad_reduce:
+        raise ArgumentError("--overlap-param-gather needs --overlap-grad-reduce (its all-gathers are issued by the "
+                            "gradient buckets; Megatron-LM asserts it)")
     return args
 
 

@@ -61,3 +61,9 @@ def test_megatron_core_fields_are_checked_on_cpu_as_on_a_gpu(capsys, monkeypatch
                                    ["--attention-backend", "local"], ["--attention-backend", "flash"]])
 def test_valid_megatron_core_fields_still_parse_on_cpu(extra):
     parse_args(BASE + extra, world_size=2)
+
+
+def test_overlap_param_gather_needs_overlap_grad_reduce(capsys, monkeypatch):
+    """Megatron-LM asserts it: the parameter all-gathers are issued by the gradient buckets' overlap."""
+    err = _error(BASE + ["--use-distributed-optimizer", "--overlap-param-gather"], capsys, monkeypatch)
+    assert "--overlap-param-gather needs --overlap-grad-reduce" in err

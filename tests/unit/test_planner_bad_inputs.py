@@ -54,3 +54,30 @@ def test_model_shape_error_names_the_flags_and_the_valid_values(capsys, flag, va
 def test_optimizer_offload_refusal_names_the_flags(capsys):
     err = _error(ESTIMATE + ["--optimizer-cpu-offload", "--no-use-distributed-optimizer"], capsys)
     assert "--optimizer-cpu-offload needs --use-distributed-optimizer" in err, err
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--tensor-model-parallel-size", "1", "--tp-comm-overlap"],
+     "--tp-comm-overlap needs --sequence-parallel with --tensor-model-parallel-size > 1 (Megatron-LM asserts it)"),
+    (["--tensor-model-parallel-size", "2", "--no-sequence-parallel", "--tp-comm-overlap"],
+     "--tp-comm-overlap needs --sequence-parallel"),
+    (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"),
+    (["--overlap-grad-reduce", "--overlap-param-gather", "--no-use-distributed-optimizer"],
+     "--overlap-param-gather needs --use-distributed-optimizer"),
+])
+def test_estimate_refuses_what_megatron_asserts(capsys, extra, expected):
+    """Megatron-LM's validate_args asserts these; a plan printed with them would not start."""
+    assert expected in _error(ESTIMATE + extra, capsys)
+
+
+def test_search_prints_tp_comm_overlap_only_where_it_applies(capsys):
+    """search --tp-comm-overlap means 'where t > 1': a t = 1 plan's flags leave it out (Megatron-LM would refuse
+    them), a t > 1 plan's keep it."""
+    assert main(SEARCH + ["--gpu", "h100-sxm", "--tp-comm-overlap", "--top", "40"]) == 0
+    flag_lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("#")
+                  and "--tensor-model-parallel-size" in line]
+    t1 = [line for line in flag_lines if "--tensor-model-parallel-size 1 " in line]
+    t2 = [line for line in flag_lines if "--tensor-model-parallel-size 1 " not in line]
+    assert t1 and t2, flag_lines
+    assert not any("--tp-comm-overlap" in line for line in t1), t1
+    assert all("--tp-comm-overlap" in line for line in t2), t2
