@@ -27,6 +27,11 @@ previous checkpoint as the latest. Everything that can be checked without proces
 (tracker, format, model shape, file sizes, and the checksums, each rank hashing its share of the
 files) is checked by :func:`find_checkpoint` before any rank starts, with one line naming the file
 and the reason (:class:`CheckpointError`).
+
+A checkpoint Megatron-LM itself wrote (its ``args`` in ``common.pt`` and no ``'h3t'`` section, or legacy files
+without ``common.pt``) is checked from its ``args`` (:mod:`h3t_training.loop.megatron_written`) with the same
+checks, less the checksums it has none of, and loads its model weights, iteration and RNG states; its optimizer
+state only on a GPU (megatron-core's, read by megatron-core's optimizer).
 """
 from __future__ import annotations
 
@@ -40,34 +45,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from h3t_training.config.feature_checks import uses_gpu
 from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.data.tokenizer import padded_vocab_size, run_padded_vocab_size
-from h3t_training.loop import fsdp, legacy_checkpoint as legacy
+from h3t_training.loop import fsdp, legacy_checkpoint as legacy, megatron_written
+from h3t_training.loop.checkpoint_common import (CHECKPOINT_VERSION, LAYOUT_FLAGS, MODEL_SHAPE_FLAGS,  # noqa: F401
+                                                 SCHEDULE_FLAGS, WRITTEN_BY, CheckpointError)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "h3t_checksums.json"
-CHECKPOINT_VERSION = 3.0
-"""Megatron-LM's checkpoint version for dist_checkpointing checkpoints."""
-MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                     "tokenizer_type", "vocab_size")
-"""What must match between the saving and the loading run (the parallel layout need not), with the padded
-vocabulary (``--make-vocab-size-divisible-by`` x t rounds the tokenizer's up): the flag itself may differ."""
-LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-                "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
-SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",
-                  "decoupled_min_lr")
-"""The learning-rate schedule a resumed run must agree on (Megatron's opt_param_scheduler)."""
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message is one line. ``alike``: every rank finds it alike (the
-    tracker, the shared ``common.pt`` and what it says of the model), so rank 0 alone reports it."""
-
-    def __init__(self, message: str, *, alike: bool = False):
-        super().__init__(message)
-        self.alike = alike
-
-
 @dataclass(frozen=True)
 class FoundCheckpoint:
     """A complete checkpoint under ``--load``, checked before any process group exists."""
@@ -227,12 +213,8 @@ def _read_common(directory: str) -> dict:
     per_rank = legacy.rank_dirs(directory)
     if per_rank and "common.pt" in names:  # --ckpt-format torch, written by this driver
         return _read_common_pt(directory)
-    if per_rank:
-        raise CheckpointError(f"{directory} is a Megatron-LM legacy --ckpt-format torch checkpoint "
-                              f"({per_rank[0]}/...) without this driver's common.pt, which this driver does not read; "
-                              "convert it with Megatron-LM "
-                              "(--load it with --ckpt-convert-format torch_dist --ckpt-convert-save DIR) and --load "
-                              "the result", alike=True)
+    if per_rank:  # written by Megatron-LM: its args are in every rank's file
+        return megatron_written.read_legacy_common(directory, per_rank[0])
     if any(n.startswith("rank_") and n.endswith(".pt") for n in names):
         raise CheckpointError(f"{directory} is in h3t-ext's former per-rank format (rank_*.pt), which this "
                               f"release does not read; train again or convert it with the previous release", alike=True)
@@ -256,8 +238,14 @@ def _read_common_pt(directory: str) -> dict:
         common = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # torch raises several unrelated types for a damaged file
         raise CheckpointError(f"checkpoint file {path} is corrupt or partial ({type(e).__name__})", alike=True) from None
+    if isinstance(common, dict) and "h3t" not in common and "args" in common:  # torch_dist written by Megatron-LM
+        ns = common["args"]
+        return megatron_written.megatron_written_common(
+            ns, common.get("iteration"), common.get("opt_param_scheduler"), path=path,
+            optimizer_saved=not getattr(ns, "no_save_optim", False), rng_saved=not getattr(ns, "no_save_rng", False))
     if not isinstance(common, dict) or "h3t" not in common or "iteration" not in common:
-        raise CheckpointError(f"checkpoint file {path} was not written by this driver (no 'h3t' section)", alike=True)
+        raise CheckpointError(f"checkpoint file {path} was written neither by this driver (no 'h3t' section) nor by "
+                              f"Megatron-LM (no 'args' entry)", alike=True)
     return common
 
 
@@ -279,7 +267,9 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
         raise CheckpointError(f"--load {root}: {directory} does not exist"
                               + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"), alike=True)
     common = _read_common(directory)
-    _verify_files(directory, rank, args.world_size)
+    megatron = WRITTEN_BY in common  # Megatron-LM writes no checksum manifest
+    if not megatron:
+        _verify_files(directory, rank, args.world_size)
     per_rank = bool(legacy.rank_dirs(directory))
     if per_rank:
         where = f"--load {root}: checkpoint iteration {iteration}"
@@ -301,6 +291,10 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     adopted = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
     padding, notices = adopted_padding(saved.get("padded_vocab_size"), args.tokenizer_vocab_size, args,
                                        f"--load {root}: checkpoint iteration {iteration}")
+    if megatron:  # what this run cannot take (one line), and what it takes
+        notices = (megatron_written.check_for_this_run(
+            common, args, f"--load {root}: checkpoint iteration {iteration}", on_gpu=uses_gpu(args),
+            legacy_format=per_rank, expected_samples=schedule_of(args).consumed_samples(iteration)), *notices)
     return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common,
                            {**adopted, **padding}, notices, per_rank)
 
@@ -316,8 +310,8 @@ def check_latest(root: str) -> Optional[int]:
     directory = iter_dir(root, iteration)
     if not os.path.isdir(directory):
         raise CheckpointError(f"{root}: {TRACKER} names iteration {iteration}, but {directory} does not exist")
-    _read_common(directory)
-    _verify_files(directory, 0, 1)
+    if WRITTEN_BY not in _read_common(directory):  # Megatron-LM writes no checksum manifest
+        _verify_files(directory, 0, 1)
     return iteration
 
 
@@ -379,7 +373,7 @@ def _rng_object(state):
 
 
 def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, with_optimizer: bool = True,
-                   with_rng: bool = True) -> dict:
+                   with_rng: bool = True, optimizer_metadata: Optional[dict] = None) -> dict:
     state: dict = {}
     model_sds = []
     for key, chunk in zip(_model_keys(chunks), chunks):
@@ -387,7 +381,9 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
         state[key] = sd
         model_sds.append(sd)
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sds, is_loading=loading)
+        state["optimizer"] = (optimizer.sharded_state_dict(model_sds, is_loading=loading) if optimizer_metadata is None
+                              else optimizer.sharded_state_dict(model_sds, is_loading=loading,
+                                                                metadata=optimizer_metadata))
     if with_rng:
         state["rng_state"] = _rng_object(None if loading else rng_state())
     if not loading:
@@ -493,16 +489,32 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
 
     notes = []
     finetune = bool(args.finetune)
-    with_optimizer = not (finetune or args.no_load_optim)
+    megatron = WRITTEN_BY in found.common
+    with_optimizer = not (finetune or args.no_load_optim) and (not megatron or
+                                                               found.common[WRITTEN_BY]["optimizer_saved"])
     with_rng = not (finetune or args.no_load_rng)
     if found.legacy:
         return _load_legacy(found, args, chunks, optimizer, with_optimizer, with_rng)
-    if with_rng and not found.same_layout:
+    rng_template, metadata = None, None
+    if megatron:
+        # A checkpoint Megatron-LM wrote: its RNG states in Megatron's ShardedObject (restored where Megatron-LM
+        # restores them); its optimizer state is megatron-core's, which only megatron-core's optimizer reads (a
+        # GPU run: find_checkpoint refused a CPU run without --no-load-optim), with the checkpoint's content
+        # metadata (its distrib_optim_sharding_type), as Megatron-LM's load_checkpoint builds the request.
+        if with_rng:
+            rng_template, reason = megatron_written.rng_template(found.common, args)
+            if reason:
+                notes.append(f"checkpoint iteration {found.iteration}: {reason}")
+        if with_optimizer:
+            metadata = megatron_written.optimizer_metadata(found.directory, found.common, args)
+    elif with_rng and not found.same_layout:
         with_rng = False
         notes.append(f"checkpoint iteration {found.iteration} was saved with another parallel layout: resharded; "
                      f"RNG states start from --seed")
     template = _sharded_state(args, found.iteration, chunks, optimizer, loading=True, with_optimizer=with_optimizer,
-                              with_rng=with_rng)
+                              with_rng=with_rng and not megatron, optimizer_metadata=metadata)
+    if rng_template is not None:
+        template["rng_state"] = rng_template
     try:
         loaded = dist_checkpointing.load(template, found.directory)
         for key, chunk in zip(_model_keys(chunks), chunks):
@@ -514,7 +526,9 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
             optimizer.load_sharded_state_dict(loaded["optimizer"])
         else:  # as Megatron-LM: the optimizer's own copies of the weights follow the loaded model
             optimizer.reload_model_params()
-        if with_rng:
+        if rng_template is not None:
+            megatron_written.set_rng_state(loaded["rng_state"])
+        elif with_rng and not megatron:
             set_rng_state(loaded["rng_state"])
     except BaseException as e:  # DCP's CheckpointException is a BaseException; only an interrupt or exit passes
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -529,9 +543,10 @@ def _load_legacy(found: FoundCheckpoint, args, chunks, optimizer, with_optimizer
                  with_rng: bool) -> tuple[int, list[str]]:
     """:func:`load_checkpoint` of a ``--ckpt-format torch`` checkpoint (its layout was checked by
     :func:`find_checkpoint`); RNG states where it has one for this data-parallel rank."""
+    megatron = WRITTEN_BY in found.common
     try:
         rng = legacy.load(found.directory, _unwrapped_by_key(chunks), optimizer, with_optimizer=with_optimizer,
-                          with_rng=with_rng)
+                          with_rng=with_rng, megatron=megatron)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - a file that does not fit this model, in one line
@@ -539,7 +554,7 @@ def _load_legacy(found: FoundCheckpoint, args, chunks, optimizer, with_optimizer
                               f"{_first_line(e)}") from None
     notes = []
     if rng is not None:
-        set_rng_state(rng)
+        (megatron_written.set_rng_state if megatron else set_rng_state)(rng)
     elif with_rng:
         notes.append(f"checkpoint iteration {found.iteration} was saved at another data-parallel size; RNG states "
                      f"start from --seed")

@@ -17,8 +17,10 @@ Under ``iter_NNNNNNN`` (the same tracker, atomic rename and checksum manifest as
 The files hold each rank's own tensor-parallel shards, so, as in Megatron-LM, such a checkpoint loads only with
 the tensor, pipeline and virtual-pipeline sizes it was saved with (the data-parallel size may change: the Adam
 state of every shard is in ``distrib_optim.pt``); :func:`check_layout` refuses another in one line that names
-the sizes and torch_dist, which reshards. A legacy checkpoint without ``common.pt`` (written by Megatron-LM
-itself) is refused naming Megatron's converter (:mod:`h3t_training.loop.checkpointing`).
+the sizes and torch_dist, which reshards. A legacy checkpoint without ``common.pt`` was written by Megatron-LM
+itself: its common part is derived from the ``args`` of the first rank directory's file
+(:mod:`h3t_training.loop.megatron_written`), its model and RNG states load here, and its optimizer state on a
+GPU only (megatron-core's ``load_state_dict`` / ``load_parameter_state``, as for this driver's GPU checkpoints).
 """
 from __future__ import annotations
 
@@ -103,10 +105,13 @@ def save(directory: str, args, iteration: int, chunks: dict, optimizer, *, commo
     return written
 
 
-def load(directory: str, chunks: dict, optimizer, *, with_optimizer: bool, with_rng: bool) -> Optional[dict]:
+def load(directory: str, chunks: dict, optimizer, *, with_optimizer: bool, with_rng: bool,
+         megatron: bool = False):
     """Load this rank's file into the (unwrapped) chunks, by key as :func:`save` takes them, and the optimizer;
     returns this data-parallel rank's RNG state when ``with_rng`` and the checkpoint has one for it (same
-    data-parallel size), else None."""
+    data-parallel size), else None. ``megatron``: written by Megatron-LM, whose list holds one state (or one per
+    data-parallel rank under its ``--data-parallel-random-init``): the whole list is returned for
+    :func:`h3t_training.loop.megatron_written.set_rng_state`."""
     mine = _my_dir(directory)
     state = torch.load(os.path.join(mine, MODEL_FILE), map_location="cpu", weights_only=False)
     for key, chunk in chunks.items():
@@ -115,7 +120,9 @@ def load(directory: str, chunks: dict, optimizer, *, with_optimizer: bool, with_
         optimizer.load_legacy_state_dict(state["optimizer"], os.path.join(mine, OPTIMIZER_FILE))
     else:
         optimizer.reload_model_params()
-    rngs = state["rng_state"]
+    rngs = state.get("rng_state")
+    if megatron:
+        return rngs if with_rng else None
     group = _dp_group()
     if with_rng and len(rngs) == dist.get_world_size(group):
         return rngs[dist.get_rank(group)]

@@ -454,12 +454,14 @@ class MegatronOptimizerAdapter:
         self.skipped = not ok
         return lr, norm
 
-    def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False) -> dict:
+    def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False,
+                           metadata: Optional[dict] = None) -> dict:
         """megatron-core's own sharded optimizer state (with the distributed optimizer: the fp32
-        main weights and Adam moments of every shard), in its fully reshardable form."""
+        main weights and Adam moments of every shard), in its fully reshardable form; ``metadata``: the content
+        metadata of a checkpoint Megatron-LM wrote, whose sharding type it reads (its default: dp_reshardable)."""
         model = {f"model{i}": sd for i, sd in enumerate(model_sharded_state_dicts)}
-        return self.opt.sharded_state_dict(model, is_loading,
-                                           metadata={"distrib_optim_sharding_type": "fully_reshardable"})
+        return self.opt.sharded_state_dict(model, is_loading, metadata=metadata if metadata is not None else
+                                           {"distrib_optim_sharding_type": "fully_reshardable"})
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         self.opt.load_state_dict(loaded)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import pickle
+import re
 
 import pytest
 
@@ -234,10 +235,13 @@ def test_data_path_without_split_takes_megatrons_legacy_default_with_its_notice(
     assert megatron_compat._split(per_split) == {}
 
 
-def test_ckpt_format_torch_is_megatrons_legacy_format_and_one_megatron_wrote_is_refused_on_load(tmp_path, capsys):
+def test_ckpt_format_torch_is_megatrons_legacy_format_and_one_without_its_files_is_one_line(tmp_path, capsys):
     """--ckpt-format torch is accepted without a notice (the driver writes Megatron's legacy files); other values
-    name the valid ones; a legacy mp_rank_XX checkpoint without this driver's common.pt (Megatron-LM wrote it) is
-    one line naming Megatron's converter."""
+    name the valid ones; a legacy mp_rank_XX directory without this driver's common.pt (Megatron-LM wrote it) is read
+    from its model_optim_rng.pt: a missing one, or one without Megatron-LM's args, is one line."""
+    import argparse
+
+    import torch
     from h3t_training.loop.checkpointing import TRACKER, CheckpointError, find_checkpoint
 
     args = parse_args([*BASE, "--ckpt-format", "torch", "--load", str(tmp_path)], world_size=1)
@@ -249,12 +253,91 @@ def test_ckpt_format_torch_is_megatrons_legacy_format_and_one_megatron_wrote_is_
             parse_args([*BASE, *extra], world_size=1)
         assert line in capsys.readouterr().err
     (tmp_path / TRACKER).write_text("10")
-    (tmp_path / "iter_0000010" / "mp_rank_00").mkdir(parents=True)
+    rank_dir = tmp_path / "iter_0000010" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
     with pytest.raises(CheckpointError) as e:
         find_checkpoint(args, rank=0)
-    assert "is a Megatron-LM legacy --ckpt-format torch checkpoint (mp_rank_00/...) without this driver's " \
-           "common.pt" in str(e.value)
-    assert "--ckpt-convert-format torch_dist" in str(e.value) and e.value.alike
+    assert str(e.value) == f"checkpoint file {rank_dir / 'model_optim_rng.pt'} is missing" and e.value.alike
+    torch.save({"iteration": 10, "model": {}}, rank_dir / "model_optim_rng.pt")
+    with pytest.raises(CheckpointError, match="has no Megatron-LM 'args' entry") as e:
+        find_checkpoint(args, rank=0)
+    torch.save({"iteration": 10, "args": argparse.Namespace(num_layers=4)}, rank_dir / "model_optim_rng.pt")
+    with pytest.raises(CheckpointError) as e:
+        find_checkpoint(args, rank=0)
+    assert str(e.value) == (f"checkpoint file {rank_dir / 'model_optim_rng.pt'} (written by Megatron-LM) has no "
+                            "field 'hidden_size' in its args; it cannot be checked against this run")
+
+
+def _megatron_args(saved, **changes):
+    """Megatron-LM's args Namespace of the run ``saved`` (its argparse destinations, and the fields its
+    validate_args and training fill in), with ``changes``."""
+    import argparse
+    from h3t_training.data.tokenizer import run_padded_vocab_size
+    from h3t_training.loop.checkpointing import LAYOUT_FLAGS, SCHEDULE_FLAGS
+
+    names = ("num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "num_query_groups",
+             "ffn_hidden_size", "tokenizer_type", "vocab_size", "global_batch_size", *LAYOUT_FLAGS, *SCHEDULE_FLAGS)
+    fields = {k: getattr(saved, k) for k in names}
+    fields.update(padded_vocab_size=run_padded_vocab_size(saved), consumed_train_samples=80, no_save_optim=False,
+                  no_save_rng=False, group_query_attention=False, num_query_groups=1)  # Megatron's: no GQA
+    return argparse.Namespace(**{**fields, **changes})
+
+
+def test_a_checkpoint_megatron_lm_wrote_is_checked_from_its_args(tmp_path):
+    """megatron_written_common derives the 'h3t' section from Megatron-LM's args (num_query_groups: the heads without
+    --group-query-attention), so find_checkpoint checks its layout, model shape and schedule as this driver's own;
+    on CPU the optimizer state needs --no-load-optim or --finetune, and the consumed samples must be the ones this
+    run's batch schedule reaches at the iteration."""
+    import torch
+    from h3t_training.loop.checkpointing import TRACKER, CheckpointError, find_checkpoint
+
+    saved = parse_args([*BASE, "--ckpt-format", "torch"], world_size=1)
+    rank_dir = tmp_path / "iter_0000010" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    (tmp_path / TRACKER).write_text("10")
+
+    def write(**changes):
+        torch.save({"args": _megatron_args(saved, **changes), "iteration": 10, "checkpoint_version": 3.0,
+                    "opt_param_scheduler": {"max_lr": saved.lr, "min_lr": saved.min_lr,
+                                            "lr_decay_style": saved.lr_decay_style},
+                    "rng_state": [{}], "model": {}}, rank_dir / "model_optim_rng.pt")
+
+    def find(*extra, world_size=2):
+        return find_checkpoint(parse_args([*BASE, *extra, "--load", str(tmp_path)], world_size=world_size), rank=0)
+
+    write()
+    found = find("--no-load-optim")
+    assert found.legacy and found.iteration == 10 and not found.same_layout  # d=2 now
+    assert found.common["h3t"]["model"]["num_query_groups"] == 4 and found.common["consumed_train_samples"] == 80
+    assert found.notices[0].startswith(f"note: --load {tmp_path}: checkpoint iteration 10 was written by "
+                                       "Megatron-LM: taking the model weights, the iteration and its 80 consumed "
+                                       "samples")
+    assert find("--no-load-optim", world_size=1).same_layout
+    with pytest.raises(CheckpointError, match=r"was written by Megatron-LM: its optimizer state \(.*"
+                                              r"model_optim_rng.pt\) is megatron-core's, .* add --no-load-optim "
+                                              r"\(or --finetune\)") as e:
+        find()
+    assert e.value.alike
+    assert find("--finetune").notices[0].count("the optimizer state (--finetune)") == 1
+    for extra, text in ((["--tensor-model-parallel-size", "2"], "saved with --tensor-model-parallel-size 1; it "
+                                                                 "loads only at that layout"),
+                        (["--ffn-hidden-size", "192"], "was saved with --ffn-hidden-size 128, this run has 192"),
+                        (["--lr", "2e-3"], "was trained with --lr 0.001, this run has 0.002; add "
+                                           "--override-opt_param-scheduler"),
+                        (["--global-batch-size", "4"], "after 80 consumed samples, but this run's batch schedule "
+                                                       "(--global-batch-size 4) reaches that iteration after 40")):
+        with pytest.raises(CheckpointError, match=re.escape(text)):
+            find("--no-load-optim", *extra)
+    write(no_save_optim=True)
+    assert "not taking the optimizer state (none saved)" in find().notices[0]
+    write(no_save_rng=True)
+    del_rng = torch.load(rank_dir / "model_optim_rng.pt", weights_only=False)
+    del del_rng["rng_state"]  # Megatron-LM's legacy load fails on it: one line naming --no-load-rng
+    torch.save(del_rng, rank_dir / "model_optim_rng.pt")
+    with pytest.raises(CheckpointError, match=r"without RNG states \(.*model_optim_rng.pt has no 'rng_state'\); "
+                                              r"add --no-load-rng, as Megatron-LM asks"):
+        find("--no-load-optim")
+    assert find("--no-load-optim", "--no-load-rng").iteration == 10
 
 
 def test_a_legacy_checkpoint_is_found_at_its_layout_and_refused_at_another_or_under_fsdp2(tmp_path):

@@ -1,0 +1,34 @@
+"""What this driver's checkpoint modules share: the fields a resume checks and the one-line error.
+
+:mod:`h3t_training.loop.checkpointing` (torch_dist, and the checks of ``--load``),
+:mod:`h3t_training.loop.legacy_checkpoint` (``--ckpt-format torch``) and :mod:`h3t_training.loop.megatron_written`
+(checkpoints Megatron-LM wrote) import them from here; ``checkpointing`` re-exports them.
+"""
+from __future__ import annotations
+
+CHECKPOINT_VERSION = 3.0
+"""Megatron-LM's checkpoint version for dist_checkpointing checkpoints."""
+WRITTEN_BY = "megatron_lm"
+"""The key of a common part derived from a checkpoint Megatron-LM wrote
+(:func:`h3t_training.loop.megatron_written.megatron_written_common`)."""
+MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                     "tokenizer_type", "vocab_size")
+"""What must match between the saving and the loading run (the parallel layout need not), with the padded
+vocabulary (``--make-vocab-size-divisible-by`` x t rounds the tokenizer's up): the flag itself may differ."""
+LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+                "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
+SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",
+                  "decoupled_min_lr")
+"""The learning-rate schedule a resumed run must agree on (Megatron's opt_param_scheduler)."""
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used; the message is one line. ``alike``: every rank finds it alike (the
+    tracker, the shared ``common.pt`` and what it says of the model), so rank 0 alone reports it."""
+
+    def __init__(self, message: str, *, alike: bool = False):
+        super().__init__(message)
+        self.alike = alike
+
+
+__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "LAYOUT_FLAGS", "MODEL_SHAPE_FLAGS", "SCHEDULE_FLAGS", "WRITTEN_BY"]
