@@ -254,6 +254,11 @@ def _validate_ranges(plan: Plan) -> None:
     validate_fp8(plan)
 
 
+def validate_switches(plan: Plan) -> None:
+    """The plan's switches alone (no model or system): what a search checks once for all its plans."""
+    _validate_ranges(plan)
+
+
 def _validate_alphas(plan: Plan) -> None:
     a = plan.offload_alpha
     if not isinstance(a, (int, float)):

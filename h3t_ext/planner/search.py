@@ -37,6 +37,7 @@ from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, 
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
+from h3t_ext.costmodel.plan import validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
@@ -333,8 +334,12 @@ def search(
     best_first = top is not None and not exhaustive
     budgets = _Budgets(memory_budget_bytes, host_memory_budget_bytes, constraints.memory_ladder)
     live: list[tuple[tuple, Layout]] = []
-    for run in _runs(num_gpus, seq_length, global_batch_size, switches, constraints):
-        if reason := _precision_refusal(run, system):  # e.g. FP8 on a GPU without it: no plan of that precision
+    runs = _runs(num_gpus, seq_length, global_batch_size, switches, constraints)
+    refusals = [_run_refusal(run, system) for run in runs]
+    if all(refusals):  # every precision searched is refused whatever the layout: say why, not the layout rules
+        raise InvalidPlanError("; ".join(dict.fromkeys(refusals)))
+    for run, reason in zip(runs, refusals):
+        if reason:  # e.g. FP8 on a GPU without it: no plan of that precision
             col.rejected[reason] += sum(len(modes) * len(x.micro_batch_sizes) for x in layouts)
             continue
         for layout in layouts:
@@ -365,12 +370,16 @@ def _runs(num_gpus: int, seq_length: int, global_batch_size: int, switches: dict
             for precision in k.precisions]
 
 
-def _precision_refusal(run: tuple, system: SystemSpec) -> Optional[str]:
-    """Why no plan of this run's precision can run on ``system`` (the plan's FP8 rules), or None."""
+def _run_refusal(run: tuple, system: SystemSpec) -> Optional[str]:
+    """Why no plan of this run can be built: its switches contradict each other (Megatron-LM's rules of the Plan,
+    e.g. a sharding strategy without the distributed optimizer) or its precision cannot run on ``system`` (the FP8
+    rules); None when its plans can be. --tp-comm-overlap is left out of the probe: it applies where t > 1."""
     num_gpus, seq_length, global_batch_size, switches = run
     try:
-        validate_fp8(Plan(num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size, **switches),
-                     system)
+        probe = Plan(num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
+                     **{**switches, "tp_comm_overlap": False})
+        validate_switches(probe)
+        validate_fp8(probe, system)
     except InvalidPlanError as e:
         return e.reason
     return None

@@ -291,12 +291,26 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     adopted = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
     padding, notices = adopted_padding(saved.get("padded_vocab_size"), args.tokenizer_vocab_size, args,
                                        f"--load {root}: checkpoint iteration {iteration}")
+    where = f"--load {root}: checkpoint iteration {iteration}"
     if megatron:  # what this run cannot take (one line), and what it takes
-        notices = (megatron_written.check_for_this_run(
-            common, args, f"--load {root}: checkpoint iteration {iteration}", on_gpu=uses_gpu(args),
-            legacy_format=per_rank, expected_samples=schedule_of(args).consumed_samples(iteration)), *notices)
+        notices = (megatron_written.check_for_this_run(common, args, where, on_gpu=uses_gpu(args),
+                                                       legacy_format=per_rank), *notices)
+    _check_consumed_samples(args, common.get("consumed_train_samples"), iteration, where)
     return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common,
                            {**adopted, **padding}, notices, per_rank)
+
+
+def _check_consumed_samples(args, consumed: Optional[int], iteration: int, where: str) -> None:
+    """This driver takes the data position from the iteration (``BatchSchedule.consumed_samples``), Megatron-LM from
+    the checkpoint's consumed samples: where the two differ (the batch schedule changed since the save) continuing
+    would re-read or skip data, so it is refused in one line (--finetune starts the data from the beginning)."""
+    expected = schedule_of(args).consumed_samples(iteration)
+    if args.finetune or consumed is None or consumed == expected:
+        return
+    raise CheckpointError(f"{where} was saved after {consumed} consumed samples, but this run's batch schedule "
+                          f"(--global-batch-size {args.global_batch_size}) reaches that iteration after {expected}; "
+                          f"this driver continues the data by iteration: resume with the batch schedule that "
+                          f"trained it, or add --finetune", alike=True)
 
 
 def check_latest(root: str) -> Optional[int]:

@@ -112,11 +112,9 @@ def read_legacy_common(directory: str, first: str) -> dict:
                                    rng_saved="rng_state" in state)
 
 
-def check_for_this_run(common: dict, args, where: str, *, on_gpu: bool, legacy_format: bool,
-                       expected_samples: int) -> str:
+def check_for_this_run(common: dict, args, where: str, *, on_gpu: bool, legacy_format: bool) -> str:
     """Refuses (one line) what this run cannot take from a Megatron-LM checkpoint; returns rank 0's notice of what
-    it takes. ``expected_samples``: the samples this run's batch schedule has consumed before the iteration;
-    ``legacy_format``: a ``--ckpt-format torch`` checkpoint (without RNG states Megatron-LM's load fails on it, where it
+    it takes. ``legacy_format``: a ``--ckpt-format torch`` checkpoint (without RNG states Megatron-LM's load fails on it, where it
     starts a torch_dist one from the seed)."""
     meta = common[WRITTEN_BY]
     finetune = bool(args.finetune)
@@ -129,12 +127,7 @@ def check_for_this_run(common: dict, args, where: str, *, on_gpu: bool, legacy_f
                               f"megatron-core's, which this run's CPU optimizer does not read; add --no-load-optim "
                               f"(or --finetune) to continue from its model weights with a fresh optimizer",
                               alike=True)
-    consumed = common["consumed_train_samples"]
-    if not finetune and consumed != expected_samples:
-        raise CheckpointError(f"{where} was written by Megatron-LM after {consumed} consumed samples, but this run's "
-                              f"batch schedule (--global-batch-size {args.global_batch_size}) reaches that iteration "
-                              f"after {expected_samples}; this driver continues the data by iteration: resume with "
-                              f"the batch schedule that trained it, or add --finetune", alike=True)
+    consumed = common["consumed_train_samples"]  # checked against this run's schedule by find_checkpoint
     taken = ["the model weights"]
     if not finetune:
         taken.append(f"the iteration and its {consumed} consumed samples")

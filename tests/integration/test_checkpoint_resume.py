@@ -85,6 +85,18 @@ def test_mismatched_model_is_refused(saved_single_rank):
     assert "was saved with --ffn-hidden-size 128, this run has 192" in line
 
 
+def test_another_batch_schedule_is_refused(saved_single_rank):
+    """The data position is taken from the iteration: a resume whose batch schedule reaches the saved iteration
+    after other than the saved consumed samples would re-read or skip data, so it is one line (Megatron-LM would
+    continue from the consumed samples); --finetune starts over and is accepted."""
+    argv = [*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "2", "--mock-data", "--load",
+            str(saved_single_rank), "--override-opt_param-scheduler"]  # the saved schedule decays over 1 iteration
+    line = _refused(run_pretrain(argv))
+    assert ("checkpoint iteration 1 was saved after 2 consumed samples, but this run's batch schedule "
+            "(--global-batch-size 4) reaches that iteration after 4") in line, line
+    check_ok(run_pretrain([*argv, "--finetune"]))
+
+
 def test_resume_after_a_resharded_start_is_exact(tmp_path):
     """A d=2 run that began from a single-rank checkpoint, saved and resumed, gives the losses of the same run
     uninterrupted (each sample's loss mask its own: h3t_training.data.datasets._UncachedMasks; before, the first resumed

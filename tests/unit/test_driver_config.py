@@ -324,7 +324,7 @@ def test_a_checkpoint_megatron_lm_wrote_is_checked_from_its_args(tmp_path):
                         (["--ffn-hidden-size", "192"], "was saved with --ffn-hidden-size 128, this run has 192"),
                         (["--lr", "2e-3"], "was trained with --lr 0.001, this run has 0.002; add "
                                            "--override-opt_param-scheduler"),
-                        (["--global-batch-size", "4"], "after 80 consumed samples, but this run's batch schedule "
+                        (["--global-batch-size", "4"], "was saved after 80 consumed samples, but this run's batch schedule "
                                                        "(--global-batch-size 4) reaches that iteration after 40")):
         with pytest.raises(CheckpointError, match=re.escape(text)):
             find("--no-load-optim", *extra)

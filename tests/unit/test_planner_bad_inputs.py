@@ -81,3 +81,18 @@ def test_search_prints_tp_comm_overlap_only_where_it_applies(capsys):
     assert t1 and t2, flag_lines
     assert not any("--tp-comm-overlap" in line for line in t1), t1
     assert all("--tp-comm-overlap" in line for line in t2), t2
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--data-parallel-sharding-strategy", "optim_grads", "--no-use-distributed-optimizer"],
+     "h3t-plan: error: --data-parallel-sharding-strategy shards the optimizer states too: it needs "
+     "--use-distributed-optimizer"),
+    (["--precision", "fp8", "--transformer-impl", "local"],
+     "h3t-plan: error: --fp8-format needs --transformer-impl transformer_engine (FP8 runs in TransformerEngine)"),
+    (["--overlap-param-gather"], "h3t-plan: error: --overlap-param-gather needs --use-distributed-optimizer and "
+                                 "--overlap-grad-reduce (Megatron-LM asserts it)"),
+])
+def test_search_refuses_contradicting_switches_up_front(capsys, extra, expected):
+    """Switches that no plan can have are refused with their own reason, as estimate refuses them (before: a
+    memory verdict for the sharding case, every layout rule listed for the FP8 one)."""
+    assert _error(SEARCH + ["--gpu", "h100-sxm", *extra], capsys) == expected
