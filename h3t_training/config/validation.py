@@ -49,10 +49,24 @@ def _validate_layout(args):
     """The parallel layout (:class:`~h3t_ext.layout.ParallelLayout`, the library's one set of layout rules)
     for every global batch size the run will use; the config gets the final one's sizes
     (``data_parallel_size``, ``virtual_pipeline_model_parallel_size``, ``num_microbatches``, ``parallel_layout``)."""
-    schedule = schedule_of(args)
-    if args.decrease_batch_size_if_needed and schedule.is_constant:
+    if args.decrease_batch_size_if_needed and schedule_of(args).is_constant:
         args = _decrease_batch_size(args)
-        schedule = args.batch_schedule
+    layout = check_layout_for(args)
+    try:
+        layout.check_tensor_split(num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                                  ffn_hidden_size=args.ffn_hidden_size)
+    except LayoutError as e:
+        raise ArgumentError(e.reason) from None
+    return args.replace(data_parallel_size=layout.data_parallel_size, num_microbatches=layout.num_microbatches,
+                        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size
+                        if layout.interleaved else None, parallel_layout=layout)
+
+
+def check_layout_for(args) -> ParallelLayout:
+    """The layout of every global batch size ``args``' batch schedule runs up to ``--train-iters`` (and of
+    ``--global-batch-size``); the last one. :class:`~h3t_training.errors.ArgumentError` names the rule a batch
+    size breaks (and the schedule flag that makes it)."""
+    schedule = schedule_of(args)
     source = None if schedule.is_constant else (
         "--step-batch-size-schedule" if args.step_batch_size_schedule is not None else "--rampup-batch-size")
     layout = None
@@ -62,14 +76,7 @@ def _validate_layout(args):
         except LayoutError as e:
             raise ArgumentError(e.reason if source is None else f"{source}: " + e.reason.replace(
                 f"--global-batch-size {batch}", f"its batch size {batch}")) from None
-    try:
-        layout.check_tensor_split(num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                                  ffn_hidden_size=args.ffn_hidden_size)
-    except LayoutError as e:
-        raise ArgumentError(e.reason) from None
-    return args.replace(data_parallel_size=layout.data_parallel_size, num_microbatches=layout.num_microbatches,
-                        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size
-                        if layout.interleaved else None, parallel_layout=layout)
+    return layout
 
 
 def _layout(args, global_batch_size: int) -> ParallelLayout:

@@ -10,7 +10,10 @@
 
 The schedule is a list of segments (first consumed sample, batch size); an iteration's batch size
 depends on the samples consumed before it, so iterations are walked segment by segment in closed
-form. Every problem is one :class:`~h3t_training.errors.ArgumentError` line.
+form, from an origin (iteration, consumed samples): (0, 0), or a resumed checkpoint's where it
+consumed other than this schedule reaches there (:meth:`BatchSchedule.resumed_at`: Megatron-LM continues
+from the checkpoint's consumed samples whatever the batch size was before). Every problem is one
+:class:`~h3t_training.errors.ArgumentError` line.
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ class BatchSchedule:
     """Segments ``(first consumed sample, global batch size)``, thresholds strictly increasing from 0."""
 
     segments: tuple[tuple[int, int], ...]
+    origin: tuple[int, int] = (0, 0)
+    """(iteration, samples consumed before it) the walk starts from; iterations before it are extrapolated with
+    the first batch size walked (no caller asks for them)."""
 
     def __post_init__(self) -> None:
         assert self.segments and self.segments[0][0] == 0, self.segments
@@ -36,6 +42,11 @@ class BatchSchedule:
     @classmethod
     def constant(cls, global_batch_size: int) -> "BatchSchedule":
         return cls(((0, global_batch_size),))
+
+    def resumed_at(self, iteration: int, consumed_samples: int) -> "BatchSchedule":
+        """This schedule continued from a checkpoint of ``iteration`` that had consumed ``consumed_samples``: the
+        batch sizes by consumed samples are this schedule's, the count starts from the checkpoint's."""
+        return BatchSchedule(self.segments, (iteration, consumed_samples))
 
     @property
     def is_constant(self) -> bool:
@@ -47,7 +58,7 @@ class BatchSchedule:
 
     def _walk(self):
         """(first iteration, consumed samples before it, batch size, iterations in the segment or None)."""
-        it, consumed = 0, 0
+        it, consumed = self.origin
         for k, (_, batch) in enumerate(self.segments):
             end = self.segments[k + 1][0] if k + 1 < len(self.segments) else None
             if end is not None and consumed >= end:

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 from h3t_training.config.feature_checks import uses_gpu
+from h3t_training.config.validation import check_layout_for
+from h3t_training.errors import ArgumentError
 from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.data.tokenizer import padded_vocab_size, run_padded_vocab_size
 from h3t_training.loop import fsdp, legacy_checkpoint as legacy, megatron_written
@@ -295,22 +297,31 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     if megatron:  # what this run cannot take (one line), and what it takes
         notices = (megatron_written.check_for_this_run(common, args, where, on_gpu=uses_gpu(args),
                                                        legacy_format=per_rank), *notices)
-    _check_consumed_samples(args, common.get("consumed_train_samples"), iteration, where)
+    data, note = _data_position(args, common.get("consumed_train_samples"), iteration, where)
     return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common,
-                           {**adopted, **padding}, notices, per_rank)
+                           {**adopted, **padding, **data}, (*notices, *note), per_rank)
 
 
-def _check_consumed_samples(args, consumed: Optional[int], iteration: int, where: str) -> None:
-    """This driver takes the data position from the iteration (``BatchSchedule.consumed_samples``), Megatron-LM from
-    the checkpoint's consumed samples: where the two differ (the batch schedule changed since the save) continuing
-    would re-read or skip data, so it is refused in one line (--finetune starts the data from the beginning)."""
-    expected = schedule_of(args).consumed_samples(iteration)
+def _data_position(args, consumed: Optional[int], iteration: int, where: str) -> tuple[dict, tuple[str, ...]]:
+    """As Megatron-LM, a resume continues the data (and a sample-counted learning-rate schedule) from the
+    checkpoint's consumed samples: where this run's batch schedule reaches the iteration after other samples (its
+    global batch or ramp-up changed since the save), the run takes the schedule continued from the checkpoint
+    (``BatchSchedule.resumed_at``; with --train-samples, the iterations that reach them), every batch size of it
+    checked against the layout, and rank 0 says so. (fields to adopt, notices)"""
+    schedule = schedule_of(args)
+    expected = schedule.consumed_samples(iteration)
     if args.finetune or consumed is None or consumed == expected:
-        return
-    raise CheckpointError(f"{where} was saved after {consumed} consumed samples, but this run's batch schedule "
-                          f"(--global-batch-size {args.global_batch_size}) reaches that iteration after {expected}; "
-                          f"this driver continues the data by iteration: resume with the batch schedule that "
-                          f"trained it, or add --finetune", alike=True)
+        return {}, ()
+    fields = {"batch_schedule": schedule.resumed_at(iteration, consumed)}
+    if args.train_samples is not None:
+        fields["train_iters"] = fields["batch_schedule"].iterations_for_samples(args.train_samples)
+    try:
+        check_layout_for(args.replace(**fields))
+    except ArgumentError as e:  # a batch size of the continued schedule the layout cannot take
+        raise CheckpointError(f"{where}: continuing from its {consumed} consumed samples, {e}", alike=True) from None
+    return fields, (f"note: {where} was saved after {consumed} consumed samples (this run's batch schedule reaches "
+                    f"that iteration after {expected}): the data continues from sample {consumed}, as in "
+                    f"Megatron-LM",)
 
 
 def check_latest(root: str) -> Optional[int]:

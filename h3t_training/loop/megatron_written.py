@@ -17,7 +17,8 @@ with the checkpoint's content metadata, as Megatron-LM's ``load_checkpoint`` pas
 ``load_parameter_state`` (legacy), as it reads this driver's own GPU checkpoints; on CPU the optimizer is
 :class:`~h3t_training.loop.optimizer.DataParallelAdamW`, whose state has another layout, so the load needs
 ``--no-load-optim`` or ``--finetune`` (refused in one line otherwise). Not taken: the FLOPs count, the rerun state
-machine, the dataloader state (the data position follows the iteration, and must agree with the consumed samples).
+machine, the dataloader state (the data continues from the consumed samples, as for this driver's own checkpoints:
+``checkpointing.find_checkpoint``).
 """
 from __future__ import annotations
 

@@ -85,16 +85,24 @@ def test_mismatched_model_is_refused(saved_single_rank):
     assert "was saved with --ffn-hidden-size 128, this run has 192" in line
 
 
-def test_another_batch_schedule_is_refused(saved_single_rank):
-    """The data position is taken from the iteration: a resume whose batch schedule reaches the saved iteration
-    after other than the saved consumed samples would re-read or skip data, so it is one line (Megatron-LM would
-    continue from the consumed samples); --finetune starts over and is accepted."""
-    argv = [*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "2", "--mock-data", "--load",
-            str(saved_single_rank), "--override-opt_param-scheduler"]  # the saved schedule decays over 1 iteration
-    line = _refused(run_pretrain(argv))
-    assert ("checkpoint iteration 1 was saved after 2 consumed samples, but this run's batch schedule "
-            "(--global-batch-size 4) reaches that iteration after 4") in line, line
-    check_ok(run_pretrain([*argv, "--finetune"]))
+def test_resume_with_another_batch_size_continues_from_the_consumed_samples(corpus_prefix, tmp_path):  # noqa: F811
+    """As in Megatron-LM, a resume whose global batch changed continues the data from the checkpoint's consumed
+    samples: 2 iterations of 4 samples, saved, resumed at a batch of 8, give the losses of one run whose step
+    schedule goes from 4 to 8 after 8 samples (512 tokens), bit for bit (constant learning rate)."""
+    common = [*TINY_MODEL, "--micro-batch-size", "1", "--train-iters", "4", "--data-path", corpus_prefix]
+    stepped = tmp_path / "stepped.json"
+    check_ok(run_pretrain([*common, "--global-batch-size", "8", "--step-batch-size-schedule", "0:4 512:8",
+                           "--metrics-json", str(stepped)]))
+    ckpt = tmp_path / "ckpt"
+    check_ok(run_pretrain([*common, "--global-batch-size", "4", "--save", str(ckpt), "--exit-interval", "2"]))
+    resumed = tmp_path / "resumed.json"
+    proc = run_pretrain([*common, "--global-batch-size", "8", "--load", str(ckpt), "--metrics-json", str(resumed)])
+    check_ok(proc)
+    assert ("checkpoint iteration 2 was saved after 8 consumed samples (this run's batch schedule reaches that "
+            "iteration after 16): the data continues from sample 8, as in Megatron-LM") in proc.stdout
+    ref = losses(stepped)
+    assert len(ref) == 4 and ref[3] != ref[2]
+    assert losses(resumed) == ref[2:]
 
 
 def test_resume_after_a_resharded_start_is_exact(tmp_path):

@@ -323,11 +323,15 @@ def test_a_checkpoint_megatron_lm_wrote_is_checked_from_its_args(tmp_path):
                                                                  "loads only at that layout"),
                         (["--ffn-hidden-size", "192"], "was saved with --ffn-hidden-size 128, this run has 192"),
                         (["--lr", "2e-3"], "was trained with --lr 0.001, this run has 0.002; add "
-                                           "--override-opt_param-scheduler"),
-                        (["--global-batch-size", "4"], "was saved after 80 consumed samples, but this run's batch schedule "
-                                                       "(--global-batch-size 4) reaches that iteration after 40")):
+                                           "--override-opt_param-scheduler")):
         with pytest.raises(CheckpointError, match=re.escape(text)):
             find("--no-load-optim", *extra)
+    # another global batch continues the data from the checkpoint's consumed samples, as in Megatron-LM
+    found = find("--no-load-optim", "--global-batch-size", "4")
+    schedule = found.adopted["batch_schedule"]
+    assert schedule.consumed_samples(10) == 80 and schedule.consumed_samples(12) == 88
+    assert found.notices[-1].endswith("was saved after 80 consumed samples (this run's batch schedule reaches that "
+                                      "iteration after 40): the data continues from sample 80, as in Megatron-LM")
     write(no_save_optim=True)
     assert "not taking the optimizer state (none saved)" in find().notices[0]
     write(no_save_rng=True)
