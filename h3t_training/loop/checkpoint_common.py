@@ -20,6 +20,12 @@ LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "v
 SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",
                   "decoupled_min_lr")
 """The learning-rate schedule a resumed run must agree on (Megatron's opt_param_scheduler)."""
+SCHEDULE_STEPS = ("lr_warmup_steps", "lr_decay_steps")
+"""The warm-up and the decay in samples, as megatron-core's ``OptimizerParamScheduler`` checks a resume (its
+``lr_warmup_steps``/``lr_decay_steps``: ``--lr-*-iters`` x ``--global-batch-size``, or ``--lr-*-samples``). Where the
+checkpoint and the run both have them they are compared instead of ``lr_warmup_iters``/``lr_decay_iters``: a
+sample-based run resumed at another batch keeps its schedule, an iteration-based one changes it (Megatron-LM
+refuses that without ``--override-opt_param-scheduler`` or ``--use-checkpoint-opt_param-scheduler``)."""
 
 
 class CheckpointError(Exception):
@@ -31,4 +37,4 @@ class CheckpointError(Exception):
         self.alike = alike
 
 
-__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "LAYOUT_FLAGS", "MODEL_SHAPE_FLAGS", "SCHEDULE_FLAGS", "WRITTEN_BY"]
+__all__ = ["CHECKPOINT_VERSION", "CheckpointError", "LAYOUT_FLAGS", "MODEL_SHAPE_FLAGS", "SCHEDULE_FLAGS", "SCHEDULE_STEPS", "WRITTEN_BY"]

@@ -52,7 +52,7 @@ from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.data.tokenizer import padded_vocab_size, run_padded_vocab_size
 from h3t_training.loop import fsdp, legacy_checkpoint as legacy, megatron_written
 from h3t_training.loop.checkpoint_common import (CHECKPOINT_VERSION, LAYOUT_FLAGS, MODEL_SHAPE_FLAGS,  # noqa: F401
-                                                 SCHEDULE_FLAGS, WRITTEN_BY, CheckpointError)
+                                                 SCHEDULE_FLAGS, SCHEDULE_STEPS, WRITTEN_BY, CheckpointError)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "h3t_checksums.json"
@@ -119,7 +119,7 @@ def _layout(args) -> dict:
 
 
 def _schedule(args) -> dict:
-    return {k: getattr(args, k) for k in SCHEDULE_FLAGS}
+    return {k: getattr(args, k, None) for k in (*SCHEDULE_FLAGS, *SCHEDULE_STEPS)}
 
 
 def _read_tracker(root: str) -> Optional[int]:
@@ -347,12 +347,16 @@ def _check_schedule(args, saved: dict, iteration: int) -> dict:
     if args.finetune or args.override_opt_param_scheduler:
         return {}
     if args.use_checkpoint_opt_param_scheduler:
-        return {k: saved[k] for k in SCHEDULE_FLAGS if k in saved}
+        return {k: saved[k] for k in (*SCHEDULE_FLAGS, *SCHEDULE_STEPS) if saved.get(k) is not None}
     mine = _schedule(args)
-    for k in SCHEDULE_FLAGS:
+    in_samples = all(saved.get(k) is not None and mine[k] is not None for k in SCHEDULE_STEPS)
+    keys = [k for k in SCHEDULE_FLAGS if not (in_samples and k in ("lr_warmup_iters", "lr_decay_iters"))]
+    for k in (*keys, *(SCHEDULE_STEPS if in_samples else ())):
         if k in saved and saved[k] != mine[k]:
-            raise CheckpointError(f"--load {args.load}: checkpoint iteration {iteration} was trained with "
-                                  f"--{k.replace('_', '-')} {saved[k]}, this run has {mine[k]}; add "
+            what = (f"a learning-rate {k.split('_')[1]} of {saved[k]} samples, this run has {mine[k]} "
+                    f"(--lr-{k.split('_')[1]}-iters x --global-batch-size, or --lr-{k.split('_')[1]}-samples)"
+                    if k in SCHEDULE_STEPS else f"--{k.replace('_', '-')} {saved[k]}, this run has {mine[k]}")
+            raise CheckpointError(f"--load {args.load}: checkpoint iteration {iteration} was trained with {what}; add "
                                   f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler", alike=True)
     return {}
 

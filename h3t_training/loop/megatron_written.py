@@ -31,7 +31,7 @@ import torch
 
 from h3t_training.loop import legacy_checkpoint as legacy
 from h3t_training.loop.checkpoint_common import (CHECKPOINT_VERSION, LAYOUT_FLAGS, MODEL_SHAPE_FLAGS, SCHEDULE_FLAGS,
-                                                 WRITTEN_BY, CheckpointError)
+                                                 SCHEDULE_STEPS, WRITTEN_BY, CheckpointError)
 
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "ffn_hidden_size",
               "tokenizer_type", "vocab_size", "padded_vocab_size")
@@ -73,7 +73,8 @@ def megatron_written_common(ns, iteration, scheduler: Optional[dict], *, path: s
     schedule = {k: getattr(ns, k, None) if k in OPTIONAL_SCHEDULE_ARGS else _field(ns, k, path)
                 for k in SCHEDULE_FLAGS}
     scheduler = scheduler if isinstance(scheduler, dict) else {}
-    for mine, theirs in (("lr", "max_lr"), ("min_lr", "min_lr"), ("lr_decay_style", "lr_decay_style")):
+    for mine, theirs in (("lr", "max_lr"), ("min_lr", "min_lr"), ("lr_decay_style", "lr_decay_style"),
+                         *((k, k) for k in SCHEDULE_STEPS)):  # megatron-core's scheduler counts samples
         if theirs in scheduler:
             schedule[mine] = scheduler[theirs]
     if schedule["lr_decay_iters"] is None and scheduler.get("lr_decay_steps"):

@@ -88,15 +88,23 @@ def test_mismatched_model_is_refused(saved_single_rank):
 def test_resume_with_another_batch_size_continues_from_the_consumed_samples(corpus_prefix, tmp_path):  # noqa: F811
     """As in Megatron-LM, a resume whose global batch changed continues the data from the checkpoint's consumed
     samples: 2 iterations of 4 samples, saved, resumed at a batch of 8, give the losses of one run whose step
-    schedule goes from 4 to 8 after 8 samples (512 tokens), bit for bit (constant learning rate)."""
+    schedule goes from 4 to 8 after 8 samples (512 tokens), bit for bit (constant learning rate; the schedule in
+    samples changes with the batch, so, as in Megatron-LM, --override-opt_param-scheduler says this run's wins)."""
     common = [*TINY_MODEL, "--micro-batch-size", "1", "--train-iters", "4", "--data-path", corpus_prefix]
     stepped = tmp_path / "stepped.json"
     check_ok(run_pretrain([*common, "--global-batch-size", "8", "--step-batch-size-schedule", "0:4 512:8",
                            "--metrics-json", str(stepped)]))
     ckpt = tmp_path / "ckpt"
     check_ok(run_pretrain([*common, "--global-batch-size", "4", "--save", str(ckpt), "--exit-interval", "2"]))
+    # megatron-core's scheduler counts samples: --train-iters 4 decays over 16 samples at a batch of 4, 32 at 8;
+    # Megatron-LM refuses the change unless told which schedule wins
+    resume = [*common, "--global-batch-size", "8", "--load", str(ckpt)]
+    line = _refused(run_pretrain(resume))
+    assert ("checkpoint iteration 2 was trained with a learning-rate decay of 16 samples, this run has 32 "
+            "(--lr-decay-iters x --global-batch-size, or --lr-decay-samples); add --override-opt_param-scheduler "
+            "or --use-checkpoint-opt_param-scheduler") in line, line
     resumed = tmp_path / "resumed.json"
-    proc = run_pretrain([*common, "--global-batch-size", "8", "--load", str(ckpt), "--metrics-json", str(resumed)])
+    proc = run_pretrain([*resume, "--override-opt_param-scheduler", "--metrics-json", str(resumed)])
     check_ok(proc)
     assert ("checkpoint iteration 2 was saved after 8 consumed samples (this run's batch schedule reaches that "
             "iteration after 16): the data continues from sample 8, as in Megatron-LM") in proc.stdout

@@ -56,6 +56,31 @@ def test_auto_plan_returns_a_new_config(monkeypatch, capsys):
     assert capsys.readouterr().out == ""
 
 
+def test_the_schedule_check_counts_samples_as_megatron_cores_scheduler():
+    """megatron-core's OptimizerParamScheduler checks the warm-up and decay in samples: an iteration-based run resumed
+    at another global batch has another schedule (refused without --override-opt_param-scheduler), a sample-based
+    one keeps its schedule although its derived --lr-decay-iters changes."""
+    from h3t_training.loop.checkpointing import CheckpointError, _schedule
+
+    def run(batch, *extra):
+        argv = [a for a in BASE if a not in ("--global-batch-size", "8", "--train-iters", "2")]
+        return parse_args([*argv, "--global-batch-size", str(batch), *extra], world_size=1)
+
+    iters = ("--train-iters", "20", "--lr-warmup-iters", "2")
+    saved = _schedule(run(4, *iters))
+    assert (saved["lr_warmup_steps"], saved["lr_decay_steps"]) == (8, 80)
+    with pytest.raises(CheckpointError, match=re.escape("was trained with a learning-rate warmup of 8 samples, this "
+                                                        "run has 16")):
+        _check_schedule(run(8, *iters), saved, 10)
+    assert _check_schedule(run(8, *iters, "--override-opt_param-scheduler"), saved, 10) == {}
+    adopted = _check_schedule(run(8, *iters, "--use-checkpoint-opt_param-scheduler"), saved, 10)
+    assert (adopted["lr_warmup_steps"], adopted["lr_decay_steps"]) == (8, 80)
+    samples = ("--train-samples", "96", "--lr-decay-samples", "96", "--lr-warmup-samples", "8")
+    saved = _schedule(run(4, *samples))
+    assert saved["lr_decay_iters"] != _schedule(run(8, *samples))["lr_decay_iters"]
+    assert _check_schedule(run(8, *samples), saved, 10) == {}
+
+
 def test_a_checkpoint_schedule_is_returned_not_written_into_the_config():
     config = parse_args(BASE, world_size=1).replace(use_checkpoint_opt_param_scheduler=True)
     saved = {"lr": 5e-4, "min_lr": 0.0, "lr_decay_style": "linear"}
