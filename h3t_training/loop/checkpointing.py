@@ -119,7 +119,7 @@ def _layout(args) -> dict:
 
 
 def _schedule(args) -> dict:
-    return {k: getattr(args, k, None) for k in (*SCHEDULE_FLAGS, *SCHEDULE_STEPS)}
+    return {k: getattr(args, k) for k in (*SCHEDULE_FLAGS, *SCHEDULE_STEPS)}
 
 
 def _read_tracker(root: str) -> Optional[int]:
