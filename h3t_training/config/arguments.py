@@ -340,8 +340,9 @@ def check_positive(args):
         v = getattr(args, name)
         if not v > 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside (0, inf)")
-    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins > 0:
-        raise ArgumentError(f"--exit-duration-in-mins {args.exit_duration_in_mins} is outside (0, inf)")
+    if args.exit_duration_in_mins is not None and not args.exit_duration_in_mins >= 0:
+        raise ArgumentError(f"--exit-duration-in-mins {args.exit_duration_in_mins} is outside [0, inf) (0: no "
+                            f"limit, as in Megatron-LM)")
     for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters", "lr_warmup_samples",
                  "eval_iters"):
         v = getattr(args, name)

@@ -44,7 +44,7 @@ class ExitConditions:
     """``should_exit()`` after each iteration: True on every rank once any rank's condition holds."""
 
     def __init__(self, args, start_time: float, handler: Optional[ExitSignalHandler]):
-        self.minutes = args.exit_duration_in_mins
+        self.minutes = args.exit_duration_in_mins or None  # 0 sets no limit: Megatron-LM tests the flag's truth
         self.start_time, self.handler = start_time, handler
         self.reason = ""
         self.interrupted = False

@@ -17,10 +17,10 @@ TINY_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
 
 def test_exit_duration_saves_and_exits_after_the_iteration(tmp_path):
     out, save = tmp_path / "m.json", tmp_path / "ckpt"
-    proc = run_pretrain([*TINY_GPT, "--train-iters", "50", "--exit-duration-in-mins", "0", "--save", str(save),
+    proc = run_pretrain([*TINY_GPT, "--train-iters", "50", "--exit-duration-in-mins", "1e-6", "--save", str(save),
                          "--metrics-json", str(out)], entry="pretrain_gpt.py")
     check_ok(proc)
-    assert "exiting program at iteration 1: --exit-duration-in-mins 0.0 reached" in proc.stdout
+    assert "exiting program at iteration 1: --exit-duration-in-mins 1e-06 reached" in proc.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert len(metrics(out)["iterations"]) == 1
 

@@ -21,7 +21,8 @@ from h3t_training.config.sections import parse_args
     (["--lr-warmup-init", "0.01"], "--lr-warmup-init 0.01 is outside [0, --lr 0.001]"),
     (["--seed", "-1"], "--seed -1 is outside [0, 4294967295]"),
     (["--seed", str(2**64)], f"--seed {2**64} is outside [0, 4294967295]"),
-    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0.0 is outside (0, inf)"),
+    (["--exit-duration-in-mins", "-1"], "--exit-duration-in-mins -1.0 is outside [0, inf) (0: no limit, as in "
+                                        "Megatron-LM)"),
     (["--cpu-offloading-num-layers", "-1"], "--cpu-offloading-num-layers -1 is outside [0, 3]"),
 ])
 def test_bad_driver_value_is_one_line(capsys, monkeypatch, extra, expected):
@@ -67,3 +68,11 @@ def test_overlap_param_gather_needs_overlap_grad_reduce(capsys, monkeypatch):
     """Megatron-LM asserts it: the parameter all-gathers are issued by the gradient buckets' overlap."""
     err = _error(BASE + ["--use-distributed-optimizer", "--overlap-param-gather"], capsys, monkeypatch)
     assert "--overlap-param-gather needs --overlap-grad-reduce" in err
+
+
+def test_exit_duration_zero_sets_no_limit_as_in_megatron():
+    """Megatron-LM tests ``if args.exit_duration_in_mins:``, so 0 sets no limit (it is not 'exit at once')."""
+    from h3t_training.loop.exit_conditions import ExitConditions
+
+    assert not ExitConditions(parse_args(BASE + ["--exit-duration-in-mins", "0"], world_size=2), 0.0, None).active
+    assert ExitConditions(parse_args(BASE + ["--exit-duration-in-mins", "1e-6"], world_size=2), 0.0, None).active
