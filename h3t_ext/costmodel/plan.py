@@ -254,6 +254,15 @@ def _validate_ranges(plan: Plan) -> None:
     validate_fp8(plan)
 
 
+def applicable_switches(switches: dict, tensor_model_parallel_size: int) -> dict:
+    """``switches`` (Plan fields) as they apply to a plan of tensor-parallel size t: ``tp_comm_overlap`` only where
+    t > 1 (Megatron-LM refuses --tp-comm-overlap without sequence parallelism, which it turns off at t = 1; a
+    search's or a published source's switch means its tensor-parallel plans)."""
+    if switches.get("tp_comm_overlap") and tensor_model_parallel_size == 1:
+        return {**switches, "tp_comm_overlap": False}
+    return switches
+
+
 def validate_switches(plan: Plan) -> None:
     """The plan's switches alone (no model or system): what a search checks once for all its plans."""
     _validate_ranges(plan)

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.plan import Plan, applicable_switches
 from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_model, get_system
 
 REFERENCE_DIR = DATA_DIR / "reference"
@@ -51,9 +51,9 @@ def settings() -> dict:
 
 def stated_switches(plan: dict, tensor_model_parallel_size: int) -> dict:
     """A source's stated run switches (``run_settings.json`` ``plan``) for one of its runs: ``tp_comm_overlap`` only
-    where t > 1 (Megatron-LM refuses --tp-comm-overlap without sequence parallelism, which it turns off at t = 1, so a
-    source that states it for its runs means its tensor-parallel ones)."""
-    return {**plan, "tp_comm_overlap": bool(plan.get("tp_comm_overlap")) and tensor_model_parallel_size > 1}
+    where t > 1 (a source that states --tp-comm-overlap for its runs means its tensor-parallel ones:
+    :func:`~h3t_ext.costmodel.plan.applicable_switches`)."""
+    return applicable_switches(plan, tensor_model_parallel_size)
 
 
 def _gpt(label: str, heads: int, hidden: int, layers: int, vocab: int, settings: dict) -> ModelSpec:

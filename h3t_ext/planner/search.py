@@ -37,7 +37,7 @@ from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, 
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.plan import validate_switches
+from h3t_ext.costmodel.plan import applicable_switches, validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
@@ -139,8 +139,7 @@ def _plan(run: tuple, layout: Layout, mb: int, mode, block_layers: Optional[int]
     (None: its base alone)."""
     num_gpus, seq_length, global_batch_size, switches = run
     mode = RecomputeMode.of(mode)
-    if switches.get("tp_comm_overlap") and layout.tensor_model_parallel_size == 1:  # where t > 1 (nothing to overlap)
-        switches = {**switches, "tp_comm_overlap": False}
+    switches = applicable_switches(switches, layout.tensor_model_parallel_size)
     return Plan(
         num_gpus=num_gpus,
         seq_length=seq_length,
@@ -377,7 +376,7 @@ def _run_refusal(run: tuple, system: SystemSpec) -> Optional[str]:
     num_gpus, seq_length, global_batch_size, switches = run
     try:
         probe = Plan(num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
-                     **{**switches, "tp_comm_overlap": False})
+                     **applicable_switches(switches, 1))
         validate_switches(probe)
         validate_fp8(probe, system)
     except InvalidPlanError as e:

@@ -273,8 +273,8 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     if not megatron:
         _verify_files(directory, rank, args.world_size)
     per_rank = bool(legacy.rank_dirs(directory))
+    where = f"--load {root}: checkpoint iteration {iteration}"
     if per_rank:
-        where = f"--load {root}: checkpoint iteration {iteration}"
         reason = legacy.check_layout(common["h3t"]["layout"], args, where)
         if reason:
             raise CheckpointError(reason, alike=True)
@@ -288,12 +288,10 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
     mine = {k: getattr(args, k) for k in MODEL_SHAPE_FLAGS}
     for k in MODEL_SHAPE_FLAGS:
         if saved.get(k) != mine[k]:
-            raise CheckpointError(f"--load {root}: checkpoint iteration {iteration} was saved with "
-                                  f"--{k.replace('_', '-')} {saved.get(k)}, this run has {mine[k]}", alike=True)
+            raise CheckpointError(f"{where} was saved with --{k.replace('_', '-')} {saved.get(k)}, this run has "
+                                  f"{mine[k]}", alike=True)
     adopted = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
-    padding, notices = adopted_padding(saved.get("padded_vocab_size"), args.tokenizer_vocab_size, args,
-                                       f"--load {root}: checkpoint iteration {iteration}")
-    where = f"--load {root}: checkpoint iteration {iteration}"
+    padding, notices = adopted_padding(saved.get("padded_vocab_size"), args.tokenizer_vocab_size, args, where)
     if megatron:  # what this run cannot take (one line), and what it takes
         notices = (megatron_written.check_for_this_run(common, args, where, on_gpu=uses_gpu(args),
                                                        legacy_format=per_rank), *notices)
@@ -353,8 +351,9 @@ def _check_schedule(args, saved: dict, iteration: int) -> dict:
     keys = [k for k in SCHEDULE_FLAGS if not (in_samples and k in ("lr_warmup_iters", "lr_decay_iters"))]
     for k in (*keys, *(SCHEDULE_STEPS if in_samples else ())):
         if k in saved and saved[k] != mine[k]:
-            what = (f"a learning-rate {k.split('_')[1]} of {saved[k]} samples, this run has {mine[k]} "
-                    f"(--lr-{k.split('_')[1]}-iters x --global-batch-size, or --lr-{k.split('_')[1]}-samples)"
+            part = k.split("_")[1] if k in SCHEDULE_STEPS else ""  # lr_warmup_steps / lr_decay_steps
+            what = (f"a learning-rate {part} of {saved[k]} samples, this run has {mine[k]} "
+                    f"(--lr-{part}-iters x --global-batch-size, or --lr-{part}-samples)"
                     if k in SCHEDULE_STEPS else f"--{k.replace('_', '-')} {saved[k]}, this run has {mine[k]}")
             raise CheckpointError(f"--load {args.load}: checkpoint iteration {iteration} was trained with {what}; add "
                                   f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler", alike=True)
