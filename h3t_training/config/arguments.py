@@ -111,10 +111,13 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                         "FSDP2 (megatron-core's TorchFullyShardedDataParallel; p=1, no distributed optimizer)")
     g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_true",
                    help="FSDP2 keeps each layer's gathered parameters from its forward to its backward")
-    g.add_argument("--use-megatron-fsdp", action="store_true", help="Megatron FSDP: refused (needs CUDA; see docs)")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="Megatron FSDP (megatron-core's FullyShardedDataParallel; GPU only, with "
+                        "--use-distributed-optimizer)")
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
                    choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
-                   help="Megatron FSDP's sharding: only no_shard (Megatron FSDP is refused)")
+                   help="Megatron FSDP's sharding (with --use-megatron-fsdp): optimizer state, also gradients, also "
+                        "parameters")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--strict-p2p", action="store_true",

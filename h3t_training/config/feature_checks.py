@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from h3t_training.config.flag_table import given_table_flags
 from h3t_training.errors import ArgumentError
 
 
@@ -61,16 +62,47 @@ MEGATRON_FSDP_CPU_REASON = ("megatron-core 0.16.1's MegatronFSDP needs CUDA (its
 """Why Megatron FSDP cannot run on the CPU path (gloo)."""
 
 
+def check_megatron_fsdp(args) -> None:
+    """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy`` as Megatron-LM takes them, one line per
+    problem: refused on the CPU path (:data:`MEGATRON_FSDP_CPU_REASON`); on a GPU run through megatron-core's
+    ``FullyShardedDataParallel`` adapter (``loop/gpu_wrap.py``) under the combinations that adapter and Megatron-LM
+    allow. A sharding strategy other than ``no_shard`` without ``--use-megatron-fsdp`` is refused (Megatron-LM
+    ignores it there: a user who asks for sharding must not get a run without it)."""
+    strategy = args.data_parallel_sharding_strategy
+    if not args.use_megatron_fsdp:
+        if strategy != "no_shard":
+            raise ArgumentError(f"--data-parallel-sharding-strategy {strategy} is Megatron FSDP's and needs "
+                                "--use-megatron-fsdp (without it Megatron-LM shards nothing; --use-distributed-optimizer "
+                                "shards the optimizer state, as optim does)")
+        return
+    if not uses_gpu(args):
+        raise ArgumentError(f"--use-megatron-fsdp is not supported: {MEGATRON_FSDP_CPU_REASON}, and this run has no "
+                            "GPU (on a GPU it runs through megatron-core's FullyShardedDataParallel; on CPU use "
+                            "--use-torch-fsdp2, or --use-distributed-optimizer for optim)")
+    tuning = sorted(e.flag for e in given_table_flags(args) if e.key == "fsdp" and e.flag.startswith(
+        ("--megatron-fsdp-", "--fsdp-", "--enable-full-sharding-in-hsdp", "--outer-dp-sharding-strategy",
+         "--no-use-layer-wise-param-layout")))
+    clashes = [(args.use_torch_fsdp2, "--use-torch-fsdp2 (one sharded data parallelism at a time)"),
+               (not args.use_distributed_optimizer,
+                "no --use-distributed-optimizer (megatron-core steps Megatron FSDP's sharded buffers only with its "
+                "DistributedOptimizer; give --use-distributed-optimizer)"),
+               (args.optimizer_cpu_offload, "--optimizer-cpu-offload (megatron-core's HybridDeviceOptimizer steps the "
+                                            "distributed optimizer's buffers, not Megatron FSDP's)"),
+               (args.save is not None, "--save (Megatron-LM saves Megatron FSDP only as --ckpt-format fsdp_dtensor, "
+                                       "which this driver does not write; train without --save)"),
+               (args.load is not None, "--load (Megatron FSDP's parameters load only from --ckpt-format fsdp_dtensor, "
+                                       "which this driver does not read)"),
+               (bool(tuning), f"{', '.join(tuning)} (a Megatron FSDP tuning setting this driver does not pass to "
+                              "megatron-core; leave it out)")]
+    for clash, what in clashes:
+        if clash:
+            raise ArgumentError(f"--use-megatron-fsdp is not supported with {what}")
+
+
 def check_sharding_flags(args):
-    """Megatron FSDP's flags refused and ``--use-torch-fsdp2``'s combinations checked (a resolve step; one line
-    naming the flags). Runs after the parallel sizes are filled."""
-    if args.use_megatron_fsdp:
-        raise ArgumentError(f"--use-megatron-fsdp is not supported: {MEGATRON_FSDP_CPU_REASON}, and this driver does "
-                            "not wire it on a GPU (use --use-torch-fsdp2 or --use-distributed-optimizer)")
-    if args.data_parallel_sharding_strategy != "no_shard":
-        raise ArgumentError(f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} is Megatron "
-                            f"FSDP's (--use-megatron-fsdp), which is not supported: {MEGATRON_FSDP_CPU_REASON} "
-                            "(use --use-torch-fsdp2, or --use-distributed-optimizer for optim)")
+    """Megatron FSDP's flags and ``--use-torch-fsdp2``'s combinations checked (a resolve step; one line naming the
+    flags). Runs after the parallel sizes are filled."""
+    check_megatron_fsdp(args)
     if args.torch_fsdp2_no_reshard_after_forward and not args.use_torch_fsdp2:
         raise ArgumentError("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
     if not args.use_torch_fsdp2:

@@ -142,9 +142,10 @@ REASONS: dict[str, Reason] = {
                           "over the data-parallel group, on CPU (gloo) and GPU (h3t_training/loop/fsdp.py; p=1, no "
                           "distributed optimizer, untied embeddings; --save on CPU only)"),
     "megatron_fsdp": Reason("refused", "Megatron FSDP needs CUDA (megatron-core 0.16.1's MegatronFSDP takes "
-                            "torch.cuda.current_device(), a 'cuda' device mesh and CUDA streams) and is not wired on "
-                            "a GPU by this driver; --data-parallel-sharding-strategy no_shard (no sharding) is accepted",
-                            "--use-torch-fsdp2, or --use-distributed-optimizer (optim)"),
+                            "torch.cuda.current_device(), a 'cuda' device mesh and CUDA streams); on a GPU it runs "
+                            "through megatron-core's FullyShardedDataParallel; --data-parallel-sharding-strategy "
+                            "no_shard (no sharding) is accepted",
+                            "on CPU --use-torch-fsdp2, or --use-distributed-optimizer (optim)"),
     "cuda_graphs": Reason("noticed", "CUDA graphs exist only on a GPU",
                     "none needed"),
     "megatron_offload": Reason("implemented", "Megatron-LM's activation CPU offload (fine-grained modules, or "

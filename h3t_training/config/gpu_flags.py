@@ -72,8 +72,9 @@ GPU_NEUTRAL: dict[str, GpuRule] = {
                                         "at a time on its own CUDA stream; no MoE groups exist"),
     "param_group_dump": _neutral("writes a diagnostic file of the optimizer's parameter groups; not written by this "
                                  "driver, on a GPU either, and training is the same"),
-    "fsdp": _neutral("a setting of Megatron FSDP, which this driver refuses (--use-megatron-fsdp); without it the "
-                     "setting has no effect, as in Megatron-LM"),
+    "fsdp": _neutral("a setting of Megatron FSDP or of several distributed-optimizer instances; without "
+                     "--use-megatron-fsdp it has no effect, as in Megatron-LM (with it, its Megatron FSDP tuning flags "
+                     "are refused in one line: feature_checks.check_megatron_fsdp)"),
 }
 """Reasons whose flags keep their notice on a GPU, with why that is true there."""
 
@@ -95,6 +96,10 @@ GPU_BY_REASON: dict[str, GpuRule] = {
                              "leave it out (--overlap-grad-reduce / --overlap-param-gather are implemented)"),
     "cuda_graphs": _refused("CUDA graphs are not wired by this driver; on a GPU they change speed and memory",
                             "leave it out (eager kernels)"),
+    "megatron_fsdp": _mcore("DistributedDataParallelConfig.use_megatron_fsdp / data_parallel_sharding_strategy",
+                            " through its FullyShardedDataParallel adapter, as Megatron-LM's get_model wraps the "
+                            "chunks (with --use-distributed-optimizer; without --save/--load, which Megatron-LM "
+                            "does only as --ckpt-format fsdp_dtensor)"),
 }
 """The GPU rule of every flag of a reason (overridden per flag by :data:`GPU_BY_FLAG`)."""
 

@@ -73,7 +73,7 @@ def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixe
     default TransformerEngine), which is what ``--gpu``'s budget and ``h3t-plan`` price. On a GPU with
     TransformerEngine the plan has the FP8 and attention backend the run passes to megatron-core
     (:func:`gpu_plan_fields`)."""
-    runs = dict(tp_comm_overlap=False, use_megatron_fsdp=False, attention_backend="flash",
+    runs = dict(tp_comm_overlap=False, attention_backend="flash",
                 grad_reduce_in_bf16=table_value(config, "--grad-reduce-in-bf16", False) is not False)
     if on_gpu and not uses_transformer_engine(on_gpu, config):
         runs["transformer_impl"] = "local"  # on CPU the plan is for the GPU job: --transformer-impl (Megatron's TE)

@@ -54,9 +54,10 @@ the model (loading the optimizer state there is refused): it is read whole befor
 
 Megatron FSDP (``MegatronFSDP``, ``megatron/core/distributed/fsdp``) cannot run on CPU: megatron-core 0.16.1's
 adapter takes ``torch.cuda.current_device()`` as its device and builds its device meshes with device type "cuda",
-and ``MegatronFSDP.__init__`` creates ``torch.cuda.Stream``s; this driver does not wire it on a GPU either, so
-its flags are refused everywhere (``--data-parallel-sharding-strategy no_shard``, Megatron-LM's default, means
-no sharding and is accepted).
+and ``MegatronFSDP.__init__`` creates ``torch.cuda.Stream``s; its flags are refused on the CPU path in one line.
+On a GPU the driver wraps each chunk in megatron-core's ``FullyShardedDataParallel`` adapter, as Megatron-LM's
+``get_model`` does (``loop/gpu_wrap.py``; the rules it runs under: ``config/feature_checks.check_megatron_fsdp``).
+``--data-parallel-sharding-strategy no_shard``, Megatron-LM's default, means no sharding and is accepted.
 """
 from __future__ import annotations
 

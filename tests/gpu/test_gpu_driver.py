@@ -48,3 +48,17 @@ def test_fp16_overflow_skips_steps_and_lowers_the_loss_scale(corpus_prefix, tmp_
                            "--metrics-json", str(out)]))
     recs = json.loads(out.read_text())["iterations"]
     assert recs[0]["skipped"] and recs[-1]["loss_scale"] < 2.0**32  # 2^32 overflows at once, then halves
+
+
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_megatron_fsdp_trains_as_ddp_with_the_distributed_optimizer(corpus_prefix, tmp_path, strategy):  # noqa: F811
+    """Megatron FSDP through megatron-core's FullyShardedDataParallel adapter (one GPU: d = 1, so the sharding is
+    the identity and the losses are the DDP run's up to the order of bf16 reductions)."""
+    runs = {}
+    for name, extra in (("ddp", []), ("fsdp", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy])):
+        out = tmp_path / f"{name}.json"
+        check_ok(run_pretrain([*GPU, *extra, "--train-iters", "4", "--data-path", corpus_prefix,
+                               "--metrics-json", str(out)]))
+        runs[name] = losses(out)
+    for a, b in zip(runs["ddp"], runs["fsdp"]):
+        assert abs(a - b) <= 1e-2 * abs(a)

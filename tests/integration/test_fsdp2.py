@@ -39,7 +39,7 @@ def _error(argv, capsys, prog="pretrain_llama.py", world_size=2) -> str:
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
      "--use-megatron-fsdp is not supported"),
     (["--data-parallel-sharding-strategy", "optim_grads"],
-     "--data-parallel-sharding-strategy optim_grads is Megatron FSDP's (--use-megatron-fsdp), which is not supported"),
+     "--data-parallel-sharding-strategy optim_grads is Megatron FSDP's and needs --use-megatron-fsdp"),
     (["--data-parallel-sharding-strategy", "bogus"], "argument --data-parallel-sharding-strategy: invalid choice"),
     (["--torch-fsdp2-no-reshard-after-forward"], "--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2"),
     (["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"],

@@ -1,0 +1,120 @@
+"""Megatron FSDP (``--use-megatron-fsdp --data-parallel-sharding-strategy S``): refused on the CPU path in one line
+(megatron-core 0.16.1's MegatronFSDP needs CUDA), run on a GPU through megatron-core's FullyShardedDataParallel
+adapter as Megatron-LM's ``get_model`` wraps the chunks, priced in the Plan the driver logs, and refused in one line
+under the combinations it cannot run. The GPU and TransformerEngine are faked by replacing the driver's two probes;
+the GPU tier (tests/gpu/test_gpu_driver.py) trains through it."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from h3t_training.config import feature_checks
+from h3t_training.config.run_spec import model_spec, run_plan
+from h3t_training.config.sections import parse_args
+from h3t_training.loop import gpu_wrap
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--bf16",
+        "--use-distributed-optimizer"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+
+
+def _gpu(monkeypatch) -> None:
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)
+    monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: True)
+
+
+def _error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=2)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0].split(": error: ", 1)[1]
+
+
+def test_on_the_cpu_path_it_is_one_line_naming_why(monkeypatch, capsys):
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: False)
+    body = _error([*BASE, *FSDP, "optim_grads_params"], capsys)
+    assert body.startswith("--use-megatron-fsdp is not supported: megatron-core 0.16.1's MegatronFSDP needs CUDA")
+    assert body.endswith("and this run has no GPU (on a GPU it runs through megatron-core's FullyShardedDataParallel; "
+                         "on CPU use --use-torch-fsdp2, or --use-distributed-optimizer for optim)")
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_a_sharding_strategy_without_megatron_fsdp_is_refused(monkeypatch, capsys, on_gpu):
+    """Megatron-LM would shard nothing: the run a user asked for must not silently be another."""
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: on_gpu)
+    body = _error([*BASE, "--data-parallel-sharding-strategy", "optim_grads"], capsys)
+    assert body.startswith("--data-parallel-sharding-strategy optim_grads is Megatron FSDP's and needs "
+                           "--use-megatron-fsdp")
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_on_a_gpu_it_reaches_megatron_cores_ddp_config_and_the_plan(monkeypatch, strategy):
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    from h3t_ext.costmodel.memory import stage_state_bytes
+
+    _gpu(monkeypatch)
+    config = parse_args([*BASE, *FSDP, strategy], world_size=2)
+    ddp = gpu_wrap.ddp_config_for(config)
+    assert ddp.use_megatron_fsdp and ddp.data_parallel_sharding_strategy == strategy and ddp.use_distributed_optimizer
+    assert gpu_wrap.data_parallel_wrapper(config) is FullyShardedDataParallel
+    plain = parse_args(BASE, world_size=2)
+    assert gpu_wrap.data_parallel_wrapper(plain) is DistributedDataParallel
+    assert not gpu_wrap.ddp_config_for(plain).use_megatron_fsdp
+
+    # the logged prediction prices the sharding the run asks for ('optim' is the distributed optimizer's)
+    plan = run_plan(config, on_gpu=True)
+    assert plan.data_parallel_sharding_strategy == (None if strategy == "optim" else strategy)
+    model = model_spec(config, 512)
+    sharded, whole = stage_state_bytes(model, plan, 0), stage_state_bytes(model, run_plan(plain, on_gpu=True), 0)
+    halves = {"optim": (), "optim_grads": ("grads",), "optim_grads_params": ("grads", "params")}[strategy]
+    for kind in ("params", "grads"):
+        want = whole["device"][kind] / 2 if kind in halves else whole["device"][kind]
+        assert sharded["device"][kind] == pytest.approx(want, rel=1e-3), kind
+
+
+@pytest.mark.parametrize("extra, what", [
+    ([a for a in BASE if a != "--use-distributed-optimizer"], "no --use-distributed-optimizer"),
+    ([*BASE, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], "--use-torch-fsdp2"),
+    ([*BASE, "--use-precision-aware-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
+    ([*BASE, "--save", "{tmp}"], "--save (Megatron-LM saves Megatron FSDP only as --ckpt-format fsdp_dtensor"),
+    ([*BASE, "--load", "{tmp}"], "--load (Megatron FSDP's parameters load only from --ckpt-format fsdp_dtensor"),
+    ([*BASE, "--megatron-fsdp-main-grads-dtype", "fp32"], "--megatron-fsdp-main-grads-dtype (a Megatron FSDP tuning"),
+])
+def test_on_a_gpu_what_it_cannot_run_with_is_one_line(monkeypatch, capsys, tmp_path, extra, what):
+    _gpu(monkeypatch)
+    argv = [str(tmp_path) if a == "{tmp}" else a for a in extra]
+    body = _error([*argv, *FSDP, "optim_grads_params"], capsys)
+    assert body.startswith(f"--use-megatron-fsdp is not supported with {what}"), body
+
+
+def test_each_chunk_is_wrapped_as_megatron_lm_wraps_it(monkeypatch):
+    """Every chunk in the adapter with the run's DDP config, bucketing only on the first (Megatron-LM's
+    ``disable_bucketing=(model_chunk_idx > 0)``), and the no-sync and finalize hooks in the model config."""
+    _gpu(monkeypatch)
+    config = parse_args([*BASE, *FSDP, "optim_grads", "--pipeline-model-parallel-size", "2",
+                         "--num-layers-per-virtual-pipeline-stage", "1"], world_size=2)
+    made = []
+
+    class Recorder:
+        def __init__(self, *, config, ddp_config, module, disable_bucketing):
+            self.ddp_config, self.module, self.disable_bucketing = ddp_config, module, disable_bucketing
+            self.no_sync = object()
+            made.append(self)
+
+    monkeypatch.setattr(gpu_wrap, "data_parallel_wrapper", lambda args: Recorder)
+    monkeypatch.setattr(gpu_wrap, "MegatronOptimizerAdapter", lambda wrapped, args, cfg: ("optimizer", wrapped))
+    tf_config = SimpleNamespace()
+    chunks = [SimpleNamespace(config=tf_config), SimpleNamespace(config=tf_config)]
+    wrapped, optimizer = gpu_wrap.wrap_for_gpu(config, chunks)
+    assert [w.module for w in wrapped] == chunks and optimizer == ("optimizer", wrapped)
+    assert [w.disable_bucketing for w in made] == [False, True]
+    assert all(w.ddp_config.use_megatron_fsdp and w.ddp_config.data_parallel_sharding_strategy == "optim_grads"
+               for w in made)
+    assert tf_config.no_sync_func == [w.no_sync for w in made]
+    assert tf_config.finalize_model_grads_func is gpu_wrap.finalize_model_grads
