@@ -120,6 +120,8 @@ def dp_comm(model: ModelSpec, plan: Plan, system: SystemSpec) -> DataParallelCom
     buckets, last = ddp_buckets(model, plan, n)
     rest = (n - last) / max(1, buckets - 1)  # the other buckets (all alike when v = 1)
     gbytes = plan.grad_bytes  # fp32, or bf16 with --grad-reduce-in-bf16
+    if plan.use_torch_fsdp2:
+        return _fsdp2_comm(model, plan, n, link)
     if plan.use_distributed_optimizer:
         # reduce-scatter: the same ring cost as the all-gather of its input
         pbytes = fp8.param_gather_bytes(plan)  # BF16, or FP8 with --fp8-param-gather
@@ -133,6 +135,22 @@ def dp_comm(model: ModelSpec, plan: Plan, system: SystemSpec) -> DataParallelCom
         params = last_p = 0.0
         latency = buckets * (2 * (d - 1) * link.latency if algo == "ring" else tree_all_reduce_latency(t, d, system))
     return DataParallelComm(buckets, grads, params, latency, last_g, last_p, algo)
+
+
+FSDP2_EXTRA_UNITS = 2
+"""``fully_shard`` units of a chunk beside its transformer layers: the embedding and the output layer (the chunk
+itself, whose own parameters are the final norm's, is gathered with the last of them)."""
+
+
+def _fsdp2_comm(model: ModelSpec, plan: Plan, n: int, link: Link) -> DataParallelComm:
+    """Torch FSDP2's collectives for one microbatch (:func:`dp_exposed` multiplies them): one all-gather of each
+    ``fully_shard`` unit's parameters and one reduce-scatter of its gradients, both in the parameters' dtype (no
+    mixed-precision policy: megatron-core's wrapper passes none, so bf16 with --bf16); a unit is a layer (or the
+    embedding / output layer), n / units parameters each."""
+    d = plan.data_parallel_size
+    units = plan.stage_layers(model.num_layers, 0) + FSDP2_EXTRA_UNITS
+    one = all_gather_seconds(n / units * BF16, d, link)
+    return DataParallelComm(units, units * one, units * one, 2 * units * (d - 1) * link.latency, one, one, "ring")
 
 
 def bucketed_exposed(comm: float, buckets: int, chunks: int, unit: float, p: int, last_bucket: float | None = None) -> float:
@@ -161,23 +179,26 @@ def dp_exposed(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float
     traffic; with --overlap-grad-reduce it runs behind the compute of the following microbatches,
     ``mb_window`` seconds each, and the last one's backward); with sharded parameters it also all-gathers
     them before every microbatch's forward and backward (2 m times; with --overlap-param-gather behind
-    the compute), and there is no all-gather after the optimizer step."""
+    the compute), and there is no all-gather after the optimizer step. Torch FSDP2 does the same, always
+    overlapped (its prefetching streams), with one all-gather per microbatch instead of two when it keeps the
+    gathered parameters from the forward to the backward (--torch-fsdp2-no-reshard-after-forward)."""
     c = dp_comm(model, plan, system)
     if c.buckets == 0:
         return 0.0
     grads, params, buckets = c.grad_seconds, c.param_seconds, c.buckets
     p, v = plan.pipeline_model_parallel_size, plan.virtual_size(model.num_layers)
     bwd_window = ((v - 1) * p + 1) * bwd_unit
-    strategy = plan.data_parallel_sharding_strategy
+    strategy = plan.sharding_strategy
     if strategy is not None:
         m = plan.num_microbatches
         grads *= m
-        if plan.overlap_grad_reduce:
+        if plan.overlap_grad_reduce or plan.use_torch_fsdp2:
             grads = max(grads / (m * buckets), grads - (m - 1) * mb_window - bwd_window)
         if strategy == "optim_grads_params":
-            params *= 2 * m
-            if plan.overlap_param_gather:
-                params = max(params / (2 * m * buckets), params - m * mb_window)
+            gathers = m if plan.use_torch_fsdp2 and not plan.torch_fsdp2_reshard_after_forward else 2 * m
+            params *= gathers
+            if plan.overlap_param_gather or plan.use_torch_fsdp2:
+                params = max(params / (gathers * buckets), params - m * mb_window)
             return grads + params
     elif plan.overlap_grad_reduce:
         grads = bucketed_exposed(grads, buckets, v, bwd_unit, p, c.last_grad_bucket_seconds)

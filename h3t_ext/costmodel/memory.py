@@ -126,10 +126,8 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
         "p2p_buffers": 4 * local * h * BF16 if p > 1 else 0,
         "cp_kv_gather_buffer": mb * plan.seq_length * 2 * model.kv_hidden_size // t * BF16 if c > 1 else 0,
     }
-    if plan.data_parallel_sharding_strategy is not None:
-        layer_params = model.layer_params_per_rank(t)
-        gathered = 2 * layer_params * BF16 if plan.data_parallel_sharding_strategy == "optim_grads_params" else 0
-        out["fsdp_buffers"] = 2 * layer_params * FP32 + gathered
+    if plan.sharding_strategy is not None:
+        out["fsdp_buffers"] = fsdp_buffer_bytes(model, plan, stage)
     base, recompute = plan_recompute(plan)
     unit_layers = unit_workspace_layers(recompute, chunk_layers(model, plan, stage))
     if unit_layers:  # a full unit's layers re-created in its backward
@@ -146,10 +144,27 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     return out
 
 
+def fsdp_buffer_bytes(model: ModelSpec, plan: Plan, stage: int) -> int:
+    """Unsharded buffers of a sharded data-parallel rank beside its shards, at the peak (a layer's backward).
+
+    Megatron FSDP: the unsharded fp32 main gradients of two layers (the one whose backward writes them and the
+    previous one's, still reduce-scattering), and with 'optim_grads_params' the bf16 parameters of two layers
+    (the one computing and the next, prefetched). Torch FSDP2 (``fully_shard`` per layer): the gathered parameters
+    of two layers (computing, prefetched) and the unsharded gradients of two in the parameters' dtype, which FSDP2
+    reduce-scatters in; without resharding after the forward, the whole chunk's gathered parameters instead, kept
+    from the forward to the backward."""
+    layer_params = model.layer_params_per_rank(plan.tensor_model_parallel_size)
+    if plan.use_torch_fsdp2:
+        held = plan.stage_layers(model.num_layers, stage) if not plan.torch_fsdp2_reshard_after_forward else 2
+        return held * layer_params * BF16 + 2 * layer_params * BF16
+    gathered = 2 * layer_params * BF16 if plan.sharding_strategy == "optim_grads_params" else 0
+    return 2 * layer_params * FP32 + gathered
+
+
 def optimizer_shards(plan: Plan) -> int:
-    """Ranks the fp32 master weights and Adam states are sharded over: d with the distributed optimizer,
-    1 without."""
-    return plan.data_parallel_size if plan.use_distributed_optimizer else 1
+    """Ranks the fp32 master weights and Adam states are sharded over: d with the distributed optimizer or torch
+    FSDP2 (the optimizer steps its DTensor shards), 1 without."""
+    return plan.data_parallel_size if plan.use_distributed_optimizer or plan.use_torch_fsdp2 else 1
 
 
 def stage_host_bytes(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
@@ -170,7 +185,7 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
     not counted (a few bytes per tensor)."""
     n = stage_params(model, plan, stage)
     d = plan.data_parallel_size
-    strategy = plan.data_parallel_sharding_strategy
+    strategy = plan.sharding_strategy
     on_device = optimizer_offload.device_params(n / optimizer_shards(plan), plan)
     host = stage_host_bytes(model, plan, stage)
     return {
@@ -184,7 +199,7 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
 def _static_terms(model: ModelSpec, plan: Plan, n: int, layers: int) -> dict[str, int]:
     """Weights, gradients and optimizer states of a stage holding ``n`` parameters in ``layers`` layers."""
     d = plan.data_parallel_size
-    strategy = plan.data_parallel_sharding_strategy
+    strategy = plan.sharding_strategy
     weights = fp8.weight_bytes(model, plan, n, layers)
     return {
         "weights": -(-weights // d) if strategy == "optim_grads_params" else weights,

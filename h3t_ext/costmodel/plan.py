@@ -29,6 +29,9 @@ FSDP_SHARDING_STRATEGIES = ("optim_grads", "optim_grads_params")
 gradients (ZeRO-2 like, reduce-scattered after every microbatch's backward) and also parameters (ZeRO-3
 like, all-gathered before every microbatch's forward and backward). 'optim' is priced as the distributed
 optimizer and 'no_shard' as plain DDP."""
+FSDP2_SHARDING = "optim_grads_params"
+"""Torch FSDP2 (``fully_shard``) shards what Megatron FSDP's 'optim_grads_params' does: parameters, gradients
+and optimizer states."""
 
 
 
@@ -81,6 +84,17 @@ class Plan:
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP (--use-megatron-fsdp) with --data-parallel-sharding-strategy 'optim_grads' or
     'optim_grads_params' (see FSDP_SHARDING_STRATEGIES); None: Megatron's DDP."""
+    use_torch_fsdp2: bool = False
+    """Megatron's --use-torch-fsdp2: megatron-core's TorchFullyShardedDataParallel, ``fully_shard`` on every
+    transformer layer (and the embedding and output layer): parameters, gradients and optimizer states sharded over
+    d (:attr:`sharding_strategy` 'optim_grads_params'), without the distributed optimizer (Megatron-LM refuses
+    both) and with p = 1; each layer's parameters all-gathered before its forward and its backward and its
+    gradients reduce-scattered after every microbatch's backward, prefetched and overlapped with compute (FSDP2's
+    own streams, whatever --overlap-grad-reduce says)."""
+    torch_fsdp2_reshard_after_forward: bool = True
+    """Megatron's --torch-fsdp2-no-reshard-after-forward clears it (its field ``torch_fsdp2_reshard_after_forward``):
+    the gathered parameters of every layer are kept from its forward to its backward (one all-gather per layer and
+    microbatch instead of two, the chunk's parameters whole on the device until the backward)."""
     optimizer_cpu_offload: bool = False
     """Megatron's --optimizer-cpu-offload (with --use-precision-aware-optimizer and the distributed optimizer, as
     Megatron-LM's arguments.py requires): a share of the optimizer shard is stepped on the CPU by megatron-core's
@@ -133,6 +147,12 @@ class Plan:
             split_ckpt(self.ckpt, self.recompute)
         except ValueError as exc:
             raise InvalidPlanError(str(exc)) from None
+
+    @property
+    def sharding_strategy(self) -> Optional[str]:
+        """What the data-parallel ranks shard beyond the distributed optimizer, as Megatron FSDP names it:
+        --data-parallel-sharding-strategy, or 'optim_grads_params' under torch FSDP2; None: Megatron's DDP."""
+        return FSDP2_SHARDING if self.use_torch_fsdp2 else self.data_parallel_sharding_strategy
 
     @property
     def precision(self) -> str:
@@ -236,6 +256,15 @@ def _validate_ranges(plan: Plan) -> None:
            f"data_parallel_sharding_strategy must be one of {', '.join(FSDP_SHARDING_STRATEGIES)}, got {strategy!r}")
     _check(strategy is None or plan.use_distributed_optimizer,
            "data_parallel_sharding_strategy shards the optimizer states too: it needs use_distributed_optimizer")
+    # Megatron-LM's rules for --use-torch-fsdp2 (training/arguments.py), as the driver refuses them
+    _check(not plan.use_torch_fsdp2 or (strategy is None and not plan.use_distributed_optimizer
+                                        and not plan.optimizer_cpu_offload),
+           "use_torch_fsdp2 shards the optimizer states itself: it runs without use_distributed_optimizer, Megatron "
+           "FSDP and optimizer_cpu_offload (Megatron-LM refuses them together)")
+    _check(not plan.use_torch_fsdp2 or plan.pipeline_model_parallel_size == 1,
+           "use_torch_fsdp2 needs pipeline_model_parallel_size 1 (Megatron-LM refuses FSDP2 with pipelines)")
+    _check(plan.use_torch_fsdp2 or plan.torch_fsdp2_reshard_after_forward,
+           "torch_fsdp2_reshard_after_forward off needs use_torch_fsdp2")
     f = plan.optimizer_offload_fraction
     _check(isinstance(f, (int, float)) and 0.0 <= f <= 1.0,
            f"optimizer_offload_fraction must be a number in [0, 1], got {f!r}")
@@ -324,6 +353,8 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     _validate_alphas(plan)
     plan_layout(model, plan, system)
     _validate_recompute(model, plan)
+    _check(not plan.use_torch_fsdp2 or model.untie_embeddings_and_output_weights,
+           "use_torch_fsdp2 needs untied embedding and output weights (Megatron-LM refuses FSDP2 with tied ones)")
 
 
 def _validate_recompute(model: ModelSpec, plan: Plan) -> None:

@@ -36,7 +36,7 @@ _FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|
                     r"context_parallel_size|pipeline_model_parallel_size|num_layers_per_virtual_pipeline_stage|"
                     r"offload_alpha|ckpt|num_layers|hidden_size|num_attention_heads|num_query_groups|ffn_hidden_size|"
                     r"vocab_size|optimizer_cpu_offload|use_distributed_optimizer|data_parallel_sharding_strategy|"
-                    r"tp_comm_overlap|sequence_parallel|overlap_param_gather|overlap_grad_reduce)\b")
+                    r"tp_comm_overlap|sequence_parallel|overlap_param_gather|overlap_grad_reduce|use_torch_fsdp2)\b")
 
 
 def flagify(reason: str) -> str:
@@ -141,6 +141,14 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                    help="Megatron FSDP (--use-megatron-fsdp): shard the gradients too (optim_grads, "
                         "reduce-scattered after every microbatch) or gradients and parameters "
                         "(optim_grads_params, all-gathered for every microbatch); default: Megatron's DDP")
+    if not search:
+        p.add_argument("--use-torch-fsdp2", action="store_true",
+                       help="torch FSDP2 (megatron-core's TorchFullyShardedDataParallel): parameters, gradients and "
+                            "optimizer states sharded over d, each layer gathered for its forward and backward "
+                            "(p=1, untied embeddings; replaces the distributed optimizer)")
+        p.add_argument("--torch-fsdp2-no-reshard-after-forward", dest="torch_fsdp2_reshard_after_forward",
+                       action="store_false", help="FSDP2 keeps each layer's gathered parameters from its forward to "
+                                                  "its backward")
     p.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="megatron-core's HybridDeviceOptimizer: step a share of the optimizer on the CPU (needs the "
                         "distributed optimizer); search tries it by itself when nothing else fits")
@@ -319,7 +327,8 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None,
     try:
         return translate.plan_from_args(ns, num_gpus=ns.num_gpus, offload_alpha=alpha, model=model,
                                         ckpt=_ckpt_of(ns, search=False),
-                                        use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None)
+                                        use_megatron_fsdp=ns.data_parallel_sharding_strategy is not None,
+                                        **({"use_distributed_optimizer": False} if ns.use_torch_fsdp2 else {}))
     except ValueError as e:
         raise UsageError(str(e)) from None
 

@@ -39,6 +39,10 @@ def megatron_flags(plan: Plan) -> list[str]:
         flags.append("--use-distributed-optimizer")
     if plan.data_parallel_sharding_strategy is not None:
         flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.data_parallel_sharding_strategy]
+    if plan.use_torch_fsdp2:
+        flags.append("--use-torch-fsdp2")
+        if not plan.torch_fsdp2_reshard_after_forward:
+            flags.append("--torch-fsdp2-no-reshard-after-forward")
     if plan.attention_backend != "flash":
         flags += ["--attention-backend", "unfused"]
     if plan.transformer_impl != "transformer_engine":
@@ -81,7 +85,8 @@ _SPLIT_SWITCHES = {
 }
 _INT_FLAGS.update(_SPLIT_INTS)
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
-                       "--no-overlap-p2p-communication", "--use-precision-aware-optimizer"})
+                       "--no-overlap-p2p-communication", "--use-precision-aware-optimizer", "--use-torch-fsdp2",
+                       "--torch-fsdp2-no-reshard-after-forward"})
 _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather",
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
@@ -98,7 +103,9 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
     ns = argparse.Namespace(seq_length=seq_length, use_distributed_optimizer="--use-distributed-optimizer" in flags,
                             overlap_p2p_comm="--no-overlap-p2p-communication" not in flags,
                             sequence_parallel="--sequence-parallel" in flags,
-                            use_megatron_fsdp="--use-megatron-fsdp" in flags)
+                            use_megatron_fsdp="--use-megatron-fsdp" in flags,
+                            use_torch_fsdp2="--use-torch-fsdp2" in flags,
+                            torch_fsdp2_reshard_after_forward="--torch-fsdp2-no-reshard-after-forward" not in flags)
     alpha = 0.0
     flags = list(flags)
     if "--recompute-modules" in flags:  # its values run to the next flag

@@ -47,6 +47,8 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "overlap_p2p_comm": True,  # --no-overlap-p2p-communication stores False
     "use_megatron_fsdp": False,
     "data_parallel_sharding_strategy": "no_shard",
+    "use_torch_fsdp2": False,
+    "torch_fsdp2_reshard_after_forward": True,  # --torch-fsdp2-no-reshard-after-forward stores False
     "attention_backend": "auto",
     "transformer_impl": "transformer_engine",
     "decoder_first_pipeline_num_layers": None,
@@ -79,7 +81,7 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split", "fp8",
            "fp8_recipe", "fp8_param_gather", "grad_reduce_in_bf16", "optimizer_cpu_offload", "optimizer_offload_fraction",
-           "overlap_cpu_optimizer_d2h_h2d")
+           "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
 save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""

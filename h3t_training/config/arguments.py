@@ -109,7 +109,8 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="shard parameters, gradients and optimizer states over the data-parallel group with torch "
                         "FSDP2 (megatron-core's TorchFullyShardedDataParallel; p=1, no distributed optimizer)")
-    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_true",
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward",
                    help="FSDP2 keeps each layer's gathered parameters from its forward to its backward")
     g.add_argument("--use-megatron-fsdp", action="store_true",
                    help="Megatron FSDP (megatron-core's FullyShardedDataParallel; GPU only, with "

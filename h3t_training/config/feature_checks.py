@@ -103,7 +103,7 @@ def check_sharding_flags(args):
     """Megatron FSDP's flags and ``--use-torch-fsdp2``'s combinations checked (a resolve step; one line naming the
     flags). Runs after the parallel sizes are filled."""
     check_megatron_fsdp(args)
-    if args.torch_fsdp2_no_reshard_after_forward and not args.use_torch_fsdp2:
+    if not args.torch_fsdp2_reshard_after_forward and not args.use_torch_fsdp2:
         raise ArgumentError("--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
     if not args.use_torch_fsdp2:
         return args

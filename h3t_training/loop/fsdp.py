@@ -107,7 +107,7 @@ def wrap_chunks(args, chunks, *, on_gpu: bool, process_group=None) -> list:
     if not on_gpu:  # the local backend's linears are ColumnParallelLinears inside the layers: megatron-core's set
         kwargs["sub_modules_to_wrap"] = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}  # for 'local'
     ddp_config = TorchFullyShardedDataParallelConfig(
-        reshard_after_forward=not args.torch_fsdp2_no_reshard_after_forward,
+        reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
         check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad)
     layouts = [None if on_gpu else row_layout(c) for c in chunks]  # before fully_shard replaces the parameters
     with _mesh_device("cuda" if on_gpu else "cpu"):

@@ -74,7 +74,7 @@ def test_accepted_sharding_flags():
     """no_shard is Megatron-LM's default (no sharding); --use-torch-fsdp2 at t=2 d=2 is accepted."""
     assert parse_args(BASE + ["--data-parallel-sharding-strategy", "no_shard"], world_size=2).data_parallel_size == 2
     cfg = parse_args(BASE + ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"], world_size=2)
-    assert cfg.use_torch_fsdp2 and cfg.torch_fsdp2_no_reshard_after_forward
+    assert cfg.use_torch_fsdp2 and not cfg.torch_fsdp2_reshard_after_forward
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,17 @@ def test_fsdp2_d2_gives_the_single_rank_losses_with_half_the_state(single_rank, 
         assert rank["device"] == {"params": one["device"]["params"] // 2, "grads": one["device"]["grads"] // 2,
                                   "optimizer": (one["device"]["optimizer"] - steps) // 2 + steps}, rank
         assert rank["host"] == {"params": 0, "grads": 0, "optimizer": 0}
+    # the cost model prices this run's FSDP2 (the driver's own translation of the same flags) with these bytes
+    from h3t_ext.costmodel.memory import stage_state_bytes
+    from h3t_training.config.run_spec import model_spec, run_plan
+    config = parse_args([*single_rank[0], "--use-torch-fsdp2", *flags], world_size=2)
+    plan = run_plan(config)
+    assert plan.use_torch_fsdp2 and plan.torch_fsdp2_reshard_after_forward == (not flags)
+    predicted = stage_state_bytes(model_spec(config, 512), plan, 0, param_bytes=4, master_weights=False)
+    for rank in got["state_bytes"]:
+        for kind in ("params", "grads"):
+            assert predicted["device"][kind] == rank["device"][kind], (kind, predicted, rank)
+        assert abs(predicted["device"]["optimizer"] - rank["device"]["optimizer"]) <= steps  # Adam's step counts
 
 
 SAVE_LAYOUTS = {  # name: (FSDP2 flags, ranks; the run without FSDP2 that loads its checkpoint: flags, ranks)
