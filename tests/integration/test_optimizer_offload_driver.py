@@ -1,7 +1,8 @@
 """--optimizer-cpu-offload through the driver (gloo): from one checkpoint of a single-rank run, offload 0.5 at
-d=1 and at d=2 with the distributed optimizer, and at t=2 with --ckpt ours, gives the single-rank losses; the
+d=1 and at d=2 with the distributed optimizer, at t=2 and at p=2 with --ckpt ours, gives the single-rank losses; the
 measured ``state_bytes`` of every rank are the bytes the split rule puts on each side, computed here from the
-tiny Llama's parameter shapes; an interrupted offloaded run resumes bit-exact."""
+tiny Llama's parameter shapes, and at p=2 each stage's are the cost model's terms for it; an interrupted offloaded
+run resumes bit-exact."""
 from __future__ import annotations
 
 import pytest
@@ -80,3 +81,35 @@ def test_offload_with_t2_and_ckpt_ours(single_rank, tmp_path):
     for s, p in zip(off["state_bytes"], plain["state_bytes"]):
         assert s["device"]["params"] == p["device"]["params"] and s["host"]["grads"] > 0
         assert s["device"]["optimizer"] + s["host"]["optimizer"] - s["host"]["grads"] == p["device"]["optimizer"]
+
+
+def test_offload_with_p2_gives_the_single_rank_losses_and_the_cost_models_bytes(single_rank, tmp_path):
+    """Pipeline 2 with offload 0.5 and --ckpt ours: the single-rank losses, and each stage's measured bytes are the
+    cost model's terms for that stage (the CPU stand-in's fp32 parameters, no separate master), within 1% per kind
+    and side, up to megatron-core's whole-tensor split (it offloads whole tensors: the model's F x n is off by less
+    than one tensor, at most the stage's 512 x 64 embedding or output layer, in that kind's bytes per element) and
+    Adam's 4-byte step counts."""
+    from h3t_ext.costmodel.memory import stage_state_bytes
+    from h3t_training.config.run_spec import model_spec, run_plan
+    from h3t_training.config.sections import parse_args
+
+    flags = ["--pipeline-model-parallel-size", "2", *OFFLOAD]
+    m = _run(single_rank, tmp_path, flags, 2)
+    _close(single_rank[2], [r["loss"] for r in m["iterations"]], 1e-6)
+    config = parse_args([*single_rank[0], *flags], world_size=2)
+    plan = run_plan(config)
+    assert plan.pipeline_model_parallel_size == 2 and plan.optimizer_offload_fraction == FRACTION
+    model = model_spec(config, VOCAB)
+    tensor = VOCAB * H  # the largest tensor of either stage (embedding, output layer), in elements
+    per_element = {("device", "optimizer"): 8, ("host", "grads"): 4, ("host", "optimizer"): 12}  # m v; grad; master m v
+    steps = 4 * len(_llama_shapes())
+    by_stage = {s["pipeline_rank"]: s for s in m["state_bytes"]}
+    assert sorted(by_stage) == [0, 1]
+    for stage, measured in by_stage.items():
+        predicted = stage_state_bytes(model, plan, stage, param_bytes=4, master_weights=False)
+        for side in ("device", "host"):
+            for kind in ("params", "grads", "optimizer"):
+                want, got = measured[side][kind], predicted[side][kind]
+                bound = 0.01 * want + tensor * per_element.get((side, kind), 0) + steps
+                assert abs(got - want) <= bound, (stage, side, kind, got, want)
+        assert predicted["device"]["params"] == measured["device"]["params"]  # whole: nothing is split there
