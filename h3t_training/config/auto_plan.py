@@ -10,6 +10,7 @@ from __future__ import annotations
 from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_training.errors import ArgumentError
+from h3t_training.config.feature_checks import uses_gpu
 from h3t_training.config.run_spec import model_spec, run_plan
 
 DEFAULT_SYSTEM = "h800"
@@ -67,6 +68,31 @@ def _recompute_args(plan) -> dict:
     return {**fields, "recompute_modules": fields["recompute_modules"] or None}
 
 
+def runnable_ladder(args) -> tuple:
+    """The memory options (:data:`~h3t_ext.planner.space.MEMORY_LADDER`) ``--auto-plan`` may add, as this run can
+    run them: none where the user fixed one (``--optimizer-cpu-offload``, Megatron FSDP); megatron-core's
+    optimizer CPU offload everywhere (a host partition on CPU, its HybridDeviceOptimizer on a GPU); Megatron FSDP
+    only on a GPU and without --save/--load (:func:`~h3t_training.config.feature_checks.check_megatron_fsdp`)."""
+    from h3t_ext.planner.space import MEMORY_LADDER
+    if args.optimizer_cpu_offload or args.use_megatron_fsdp or args.data_parallel_sharding_strategy != "no_shard":
+        return ()
+    fsdp = uses_gpu(args) and args.save is None and args.load is None
+    return tuple(o for o in MEMORY_LADDER if o.optimizer_cpu_offload or fsdp)
+
+
+def _memory_fields(args, plan) -> dict:
+    """The config fields of the memory options ``plan`` chose (Megatron's flags: --use-megatron-fsdp and
+    --data-parallel-sharding-strategy; --optimizer-cpu-offload with --use-precision-aware-optimizer, which it needs,
+    and --optimizer-offload-fraction)."""
+    out = {}
+    if plan.data_parallel_sharding_strategy is not None:
+        out.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=plan.data_parallel_sharding_strategy)
+    if plan.optimizer_cpu_offload and not args.optimizer_cpu_offload:
+        out.update(optimizer_cpu_offload=True, use_precision_aware_optimizer=True,
+                   optimizer_offload_fraction=plan.optimizer_offload_fraction)
+    return out
+
+
 def plan_config(args):
     """A new config: plans searched under the user's fixed flags, the others taken from the best one. The chosen
     plan's line joins the config's notices (printed once, by rank 0, when training starts)."""
@@ -80,13 +106,16 @@ def plan_config(args):
     if split:
         raise ArgumentError(f"--auto-plan searches even layer splits only; it cannot keep {', '.join(split)}: give the "
                             "parallel flags yourself, or leave those out")
+    if args.use_torch_fsdp2:
+        raise ArgumentError("--auto-plan does not search torch FSDP2 layouts (it searches Megatron FSDP on a GPU): give "
+                            "the parallel flags yourself with --use-torch-fsdp2, or leave it out")
     system, budget = _system_and_budget(args)
     alpha = OffloadAlpha.parse("auto" if args.offload_alpha is None else args.offload_alpha)
     # Flags left out are the search's; sequence parallelism and the distributed optimizer are the planner's to
     # switch on (a store_true flag left out cannot say "keep it off").
-    # The memory ladder is off: the driver runs neither Megatron FSDP nor a search-chosen optimizer offload.
+    # The memory ladder: the options this run can run (runnable_ladder); a Megatron FSDP the user fixed is kept.
     constraints = constraints_from_args(args, sequence_parallel=True, use_distributed_optimizer=True,
-                                        tp_comm_overlap=False, use_megatron_fsdp=False, memory_ladder=())
+                                        tp_comm_overlap=False, memory_ladder=runnable_ladder(args))
     result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, constraints=constraints,
                     alpha_mode=_alpha_mode(alpha), memory_budget_bytes=budget)
@@ -116,6 +145,7 @@ def plan_config(args):
         use_distributed_optimizer=plan.use_distributed_optimizer,
         overlap_grad_reduce=plan.overlap_grad_reduce,
         overlap_param_gather=plan.overlap_param_gather,
+        **_memory_fields(args, plan),
         auto_plan_flags=tuple(best.megatron_flags),
         flag_notices=(*args.flag_notices, line),
     )

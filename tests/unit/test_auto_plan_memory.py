@@ -1,0 +1,83 @@
+"""``--auto-plan`` chooses the memory options this run can run (the search's memory ladder, as
+``auto_plan.runnable_ladder`` allows it): megatron-core's optimizer CPU offload on CPU and GPU, Megatron FSDP on a GPU
+only and not with --save/--load; the chosen plan's flags land in the config, so the run and its logged prediction
+(``run_spec.run_plan``) are the plan that was priced. The GPU is faked by replacing the driver's two probes."""
+from __future__ import annotations
+
+import pytest
+
+from h3t_training.config import feature_checks
+from h3t_training.config.auto_plan import runnable_ladder
+from h3t_training.config.run_spec import run_plan
+from h3t_training.config.sections import parse_args
+
+MODEL = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size", "11008",
+         "--seq-length", "4096", "--global-batch-size", "16", "--swiglu", "--untie-embeddings-and-output-weights",
+         "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+         "32000", "--gpu", "h800", "--auto-plan", "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size",
+         "1"]
+"""A 7B Llama on 8 ranks at t=1 p=1: the weights, fp32 gradients and distributed-optimizer shard alone need 50 GB."""
+
+
+def _device(monkeypatch, gpu: bool) -> list[str]:
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: gpu)
+    monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: gpu)
+    return ["--bf16"] if gpu else []
+
+
+def _error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=8)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0].split(": error: ", 1)[1]
+
+
+def test_on_cpu_it_offloads_the_optimizer_when_nothing_else_fits(monkeypatch):
+    extra = _device(monkeypatch, gpu=False)
+    roomy = parse_args([*MODEL, *extra, "--memory-budget", "60GB"], world_size=8)
+    assert not roomy.optimizer_cpu_offload and "--optimizer-cpu-offload" not in roomy.auto_plan_flags
+    config = parse_args([*MODEL, *extra, "--memory-budget", "45GB"], world_size=8)
+    assert config.optimizer_cpu_offload and config.use_precision_aware_optimizer and config.use_distributed_optimizer
+    assert not config.use_megatron_fsdp  # Megatron FSDP does not run on CPU: never chosen there
+    flags = list(config.auto_plan_flags)
+    fraction = float(flags[flags.index("--optimizer-offload-fraction") + 1])
+    assert 0.0 < fraction <= 1.0 and config.optimizer_offload_fraction == pytest.approx(fraction)
+    plan = run_plan(config)  # the run's logged prediction prices the options it launches
+    assert plan.optimizer_cpu_offload and plan.optimizer_offload_fraction == pytest.approx(fraction)
+
+
+def test_on_a_gpu_it_shards_with_megatron_fsdp(monkeypatch):
+    extra = _device(monkeypatch, gpu=True)
+    config = parse_args([*MODEL, *extra, "--memory-budget", "30GB"], world_size=8)
+    assert config.use_megatron_fsdp and config.data_parallel_sharding_strategy == "optim_grads_params"
+    assert "--use-megatron-fsdp" in config.auto_plan_flags
+    assert run_plan(config, on_gpu=True).data_parallel_sharding_strategy == "optim_grads_params"
+
+
+def test_megatron_fsdp_is_not_chosen_where_the_run_could_not_save_it(monkeypatch, capsys, tmp_path):
+    extra = _device(monkeypatch, gpu=True)
+    body = _error([*MODEL, *extra, "--memory-budget", "30GB", "--save", str(tmp_path)], capsys)
+    assert body.startswith("--auto-plan found no plan for 8 ranks on h800: ")
+    assert "weights, grads and optimizer states alone need" in body
+
+
+@pytest.mark.parametrize("gpu, fixed, want", [
+    (False, [], ("optimizer_cpu_offload",)),
+    (True, [], ("optim_grads", "optim_grads_params", "optimizer_cpu_offload")),
+    (True, ["--load", "{tmp}"], ("optimizer_cpu_offload",)),
+    (True, ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"], ()),
+])
+def test_the_ladder_is_what_this_run_can_run(monkeypatch, tmp_path, gpu, fixed, want):
+    extra = _device(monkeypatch, gpu=gpu)
+    argv = [a for a in MODEL if a != "--auto-plan"] + extra + ["--use-distributed-optimizer"]
+    config = parse_args([str(tmp_path) if a == "{tmp}" else a for a in [*argv, *fixed]], world_size=8)
+    got = tuple(o.data_parallel_sharding_strategy or "optimizer_cpu_offload" for o in runnable_ladder(config))
+    assert got == want
+
+
+def test_auto_plan_with_torch_fsdp2_is_one_line(monkeypatch, capsys):
+    extra = _device(monkeypatch, gpu=False)
+    body = _error([*MODEL, *extra, "--use-torch-fsdp2"], capsys)
+    assert body.startswith("--auto-plan does not search torch FSDP2 layouts")
