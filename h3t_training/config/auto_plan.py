@@ -10,7 +10,7 @@ from __future__ import annotations
 from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_training.errors import ArgumentError
-from h3t_training.config.feature_checks import uses_gpu
+from h3t_training.config.feature_checks import megatron_fsdp_refusal
 from h3t_training.config.run_spec import model_spec, run_plan
 
 DEFAULT_SYSTEM = "h800"
@@ -72,11 +72,13 @@ def runnable_ladder(args) -> tuple:
     """The memory options (:data:`~h3t_ext.planner.space.MEMORY_LADDER`) ``--auto-plan`` may add, as this run can
     run them: none where the user fixed one (``--optimizer-cpu-offload``, Megatron FSDP); megatron-core's
     optimizer CPU offload everywhere (a host partition on CPU, its HybridDeviceOptimizer on a GPU); Megatron FSDP
-    only on a GPU and without --save/--load (:func:`~h3t_training.config.feature_checks.check_megatron_fsdp`)."""
+    where the run could take it with the distributed optimizer the plan switches on (the driver's one rule,
+    :func:`~h3t_training.config.feature_checks.megatron_fsdp_refusal`: a GPU, no --save/--load, no FSDP tuning
+    flags)."""
     from h3t_ext.planner.space import MEMORY_LADDER
     if args.optimizer_cpu_offload or args.use_megatron_fsdp or args.data_parallel_sharding_strategy != "no_shard":
         return ()
-    fsdp = uses_gpu(args) and args.save is None and args.load is None
+    fsdp = megatron_fsdp_refusal(args.replace(use_megatron_fsdp=True, use_distributed_optimizer=True)) is None
     return tuple(o for o in MEMORY_LADDER if o.optimizer_cpu_offload or fsdp)
 
 
@@ -107,8 +109,8 @@ def plan_config(args):
         raise ArgumentError(f"--auto-plan searches even layer splits only; it cannot keep {', '.join(split)}: give the "
                             "parallel flags yourself, or leave those out")
     if args.use_torch_fsdp2:
-        raise ArgumentError("--auto-plan does not search torch FSDP2 layouts (it searches Megatron FSDP on a GPU): give "
-                            "the parallel flags yourself with --use-torch-fsdp2, or leave it out")
+        raise ArgumentError("--auto-plan does not search torch FSDP2 layouts (it searches Megatron FSDP on a GPU): "
+                            "give the parallel flags yourself with --use-torch-fsdp2, or leave it out")
     system, budget = _system_and_budget(args)
     alpha = OffloadAlpha.parse("auto" if args.offload_alpha is None else args.offload_alpha)
     # Flags left out are the search's; sequence parallelism and the distributed optimizer are the planner's to

@@ -5,6 +5,7 @@ across data-parallel replicas (``loop/sdc_guards.py``), the TensorBoard and W&B 
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
 
 from h3t_training.config.flag_table import given_table_flags
 from h3t_training.errors import ArgumentError
@@ -64,21 +65,30 @@ MEGATRON_FSDP_CPU_REASON = ("megatron-core 0.16.1's MegatronFSDP needs CUDA (its
 
 def check_megatron_fsdp(args) -> None:
     """``--use-megatron-fsdp`` and ``--data-parallel-sharding-strategy`` as Megatron-LM takes them, one line per
-    problem: refused on the CPU path (:data:`MEGATRON_FSDP_CPU_REASON`); on a GPU run through megatron-core's
-    ``FullyShardedDataParallel`` adapter (``loop/gpu_wrap.py``) under the combinations that adapter and Megatron-LM
-    allow. A sharding strategy other than ``no_shard`` without ``--use-megatron-fsdp`` is refused (Megatron-LM
-    ignores it there: a user who asks for sharding must not get a run without it)."""
+    problem (:func:`megatron_fsdp_refusal`). A sharding strategy other than ``no_shard`` without
+    ``--use-megatron-fsdp`` is refused (Megatron-LM ignores it there: a user who asks for sharding must not get a
+    run without it)."""
     strategy = args.data_parallel_sharding_strategy
     if not args.use_megatron_fsdp:
         if strategy != "no_shard":
             raise ArgumentError(f"--data-parallel-sharding-strategy {strategy} is Megatron FSDP's and needs "
-                                "--use-megatron-fsdp (without it Megatron-LM shards nothing; --use-distributed-optimizer "
-                                "shards the optimizer state, as optim does)")
+                                "--use-megatron-fsdp (without it Megatron-LM shards nothing; "
+                                "--use-distributed-optimizer shards the optimizer state, as optim does)")
         return
+    refusal = megatron_fsdp_refusal(args)
+    if refusal is not None:
+        raise ArgumentError(refusal)
+
+
+def megatron_fsdp_refusal(args) -> Optional[str]:
+    """Why this run cannot take ``--use-megatron-fsdp`` (one line), or None: refused on the CPU path
+    (:data:`MEGATRON_FSDP_CPU_REASON`); on a GPU run through megatron-core's ``FullyShardedDataParallel`` adapter
+    (``loop/gpu_wrap.py``) under the combinations that adapter and Megatron-LM allow. The one rule of
+    :func:`check_megatron_fsdp` and of the options ``--auto-plan`` may choose (``auto_plan.runnable_ladder``)."""
     if not uses_gpu(args):
-        raise ArgumentError(f"--use-megatron-fsdp is not supported: {MEGATRON_FSDP_CPU_REASON}, and this run has no "
-                            "GPU (on a GPU it runs through megatron-core's FullyShardedDataParallel; on CPU use "
-                            "--use-torch-fsdp2, or --use-distributed-optimizer for optim)")
+        return (f"--use-megatron-fsdp is not supported: {MEGATRON_FSDP_CPU_REASON}, and this run has no GPU (on a GPU "
+                "it runs through megatron-core's FullyShardedDataParallel; on CPU use --use-torch-fsdp2, or "
+                "--use-distributed-optimizer for optim)")
     tuning = sorted(e.flag for e in given_table_flags(args) if e.key == "fsdp" and e.flag.startswith(
         ("--megatron-fsdp-", "--fsdp-", "--enable-full-sharding-in-hsdp", "--outer-dp-sharding-strategy",
          "--no-use-layer-wise-param-layout")))
@@ -94,9 +104,7 @@ def check_megatron_fsdp(args) -> None:
                                        "which this driver does not read)"),
                (bool(tuning), f"{', '.join(tuning)} (a Megatron FSDP tuning setting this driver does not pass to "
                               "megatron-core; leave it out)")]
-    for clash, what in clashes:
-        if clash:
-            raise ArgumentError(f"--use-megatron-fsdp is not supported with {what}")
+    return next((f"--use-megatron-fsdp is not supported with {what}" for clash, what in clashes if clash), None)
 
 
 def check_sharding_flags(args):

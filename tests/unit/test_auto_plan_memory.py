@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from h3t_training.config import feature_checks
 from h3t_training.config.auto_plan import runnable_ladder
 from h3t_training.config.run_spec import run_plan
 from h3t_training.config.sections import parse_args
+from parse_harness import error_body, fake_device
 
 MODEL = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32", "--ffn-hidden-size", "11008",
          "--seq-length", "4096", "--global-batch-size", "16", "--swiglu", "--untie-embeddings-and-output-weights",
@@ -20,18 +20,12 @@ MODEL = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads",
 
 
 def _device(monkeypatch, gpu: bool) -> list[str]:
-    monkeypatch.setattr(feature_checks, "cuda_available", lambda: gpu)
-    monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: gpu)
+    fake_device(monkeypatch, gpu=gpu, te=gpu)
     return ["--bf16"] if gpu else []
 
 
 def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv, world_size=8)
-    assert exc.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0].split(": error: ", 1)[1]
+    return error_body(argv, capsys, world_size=8)
 
 
 def test_on_cpu_it_offloads_the_optimizer_when_nothing_else_fits(monkeypatch):
@@ -67,6 +61,7 @@ def test_megatron_fsdp_is_not_chosen_where_the_run_could_not_save_it(monkeypatch
     (False, [], ("optimizer_cpu_offload",)),
     (True, [], ("optim_grads", "optim_grads_params", "optimizer_cpu_offload")),
     (True, ["--load", "{tmp}"], ("optimizer_cpu_offload",)),
+    (True, ["--megatron-fsdp-main-grads-dtype", "fp32"], ("optimizer_cpu_offload",)),  # a refused tuning flag
     (True, ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"], ()),
 ])
 def test_the_ladder_is_what_this_run_can_run(monkeypatch, tmp_path, gpu, fixed, want):
