@@ -117,11 +117,11 @@ def dp_comm(model: ModelSpec, plan: Plan, system: SystemSpec) -> DataParallelCom
         return DataParallelComm(0, 0.0, 0.0, 0.0, 0.0, 0.0, "ring")
     n = max(stage_params(model, plan, k) for k in {0, p - 1})
     link = group_link(t, d, system)
+    if plan.use_torch_fsdp2:  # collectives per fully_shard unit, not DDP buckets
+        return _fsdp2_comm(model, plan, n, link)
     buckets, last = ddp_buckets(model, plan, n)
     rest = (n - last) / max(1, buckets - 1)  # the other buckets (all alike when v = 1)
     gbytes = plan.grad_bytes  # fp32, or bf16 with --grad-reduce-in-bf16
-    if plan.use_torch_fsdp2:
-        return _fsdp2_comm(model, plan, n, link)
     if plan.use_distributed_optimizer:
         # reduce-scatter: the same ring cost as the all-gather of its input
         pbytes = fp8.param_gather_bytes(plan)  # BF16, or FP8 with --fp8-param-gather

@@ -2,7 +2,7 @@
 torch FSDP2) and (distributed) optimizer, chosen as Megatron-LM's ``get_model`` chooses them.
 
 Only used when CUDA is present; the CPU path is :class:`h3t_training.loop.optimizer.DataParallelAdamW`. The unit
-tier checks the wrappers and configs this module hands megatron-core (``tests/unit/test_gpu_wrap.py``, with
+tier checks the wrappers and configs this module hands megatron-core (``tests/unit/test_megatron_fsdp.py``, with
 megatron-core's classes replaced); the GPU tier trains through it (``tests/gpu/test_gpu_driver.py``).
 """
 from __future__ import annotations
