@@ -17,3 +17,21 @@ def _error(argv, capsys, monkeypatch, world_size=2) -> str:
     assert len(lines) == 1, err
     assert lines[0].startswith("pretrain_llama.py: error: ")
     return lines[0]
+
+
+def fake_device(monkeypatch, *, gpu: bool, te: bool) -> None:
+    """Make the driver see a GPU (or none) and TransformerEngine (or none): its two probes replaced
+    (``feature_checks.cuda_available``, ``feature_checks.transformer_engine_available``)."""
+    from h3t_training.config import feature_checks
+    monkeypatch.setattr(feature_checks, "cuda_available", lambda: gpu)
+    monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: te)
+
+
+def error_body(argv, capsys, world_size: int = 2) -> str:
+    """The one-line error a bad command line gives, after ``prog: error: `` (exit status 2)."""
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv, world_size=world_size)
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0].split(": error: ", 1)[1]

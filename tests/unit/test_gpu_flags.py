@@ -16,6 +16,7 @@ from h3t_training.config.megatron_fields import ddp_fields, fp8_fields, transfor
 from h3t_training.config.run_spec import run_plan
 from h3t_training.config.sections import parse_args
 from h3t_training.loop.model_provider import transformer_config
+from parse_harness import error_body, fake_device
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--bf16"]
@@ -25,17 +26,7 @@ PENDING: set = set()
 
 
 def _gpu(monkeypatch, te: bool) -> None:
-    monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)
-    monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: te)
-
-
-def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv, world_size=2)
-    assert exc.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0].split(": error: ", 1)[1]
+    fake_device(monkeypatch, gpu=True, te=te)
 
 
 def test_every_flag_noticed_on_cpu_has_a_gpu_class_or_a_reasoned_neutral_notice():
@@ -71,7 +62,7 @@ def test_cpu_classes_are_unchanged_on_cpu():
 
 def test_fp8_on_a_gpu_without_transformer_engine_is_refused_naming_it(monkeypatch, capsys):
     _gpu(monkeypatch, te=False)
-    body = _error([*BASE, "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--tp-comm-overlap",
+    body = error_body([*BASE, "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--tp-comm-overlap",
                    "--no-masked-softmax-fusion"], capsys)
     assert body.startswith("--fp8-amax-history-len, --fp8-format are not supported: on a GPU it runs through "
                            "TransformerEngine")
@@ -166,18 +157,18 @@ def test_gradient_reduction_precision_reaches_the_ddp_config(monkeypatch, capsys
     assert ddp_fields(bf16)["grad_reduce_in_fp32"] is False
     assert run_plan(bf16, on_gpu=True).grad_reduce_in_bf16 and not run_plan(parse_args(BASE, world_size=2),
                                                                             on_gpu=True).grad_reduce_in_bf16
-    body = _error([*BASE, "--exp-avg-dtype", "bf16"], capsys)
+    body = error_body([*BASE, "--exp-avg-dtype", "bf16"], capsys)
     assert body == "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer (as in Megatron-LM)"
 
 
 def test_bad_gpu_values_are_one_line(monkeypatch, capsys):
     _gpu(monkeypatch, te=True)
-    assert _error([*BASE, "--fp8-format", "e5m2"], capsys) == "--fp8-format e5m2 is not one of e4m3, hybrid"
-    assert _error([*BASE, "--fp8-param-gather"], capsys) == "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)"
-    assert _error([*BASE, "--attention-backend", "local"], capsys).startswith("--attention-backend local on a GPU "
+    assert error_body([*BASE, "--fp8-format", "e5m2"], capsys) == "--fp8-format e5m2 is not one of e4m3, hybrid"
+    assert error_body([*BASE, "--fp8-param-gather"], capsys) == "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)"
+    assert error_body([*BASE, "--attention-backend", "local"], capsys).startswith("--attention-backend local on a GPU "
                                                                               "needs --transformer-impl local")
     _gpu(monkeypatch, te=False)
-    body = _error([*BASE, "--cross-entropy-fusion-impl", "te"], capsys)
+    body = error_body([*BASE, "--cross-entropy-fusion-impl", "te"], capsys)
     assert body.startswith("--cross-entropy-fusion-impl is not supported: on a GPU with the value te it runs "
                            "through TransformerEngine")
     parse_args([*BASE, "--cross-entropy-fusion-impl", "native"], world_size=2)  # native needs no TE

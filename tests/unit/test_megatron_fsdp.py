@@ -9,10 +9,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from h3t_training.config import feature_checks
 from h3t_training.config.run_spec import model_spec, run_plan
 from h3t_training.config.sections import parse_args
 from h3t_training.loop import gpu_wrap
+from parse_harness import error_body, fake_device
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--bf16",
@@ -21,22 +21,12 @@ FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 
 
 def _gpu(monkeypatch) -> None:
-    monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)
-    monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: True)
-
-
-def _error(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        parse_args(argv, world_size=2)
-    assert exc.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    return lines[0].split(": error: ", 1)[1]
+    fake_device(monkeypatch, gpu=True, te=True)
 
 
 def test_on_the_cpu_path_it_is_one_line_naming_why(monkeypatch, capsys):
-    monkeypatch.setattr(feature_checks, "cuda_available", lambda: False)
-    body = _error([*BASE, *FSDP, "optim_grads_params"], capsys)
+    fake_device(monkeypatch, gpu=False, te=False)
+    body = error_body([*BASE, *FSDP, "optim_grads_params"], capsys)
     assert body.startswith("--use-megatron-fsdp is not supported: megatron-core 0.16.1's MegatronFSDP needs CUDA")
     assert body.endswith("and this run has no GPU (on a GPU it runs through megatron-core's FullyShardedDataParallel; "
                          "on CPU use --use-torch-fsdp2, or --use-distributed-optimizer for optim)")
@@ -45,8 +35,8 @@ def test_on_the_cpu_path_it_is_one_line_naming_why(monkeypatch, capsys):
 @pytest.mark.parametrize("on_gpu", [False, True])
 def test_a_sharding_strategy_without_megatron_fsdp_is_refused(monkeypatch, capsys, on_gpu):
     """Megatron-LM would shard nothing: the run a user asked for must not silently be another."""
-    monkeypatch.setattr(feature_checks, "cuda_available", lambda: on_gpu)
-    body = _error([*BASE, "--data-parallel-sharding-strategy", "optim_grads"], capsys)
+    fake_device(monkeypatch, gpu=on_gpu, te=on_gpu)
+    body = error_body([*BASE, "--data-parallel-sharding-strategy", "optim_grads"], capsys)
     assert body.startswith("--data-parallel-sharding-strategy optim_grads is Megatron FSDP's and needs "
                            "--use-megatron-fsdp")
 
@@ -89,7 +79,7 @@ def test_on_a_gpu_it_reaches_megatron_cores_ddp_config_and_the_plan(monkeypatch,
 def test_on_a_gpu_what_it_cannot_run_with_is_one_line(monkeypatch, capsys, tmp_path, extra, what):
     _gpu(monkeypatch)
     argv = [str(tmp_path) if a == "{tmp}" else a for a in extra]
-    body = _error([*argv, *FSDP, "optim_grads_params"], capsys)
+    body = error_body([*argv, *FSDP, "optim_grads_params"], capsys)
     assert body.startswith(f"--use-megatron-fsdp is not supported with {what}"), body
 
 
