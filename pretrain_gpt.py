@@ -19,14 +19,21 @@ DRIVER_ONLY_FLAGS = ("--auto-plan", "--strict-p2p", "--strict-p2p-comm", "--metr
 """Flags of h3t-ext's own driver that Megatron's loop does not have: given one, the driver runs."""
 
 
-def use_megatron_loop(argv) -> bool:
-    """Megatron's own pretrain() when it is importable, a GPU is present and no driver-only flag is given."""
+def use_megatron_loop(argv, *, note: bool = False) -> bool:
+    """Megatron's own pretrain() when it is importable and can start (megatron/core/datasets has Megatron-LM's
+    Makefile), a GPU is present and no driver-only flag is given; ``note``: say in one line why it does not start
+    when only the Makefile is missing (the driver then runs)."""
     from h3t_training.loop import megatron_native
 
     if not megatron_native.available() or any(a.split("=")[0] in DRIVER_ONLY_FLAGS for a in argv):
         return False
     import torch
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return False
+    why = megatron_native.missing_dataset_makefile()
+    if why is not None and note:
+        sys.stderr.write(f"{PROG}: note: Megatron's own training loop cannot start: {why}; h3t-ext's driver runs\n")
+    return why is None
 
 
 def main(argv=None) -> int:
@@ -39,7 +46,7 @@ def main(argv=None) -> int:
     launch = launch_env.adopt_or_report(os.environ, PROG)
     if launch is None:
         return 2
-    if use_megatron_loop(argv):
+    if use_megatron_loop(argv, note=launch.rank == 0):
         from h3t_ext.runtime.config import RuntimeConfigError
         from h3t_training.errors import ArgumentError
         from h3t_training.loop import megatron_native

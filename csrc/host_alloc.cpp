@@ -1,6 +1,7 @@
 // Page-aligned NUMA-placed host allocations (see host_alloc.h).
 #include "host_alloc.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -8,8 +9,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <stdexcept>
 
 namespace h3t {
@@ -69,10 +71,20 @@ int pci_numa_node(const std::string& pci_bus_id) {
   for (char ch : id) {
     if (!(std::isxdigit(static_cast<unsigned char>(ch)) || ch == ':' || ch == '.')) return -1;
   }
-  std::ifstream f("/sys/bus/pci/devices/" + id + "/numa_node");
-  int node = -1;
-  if (!(f >> node)) return -1;
-  return node;
+  // POSIX read and strtol, not iostreams: a file stream here crashed inside the CUDA module on the first GPU run
+  // (std::codecvt::do_unshift, with the iostream code of another libstdc++ already in the Python process).
+  const std::string path = "/sys/bus/pci/devices/" + id + "/numa_node";
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  char buf[32] = {0};
+  const ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return -1;
+  char* end = nullptr;
+  errno = 0;
+  const long node = std::strtol(buf, &end, 10);
+  if (end == buf || errno != 0 || node < -1 || node > INT_MAX) return -1;
+  return static_cast<int>(node);
 }
 
 int numa_node_of(const void* ptr) {

@@ -53,6 +53,7 @@ from h3t_training.data.tokenizer import padded_vocab_size, run_padded_vocab_size
 from h3t_training.loop import fsdp, legacy_checkpoint as legacy, megatron_written
 from h3t_training.loop.checkpoint_common import (CHECKPOINT_VERSION, LAYOUT_FLAGS, MODEL_SHAPE_FLAGS,  # noqa: F401
                                                  SCHEDULE_FLAGS, SCHEDULE_STEPS, WRITTEN_BY, CheckpointError)
+from h3t_training.loop.collectives import all_reduce_host
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKSUMS = "h3t_checksums.json"
@@ -436,7 +437,7 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
 
     finite = torch.tensor([all(bool(torch.isfinite(fsdp.local(p)).all()) for c in chunks for p in c.parameters())],
                           dtype=torch.int)
-    dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    finite = all_reduce_host(finite, op=dist.ReduceOp.MIN)
     if not finite.item():
         raise CheckpointError(f"iteration {iteration}: the model holds non-finite weights; no checkpoint written, "
                               f"the latest stays the previous one")

@@ -30,6 +30,7 @@ from megatron.core import parallel_state as ps
 from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 from h3t_training.config.memory_hygiene import MemoryHygiene
 from h3t_training.data.datasets import build_data_iterators
+from h3t_training.loop.collectives import all_reduce_host
 
 
 @dataclass
@@ -133,5 +134,5 @@ class Evaluator:
             return float("nan")
         dp = ps.get_data_parallel_group(with_context_parallel=True)
         if dist.get_world_size(dp) > 1:
-            dist.all_reduce(total, group=dp)
+            total = all_reduce_host(total, group=dp)
         return float(total[0] / total[1].clamp(min=1))

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from h3t_training.loop.collectives import all_reduce_host
+
 
 class ExitSignalHandler:
     """Records that ``--exit-signal`` or SIGINT arrived (the run then saves and exits after the iteration; after
@@ -62,8 +64,7 @@ class ExitConditions:
             code = 3 if self.handler.interrupted else 2
         elif self.minutes is not None and (time.time() - self.start_time) / 60 > self.minutes:
             code = 1
-        flag = torch.tensor([code])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = all_reduce_host(torch.tensor([code]), op=dist.ReduceOp.MAX)
         self.reason = {0: "", 1: f"--exit-duration-in-mins {self.minutes} reached", 2: "exit signal received",
                        3: "SIGINT received"}[int(flag.item())]
         self.interrupted = int(flag.item()) == 3

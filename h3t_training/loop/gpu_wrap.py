@@ -43,11 +43,20 @@ def wrap_for_gpu(args, chunks):
         wrapped = wrap_chunks(args, chunks, on_gpu=True)
         config.no_sync_func = wrapped[0].no_sync  # FSDP2 reduce-scatters in backward; megatron-core's no-op
         config.finalize_model_grads_func = finalize_model_grads
-        return wrapped, MegatronOptimizerAdapter(wrapped, args, config)
+        return wrapped, _with_loss_scaling(config, MegatronOptimizerAdapter(wrapped, args, config))
     ddp_config = ddp_config_for(args)
     wrapper = data_parallel_wrapper(args)
     wrapped = [wrapper(config=config, ddp_config=ddp_config, module=c, disable_bucketing=(i > 0))
                for i, c in enumerate(chunks)]
     config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     config.finalize_model_grads_func = finalize_model_grads
-    return wrapped, MegatronOptimizerAdapter(wrapped, args, config)
+    return wrapped, _with_loss_scaling(config, MegatronOptimizerAdapter(wrapped, args, config))
+
+
+def _with_loss_scaling(config, optimizer: MegatronOptimizerAdapter) -> MegatronOptimizerAdapter:
+    """``config.grad_scale_func`` is the optimizer's ``scale_loss``, as Megatron-LM's ``train`` sets it: megatron-core's
+    ``backward_step`` multiplies the last stage's loss by the loss scale (fp16: the dynamic scale, 2^32 at the start;
+    1 for bf16) and the optimizer divides the gradients by it. Without it an fp16 run's gradients would be divided by
+    a scale the loss never carried."""
+    config.grad_scale_func = optimizer.opt.scale_loss
+    return optimizer

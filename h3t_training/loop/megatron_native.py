@@ -26,6 +26,7 @@ import argparse
 import importlib
 import importlib.util
 import inspect
+import os
 from typing import Optional, Sequence
 
 from h3t_ext.offload_alpha import OffloadAlpha
@@ -40,6 +41,24 @@ def available() -> bool:
         return importlib.util.find_spec("megatron.training") is not None
     except (ImportError, ValueError):
         return False
+
+
+def missing_dataset_makefile() -> Optional[str]:
+    """Why Megatron's own ``pretrain()`` cannot start here although ``megatron.training`` imports, or None.
+
+    ``initialize_megatron`` runs ``make`` in ``megatron/core/datasets`` on rank 0 and exits when it fails: a Megatron-LM
+    checkout has that Makefile, a megatron-core wheel ships the built helpers but no Makefile (the first GPU run of
+    ``pretrain_gpt.py`` with the 0.19.2 wheel stopped there)."""
+    try:
+        spec = importlib.util.find_spec("megatron.core.datasets")
+    except (ImportError, ValueError):
+        return "megatron.core.datasets is not importable"
+    folders = list(getattr(spec, "submodule_search_locations", None) or [])
+    if not any(os.path.isfile(os.path.join(f, "Makefile")) for f in folders):
+        where = folders[0] if folders else "megatron/core/datasets"
+        return (f"{where} has no Makefile (a megatron-core wheel), and Megatron's initialize_megatron runs make there; "
+                f"put a Megatron-LM checkout first on PYTHONPATH to use Megatron's loop")
+    return None
 
 
 def add_h3t_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.loop.optimizer_offload import HostPartition, OptimizerOffload, split_groups
+from h3t_training.loop.collectives import all_reduce_host
 
 
 def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
@@ -188,9 +189,9 @@ class DataParallelAdamW:
             if (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0) and not getattr(p, "shared", False):
                 sq += local(p.grad).double().pow(2).sum()
         if self.fsdp and self.dp_size > 1:  # each rank holds one shard of every gradient
-            dist.all_reduce(sq, group=self.dp_group)
+            sq = all_reduce_host(sq, group=self.dp_group)
         if self.mp_group is not None and dist.get_world_size(self.mp_group) > 1:
-            dist.all_reduce(sq, group=self.mp_group)
+            sq = all_reduce_host(sq, group=self.mp_group)
         return float(sq.sqrt())
 
     def _broadcast_shards(self) -> None:
@@ -460,6 +461,8 @@ class MegatronOptimizerAdapter:
         main weights and Adam moments of every shard), in its fully reshardable form; ``metadata``: the content
         metadata of a checkpoint Megatron-LM wrote, whose sharding type it reads (its default: dp_reshardable)."""
         model = {f"model{i}": sd for i, sd in enumerate(model_sharded_state_dicts)}
+        if is_loading:
+            self._materialize_state()
         return self.opt.sharded_state_dict(model, is_loading, metadata=metadata if metadata is not None else
                                            {"distrib_optim_sharding_type": "fully_reshardable"})
 
@@ -482,9 +485,26 @@ class MegatronOptimizerAdapter:
     def load_legacy_state_dict(self, state: dict, parameter_state_path: Optional[str]) -> None:
         """megatron-core's ``load_state_dict`` and, with the distributed optimizer, ``load_parameter_state``,
         as Megatron-LM's legacy load calls them."""
+        self._materialize_state()
         self.opt.load_state_dict(state)
         if self.args.use_distributed_optimizer:
             self.opt.load_parameter_state(parameter_state_path)
+
+    def _materialize_state(self) -> None:
+        """torch's Adam state (step 0, zero moments) for every parameter that has none yet, as its first step would
+        make it. Without TransformerEngine or Apex, megatron-core's distributed optimizer steps torch's Adam and reads
+        every parameter's ``step`` when it loads (``state_dict()`` first, then its own ``load_state_dict``), so a fresh
+        optimizer could not load (Megatron-LM's runs have TE's FusedAdam, which keeps ``step`` per group). The
+        load then overwrites these values."""
+        for member in getattr(self.opt, "chained_optimizers", [self.opt]):
+            inner = getattr(member, "optimizer", None)
+            if not isinstance(inner, torch.optim.Adam):  # AdamW subclasses Adam; HybridDeviceOptimizer does its own
+                continue
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if not inner.state.get(p):
+                        inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                          "exp_avg_sq": torch.zeros_like(p)}
 
     def reload_model_params(self) -> None:
         """After a checkpoint loaded the model without the optimizer: the fp32 main weights (host copies with
@@ -498,7 +518,7 @@ class MegatronOptimizerAdapter:
         def place(t):
             return "device" if t.is_cuda else "host"
         for c in self.chunks:
-            for buf in [*getattr(c, "buffers", ()), *getattr(c, "expert_parallel_buffers", ())]:
+            for buf in [*_ddp_buffers(c, "buffers"), *_ddp_buffers(c, "expert_parallel_buffers")]:
                 if getattr(buf, "param_data", None) is not None:
                     yield "params", place(buf.param_data), buf.param_data
                 yield "grads", place(buf.grad_data), buf.grad_data
@@ -514,6 +534,13 @@ class MegatronOptimizerAdapter:
                 yield from (("optimizer", place(p), p) for p in group["params"])
             for state in inner.state.values():
                 yield from (("optimizer", place(v), v) for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _ddp_buffers(chunk, name: str) -> list:
+    """megatron-core DDP's parameter-and-gradient buffers of a chunk (its ``buffers`` list); none for a wrapper that
+    has no such list (Megatron FSDP's adapter: ``buffers`` is then ``nn.Module.buffers``, a method)."""
+    found = getattr(chunk, name, ())
+    return list(found) if isinstance(found, (list, tuple)) else []
 
 
 def _torch_optimizers(opt) -> Iterator[torch.optim.Optimizer]:

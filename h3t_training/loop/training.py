@@ -42,6 +42,7 @@ from h3t_training.loop.sdc_guards import check_weight_hashes
 from h3t_training.telemetry.state_bytes import rank_state_bytes
 from h3t_training.data.tokenizer import run_padded_vocab_size, tokenizer_from_args
 from h3t_training.telemetry.training_log import IterationLogger, write_metrics_json
+from h3t_training.loop.collectives import all_reduce_host
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -103,15 +104,14 @@ def _iteration_loss(losses: list) -> float:
         total += d["lm loss"].detach().double().cpu()
     dp = ps.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(dp) > 1:
-        dist.all_reduce(total, group=dp)
+        total = all_reduce_host(total, group=dp)
     return float(total[0] / total[1].clamp(min=1))
 
 
 def _check_loss(loss: float, iteration: int) -> None:
     """Every rank stops at a non-finite loss (known on the last pipeline stage), naming its value."""
     code = 0 if math.isfinite(loss) else 1 if math.isnan(loss) else 2 if loss > 0 else 3
-    flag = torch.tensor([code])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = all_reduce_host(torch.tensor([code]), op=dist.ReduceOp.MAX)
     if flag.item():
         value = ("nan", "inf", "-inf")[flag.item() - 1]
         raise NonFiniteError(f"iteration {iteration}: the loss is {value}; stopped "

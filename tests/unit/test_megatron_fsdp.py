@@ -85,7 +85,7 @@ def test_on_a_gpu_what_it_cannot_run_with_is_one_line(monkeypatch, capsys, tmp_p
 
 def test_each_chunk_is_wrapped_as_megatron_lm_wraps_it(monkeypatch):
     """Every chunk in the adapter with the run's DDP config, bucketing only on the first (Megatron-LM's
-    ``disable_bucketing=(model_chunk_idx > 0)``), and the no-sync and finalize hooks in the model config."""
+    ``disable_bucketing=(model_chunk_idx > 0)``), and the no-sync, finalize and loss-scale hooks in the model config."""
     _gpu(monkeypatch)
     config = parse_args([*BASE, *FSDP, "optim_grads", "--pipeline-model-parallel-size", "2",
                          "--num-layers-per-virtual-pipeline-stage", "1"], world_size=2)
@@ -98,11 +98,14 @@ def test_each_chunk_is_wrapped_as_megatron_lm_wraps_it(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(gpu_wrap, "data_parallel_wrapper", lambda args: Recorder)
-    monkeypatch.setattr(gpu_wrap, "MegatronOptimizerAdapter", lambda wrapped, args, cfg: ("optimizer", wrapped))
+    scale_loss = object()
+    monkeypatch.setattr(gpu_wrap, "MegatronOptimizerAdapter",
+                        lambda wrapped, args, cfg: SimpleNamespace(wrapped=wrapped, opt=SimpleNamespace(scale_loss=scale_loss)))
     tf_config = SimpleNamespace()
     chunks = [SimpleNamespace(config=tf_config), SimpleNamespace(config=tf_config)]
     wrapped, optimizer = gpu_wrap.wrap_for_gpu(config, chunks)
-    assert [w.module for w in wrapped] == chunks and optimizer == ("optimizer", wrapped)
+    assert [w.module for w in wrapped] == chunks and optimizer.wrapped == wrapped
+    assert tf_config.grad_scale_func is scale_loss  # Megatron-LM's train(): the loss carries the optimizer's scale
     assert [w.disable_bucketing for w in made] == [False, True]
     assert all(w.ddp_config.use_megatron_fsdp and w.ddp_config.data_parallel_sharding_strategy == "optim_grads"
                for w in made)

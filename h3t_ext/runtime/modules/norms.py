@@ -19,10 +19,12 @@ from .sequence_parallel import mark_sequence_parallel
 
 
 def _check(config, what: str) -> None:
-    for flag, on in (("--persist-layer-norm", config.persist_layer_norm),
-                     ("--memory-efficient-layer-norm", config.memory_efficient_layer_norm)):
-        if on:
-            raise RuntimeConfigError(f"{flag} is not supported by h3t-ext's torch {what}; leave it off")
+    if config.persist_layer_norm:  # Megatron-LM's loop turns it on unless --no-persist-layer-norm is given
+        raise RuntimeConfigError(f"persist_layer_norm (Apex's persistent kernel) is not supported by h3t-ext's torch "
+                                 f"{what}, nor by megatron-core's: pass --no-persist-layer-norm")
+    if config.memory_efficient_layer_norm:
+        raise RuntimeConfigError(f"--memory-efficient-layer-norm is not supported by h3t-ext's torch {what}; "
+                                 f"leave it off")
 
 
 def _zero_centered(module, config) -> None:
