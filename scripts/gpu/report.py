@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,13 +46,18 @@ def gpu_tests(timeout_s: int) -> dict:
     xml = os.path.join(tempfile.mkdtemp(), "gpu.xml")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", f"--junitxml={xml}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    return {**junit_counts(xml), "tail": proc.stdout.strip().splitlines()[-1:]}
+
+
+def junit_counts(xml: str) -> dict:
+    """passed / failed / skipped and the failed tests' names of a pytest --junitxml file."""
     suite = ET.parse(xml).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     total, failures, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
     failed = [f"{c.get('classname')}.{c.get('name')}" for c in suite.iter("testcase")
               if c.find("failure") is not None or c.find("error") is not None]
     return {"passed": total - failures - errors - skipped, "failed": failures + errors, "skipped": skipped,
-            "failed_tests": failed, "tail": proc.stdout.strip().splitlines()[-1:]}
+            "failed_tests": failed}
 
 
 def stage_memory(timeout_s: int, device: str = "cuda") -> tuple[Optional[float], Optional[dict], str]:
@@ -67,8 +73,8 @@ def stage_memory(timeout_s: int, device: str = "cuda") -> tuple[Optional[float],
 NATIVE_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
                 "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
                 "--train-iters", "3", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
-                "--vocab-size", "1000", "--bf16", "--transformer-impl", "local", "--ckpt", "ours", "--log-interval", "1",
-                "--eval-iters", "0"]
+                "--vocab-size", "1000", "--bf16", "--transformer-impl", "local", "--no-persist-layer-norm",
+                "--ckpt", "ours", "--log-interval", "1", "--eval-iters", "0"]
 """A tiny run of pretrain_gpt.py through Megatron's own pretrain() (h3t_training.loop.megatron_native)."""
 
 
@@ -95,40 +101,96 @@ def ground_truth(path: str, budget_s: float) -> tuple[Optional[dict], str]:
         return None, f"scripts/gpu/ground_truth.py did not finish within {budget_s + 300:g}s"
     if proc.returncode != 0 or not os.path.isfile(path):
         return None, (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    return ground_truth_summary(path), ""
+
+
+def ground_truth_summary(path: str) -> dict:
+    """The rows measured, within 10% of the model, and not measured, of a ground-truth JSON."""
     with open(path) as f:
-        rows = json.load(f)["rows"]
+        doc = json.load(f)
+    rows = doc["rows"]
     measured = [r for r in rows if r["status"] == "measured"]
-    return {"json": os.path.relpath(path, ROOT), "measured": len(measured),
+    return {"json": os.path.relpath(path, ROOT), "system": doc.get("system"), "measured": len(measured),
             "within_10_percent": sum(abs(r["ratio"] - 1) <= 0.10 for r in measured),
-            "not_measured": sum(r["status"] in ("skipped", "failed") for r in rows)}, ""
+            "not_measured": sum(r["status"] in ("skipped", "failed") for r in rows)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "gpu-reports"))
-    p.add_argument("--ground-truth-budget-s", type=float, default=420.0,
-                   help="time budget of scripts/gpu/ground_truth.py (0: skip it)")
-    args = p.parse_args(argv)
+def _json_file(path: str) -> tuple[object, str]:
+    """(the JSON of a part's file, or None and its last line) -- lease_run.sh writes each part's stdout and stderr."""
+    if not os.path.isfile(path):
+        return None, f"{os.path.basename(path)} was not written (the part did not run)"
+    lines = [ln for ln in open(path, encoding="utf-8").read().strip().splitlines() if ln.strip()]
+    try:
+        return json.loads(lines[-1] if lines and lines[-1].lstrip().startswith(("{", "[")) else
+                          open(path, encoding="utf-8").read()), ""
+    except (json.JSONDecodeError, IndexError):
+        errors = [ln.strip() for ln in lines if "error" in ln.lower() and "warn" not in ln.lower()]
+        return None, (errors[-1] if errors else "no result: the process died without a message (see the lease log)")
+
+
+def _native_losses(path: str) -> dict:
+    if not os.path.isfile(path):
+        return {"ran": False, "why": f"{os.path.basename(path)} was not written"}
+    text = open(path, encoding="utf-8", errors="replace").read()
+    errors = [ln for ln in text.splitlines() if ": error: " in ln]
+    return {"ran": True, "losses": [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)],
+            "last_error": errors[-1] if errors else ""}
+
+
+def parts_from_dir(parts: str) -> tuple[dict, dict]:
+    """(meta, raw results) of the files scripts/gpu/lease_run.sh leaves in ``parts``."""
+    meta, why = _json_file(os.path.join(parts, "meta.json"))
+    if meta is None:
+        raise SystemExit(f"report.py: error: --from-parts {parts}: meta.json: {why}")
+    xml = os.path.join(parts, "gpu_tests.xml")
+    raw = {"tests": junit_counts(xml) if os.path.isfile(xml) else None,
+           "stage_memory": _json_file(os.path.join(parts, "stage_memory.json")),
+           "overlap": _json_file(os.path.join(parts, "overlap.json")),
+           "copies": _json_file(os.path.join(parts, "copies.json")),
+           "dropout": _json_file(os.path.join(parts, "attention_dropout.json")),
+           "native": {name: _native_losses(os.path.join(parts, f"native-{name}.log")) for name in ("ours", "no")},
+           "driver_steps": _json_file(os.path.join(parts, "driver_steps.json"))[0],
+           "ground_truth": os.path.join(parts, "ground_truth.json")}
+    return meta, raw
+
+
+def parts_live(budget_s: float) -> tuple[dict, dict]:
+    """(meta, raw results) of running every part here, one after the other."""
     import torch
 
-    name = torch.cuda.get_device_name()
-    report: dict = {"gpu": name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                    "cuda": torch.version.cuda, "missing": {}, "details": {}}
+    meta = {"gpu": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "cuda": torch.version.cuda}
     tests = gpu_tests(timeout_s=1800)
-    report.update(tests_passed=tests["passed"], tests_failed=tests["failed"])
-    report["details"]["tests"] = tests
+    _, sm, why = stage_memory(timeout_s=900)
+    raw = {"tests": tests, "stage_memory": (sm, why),
+           "overlap": _run_json([sys.executable, "scripts/gpu/bench_offload_overlap.py", "--json"], 1200),
+           "copies": _run_json([sys.executable, "scripts/gpu/bench_copy_cuda.py", "--json"], 1200),
+           "dropout": _run_json([sys.executable, "scripts/gpu/bench_attention_dropout.py", "--json"], 600),
+           "native": megatron_native(timeout_s=600), "driver_steps": None, "ground_truth": None,
+           "ground_truth_budget_s": budget_s}
+    return meta, raw
 
-    error, report["details"]["stage_memory"], why = stage_memory(timeout_s=900)
-    report["stage_memory_max_error"] = error
-    if error is None:
+
+def build_report(meta: dict, raw: dict, out_dir: str) -> tuple[dict, str]:
+    """The report (and its path under ``out_dir``) from the parts' raw results; the ground truth's JSON is written
+    beside it."""
+    report: dict = {**meta, "missing": {}, "details": {}}
+    tests = raw["tests"]
+    report.update(tests_passed=None if tests is None else tests["passed"],
+                  tests_failed=None if tests is None else tests["failed"])
+    report["details"]["tests"] = tests
+    sm, why = raw["stage_memory"]
+    report["details"]["stage_memory"] = sm
+    report["stage_memory_max_error"] = None if sm is None else sm["max_error"]
+    if sm is None:
         report["missing"]["stage_memory_max_error"] = why
-    overlap, why = _run_json([sys.executable, "scripts/gpu/bench_offload_overlap.py", "--json"], 1200)
+    overlap, why = raw["overlap"]
     report["details"]["offload_overlap"] = overlap
     report["offload_step_time_ratio"] = None if overlap is None else \
         next(r["step_time_ratio"] for r in overlap if r["alpha"] == 0.5)
     if overlap is None:
         report["missing"]["offload_step_time_ratio"] = why
-    copies, why = _run_json([sys.executable, "scripts/gpu/bench_copy_cuda.py", "--json"], 1200)
+    copies, why = raw["copies"]
     report["details"]["copies"] = copies
     if copies is None:
         report["missing"]["copy"] = why
@@ -136,28 +198,34 @@ def main(argv=None) -> int:
     else:
         report["copy_speedup_small"] = min(d["speedup_over_loop"] for d in copies["many_small"].values())
         report["copy_bandwidth_share"] = min(d["share_of_one_copy"] for c in copies.values() for d in c.values())
-
-    dropout, why = _run_json([sys.executable, "scripts/gpu/bench_attention_dropout.py", "--json"], 600)
+    dropout, why = raw["dropout"]
     report["details"]["attention_dropout"] = dropout
     report["attention_dropout_slowdown"] = None if dropout is None else {
         name: {"fwd": r["fwd_slowdown"], "bwd": r["bwd_slowdown"]} for name, r in dropout["backends"].items()
         if r["ran"]}
     if dropout is None:
         report["missing"]["attention_dropout_slowdown"] = why
-
-    report["details"]["megatron_native"] = megatron_native(timeout_s=600)
-
-    os.makedirs(args.out_dir, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
-    path = os.path.join(args.out_dir, f"{report['date']}-{slug}.json")
-    report["ground_truth"] = None
-    if args.ground_truth_budget_s > 0:
-        report["ground_truth"], why = ground_truth(os.path.join(args.out_dir, f"{report['date']}-{slug}-ground-truth.json"),
-                                                   args.ground_truth_budget_s)
-        if report["ground_truth"] is None:
-            report["missing"]["ground_truth"] = why
+    report["details"]["megatron_native"] = raw["native"]
+    report["details"]["driver_steps"] = raw["driver_steps"]
+    os.makedirs(out_dir, exist_ok=True)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", meta["gpu"]).strip("-").lower()
+    path = os.path.join(out_dir, f"{meta['date']}-{slug}.json")
+    gt_path = os.path.join(out_dir, f"{meta['date']}-{slug}-ground-truth.json")
+    report["ground_truth"], why = None, "not run"
+    if raw["ground_truth"] is not None and os.path.isfile(raw["ground_truth"]):
+        shutil.copyfile(raw["ground_truth"], gt_path)
+        report["ground_truth"] = ground_truth_summary(gt_path)
+    elif raw.get("ground_truth_budget_s"):
+        report["ground_truth"], why = ground_truth(gt_path, raw["ground_truth_budget_s"])
+    if report["ground_truth"] is None:
+        report["missing"]["ground_truth"] = why
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
+    return report, path
+
+
+def print_table(report: dict, path: str) -> None:
+    dropout = report["details"]["attention_dropout"]
     rows = [("GPU tests passed / failed", f"{report['tests_passed']} / {report['tests_failed']}", "all pass"),
             ("stage memory max error", report["stage_memory_max_error"], "<= 3%"),
             ("offload step time, alpha 0.5 / 0", report["offload_step_time_ratio"], "<= 1.05"),
@@ -171,10 +239,23 @@ def main(argv=None) -> int:
     for name, r in (report["attention_dropout_slowdown"] or {"flash": None}).items():
         rows.append((f"attention dropout slowdown fwd / bwd ({name})",
                      None if r is None else f"{r['fwd']:.2f} / {r['bwd']:.2f}", stated))
-    print(f"GPU check on {name}, {report['date']} -> {os.path.relpath(path, ROOT)}")
+    print(f"GPU check on {report['gpu']}, {report['date']} -> {os.path.relpath(path, ROOT)}")
     for what, value, target in rows:
         shown = "missing" if value is None else (f"{value:.3f}" if isinstance(value, float) else str(value))
         print(f"  {what:45s} {shown:>12s}   (target {target})")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "gpu-reports"))
+    p.add_argument("--ground-truth-budget-s", type=float, default=420.0,
+                   help="time budget of scripts/gpu/ground_truth.py (0: skip it)")
+    p.add_argument("--from-parts", metavar="DIR",
+                   help="write the report from the files scripts/gpu/lease_run.sh left in DIR (no GPU needed)")
+    args = p.parse_args(argv)
+    meta, raw = parts_from_dir(args.from_parts) if args.from_parts else parts_live(args.ground_truth_budget_s)
+    report, path = build_report(meta, raw, args.out_dir)
+    print_table(report, path)
     return 0 if report["tests_failed"] == 0 else 1
 
 

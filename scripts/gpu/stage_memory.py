@@ -244,6 +244,20 @@ def compare(args, per_rank: list) -> dict:
                     "warmup": args.warmup, "iterations": args.iterations}}
 
 
+def failing_ranks_line(report: str) -> str:
+    """'rank R: <its last line>' for each rank in run_distributed's report, joined in one line (the lowest rank's
+    error is usually the cause; a peer's is 'the peer process is gone')."""
+    parts = []
+    for section in report.split("--- rank ")[1:]:
+        head, _, body = section.partition(" ---")
+        lines = [ln.strip() for ln in body.strip().splitlines() if ln.strip()]
+        parts.append(f"rank {head.strip()}: {lines[-1] if lines else 'failed'}")
+    if parts:
+        return "; ".join(parts)
+    lines = [ln.strip() for ln in report.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else "a rank failed"
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     import torch
@@ -255,9 +269,8 @@ def main(argv=None) -> int:
         return 1
     try:
         per_rank = run_distributed(_worker, PP, (args,), timeout_s=args.timeout_s)
-    except DistributedTestError as exc:  # one line: the failing rank's last line (its exception)
-        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-        sys.stderr.write(f"stage_memory.py: error: {lines[-1] if lines else 'a rank failed'}\n")
+    except DistributedTestError as exc:  # one line: each failing rank's last line (its exception), rank 0 first
+        sys.stderr.write(f"stage_memory.py: error: {failing_ranks_line(str(exc))}\n")
         return 1
     result = compare(args, per_rank)
     if not args.json:

@@ -94,3 +94,39 @@ def test_attention_dropout_bench_without_a_gpu_is_one_line():
                           env=_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr == "bench_attention_dropout.py: error: no CUDA GPU (use --device cpu to exercise the code path)\n"
+
+
+def test_report_from_the_parts_of_a_lease(tmp_path):
+    """report.py --from-parts: the report from the files scripts/gpu/lease_run.sh leaves (no GPU needed); a part that
+    died is named, not guessed."""
+    import json
+
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "meta.json").write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-11-28", "torch": "t",
+                                                 "cuda": "c"}))
+    (parts / "gpu_tests.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
+        '<testcase classname="a" name="ok"/><testcase classname="a" name="ok2"/>'
+        '<testcase classname="a" name="bad"><failure>x</failure></testcase></testsuite></testsuites>')
+    (parts / "stage_memory.json").write_text('some warning\n{"max_error": 0.021, "stages": []}\n')
+    (parts / "overlap.json").write_text("  warnings.warn(\n")  # the bench died after a warning
+    (parts / "native-ours.log").write_text("iteration 1 | lm loss: 7.5E+00 |\niteration 2 | lm loss: 7.25E+00 |\n")
+    gt = {"schema": "h3t-ground-truth/1", "system": "h200", "rows": [
+        {"status": "measured", "ratio": 1.05}, {"status": "measured", "ratio": 0.8}, {"status": "left_out"}]}
+    (parts / "ground_truth.json").write_text(json.dumps(gt))
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/report.py"), "--from-parts", str(parts),
+                           "--out-dir", str(tmp_path / "out")], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr  # a GPU test failed
+    report = json.loads((tmp_path / "out" / "2026-11-28-nvidia-h200.json").read_text())
+    assert (report["tests_passed"], report["tests_failed"]) == (2, 1)
+    assert report["details"]["tests"]["failed_tests"] == ["a.bad"]
+    assert report["stage_memory_max_error"] == 0.021
+    assert report["offload_step_time_ratio"] is None
+    assert report["missing"]["offload_step_time_ratio"].startswith("no result: the process died")
+    assert report["missing"]["copy"] == "copies.json was not written (the part did not run)"
+    assert report["details"]["megatron_native"]["ours"]["losses"] == [7.5, 7.25]
+    assert report["ground_truth"]["measured"] == 2 and report["ground_truth"]["within_10_percent"] == 1
+    assert (tmp_path / "out" / "2026-11-28-nvidia-h200-ground-truth.json").is_file()
+    assert "GPU tests passed / failed" in proc.stdout and "2 / 1" in proc.stdout

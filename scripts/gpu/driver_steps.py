@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Training steps of ~1B and ~3B Llama and GPT models through the driver on one GPU (t = p = 1), measured.
+
+Each case runs ``pretrain_llama.py`` or ``pretrain_gpt.py`` (the h3t-ext driver, megatron-core 0.16.1) with
+``--mock-data`` for ``--iters`` iterations and records the median ``elapsed_ms`` of the iterations after the
+first two (``--metrics-json``) and the last logged ``max memory (MB)`` (``torch.cuda.max_memory_allocated``). The
+cost model's figures for the same runs come from ``h3t-plan estimate`` with the same flags (``--compare``, on
+any machine).
+
+  python scripts/gpu/driver_steps.py [--json PATH] [--iters 6] [--only NAME ...]   # on the GPU
+  python scripts/gpu/driver_steps.py --dry-run                                    # the commands
+  python scripts/gpu/driver_steps.py --compare PATH [--system h200-sxm]           # measured beside estimate
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+LLAMA_1B = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32", "--group-query-attention",
+            "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--vocab-size", "32000"]
+LLAMA_3B = ["--num-layers", "28", "--hidden-size", "3072", "--num-attention-heads", "24", "--group-query-attention",
+            "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--vocab-size", "32000"]
+GPT_1B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--vocab-size", "50304"]
+GPT_3B = ["--num-layers", "32", "--hidden-size", "2560", "--num-attention-heads", "32", "--vocab-size", "50304"]
+COMMON = ["--seq-length", "2048", "--max-position-embeddings", "2048", "--micro-batch-size", "2",
+          "--global-batch-size", "16", "--bf16", "--use-distributed-optimizer", "--lr", "1e-4", "--mock-data",
+          "--tokenizer-type", "NullTokenizer", "--log-interval", "1", "--eval-iters", "0", "--seed", "1234"]
+CASES = [  # (name, entry, model flags, ckpt, alpha): the first of each model is its reference
+    ("llama-1b/no/0", "pretrain_llama.py", LLAMA_1B, "no", "0"),
+    ("llama-1b/ours/0", "pretrain_llama.py", LLAMA_1B, "ours", "0"),
+    ("llama-1b/ours/0.5", "pretrain_llama.py", LLAMA_1B, "ours", "0.5"),
+    ("llama-1b/ours/1", "pretrain_llama.py", LLAMA_1B, "ours", "1"),
+    ("llama-1b/full/0", "pretrain_llama.py", LLAMA_1B, "full", "0"),
+    ("gpt-1b/no/0", "pretrain_gpt.py", GPT_1B, "no", "0"),
+    ("gpt-1b/ours/0.5", "pretrain_gpt.py", GPT_1B, "ours", "0.5"),
+    ("llama-3b/no/0", "pretrain_llama.py", LLAMA_3B, "no", "0"),
+    ("llama-3b/ours/0.5", "pretrain_llama.py", LLAMA_3B, "ours", "0.5"),
+    ("gpt-3b/ours/0", "pretrain_gpt.py", GPT_3B, "ours", "0"),
+]
+MEMORY = re.compile(r"max memory \(MB\): ([0-9.]+)")
+
+
+def command(case, iters: int, metrics: str) -> list[str]:
+    name, entry, model, ckpt, alpha = case
+    return [sys.executable, os.path.join(ROOT, entry), *model, *COMMON, "--train-iters", str(iters), "--ckpt", ckpt,
+            "--offload-alpha", alpha, "--metrics-json", metrics]
+
+
+def measure(case, iters: int, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.json")
+        try:
+            proc = subprocess.run(command(case, iters, metrics), cwd=ROOT, capture_output=True, text=True,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"case": case[0], "status": "failed", "why": f"did not finish within {timeout_s:g}s"}
+        if proc.returncode != 0 or not os.path.isfile(metrics):
+            tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["?"])[-1]
+            return {"case": case[0], "status": "failed", "why": tail[-400:]}
+        with open(metrics) as f:
+            recs = json.load(f)["iterations"]
+    memory = MEMORY.findall(proc.stdout)
+    times = [r["elapsed_ms"] for r in recs[2:]] or [r["elapsed_ms"] for r in recs]
+    return {"case": case[0], "status": "measured", "step_time_ms": statistics.median(times),
+            "step_times_ms": [r["elapsed_ms"] for r in recs], "losses": [r["loss"] for r in recs],
+            "max_memory_allocated_mib": float(memory[-1]) if memory else None}
+
+
+def estimate_flags(case) -> list[str]:
+    """The h3t-plan estimate flags of one case (the model's flags, one GPU, its ckpt and alpha)."""
+    name, entry, model, ckpt, alpha = case
+    keep = [a for a in model]
+    gpt = entry == "pretrain_gpt.py"
+    return [*keep, "--seq-length", "2048", "--micro-batch-size", "2", "--global-batch-size", "16",
+            "--num-gpus", "1", "--ckpt", ckpt, "--offload-alpha", alpha, "--use-distributed-optimizer",
+            *(["--gpt"] if gpt else [])]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--timeout-s", type=float, default=180.0, help="limit of one case")
+    p.add_argument("--only", nargs="*", default=None, help="case names to run (default: all)")
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    if args.iters < 3:
+        p.error(f"--iters must be >= 3 (the first two are warm-up), got {args.iters}")
+    names = [c[0] for c in CASES]
+    if args.only is not None and set(args.only) - set(names):
+        p.error(f"--only: unknown case {sorted(set(args.only) - set(names))[0]} (valid: {', '.join(names)})")
+    cases = [c for c in CASES if args.only is None or c[0] in args.only]
+    if args.dry_run:
+        for c in cases:
+            print(c[0] + ": " + " ".join(command(c, args.iters, "M.json")[1:]))
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("no CUDA GPU (use --dry-run to list the commands)")
+    rows = []
+    for c in cases:
+        rows.append(measure(c, args.iters, args.timeout_s))
+        r = rows[-1]
+        print(f"{r['case']:20s} " + (f"{r['step_time_ms']:9.1f} ms  {r['max_memory_allocated_mib']} MiB"
+                                     if r["status"] == "measured" else f"failed: {r['why']}"), flush=True)
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": args.iters, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Every GPU check of one short lease (issue 21), each part under its own time limit, its output under OUT:
+#   1. megatron-core 0.16.1 and 0.19.2 from wheels into their own folders, the native kernels built;
+#   2. at once: the `gpu` pytest tier (megatron-core 0.16.1), the per-stage memory check, and Megatron's own
+#      pretrain() (megatron-core 0.19.2: pretrain_gpt.py, ckpt=ours with alpha 0.5 against ckpt=no alpha 0);
+#   3. alone on the GPU (timings): the copy kernels, the offload overlap, the driver's training steps
+#      (scripts/gpu/driver_steps.py) and the cost model's ground truth.
+# The parts land in OUT/parts.tgz (packed again after each stage, so a run stopped at its limit keeps what it
+# measured).
+# scripts/gpu/report.py --from-parts DIR (DIR: parts.tgz unpacked) then writes the report from these files
+# (scripts/gpu_check.sh runs the same parts one after the other, without time limits).
+#
+#   OUT=DIR bash scripts/gpu/lease_run.sh [--dry-run]
+#
+# Environment (defaults): OUT (docs/gpu-reports/parts), PYTHON (python3), WHEELS_OLD / WHEELS_NEW (.whl/
+# megatron-core-0.16.1-cp312 / .whl/megatron-core-0.19.2-cp312), TESTS_S (180), GT_BUDGET_S (90),
+# NATIVE_ITERS (20), XDIST (4: pytest-xdist workers, 0 for none), STEPS (the driver_steps.py cases, all when
+# empty), GT_TIMEOUT_S (150).
+set -uo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-$ROOT/docs/gpu-reports/parts}
+PYTHON=${PYTHON:-python3}
+WHEELS_OLD=${WHEELS_OLD:-$ROOT/.whl/megatron-core-0.16.1-cp312}
+WHEELS_NEW=${WHEELS_NEW:-$ROOT/.whl/megatron-core-0.19.2-cp312}
+TESTS_S=${TESTS_S:-180}
+GT_BUDGET_S=${GT_BUDGET_S:-90}
+NATIVE_ITERS=${NATIVE_ITERS:-20}
+XDIST=${XDIST:-4}
+STEPS=${STEPS:-}
+GT_TIMEOUT_S=${GT_TIMEOUT_S:-150}
+SITE_OLD=/tmp/h3t-site-old
+SITE_NEW=/tmp/h3t-site-new
+NATIVE=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256
+        --micro-batch-size 4 --global-batch-size 8 --train-iters "$NATIVE_ITERS" --lr 1e-3 --min-lr 1e-4
+        --lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --bf16
+        --transformer-impl local --no-persist-layer-norm --log-interval 1 --eval-iters 0 --seed 1234
+        --attention-dropout 0 --hidden-dropout 0)
+if [[ ${1:-} == --dry-run ]]; then
+  echo "OUT=$OUT PYTHON=$PYTHON WHEELS_OLD=$WHEELS_OLD WHEELS_NEW=$WHEELS_NEW TESTS_S=$TESTS_S GT_BUDGET_S=$GT_BUDGET_S"
+  echo -n "native: "; printf '%q ' "$PYTHON" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py "${NATIVE[@]}"; echo
+  exit 0
+elif [[ $# -gt 0 ]]; then
+  echo "lease_run.sh: error: unknown argument $1 (valid: --dry-run)" >&2; exit 2
+fi
+PARTS=$(mktemp -d)
+mkdir -p "$OUT"
+cd "$ROOT"
+export PYTHONPATH=$ROOT
+stamp() { echo "== $(date +%T) $*"; }
+pack() { tar czf "$OUT/parts.tgz" -C "$PARTS" .; }
+stamp "start on $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
+"$PYTHON" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+"$PYTHON" -c "import datetime, json, sys, torch; json.dump({'gpu': torch.cuda.get_device_name(), 'date': \
+datetime.date.today().isoformat(), 'torch': torch.__version__, 'cuda': torch.version.cuda}, sys.stdout)" >"$PARTS/meta.json"
+for pair in "$WHEELS_OLD:$SITE_OLD" "$WHEELS_NEW:$SITE_NEW"; do
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target "${pair#*:}" "${pair%%:*}"/*.whl \
+    || echo "installing ${pair%%:*} failed"
+done
+# Megatron's pretrain() runs make in megatron/core/datasets (Megatron-LM's checkout has the Makefile; a wheel ships
+# the built helpers_cpp but no Makefile): a no-op Makefile stands in for the checkout.
+[[ -f $SITE_NEW/megatron/core/datasets/Makefile ]] || printf 'all:\n\t@true\n' >"$SITE_NEW/megatron/core/datasets/Makefile"
+stamp "build"
+H3T_BUILD_CUDA=1 timeout 150 "$PYTHON" setup.py -q build_ext --inplace --parallel 8 >"$PARTS/build.log" 2>&1 \
+  || echo "build failed: $(tail -n 5 "$PARTS/build.log")"
+"$PYTHON" -c "import h3t_ext.kernels as k; print('kernels:', k.active_backend('cuda'), k.native_unavailable_reason('cuda'))" 2>&1 | tail -n 1
+stamp "copy kernel tests alone"
+PYTHONPATH=$ROOT:$SITE_OLD timeout 60 "$PYTHON" -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist \
+  tests/gpu/test_kernels_cuda.py 2>&1 | tail -n 30
+
+stamp "native (0.19.2), stage memory and the gpu tier (0.16.1), at once"
+native() {  # $1: name, $2: port, then flags
+  local name=$1 port=$2; shift 2
+  PYTHONPATH=$ROOT:$SITE_NEW timeout 170 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-port "$port" \
+    pretrain_gpt.py "${NATIVE[@]}" "$@" >"$PARTS/native-$name.log" 2>&1
+  echo "native $name exit $?"
+}
+native ours 29611 --ckpt ours --offload-alpha 0.5 &
+native no 29612 --ckpt no --offload-alpha 0 &
+PYTHONPATH=$ROOT:$SITE_OLD timeout 175 "$PYTHON" scripts/gpu/stage_memory.py --json --timeout-s 170 \
+  >"$PARTS/stage_memory.json" 2>&1 &
+XD=(); [[ $XDIST -gt 0 ]] && XD=(-n "$XDIST")
+PYTHONPATH=$ROOT:$SITE_OLD timeout "$TESTS_S" "$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider "${XD[@]}" \
+  --junitxml="$PARTS/gpu_tests.xml" >"$PARTS/gpu_tests.txt" 2>&1
+tail -n 25 "$PARTS/gpu_tests.txt"
+wait
+grep -h "lm loss" "$PARTS"/native-*.log | head -n 4; tail -n 2 "$PARTS/stage_memory.json" | cut -c1-600
+pack
+stamp "timings, alone on the GPU"
+export PYTHONPATH=$ROOT:$SITE_OLD
+timeout 45 "$PYTHON" scripts/gpu/bench_copy_cuda.py --json >"$PARTS/copies.json" 2>&1 \
+  || echo "copies failed: $(tail -n 2 "$PARTS/copies.json")"
+timeout 60 "$PYTHON" scripts/gpu/bench_offload_overlap.py --json >"$PARTS/overlap.json" 2>&1 \
+  || echo "overlap failed: $(tail -n 2 "$PARTS/overlap.json")"
+tail -c 600 "$PARTS/copies.json"; echo; tail -c 600 "$PARTS/overlap.json"; echo
+pack
+ONLY=(); [[ -n $STEPS ]] && ONLY=(--only $STEPS)
+timeout 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" "${ONLY[@]}" 2>&1
+pack
+timeout "$GT_TIMEOUT_S" "$PYTHON" scripts/gpu/ground_truth.py --budget-s "$GT_BUDGET_S" \
+  --json "$PARTS/ground_truth.json" >"$PARTS/ground_truth.txt" 2>&1 || echo "ground truth failed: $(tail -n 3 "$PARTS/ground_truth.txt")"
+tail -n 3 "$PARTS/ground_truth.txt"
+pack
+stamp "done"
