@@ -20,6 +20,12 @@ sys.path.insert(0, HERE)
 TIERS = ("unit", "integration", "gpu")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--all-recipes", action="store_true", default=False,
+                     help="run all 82 launches of Megatron-LM's CI recipes (default: the 21 that cover every flag, "
+                          "layout and outcome; tests/integration/test_megatron_ci_recipes.py)")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         tier = os.path.relpath(str(item.path), HERE).split(os.sep)[0]
