@@ -5,15 +5,14 @@ Each case runs ``pretrain_llama.py`` or ``pretrain_gpt.py`` (the h3t-ext driver,
 ``--mock-data`` for ``--iters`` iterations and records the median ``elapsed_ms`` of the iterations after the
 first two (``--metrics-json``) and the last logged ``max memory (MB)`` (``torch.cuda.max_memory_allocated``). The
 cost model's figures for the same runs come from ``h3t-plan estimate`` with the same flags (``--compare``, on
-any machine).
+any machine: the local layer spec the driver ran, no TransformerEngine).
 
   python scripts/gpu/driver_steps.py [--json PATH] [--iters 6] [--only NAME ...]   # on the GPU
   python scripts/gpu/driver_steps.py --dry-run                                    # the commands
-  python scripts/gpu/driver_steps.py --compare PATH [--system h200-sxm]           # measured beside estimate
+  python scripts/gpu/driver_steps.py --compare PATH [--gpu h200]                  # measured beside estimate
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -75,24 +74,59 @@ def measure(case, iters: int, timeout_s: float) -> dict:
             "max_memory_allocated_mib": float(memory[-1]) if memory else None}
 
 
-def estimate_flags(case) -> list[str]:
-    """The h3t-plan estimate flags of one case (the model's flags, one GPU, its ckpt and alpha)."""
+def estimate_flags(case, gpu: str) -> list[str]:
+    """``h3t-plan estimate`` flags of one case: its model (Llama: SwiGLU, untied, no biases; GPT: Megatron's
+    pretrain_gpt.py defaults), one GPU, its batch, ckpt and alpha, the local layer spec the driver ran."""
     name, entry, model, ckpt, alpha = case
-    keep = [a for a in model]
-    gpt = entry == "pretrain_gpt.py"
-    return [*keep, "--seq-length", "2048", "--micro-batch-size", "2", "--global-batch-size", "16",
-            "--num-gpus", "1", "--ckpt", ckpt, "--offload-alpha", alpha, "--use-distributed-optimizer",
-            *(["--gpt"] if gpt else [])]
+    shape = [a for a in model if a != "--group-query-attention"]
+    arch = ([] if entry == "pretrain_gpt.py" else
+            ["--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"])
+    return ["estimate", *shape, *arch, "--seq-length", "2048", "--micro-batch-size", "2", "--global-batch-size", "16",
+            "--num-gpus", "1", "--gpu", gpu, "--ckpt", ckpt, "--offload-alpha", alpha, "--transformer-impl", "local",
+            "--json"]
+
+
+def compare(path: str, gpu: str) -> list[dict]:
+    """Each measured row of a driver_steps.py JSON beside ``h3t-plan estimate`` for the same run."""
+    from h3t_ext.planner.cli import main as plan_main
+    import contextlib
+    import io
+
+    with open(path) as f:
+        doc = json.load(f)
+    by_name = {c[0]: c for c in CASES}
+    out = []
+    for r in doc["rows"]:
+        if r.get("status") != "measured" or r["case"] not in by_name:
+            continue
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            plan_main(estimate_flags(by_name[r["case"]], gpu))
+        est = json.loads(buf.getvalue())
+        measured_gib = r["max_memory_allocated_mib"] / 1024 if r["max_memory_allocated_mib"] else None
+        out.append({"case": r["case"], "step_ms": r["step_time_ms"], "estimate_ms": 1e3 * est["iteration_time_s"],
+                    "peak_gib": measured_gib, "estimate_gib": est["peak_memory_bytes"] / 2**30})
+    return out
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from h3t_training.config.arguments import OneLineParser
+
+    p = OneLineParser(prog="driver_steps.py", description=__doc__.splitlines()[0])
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--timeout-s", type=float, default=180.0, help="limit of one case")
     p.add_argument("--only", nargs="*", default=None, help="case names to run (default: all)")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--compare", metavar="PATH", help="a driver_steps.py JSON: print it beside h3t-plan estimate")
+    p.add_argument("--gpu", default="h200", help="the system file of --compare's estimate")
     args = p.parse_args(argv)
+    if args.compare:
+        for r in compare(args.compare, args.gpu):
+            gib = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+            print(f"{r['case']:20s} step {r['step_ms']:8.1f} ms, estimate {r['estimate_ms']:8.1f} ms | peak {gib} GiB, "
+                  f"estimate {r['estimate_gib']:.2f} GiB")
+        return 0
     if args.iters < 3:
         p.error(f"--iters must be >= 3 (the first two are warm-up), got {args.iters}")
     names = [c[0] for c in CASES]

@@ -130,3 +130,25 @@ def test_report_from_the_parts_of_a_lease(tmp_path):
     assert report["ground_truth"]["measured"] == 2 and report["ground_truth"]["within_10_percent"] == 1
     assert (tmp_path / "out" / "2026-11-28-nvidia-h200-ground-truth.json").is_file()
     assert "GPU tests passed / failed" in proc.stdout and "2 / 1" in proc.stdout
+
+
+def test_driver_steps_lists_its_runs_and_compares_a_report_with_the_estimate():
+    """scripts/gpu/driver_steps.py: --dry-run prints each case's driver command; --compare puts the committed H200
+    measurements beside h3t-plan estimate (no GPU needed for either)."""
+    run = [sys.executable, str(REPO / "scripts/gpu/driver_steps.py")]
+    proc = subprocess.run([*run, "--dry-run", "--only", "llama-1b/ours/0.5"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.strip().splitlines()
+    assert line.startswith("llama-1b/ours/0.5: ") and "--ckpt ours --offload-alpha 0.5" in line and "--bf16" in line
+    bad = subprocess.run([*run, "--only", "llama-9b/no/0"], cwd=REPO, env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and bad.stderr.startswith(
+        "driver_steps.py: error: --only: unknown case llama-9b/no/0 (valid: llama-1b/no/0, ")
+    report = REPO / "docs/gpu-reports/2026-11-28-nvidia-h200-driver-steps.json"
+    proc = subprocess.run([*run, "--compare", str(report)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert [ln.split()[0] for ln in lines] == ["llama-1b/no/0", "llama-1b/ours/0", "llama-1b/full/0"]
+    assert "step    915.6 ms" in lines[0] and "peak 25.69 GiB" in lines[0]
