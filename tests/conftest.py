@@ -7,7 +7,9 @@
   calibration against published runs.
 * ``tests/gpu``: needs a CUDA GPU (``scripts/gpu_check.sh`` runs ``-m gpu``); skipped without one.
 
-``pytest tests`` (the README's command) runs all three; ``-m unit`` / ``-m "not integration"`` select by
+``pytest tests`` (the README's command, which CI runs) runs all three but the slow tier: tests marked ``slow``
+(long end-to-end runs whose behaviour a faster test of the default tier also covers) and the recipe launches beyond
+the covering 21; ``pytest tests --run-slow`` runs everything. ``-m unit`` / ``-m "not integration"`` select by
 marker. The shared harnesses (``driver_harness.py``, ``gpt_harness.py``, ...) stay in ``tests/`` and are
 importable from every tier.
 """
@@ -21,9 +23,9 @@ TIERS = ("unit", "integration", "gpu")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--all-recipes", action="store_true", default=False,
-                     help="run all 82 launches of Megatron-LM's CI recipes (default: the 21 that cover every flag, "
-                          "layout and outcome; tests/integration/test_megatron_ci_recipes.py)")
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run the slow tier: the tests marked slow (long end-to-end runs) and all 82 launches of "
+                          "Megatron-LM's CI recipes (default: the 21 that cover every flag, layout and outcome)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,3 +33,8 @@ def pytest_collection_modifyitems(config, items):
         tier = os.path.relpath(str(item.path), HERE).split(os.sep)[0]
         if tier in TIERS:
             item.add_marker(tier)
+    if not config.getoption("run_slow"):  # deselected, and counted as such in the summary
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]

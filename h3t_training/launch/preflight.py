@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 from typing import Optional
 
@@ -47,11 +48,14 @@ def main(argv=None) -> int:
     ignore_optional_accelerator_warnings()
     from h3t_training.config.arguments import MEGATRON_GPT_DEFAULTS
     from h3t_training.config.sections import parse_args
-    from h3t_training.loop.checkpointing import CheckpointError, find_checkpoint
 
     defaults = MEGATRON_GPT_DEFAULTS if prog == "pretrain_gpt.py" else None
     with contextlib.redirect_stdout(io.StringIO()):
         args = parse_args(flags, prog=prog, defaults=defaults, world_size=world_size)  # bad flag: one line, exit 2
+        if args.load is None or not os.path.isdir(args.load):  # nothing to check: find_checkpoint would say None
+            return 0
+        from h3t_training.loop.checkpointing import CheckpointError, find_checkpoint  # megatron-core: 3 s to import
+
         try:
             find_checkpoint(args, rank=0)
         except CheckpointError as e:

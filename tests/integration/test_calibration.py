@@ -140,6 +140,7 @@ def test_solver_alpha_rounds_up():
             assert not estimate(m65, row.plan.with_alpha(round(a - 0.001, 3)), h800).fits
 
 
+@pytest.mark.slow  # about 1 min (the whole validation); the calibration tests of the default tier check its parts
 def test_stored_prediction_interval_is_what_validation_computes_now():
     """data/uncertainty.json cannot go stale: rewrite it with scripts/costmodel_calibration.py
     --write-uncertainty after a refit."""

@@ -17,6 +17,7 @@ def _chaos(*argv, timeout=240) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow  # about 50 s: restarts under torchrun; test_faults and test_checkpoint_resume cover resume bit for bit
 def test_a_run_killed_twice_once_during_a_save_resumes_by_itself_to_bit_equal_weights(tmp_path):
     proc = _chaos("--train-iters", "20", "--kills", "2", "--save-interval", "3", "--json", "--workdir",
                   str(tmp_path))

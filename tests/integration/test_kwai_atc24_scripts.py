@@ -131,6 +131,7 @@ def test_the_minimum_demo_scripts_train_the_same_model_to_the_same_losses(artifa
     assert "note: --manual-gc" not in runs[MINIMUM_DEMO[2]][1]  # implemented (h3t_training/config/memory_hygiene)
 
 
+@pytest.mark.slow  # about 3 min (32 ranks on 2 cores); the minimum demo scripts run by default
 def test_the_65b_memory_script_trains_its_32_rank_layout(artifact):
     proc, log = _run(artifact, "9_run_65b_256gpus_verify_memory.sh", timeout_s=1500)
     assert "Traceback" not in proc.stderr + log

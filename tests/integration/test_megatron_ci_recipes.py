@@ -94,7 +94,7 @@ def features(recipe: dict) -> frozenset[str]:
 def covering_groups(groups: dict[str, list[dict]]) -> list[str]:
     """The launches CI runs by default: a greedy set cover of :func:`features` over the groups (each step takes the
     group adding the most features not yet covered, the cheaper launch on a tie: fewer ranks, no resume), so that
-    every flag, layout and outcome of the recipe set runs at least once. ``pytest --all-recipes`` runs every group."""
+    every flag, layout and outcome of the recipe set runs at least once. ``pytest --run-slow`` runs every group."""
     cost = {n: world_size(rs[0]["model_args"]) * (2 if rs[0]["test_type"] == "ckpt-resume" else 1)
             for n, rs in groups.items()}
     feats = {n: features(rs[0]) for n, rs in groups.items()}
@@ -111,7 +111,7 @@ COVER = covering_groups(GROUPS)
 
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ == "test_recipe":
-        metafunc.parametrize("name", sorted(GROUPS) if metafunc.config.getoption("all_recipes") else COVER)
+        metafunc.parametrize("name", sorted(GROUPS) if metafunc.config.getoption("run_slow") else COVER)
 
 
 def test_recipe_data_counts():
@@ -127,7 +127,7 @@ def test_recipe_data_counts():
     for rs in GROUPS.values():  # recipes sharing a launch share its outcome
         assert len({r["expect"] for r in rs}) == 1, [r["name"] for r in rs]
     assert sum(r["test_type"] == "ckpt-resume" for r in DATA["recipes"]) == 62
-    # the default launches cover every flag, layout, outcome and test type of the 82 (pytest --all-recipes: all)
+    # the default launches cover every flag, layout, outcome and test type of the 82 (pytest --run-slow: all)
     assert set().union(*(features(GROUPS[n][0]) for n in COVER)) == set().union(*map(features, DATA["recipes"]))
     assert len(COVER) == 21 and {GROUPS[n][0]["expect"] for n in COVER} >= {r["expect"] for r in DATA["recipes"]}
 
