@@ -28,9 +28,10 @@ def _files(root) -> list[str]:
      {"model"}),
     (["--use-distributed-optimizer"],  # d=2: data-parallel rank 0 writes, Adam's shards gathered there
      ["common.pt", "h3t_checksums.json", "mp_rank_00/distrib_optim.pt", "mp_rank_00/model_optim_rng.pt"], {"model"}),
-    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-     ["common.pt", "h3t_checksums.json", "mp_rank_00_000/model_optim_rng.pt", "mp_rank_00_001/model_optim_rng.pt"],
-     {"model0", "model1"}),
+    pytest.param(["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+                 ["common.pt", "h3t_checksums.json", "mp_rank_00_000/model_optim_rng.pt",
+                  "mp_rank_00_001/model_optim_rng.pt"], {"model0", "model1"},
+                 marks=pytest.mark.slow),  # the slow tier (about 27 s): p2 with two chunks per stage
 ], ids=["p2", "d2-distributed-optimizer", "p2-interleaved"])
 def test_legacy_checkpoints_resume_bit_for_bit(corpus_prefix, tmp_path, layout, files, model_keys):  # noqa: F811
     common = [*TINY_MODEL, *COMMON, *layout, "--data-path", corpus_prefix]

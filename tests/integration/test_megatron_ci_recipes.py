@@ -49,7 +49,7 @@ import pytest
 
 from driver_harness import make_corpus_data
 from h3t_training.config.flag_table import CPU, TABLE, reason_on
-from megatron_recipes import Paths, command_line, data_parallel_size, launch, layout, load, shrink, world_size
+from megatron_recipes import Paths, command_line, launch, load, shrink, world_size
 
 DATA = load()
 RESUME_ITERS, ITERS = 4, 2
@@ -83,18 +83,16 @@ GROUPS = _groups()
 
 
 def features(recipe: dict) -> frozenset[str]:
-    """What a recipe's launch exercises: every flag it keeps (:func:`run_key`), its layout (t, p, c, d), its outcome
-    and whether it resumes."""
+    """What a recipe's launch exercises: every flag it keeps (:func:`run_key`; the layout flags among them), its
+    outcome and whether it resumes."""
     flags = {f"flag {k}" for k, _ in json.loads(run_key(recipe))}
-    t, p, c = layout(recipe["model_args"])
-    return frozenset(flags | {f"layout {t},{p},{c},{data_parallel_size(recipe['model_args'])}",
-                              f"outcome {recipe['expect']}", f"ckpt-resume {recipe['test_type'] == 'ckpt-resume'}"})
+    return frozenset(flags | {f"outcome {recipe['expect']}", f"ckpt-resume {recipe['test_type'] == 'ckpt-resume'}"})
 
 
 def covering_groups(groups: dict[str, list[dict]]) -> list[str]:
     """The launches CI runs by default: a greedy set cover of :func:`features` over the groups (each step takes the
     group adding the most features not yet covered, the cheaper launch on a tie: fewer ranks, no resume), so that
-    every flag, layout and outcome of the recipe set runs at least once. ``pytest --run-slow`` runs every group."""
+    every flag and outcome of the recipe set runs at least once. ``pytest --run-slow`` runs every group."""
     cost = {n: world_size(rs[0]["model_args"]) * (2 if rs[0]["test_type"] == "ckpt-resume" else 1)
             for n, rs in groups.items()}
     feats = {n: features(rs[0]) for n, rs in groups.items()}
@@ -127,9 +125,9 @@ def test_recipe_data_counts():
     for rs in GROUPS.values():  # recipes sharing a launch share its outcome
         assert len({r["expect"] for r in rs}) == 1, [r["name"] for r in rs]
     assert sum(r["test_type"] == "ckpt-resume" for r in DATA["recipes"]) == 62
-    # the default launches cover every flag, layout, outcome and test type of the 82 (pytest --run-slow: all)
+    # the default launches cover every flag, outcome and test type of the 82 (pytest --run-slow: all)
     assert set().union(*(features(GROUPS[n][0]) for n in COVER)) == set().union(*map(features, DATA["recipes"]))
-    assert len(COVER) == 21 and {GROUPS[n][0]["expect"] for n in COVER} >= {r["expect"] for r in DATA["recipes"]}
+    assert len(COVER) == 16 and {GROUPS[n][0]["expect"] for n in COVER} >= {r["expect"] for r in DATA["recipes"]}
 
 
 EXPECTED_OUTCOMES = {"trains": 137, "refused": 19}
