@@ -87,8 +87,7 @@ def megatron_native(timeout_s: int) -> dict:
         return {"ran": False, "why": "megatron.training is not importable (megatron-core < 0.17)"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "pretrain_gpt.py", *NATIVE_FLAGS]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
-    losses = re.findall(r"lm loss: ([0-9.E+-]+)", proc.stdout)
-    return {"ran": True, "returncode": proc.returncode, "losses": [float(x) for x in losses],
+    return {"ran": True, "returncode": proc.returncode, "losses": _lm_losses(proc.stdout),
             "last_error": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else ""}
 
 
@@ -119,10 +118,11 @@ def _json_file(path: str) -> tuple[object, str]:
     """(the JSON of a part's file, or None and its last line) -- lease_run.sh writes each part's stdout and stderr."""
     if not os.path.isfile(path):
         return None, f"{os.path.basename(path)} was not written (the part did not run)"
-    lines = [ln for ln in open(path, encoding="utf-8").read().strip().splitlines() if ln.strip()]
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     try:
-        return json.loads(lines[-1] if lines and lines[-1].lstrip().startswith(("{", "[")) else
-                          open(path, encoding="utf-8").read()), ""
+        return json.loads(lines[-1] if lines and lines[-1].lstrip().startswith(("{", "[")) else text), ""
     except (json.JSONDecodeError, IndexError):
         errors = [ln.strip() for ln in lines if "error" in ln.lower() and "warn" not in ln.lower()]
         return None, (errors[-1] if errors else "no result: the process died without a message (see the lease log)")
@@ -131,10 +131,15 @@ def _json_file(path: str) -> tuple[object, str]:
 def _native_losses(path: str) -> dict:
     if not os.path.isfile(path):
         return {"ran": False, "why": f"{os.path.basename(path)} was not written"}
-    text = open(path, encoding="utf-8", errors="replace").read()
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
     errors = [ln for ln in text.splitlines() if ": error: " in ln]
-    return {"ran": True, "losses": [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)],
-            "last_error": errors[-1] if errors else ""}
+    return {"ran": True, "losses": _lm_losses(text), "last_error": errors[-1] if errors else ""}
+
+
+def _lm_losses(text: str) -> list[float]:
+    """The ``lm loss`` of each logged iteration in Megatron's log lines."""
+    return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
 
 
 def parts_from_dir(parts: str) -> tuple[dict, dict]:
