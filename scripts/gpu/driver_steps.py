@@ -55,7 +55,10 @@ def command(case, iters: int, metrics: str) -> list[str]:
 
 
 def measure(case, iters: int, timeout_s: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from groundtruth.clocks import Sampler
+
+    with tempfile.TemporaryDirectory() as tmp, Sampler() as clocks:
         metrics = os.path.join(tmp, "m.json")
         try:
             proc = subprocess.run(command(case, iters, metrics), cwd=ROOT, capture_output=True, text=True,
@@ -71,7 +74,8 @@ def measure(case, iters: int, timeout_s: float) -> dict:
     times = [r["elapsed_ms"] for r in recs[2:]] or [r["elapsed_ms"] for r in recs]
     return {"case": case[0], "status": "measured", "step_time_ms": statistics.median(times),
             "step_times_ms": [r["elapsed_ms"] for r in recs], "losses": [r["loss"] for r in recs],
-            "max_memory_allocated_mib": float(memory[-1]) if memory else None}
+            "max_memory_allocated_mib": float(memory[-1]) if memory else None,
+            "clocks": {k: v for k, v in clocks.record().items() if k != "samples"}}
 
 
 def estimate_flags(case, gpu: str) -> list[str]:

@@ -8,7 +8,8 @@ layers of Llama 2 7B, Llama 2 70B and GPT-3 175B at t in {1, 2, 4, 8} and micro-
 an order that covers both axes first: the output says which); SDPA attention forward and backward (flash and
 cuDNN backends, causal, sequence 2K-16K, head dim 64 and 128, with and without GQA); the element-wise kernels
 as bandwidth (RMSNorm/LayerNorm, SwiGLU/GeLU, residual add, cross entropy); pinned host<->device copies alone
-and while a GEMM runs on the other stream (and that GEMM while copies run). Timing: CUDA events, warm-up runs,
+and while a GEMM runs on the other stream (and that GEMM while copies run). Timing: CUDA events around work
+queued behind a 1 ms GPU sleep (the kernels, not the host's dispatch of them), warm-up runs,
 the median of ``--repeats``.
 
   python scripts/gpu/ground_truth.py [--budget-s 420] [--json PATH]   # on the GPU

@@ -42,6 +42,14 @@ def _run_json(cmd: list[str], timeout_s: int) -> tuple[object, str]:
     return json.loads(proc.stdout.strip().splitlines()[-1]), ""
 
 
+def sustained_gemm(precision: str, seconds: int) -> object:
+    """scripts/gpu/sustained_gemm.py's JSON (None where it failed)."""
+    path = os.path.join(tempfile.mkdtemp(), "sustained.json")
+    subprocess.run([sys.executable, "scripts/gpu/sustained_gemm.py", "--precision", precision, "--seconds",
+                    str(seconds), "--json", path], cwd=ROOT, capture_output=True, text=True, timeout=seconds + 120)
+    return _json_file(path)[0]
+
+
 def gpu_tests(timeout_s: int) -> dict:
     xml = os.path.join(tempfile.mkdtemp(), "gpu.xml")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", f"--junitxml={xml}"],
@@ -142,6 +150,10 @@ def _lm_losses(text: str) -> list[float]:
     return [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", text)]
 
 
+SUSTAINED = {"bf16": 20, "fp8": 10}
+"""scripts/gpu/sustained_gemm.py's runs: precision -> seconds (scripts/gpu/lease_run.sh runs the same)."""
+
+
 def parts_from_dir(parts: str) -> tuple[dict, dict]:
     """(meta, raw results) of the files scripts/gpu/lease_run.sh leaves in ``parts``."""
     meta, why = _json_file(os.path.join(parts, "meta.json"))
@@ -155,6 +167,7 @@ def parts_from_dir(parts: str) -> tuple[dict, dict]:
            "dropout": _json_file(os.path.join(parts, "attention_dropout.json")),
            "native": {name: _native_losses(os.path.join(parts, f"native-{name}.log")) for name in ("ours", "no")},
            "driver_steps": _json_file(os.path.join(parts, "driver_steps.json"))[0],
+           "sustained": {prec: _json_file(os.path.join(parts, f"sustained-{prec}.json"))[0] for prec in SUSTAINED},
            "ground_truth": os.path.join(parts, "ground_truth.json")}
     return meta, raw
 
@@ -171,7 +184,9 @@ def parts_live(budget_s: float) -> tuple[dict, dict]:
            "overlap": _run_json([sys.executable, "scripts/gpu/bench_offload_overlap.py", "--json"], 1200),
            "copies": _run_json([sys.executable, "scripts/gpu/bench_copy_cuda.py", "--json"], 1200),
            "dropout": _run_json([sys.executable, "scripts/gpu/bench_attention_dropout.py", "--json"], 600),
-           "native": megatron_native(timeout_s=600), "driver_steps": None, "ground_truth": None,
+           "native": megatron_native(timeout_s=600), "driver_steps": None,
+           "sustained": {prec: sustained_gemm(prec, seconds) for prec, seconds in SUSTAINED.items()},
+           "ground_truth": None,
            "ground_truth_budget_s": budget_s}
     return meta, raw
 
@@ -212,6 +227,7 @@ def build_report(meta: dict, raw: dict, out_dir: str) -> tuple[dict, str]:
         report["missing"]["attention_dropout_slowdown"] = why
     report["details"]["megatron_native"] = raw["native"]
     report["details"]["driver_steps"] = raw["driver_steps"]
+    report["details"]["sustained_gemm"] = raw.get("sustained")
     os.makedirs(out_dir, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", meta["gpu"]).strip("-").lower()
     path = os.path.join(out_dir, f"{meta['date']}-{slug}.json")

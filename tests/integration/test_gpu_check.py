@@ -115,6 +115,7 @@ def test_report_from_the_parts_of_a_lease(tmp_path):
     gt = {"schema": "h3t-ground-truth/1", "system": "h200", "rows": [
         {"status": "measured", "ratio": 1.05}, {"status": "measured", "ratio": 0.8}, {"status": "left_out"}]}
     (parts / "ground_truth.json").write_text(json.dumps(gt))
+    (parts / "sustained-bf16.json").write_text(json.dumps({"burst_tflops": 760.0, "sustained_tflops": 690.0}))
     proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/report.py"), "--from-parts", str(parts),
                            "--out-dir", str(tmp_path / "out")], cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=120)
@@ -128,6 +129,8 @@ def test_report_from_the_parts_of_a_lease(tmp_path):
     assert report["missing"]["copy"] == "copies.json was not written (the part did not run)"
     assert report["details"]["megatron_native"]["ours"]["losses"] == [7.5, 7.25]
     assert report["ground_truth"]["measured"] == 2 and report["ground_truth"]["within_10_percent"] == 1
+    assert report["details"]["sustained_gemm"] == {"bf16": {"burst_tflops": 760.0, "sustained_tflops": 690.0},
+                                                   "fp8": None}
     assert (tmp_path / "out" / "2026-11-28-nvidia-h200-ground-truth.json").is_file()
     assert "GPU tests passed / failed" in proc.stdout and "2 / 1" in proc.stdout
 
@@ -152,3 +155,12 @@ def test_driver_steps_lists_its_runs_and_compares_a_report_with_the_estimate():
     lines = proc.stdout.strip().splitlines()
     assert [ln.split()[0] for ln in lines] == ["llama-1b/no/0", "llama-1b/ours/0", "llama-1b/full/0"]
     assert "step    915.6 ms" in lines[0] and "peak 25.69 GiB" in lines[0]
+
+
+def test_sustained_gemm_plan_and_bad_input_without_a_gpu():
+    run = [sys.executable, str(REPO / "scripts/gpu/sustained_gemm.py")]
+    proc = subprocess.run([*run, "--dry-run", "--size", "4096"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("bf16 GEMM 4096^3 back to back for 20 s") and "TFLOP/s (0." in proc.stdout
+    bad = subprocess.run([*run, "--size", "100"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == "sustained_gemm.py: error: --size must be in [256, 32768], got 100"

@@ -65,6 +65,13 @@ GQA_GROUP = 8
 """Query heads per key/value head with GQA (Llama 2 70B: 64 / 8)."""
 COPY_BYTES = 256 << 20
 """One offload copy: large enough (~5 ms at PCIe 5.0) that launch and synchronization are noise."""
+HEAD_START_S = 1e-3
+"""GPU time queued before the start event of every timed repeat (``torch.cuda._sleep``): the host dispatches the
+work while the GPU still sleeps, so the events time the kernels as a training loop runs them, back to back behind
+a host that is ahead. Without it an idle GPU waits for the first kernel's dispatch (Python, the PyTorch
+dispatcher, cuBLAS's heuristics): 16-23 us per isolated GEMM on the H200 of 2026-11-28 (the constant term of
+t = c + 2MNK/R over its 1,296 GEMM rows), which the cost model rightly does not price. 1 ms covers the dispatch
+of one autograd backward; work that takes longer to dispatch still shows part of it."""
 CASE_OVERHEAD_S = 0.03
 """Per case, beside the kernels: allocating and filling operands, one synchronization per repeat, Python."""
 STARTUP_S = 20.0
@@ -407,7 +414,7 @@ def case_cost_s(case: Case, system: SystemSpec, warmup: int, repeats: int) -> fl
         t *= 2
     if isinstance(case, (CopyCase,)) and case.during_gemm or isinstance(case, GemmCase) and case.during_copy:
         t *= 3
-    return (warmup + repeats) * t + CASE_OVERHEAD_S
+    return (warmup + repeats) * (t + HEAD_START_S) + CASE_OVERHEAD_S
 
 
 def select(system: SystemSpec, budget_s: float, warmup: int, repeats: int, smoke: bool = False) -> Selection:

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from groundtruth.cases import AttentionCase, Case, CopyCase, ElementwiseCase, GemmCase, op_parts
+from groundtruth.cases import HEAD_START_S, AttentionCase, Case, CopyCase, ElementwiseCase, GemmCase, op_parts
 from h3t_ext.dtypes import BF16
 from h3t_ext.costmodel.specs import SystemSpec
 
@@ -68,6 +68,11 @@ class Device:
     def on(self, stream):
         return self.torch.cuda.stream(stream) if self.cuda and stream is not None else contextlib.nullcontext()
 
+    def head_start(self) -> None:
+        """Queue ``HEAD_START_S`` of GPU sleep on the current stream (nothing on CPU, whose work is synchronous)."""
+        if self.cuda:
+            self.torch.cuda._sleep(int(HEAD_START_S * SLEEP_CYCLES_PER_S))
+
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize()
@@ -80,10 +85,17 @@ class Device:
         return self.torch.randn(*shape, device=self.device, dtype=dtype or self.torch.bfloat16)
 
 
+SLEEP_CYCLES_PER_S = 2.0e9
+"""Cycles ``torch.cuda._sleep`` spins per second: about the SM clock of a Hopper GPU (1.98 GHz boost); the head
+start only has to outlast the dispatch, so a lower clock just makes it longer."""
+
+
 def time_calls(dev: Device, fn: Callable, *, warmup: int, repeats: int, setup: Optional[Callable] = None,
                before: Optional[Callable] = None, stream=None) -> list[float]:
     """Seconds of ``fn(setup())`` on ``stream`` for each repeat after ``warmup`` untimed runs; ``before()`` runs
-    first each time (queues concurrent work on the other stream). Synchronizes after every run."""
+    first each time (queues concurrent work on the other stream). On CUDA the timed work is queued behind a
+    ``HEAD_START_S`` sleep so that the events time the kernels, not the host's dispatch of them. Synchronizes after
+    every run."""
     samples = []
     for i in range(warmup + repeats):
         arg = setup() if setup is not None else None
@@ -91,6 +103,7 @@ def time_calls(dev: Device, fn: Callable, *, warmup: int, repeats: int, setup: O
             before()
         start, end = dev.event(), dev.event()
         with dev.on(stream):
+            dev.head_start()
             start.record(stream)
             fn(arg)
             end.record(stream)
@@ -163,8 +176,9 @@ def gemm_runner(dev: Device, case: GemmCase, caps: Capabilities) -> tuple[Callab
     return (lambda _: torch.mm(a, b)), case
 
 
-def _cover(covering_s: float, unit_s: float) -> int:
-    return max(1, math.ceil(2.0 * covering_s / max(unit_s, 1e-9)))
+def _cover(covered_s: float, unit_s: float) -> int:
+    """Units of the concurrent work (``unit_s`` each) that outlast the head start and twice the timed work."""
+    return max(1, math.ceil((HEAD_START_S + 2.0 * covered_s) / max(unit_s, 1e-9)))
 
 
 def measure_gemm(dev: Device, case: GemmCase, caps: Capabilities, system: SystemSpec, warmup: int, repeats: int,

@@ -9,7 +9,8 @@ measured rate / peak: FLOP/s over the bf16 or FP8 peak, bytes/s over the HBM or 
 bandwidth). Rows are summarised by group (GEMM bf16 / FP8, attention by backend, element-wise, copies) and
 efficiency: count, median and range of the implied values, against the current value (and where it comes
 from: the family's set or ``shared`` in ``h3t_ext/data/fitted_efficiencies.json``), its prior and plausible
-range. Nothing is written: the refit itself (``scripts/costmodel_calibration.py --fit``, kept
+range. Below it, the GEMM rows' own form (``gemm_form``: call cost, rate and exposed output traffic). Nothing
+is written: the refit itself (``scripts/costmodel_calibration.py --fit``, kept
 cross-validated on the published sources) is the lead's decision.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from groundtruth.cases import case_from_dict, efficiency_key, implied_efficiency
+from groundtruth.gemm_form import format_forms
 from groundtruth.table import SCHEMA
 from h3t_ext.costmodel.specs import DATA_DIR, SystemSpec, get_system, plausible_ranges, prior_efficiencies
 
@@ -116,4 +118,6 @@ def format_refit(doc: dict, summary: list[Implied]) -> str:
         plaus = "-" if s.plausible is None else f"[{s.plausible[0]:g}, {s.plausible[1]:g}]"
         lines.append(f"{s.group:24s} {s.efficiency:24s} {s.rows:4d} {med:>14s} {rng:>15s} "
                      f"{s.achieved_fraction:7.3f} {s.current:8.4f} {prior:>6s} {plaus:>11s}  {s.origin}{flag}")
-    return "\n".join(lines)
+    system = get_system(doc["system"])
+    form = format_forms(doc, system.peak_bf16_flops, system.peak_fp8_flops)
+    return "\n".join(lines + ([form] if "\n" in form else []))
