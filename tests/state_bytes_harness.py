@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from h3t_training.loop.optimizer import _shard_owners
+from h3t_training.loop.optimizer_shards import owned_slices
 from h3t_training.loop.optimizer_offload import offloaded_prefix
 
 H, FFN, QKV, VOCAB, LAYERS = 64, 128, 128, 512, 4  # QKV rows: (4 heads + 2 x 2 query groups) x head dim 16
@@ -21,19 +21,23 @@ def _llama_shapes() -> list[tuple[int, ...]]:
 
 
 def expected_state_bytes(dp: int, fraction: float) -> list[dict]:
-    """Each data-parallel rank (optimizer offload fraction ``fraction``)'s state bytes by the rules: the distributed optimizer's whole-parameter shards,
-    AdamW's groups (weights with decay first, then norms), megatron-core's prefix split of each rank's share;
-    device: the parameters and their float32 gradients, Adam's moments and step count of the device share; host:
-    the offloaded share's gradient copy, master copy, moments and step count."""
-    params = [torch.empty(s) for s in _llama_shapes()]
-    owners = _shard_owners(params, dp)
-    model = 4 * sum(p.numel() for p in params)
+    """Each data-parallel rank (optimizer offload fraction ``fraction``)'s state bytes by the rules: the distributed
+    optimizer's share of megatron-core's gradient buffer (``optimizer_shards``: one chunk, one bucket, the driver's
+    runs here do not overlap the gradient reduce), AdamW's groups (weights with decay first, then norms, each in the
+    model's order), megatron-core's prefix split of each rank's share; device: the parameters and their float32
+    gradients, Adam's moments and step count of the device share; host: the offloaded share's gradient copy,
+    master copy, moments and step count."""
+    shapes = _llama_shapes()
+    numels = [torch.Size(s).numel() for s in shapes]
+    slices = owned_slices([numels], dp, [None]) if dp > 1 else []
+    model = 4 * sum(numels)
     out = []
     for r in range(dp):
-        mine = [p for p, o in zip(params, owners) if o == r]
-        ordered = [p for p in mine if p.dim() > 1] + [p for p in mine if p.dim() <= 1]
-        host = [p.numel() for p, off in zip(ordered, offloaded_prefix([p.numel() for p in ordered], fraction)) if off]
-        device = [p.numel() for p in ordered][len(host):]
+        mine = {s.param: s.numel for s in slices if s.rank == r} if dp > 1 else dict(enumerate(numels))
+        ordered = [mine[i] for i in sorted(mine) if len(shapes[i]) > 1] + \
+            [mine[i] for i in sorted(mine) if len(shapes[i]) <= 1]
+        host = [n for n, off in zip(ordered, offloaded_prefix(ordered, fraction)) if off]
+        device = ordered[len(host):]
         out.append({"device": {"params": model, "grads": model, "optimizer": 8 * sum(device) + 4 * len(device)},
                     "host": {"params": 0, "grads": 4 * sum(host), "optimizer": 12 * sum(host) + 4 * len(host)}})
     return out

@@ -9,8 +9,10 @@ one all-reduce of a flat buffer, the global gradient norm is summed over the mod
 p > 1 has a copy on the first and the last stage; their gradients are summed over megatron-core's
 embedding group (``finalize_model_grads``' step) and the last stage's copy (``shared``) is left out of
 the norm, as Megatron does. With ``--use-distributed-optimizer``
-each data-parallel rank keeps Adam state only for its share of the parameters (ZeRO-1), steps that
-share, and broadcasts it to the other replicas; the numbers are the same as without sharding. With
+each data-parallel rank keeps Adam state only for its share of the elements, cut as megatron-core cuts its
+gradient buffer (:mod:`h3t_training.loop.optimizer_shards`: 1/d of every bucket, across parameter boundaries),
+steps that share (views into the parameters) and broadcasts it to the other replicas; the numbers are the same as
+without sharding, bit for bit (Adam is element-wise). With
 ``--optimizer-cpu-offload`` the share megatron-core's split picks steps in a host partition
 (:mod:`h3t_training.loop.optimizer_offload`), with the same numbers.
 """
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.loop.optimizer_offload import HostPartition, OptimizerOffload, split_groups
 from h3t_training.loop.collectives import all_reduce_host
+from h3t_training.loop.optimizer_shards import OwnedSlice, bucket_size, owned_slices
 
 
 def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
@@ -72,15 +75,6 @@ def group_learning_rate(args, iteration: int, group: dict) -> float:
     return learning_rate(args, iteration, group.get("max_lr"), group.get("min_lr"))
 
 
-def _shard_owners(params: list[torch.nn.Parameter], world: int) -> list[int]:
-    """Greedy balanced assignment of parameters to data-parallel ranks (deterministic)."""
-    load, owners = [0] * world, [0] * len(params)
-    for i in sorted(range(len(params)), key=lambda i: (-params[i].numel(), i)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        owners[i], load[r] = r, load[r] + params[i].numel()
-    return owners
-
-
 class NonFiniteError(RuntimeError):
     """A loss or gradient norm that is NaN or infinite; one line naming the iteration and the value.
     Raised on every rank alike (the values it looks at are reduced over all ranks), before the
@@ -119,16 +113,23 @@ class DataParallelAdamW:
         self.sharded = distributed and self.dp_size > 1
         self.skipped = False
         """Whether the last step was skipped (never here: float32 has no loss scaling)."""
-        self.owners = _shard_owners(self.params, self.dp_size) if distributed else [self.dp_rank] * len(self.params)
-        owned = [p for p, o in zip(self.params, self.owners) if o == self.dp_rank]
+        self.slices = self._layout(chunks, args, pipeline_group) if self.sharded else \
+            [OwnedSlice(i, self.dp_rank, 0, p.numel()) for i, p in enumerate(self.params)]
+        """Which elements of which parameter every data-parallel rank steps (this rank's only without the
+        distributed optimizer)."""
+        self.views: dict[int, torch.Tensor] = {s.param: self._view(s) for s in self.slices if s.rank == self.dp_rank}
+        """Parameter index -> what this rank's optimizer steps for it: the parameter, or the slice it owns (a
+        view into the parameter's data, so that the step updates the parameter in place)."""
         decoupled = decoupled_lr_group(args)
         groups = []
         for own_lr in (False, True):  # --decoupled-lr: the embedding and output weights get their own schedule
-            mine = [p for p in owned
-                    if bool(decoupled and getattr(p, "is_embedding_or_output_parameter", False)) == own_lr]
+            mine = [i for i in self.views if bool(decoupled and getattr(
+                self.params[i], "is_embedding_or_output_parameter", False)) == own_lr]
             extra = decoupled if own_lr else {}
-            groups += [{"params": [p for p in mine if p.dim() > 1], "weight_decay": args.weight_decay, **extra},
-                       {"params": [p for p in mine if p.dim() <= 1], "weight_decay": 0.0, **extra}]
+            groups += [{"params": [self.views[i] for i in mine if self.params[i].dim() > 1],
+                        "weight_decay": args.weight_decay, **extra},
+                       {"params": [self.views[i] for i in mine if self.params[i].dim() <= 1], "weight_decay": 0.0,
+                        **extra}]
         groups = [g for g in groups if g["params"]]
         self.offload = OptimizerOffload.from_args(args)
         self.host: Optional[HostPartition] = None
@@ -142,6 +143,31 @@ class DataParallelAdamW:
         self.steps = 0
         """Optimizer steps taken (Adam's bias-correction count; the same for every parameter)."""
 
+    def _layout(self, chunks, args, pipeline_group) -> list[OwnedSlice]:
+        """megatron-core's ownership of the gradient buffer of every chunk (:func:`optimizer_shards.owned_slices`)."""
+        from h3t_training.config.megatron_fields import ddp_fields  # noqa: PLC0415
+
+        pp_rank = dist.get_rank(pipeline_group) if pipeline_group is not None else 0
+        per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
+        sizes = [bucket_size(self.dp_size, ddp_bucket_size=ddp_fields(args).get("bucket_size"),
+                             overlap_grad_reduce=args.overlap_grad_reduce, pipeline_rank=pp_rank, chunk=c)
+                 for c in range(len(chunks))]
+        return owned_slices([[p.numel() for p in ps] for ps in per_chunk], self.dp_size, sizes,
+                            [[bool(getattr(p, "shared_embedding", False)) for p in ps] for ps in per_chunk])
+
+    def _view(self, s: OwnedSlice) -> torch.Tensor:
+        p = self.params[s.param]
+        if s.start == 0 and s.end == p.numel():
+            return p
+        return torch.nn.Parameter(p.data.view(-1)[s.start:s.end])
+
+    def _attach_grads(self) -> None:
+        """Each owned slice's gradient: the same elements of its parameter's (reduced, clipped) gradient."""
+        for s in self.slices:
+            view = self.views.get(s.param) if s.rank == self.dp_rank else None
+            if view is not None and view is not self.params[s.param]:
+                view.grad = self.params[s.param].grad.view(-1)[s.start:s.end]
+
     def _adamw(self, groups: list[dict]) -> torch.optim.AdamW:
         a = self.args
         return torch.optim.AdamW(groups, lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps)
@@ -150,7 +176,8 @@ class DataParallelAdamW:
         return [*self.adam.param_groups, *(self.host.param_groups if self.host is not None else ())]
 
     def _state(self, p) -> dict:
-        """Adam's state of parameter ``p`` wherever it lives (empty before the first step)."""
+        """Adam's state of the optimizer's tensor ``p`` (a parameter or an owned slice) wherever it lives (empty
+        before the first step)."""
         if self.host is not None and p in self.host.master:
             return self.host.state(p)
         return self.adam.state.get(p, {})
@@ -195,16 +222,19 @@ class DataParallelAdamW:
         return float(sq.sqrt())
 
     def _broadcast_shards(self) -> None:
+        """Every rank's stepped slices to the other replicas (the distributed optimizer's parameter all-gather)."""
         for owner in range(self.dp_size):
-            mine = [p for p, o in zip(self.params, self.owners) if o == owner]
+            mine = [s for s in self.slices if s.rank == owner]
             if not mine:
                 continue
-            flat = torch.cat([p.data.reshape(-1) for p in mine])
+            flat = torch.cat([self.params[s.param].data.view(-1)[s.start:s.end] for s in mine])
             dist.broadcast(flat, src=self.dp_ranks[owner], group=self.dp_group)
+            if owner == self.dp_rank:
+                continue
             offset = 0
-            for p in mine:
-                p.data.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for s in mine:
+                self.params[s.param].data.view(-1)[s.start:s.end].copy_(flat[offset:offset + s.numel])
+                offset += s.numel
 
     def step(self, iteration: int) -> tuple[float, float]:
         """Average, clip and apply the gradients; returns (learning rate, gradient norm)."""
@@ -220,38 +250,35 @@ class DataParallelAdamW:
         lr = learning_rate(self.args, iteration)
         for g in self._param_groups():
             g["lr"] = group_learning_rate(self.args, iteration, g)
+        self._attach_grads()
         if self.has_params:
             self.adam.step()
         if self.host is not None:
             self.host.step()
         self.steps += 1
-        if self.dp_size > 1 and any(o != self.dp_rank for o in self.owners):
+        if self.sharded:
             self._broadcast_shards()
         return lr, norm
 
     def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False) -> dict:
-        """Adam's moments as ShardedTensors keyed like the parameters they belong to (so they
-        reshard with the model), each from the rank that owns it; the step count in common."""
+        """Adam's moments as ShardedTensors keyed like the parameters they belong to (so they reshard with the
+        model and with the data-parallel size), replicated as the model is; the step count in common. With the
+        distributed optimizer each parameter's moments are first put together from the ranks' slices
+        (:meth:`_whole_moments`: collective over the data-parallel group)."""
         from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
         if self.fsdp:
             return {"state": self._fsdp_sharded_state(model_sharded_state_dicts, is_loading), "steps": self.steps}
         by_storage = _sharded_params(model_sharded_state_dicts)
+        whole = {} if is_loading else self._whole_moments()
         state: dict = {}
-        for i, (p, owner) in enumerate(zip(self.params, self.owners)):
-            if owner != self.dp_rank:
-                continue
+        for i, p in enumerate(self.params):
             model_sh = by_storage.get((p.data_ptr(), tuple(p.shape)))
             assert model_sh is not None, f"parameter {i} {tuple(p.shape)} is not in the model's sharded state dict"
-            held = self._state(p)
-            entry = {}
-            for name in ("exp_avg", "exp_avg_sq"):
-                data = torch.zeros_like(p) if is_loading or name not in held else held[name]
-                sh = make_sharded_optimizer_tensor(model_sh, data, f"optimizer.state.{name}")
-                # sharded over data-parallel ranks: the owner writes its shard; replicated: as the model does
-                entry[name] = replace(sh, replica_id=_main_data_parallel_replica(sh.replica_id)) \
-                    if self.sharded else sh
-            state[i] = entry
+            held = whole.get(i, {})
+            state[i] = {name: make_sharded_optimizer_tensor(
+                model_sh, torch.zeros_like(p) if name not in held else held[name], f"optimizer.state.{name}")
+                for name in MOMENTS}
         return {"state": state, "steps": self.steps}
 
     def _fsdp_sharded_state(self, model_sharded_state_dicts: list, is_loading: bool) -> dict:
@@ -304,19 +331,40 @@ class DataParallelAdamW:
             self._install(i, {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]})
         self.reload_model_params()
 
-    def _moments(self, i: int) -> dict:
-        """Parameter ``i``'s Adam moments as held (written out as they are; :meth:`_install` copies on the way in)."""
-        held = self._state(self.params[i])
-        return {name: held[name] for name in ("exp_avg", "exp_avg_sq") if name in held}
+    def _whole_moments(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every parameter's Adam moments, whole and shaped as the parameter (none before the first step). With
+        the distributed optimizer each rank holds slices: they are summed into zeros over the data-parallel group
+        (one all-reduce; x + 0 is exact), so every rank gets them all (collective)."""
+        if self.steps == 0:
+            return {}
+        if not self.sharded:
+            return {i: {name: self._state(v)[name] for name in MOMENTS} for i, v in self.views.items()}
+        sizes = [p.numel() for p in self.params]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        flat = torch.zeros(len(MOMENTS), offsets[-1], dtype=self.params[0].dtype if self.params else torch.float32)
+        for s in self.slices:
+            if s.rank == self.dp_rank:
+                held = self._state(self.views[s.param])
+                for k, name in enumerate(MOMENTS):
+                    flat[k, offsets[s.param] + s.start:offsets[s.param] + s.end] = held[name].view(-1)
+        dist.all_reduce(flat, group=self.dp_group)
+        return {i: {name: flat[k, offsets[i]:offsets[i + 1]].view_as(p) for k, name in enumerate(MOMENTS)}
+                for i, p in enumerate(self.params)}
 
     def _install(self, i: int, moments: dict) -> None:
-        p = self.params[i]
-        state = {"step": torch.tensor(float(self.steps), dtype=torch.float32), **{k: v.clone() for k, v in
-                                                                                 moments.items()}}
-        if self.host is not None and p in self.host.master:
-            self.host.set_state(p, state)
+        """Parameter ``i``'s whole moments, as saved: the part this rank steps (nothing where it steps none)."""
+        view = self.views.get(i)
+        if view is None:
+            return
+        s = next(s for s in self.slices if s.param == i and s.rank == self.dp_rank)
+        state = {"step": torch.tensor(float(self.steps), dtype=torch.float32),
+                 **{k: v.reshape(-1)[s.start:s.end].clone().view_as(view) for k, v in moments.items()}}
+        if self.host is not None and view in self.host.master:
+            self.host.set_state(view, state)
         else:
-            self.adam.state[p] = state
+            self.adam.state[view] = state
 
     def legacy_state_dict(self) -> dict:
         """The ``optimizer`` entry of a ``--ckpt-format torch`` file (:mod:`h3t_training.loop.legacy_checkpoint`):
@@ -325,25 +373,23 @@ class DataParallelAdamW:
         assert not self.fsdp, "--ckpt-format torch with --use-torch-fsdp2 is refused with the flags"
         if self.sharded:
             return {"steps": self.steps}
-        return {"steps": self.steps, "state": {i: self._moments(i) for i in range(len(self.params))}}
+        return {"steps": self.steps, "state": self._whole_moments()}
 
     def save_parameter_state(self, path: str) -> bool:
-        """With the distributed optimizer, every shard's moments gathered on data-parallel rank 0, which writes
-        them to ``path`` (megatron-core's name; collective over the data-parallel group); returns whether this rank
-        wrote the file. Without it nothing (the moments are in :meth:`legacy_state_dict`)."""
+        """With the distributed optimizer, every parameter's moments put together from the ranks' slices, written
+        by data-parallel rank 0 to ``path`` (megatron-core's name; collective over the data-parallel group); returns
+        whether this rank wrote the file. Without it nothing (the moments are in :meth:`legacy_state_dict`)."""
         if not self.sharded:
             return False
-        mine = {i: self._moments(i) for i, o in enumerate(self.owners) if o == self.dp_rank}
-        gathered = [None] * self.dp_size if self.dp_rank == 0 else None
-        dist.gather_object(mine, gathered, dst=self.dp_ranks[0], group=self.dp_group)
-        if gathered is None:
+        whole = self._whole_moments()
+        if self.dp_rank != 0:
             return False
-        torch.save({k: v for part in gathered for k, v in part.items()}, path)
+        torch.save({i: {k: v.clone() for k, v in m.items()} for i, m in whole.items()}, path)
         return True
 
     def load_legacy_state_dict(self, state: dict, parameter_state_path: Optional[str]) -> None:
         """Install what :meth:`legacy_state_dict` and :meth:`save_parameter_state` saved (this rank's share;
-        bit-exact, at another data-parallel size too: every shard's moments are in the file)."""
+        bit-exact, at another data-parallel size too: every parameter's whole moments are in the file)."""
         self.steps = int(state["steps"])
         if "state" in state:
             moments = state["state"]
@@ -351,8 +397,8 @@ class DataParallelAdamW:
             moments = torch.load(parameter_state_path, map_location="cpu", weights_only=False)
         else:
             raise RuntimeError(f"the distributed optimizer's state {parameter_state_path} is missing")
-        for i, o in enumerate(self.owners):
-            if o == self.dp_rank and moments.get(i):
+        for i in range(len(self.params)):
+            if moments.get(i):
                 self._install(i, moments[i])
         self.reload_model_params()
 
@@ -374,6 +420,10 @@ class DataParallelAdamW:
                 yield from (("optimizer", "device", v) for v in state.values() if isinstance(v, torch.Tensor))
         if self.host is not None:
             yield from ((category, "host", t) for category, t in self.host.tensors())
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-element state (its step count is kept once, ``steps``)."""
 
 
 def tied_embedding_weight(chunks, embedding_group, pipeline_group) -> Optional[torch.nn.Parameter]:
@@ -402,14 +452,6 @@ def _sharded_params(model_sharded_state_dicts: list) -> dict:
             if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and sh.data is not None:
                 out[(sh.data.data_ptr(), tuple(sh.data.shape))] = sh
     return out
-
-
-def _main_data_parallel_replica(replica_id):
-    """The owner of an optimizer shard writes it: the data-parallel part of its replica id is 0
-    (megatron-core's replica ids end with the data-parallel rank)."""
-    if isinstance(replica_id, tuple):
-        return replica_id[:-1] + (0,)
-    return 0
 
 
 class MegatronOptimizerAdapter:

@@ -83,33 +83,54 @@ def test_offload_with_t2_and_ckpt_ours(single_rank, tmp_path):
         assert s["device"]["optimizer"] + s["host"]["optimizer"] - s["host"]["grads"] == p["device"]["optimizer"]
 
 
-def test_offload_with_p2_gives_the_single_rank_losses_and_the_cost_models_bytes(single_rank, tmp_path):
-    """Pipeline 2 with offload 0.5 and --ckpt ours: the single-rank losses, and each stage's measured bytes are the
-    cost model's terms for that stage (the CPU stand-in's fp32 parameters, no separate master), within 1% per kind
-    and side, up to megatron-core's whole-tensor split (it offloads whole tensors: the model's F x n is off by less
-    than one tensor, at most the stage's 512 x 64 embedding or output layer, in that kind's bytes per element) and
-    Adam's 4-byte step counts."""
+def _bytes_match_the_cost_model(single_rank, flags, m, world):
+    """Each rank's measured bytes are the cost model's terms for its stage (the CPU stand-in's fp32 parameters, no
+    separate master), within 1% per kind and side, up to megatron-core's whole-tensor offload split (it offloads
+    whole tensors -- whole slices of the distributed optimizer's share: the model's F x n is off by less than one
+    of them, at most the stage's 512 x 64 embedding or output layer, in that kind's bytes per element) and Adam's
+    4-byte step counts."""
     from h3t_ext.costmodel.memory import stage_state_bytes
     from h3t_training.config.run_spec import model_spec, run_plan
     from h3t_training.config.sections import parse_args
 
-    flags = ["--pipeline-model-parallel-size", "2", *OFFLOAD]
-    m = _run(single_rank, tmp_path, flags, 2)
-    _close(single_rank[2], [r["loss"] for r in m["iterations"]], 1e-6)
-    config = parse_args([*single_rank[0], *flags], world_size=2)
+    config = parse_args([*single_rank[0], *flags], world_size=world)
     plan = run_plan(config)
-    assert plan.pipeline_model_parallel_size == 2 and plan.optimizer_offload_fraction == FRACTION
     model = model_spec(config, VOCAB)
-    tensor = VOCAB * H  # the largest tensor of either stage (embedding, output layer), in elements
+    offload = plan.optimizer_offload_fraction not in (0.0, 1.0)
+    tensor = VOCAB * H if offload else 0  # the largest tensor of either stage (embedding, output layer)
     per_element = {("device", "optimizer"): 8, ("host", "grads"): 4, ("host", "optimizer"): 12}  # m v; grad; master m v
     steps = 4 * len(_llama_shapes())
-    by_stage = {s["pipeline_rank"]: s for s in m["state_bytes"]}
-    assert sorted(by_stage) == [0, 1]
-    for stage, measured in by_stage.items():
-        predicted = stage_state_bytes(model, plan, stage, param_bytes=4, master_weights=False)
+    for measured in m["state_bytes"]:
+        predicted = stage_state_bytes(model, plan, measured["pipeline_rank"], param_bytes=4, master_weights=False)
         for side in ("device", "host"):
             for kind in ("params", "grads", "optimizer"):
                 want, got = measured[side][kind], predicted[side][kind]
                 bound = 0.01 * want + tensor * per_element.get((side, kind), 0) + steps
-                assert abs(got - want) <= bound, (stage, side, kind, got, want)
+                assert abs(got - want) <= bound, (measured["pipeline_rank"], side, kind, got, want)
         assert predicted["device"]["params"] == measured["device"]["params"]  # whole: nothing is split there
+    return plan
+
+
+def test_offload_with_p2_gives_the_single_rank_losses_and_the_cost_models_bytes(single_rank, tmp_path):
+    """Pipeline 2 with offload 0.5 and --ckpt ours: the single-rank losses, and each stage's measured bytes are the
+    cost model's terms for that stage (:func:`_bytes_match_the_cost_model`)."""
+    flags = ["--pipeline-model-parallel-size", "2", *OFFLOAD]
+    m = _run(single_rank, tmp_path, flags, 2)
+    _close(single_rank[2], [r["loss"] for r in m["iterations"]], 1e-6)
+    plan = _bytes_match_the_cost_model(single_rank, flags, m, 2)
+    assert plan.pipeline_model_parallel_size == 2 and plan.optimizer_offload_fraction == FRACTION
+    assert sorted(s["pipeline_rank"] for s in m["state_bytes"]) == [0, 1]
+
+
+def test_distributed_optimizer_at_d2_holds_the_cost_models_half(single_rank, d2_offload, tmp_path):
+    """d=2 with the distributed optimizer (megatron-core's cut of the gradient buffer), without and with offload
+    0.5: the single-rank losses, and each rank's measured optimizer bytes are the cost model's n / 2 within 1% (the
+    buffer's padding), its parameters and gradients whole."""
+    m = _run(single_rank, tmp_path, [], 2)
+    _close(single_rank[2], [r["loss"] for r in m["iterations"]], 1e-6)
+    plan = _bytes_match_the_cost_model(single_rank, [], m, 2)
+    assert plan.data_parallel_size == 2 and plan.use_distributed_optimizer
+    _bytes_match_the_cost_model(single_rank, OFFLOAD, d2_offload, 2)
+    one = expected_state_bytes(1, 0.0)[0]["device"]["optimizer"]
+    for s in m["state_bytes"]:  # the whole-parameter split of before would be 15% off here (an embedding)
+        assert abs(s["device"]["optimizer"] - one / 2) <= 0.01 * one / 2
