@@ -349,7 +349,7 @@ class DataParallelAdamW:
                 held = self._state(self.views[s.param])
                 for k, name in enumerate(MOMENTS):
                     flat[k, offsets[s.param] + s.start:offsets[s.param] + s.end] = held[name].view(-1)
-        dist.all_reduce(flat, group=self.dp_group)
+        flat = all_reduce_host(flat, group=self.dp_group)
         return {i: {name: flat[k, offsets[i]:offsets[i + 1]].view_as(p) for k, name in enumerate(MOMENTS)}
                 for i, p in enumerate(self.params)}
 
