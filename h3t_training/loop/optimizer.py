@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch
@@ -117,7 +116,9 @@ class DataParallelAdamW:
             [OwnedSlice(i, self.dp_rank, 0, p.numel()) for i, p in enumerate(self.params)]
         """Which elements of which parameter every data-parallel rank steps (this rank's only without the
         distributed optimizer)."""
-        self.views: dict[int, torch.Tensor] = {s.param: self._view(s) for s in self.slices if s.rank == self.dp_rank}
+        self.owned: dict[int, OwnedSlice] = {s.param: s for s in self.slices if s.rank == self.dp_rank}
+        """Parameter index -> the slice of it this rank steps (parameters it steps none of are absent)."""
+        self.views: dict[int, torch.Tensor] = {i: self._view(s) for i, s in self.owned.items()}
         """Parameter index -> what this rank's optimizer steps for it: the parameter, or the slice it owns (a
         view into the parameter's data, so that the step updates the parameter in place)."""
         decoupled = decoupled_lr_group(args)
@@ -163,10 +164,9 @@ class DataParallelAdamW:
 
     def _attach_grads(self) -> None:
         """Each owned slice's gradient: the same elements of its parameter's (reduced, clipped) gradient."""
-        for s in self.slices:
-            view = self.views.get(s.param) if s.rank == self.dp_rank else None
-            if view is not None and view is not self.params[s.param]:
-                view.grad = self.params[s.param].grad.view(-1)[s.start:s.end]
+        for i, s in self.owned.items():
+            if self.views[i] is not self.params[i]:
+                self.views[i].grad = self.params[i].grad.view(-1)[s.start:s.end]
 
     def _adamw(self, groups: list[dict]) -> torch.optim.AdamW:
         a = self.args
@@ -343,22 +343,20 @@ class DataParallelAdamW:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
-        flat = torch.zeros(len(MOMENTS), offsets[-1], dtype=self.params[0].dtype if self.params else torch.float32)
-        for s in self.slices:
-            if s.rank == self.dp_rank:
-                held = self._state(self.views[s.param])
-                for k, name in enumerate(MOMENTS):
-                    flat[k, offsets[s.param] + s.start:offsets[s.param] + s.end] = held[name].view(-1)
+        flat = torch.zeros(len(MOMENTS), offsets[-1], dtype=torch.float32)  # the CPU path's Adam states are fp32
+        for i, s in self.owned.items():
+            held = self._state(self.views[i])
+            for k, name in enumerate(MOMENTS):
+                flat[k, offsets[i] + s.start:offsets[i] + s.end] = held[name].view(-1)
         flat = all_reduce_host(flat, group=self.dp_group)
         return {i: {name: flat[k, offsets[i]:offsets[i + 1]].view_as(p) for k, name in enumerate(MOMENTS)}
                 for i, p in enumerate(self.params)}
 
     def _install(self, i: int, moments: dict) -> None:
         """Parameter ``i``'s whole moments, as saved: the part this rank steps (nothing where it steps none)."""
-        view = self.views.get(i)
-        if view is None:
+        if i not in self.owned:
             return
-        s = next(s for s in self.slices if s.param == i and s.rank == self.dp_rank)
+        s, view = self.owned[i], self.views[i]
         state = {"step": torch.tensor(float(self.steps), dtype=torch.float32),
                  **{k: v.reshape(-1)[s.start:s.end].clone().view_as(view) for k, v in moments.items()}}
         if self.host is not None and view in self.host.master:

@@ -5,7 +5,7 @@ published end-to-end runs imply 0.59. A GPU held at its power limit for seconds 
 short burst of kernels sees; this module reads that clock beside the work (``scripts/gpu/sustained_gemm.py``,
 ``scripts/gpu/driver_steps.py``) so the two rates can be told apart.
 
-``Sampler`` starts ``nvidia-smi --query-gpu=... -lms PERIOD`` and parses its lines when stopped; where
+``Sampler`` starts ``nvidia-smi --query-gpu=... --loop-ms=PERIOD`` and parses its lines when stopped; where
 ``nvidia-smi`` is missing or fails, the samples are empty and ``why`` says so (the measurement around it still
 runs). ``parse_lines`` and ``summary`` are pure (tested on CPU).
 """
@@ -44,12 +44,14 @@ def _number(text: str) -> Optional[float]:
 
 
 def parse_lines(lines: Sequence[str]) -> list[ClockSample]:
-    """Samples of ``nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits`` lines (first GPU's lines only
-    where several GPUs report: every line of a sample period names one GPU, in index order); lines that do
-    not parse (a header, an error message) are skipped."""
+    """Samples of ``nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits`` lines (or of FIELDS without the
+    throttle reasons, which some drivers name differently: reasons 0); lines that do not parse (a header, an
+    error message) are skipped."""
     out = []
     for line in lines:
         parts = [p.strip() for p in line.split(",")]
+        if len(parts) == len(FIELDS) - 1:
+            parts.append("0")
         if len(parts) != len(FIELDS):
             continue
         sm, max_sm = _number(parts[0]), _number(parts[1])
@@ -96,15 +98,20 @@ class Sampler:
         self.why = ""
         self._proc: Optional[subprocess.Popen] = None
 
-    def command(self) -> list[str]:
-        return ["nvidia-smi", f"--id={self.gpu_index}", f"--query-gpu={','.join(FIELDS)}",
-                "--format=csv,noheader,nounits", f"-lms={self.period_ms}"]
+    def command(self, fields: Sequence[str] = FIELDS) -> list[str]:
+        return ["nvidia-smi", f"--id={self.gpu_index}", f"--query-gpu={','.join(fields)}",
+                "--format=csv,noheader,nounits", f"--loop-ms={self.period_ms}"]
 
     def __enter__(self) -> "Sampler":
         if shutil.which("nvidia-smi") is None:
             self.why = "nvidia-smi is not on PATH: no clock samples"
             return self
-        self._proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        fields = FIELDS
+        once = self.command(fields)[:-1]  # one sample: does this driver know every field?
+        if subprocess.run(once, capture_output=True, text=True, timeout=30).returncode != 0:
+            fields = FIELDS[:-1]  # newer drivers call the throttle reasons clocks_event_reasons
+        self._proc = subprocess.Popen(self.command(fields), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True)
         return self
 
     def __exit__(self, *exc) -> None:
