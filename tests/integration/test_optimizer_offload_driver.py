@@ -132,5 +132,5 @@ def test_distributed_optimizer_at_d2_holds_the_cost_models_half(single_rank, d2_
     assert plan.data_parallel_size == 2 and plan.use_distributed_optimizer
     _bytes_match_the_cost_model(single_rank, OFFLOAD, d2_offload, 2)
     one = expected_state_bytes(1, 0.0)[0]["device"]["optimizer"]
-    for s in m["state_bytes"]:  # the whole-parameter split of before would be 15% off here (an embedding)
+    for s in m["state_bytes"]:  # each half of the padded buffer
         assert abs(s["device"]["optimizer"] - one / 2) <= 0.01 * one / 2
