@@ -40,6 +40,11 @@ DDP_BUCKET_PARAMS = 40_000_000
 ``DistributedDataParallel.__init__``: larger buckets at large d keep the ring's per-rank chunk
 bandwidth-bound)."""
 DDP_BUCKET_PARAMS_PER_RANK = 1_000_000
+
+
+def default_bucket_params(data_parallel_size: int) -> int:
+    """megatron-core DDP's bucket size when ``--ddp-bucket-size`` is not given: max(40M, 1M x d) parameters."""
+    return max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_RANK * data_parallel_size)
 OPTIMIZER_KERNELS = 4
 """Optimizer step (per bucket, counted once): the gradient-norm kernel of clipping, Adam (multi-tensor
 apply), the fp32 master -> bf16 weight copy and the gradient zeroing (``ADAM_BYTES_PER_PARAM`` + fp32)."""
@@ -77,7 +82,7 @@ def ddp_buckets(model: ModelSpec, plan: Plan, params: int) -> tuple[int, float]:
     if not plan.overlap_grad_reduce:
         return 1, float(params)
     v = plan.virtual_size(model.num_layers)
-    size = max(DDP_BUCKET_PARAMS, DDP_BUCKET_PARAMS_PER_RANK * plan.data_parallel_size)
+    size = default_bucket_params(plan.data_parallel_size)
     first = max(1, math.ceil(params / v / size))
     return first + (v - 1), params / v / first
 

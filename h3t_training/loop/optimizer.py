@@ -150,9 +150,9 @@ class DataParallelAdamW:
 
         pp_rank = dist.get_rank(pipeline_group) if pipeline_group is not None else 0
         per_chunk = [[p for p in c.parameters() if p.requires_grad] for c in chunks]
-        sizes = [bucket_size(self.dp_size, ddp_bucket_size=ddp_fields(args).get("bucket_size"),
-                             overlap_grad_reduce=args.overlap_grad_reduce, pipeline_rank=pp_rank, chunk=c)
-                 for c in range(len(chunks))]
+        given = ddp_fields(args).get("bucket_size")
+        sizes = [bucket_size(self.dp_size, ddp_bucket_size=given, overlap_grad_reduce=args.overlap_grad_reduce,
+                             pipeline_rank=pp_rank, chunk=c) for c in range(len(chunks))]
         return owned_slices([[p.numel() for p in ps] for ps in per_chunk], self.dp_size, sizes,
                             [[bool(getattr(p, "shared_embedding", False)) for p in ps] for ps in per_chunk])
 

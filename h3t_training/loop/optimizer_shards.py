@@ -19,12 +19,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from h3t_ext.costmodel.data_parallel import default_bucket_params
+
 PARAM_ALIGNMENT = 64
 """Elements a parameter's start is padded to (128-byte aligned addresses for >= 16-bit values)."""
 BUCKET_ALIGNMENT = 128
 """Elements a bucket's end is padded to, with d (256-byte aligned bucket starts; an even split over d)."""
-DEFAULT_BUCKET_PARAMS = 40_000_000
-DEFAULT_BUCKET_PARAMS_PER_RANK = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,7 @@ def bucket_size(dp_size: int, *, ddp_bucket_size: Optional[int], overlap_grad_re
     pipeline rank ``pipeline_rank`` (None: one bucket)."""
     if not overlap_grad_reduce or pipeline_rank > 0 or chunk > 0:
         return None
-    return ddp_bucket_size if ddp_bucket_size is not None else max(DEFAULT_BUCKET_PARAMS,
-                                                                    DEFAULT_BUCKET_PARAMS_PER_RANK * dp_size)
+    return ddp_bucket_size if ddp_bucket_size is not None else default_bucket_params(dp_size)
 
 
 def buffer_layout(numels: Sequence[int], dp_size: int, size: Optional[int],

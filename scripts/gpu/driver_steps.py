@@ -23,6 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # groundtruth/ (the clock sampler)
 
 LLAMA_1B = ["--num-layers", "16", "--hidden-size", "2048", "--num-attention-heads", "32", "--group-query-attention",
             "--num-query-groups", "8", "--ffn-hidden-size", "8192", "--vocab-size", "32000"]
@@ -55,7 +56,6 @@ def command(case, iters: int, metrics: str) -> list[str]:
 
 
 def measure(case, iters: int, timeout_s: float) -> dict:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from groundtruth.clocks import Sampler
 
     with tempfile.TemporaryDirectory() as tmp, Sampler() as clocks:
@@ -75,7 +75,7 @@ def measure(case, iters: int, timeout_s: float) -> dict:
     return {"case": case[0], "status": "measured", "step_time_ms": statistics.median(times),
             "step_times_ms": [r["elapsed_ms"] for r in recs], "losses": [r["loss"] for r in recs],
             "max_memory_allocated_mib": float(memory[-1]) if memory else None,
-            "clocks": {k: v for k, v in clocks.record().items() if k != "samples"}}
+            "clocks": clocks.record(with_samples=False)}
 
 
 def estimate_flags(case, gpu: str) -> list[str]:

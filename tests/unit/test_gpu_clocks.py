@@ -49,6 +49,7 @@ def test_sampler_command_and_a_machine_without_nvidia_smi(monkeypatch):
     with Sampler() as s:
         pass
     assert s.samples == [] and s.record() == {"summary": {}, "samples": [], "why": s.why}
+    assert s.record(with_samples=False) == {"summary": {}, "why": s.why}
     assert "nvidia-smi is not on PATH" in s.why
 
 

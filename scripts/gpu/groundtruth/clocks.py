@@ -127,7 +127,9 @@ class Sampler:
         if not self.samples:
             self.why = f"nvidia-smi gave no samples: {(err.strip().splitlines() or ['(no message)'])[-1][:200]}"
 
-    def record(self) -> dict:
-        """The samples' summary, the samples themselves, and why there are none where there are none."""
-        return {"summary": summary(self.samples), "samples": [asdict(s) for s in self.samples],
+    def record(self, *, with_samples: bool = True) -> dict:
+        """The samples' summary, the samples themselves (``with_samples``), and why there are none where there are
+        none."""
+        return {"summary": summary(self.samples),
+                **({"samples": [asdict(s) for s in self.samples]} if with_samples else {}),
                 **({"why": self.why} if self.why else {})}

@@ -22,20 +22,21 @@ def measured_rows(selection: Selection, system: SystemSpec, device: str, *, warm
                   budget_s: float, progress: Optional[Callable[[str], None]] = None) -> tuple[list[dict], dict]:
     """Measure the selected cases on ``device``; returns the rows and what the probe found."""
     from groundtruth.clocks import Sampler
-    from groundtruth.measure import Device, measure, probe
 
     sampler = Sampler() if device == "cuda" else None
     with sampler if sampler is not None else contextlib.nullcontext():
-        rows, meta = _measure_all(selection, system, Device(device), warmup, repeats, budget_s, progress, measure,
-                                  probe)
+        rows, meta = _measure_all(selection, system, device, warmup, repeats, budget_s, progress)
     if sampler is not None:  # the clocks the kernels ran at (short bursts between synchronizations)
-        meta["clocks"] = {k: v for k, v in sampler.record().items() if k != "samples"}
+        meta["clocks"] = sampler.record(with_samples=False)
     return rows, meta
 
 
-def _measure_all(selection: Selection, system: SystemSpec, dev, warmup: int, repeats: int, budget_s: float,
-                 progress: Optional[Callable[[str], None]], measure, probe) -> tuple[list[dict], dict]:
+def _measure_all(selection: Selection, system: SystemSpec, device: str, warmup: int, repeats: int, budget_s: float,
+                 progress: Optional[Callable[[str], None]]) -> tuple[list[dict], dict]:
+    from groundtruth.measure import Device, measure, probe
+
     start = time.monotonic()
+    dev = Device(device)
     caps = probe(dev)
     partner = next((c for c in selection.selected if isinstance(c, GemmCase) and c.during_copy), None)
     rows = []
