@@ -3,7 +3,8 @@
 #   1. megatron-core 0.16.1 and 0.19.2 from wheels into their own folders, the native kernels built;
 #   2. at once: the `gpu` pytest tier (megatron-core 0.16.1), the per-stage memory check, and Megatron's own
 #      pretrain() (megatron-core 0.19.2: pretrain_gpt.py, ckpt=ours with alpha 0.5 against ckpt=no alpha 0);
-#   3. alone on the GPU (timings): the copy kernels, the offload overlap, a GEMM sustained for 20 s (bf16) and
+#   3. alone on the GPU (timings): the copy kernels, the offload overlap, attention with and without dropout
+#      (scripts/gpu/bench_attention_dropout.py: flash and cuDNN), a GEMM sustained for 20 s (bf16) and
 #      10 s (fp8) beside the SM clock (scripts/gpu/sustained_gemm.py), the driver's training steps
 #      (scripts/gpu/driver_steps.py) and the cost model's ground truth.
 # The parts land in OUT/parts.tgz (packed again after each stage, so a run stopped at its limit keeps what it
@@ -92,7 +93,10 @@ timeout 45 "$PYTHON" scripts/gpu/bench_copy_cuda.py --json >"$PARTS/copies.json"
   || echo "copies failed: $(tail -n 2 "$PARTS/copies.json")"
 timeout 60 "$PYTHON" scripts/gpu/bench_offload_overlap.py --json >"$PARTS/overlap.json" 2>&1 \
   || echo "overlap failed: $(tail -n 2 "$PARTS/overlap.json")"
+timeout 60 "$PYTHON" scripts/gpu/bench_attention_dropout.py --json >"$PARTS/attention_dropout.json" 2>&1 \
+  || echo "attention dropout failed: $(tail -n 2 "$PARTS/attention_dropout.json")"
 tail -c 600 "$PARTS/copies.json"; echo; tail -c 600 "$PARTS/overlap.json"; echo
+tail -c 600 "$PARTS/attention_dropout.json"; echo
 pack
 for prec_s in bf16:20 fp8:10; do  # the clock a GPU at its power limit sustains (report.py's SUSTAINED)
   timeout 90 "$PYTHON" scripts/gpu/sustained_gemm.py --precision "${prec_s%%:*}" --seconds "${prec_s#*:}" \

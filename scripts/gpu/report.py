@@ -154,21 +154,31 @@ SUSTAINED = {"bf16": 20, "fp8": 10}
 """scripts/gpu/sustained_gemm.py's runs: precision -> seconds (scripts/gpu/lease_run.sh runs the same)."""
 
 
+NATIVE_RUNS = ("ours", "no")
+"""Megatron's own pretrain() runs of the lease: ckpt=ours alpha 0.5 and ckpt=no alpha 0."""
+PART_FILES = {"meta": "meta.json", "tests": "gpu_tests.xml", "stage_memory": "stage_memory.json",
+              "overlap": "overlap.json", "copies": "copies.json", "dropout": "attention_dropout.json",
+              **{f"native-{n}": f"native-{n}.log" for n in NATIVE_RUNS}, "driver_steps": "driver_steps.json",
+              **{f"sustained-{p}": f"sustained-{p}.json" for p in SUSTAINED}, "ground_truth": "ground_truth.json"}
+"""Every file of scripts/gpu/lease_run.sh's parts that the report reads (tests/integration/test_gpu_check.py checks
+that the lease writes each one)."""
+
+
 def parts_from_dir(parts: str) -> tuple[dict, dict]:
     """(meta, raw results) of the files scripts/gpu/lease_run.sh leaves in ``parts``."""
-    meta, why = _json_file(os.path.join(parts, "meta.json"))
+    path = {key: os.path.join(parts, name) for key, name in PART_FILES.items()}
+    meta, why = _json_file(path["meta"])
     if meta is None:
-        raise SystemExit(f"report.py: error: --from-parts {parts}: meta.json: {why}")
-    xml = os.path.join(parts, "gpu_tests.xml")
-    raw = {"tests": junit_counts(xml) if os.path.isfile(xml) else None,
-           "stage_memory": _json_file(os.path.join(parts, "stage_memory.json")),
-           "overlap": _json_file(os.path.join(parts, "overlap.json")),
-           "copies": _json_file(os.path.join(parts, "copies.json")),
-           "dropout": _json_file(os.path.join(parts, "attention_dropout.json")),
-           "native": {name: _native_losses(os.path.join(parts, f"native-{name}.log")) for name in ("ours", "no")},
-           "driver_steps": _json_file(os.path.join(parts, "driver_steps.json"))[0],
-           "sustained": {prec: _json_file(os.path.join(parts, f"sustained-{prec}.json"))[0] for prec in SUSTAINED},
-           "ground_truth": os.path.join(parts, "ground_truth.json")}
+        raise SystemExit(f"report.py: error: --from-parts {parts}: {PART_FILES['meta']}: {why}")
+    raw = {"tests": junit_counts(path["tests"]) if os.path.isfile(path["tests"]) else None,
+           "stage_memory": _json_file(path["stage_memory"]),
+           "overlap": _json_file(path["overlap"]),
+           "copies": _json_file(path["copies"]),
+           "dropout": _json_file(path["dropout"]),
+           "native": {name: _native_losses(path[f"native-{name}"]) for name in NATIVE_RUNS},
+           "driver_steps": _json_file(path["driver_steps"])[0],
+           "sustained": {prec: _json_file(path[f"sustained-{prec}"])[0] for prec in SUSTAINED},
+           "ground_truth": path["ground_truth"]}
     return meta, raw
 
 

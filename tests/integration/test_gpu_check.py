@@ -96,6 +96,37 @@ def test_attention_dropout_bench_without_a_gpu_is_one_line():
     assert proc.stderr == "bench_attention_dropout.py: error: no CUDA GPU (use --device cpu to exercise the code path)\n"
 
 
+def _lease_written_files() -> set[str]:
+    """The part files scripts/gpu/lease_run.sh writes, its shell variables expanded: the native runs it starts
+    (``native NAME PORT``) and the precisions of its sustained-GEMM loop."""
+    import re
+
+    text = (REPO / "scripts/gpu/lease_run.sh").read_text()
+    natives = re.findall(r"^native (\w+) \d+ ", text, flags=re.M)
+    sustained = dict(pair.split(":") for pair in re.search(r"for prec_s in ([\w: ]+); do", text).group(1).split())
+    written = set()
+    # written: redirected into (>"$PARTS/x"), or named as an output (--json "$PARTS/x", --junitxml="$PARTS/x")
+    for name in re.findall(r'(?:>|--json |--junitxml=)"\$PARTS/([\w.${}%:*-]+)"', text):
+        if "$name" in name:
+            written |= {name.replace("$name", n) for n in natives}
+        elif "${prec_s%%:*}" in name:
+            written |= {name.replace("${prec_s%%:*}", p) for p in sustained}
+        else:
+            written.add(name)
+    return written, natives, {p: int(s) for p, s in sustained.items()}
+
+
+def test_the_lease_writes_every_part_the_report_reads():
+    """report.py --from-parts and scripts/gpu/lease_run.sh are two files: a part the report reads and the lease never
+    writes is a measurement silently missing from every report (the attention-dropout bench was, until the lease ran
+    it)."""
+    report = _report_module()
+    written, natives, sustained = _lease_written_files()
+    assert set(report.PART_FILES.values()) <= written, set(report.PART_FILES.values()) - written
+    assert tuple(natives) == report.NATIVE_RUNS
+    assert sustained == report.SUSTAINED
+
+
 def test_report_from_the_parts_of_a_lease(tmp_path):
     """report.py --from-parts: the report from the files scripts/gpu/lease_run.sh leaves (no GPU needed); a part that
     died is named, not guessed."""
