@@ -7,9 +7,11 @@ and after calibrating on one row), the ATC '24 alphas and memory points, and eve
   python scripts/costmodel_calibration.py --fit      # fit every efficiency set on all runs and print it
   python scripts/costmodel_calibration.py --fit --write  # ... and write it into h3t_ext/data/fitted_efficiencies.json
   python scripts/costmodel_calibration.py --write-uncertainty  # store the held-out prediction interval (data/uncertainty.json)
+  python scripts/costmodel_calibration.py --residuals [--json]  # each run's error against the shares of its time terms
 """
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +26,43 @@ from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE  # noqa: E402
 from h3t_ext.costmodel.validation import computed_uncertainty  # noqa: E402
 
 ROUND = {"gemm_tile_overhead_k": 0, "attention_head_dim_overhead": 0}
+SHARES = ("gemm", "attention", "elementwise", "recompute", "tp_comm", "pipeline", "dp_exposed", "optimizer")
+"""The time terms whose shares --residuals correlates with the errors: the compute term split by one layer's
+forward and backward GEMM, attention and element-wise seconds (the output layer's go with the layers'), then the
+recompute, the exposed communication and the optimizer."""
+
+
+def residual_shares() -> dict:
+    """Every published run's tokens/s error (the data file's efficiencies) beside the share of the iteration each
+    time term takes, and the Pearson correlation of the errors with each share over the runs: a term mispriced by a
+    factor shows as errors that follow its share."""
+    from h3t_ext.costmodel.estimate import estimate
+    from h3t_ext.costmodel.kernels import kernel_rates
+    from h3t_ext.costmodel.timing import attention_seconds, layer_gemm_seconds, layer_time
+
+    rows = []
+    for r, err in zip(published_runs(), errors_with(published_runs(), {})):
+        terms = estimate(r.model, r.plan, r.system, timeline=False).time_terms.as_dict()
+        total = sum(terms.values())
+        rates = kernel_rates(r.system)
+        g = layer_gemm_seconds(r.model, r.plan, rates)
+        a = attention_seconds(r.model, r.plan, r.system, rates)
+        layer = layer_time(r.model, r.plan, r.system)
+        kernels = layer.fwd + layer.bwd
+        gemm, attn = g["fwd"] + g["dgrad"] + g["wgrad"], a["fwd"] + a["bwd"]
+        compute = terms["compute"] / total
+        share = {"gemm": compute * gemm / kernels, "attention": compute * attn / kernels,
+                 "elementwise": compute * (kernels - gemm - attn) / kernels, "recompute": terms["recompute"] / total,
+                 "tp_comm": terms["tp_comm"] / total,
+                 "pipeline": (terms["pp_p2p"] + terms["bubble"]) / total, "dp_exposed": terms["dp_exposed"] / total,
+                 "optimizer": terms["optimizer"] / total}
+        rows.append({"source": r.source, "run": r.label, "error": err, "shares": share})
+    errors = [row["error"] for row in rows]
+    corr = {}
+    for name in SHARES:
+        x = [row["shares"][name] for row in rows]
+        corr[name] = statistics.correlation(errors, x) if len(set(x)) > 1 else None
+    return {"runs": rows, "correlation_with_error": corr}
 
 
 def fit(write: bool) -> dict:
@@ -68,6 +107,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     ap.add_argument("--fit", action="store_true", help="fit every efficiency set on all published runs")
     ap.add_argument("--write", action="store_true", help="with --fit: write the fit into the data file")
+    ap.add_argument("--residuals", action="store_true",
+                    help="each run's error beside the shares of its time terms, and their correlations")
     ap.add_argument("--write-uncertainty", action="store_true",
                     help="write the leave-one-source-out prediction interval into h3t_ext/data/uncertainty.json")
     args = ap.parse_args()
@@ -78,6 +119,18 @@ def main() -> None:
         return
     if args.fit:
         print(json.dumps(fit(args.write), indent=1))
+        return
+    if args.residuals:
+        res = residual_shares()
+        if args.json:
+            print(json.dumps(res, indent=1))
+            return
+        print(f"{'source':<14} {'run':<46} {'error':>7} " + " ".join(f"{n[:6]:>6}" for n in SHARES))
+        for row in res["runs"]:
+            print(f"{row['source']:<14} {row['run'][:46]:<46} {row['error']:+7.2%} "
+                  + " ".join(f"{row['shares'][n]:6.3f}" for n in SHARES))
+        print(f"correlation of the error with the share ({len(res['runs'])} runs): " + ", ".join(
+            f"{n} {c:+.2f}" if c is not None else f"{n} n/a" for n, c in res["correlation_with_error"].items()))
         return
     s = summary()
     if args.json:

@@ -15,7 +15,9 @@ bandwidth; the kernel takes the larger of the two (roofline), plus one launch.
 
 Attention (``flash_attention_seconds``). Flash attention forward is 4 * s_q * s_k * d FLOPs per head
 (QK^T and PV), half of it for a causal block on the diagonal; backward recomputes P and runs five
-GEMM-like products, 2.5x the forward FLOPs (Dao 2023, FlashAttention-2, Sec. 3). Work is split into
+GEMM-like products, 2.5x the forward FLOPs (Dao 2023, FlashAttention-2, Sec. 3), at
+``attention_backward_rate_fraction`` of the forward's FLOP/s (0.85: measured on an H200 and stated by FlashAttention-2
+on A100; the backward's non-matmul work and atomics). Work is split into
 blocks of ``ATTENTION_BLOCK_Q`` query rows per (batch, head) that are quantized into waves over the SMs
 like GEMM tiles; the head dim sets how much of the peak a block reaches: d / (d + ``attention_head_dim_overhead``)
 (softmax and rescaling are per score, matmul work per score is proportional to d). Attention dropout
@@ -69,6 +71,8 @@ class KernelRates:
     attention_flops: float
     """Achievable flash-attention FLOP/s of the GPU at infinite head dim."""
     head_dim_overhead: float
+    attention_backward_fraction: float
+    """FLOP/s of the flash-attention backward as a fraction of the forward's."""
     dropout_fwd_slowdown: float
     """Fraction by which attention dropout lengthens the flash-attention forward."""
     dropout_bwd_slowdown: float
@@ -91,6 +95,7 @@ def kernel_rates(system: SystemSpec) -> KernelRates:
                       if system.peak_fp8_flops > 0 else 0.0),
         attention_flops=system.peak_bf16_flops * e("attention_peak_fraction"),
         head_dim_overhead=e("attention_head_dim_overhead"),
+        attention_backward_fraction=e("attention_backward_rate_fraction"),
         dropout_fwd_slowdown=e("attention_dropout_fwd_slowdown"),
         dropout_bwd_slowdown=e("attention_dropout_bwd_slowdown"),
         hbm=system.hbm_bandwidth * e("hbm_fraction"),
@@ -169,6 +174,8 @@ def flash_attention_seconds(batch_heads: int, s_q: int, s_k: int, head_dim: int,
     or without attention dropout."""
     flops = flash_attention_flops(batch_heads, s_q, s_k, head_dim, causal=causal, backward=backward)
     rate = r.attention_flops * head_dim / (head_dim + r.head_dim_overhead)
+    if backward:
+        rate *= r.attention_backward_fraction
     if dropout:
         rate /= 1.0 + (r.dropout_bwd_slowdown if backward else r.dropout_fwd_slowdown)
     return flops / rate * _attention_waves(batch_heads, s_q, r) + r.launch_s

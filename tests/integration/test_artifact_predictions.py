@@ -27,15 +27,15 @@ def _summary(sums, group):
     return next(s for s in sums if s.group == group)
 
 
-TOKENS_MAE = {FIG9: 0.0123, f"{FIG9} / llama-65b": 0.0046, f"{FIG9} / llama2-70b": 0.0229,
-              f"{FIG9} / llama-175b": 0.0068, f"{FIG9} / held out": 0.0167, TABLE8: 0.0371, DEMO7B: 0.0232}
+TOKENS_MAE = {FIG9: 0.0128, f"{FIG9} / llama-65b": 0.0043, f"{FIG9} / llama2-70b": 0.0247,
+              f"{FIG9} / llama-175b": 0.0067, f"{FIG9} / held out": 0.0178, TABLE8: 0.0404, DEMO7B: 0.0234}
 """Mean absolute tokens/s error measured at the time of writing (scripts/reproduce_tables.py). Before the
 schedule builder posted each receive one compute ahead, as Megatron's overlapped interleaved schedule does, the
 timeline exposed a hop per transfer in the steady state and these were 4-8% (Figure 9: 5.36%)."""
 
 
-CLOSED_FORM_MAE = {FIG9: 0.0121, f"{FIG9} / llama-65b": 0.0040, f"{FIG9} / llama2-70b": 0.0229,
-                   f"{FIG9} / llama-175b": 0.0068, f"{FIG9} / held out": 0.0167, TABLE8: 0.0371, DEMO7B: 0.0232}
+CLOSED_FORM_MAE = {FIG9: 0.0126, f"{FIG9} / llama-65b": 0.0036, f"{FIG9} / llama2-70b": 0.0247,
+                   f"{FIG9} / llama-175b": 0.0067, f"{FIG9} / held out": 0.0178, TABLE8: 0.0404, DEMO7B: 0.0234}
 """The same with the closed form (what the efficiencies were fitted on): the timeline agrees with it within
 0.1 points per table (the offload is hidden on these plans and no steady-state hop is exposed)."""
 
@@ -69,8 +69,8 @@ def test_every_row_is_predicted_with_its_error(report):
         if p.row.ran:
             assert p.error == pytest.approx(p.tokens_per_s_per_gpu / p.row.published_tokens_per_s_per_gpu - 1)
             assert p.published_mfu is not None and 0.2 < p.published_mfu < 0.7
-    # the worst row, held out: Llama2-70B on 112 GPUs, t2 p4 l2, ckpt=ours, alpha 0.811, 3.7% fast
-    assert max(abs(p.error) for p in report.table(FIG9)) == pytest.approx(0.0374, abs=0.002)
+    # the worst row, held out: Llama2-70B on 112 GPUs, t2 p4 l2, ckpt=ours, alpha 0.811, 4.0% fast
+    assert max(abs(p.error) for p in report.table(FIG9)) == pytest.approx(0.0398, abs=0.002)
 
 
 def test_alpha_and_memory_errors_stay_where_they_are(report):

@@ -32,14 +32,14 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.022), ("megatron_h100", 0.025), ("korthikanti", 0.036),
-                          ("nemo_fp8_h100", 0.031)])
+                         [("atc24_65b", 0.022), ("megatron_h100", 0.025), ("korthikanti", 0.030),
+                          ("nemo_fp8_h100", 0.027)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.0085), ("megatron_h100", 0.031), ("korthikanti", 0.027),
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.0075), ("megatron_h100", 0.031), ("korthikanti", 0.027),
                                                   ("nemo_fp8_h100", 0.026)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows: a regression
@@ -49,9 +49,10 @@ def test_after_calibrating_on_one_row_current_level(loso, source, median):
 
 
 MISSES_ONE_ROW_TARGET = {
-    "megatron_h100": "3.20% since the NeMo FP8 rows joined the training set: its GPT3-175B 128-GPU row (+7% "
-                     "uncalibrated) pulls the shared tp_comm_overlap_exposed up (0.30 -> 0.32), which spreads the "
-                     "Megatron rows; without that row 2.71%"}
+    "megatron_h100": "3.01% (3.27% before the attention backward got its measured rate): held out, the rows' errors "
+                     "fall in two groups about 5% apart (+1.0, +0.1, -4.1, -3.8, -3.8, +0.3, +1.8, -2.3, -2.8% from "
+                     "1.7B to 462B) that follow no time term's share (scripts/costmodel_calibration.py --residuals), "
+                     "and one row's calibration moves every row alike"}
 
 
 @pytest.mark.parametrize("source", [pytest.param(s, marks=pytest.mark.xfail(reason=MISSES_ONE_ROW_TARGET[s], strict=True))
@@ -136,7 +137,7 @@ def test_fitted_numbers_are_named_in_range_and_counted():
     # the rest are stated assumptions, not fitted
     assert set(ranges) - set(FITTABLE) == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction",
                                            "attention_dropout_fwd_slowdown", "attention_dropout_bwd_slowdown",
-                                           "host_memory_fraction"}
+                                           "host_memory_fraction", "attention_backward_rate_fraction"}
     assert set(ranges) - set(FITTABLE) - {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"} <= set(
         data["stated_sources"])  # the dropout slowdowns carry their public source
 

@@ -57,7 +57,9 @@ def test_flash_attention_by_chunk_and_head_dim():
     full = flash_attention_seconds(64, 4096, 4096, 128, R, causal=False, backward=False)
     assert full / causal == pytest.approx(2.0, rel=0.02)
     bwd = flash_attention_seconds(64, 4096, 4096, 128, R, causal=True, backward=True)
-    assert bwd / causal == pytest.approx(2.5, rel=0.02)
+    # 2.5x the forward's FLOPs at the backward's lower rate (0.85 of the forward's, measured and stated)
+    assert R.attention_backward_fraction == 0.85
+    assert bwd / causal == pytest.approx(2.5 / 0.85, rel=0.02)
     # same FLOPs at head dim 64 is slower (softmax work per score is not amortised over d)
     assert flash_attention_seconds(128, 4096, 4096, 64, R, causal=True, backward=False) > 1.05 * causal
 

@@ -209,7 +209,8 @@ class ElementwiseCase:
 
         r = kernel_rates(system) if system is not None else KernelRates(
             sms=1, tile_m=1, tile_n=1, tile_overhead_k=0, sm_flops=1, fp8_sm_flops=1, attention_flops=1,
-            head_dim_overhead=0, dropout_fwd_slowdown=0, dropout_bwd_slowdown=0, hbm=1.0, launch_s=0.0)
+            head_dim_overhead=0, attention_backward_fraction=1.0, dropout_fwd_slowdown=0, dropout_bwd_slowdown=0,
+            hbm=1.0, launch_s=0.0)
         op, backward = op_parts(self.op)
         if op in ("rmsnorm", "layernorm"):
             return ew.norm_seconds(self.tokens, self.width, r, backward=backward)
