@@ -28,6 +28,7 @@ import torch.distributed as dist
 from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.loop.optimizer_offload import HostPartition, OptimizerOffload, split_groups
 from h3t_training.loop.collectives import all_reduce_host
+from h3t_training.loop.mcore_buffers import ddp_buffers, fsdp_buffers
 from h3t_training.loop.optimizer_shards import OwnedSlice, bucket_size, owned_slices
 
 
@@ -552,16 +553,19 @@ class MegatronOptimizerAdapter:
         self.opt.reload_model_params()
 
     def state_tensors(self) -> Iterator[tuple[str, str, torch.Tensor]]:
-        """(category, placement, tensor) of what megatron-core holds: the DDP parameter and gradient buffers,
-        the gradients, and every inner optimizer's parameters (fp32 main weights, host copies) and states;
+        """(category, placement, tensor) of what megatron-core holds: the DDP parameter and gradient buffers (or
+        Megatron FSDP's, :data:`~h3t_training.loop.mcore_buffers.FSDP_BUFFERS`), the gradients, and every inner optimizer's parameters (fp32 main
+        weights, host copies) and states;
         placement by the tensor's device (a CPU tensor of a GPU run is on the host)."""
         def place(t):
             return "device" if t.is_cuda else "host"
         for c in self.chunks:
-            for buf in [*_ddp_buffers(c, "buffers"), *_ddp_buffers(c, "expert_parallel_buffers")]:
+            for buf in [*ddp_buffers(c, "buffers"), *ddp_buffers(c, "expert_parallel_buffers")]:
                 if getattr(buf, "param_data", None) is not None:
                     yield "params", place(buf.param_data), buf.param_data
                 yield "grads", place(buf.grad_data), buf.grad_data
+            for category, t in fsdp_buffers(c):
+                yield category, place(t), t
         for c in self.chunks:
             for p in c.parameters():
                 for g in (getattr(p, "main_grad", None), p.grad):
@@ -574,13 +578,6 @@ class MegatronOptimizerAdapter:
                 yield from (("optimizer", place(p), p) for p in group["params"])
             for state in inner.state.values():
                 yield from (("optimizer", place(v), v) for v in state.values() if isinstance(v, torch.Tensor))
-
-
-def _ddp_buffers(chunk, name: str) -> list:
-    """megatron-core DDP's parameter-and-gradient buffers of a chunk (its ``buffers`` list); none for a wrapper that
-    has no such list (Megatron FSDP's adapter: ``buffers`` is then ``nn.Module.buffers``, a method)."""
-    found = getattr(chunk, name, ())
-    return list(found) if isinstance(found, (list, tuple)) else []
 
 
 def _torch_optimizers(opt) -> Iterator[torch.optim.Optimizer]:

@@ -53,12 +53,19 @@ def test_fp16_overflow_skips_steps_and_lowers_the_loss_scale(corpus_prefix, tmp_
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 def test_megatron_fsdp_trains_as_ddp_with_the_distributed_optimizer(corpus_prefix, tmp_path, strategy):  # noqa: F811
     """Megatron FSDP through megatron-core's FullyShardedDataParallel adapter (one GPU: d = 1, so the sharding is
-    the identity and the losses are the DDP run's up to the order of bf16 reductions)."""
-    runs = {}
+    the identity and the losses are the DDP run's up to the order of bf16 reductions), and the state bytes it
+    measures from its own buffers (h3t_training/loop/mcore_buffers.py) are the DDP run's: 2 + 4 + 12 bytes per
+    parameter, up to the buffers' padding."""
+    import json
+    runs, held = {}, {}
     for name, extra in (("ddp", []), ("fsdp", ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy])):
         out = tmp_path / f"{name}.json"
         check_ok(run_pretrain([*GPU, *extra, "--train-iters", "4", "--data-path", corpus_prefix,
                                "--metrics-json", str(out)]))
         runs[name] = losses(out)
+        (held[name],) = json.loads(out.read_text())["state_bytes"]
     for a, b in zip(runs["ddp"], runs["fsdp"]):
         assert abs(a - b) <= 1e-2 * abs(a)
+    for category in ("params", "grads", "optimizer"):
+        ddp, fsdp = held["ddp"]["device"][category], held["fsdp"]["device"][category]
+        assert ddp > 0 and fsdp == pytest.approx(ddp, rel=0.01), (category, held)

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from h3t_training.loop import collectives
-from h3t_training.loop.optimizer import MegatronOptimizerAdapter, _ddp_buffers
+from h3t_training.loop.mcore_buffers import ddp_buffers
+from h3t_training.loop.optimizer import MegatronOptimizerAdapter
 
 REPO = Path(__file__).resolve().parents[2]
 COLLECTIVES = {"all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor"}
@@ -111,7 +112,43 @@ def test_only_adam_members_are_materialized():
     (SimpleNamespace(), []),
 ])
 def test_ddp_buffers(chunk, expected):
-    assert _ddp_buffers(chunk, "buffers") == expected
+    assert ddp_buffers(chunk, "buffers") == expected
+
+
+def test_megatron_fsdp_buffers_are_megatron_cores_and_counted_once():
+    """Megatron FSDP keeps its weights, main gradients and main weights in the parameter groups of the adapter's
+    ``param_and_grad_buffer`` (not in DDP's ``buffers``): the measured state_bytes count each buffer once, in the
+    category the cost model gives it. The names are megatron-core 0.16.1's own, read from its classes."""
+    import dataclasses
+    import inspect
+
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as mfsdp
+
+    from h3t_training.loop.mcore_buffers import FSDP_BUFFERS, fsdp_buffers
+    from h3t_training.telemetry.state_bytes import measure
+
+    fields = {f.name for f in dataclasses.fields(mfsdp.ParameterGroup)}
+    assert {name for name, _ in FSDP_BUFFERS} == {f for f in fields if f.endswith(("_buffer", "buf"))}
+    assert "self.param_and_grad_buffer = " in inspect.getsource(FullyShardedDataParallel.__init__)
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp import MegatronFSDP
+    assert "self.param_and_grad_buffer.parameter_groups" in inspect.getsource(MegatronFSDP)  # megatron-core's own path
+    assert "self.data = data" in inspect.getsource(mfsdp.DataParallelBuffer.init_data)
+
+    weights, grads, main = torch.zeros(10, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(10)
+    group = mfsdp.ParameterGroup(params=[], model_weight_buffer=SimpleNamespace(data=weights),
+                                 main_grad_buffer=SimpleNamespace(data=grads), main_weight_buffer=SimpleNamespace(data=main),
+                                 transpose_weight_buffer=SimpleNamespace(data=None))  # a buffer not yet allocated
+    chunk = torch.nn.Module()
+    chunk.param_and_grad_buffer = SimpleNamespace(parameter_groups=[group, group])  # one group seen twice
+    assert [c for c, _ in fsdp_buffers(chunk)] == ["params", "grads", "optimizer"] * 2
+    assert list(fsdp_buffers(torch.nn.Linear(2, 2))) == []  # DDP or no wrapper: nothing
+    adam_state = torch.zeros(20)
+    fake = SimpleNamespace(chunks=[chunk], opt=SimpleNamespace(chained_optimizers=[SimpleNamespace(
+        optimizer=SimpleNamespace(param_groups=[{"params": [main]}], state={main: {"exp_avg": adam_state}}))]))
+    held = measure(MegatronOptimizerAdapter.state_tensors(fake))  # placed by device: these CPU tensors on the host
+    assert (held.host.params, held.host.grads, held.host.optimizer) == (20, 40, 40 + 80)  # main weights + moment
+    assert held.device.params == held.device.grads == held.device.optimizer == 0
 
 
 def test_megatron_loop_needs_the_dataset_makefile(tmp_path, monkeypatch, capsys):
