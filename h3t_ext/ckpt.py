@@ -149,6 +149,19 @@ class Recompute:
                              "--recompute-method uniform")
         return tuple((i, i + n) for i in range(0, layers, n))
 
+    def unit_shape(self, layers: int) -> tuple[int, int, int]:
+        """(units, layers inside units, layers of the largest unit) of :meth:`units`, without listing them (a chunk
+        of a million layers is one line of arithmetic); the same ValueError where :meth:`units` raises one."""
+        if not self.full or layers == 0:
+            return 0, 0, 0
+        n = self.num_layers
+        if self.method == "block":
+            k = min(n, layers)
+            return k, k, 1 if k else 0
+        if layers % n:
+            self.units(layers)  # raises its one-line ValueError
+        return layers // n, layers, n
+
     def flags(self) -> tuple[str, ...]:
         """Megatron's flags of this record (empty without recompute)."""
         if self.granularity is None:

@@ -198,8 +198,32 @@ class PipelineSplit:
         return n
 
     def stage_layers(self, stage: int) -> int:
-        """Transformer layers of pipeline rank ``stage`` (all its chunks)."""
-        return sum(self.chunk_layers(stage, c) for c in range(self.virtual_pipeline_model_parallel_size))
+        """Transformer layers of pipeline rank ``stage`` (all its chunks): the sum of :meth:`chunk_layers` over
+        them, in closed form (v chunks of ``rank_slots // v``, less the embedding's and the loss's slots), so a
+        split of thousands of chunks costs no more than one of a few."""
+        p, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        return (v * (self.rank_slots(stage) // v) - (self.account_for_embedding_in_pipeline_split and stage == 0)
+                - (self.account_for_loss_in_pipeline_split and stage == p - 1))
+
+    def chunk_layer_counts(self, stage: int) -> dict[int, int]:
+        """How many model chunks of pipeline rank ``stage`` build how many layers ({layers: chunks}), without
+        walking its chunks: only the first and the last chunk can differ from the others (the embedding's and the
+        loss's slots)."""
+        v = self.virtual_pipeline_model_parallel_size
+        counts = {self.chunk_layers(stage, 0): 1}
+        if v > 1:
+            last = self.chunk_layers(stage, v - 1)
+            counts[last] = counts.get(last, 0) + 1
+        if v > 2:
+            middle = self.chunk_layers(stage, 1)
+            counts[middle] = counts.get(middle, 0) + v - 2
+        return counts
+
+    def distinct_chunk_layers(self) -> set[int]:
+        """The layer counts of every model chunk of every pipeline rank (the set), from the ranks that can differ:
+        the first, a middle one and the last."""
+        p = self.pipeline_model_parallel_size
+        return {n for stage in {0, min(1, p - 1), p - 1} for n in self.chunk_layer_counts(stage)}
 
     def layer_offset(self, stage: int, chunk: int = 0) -> int:
         """Index of the first layer of model chunk ``chunk`` of pipeline rank ``stage`` in the whole model."""

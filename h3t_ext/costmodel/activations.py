@@ -306,14 +306,14 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
     t = plan.tensor_model_parallel_size
     v = plan.virtual_size(model.num_layers)
     split = plan.pipeline_split(model.num_layers)
-    chunks = [plan.layers_per_rank(model.num_layers) // v] if stage is None else \
-        [split.chunk_layers(stage, k) for k in range(v)]
+    chunks = {plan.layers_per_rank(model.num_layers) // v: 1} if stage is None else split.chunk_layer_counts(stage)
     _, recompute = plan_recompute(plan)
     opts = dict(tensor_model_parallel_size=t, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
                 layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes, fp8=fp8)
     kept = layer_kept_bytes(model, plan, **opts)
     unit_input = local_tokens(plan) * layer_bytes_per_local_token(model, Ckpt.FULL, **opts)
-    chunk = sum(chunk_layers_bytes(n, recompute, kept=kept, unit_input=unit_input) for n in chunks) // len(chunks)
+    chunk = (sum(k * chunk_layers_bytes(n, recompute, kept=kept, unit_input=unit_input) for n, k in chunks.items())
+             // sum(chunks.values()))
     if stage == 0:
         chunk += embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,
                                                dropout_mask_bytes=dropout_mask_bytes)

@@ -1,18 +1,19 @@
 """One plan -> per-stage memory, iteration time, throughput and MFU (pure arithmetic)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 from h3t_ext.costmodel.activations import rank_offloads, residency_lines
 from h3t_ext.costmodel.layer_offload import OffloadTraffic, layer_offload, layers_per_chunk, p1_traffic
-from h3t_ext.costmodel.errors import InfeasiblePlanError
+from h3t_ext.costmodel.errors import InfeasiblePlanError, InvalidPlanError
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_host_bytes, stage_memory
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan, validate_plan
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
-from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms
+from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms, timeline_too_large
 from h3t_ext.costmodel.timing import TimeTerms, shape_times, time_terms
 from h3t_ext.costmodel.plausibility import Plausibility, plausibility
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
@@ -69,6 +70,9 @@ class Estimate:
     """Host bytes per node offloaded state may take (None: not checked)."""
     offload_traffic: Optional[OffloadTraffic] = None
     """Pipeline size 1 with alpha > 0: the layer-granular offload's PCIe traffic and what it hides behind."""
+    timeline_note: str = ""
+    """Why a timeline was asked for and not run (the schedule is too large to simulate: the closed form prices
+    it), else empty."""
 
     @property
     def host_bytes_per_rank(self) -> int:
@@ -171,6 +175,8 @@ class Estimate:
                          f"{self.closed_form_time_s:.3f} s ({self.closed_form_time_s / total - 1:+.2%})")
             lines.append("  per rank busy/bubble/p2p/stall s: " + " ".join(
                 f"{r.busy:.2f}/{r.bubble:.2f}/{r.p2p:.2f}/{r.stall:.2f}" for r in tl.ranks))
+        if self.timeline_note:
+            lines.append(f"  {self.timeline_note}")
         if self.pcie_bytes_per_iteration:
             lines.append(f"pcie: {self.pcie_bytes_per_iteration / GB:.1f} GB per iteration per GPU")
         tr = self.offload_traffic
@@ -206,6 +212,7 @@ class Estimate:
             "iteration_time_s": self.iteration_time_s,
             "closed_form_iteration_time_s": self.closed_form_time_s,
             "timeline": None if self.timeline is None else self.timeline.to_dict(),
+            **({"timeline_note": self.timeline_note} if self.timeline_note else {}),
             "tokens_per_second": self.tokens_per_second,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
             "tokens_per_second_interval": list(self.tokens_per_second_interval),
@@ -247,8 +254,13 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     chunk = chunk_activation_bytes(model, plan)
     offloaded = tuple(rank_offloads(p, m, v, k) for k in range(p))
     closed = time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded)
-    tl = plan_timeline(model, plan, system, alphas) if timeline else None
+    too_large = timeline_too_large(model, plan, alphas) if timeline else None
+    tl = plan_timeline(model, plan, system, alphas) if timeline and too_large is None else None
     terms = closed if tl is None else timeline_terms(model, plan, system, tl)
+    if not (math.isfinite(terms.total) and terms.total > 0):
+        raise InvalidPlanError(f"system {system.name}: its rates and efficiencies price an iteration at "
+                               f"{terms.total} s (a peak FLOP/s or a bandwidth times its efficiency is too small to "
+                               "price); valid: rates of at least one per second and efficiencies that keep them so")
     layers = layers_per_chunk(model, plan)
     traffic = None
     if layers is not None:  # pipeline size 1: layer-granular, every microbatch
@@ -270,6 +282,7 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         host_memory_budget_bytes=(default_host_memory_budget_bytes(system) if host_memory_budget_bytes is None
                                   else int(host_memory_budget_bytes)),
         offload_traffic=traffic,
+        timeline_note="" if too_large is None else f"priced by the closed form: {too_large}",
     )
 
 

@@ -359,11 +359,9 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
 
 def _validate_recompute(model: ModelSpec, plan: Plan) -> None:
     """Megatron's uniform recompute needs its N to divide every model chunk's layers."""
-    split = plan.pipeline_split(model.num_layers)
-    sizes = {split.chunk_layers(stage, chunk) for stage in range(plan.pipeline_model_parallel_size)
-             for chunk in range(split.virtual_pipeline_model_parallel_size)}
+    sizes = plan.pipeline_split(model.num_layers).distinct_chunk_layers()
     for layers in sorted(sizes - {0}):
         try:
-            plan.recompute.units(layers)
+            plan.recompute.unit_shape(layers)
         except ValueError as e:
             raise InvalidPlanError(str(e)) from None

@@ -65,8 +65,8 @@ def core_attention_pinned_qkv(model, recompute: Recompute, *, layer_spec: str, d
 def chunk_units(recompute: Recompute, layers: int) -> tuple[int, int]:
     """(units, layers inside units) of full recompute in a model chunk of ``layers`` layers (pure; memoised: the
     search asks it for thousands of plans)."""
-    units = recompute.units(layers)
-    return len(units), sum(end - start for start, end in units)
+    units, inside, _ = recompute.unit_shape(layers)
+    return units, inside
 
 
 def chunk_layers_bytes(layers: int, recompute: Recompute, *, kept: int, unit_input: int) -> int:
@@ -88,8 +88,7 @@ def recomputes_core_attention(recompute: Recompute) -> bool:
 
 def unit_workspace_layers(recompute: Recompute, layers: int) -> int:
     """Layers whose activations a unit's backward re-creates at once (0 without full recompute)."""
-    units = recompute.units(layers)
-    return max((end - start for start, end in units), default=0)
+    return recompute.unit_shape(layers)[2]
 
 
 def recompute_seconds(recompute: Recompute, layers: int, *, forward: float, base: float, attention_forward: float,

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from h3t_ext.costmodel.errors import UnknownNameError
 from h3t_ext.costmodel.schema import SchemaError, check_system_dict
@@ -223,18 +223,16 @@ def _fitted() -> dict:
 @functools.lru_cache(maxsize=None)
 def get_system(name: str) -> SystemSpec:
     """The system ``name``; raises UnknownNameError listing valid names."""
-    path = DATA_DIR / "systems" / f"{name.lower()}.json"
-    if not path.is_file():
+    if name.lower() not in list_systems():  # a name, never a path ('../systems/h800' read a file by its path)
         raise UnknownNameError("system", name, list_systems())
-    return system_from_dict(name.lower(), _read_json(path))
+    return system_from_dict(name.lower(), _read_json(DATA_DIR / "systems" / f"{name.lower()}.json"))
 
 
 def system_file_dict(name: str) -> dict:
     """The raw data file of system ``name`` with its efficiency set inlined (what calibrate starts from)."""
-    path = DATA_DIR / "systems" / f"{name.lower()}.json"
-    if not path.is_file():
+    if name.lower() not in list_systems():
         raise UnknownNameError("system", name, list_systems())
-    d = _read_json(path)
+    d = _read_json(DATA_DIR / "systems" / f"{name.lower()}.json")
     d["efficiencies"] = {k: v for k, v in efficiency_set(d.get("efficiency_set", name)).items() if not k.startswith("_")}
     return d
 
@@ -243,15 +241,19 @@ def load_system_file(path: str | Path) -> SystemSpec:
     """A system file written by ``h3t-plan calibrate`` (or any file shaped like ``data/systems/*.json``;
     its ``efficiencies`` object, when present, replaces the named efficiency set)."""
     p = Path(path)
+    if not str(path).strip():
+        raise FileNotFoundError("--system-file: an empty path; give the path of a system file (JSON)")
     if not p.is_file():
-        raise FileNotFoundError(f"--system-file {path}: " + ("a directory; give the path of a system file (JSON)"
-                                                               if p.is_dir() else "no such file"))
+        raise FileNotFoundError(f"--system-file {path}: " + (
+            "a directory; give the path of a system file (JSON)" if p.is_dir() else
+            "not a regular file; give the path of a system file (JSON)" if p.exists() else "no such file"))
     try:
         d = _read_json(p)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SchemaError(f"--system-file {path}: not a JSON file ({str(e) or type(e).__name__})") from None
-    check_system_dict(f"--system-file {path}", d, efficiency_set_names(), tuple(plausible_ranges()))
-    return system_from_dict(str(d.get("name", p.stem)).lower(), d)
+    where = f"--system-file {path}"
+    check_system_dict(where, d, efficiency_set_names(), tuple(plausible_ranges()))
+    return system_from_dict(str(d.get("name", p.stem)).lower(), d, where=where)
 
 
 def efficiency_set_names() -> tuple[str, ...]:
@@ -283,21 +285,22 @@ distributed-optimizer grad stats, tensor, data(-with-context) and one more; a pl
 ``reserve.communicators``."""
 
 
-def memory_budget_from_first_principles(d: dict) -> int:
+def memory_budget_from_first_principles(d: dict, where: str = "system file") -> int:
     """(HBM - CUDA context - NCCL buffers of the communicators in use) / (1 + allocator fragmentation): the
     largest max_memory_allocated that fits, from a system file's numbers."""
     nccl = NCCL_COMMUNICATORS_IN_USE * int(d["nccl_bytes_per_communicator"])
     free = int(d["hbm_bytes"]) - int(d["cuda_context_bytes"]) - nccl
     if free <= 0:
-        raise SchemaError(f"system file: field hbm_bytes ({int(d['hbm_bytes'])}) must exceed cuda_context_bytes + "
+        raise SchemaError(f"{where}: field hbm_bytes ({int(d['hbm_bytes'])}) must exceed cuda_context_bytes + "
                           f"{NCCL_COMMUNICATORS_IN_USE} x nccl_bytes_per_communicator ({int(d['cuda_context_bytes']) + nccl})")
     return int(free / (1.0 + float(d["allocator_fragmentation_fraction"])))
 
 
-def system_from_dict(name: str, d: dict) -> SystemSpec:
+def system_from_dict(name: str, d: dict, *, where: Optional[str] = None) -> SystemSpec:
     """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``), checked by
     :func:`h3t_ext.costmodel.schema.check_system_dict` (SchemaError, a ValueError, names the field)."""
-    check_system_dict(f"system {name}", d, efficiency_set_names(), tuple(plausible_ranges()))
+    where = where or f"system {name}"
+    check_system_dict(where, d, efficiency_set_names(), tuple(plausible_ranges()))
     eff_name = d.get("efficiency_set", name)
     eff = dict(d["efficiencies"]) if "efficiencies" in d else efficiency_set(eff_name)
     return SystemSpec(
@@ -305,7 +308,7 @@ def system_from_dict(name: str, d: dict) -> SystemSpec:
         peak_bf16_flops=float(d["peak_bf16_flops"]),
         hbm_bytes=int(d["hbm_bytes"]),
         hbm_bandwidth=float(d["hbm_bandwidth"]),
-        default_memory_budget_bytes=memory_budget_from_first_principles(d),
+        default_memory_budget_bytes=memory_budget_from_first_principles(d, where),
         nvlink_bandwidth=float(d["nvlink_bandwidth"]),
         network_bandwidth=float(d["network_bandwidth"]),
         pcie_bandwidth=float(d["pcie_bandwidth"]),

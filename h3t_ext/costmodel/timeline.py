@@ -326,6 +326,32 @@ def schedule_config(model: ModelSpec, plan: Plan, alphas: Sequence[float]) -> Sc
                           num_layers_per_chunk=layers if any(offload) else None)
 
 
+MAX_TIMELINE_ACTIONS = 2**19
+"""Most compute actions (2 x microbatches x pipeline stages x model chunks) a timeline builds and simulates:
+about 5 s at the ~10 us each costs (a million microbatches on eight stages took minutes, and thousands of stages
+with hundreds of chunks each ran out of memory building the lists). A larger schedule is priced by the closed
+form, and the estimate says so (:func:`timeline_too_large`)."""
+MAX_TIMELINE_LAYER_COPIES = 2**22
+"""Most layer offloads and reloads (2 x microbatches x layers of the chunk, pipeline size 1 with alpha > 0) a
+timeline builds: about 3 s (each is one step of the rank's list; tens of millions of them took gigabytes)."""
+
+
+def timeline_too_large(model: ModelSpec, plan: Plan, alphas: Optional[Sequence[float]] = None) -> Optional[str]:
+    """Why ``plan``'s action lists are too many to simulate (one line), or None when the timeline prices it."""
+    alphas = tuple(plan.alphas() if alphas is None else alphas)
+    p, m, v = plan.pipeline_model_parallel_size, plan.num_microbatches, plan.virtual_size(model.num_layers)
+    actions = 2 * m * p * v
+    if actions > MAX_TIMELINE_ACTIONS:
+        return (f"its schedule has 2 x {m} microbatches x {p} pipeline stages x {v} model chunks = {actions} compute "
+                f"actions, more than the {MAX_TIMELINE_ACTIONS} the timeline simulates")
+    layers = layers_per_chunk(model, plan)
+    copies = 2 * m * layers if layers is not None and any(a > 0 for a in alphas) else 0
+    if copies > MAX_TIMELINE_LAYER_COPIES:
+        return (f"its layer-granular offload has 2 x {m} microbatches x {layers} layers = {copies} layer copies, more "
+                f"than the {MAX_TIMELINE_LAYER_COPIES} the timeline simulates")
+    return None
+
+
 @contextlib.contextmanager
 def _cycle_collector_paused():
     """Python's cyclic garbage collector paused for the block, then back as it was. The builder's lists and their

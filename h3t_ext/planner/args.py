@@ -13,9 +13,9 @@ from typing import NoReturn, Optional, Union
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import load_system_file, system_file_dict
-from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_FORMATS, FP8_RECIPES, PRECISIONS
+from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, TRANSFORMER_IMPLS
-from h3t_ext.ckpt import CKPT_CHOICES
+from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner import cli_flags, translate
 from h3t_ext.planner.space import SearchConstraints
@@ -61,14 +61,28 @@ MAX_COUNT = 2**20
 planning range (a million GPUs), which also bounds the search's divisor enumeration."""
 
 
-def _positive_int(text: str) -> int:
+MAX_LAYERS = 1024
+"""Largest ``--num-layers``: eight times the deepest published dense models (Megatron's 1T: 128 layers), and a
+bound on the search's work, which grows with the layers of a stage (a search of 16384 layers on 720720 GPUs
+took minutes, of a million layers it did not end)."""
+
+
+def _count(text: str, maximum: int = MAX_COUNT) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (valid: integer in [1, {MAX_COUNT}])") from None
-    if not 1 <= value <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"{value} out of range (valid: integer in [1, {MAX_COUNT}])")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (valid: integer in [1, {maximum}])") from None
+    if not 1 <= value <= maximum:
+        raise argparse.ArgumentTypeError(f"{value} out of range (valid: integer in [1, {maximum}])")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _count(text)
+
+
+def _layer_count(text: str) -> int:
+    return _count(text, MAX_LAYERS)
 
 
 def _dropout(text: str) -> float:
@@ -152,7 +166,7 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="megatron-core's HybridDeviceOptimizer: step a share of the optimizer on the CPU (needs the "
                         "distributed optimizer); search tries it by itself when nothing else fits")
-    p.add_argument("--optimizer-offload-fraction", type=_fraction, default=1.0,
+    p.add_argument("--optimizer-offload-fraction", type=_fraction, default=None,
                    help="share of the optimizer shard stepped on the CPU, in [0, 1] (default 1.0)")
     p.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
                    help="pipeline the gradient and parameter copies with the CPU optimizer steps")
@@ -164,7 +178,7 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--fp8-format", dest="fp8", choices=FP8_FORMATS, default=None,
                    help="FP8 linear layers through TransformerEngine (Hopper or newer): e4m3, or hybrid (E5M2 "
                         "gradients); default BF16")
-    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=DEFAULT_FP8_RECIPE,
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="FP8 scaling recipe (default delayed, Megatron's); mxfp8 needs Blackwell")
     p.add_argument("--fp8-param-gather", action="store_true",
                    help="parameters held and all-gathered in FP8 (needs --fp8-format)")
@@ -194,16 +208,17 @@ def _add_megatron_offload(p) -> None:
 
 
 def _add_system(g) -> None:
-    g.add_argument("--gpu", default=DEFAULT_GPU, help=f"system name (default {DEFAULT_GPU})")
+    g.add_argument("--gpu", default=None, help=f"system name (default {DEFAULT_GPU})")
     g.add_argument("--system-file", default=None, metavar="PATH",
-                   help="system file (e.g. written by h3t-plan calibrate); overrides --gpu")
+                   help="system file (e.g. written by h3t-plan calibrate), instead of --gpu")
 
 
 def _add_model(sp: argparse.ArgumentParser) -> None:
     g = sp.add_argument_group("model (--model NAME, or the Megatron shape flags for a custom model)")
     g.add_argument("--model", help="model name from the zoo, e.g. llama-65b; shape flags override its fields")
     for name in _CUSTOM_MODEL_FLAGS:
-        g.add_argument("--" + name.replace("_", "-"), type=_positive_int, dest=name)
+        g.add_argument("--" + name.replace("_", "-"), type=_layer_count if name == "num_layers" else _positive_int,
+                       dest=name)
     mlp = g.add_mutually_exclusive_group()
     mlp.add_argument("--swiglu", dest="swiglu", action="store_const", const=True,
                      help="SwiGLU MLP (default for custom models)")
@@ -274,24 +289,71 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
 
 
 def system_from_args(ns: argparse.Namespace) -> SystemSpec:
-    """The system of ``--system-file`` or ``--gpu``."""
-    if getattr(ns, "system_file", None):
+    """The system of ``--system-file`` or ``--gpu`` (one of them; neither: :data:`DEFAULT_GPU`)."""
+    if getattr(ns, "system_file", None) is not None:
+        if ns.gpu is not None:
+            raise UsageError(f"argument --gpu: give one of --gpu {ns.gpu} and --system-file {ns.system_file} (the "
+                             "system file describes the GPU)")
         try:
             return load_system_file(ns.system_file)
         except (OSError, ValueError, KeyError) as e:
             raise UsageError(f"argument --system-file: {e}") from None
     try:
-        return get_system(ns.gpu)
+        return get_system(DEFAULT_GPU if ns.gpu is None else ns.gpu)
     except UnknownNameError as e:
         raise UsageError(f"argument --gpu: {e}") from None
 
 
 def system_file_from_args(ns: argparse.Namespace) -> dict:
     """The raw system file calibrate starts from (``--system-file`` or ``--gpu``'s, efficiencies inline)."""
-    if ns.system_file:
+    if ns.system_file is not None:
         with open(ns.system_file, encoding="utf-8") as f:
             return json.load(f)
-    return system_file_dict(ns.gpu)
+    return system_file_dict(DEFAULT_GPU if ns.gpu is None else ns.gpu)
+
+
+def _needs(flag: str, what: str) -> UsageError:
+    return UsageError(f"argument {flag}: needs {what}")
+
+
+def check_flags_apply(ns: argparse.Namespace, *, search: bool) -> None:
+    """Refuse a flag that changes memory, time or numerics where the other flags leave it nothing to act on (it
+    would be accepted and ignored): one line naming it and what it needs."""
+    cpu_optimizer = ns.optimizer_cpu_offload
+    if ns.optimizer_offload_fraction is not None and not cpu_optimizer:
+        raise _needs("--optimizer-offload-fraction", "--optimizer-cpu-offload (without it no optimizer state is "
+                     "stepped on the CPU" + ("; search picks the fraction of the plans it offloads itself)"
+                                             if search else ")"))
+    ladder = search and ns.use_distributed_optimizer and ns.data_parallel_sharding_strategy is None
+    if ns.overlap_cpu_optimizer_d2h_h2d and not cpu_optimizer and not ladder:
+        raise _needs("--overlap-cpu-optimizer-d2h-h2d", "--optimizer-cpu-offload (without it there are no CPU "
+                     "optimizer copies to overlap)")
+    if search:
+        bf16_only = ns.precision == "bf16" or (ns.precision is None and ns.fp8 is None)
+        if ns.fp8_recipe is not None and bf16_only:
+            raise _needs("--fp8-recipe", "--precision fp8 or auto, or --fp8-format (bf16 plans have no FP8 recipe)")
+        if ns.tp_comm_overlap and (ns.tensor_model_parallel_size == 1 or not ns.sequence_parallel):
+            raise _needs("--tp-comm-overlap", "--sequence-parallel with --tensor-model-parallel-size > 1 (Megatron-LM "
+                         "asserts it; no plan of this search could overlap)")
+        return
+    if ns.fp8_recipe is not None and ns.fp8 is None:
+        raise _needs("--fp8-recipe", "--fp8-format (e4m3 or hybrid); a BF16 plan has no FP8 recipe")
+    granularity = ns.recompute_granularity
+    if ns.recompute_method is not None and granularity != "full":
+        raise _needs("--recompute-method", "--recompute-granularity full (it picks the layers full recompute reruns)")
+    if ns.recompute_num_layers is not None and granularity is None:
+        raise _needs("--recompute-num-layers", "--recompute-granularity full (without a granularity Megatron-LM "
+                     "recomputes nothing)")
+    if ns.recompute_modules is not None and granularity is None:
+        raise _needs("--recompute-modules", "--recompute-granularity selective (without a granularity Megatron-LM "
+                     "recomputes nothing)")
+    if ns.recompute_modules == [] and granularity == "selective":
+        raise _needs("--recompute-modules", f"one or more of {', '.join(DENSE_RECOMPUTE_MODULES)}")
+    if not ns.fine_grained_activation_offloading:
+        for flag in ("activation_offload_fraction", "min_offloaded_tensor_size", "delta_offload_bytes_across_pp_ranks"):
+            if getattr(ns, flag) is not None:
+                raise _needs("--" + flag.replace("_", "-"), "--fine-grained-activation-offloading (without it "
+                             "Megatron-LM offloads nothing)")
 
 
 def _ckpt_of(ns: argparse.Namespace, *, search: bool) -> Optional[str]:
@@ -322,6 +384,7 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None,
     if model is not None and isinstance(ns.offload_alpha, str) and megatron_offload_requested(ns):
         raise UsageError(f"argument --offload-alpha: {ns.offload_alpha} and Megatron's activation offload flags are "
                          "two offload requests; give one")
+    check_flags_apply(ns, search=False)
     if alpha is None:
         alpha = 0.0 if isinstance(ns.offload_alpha, str) else ns.offload_alpha
     try:
@@ -335,6 +398,7 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None,
 
 def constraints_from_args(ns: argparse.Namespace) -> SearchConstraints:
     """The dimensions ``search``'s flags fix (the one translation)."""
+    check_flags_apply(ns, search=True)
     if ns.max_micro_batch_size is not None and ns.micro_batch_size is not None \
             and ns.max_micro_batch_size < ns.micro_batch_size:
         raise UsageError(f"argument --max-micro-batch-size: {ns.max_micro_batch_size} is below --micro-batch-size "

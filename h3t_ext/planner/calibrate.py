@@ -105,6 +105,8 @@ def check_output_path(path: str) -> None:
     (checked before any fitting)."""
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
+    if not str(path).strip():
+        raise RunFileError("--output: an empty path; give a file path")
     if p.is_dir():
         raise RunFileError(f"--output {path}: is a directory; give a file path")
     if not parent.is_dir():
@@ -137,7 +139,8 @@ def read_runs(paths: Sequence[str], model: ModelSpec, system: SystemSpec) -> lis
     for path in paths:
         p = Path(path)
         if not p.is_file():
-            raise RunFileError(f"--runs {path}: no such file")
+            raise RunFileError(f"--runs {path}: " + ("a directory; give a --metrics-json or CSV file" if p.is_dir() else
+                                                     "not a regular file" if p.exists() else "no such file"))
         if p.suffix == ".csv":
             with open(p, newline="", encoding="utf-8") as f:
                 for i, row in enumerate(csv.DictReader(f), 2):
@@ -150,9 +153,12 @@ def read_runs(paths: Sequence[str], model: ModelSpec, system: SystemSpec) -> lis
         try:
             with open(p, encoding="utf-8") as f:
                 d = json.load(f)
-            cfg, iters = d["config"], d["iterations"]
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:  # TypeError: not an object
+        except (OSError, ValueError, RecursionError) as e:
             raise RunFileError(f"--runs {path}: not a --metrics-json file ({e})") from None
+        if not isinstance(d, dict) or "config" not in d or "iterations" not in d:
+            raise RunFileError(f"--runs {path}: not a --metrics-json file (a JSON object with config and iterations, "
+                               f"got {type(d).__name__}{' without them' if isinstance(d, dict) else ''})")
+        cfg, iters = d["config"], d["iterations"]
         if not isinstance(cfg, dict) or not isinstance(iters, list) or not all(isinstance(r, dict) for r in iters):
             raise RunFileError(f"--runs {path}: not a --metrics-json file (config must be an object, iterations "
                                f"a list of objects)")

@@ -60,6 +60,8 @@ def evaluation_dict(ev: Evaluation) -> dict:
         "closed_form_iteration_time_s": est.closed_form_time_s,
         "pcie_bytes_per_iteration": est.pcie_bytes_per_iteration,
     }
+    if est.timeline_note:
+        out["timeline_note"] = est.timeline_note
     out.update({k: getattr(plan, k) for k in PLAN_KEYS})
     out["recompute"] = recompute_label(plan)
     out.update(recompute_fields(plan))
@@ -103,7 +105,8 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         f"plan        {describe_plan(ev, model)}",
         f"memory      peak {format_bytes(est.peak_memory_bytes)} on stage {est.peak_stage} "
         f"(budget {format_bytes(est.memory_budget_bytes)}): {verdict}",
-        f"time        {est.iteration_time_s:.3f} s per iteration",
+        f"time        {est.iteration_time_s:.3f} s per iteration"
+        + (f" ({est.timeline_note})" if est.timeline_note else ""),
         f"throughput  {est.tokens_per_second:,.0f} tokens/s ({est.tokens_per_second_per_gpu:,.1f} tokens/s/GPU), "
         f"MFU {100 * est.mfu:.1f}%",
         f"interval    {est.tokens_per_second_interval[0]:,.0f} - {est.tokens_per_second_interval[1]:,.0f} tokens/s "

@@ -101,8 +101,8 @@ def _named(read, name: str, fixed: Mapping[str, Any]) -> Any:
     return fixed[name] if name in fixed else read(name)
 
 
-_NONE_IS_UNSET = frozenset({"optimizer_offload_fraction", "fine_grained_activation_offloading", "offload_modules",
-                            "activation_offload_fraction", "min_offloaded_tensor_size",
+_NONE_IS_UNSET = frozenset({"fp8_recipe", "optimizer_offload_fraction", "fine_grained_activation_offloading",
+                            "offload_modules", "activation_offload_fraction", "min_offloaded_tensor_size",
                             "delta_offload_bytes_across_pp_ranks", "cpu_offloading_num_layers"})
 """Fields whose None (an argparse default) means "not given": Megatron's default applies."""
 

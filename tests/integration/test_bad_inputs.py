@@ -2,6 +2,8 @@
 script) is one line on stderr and exit status 2; the planner answers each within 2 s."""
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 
 import pytest
@@ -96,6 +98,57 @@ PLANNER_CASES = [
     (_with(SEARCH, json=None, num_gpus=0), "--num-gpus: 0 out of range"),
     (_with(ESTIMATE, seq_length=4097, context_parallel_size=2, num_gpus=2), "--seq-length 4097 is not a multiple of 2 x --context-parallel-size 2"),
     (_with(SEARCH, offload_alpha="0.1,0.2"), "--offload-alpha"),
+    # flags that change memory, time or numerics and that the other flags left nothing to act on (accepted, ignored)
+    (_with(ESTIMATE, fp8_recipe="blockwise"),
+     "argument --fp8-recipe: needs --fp8-format (e4m3 or hybrid); a BF16 plan has no FP8 recipe"),
+    (_with(SEARCH, fp8_recipe="blockwise"),
+     "argument --fp8-recipe: needs --precision fp8 or auto, or --fp8-format (bf16 plans have no FP8 recipe)"),
+    (_with(ESTIMATE, optimizer_offload_fraction="0.5"), "argument --optimizer-offload-fraction: needs "
+     "--optimizer-cpu-offload (without it no optimizer state is stepped on the CPU)"),
+    (_with(SEARCH, optimizer_offload_fraction="0.5"), "argument --optimizer-offload-fraction: needs "
+     "--optimizer-cpu-offload (without it no optimizer state is stepped on the CPU; search picks the fraction of the "
+     "plans it offloads itself)"),
+    (_with(ESTIMATE, overlap_cpu_optimizer_d2h_h2d=None), "argument --overlap-cpu-optimizer-d2h-h2d: needs "
+     "--optimizer-cpu-offload (without it there are no CPU optimizer copies to overlap)"),
+    (_with(SEARCH, overlap_cpu_optimizer_d2h_h2d=None, no_use_distributed_optimizer=None),
+     "argument --overlap-cpu-optimizer-d2h-h2d: needs --optimizer-cpu-offload"),
+    (_with(ESTIMATE, recompute_method="block"),
+     "argument --recompute-method: needs --recompute-granularity full (it picks the layers full recompute reruns)"),
+    (_with(ESTIMATE, recompute_granularity="selective", recompute_method="block"),
+     "argument --recompute-method: needs --recompute-granularity full"),
+    (_with(ESTIMATE, recompute_num_layers=4), "argument --recompute-num-layers: needs --recompute-granularity full "
+     "(without a granularity Megatron-LM recomputes nothing)"),
+    (_with(ESTIMATE, recompute_modules="mlp"), "argument --recompute-modules: needs --recompute-granularity selective "
+     "(without a granularity Megatron-LM recomputes nothing)"),
+    (_with(ESTIMATE, recompute_granularity="selective", recompute_modules=None),
+     "argument --recompute-modules: needs one or more of core_attn, layernorm, mlp"),
+    (_with(ESTIMATE, activation_offload_fraction="0.5"), "argument --activation-offload-fraction: needs "
+     "--fine-grained-activation-offloading (without it Megatron-LM offloads nothing)"),
+    (_with(ESTIMATE, min_offloaded_tensor_size=5), "argument --min-offloaded-tensor-size: needs "
+     "--fine-grained-activation-offloading (without it Megatron-LM offloads nothing)"),
+    (_with(ESTIMATE, delta_offload_bytes_across_pp_ranks=10**9), "argument --delta-offload-bytes-across-pp-ranks: "
+     "needs --fine-grained-activation-offloading (without it Megatron-LM offloads nothing)"),
+    (_with(SEARCH, tp_comm_overlap=None, tensor_model_parallel_size=1), "argument --tp-comm-overlap: needs "
+     "--sequence-parallel with --tensor-model-parallel-size > 1 (Megatron-LM asserts it; no plan of this search "
+     "could overlap)"),
+    (_with(SEARCH, tp_comm_overlap=None, no_sequence_parallel=None), "argument --tp-comm-overlap: needs "
+     "--sequence-parallel with --tensor-model-parallel-size > 1"),
+    # the system: one of --gpu and --system-file, a name that is a name, a path that is a file
+    (_with(ESTIMATE, system_file="h3t_ext/data/systems/h800.json", gpu="nonexistent"), "argument --gpu: give one of "
+     "--gpu nonexistent and --system-file h3t_ext/data/systems/h800.json (the system file describes the GPU)"),
+    (_with(ESTIMATE, system_file=""),
+     "argument --system-file: --system-file: an empty path; give the path of a system file (JSON)"),
+    (_with(ESTIMATE, system_file="/dev/null"),
+     "argument --system-file: --system-file /dev/null: not a regular file; give the path of a system file (JSON)"),
+    (_with(ESTIMATE, gpu="../systems/h800"), "argument --gpu: unknown system '../systems/h800'; valid: a100-40g, "
+     "a100-80g, a800, h100-sxm, h200, h800"),
+    (_with(SEARCH, num_layers=16384), "argument --num-layers: 16384 out of range (valid: integer in [1, 1024])"),
+    (["calibrate", "--model", "llama-7b", "--runs", "/tmp", "--output", "x.json"],
+     "--runs /tmp: a directory; give a --metrics-json or CSV file"),
+    (["calibrate", "--model", "llama-7b", "--runs", "/dev/null", "--output", "x.json"],
+     "--runs /dev/null: not a regular file"),
+    (["calibrate", "--model", "llama-7b", "--runs", "/dev/null", "--output", ""],
+     "--output: an empty path; give a file path"),
 ]
 
 
@@ -110,6 +163,103 @@ def test_bad_planner_input_is_one_line(argv, expected):
 
 def test_the_planner_suite_is_large_enough():
     assert len(PLANNER_CASES) >= 60
+
+
+def _plan_json(argv, timeout: float) -> dict:
+    proc = subprocess.run([PYTHON, "-m", "h3t_ext.planner", *argv, "--json"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and not proc.stderr, proc.stderr
+    return json.loads(proc.stdout)
+
+
+LLAMA = ["--model", "llama-7b", "--seq-length", "4096"]
+
+
+@pytest.mark.parametrize("argv, note", [
+    (["--num-gpus", "8", "--pipeline-model-parallel-size", "8", "--global-batch-size", "1048576"],
+     "its schedule has 2 x 1048576 microbatches x 8 pipeline stages x 1 model chunks = 16777216 compute actions, "
+     "more than the 524288 the timeline simulates"),  # built and simulated for minutes
+    (["--num-gpus", "1024", "--pipeline-model-parallel-size", "1024", "--num-layers", "1024", "--global-batch-size",
+      "1024"], "its schedule has 2 x 1024 microbatches x 1024 pipeline stages x 1 model chunks = 2097152 compute "
+               "actions, more than the 524288 the timeline simulates"),  # 40 s
+    (["--num-gpus", "512", "--pipeline-model-parallel-size", "512", "--num-layers", "1024", "--global-batch-size",
+      "512", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "its schedule has 2 x 512 microbatches x 512 pipeline stages x 2 model chunks = 1048576 compute actions, more "
+     "than the 524288 the timeline simulates"),
+    (["--num-gpus", "8", "--num-layers", "1024", "--global-batch-size", "65536", "--offload-alpha", "0.5"],
+     "its layer-granular offload has 2 x 8192 microbatches x 1024 layers = 16777216 layer copies, more than the "
+     "4194304 the timeline simulates"),  # gigabytes of action lists
+])
+def test_schedules_too_large_to_simulate_are_priced_by_the_closed_form(argv, note):
+    """A pipeline schedule of millions of actions hung the estimate (a MemoryError traceback with thousands of
+    model chunks); it is priced by the closed form, which the output says."""
+    out = _plan_json(["estimate", *LLAMA, *argv], timeout=15)
+    assert out["timeline_note"] == f"priced by the closed form: {note}"
+    assert out["iteration_time_s"] == out["closed_form_iteration_time_s"] > 0
+
+
+def test_a_schedule_the_timeline_can_simulate_has_no_note():
+    out = _plan_json(["estimate", *LLAMA, "--num-gpus", "8", "--pipeline-model-parallel-size", "8",
+                      "--global-batch-size", "64"], timeout=15)
+    assert "timeline_note" not in out
+
+
+def test_groups_spread_over_large_nodes_are_priced_at_once(tmp_path):
+    """531441 GPUs (3^12) on nodes of 1024: the node-spread walk visited every member of every group of a period
+    (5e8 steps) and did not end."""
+    d = json.loads((REPO / "h3t_ext/data/systems/h800.json").read_text())
+    d["gpus_per_node"] = 1024
+    path = tmp_path / "big-nodes.json"
+    path.write_text(json.dumps(d))
+    out = _plan_json(["estimate", *LLAMA, "--num-gpus", "531441", "--global-batch-size", "531441", "--system-file",
+                      str(path)], timeout=15)
+    assert out["fits"] and out["iteration_time_s"] > 0
+
+
+def test_the_fast_node_spread_is_the_walk():
+    from h3t_ext.costmodel.collectives import _group_node_spread_walk, group_node_spread
+    for g in (1, 2, 3, 4, 6, 8, 12, 16, 72):
+        for stride in range(1, 25):
+            for size in range(1, 25):
+                assert group_node_spread.__wrapped__(stride, size, g) == _group_node_spread_walk(stride, size, g), \
+                    (stride, size, g)
+
+
+def test_the_split_in_closed_form_is_the_walk():
+    """stage_layers, chunk_layer_counts and distinct_chunk_layers (O(1) in the chunks: thousands of them made a
+    search of 16384 layers take minutes) against the chunk-by-chunk walk."""
+    from collections import Counter
+
+    from h3t_ext.layout import PipelineSplit
+    for L in range(1, 30):
+        for p in range(1, 7):
+            for v in range(1, 6):
+                for first, last, e, lo in ((None, None, False, False), (None, None, True, False),
+                                           (None, None, True, True), (1, None, False, False), (3, 2, False, False)):
+                    s = PipelineSplit(L, p, v, first, last, e, lo)
+                    seen = set()
+                    for stage in range(p):
+                        walk = Counter(s.chunk_layers(stage, c) for c in range(v))
+                        assert s.chunk_layer_counts(stage) == dict(walk)
+                        assert s.stage_layers(stage) == sum(n * k for n, k in walk.items())
+                        seen |= set(walk)
+                    assert s.distinct_chunk_layers() == seen
+
+
+def test_the_unit_shape_is_the_units():
+    from h3t_ext.ckpt import Recompute
+    for granularity, method in (("full", "uniform"), ("full", "block"), ("selective", None), (None, None)):
+        for n in range(1, 7):
+            r = Recompute.parse(granularity, method, n if granularity == "full" else None)
+            for layers in range(0, 25):
+                try:
+                    units = r.units(layers)
+                except ValueError as e:
+                    with pytest.raises(ValueError, match=re.escape(str(e))):
+                        r.unit_shape(layers)
+                    continue
+                assert r.unit_shape(layers) == (len(units), sum(b - a for a, b in units),
+                                                max((b - a for a, b in units), default=0))
 
 
 BASE = [*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "2", "--mock-data"]
