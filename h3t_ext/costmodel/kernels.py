@@ -36,6 +36,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.specs import SystemSpec
 from h3t_ext.dtypes import BF16, BOOL, FP8, FP32
 
@@ -84,6 +85,21 @@ class KernelRates:
 
 @functools.lru_cache(maxsize=64)
 def kernel_rates(system: SystemSpec) -> KernelRates:
+    """The achievable rates of ``system``; InvalidPlanError (one line, naming the system) when a rate times its
+    efficiencies is too small to be a number of FLOP/s or bytes/s (a system file's rates of 1/s with efficiencies
+    of 1e-300: their product underflows to 0)."""
+    r = _kernel_rates(system)
+    for name, value in (("peak_bf16_flops x gemm_peak_fraction", r.sm_flops),
+                        ("peak_bf16_flops x attention_peak_fraction x attention_backward_rate_fraction",
+                         r.attention_flops * r.attention_backward_fraction),
+                        ("hbm_bandwidth x hbm_fraction", r.hbm)):
+        if not (math.isfinite(value) and value > 0):
+            raise InvalidPlanError(f"system {system.name}: {name} is {value:g} per second, too small to price; "
+                                   "valid: rates of at least one per second and efficiencies that keep them so")
+    return r
+
+
+def _kernel_rates(system: SystemSpec) -> KernelRates:
     e = system.efficiency
     return KernelRates(
         sms=system.num_sms,

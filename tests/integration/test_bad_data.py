@@ -157,7 +157,13 @@ def test_optional_rates_of_zero_and_notes_load(tmp_path):
     assert proc.returncode == 0 and not proc.stderr, proc.stderr
 
 
-def test_rates_too_small_with_their_efficiencies_are_a_typed_reason(tmp_path):
+@pytest.mark.parametrize("backward_fraction, message", [
+    (1e-300, "system slow: peak_bf16_flops x attention_peak_fraction x attention_backward_rate_fraction is 0 per "
+             "second, too small to price"),  # the product underflows: kernels.kernel_rates
+    (0.85, "system slow: its rates and efficiencies price an iteration at nan s (a peak FLOP/s or a bandwidth times "
+           "its efficiency is too small to price)"),  # every rate > 0, the times overflow: estimate's guard
+])
+def test_rates_too_small_with_their_efficiencies_are_a_typed_reason(tmp_path, backward_fraction, message):
     """Rates of 1/s times efficiencies of 1e-300 priced an iteration at NaN seconds, exit 0."""
     import json
     from h3t_ext.costmodel.specs import system_file_dict
@@ -165,9 +171,8 @@ def test_rates_too_small_with_their_efficiencies_are_a_typed_reason(tmp_path):
     d.update({k: 1.0 for k in ("peak_bf16_flops", "hbm_bandwidth", "nvlink_bandwidth", "network_bandwidth",
                                 "pcie_bandwidth")})
     d["efficiencies"] = {k: 1e-300 for k in d["efficiencies"]}
+    d["efficiencies"]["attention_backward_rate_fraction"] = backward_fraction
     path = tmp_path / "slow.json"
     path.write_text(json.dumps(d))
     assert _one_line(_plan([*SYSTEM_RUN, "--system-file", str(path)])) == (
-        "h3t-plan: error: system slow: its rates and efficiencies price an iteration at nan s (a peak FLOP/s or a "
-        "bandwidth times its efficiency is too small to price); valid: rates of at least one per second and "
-        "efficiencies that keep them so")
+        f"h3t-plan: error: {message}; valid: rates of at least one per second and efficiencies that keep them so")
