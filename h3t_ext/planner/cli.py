@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -19,6 +20,15 @@ from h3t_ext.planner.search import search
 def _fail(message: str) -> int:
     sys.stderr.write(f"{PROG}: error: {' '.join(message.split())}\n")
     return 2
+
+
+def _reader_gone() -> int:
+    """The process reading stdout closed it (``| head``): no traceback; stdout goes to the null device so that
+    the interpreter's last flush at exit does not fail again, and the exit status is 1, as Python's own advice
+    has it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 1
 
 
 def _console() -> Console:
@@ -102,7 +112,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         model, system = model_from_args(ns), system_from_args(ns)
         command = {"estimate": _estimate, "search": _search, "calibrate": _calibrate}[ns.command]
-        return command(ns, model, system)
+        code = command(ns, model, system)
+        sys.stdout.flush()  # a reader that stopped early (h3t-plan ... --json | head) fails here, not at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except UsageError as e:
         return _fail(str(e))
     except PlanError as e:

@@ -297,3 +297,14 @@ def test_search_flags_plans_above_the_published_mfu_ceiling(capsys):
     assert best["plausibility"]["ceiling_run"]["source"] == "atc24_demo7b"
     code, text, _ = run_main(argv, capsys)
     assert code == 0 and "rows #1" in text and "ABOVE the best published MFU" in text
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """``h3t-plan ... --json | head``: the reader closes the pipe before the output is written; the CLI exits 1
+    with nothing on stderr (it printed a BrokenPipeError traceback)."""
+    proc = subprocess.Popen([sys.executable, "-m", "h3t_ext.planner", "estimate", "--model", "llama-7b", "--num-gpus",
+                             "8", "--seq-length", "4096", "--global-batch-size", "64", "--json"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == ""
