@@ -40,8 +40,8 @@ def residual_shares() -> dict:
     from h3t_ext.costmodel.kernels import kernel_rates
     from h3t_ext.costmodel.timing import attention_seconds, layer_gemm_seconds, layer_time
 
-    rows = []
-    for r, err in zip(published_runs(), errors_with(published_runs(), {})):
+    rows, runs = [], published_runs()
+    for r, err in zip(runs, errors_with(runs, {})):
         terms = estimate(r.model, r.plan, r.system, timeline=False).time_terms.as_dict()
         total = sum(terms.values())
         rates = kernel_rates(r.system)

@@ -220,19 +220,23 @@ def _fitted() -> dict:
     return _read_json(DATA_DIR / "fitted_efficiencies.json")
 
 
+def _shipped_system(name: str) -> dict:
+    """The data file of the shipped system ``name`` (a name, never a path: '../systems/h800' read a file by its
+    path); raises UnknownNameError listing valid names."""
+    if name.lower() not in list_systems():
+        raise UnknownNameError("system", name, list_systems())
+    return _read_json(DATA_DIR / "systems" / f"{name.lower()}.json")
+
+
 @functools.lru_cache(maxsize=None)
 def get_system(name: str) -> SystemSpec:
     """The system ``name``; raises UnknownNameError listing valid names."""
-    if name.lower() not in list_systems():  # a name, never a path ('../systems/h800' read a file by its path)
-        raise UnknownNameError("system", name, list_systems())
-    return system_from_dict(name.lower(), _read_json(DATA_DIR / "systems" / f"{name.lower()}.json"))
+    return system_from_dict(name.lower(), _shipped_system(name))
 
 
 def system_file_dict(name: str) -> dict:
     """The raw data file of system ``name`` with its efficiency set inlined (what calibrate starts from)."""
-    if name.lower() not in list_systems():
-        raise UnknownNameError("system", name, list_systems())
-    d = _read_json(DATA_DIR / "systems" / f"{name.lower()}.json")
+    d = _shipped_system(name)
     d["efficiencies"] = {k: v for k, v in efficiency_set(d.get("efficiency_set", name)).items() if not k.startswith("_")}
     return d
 

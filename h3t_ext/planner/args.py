@@ -288,6 +288,11 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
         raise UsageError(f"model: {flagify(str(e))}") from None
 
 
+def _gpu_name(ns: argparse.Namespace) -> str:
+    """``--gpu``, or :data:`DEFAULT_GPU` when it is not given (an empty name stays one: an unknown system)."""
+    return DEFAULT_GPU if ns.gpu is None else ns.gpu
+
+
 def system_from_args(ns: argparse.Namespace) -> SystemSpec:
     """The system of ``--system-file`` or ``--gpu`` (one of them; neither: :data:`DEFAULT_GPU`)."""
     if getattr(ns, "system_file", None) is not None:
@@ -299,7 +304,7 @@ def system_from_args(ns: argparse.Namespace) -> SystemSpec:
         except (OSError, ValueError, KeyError) as e:
             raise UsageError(f"argument --system-file: {e}") from None
     try:
-        return get_system(DEFAULT_GPU if ns.gpu is None else ns.gpu)
+        return get_system(_gpu_name(ns))
     except UnknownNameError as e:
         raise UsageError(f"argument --gpu: {e}") from None
 
@@ -309,7 +314,7 @@ def system_file_from_args(ns: argparse.Namespace) -> dict:
     if ns.system_file is not None:
         with open(ns.system_file, encoding="utf-8") as f:
             return json.load(f)
-    return system_file_dict(DEFAULT_GPU if ns.gpu is None else ns.gpu)
+    return system_file_dict(_gpu_name(ns))
 
 
 def _needs(flag: str, what: str) -> UsageError:

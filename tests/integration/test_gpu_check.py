@@ -96,7 +96,7 @@ def test_attention_dropout_bench_without_a_gpu_is_one_line():
     assert proc.stderr == "bench_attention_dropout.py: error: no CUDA GPU (use --device cpu to exercise the code path)\n"
 
 
-def _lease_written_files() -> set[str]:
+def _lease_written_files() -> tuple[set[str], list[str], dict[str, int]]:
     """The part files scripts/gpu/lease_run.sh writes, its shell variables expanded: the native runs it starts
     (``native NAME PORT``) and the precisions of its sustained-GEMM loop."""
     import re
