@@ -49,6 +49,8 @@ class LayoutError(ValueError):
 
 
 def _positive(name: str, value) -> None:
+    if type(value) is int and value >= 1:  # the common case first (the search builds thousands of layouts)
+        return
     if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         raise LayoutError(f"{name} {value!r} is outside [1, inf); valid: integers >= 1", "range")
 

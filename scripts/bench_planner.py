@@ -5,9 +5,9 @@ Default case: ``h3t-plan search --model llama-175b --num-gpus 4096 --seq-length 
 --global-batch-size 2048 --gpu h800 --precision auto`` (BF16 and FP8 plans, the memory ladder; target: search call
 under 0.5 s CPU on one core, with the CLI's default ``--top 10``; ``--top 0`` ranks every feasible plan, as
 ``search(top=None)`` does). The search call runs in this process after the CLI runs, with its caches empty (a cold
-call, as the CLI's): 0.24-0.30 s CPU (22 plans priced, 3 on the timeline; best of 5 runs 0.236 s on the shared
-2-core machine, the commit before interleaved with it 0.458 s; ``--precision bf16`` 0.195 s, was 0.291 s), the CLI
-process 0.42 s CPU (was 0.59 s); results unchanged (``scripts/planner_search_digest.py``);
+call, as the CLI's): 22 plans priced, 3 on the timeline; 0.29-0.37 s CPU on the shared 2-core machine on
+2026-11-28 (best of 5 interleaved 0.289 s, the commit before 0.331 s; the machine's speed varies by day, so
+compare commits interleaved), the CLI process ~0.65 s wall; results unchanged (``scripts/planner_search_digest.py``);
 where the time goes: docs/DESIGN.md, "Search speed".
 
     python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]

@@ -481,30 +481,43 @@ class _Bounds:
         """Each mode without block recompute (an unresolved block candidate's bound is its base's)."""
         self.block_layers: dict[tuple[int, int, int], int] = {}
         """The N of the block candidates (layout, mode, micro batch indices) resolved so far."""
-        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode, N, chunk, fp8) -> (layer, output) s
+        unique = list(dict.fromkeys(self.modes + self._plain))
+        self._mode_id = tuple(unique.index(m) for m in self.modes)
+        self._plain_id = tuple(unique.index(m) for m in self._plain)
+        """Each mode's / each plain mode's index among the distinct modes (a cheap key for :attr:`_shapes`)."""
+        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8) -> (layer, output) s
+        self._per_layout: dict[int, tuple] = {}  # layout -> (t, c, layers per stage, v, p, replicas, fp8)
         self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
+
+    def _layout_sizes(self, li: int) -> tuple:
+        """(t, c, layers per stage, v, p, data-parallel replicas, fp8) of layout ``li``."""
+        sizes = self._per_layout.get(li)
+        if sizes is None:
+            (num_gpus, _, _, switches), layout = self.layouts[li]
+            L, t, c, p = (self.model.num_layers, layout.tensor_model_parallel_size, layout.context_parallel_size,
+                          layout.pipeline_model_parallel_size)
+            l = layout.num_layers_per_virtual_pipeline_stage
+            sizes = self._per_layout[li] = (t, c, L // p, 1 if l is None else L // p // l, p,
+                                            num_gpus // (t * p) // c, switches.get("fp8"))
+        return sizes
 
     def _pipelined(self, li: int, ci: int, i: int) -> float:
         """Lower bound on compute + recompute + tp_comm + cp_comm + bubble of candidate (``li``, ``ci``, ``i``)."""
-        model, (run, layout) = self.model, self.layouts[li]
-        num_gpus, _, global_batch, switches = run
-        L, t, c, p = (model.num_layers, layout.tensor_model_parallel_size, layout.context_parallel_size,
-                      layout.pipeline_model_parallel_size)
-        l = layout.num_layers_per_virtual_pipeline_stage
-        v = 1 if l is None else L // p // l
-        mb, mode = layout.micro_batch_sizes[i], self.modes[ci]
-        n = self.block_layers.get((li, ci, i)) if mode.block else None
-        if n is None:
-            mode = self._plain[ci]
-        key = (t, c, mb, mode, n, L // p // v if n else None, switches.get("fp8"))
+        t, c, per_stage, v, p, replicas, fp8 = self._layout_sizes(li)
+        run, layout = self.layouts[li]
+        mb = layout.micro_batch_sizes[i]
+        n = self.block_layers.get((li, ci, i)) if self.modes[ci].block else None
+        key = (t, c, mb, self._plain_id[ci] if n is None else self._mode_id[ci], n,
+               per_stage // v if n else None, fp8)
         times = self._shapes.get(key)
         if times is None:
-            st = shape_times(model, _plan(run, layout, mb, mode, n), self.system)
+            mode = self._plain[ci] if n is None else self.modes[ci]
+            st = shape_times(self.model, _plan(run, layout, mb, mode, n), self.system)
             times = self._shapes[key] = (st.layer.total, st.head.total)
         per_layer, head = times
-        m = global_batch // (mb * (num_gpus // (t * p) // c))
-        last = L // p * per_layer + head
-        return (m - 1 / v) * last + (L * per_layer + head) / v if p > 1 else m * last
+        m = run[2] // (mb * replicas)
+        last = per_stage * per_layer + head
+        return (m - 1 / v) * last + (p * per_stage * per_layer + head) / v if p > 1 else m * last
 
     def _tokens(self, li: int) -> int:
         _, seq_length, global_batch, _ = self.layouts[li][0]

@@ -202,6 +202,18 @@ def _validate_micro_batch(num_gpus: int, global_batch: int, t: int, c: int, p: i
         context_parallel_size=c, pipeline_model_parallel_size=p, virtual_pipeline_model_parallel_size=v))
 
 
+def _micro_batch_refusals(num_gpus: int, global_batch: int, t: int, c: int, p: int, v: int, mbs: list[int],
+                          seen: dict) -> tuple[Optional[str], ...]:
+    """:func:`_validate_micro_batch` of each of ``mbs``, once per (d, p, v): t and c have passed the world-size
+    rule by then, and the batch and interleaving rules read only d = gpus / (t c p), p, v and the micro batch (the
+    t x c splits of one t c product, thousands on a large cluster, share the answers)."""
+    key = (num_gpus // (t * c * p), p, v)
+    got = seen.get(key)
+    if got is None:
+        got = seen[key] = tuple(_validate_micro_batch(num_gpus, global_batch, t, c, p, v, mb) for mb in mbs)
+    return got
+
+
 def enumerate_layouts(
     model: ModelSpec,
     *,
@@ -222,6 +234,8 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
     mb_options = divisors(global_batch)
     if k.max_micro_batch_size is not None:
         mb_options = [mb for mb in mb_options if mb <= k.max_micro_batch_size]
+    mb_pick = _pick(k.micro_batch_size, mb_options)
+    seen: dict = {}  # (d, p, v) -> the micro batches' refusals
     l_options: list[Optional[int]] = [None, *divisors(L)]
     if k.num_layers_per_virtual_pipeline_stage is not None:
         l_options = [k.num_layers_per_virtual_pipeline_stage]
@@ -248,8 +262,9 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                         continue
                     mbs = []
                     v = virtual_pipeline_size(L, p, l)  # checked above
-                    for mb in _pick(k.micro_batch_size, mb_options):
-                        if reason := _validate_micro_batch(num_gpus, global_batch, t, c, p, v, mb):
+                    for mb, reason in zip(mb_pick, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v,
+                                                                         mb_pick, seen)):
+                        if reason:
                             rejected[reason] += 1
                         else:
                             mbs.append(mb)
