@@ -147,10 +147,25 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                    help="TransformerEngine userbuffers overlap the tensor-parallel communication with the GEMMs")
     p.add_argument("--no-overlap-p2p-communication", dest="overlap_p2p_comm", action="store_false",
                    help="interleaved pipeline exchanges not overlapped with the next chunk (every step waits)")
-    p.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
-                   help="tensor parallelism without sequence parallelism (all-reduces, replicated norms)")
-    p.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer", action="store_false",
-                   help="replicated optimizer states and a gradient all-reduce")
+    sp_ = p.add_mutually_exclusive_group()
+    sp_.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false", default=True,
+                     help="tensor parallelism without sequence parallelism (all-reduces, replicated norms)")
+    sp_.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=True,
+                     help="Megatron's flag, accepted as written in a training script: the planner's default (with "
+                          "t > 1)")
+    do_ = p.add_mutually_exclusive_group()
+    do_.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer", action="store_false",
+                     default=True, help="replicated optimizer states and a gradient all-reduce")
+    do_.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer", action="store_true",
+                     default=True, help="Megatron's flag, accepted as written in a training script: the planner's "
+                                        "default")
+    p.add_argument("--bf16", action="store_true",
+                   help="Megatron's flag, accepted as written in a training script: BF16 is what the planner prices "
+                        "(with --fp8-format, the linear layers' GEMMs run in FP8 and the rest in BF16, as in "
+                        "Megatron-LM)")
+    p.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="Megatron's switch of Megatron FSDP, accepted as written in a training script (needs "
+                        "--data-parallel-sharding-strategy, which alone also selects it)")
     p.add_argument("--data-parallel-sharding-strategy", choices=FSDP_SHARDING_STRATEGIES, default=None,
                    help="Megatron FSDP (--use-megatron-fsdp): shard the gradients too (optim_grads, "
                         "reduce-scattered after every microbatch) or gradients and parameters "
@@ -168,6 +183,9 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                         "distributed optimizer); search tries it by itself when nothing else fits")
     p.add_argument("--optimizer-offload-fraction", type=_fraction, default=None,
                    help="share of the optimizer shard stepped on the CPU, in [0, 1] (default 1.0)")
+    p.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron's optimizer that --optimizer-cpu-offload runs on, accepted as written in a training "
+                        "script: with Megatron's default state dtypes (fp32) it holds the bytes the planner prices")
     p.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
                    help="pipeline the gradient and parameter copies with the CPU optimizer steps")
     p.add_argument("--attention-backend", choices=translate.ATTENTION_BACKEND_CHOICES, default="auto",
@@ -325,6 +343,9 @@ def check_flags_apply(ns: argparse.Namespace, *, search: bool) -> None:
     """Refuse a flag that changes memory, time or numerics where the other flags leave it nothing to act on (it
     would be accepted and ignored): one line naming it and what it needs."""
     cpu_optimizer = ns.optimizer_cpu_offload
+    if ns.use_megatron_fsdp and ns.data_parallel_sharding_strategy is None:
+        raise _needs("--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads or optim_grads_params (the "
+                     "shardings priced; Megatron's default no_shard shards nothing)")
     if ns.optimizer_offload_fraction is not None and not cpu_optimizer:
         raise _needs("--optimizer-offload-fraction", "--optimizer-cpu-offload (without it no optimizer state is "
                      "stepped on the CPU" + ("; search picks the fraction of the plans it offloads itself)"
@@ -343,7 +364,7 @@ def check_flags_apply(ns: argparse.Namespace, *, search: bool) -> None:
         return
     if ns.fp8_recipe is not None and ns.fp8 is None:
         raise _needs("--fp8-recipe", "--fp8-format (e4m3 or hybrid); a BF16 plan has no FP8 recipe")
-    granularity = ns.recompute_granularity
+    granularity = _granularity(ns)
     if ns.recompute_method is not None and granularity != "full":
         raise _needs("--recompute-method", "--recompute-granularity full (it picks the layers full recompute reruns)")
     if ns.recompute_num_layers is not None and granularity is None:
@@ -361,13 +382,21 @@ def check_flags_apply(ns: argparse.Namespace, *, search: bool) -> None:
                              "Megatron-LM offloads nothing)")
 
 
+def _granularity(ns: argparse.Namespace) -> Optional[str]:
+    """Megatron's recompute granularity with ``--recompute-activations`` (its shorthand of selective) folded in."""
+    try:
+        return cli_flags.recompute_granularity_of(ns.recompute_granularity, ns.recompute_activations)
+    except ValueError as e:
+        raise UsageError(f"argument --recompute-activations: {e}") from None
+
+
 def _ckpt_of(ns: argparse.Namespace, *, search: bool) -> Optional[str]:
     """search: --ckpt or Megatron's --recompute-granularity (one of them), else None (searched). estimate: --ckpt
     (default 'no'); Megatron's --recompute-* flags go on top of it through the one translation, which says where
     they contradict."""
     if not search:
         return ns.ckpt or "no"
-    granularity = getattr(ns, "recompute_granularity", None)
+    granularity = _granularity(ns)
     if granularity is not None and ns.ckpt is not None and ns.ckpt != granularity:
         raise UsageError(f"argument --recompute-granularity: {granularity} contradicts --ckpt {ns.ckpt} "
                          "(give one of them)")

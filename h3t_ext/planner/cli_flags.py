@@ -58,6 +58,8 @@ def add_recompute_flags(g, *, count: Parse, full_method: bool) -> None:
     g.add_argument("--recompute-granularity", choices=RECOMPUTE_GRANULARITIES, default=None,
                    help="full: whole layers rerun in backward (see --recompute-method); selective: the "
                         "--recompute-modules of every layer (default core_attn)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's shorthand of --recompute-granularity selective")
     if not full_method:
         return
     g.add_argument("--recompute-method", choices=RECOMPUTE_METHODS, default=None,
@@ -66,6 +68,17 @@ def add_recompute_flags(g, *, count: Parse, full_method: bool) -> None:
     g.add_argument("--recompute-num-layers", type=count, default=None, help="full recompute's N (default 1)")
     g.add_argument("--recompute-modules", nargs="*", default=None, metavar="MODULE",
                    help=f"selective recompute: any of {', '.join(DENSE_RECOMPUTE_MODULES)} (default core_attn)")
+
+
+def recompute_granularity_of(recompute_granularity: Optional[str], recompute_activations: bool) -> Optional[str]:
+    """Megatron's granularity with its shorthand folded in (``--recompute-activations`` is ``--recompute-granularity
+    selective``); ValueError (one line) where the two contradict (Megatron-LM would let the shorthand win)."""
+    if not recompute_activations:
+        return recompute_granularity
+    if recompute_granularity not in (None, "selective"):
+        raise ValueError(f"--recompute-activations (selective) contradicts --recompute-granularity "
+                         f"{recompute_granularity}; give one of them")
+    return "selective"
 
 
 def add_megatron_offload_flags(g, *, nonnegative: Parse, fraction: Parse) -> None:
@@ -88,4 +101,4 @@ def add_megatron_offload_flags(g, *, nonnegative: Parse, fraction: Parse) -> Non
 
 
 __all__ = ["PARALLEL_SIZE_FLAGS", "add_megatron_offload_flags", "add_parallel_size_flags", "add_recompute_flags",
-           "add_virtual_pipeline_flags"]
+           "add_virtual_pipeline_flags", "recompute_granularity_of"]

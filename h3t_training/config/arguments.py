@@ -189,8 +189,6 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"), default="disabled",
                    help="Megatron-LM's rerun state machine: disabled (the default); the others are accepted with a notice")
     g = p.add_argument_group("activation memory")
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="Megatron's shorthand of --recompute-granularity selective")
     cli_flags.add_recompute_flags(g, count=int, full_method=True)
     add_h3t_flags(g)
     cli_flags.add_megatron_offload_flags(g, nonnegative=int, fraction=float)
@@ -374,12 +372,8 @@ def check_positive(args):
 def recompute_of(args) -> Recompute:
     """Megatron's --recompute-* flags as one :class:`~h3t_ext.ckpt.Recompute` (ArgumentError, one line, on bad
     values); ``--recompute-activations`` is ``--recompute-granularity selective``."""
-    granularity = args.recompute_granularity
-    if args.recompute_activations:
-        if granularity not in (None, "selective"):
-            raise ArgumentError(f"--recompute-activations (selective) contradicts --recompute-granularity {granularity}")
-        granularity = "selective"
     try:
+        granularity = cli_flags.recompute_granularity_of(args.recompute_granularity, args.recompute_activations)
         return Recompute.parse(granularity, args.recompute_method, args.recompute_num_layers, args.recompute_modules)
     except ValueError as e:
         raise ArgumentError(str(e)) from None

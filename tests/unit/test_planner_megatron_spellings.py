@@ -1,0 +1,77 @@
+"""h3t-plan takes a training script's own Megatron flags: the flags ``search`` prints for a plan, given back to
+``estimate``, price the same plan; Megatron's spellings of the planner's defaults (--sequence-parallel,
+--use-distributed-optimizer, --bf16) and its shorthand --recompute-activations are read, not refused; what
+contradicts is one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from h3t_ext.planner.cli import main
+
+LLAMA7B = ["--model", "llama-7b", "--num-gpus", "8", "--seq-length", "2048", "--global-batch-size", "128",
+           "--gpu", "h100-sxm"]
+GPT3_A100_40G = ["--model", "gpt3-175b", "--num-gpus", "64", "--seq-length", "2048", "--global-batch-size", "512",
+                 "--gpu", "a100-40g"]
+LLAMA70B = ["--model", "llama2-70b", "--num-gpus", "64", "--seq-length", "4096", "--global-batch-size", "512",
+            "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2"]
+
+
+def _run(argv, capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _json(argv, capsys):
+    code, out, err = _run([*argv, "--json"], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("case,extra", [(LLAMA7B, ["--precision", "auto"]), (GPT3_A100_40G, [])],
+                         ids=["llama-7b-fp8-and-bf16", "gpt3-175b-cpu-optimizer"])
+def test_the_flags_search_prints_price_the_same_plan_in_estimate(case, extra, capsys):
+    found = _json(["search", *case, *extra, "--top", "5"], capsys)
+    assert found
+    printed = {flag for p in found for flag in p["megatron_flags"]}
+    if case is GPT3_A100_40G:  # the case reaches the CPU optimizer, whose Megatron flags estimate must read
+        assert {"--use-precision-aware-optimizer", "--optimizer-cpu-offload"} <= printed
+    else:
+        assert "--fp8-format" in printed
+    for plan in found:
+        again = _json(["estimate", *case, *plan["megatron_flags"]], capsys)
+        assert again["tokens_per_second"] == pytest.approx(plan["tokens_per_second"], rel=1e-9)
+        assert again["peak_memory_bytes"] == plan["peak_memory_bytes"]
+
+
+def test_megatrons_spellings_of_the_defaults_are_read(capsys):
+    plain = _json(["estimate", *LLAMA70B, "--recompute-granularity", "selective"], capsys)
+    spelled = _json(["estimate", *LLAMA70B, "--sequence-parallel", "--use-distributed-optimizer", "--bf16",
+                     "--recompute-activations"], capsys)
+    assert spelled == plain
+    without = _json(["estimate", *LLAMA70B], capsys)
+    assert without["peak_memory_bytes"] > plain["peak_memory_bytes"]  # the shorthand did recompute something
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--sequence-parallel", "--no-sequence-parallel"], "--no-sequence-parallel: not allowed with argument "
+                                                        "--sequence-parallel"),
+    (["--use-distributed-optimizer", "--no-use-distributed-optimizer"], "not allowed with argument"),
+    (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations (selective) "
+                                                                     "contradicts --recompute-granularity full"),
+    (["--use-megatron-fsdp"], "--use-megatron-fsdp: needs --data-parallel-sharding-strategy"),
+])
+def test_contradictions_are_one_line(flags, named, capsys):
+    code, _, err = _run(["estimate", *LLAMA70B, *flags], capsys)
+    assert code == 2
+    assert named in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_search_reads_the_shorthand_as_selective_recompute(capsys):
+    found = _json(["search", *LLAMA70B, "--recompute-activations", "--top", "3"], capsys)
+    assert found and all("selective" in p["megatron_flags"] for p in found)
