@@ -106,8 +106,9 @@ class Plan:
     attention_backend: str = "flash"
     """'flash' or 'unfused' (see ATTENTION_BACKENDS)."""
     grad_reduce_in_bf16: bool = False
-    """Megatron's --grad-reduce-in-bf16: the gradient buffer and its data-parallel reduction in bf16 (2 bytes per
-    parameter) instead of fp32 (megatron-core's DDP ``grad_reduce_in_fp32``, Megatron-LM's default with bf16)."""
+    """The gradient buffer and its data-parallel reduction in 16 bits (2 bytes per parameter) instead of fp32
+    (megatron-core's DDP ``grad_reduce_in_fp32``, Megatron-LM's default with bf16): Megatron's --grad-reduce-in-bf16,
+    or an --fp16 run's fp16 gradients (:func:`h3t_ext.planner.translate.sixteen_bit_grads`)."""
 
     @property
     def grad_bytes(self) -> int:

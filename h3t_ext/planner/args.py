@@ -159,10 +159,18 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     do_.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer", action="store_true",
                      default=True, help="Megatron's flag, accepted as written in a training script: the planner's "
                                         "default")
-    p.add_argument("--bf16", action="store_true",
-                   help="Megatron's flag, accepted as written in a training script: BF16 is what the planner prices "
-                        "(with --fp8-format, the linear layers' GEMMs run in FP8 and the rest in BF16, as in "
-                        "Megatron-LM)")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true",
+                           help="Megatron's flag, accepted as written in a training script: BF16 is what the planner "
+                                "prices (with --fp8-format, the linear layers' GEMMs run in FP8 and the rest in BF16, "
+                                "as in Megatron-LM)")
+    precision.add_argument("--fp16", action="store_true",
+                           help="an fp16 run: priced at the BF16 tensor-core rate (the same on Ampere and Hopper) with "
+                                "Megatron-LM's fp16 gradients (2 bytes a parameter, in the buffer and its reduction) "
+                                "unless --accumulate-allreduce-grads-in-fp32")
+    p.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="Megatron's fp32 gradient buffer and reduction (its default with --bf16; with --fp16 it "
+                        "doubles the gradients' bytes)")
     p.add_argument("--use-megatron-fsdp", action="store_true",
                    help="Megatron's switch of Megatron FSDP, accepted as written in a training script (needs "
                         "--data-parallel-sharding-strategy, which alone also selects it)")

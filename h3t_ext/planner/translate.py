@@ -60,6 +60,8 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "fp8_recipe": DEFAULT_FP8_RECIPE,
     "fp8_param_gather": False,
     "grad_reduce_in_bf16": False,
+    "fp16": False,
+    "accumulate_allreduce_grads_in_fp32": False,  # Megatron-LM turns it on for --bf16 (sixteen_bit_grads)
     "optimizer_cpu_offload": False,
     "optimizer_offload_fraction": 1.0,
     "overlap_cpu_optimizer_d2h_h2d": False,
@@ -80,7 +82,7 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
            "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split", "fp8",
-           "fp8_recipe", "fp8_param_gather", "grad_reduce_in_bf16", "optimizer_cpu_offload", "optimizer_offload_fraction",
+           "fp8_recipe", "fp8_param_gather", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
@@ -88,6 +90,26 @@ save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused'
 ATTENTION_BACKEND_CHOICES = tuple(_ATTENTION_BACKENDS)
 """Megatron's --attention-backend values (its AttnBackend names)."""
 _MISSING = object()
+
+
+def sixteen_bit_grads(*, grad_reduce_in_bf16: bool, fp16: bool, accumulate_allreduce_grads_in_fp32: bool) -> bool:
+    """Whether Megatron-LM keeps the gradient buffer (and reduces it) in 16 bits: with --grad-reduce-in-bf16, and in
+    an --fp16 run unless --accumulate-allreduce-grads-in-fp32 (``validate_args`` forces fp32 accumulation for
+    --bf16 only; the DDP config's ``grad_reduce_in_fp32`` is ``accumulate_allreduce_grads_in_fp32``, so an fp16 run
+    holds fp16 gradients: ``MEGATRON_ARGUMENTS_SOURCE``). ValueError (one line) for the two flags that contradict."""
+    if grad_reduce_in_bf16 and accumulate_allreduce_grads_in_fp32:
+        raise ValueError("--grad-reduce-in-bf16 contradicts --accumulate-allreduce-grads-in-fp32; give one")
+    return bool(grad_reduce_in_bf16 or (fp16 and not accumulate_allreduce_grads_in_fp32))
+
+
+def _grads_16bit(read, fixed: Mapping[str, Any]) -> bool:
+    """The plan's ``grad_reduce_in_bf16`` (16-bit gradients): what the caller fixed, else :func:`sixteen_bit_grads`."""
+    if "grad_reduce_in_bf16" in fixed:
+        return bool(fixed["grad_reduce_in_bf16"])
+    return sixteen_bit_grads(grad_reduce_in_bf16=bool(_value(read, "grad_reduce_in_bf16", fixed)),
+                             fp16=bool(_value(read, "fp16", fixed)),
+                             accumulate_allreduce_grads_in_fp32=bool(_value(read, "accumulate_allreduce_grads_in_fp32",
+                                                                            fixed)))
 
 
 def _reader(args: Any):
@@ -199,6 +221,7 @@ def plan_from_args(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, mode
 def _plan(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fixed: Any) -> Plan:
     read = _reader(args)
     values = {name: _value(read, name, fixed) for name in _COPIED}
+    values["grad_reduce_in_bf16"] = _grads_16bit(read, fixed)
     for name in _REQUIRED:  # no Megatron default: _value raises when they are missing
         values[name] = _value(read, name, fixed)
         if values[name] is None:
@@ -236,8 +259,9 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
                          "takes --ckpt no|full|ours or --recompute-granularity alone)")
     switches = {name: _value(read, name, fixed) for name in (
         "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
-        "use_distributed_optimizer", "fp8_param_gather", "grad_reduce_in_bf16", "optimizer_cpu_offload",
+        "use_distributed_optimizer", "fp8_param_gather", "optimizer_cpu_offload",
         "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d")}
+    switches["grad_reduce_in_bf16"] = _grads_16bit(read, fixed)
     return SearchConstraints(
         tensor_model_parallel_size=given("tensor_model_parallel_size"),
         context_parallel_size=given("context_parallel_size"),

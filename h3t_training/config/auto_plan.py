@@ -11,6 +11,7 @@ from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_training.errors import ArgumentError
 from h3t_training.config.feature_checks import megatron_fsdp_refusal
+from h3t_training.config.megatron_fields import sixteen_bit_grads_of
 from h3t_training.config.run_spec import model_spec, run_plan
 
 DEFAULT_SYSTEM = "h800"
@@ -117,7 +118,8 @@ def plan_config(args):
     # switch on (a store_true flag left out cannot say "keep it off").
     # The memory ladder: the options this run can run (runnable_ladder); a Megatron FSDP the user fixed is kept.
     constraints = constraints_from_args(args, sequence_parallel=True, use_distributed_optimizer=True,
-                                        tp_comm_overlap=False, memory_ladder=runnable_ladder(args))
+                                        tp_comm_overlap=False, grad_reduce_in_bf16=sixteen_bit_grads_of(args),
+                                        memory_ladder=runnable_ladder(args))
     result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, constraints=constraints,
                     alpha_mode=_alpha_mode(alpha), memory_budget_bytes=budget)

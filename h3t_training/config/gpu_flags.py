@@ -115,7 +115,8 @@ GPU_BY_FLAG: dict[str, GpuRule] = {
     "--fp4-param-gather": _refused("FP4 training is not wired by this driver", "--fp8-param-gather"),
     "--fp4-quantizer-factory": _refused("FP4 training is not wired by this driver", "--fp8-quantizer-factory"),
     "--accumulate-allreduce-grads-in-fp32": _mcore(
-        "DistributedDataParallelConfig.grad_reduce_in_fp32", " (True: the driver's default on a GPU)"),
+        "DistributedDataParallelConfig.grad_reduce_in_fp32", " (True: the driver's default with --bf16; with --fp16 "
+        "it keeps fp32 gradients, which Megatron-LM holds in fp16 otherwise)"),
     "--grad-reduce-in-bf16": _mcore("DistributedDataParallelConfig.grad_reduce_in_fp32",
                                     " (False: gradients reduced in bfloat16, as in Megatron-LM)"),
     "--fp32-residual-connection": _mcore("TransformerConfig.fp32_residual_connection"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from h3t_ext.planner.translate import sixteen_bit_grads
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import table_int, table_value
 from h3t_training.config.fp8_flags import AMAX_COMPUTE_ALGOS, FP8_FLAGS, FP8_FORMATS, FP8_RECIPES, Fp8Flag
@@ -102,12 +103,19 @@ def transformer_fields(args) -> dict[str, Any]:
     return fields
 
 
+def sixteen_bit_grads_of(args) -> bool:
+    """Whether this run holds and reduces its gradients in 16 bits (:func:`h3t_ext.planner.translate.sixteen_bit_grads`
+    on the driver's flags): what its DDP config builds and what its plan prices."""
+    return sixteen_bit_grads(grad_reduce_in_bf16=_given(args, "--grad-reduce-in-bf16"),
+                             fp16=bool(args.fp16),
+                             accumulate_allreduce_grads_in_fp32=_given(args, "--accumulate-allreduce-grads-in-fp32"))
+
+
 def ddp_fields(args) -> dict[str, Any]:
-    """The ``DistributedDataParallelConfig`` fields of the table flags (the driver reduces gradients in fp32 unless
-    ``--grad-reduce-in-bf16``)."""
-    if _given(args, "--grad-reduce-in-bf16") and _given(args, "--accumulate-allreduce-grads-in-fp32"):
-        raise ValueError("--grad-reduce-in-bf16 contradicts --accumulate-allreduce-grads-in-fp32; give one")
-    fields: dict[str, Any] = dict(grad_reduce_in_fp32=not _given(args, "--grad-reduce-in-bf16"),
+    """The ``DistributedDataParallelConfig`` fields of the table flags (gradients in fp32 unless
+    ``--grad-reduce-in-bf16``, or ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``: Megatron-LM's rule,
+    :func:`h3t_ext.planner.translate.sixteen_bit_grads`, which the run's plan reads too)."""
+    fields: dict[str, Any] = dict(grad_reduce_in_fp32=not sixteen_bit_grads_of(args),
                                   fp8_param_gather=_given(args, "--fp8-param-gather"),
                                   gradient_reduce_div_fusion=not _given(args, "--no-gradient-reduce-div-fusion"),
                                   average_in_collective=_given(args, "--ddp-average-in-collective"),

@@ -17,7 +17,7 @@ from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config.flag_table import table_value
 from h3t_training.config.fp8_flags import fp8_flag
-from h3t_training.config.megatron_fields import attention_backend, spec_backend
+from h3t_training.config.megatron_fields import attention_backend, sixteen_bit_grads_of, spec_backend
 
 
 def uses_transformer_engine(on_gpu: bool, config) -> bool:
@@ -74,7 +74,7 @@ def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixe
     TransformerEngine the plan has the FP8 and attention backend the run passes to megatron-core
     (:func:`gpu_plan_fields`)."""
     runs = dict(tp_comm_overlap=False, attention_backend="flash",
-                grad_reduce_in_bf16=table_value(config, "--grad-reduce-in-bf16", False) is not False)
+                grad_reduce_in_bf16=sixteen_bit_grads_of(config))
     if on_gpu and not uses_transformer_engine(on_gpu, config):
         runs["transformer_impl"] = "local"  # on CPU the plan is for the GPU job: --transformer-impl (Megatron's TE)
     elif on_gpu:

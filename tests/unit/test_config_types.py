@@ -136,7 +136,7 @@ LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
 
 
 @pytest.mark.parametrize("switches", [[], ["--use-distributed-optimizer"], ["--sequence-parallel"],
-                                      ["--use-distributed-optimizer", "--sequence-parallel"]])
+                                      ["--use-distributed-optimizer", "--sequence-parallel"], ["--fp16"]])
 def test_driver_auto_alpha_is_the_planners_for_the_same_flags(switches, capsys):
     """--offload-alpha auto through the driver sizes alpha for the run it launches: the alpha of
     ``h3t-plan estimate`` given the same flags (the planner spells 'off' as --no-...)."""
@@ -150,6 +150,7 @@ def test_driver_auto_alpha_is_the_planners_for_the_same_flags(switches, capsys):
     planner = ["estimate", *MODEL, *LAYOUT, "--vocab-size", "32001", "--num-gpus", "8", "--gpu", "h800", "--json"]
     planner += [] if "--use-distributed-optimizer" in switches else ["--no-use-distributed-optimizer"]
     planner += [] if "--sequence-parallel" in switches else ["--no-sequence-parallel"]
+    planner += [s for s in switches if s == "--fp16"]  # fp16 gradients (Megatron-LM's) on both sides
     low, high = (planned("--offload-alpha", a)["peak_memory_bytes"] for a in ("1", "0"))
     assert low < high
     budget = str(int((low + high) / 2))  # alpha 0 does not fit, alpha 1 does

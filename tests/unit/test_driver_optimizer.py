@@ -15,7 +15,7 @@ ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6
                        decoupled_min_lr=None, lr_warmup_steps=None, lr_decay_steps=None,
                        optimizer_cpu_offload=False, optimizer_offload_fraction=None, overlap_cpu_optimizer_d2h_h2d=False,
                        use_torch_optimizer_for_cpu_offload=False, pin_cpu_grads=True, pin_cpu_params=True,
-                       overlap_grad_reduce=False)
+                       overlap_grad_reduce=False, fp16=False)
 """The optimizer's fields of the driver's config (which is closed: every field is present, None when unset)."""
 STEPS = 4
 

@@ -161,6 +161,17 @@ def test_gradient_reduction_precision_reaches_the_ddp_config(monkeypatch, capsys
     assert body == "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer (as in Megatron-LM)"
 
 
+def test_an_fp16_run_keeps_megatrons_fp16_gradients_in_ddp_and_in_its_plan(monkeypatch):
+    """Megatron-LM forces fp32 gradient accumulation for --bf16 only: an --fp16 run's DDP buffer is fp16 unless
+    --accumulate-allreduce-grads-in-fp32, and the plan the driver prices holds the same bytes."""
+    _gpu(monkeypatch, te=True)
+    base = [f for f in BASE if f != "--bf16"]
+    fp16 = parse_args([*base, "--fp16"], world_size=2)
+    assert ddp_fields(fp16)["grad_reduce_in_fp32"] is False and run_plan(fp16, on_gpu=True).grad_bytes == 2
+    fp32 = parse_args([*base, "--fp16", "--accumulate-allreduce-grads-in-fp32"], world_size=2)
+    assert ddp_fields(fp32)["grad_reduce_in_fp32"] is True and run_plan(fp32, on_gpu=True).grad_bytes == 4
+
+
 def test_bad_gpu_values_are_one_line(monkeypatch, capsys):
     _gpu(monkeypatch, te=True)
     assert error_body([*BASE, "--fp8-format", "e5m2"], capsys) == "--fp8-format e5m2 is not one of e4m3, hybrid"

@@ -65,6 +65,9 @@ def test_megatrons_spellings_of_the_defaults_are_read(capsys):
     (["--recompute-activations", "--recompute-granularity", "full"], "--recompute-activations (selective) "
                                                                      "contradicts --recompute-granularity full"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp: needs --data-parallel-sharding-strategy"),
+    (["--bf16", "--fp16"], "--fp16: not allowed with argument --bf16"),
+    (["--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"], "--grad-reduce-in-bf16 contradicts "
+                                                                          "--accumulate-allreduce-grads-in-fp32"),
 ])
 def test_contradictions_are_one_line(flags, named, capsys):
     code, _, err = _run(["estimate", *LLAMA70B, *flags], capsys)
@@ -75,3 +78,14 @@ def test_contradictions_are_one_line(flags, named, capsys):
 def test_search_reads_the_shorthand_as_selective_recompute(capsys):
     found = _json(["search", *LLAMA70B, "--recompute-activations", "--top", "3"], capsys)
     assert found and all("selective" in p["megatron_flags"] for p in found)
+
+
+def test_an_fp16_run_holds_megatrons_fp16_gradients(capsys):
+    """Megatron-LM accumulates and reduces gradients in fp32 for --bf16 only: --fp16 prices 2-byte gradients (as
+    --grad-reduce-in-bf16 does), --accumulate-allreduce-grads-in-fp32 restores the 4 bytes."""
+    bf16 = _json(["estimate", *LLAMA70B], capsys)
+    fp16 = _json(["estimate", *LLAMA70B, "--fp16"], capsys)
+    assert fp16 == _json(["estimate", *LLAMA70B, "--grad-reduce-in-bf16"], capsys)
+    assert fp16["peak_memory_bytes"] < bf16["peak_memory_bytes"]
+    assert _json(["estimate", *LLAMA70B, "--fp16", "--accumulate-allreduce-grads-in-fp32"], capsys) == bf16
+    assert _json(["estimate", *LLAMA70B, "--bf16", "--accumulate-allreduce-grads-in-fp32"], capsys) == bf16
