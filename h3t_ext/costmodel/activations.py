@@ -265,9 +265,8 @@ def unfused_scores_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int =
 
 def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = BF16, layer_spec: str = "te") -> int:
     """cos and sin ([s/c, 1, 1, head_dim], for q and for k) that megatron-core's unfused RoPE saves per
-    layer and microbatch with the 'local' spec; 0 with the 'te' spec (fused RoPE) and for GPT models with
-    learned positions (the non-SwiGLU models here, as in the time model)."""
-    if layer_spec != "local" or not model.swiglu:
+    layer and microbatch with the 'local' spec; 0 with the 'te' spec (fused RoPE) and without RoPE."""
+    if layer_spec != "local" or not model.rotates_qk:
         return 0
     head_dim = model.hidden_size // model.num_attention_heads
     return 4 * (plan.seq_length // plan.context_parallel_size) * head_dim * dtype_bytes

@@ -100,9 +100,9 @@ def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
     n = plan.stage_layers(model.num_layers, stage) * model.layer_params_per_rank(t)
     vocab = model.padded_vocab_size(t) * h // t
     if stage == 0:
-        n += vocab
+        n += vocab + model.position_embedding_params(plan.seq_length)
     if stage == p - 1:
-        n += h  # final norm
+        n += model.norm_params  # final norm
         if model.untie_embeddings_and_output_weights or p > 1:
             n += vocab  # output layer (a tied copy of the embedding when p > 1)
     return n

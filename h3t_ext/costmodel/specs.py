@@ -14,6 +14,12 @@ from h3t_ext.costmodel.schema import SchemaError, check_system_dict
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 
 
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+"""Megatron's --normalization values."""
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "none")
+"""Megatron's --position-embedding-type values the cost model prices (its 'mrope' and 'relative' are not)."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape of a decoder-only transformer (Megatron's names)."""
@@ -49,8 +55,31 @@ class ModelSpec:
     activation (bias_activation_fusion, its default), and that fused function hands autograd a full-size
     gradient for the bias, which autograd reduces over the tokens: one more read of FC1's output gradient
     in the backward. The other biases cost nothing extra (cuBLAS epilogues, the compiled bias-dropout-add)."""
+    normalization: Optional[str] = None
+    """Megatron's --normalization: 'LayerNorm' (a weight and a bias per norm) or 'RMSNorm' (a weight). Both are one
+    memory-bound pass reading x and writing y (TransformerEngine's fused norms; the saved mean is one float a token
+    beside the rstd), so only their parameters differ. None: RMSNorm with SwiGLU (Llama), LayerNorm without (GPT)."""
+    position_embedding_type: Optional[str] = None
+    """Megatron's --position-embedding-type: 'rope' (q and k rotated in every layer: element-wise traffic, and the
+    local spec's saved cos/sin), 'learned_absolute' (a max_position_embeddings x h table on the first pipeline
+    stage, whole on every tensor-parallel rank, added to the word embedding) or 'none'. None: rope with SwiGLU,
+    learned_absolute without."""
+    max_position_embeddings: Optional[int] = None
+    """Rows of the learned position table (Megatron's --max-position-embeddings); None: the run's sequence length
+    (what Megatron-LM's scripts give it)."""
 
     def __post_init__(self) -> None:
+        if self.normalization is None:
+            object.__setattr__(self, "normalization", "RMSNorm" if self.swiglu else "LayerNorm")
+        if self.position_embedding_type is None:
+            object.__setattr__(self, "position_embedding_type", "rope" if self.swiglu else "learned_absolute")
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization {self.normalization!r} is not one of {', '.join(NORMALIZATIONS)}")
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ValueError(f"position_embedding_type {self.position_embedding_type!r} is not one of "
+                             f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+        if self.max_position_embeddings is not None and int(self.max_position_embeddings) < 1:
+            raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
         for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
                   "vocab_size"):
             if int(getattr(self, f)) < 1:
@@ -96,9 +125,26 @@ class ModelSpec:
         return column // tensor_model_parallel_size + 2 * self.hidden_size
 
     @property
+    def norm_params(self) -> int:
+        """Parameters of one norm: its weight, and its bias with LayerNorm."""
+        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
+
+    @property
     def layer_norm_params(self) -> int:
-        """Weights of the two norms of one layer."""
-        return 2 * self.hidden_size
+        """Parameters of the two norms of one layer."""
+        return 2 * self.norm_params
+
+    @property
+    def rotates_qk(self) -> bool:
+        """Whether every layer applies RoPE to q and k."""
+        return self.position_embedding_type == "rope"
+
+    def position_embedding_params(self, seq_length: int) -> int:
+        """Parameters of the learned position table (0 without one): ``max_position_embeddings`` (default
+        ``seq_length``) rows of h, whole on every tensor-parallel rank of the first stage."""
+        if self.position_embedding_type != "learned_absolute":
+            return 0
+        return (self.max_position_embeddings or seq_length) * self.hidden_size
 
     def layer_params_per_rank(self, tensor_model_parallel_size: int = 1) -> int:
         """All parameters of one layer on one tensor-parallel rank: its GEMM weights' shard, its biases
@@ -116,7 +162,8 @@ class ModelSpec:
         """Total parameters (unpadded vocabulary)."""
         emb = self.vocab_size * self.hidden_size
         out = emb if self.untie_embeddings_and_output_weights else 0
-        return self.num_layers * self.layer_params_per_rank() + emb + out + self.hidden_size
+        return self.num_layers * self.layer_params_per_rank() + emb + out + self.norm_params \
+            + self.position_embedding_params(self.max_position_embeddings or 0)
 
 
 @dataclass(frozen=True)

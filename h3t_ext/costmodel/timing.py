@@ -220,7 +220,7 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
     norms_fwd, norms_bwd = 2 * NORM_ELEMENTS_FWD * h * norm_tokens, 2 * NORM_ELEMENTS_BWD * h * norm_tokens
     residual_fwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens
     residual_bwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
-    rope = 2 * (h + hkv) * tokens // t if model.swiglu else 0  # Llama models rotate q and k
+    rope = 2 * (h + hkv) * tokens // t if model.rotates_qk else 0
     act_fwd = activation_elements(fc1, f, backward=False) * tokens // t
     act_bwd = activation_elements(fc1, f, backward=True) * tokens // t
     if model.add_bias_linear:  # the fused bias-activation's bias gradient, reduced over the tokens by autograd
@@ -404,7 +404,7 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     g = layer_gemm_seconds(model, plan, r)
     a = attention_seconds(model, plan, system, r)
     elem_fwd, elem_bwd, elem_ours, masks = _elementwise_bytes(model, plan)
-    rope = ROPE_KERNELS if model.swiglu else 0  # the Llama models rotate q and k (as _elementwise_bytes)
+    rope = ROPE_KERNELS if model.rotates_qk else 0  # RoPE's kernels (as _elementwise_bytes)
     e_fwd = elementwise_seconds(elem_fwd + masks, r, kernels=ELEMENTWISE_KERNELS_FWD + rope)
     e_bwd = elementwise_seconds(elem_bwd + masks, r, kernels=ELEMENTWISE_KERNELS_BWD + rope + (
         HIDDEN_DROPOUT_KERNELS_BWD if model.hidden_dropout > 0 else 0) + (BIAS_GRAD_KERNELS if model.add_bias_linear else 0))

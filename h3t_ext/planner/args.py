@@ -12,7 +12,7 @@ import sys
 from typing import NoReturn, Optional, Union
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
-from h3t_ext.costmodel.specs import load_system_file, system_file_dict
+from h3t_ext.costmodel.specs import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, load_system_file, system_file_dict
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, TRANSFORMER_IMPLS
 from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
@@ -258,6 +258,15 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
                       help="biases on the linear layers (Megatron's default; GPT)")
     bias.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_const", const=False,
                       help="no linear biases (default for custom models; Llama)")
+    g.add_argument("--normalization", choices=NORMALIZATIONS, default=None,
+                   help="default: the zoo model's; for a custom shape RMSNorm with SwiGLU, else LayerNorm (priced "
+                        "alike but for LayerNorm's bias: one memory-bound pass over the same bytes)")
+    g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default=None,
+                   help="rope rotates q and k in every layer; learned_absolute keeps a --max-position-embeddings x "
+                        "hidden table on the first stage, whole on every tensor-parallel rank (default: the zoo "
+                        "model's; for a custom shape rope with SwiGLU, else learned_absolute)")
+    g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
+                   help="rows of the learned position table, >= --seq-length (default --seq-length)")
     for flag in ("attention-dropout", "hidden-dropout"):
         g.add_argument("--" + flag, type=_dropout, default=None,
                        help="dropout probability (default: the zoo model's, 0 for a custom shape; Megatron-LM's "
@@ -295,8 +304,15 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
     given = {k: getattr(ns, k) for k in _CUSTOM_MODEL_FLAGS if getattr(ns, k) is not None}
     switches = {k: v for k, v in (("swiglu", ns.swiglu), ("untie_embeddings_and_output_weights", ns.untie),
                                   ("add_bias_linear", ns.add_bias_linear),
-                                  ("attention_dropout", ns.attention_dropout), ("hidden_dropout", ns.hidden_dropout))
+                                  ("attention_dropout", ns.attention_dropout), ("hidden_dropout", ns.hidden_dropout),
+                                  ("normalization", ns.normalization),
+                                  ("position_embedding_type", ns.position_embedding_type),
+                                  ("max_position_embeddings", ns.max_position_embeddings))
                 if v is not None}
+    seq_length = getattr(ns, "seq_length", None)
+    if ns.max_position_embeddings is not None and seq_length is not None and ns.max_position_embeddings < seq_length:
+        raise UsageError(f"argument --max-position-embeddings: {ns.max_position_embeddings} is below --seq-length "
+                         f"{seq_length} (Megatron-LM asserts it; valid: >= {seq_length})")
     try:
         if ns.model is not None:
             try:

@@ -64,7 +64,9 @@ def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
                      ffn_hidden_size=config.ffn_hidden_size, vocab_size=vocab_size, swiglu=bool(config.swiglu),
                      untie_embeddings_and_output_weights=bool(config.untie_embeddings_and_output_weights),
                      add_bias_linear=not config.disable_bias_linear,
-                     attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout)
+                     attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout,
+                     normalization=config.normalization, position_embedding_type=config.position_embedding_type,
+                     max_position_embeddings=config.max_position_embeddings)
 
 
 def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixed) -> Plan:

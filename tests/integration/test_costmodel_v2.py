@@ -49,8 +49,9 @@ def test_after_calibrating_on_one_row_current_level(loso, source, median):
 
 
 MISSES_ONE_ROW_TARGET = {
-    "megatron_h100": "3.01% (3.27% before the attention backward got its measured rate): held out, the rows' errors "
-                     "fall in two groups about 5% apart (+1.0, +0.1, -4.1, -3.8, -3.8, +0.3, +1.8, -2.3, -2.8% from "
+    "megatron_h100": "3.07% (3.27% before the attention backward got its measured rate, 3.01% before the learned "
+                     "position table was counted): held out, the rows' errors "
+                     "fall in two groups about 5% apart (+1.0, +0.1, -4.1, -3.8, -4.0, +0.3, +1.8, -2.3, -2.9% from "
                      "1.7B to 462B) that follow no time term's share (scripts/costmodel_calibration.py --residuals), "
                      "and one row's calibration moves every row alike"}
 

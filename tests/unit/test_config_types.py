@@ -160,3 +160,16 @@ def test_driver_auto_alpha_is_the_planners_for_the_same_flags(switches, capsys):
         "32000", "--offload-alpha", "auto", "--memory-budget", budget, "--gpu", "h800"], world_size=8)
     assert 0.0 < config.offload_alpha < 1.0
     assert config.offload_alpha == pytest.approx(expected, abs=1e-12)
+
+
+@pytest.mark.parametrize("prog,norm,positions", [("pretrain_gpt.py", "LayerNorm", "learned_absolute"),
+                                                 ("pretrain_llama.py", "RMSNorm", "rope")])
+def test_the_driver_prices_the_norm_and_positions_it_builds(prog, norm, positions):
+    from h3t_training.config.run_spec import model_spec
+
+    config = parse_args(BASE, prog=prog, world_size=1)
+    model = model_spec(config, vocab_size=1000)
+    assert (model.normalization, model.position_embedding_type) == (norm, positions)
+    assert model.max_position_embeddings == 32  # --seq-length, as the driver fills it in
+    assert model_spec(parse_args(BASE + ["--max-position-embeddings", "64"], prog=prog, world_size=1),
+                      vocab_size=1000).max_position_embeddings == 64

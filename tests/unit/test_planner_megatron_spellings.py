@@ -66,6 +66,8 @@ def test_megatrons_spellings_of_the_defaults_are_read(capsys):
                                                                      "contradicts --recompute-granularity full"),
     (["--use-megatron-fsdp"], "--use-megatron-fsdp: needs --data-parallel-sharding-strategy"),
     (["--bf16", "--fp16"], "--fp16: not allowed with argument --bf16"),
+    (["--max-position-embeddings", "2048"], "--max-position-embeddings: 2048 is below --seq-length 4096"),
+    (["--normalization", "layernorm"], "--normalization: invalid choice"),
     (["--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"], "--grad-reduce-in-bf16 contradicts "
                                                                           "--accumulate-allreduce-grads-in-fp32"),
 ])
@@ -89,3 +91,17 @@ def test_an_fp16_run_holds_megatrons_fp16_gradients(capsys):
     assert fp16["peak_memory_bytes"] < bf16["peak_memory_bytes"]
     assert _json(["estimate", *LLAMA70B, "--fp16", "--accumulate-allreduce-grads-in-fp32"], capsys) == bf16
     assert _json(["estimate", *LLAMA70B, "--bf16", "--accumulate-allreduce-grads-in-fp32"], capsys) == bf16
+
+
+def test_a_custom_gpt_shape_says_its_norm_and_positions(capsys):
+    """A GeLU model from shape flags is Megatron's GPT (LayerNorm, a learned position table); the flags say otherwise."""
+    gpt = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "8192",
+           "--vocab-size", "50257", "--no-swiglu", "--seq-length", "2048", "--num-gpus", "8", "--global-batch-size",
+           "64", "--tensor-model-parallel-size", "8"]
+    learned = _json(["estimate", *gpt], capsys)
+    rope = _json(["estimate", *gpt, "--position-embedding-type", "rope"], capsys)
+    table = 2048 * 2048  # whole on every tensor-parallel rank: weights, fp32 gradients, the optimizer's shard
+    assert learned["peak_memory_bytes"] - rope["peak_memory_bytes"] >= table * (2 + 4)
+    assert rope["tokens_per_second"] < learned["tokens_per_second"]  # RoPE's kernels in every layer
+    assert _json(["estimate", *gpt, "--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm"],
+                 capsys) == learned
