@@ -110,6 +110,11 @@ class Plan:
     (megatron-core's DDP ``grad_reduce_in_fp32``, Megatron-LM's default with bf16): Megatron's --grad-reduce-in-bf16,
     or an --fp16 run's fp16 gradients (:func:`h3t_ext.planner.translate.sixteen_bit_grads`)."""
 
+    fp16: bool = False
+    """Megatron's --fp16: parameters and activations in fp16 instead of bf16, priced alike (the same tensor-core
+    rate on Ampere and Hopper, the same bytes); its gradients are ``grad_reduce_in_bf16``'s 16 bits unless the run
+    keeps fp32 accumulation (:func:`h3t_ext.planner.translate.sixteen_bit_grads`). Kept for the flags it prints."""
+
     @property
     def grad_bytes(self) -> int:
         """Bytes per parameter of the gradient buffer and of its reduce-scatter / all-reduce."""

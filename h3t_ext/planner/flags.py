@@ -50,7 +50,10 @@ def megatron_flags(plan: Plan) -> list[str]:
     if plan.optimizer_cpu_offload:
         flags += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
                   f"{plan.optimizer_offload_fraction:g}"]
-    flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)]
+    flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)
+              and not (plan.fp16 and attr == "grad_reduce_in_bf16")]
+    if plan.fp16:  # Megatron-LM holds an fp16 run's gradients in fp16 unless told to accumulate them in fp32
+        flags += ["--fp16"] + ([] if plan.grad_reduce_in_bf16 else ["--accumulate-allreduce-grads-in-fp32"])
     if not plan.overlap_p2p_comm:
         flags.append("--no-overlap-p2p-communication")
     # ckpt selective is h3t-ext's name of Megatron's selective core_attn on ckpt no: the driver takes Megatron's flags
@@ -91,6 +94,8 @@ _OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gat
             "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather",
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
             "--grad-reduce-in-bf16": "grad_reduce_in_bf16"}
+_PRECISION = {"--fp16": "fp16", "--accumulate-allreduce-grads-in-fp32": "accumulate_allreduce_grads_in_fp32"}
+"""An fp16 plan's switches (its gradient dtype follows from them: ``translate.sixteen_bit_grads``)."""
 _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
                "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--attention-backend": "attention_backend",
                "--transformer-impl": "transformer_impl", "--recompute-granularity": "recompute_granularity",
@@ -119,8 +124,8 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
             continue
         if flag in _SWITCHES:
             continue
-        if flag in _OVERLAP or flag in _SPLIT_SWITCHES:
-            setattr(ns, {**_OVERLAP, **_SPLIT_SWITCHES}[flag], True)
+        if flag in _OVERLAP or flag in _SPLIT_SWITCHES or flag in _PRECISION:
+            setattr(ns, {**_OVERLAP, **_SPLIT_SWITCHES, **_PRECISION}[flag], True)
             continue
         if flag not in _INT_FLAGS and flag not in _TEXT_FLAGS and flag not in ("--offload-alpha",
                                                                                "--optimizer-offload-fraction"):

@@ -329,7 +329,7 @@ def search(
                                                       "use_distributed_optimizer", "data_parallel_sharding_strategy",
                                                       "attention_backend", "transformer_impl", "optimizer_cpu_offload",
                                                       "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
-                                                      "grad_reduce_in_bf16")}
+                                                      "grad_reduce_in_bf16", "fp16")}
     best_first = top is not None and not exhaustive
     budgets = _Budgets(memory_budget_bytes, host_memory_budget_bytes, constraints.memory_ladder)
     live: list[tuple[tuple, Layout]] = []

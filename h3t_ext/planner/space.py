@@ -107,7 +107,9 @@ class SearchConstraints:
     overlap_cpu_optimizer_d2h_h2d: bool = False
     """Megatron's --overlap-cpu-optimizer-d2h-h2d for every plan that offloads the optimizer."""
     grad_reduce_in_bf16: bool = False
-    """Megatron's --grad-reduce-in-bf16 for every plan searched."""
+    """16-bit gradients (Megatron's --grad-reduce-in-bf16, or an --fp16 run's) for every plan searched."""
+    fp16: bool = False
+    """Megatron's --fp16 for every plan searched."""
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP's --data-parallel-sharding-strategy for every plan searched (None: Megatron's DDP)."""
     attention_backend: str = "flash"

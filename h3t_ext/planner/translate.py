@@ -82,7 +82,7 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
            "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split", "fp8",
-           "fp8_recipe", "fp8_param_gather", "optimizer_cpu_offload", "optimizer_offload_fraction",
+           "fp8_recipe", "fp8_param_gather", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
@@ -259,7 +259,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
                          "takes --ckpt no|full|ours or --recompute-granularity alone)")
     switches = {name: _value(read, name, fixed) for name in (
         "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
-        "use_distributed_optimizer", "fp8_param_gather", "optimizer_cpu_offload",
+        "use_distributed_optimizer", "fp8_param_gather", "fp16", "optimizer_cpu_offload",
         "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d")}
     switches["grad_reduce_in_bf16"] = _grads_16bit(read, fixed)
     return SearchConstraints(

@@ -87,9 +87,13 @@ def test_an_fp16_run_holds_megatrons_fp16_gradients(capsys):
     --grad-reduce-in-bf16 does), --accumulate-allreduce-grads-in-fp32 restores the 4 bytes."""
     bf16 = _json(["estimate", *LLAMA70B], capsys)
     fp16 = _json(["estimate", *LLAMA70B, "--fp16"], capsys)
-    assert fp16 == _json(["estimate", *LLAMA70B, "--grad-reduce-in-bf16"], capsys)
+    bf16_grads = _json(["estimate", *LLAMA70B, "--grad-reduce-in-bf16"], capsys)
+    assert {k: v for k, v in fp16.items() if k != "megatron_flags"} == \
+        {k: v for k, v in bf16_grads.items() if k != "megatron_flags"}
     assert fp16["peak_memory_bytes"] < bf16["peak_memory_bytes"]
-    assert _json(["estimate", *LLAMA70B, "--fp16", "--accumulate-allreduce-grads-in-fp32"], capsys) == bf16
+    fp32_grads = _json(["estimate", *LLAMA70B, "--fp16", "--accumulate-allreduce-grads-in-fp32"], capsys)
+    assert fp32_grads["peak_memory_bytes"] == bf16["peak_memory_bytes"]
+    assert fp32_grads["tokens_per_second"] == bf16["tokens_per_second"]
     assert _json(["estimate", *LLAMA70B, "--bf16", "--accumulate-allreduce-grads-in-fp32"], capsys) == bf16
 
 
@@ -105,3 +109,15 @@ def test_a_custom_gpt_shape_says_its_norm_and_positions(capsys):
     assert rope["tokens_per_second"] < learned["tokens_per_second"]  # RoPE's kernels in every layer
     assert _json(["estimate", *gpt, "--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm"],
                  capsys) == learned
+
+
+@pytest.mark.parametrize("extra,printed", [(["--fp16"], ["--fp16"]),
+                                           (["--fp16", "--accumulate-allreduce-grads-in-fp32"],
+                                            ["--fp16", "--accumulate-allreduce-grads-in-fp32"]),
+                                           (["--grad-reduce-in-bf16"], ["--grad-reduce-in-bf16"])])
+def test_an_fp16_plan_prints_megatrons_fp16_flags_and_reads_them_back(extra, printed, capsys):
+    got = _json(["estimate", *LLAMA70B, *extra], capsys)
+    precision = [f for f in got["megatron_flags"] if f in ("--fp16", "--accumulate-allreduce-grads-in-fp32",
+                                                            "--grad-reduce-in-bf16", "--bf16")]
+    assert precision == printed
+    assert _json(["estimate", *LLAMA70B, *got["megatron_flags"]], capsys) == got
