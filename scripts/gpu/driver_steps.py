@@ -7,9 +7,13 @@ first two (``--metrics-json``) and the last logged ``max memory (MB)`` (``torch.
 cost model's figures for the same runs come from ``h3t-plan estimate`` with the same flags (``--compare``, on
 any machine: the local layer spec the driver ran, no TransformerEngine).
 
-  python scripts/gpu/driver_steps.py [--json PATH] [--iters 6] [--only NAME ...]   # on the GPU
-  python scripts/gpu/driver_steps.py --dry-run                                    # the commands
-  python scripts/gpu/driver_steps.py --compare PATH [--gpu h200]                  # measured beside estimate
+``--profile`` runs each case under ``torch.profiler`` instead (``groundtruth/kernel_profile.py``): its GPU time per
+iteration by kernel kind, which ``--compare`` prints beside the cost model's GEMM, attention, element-wise,
+recompute, output-layer, optimizer and offload seconds for the same run.
+
+  python scripts/gpu/driver_steps.py [--json PATH] [--iters 6] [--only NAME ...] [--profile]   # on the GPU
+  python scripts/gpu/driver_steps.py --dry-run [--profile]                                 # the commands
+  python scripts/gpu/driver_steps.py --compare PATH [--gpu h200]                           # beside estimate
 """
 from __future__ import annotations
 
@@ -78,6 +82,54 @@ def measure(case, iters: int, timeout_s: float) -> dict:
             "clocks": clocks.record(with_samples=False)}
 
 
+KERNEL_PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "groundtruth", "kernel_profile.py")
+
+
+def profile_command(case, iters: int, metrics: str, out: str) -> list[str]:
+    """``command`` run under the kernel profiler, which writes its per-kind table to ``out``."""
+    return [sys.executable, KERNEL_PROFILE, "--iterations", str(iters), "--json", out, "--",
+            *command(case, iters, metrics)[1:]]
+
+
+def profile_case(case, iters: int, timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "k.json")
+        try:
+            proc = subprocess.run(profile_command(case, iters, os.path.join(tmp, "m.json"), out), cwd=ROOT,
+                                  capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"case": case[0], "status": "failed", "why": f"did not finish within {timeout_s:g}s"}
+        if proc.returncode != 0 or not os.path.isfile(out):
+            tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["?"])[-1]
+            return {"case": case[0], "status": "failed", "why": tail[-400:]}
+        with open(out) as f:
+            return {"case": case[0], "status": "profiled", "kernels": json.load(f)}
+
+
+def model_kinds_ms(case, gpu: str) -> dict:
+    """The cost model's seconds of one iteration of ``case`` by the kinds a kernel profile sees, in ms: the layers'
+    GEMMs, attention and element-wise kernels (forward and backward), their recompute, the output layer and loss,
+    the optimizer step and the exposed offload copies."""
+    from h3t_ext.costmodel.estimate import estimate
+    from h3t_ext.costmodel.kernels import kernel_rates
+    from h3t_ext.costmodel.timing import attention_seconds, layer_gemm_seconds, layer_time, shape_times
+    from h3t_ext.planner.args import build_parser, model_from_args, plan_from_args, system_from_args
+
+    ns = build_parser().parse_args(estimate_flags(case, gpu))
+    model, system = model_from_args(ns), system_from_args(ns)
+    plan = plan_from_args(ns, model=model)
+    rates = kernel_rates(system)
+    g, a = layer_gemm_seconds(model, plan, rates), attention_seconds(model, plan, system, rates)
+    layer, head = layer_time(model, plan, system), shape_times(model, plan, system).head
+    terms = estimate(model, plan, system).time_terms
+    per_layers = plan.num_microbatches * model.num_layers * 1e3
+    gemm, attn = g["fwd"] + g["dgrad"] + g["wgrad"], a["fwd"] + a["bwd"]
+    return {"gemm": per_layers * gemm, "attention": per_layers * attn,
+            "elementwise": per_layers * (layer.fwd + layer.bwd - gemm - attn),
+            "recompute": per_layers * layer.recompute, "output_layer": plan.num_microbatches * head.total * 1e3,
+            "optimizer": terms.optimizer * 1e3, "offload_exposed": terms.offload_exposed * 1e3}
+
+
 def estimate_flags(case, gpu: str) -> list[str]:
     """``h3t-plan estimate`` flags of one case: its model (Llama: SwiGLU, untied, no biases; GPT: Megatron's
     pretrain_gpt.py defaults), one GPU, its batch, ckpt and alpha, the local layer spec the driver ran."""
@@ -101,6 +153,10 @@ def compare(path: str, gpu: str) -> list[dict]:
     by_name = {c[0]: c for c in CASES}
     out = []
     for r in doc["rows"]:
+        if r.get("status") == "profiled" and r["case"] in by_name:
+            out.append({"case": r["case"], "kernels_ms": r["kernels"]["by_kind_ms_per_iteration"],
+                        "model_ms": model_kinds_ms(by_name[r["case"]], gpu)})
+            continue
         if r.get("status") != "measured" or r["case"] not in by_name:
             continue
         buf = io.StringIO()
@@ -124,9 +180,15 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--compare", metavar="PATH", help="a driver_steps.py JSON: print it beside h3t-plan estimate")
     p.add_argument("--gpu", default="h200", help="the system file of --compare's estimate")
+    p.add_argument("--profile", action="store_true", help="run each case under torch.profiler: its kernels by kind")
     args = p.parse_args(argv)
     if args.compare:
         for r in compare(args.compare, args.gpu):
+            if "kernels_ms" in r:
+                kernels = ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_ms"].items())
+                model = ", ".join(f"{k} {v:.1f}" for k, v in r["model_ms"].items())
+                print(f"{r['case']:20s} kernels (ms/iteration): {kernels}\n{'':20s} model: {model}")
+                continue
             gib = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
             print(f"{r['case']:20s} step {r['step_ms']:8.1f} ms, estimate {r['estimate_ms']:8.1f} ms | peak {gib} GiB, "
                   f"estimate {r['estimate_gib']:.2f} GiB")
@@ -139,7 +201,8 @@ def main(argv=None) -> int:
     cases = [c for c in CASES if args.only is None or c[0] in args.only]
     if args.dry_run:
         for c in cases:
-            print(c[0] + ": " + " ".join(command(c, args.iters, "M.json")[1:]))
+            cmd = profile_command(c, args.iters, "M.json", "K.json") if args.profile else command(c, args.iters, "M.json")
+            print(c[0] + ": " + " ".join(cmd[1:]))
         return 0
     import torch
 
@@ -147,8 +210,14 @@ def main(argv=None) -> int:
         p.error("no CUDA GPU (use --dry-run to list the commands)")
     rows = []
     for c in cases:
-        rows.append(measure(c, args.iters, args.timeout_s))
+        rows.append(profile_case(c, args.iters, args.timeout_s) if args.profile else measure(c, args.iters,
+                                                                                              args.timeout_s))
         r = rows[-1]
+        if r["status"] == "profiled":
+            kinds = r["kernels"]["by_kind_ms_per_iteration"]
+            print(f"{r['case']:20s} kernels {r['kernels']['total_ms_per_iteration']:.1f} ms/iteration: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in kinds.items()), flush=True)
+            continue
         print(f"{r['case']:20s} " + (f"{r['step_time_ms']:9.1f} ms  {r['max_memory_allocated_mib']} MiB"
                                      if r["status"] == "measured" else f"failed: {r['why']}"), flush=True)
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "iters": args.iters, "rows": rows}

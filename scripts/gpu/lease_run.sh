@@ -6,7 +6,8 @@
 #   3. alone on the GPU (timings): the copy kernels, the offload overlap, attention with and without dropout
 #      (scripts/gpu/bench_attention_dropout.py: flash and cuDNN), a GEMM sustained for 20 s (bf16) and
 #      10 s (fp8) beside the SM clock (scripts/gpu/sustained_gemm.py), the driver's training steps
-#      (scripts/gpu/driver_steps.py) and the cost model's ground truth.
+#      (scripts/gpu/driver_steps.py), two of them under the kernel profiler (--profile) and the cost model's
+#      ground truth.
 # The parts land in OUT/parts.tgz (packed again after each stage, so a run stopped at its limit keeps what it
 # measured).
 # scripts/gpu/report.py --from-parts DIR (DIR: parts.tgz unpacked) then writes the report from these files
@@ -105,6 +106,10 @@ done
 pack
 ONLY=(); [[ -n $STEPS ]] && ONLY=(--only $STEPS)
 timeout 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" "${ONLY[@]}" 2>&1
+pack
+# where a driver step's GPU time goes, by kernel kind (driver_steps.py --compare prints it beside the model's terms)
+timeout 150 "$PYTHON" scripts/gpu/driver_steps.py --profile --iters 4 --only llama-1b/no/0 llama-1b/ours/0.5 \
+  --json "$PARTS/driver_profile.json" 2>&1
 pack
 timeout "$GT_TIMEOUT_S" "$PYTHON" scripts/gpu/ground_truth.py --budget-s "$GT_BUDGET_S" \
   --json "$PARTS/ground_truth.json" >"$PARTS/ground_truth.txt" 2>&1 || echo "ground truth failed: $(tail -n 3 "$PARTS/ground_truth.txt")"
