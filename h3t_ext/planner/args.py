@@ -199,6 +199,9 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--attention-backend", choices=translate.ATTENTION_BACKEND_CHOICES, default="auto",
                    help="Megatron's attention backend: auto/flash/fused save no s^2 scores, unfused/local do "
                         "(batched GEMMs and a softmax over the scores in HBM)")
+    p.add_argument("--use-flash-attn", action="store_true",
+                   help="Megatron's older switch of flash attention, accepted as written in a training script: "
+                        "what --attention-backend auto / flash price")
     p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="transformer_engine",
                    help="Megatron's --transformer-impl (local: no TransformerEngine; no FP8)")
     p.add_argument("--fp8-format", dest="fp8", choices=FP8_FORMATS, default=None,
@@ -245,6 +248,9 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
     for name in _CUSTOM_MODEL_FLAGS:
         g.add_argument("--" + name.replace("_", "-"), type=_layer_count if name == "num_layers" else _positive_int,
                        dest=name)
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="Megatron's switch of --num-query-groups, accepted as written in a training script (the "
+                        "planner reads --num-query-groups with or without it; a custom shape needs the groups given)")
     mlp = g.add_mutually_exclusive_group()
     mlp.add_argument("--swiglu", dest="swiglu", action="store_const", const=True,
                      help="SwiGLU MLP (default for custom models)")
@@ -320,6 +326,9 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
             except UnknownNameError as e:
                 raise UsageError(f"argument --model: {e}") from None
             return dataclasses.replace(base, **given, **switches) if (given or switches) else base
+        if ns.group_query_attention and "num_query_groups" not in given:
+            raise UsageError("argument --group-query-attention: needs --num-query-groups for a custom shape "
+                             "(Megatron-LM's default is 1 group: give it, e.g. --num-query-groups 8)")
         missing = [k for k in _REQUIRED_CUSTOM if k not in given]
         if missing:
             flags = ", ".join("--" + k.replace("_", "-") for k in missing)
@@ -367,6 +376,8 @@ def check_flags_apply(ns: argparse.Namespace, *, search: bool) -> None:
     """Refuse a flag that changes memory, time or numerics where the other flags leave it nothing to act on (it
     would be accepted and ignored): one line naming it and what it needs."""
     cpu_optimizer = ns.optimizer_cpu_offload
+    if ns.use_flash_attn and ns.attention_backend in ("unfused", "local"):
+        raise UsageError(f"argument --use-flash-attn: contradicts --attention-backend {ns.attention_backend}; give one")
     if ns.use_megatron_fsdp and ns.data_parallel_sharding_strategy is None:
         raise _needs("--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads or optim_grads_params (the "
                      "shardings priced; Megatron's default no_shard shards nothing)")

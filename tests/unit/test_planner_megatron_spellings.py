@@ -52,7 +52,7 @@ def test_the_flags_search_prints_price_the_same_plan_in_estimate(case, extra, ca
 def test_megatrons_spellings_of_the_defaults_are_read(capsys):
     plain = _json(["estimate", *LLAMA70B, "--recompute-granularity", "selective"], capsys)
     spelled = _json(["estimate", *LLAMA70B, "--sequence-parallel", "--use-distributed-optimizer", "--bf16",
-                     "--recompute-activations"], capsys)
+                     "--recompute-activations", "--group-query-attention", "--use-flash-attn"], capsys)
     assert spelled == plain
     without = _json(["estimate", *LLAMA70B], capsys)
     assert without["peak_memory_bytes"] > plain["peak_memory_bytes"]  # the shorthand did recompute something
@@ -67,6 +67,8 @@ def test_megatrons_spellings_of_the_defaults_are_read(capsys):
     (["--use-megatron-fsdp"], "--use-megatron-fsdp: needs --data-parallel-sharding-strategy"),
     (["--bf16", "--fp16"], "--fp16: not allowed with argument --bf16"),
     (["--max-position-embeddings", "2048"], "--max-position-embeddings: 2048 is below --seq-length 4096"),
+    (["--use-flash-attn", "--attention-backend", "unfused"], "--use-flash-attn: contradicts --attention-backend "
+                                                             "unfused"),
     (["--normalization", "layernorm"], "--normalization: invalid choice"),
     (["--grad-reduce-in-bf16", "--accumulate-allreduce-grads-in-fp32"], "--grad-reduce-in-bf16 contradicts "
                                                                           "--accumulate-allreduce-grads-in-fp32"),
@@ -121,3 +123,14 @@ def test_an_fp16_plan_prints_megatrons_fp16_flags_and_reads_them_back(extra, pri
                                                             "--grad-reduce-in-bf16", "--bf16")]
     assert precision == printed
     assert _json(["estimate", *LLAMA70B, *got["megatron_flags"]], capsys) == got
+
+
+def test_a_custom_gqa_shape_names_its_groups(capsys):
+    """Megatron-LM's --group-query-attention without --num-query-groups runs one group: a custom shape must say."""
+    shape = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--ffn-hidden-size",
+             "28672", "--vocab-size", "32000", "--seq-length", "4096", "--num-gpus", "64", "--global-batch-size", "512",
+             "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2"]
+    code, _, err = _run(["estimate", *shape, "--group-query-attention"], capsys)
+    assert code == 2 and "--group-query-attention: needs --num-query-groups" in err and len(err.splitlines()) == 1
+    gqa = _json(["estimate", *shape, "--group-query-attention", "--num-query-groups", "8"], capsys)
+    assert gqa == _json(["estimate", *shape, "--num-query-groups", "8"], capsys)
