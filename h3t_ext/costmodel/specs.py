@@ -67,6 +67,9 @@ class ModelSpec:
     max_position_embeddings: Optional[int] = None
     """Rows of the learned position table (Megatron's --max-position-embeddings); None: the run's sequence length
     (what Megatron-LM's scripts give it)."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron's --make-vocab-size-divisible-by: the embedding and output layer hold V padded to a multiple of it
+    times the tensor-parallel size (:meth:`padded_vocab_size`)."""
 
     def __post_init__(self) -> None:
         if self.normalization is None:
@@ -78,6 +81,8 @@ class ModelSpec:
         if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
             raise ValueError(f"position_embedding_type {self.position_embedding_type!r} is not one of "
                              f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+        if int(self.make_vocab_size_divisible_by) < 1:
+            raise ValueError(f"make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
         if self.max_position_embeddings is not None and int(self.max_position_embeddings) < 1:
             raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
         for f in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
@@ -153,8 +158,8 @@ class ModelSpec:
         return self.params_per_layer // t + self.bias_params_per_layer(t) + self.layer_norm_params
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
-        """V padded to a multiple of 128 * t (Megatron's make-vocab-size-divisible-by 128)."""
-        q = 128 * tensor_model_parallel_size
+        """V padded to a multiple of ``make_vocab_size_divisible_by`` x t (Megatron's rule)."""
+        q = self.make_vocab_size_divisible_by * tensor_model_parallel_size
         return -(-self.vocab_size // q) * q
 
     @property

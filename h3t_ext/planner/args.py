@@ -271,6 +271,9 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
                    help="rope rotates q and k in every layer; learned_absolute keeps a --max-position-embeddings x "
                         "hidden table on the first stage, whole on every tensor-parallel rank (default: the zoo "
                         "model's; for a custom shape rope with SwiGLU, else learned_absolute)")
+    g.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=None,
+                   help="the vocabulary is padded to a multiple of this x the tensor-parallel size (Megatron's "
+                        "default 128)")
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
                    help="rows of the learned position table, >= --seq-length (default --seq-length)")
     for flag in ("attention-dropout", "hidden-dropout"):
@@ -313,7 +316,8 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
                                   ("attention_dropout", ns.attention_dropout), ("hidden_dropout", ns.hidden_dropout),
                                   ("normalization", ns.normalization),
                                   ("position_embedding_type", ns.position_embedding_type),
-                                  ("max_position_embeddings", ns.max_position_embeddings))
+                                  ("max_position_embeddings", ns.max_position_embeddings),
+                                  ("make_vocab_size_divisible_by", ns.make_vocab_size_divisible_by))
                 if v is not None}
     seq_length = getattr(ns, "seq_length", None)
     if ns.max_position_embeddings is not None and seq_length is not None and ns.max_position_embeddings < seq_length:

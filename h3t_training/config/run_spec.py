@@ -66,7 +66,8 @@ def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
                      add_bias_linear=not config.disable_bias_linear,
                      attention_dropout=config.attention_dropout, hidden_dropout=config.hidden_dropout,
                      normalization=config.normalization, position_embedding_type=config.position_embedding_type,
-                     max_position_embeddings=config.max_position_embeddings)
+                     max_position_embeddings=config.max_position_embeddings,
+                     make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
 
 
 def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixed) -> Plan:

@@ -5,6 +5,7 @@ contradicts is one line."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -134,3 +135,17 @@ def test_a_custom_gqa_shape_names_its_groups(capsys):
     assert code == 2 and "--group-query-attention: needs --num-query-groups" in err and len(err.splitlines()) == 1
     gqa = _json(["estimate", *shape, "--group-query-attention", "--num-query-groups", "8"], capsys)
     assert gqa == _json(["estimate", *shape, "--num-query-groups", "8"], capsys)
+
+
+def test_the_vocabulary_pads_as_megatron_pads_it(capsys):
+    """At t = 8 the vocabulary pads to a multiple of 1,024 by Megatron's default (128 x t), of 8 with divisible-by 1."""
+    from h3t_ext.costmodel import get_model
+
+    llama = get_model("llama2-70b")
+    v = llama.vocab_size
+    assert llama.padded_vocab_size(8) == -(-v // 1024) * 1024
+    assert replace(llama, make_vocab_size_divisible_by=1).padded_vocab_size(8) == -(-v // 8) * 8 < -(-v // 1024) * 1024
+    padded = _json(["estimate", *LLAMA70B], capsys)
+    exact = _json(["estimate", *LLAMA70B, "--make-vocab-size-divisible-by", "1"], capsys)
+    assert exact["peak_memory_bytes"] < padded["peak_memory_bytes"]
+    assert exact["tokens_per_second"] > padded["tokens_per_second"]
