@@ -1,9 +1,10 @@
 """The schedule builder, the posting order and the timeline's compile step as they were before they ran on
 integer steps (commit 0b4048e), kept as a test oracle: the library's action lists and timeline programs must
-stay equal to these element for element (tests/unit/test_schedule_oracle.py). Not library code."""
+stay equal to these element for element (tests/unit/test_schedule_oracle.py; the programs in the timeline's
+present form, :func:`timeline_program`). Not library code."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from h3t_ext.costmodel.timeline import _Program
 from h3t_ext.schedule.actions import COMM_KINDS, Action, ActionKind, ScheduleConfig
@@ -227,7 +228,17 @@ def _transfer_key(cfg: ScheduleConfig, rank: int, a: Action) -> tuple:
     return (0 if a.kind is ActionKind.RECV_FORWARD else 1, a.microbatch, s)
 
 
-def compile_lists(cfg: ScheduleConfig, lists: Sequence[Sequence[Action]]) -> tuple[_Program, ...]:
+class RankProgram(NamedTuple):
+    """One rank's list as the timeline read it at commit 0b4048e."""
+
+    items: tuple
+    """("C", is_forward, chunk, input_batch, previous_batch, copy_key, layer_stall) | ("T", batch) | ("O", key)
+    | ("R", key)."""
+    batches: tuple
+    """Per batch: tuple of (peer rank, peer's batch index) of its transfers."""
+
+
+def compile_lists(cfg: ScheduleConfig, lists: Sequence[Sequence[Action]]) -> tuple[RankProgram, ...]:
     """The builder's lists of ``cfg`` (posted with ``early_receives`` or not) as per-rank programs: batches
     numbered, every transfer tied to the peer's batch, every compute tied to the batch carrying its input and
     to the batch just before it."""
@@ -285,6 +296,41 @@ def compile_lists(cfg: ScheduleConfig, lists: Sequence[Sequence[Action]]) -> tup
             else:
                 fixed.append(it)
         peers = tuple(tuple(where[(key, not send)] for key, send in b) for b in batches)
-        out.append(_Program(tuple(fixed), peers))
+        out.append(RankProgram(tuple(fixed), peers))
     return tuple(out)
 
+
+def timeline_program(cfg: ScheduleConfig, programs: Sequence[RankProgram], early_receives: bool) -> _Program:
+    """:func:`compile_lists`'s programs in the form ``timeline._compile`` makes them (its docstring), each batch's
+    peers sorted (:func:`canonical`)."""
+    p, v, m = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
+    first = [sum(len(pr.batches) for pr in programs[:r]) for r in range(p)]  # number of each rank's first batch
+    ranks, batches = [], []
+    for r, pr in enumerate(programs):
+        for b, peers in enumerate(pr.batches):
+            batches.append([first[r] + b] + sorted(first[pr_] + pb for pr_, pb in peers))
+        records: list[tuple] = []
+        run = [-1, -1, -1]  # batch, offload, reload of the steps since the last compute
+        reloaded = set()
+        for it in pr.items:
+            if it[0] == "T":
+                run[0] = first[r] + it[1]
+            elif it[0] == "O":
+                run[1] = r * m * v + it[1]
+            elif it[0] == "R":
+                run[2] = r * m * v + it[1]
+                reloaded.add(it[1])
+            else:
+                _, forward, chunk, inp, prev, key, layers = it
+                wait = prev if not early_receives and prev >= 0 else inp
+                records.append((*run, (2 * r + (not forward)) * v + chunk, first[r] + wait if wait >= 0 else -1,
+                                r * m * v + key if not forward and key in reloaded else -1, layers))
+                run = [-1, -1, -1]
+        records.append((*run, -1, -1, -1, False))
+        ranks.append(tuple(records))
+    return _Program(tuple(ranks), tuple(batches))
+
+
+def canonical(program: _Program) -> _Program:
+    """``program`` with every batch's peers sorted (the timeline lists them in the order it meets them)."""
+    return _Program(program.ranks, tuple([b[0]] + sorted(b[1:]) for b in program.batches))

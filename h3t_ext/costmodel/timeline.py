@@ -64,7 +64,8 @@ from h3t_ext.costmodel.timing import (
     shape_times,
     tied_embedding_seconds,
 )
-from h3t_ext.schedule.actions import S_B, S_F, S_OFF, S_RB, S_RF, S_RL, S_SB, S_SF, ScheduleConfig, step_action
+from h3t_ext.schedule.actions import (S_B, S_F, S_OFF, S_RB, S_RF, S_RL, S_SB, S_SF, STEP_KINDS, ScheduleConfig,
+                                      step_action)
 from h3t_ext.schedule.builder import PipelineSchedule, build_rank_steps
 
 
@@ -116,14 +117,25 @@ class Timeline:
                            "stall_s": r.stall} for r in self.ranks]}
 
 
+_NOT_STARTED = float("inf")
+"""A batch's start before its rank posts it (above every time, so a batch that needs it has not ended)."""
+
+
 @dataclass(frozen=True)
 class _Program:
-    """One rank's list as the simulator reads it (built once per schedule shape)."""
+    """Every rank's list as the simulator reads it (built once per schedule shape and posting order).
 
-    items: tuple
-    """("C", is_forward, chunk, input_batch, previous_batch, copy_key) | ("T", batch) | ("O", key) | ("R", key)."""
+    ``ranks[r][i]`` (i < the rank's compute count): ``(batch, offload, reload, slot, wait, reload_wait,
+    layer_stall)``: the batch posted (``-1``: none), the OFFLOAD and the RELOAD issued (their copy slots, ``-1``:
+    none) in the run of steps before compute i (every one of them once compute i - 1 has ended), then compute i:
+    its duration slot (``(2 rank + is_backward) v + chunk``), the batch it waits for (the one carrying its input,
+    or with blocking exchanges the one posted just before it; ``-1``: none), the copy slot of its reload
+    (``-1``: none) and whether it waits for layer reloads. ``ranks[r][-1]``: the run after the last compute,
+    ``slot = -1``. Batches are numbered over all ranks; a copy slot is ``rank * m v + microbatch * v + chunk``."""
+
+    ranks: tuple
     batches: tuple
-    """Per batch: tuple of (peer rank, peer's batch index) of its transfers."""
+    """Per batch: its own number, then the batch on the other end of each of its transfers."""
 
 
 _TRANSFER_SHIFT = {S_SF: (True, 0, 1), S_SB: (True, 1, -1), S_RF: (False, 0, 0), S_RB: (False, 1, 0)}
@@ -131,62 +143,74 @@ _TRANSFER_SHIFT = {S_SF: (True, 0, 1), S_SB: (True, 1, -1), S_RF: (False, 0, 0),
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(cfg: ScheduleConfig, early_receives: bool) -> tuple[_Program, ...]:
-    """The builder's lists of ``cfg`` (posted with ``early_receives`` or not) as per-rank programs: batches
-    numbered, every transfer tied to the peer's batch, every compute tied to the batch carrying its input and
-    to the batch just before it. Reads the builder's steps (``build_rank_steps``: the lists, element for element);
-    a transfer is numbered ``(direction * m + microbatch) * p v + receiving stage`` on both ends."""
+def _compile(cfg: ScheduleConfig, early_receives: bool) -> _Program:
+    """The builder's lists of ``cfg`` (posted with ``early_receives`` or not) as a program: batches numbered,
+    every transfer tied to the peer's batch, every compute tied to the batch it waits for (with blocking
+    exchanges, ``early_receives=False``, the batch just before it when there is one). Reads the builder's steps
+    (``build_rank_steps``: the lists, element for element); a transfer is numbered
+    ``(direction * m + microbatch) * p v + receiving stage`` on both ends."""
     p, v, m = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
-    pv = p * v
-    at = ([None] * (2 * m * pv), [None] * (2 * m * pv))  # [is_send][transfer] -> (rank, batch)
-    recv_at = at[0]
-    raw = []
+    pv, mv = p * v, m * v
+    blocking = not early_receives
+    first_end = [-1] * (2 * m * pv)  # per transfer: the batch of the end met first
+    recv_at = [-1] * (2 * m * pv)  # per transfer: the batch of its receive (-1: none, as the first forward's input)
+    batches: list[list[int]] = []  # _Program.batches
+    reloaded = [False] * (p * mv)  # per copy slot: reloaded before the step at hand
+    ranks = []
     for r, steps in enumerate(build_rank_steps(cfg, early_receives)):
-        items: list = []
-        batches: list[list[tuple]] = []
-        batch: list = []
-        open_run = False  # a transfer since the last compute (an offload or a reload does not end a batch)
-        where = (r, -1)  # (rank, index) of the open batch
-        after_batch = False  # the item before is a batch
-        for code, mb, chunk, _peer, layer in steps:
-            shift = _TRANSFER_SHIFT.get(code)
-            if shift is not None:  # (is_send, direction, stage shift to the receiving stage)
-                if not open_run:
-                    batch = []
-                    where = (r, len(batches))
-                    items.append(("T", len(batches)))
-                    batches.append(batch)
-                    open_run = after_batch = True
-                tid = (shift[1] * m + mb) * pv + chunk * p + r + shift[2]
-                batch.append(tid * 2 + shift[0])
-                at[shift[0]][tid] = where
-                continue
+        number = [0] * len(STEP_KINDS)  # per transfer step code: its transfer's number less mb p v + chunk p
+        receive = [False] * len(STEP_KINDS)
+        for code, (send, direction, to) in _TRANSFER_SHIFT.items():
+            number[code], receive[code] = direction * m * pv + to + r, not send
+        forward_slot, backward_slot, copy_slot = 2 * r * v, (2 * r + 1) * v, r * mv
+        out: list[tuple] = []
+        batch = offload = reload = -1  # of the run since the last compute
+        peers: list[int] = []  # the run's batch
+        after_batch = False  # the step before is a transfer
+        for code, mb, chunk, _peer, layer in steps:  # step codes (STEP_KINDS): computes, transfers, copies
             if code <= S_B:
-                open_run = False
-                s = chunk * p + r
                 if code == S_F:
-                    inp = recv_at[mb * pv + s][1] if s > 0 else -1
-                    items.append(("C", True, chunk, inp, len(batches) - 1 if after_batch else -1, mb * v + chunk,
-                                  False))
+                    inp = recv_at[mb * pv + chunk * p + r]
+                    slot, wait_reload = forward_slot + chunk, -1
                 else:
-                    inp = recv_at[(m + mb) * pv + s][1] if s < pv - 1 else -1
-                    items.append(("C", False, chunk, inp, len(batches) - 1 if after_batch else -1, mb * v + chunk,
-                                  False))
+                    inp = recv_at[(m + mb) * pv + chunk * p + r]
+                    slot, wait_reload = backward_slot + chunk, copy_slot + mb * v + chunk
+                    if not reloaded[wait_reload]:
+                        wait_reload = -1
+                out.append((batch, offload, reload, slot, batch if blocking and after_batch else inp, wait_reload,
+                            False))
+                batch = offload = reload = -1
+                after_batch = False
+            elif code <= S_SB:
+                if batch < 0:
+                    batch = len(batches)
+                    peers = [batch]
+                    batches.append(peers)
+                tid = number[code] + mb * pv + chunk * p
+                if receive[code]:
+                    recv_at[tid] = batch
+                other = first_end[tid]
+                if other < 0:
+                    first_end[tid] = batch
+                else:
+                    peers.append(other)
+                    batches[other].append(batch)
+                after_batch = True
             elif layer is not None:  # runs inside the compute action before it (layer-granular, p = 1)
                 if code == S_RL:
-                    items[-1] = items[-1][:6] + (True,)  # this backward waits for its layers' reloads
-                continue
-            elif code == S_OFF:
-                items.append(("O", mb * v + chunk))
-            elif code == S_RL:
-                items.append(("R", mb * v + chunk))
-            else:  # pragma: no cover - the builder emits nothing else
+                    out[-1] = out[-1][:6] + (True,)  # this backward waits for its layers' reloads
+            elif code == S_OFF and offload < 0:
+                offload = copy_slot + mb * v + chunk
+                after_batch = False
+            elif code == S_RL and reload < 0:
+                reload = copy_slot + mb * v + chunk
+                reloaded[reload] = True
+                after_batch = False
+            else:  # pragma: no cover - the builder emits nothing else (one offload and one reload a run at most)
                 raise AssertionError(f"no price for action {step_action((code, mb, chunk, _peer, layer))}")
-            after_batch = False
-        raw.append((items, batches))
-    send_at = at[1]  # a batch entry is 2 * transfer id + is_send: its peer is the other end
-    return tuple(_Program(tuple(items), tuple(tuple(send_at[e >> 1] if e & 1 == 0 else recv_at[e >> 1] for e in b)
-                                              for b in batches)) for items, batches in raw)
+        out.append((batch, offload, reload, -1, -1, -1, False))
+        ranks.append(tuple(out))
+    return _Program(tuple(ranks), tuple(batches))
 
 
 def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,
@@ -199,118 +223,111 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
     in their order (``early_receives=False``) with every compute waiting for the batch just before it (else
     the builder's lists, as the runtime posts them); ``copy[r]``: seconds of one OFFLOAD or RELOAD on rank r (0 or absent where the rank copies nothing);
     ``layer_stall[r]``: seconds a backward with layer-granular reloads waits for them on rank r.
+
+    A rank runs its list in order. The steps between two computes all start when the first compute has ended
+    (a batch, with ``in_order_batches``, once the rank's previous batch has ended too); a compute waits for its
+    batch, whose transfers run once the batches on both ends have started.
     """
     cfg = schedule_or_config.config if isinstance(schedule_or_config, PipelineSchedule) else schedule_or_config
-    progs = _compile(cfg, not blocking)
-    p = len(progs)
+    prog = _compile(cfg, not blocking)
+    p, v = len(prog.ranks), cfg.virtual_pipeline_model_parallel_size
     copy = list(copy) + [0.0] * (p - len(copy))
     layer_stall = list(layer_stall) + [0.0] * (p - len(layer_stall))
-    ptr = [0] * p
-    cs = [0.0] * p  # compute stream: end of the last compute
-    d2h = [0.0] * p
-    h2d = [0.0] * p
-    busy = [0.0] * p
-    bubble = [0.0] * p
-    p2p = [0.0] * p
-    stall = [0.0] * p
-    bstart: list[list[Optional[float]]] = [[None] * len(pr.batches) for pr in progs]
-    bend: list[list[Optional[float]]] = [[None] * len(pr.batches) for pr in progs]
-    last_batch = [-1] * p  # index of the last batch started on the rank
-    off_end: list[dict] = [{} for _ in range(p)]
-    rl_end: list[dict] = [{} for _ in range(p)]
+    durations = [row[c] for r in range(p) for row in (forward[r], backward[r]) for c in range(v)]  # per slot
+    slots = p * cfg.num_microbatches * v
+    off_end = [0.0] * slots  # per copy slot: end of its offload / its reload (0 until then)
+    rl_end = [0.0] * slots
+    members = prog.batches
+    start_of = [_NOT_STARTED] * len(members)  # per batch: when it started
+    end_of: list[Optional[float]] = [None] * len(members)
+    started = start_of.__getitem__
 
-    def batch_end(r: int, b: int) -> Optional[float]:
-        e = bend[r][b]
-        if e is not None:
-            return e
-        s = bstart[r][b]
-        if s is None:
-            return None
-        for pr_, pb in progs[r].batches[b]:
-            o = bstart[pr_][pb]
-            if o is None:
+    def batch_end(b: int) -> Optional[float]:
+        """When batch b ends (its last transfer), None while a batch it needs has not started."""
+        e = end_of[b]
+        if e is None:
+            e = max(map(started, members[b]))
+            if e == _NOT_STARTED:
                 return None
-            if o > s:
-                s = o
-        e = bend[r][b] = s + hop
+            e = end_of[b] = e + hop
         return e
 
+    # per rank: next record, whether its run of steps has run, compute stream and copy streams free at,
+    # busy, bubble, p2p, stall, last batch started
+    state = [[0, False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1] for _ in range(p)]
+    out: list[Optional[RankTimeline]] = [None] * p
     remaining = p
-    done = [False] * p
     while remaining:
         progress = False
         for r in range(p):
-            if done[r]:
+            if out[r] is not None:
                 continue
-            items = progs[r].items
-            i, n = ptr[r], len(items)
-            fwd_r, bwd_r = forward[r], backward[r]
-            while i < n:
-                it = items[i]
-                tag = it[0]
-                if tag == "C":
-                    wait_b = it[4] if blocking and it[4] >= 0 else it[3]
-                    ready = cs[r]
-                    comm = ready
-                    if wait_b >= 0:
-                        e = batch_end(r, wait_b)
+            records, cp, ls = prog.ranks[r], copy[r], layer_stall[r]
+            i, ran, now, d2h, h2d, busy, bubble, p2p, stall, last = state[r]
+            while True:
+                batch, offload, reload, slot, wait, wait_reload, layers = records[i]
+                if not ran:
+                    if batch >= 0:
+                        s = now
+                        if in_order_batches and last >= 0:
+                            e = batch_end(last)
+                            if e is None:
+                                break
+                            if e > s:
+                                s = e
+                        start_of[batch] = s
+                        last = batch
+                    if offload >= 0:
+                        s = now if now > d2h else d2h
+                        d2h = off_end[offload] = s + cp
+                    if reload >= 0:
+                        s = max(now, off_end[reload], h2d)
+                        h2d = rl_end[reload] = s + cp
+                    ran = progress = True  # (every compute that runs is followed by the next record's run)
+                if slot < 0:  # the end: wait_all
+                    if last >= 0:
+                        e = batch_end(last)
                         if e is None:
                             break
-                        if e > ready:
-                            comm = e
-                            w = e - ready
+                        if e > now:  # the last sends
+                            w = e - now
                             on_wire = hop if hop < w else w
-                            p2p[r] += on_wire
-                            bubble[r] += w - on_wire
-                    start = comm
-                    if not it[1]:
-                        rl = rl_end[r].get(it[5])
-                        if rl is not None and rl > start:
-                            stall[r] += rl - start
-                            start = rl
-                        if it[6]:
-                            stall[r] += layer_stall[r]
-                            start += layer_stall[r]
-                    dur = fwd_r[it[2]] if it[1] else bwd_r[it[2]]
-                    busy[r] += dur
-                    cs[r] = start + dur
-                elif tag == "T":
-                    b = it[1]
-                    s = cs[r]
-                    if in_order_batches and last_batch[r] >= 0:
-                        e = batch_end(r, last_batch[r])
-                        if e is None:
-                            break
-                        if e > s:
-                            s = e
-                    bstart[r][b] = s
-                    last_batch[r] = b
-                elif tag == "O":
-                    s = cs[r] if cs[r] > d2h[r] else d2h[r]
-                    d2h[r] = off_end[r][it[1]] = s + copy[r]
-                else:  # reload
-                    s = max(cs[r], off_end[r][it[1]], h2d[r])
-                    h2d[r] = rl_end[r][it[1]] = s + copy[r]
-                i += 1
-                progress = True
-            ptr[r] = i
-            if i == n:
-                if last_batch[r] >= 0:
-                    e = batch_end(r, last_batch[r])
+                            p2p += on_wire
+                            bubble += w - on_wire
+                            now = e
+                    out[r] = RankTimeline(r, now, busy, bubble, p2p, stall)
+                    remaining -= 1
+                    progress = True
+                    break
+                start = now
+                if wait >= 0:
+                    e = end_of[wait]
                     if e is None:
-                        continue
-                    if e > cs[r]:  # wait_all: the last sends
-                        w = e - cs[r]
+                        e = max(map(started, members[wait]))
+                        if e == _NOT_STARTED:
+                            break
+                        e = end_of[wait] = e + hop
+                    if e > now:
+                        w = e - now
                         on_wire = hop if hop < w else w
-                        p2p[r] += on_wire
-                        bubble[r] += w - on_wire
-                        cs[r] = e
-                done[r] = True
-                remaining -= 1
-                progress = True
+                        p2p += on_wire
+                        bubble += w - on_wire
+                        start = e
+                if wait_reload >= 0 and rl_end[wait_reload] > start:
+                    stall += rl_end[wait_reload] - start
+                    start = rl_end[wait_reload]
+                if layers:
+                    stall += ls
+                    start += ls
+                d = durations[slot]
+                busy += d
+                now = start + d
+                i += 1
+                ran = False
+            state[r] = [i, ran, now, d2h, h2d, busy, bubble, p2p, stall, last]
         if not progress:  # pragma: no cover - the builder's posting order cannot deadlock (posting.py)
-            raise AssertionError(f"timeline stuck at {ptr}")
-    return tuple(RankTimeline(r, cs[r], busy[r], bubble[r], p2p[r], stall[r]) for r in range(p))
+            raise AssertionError(f"timeline stuck at {[s[0] for s in state]}")
+    return tuple(out)
 
 
 def schedule_config(model: ModelSpec, plan: Plan, alphas: Sequence[float]) -> ScheduleConfig:

@@ -47,11 +47,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from h3t_ext.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, S_B, S_F, S_OFF, S_RB, S_RF, S_RL, S_SB, S_SF, Action,
+from h3t_ext.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, S_B, S_F, S_OFF, S_RL, Action,
                                       ActionKind, ScheduleConfig, step_action)  # noqa: F401 (COMM_KINDS re-exported)
-from h3t_ext.schedule.posting import EARLY, place_steps
-
-_TRANSFERS = frozenset({S_RF, S_SF, S_RB, S_SB})
+from h3t_ext.schedule.posting import EARLY, placed_steps
 
 
 @dataclass(frozen=True)
@@ -147,37 +145,33 @@ def _compute_order(cfg: ScheduleConfig, rank: int) -> list[Action]:
     return [step_action(s) for s in _compute_steps(cfg, rank, table)]
 
 
-def _with_offload(v: int, compute: list[tuple], steps: list[tuple]) -> list[tuple]:
+def _with_offload(v: int, compute: list[tuple], steps: list[tuple], at: list[int]) -> list[tuple]:
     """Insert OFFLOAD after each forward and RELOAD before the compute preceding its backward (``compute``: the
-    rank's compute steps, in ``steps`` in the same order)."""
+    rank's compute steps; ``at``: their indices in ``steps``)."""
     backward_at = {s[1] * v + s[2]: i for i, s in enumerate(compute) if s[0] == S_B}
-    offload_after: set[int] = set()  # compute indices
-    reload_before: dict[int, tuple] = {}
+    offload_after: dict[int, tuple] = {}  # compute index -> its OFFLOAD
+    reload_after: dict[int, tuple] = {}  # compute index -> the RELOAD that follows it (and its OFFLOAD)
     for i, s in enumerate(compute):
         if s[0] != S_F:
             continue
         j = backward_at.get(s[1] * v + s[2])
         if j is None or j - i - 1 < 2:
             continue
-        offload_after.add(i)
-        reload_before[j - 1] = (S_RL, s[1], s[2], None, None)
+        offload_after[i] = (S_OFF, s[1], s[2], None, None)
+        # The reload goes before the batch of transfers posted ahead of compute j - 1, so the copy is in flight
+        # while the rank waits for that compute's input.
+        reload_after[j - 2] = (S_RL, s[1], s[2], None, None)
     out: list[tuple] = []
-    i = -1
-    for s in steps:
-        if s[0] in _TRANSFERS:
-            out.append(s)
-            continue
-        i += 1
-        if i in reload_before:
-            # The reload goes before the batch of transfers posted ahead of this compute action,
-            # so the copy is in flight while the rank waits for its input.
-            k = len(out)
-            while k > 0 and out[k - 1][0] in _TRANSFERS:
-                k -= 1
-            out.insert(k, reload_before[i])
-        out.append(s)
+    start = 0
+    for i in sorted(offload_after.keys() | reload_after.keys()):
+        end = at[i] + 1
+        out += steps[start:end]
         if i in offload_after:
-            out.append((S_OFF, s[1], s[2], None, None))
+            out.append(offload_after[i])
+        if i in reload_after:
+            out.append(reload_after[i])
+        start = end
+    out += steps[start:]
     return out
 
 
@@ -194,23 +188,26 @@ def _with_layer_offload(steps: list[tuple], layers: int) -> list[tuple]:
     return out
 
 
-def _rank_steps(cfg: ScheduleConfig, rank: int, compute: list[tuple], placed: list[tuple]) -> list[tuple]:
+def _rank_steps(cfg: ScheduleConfig, rank: int, compute: list[tuple], placed: list[tuple],
+                at: list[int]) -> list[tuple]:
     if not cfg.rank_offloads(rank):
         return placed
     if cfg.layer_granular:
         layers = cfg.rank_offloaded_layers(rank)
         return _with_layer_offload(placed, layers) if layers else placed
-    return _with_offload(cfg.virtual_pipeline_model_parallel_size, compute, placed)
+    return _with_offload(cfg.virtual_pipeline_model_parallel_size, compute, placed, at)
 
 
 @functools.lru_cache(maxsize=64)
-def _placed(shape: ScheduleConfig, early_receives: bool) -> tuple[tuple[list[tuple], ...], tuple[list[tuple], ...]]:
-    """(compute steps, steps with the transfers placed) of every rank, for a shape without offload (the
-    offload actions do not move the transfers, so the lists of all offload choices share this)."""
+def _placed(shape: ScheduleConfig, early_receives: bool) -> tuple[tuple[list[tuple], ...], list[list[tuple]],
+                                                                 list[list[int]]]:
+    """(compute steps, steps with the transfers placed, the index of each compute step in them) of every rank, for
+    a shape without offload (the offload actions do not move the transfers, so the lists of all offload choices
+    share this)."""
     p = shape.pipeline_model_parallel_size
     table = schedule_table(shape.num_microbatches, shape.virtual_pipeline_model_parallel_size, shape.group_size)
     compute = tuple(_compute_steps(shape, r, table) for r in range(p))
-    return compute, tuple(place_steps(shape, compute, early_receives=early_receives))
+    return (compute, *placed_steps(shape, compute, early_receives))
 
 
 @functools.lru_cache(maxsize=256)
@@ -219,9 +216,9 @@ def build_rank_steps(cfg: ScheduleConfig, early_receives: bool = EARLY) -> tuple
     of :func:`build_rank_actions`, element for element, without making an :class:`Action` per step (the cost
     model's timeline reads these)."""
     p = cfg.pipeline_model_parallel_size
-    compute, lists = _placed(dataclasses.replace(cfg, offload=False, offload_stages=None, offload_alphas=None,
-                                                 num_layers_per_chunk=None), early_receives)
-    return tuple(tuple(_rank_steps(cfg, r, compute[r], lists[r])) for r in range(p))
+    compute, lists, at = _placed(dataclasses.replace(cfg, offload=False, offload_stages=None, offload_alphas=None,
+                                                     num_layers_per_chunk=None), early_receives)
+    return tuple(tuple(_rank_steps(cfg, r, compute[r], lists[r], at[r])) for r in range(p))
 
 
 @functools.lru_cache(maxsize=256)

@@ -58,6 +58,7 @@ clock above only decides how early a receive is posted.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -104,22 +105,20 @@ def _positions(v: int, m: int, compute: Sequence[Sequence[tuple]]) -> tuple[list
 def _asap(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]], times: PostingTimes, fpos, bpos) -> list[list[int]]:
     """:func:`asap_times` on compute steps, with their positions (:func:`_positions`)."""
     p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
-    last = p * v - 1
-    producers = []  # per rank and compute: (rank, index) of the compute on another stage whose output it needs
-    for r, row in enumerate(compute):
-        prod: list = []
-        for s in row:
-            stage = s[2] * p + r
-            if s[0] == S_F:
-                src = stage - 1
-                prod.append(None if stage == 0 else (src % p, fpos[src % p][s[1] * v + src // p]))
-            else:
-                src = stage + 1
-                prod.append(None if stage == last else (src % p, bpos[src % p][s[1] * v + src // p]))
-        producers.append(prod)
-    dur = {S_F: times.forward, S_B: times.backward}
-    hop = times.hop
     out: list[list[int]] = [[-1] * len(c) for c in compute]
+    # per rank, step code and chunk: the compute on another stage whose output it needs, as (that rank's times,
+    # its positions, its chunk), or None (the first stage's forward, the last stage's backward)
+    producers = []
+    for r in range(p):
+        prod: list = [None] * (max(S_F, S_B) + 1)
+        prod[S_F] = [(out[(s - 1) % p], fpos[(s - 1) % p], (s - 1) // p) if s > 0 else None
+                     for s in range(r, p * v, p)]
+        prod[S_B] = [(out[(s + 1) % p], bpos[(s + 1) % p], (s + 1) // p) if s < p * v - 1 else None
+                     for s in range(r, p * v, p)]
+        producers.append(prod)
+    dur = [0] * (max(S_F, S_B) + 1)  # per step code
+    dur[S_F], dur[S_B] = times.forward, times.backward
+    hop = times.hop
     nxt = [0] * p
     progress = True
     while progress:
@@ -129,14 +128,15 @@ def _asap(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]], times: Postin
             t = o[i - 1] if i else 0
             start = i
             while i < n:
-                q = prod[i]
+                code, mb, chunk, _, _ = row[i]
+                q = prod[code][chunk]
                 if q is not None:
-                    tp = out[q[0]][q[1]]
+                    tp = q[0][q[1][mb * v + q[2]]]
                     if tp < 0:
                         break
                     if tp + hop > t:
                         t = tp + hop
-                t += dur[row[i][0]]
+                t += dur[code]
                 o[i] = t
                 i += 1
             if i != start:
@@ -158,63 +158,70 @@ def asap_times(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]],
 def place_steps(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]], *,
                 early_receives: bool = EARLY) -> list[list[tuple]]:
     """:func:`place_comms` on steps (``actions.step_action``): what the builder runs."""
-    p, v = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
+    return placed_steps(cfg, compute, early_receives)[0]
+
+
+def placed_steps(cfg: ScheduleConfig, compute: Sequence[Sequence[tuple]],
+                 early_receives: bool) -> tuple[list[list[tuple]], list[list[int]]]:
+    """(:func:`place_steps`, the index of every rank's compute steps in its list)."""
+    p, v, m = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
     pv = p * v
-    last_stage = pv - 1
-    fpos, bpos = _positions(v, cfg.num_microbatches, compute)
+    fpos, bpos = _positions(v, m, compute)
     times = _asap(cfg, compute, EARLY_TIMES if early_receives else AT_LABEL_TIMES, fpos, bpos)
-    # gaps[r][i + 1]: (key, step, index of the consuming compute or -1 for a send) of the transfers posted
-    # right after compute i (gaps[r][0]: before all); keys are unique, so sorting the entries sorts by key. A key
-    # is the tuple of the module docstring as one integer (mixed radix: the same order, one object less)
-    gaps: list[list[list]] = [[[] for _ in range(len(c) + 1)] for c in compute]
-    m = cfg.num_microbatches
+    # A transfer's key is the tuple of the module docstring as one even integer (mixed radix: the same order, one
+    # object less); key // unit is its label L. Run g of a rank (the transfers between its computes g - 1 and g)
+    # holds the labels from T(compute g - 1) up to below T(compute g), so the rank's transfers sorted by key are
+    # sorted by run, and its list is all its steps sorted by key once every compute has an odd key: right below its
+    # T (after its whole run) or, when it needs a receive of its run (early receives), right above that receive and
+    # the run's send (the one after compute g - 1), the receives above them moving on to the next run.
     radix = 1 + max((t[-1] for t in times if t), default=0)  # above every T
+    wide = 4 * m * pv  # above 2 x (direction, microbatch, sending stage)
+    unit = wide * radix if early_receives else wide
+    keyed: list[dict] = [{} for _ in range(p)]  # per rank: key -> step
+    in_key = [[-1] * len(c) for c in compute]  # per rank and compute: key of the receive it consumes (-1: none)
+    out_key = [[-1] * len(c) for c in compute]  # per rank and compute: key of the send after it (-1: none)
     for r, row in enumerate(compute):
-        tr, gr = times[r], gaps[r]
-        for i, s in enumerate(row):
-            mb, stage = s[1], s[2] * p + r
-            if s[0] == S_F:
-                if stage == last_stage:
-                    continue
-                dst_stage, direction, pos, send, recv = stage + 1, 0, fpos, S_SF, S_RF
-            else:
-                if stage == 0:
-                    continue
-                dst_stage, direction, pos, send, recv = stage - 1, 1, bpos, S_SB, S_RB
-            dst, dst_chunk = dst_stage % p, dst_stage // p
-            label, td = tr[i], times[dst]
-            consumer = pos[dst][mb * v + dst_chunk]
-            key = (((label * radix + td[consumer] if early_receives else label) * 2 + direction) * m + mb) * pv + stage
-            gr[i + 1].append((key, (send, mb, s[2], dst, None), -1))
-            gaps[dst][bisect.bisect_right(td, label)].append((key, (recv, mb, dst_chunk, r, None), consumer))
-    out = []
-    for r, row in enumerate(compute):
-        acts: list[tuple] = []
-        moved: list = []
-        for g, run in enumerate(gaps[r]):  # run g follows compute g - 1
-            if g:
-                acts.append(row[g - 1])
-            if moved:
-                run = moved + run
-                moved = []
-            if len(run) < 2:  # nothing to order, nothing that could move
-                if run:
-                    acts.append(run[0][1])
+        # per step code and chunk: where its output goes, or None (the last stage's forward, the first's backward)
+        route: list = [None] * (max(S_F, S_B) + 1)
+        for code, direction, send, recv, pos in ((S_F, 0, S_SF, S_RF, fpos), (S_B, 1, S_SB, S_RB, bpos)):
+            route[code] = []
+            for stage in range(r, pv, p):
+                dst_stage = stage + 1 - 2 * direction
+                dst = dst_stage % p
+                route[code].append((dst, dst_stage // p, pos[dst], times[dst], keyed[dst], in_key[dst], send, recv,
+                                    2 * (direction * m * pv + stage)) if 0 <= dst_stage < pv else None)
+        tr, kr, sent = times[r], keyed[r], out_key[r]
+        for i, (code, mb, c, _, _) in enumerate(row):
+            rt = route[code][c]
+            if rt is None:
                 continue
-            run.sort()
-            if early_receives:  # the needed receives and the sends stay, the entries above them move
-                needed, keep = False, 0
-                for j, e in enumerate(run):
-                    if e[2] == g:
-                        needed, keep = True, j + 1
-                    elif e[2] == -1:
-                        keep = j + 1
-                if needed and keep < len(run):
-                    moved = run[keep:]
-                    del run[keep:]
-            acts.extend([e[1] for e in run])
-        out.append(acts)
-    return out
+            dst, dst_chunk, pos, td, kd, needs, send, recv, tid = rt
+            consumer = pos[mb * v + dst_chunk]
+            # 2 (((L radix + T(consumer)) 2 + direction) m + microbatch) p v + 2 sending stage (L alone: blocking)
+            key = ((tr[i] * radix + td[consumer]) * wide if early_receives else tr[i] * wide) + tid + mb * 2 * pv
+            kr[key] = (send, mb, c, dst, None)
+            kd[key] = (recv, mb, dst_chunk, r, None)
+            sent[i] = key
+            needs[consumer] = key
+    out, at = [], []
+    for r, row in enumerate(compute):
+        tr, needs, sent = times[r], in_key[r], out_key[r]
+        ckeys = []
+        ck = -1  # the key of the compute before
+        for g in range(len(row)):
+            k = needs[g]
+            if early_receives and k > ck:  # a receive of its run (not placed before compute g - 1)
+                s = sent[g - 1] if g else -1
+                ck = (k if k > s else s) + 1
+            else:
+                ck = tr[g] * unit - 1
+            ckeys.append(ck)
+        kr = keyed[r]
+        kr.update(zip(ckeys, row))
+        keys = sorted(kr)
+        out.append(list(map(kr.__getitem__, keys)))
+        at.append(list(map(bisect.bisect_left, itertools.repeat(keys), ckeys)))
+    return out, at
 
 
 def place_comms(cfg: ScheduleConfig, compute: Sequence[Sequence[Action]], *,
@@ -241,4 +248,4 @@ def posting_batches(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
 
 
 __all__ = ["AT_LABEL_TIMES", "EARLY", "EARLY_TIMES", "PostingTimes", "asap_times", "place_comms", "place_steps",
-           "posting_batches"]
+           "placed_steps", "posting_batches"]

@@ -55,7 +55,8 @@ def test_timeline_programs_equal_the_oracle(early):
     for cfg in SHAPES:
         if cfg.forward_only:
             continue
-        assert _compile(cfg, early) == oracle.compile_lists(cfg, oracle.rank_actions(cfg, early_receives=early)), cfg
+        want = oracle.compile_lists(cfg, oracle.rank_actions(cfg, early_receives=early))
+        assert oracle.canonical(_compile(cfg, early)) == oracle.timeline_program(cfg, want, early), cfg
 
 
 def test_a_large_interleaved_shape_equals_the_oracle():
@@ -63,4 +64,4 @@ def test_a_large_interleaved_shape_equals_the_oracle():
     cfg = ScheduleConfig(16, 32, 3)
     want = oracle.rank_actions(cfg)
     assert tuple(build_rank_actions(cfg, r) for r in range(16)) == want
-    assert _compile(cfg, True) == oracle.compile_lists(cfg, want)
+    assert oracle.canonical(_compile(cfg, True)) == oracle.timeline_program(cfg, oracle.compile_lists(cfg, want), True)
