@@ -152,13 +152,13 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                      help="tensor parallelism without sequence parallelism (all-reduces, replicated norms)")
     sp_.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=True,
                      help="Megatron's flag, accepted as written in a training script: the planner's default (with "
-                          "t > 1)")
+                          "t > 1; a run without it is said with --no-sequence-parallel)")
     do_ = p.add_mutually_exclusive_group()
     do_.add_argument("--no-use-distributed-optimizer", dest="use_distributed_optimizer", action="store_false",
                      default=True, help="replicated optimizer states and a gradient all-reduce")
     do_.add_argument("--use-distributed-optimizer", dest="use_distributed_optimizer", action="store_true",
                      default=True, help="Megatron's flag, accepted as written in a training script: the planner's "
-                                        "default")
+                                        "default (a run without it is said with --no-use-distributed-optimizer)")
     precision = p.add_mutually_exclusive_group()
     precision.add_argument("--bf16", action="store_true",
                            help="Megatron's flag, accepted as written in a training script: BF16 is what the planner "
