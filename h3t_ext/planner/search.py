@@ -39,7 +39,7 @@ from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.plan import applicable_switches, validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
-from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
+from h3t_ext.planner.bounds import GROUP_ENTRY, LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.recompute_modes import R_BLOCK_NONE, RecomputeMode, search_modes, smallest_block_layers
@@ -132,27 +132,6 @@ _NUMBERS = re.compile(r"\s*\([^)]*\)|-?\d+(\.\d+)?")
 def reason_category(reason: str) -> str:
     """A reason with its numbers removed, so that rejections can be counted by kind."""
     return " ".join(_NUMBERS.sub("", reason).split())
-
-
-def _plan(run: tuple, layout: Layout, mb: int, mode, block_layers: Optional[int] = None) -> Plan:
-    """The plan of one candidate: ``mode`` a :class:`RecomputeMode` (or a ckpt value), a block mode with its N
-    (None: its base alone)."""
-    num_gpus, seq_length, global_batch_size, switches = run
-    mode = RecomputeMode.of(mode)
-    switches = applicable_switches(switches, layout.tensor_model_parallel_size)
-    return Plan(
-        num_gpus=num_gpus,
-        seq_length=seq_length,
-        global_batch_size=global_batch_size,
-        micro_batch_size=mb,
-        tensor_model_parallel_size=layout.tensor_model_parallel_size,
-        context_parallel_size=layout.context_parallel_size,
-        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
-        num_layers_per_virtual_pipeline_stage=layout.num_layers_per_virtual_pipeline_stage,
-        ckpt=mode.ckpt,
-        recompute=mode.recompute_of(block_layers),
-        **switches,
-    )
 
 
 class _Collector:
@@ -345,7 +324,7 @@ def search(
             key = (run[3].get("fp8"), layout.tensor_model_parallel_size, layout.context_parallel_size,
                    layout.pipeline_model_parallel_size)
             if key not in static:
-                probe = _plan(run, layout, layout.micro_batch_sizes[0], modes[0])
+                probe = candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0])
                 static[key] = _static_infeasibility(model, system, probe, budgets)
             if static[key] is not None:
                 col.reject_memory(static[key], len(modes) * len(layout.micro_batch_sizes))
@@ -406,7 +385,7 @@ def _candidate_plan(col: _Collector, model, system, run, layout: Layout, mb: int
     """(the plan of one candidate, False); a block mode's with its smallest N that fits
     (:func:`~h3t_ext.planner.recompute_modes.smallest_block_layers`), or (None, whether that is a memory verdict
     that prunes) after counting why it has none."""
-    plan = _plan(run, layout, mb, mode)
+    plan = candidate_plan(run, layout, mb, mode)
     if not mode.block:
         return plan, False
     try:
@@ -417,7 +396,7 @@ def _candidate_plan(col: _Collector, model, system, run, layout: Layout, mb: int
     if choice.num_layers is None:
         col.rejected[choice.reason] += 1
         return None, choice.reason == R_BLOCK_NONE
-    return _plan(run, layout, mb, mode, choice.num_layers), False
+    return candidate_plan(run, layout, mb, mode, choice.num_layers), False
 
 
 def _search_layout(col: _Collector, model, system, layout: Layout, modes, alpha_mode, budget, run,
@@ -449,124 +428,20 @@ def _search_layout(col: _Collector, model, system, layout: Layout, modes, alpha_
                 previous = ranked.tokens_per_second
 
 
-_LAYOUT, _GROUP = -2, -1
-"""Mode index of a best-first queue entry that stands for every candidate of a layout / of a (layout, micro batch)."""
-
-
-class _Bounds:
-    """Upper bounds on the tokens/s of the best-first candidates (layout index, mode index, micro batch index), and
-    of groups of them, each computed when first asked for.
-
-    The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
-    per-microbatch time T and the bubble is (sum over stages - T)/v, so together (m - 1/v) T + (sum over
-    stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its
-    value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
-
-    A layer's time with ckpt ``no`` is its time with any other mode without the recompute terms (>= 0; nothing
-    else in it depends on the mode), and the bound only falls as the layer's time grows, so the bound of ckpt
-    ``no`` at a micro batch is also one for every mode at that micro batch (:meth:`group`); leaving out pp_p2p and
-    dp_exposed (>= 0) bounds a whole layout (:meth:`layout`). A block mode's candidate is bounded by its base's
-    bound (block recompute only adds time) until its N is known (:attr:`block_layers`), then by its own.
-    """
-
-    def __init__(self, model, system, layouts: list[tuple[tuple, Layout]], modes) -> None:
-        self.model, self.system, self.layouts = model, system, layouts
-        self.modes = tuple(RecomputeMode.of(c) for c in modes)
-        no = RecomputeMode.of("no")
-        self.grouped = len(self.modes) > 1 and no in self.modes
-        """Whether candidates are grouped by (layout, micro batch) under ckpt ``no``'s bound."""
-        self._floor = (self.modes.index(no),) if no in self.modes else tuple(range(len(self.modes)))
-        """The mode indices whose bounds bound every mode's."""
-        self._plain = tuple(RecomputeMode(m.ckpt, m.recompute) for m in self.modes)
-        """Each mode without block recompute (an unresolved block candidate's bound is its base's)."""
-        self.block_layers: dict[tuple[int, int, int], int] = {}
-        """The N of the block candidates (layout, mode, micro batch indices) resolved so far."""
-        unique = list(dict.fromkeys(self.modes + self._plain))
-        self._mode_id = tuple(unique.index(m) for m in self.modes)
-        self._plain_id = tuple(unique.index(m) for m in self._plain)
-        """Each mode's / each plain mode's index among the distinct modes (a cheap key for :attr:`_shapes`)."""
-        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8) -> (layer, output) s
-        self._per_layout: dict[int, tuple] = {}  # layout -> (t, c, layers per stage, v, p, replicas, fp8)
-        self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
-
-    def _layout_sizes(self, li: int) -> tuple:
-        """(t, c, layers per stage, v, p, data-parallel replicas, fp8) of layout ``li``."""
-        sizes = self._per_layout.get(li)
-        if sizes is None:
-            (num_gpus, _, _, switches), layout = self.layouts[li]
-            L, t, c, p = (self.model.num_layers, layout.tensor_model_parallel_size, layout.context_parallel_size,
-                          layout.pipeline_model_parallel_size)
-            l = layout.num_layers_per_virtual_pipeline_stage
-            sizes = self._per_layout[li] = (t, c, L // p, 1 if l is None else L // p // l, p,
-                                            num_gpus // (t * p) // c, switches.get("fp8"))
-        return sizes
-
-    def _pipelined(self, li: int, ci: int, i: int) -> float:
-        """Lower bound on compute + recompute + tp_comm + cp_comm + bubble of candidate (``li``, ``ci``, ``i``)."""
-        t, c, per_stage, v, p, replicas, fp8 = self._layout_sizes(li)
-        run, layout = self.layouts[li]
-        mb = layout.micro_batch_sizes[i]
-        n = self.block_layers.get((li, ci, i)) if self.modes[ci].block else None
-        key = (t, c, mb, self._plain_id[ci] if n is None else self._mode_id[ci], n,
-               per_stage // v if n else None, fp8)
-        times = self._shapes.get(key)
-        if times is None:
-            mode = self._plain[ci] if n is None else self.modes[ci]
-            st = shape_times(self.model, _plan(run, layout, mb, mode, n), self.system)
-            times = self._shapes[key] = (st.layer.total, st.head.total)
-        per_layer, head = times
-        m = run[2] // (mb * replicas)
-        last = per_stage * per_layer + head
-        return (m - 1 / v) * last + (p * per_stage * per_layer + head) / v if p > 1 else m * last
-
-    def _tokens(self, li: int) -> int:
-        _, seq_length, global_batch, _ = self.layouts[li][0]
-        return global_batch * seq_length
-
-    def bound(self, li: int, ci: int, i: int) -> float:
-        """Upper bound on the tokens/s of candidate (``li``, ``ci``, ``i``)."""
-        traffic = self._traffic.get(li)
-        if traffic is None:
-            run, layout = self.layouts[li]
-            first = _plan(run, layout, layout.micro_batch_sizes[0], self.modes[0])
-            traffic = self._traffic[li] = (
-                pipeline_p2p_seconds_by_micro_batch(self.model, first, self.system, layout.micro_batch_sizes),
-                dp_seconds_lower_bound(self.model, first, self.system))
-        pp, dp = traffic
-        return self._tokens(li) / (self._pipelined(li, ci, i) + pp[i] + dp)
-
-    def group(self, li: int, i: int) -> float:
-        """Upper bound on the tokens/s of every mode of layout ``li`` at micro batch index ``i`` (with
-        :attr:`grouped`)."""
-        return self.bound(li, self._floor[0], i)
-
-    def layout(self, li: int) -> float:
-        """Upper bound on the tokens/s of every candidate of layout ``li``."""
-        return self._tokens(li) / min(self._pipelined(li, ci, i) for ci in self._floor
-                                      for i in range(len(self.layouts[li][1].micro_batch_sizes)))
-
-    def expand(self, li: int, ci: int, i: int) -> list[tuple[float, int, int, int]]:
-        """The queue entries of what the entry (``li``, ``ci``, ``i``) stands for (a layout or a group)."""
-        if ci == _LAYOUT and self.grouped:
-            return [(-self.group(li, j), li, _GROUP, j) for j in range(len(self.layouts[li][1].micro_batch_sizes))]
-        mbs = range(len(self.layouts[li][1].micro_batch_sizes)) if ci == _LAYOUT else (i,)
-        return [(-self.bound(li, cj, j), li, cj, j) for cj in range(len(self.modes)) for j in mbs]
-
-
 def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple, Layout]], modes, alpha_mode,
                        budget, top: int) -> None:
     """Price candidates from the highest tokens/s bound down until no remaining one can enter the top.
 
     The candidates are taken in the order of (minus the bound, layout index, mode index, micro batch index). The
-    queue starts with one entry per layout holding the bound of all its candidates (:meth:`_Bounds.layout`, mode
-    index ``_LAYOUT``: it comes out before any of them); taking it out puts in one entry per micro batch holding the
-    bound of its modes (``_GROUP``, when several are searched), and taking that out its candidates with their own
+    queue starts with one entry per layout holding the bound of all its candidates (:meth:`~h3t_ext.planner.bounds.Bounds.layout`, mode
+    index ``LAYOUT_ENTRY``: it comes out before any of them); taking it out puts in one entry per micro batch holding the
+    bound of its modes (``GROUP_ENTRY``, when several are searched), and taking that out its candidates with their own
     bounds. Candidates come out in the order of sorting every candidate's bound, while only the layouts and micro
     batches that could enter the top are bounded one by one. A block candidate comes out first with its base's
     bound; its N is then chosen and it goes back in with its own (lower) bound."""
-    bounds = _Bounds(model, system, layouts, modes)
+    bounds = Bounds(model, system, layouts, modes)
     modes = bounds.modes
-    queue = [(-bounds.layout(li), li, _LAYOUT, -1) for li in range(len(layouts))]
+    queue = [(-bounds.layout(li), li, LAYOUT_ENTRY, -1) for li in range(len(layouts))]
     heapq.heapify(queue)
     remaining = len(modes) * sum(len(layout.micro_batch_sizes) for _, layout in layouts)  # candidates not taken
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
@@ -598,7 +473,7 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
             heapq.heappush(queue, (-bounds.bound(li, ci, i), li, ci, i))
             continue
         remaining -= 1
-        plan = _plan(run, layout, mb, mode, bounds.block_layers.get((li, ci, i)))
+        plan = candidate_plan(run, layout, mb, mode, bounds.block_layers.get((li, ci, i)))
         ranked = _price(col, model, system, plan, alpha_mode, budget)
         if ranked is None:
             failed.setdefault(li, []).append((ci, i))

@@ -11,6 +11,7 @@ from h3t_ext.costmodel import ModelSpec, Plan, estimate, get_model, get_system
 from h3t_ext.planner import space
 from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
 from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
+from h3t_ext.planner.bounds import Bounds
 from h3t_ext.planner.search import R_BOUND, search
 from h3t_ext.planner.space import SearchConstraints, divisors, enumerate_layouts
 from h3t_ext.planner.units import parse_bytes
@@ -248,7 +249,7 @@ def test_best_first_group_bounds_hold_their_candidates(model_name, precisions):
                                    constraints=k)
     switches = {"sequence_parallel": True, "use_distributed_optimizer": True}
     live = [(run, x) for run in search_mod._runs(16, 4096, 32, switches, k) for x in layouts]
-    bounds = search_mod._Bounds(model, system, live, space.CKPT_BY_MEMORY)
+    bounds = Bounds(model, system, live, space.CKPT_BY_MEMORY)
     assert bounds.grouped and len(live) > 20
     strict = 0
     for li, (_, layout) in enumerate(live):

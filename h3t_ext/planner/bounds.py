@@ -1,0 +1,136 @@
+"""The best-first search's candidates: the plan of one (layout, recompute mode, micro batch) and upper bounds on
+the tokens/s of candidates and of groups of them (:class:`Bounds`), from the cost model's own terms."""
+from __future__ import annotations
+
+from typing import Optional
+
+from h3t_ext.costmodel import Plan
+from h3t_ext.costmodel.plan import applicable_switches
+from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
+from h3t_ext.planner.recompute_modes import RecomputeMode
+from h3t_ext.planner.space import Layout
+
+
+def candidate_plan(run: tuple, layout: Layout, mb: int, mode, block_layers: Optional[int] = None) -> Plan:
+    """The plan of one candidate: ``mode`` a :class:`RecomputeMode` (or a ckpt value), a block mode with its N
+    (None: its base alone)."""
+    num_gpus, seq_length, global_batch_size, switches = run
+    mode = RecomputeMode.of(mode)
+    switches = applicable_switches(switches, layout.tensor_model_parallel_size)
+    return Plan(
+        num_gpus=num_gpus,
+        seq_length=seq_length,
+        global_batch_size=global_batch_size,
+        micro_batch_size=mb,
+        tensor_model_parallel_size=layout.tensor_model_parallel_size,
+        context_parallel_size=layout.context_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=layout.num_layers_per_virtual_pipeline_stage,
+        ckpt=mode.ckpt,
+        recompute=mode.recompute_of(block_layers),
+        **switches,
+    )
+
+
+LAYOUT_ENTRY, GROUP_ENTRY = -2, -1
+"""Mode index of a best-first queue entry that stands for every candidate of a layout / of a (layout, micro batch)."""
+
+
+class Bounds:
+    """Upper bounds on the tokens/s of the best-first candidates (layout index, mode index, micro batch index), and
+    of groups of them, each computed when first asked for.
+
+    The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
+    per-microbatch time T and the bubble is (sum over stages - T)/v, so together (m - 1/v) T + (sum over
+    stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its
+    value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
+
+    A layer's time with ckpt ``no`` is its time with any other mode without the recompute terms (>= 0; nothing
+    else in it depends on the mode), and the bound only falls as the layer's time grows, so the bound of ckpt
+    ``no`` at a micro batch is also one for every mode at that micro batch (:meth:`group`); leaving out pp_p2p and
+    dp_exposed (>= 0) bounds a whole layout (:meth:`layout`). A block mode's candidate is bounded by its base's
+    bound (block recompute only adds time) until its N is known (:attr:`block_layers`), then by its own.
+    """
+
+    def __init__(self, model, system, layouts: list[tuple[tuple, Layout]], modes) -> None:
+        self.model, self.system, self.layouts = model, system, layouts
+        self.modes = tuple(RecomputeMode.of(c) for c in modes)
+        no = RecomputeMode.of("no")
+        self.grouped = len(self.modes) > 1 and no in self.modes
+        """Whether candidates are grouped by (layout, micro batch) under ckpt ``no``'s bound."""
+        self._floor = (self.modes.index(no),) if no in self.modes else tuple(range(len(self.modes)))
+        """The mode indices whose bounds bound every mode's."""
+        self._plain = tuple(RecomputeMode(m.ckpt, m.recompute) for m in self.modes)
+        """Each mode without block recompute (an unresolved block candidate's bound is its base's)."""
+        self.block_layers: dict[tuple[int, int, int], int] = {}
+        """The N of the block candidates (layout, mode, micro batch indices) resolved so far."""
+        unique = list(dict.fromkeys(self.modes + self._plain))
+        self._mode_id = tuple(unique.index(m) for m in self.modes)
+        self._plain_id = tuple(unique.index(m) for m in self._plain)
+        """Each mode's / each plain mode's index among the distinct modes (a cheap key for :attr:`_shapes`)."""
+        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8) -> (layer, output) s
+        self._per_layout: dict[int, tuple] = {}  # layout -> (t, c, layers per stage, v, p, replicas, fp8)
+        self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
+
+    def _layout_sizes(self, li: int) -> tuple:
+        """(t, c, layers per stage, v, p, data-parallel replicas, fp8) of layout ``li``."""
+        sizes = self._per_layout.get(li)
+        if sizes is None:
+            (num_gpus, _, _, switches), layout = self.layouts[li]
+            L, t, c, p = (self.model.num_layers, layout.tensor_model_parallel_size, layout.context_parallel_size,
+                          layout.pipeline_model_parallel_size)
+            l = layout.num_layers_per_virtual_pipeline_stage
+            sizes = self._per_layout[li] = (t, c, L // p, 1 if l is None else L // p // l, p,
+                                            num_gpus // (t * p) // c, switches.get("fp8"))
+        return sizes
+
+    def _pipelined(self, li: int, ci: int, i: int) -> float:
+        """Lower bound on compute + recompute + tp_comm + cp_comm + bubble of candidate (``li``, ``ci``, ``i``)."""
+        t, c, per_stage, v, p, replicas, fp8 = self._layout_sizes(li)
+        run, layout = self.layouts[li]
+        mb = layout.micro_batch_sizes[i]
+        n = self.block_layers.get((li, ci, i)) if self.modes[ci].block else None
+        key = (t, c, mb, self._plain_id[ci] if n is None else self._mode_id[ci], n,
+               per_stage // v if n else None, fp8)
+        times = self._shapes.get(key)
+        if times is None:
+            mode = self._plain[ci] if n is None else self.modes[ci]
+            st = shape_times(self.model, candidate_plan(run, layout, mb, mode, n), self.system)
+            times = self._shapes[key] = (st.layer.total, st.head.total)
+        per_layer, head = times
+        m = run[2] // (mb * replicas)
+        last = per_stage * per_layer + head
+        return (m - 1 / v) * last + (p * per_stage * per_layer + head) / v if p > 1 else m * last
+
+    def _tokens(self, li: int) -> int:
+        _, seq_length, global_batch, _ = self.layouts[li][0]
+        return global_batch * seq_length
+
+    def bound(self, li: int, ci: int, i: int) -> float:
+        """Upper bound on the tokens/s of candidate (``li``, ``ci``, ``i``)."""
+        traffic = self._traffic.get(li)
+        if traffic is None:
+            run, layout = self.layouts[li]
+            first = candidate_plan(run, layout, layout.micro_batch_sizes[0], self.modes[0])
+            traffic = self._traffic[li] = (
+                pipeline_p2p_seconds_by_micro_batch(self.model, first, self.system, layout.micro_batch_sizes),
+                dp_seconds_lower_bound(self.model, first, self.system))
+        pp, dp = traffic
+        return self._tokens(li) / (self._pipelined(li, ci, i) + pp[i] + dp)
+
+    def group(self, li: int, i: int) -> float:
+        """Upper bound on the tokens/s of every mode of layout ``li`` at micro batch index ``i`` (with
+        :attr:`grouped`)."""
+        return self.bound(li, self._floor[0], i)
+
+    def layout(self, li: int) -> float:
+        """Upper bound on the tokens/s of every candidate of layout ``li``."""
+        return self._tokens(li) / min(self._pipelined(li, ci, i) for ci in self._floor
+                                      for i in range(len(self.layouts[li][1].micro_batch_sizes)))
+
+    def expand(self, li: int, ci: int, i: int) -> list[tuple[float, int, int, int]]:
+        """The queue entries of what the entry (``li``, ``ci``, ``i``) stands for (a layout or a group)."""
+        if ci == LAYOUT_ENTRY and self.grouped:
+            return [(-self.group(li, j), li, GROUP_ENTRY, j) for j in range(len(self.layouts[li][1].micro_batch_sizes))]
+        mbs = range(len(self.layouts[li][1].micro_batch_sizes)) if ci == LAYOUT_ENTRY else (i,)
+        return [(-self.bound(li, cj, j), li, cj, j) for cj in range(len(self.modes)) for j in mbs]
