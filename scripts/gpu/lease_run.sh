@@ -5,9 +5,9 @@
 #      pretrain() (megatron-core 0.19.2: pretrain_gpt.py, ckpt=ours with alpha 0.5 against ckpt=no alpha 0);
 #   3. alone on the GPU (timings): the copy kernels, the offload overlap, attention with and without dropout
 #      (scripts/gpu/bench_attention_dropout.py: flash and cuDNN), a GEMM sustained for 20 s (bf16) and
-#      10 s (fp8) beside the SM clock (scripts/gpu/sustained_gemm.py), the driver's training steps
-#      (scripts/gpu/driver_steps.py), two of them under the kernel profiler (--profile) and the cost model's
-#      ground truth.
+#      10 s (fp8) beside the SM clock (scripts/gpu/sustained_gemm.py), two driver steps under the kernel
+#      profiler (scripts/gpu/driver_steps.py --profile), the driver's training steps and the cost model's
+#      ground truth (committed from the first lease: it gets what LEASE_S leaves).
 # The parts land in OUT/parts.tgz (packed again after each stage, so a run stopped at its limit keeps what it
 # measured).
 # scripts/gpu/report.py --from-parts DIR (DIR: parts.tgz unpacked) then writes the report from these files
@@ -15,7 +15,9 @@
 #
 #   OUT=DIR bash scripts/gpu/lease_run.sh [--dry-run]
 #
-# Environment (defaults): OUT (docs/gpu-reports/parts), PYTHON (python3), WHEELS_OLD / WHEELS_NEW (.whl/
+# Environment (defaults): LEASE_S (560: the whole run's deadline in seconds; every part's limit is cut to what is
+# left of it, and a part with under 15 s left is skipped with a line, so one 10-minute device command ends with its
+# parts packed), OUT (docs/gpu-reports/parts), PYTHON (python3), WHEELS_OLD / WHEELS_NEW (.whl/
 # megatron-core-0.16.1-cp312 / .whl/megatron-core-0.19.2-cp312), TESTS_S (180), GT_BUDGET_S (90),
 # NATIVE_ITERS (20), XDIST (4: pytest-xdist workers, 0 for none), STEPS (the driver_steps.py cases, all when
 # empty), GT_TIMEOUT_S (150).
@@ -31,6 +33,7 @@ NATIVE_ITERS=${NATIVE_ITERS:-20}
 XDIST=${XDIST:-4}
 STEPS=${STEPS:-}
 GT_TIMEOUT_S=${GT_TIMEOUT_S:-150}
+LEASE_S=${LEASE_S:-560}
 SITE_OLD=/tmp/h3t-site-old
 SITE_NEW=/tmp/h3t-site-new
 NATIVE=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256
@@ -50,6 +53,11 @@ mkdir -p "$OUT"
 cd "$ROOT"
 export PYTHONPATH=$ROOT
 stamp() { echo "== $(date +%T) $*"; }
+START=$SECONDS
+# cap N: N seconds, or what is left of LEASE_S (less 5 s to pack) when that is less; 0 when under 15 s are left
+cap() { local left=$((LEASE_S - (SECONDS - START) - 5)); ((left < 15)) && { echo 0; return; }; echo $((left < $1 ? left : $1)); }
+# run_capped N CMD...: CMD under timeout (cap N), or a line saying it was skipped
+run_capped() { local t; t=$(cap "$1"); shift; if ((t == 0)); then echo "skipped (LEASE_S=$LEASE_S spent): $*" | cut -c1-160; return 124; fi; timeout "$t" "$@"; }
 pack() { tar czf "$OUT/parts.tgz" -C "$PARTS" .; }
 stamp "start on $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader)"
 "$PYTHON" -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
@@ -63,26 +71,26 @@ done
 # the built helpers_cpp but no Makefile): a no-op Makefile stands in for the checkout.
 [[ -f $SITE_NEW/megatron/core/datasets/Makefile ]] || printf 'all:\n\t@true\n' >"$SITE_NEW/megatron/core/datasets/Makefile"
 stamp "build"
-H3T_BUILD_CUDA=1 timeout 150 "$PYTHON" setup.py -q build_ext --inplace --parallel 8 >"$PARTS/build.log" 2>&1 \
+H3T_BUILD_CUDA=1 run_capped 150 "$PYTHON" setup.py -q build_ext --inplace --parallel 8 >"$PARTS/build.log" 2>&1 \
   || echo "build failed: $(tail -n 5 "$PARTS/build.log")"
 "$PYTHON" -c "import h3t_ext.kernels as k; print('kernels:', k.active_backend('cuda'), k.native_unavailable_reason('cuda'))" 2>&1 | tail -n 1
 stamp "copy kernel tests alone"
-PYTHONPATH=$ROOT:$SITE_OLD timeout 60 "$PYTHON" -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist \
+PYTHONPATH=$ROOT:$SITE_OLD run_capped 60 "$PYTHON" -X faulthandler -m pytest -q -p no:cacheprovider -p no:xdist \
   tests/gpu/test_kernels_cuda.py 2>&1 | tail -n 30
 
 stamp "native (0.19.2), stage memory and the gpu tier (0.16.1), at once"
 native() {  # $1: name, $2: port, then flags
   local name=$1 port=$2; shift 2
-  PYTHONPATH=$ROOT:$SITE_NEW timeout 170 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-port "$port" \
+  PYTHONPATH=$ROOT:$SITE_NEW run_capped 170 "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-port "$port" \
     pretrain_gpt.py "${NATIVE[@]}" "$@" >"$PARTS/native-$name.log" 2>&1
   echo "native $name exit $?"
 }
 native ours 29611 --ckpt ours --offload-alpha 0.5 &
 native no 29612 --ckpt no --offload-alpha 0 &
-PYTHONPATH=$ROOT:$SITE_OLD timeout 175 "$PYTHON" scripts/gpu/stage_memory.py --json --timeout-s 170 \
+PYTHONPATH=$ROOT:$SITE_OLD run_capped 175 "$PYTHON" scripts/gpu/stage_memory.py --json --timeout-s "$(cap 170)" \
   >"$PARTS/stage_memory.json" 2>&1 &
 XD=(); [[ $XDIST -gt 0 ]] && XD=(-n "$XDIST")
-PYTHONPATH=$ROOT:$SITE_OLD timeout "$TESTS_S" "$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider "${XD[@]}" \
+PYTHONPATH=$ROOT:$SITE_OLD run_capped "$TESTS_S" "$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider "${XD[@]}" \
   --junitxml="$PARTS/gpu_tests.xml" >"$PARTS/gpu_tests.txt" 2>&1
 tail -n 25 "$PARTS/gpu_tests.txt"
 wait
@@ -90,28 +98,30 @@ grep -h "lm loss" "$PARTS"/native-*.log | head -n 4; tail -n 2 "$PARTS/stage_mem
 pack
 stamp "timings, alone on the GPU"
 export PYTHONPATH=$ROOT:$SITE_OLD
-timeout 45 "$PYTHON" scripts/gpu/bench_copy_cuda.py --json >"$PARTS/copies.json" 2>&1 \
+run_capped 45 "$PYTHON" scripts/gpu/bench_copy_cuda.py --json >"$PARTS/copies.json" 2>&1 \
   || echo "copies failed: $(tail -n 2 "$PARTS/copies.json")"
-timeout 60 "$PYTHON" scripts/gpu/bench_offload_overlap.py --json >"$PARTS/overlap.json" 2>&1 \
+run_capped 60 "$PYTHON" scripts/gpu/bench_offload_overlap.py --json >"$PARTS/overlap.json" 2>&1 \
   || echo "overlap failed: $(tail -n 2 "$PARTS/overlap.json")"
-timeout 60 "$PYTHON" scripts/gpu/bench_attention_dropout.py --json >"$PARTS/attention_dropout.json" 2>&1 \
+run_capped 60 "$PYTHON" scripts/gpu/bench_attention_dropout.py --json >"$PARTS/attention_dropout.json" 2>&1 \
   || echo "attention dropout failed: $(tail -n 2 "$PARTS/attention_dropout.json")"
 tail -c 600 "$PARTS/copies.json"; echo; tail -c 600 "$PARTS/overlap.json"; echo
 tail -c 600 "$PARTS/attention_dropout.json"; echo
 pack
 for prec_s in bf16:20 fp8:10; do  # the clock a GPU at its power limit sustains (report.py's SUSTAINED)
-  timeout 90 "$PYTHON" scripts/gpu/sustained_gemm.py --precision "${prec_s%%:*}" --seconds "${prec_s#*:}" \
+  run_capped 90 "$PYTHON" scripts/gpu/sustained_gemm.py --precision "${prec_s%%:*}" --seconds "${prec_s#*:}" \
     --json "$PARTS/sustained-${prec_s%%:*}.json" 2>&1 | tail -n 1
 done
 pack
-ONLY=(); [[ -n $STEPS ]] && ONLY=(--only $STEPS)
-timeout 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" "${ONLY[@]}" 2>&1
-pack
 # where a driver step's GPU time goes, by kernel kind (driver_steps.py --compare prints it beside the model's terms)
-timeout 150 "$PYTHON" scripts/gpu/driver_steps.py --profile --iters 4 --only llama-1b/no/0 llama-1b/ours/0.5 \
+run_capped 150 "$PYTHON" scripts/gpu/driver_steps.py --profile --iters 4 --only llama-1b/no/0 llama-1b/ours/0.5 \
   --json "$PARTS/driver_profile.json" 2>&1
 pack
-timeout "$GT_TIMEOUT_S" "$PYTHON" scripts/gpu/ground_truth.py --budget-s "$GT_BUDGET_S" \
+ONLY=(); [[ -n $STEPS ]] && ONLY=(--only $STEPS)
+run_capped 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" "${ONLY[@]}" 2>&1
+pack
+GT_T=$(cap "$GT_TIMEOUT_S"); GT_B=$((GT_T - 30 < GT_BUDGET_S ? GT_T - 30 : GT_BUDGET_S))
+((GT_B < 10)) && GT_T=0  # under 10 s of budget measures nothing worth the start-up
+run_capped "$GT_T" "$PYTHON" scripts/gpu/ground_truth.py --budget-s "$GT_B" \
   --json "$PARTS/ground_truth.json" >"$PARTS/ground_truth.txt" 2>&1 || echo "ground truth failed: $(tail -n 3 "$PARTS/ground_truth.txt")"
 tail -n 3 "$PARTS/ground_truth.txt"
 pack
