@@ -42,7 +42,7 @@ NATIVE=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 25
         --transformer-impl local --no-persist-layer-norm --log-interval 1 --eval-iters 0 --seed 1234
         --attention-dropout 0 --hidden-dropout 0)
 if [[ ${1:-} == --dry-run ]]; then
-  echo "OUT=$OUT PYTHON=$PYTHON WHEELS_OLD=$WHEELS_OLD WHEELS_NEW=$WHEELS_NEW TESTS_S=$TESTS_S GT_BUDGET_S=$GT_BUDGET_S"
+  echo "LEASE_S=$LEASE_S OUT=$OUT PYTHON=$PYTHON WHEELS_OLD=$WHEELS_OLD WHEELS_NEW=$WHEELS_NEW TESTS_S=$TESTS_S GT_BUDGET_S=$GT_BUDGET_S"
   echo -n "native: "; printf '%q ' "$PYTHON" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py "${NATIVE[@]}"; echo
   exit 0
 elif [[ $# -gt 0 ]]; then
