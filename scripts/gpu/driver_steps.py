@@ -59,19 +59,27 @@ def command(case, iters: int, metrics: str) -> list[str]:
             "--offload-alpha", alpha, "--metrics-json", metrics]
 
 
+def _run(case, cmd: list[str], wanted: str, timeout_s: float):
+    """(the finished process, None), or (None, the case's failed row) when ``cmd`` timed out, failed or left no
+    ``wanted`` file."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, {"case": case[0], "status": "failed", "why": f"did not finish within {timeout_s:g}s"}
+    if proc.returncode != 0 or not os.path.isfile(wanted):
+        tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["?"])[-1]
+        return None, {"case": case[0], "status": "failed", "why": tail[-400:]}
+    return proc, None
+
+
 def measure(case, iters: int, timeout_s: float) -> dict:
     from groundtruth.clocks import Sampler
 
     with tempfile.TemporaryDirectory() as tmp, Sampler() as clocks:
         metrics = os.path.join(tmp, "m.json")
-        try:
-            proc = subprocess.run(command(case, iters, metrics), cwd=ROOT, capture_output=True, text=True,
-                                  timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"case": case[0], "status": "failed", "why": f"did not finish within {timeout_s:g}s"}
-        if proc.returncode != 0 or not os.path.isfile(metrics):
-            tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["?"])[-1]
-            return {"case": case[0], "status": "failed", "why": tail[-400:]}
+        proc, failed = _run(case, command(case, iters, metrics), metrics, timeout_s)
+        if failed:
+            return failed
         with open(metrics) as f:
             recs = json.load(f)["iterations"]
     memory = MEMORY.findall(proc.stdout)
@@ -94,14 +102,9 @@ def profile_command(case, iters: int, metrics: str, out: str) -> list[str]:
 def profile_case(case, iters: int, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "k.json")
-        try:
-            proc = subprocess.run(profile_command(case, iters, os.path.join(tmp, "m.json"), out), cwd=ROOT,
-                                  capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            return {"case": case[0], "status": "failed", "why": f"did not finish within {timeout_s:g}s"}
-        if proc.returncode != 0 or not os.path.isfile(out):
-            tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["?"])[-1]
-            return {"case": case[0], "status": "failed", "why": tail[-400:]}
+        _, failed = _run(case, profile_command(case, iters, os.path.join(tmp, "m.json"), out), out, timeout_s)
+        if failed:
+            return failed
         with open(out) as f:
             return {"case": case[0], "status": "profiled", "kernels": json.load(f)}
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from h3t_ext.costmodel import get_model, get_system
-from h3t_ext.planner.cli import main
 from h3t_ext.planner.evaluate import evaluate
 from h3t_ext.planner.flags import plan_from_megatron_flags
+from planner_harness import run_main
 from h3t_ext.costmodel import Plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,16 +23,6 @@ PLAN65 = ["--model", "llama-65b", "--seq-length", "4096", "--num-gpus", "256", "
 ESTIMATE_KEYS = {"peak_memory_bytes", "fits", "offload_alpha", "tokens_per_second", "tokens_per_second_per_gpu", "mfu"}
 SEARCH_KEYS = ESTIMATE_KEYS | {"tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                                "num_layers_per_virtual_pipeline_stage", "ckpt", "micro_batch_size", "megatron_flags"}
-
-
-def run_main(argv, capsys):
-    """(exit code, stdout, stderr) of main(argv), parse errors included."""
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_estimate_json_keys_and_consistency(capsys):

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from h3t_ext.planner.cli import main
+from planner_harness import run_json, run_main
 
 LLAMA7B = ["--model", "llama-7b", "--num-gpus", "8", "--seq-length", "2048", "--global-batch-size", "128",
            "--gpu", "h100-sxm"]
@@ -19,25 +19,10 @@ LLAMA70B = ["--model", "llama2-70b", "--num-gpus", "64", "--seq-length", "4096",
             "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2"]
 
 
-def _run(argv, capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _json(argv, capsys):
-    code, out, err = _run([*argv, "--json"], capsys)
-    assert code == 0, err
-    return json.loads(out)
-
-
 @pytest.mark.parametrize("case,extra", [(LLAMA7B, ["--precision", "auto"]), (GPT3_A100_40G, [])],
                          ids=["llama-7b-fp8-and-bf16", "gpt3-175b-cpu-optimizer"])
 def test_the_flags_search_prints_price_the_same_plan_in_estimate(case, extra, capsys):
-    found = _json(["search", *case, *extra, "--top", "5"], capsys)
+    found = run_json(["search", *case, *extra, "--top", "5"], capsys)
     assert found
     printed = {flag for p in found for flag in p["megatron_flags"]}
     if case is GPT3_A100_40G:  # the case reaches the CPU optimizer, whose Megatron flags estimate must read
@@ -45,17 +30,17 @@ def test_the_flags_search_prints_price_the_same_plan_in_estimate(case, extra, ca
     else:
         assert "--fp8-format" in printed
     for plan in found:
-        again = _json(["estimate", *case, *plan["megatron_flags"]], capsys)
+        again = run_json(["estimate", *case, *plan["megatron_flags"]], capsys)
         assert again["tokens_per_second"] == pytest.approx(plan["tokens_per_second"], rel=1e-9)
         assert again["peak_memory_bytes"] == plan["peak_memory_bytes"]
 
 
 def test_megatrons_spellings_of_the_defaults_are_read(capsys):
-    plain = _json(["estimate", *LLAMA70B, "--recompute-granularity", "selective"], capsys)
-    spelled = _json(["estimate", *LLAMA70B, "--sequence-parallel", "--use-distributed-optimizer", "--bf16",
+    plain = run_json(["estimate", *LLAMA70B, "--recompute-granularity", "selective"], capsys)
+    spelled = run_json(["estimate", *LLAMA70B, "--sequence-parallel", "--use-distributed-optimizer", "--bf16",
                      "--recompute-activations", "--group-query-attention", "--use-flash-attn"], capsys)
     assert spelled == plain
-    without = _json(["estimate", *LLAMA70B], capsys)
+    without = run_json(["estimate", *LLAMA70B], capsys)
     assert without["peak_memory_bytes"] > plain["peak_memory_bytes"]  # the shorthand did recompute something
 
 
@@ -75,29 +60,29 @@ def test_megatrons_spellings_of_the_defaults_are_read(capsys):
                                                                           "--accumulate-allreduce-grads-in-fp32"),
 ])
 def test_contradictions_are_one_line(flags, named, capsys):
-    code, _, err = _run(["estimate", *LLAMA70B, *flags], capsys)
+    code, _, err = run_main(["estimate", *LLAMA70B, *flags], capsys)
     assert code == 2
     assert named in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_search_reads_the_shorthand_as_selective_recompute(capsys):
-    found = _json(["search", *LLAMA70B, "--recompute-activations", "--top", "3"], capsys)
+    found = run_json(["search", *LLAMA70B, "--recompute-activations", "--top", "3"], capsys)
     assert found and all("selective" in p["megatron_flags"] for p in found)
 
 
 def test_an_fp16_run_holds_megatrons_fp16_gradients(capsys):
     """Megatron-LM accumulates and reduces gradients in fp32 for --bf16 only: --fp16 prices 2-byte gradients (as
     --grad-reduce-in-bf16 does), --accumulate-allreduce-grads-in-fp32 restores the 4 bytes."""
-    bf16 = _json(["estimate", *LLAMA70B], capsys)
-    fp16 = _json(["estimate", *LLAMA70B, "--fp16"], capsys)
-    bf16_grads = _json(["estimate", *LLAMA70B, "--grad-reduce-in-bf16"], capsys)
+    bf16 = run_json(["estimate", *LLAMA70B], capsys)
+    fp16 = run_json(["estimate", *LLAMA70B, "--fp16"], capsys)
+    bf16_grads = run_json(["estimate", *LLAMA70B, "--grad-reduce-in-bf16"], capsys)
     assert {k: v for k, v in fp16.items() if k != "megatron_flags"} == \
         {k: v for k, v in bf16_grads.items() if k != "megatron_flags"}
     assert fp16["peak_memory_bytes"] < bf16["peak_memory_bytes"]
-    fp32_grads = _json(["estimate", *LLAMA70B, "--fp16", "--accumulate-allreduce-grads-in-fp32"], capsys)
+    fp32_grads = run_json(["estimate", *LLAMA70B, "--fp16", "--accumulate-allreduce-grads-in-fp32"], capsys)
     assert fp32_grads["peak_memory_bytes"] == bf16["peak_memory_bytes"]
     assert fp32_grads["tokens_per_second"] == bf16["tokens_per_second"]
-    assert _json(["estimate", *LLAMA70B, "--bf16", "--accumulate-allreduce-grads-in-fp32"], capsys) == bf16
+    assert run_json(["estimate", *LLAMA70B, "--bf16", "--accumulate-allreduce-grads-in-fp32"], capsys) == bf16
 
 
 def test_a_custom_gpt_shape_says_its_norm_and_positions(capsys):
@@ -105,12 +90,12 @@ def test_a_custom_gpt_shape_says_its_norm_and_positions(capsys):
     gpt = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "8192",
            "--vocab-size", "50257", "--no-swiglu", "--seq-length", "2048", "--num-gpus", "8", "--global-batch-size",
            "64", "--tensor-model-parallel-size", "8"]
-    learned = _json(["estimate", *gpt], capsys)
-    rope = _json(["estimate", *gpt, "--position-embedding-type", "rope"], capsys)
+    learned = run_json(["estimate", *gpt], capsys)
+    rope = run_json(["estimate", *gpt, "--position-embedding-type", "rope"], capsys)
     table = 2048 * 2048  # whole on every tensor-parallel rank: weights, fp32 gradients, the optimizer's shard
     assert learned["peak_memory_bytes"] - rope["peak_memory_bytes"] >= table * (2 + 4)
     assert rope["tokens_per_second"] < learned["tokens_per_second"]  # RoPE's kernels in every layer
-    assert _json(["estimate", *gpt, "--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm"],
+    assert run_json(["estimate", *gpt, "--position-embedding-type", "learned_absolute", "--normalization", "LayerNorm"],
                  capsys) == learned
 
 
@@ -119,11 +104,11 @@ def test_a_custom_gpt_shape_says_its_norm_and_positions(capsys):
                                             ["--fp16", "--accumulate-allreduce-grads-in-fp32"]),
                                            (["--grad-reduce-in-bf16"], ["--grad-reduce-in-bf16"])])
 def test_an_fp16_plan_prints_megatrons_fp16_flags_and_reads_them_back(extra, printed, capsys):
-    got = _json(["estimate", *LLAMA70B, *extra], capsys)
+    got = run_json(["estimate", *LLAMA70B, *extra], capsys)
     precision = [f for f in got["megatron_flags"] if f in ("--fp16", "--accumulate-allreduce-grads-in-fp32",
                                                             "--grad-reduce-in-bf16", "--bf16")]
     assert precision == printed
-    assert _json(["estimate", *LLAMA70B, *got["megatron_flags"]], capsys) == got
+    assert run_json(["estimate", *LLAMA70B, *got["megatron_flags"]], capsys) == got
 
 
 def test_a_custom_gqa_shape_names_its_groups(capsys):
@@ -131,10 +116,10 @@ def test_a_custom_gqa_shape_names_its_groups(capsys):
     shape = ["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64", "--ffn-hidden-size",
              "28672", "--vocab-size", "32000", "--seq-length", "4096", "--num-gpus", "64", "--global-batch-size", "512",
              "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "2"]
-    code, _, err = _run(["estimate", *shape, "--group-query-attention"], capsys)
+    code, _, err = run_main(["estimate", *shape, "--group-query-attention"], capsys)
     assert code == 2 and "--group-query-attention: needs --num-query-groups" in err and len(err.splitlines()) == 1
-    gqa = _json(["estimate", *shape, "--group-query-attention", "--num-query-groups", "8"], capsys)
-    assert gqa == _json(["estimate", *shape, "--num-query-groups", "8"], capsys)
+    gqa = run_json(["estimate", *shape, "--group-query-attention", "--num-query-groups", "8"], capsys)
+    assert gqa == run_json(["estimate", *shape, "--num-query-groups", "8"], capsys)
 
 
 def test_the_vocabulary_pads_as_megatron_pads_it(capsys):
@@ -145,7 +130,7 @@ def test_the_vocabulary_pads_as_megatron_pads_it(capsys):
     v = llama.vocab_size
     assert llama.padded_vocab_size(8) == -(-v // 1024) * 1024
     assert replace(llama, make_vocab_size_divisible_by=1).padded_vocab_size(8) == -(-v // 8) * 8 < -(-v // 1024) * 1024
-    padded = _json(["estimate", *LLAMA70B], capsys)
-    exact = _json(["estimate", *LLAMA70B, "--make-vocab-size-divisible-by", "1"], capsys)
+    padded = run_json(["estimate", *LLAMA70B], capsys)
+    exact = run_json(["estimate", *LLAMA70B, "--make-vocab-size-divisible-by", "1"], capsys)
     assert exact["peak_memory_bytes"] < padded["peak_memory_bytes"]
     assert exact["tokens_per_second"] > padded["tokens_per_second"]

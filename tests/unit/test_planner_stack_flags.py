@@ -9,6 +9,7 @@ import pytest
 from h3t_ext.costmodel import Plan, estimate, get_model, get_system
 from h3t_ext.planner.cli import main
 from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
+from planner_harness import run_main
 
 GPT3 = ["--model", "gpt3-175b", "--seq-length", "2048", "--num-gpus", "1024", "--global-batch-size", "1536",
         "--tensor-model-parallel-size", "8", "--pipeline-model-parallel-size", "16", "--gpu", "a100-80g",
@@ -16,11 +17,7 @@ GPT3 = ["--model", "gpt3-175b", "--seq-length", "2048", "--num-gpus", "1024", "-
 
 
 def _estimate(argv, capsys) -> dict:
-    try:
-        code = main(["estimate", *argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
+    code, out, err = run_main(["estimate", *argv], capsys)
     assert code == 0, err
     return json.loads(out)
 
