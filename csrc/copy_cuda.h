@@ -14,7 +14,8 @@ namespace h3t {
 namespace cuda {
 
 enum class Method {
-  kAuto = 0,    // one cudaMemcpyBatchAsync (CUDA >= 12.8) for contiguous tasks, else a loop
+  kAuto = 0,    // contiguous tasks of at most 1 MiB whose pointers a kernel may use: the SM copy kernel; the
+                // other contiguous ones: one cudaMemcpyBatchAsync (CUDA >= 12.8, not the legacy stream), else a loop
   kLoop = 1,    // one cudaMemcpyAsync / cudaMemcpy2DAsync per task
   kKernel = 2,  // SM copy kernel; every pointer must be device-accessible (device or pinned)
 };

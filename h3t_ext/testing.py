@@ -11,7 +11,7 @@ destroyed after. An exception in any rank is re-raised in the caller with that r
 traceback; a world that does not finish within ``timeout_s`` is killed and reported.
 
 Ranks are started by multiprocessing's forkserver, whose server imports torch, megatron-core and the runtime once
-(:data:`PRELOAD`): each rank is a fork of that server (a tenth of a second) instead of a fresh interpreter importing
+(:data:`PRELOAD`, on a machine without a GPU: see :func:`_context`): each rank is a fork of that server (a tenth of a second) instead of a fresh interpreter importing
 them again (about 6 s on 2 cores, per rank and per world). The server only imports, so every rank starts with no
 process group, no parallel state and no seed set, as a spawned one does; like a spawned rank it gets the caller's
 ``sys.path`` and imports the worker's module by name. Its environment is the caller's when the first world started.
@@ -71,8 +71,14 @@ PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "megatr
 
 
 def _context():
+    """The forkserver context; its server preloads :data:`PRELOAD` only on a machine without a CUDA device: on a GPU
+    machine some of those imports initialise CUDA in the server, and CUDA cannot be used again in a process forked
+    after that ("Cannot re-initialize CUDA in forked subprocess"), so there every rank imports what it needs itself,
+    as a spawned rank does. (``torch.cuda.is_available()`` asks the driver without initialising CUDA.)"""
+    import torch
+
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    ctx.set_forkserver_preload([] if torch.cuda.is_available() else list(PRELOAD))
     return ctx
 
 

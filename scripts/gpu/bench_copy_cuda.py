@@ -3,7 +3,10 @@
 ``copy_(non_blocking=True)`` and against one large copy of the same bytes (the bandwidth ceiling).
 
 Cases: 2,000 x 64 KiB (many small) and 16 x 64 MiB (few large). Prints a table, or one JSON object
-with ``--json``. Needs CUDA and the native CUDA kernels (``h3t_ext.kernels``); says so in one line
+with ``--json``. Every copy is enqueued on one side stream, as the offload runtime enqueues its copies. ``methods``
+times each way the native module can enqueue the same batch: auto (what ``batched_copy_`` does: the SM copy kernel
+for copies of at most 1 MiB, one ``cudaMemcpyBatchAsync`` for the rest), loop (one ``cudaMemcpyAsync`` per copy),
+kernel (the SM copy kernel for all). Needs CUDA and the native CUDA kernels (``h3t_ext.kernels``); says so in one line
 otherwise.
 """
 from __future__ import annotations
@@ -19,29 +22,42 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 CASES = {"many_small": (2000, 64 << 10), "few_large": (16, 64 << 20)}
 
 
-def _time(fn, repeats: int) -> float:
+def _time(fn, repeats: int, stream) -> float:
+    """Best of ``repeats`` runs of ``fn`` enqueued on ``stream`` (host time until the stream is done)."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
+    def once():
+        with torch.cuda.stream(stream):
+            fn()
+        stream.synchronize()
+
+    once()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
+        once()
         best = min(best, time.perf_counter() - t0)
     return best
 
 
+METHODS = {0: "auto", 1: "loop", 2: "kernel"}
+"""The native module's enqueue methods (csrc/copy_cuda.h); ``batched_copy_`` uses auto."""
+
+
 def run_case(count: int, nbytes: int, repeats: int) -> dict:
+    """Every timing on one side stream, as the offload runtime enqueues its copies (the legacy default stream
+    serialises with all other work and refuses the batch API)."""
     import torch
 
     from h3t_ext import kernels
+    from h3t_ext.kernels import _backend
 
+    stream, mod = torch.cuda.Stream(), _backend.cuda_module()
     dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(count)]
     host = [kernels.alloc_pinned(nbytes) for _ in range(count)]
     big_dev = torch.empty(count * nbytes, dtype=torch.uint8, device="cuda")
     big_host = kernels.alloc_pinned(count * nbytes)
+    total = count * nbytes
 
     def loop(dsts, srcs):
         for d, s in zip(dsts, srcs):
@@ -50,12 +66,18 @@ def run_case(count: int, nbytes: int, repeats: int) -> dict:
     out = {}
     for direction, (dsts, srcs, bd, bs) in {"d2h": (host, dev, big_host, big_dev),
                                              "h2d": (dev, host, big_dev, big_host)}.items():
-        t_native = _time(lambda: kernels.batched_copy_(dsts, srcs), repeats)
-        t_loop = _time(lambda: loop(dsts, srcs), repeats)
-        t_one = _time(lambda: bd.copy_(bs, non_blocking=True), repeats)
+        t_native = _time(lambda: kernels.batched_copy_(dsts, srcs, stream=stream), repeats, stream)
+        t_loop = _time(lambda: loop(dsts, srcs), repeats, stream)
+        t_one = _time(lambda: bd.copy_(bs, non_blocking=True), repeats, stream)
+        ptrs = ([t.data_ptr() for t in dsts], [t.data_ptr() for t in srcs], [t.nbytes for t in dsts])
+        methods = {}
+        for m, name in METHODS.items():
+            t = _time(lambda: mod.batched_copy(*ptrs, stream=stream.cuda_stream, method=m), repeats, stream)
+            methods[name] = {"s": t, "speedup_over_loop": t_loop / t, "share_of_one_copy": t_one / t,
+                             "gb_per_s": total / t / 1e9}
         out[direction] = {"native_s": t_native, "loop_s": t_loop, "one_copy_s": t_one,
                           "speedup_over_loop": t_loop / t_native, "share_of_one_copy": t_one / t_native,
-                          "native_gb_per_s": count * nbytes / t_native / 1e9}
+                          "native_gb_per_s": total / t_native / 1e9, "methods": methods}
     return out
 
 

@@ -67,9 +67,19 @@ def _run(case, cmd: list[str], wanted: str, timeout_s: float):
     except subprocess.TimeoutExpired:
         return None, {"case": case[0], "status": "failed", "why": f"did not finish within {timeout_s:g}s"}
     if proc.returncode != 0 or not os.path.isfile(wanted):
-        tail = (proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or ["?"])[-1]
-        return None, {"case": case[0], "status": "failed", "why": tail[-400:]}
+        return None, {"case": case[0], "status": "failed", "why": failure_line(proc.stderr, proc.stdout)[-400:]}
     return proc, None
+
+
+FAILURE = re.compile(r"\b\w*(Error|Exception|error:)|Killed|out of memory")
+
+
+def failure_line(stderr: str, stdout: str) -> str:
+    """The line of a failed run that says why: the last one naming an error (a rank's last stderr line is often a
+    NCCL shutdown warning, printed after the error), else the last line."""
+    lines = stderr.strip().splitlines() or stdout.strip().splitlines() or ["?"]
+    named = [ln for ln in lines if FAILURE.search(ln) and "Warning" not in ln]
+    return (named or lines)[-1]
 
 
 def measure(case, iters: int, timeout_s: float) -> dict:

@@ -20,7 +20,8 @@
 # parts packed), OUT (docs/gpu-reports/parts), PYTHON (python3), WHEELS_OLD / WHEELS_NEW (.whl/
 # megatron-core-0.16.1-cp312 / .whl/megatron-core-0.19.2-cp312), TESTS_S (180), GT_BUDGET_S (90),
 # NATIVE_ITERS (20), XDIST (4: pytest-xdist workers, 0 for none), STEPS (the driver_steps.py cases, all when
-# empty), GT_TIMEOUT_S (150).
+# empty), PROFILE (the cases profiled by kernel kind: llama-1b/no/0 llama-1b/ours/0.5), SKIP (parts left out, any of
+# attention sustained profile steps gt: a second, shorter lease measures only what the first did not), GT_TIMEOUT_S (150).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-$ROOT/docs/gpu-reports/parts}
@@ -34,15 +35,26 @@ XDIST=${XDIST:-4}
 STEPS=${STEPS:-}
 GT_TIMEOUT_S=${GT_TIMEOUT_S:-150}
 LEASE_S=${LEASE_S:-560}
+PROFILE=${PROFILE:-llama-1b/no/0 llama-1b/ours/0.5}
+SKIP=${SKIP:-}
+for part in $SKIP; do
+  [[ " attention sustained profile steps gt " == *" $part "* ]] \
+    || { echo "lease_run.sh: error: SKIP has $part (valid: attention sustained profile steps gt)" >&2; exit 2; }
+done
+skipped() { [[ " $SKIP " == *" $1 "* ]] && echo "skipped (SKIP): $1"; }
 SITE_OLD=/tmp/h3t-site-old
 SITE_NEW=/tmp/h3t-site-new
 NATIVE=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256
         --micro-batch-size 4 --global-batch-size 8 --train-iters "$NATIVE_ITERS" --lr 1e-3 --min-lr 1e-4
         --lr-warmup-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --bf16
         --transformer-impl local --no-persist-layer-norm --log-interval 1 --eval-iters 0 --seed 1234
-        --attention-dropout 0 --hidden-dropout 0)
+        --attention-dropout 0 --hidden-dropout 0 --no-gradient-accumulation-fusion --eval-interval 1000)
+# (--no-gradient-accumulation-fusion: Megatron-LM's default fusion needs NVIDIA apex's fused_weight_gradient_mlp_cuda,
+# which the GPU machine lacks; megatron-core 0.19.2 refuses to build ColumnParallelLinear without it; its loop also
+# needs --eval-interval with --train-iters)
 if [[ ${1:-} == --dry-run ]]; then
   echo "LEASE_S=$LEASE_S OUT=$OUT PYTHON=$PYTHON WHEELS_OLD=$WHEELS_OLD WHEELS_NEW=$WHEELS_NEW TESTS_S=$TESTS_S GT_BUDGET_S=$GT_BUDGET_S"
+  echo "PROFILE=$PROFILE SKIP=$SKIP"
   echo -n "native: "; printf '%q ' "$PYTHON" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py "${NATIVE[@]}"; echo
   exit 0
 elif [[ $# -gt 0 ]]; then
@@ -102,26 +114,26 @@ run_capped 45 "$PYTHON" scripts/gpu/bench_copy_cuda.py --json >"$PARTS/copies.js
   || echo "copies failed: $(tail -n 2 "$PARTS/copies.json")"
 run_capped 60 "$PYTHON" scripts/gpu/bench_offload_overlap.py --json >"$PARTS/overlap.json" 2>&1 \
   || echo "overlap failed: $(tail -n 2 "$PARTS/overlap.json")"
-run_capped 60 "$PYTHON" scripts/gpu/bench_attention_dropout.py --json >"$PARTS/attention_dropout.json" 2>&1 \
+skipped attention || run_capped 60 "$PYTHON" scripts/gpu/bench_attention_dropout.py --json >"$PARTS/attention_dropout.json" 2>&1 \
   || echo "attention dropout failed: $(tail -n 2 "$PARTS/attention_dropout.json")"
 tail -c 600 "$PARTS/copies.json"; echo; tail -c 600 "$PARTS/overlap.json"; echo
 tail -c 600 "$PARTS/attention_dropout.json"; echo
 pack
 for prec_s in bf16:20 fp8:10; do  # the clock a GPU at its power limit sustains (report.py's SUSTAINED)
-  run_capped 90 "$PYTHON" scripts/gpu/sustained_gemm.py --precision "${prec_s%%:*}" --seconds "${prec_s#*:}" \
+  skipped sustained || run_capped 90 "$PYTHON" scripts/gpu/sustained_gemm.py --precision "${prec_s%%:*}" --seconds "${prec_s#*:}" \
     --json "$PARTS/sustained-${prec_s%%:*}.json" 2>&1 | tail -n 1
 done
 pack
 # where a driver step's GPU time goes, by kernel kind (driver_steps.py --compare prints it beside the model's terms)
-run_capped 150 "$PYTHON" scripts/gpu/driver_steps.py --profile --iters 4 --only llama-1b/no/0 llama-1b/ours/0.5 \
+skipped profile || run_capped 150 "$PYTHON" scripts/gpu/driver_steps.py --profile --iters 4 --only $PROFILE \
   --json "$PARTS/driver_profile.json" 2>&1
 pack
 ONLY=(); [[ -n $STEPS ]] && ONLY=(--only $STEPS)
-run_capped 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" "${ONLY[@]}" 2>&1
+skipped steps || run_capped 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" "${ONLY[@]}" 2>&1
 pack
 GT_T=$(cap "$GT_TIMEOUT_S"); GT_B=$((GT_T - 30 < GT_BUDGET_S ? GT_T - 30 : GT_BUDGET_S))
 ((GT_B < 10)) && GT_T=0  # under 10 s of budget measures nothing worth the start-up
-run_capped "$GT_T" "$PYTHON" scripts/gpu/ground_truth.py --budget-s "$GT_B" \
+skipped gt || run_capped "$GT_T" "$PYTHON" scripts/gpu/ground_truth.py --budget-s "$GT_B" \
   --json "$PARTS/ground_truth.json" >"$PARTS/ground_truth.txt" 2>&1 || echo "ground truth failed: $(tail -n 3 "$PARTS/ground_truth.txt")"
 tail -n 3 "$PARTS/ground_truth.txt"
 pack

@@ -82,7 +82,8 @@ NATIVE_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-hea
                 "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
                 "--train-iters", "3", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
                 "--vocab-size", "1000", "--bf16", "--transformer-impl", "local", "--no-persist-layer-norm",
-                "--ckpt", "ours", "--log-interval", "1", "--eval-iters", "0"]
+                "--ckpt", "ours", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
+                "--no-gradient-accumulation-fusion"]  # (see lease_run.sh: no apex there; 0.19 needs the interval)
 """A tiny run of pretrain_gpt.py through Megatron's own pretrain() (h3t_training.loop.megatron_native)."""
 
 
@@ -203,9 +204,9 @@ def parts_live(budget_s: float) -> tuple[dict, dict]:
     return meta, raw
 
 
-def build_report(meta: dict, raw: dict, out_dir: str) -> tuple[dict, str]:
-    """The report (and its path under ``out_dir``) from the parts' raw results; the ground truth's JSON is written
-    beside it."""
+def build_report(meta: dict, raw: dict, out_dir: str, tag: str = "") -> tuple[dict, str]:
+    """The report (and its path under ``out_dir``; ``tag`` tells apart two leases of one day) from the parts' raw
+    results; the ground truth's JSON is written beside it."""
     report: dict = {**meta, "missing": {}, "details": {}}
     tests = raw["tests"]
     report.update(tests_passed=None if tests is None else tests["passed"],
@@ -242,7 +243,7 @@ def build_report(meta: dict, raw: dict, out_dir: str) -> tuple[dict, str]:
     report["details"]["driver_kernel_profile"] = raw.get("driver_profile")
     report["details"]["sustained_gemm"] = raw.get("sustained")
     os.makedirs(out_dir, exist_ok=True)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", meta["gpu"]).strip("-").lower()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", meta["gpu"] + (f" {tag}" if tag else "")).strip("-").lower()
     path = os.path.join(out_dir, f"{meta['date']}-{slug}.json")
     gt_path = os.path.join(out_dir, f"{meta['date']}-{slug}-ground-truth.json")
     report["ground_truth"], why = None, "not run"
@@ -286,9 +287,12 @@ def main(argv=None) -> int:
                    help="time budget of scripts/gpu/ground_truth.py (0: skip it)")
     p.add_argument("--from-parts", metavar="DIR",
                    help="write the report from the files scripts/gpu/lease_run.sh left in DIR (no GPU needed)")
+    p.add_argument("--tag", default="", help="appended to the report's file name (a second lease of the same day)")
     args = p.parse_args(argv)
+    if not re.fullmatch(r"[A-Za-z0-9-]*", args.tag):
+        p.error(f"--tag {args.tag!r}: letters, digits and '-' only")
     meta, raw = parts_from_dir(args.from_parts) if args.from_parts else parts_live(args.ground_truth_budget_s)
-    report, path = build_report(meta, raw, args.out_dir)
+    report, path = build_report(meta, raw, args.out_dir, args.tag)
     print_table(report, path)
     return 0 if report["tests_failed"] == 0 else 1
 

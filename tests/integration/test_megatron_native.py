@@ -205,6 +205,23 @@ def test_megatron_loop_refuses_what_its_own_flags_do(tmp_path):
     with pytest.raises(ArgumentError, match="--offload-alpha has 3 values; give 1 or one per pipeline stage"):
         runtime_config(parser.parse_args(["--offload-alpha", "0.1,0.2,0.3"]))
     assert runtime_config(parser.parse_args(["--offload-alpha", "0.1,0.2"])).offload_alpha == (0.1, 0.2)
+    # Megatron-LM's default gradient accumulation fusion, local layers, no apex extension (none here): one line
+    parser.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion",
+                        action="store_false")
+    parser.add_argument("--transformer-impl", default="transformer_engine")
+    with pytest.raises(ArgumentError, match="--gradient-accumulation-fusion .Megatron's default. with "
+                                            "--transformer-impl local needs NVIDIA apex's "
+                                            "fused_weight_gradient_mlp_cuda extension, which is not importable"):
+        runtime_config(parser.parse_args(["--transformer-impl", "local"]))
+    assert runtime_config(parser.parse_args(["--transformer-impl", "local", "--no-gradient-accumulation-fusion"]))
+    assert runtime_config(parser.parse_args([]))  # TransformerEngine's layers fuse it themselves
+    # megatron-core 0.19's loop divides train_iters by eval_interval, which has no default there
+    parser.add_argument("--train-iters", type=int)
+    parser.add_argument("--eval-interval", type=int)
+    with pytest.raises(ArgumentError, match="--eval-interval is required by Megatron's own training loop with "
+                                            "--train-iters"):
+        runtime_config(parser.parse_args(["--train-iters", "20"]))
+    assert runtime_config(parser.parse_args(["--train-iters", "20", "--eval-interval", "1000"]))
 
 
 def test_pretrain_gpt_keeps_the_driver_without_megatron_training_or_a_gpu():

@@ -71,3 +71,12 @@ def test_driver_steps_profiles_and_compares_a_profiled_row(tmp_path, capsys):
     model = driver_steps.model_kinds_ms(case, "h200")
     assert model["recompute"] > 0 and model["offload_exposed"] > 0  # ckpt ours, alpha 0.5 at p = 1
     assert model_line.split("model: ")[1].startswith(f"gemm {model['gemm']:.1f}")
+
+
+def test_a_failed_case_says_its_error_not_the_shutdown_warning_after_it():
+    err = ("Traceback (most recent call last):\n  File \"x.py\", line 1\nValueError: the real reason\n"
+           "[rank0]:[W1128 19:34:36 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not "
+           "called before program exit")
+    assert driver_steps.failure_line(err, "") == "ValueError: the real reason"
+    assert driver_steps.failure_line("", "pretrain_llama.py: error: --foo: bad\n") == "pretrain_llama.py: error: --foo: bad"
+    assert driver_steps.failure_line("just a last line\n", "") == "just a last line"

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
+from h3t_ext.runtime.modules.layer_mlp import LayerMLPArgs
 from h3t_ext.runtime.modules.norms import RMSNorm
 from h3t_ext.runtime.modules.recompute_ours import mark_recomputable
 
@@ -70,7 +71,7 @@ def _silu(gate: torch.Tensor) -> torch.Tensor:
     return F.silu(gate)
 
 
-class FusedSavesMLP(MLP):
+class FusedSavesMLP(LayerMLPArgs, MLP):
     """megatron-core's MLP whose unfused SwiGLU marks ``silu(gate)`` and ``linear + offset`` recomputable."""
 
     h3t_ckpt = "no"

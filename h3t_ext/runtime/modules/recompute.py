@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import RuntimeConfigError
 from .layer_boundary import H3TTransformerLayer, layer_starts
+from .layer_mlp import with_layer_mlp_args
 
 Suspend = Callable[[], ContextManager]
 _SUSPEND: ContextVar[Suspend] = ContextVar("h3t_recompute_suspend", default=contextlib.nullcontext)
@@ -167,7 +168,7 @@ def recomputed_module(base: type) -> type:
             return checkpoint(lambda *a: base.forward(self, *a[:len(args)], **dict(zip(names, a[len(args):]))),
                               *args, *kwargs.values())
 
-        _WRAPPED[base] = type(f"Recomputed{base.__name__}", (base,), {
+        _WRAPPED[base] = type(f"Recomputed{base.__name__}", with_layer_mlp_args(base), {
             "forward": forward, "h3t_recomputed": True, "__module__": __name__,
             "__doc__": f"{base.__name__} recomputed in backward (Megatron's selective recompute)."})
     return _WRAPPED[base]

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.mlp import MLP
 
 from h3t_ext.runtime.config import RuntimeConfigError
+from h3t_ext.runtime.modules.layer_mlp import LayerMLPArgs
 from h3t_ext.runtime.modules.norms import LayerNorm, RMSNorm
 
 
@@ -179,7 +180,7 @@ class OursLayerNorm(LayerNorm):
         return out
 
 
-class OursMLP(MLP):
+class OursMLP(LayerMLPArgs, MLP):
     """megatron-core's dense MLP whose SwiGLU saves only the FC1 output and marks its output
     (the FC2 input) recomputable (ckpt=ours)."""
 

@@ -1,0 +1,39 @@
+"""Every MLP class h3t-ext's local layer specs use builds the way each supported megatron-core's TransformerLayer
+calls it: ``tp_group=`` (0.16-0.18) and ``pg_collection=, is_mtp_layer=`` (0.19+, where only megatron-core's own MLP
+class is routed through ``MLP.as_mlp_submodule``). The second lease's Megatron loop on megatron-core 0.19.2 failed at
+ckpt=ours with "MLP.__init__() got an unexpected keyword argument 'pg_collection' when instantiating OursMLP"."""
+from __future__ import annotations
+
+import pytest
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.spec_utils import build_module
+
+from h3t_ext.runtime.modules.gpt import tiny_llama_config
+from h3t_ext.runtime.modules.layer_specs import h3t_layer_spec
+from h3t_ext.ckpt import Recompute
+from tests.activation_harness import init_single_process_megatron
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _megatron():
+    init_single_process_megatron()
+
+
+@pytest.mark.parametrize("ckpt", ["no", "ours"])
+@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
+@pytest.mark.parametrize("recompute_mlp", [False, True])
+def test_each_mlp_of_the_specs_builds_with_either_layer_convention(ckpt, normalization, recompute_mlp):
+    config = tiny_llama_config(num_layers=1, normalization=normalization)
+    recompute = Recompute.parse("selective", modules=["mlp"]) if recompute_mlp else Recompute()
+    spec = h3t_layer_spec(config, ckpt=ckpt, recompute=recompute).submodules.mlp
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    old = build_module(spec, config=config, tp_group=groups.tp)
+    if spec.module is MLP:  # megatron-core's own class: 0.19's layer builds it through MLP.as_mlp_submodule itself
+        new = old
+    else:
+        new = build_module(spec, config=config, pg_collection=groups, is_mtp_layer=False)
+    for mlp in (old, new):
+        assert isinstance(mlp, spec.module) and isinstance(mlp, MLP)
+        assert mlp.tp_group is groups.tp
+    assert [p.shape for p in new.parameters()] == [p.shape for p in old.parameters()]
