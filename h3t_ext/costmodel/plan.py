@@ -18,6 +18,8 @@ prices it (published runs use it); with flash attention nothing of the core is s
 activation bytes are those of 'no'."""
 PRICED_CKPT = tuple(Ckpt)
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+OPTIMIZER_IMPLS = ("fused", "torch")
+"""The Adam megatron-core steps with (``Plan.optimizer_impl``)."""
 LAYER_SPEC = {"transformer_engine": "te", "local": "local"}
 """Layer spec of the activation byte counts (activations.py) for each --transformer-impl."""
 ATTENTION_BACKENDS = ("flash", "unfused")
@@ -121,6 +123,11 @@ class Plan:
         return 2 if self.grad_reduce_in_bf16 else 4
     transformer_impl: str = "transformer_engine"
     """Megatron's --transformer-impl: 'transformer_engine' (FC2 keeps its own copy of its input) or 'local'."""
+    optimizer_impl: str = "fused"
+    """The Adam megatron-core steps with; it takes the first it can import: 'fused' (TransformerEngine's or apex's
+    FusedAdam, multi-tensor kernels updating in place) or 'torch' (torch.optim.AdamW, its fallback without both, whose
+    foreach step allocates an fp32 temporary per parameter: ``memory.OPTIMIZER_STEP_TEMPORARY_BYTES``). Not a Megatron
+    flag: what the machine has installed (h3t-plan --optimizer-impl; the driver reads megatron-core's choice)."""
     decoder_first_pipeline_num_layers: Optional[int] = None
     """Megatron's --decoder-first-pipeline-num-layers: layers of the first stage (the rest split evenly)."""
     decoder_last_pipeline_num_layers: Optional[int] = None
@@ -257,6 +264,8 @@ def _validate_ranges(plan: Plan) -> None:
     _check(plan.ckpt in PRICED_CKPT, f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {plan.ckpt!r}")
     _check(plan.transformer_impl in TRANSFORMER_IMPLS,
            f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got {plan.transformer_impl!r}")
+    _check(plan.optimizer_impl in OPTIMIZER_IMPLS,
+           f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {plan.optimizer_impl!r}")
     strategy = plan.data_parallel_sharding_strategy
     _check(strategy is None or strategy in FSDP_SHARDING_STRATEGIES,
            f"data_parallel_sharding_strategy must be one of {', '.join(FSDP_SHARDING_STRATEGIES)}, got {strategy!r}")

@@ -14,7 +14,7 @@ from typing import NoReturn, Optional, Union
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, load_system_file, system_file_dict
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
-from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, TRANSFORMER_IMPLS
+from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, OPTIMIZER_IMPLS, TRANSFORMER_IMPLS
 from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner import cli_flags, translate
@@ -204,6 +204,10 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                         "what --attention-backend auto / flash price")
     p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="transformer_engine",
                    help="Megatron's --transformer-impl (local: no TransformerEngine; no FP8)")
+    p.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="fused",
+                   help="the Adam megatron-core finds installed: fused (TransformerEngine's or apex's FusedAdam) or "
+                        "torch (torch.optim.AdamW, its fallback without both: one fp32 temporary per parameter of "
+                        "the optimizer shard at the optimizer step)")
     p.add_argument("--fp8-format", dest="fp8", choices=FP8_FORMATS, default=None,
                    help="FP8 linear layers through TransformerEngine (Hopper or newer): e4m3, or hybrid (E5M2 "
                         "gradients); default BF16")

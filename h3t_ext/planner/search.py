@@ -306,7 +306,8 @@ def search(
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
                                                       "overlap_p2p_comm", "sequence_parallel",
                                                       "use_distributed_optimizer", "data_parallel_sharding_strategy",
-                                                      "attention_backend", "transformer_impl", "optimizer_cpu_offload",
+                                                      "attention_backend", "transformer_impl", "optimizer_impl",
+                                                      "optimizer_cpu_offload",
                                                       "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                                                       "grad_reduce_in_bf16", "fp16")}
     best_first = top is not None and not exhaustive

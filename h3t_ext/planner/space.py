@@ -117,6 +117,8 @@ class SearchConstraints:
     through the one translation)."""
     transformer_impl: str = "transformer_engine"
     """Megatron's --transformer-impl of every plan searched."""
+    optimizer_impl: str = "fused"
+    """The Adam of every plan searched (``Plan.optimizer_impl``)."""
     memory_ladder: tuple[MemoryOption, ...] = ()
     """Memory options tried on a plan that needs activation offload or does not fit (:data:`MEMORY_LADDER`; the
     CLI's default); empty: every plan keeps the switches above."""

@@ -51,6 +51,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "torch_fsdp2_reshard_after_forward": True,  # --torch-fsdp2-no-reshard-after-forward stores False
     "attention_backend": "auto",
     "transformer_impl": "transformer_engine",
+    "optimizer_impl": "fused",  # not Megatron's: TransformerEngine's FusedAdam, which a Megatron-LM GPU job imports
     "decoder_first_pipeline_num_layers": None,
     "decoder_last_pipeline_num_layers": None,
     "num_virtual_stages_per_pipeline_rank": None,
@@ -79,7 +80,7 @@ _REQUIRED = ("seq_length", "global_batch_size")
 _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
            "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "use_distributed_optimizer",
            "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
-           "transformer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+           "transformer_impl", "optimizer_impl", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
            "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split", "fp8",
            "fp8_recipe", "fp8_param_gather", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
@@ -273,6 +274,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         data_parallel_sharding_strategy=_sharding(read, fixed),
         attention_backend=_attention(read, fixed),
         transformer_impl=_value(read, "transformer_impl", fixed),
+        optimizer_impl=_value(read, "optimizer_impl", fixed),
         **_precision(read, fixed),
         memory_ladder=_ladder(read, fixed, switches) if memory_ladder is None else memory_ladder,
         **{k: (v if k == "optimizer_offload_fraction" else bool(v)) for k, v in switches.items()},

@@ -10,9 +10,9 @@ from __future__ import annotations
 from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_training.errors import ArgumentError
-from h3t_training.config.feature_checks import megatron_fsdp_refusal
+from h3t_training.config.feature_checks import megatron_fsdp_refusal, uses_gpu
 from h3t_training.config.megatron_fields import sixteen_bit_grads_of
-from h3t_training.config.run_spec import model_spec, run_plan
+from h3t_training.config.run_spec import model_spec, run_plan, stack_fields
 
 DEFAULT_SYSTEM = "h800"
 _CUDA_NAMES = (("H800", "h800"), ("H100", "h100-sxm"), ("H200", "h200"), ("A800", "a800"), ("A100", "a100-80g"))
@@ -119,7 +119,8 @@ def plan_config(args):
     # The memory ladder: the options this run can run (runnable_ladder); a Megatron FSDP the user fixed is kept.
     constraints = constraints_from_args(args, sequence_parallel=True, use_distributed_optimizer=True,
                                         tp_comm_overlap=False, grad_reduce_in_bf16=sixteen_bit_grads_of(args),
-                                        memory_ladder=runnable_ladder(args))
+                                        memory_ladder=runnable_ladder(args),
+                                        **stack_fields(args, on_gpu=uses_gpu(args)))
     result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, constraints=constraints,
                     alpha_mode=_alpha_mode(alpha), memory_budget_bytes=budget)
@@ -163,7 +164,8 @@ def resolve_alpha(args):
     system, budget = _system_and_budget(args)
     mode = args.offload_alpha.mode
     try:
-        ev = evaluate(_model_spec(args), run_plan(args), system, alpha_mode=mode, memory_budget_bytes=budget)
+        ev = evaluate(_model_spec(args), run_plan(args, on_gpu=uses_gpu(args)), system, alpha_mode=mode,
+                      memory_budget_bytes=budget)
     except PlanError as e:
         raise ArgumentError(f"--offload-alpha {mode}: {e}") from None
     resolved = OffloadAlpha.parse(ev.plan.offload_alpha)

@@ -111,6 +111,15 @@ def sixteen_bit_grads_of(args) -> bool:
                              accumulate_allreduce_grads_in_fp32=_given(args, "--accumulate-allreduce-grads-in-fp32"))
 
 
+def optimizer_impl() -> str:
+    """The Adam megatron-core steps with here (``Plan.optimizer_impl``): 'torch' where it fell back to
+    ``torch.optim.AdamW`` (neither TransformerEngine's nor apex's FusedAdam importable), else 'fused'."""
+    import torch  # noqa: PLC0415
+    from megatron.core import optimizer  # noqa: PLC0415
+
+    return "torch" if getattr(optimizer, "Adam", None) is torch.optim.AdamW else "fused"
+
+
 def ddp_fields(args) -> dict[str, Any]:
     """The ``DistributedDataParallelConfig`` fields of the table flags (gradients in fp32 unless
     ``--grad-reduce-in-bf16``, or ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``: Megatron-LM's rule,
@@ -176,6 +185,6 @@ def check_gpu_flags(args):
     return args
 
 
-__all__ = ["AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
+__all__ = ["optimizer_impl", "AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
            "attention_backend", "check_gpu_flags", "ddp_fields", "fp8_fields", "optimizer_dtype_fields",
            "spec_backend", "transformer_fields"]

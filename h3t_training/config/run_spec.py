@@ -17,7 +17,7 @@ from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config.flag_table import table_value
 from h3t_training.config.fp8_flags import fp8_flag
-from h3t_training.config.megatron_fields import attention_backend, sixteen_bit_grads_of, spec_backend
+from h3t_training.config.megatron_fields import attention_backend, optimizer_impl, sixteen_bit_grads_of, spec_backend
 
 
 def uses_transformer_engine(on_gpu: bool, config) -> bool:
@@ -70,18 +70,30 @@ def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
                      make_vocab_size_divisible_by=config.make_vocab_size_divisible_by)
 
 
+def stack_fields(config, *, on_gpu: bool) -> dict:
+    """The Plan fields of the software this run's GPU has (none off a GPU: the plan is then the GPU job's, with
+    TransformerEngine): the local layer spec where TransformerEngine is not used, and the Adam megatron-core
+    imported (:func:`~h3t_training.config.megatron_fields.optimizer_impl`)."""
+    if not on_gpu:
+        return {}
+    out = {"optimizer_impl": optimizer_impl()}
+    if not uses_transformer_engine(on_gpu, config):
+        out["transformer_impl"] = "local"
+    return out
+
+
 def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixed) -> Plan:
     """The plan of this run (``fixed``: fields a caller decides). On a GPU without TransformerEngine the model
     provider builds the local spec; elsewhere the plan is the GPU job's (``--transformer-impl``, Megatron's
     default TransformerEngine), which is what ``--gpu``'s budget and ``h3t-plan`` price. On a GPU with
     TransformerEngine the plan has the FP8 and attention backend the run passes to megatron-core
-    (:func:`gpu_plan_fields`)."""
+    (:func:`gpu_plan_fields`). On a GPU the plan's Adam is the one megatron-core imported
+    (:func:`~h3t_training.config.megatron_fields.optimizer_impl`); elsewhere the GPU job's, TransformerEngine's."""
     runs = dict(tp_comm_overlap=False, attention_backend="flash",
-                grad_reduce_in_bf16=sixteen_bit_grads_of(config))
-    if on_gpu and not uses_transformer_engine(on_gpu, config):
-        runs["transformer_impl"] = "local"  # on CPU the plan is for the GPU job: --transformer-impl (Megatron's TE)
-    elif on_gpu:
+                grad_reduce_in_bf16=sixteen_bit_grads_of(config), **stack_fields(config, on_gpu=on_gpu))
+    if on_gpu and uses_transformer_engine(on_gpu, config):
         runs.update(gpu_plan_fields(config), transformer_impl="transformer_engine")
+    # on CPU the plan is for the GPU job: --transformer-impl (Megatron's TE) and TransformerEngine's FusedAdam
     return plan_from_args(config, num_gpus=config.world_size, offload_alpha=offload_alpha, **{**runs, **fixed})
 
 

@@ -97,22 +97,24 @@ FUSED_WGRAD_MODULE = "fused_weight_gradient_mlp_cuda"
 ``gradient_accumulation_fusion`` (TransformerEngine's linear layers fuse it themselves)."""
 
 
-def _check_gradient_accumulation_fusion(args) -> None:
+def _check_gradient_accumulation_fusion(megatron_args) -> None:
     """Megatron-LM turns gradient accumulation fusion on by default; with the local layers and no apex extension
-    megatron-core fails deep inside the model build. Say so in one line, before anything is built."""
-    if (getattr(args, "gradient_accumulation_fusion", False) and getattr(args, "transformer_impl", None) == "local"
+    megatron-core fails deep inside the model build. Say so in one line, before anything is built.
+    (``megatron_args``: Megatron's own namespace, whose fields differ between its versions.)"""
+    fusion = getattr(megatron_args, "gradient_accumulation_fusion", False)
+    if (fusion and getattr(megatron_args, "transformer_impl", None) == "local"
             and importlib.util.find_spec(FUSED_WGRAD_MODULE) is None):
         raise ArgumentError(f"--gradient-accumulation-fusion (Megatron's default) with --transformer-impl local needs "
                             f"NVIDIA apex's {FUSED_WGRAD_MODULE} extension, which is not importable: install apex with "
                             f"--cpp_ext --cuda_ext or pass --no-gradient-accumulation-fusion")
 
 
-def _check_eval_interval(args) -> None:
+def _check_eval_interval(megatron_args) -> None:
     """megatron-core 0.19's loop sizes its validation set as ``train_iters // eval_interval`` with no default for
     ``--eval-interval`` (a TypeError deep in the data setup when it is missing): one line instead."""
-    if (getattr(args, "train_iters", None) is not None and hasattr(args, "eval_interval")
-            and args.eval_interval is None and not getattr(args, "skip_train", False)
-            and not getattr(args, "full_validation", False)):
+    m = megatron_args
+    if (getattr(m, "train_iters", None) is not None and hasattr(m, "eval_interval") and m.eval_interval is None
+            and not getattr(m, "skip_train", False) and not getattr(m, "full_validation", False)):
         raise ArgumentError("--eval-interval is required by Megatron's own training loop with --train-iters (it sizes "
                             "the validation set by train_iters // eval_interval); give a positive number of "
                             "iterations, e.g. --eval-interval 1000")

@@ -145,14 +145,15 @@ def model_kinds_ms(case, gpu: str) -> dict:
 
 def estimate_flags(case, gpu: str) -> list[str]:
     """``h3t-plan estimate`` flags of one case: its model (Llama: SwiGLU, untied, no biases; GPT: Megatron's
-    pretrain_gpt.py defaults), one GPU, its batch, ckpt and alpha, the local layer spec the driver ran."""
+    pretrain_gpt.py defaults), one GPU, its batch, ckpt and alpha, the local layer spec the driver ran and torch's
+    AdamW (megatron-core's optimizer without TransformerEngine and apex, as on the GPU machine)."""
     name, entry, model, ckpt, alpha = case
     shape = [a for a in model if a != "--group-query-attention"]
     arch = ([] if entry == "pretrain_gpt.py" else
             ["--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear"])
     return ["estimate", *shape, *arch, "--seq-length", "2048", "--micro-batch-size", "2", "--global-batch-size", "16",
             "--num-gpus", "1", "--gpu", gpu, "--ckpt", ckpt, "--offload-alpha", alpha, "--transformer-impl", "local",
-            "--json"]
+            "--optimizer-impl", "torch", "--json"]
 
 
 def compare(path: str, gpu: str) -> list[dict]:

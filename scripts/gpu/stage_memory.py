@@ -4,7 +4,7 @@
 Two gloo ranks share one GPU (NCCL refuses two ranks on one device), their pipeline transfers
 staged through host memory (``H3TConfig.p2p_staging="host"``). They train a Llama-style GPTModel
 (RMSNorm, SwiGLU, RoPE, untied embeddings, megatron-core's 'local' layers with SDPA attention, bf16)
-with pipeline 2, virtual size 2, ckpt=ours and offload alpha 0.5, wrapped in megatron-core's DDP
+with pipeline 2, virtual size 2, ckpt=ours (or --ckpt no) and offload alpha 0.5, wrapped in megatron-core's DDP
 (fp32 gradient buffer) with megatron-core's mixed-precision Adam (fp32 master weights, not
 distributed). After warm-up iterations (the first one creates the Adam states) every rank records
 ``torch.cuda.max_memory_allocated`` over the measured iterations (forward-backward and optimizer
@@ -34,7 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-PP, V, CKPT, ALPHA = 2, 2, "ours", 0.5
+PP, V, ALPHA = 2, 2, 0.5
+CKPTS = ("ours", "no")
+"""--ckpt (default ours): ckpt=no keeps the norms' and the MLP's saved tensors to those of fused kernels
+(h3t_ext.runtime.modules.fused_saves), which the cost model counts."""
 SIZES = {  # per device: large enough on a GPU that activations and weights dwarf allocator noise
     "cuda": dict(num_layers=8, hidden_size=1024, ffn_hidden_size=4096, num_attention_heads=8, vocab_size=8192,
                  seq_length=2048, micro_batch_size=2, num_microbatches=8, warmup=2, iterations=3),
@@ -49,6 +52,7 @@ def _parse(argv):
     ap = OneLineParser(prog="stage_memory.py", description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ap.add_argument("--ckpt", choices=CKPTS, default="ours")
     for name in SIZES["cuda"]:
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=None,
                         help=f"default {SIZES['cuda'][name]} on cuda, {SIZES['cpu'][name]} on cpu")
@@ -69,6 +73,15 @@ def _parse(argv):
     return args
 
 
+def _optimizer_impl(args) -> str:
+    """megatron-core's Adam on a GPU (torch's AdamW without TE and apex); the CPU comparison has no optimizer step."""
+    if args.device != "cuda":
+        return "fused"
+    from h3t_training.config.megatron_fields import optimizer_impl
+
+    return optimizer_impl()
+
+
 def spec_and_plan(args):
     """The cost model's description of exactly this run."""
     from h3t_ext.costmodel import ModelSpec, Plan
@@ -79,8 +92,9 @@ def spec_and_plan(args):
     plan = Plan(num_gpus=PP, seq_length=args.seq_length,
                 global_batch_size=args.num_microbatches * args.micro_batch_size, micro_batch_size=args.micro_batch_size,
                 pipeline_model_parallel_size=PP,
-                num_layers_per_virtual_pipeline_stage=args.num_layers // (PP * V), ckpt=CKPT, offload_alpha=ALPHA,
-                sequence_parallel=False, use_distributed_optimizer=False, transformer_impl="local")
+                num_layers_per_virtual_pipeline_stage=args.num_layers // (PP * V), ckpt=args.ckpt, offload_alpha=ALPHA,
+                sequence_parallel=False, use_distributed_optimizer=False, transformer_impl="local",
+                optimizer_impl=_optimizer_impl(args))
     return spec, plan
 
 
@@ -117,7 +131,7 @@ def _build(args, rank: int, on_gpu: bool):
 
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     chunks = build_stage_chunks(cfg, vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
-                                pipeline_rank=rank, ckpt=CKPT, backend="local", device_type="cuda" if on_gpu else "cpu")
+                                pipeline_rank=rank, ckpt=args.ckpt, backend="local", device_type="cuda" if on_gpu else "cpu")
     if not on_gpu:
         adam = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4)
         return chunks, adam.step, lambda: adam.zero_grad(set_to_none=True)
@@ -168,7 +182,7 @@ def _worker(rank, world, args):
         return ActivationManager(cfg.stage_alpha(pp_rank, pp_size), make_device_layer(cfg.device_mode, dev),
                                  min_offload_bytes=0)
 
-    sched = H3TSchedules(H3TConfig(ckpt=CKPT, offload_alpha=ALPHA, p2p_staging="host"),
+    sched = H3TSchedules(H3TConfig(ckpt=args.ckpt, offload_alpha=ALPHA, p2p_staging="host"),
                          manager_factory=None if on_gpu else counting_factory)
     batches = _batches(args, device, seed=7)
     fb_peaks, step_peaks, losses = [], [], []
@@ -239,7 +253,7 @@ def compare(args, per_rank: list) -> dict:
     return {"device": args.device, "measure": measure, "max_error": max(abs(s["rel_error"]) for s in stages),
             "stages": stages, "losses": per_rank[-1]["losses"],
             "model": spec.__dict__, "plan": dataclasses.asdict(plan),
-            "run": {"pipeline_model_parallel_size": PP, "virtual_pipeline_model_parallel_size": V, "ckpt": CKPT,
+            "run": {"pipeline_model_parallel_size": PP, "virtual_pipeline_model_parallel_size": V, "ckpt": args.ckpt,
                     "offload_alpha": ALPHA, "p2p_staging": "host", "dtype": "bf16" if on_gpu else "fp32",
                     "warmup": args.warmup, "iterations": args.iterations}}
 
@@ -274,7 +288,7 @@ def main(argv=None) -> int:
         return 1
     result = compare(args, per_rank)
     if not args.json:
-        print(f"{result['measure']} ({args.device}, pipeline 2, v=2, ckpt={CKPT}, alpha {ALPHA}, host-staged P2P)")
+        print(f"{result['measure']} ({args.device}, pipeline 2, v=2, ckpt={args.ckpt}, alpha {ALPHA}, host-staged P2P)")
         for s in result["stages"]:
             print(f"  stage {s['stage']}: measured {s['measured_bytes'] / 2**20:10.1f} MiB, predicted "
                   f"{s['predicted_bytes'] / 2**20:10.1f} MiB, error {100 * s['rel_error']:+.2f}%")
