@@ -21,7 +21,8 @@
 # megatron-core-0.16.1-cp312 / .whl/megatron-core-0.19.2-cp312), TESTS_S (180), GT_BUDGET_S (90),
 # NATIVE_ITERS (20), XDIST (4: pytest-xdist workers, 0 for none), STEPS (the driver_steps.py cases, all when
 # empty), PROFILE (the cases profiled by kernel kind: llama-1b/no/0 llama-1b/ours/0.5), SKIP (parts left out, any of
-# attention sustained profile steps gt: a second, shorter lease measures only what the first did not), GT_TIMEOUT_S (150).
+# attention sustained profile steps gt: a second, shorter lease measures only what the first did not), GT_TIMEOUT_S (150),
+# TEST_TIMEOUT_S (100: one gpu-tier test's limit).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-$ROOT/docs/gpu-reports/parts}
@@ -34,6 +35,7 @@ NATIVE_ITERS=${NATIVE_ITERS:-20}
 XDIST=${XDIST:-4}
 STEPS=${STEPS:-}
 GT_TIMEOUT_S=${GT_TIMEOUT_S:-150}
+TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-100}
 LEASE_S=${LEASE_S:-560}
 PROFILE=${PROFILE:-llama-1b/no/0 llama-1b/ours/0.5}
 SKIP=${SKIP:-}
@@ -102,9 +104,12 @@ native no 29612 --ckpt no --offload-alpha 0 &
 PYTHONPATH=$ROOT:$SITE_OLD run_capped 175 "$PYTHON" scripts/gpu/stage_memory.py --json --timeout-s "$(cap 170)" \
   >"$PARTS/stage_memory.json" 2>&1 &
 XD=(); [[ $XDIST -gt 0 ]] && XD=(-n "$XDIST")
-PYTHONPATH=$ROOT:$SITE_OLD run_capped "$TESTS_S" "$PYTHON" -m pytest -q -m gpu tests/gpu -p no:cacheprovider "${XD[@]}" \
+# -v: a result line per test as it ends (report.py counts them when the cap stops pytest before its XML);
+# pytest-timeout (in the lease image) fails a test that hangs instead of the whole tier
+"$PYTHON" -c "import pytest_timeout" 2>/dev/null && XD+=(--timeout "$TEST_TIMEOUT_S")
+PYTHONPATH=$ROOT:$SITE_OLD run_capped "$TESTS_S" "$PYTHON" -m pytest -v -m gpu tests/gpu -p no:cacheprovider "${XD[@]}" \
   --junitxml="$PARTS/gpu_tests.xml" >"$PARTS/gpu_tests.txt" 2>&1
-tail -n 25 "$PARTS/gpu_tests.txt"
+grep -E "(PASSED|FAILED|ERROR)|passed|failed" "$PARTS/gpu_tests.txt" | tail -n 30
 wait
 grep -h "lm loss" "$PARTS"/native-*.log | head -n 4; tail -n 2 "$PARTS/stage_memory.json" | cut -c1-600
 pack

@@ -68,6 +68,22 @@ def junit_counts(xml: str) -> dict:
             "failed_tests": failed}
 
 
+VERBOSE_RESULT = re.compile(r"(?:\[gw\d+\] (?:\[\s*\d+%\] )?)?(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+::\S+)"
+                            r"|(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)")
+
+
+def verbose_counts(text: str) -> dict:
+    """passed / failed / skipped of a ``pytest -v`` log, for a run stopped before it wrote its --junitxml (the lease's
+    time cap): each test's last result line counts; ``partial`` says the counts are of the tests that finished."""
+    last: dict[str, str] = {}
+    for m in VERBOSE_RESULT.finditer(text):
+        word, name = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(3))
+        last[name] = word
+    failed = sorted(n for n, w in last.items() if w in ("FAILED", "ERROR"))
+    return {"passed": sum(w in ("PASSED", "XFAIL") for w in last.values()), "failed": len(failed),
+            "skipped": sum(w == "SKIPPED" for w in last.values()), "failed_tests": failed, "partial": True}
+
+
 def stage_memory(timeout_s: int, device: str = "cuda") -> tuple[Optional[float], Optional[dict], str]:
     """(max relative error, the script's JSON, why it is missing) of scripts/gpu/stage_memory.py."""
     try:
@@ -172,7 +188,10 @@ def parts_from_dir(parts: str) -> tuple[dict, dict]:
     meta, why = _json_file(path["meta"])
     if meta is None:
         raise SystemExit(f"report.py: error: --from-parts {parts}: {PART_FILES['meta']}: {why}")
-    raw = {"tests": junit_counts(path["tests"]) if os.path.isfile(path["tests"]) else None,
+    log = os.path.join(parts, "gpu_tests.txt")
+    tests = junit_counts(path["tests"]) if os.path.isfile(path["tests"]) else \
+        verbose_counts(open(log).read()) if os.path.isfile(log) else None
+    raw = {"tests": tests,
            "stage_memory": _json_file(path["stage_memory"]),
            "overlap": _json_file(path["overlap"]),
            "copies": _json_file(path["copies"]),

@@ -1,6 +1,7 @@
 """scripts/gpu_check.sh on a machine without a GPU: one line saying so, non-zero exit."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -164,6 +165,30 @@ def test_report_from_the_parts_of_a_lease(tmp_path):
                                                    "fp8": None}
     assert (tmp_path / "out" / "2026-11-28-nvidia-h200-ground-truth.json").is_file()
     assert "GPU tests passed / failed" in proc.stdout and "2 / 1" in proc.stdout
+
+
+def test_a_tier_stopped_by_the_lease_cap_is_counted_from_its_verbose_log(tmp_path):
+    """Without the --junitxml (pytest killed at the lease's cap) the report counts the -v result lines, each test's
+    last one, and says the counts are partial; --tag names a second lease's report apart."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    (parts / "meta.json").write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-11-28", "torch": "t",
+                                                 "cuda": "c"}))
+    (parts / "gpu_tests.txt").write_text(
+        "[gw0] [ 10%] PASSED tests/gpu/test_a.py::test_x\n[gw1] [ 20%] FAILED tests/gpu/test_b.py::test_y[torch]\n"
+        "tests/gpu/test_c.py::test_z SKIPPED (needs two GPUs)\ntests/gpu/test_d.py::test_w PASSED\n")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/report.py"), "--from-parts", str(parts),
+                           "--out-dir", str(tmp_path / "out"), "--tag", "lease2"], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    report = json.loads((tmp_path / "out" / "2026-11-28-nvidia-h200-lease2.json").read_text())
+    assert (report["tests_passed"], report["tests_failed"]) == (2, 1)
+    assert report["details"]["tests"] == {"passed": 2, "failed": 1, "skipped": 1, "partial": True,
+                                          "failed_tests": ["tests/gpu/test_b.py::test_y[torch]"]}
+    bad = subprocess.run([sys.executable, str(REPO / "scripts/gpu/report.py"), "--from-parts", str(parts),
+                          "--tag", "../x"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
+        "--tag '../x': letters, digits and '-' only")
 
 
 def test_driver_steps_lists_its_runs_and_compares_a_report_with_the_estimate():
