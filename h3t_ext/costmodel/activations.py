@@ -86,14 +86,15 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
     if ckpt not in ("no", "full", "ours"):
         raise ValueError(f"ckpt must be 'no', 'full' or 'ours', got {ckpt!r}")
     h, hkv, f, b = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, dtype_bytes
+    q = model.query_hidden_size  # h unless --kv-channels makes heads x d differ from it
     terms = {
         "layer_input": h * b,
         "norm1_rstd": FP32,
         "norm1_output": h * b,
-        "query": h * b,
+        "query": q * b,
         "key_value": 2 * hkv * b,
         "softmax_lse": model.num_attention_heads * FP32,
-        "attention_output": h * b,
+        "attention_output": q * b,
         "norm2_input": h * b,
         "norm2_rstd": FP32,
         "norm2_output": h * b,
@@ -107,7 +108,7 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
     if fp8:
         if layer_spec != "te":
             raise ValueError("FP8 runs in TransformerEngine: layer_spec must be 'te'")
-        terms.update(norm1_output=h * FP8, norm2_output=h * FP8, fc2_input=f * FP8, projection_input_fp8=h * FP8)
+        terms.update(norm1_output=h * FP8, norm2_output=h * FP8, fc2_input=f * FP8, projection_input_fp8=q * FP8)
     if ckpt == "ours":
         terms = {k: (0 if k in _OURS_DROPS else v) for k, v in terms.items()}
     elif ckpt == "full":
@@ -268,8 +269,7 @@ def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = BF16, lay
     layer and microbatch with the 'local' spec; 0 with the 'te' spec (fused RoPE) and without RoPE."""
     if layer_spec != "local" or not model.rotates_qk:
         return 0
-    head_dim = model.hidden_size // model.num_attention_heads
-    return 4 * (plan.seq_length // plan.context_parallel_size) * head_dim * dtype_bytes
+    return 4 * (plan.seq_length // plan.context_parallel_size) * model.head_dim * dtype_bytes
 
 
 def local_tokens(plan) -> int:

@@ -109,13 +109,14 @@ def _cast_kernels(recipe: str) -> int:
 
 def cast_elements(model, plan) -> tuple[int, int]:
     """(forward, backward) elements one layer casts per microbatch on one rank: the activation inputs of QKV
-    [T, h], projection [T, h/t], FC1 [T, h] and FC2 [T, f/t]; the output gradients of QKV [T, (h + 2 h_kv)/t],
-    projection [T, h], FC1 [T, fc1/t] and FC2 [T, h] (T = micro batch x s / c, the GEMMs' tokens)."""
+    [T, h], projection [T, q/t], FC1 [T, h] and FC2 [T, f/t]; the output gradients of QKV [T, (q + 2 h_kv)/t],
+    projection [T, h], FC1 [T, fc1/t] and FC2 [T, h] (T = micro batch x s / c, the GEMMs' tokens; q the query
+    width, h unless --kv-channels)."""
     t = plan.tensor_model_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    h, hkv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
-    fwd = tokens * (h + h // t + h + f // t)
-    bwd = tokens * ((h + 2 * hkv) // t + h + model.fc1_width // t + h)
+    h, q, hkv, f = model.hidden_size, model.query_hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    fwd = tokens * (h + q // t + h + f // t)
+    bwd = tokens * ((q + 2 * hkv) // t + h + model.fc1_width // t + h)
     return fwd, bwd
 
 

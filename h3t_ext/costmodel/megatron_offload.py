@@ -67,10 +67,10 @@ SHARED_TERMS = {"attention_output": ("core_attn", "attn_proj")}
 
 def _elements_per_token(model: ModelSpec, term: str) -> tuple[int, ...]:
     """The saved tensors of ``term``: elements of each per local token."""
-    h, hkv = model.hidden_size, model.kv_hidden_size
-    return {"layer_input": (h,), "norm1_rstd": (1,), "norm1_output": (h,), "query": (h,), "key_value": (hkv, hkv),
-            "softmax_lse": (model.num_attention_heads,), "attention_output": (h,), "norm2_input": (h,),
-            "norm2_rstd": (1,), "projection_input_fp8": (h,)}[term]
+    h, q, hkv = model.hidden_size, model.query_hidden_size, model.kv_hidden_size
+    return {"layer_input": (h,), "norm1_rstd": (1,), "norm1_output": (h,), "query": (q,), "key_value": (hkv, hkv),
+            "softmax_lse": (model.num_attention_heads,), "attention_output": (q,), "norm2_input": (h,),
+            "norm2_rstd": (1,), "projection_input_fp8": (q,)}[term]
 
 
 def _unfused_score_tensors(model: ModelSpec, plan, dtype_bytes: int, dropout_mask_bytes: int) -> list[tuple[int, int]]:

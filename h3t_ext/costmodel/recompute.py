@@ -58,7 +58,7 @@ def core_attention_pinned_qkv(model, recompute: Recompute, *, layer_spec: str, d
     fused QKV output pinned by the kept view of v (the 'local' spec; module docstring), 0 otherwise."""
     if layer_spec != "local" or not recompute.recomputes("core_attn"):
         return 0
-    return (model.hidden_size + model.kv_hidden_size) * dtype_bytes
+    return (model.query_hidden_size + model.kv_hidden_size) * dtype_bytes
 
 
 @functools.lru_cache(maxsize=1024)

@@ -70,6 +70,10 @@ class ModelSpec:
     make_vocab_size_divisible_by: int = 128
     """Megatron's --make-vocab-size-divisible-by: the embedding and output layer hold V padded to a multiple of it
     times the tensor-parallel size (:meth:`padded_vocab_size`)."""
+    kv_channels: Optional[int] = None
+    """Megatron's --kv-channels, the head dimension d: queries are heads x d wide (:attr:`query_hidden_size`), keys
+    and values groups x d, whatever h is (Qwen3, Gemma: heads x d != h). None: h / heads, which h must then divide
+    (Megatron's default)."""
 
     def __post_init__(self) -> None:
         if self.normalization is None:
@@ -92,23 +96,33 @@ class ModelSpec:
         for f in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= float(getattr(self, f)) < 1.0:
                 raise ValueError(f"{f} must be in [0, 1), got {getattr(self, f)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None:
+            if int(self.kv_channels) < 1:
+                raise ValueError(f"kv_channels must be >= 1, got {self.kv_channels}")
+        elif self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
-                             f"({self.num_attention_heads}); valid hidden_size: multiples of {self.num_attention_heads}")
+                             f"({self.num_attention_heads}); valid hidden_size: multiples of "
+                             f"{self.num_attention_heads}, or give kv_channels")
         if self.num_attention_heads % self.num_query_groups:
             groups = ", ".join(str(g) for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0)
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                              f"num_query_groups ({self.num_query_groups}); valid num_query_groups: {groups}")
 
     @property
-    def kv_channels(self) -> int:
-        """Head dimension h / heads."""
-        return self.hidden_size // self.num_attention_heads
+    def head_dim(self) -> int:
+        """The head dimension d: ``kv_channels``, else h / heads (left None, it follows h through
+        ``dataclasses.replace``)."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_hidden_size(self) -> int:
+        """Width of the queries and of the attention's output (the projection's input): heads x d (h by default)."""
+        return self.num_attention_heads * self.head_dim
 
     @property
     def kv_hidden_size(self) -> int:
-        """h_kv = num_query_groups * kv_channels."""
-        return self.num_query_groups * self.kv_channels
+        """h_kv = num_query_groups * d."""
+        return self.num_query_groups * self.head_dim
 
     @property
     def fc1_width(self) -> int:
@@ -117,16 +131,17 @@ class ModelSpec:
 
     @property
     def params_per_layer(self) -> int:
-        """GEMM weights of one layer: QKV + projection + MLP (norm weights excluded; see layer_params)."""
-        h, hkv, f = self.hidden_size, self.kv_hidden_size, self.ffn_hidden_size
-        return 2 * h * h + 2 * h * hkv + (3 if self.swiglu else 2) * h * f
+        """GEMM weights of one layer: QKV (h x (q + 2 h_kv)) + projection (q x h) + MLP (norm weights excluded; see
+        layer_params); q = :attr:`query_hidden_size`."""
+        h, q, hkv, f = self.hidden_size, self.query_hidden_size, self.kv_hidden_size, self.ffn_hidden_size
+        return 2 * h * q + 2 * h * hkv + (3 if self.swiglu else 2) * h * f
 
     def bias_params_per_layer(self, tensor_model_parallel_size: int = 1) -> int:
         """Linear biases of one layer on one tensor-parallel rank: QKV's and FC1's are split with their
         columns, the projection's and FC2's (added after the row-parallel reduction) are whole on every rank."""
         if not self.add_bias_linear:
             return 0
-        column = self.hidden_size + 2 * self.kv_hidden_size + self.fc1_width
+        column = self.query_hidden_size + 2 * self.kv_hidden_size + self.fc1_width
         return column // tensor_model_parallel_size + 2 * self.hidden_size
 
     @property

@@ -116,8 +116,8 @@ def layer_gemm_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[int, int,
     """(m, n, k) of the four linear layers of one layer on one rank (X[m, k] -> Y[m, n], m the GEMMs' tokens);
     ``kernels.linear_pass_gemm`` gives the GEMM each pass runs."""
     t, tokens = plan.tensor_model_parallel_size, plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    h, hkv, f = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size
-    return dict(zip(LAYER_GEMMS, ((tokens, (h + 2 * hkv) // t, h), (tokens, h, h // t),
+    h, q, hkv, f = model.hidden_size, model.query_hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    return dict(zip(LAYER_GEMMS, ((tokens, (q + 2 * hkv) // t, h), (tokens, h, q // t),
                                   (tokens, model.fc1_width // t, h), (tokens, h, f // t))))
 
 
@@ -158,13 +158,13 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
     context-parallel K/V ring leaves exposed (reported separately as ``cp_fwd``/``cp_bwd``)."""
     c = plan.context_parallel_size
     link = _cp_link(plan, system) if c > 1 and plan.attention_backend != "unfused" else None
-    return dict(_attention(model.num_attention_heads, model.kv_channels, model.kv_hidden_size, model.hidden_size,
+    return dict(_attention(model.num_attention_heads, model.head_dim, model.kv_hidden_size, model.query_hidden_size,
                            model.attention_dropout > 0, plan.attention_backend, plan.tensor_model_parallel_size, c,
                            plan.seq_length, plan.micro_batch_size, r, link))
 
 
 @functools.lru_cache(maxsize=4096)
-def _attention(heads: int, d: int, kv_hidden: int, hidden: int, drop: bool, backend: str, t: int, c: int, s: int,
+def _attention(heads: int, d: int, kv_hidden: int, q_hidden: int, drop: bool, backend: str, t: int, c: int, s: int,
                mb: int, r: KernelRates, link: Optional[Link]) -> tuple[tuple[str, float], ...]:
     """:func:`attention_seconds` of the model's attention sizes and the plan's (pure; memoised: every
     checkpointing mode and precision of a search shares it)."""
@@ -189,7 +189,7 @@ def _attention(heads: int, d: int, kv_hidden: int, hidden: int, drop: bool, back
         # the c steps: the diagonal block, then c - 1 off-diagonal ones; every step after the first merges its
         # partial result into fp32 accumulators
         merge = (CP_MERGE_BYTES_BWD if backward else CP_MERGE_BYTES_FWD) * mb * q * (
-            hidden + (2 * kv_hidden if backward else 0)) // t
+            q_hidden + (2 * kv_hidden if backward else 0)) // t
         out[name] = diag + (c - 1) * off + (c - 1) * elementwise_seconds(merge, r, kernels=CP_MERGE_KERNELS)
         # the next block's K/V travels while a step computes (not after the last): exposed where it is longer
         out["cp_" + name] = max(0.0, send - diag) + (c - 2) * max(0.0, send - off)
@@ -220,7 +220,7 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
     norms_fwd, norms_bwd = 2 * NORM_ELEMENTS_FWD * h * norm_tokens, 2 * NORM_ELEMENTS_BWD * h * norm_tokens
     residual_fwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens
     residual_bwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
-    rope = 2 * (h + hkv) * tokens // t if model.rotates_qk else 0
+    rope = 2 * (model.query_hidden_size + hkv) * tokens // t if model.rotates_qk else 0
     act_fwd = activation_elements(fc1, f, backward=False) * tokens // t
     act_bwd = activation_elements(fc1, f, backward=True) * tokens // t
     if model.add_bias_linear:  # the fused bias-activation's bias gradient, reduced over the tokens by autograd

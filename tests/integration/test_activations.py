@@ -135,6 +135,23 @@ def test_chunk_bytes_equal_cost_model_terms(ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ["no", "ours"])
+def test_chunk_bytes_with_kv_channels_equal_cost_model_terms(ckpt):
+    """--kv-channels 24 (heads x d = 96 against h = 64): the query, the attention output and RoPE's cos/sin are
+    heads x d and d wide; the saved bytes are the cost model's term by term."""
+    layers, mb, seq, d = 2, 2, 32, 24
+    model = middle_stage_model(num_layers=layers, ckpt=ckpt, kv_channels=d)
+    st = run_middle_stage(model, _manager(0.0), pipeline_size=2, rank=1, num_microbatches=2, micro_batch=mb,
+                          seq=seq, hidden=HIDDEN)
+    spec = replace(tiny_model_spec(layers), kv_channels=d)
+    terms = activation_bytes_per_layer_token(spec, ckpt, dtype_bytes=4, layer_spec="local")
+    assert terms["query"] == terms["attention_output"] == HEADS * d * 4
+    small_terms = terms["norm1_rstd"] + terms["norm2_rstd"] + terms["softmax_lse"]
+    assert st.saved_bytes[(0, 0)] == layers * mb * seq * (terms["total"] - small_terms)
+    rstd = 2 * mb * seq * 4 if ckpt == "no" else 0
+    assert st.small_bytes[(0, 0)] == layers * (4 * seq * d * 4 + mb * HEADS * seq * 4 + rstd)
+
+
+@pytest.mark.parametrize("ckpt", ["no", "ours"])
 def test_hidden_dropout_masks_equal_cost_model_term(ckpt):
     """With --hidden-dropout the two bias-dropout-adds keep their masks under every ckpt but full; on CPU
     PyTorch's dropout keeps its noise tensor in the activation dtype (CUDA's fused kernel a bool mask), which

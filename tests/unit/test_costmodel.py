@@ -53,7 +53,7 @@ def test_parameter_counts(name, billions):
 
 def test_model_properties():
     m = get_model("llama2-70b")
-    assert m.kv_channels == 128 and m.kv_hidden_size == 1024
+    assert m.kv_channels is None and m.head_dim == 128 and m.kv_hidden_size == 1024
     g = get_model("gpt3-175b")
     assert not g.swiglu and not g.untie_embeddings_and_output_weights and g.fc1_width == g.ffn_hidden_size
     assert M65.padded_vocab_size(2) == 32256 and M65.padded_vocab_size(1) == 32128
