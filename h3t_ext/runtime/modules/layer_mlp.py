@@ -8,6 +8,10 @@ takes both conventions, as ``as_mlp_submodule`` does, for every MLP subclass h3t
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any, Callable
+
 
 class LayerMLPArgs:
     """Mixin before an ``MLP`` base: ``pg_collection`` becomes ``tp_group``; ``is_mtp_layer`` is dropped (a dense MLP
@@ -30,4 +34,18 @@ def with_layer_mlp_args(base: type) -> tuple:
     return (base,)
 
 
-__all__ = ["LayerMLPArgs", "with_layer_mlp_args"]
+def replace_mlp_class(mlp: Any, wrap: Callable[[type], type]) -> Any:
+    """A layer spec's ``mlp`` submodule with its class replaced by ``wrap(cls)``: a ``ModuleSpec`` (megatron-core
+    0.16-0.18, and h3t-ext's own specs) gets the wrapped module; megatron-core 0.19's stock specs give the dense MLP
+    as ``functools.partial(cls.as_mlp_submodule, submodules=...)``, which becomes the same partial of the wrapped
+    class's ``as_mlp_submodule`` (a classmethod, so it builds the wrapped class)."""
+    if isinstance(mlp, functools.partial) and getattr(mlp.func, "__name__", None) == "as_mlp_submodule":
+        cls = mlp.func.__self__
+        return functools.partial(wrap(cls).as_mlp_submodule, *mlp.args, **mlp.keywords)
+    if not dataclasses.is_dataclass(mlp) or not hasattr(mlp, "module"):
+        raise TypeError(f"cannot wrap the MLP of this layer spec: {mlp!r} is neither a ModuleSpec nor "
+                        "megatron-core's partial(MLP.as_mlp_submodule, ...)")
+    return dataclasses.replace(mlp, module=wrap(mlp.module))
+
+
+__all__ = ["LayerMLPArgs", "replace_mlp_class", "with_layer_mlp_args"]

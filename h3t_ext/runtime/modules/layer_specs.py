@@ -52,6 +52,7 @@ from ..config import CKPT_CHOICES, RuntimeConfigError
 from .attention import SDPACoreAttention
 from .fused_saves import FusedSavesMLP, FusedSavesRMSNorm
 from .layer_boundary import H3TTransformerLayer
+from .layer_mlp import replace_mlp_class
 from .norms import LayerNorm
 from .recompute import RecomputedLayer, is_recomputed, recomputed_module
 from .recompute_ours import OursLayerNorm, OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
@@ -166,7 +167,7 @@ def _selective_layer_spec(config, ckpt: str, backend: str, core_attention: Optio
         spec = get_gpt_layer_with_transformer_engine_spec()
         spec.submodules.self_attention.submodules.core_attention = core_attention
         if recompute.recomputes("mlp"):
-            spec.submodules.mlp.module = recomputed_module(spec.submodules.mlp.module)
+            spec.submodules.mlp = replace_mlp_class(spec.submodules.mlp, recomputed_module)
         spec.module = H3TTransformerLayer  # says where its forward starts (layer-granular offload)
         return spec
     # ckpt=ours: the norm is separate so that its output can be recomputed instead of saved
