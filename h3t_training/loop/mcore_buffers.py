@@ -17,12 +17,16 @@ def ddp_buffers(chunk, name: str) -> list:
 
 
 FSDP_BUFFERS = (("model_weight_buffer", "params"), ("transpose_weight_buffer", "params"), ("hsdp_wbuf", "params"),
-                ("main_grad_buffer", "grads"), ("hsdp_gbuf", "grads"), ("main_weight_buffer", "optimizer"))
-"""The persistent buffers of one Megatron FSDP parameter group (megatron-core 0.16.1, ``megatron_fsdp``'s
-``ParameterGroup``) and what each holds: the (sharded) bf16 weights and their FP8 transpose, the hybrid-sharding
-weight copy, the fp32 main gradients, the hybrid-sharding gradient copy, and the fp32 main weights, which the cost
-model counts with the optimizer state as it does the distributed optimizer's. The all-gathered weights live in
-temporary buckets that are freed after use, so they are no state."""
+                ("hfsdp_helper_wbuf", "params"), ("hfsdp_helper_wtbuf", "params"),
+                ("main_grad_buffer", "grads"), ("hsdp_gbuf", "grads"), ("hfsdp_helper_gbuf", "grads"),
+                ("hsdp_comm_gbuf", "grads"), ("main_weight_buffer", "optimizer"))
+"""The persistent buffers of one Megatron FSDP parameter group (``megatron_fsdp``'s ``ParameterGroup``) and what
+each holds: the (sharded) bf16 weights and their FP8 transpose, the hybrid-sharding weight copies (0.16.1's
+``hsdp_wbuf``; 0.19's ``hfsdp_helper_wbuf`` and its transpose ``hfsdp_helper_wtbuf``), the fp32 main gradients and
+their hybrid-sharding copies (0.16.1's ``hsdp_gbuf``; 0.19's ``hfsdp_helper_gbuf`` and ``hsdp_comm_gbuf``, the
+gradient-communication buffer of a custom ``grad_comm_dtype``), and the fp32 main weights, which the cost model
+counts with the optimizer state as it does the distributed optimizer's. A name the installed megatron-core lacks is
+skipped. The all-gathered weights live in temporary buckets that are freed after use, so they are no state."""
 
 
 def fsdp_buffers(chunk) -> Iterator[tuple[str, torch.Tensor]]:
