@@ -113,3 +113,21 @@ def test_every_python_module_a_launcher_runs_exists():
             return True
 
     assert [m for m in sorted(found) if missing(m)] == []
+
+
+def test_the_megatron_compat_probe_prints_its_command_and_names_a_missing_wheel(tmp_path):
+    """scripts/megatron_compat_probe.sh (newer megatron-core wheels on this Python): --dry-run prints the pytest
+    command with its stand-ins' paths and the arguments passed through; without a wheel it refuses in one line."""
+    script = str(REPO / "scripts/megatron_compat_probe.sh")
+    env = {**_env(), "WORK": str(tmp_path / "probe")}
+    proc = subprocess.run(["bash", script, "--dry-run", "tests/unit/test_kv_channels.py", "-x"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cmd = proc.stdout.strip().splitlines()[-1]
+    assert f"PYTHONPATH={tmp_path}/probe/shim:{tmp_path}/probe/site:{tmp_path}/probe/triton" in cmd
+    assert cmd.endswith("-m pytest -q -p no:cacheprovider tests/unit/test_kv_channels.py -x")
+    bad = subprocess.run(["bash", script], cwd=REPO, env={**env, "WHEEL": str(tmp_path / "none.whl")},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        f"megatron_compat_probe.sh: error: WHEEL={tmp_path}/none.whl is not a megatron-core wheel file")
+    assert not (tmp_path / "probe").exists()  # nothing unpacked or downloaded
