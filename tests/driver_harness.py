@@ -28,6 +28,19 @@ unless a test asks; Megatron-LM's own default, 969,30,1 with an evaluation at th
 TIMEOUT_S = 300
 
 
+def _common_pt_files() -> list[str]:
+    """["common.pt"] where the installed megatron-core writes a torch_dist checkpoint's common state to its own file
+    (0.16-0.18), [] where it keeps it in the shard files (0.19: scripts/megatron_compat_probe.sh runs these tests
+    with it)."""
+    from importlib.metadata import version
+
+    major, minor = (int(x) for x in version("megatron-core").split(".")[:2])
+    return ["common.pt"] if (major, minor) < (0, 19) else []
+
+
+COMMON_PT = _common_pt_files()
+
+
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

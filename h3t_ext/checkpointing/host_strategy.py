@@ -2,8 +2,10 @@
 
 megatron-core 0.16's ``TorchDistSaveShardedStrategy`` writes through its asynchronous file
 writer, which calls ``torch.cuda.synchronize()`` after staging tensors (so it fails on a
-CPU-only torch). :class:`HostTorchDistSaveStrategy` is a save strategy of its own, plugged into
-``dist_checkpointing.save(..., sharded_strategy=...)``: it translates the sharded state dict with
+CPU-only torch). :class:`HostTorchDistSaveStrategy` is that strategy with its own ``save``, plugged into
+``dist_checkpointing.save(..., sharded_strategy=...)`` (a subclass: megatron-core 0.19's ``save`` takes only
+``TorchDistSaveShardedStrategy`` instances and replaces anything else by its default, and 0.19 has no
+``strategies.base``); it translates the sharded state dict with
 megatron-core's own functions (ShardedTensors to PyTorch sharded tensors, keys to sharded keys,
 only main replicas kept) and writes it with PyTorch's synchronous distributed-checkpoint writer
 and megatron-core's save planner. The files are the same format (``.metadata``, ``*.distcp``,
@@ -18,9 +20,9 @@ from typing import Optional
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict
-from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
 from megatron.core.dist_checkpointing.strategies.torch import (
     MCoreSavePlanner,
+    TorchDistSaveShardedStrategy,
     _replace_state_dict_keys_with_sharded_keys,
     mcore_to_pyt_state_dict,
 )
@@ -32,7 +34,7 @@ BACKEND, VERSION = "torch_dist", 1
 """The format megatron-core records in ``metadata.json`` (its default torch_dist strategy's)."""
 
 
-class HostTorchDistSaveStrategy(SaveShardedStrategy):
+class HostTorchDistSaveStrategy(TorchDistSaveShardedStrategy):
     """Synchronous ``torch_dist`` save that needs no CUDA (format identical to megatron-core's)."""
 
     def __init__(self) -> None:

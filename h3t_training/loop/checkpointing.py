@@ -235,10 +235,30 @@ def _read_common(directory: str) -> dict:
     return common
 
 
+def _load_common_state(directory: str):
+    """The common state of a torch_dist checkpoint: ``common.pt`` (megatron-core 0.16-0.18 write it), else the
+    ``common_state`` object megatron-core 0.19 keeps inside the checkpoint's own files, read with its
+    ``load_common_state_dict`` (no process group needed). Returns (state, the path named in errors)."""
+    path = os.path.join(directory, "common.pt")
+    if os.path.isfile(path) or not os.path.isfile(os.path.join(directory, ".metadata")):
+        return torch.load(path, map_location="cpu", weights_only=False), path
+    from megatron.core import dist_checkpointing  # noqa: PLC0415
+
+    source = os.path.join(directory, ".metadata")
+    try:
+        return dist_checkpointing.load_common_state_dict(directory), source
+    except Exception as e:  # noqa: BLE001 (megatron-core 0.16 looks for common.pt, 0.19 in the shard files)
+        raise CheckpointError(f"checkpoint {directory} has no common.pt and its common state cannot be read from its "
+                              f"shard files by this megatron-core ({type(e).__name__}: {str(e).splitlines()[0][:160]})",
+                              alike=True) from None
+
+
 def _read_common_pt(directory: str) -> dict:
     path = os.path.join(directory, "common.pt")
     try:
-        common = torch.load(path, map_location="cpu", weights_only=False)
+        common, path = _load_common_state(directory)
+    except CheckpointError:
+        raise
     except Exception as e:  # torch raises several unrelated types for a damaged file
         raise CheckpointError(f"checkpoint file {path} is corrupt or partial ({type(e).__name__})", alike=True) from None
     if isinstance(common, dict) and "h3t" not in common and "args" in common:  # torch_dist written by Megatron-LM

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -46,6 +47,17 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
 from ...schedule.builder import Action, ActionKind, build_schedule
+
+_BACKWARD_STEP_TAKES_MODEL_TYPE = "model_type" in inspect.signature(backward_step).parameters
+"""megatron-core 0.16's ``backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)``; 0.19
+dropped ``model_type``."""
+
+
+def _backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config):
+    """megatron-core's ``backward_step`` in the signature of the installed version."""
+    if _BACKWARD_STEP_TAKES_MODEL_TYPE:
+        return backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
+    return backward_step(input_tensor, output_tensor, output_tensor_grad, config)
 from ..config import H3TConfig, RuntimeConfigError
 from .p2p import BACKWARD, FORWARD, PipelineP2P
 from .prepare import ModelPreparer, validate_layout
@@ -488,7 +500,7 @@ class _Executor:
         layered = {"layer_actions": layer_actions} if layer_actions else {}
         scope = self.manager.backward_scope(*key, **layered) if self.manager else contextlib.nullcontext()
         with scope:
-            in_grad = backward_step(self.inputs.pop(key), self.outputs.pop(key), grad, self.model_type, self.config)
+            in_grad = _backward_step(self.inputs.pop(key), self.outputs.pop(key), grad, self.model_type, self.config)
         if self.manager is not None:
             self.manager.release(*key)
         sync.after_backward(a, is_last_mb)
