@@ -41,6 +41,19 @@ def _common_pt_files() -> list[str]:
 COMMON_PT = _common_pt_files()
 
 
+def read_common(directory) -> dict:
+    """A torch_dist checkpoint's common state: its common.pt, or (megatron-core 0.19) the common_state object in its
+    shard files."""
+    import torch
+
+    path = Path(directory) / "common.pt"
+    if path.is_file():
+        return torch.load(path, map_location="cpu", weights_only=False)
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(str(directory))
+
+
 def _env() -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain, single_rank_reference
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, read_common, run_pretrain, single_rank_reference
 from h3t_training.config.sections import parse_args
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
@@ -166,7 +166,7 @@ def test_fsdp2_saves_and_resumes_bit_exact(layout, tmp_path):
     assert len(moments) == 2 * 9 and sorted(ends[0]) == sorted(ends[1]) == sorted(saved)  # 9 keys: layers stacked
     assert all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])  # weights and Adam moments, bit for bit
     assert not any(torch.equal(saved[k], ends[0][k]) for k in moments)  # (they moved in iterations 3 and 4)
-    steps = [torch.load(tmp_path / d / it / "common.pt", weights_only=False)["optimizer"]["steps"]
+    steps = [read_common(tmp_path / d / it)["optimizer"]["steps"]
              for d, it in (("a", "iter_0000002"), ("a", "iter_0000004"), ("b", "iter_0000004"))]
     assert steps == [2, 4, 4]
 
