@@ -9,6 +9,7 @@ so a resumed run reads exactly the samples an uninterrupted run would.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Callable, Iterator, Optional
 
@@ -17,6 +18,18 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.utils import get_batch_on_this_cp_rank
+
+_CP_SPLIT_TAKES_HYBRID = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
+"""megatron-core 0.19's ``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None, ...)``; 0.16's
+``(batch, cp_group=None)``."""
+
+
+def batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
+    """megatron-core's load-balanced context-parallel split of ``batch`` (chunks r and 2c-1-r of the sequence on
+    rank r), in the signature of the installed version (0.19: not hybrid context parallelism, per-sequence)."""
+    if _CP_SPLIT_TAKES_HYBRID:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
 
 from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data.data_checks import parse_split
@@ -199,7 +212,7 @@ class MicrobatchIterator:
         batch = {k: torch.stack([torch.as_tensor(s[k]) for s in samples]).to(self.device)
                  for k in ("tokens", "labels", "loss_mask", "position_ids")}
         if self.cp_group is not None and self.cp_group.size() > 1:
-            batch = get_batch_on_this_cp_rank(batch, cp_group=self.cp_group)
+            batch = batch_on_this_cp_rank(batch, cp_group=self.cp_group)
         return batch
 
 

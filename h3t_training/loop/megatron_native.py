@@ -160,11 +160,10 @@ def forward_step(data_iterator, model):
     """Megatron's ``forward_step``: a batch from Megatron's loader, the loss as Megatron reports it."""
     from functools import partial  # noqa: PLC0415
 
-    from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: PLC0415
-
+    from h3t_training.data.datasets import batch_on_this_cp_rank  # noqa: PLC0415
     from h3t_training.loop.training import loss_func  # noqa: PLC0415
 
-    batch = get_batch_on_this_cp_rank(_megatron(".utils").get_batch_on_this_tp_rank(data_iterator))
+    batch = batch_on_this_cp_rank(_megatron(".utils").get_batch_on_this_tp_rank(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
 
