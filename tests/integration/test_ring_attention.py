@@ -23,12 +23,12 @@ def _attention_worker(rank, world, dtype_name):
 
     from h3t_ext.runtime.modules.ring_attention import ring_attention, shard_sequence
 
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from h3t_training.data.datasets import batch_on_this_cp_rank  # megatron-core's split, any version's signature
 
     dtype = getattr(torch, dtype_name)
     group = torch.distributed.new_group(list(range(world)))
     tokens = torch.arange(2 * SEQ).view(2, SEQ)
-    out = {"layout": torch.equal(get_batch_on_this_cp_rank({"tokens": tokens.clone()}, cp_group=group)["tokens"],
+    out = {"layout": torch.equal(batch_on_this_cp_rank({"tokens": tokens.clone()}, cp_group=group)["tokens"],
                                  shard_sequence(tokens, 1, rank, world))}
     for heads, groups in HEADS_GROUPS:
         g = torch.Generator().manual_seed(heads * 10 + groups)
