@@ -11,10 +11,11 @@ destroyed after. An exception in any rank is re-raised in the caller with that r
 traceback; a world that does not finish within ``timeout_s`` is killed and reported.
 
 Ranks are started by multiprocessing's forkserver, whose server imports torch, megatron-core and the runtime once
-(:data:`PRELOAD`, on a machine without a GPU: see :func:`_context`): each rank is a fork of that server (a tenth of a second) instead of a fresh interpreter importing
-them again (about 6 s on 2 cores, per rank and per world). The server only imports, so every rank starts with no
-process group, no parallel state and no seed set, as a spawned one does; like a spawned rank it gets the caller's
-``sys.path`` and imports the worker's module by name. Its environment is the caller's when the first world started.
+(:data:`PRELOAD`, on a machine without a GPU: see :func:`_context`): each rank is a fork of that server (a tenth of
+a second) instead of a fresh interpreter importing them again (about 6 s on 2 cores, per rank and per world). The
+server only imports, so every rank starts with no process group, no parallel state and no seed set, as a spawned
+one does; like a spawned rank it gets the caller's ``sys.path`` and imports the worker's module by name. Its
+environment is the caller's when the first world started.
 """
 from __future__ import annotations
 

@@ -189,6 +189,11 @@ def optimizer_shards(plan: Plan) -> int:
     return plan.data_parallel_size if plan.use_distributed_optimizer or plan.use_torch_fsdp2 else 1
 
 
+def _device_shard_params(n: int, plan: Plan) -> float:
+    """Parameters of a rank's optimizer shard (of a stage holding ``n``) that are stepped on the device."""
+    return optimizer_offload.device_params(n / optimizer_shards(plan), plan)
+
+
 def stage_host_bytes(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     """Host bytes of one rank of pipeline stage ``stage``, by term: the offloaded optimizer share
     (``optimizer_offload.host_bytes``)."""
@@ -208,7 +213,7 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
     n = stage_params(model, plan, stage)
     d = plan.data_parallel_size
     strategy = plan.sharding_strategy
-    on_device = optimizer_offload.device_params(n / optimizer_shards(plan), plan)
+    on_device = _device_shard_params(n, plan)
     host = stage_host_bytes(model, plan, stage)
     return {
         "device": {"params": int(round(n * param_bytes / (d if strategy == "optim_grads_params" else 1))),
@@ -287,20 +292,16 @@ def stage_fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> Mapping[str, 
     return _constants(model, plan, stage)[1]
 
 
-def optimizer_step_temporary_bytes(model: ModelSpec, plan: Plan, stage: int) -> int:
-    """The optimizer step's temporary on a rank of ``stage``: ``OPTIMIZER_STEP_TEMPORARY_BYTES`` per parameter of
-    the optimizer shard that is stepped on the device."""
+def _step_temporary(n: int, plan: Plan) -> int:
+    """The optimizer step's temporary on a rank of a stage holding ``n`` parameters:
+    ``OPTIMIZER_STEP_TEMPORARY_BYTES`` per parameter of its device optimizer shard."""
     per_param = OPTIMIZER_STEP_TEMPORARY_BYTES[plan.optimizer_impl]
-    if not per_param:
-        return 0
-    shard = stage_params(model, plan, stage) / optimizer_shards(plan)
-    return int(round(optimizer_offload.device_params(shard, plan) * per_param))
+    return int(round(_device_shard_params(n, plan) * per_param)) if per_param else 0
 
 
-def _step_excess(terms: Mapping[str, int], temporary: int) -> int:
-    """``optimizer_step_excess``: the optimizer step's moment above the backward's (0 when it is not)."""
-    step = sum(terms.get(k, 0) for k in STEP_PERSISTENT_TERMS) + temporary
-    return max(0, step - sum(terms.values()))
+def _step_moment(terms: Mapping[str, int], temporary: int) -> int:
+    """Bytes alive at the optimizer step: the ``STEP_PERSISTENT_TERMS`` among ``terms`` and the step's temporary."""
+    return sum(terms.get(k, 0) for k in STEP_PERSISTENT_TERMS) + temporary
 
 
 def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> StageMemory:
@@ -313,8 +314,8 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> Stag
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
-    excess = _step_excess(terms, optimizer_step_temporary_bytes(model, plan, stage))
-    if excess:
+    excess = _step_moment(terms, _step_temporary(n, plan)) - sum(terms.values())
+    if excess > 0:
         terms["optimizer_step_excess"] = excess
     return StageMemory(stage=stage, terms=terms, params=n)
 
@@ -323,14 +324,14 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[f
     """peak_bytes of ``stage_memory(model, plan, stage, alpha)`` as a cheap function of alpha."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    _, terms, chunk = _constants(model, plan, stage)
+    n, terms, chunk = _constants(model, plan, stage)
     fixed = sum(terms.values())
     lines, offloads = residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0
     layers = layers_per_chunk(model, plan)
-    temporary = optimizer_step_temporary_bytes(model, plan, stage)
+    temporary = _step_temporary(n, plan)
     if not temporary:  # fused Adam: the step's moment never exceeds a backward's
         return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha, layers))
-    step_fixed = sum(terms.get(k, 0) for k in STEP_PERSISTENT_TERMS) + temporary
+    step_fixed = _step_moment(terms, temporary)  # the fixed terms: the reload buffer is added per alpha
 
     def peak(alpha: float) -> int:
         act, reload = _activation_terms(chunk, lines, offloads, alpha, layers)

@@ -35,8 +35,9 @@ _REQUIRED_CUSTOM = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
 _FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|tensor_model_parallel_size|"
                     r"context_parallel_size|pipeline_model_parallel_size|num_layers_per_virtual_pipeline_stage|"
                     r"offload_alpha|ckpt|num_layers|hidden_size|num_attention_heads|num_query_groups|ffn_hidden_size|"
-                    r"vocab_size|kv_channels|optimizer_cpu_offload|use_distributed_optimizer|data_parallel_sharding_strategy|"
-                    r"tp_comm_overlap|sequence_parallel|overlap_param_gather|overlap_grad_reduce|use_torch_fsdp2)\b")
+                    r"vocab_size|kv_channels|optimizer_cpu_offload|use_distributed_optimizer|"
+                    r"data_parallel_sharding_strategy|tp_comm_overlap|sequence_parallel|overlap_param_gather|"
+                    r"overlap_grad_reduce|use_torch_fsdp2)\b")
 
 
 def flagify(reason: str) -> str:

@@ -185,6 +185,6 @@ def check_gpu_flags(args):
     return args
 
 
-__all__ = ["optimizer_impl", "AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
+__all__ = ["AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
            "attention_backend", "check_gpu_flags", "ddp_fields", "fp8_fields", "optimizer_dtype_fields",
-           "spec_backend", "transformer_fields"]
+           "optimizer_impl", "spec_backend", "transformer_fields"]

@@ -19,6 +19,9 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.utils import get_batch_on_this_cp_rank
 
+from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
+from h3t_training.data.data_checks import parse_split
+
 _CP_SPLIT_TAKES_HYBRID = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
 """megatron-core 0.19's ``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None, ...)``; 0.16's
 ``(batch, cp_group=None)``."""
@@ -30,9 +33,6 @@ def batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
     if _CP_SPLIT_TAKES_HYBRID:
         return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
     return get_batch_on_this_cp_rank(batch, cp_group=cp_group)
-
-from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
-from h3t_training.data.data_checks import parse_split
 
 
 def _blend(data_path: Optional[list[str]]):

@@ -235,6 +235,15 @@ def _read_common(directory: str) -> dict:
     return common
 
 
+def _blame_a_damaged_shard(directory: str) -> None:
+    """Where the common state came from the shard files (megatron-core 0.19) and did not read as one: a
+    :class:`CheckpointError` naming the damaged or misplaced shard, as a damaged ``common.pt`` is named, when the
+    manifest finds one; nothing otherwise."""
+    if os.path.isfile(os.path.join(directory, CHECKSUMS)):
+        _verify_files(directory, 0, 1)
+        _verify_layout(directory, 0, 1)
+
+
 def _load_common_state(directory: str):
     """The common state of a torch_dist checkpoint: ``common.pt`` (megatron-core 0.16-0.18 write it), else the
     ``common_state`` object megatron-core 0.19 keeps inside the checkpoint's own files, read with its
@@ -248,9 +257,7 @@ def _load_common_state(directory: str):
     try:
         return dist_checkpointing.load_common_state_dict(directory), source
     except Exception as e:  # noqa: BLE001 (megatron-core 0.16 looks for common.pt, 0.19 in the shard files)
-        if os.path.isfile(os.path.join(directory, CHECKSUMS)):  # a damaged shard says which one
-            _verify_files(directory, 0, 1)
-            _verify_layout(directory, 0, 1)
+        _blame_a_damaged_shard(directory)
         raise CheckpointError(f"checkpoint {directory} has no common.pt and its common state cannot be read from its "
                               f"shard files by this megatron-core ({type(e).__name__}: {str(e).splitlines()[0][:160]})",
                               alike=True) from None
@@ -270,9 +277,8 @@ def _read_common_pt(directory: str) -> dict:
             ns, common.get("iteration"), common.get("opt_param_scheduler"), path=path,
             optimizer_saved=not getattr(ns, "no_save_optim", False), rng_saved=not getattr(ns, "no_save_rng", False))
     if not isinstance(common, dict) or "h3t" not in common or "iteration" not in common:
-        if not path.endswith("common.pt") and os.path.isfile(os.path.join(directory, CHECKSUMS)):
-            _verify_files(directory, 0, 1)  # read from the shard files (0.19): a damaged shard says which one
-            _verify_layout(directory, 0, 1)
+        if not path.endswith("common.pt"):
+            _blame_a_damaged_shard(directory)
         raise CheckpointError(f"checkpoint file {path} was written neither by this driver (no 'h3t' section) nor by "
                               f"Megatron-LM (no 'args' entry)", alike=True)
     return common

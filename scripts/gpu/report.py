@@ -173,7 +173,8 @@ SUSTAINED = {"bf16": 20, "fp8": 10}
 
 NATIVE_RUNS = ("ours", "no")
 """Megatron's own pretrain() runs of the lease: ckpt=ours alpha 0.5 and ckpt=no alpha 0."""
-PART_FILES = {"meta": "meta.json", "tests": "gpu_tests.xml", "stage_memory": "stage_memory.json",
+PART_FILES = {"meta": "meta.json", "tests": "gpu_tests.xml", "tests_log": "gpu_tests.txt",
+              "stage_memory": "stage_memory.json",
               "overlap": "overlap.json", "copies": "copies.json", "dropout": "attention_dropout.json",
               **{f"native-{n}": f"native-{n}.log" for n in NATIVE_RUNS}, "driver_steps": "driver_steps.json",
               "driver_profile": "driver_profile.json",
@@ -188,9 +189,8 @@ def parts_from_dir(parts: str) -> tuple[dict, dict]:
     meta, why = _json_file(path["meta"])
     if meta is None:
         raise SystemExit(f"report.py: error: --from-parts {parts}: {PART_FILES['meta']}: {why}")
-    log = os.path.join(parts, "gpu_tests.txt")
     tests = junit_counts(path["tests"]) if os.path.isfile(path["tests"]) else \
-        verbose_counts(open(log).read()) if os.path.isfile(log) else None
+        verbose_counts(open(path["tests_log"]).read()) if os.path.isfile(path["tests_log"]) else None
     raw = {"tests": tests,
            "stage_memory": _json_file(path["stage_memory"]),
            "overlap": _json_file(path["overlap"]),

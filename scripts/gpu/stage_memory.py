@@ -131,7 +131,8 @@ def _build(args, rank: int, on_gpu: bool):
 
         tensor_parallel.model_parallel_cuda_manual_seed(0)
     chunks = build_stage_chunks(cfg, vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
-                                pipeline_rank=rank, ckpt=args.ckpt, backend="local", device_type="cuda" if on_gpu else "cpu")
+                                pipeline_rank=rank, ckpt=args.ckpt, backend="local",
+                                device_type="cuda" if on_gpu else "cpu")
     if not on_gpu:
         adam = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-4)
         return chunks, adam.step, lambda: adam.zero_grad(set_to_none=True)

@@ -128,15 +128,25 @@ def test_the_lease_writes_every_part_the_report_reads():
     assert sustained == report.SUSTAINED
 
 
-def test_report_from_the_parts_of_a_lease(tmp_path):
-    """report.py --from-parts: the report from the files scripts/gpu/lease_run.sh leaves (no GPU needed); a part that
-    died is named, not guessed."""
-    import json
-
+def _lease_parts(tmp_path):
+    """An H200 lease's parts folder holding only its meta.json."""
     parts = tmp_path / "parts"
     parts.mkdir()
     (parts / "meta.json").write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-11-28", "torch": "t",
                                                  "cuda": "c"}))
+    return parts
+
+
+def _report(parts, *extra):
+    """report.py --from-parts ``parts`` (and ``extra``), run as a lease's owner would."""
+    return subprocess.run([sys.executable, str(REPO / "scripts/gpu/report.py"), "--from-parts", str(parts), *extra],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+
+
+def test_report_from_the_parts_of_a_lease(tmp_path):
+    """report.py --from-parts: the report from the files scripts/gpu/lease_run.sh leaves (no GPU needed); a part that
+    died is named, not guessed."""
+    parts = _lease_parts(tmp_path)
     (parts / "gpu_tests.xml").write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0">'
         '<testcase classname="a" name="ok"/><testcase classname="a" name="ok2"/>'
@@ -148,9 +158,7 @@ def test_report_from_the_parts_of_a_lease(tmp_path):
         {"status": "measured", "ratio": 1.05}, {"status": "measured", "ratio": 0.8}, {"status": "left_out"}]}
     (parts / "ground_truth.json").write_text(json.dumps(gt))
     (parts / "sustained-bf16.json").write_text(json.dumps({"burst_tflops": 760.0, "sustained_tflops": 690.0}))
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/report.py"), "--from-parts", str(parts),
-                           "--out-dir", str(tmp_path / "out")], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=120)
+    proc = _report(parts, "--out-dir", str(tmp_path / "out"))
     assert proc.returncode == 1, proc.stderr  # a GPU test failed
     report = json.loads((tmp_path / "out" / "2026-11-28-nvidia-h200.json").read_text())
     assert (report["tests_passed"], report["tests_failed"]) == (2, 1)
@@ -170,23 +178,17 @@ def test_report_from_the_parts_of_a_lease(tmp_path):
 def test_a_tier_stopped_by_the_lease_cap_is_counted_from_its_verbose_log(tmp_path):
     """Without the --junitxml (pytest killed at the lease's cap) the report counts the -v result lines, each test's
     last one, and says the counts are partial; --tag names a second lease's report apart."""
-    parts = tmp_path / "parts"
-    parts.mkdir()
-    (parts / "meta.json").write_text(json.dumps({"gpu": "NVIDIA H200", "date": "2026-11-28", "torch": "t",
-                                                 "cuda": "c"}))
+    parts = _lease_parts(tmp_path)
     (parts / "gpu_tests.txt").write_text(
         "[gw0] [ 10%] PASSED tests/gpu/test_a.py::test_x\n[gw1] [ 20%] FAILED tests/gpu/test_b.py::test_y[torch]\n"
         "tests/gpu/test_c.py::test_z SKIPPED (needs two GPUs)\ntests/gpu/test_d.py::test_w PASSED\n")
-    proc = subprocess.run([sys.executable, str(REPO / "scripts/gpu/report.py"), "--from-parts", str(parts),
-                           "--out-dir", str(tmp_path / "out"), "--tag", "lease2"], cwd=REPO, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = _report(parts, "--out-dir", str(tmp_path / "out"), "--tag", "lease2")
     assert proc.returncode == 1, proc.stderr
     report = json.loads((tmp_path / "out" / "2026-11-28-nvidia-h200-lease2.json").read_text())
     assert (report["tests_passed"], report["tests_failed"]) == (2, 1)
     assert report["details"]["tests"] == {"passed": 2, "failed": 1, "skipped": 1, "partial": True,
                                           "failed_tests": ["tests/gpu/test_b.py::test_y[torch]"]}
-    bad = subprocess.run([sys.executable, str(REPO / "scripts/gpu/report.py"), "--from-parts", str(parts),
-                          "--tag", "../x"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    bad = _report(parts, "--tag", "../x")
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith(
         "--tag '../x': letters, digits and '-' only")
 

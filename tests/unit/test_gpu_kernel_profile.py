@@ -78,5 +78,6 @@ def test_a_failed_case_says_its_error_not_the_shutdown_warning_after_it():
            "[rank0]:[W1128 19:34:36 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was not "
            "called before program exit")
     assert driver_steps.failure_line(err, "") == "ValueError: the real reason"
-    assert driver_steps.failure_line("", "pretrain_llama.py: error: --foo: bad\n") == "pretrain_llama.py: error: --foo: bad"
+    line = "pretrain_llama.py: error: --foo: bad"
+    assert driver_steps.failure_line("", line + "\n") == line
     assert driver_steps.failure_line("just a last line\n", "") == "just a last line"

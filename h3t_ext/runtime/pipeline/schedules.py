@@ -47,6 +47,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
 from ...schedule.builder import Action, ActionKind, build_schedule
+from ..config import H3TConfig, RuntimeConfigError
+from .p2p import BACKWARD, FORWARD, PipelineP2P
+from .prepare import ModelPreparer, validate_layout
 
 _BACKWARD_STEP_TAKES_MODEL_TYPE = "model_type" in inspect.signature(backward_step).parameters
 """megatron-core 0.16's ``backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)``; 0.19
@@ -58,9 +61,6 @@ def _backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, 
     if _BACKWARD_STEP_TAKES_MODEL_TYPE:
         return backward_step(input_tensor, output_tensor, output_tensor_grad, model_type, config)
     return backward_step(input_tensor, output_tensor, output_tensor_grad, config)
-from ..config import H3TConfig, RuntimeConfigError
-from .p2p import BACKWARD, FORWARD, PipelineP2P
-from .prepare import ModelPreparer, validate_layout
 
 
 class ScheduleMode(enum.Enum):
