@@ -91,7 +91,8 @@ def main(argv: list[str]) -> int:
     src_root = Path(opts.src)
     iteration = int((src_root / "latest_checkpointed_iteration.txt").read_text())
     src = src_root / f"iter_{iteration:07d}"
-    common = torch.load(src / "common.pt", map_location="cpu", weights_only=False)
+    from driver_harness import read_common  # common.pt, or the shard files' common state (megatron-core 0.19)
+    common = read_common(src)
     consumed = common["consumed_train_samples"]
 
     initialize_distributed(args)

@@ -1,8 +1,9 @@
 """Batch-size schedules: Megatron's --step-batch-size-schedule and megatron-core's --rampup-batch-size.
 
 The segment walk of :class:`BatchSchedule` is checked against an iteration-by-iteration simulation of
-Megatron's rule (batch size from the samples consumed so far) and against megatron-core 0.16.1's own
-ramp-up calculator; the driver is checked on the flags, the data order and a short run.
+Megatron's rule (batch size from the samples consumed so far) and against the installed megatron-core's own
+calculators: 0.16's ramp-up (0.19 removed it) and 0.19's step schedule (0.16 has none); the driver is checked on the
+flags, the data order and a short run.
 """
 from __future__ import annotations
 
@@ -62,20 +63,43 @@ def test_bad_step_schedules_are_one_line(text, message):
         parse_step_schedule(text, seq_length=64)
 
 
-@pytest.mark.parametrize("start, increment, samples, final", [(16, 8, 300, 64), (4, 4, 1000, 40), (2, 2, 7, 8)])
-def test_rampup_equals_megatron_cores_calculator(start, increment, samples, final):
-    from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
+def _core_calculator(name: str):
+    """megatron-core's calculator class ``name``; a skip naming the version where it has none (0.19 replaced
+    the ramp-up calculator with the step schedule's)."""
+    from importlib.metadata import version
 
-    core = RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size=final, micro_batch_size=1, data_parallel_size=1, decrease_batch_size_if_needed=False,
-        rank=1, start_global_batch_size=start, batch_size_increment=increment, ramup_samples=samples)
+    from megatron.core import num_microbatches_calculator as calculators
+    if not hasattr(calculators, name):
+        pytest.skip(f"megatron-core {version('megatron-core')} has no {name}")
+    return getattr(calculators, name)
 
-    def core_batch(consumed):
+
+def _core_batch(core):
+    def batch(consumed):
         core.update(consumed, consistency_check=False)
         return core.get_current_global_batch_size()
+    return batch
 
+
+@pytest.mark.parametrize("start, increment, samples, final", [(16, 8, 300, 64), (4, 4, 1000, 40), (2, 2, 7, 8)])
+def test_rampup_equals_megatron_cores_calculator(start, increment, samples, final):
+    core = _core_calculator("RampupBatchsizeNumMicroBatchesCalculator")(
+        global_batch_size=final, micro_batch_size=1, data_parallel_size=1, decrease_batch_size_if_needed=False,
+        rank=1, start_global_batch_size=start, batch_size_increment=increment, ramup_samples=samples)
     schedule = rampup_schedule(start, increment, samples, final)
-    assert [(schedule.consumed_samples(i), schedule.batch_size(i)) for i in range(60)] == _simulate(core_batch, 60)
+    assert [(schedule.consumed_samples(i), schedule.batch_size(i)) for i in range(60)] == _simulate(_core_batch(core), 60)
+
+
+@pytest.mark.parametrize("text, seq_length", [("0:16 100:32 150:48", None), ("0:8 1K:16 2.5K:4", 64),
+                                              ("0:64,640:8,1280:4", 64)])
+def test_step_schedule_equals_megatron_cores_calculator(text, seq_length):
+    """--step-batch-size-schedule as megatron-core 0.19's calculator reads it (thresholds in tokens with
+    --seq-length, as Megatron-LM passes it; in samples without)."""
+    core = _core_calculator("StepBatchsizeNumMicroBatchesCalculator")(
+        micro_batch_size=1, data_parallel_size=1, decrease_batch_size_if_needed=False, rank=1, schedule=text,
+        seq_length=seq_length)
+    schedule = parse_step_schedule(text, seq_length=seq_length or 1)
+    assert [(schedule.consumed_samples(i), schedule.batch_size(i)) for i in range(60)] == _simulate(_core_batch(core), 60)
 
 
 def test_the_data_order_follows_the_schedule():

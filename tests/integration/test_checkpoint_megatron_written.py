@@ -7,9 +7,9 @@ import json
 import subprocess
 
 import pytest
-import torch
 
-from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+from driver_harness import COMMON_PT, PYTHON, REPO, TINY_MODEL, _env, check_ok, corpus_prefix, losses, read_common, \
+    run_pretrain  # noqa: F401
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-decay-style", "cosine",
           "--lr-warmup-iters", "1", "--hidden-dropout", "0.1"]
@@ -50,7 +50,7 @@ def test_a_megatron_lm_checkpoint_continues_with_its_weights_iteration_and_sampl
     if fmt == "torch":  # Megatron-LM's own layouts: no common.pt, or one without this driver's section
         assert not (root / fmt / "iter_0000002" / "common.pt").exists()
     else:
-        assert "h3t" not in torch.load(root / fmt / "iter_0000002" / "common.pt", weights_only=False)
+        assert "h3t" not in read_common(root / fmt / "iter_0000002")
     out = root / f"{fmt}.json"
     proc = run_pretrain([*flags, "--load", str(root / fmt), "--no-load-optim", "--metrics-json", str(out)])
     check_ok(proc)
@@ -72,7 +72,9 @@ def test_a_megatron_lm_checkpoint_continues_with_its_weights_iteration_and_sampl
 def test_a_megatron_lm_checkpoint_needs_no_load_optim_on_cpu(saved, fmt):
     root, flags = saved
     line = _refused(run_pretrain([*flags, "--load", str(root / fmt)]))
-    file = root / fmt / "iter_0000002" / ("common.pt" if fmt == "torch_dist" else "mp_rank_00/model_optim_rng.pt")
+    # torch_dist: the file the common state came from, common.pt (0.16-0.18) or the shard files' .metadata (0.19)
+    file = root / fmt / "iter_0000002" / ((COMMON_PT or [".metadata"])[0] if fmt == "torch_dist"
+                                          else "mp_rank_00/model_optim_rng.pt")
     assert line.endswith(f"--load {root / fmt}: checkpoint iteration 2 was written by Megatron-LM: its optimizer "
                          f"state ({file}) is megatron-core's, which this run's CPU optimizer does not read; add "
                          "--no-load-optim (or --finetune) to continue from its model weights with a fresh "

@@ -115,7 +115,7 @@ def test_a_checkpoint_load_failing_with_a_base_exception_is_one_checkpoint_error
     monkeypatch.setattr(dist_checkpointing, "load", lambda template, directory: (_ for _ in ()).throw(
         CheckpointException("load failed", {0: (inner, None)})))
     monkeypatch.setattr(ckpt_io, "_sharded_state", lambda *a, **k: {})
-    monkeypatch.setattr(ckpt_io, "_verify_layout", lambda *a: None)  # the files are in place: DCP still fails
+    monkeypatch.setattr(ckpt_io, "verify_layout", lambda *a: None)  # the files are in place: DCP still fails
     found = ckpt_io.FoundCheckpoint(str(tmp_path / "iter_0000001"), 1, True, {})
     args = parse_args([*TINY_MODEL, "--global-batch-size", "2", "--train-iters", "2", "--mock-data", "--load", str(tmp_path)])
     with pytest.raises(ckpt_io.CheckpointError) as e:
