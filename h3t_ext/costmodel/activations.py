@@ -6,6 +6,12 @@ Terms of one transformer layer (elements per token; ``dtype_bytes`` each unless 
 * ``layer_input``       h      input of the first norm (also the residual)
 * ``norm1_rstd``        1 fp32 reciprocal RMS saved by the first norm
 * ``norm1_output``      h      input of the QKV GEMM
+* ``qk_norm_input``     with --qk-layernorm, what the q and k norms save of the QKV projection's output: megatron-core
+                               reshapes q into a copy (q) and hands k over as a view of that output; the local
+                               spec's norm keeps the view, and with it all of the output (q + 2 h_kv): 2 q + 2 h_kv
+                               (measured, tests/integration/test_activations.py); TransformerEngine's norm takes
+                               a contiguous copy of k, so on the 'te' spec q + h_kv (assumed, not yet measured)
+* ``qk_norm_rstd``      (heads + groups) fp32: the q and k norms' per-head rstd
 * ``query``             h      rotated query saved by flash attention
 * ``key_value``         2 h_kv rotated key and value saved by flash attention
 * ``softmax_lse``       heads fp32 (heads/t per token of the full s/c sequence = heads per local token)
@@ -103,6 +109,9 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
         "fc2_input": f * b if layer_spec == "te" else 0,
         "hidden_dropout_mask": 2 * h * dropout_mask_bytes if model.hidden_dropout > 0 else 0,
     }
+    if model.qk_layernorm:  # kept by ckpt=ours: a GEMM output and the norms' statistics
+        terms.update(qk_norm_input=(q + hkv if layer_spec == "te" else 2 * q + 2 * hkv) * b,
+                     qk_norm_rstd=(model.num_attention_heads + model.num_query_groups) * FP32)
     if not model.swiglu:
         terms["swiglu_output"] = f * b  # GeLU output
     if fp8:

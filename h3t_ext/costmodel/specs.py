@@ -74,6 +74,10 @@ class ModelSpec:
     """Megatron's --kv-channels, the head dimension d: queries are heads x d wide (:attr:`query_hidden_size`), keys
     and values groups x d, whatever h is (Qwen3, Gemma: heads x d != h). None: h / heads, which h must then divide
     (Megatron's default)."""
+    qk_layernorm: bool = False
+    """Megatron's --qk-layernorm: a norm (of --normalization's kind) over each head's d channels of the queries and
+    the keys after the QKV projection (OLMo 2, Qwen3, Gemma 3). One memory-bound pass over q and k each way; its
+    input, the QKV projection's output, and its per-head rstd are saved for its backward; weights of d each."""
 
     def __post_init__(self) -> None:
         if self.normalization is None:
@@ -150,9 +154,15 @@ class ModelSpec:
         return (2 if self.normalization == "LayerNorm" else 1) * self.hidden_size
 
     @property
+    def qk_norm_params(self) -> int:
+        """Parameters of one layer's q and k norms (--qk-layernorm: d weights each, and d biases with LayerNorm;
+        0 without)."""
+        return 2 * (2 if self.normalization == "LayerNorm" else 1) * self.head_dim if self.qk_layernorm else 0
+
+    @property
     def layer_norm_params(self) -> int:
-        """Parameters of the two norms of one layer."""
-        return 2 * self.norm_params
+        """Parameters of the norms of one layer: the two of the residual branches and the q and k norms."""
+        return 2 * self.norm_params + self.qk_norm_params
 
     @property
     def rotates_qk(self) -> bool:
@@ -168,7 +178,7 @@ class ModelSpec:
 
     def layer_params_per_rank(self, tensor_model_parallel_size: int = 1) -> int:
         """All parameters of one layer on one tensor-parallel rank: its GEMM weights' shard, its biases
-        (:meth:`bias_params_per_layer`) and the two norms (replicated)."""
+        (:meth:`bias_params_per_layer`) and its norms (replicated)."""
         t = tensor_model_parallel_size
         return self.params_per_layer // t + self.bias_params_per_layer(t) + self.layer_norm_params
 

@@ -211,7 +211,9 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
       dropout backward reads dy and writes its gradient (2 h; without dropout the add passes dy through);
       RoPE rotates dq and dk; the activation backward reads its saved input and dy and writes the FC1
       gradient (2 fc1 + f), and with linear biases autograd reduces that gradient into FC1's bias (fc1;
-      megatron-core's bias-GeLU / bias-SwiGLU functions return the full-size gradient for the bias)."""
+      megatron-core's bias-GeLU / bias-SwiGLU functions return the full-size gradient for the bias);
+    * with --qk-layernorm, the q and k norms as the two norms, over the rank's q + h_kv channels of every token
+      (their output goes to RoPE and attention, which save their own inputs: nothing to recompute)."""
     t = plan.tensor_model_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
     norm_tokens = tokens // t if plan.sequence_parallel else tokens
@@ -221,14 +223,18 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
     residual_fwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens
     residual_bwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
     rope = 2 * (model.query_hidden_size + hkv) * tokens // t if model.rotates_qk else 0
+    if model.qk_layernorm:
+        qk = (model.query_hidden_size + hkv) * tokens // t
+        norms_fwd, norms_bwd = norms_fwd + NORM_ELEMENTS_FWD * qk, norms_bwd + NORM_ELEMENTS_BWD * qk
     act_fwd = activation_elements(fc1, f, backward=False) * tokens // t
     act_bwd = activation_elements(fc1, f, backward=True) * tokens // t
     if model.add_bias_linear:  # the fused bias-activation's bias gradient, reduced over the tokens by autograd
         act_bwd += fc1 * tokens // t
     # hidden dropout: the two fused bias-dropout-adds also write their 1-byte masks
     masks = 2 * h * norm_tokens * BOOL if dropout else 0
+    ours = 2 * NORM_ELEMENTS_FWD * h * norm_tokens + act_fwd  # the two branch norms' outputs and the activation's
     return (BF16 * (norms_fwd + residual_fwd + rope + act_fwd), BF16 * (norms_bwd + residual_bwd + rope + act_bwd),
-            BF16 * (norms_fwd + act_fwd), masks)
+            BF16 * ours, masks)
 
 
 def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, float]) -> tuple[float, float]:
@@ -405,8 +411,9 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     a = attention_seconds(model, plan, system, r)
     elem_fwd, elem_bwd, elem_ours, masks = _elementwise_bytes(model, plan)
     rope = ROPE_KERNELS if model.rotates_qk else 0  # RoPE's kernels (as _elementwise_bytes)
-    e_fwd = elementwise_seconds(elem_fwd + masks, r, kernels=ELEMENTWISE_KERNELS_FWD + rope)
-    e_bwd = elementwise_seconds(elem_bwd + masks, r, kernels=ELEMENTWISE_KERNELS_BWD + rope + (
+    qk_fwd, qk_bwd = (2 * NORM_KERNELS_FWD, 2 * NORM_KERNELS_BWD) if model.qk_layernorm else (0, 0)
+    e_fwd = elementwise_seconds(elem_fwd + masks, r, kernels=ELEMENTWISE_KERNELS_FWD + rope + qk_fwd)
+    e_bwd = elementwise_seconds(elem_bwd + masks, r, kernels=ELEMENTWISE_KERNELS_BWD + rope + qk_bwd + (
         HIDDEN_DROPOUT_KERNELS_BWD if model.hidden_dropout > 0 else 0) + (BIAS_GRAD_KERNELS if model.add_bias_linear else 0))
     tp_f, tp_b = _tp_seconds(model, plan, system, g)
     cast_fwd, cast_bwd = fp8.cast_seconds(model, plan, r)  # (0, 0) in BF16

@@ -260,6 +260,8 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
     mlp.add_argument("--swiglu", dest="swiglu", action="store_const", const=True,
                      help="SwiGLU MLP (default for custom models)")
     mlp.add_argument("--no-swiglu", dest="swiglu", action="store_const", const=False, help="GeLU MLP")
+    mlp.add_argument("--squared-relu", dest="swiglu", action="store_const", const=False,
+                     help="squared-ReLU MLP (Nemotron): priced as the GeLU MLP, the same shape and traffic")
     tie = g.add_mutually_exclusive_group()
     tie.add_argument("--untie-embeddings-and-output-weights", dest="untie", action="store_const", const=True,
                      help="separate output layer (default for custom models)")
@@ -272,6 +274,9 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--normalization", choices=NORMALIZATIONS, default=None,
                    help="default: the zoo model's; for a custom shape RMSNorm with SwiGLU, else LayerNorm (priced "
                         "alike but for LayerNorm's bias: one memory-bound pass over the same bytes)")
+    g.add_argument("--qk-layernorm", action="store_const", const=True, default=None,
+                   help="a norm over each head's q and k after the QKV projection (OLMo 2, Qwen3): its traffic, "
+                        "saved input and weights")
     g.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default=None,
                    help="rope rotates q and k in every layer; learned_absolute keeps a --max-position-embeddings x "
                         "hidden table on the first stage, whole on every tensor-parallel rank (default: the zoo "
@@ -319,7 +324,7 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
     switches = {k: v for k, v in (("swiglu", ns.swiglu), ("untie_embeddings_and_output_weights", ns.untie),
                                   ("add_bias_linear", ns.add_bias_linear),
                                   ("attention_dropout", ns.attention_dropout), ("hidden_dropout", ns.hidden_dropout),
-                                  ("normalization", ns.normalization),
+                                  ("normalization", ns.normalization), ("qk_layernorm", ns.qk_layernorm),
                                   ("position_embedding_type", ns.position_embedding_type),
                                   ("max_position_embeddings", ns.max_position_embeddings),
                                   ("make_vocab_size_divisible_by", ns.make_vocab_size_divisible_by))

@@ -64,6 +64,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="Megatron-Kwai's name for --normalization RMSNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--apply-layernorm-1p", action="store_true", help="norm weight stored as (weight - 1), zero-init")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="a norm (--normalization's) over each head's query and key after the QKV projection")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--glu-linear-offset", type=float, default=0.0)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")

@@ -141,7 +141,7 @@ MEGATRON_LM: dict[str, str] = {
 --eod-mask-loss=0 --eval-interval=1 --eval-iters=1 --exit-duration-in-mins=1 --exit-interval=1
 --exit-signal=1 --exit-signal-handler=0 --ffn-hidden-size=1 --finetune=0 --global-batch-size=1
 --glu-linear-offset=1 --group-query-attention=0 --hidden-dropout=1 --hidden-size=1 --init-method-std=1
---kv-channels=1 --load=1 --log-interval=1 --log-memory-to-tensorboard=0 --log-throughput=0
+--kv-channels=1 --load=1 --qk-layernorm=0 --log-interval=1 --log-memory-to-tensorboard=0 --log-throughput=0
 --log-timers-to-tensorboard=0 --log-validation-ppl-to-tensorboard=0 --log-world-size-to-tensorboard=0 --lr=1
 --lr-decay-iters=1 --lr-decay-samples=1 --lr-decay-style=1 --lr-warmup-fraction=1 --lr-warmup-init=1
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
@@ -215,7 +215,7 @@ MEGATRON_LM: dict[str, str] = {
     "attn_variant": """
 --activation-func-clamp-value=1 --apply-residual-connection-post-layernorm=0 --attention-output-gate=0
 --mrope-section=+ --no-rope-freq=1 --no-yarn-correction-range-round-to-int=0 --qk-clip=0 --qk-clip-alpha=1
---qk-clip-threshold=1 --qk-l2-norm=0 --qk-layernorm=0 --relative-attention-max-distance=1
+--qk-clip-threshold=1 --qk-l2-norm=0 --relative-attention-max-distance=1
 --relative-attention-num-buckets=1 --rope-scaling-factor=1 --rope-type=1
 --rotary-seq-len-interpolation-factor=1 --softmax-type=1 --use-rope-scaling=0 --window-attn-skip-freq=1
 --window-size=1 --yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int=0

@@ -57,7 +57,7 @@ def gpu_plan_fields(config) -> dict:
 
 
 def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
-    """The model these flags build: its shape (with --kv-channels), MLP (--swiglu), output layer
+    """The model these flags build: its shape (with --kv-channels), q/k norms (--qk-layernorm), MLP (--swiglu), output layer
     (--untie-embeddings-and-output-weights), linear biases (--disable-bias-linear) and dropout."""
     return ModelSpec(name=name, num_layers=config.num_layers, hidden_size=config.hidden_size,
                      num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
@@ -68,7 +68,7 @@ def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
                      normalization=config.normalization, position_embedding_type=config.position_embedding_type,
                      max_position_embeddings=config.max_position_embeddings,
                      make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-                     kv_channels=config.kv_channels)
+                     kv_channels=config.kv_channels, qk_layernorm=bool(config.qk_layernorm))
 
 
 def stack_fields(config, *, on_gpu: bool) -> dict:

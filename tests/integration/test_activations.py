@@ -152,6 +152,25 @@ def test_chunk_bytes_with_kv_channels_equal_cost_model_terms(ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ["no", "ours"])
+def test_chunk_bytes_with_qk_layernorm_equal_cost_model_terms(ckpt):
+    """--qk-layernorm on the local spec: q's norm keeps megatron-core's reshaped copy of q, k's norm a view of the
+    QKV projection's output and with it the whole output; their per-head rstd are small terms. Under both ckpt the
+    saved bytes are the cost model's, term by term."""
+    layers, mb, seq = 2, 2, 32
+    spec = replace(tiny_model_spec(layers), qk_layernorm=True)
+    model = middle_stage_model(num_layers=layers, ckpt=ckpt, qk_layernorm=True)
+    st = run_middle_stage(model, _manager(0.0), pipeline_size=2, rank=1, num_microbatches=2, micro_batch=mb,
+                          seq=seq, hidden=HIDDEN)
+    terms = activation_bytes_per_layer_token(spec, ckpt, dtype_bytes=4, layer_spec="local")
+    assert terms["qk_norm_input"] == (2 * HIDDEN + 2 * GROUPS * (HIDDEN // HEADS)) * 4
+    small_terms = terms["norm1_rstd"] + terms["norm2_rstd"] + terms["softmax_lse"] + terms["qk_norm_rstd"]
+    tokens = mb * seq
+    assert st.saved_bytes[(0, 0)] == layers * tokens * (terms["total"] - small_terms)
+    rstd = 2 * tokens * 4 if ckpt == "no" else 0
+    assert st.small_bytes[(0, 0)] == layers * (_rope_and_lse_bytes(seq, mb) + rstd + tokens * terms["qk_norm_rstd"])
+
+
+@pytest.mark.parametrize("ckpt", ["no", "ours"])
 def test_hidden_dropout_masks_equal_cost_model_term(ckpt):
     """With --hidden-dropout the two bias-dropout-adds keep their masks under every ckpt but full; on CPU
     PyTorch's dropout keeps its noise tensor in the activation dtype (CUDA's fused kernel a bool mask), which

@@ -56,7 +56,7 @@ from .layer_mlp import replace_mlp_class
 from .norms import LayerNorm
 from .recompute import RecomputedLayer, is_recomputed, recomputed_module
 from .recompute_ours import OursLayerNorm, OursMLP, OursRMSNorm, OursTENorm, UnsupportedLayerSpecError, validate_ours_config
-from .sequence_parallel import SPColumnParallelLinear, SPRowParallelLinear
+from .sequence_parallel import SPColumnParallelLinear, SPRowParallelLinear, mark_sequence_parallel
 
 BACKENDS = ("local", "te")
 
@@ -89,6 +89,40 @@ def _local_norm(config, ckpt: str, recompute_norm: bool = False) -> type:
                                     "layer spec; use RMSNorm or LayerNorm")
 
 
+class QKRMSNorm(FusedSavesRMSNorm):
+    """The q or k norm of ``--qk-layernorm`` (over each head's d channels): saves its input and rstd, as a fused
+    kernel does, under every ckpt (its output goes to RoPE and attention, which keep their own inputs). The heads are
+    split over the tensor-parallel ranks and the weight is shared by all of them, so its gradient is summed over the
+    tensor-parallel group whether or not the sequence is: the weight carries Megatron's ``sequence_parallel`` mark
+    (the CPU optimizer's reduction; on a GPU megatron-core's ``finalize_model_grads`` reduces q/k norms by name)."""
+
+    h3t_ckpt = None
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(config, hidden_size, eps)
+        mark_sequence_parallel(self, True)
+
+
+class QKLayerNorm(LayerNorm):
+    """:class:`QKRMSNorm` for --normalization LayerNorm."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(config, hidden_size, eps)
+        mark_sequence_parallel(self, True)
+
+
+def _qk_norm(config, te_norm: Optional[type] = None) -> type:
+    """The q and k norms' class of ``config`` (``IdentityOp`` without --qk-layernorm; ``te_norm`` on te)."""
+    if not config.qk_layernorm:
+        return IdentityOp
+    if te_norm is not None:
+        return te_norm
+    if config.normalization not in ("RMSNorm", "LayerNorm"):
+        raise UnsupportedLayerSpecError(f"--qk-layernorm with --normalization {config.normalization} is not "
+                                        "supported by the h3t local layer spec; use RMSNorm or LayerNorm")
+    return QKRMSNorm if config.normalization == "RMSNorm" else QKLayerNorm
+
+
 def _te_modules():
     try:
         from megatron.core.extensions import transformer_engine as te_ext  # noqa: PLC0415
@@ -107,11 +141,11 @@ def _layer(norm, attention: ModuleSpec, mlp: ModuleSpec, keys_map: Optional[dict
         pre_mlp_layernorm=norm, mlp=mlp, mlp_bda=get_bias_dropout_add, sharded_state_dict_keys_map=keys_map or {}))
 
 
-def _attention(linear_qkv, core_attention, linear_proj) -> ModuleSpec:
+def _attention(linear_qkv, core_attention, linear_proj, qk_norm: type = IdentityOp) -> ModuleSpec:
     return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                       submodules=SelfAttentionSubmodules(linear_qkv=linear_qkv, core_attention=core_attention,
-                                                         linear_proj=linear_proj, q_layernorm=IdentityOp,
-                                                         k_layernorm=IdentityOp))
+                                                         linear_proj=linear_proj, q_layernorm=qk_norm,
+                                                         k_layernorm=qk_norm))
 
 
 def _base_and_recompute(ckpt: str, recompute: Recompute) -> tuple[str, Recompute]:
@@ -153,7 +187,7 @@ def _selective_layer_spec(config, ckpt: str, backend: str, core_attention: Optio
             mlp_cls = recomputed_module(mlp_cls)
         mlp = ModuleSpec(module=mlp_cls, params={"ffn_hidden_size": config.ffn_hidden_size},
                          submodules=MLPSubmodules(linear_fc1=SPColumnParallelLinear, linear_fc2=SPRowParallelLinear))
-        attention = _attention(SPColumnParallelLinear, core_attention, SPRowParallelLinear)
+        attention = _attention(SPColumnParallelLinear, core_attention, SPRowParallelLinear, _qk_norm(config))
         return _layer(_local_norm(config, ckpt, recompute.recomputes("layernorm")), attention, mlp, keys_map={
             "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"})
@@ -164,7 +198,7 @@ def _selective_layer_spec(config, ckpt: str, backend: str, core_attention: Optio
     if ckpt != "ours":  # TE's fused layernorm-linear saves what the cost model counts
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec  # noqa
 
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=bool(config.qk_layernorm))
         spec.submodules.self_attention.submodules.core_attention = core_attention
         if recompute.recomputes("mlp"):
             spec.submodules.mlp = replace_mlp_class(spec.submodules.mlp, recomputed_module)
@@ -174,7 +208,8 @@ def _selective_layer_spec(config, ckpt: str, backend: str, core_attention: Optio
     mlp_cls = recomputed_module(OursMLP) if recompute.recomputes("mlp") else OursMLP
     mlp = ModuleSpec(module=mlp_cls, params={"ffn_hidden_size": config.ffn_hidden_size},
                      submodules=MLPSubmodules(linear_fc1=te.TEColumnParallelLinear, linear_fc2=te.TERowParallelLinear))
-    attention = _attention(te.TEColumnParallelLinear, core_attention, te.TERowParallelLinear)
+    attention = _attention(te.TEColumnParallelLinear, core_attention, te.TERowParallelLinear,
+                           _qk_norm(config, te.TENorm))
     return _layer(OursTENorm, attention, mlp)
 
 
@@ -277,4 +312,4 @@ def check_built_for(chunks: Iterable[torch.nn.Module], ckpt: str) -> None:
         f"h3t_layer_spec(config, ckpt='{ckpt}') (build_gpt_model(..., ckpt='{ckpt}'))")
 
 
-__all__ = ["BACKENDS", "RecomputedLayerNorm", "RecomputedRMSNorm", "built_for_ckpt", "check_built_for", "final_norm_spec", "h3t_block_spec", "h3t_layer_spec"]
+__all__ = ["BACKENDS", "QKLayerNorm", "QKRMSNorm", "RecomputedLayerNorm", "RecomputedRMSNorm", "built_for_ckpt", "check_built_for", "final_norm_spec", "h3t_block_spec", "h3t_layer_spec"]
