@@ -394,6 +394,35 @@ def test_a_legacy_checkpoint_is_found_at_its_layout_and_refused_at_another_or_un
         assert e.value.alike
 
 
+def test_a_checkpoint_with_qk_norms_is_refused_by_a_run_without_them(tmp_path):
+    """--qk-layernorm is a model switch a resume must share (a load reads only the tensors the run's model asks for:
+    the q/k norms would be dropped silently); a checkpoint that predates the field was saved without it."""
+    import json
+    import torch
+    from h3t_training.loop.checkpointing import CHECKSUMS, TRACKER, CheckpointError, _common_state, find_checkpoint
+
+    def save(flags, drop_field=False):
+        common = _common_state(parse_args([*BASE, "--ckpt-format", "torch", *flags], world_size=1), 10)
+        if drop_field:
+            del common["h3t"]["model"]["qk_layernorm"]
+        torch.save(common, it / "common.pt")
+
+    it = tmp_path / "iter_0000010"
+    (it / "mp_rank_00").mkdir(parents=True)
+    (it / CHECKSUMS).write_text(json.dumps({}))
+    (tmp_path / TRACKER).write_text("10")
+    save(["--qk-layernorm"])
+    assert find_checkpoint(parse_args([*BASE, "--qk-layernorm", "--load", str(tmp_path)], world_size=1), rank=0)
+    with pytest.raises(CheckpointError) as e:
+        find_checkpoint(parse_args([*BASE, "--load", str(tmp_path)], world_size=1), rank=0)
+    assert str(e.value) == (f"--load {tmp_path}: checkpoint iteration 10 was saved with --qk-layernorm, this run does "
+                            "not have it; give the same model flags") and e.value.alike
+    save([], drop_field=True)
+    assert find_checkpoint(parse_args([*BASE, "--load", str(tmp_path)], world_size=1), rank=0)
+    with pytest.raises(CheckpointError, match="was saved without --qk-layernorm, this run has it"):
+        find_checkpoint(parse_args([*BASE, "--qk-layernorm", "--load", str(tmp_path)], world_size=1), rank=0)
+
+
 def test_auto_plan_runs_the_recompute_it_chose(monkeypatch):
     """A budget where ckpt ours does not fit without offload and full is slower: the search picks Megatron's block
     recompute, and the config (its Megatron flags, its record and the plan the driver prices) carries it."""
