@@ -9,8 +9,10 @@ Terms of one transformer layer (elements per token; ``dtype_bytes`` each unless 
 * ``qk_norm_input``     with --qk-layernorm, what the q and k norms save of the QKV projection's output: megatron-core
                                reshapes q into a copy (q) and hands k over as a view of that output; the local
                                spec's norm keeps the view, and with it all of the output (q + 2 h_kv): 2 q + 2 h_kv
-                               (measured, tests/integration/test_activations.py); TransformerEngine's norm takes
-                               a contiguous copy of k, so on the 'te' spec q + h_kv (assumed, not yet measured)
+                               (measured, tests/integration/test_activations.py); TransformerEngine's norm saves a
+                               contiguous copy of its input (``transformer_engine/pytorch/ops/basic/rmsnorm.py``,
+                               ``op_forward``: ``input_.contiguous()`` is what it saves), so on the 'te' spec
+                               q + h_kv (read from TE's code, not yet measured on a GPU)
 * ``qk_norm_rstd``      (heads + groups) fp32: the q and k norms' per-head rstd
 * ``query``             h      rotated query saved by flash attention
 * ``key_value``         2 h_kv rotated key and value saved by flash attention
