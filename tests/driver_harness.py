@@ -8,6 +8,7 @@ subprocess's exit code and output without importing torch and megatron-core agai
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -82,6 +83,17 @@ def metrics(path) -> dict:
 
 def losses(path) -> list[float]:
     return [r["loss"] for r in metrics(path)["iterations"]]
+
+
+def losses_and_grad_norms(path, argv: list[str], *, nproc: int, iterations: int) -> list[float]:
+    """Run ``argv`` on ``nproc`` ranks with its --metrics-json at ``path``: the losses, then the gradient norms, of its
+    ``iterations`` iterations, every one finite. The gradient norm shows what the losses of a few iterations may not,
+    e.g. that norm weights' gradients are summed over the tensor-parallel group."""
+    check_ok(run_pretrain([*argv, "--metrics-json", str(path)], nproc=nproc))
+    its = metrics(path)["iterations"]
+    got = [r["loss"] for r in its] + [r["grad_norm"] for r in its]
+    assert len(got) == 2 * iterations and all(math.isfinite(x) for x in got), got
+    return got
 
 
 def single_rank_reference(directory: Path, argv: list[str]) -> tuple[Path, dict]:

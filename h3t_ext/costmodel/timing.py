@@ -223,18 +223,16 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
     residual_fwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens
     residual_bwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
     rope = 2 * (model.query_hidden_size + hkv) * tokens // t if model.rotates_qk else 0
-    if model.qk_layernorm:
-        qk = (model.query_hidden_size + hkv) * tokens // t
-        norms_fwd, norms_bwd = norms_fwd + NORM_ELEMENTS_FWD * qk, norms_bwd + NORM_ELEMENTS_BWD * qk
+    qk = (model.query_hidden_size + hkv) * tokens // t if model.qk_layernorm else 0  # the q and k norms' channels
     act_fwd = activation_elements(fc1, f, backward=False) * tokens // t
     act_bwd = activation_elements(fc1, f, backward=True) * tokens // t
     if model.add_bias_linear:  # the fused bias-activation's bias gradient, reduced over the tokens by autograd
         act_bwd += fc1 * tokens // t
     # hidden dropout: the two fused bias-dropout-adds also write their 1-byte masks
     masks = 2 * h * norm_tokens * BOOL if dropout else 0
-    ours = 2 * NORM_ELEMENTS_FWD * h * norm_tokens + act_fwd  # the two branch norms' outputs and the activation's
-    return (BF16 * (norms_fwd + residual_fwd + rope + act_fwd), BF16 * (norms_bwd + residual_bwd + rope + act_bwd),
-            BF16 * ours, masks)
+    return (BF16 * (norms_fwd + NORM_ELEMENTS_FWD * qk + residual_fwd + rope + act_fwd),
+            BF16 * (norms_bwd + NORM_ELEMENTS_BWD * qk + residual_bwd + rope + act_bwd),
+            BF16 * (norms_fwd + act_fwd), masks)
 
 
 def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, float]) -> tuple[float, float]:

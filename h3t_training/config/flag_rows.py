@@ -21,7 +21,6 @@ class Reason:
     alternative: str = ""
 
 
-
 REASONS: dict[str, Reason] = {
     "implemented": Reason("implemented", "implemented as in Megatron-LM"),
     "kaimm_cp": Reason("noticed", "Megatron-Kwai's context-parallel KV gather/offload tuning (NCCL CTAs, offload mode) "

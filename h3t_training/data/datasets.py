@@ -21,6 +21,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data.data_checks import parse_split
+from h3t_training.launch.quiet_imports import DropMessages
 
 _CP_SPLIT_TAKES_HYBRID = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
 """megatron-core 0.19's ``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None, ...)``; 0.16's
@@ -47,16 +48,9 @@ def _blend(data_path: Optional[list[str]]):
     return list(data_path[1::2]), weights
 
 
-class _NoCacheNotice(logging.Filter):
-    """megatron-core warns on every rank that it cannot cache a dataset's sample index without
-    ``--data-cache-path``; the index is then built in memory, which is what a run without that flag
-    asks for."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "because path_to_cache is None" not in record.getMessage()
-
-
-logging.getLogger("megatron.core.datasets.gpt_dataset").addFilter(_NoCacheNotice())
+# megatron-core warns on every rank that it cannot cache a dataset's sample index without --data-cache-path; the index
+# is then built in memory, which is what a run without that flag asks for
+logging.getLogger("megatron.core.datasets.gpt_dataset").addFilter(DropMessages("because path_to_cache is None"))
 
 
 def split_sizes(args) -> list[int]:

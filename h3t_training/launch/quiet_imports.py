@@ -9,7 +9,10 @@ only these.
 megatron-core 0.19 also logs, from every ``GPTModel`` it builds, that GPTModel is deprecated in favour of its
 HybridModel. The driver builds GPTModel on purpose (its layer specs are GPTModel's, and 0.16-0.18 have no
 HybridModel), so the notice is one a user of the driver cannot act on; it is dropped by a filter on that logger
-(:func:`ignore_optional_accelerator_warnings` installs it), and every other record of that logger is kept."""
+(:func:`ignore_optional_accelerator_warnings` installs it), and every other record of that logger is kept.
+
+:class:`DropMessages` is the one filter of such notices: this module's, the dataset builder's (``data/datasets.py``)
+and torchrun's signal notices (``launch/torchrun.py``)."""
 from __future__ import annotations
 
 import logging
@@ -24,12 +27,19 @@ GPT_MODEL_DEPRECATION = "GPTModel IS DEPRECATED"
 """The start of megatron-core 0.19's notice (``GPTModel.__init__``'s ``log_single_rank`` warning)."""
 
 
-class _DropGPTModelDeprecation(logging.Filter):
+class DropMessages(logging.Filter):
+    """A logger's records whose message contains any of ``parts`` are dropped; every other record is kept."""
+
+    def __init__(self, *parts: str):
+        super().__init__()
+        self.parts = parts
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(GPT_MODEL_DEPRECATION)
+        message = record.getMessage()
+        return not any(part in message for part in self.parts)
 
 
-_GPT_MODEL_FILTER = _DropGPTModelDeprecation()
+_GPT_MODEL_FILTER = DropMessages(GPT_MODEL_DEPRECATION)
 
 
 def ignore_optional_accelerator_warnings() -> None:
@@ -38,5 +48,5 @@ def ignore_optional_accelerator_warnings() -> None:
     logging.getLogger(GPT_MODEL_LOGGER).addFilter(_GPT_MODEL_FILTER)  # a logger holds a filter once
 
 
-__all__ = ["GPT_MODEL_DEPRECATION", "GPT_MODEL_LOGGER", "OPTIONAL_ACCELERATOR_WARNING",
+__all__ = ["DropMessages", "GPT_MODEL_DEPRECATION", "GPT_MODEL_LOGGER", "OPTIONAL_ACCELERATOR_WARNING",
            "ignore_optional_accelerator_warnings"]

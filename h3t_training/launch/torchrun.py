@@ -13,21 +13,18 @@ from __future__ import annotations
 import logging
 import sys
 
+from h3t_training.launch.quiet_imports import DropMessages
 
-class _DropSignalNotices(logging.Filter):
-    """torchrun's warnings about the signal it got and the workers it closes (the workers report instead)."""
 
-    NOTICES = ("death signal, shutting down workers", "Closing process", "Sending process", "Got termination signal")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(n in str(record.msg) for n in self.NOTICES)
+SIGNAL_NOTICES = ("death signal, shutting down workers", "Closing process", "Sending process", "Got termination signal")
+"""torchrun's warnings about the signal it got and the workers it closes (the workers report instead)."""
 
 
 def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun_main
 
-    quiet = _DropSignalNotices()
+    quiet = DropMessages(*SIGNAL_NOTICES)
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(quiet)
     try:

@@ -13,11 +13,9 @@ group (each rank's norm sees only its sequence shard); three iterations of losse
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, metrics, run_pretrain
+from driver_harness import TINY_MODEL, losses_and_grad_norms
 
 COMMON = [*TINY_MODEL, "--mock-data", "--make-vocab-size-divisible-by", "256", "--micro-batch-size", "1",
           "--global-batch-size", "4", "--train-iters", "3"]
@@ -26,12 +24,7 @@ SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 
 def _losses(tmp_path, name: str, flags: list[str], nproc: int) -> list[float]:
     """Losses, then gradient norms, of the three iterations."""
-    path = tmp_path / f"{name}.json"
-    check_ok(run_pretrain([*COMMON, *flags, "--metrics-json", str(path)], nproc=nproc))
-    its = metrics(path)["iterations"]
-    got = [r["loss"] for r in its] + [r["grad_norm"] for r in its]
-    assert len(got) == 6 and all(math.isfinite(x) for x in got), got
-    return got
+    return losses_and_grad_norms(tmp_path / f"{name}.json", [*COMMON, *flags], nproc=nproc, iterations=3)
 
 
 def test_tp2_sequence_parallel_ours_matches_single_rank(tmp_path):

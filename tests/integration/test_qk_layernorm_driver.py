@@ -5,23 +5,16 @@ with and without --sequence-parallel, under ckpt ours and no, gives the losses a
 and the runs part from the second iteration on."""
 from __future__ import annotations
 
-import math
-
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, metrics, run_pretrain
+from driver_harness import TINY_MODEL, check_ok, losses_and_grad_norms, metrics, run_pretrain
 
 COMMON = [*TINY_MODEL, "--mock-data", "--make-vocab-size-divisible-by", "256", "--micro-batch-size", "1",
           "--global-batch-size", "4", "--train-iters", "3", "--qk-layernorm"]
 
 
 def _losses(tmp_path, name: str, flags: list[str], nproc: int) -> list[float]:
-    path = tmp_path / f"{name}.json"
-    check_ok(run_pretrain([*COMMON, *flags, "--metrics-json", str(path)], nproc=nproc))
-    its = metrics(path)["iterations"]
-    got = [r["loss"] for r in its] + [r["grad_norm"] for r in its]
-    assert len(got) == 6 and all(math.isfinite(x) for x in got), got
-    return got
+    return losses_and_grad_norms(tmp_path / f"{name}.json", [*COMMON, *flags], nproc=nproc, iterations=3)
 
 
 @pytest.fixture(scope="module")

@@ -89,37 +89,35 @@ def _local_norm(config, ckpt: str, recompute_norm: bool = False) -> type:
                                     "layer spec; use RMSNorm or LayerNorm")
 
 
-class QKRMSNorm(FusedSavesRMSNorm):
-    """The q or k norm of ``--qk-layernorm`` (over each head's d channels): saves its input and rstd, as a fused
-    kernel does, under every ckpt (its output goes to RoPE and attention, which keep their own inputs). The heads are
-    split over the tensor-parallel ranks and the weight is shared by all of them, so its gradient is summed over the
-    tensor-parallel group whether or not the sequence is: the weight carries Megatron's ``sequence_parallel`` mark
-    (the CPU optimizer's reduction; on a GPU megatron-core's ``finalize_model_grads`` reduces q/k norms by name)."""
+class _SummedOverHeads:
+    """The q or k norm of ``--qk-layernorm`` (over each head's d channels). The heads are split over the
+    tensor-parallel ranks and the weight is shared by all of them, so its gradient is summed over the tensor-parallel
+    group whether or not the sequence is: the weight carries Megatron's ``sequence_parallel`` mark (the CPU
+    optimizer's reduction; on a GPU megatron-core's ``finalize_model_grads`` reduces q/k norms by name)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(config, hidden_size, eps)
+        mark_sequence_parallel(self, True)
+
+
+class QKRMSNorm(_SummedOverHeads, FusedSavesRMSNorm):
+    """The q/k RMSNorm: saves its input and rstd, as a fused kernel does, under every ckpt (its output goes to RoPE
+    and attention, which keep their own inputs)."""
 
     h3t_ckpt = None
 
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__(config, hidden_size, eps)
-        mark_sequence_parallel(self, True)
 
-
-class QKLayerNorm(LayerNorm):
-    """:class:`QKRMSNorm` for --normalization LayerNorm."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__(config, hidden_size, eps)
-        mark_sequence_parallel(self, True)
+class QKLayerNorm(_SummedOverHeads, LayerNorm):
+    """The q/k LayerNorm."""
 
 
 def _qk_norm(config, te_norm: Optional[type] = None) -> type:
-    """The q and k norms' class of ``config`` (``IdentityOp`` without --qk-layernorm; ``te_norm`` on te)."""
+    """The q and k norms' class of ``config`` (``IdentityOp`` without --qk-layernorm; ``te_norm`` on te). Another
+    --normalization than RMSNorm or LayerNorm is refused by the layer's own norm (:func:`_local_norm`)."""
     if not config.qk_layernorm:
         return IdentityOp
     if te_norm is not None:
         return te_norm
-    if config.normalization not in ("RMSNorm", "LayerNorm"):
-        raise UnsupportedLayerSpecError(f"--qk-layernorm with --normalization {config.normalization} is not "
-                                        "supported by the h3t local layer spec; use RMSNorm or LayerNorm")
     return QKRMSNorm if config.normalization == "RMSNorm" else QKLayerNorm
 
 
