@@ -131,6 +131,14 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                         "per rank pair")
 
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+"""Megatron-LM's --lr-decay-style choices (h3t_training.loop.param_schedule runs each)."""
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+"""... its --lr-wsd-decay-style choices (the annealing of WSD; exponential is Megatron-LM's default)."""
+WD_INCR_STYLES = ("constant", "linear", "cosine")
+"""... its --weight-decay-incr-style choices."""
+
+
 def _add_training(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--micro-batch-size", type=int, default=None)
@@ -151,7 +159,13 @@ def _add_training(p: argparse.ArgumentParser) -> None:
                    help="peak learning rate of the embedding and output layer (their own group, as Megatron)")
     g.add_argument("--decoupled-min-lr", type=float, default=None,
                    help="minimum learning rate of that group (default --min-lr)")
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    g.add_argument("--lr-wsd-decay-style", choices=WSD_DECAY_STYLES, default="exponential",
+                   help="the annealing of --lr-decay-style WSD")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="iterations of the WSD annealing (the last of the decay span)")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="samples of the WSD annealing (with --train-samples)")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--lr-warmup-samples", type=int, default=0)
@@ -161,6 +175,12 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="the loss is the token-weighted mean over the global batch (this driver's only loss)")
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="weight decay at the start (with a non-constant --weight-decay-incr-style)")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="weight decay at the end of training (with a non-constant --weight-decay-incr-style)")
+    g.add_argument("--weight-decay-incr-style", choices=WD_INCR_STYLES, default="constant",
+                   help="constant --weight-decay, or from --start- to --end-weight-decay over the training")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)

@@ -143,6 +143,8 @@ MEGATRON_LM: dict[str, str] = {
 --kv-channels=1 --load=1 --qk-layernorm=0 --log-interval=1 --log-memory-to-tensorboard=0 --log-throughput=0
 --log-timers-to-tensorboard=0 --log-validation-ppl-to-tensorboard=0 --log-world-size-to-tensorboard=0 --lr=1
 --lr-decay-iters=1 --lr-decay-samples=1 --lr-decay-style=1 --lr-warmup-fraction=1 --lr-warmup-init=1
+--lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --start-weight-decay=1
+--end-weight-decay=1 --weight-decay-incr-style=1
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
 --merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
@@ -226,12 +228,11 @@ MEGATRON_LM: dict[str, str] = {
 --init-method-xavier-uniform=0 --mup-attn-scale-power=1 --mup-base-head-dim=1 --mup-base-hidden-size=1
 --mup-embedding-mult=1 --mup-output-mult=1 --mup-width-mult=1 --no-initialization=0 --use-mup=0""",
     "optimizer": """
---apply-wd-to-qk-layernorm=0 --end-weight-decay=1 --iterations-to-skip=+ --lion-beta1=1 --lion-beta2=1
---lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --muon-coefficient-type=1
+--apply-wd-to-qk-layernorm=0 --iterations-to-skip=+ --lion-beta1=1 --lion-beta2=1 --muon-coefficient-type=1
 --muon-extra-scale-factor=1 --muon-fp32-matmul-prec=1 --muon-momentum=1 --muon-nesterov=0
 --muon-no-split-qkv=0 --muon-num-ns-steps=1 --muon-scalar-optimizer=1 --muon-scale-mode=1 --muon-tp-mode=1
 --muon-use-syrk=0 --no-weight-decay-cond-type=1 --phase-transition-iterations=1
---sgd-momentum=1 --start-weight-decay=1 --weight-decay-incr-style=1""",
+--sgd-momentum=1""",
     "data": """
 --allow-ambiguous-pad-tokens=0 --data-args-path=1 --dataloader-inter-document-masking=0 --dataloader-type=1
 --fim-data=0 --fim-eod-token=1 --fim-fragment-rate=1 --fim-middle-token=1 --fim-no-prefix=1

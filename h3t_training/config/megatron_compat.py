@@ -5,6 +5,8 @@
 * sample-based training: ``--train-samples`` / ``--lr-decay-samples`` / ``--lr-warmup-samples`` (or
   ``--lr-warmup-fraction`` of the decay span); the schedule runs in samples, as Megatron's
   ``OptimizerParamScheduler`` does (iteration-based flags are multiplied by the global batch size).
+* the learning-rate and weight-decay schedule in samples (``lr_warmup_steps``, ``lr_decay_steps``,
+  ``lr_wsd_decay_steps``, ``wd_incr_steps``), checked as Megatron-LM checks it;
 * batch-size schedules: ``--step-batch-size-schedule`` / ``--rampup-batch-size`` as a
   :class:`~h3t_training.data.batch_schedule.BatchSchedule` (``batch_schedule``);
 * ``--num-virtual-stages-per-pipeline-rank`` -> layers per virtual stage; ``--split`` checked here;
@@ -13,6 +15,8 @@ Each step reads the config and returns the fields it sets (a dict); every proble
 :class:`~h3t_training.errors.ArgumentError` (one line).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from h3t_training.config import feature_checks
 from h3t_training.data.batch_schedule import BatchSchedule, parse_step_schedule, rampup_schedule
@@ -83,6 +87,7 @@ def _batch_schedule(args) -> dict:
 
 
 def _schedule(args) -> dict:
+    check_weight_decay_schedule(args)
     B = args.global_batch_size
     if (args.train_iters is None) == (args.train_samples is None):
         raise ArgumentError("give exactly one of --train-iters and --train-samples")
@@ -109,9 +114,54 @@ def _schedule(args) -> dict:
         if not 0 <= args.lr_warmup_fraction <= 1:
             raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} is outside [0, 1]")
         warm = int(args.lr_warmup_fraction * decay)
+    if warm >= decay:  # megatron-core's scheduler asserts it
+        raise ArgumentError(f"the learning-rate warm-up ({warm} samples) must be shorter than the decay span ({decay} "
+                            f"samples: --lr-decay-iters x --global-batch-size, or --lr-decay-samples)")
     lr_decay_iters = -(-decay // B) if args.lr_decay_iters is None else args.lr_decay_iters
-    return dict(train_iters=train_iters, lr_decay_iters=lr_decay_iters,
-                lr_warmup_steps=warm, lr_decay_steps=decay)  # steps in samples, as Megatron's scheduler counts
+    wd_incr = args.train_samples if args.train_samples is not None else train_iters * B
+    return dict(train_iters=train_iters, lr_decay_iters=lr_decay_iters, lr_warmup_steps=warm, lr_decay_steps=decay,
+                lr_wsd_decay_steps=_wsd_steps(args, B), wd_incr_steps=wd_incr)  # steps in samples, as Megatron's
+
+
+def _wsd_steps(args, B: int) -> Optional[int]:
+    """The WSD annealing in samples (Megatron-LM: --lr-wsd-decay-iters x the global batch, or
+    --lr-wsd-decay-samples); None without --lr-decay-style WSD."""
+    for name in ("lr_wsd_decay_iters", "lr_wsd_decay_samples"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")
+    given, other = (("lr_wsd_decay_samples", "--train-samples"), ("lr_wsd_decay_iters", "--train-iters"))[
+        args.train_samples is not None]
+    if getattr(args, given) is not None:  # as --lr-decay-samples / --lr-decay-iters: one kind per run
+        raise ArgumentError(f"--{given.replace('_', '-')} needs {other}")
+    if args.lr_decay_style != "WSD":
+        return None
+    if args.train_samples is not None:
+        if args.lr_wsd_decay_samples is None:
+            raise ArgumentError("--lr-decay-style WSD with --train-samples needs --lr-wsd-decay-samples (the samples "
+                                "of its annealing)")
+        return args.lr_wsd_decay_samples
+    if args.lr_wsd_decay_iters is None:
+        raise ArgumentError("--lr-decay-style WSD with --train-iters needs --lr-wsd-decay-iters (the iterations of "
+                            "its annealing)")
+    return args.lr_wsd_decay_iters * B
+
+
+def check_weight_decay_schedule(args) -> None:
+    """Megatron-LM's rule: a constant --weight-decay-incr-style takes neither --start- nor --end-weight-decay, the
+    others take both, with 0 <= start <= end (megatron-core's scheduler asserts it)."""
+    start, end = args.start_weight_decay, args.end_weight_decay
+    if args.weight_decay_incr_style == "constant":
+        for name, v in (("--start-weight-decay", start), ("--end-weight-decay", end)):
+            if v is not None:
+                raise ArgumentError(f"{name} needs --weight-decay-incr-style linear or cosine (constant uses "
+                                    f"--weight-decay)")
+        return
+    if start is None or end is None:
+        raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
+                            f"and --end-weight-decay")
+    if not 0 <= start <= end:
+        raise ArgumentError(f"--start-weight-decay {start} is outside [0, --end-weight-decay {end}]")
 
 
 def _virtual_stages(args) -> dict:

@@ -49,6 +49,8 @@ DERIVED_FIELDS: dict[str, tuple[object, str]] = {
     "batch_schedule": (None, "the global batch size per iteration (BatchSchedule: constant, step or ramp-up)"),
     "lr_warmup_steps": (None, "warm-up in samples, when the schedule counts samples (Megatron's scheduler)"),
     "lr_decay_steps": (None, "decay span in samples, when the schedule counts samples"),
+    "lr_wsd_decay_steps": (None, "the WSD annealing in samples (--lr-decay-style WSD), else None"),
+    "wd_incr_steps": (None, "the weight-decay increment span in samples (Megatron: the training's samples)"),
     "parallel_layout": (None, "the h3t_ext.layout.ParallelLayout of the final global batch size"),
     "data_parallel_size": (None, "Megatron's data-parallel size world / (t c p)"),
     "num_microbatches": (None, "microbatches per iteration at the final global batch size"),

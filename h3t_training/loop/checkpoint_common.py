@@ -22,8 +22,10 @@ lose them silently in a run without."""
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
 SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",
-                  "decoupled_min_lr")
-"""The learning-rate schedule a resumed run must agree on (Megatron's opt_param_scheduler)."""
+                  "decoupled_min_lr", "start_weight_decay", "end_weight_decay", "weight_decay_incr_style")
+"""The learning-rate and weight-decay schedule a resumed run must agree on (Megatron's opt_param_scheduler checks
+the weight decay's start, end and style too; a constant style's start and end are --weight-decay, as Megatron-LM
+sets them). A checkpoint that predates a field is not checked on it."""
 SCHEDULE_STEPS = ("lr_warmup_steps", "lr_decay_steps")
 """The warm-up and the decay in samples, as megatron-core's ``OptimizerParamScheduler`` checks a resume (its
 ``lr_warmup_steps``/``lr_decay_steps``: ``--lr-*-iters`` x ``--global-batch-size``, or ``--lr-*-samples``). Where the

@@ -56,6 +56,7 @@ from h3t_training.loop.checkpoint_common import (CHECKPOINT_VERSION, LAYOUT_FLAG
 from h3t_training.loop.checkpoint_files import (CHECKSUMS, TRACKER, file_digest, read_common,  # noqa: F401
                                                 read_tracker, verify_files, verify_layout)
 from h3t_training.loop.collectives import all_reduce_host
+from h3t_training.loop.param_schedule import ParamSchedule, steps_before
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,9 @@ def _layout(args) -> dict:
 
 
 def _schedule(args) -> dict:
-    return {k: getattr(args, k) for k in (*SCHEDULE_FLAGS, *SCHEDULE_STEPS)}
+    schedule = {k: getattr(args, k) for k in (*SCHEDULE_FLAGS, *SCHEDULE_STEPS)}
+    resolved = ParamSchedule.from_args(args)  # a constant style's start and end: --weight-decay, as Megatron-LM's
+    return {**schedule, "start_weight_decay": resolved.start_wd, "end_weight_decay": resolved.end_wd}
 
 
 
@@ -281,7 +284,8 @@ def _rng_object(state):
 
 
 def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, with_optimizer: bool = True,
-                   with_rng: bool = True, optimizer_metadata: Optional[dict] = None) -> dict:
+                   with_rng: bool = True, optimizer_metadata: Optional[dict] = None,
+                   schedule_steps: Optional[int] = None) -> dict:
     state: dict = {}
     model_sds = []
     for key, chunk in zip(_model_keys(chunks), chunks):
@@ -295,20 +299,26 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
     if with_rng:
         state["rng_state"] = _rng_object(None if loading else rng_state())
     if not loading:
-        state.update(_common_state(args, iteration))
+        state.update(_common_state(args, iteration, schedule_steps))
     return state
 
 
-def _common_state(args, iteration: int) -> dict:
-    """What every rank shares (``common.pt``): iteration, samples, schedule, model shape and layout."""
+def _common_state(args, iteration: int, schedule_steps: Optional[int] = None) -> dict:
+    """What every rank shares (``common.pt``): iteration, samples, schedule (with its ``num_steps``, as
+    megatron-core's scheduler saves it: ``schedule_steps``, default the samples before ``iteration``), model shape
+    and layout."""
+    steps = steps_before(args, iteration) if schedule_steps is None else schedule_steps
     return dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
                 consumed_train_samples=schedule_of(args).consumed_samples(iteration),
-                opt_param_scheduler=_schedule(args), h3t={"model": _model_shape(args), "layout": _layout(args)})
+                opt_param_scheduler={**_schedule(args), "num_steps": steps},
+                h3t={"model": _model_shape(args), "layout": _layout(args)})
 
 
 # ----------------------------------------------------------------------------------------- save / load
-def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) -> None:
-    """Write ``iter_N`` under ``--save`` (collective: every rank calls it)."""
+def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool,
+                    schedule_steps: Optional[int] = None) -> None:
+    """Write ``iter_N`` under ``--save`` (collective: every rank calls it); ``schedule_steps``: the learning-rate
+    schedule's ``num_steps`` (:mod:`h3t_training.loop.param_schedule`)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
@@ -329,13 +339,14 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool) ->
     error = ""
     try:
         if args.ckpt_format == "torch":  # Megatron-LM's legacy per-rank files
-            common = _common_state(args, iteration)
+            common = _common_state(args, iteration, schedule_steps)
             written = legacy.save(tmp, args, iteration, _unwrapped_by_key(chunks), optimizer, common=common,
                                   rng=rng_state())
             dist.barrier()
             _write_checksums(tmp, written)
         else:
-            dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False), tmp,
+            dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False,
+                                                   schedule_steps=schedule_steps), tmp,
                                     sharded_strategy=save_strategy(on_gpu))
             dist.barrier()
             _write_checksums(tmp)

@@ -38,7 +38,8 @@ MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "group_query_a
               "tokenizer_type", "vocab_size", "padded_vocab_size")
 """The fields of Megatron-LM's ``args`` the model shape is derived from (``num_query_groups`` too with
 ``group_query_attention``: without it megatron-core takes the number of heads)."""
-OPTIONAL_SCHEDULE_ARGS = ("decoupled_lr", "decoupled_min_lr")
+WEIGHT_DECAY_SCHEDULE_ARGS = ("start_weight_decay", "end_weight_decay", "weight_decay_incr_style")
+OPTIONAL_SCHEDULE_ARGS = ("decoupled_lr", "decoupled_min_lr", *WEIGHT_DECAY_SCHEDULE_ARGS)
 """Schedule fields older Megatron-LM releases lack (their default, None, is the value they then had)."""
 
 
@@ -76,9 +77,16 @@ def megatron_written_common(ns, iteration, scheduler: Optional[dict], *, path: s
                 for k in SCHEDULE_FLAGS}
     scheduler = scheduler if isinstance(scheduler, dict) else {}
     for mine, theirs in (("lr", "max_lr"), ("min_lr", "min_lr"), ("lr_decay_style", "lr_decay_style"),
+                         ("start_weight_decay", "start_wd"), ("end_weight_decay", "end_wd"),
+                         ("weight_decay_incr_style", "wd_incr_style"),
                          *((k, k) for k in SCHEDULE_STEPS)):  # megatron-core's scheduler counts samples
         if theirs in scheduler:
             schedule[mine] = scheduler[theirs]
+    for k in WEIGHT_DECAY_SCHEDULE_ARGS:  # not checked where Megatron-LM recorded none
+        if schedule.get(k) is None:
+            schedule.pop(k, None)
+    if scheduler.get("num_steps") is not None:  # where its schedule stands (fewer than the samples after fp16 skips)
+        schedule["num_steps"] = scheduler["num_steps"]
     if schedule["lr_decay_iters"] is None and scheduler.get("lr_decay_steps"):
         schedule["lr_decay_iters"] = math.ceil(scheduler["lr_decay_steps"] / _field(ns, "global_batch_size", path))
     consumed = consumed_train_samples if consumed_train_samples is not None else \

@@ -25,38 +25,11 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.loop.optimizer_offload import HostPartition, OptimizerOffload, split_groups
 from h3t_training.loop.collectives import all_reduce_host
 from h3t_training.loop.mcore_buffers import ddp_buffers, fsdp_buffers
 from h3t_training.loop.optimizer_shards import OwnedSlice, bucket_size, owned_slices
-
-
-def learning_rate(args, iteration: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:
-    """Megatron's schedule: linear warm-up (from --lr-warmup-init), then constant, linear or cosine decay to
-    --min-lr; counted in samples when the driver set ``lr_warmup_steps``/``lr_decay_steps`` (Megatron's
-    scheduler counts samples: iteration-based flags times the global batch size), else in iterations.
-    ``max_lr``/``min_lr`` replace --lr/--min-lr for a parameter group of its own (--decoupled-lr)."""
-    peak = args.lr if max_lr is None else max_lr
-    floor = args.min_lr if min_lr is None else min_lr
-    if args.lr_decay_steps is not None:  # samples consumed once this iteration is done
-        warm, decay = args.lr_warmup_steps, args.lr_decay_steps
-        step = schedule_of(args).consumed_samples(iteration + 1)
-    else:
-        warm, decay = args.lr_warmup_iters, args.lr_decay_iters
-        step = iteration + 1
-    if warm and step <= warm:
-        init = args.lr_warmup_init
-        return init + (peak - init) * step / warm
-    if args.lr_decay_style == "constant":
-        return peak
-    span = max(1, decay - warm)
-    ratio = min(1.0, max(0.0, (step - warm) / span))
-    if args.lr_decay_style == "linear":
-        coeff = 1.0 - ratio
-    else:
-        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return floor + coeff * (peak - floor)
+from h3t_training.loop.param_schedule import ParamSchedule
 
 
 def decoupled_lr_group(args) -> dict:
@@ -68,11 +41,6 @@ def decoupled_lr_group(args) -> dict:
     if args.decoupled_min_lr is not None:
         fields["min_lr"] = args.decoupled_min_lr
     return fields
-
-
-def group_learning_rate(args, iteration: int, group: dict) -> float:
-    """The learning rate of one optimizer parameter group (its own ``max_lr``/``min_lr`` if it has them)."""
-    return learning_rate(args, iteration, group.get("max_lr"), group.get("min_lr"))
 
 
 class NonFiniteError(RuntimeError):
@@ -94,6 +62,7 @@ class DataParallelAdamW:
     def __init__(self, chunks, args, *, dp_group, model_parallel_group, tp_rank: int, distributed: bool,
                  tp_group=None, fsdp: bool = False, embedding_group=None, pipeline_group=None):
         self.args = args
+        self.schedule = ParamSchedule.from_args(args)
         self.fsdp = fsdp
         """Over torch FSDP2's DTensor shards (--use-torch-fsdp2, :mod:`h3t_training.loop.fsdp`): the gradients arrive
         reduce-scattered and averaged over ``dp_group``; the norm sums the local shards over it."""
@@ -129,9 +98,9 @@ class DataParallelAdamW:
                 self.params[i], "is_embedding_or_output_parameter", False)) == own_lr]
             extra = decoupled if own_lr else {}
             groups += [{"params": [self.views[i] for i in mine if self.params[i].dim() > 1],
-                        "weight_decay": args.weight_decay, **extra},
+                        "weight_decay": args.weight_decay, "wd_mult": 1.0, **extra},
                        {"params": [self.views[i] for i in mine if self.params[i].dim() <= 1], "weight_decay": 0.0,
-                        **extra}]
+                        "wd_mult": 0.0, **extra}]
         groups = [g for g in groups if g["params"]]
         self.offload = OptimizerOffload.from_args(args)
         self.host: Optional[HostPartition] = None
@@ -237,8 +206,9 @@ class DataParallelAdamW:
                 self.params[s.param].data.view(-1)[s.start:s.end].copy_(flat[offset:offset + s.numel])
                 offset += s.numel
 
-    def step(self, iteration: int) -> tuple[float, float]:
-        """Average, clip and apply the gradients; returns (learning rate, gradient norm)."""
+    def step(self, iteration: int, num_steps: int) -> tuple[float, float]:
+        """Average, clip and apply the gradients with the schedule at ``num_steps``
+        (:mod:`h3t_training.loop.param_schedule`); returns (learning rate applied, gradient norm)."""
         self._reduce_grads()
         norm = self._grad_norm()
         if self.args.check_for_nan_in_loss_and_grad:
@@ -248,9 +218,7 @@ class DataParallelAdamW:
             coeff = clip / (norm + 1e-6)
             for p in self.params:
                 p.grad.mul_(coeff)
-        lr = learning_rate(self.args, iteration)
-        for g in self._param_groups():
-            g["lr"] = group_learning_rate(self.args, iteration, g)
+        lr = self.schedule.apply(self._param_groups(), num_steps)
         self._attach_grads()
         if self.has_params:
             self.adam.step()
@@ -475,6 +443,7 @@ class MegatronOptimizerAdapter:
                               decoupled_min_lr=args.decoupled_min_lr, **optimizer_config_fields(args),
                               **optimizer_dtype_fields(args))
         self.opt = get_megatron_optimizer(cfg, chunks)
+        self.schedule = ParamSchedule.from_args(args)
         self.skipped = False
         """Whether the last step was skipped: with --fp16 an overflow skips it and lowers the loss scale
         (megatron-core's dynamic grad scaler, as in Megatron-LM)."""
@@ -488,10 +457,9 @@ class MegatronOptimizerAdapter:
             c.zero_grad_buffer()
         self.opt.zero_grad()
 
-    def step(self, iteration: int) -> tuple[float, Optional[float]]:
-        lr = learning_rate(self.args, iteration)
-        for g in self.opt.param_groups:  # megatron-core's groups carry max_lr/min_lr (--decoupled-lr)
-            g["lr"] = group_learning_rate(self.args, iteration, g)
+    def step(self, iteration: int, num_steps: int) -> tuple[float, Optional[float]]:
+        # megatron-core's groups carry max_lr/min_lr (--decoupled-lr) and wd_mult (0: no decay)
+        lr = self.schedule.apply(self.opt.param_groups, num_steps)
         ok, norm, _ = self.opt.step()
         self.skipped = not ok
         return lr, norm

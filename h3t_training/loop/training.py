@@ -35,6 +35,7 @@ from h3t_training.telemetry.loggers import build_writer, writers_requested
 from h3t_training.loop.model_provider import build_model_chunks, num_parameters
 from h3t_training.loop.optimizer import NonFiniteError
 from h3t_training.loop.optimizer_offload import cpu_notes
+from h3t_training.loop.param_schedule import increment, resumed_steps, steps_before
 from h3t_training.telemetry.prediction import predicted_scalars
 from h3t_training.launch.run_guard import RunLock
 from h3t_training.telemetry.scalars import TrainingScalars
@@ -118,8 +119,8 @@ def _check_loss(loss: float, iteration: int) -> None:
                              f"(--no-check-for-nan-in-loss-and-grad goes on)")
 
 
-def _save(args, iteration: int, chunks, optimizer, on_gpu: bool) -> None:
-    ckpt_io.save_checkpoint(args, iteration, chunks, optimizer, on_gpu=on_gpu)
+def _save(args, iteration: int, chunks, optimizer, on_gpu: bool, schedule_steps: int) -> None:
+    ckpt_io.save_checkpoint(args, iteration, chunks, optimizer, on_gpu=on_gpu, schedule_steps=schedule_steps)
     if dist.get_rank() == 0:
         print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
 
@@ -214,17 +215,20 @@ def _write_scalars(args, scalars: TrainingScalars, rec: dict, optimizer, runtime
 def train(args, chunks, optimizer, runtime, start_iteration: int, logger: IterationLogger, data_iterators,
           on_gpu: bool, evaluator: Evaluator, scalars: TrainingScalars, config: H3TConfig,
           exits: Optional[ExitConditions] = None, progress: Optional[RunProgress] = None,
-          hygiene: MemoryHygiene = MemoryHygiene()) -> tuple[int, bool]:
+          hygiene: MemoryHygiene = MemoryHygiene(), schedule_steps: Optional[int] = None) -> tuple[int, bool]:
     """Run iterations ``start_iteration .. --train-iters`` (evaluating, saving and exiting as asked:
     --exit-interval, --exit-duration-in-mins, --exit-signal-handler); returns the last iteration done
     and whether the run exited early. ``progress.iteration`` follows the iterations done; ``hygiene``: Megatron's
     --manual-gc and --empty-unused-memory-level at the points of Megatron-LM's loop (the caller holds
-    ``hygiene.training()`` around the call, as Megatron's ``train`` switches the collector off)."""
+    ``hygiene.training()`` around the call, as Megatron's ``train`` switches the collector off). ``schedule_steps``:
+    the learning-rate schedule's ``num_steps`` at the start (a checkpoint's; default: the samples before
+    ``start_iteration``), advanced after every update that was not skipped, as Megatron-LM steps its scheduler."""
     progress = progress or RunProgress()
     fb = runtime.forward_backward_func(args.pipeline_model_parallel_size, len(chunks))
     batches, shard = schedule_of(args), args.micro_batch_size * args.data_parallel_size
     is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
     done = start_iteration
+    steps = steps_before(args, start_iteration) if schedule_steps is None else schedule_steps
     for it in range(start_iteration, args.train_iters):
         t0 = time.perf_counter()
         _stage_manager(runtime, chunks).reset_stats()
@@ -233,7 +237,10 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
                     num_microbatches=batches.batch_size(it) // shard, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
         hygiene.after_forward_backward()
-        lr, norm = optimizer.step(it)
+        _, norm = optimizer.step(it, steps)
+        if not optimizer.skipped:
+            steps += increment(args, it)
+        lr = optimizer.schedule.lr(steps)  # what Megatron-LM logs: its scheduler has stepped by then
         hygiene.after_optimizer_step()
         progress.iteration = it + 1  # complete on this rank once its step is applied (before any rank logs it)
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
@@ -255,7 +262,7 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         leave = exits is not None and done < args.train_iters and exits.should_exit()
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
                           or (args.exit_interval and done % args.exit_interval == 0) or leave):
-            _save(args, done, chunks, optimizer, on_gpu)
+            _save(args, done, chunks, optimizer, on_gpu, steps)
         if leave and dist.get_rank() == 0:
             print(f"exiting program at iteration {done}: {exits.reason}", flush=True)
         if leave or (args.exit_interval and done % args.exit_interval == 0):
@@ -331,6 +338,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress, progress_ba
     scalars = TrainingScalars(args, writer, on_gpu=on_gpu, predicted=predicted)
     handler = ExitSignalHandler(args.exit_signal) if args.exit_signal_handler else None
     exits = ExitConditions(args, start_time, handler)
+    schedule_steps = resumed_steps(args, found.common.get("opt_param_scheduler") if found else None, start)
     try:
         with handler or contextlib.nullcontext():
             if args.skip_train:
@@ -339,7 +347,7 @@ def _pretrain(args, found, start_time: float, progress: RunProgress, progress_ba
                 with hygiene.training():
                     iteration, exited = train(args, chunks, optimizer, runtime, start, logger, iters, on_gpu,
                                               evaluator, scalars, config, exits=exits, progress=progress,
-                                              hygiene=hygiene)
+                                              hygiene=hygiene, schedule_steps=schedule_steps)
         stats = _gather_stage_stats(runtime, chunks)
         state_bytes = _gather_state_bytes(chunks, optimizer, on_gpu)
         if not exited:

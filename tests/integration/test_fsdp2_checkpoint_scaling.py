@@ -48,7 +48,7 @@ def _fake_step(optimizer, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for p in optimizer.params:
         p.grad = from_local_like(torch.randn(local(p).shape, generator=g), p)
-    optimizer.step(0)
+    optimizer.step(0, 0)
 
 
 def _worker(rank: int, world_size: int, directory: str) -> int:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from h3t_ext.testing import run_distributed
-from h3t_training.loop.optimizer import DataParallelAdamW, learning_rate
+from h3t_training.loop.optimizer import DataParallelAdamW
+from h3t_training.loop.param_schedule import ParamSchedule
 
 ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6, lr_decay_style="cosine",
                        weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=0.5,
@@ -15,8 +16,12 @@ ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6
                        decoupled_min_lr=None, lr_warmup_steps=None, lr_decay_steps=None,
                        optimizer_cpu_offload=False, optimizer_offload_fraction=None, overlap_cpu_optimizer_d2h_h2d=False,
                        use_torch_optimizer_for_cpu_offload=False, pin_cpu_grads=True, pin_cpu_params=True,
-                       overlap_grad_reduce=False, fp16=False)
+                       overlap_grad_reduce=False, fp16=False, lr_wsd_decay_steps=None, lr_wsd_decay_style="exponential",
+                       start_weight_decay=None, end_weight_decay=None, wd_incr_steps=None,
+                       weight_decay_incr_style="constant")
 """The optimizer's fields of the driver's config (which is closed: every field is present, None when unset)."""
+SCHEDULE = ParamSchedule.from_args(ARGS)
+"""Counted in iterations (no sample counts): the update of iteration s runs at num_steps s, as Megatron-LM's."""
 STEPS = 4
 
 
@@ -47,7 +52,7 @@ def _train(rank: int, distributed: bool):
     for step in range(STEPS):
         opt.zero_grad()
         _loss(model, *_batch(rank, step)).backward()
-        norms.append(opt.step(step)[1])
+        norms.append(opt.step(step, step)[1])
     n_state = len(opt.adam.state) if opt.has_params else 0  # parameters with Adam state here
     return [p.detach().clone() for p in model.parameters()], norms, n_state
 
@@ -66,7 +71,7 @@ def _reference(world: int):
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), ARGS.clip_grad)
         norms.append(float(norm))
         for g in adam.param_groups:
-            g["lr"] = learning_rate(ARGS, step)
+            g["lr"] = SCHEDULE.lr(step)
         adam.step()
     return [p.detach() for p in model.parameters()], norms
 
@@ -92,10 +97,11 @@ def test_data_parallel_adamw_matches_single_process_adamw(distributed, two_rank_
 
 
 def test_learning_rate_schedule():
-    assert learning_rate(ARGS, 0) == pytest.approx(ARGS.lr / 2)  # warm-up
-    assert learning_rate(ARGS, 1) == pytest.approx(ARGS.lr)
-    assert learning_rate(ARGS, 5) == pytest.approx(ARGS.min_lr)  # end of the cosine
-    assert learning_rate(ARGS, 3) == pytest.approx(ARGS.min_lr + 0.5 * (ARGS.lr - ARGS.min_lr))
+    assert SCHEDULE.lr(0) == 0.0  # the first update runs at --lr-warmup-init
+    assert SCHEDULE.lr(1) == pytest.approx(ARGS.lr / 2)  # warm-up
+    assert SCHEDULE.lr(2) == pytest.approx(ARGS.lr)
+    assert SCHEDULE.lr(6) == pytest.approx(ARGS.min_lr)  # end of the cosine
+    assert SCHEDULE.lr(4) == pytest.approx(ARGS.min_lr + 0.5 * (ARGS.lr - ARGS.min_lr))
 
 
 DECOUPLED = SimpleNamespace(**{**vars(ARGS), "decoupled_lr": 3e-2, "decoupled_min_lr": 2e-3})
@@ -115,7 +121,7 @@ def _decoupled_worker(rank: int, world: int):
     for step in range(STEPS):
         opt.zero_grad()
         _loss(model, *_batch(rank, step)).backward()
-        lrs.append(opt.step(step)[0])
+        lrs.append(opt.step(step, step)[0])
     return [p.detach().clone() for p in model.parameters()], lrs
 
 
@@ -134,11 +140,11 @@ def test_decoupled_lr_gives_the_embedding_and_output_weights_their_own_schedule(
         sum(_loss(model, *_batch(r, step)) for r in range(2)).div(2).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), ARGS.clip_grad)
         for g in adam.param_groups:
-            g["lr"] = learning_rate(ARGS, step, 3e-2, 2e-3) if g.get("own") else learning_rate(ARGS, step)
+            g["lr"] = SCHEDULE.lr(step, 3e-2, 2e-3) if g.get("own") else SCHEDULE.lr(step)
         adam.step()
-    assert learning_rate(ARGS, 1, 3e-2, 2e-3) == pytest.approx(3e-2)  # the group's own peak after warm-up
-    assert learning_rate(ARGS, 5, 3e-2, 2e-3) == pytest.approx(2e-3)  # and its own floor
+    assert SCHEDULE.lr(2, 3e-2, 2e-3) == pytest.approx(3e-2)  # the group's own peak after warm-up
+    assert SCHEDULE.lr(6, 3e-2, 2e-3) == pytest.approx(2e-3)  # and its own floor
     for params, lrs in results:
-        assert lrs == [pytest.approx(learning_rate(ARGS, s)) for s in range(STEPS)]  # the logged (default) lr
+        assert lrs == [pytest.approx(SCHEDULE.lr(s)) for s in range(STEPS)]  # the applied (default) lr
         for p, q in zip(params, model.parameters()):
             torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)

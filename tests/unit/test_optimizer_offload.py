@@ -95,7 +95,7 @@ def _offload_worker(rank: int, world: int):
             for step in range(STEPS):
                 opt.zero_grad()
                 _loss(model, *_batch(rank, step)).backward()
-                norms.append(opt.step(step)[1])
+                norms.append(opt.step(step, step)[1])
             held = measure([("params", "device", p) for p in model.parameters()] + list(opt.state_tensors()))
             host = [v.numel() for v in opt.views.values() if opt.host is not None and v in opt.host.master]
             owned = [s.numel for s in opt.slices if s.rank == opt.dp_rank]
