@@ -16,7 +16,7 @@ from h3t_ext.ckpt import Ckpt, Recompute, combined_ckpt, split_ckpt
 from h3t_ext.layout import LayoutError, pipeline_split
 from h3t_ext.planner import cli_flags
 from h3t_training.errors import ArgumentError
-from h3t_training.config.flag_table import add_table_flags
+from h3t_training.config.flag_table import add_table_flags, table_value
 from h3t_training.config.h3t_flags import add_h3t_flags
 from h3t_training.data.tokenizer import add_tokenizer_flags
 
@@ -67,6 +67,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qk-layernorm", action="store_true",
                    help="a norm (--normalization's) over each head's query and key after the QKV projection")
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="MLP activation relu(x)^2 instead of GeLU (Nemotron); excludes --swiglu")
     g.add_argument("--glu-linear-offset", type=float, default=0.0)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
@@ -129,6 +131,20 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strict-p2p-comm", choices=("group", "pair"), default="group",
                    help="NCCL communicator mapping --strict-p2p emulates: one per process group (stricter) or one "
                         "per rank pair")
+
+
+def check_activation(args) -> None:
+    """Megatron-LM's rules for --squared-relu: it replaces GeLU, not SwiGLU (Megatron-LM asserts), and megatron-core
+    fuses only GeLU and SwiGLU with the linear bias (its MLP raises on a squared ReLU with the fusion on, which
+    Megatron-LM keeps on with linear biases unless --no-bias-gelu-fusion)."""
+    if not args.squared_relu:
+        return
+    if args.swiglu:
+        raise ArgumentError("--squared-relu excludes --swiglu (pretrain_llama.py turns --swiglu on: train a "
+                            "squared-ReLU model with pretrain_gpt.py)")
+    if not args.disable_bias_linear and table_value(args, "--no-bias-gelu-fusion") is None:
+        raise ArgumentError("--squared-relu with linear biases needs --no-bias-gelu-fusion (megatron-core fuses "
+                            "only GeLU and SwiGLU with the bias), or --disable-bias-linear")
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -313,6 +329,7 @@ def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = Non
 
 def fill_model_defaults(args):
     """Megatron's derived model sizes where the flags leave them open."""
+    check_activation(args)
     changes = {}
     if args.num_query_groups is None or not args.group_query_attention:
         if args.num_query_groups is not None and not args.group_query_attention:

@@ -140,7 +140,7 @@ MEGATRON_LM: dict[str, str] = {
 --eod-mask-loss=0 --eval-interval=1 --eval-iters=1 --exit-duration-in-mins=1 --exit-interval=1
 --exit-signal=1 --exit-signal-handler=0 --ffn-hidden-size=1 --finetune=0 --global-batch-size=1
 --glu-linear-offset=1 --group-query-attention=0 --hidden-dropout=1 --hidden-size=1 --init-method-std=1
---kv-channels=1 --load=1 --qk-layernorm=0 --log-interval=1 --log-memory-to-tensorboard=0 --log-throughput=0
+--kv-channels=1 --load=1 --qk-layernorm=0 --squared-relu=0 --log-interval=1 --log-memory-to-tensorboard=0 --log-throughput=0
 --log-timers-to-tensorboard=0 --log-validation-ppl-to-tensorboard=0 --log-world-size-to-tensorboard=0 --lr=1
 --lr-decay-iters=1 --lr-decay-samples=1 --lr-decay-style=1 --lr-warmup-fraction=1 --lr-warmup-init=1
 --lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --start-weight-decay=1
@@ -222,7 +222,7 @@ MEGATRON_LM: dict[str, str] = {
 --window-size=1 --yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int=0
 --yarn-original-max-position-embeddings=1""",
     "activation": """
---openai-gelu=0 --quick-geglu=0 --squared-relu=0 --use-fused-weighted-squared-relu=0""",
+--openai-gelu=0 --quick-geglu=0 --use-fused-weighted-squared-relu=0""",
     "init": """
 --data-parallel-random-init=0 --embedding-init-method-std=1 --freeze-all-layers=0
 --init-method-xavier-uniform=0 --mup-attn-scale-power=1 --mup-base-head-dim=1 --mup-base-hidden-size=1

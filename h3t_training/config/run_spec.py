@@ -57,7 +57,8 @@ def gpu_plan_fields(config) -> dict:
 
 
 def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
-    """The model these flags build: its shape (with --kv-channels), q/k norms (--qk-layernorm), MLP (--swiglu), output layer
+    """The model these flags build: its shape (with --kv-channels), q/k norms (--qk-layernorm), MLP (--swiglu; GeLU and
+    --squared-relu priced alike: the same shape and traffic), output layer
     (--untie-embeddings-and-output-weights), linear biases (--disable-bias-linear) and dropout."""
     return ModelSpec(name=name, num_layers=config.num_layers, hidden_size=config.hidden_size,
                      num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,

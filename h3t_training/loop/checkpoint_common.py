@@ -15,10 +15,10 @@ MODEL_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_qu
                      "tokenizer_type", "vocab_size")
 """What must match between the saving and the loading run (the parallel layout need not), with the padded
 vocabulary (``--make-vocab-size-divisible-by`` x t rounds the tokenizer's up): the flag itself may differ."""
-MODEL_SWITCH_FLAGS = ("qk_layernorm",)
+MODEL_SWITCH_FLAGS = ("qk_layernorm", "squared_relu")
 """Switches of the model's structure that must match too; a checkpoint that predates one (no such field) was saved
 without it. A load reads only the tensors the run's model asks for, so a checkpoint with q/k norms would otherwise
-lose them silently in a run without."""
+lose them silently in a run without; the MLP activation has no tensor of its own to tell."""
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
 SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",

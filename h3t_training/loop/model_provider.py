@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
+from megatron.core.activations import squared_relu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
@@ -54,7 +55,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
         layernorm_epsilon=args.norm_epsilon,
         layernorm_zero_centered_gamma=args.apply_layernorm_1p,
         gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        activation_func=F.silu if args.swiglu else squared_relu if args.squared_relu else F.gelu,
         glu_linear_offset=args.glu_linear_offset,
         add_bias_linear=not args.disable_bias_linear,
         add_qkv_bias=args.add_qkv_bias,

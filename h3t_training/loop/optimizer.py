@@ -214,8 +214,8 @@ class DataParallelAdamW:
         if self.args.check_for_nan_in_loss_and_grad:
             check_grad_norm(norm, iteration + 1)
         clip = self.args.clip_grad
-        if clip > 0 and norm > clip:
-            coeff = clip / (norm + 1e-6)
+        coeff = clip / (norm + 1e-6) if clip > 0 else 1.0  # megatron-core's clip_grad_by_total_norm_fp32
+        if coeff < 1.0:
             for p in self.params:
                 p.grad.mul_(coeff)
         lr = self.schedule.apply(self._param_groups(), num_steps)

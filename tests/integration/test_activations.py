@@ -171,6 +171,25 @@ def test_chunk_bytes_with_qk_layernorm_equal_cost_model_terms(ckpt):
 
 
 @pytest.mark.parametrize("ckpt", ["no", "ours"])
+def test_squared_relu_saves_the_gelu_mlps_bytes(ckpt):
+    """--squared-relu (relu(x)^2: relu keeps its output, pow that same tensor) saves what the GeLU MLP saves, the
+    cost model's price for both: term by term under ckpt no and ours."""
+    from megatron.core.activations import squared_relu
+
+    import torch.nn.functional as F
+
+    layers, mb, seq = 2, 2, 32
+    spec = replace(tiny_model_spec(layers), swiglu=False)
+    terms = activation_bytes_per_layer_token(spec, ckpt, dtype_bytes=4, layer_spec="local")
+    small_terms = terms["norm1_rstd"] + terms["norm2_rstd"] + terms["softmax_lse"]
+    for act in (squared_relu, F.gelu):
+        model = middle_stage_model(num_layers=layers, ckpt=ckpt, gated_linear_unit=False, activation_func=act)
+        st = run_middle_stage(model, _manager(0.0), pipeline_size=2, rank=1, num_microbatches=2, micro_batch=mb,
+                              seq=seq, hidden=HIDDEN)
+        assert st.saved_bytes[(0, 0)] == layers * mb * seq * (terms["total"] - small_terms), act
+
+
+@pytest.mark.parametrize("ckpt", ["no", "ours"])
 def test_hidden_dropout_masks_equal_cost_model_term(ckpt):
     """With --hidden-dropout the two bias-dropout-adds keep their masks under every ckpt but full; on CPU
     PyTorch's dropout keeps its noise tensor in the activation dtype (CUDA's fused kernel a bool mask), which

@@ -85,7 +85,7 @@ def test_recompute_from_offloaded_inputs_is_exact():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(gated_linear_unit=False, activation_func=F.relu), "SwiGLU \\(--swiglu\\) or GeLU"),
+    (dict(gated_linear_unit=False, activation_func=F.relu), "SwiGLU \\(--swiglu\\), GeLU or squared-ReLU"),
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1), "recompute"),
 ])
 def test_unsupported_configs_fail_when_the_spec_is_built(overrides, match):

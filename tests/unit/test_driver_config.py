@@ -394,33 +394,64 @@ def test_a_legacy_checkpoint_is_found_at_its_layout_and_refused_at_another_or_un
         assert e.value.alike
 
 
-def test_a_checkpoint_with_qk_norms_is_refused_by_a_run_without_them(tmp_path):
-    """--qk-layernorm is a model switch a resume must share (a load reads only the tensors the run's model asks for:
-    the q/k norms would be dropped silently); a checkpoint that predates the field was saved without it."""
+@pytest.mark.parametrize("switch,field,prog", [("--qk-layernorm", "qk_layernorm", "pretrain_llama.py"),
+                                               ("--squared-relu", "squared_relu", "pretrain_gpt.py")])
+def test_a_checkpoint_with_a_model_switch_is_refused_by_a_run_without_it(tmp_path, switch, field, prog):
+    """--qk-layernorm and --squared-relu are model switches a resume must share (a load reads only the tensors the
+    run's model asks for: the q/k norms would be dropped silently, and an activation has no tensor to tell); a
+    checkpoint that predates the field was saved without it."""
     import json
     import torch
     from h3t_training.loop.checkpointing import CHECKSUMS, TRACKER, CheckpointError, _common_state, find_checkpoint
 
+    base = [*BASE, "--disable-bias-linear"]
+
+    def parse(flags):
+        return parse_args([*base, *flags], world_size=1, prog=prog)
+
     def save(flags, drop_field=False):
-        common = _common_state(parse_args([*BASE, "--ckpt-format", "torch", *flags], world_size=1), 10)
+        common = _common_state(parse(["--ckpt-format", "torch", *flags]), 10)
         if drop_field:
-            del common["h3t"]["model"]["qk_layernorm"]
+            del common["h3t"]["model"][field]
         torch.save(common, it / "common.pt")
 
     it = tmp_path / "iter_0000010"
     (it / "mp_rank_00").mkdir(parents=True)
     (it / CHECKSUMS).write_text(json.dumps({}))
     (tmp_path / TRACKER).write_text("10")
-    save(["--qk-layernorm"])
-    assert find_checkpoint(parse_args([*BASE, "--qk-layernorm", "--load", str(tmp_path)], world_size=1), rank=0)
+    save([switch])
+    assert find_checkpoint(parse([switch, "--load", str(tmp_path)]), rank=0)
     with pytest.raises(CheckpointError) as e:
-        find_checkpoint(parse_args([*BASE, "--load", str(tmp_path)], world_size=1), rank=0)
-    assert str(e.value) == (f"--load {tmp_path}: checkpoint iteration 10 was saved with --qk-layernorm, this run does "
+        find_checkpoint(parse(["--load", str(tmp_path)]), rank=0)
+    assert str(e.value) == (f"--load {tmp_path}: checkpoint iteration 10 was saved with {switch}, this run does "
                             "not have it; give the same model flags") and e.value.alike
     save([], drop_field=True)
-    assert find_checkpoint(parse_args([*BASE, "--load", str(tmp_path)], world_size=1), rank=0)
-    with pytest.raises(CheckpointError, match="was saved without --qk-layernorm, this run has it"):
-        find_checkpoint(parse_args([*BASE, "--qk-layernorm", "--load", str(tmp_path)], world_size=1), rank=0)
+    assert find_checkpoint(parse(["--load", str(tmp_path)]), rank=0)
+    with pytest.raises(CheckpointError, match=f"was saved without {switch}, this run has it"):
+        find_checkpoint(parse([switch, "--load", str(tmp_path)]), rank=0)
+
+
+@pytest.mark.parametrize("argv,prog,message", [
+    (["--squared-relu", "--disable-bias-linear"], "pretrain_llama.py", "--squared-relu excludes --swiglu"),
+    (["--squared-relu"], "pretrain_gpt.py", "--squared-relu with linear biases needs --no-bias-gelu-fusion"),
+])
+def test_squared_relu_is_refused_where_megatron_refuses_it(argv, prog, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, *argv], world_size=1, prog=prog)
+    assert message in capsys.readouterr().err
+
+
+def test_squared_relu_builds_megatrons_activation():
+    from megatron.core.activations import squared_relu
+
+    from h3t_ext.runtime.modules.recompute_ours import validate_ours_config
+    from h3t_training.loop.model_provider import transformer_config
+
+    for flags in (["--disable-bias-linear"], ["--no-bias-gelu-fusion"]):
+        cfg = transformer_config(parse_args([*BASE, "--squared-relu", *flags], world_size=1, prog="pretrain_gpt.py"),
+                                 on_gpu=False)
+        assert cfg.activation_func is squared_relu and not cfg.gated_linear_unit
+        validate_ours_config(cfg)  # ckpt=ours takes it
 
 
 def test_auto_plan_runs_the_recompute_it_chose(monkeypatch):

@@ -7,8 +7,8 @@ The modules here are put into transformer layers by the h3t layer spec
   recomputes the norm with autograd, so gradients are those of the stock module) and marks its
   output as recomputable from that input; :func:`ours_te_norm` does the same around
   TransformerEngine's RMSNorm (GPU);
-* :class:`OursMLP` is megatron-core's MLP whose SwiGLU saves only the FC1 output and marks its
-  output (the FC2 input) as recomputable from it.
+* :class:`OursMLP` is megatron-core's MLP whose activation (SwiGLU, GeLU, squared ReLU) saves only the
+  FC1 output and marks its output (the FC2 input) as recomputable from it.
 
 A marked tensor lives in a weak registry: storage -> (function, inputs that are saved anyway).
 When the next GEMM saves it inside an :class:`~h3t_ext.runtime.memory.activations.ActivationManager`
@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from megatron.core.activations import squared_relu
 from megatron.core.transformer.mlp import MLP
 
 from h3t_ext.runtime.config import RuntimeConfigError
@@ -138,9 +139,10 @@ def validate_ours_config(config, where: str = "ckpt=ours") -> None:
         raise UnsupportedLayerSpecError(
             f"{where}: --normalization {config.normalization} is not supported, needs RMSNorm or LayerNorm")
     swiglu = config.gated_linear_unit and config.activation_func is F.silu
-    gelu = not config.gated_linear_unit and config.activation_func is F.gelu
-    if not (swiglu or gelu):
-        raise UnsupportedLayerSpecError(f"{where}: needs a SwiGLU (--swiglu) or GeLU MLP")
+    plain = not config.gated_linear_unit and config.activation_func in (F.gelu, squared_relu)
+    if not (swiglu or plain):
+        raise UnsupportedLayerSpecError(f"{where}: needs a SwiGLU (--swiglu), GeLU or squared-ReLU (--squared-relu) "
+                                        f"MLP")
     if getattr(config, "num_moe_experts", None):
         raise UnsupportedLayerSpecError(f"{where}: needs a dense MLP; --num-experts (MoE) is not supported")
     if config.use_te_activation_func or config.activation_func_clamp_value is not None:
@@ -181,8 +183,8 @@ class OursLayerNorm(LayerNorm):
 
 
 class OursMLP(LayerMLPArgs, MLP):
-    """megatron-core's dense MLP whose SwiGLU saves only the FC1 output and marks its output
-    (the FC2 input) recomputable (ckpt=ours)."""
+    """megatron-core's dense MLP whose activation (SwiGLU, GeLU or squared ReLU) saves only the FC1 output and marks
+    its output (the FC2 input) recomputable (ckpt=ours)."""
 
     h3t_ckpt = "ours"
 
@@ -196,9 +198,10 @@ class OursMLP(LayerMLPArgs, MLP):
         y, bias = self.linear_fc1(hidden_states)
         if bias is not None:
             y = y + bias
-        if not self.config.gated_linear_unit:  # GeLU: only the activation is recomputed
-            act = _SaveInputs.apply(F.gelu, y)
-            mark_recomputable(act, F.gelu, (y,))
+        if not self.config.gated_linear_unit:  # GeLU, squared ReLU: only the activation is recomputed
+            fn = self.config.activation_func
+            act = _SaveInputs.apply(fn, y)
+            mark_recomputable(act, fn, (y,))
             output, out_bias = self.linear_fc2(act)
             return output, out_bias
         offset = float(self.config.glu_linear_offset)
