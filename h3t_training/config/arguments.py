@@ -189,7 +189,8 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-fraction", type=float, default=None, help="warm-up as a fraction of the decay span")
     g.add_argument("--lr-warmup-init", type=float, default=0.0)
     g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="the loss is the token-weighted mean over the global batch (this driver's only loss)")
+                   help="gradients of the token-weighted mean loss over the global batch (Megatron's default weighs "
+                        "each microbatch's mean loss alike); the logged loss is token-weighted either way")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--start-weight-decay", type=float, default=None,
                    help="weight decay at the start (with a non-constant --weight-decay-incr-style)")

@@ -122,6 +122,9 @@ def check_sharding_flags(args):
                (not args.untie_embeddings_and_output_weights,
                 "tied embedding and output weights (give --untie-embeddings-and-output-weights)"),
                (args.fp16, "--fp16"),
+               (args.calculate_per_token_loss,
+                "--calculate-per-token-loss (megatron-core's torch FSDP2 does not scale its gradients by the token "
+                "count: its scale_gradients is a no-op, so the gradients would be sums)"),
                (uses_gpu(args) and args.save is not None,
                 "--save on a GPU (megatron-core's optimizer there maps its Adam state to one ShardedTensor per "
                 "parameter, not to the row pieces of FSDP2's shards that the CPU path saves; train without --save)")]

@@ -61,6 +61,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
         add_qkv_bias=args.add_qkv_bias,
         kv_channels=args.kv_channels,
         qk_layernorm=args.qk_layernorm,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         rotary_interleaved=args.rotary_interleaved,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

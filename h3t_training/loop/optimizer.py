@@ -178,6 +178,16 @@ class DataParallelAdamW:
         for p in self.params:
             p.grad /= self.dp_size
 
+    def _per_token_scale(self, num_tokens: int) -> None:
+        """--calculate-per-token-loss as megatron-core's ``finalize_model_grads``: the microbatches' loss sums' gradients,
+        summed over the data-parallel (and context-parallel) ranks, over the tokens of the whole batch. Here they arrive
+        averaged over the ranks, hence x ranks / tokens."""
+        total = all_reduce_host(torch.tensor([num_tokens], dtype=torch.float64), group=self.dp_group) \
+            if self.dp_size > 1 else torch.tensor([num_tokens], dtype=torch.float64)
+        if total.item() > 0:
+            for p in self.params:
+                p.grad.mul_(self.dp_size / total.item())
+
     def _grad_norm(self) -> float:
         from h3t_training.loop.fsdp import local  # noqa: PLC0415
 
@@ -206,10 +216,13 @@ class DataParallelAdamW:
                 self.params[s.param].data.view(-1)[s.start:s.end].copy_(flat[offset:offset + s.numel])
                 offset += s.numel
 
-    def step(self, iteration: int, num_steps: int) -> tuple[float, float]:
+    def step(self, iteration: int, num_steps: int, num_tokens: int = 0) -> tuple[float, float]:
         """Average, clip and apply the gradients with the schedule at ``num_steps``
-        (:mod:`h3t_training.loop.param_schedule`); returns (learning rate applied, gradient norm)."""
+        (:mod:`h3t_training.loop.param_schedule`); returns (learning rate applied, gradient norm). ``num_tokens``: the
+        loss tokens of this data-parallel rank's share of the batch, with --calculate-per-token-loss."""
         self._reduce_grads()
+        if self.args.calculate_per_token_loss:
+            self._per_token_scale(num_tokens)
         norm = self._grad_norm()
         if self.args.check_for_nan_in_loss_and_grad:
             check_grad_norm(norm, iteration + 1)
@@ -457,8 +470,9 @@ class MegatronOptimizerAdapter:
             c.zero_grad_buffer()
         self.opt.zero_grad()
 
-    def step(self, iteration: int, num_steps: int) -> tuple[float, Optional[float]]:
-        # megatron-core's groups carry max_lr/min_lr (--decoupled-lr) and wd_mult (0: no decay)
+    def step(self, iteration: int, num_steps: int, num_tokens: int = 0) -> tuple[float, Optional[float]]:
+        # megatron-core's groups carry max_lr/min_lr (--decoupled-lr) and wd_mult (0: no decay); its
+        # finalize_model_grads has divided the gradients by the batch's tokens already (--calculate-per-token-loss)
         lr = self.schedule.apply(self.opt.param_groups, num_steps)
         ok, norm, _ = self.opt.step()
         self.skipped = not ok

@@ -109,6 +109,18 @@ def _iteration_loss(losses: list) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
+def _iteration_tokens(losses: list) -> int:
+    """The loss tokens of this data-parallel rank's microbatches (counted on the last pipeline stage, sent to the
+    others as megatron-core's ``finalize_model_grads`` broadcasts them)."""
+    count = torch.zeros(1, dtype=torch.float64)
+    for d in losses:
+        count += d["lm loss"][1].detach().double().cpu()
+    pp = ps.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pp) > 1:  # the other stages hold none: a sum is the last stage's
+        count = all_reduce_host(count, group=pp)
+    return int(count.item())
+
+
 def _check_loss(loss: float, iteration: int) -> None:
     """Every rank stops at a non-finite loss (known on the last pipeline stage), naming its value."""
     code = 0 if math.isfinite(loss) else 1 if math.isnan(loss) else 2 if loss > 0 else 3
@@ -237,7 +249,7 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
                     num_microbatches=batches.batch_size(it) // shard, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
         hygiene.after_forward_backward()
-        _, norm = optimizer.step(it, steps)
+        _, norm = optimizer.step(it, steps, _iteration_tokens(losses) if args.calculate_per_token_loss else 0)
         if not optimizer.skipped:
             steps += increment(args, it)
         lr = optimizer.schedule.lr(steps)  # what Megatron-LM logs: its scheduler has stepped by then

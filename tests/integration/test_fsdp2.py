@@ -47,6 +47,8 @@ def _error(argv, capsys, prog="pretrain_llama.py", world_size=2) -> str:
     (["--use-torch-fsdp2", "--use-distributed-optimizer"],
      "--use-torch-fsdp2 is not supported with --use-distributed-optimizer"),
     (["--use-torch-fsdp2", "--fp16"], "--use-torch-fsdp2 is not supported with --fp16"),
+    (["--use-torch-fsdp2", "--calculate-per-token-loss"],
+     "--use-torch-fsdp2 is not supported with --calculate-per-token-loss (megatron-core's torch FSDP2"),
 ])
 def test_sharding_flags_are_refused_in_one_line(extra, expected, capsys, tmp_path):
     extra = [str(tmp_path) if a == "{tmp}" else a for a in extra]
