@@ -65,8 +65,8 @@ def _weight_flip(rank: int, iteration: int) -> None:
     from h3t_training.loop.optimizer import DataParallelAdamW
     real = DataParallelAdamW.step
 
-    def step(self, it, num_steps):
-        out = real(self, it, num_steps)
+    def step(self, it, *schedule_and_tokens):
+        out = real(self, it, *schedule_and_tokens)
         if dist.get_rank() == rank and it + 1 == iteration:
             with torch.no_grad():
                 byte = self.params[0].data.view(-1)[:1].view(torch.uint8)

@@ -113,9 +113,9 @@ def _schedule(args) -> dict:
             raise ArgumentError("give one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
         if not 0 <= args.lr_warmup_fraction <= 1:
             raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} is outside [0, 1]")
-        warm = int(args.lr_warmup_fraction * decay)
+        warm = args.lr_warmup_fraction * decay  # a float, as Megatron-LM hands it to megatron-core's scheduler
     if warm >= decay:  # megatron-core's scheduler asserts it
-        raise ArgumentError(f"the learning-rate warm-up ({warm} samples) must be shorter than the decay span ({decay} "
+        raise ArgumentError(f"the learning-rate warm-up ({warm:g} samples) must be shorter than the decay span ({decay} "
                             f"samples: --lr-decay-iters x --global-batch-size, or --lr-decay-samples)")
     lr_decay_iters = -(-decay // B) if args.lr_decay_iters is None else args.lr_decay_iters
     wd_incr = args.train_samples if args.train_samples is not None else train_iters * B

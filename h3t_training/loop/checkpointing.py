@@ -233,7 +233,7 @@ def _check_schedule(args, saved: dict, iteration: int) -> dict:
     in_samples = all(saved.get(k) is not None and mine[k] is not None for k in SCHEDULE_STEPS)
     keys = [k for k in SCHEDULE_FLAGS if not (in_samples and k in ("lr_warmup_iters", "lr_decay_iters"))]
     for k in (*keys, *(SCHEDULE_STEPS if in_samples else ())):
-        if k in saved and saved[k] != mine[k]:
+        if k in saved and saved[k] != mine[k] and not _truncated_warmup(k, saved[k], mine[k]):
             part = k.split("_")[1] if k in SCHEDULE_STEPS else ""  # lr_warmup_steps / lr_decay_steps
             what = (f"a learning-rate {part} of {saved[k]} samples, this run has {mine[k]} "
                     f"(--lr-{part}-iters x --global-batch-size, or --lr-{part}-samples)"
@@ -241,6 +241,12 @@ def _check_schedule(args, saved: dict, iteration: int) -> dict:
             raise CheckpointError(f"--load {args.load}: checkpoint iteration {iteration} was trained with {what}; add "
                                   f"--override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler", alike=True)
     return {}
+
+
+def _truncated_warmup(key: str, saved, mine) -> bool:
+    """A checkpoint of an earlier version of this driver, which saved a --lr-warmup-fraction warm-up truncated to
+    whole samples (Megatron-LM and this driver now keep the fraction's product): the same schedule."""
+    return key == "lr_warmup_steps" and isinstance(saved, int) and isinstance(mine, float) and saved == int(mine)
 
 
 # ----------------------------------------------------------------------------------------- state

@@ -32,7 +32,8 @@ class ParamSchedule:
     max_lr: float
     min_lr: float
     init_lr: float
-    warmup_steps: int
+    warmup_steps: float
+    """Whole samples (or iterations), or --lr-warmup-fraction x the decay span, a float as Megatron-LM's."""
     decay_steps: int
     decay_style: str = "linear"
     wsd_decay_steps: Optional[int] = None

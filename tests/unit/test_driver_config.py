@@ -81,6 +81,21 @@ def test_the_schedule_check_counts_samples_as_megatron_cores_scheduler():
     assert _check_schedule(run(8, *samples), saved, 10) == {}
 
 
+def test_a_warm_up_fraction_saved_in_whole_samples_resumes():
+    """Earlier versions of this driver saved a --lr-warmup-fraction warm-up truncated to whole samples; Megatron-LM
+    saves the product (a float), as the driver now does: both resume, another warm-up does not."""
+    from h3t_training.loop.checkpointing import CheckpointError, _schedule
+
+    config = parse_args([*BASE[:-5], "--train-iters", "10", "--lr", "1e-3", "--mock-data", "--lr-warmup-fraction",
+                         "0.33"], world_size=1)
+    saved = _schedule(config)
+    assert saved["lr_warmup_steps"] == 0.33 * 80  # 26.4 samples
+    assert _check_schedule(config, saved, 5) == {}
+    assert _check_schedule(config, {**saved, "lr_warmup_steps": 26}, 5) == {}
+    with pytest.raises(CheckpointError, match="was trained with a learning-rate warmup of 25 samples"):
+        _check_schedule(config, {**saved, "lr_warmup_steps": 25}, 5)
+
+
 def test_a_checkpoint_schedule_is_returned_not_written_into_the_config():
     config = parse_args(BASE, world_size=1).replace(use_checkpoint_opt_param_scheduler=True)
     saved = {"lr": 5e-4, "min_lr": 0.0, "lr_decay_style": "linear"}

@@ -76,6 +76,15 @@ def test_every_update_gets_megatron_cores_learning_rate_and_weight_decay(lr_flag
     assert len(wds) == (1 if "constant" in wd_flags else ITERS) and {step[1][1] for step in ours} == {0.0}
 
 
+def test_a_warm_up_fraction_is_megatrons_product_not_whole_samples():
+    argv = ["--train-iters", "10", "--global-batch-size", "4", "--lr-warmup-fraction", "0.33"]
+    args = parse_args([*BASE, *argv], world_size=1)
+    assert args.lr_warmup_steps == 0.33 * 40  # 13.2 samples, as Megatron-LM computes it
+    theirs, ours = _run_both(["--train-iters", str(ITERS), "--global-batch-size", "16", "--lr-warmup-fraction",
+                              "0.33", "--lr-decay-style", "cosine"])
+    assert ours == theirs
+
+
 def test_sample_based_wsd_and_skipped_updates_follow_megatron_core():
     argv = ["--train-samples", str(ITERS * 16), "--global-batch-size", "16", "--lr-decay-style", "WSD",
             "--lr-wsd-decay-samples", "160", "--lr-wsd-decay-style", "cosine", "--lr-warmup-samples", "48",
