@@ -24,6 +24,7 @@ from typing import Iterable, Optional
 
 from h3t_training.data.batch_schedule import schedule_of
 
+
 @dataclass(frozen=True)
 class ParamSchedule:
     """The learning-rate and weight-decay schedule over ``num_steps`` (samples, or iterations for a schedule
