@@ -133,18 +133,19 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
                         "per rank pair")
 
 
-def check_activation(args) -> None:
+def check_activation(args):
     """Megatron-LM's rules for --squared-relu: it replaces GeLU, not SwiGLU (Megatron-LM asserts), and megatron-core
     fuses only GeLU and SwiGLU with the linear bias (its MLP raises on a squared ReLU with the fusion on, which
     Megatron-LM keeps on with linear biases unless --no-bias-gelu-fusion)."""
     if not args.squared_relu:
-        return
+        return args
     if args.swiglu:
         raise ArgumentError("--squared-relu excludes --swiglu (pretrain_llama.py turns --swiglu on: train a "
                             "squared-ReLU model with pretrain_gpt.py)")
     if not args.disable_bias_linear and table_value(args, "--no-bias-gelu-fusion") is None:
         raise ArgumentError("--squared-relu with linear biases needs --no-bias-gelu-fusion (megatron-core fuses "
                             "only GeLU and SwiGLU with the bias), or --disable-bias-linear")
+    return args
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -330,7 +331,6 @@ def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = Non
 
 def fill_model_defaults(args):
     """Megatron's derived model sizes where the flags leave them open."""
-    check_activation(args)
     changes = {}
     if args.num_query_groups is None or not args.group_query_attention:
         if args.num_query_groups is not None and not args.group_query_attention:

@@ -87,7 +87,6 @@ def _batch_schedule(args) -> dict:
 
 
 def _schedule(args) -> dict:
-    check_weight_decay_schedule(args)
     B = args.global_batch_size
     if (args.train_iters is None) == (args.train_samples is None):
         raise ArgumentError("give exactly one of --train-iters and --train-samples")
@@ -130,10 +129,11 @@ def _wsd_steps(args, B: int) -> Optional[int]:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")
-    given, other = (("lr_wsd_decay_samples", "--train-samples"), ("lr_wsd_decay_iters", "--train-iters"))[
-        args.train_samples is not None]
-    if getattr(args, given) is not None:  # as --lr-decay-samples / --lr-decay-iters: one kind per run
-        raise ArgumentError(f"--{given.replace('_', '-')} needs {other}")
+    # as --lr-decay-samples / --lr-decay-iters: the span of the run's kind
+    if args.train_samples is not None and args.lr_wsd_decay_iters is not None:
+        raise ArgumentError("--lr-wsd-decay-iters needs --train-iters")
+    if args.train_samples is None and args.lr_wsd_decay_samples is not None:
+        raise ArgumentError("--lr-wsd-decay-samples needs --train-samples")
     if args.lr_decay_style != "WSD":
         return None
     if args.train_samples is not None:
@@ -147,8 +147,9 @@ def _wsd_steps(args, B: int) -> Optional[int]:
     return args.lr_wsd_decay_iters * B
 
 
-def check_weight_decay_schedule(args) -> None:
-    """Megatron-LM's rule: a constant --weight-decay-incr-style takes neither --start- nor --end-weight-decay, the
+def _weight_decay(args) -> dict:
+    """Megatron-LM's rule: a constant --weight-decay-incr-style takes neither --start- nor --end-weight-decay and
+    runs from --weight-decay to --weight-decay (the fields it sets, as Megatron-LM's ``validate_args`` does); the
     others take both, with 0 <= start <= end (megatron-core's scheduler asserts it)."""
     start, end = args.start_weight_decay, args.end_weight_decay
     if args.weight_decay_incr_style == "constant":
@@ -156,12 +157,13 @@ def check_weight_decay_schedule(args) -> None:
             if v is not None:
                 raise ArgumentError(f"{name} needs --weight-decay-incr-style linear or cosine (constant uses "
                                     f"--weight-decay)")
-        return
+        return {"start_weight_decay": args.weight_decay, "end_weight_decay": args.weight_decay}
     if start is None or end is None:
         raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay "
                             f"and --end-weight-decay")
     if not 0 <= start <= end:
         raise ArgumentError(f"--start-weight-decay {start} is outside [0, --end-weight-decay {end}]")
+    return {}
 
 
 def _virtual_stages(args) -> dict:
@@ -234,7 +236,8 @@ def _tokenizer_files(args) -> dict:
 
 def apply_megatron_behaviours(config):
     """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
-    for step in (kwai_aliases, _distributed_backend, _positions, _batch_schedule, _schedule, _virtual_stages,
+    for step in (kwai_aliases, _distributed_backend, _positions, _batch_schedule, _weight_decay, _schedule,
+                 _virtual_stages,
                  _split, _tokenizer_files):
         config = config.replace(**step(config))
     return config

@@ -140,7 +140,8 @@ Step = Callable[[TrainConfig], TrainConfig]
 def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
     steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
-                         arguments.fill_model_defaults, arguments.check_positive, arguments.resolve_ckpt,
+                         arguments.check_activation, arguments.fill_model_defaults, arguments.check_positive,
+                         arguments.resolve_ckpt,
                          validation.resolve_tokenizer, megatron_offload.check_offload_requests]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)

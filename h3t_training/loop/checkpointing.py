@@ -56,7 +56,7 @@ from h3t_training.loop.checkpoint_common import (CHECKPOINT_VERSION, LAYOUT_FLAG
 from h3t_training.loop.checkpoint_files import (CHECKSUMS, TRACKER, file_digest, read_common,  # noqa: F401
                                                 read_tracker, verify_files, verify_layout)
 from h3t_training.loop.collectives import all_reduce_host
-from h3t_training.loop.param_schedule import ParamSchedule, steps_before
+from h3t_training.loop.param_schedule import steps_before
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,7 @@ def _layout(args) -> dict:
 
 
 def _schedule(args) -> dict:
-    schedule = {k: getattr(args, k) for k in (*SCHEDULE_FLAGS, *SCHEDULE_STEPS)}
-    resolved = ParamSchedule.from_args(args)  # a constant style's start and end: --weight-decay, as Megatron-LM's
-    return {**schedule, "start_weight_decay": resolved.start_wd, "end_weight_decay": resolved.end_wd}
+    return {k: getattr(args, k) for k in (*SCHEDULE_FLAGS, *SCHEDULE_STEPS)}
 
 
 

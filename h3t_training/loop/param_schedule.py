@@ -46,17 +46,16 @@ class ParamSchedule:
 
     @classmethod
     def from_args(cls, args) -> "ParamSchedule":
-        """The schedule of a resolved driver config: in samples where it has them (``lr_decay_steps``), else in
-        iterations."""
+        """The schedule of a resolved driver config (its weight decay's start and end set, --weight-decay for a
+        constant style): in samples where it has them (``lr_decay_steps``), else in iterations."""
         if args.lr_decay_steps is not None:
             warm, decay = args.lr_warmup_steps, args.lr_decay_steps
         else:
             warm, decay = args.lr_warmup_iters, args.lr_decay_iters
-        wd, start, end = args.weight_decay, args.start_weight_decay, args.end_weight_decay
         return cls(max_lr=args.lr, min_lr=args.min_lr, init_lr=args.lr_warmup_init, warmup_steps=warm,
                    decay_steps=decay, decay_style=args.lr_decay_style, wsd_decay_steps=args.lr_wsd_decay_steps,
-                   wsd_decay_style=args.lr_wsd_decay_style, start_wd=wd if start is None else start,
-                   end_wd=wd if end is None else end, wd_incr_steps=args.wd_incr_steps or 1,
+                   wsd_decay_style=args.lr_wsd_decay_style, start_wd=args.start_weight_decay,
+                   end_wd=args.end_weight_decay, wd_incr_steps=args.wd_incr_steps or 1,
                    wd_incr_style=args.weight_decay_incr_style)
 
     def lr(self, num_steps: int, max_lr: Optional[float] = None, min_lr: Optional[float] = None) -> float:

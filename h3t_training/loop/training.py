@@ -98,11 +98,17 @@ def _build_and_load(args, chunks, found, on_gpu: bool):
     return chunks, optimizer, start, notes
 
 
-def _iteration_loss(losses: list) -> float:
-    """Token-weighted mean loss over microbatches and data-parallel replicas (last stage only)."""
+def _loss_sums(losses: list) -> torch.Tensor:
+    """This rank's microbatches' summed loss and loss tokens (float64; zeros off the last pipeline stage)."""
     total = torch.zeros(2, dtype=torch.float64)
     for d in losses:
         total += d["lm loss"].detach().double().cpu()
+    return total
+
+
+def _iteration_loss(losses: list) -> float:
+    """Token-weighted mean loss over microbatches and data-parallel replicas (last stage only)."""
+    total = _loss_sums(losses)
     dp = ps.get_data_parallel_group(with_context_parallel=True)
     if dist.get_world_size(dp) > 1:
         total = all_reduce_host(total, group=dp)
@@ -112,9 +118,7 @@ def _iteration_loss(losses: list) -> float:
 def _iteration_tokens(losses: list) -> int:
     """The loss tokens of this data-parallel rank's microbatches (counted on the last pipeline stage, sent to the
     others as megatron-core's ``finalize_model_grads`` broadcasts them)."""
-    count = torch.zeros(1, dtype=torch.float64)
-    for d in losses:
-        count += d["lm loss"][1].detach().double().cpu()
+    count = _loss_sums(losses)[1:]
     pp = ps.get_pipeline_model_parallel_group()
     if dist.get_world_size(pp) > 1:  # the other stages hold none: a sum is the last stage's
         count = all_reduce_host(count, group=pp)
@@ -249,7 +253,9 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
                     num_microbatches=batches.batch_size(it) // shard, seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size, forward_only=False)
         hygiene.after_forward_backward()
-        _, norm = optimizer.step(it, steps, _iteration_tokens(losses) if args.calculate_per_token_loss else 0)
+        # the CPU optimizer scales by the batch's tokens itself; on a GPU finalize_model_grads has
+        tokens = _iteration_tokens(losses) if args.calculate_per_token_loss and not on_gpu else 0
+        _, norm = optimizer.step(it, steps, tokens)
         if not optimizer.skipped:
             steps += increment(args, it)
         lr = optimizer.schedule.lr(steps)  # what Megatron-LM logs: its scheduler has stepped by then

@@ -17,7 +17,7 @@ ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6
                        optimizer_cpu_offload=False, optimizer_offload_fraction=None, overlap_cpu_optimizer_d2h_h2d=False,
                        use_torch_optimizer_for_cpu_offload=False, pin_cpu_grads=True, pin_cpu_params=True,
                        overlap_grad_reduce=False, fp16=False, lr_wsd_decay_steps=None, lr_wsd_decay_style="exponential",
-                       start_weight_decay=None, end_weight_decay=None, wd_incr_steps=None,
+                       start_weight_decay=0.1, end_weight_decay=0.1, wd_incr_steps=None,
                        weight_decay_incr_style="constant", calculate_per_token_loss=False)
 """The optimizer's fields of the driver's config (which is closed: every field is present, None when unset)."""
 SCHEDULE = ParamSchedule.from_args(ARGS)
