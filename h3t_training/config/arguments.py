@@ -79,6 +79,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-interleaved", action="store_true")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.x's RoPE frequency scaling (megatron-core's RotaryEmbedding rope_scaling)")
+    g.add_argument("--rope-scaling-factor", type=float, default=None,
+                   help="its factor (Megatron-LM's default 8.0); needs --use-rope-scaling")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                   help="RoPE linear position interpolation: positions divided by this factor")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -263,10 +269,13 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
                    help="load the model only; start at iteration 0 with a fresh optimizer and RNG")
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: exit (status 0, as Megatron-LM) instead of training from scratch when it holds "
+                        "no checkpoint")
     g.add_argument("--async-save", action="store_true", help="accepted; this driver saves synchronously")
-    g.add_argument("--override-opt_param-scheduler", action="store_true", dest="override_opt_param_scheduler",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true", dest="override_opt_param_scheduler",
                    help="on resume, use this command line's learning-rate schedule over the checkpoint's")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
                    dest="use_checkpoint_opt_param_scheduler",
                    help="on resume, use the checkpoint's learning-rate schedule over this command line's")
     g.add_argument("--exit-interval", type=int, default=None)
@@ -368,7 +377,8 @@ def check_positive(args):
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "save_interval",
                  "exit_interval",
                  "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
-                 "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples"):
+                 "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples",
+                 "rotary_seq_len_interpolation_factor"):
         v = getattr(args, name)
         if v is not None and v < 1:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [1, inf)")

@@ -55,6 +55,9 @@ REASONS: dict[str, Reason] = {
     "modelopt": Reason("refused", "a flag of Megatron-LM's post-training with NVIDIA ModelOpt (megatron/post_training/"
                        "arguments.py: knowledge distillation, quantization, model export); it changes the loss, "
                        "the model or its numerics; not implemented", "plain language-model pretraining"),
+    "kitchen": Reason("refused", "NVIDIA Kitchen quantization of the linear layers (Megatron-LM defines these flags only "
+                      "where the kitchen package is installed); it changes the numerics; not implemented",
+                      "bf16, or --fp8-format with TransformerEngine"),
     "ckpt_load": Reason("refused", "this checkpoint loading mode is not implemented",
                     "--load DIR (with --finetune / --no-load-optim / --no-load-rng / --ckpt-step)"),
     "seq_model": Reason("refused", "encoder-decoder layer counts do not describe a GPT model",
@@ -147,13 +150,16 @@ MEGATRON_LM: dict[str, str] = {
 --end-weight-decay=1 --weight-decay-incr-style=1
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
 --merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0
+--override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --use-checkpoint-opt-param-scheduler=0
+--use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0 --train-data-path=* --valid-data-path=* --test-data-path=*
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
 --norm-epsilon=1 --normalization=1 --num-attention-heads=1 --num-layers=1
 --num-layers-per-virtual-pipeline-stage=1 --num-query-groups=1 --num-virtual-stages-per-pipeline-rank=1
 --optimizer=1 --overlap-grad-reduce=0 --overlap-param-gather=0 --pipeline-model-parallel-size=1
 --position-embedding-type=1 --recompute-activations=0 --recompute-granularity=1 --recompute-method=1
 --recompute-modules=* --recompute-num-layers=1
---rotary-base=1 --rotary-interleaved=0 --rotary-percent=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
+--rotary-base=1 --rotary-interleaved=0 --rotary-percent=1 --use-rope-scaling=0 --rope-scaling-factor=1
+--rotary-seq-len-interpolation-factor=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
 --sequence-parallel=0 --skip-train=0 --split=1 --swiglu=0 --tensor-model-parallel-size=1 --tensorboard-dir=1
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
 --train-iters=1 --train-samples=1 --untie-embeddings-and-output-weights=0 --use-distributed-optimizer=0
@@ -217,8 +223,8 @@ MEGATRON_LM: dict[str, str] = {
 --activation-func-clamp-value=1 --apply-residual-connection-post-layernorm=0 --attention-output-gate=0
 --mrope-section=+ --no-rope-freq=1 --no-yarn-correction-range-round-to-int=0 --qk-clip=0 --qk-clip-alpha=1
 --qk-clip-threshold=1 --qk-l2-norm=0 --relative-attention-max-distance=1
---relative-attention-num-buckets=1 --rope-scaling-factor=1 --rope-type=1
---rotary-seq-len-interpolation-factor=1 --softmax-type=1 --use-rope-scaling=0 --window-attn-skip-freq=1
+--relative-attention-num-buckets=1 --rope-type=1
+--softmax-type=1 --window-attn-skip-freq=1
 --window-size=1 --yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int=0
 --yarn-original-max-position-embeddings=1""",
     "activation": """
@@ -238,14 +244,15 @@ MEGATRON_LM: dict[str, str] = {
 --fim-data=0 --fim-eod-token=1 --fim-fragment-rate=1 --fim-middle-token=1 --fim-no-prefix=1
 --fim-pad-token=1 --fim-prefix-token=1 --fim-rate=1 --fim-split-sample=1 --fim-spm-rate=1
 --fim-suffix-token=1 --no-data-sharding=0 --per-dataset-sequences-path=1 --per-split-data-args-path=1
---reset-attention-mask=0 --reset-position-ids=0 --sft=0 --sft-tokenizer-prompt-format=1 --test-data-path=*
---train-data-path=* --valid-data-path=*""",
+--reset-attention-mask=0 --reset-position-ids=0 --sft=0 --sft-tokenizer-prompt-format=1""",
     "tokenizer": """
 --chat-template=1 --disable-pad-vocab-size=0 --disable-tokenizer-sentencepiece-ignore-extra-whitespaces=0
 --no-pad-vocab-size=0 --no-tokenizer-sentencepiece-ignore-extra-whitespaces=0 --null-tokenizer-eod-id=1
 --null-tokenizer-pad-id=1 --padded-vocab-size=1 --tokenizer-hf-no-include-special-tokens=0
 --tokenizer-hf-no-use-fast=0 --tokenizer-metadata=1 --tokenizer-sentencepiece-legacy=0
 --tokenizer-special-tokens=+ --trust-remote-code=0 --use-gigatoken=0 --vocab-extra-ids=1""",
+    "kitchen": """
+--kitchen-config-file=1 --kitchen-recipe-number=1""",
     "modelopt": """
 --enable-gpt-oss=0 --export-default-te-spec=0 --export-force-local-attention=0 --export-kd-cfg=1
 --export-kd-teacher-ckpt-format=1 --export-kd-teacher-load=1 --export-kd-teacher-model-config=1
@@ -437,13 +444,13 @@ MEGATRON_LM: dict[str, str] = {
 --ckpt-pg-tensors-cache-path=1 --disable-ckpt-load-validate-sharding-integrity=0
 --disable-save-tokenizer-assets=0 --dist-ckpt-format=1 --dist-ckpt-optim-fully-reshardable=0
 --dist-ckpt-save-pre-mcore-014=0 --dist-ckpt-strictness=1 --dist-ckpt-workers=1
---distrib-optim-fully-reshardable-mem-efficient=0 --exit-on-missing-checkpoint=0
+--distrib-optim-fully-reshardable-mem-efficient=0
 --no-ckpt-fully-parallel-save=0 --no-ckpt-load-validate-sharding-integrity=0 --no-save-optim=0
 --no-save-rng=0 --no-save-tokenizer-assets=0 --non-persistent-ckpt-type=1 --non-persistent-global-ckpt-dir=1
 --non-persistent-local-ckpt-algo=1 --non-persistent-local-ckpt-dir=1 --non-persistent-save-interval=1
---override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --persistent-save-interval=1
+--persistent-save-interval=1
 --replication=0 --replication-factor=1 --replication-jump=1 --save-retain-interval=1
---use-checkpoint-opt-param-scheduler=0 --use-checkpoint-opt_param-scheduler=0 --use-dist-ckpt=0
+--use-dist-ckpt=0
 --use-persistent-ckpt-worker=0 --verify-integrity=0""",
     "eval_extra": """
 --eval-global-batch-size=1 --eval-micro-batch-size=1 --full-validation=0 --multiple-validation-sets=0

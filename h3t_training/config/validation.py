@@ -25,7 +25,7 @@ from h3t_training.data.tokenizer import TokenizerError, tokenizer_from_args
 
 def validate_args(config):
     """Validate and derive; the order matters (later checks use derived sizes)."""
-    for step in (_validate_heads, _validate_layout, _validate_sequence_parallel,
+    for step in (_validate_heads, _validate_rope, _validate_layout, _validate_sequence_parallel,
                  _validate_overlap, _validate_precision, _validate_context_parallel, _validate_alpha,
                  _validate_offload_overlap, _validate_data, _validate_io, _validate_eval_and_logging):
         config = step(config)
@@ -43,6 +43,28 @@ def _validate_heads(args):
         raise ArgumentError(f"--seq-length {args.seq_length} is outside [1, --max-position-embeddings "
                             f"{args.max_position_embeddings}]")
     return args
+
+
+ROPE_SCALING_FACTOR = 8.0
+"""Megatron-LM's default ``--rope-scaling-factor`` (Llama 3.1's)."""
+
+
+def _validate_rope(args):
+    """RoPE's scaling flags act only on rotary positions; --rope-scaling-factor only with --use-rope-scaling (Megatron-LM
+    ignores it without; here it is refused in one line rather than ignored)."""
+    given = [f for f, on in (("--use-rope-scaling", args.use_rope_scaling),
+                             ("--rotary-seq-len-interpolation-factor",
+                              args.rotary_seq_len_interpolation_factor is not None)) if on]
+    if given and args.position_embedding_type != "rope":
+        raise ArgumentError(f"{given[0]} scales rotary positions; this run has --position-embedding-type "
+                            f"{args.position_embedding_type}: add --position-embedding-type rope or drop it")
+    factor = args.rope_scaling_factor
+    if factor is not None and not args.use_rope_scaling:
+        raise ArgumentError(f"--rope-scaling-factor {factor} needs --use-rope-scaling (Llama 3.x's RoPE scaling); "
+                            f"add it or drop the factor")
+    if factor is not None and not factor > 0:
+        raise ArgumentError(f"--rope-scaling-factor {factor} is outside (0, inf)")
+    return args.replace(rope_scaling_factor=ROPE_SCALING_FACTOR if factor is None else factor)
 
 
 def _validate_layout(args):

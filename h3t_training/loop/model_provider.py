@@ -105,6 +105,8 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
                                 position_embedding_type=args.position_embedding_type,
                                 share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                                 rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                                rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+                                seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
                                 backend=spec_backend(args, on_gpu=on_gpu), core_attention=core_attention(args, on_gpu=on_gpu),
                                 device_type="cuda" if on_gpu else "cpu")
     if on_gpu:

@@ -311,6 +311,10 @@ def pretrain(args, *, rank: int, progress: Optional[RunProgress] = None, progres
     progress = progress or RunProgress()
     start_time = time.time()
     found = ckpt_io.find_checkpoint(args, rank=rank)  # before any process group: a bad checkpoint stops all ranks
+    if found is None and args.load and args.exit_on_missing_checkpoint:  # every rank reads the same --load
+        if rank == 0:
+            print(f"note: no checkpoint in --load {args.load}; --exit-on-missing-checkpoint: exiting", flush=True)
+        return 0
     if found is not None and found.adopted:  # the checkpoint's LR schedule, vocabulary padding
         args = args.replace(**found.adopted)
     lock = RunLock(args.save).acquire() if args.save and rank == 0 else None

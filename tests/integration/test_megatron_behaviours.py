@@ -63,3 +63,20 @@ def test_log_line_averages_over_the_interval(tmp_path):
     assert logged[1] == pytest.approx(its[0]["loss"], rel=1e-6)
     assert logged[2] == pytest.approx(its[1]["loss"], rel=1e-6)  # only iteration 2 since the line at 1
     assert logged[4] == pytest.approx((its[2]["loss"] + its[3]["loss"]) / 2, rel=1e-6)
+
+
+def test_exit_on_missing_checkpoint_exits_before_training_and_trains_from_scratch_without_it(tmp_path):
+    """Megatron-LM's --exit-on-missing-checkpoint: a --load that holds no checkpoint ends the run with status 0 (its
+    ``sys.exit()``) before any iteration; without the flag the same command trains from scratch."""
+    load, save, out = tmp_path / "empty", tmp_path / "ckpt", tmp_path / "m.json"
+    load.mkdir()
+    run = [*TINY_GPT, "--train-iters", "2", "--load", str(load), "--save", str(save), "--metrics-json", str(out)]
+    proc = run_pretrain([*run, "--exit-on-missing-checkpoint"], entry="pretrain_gpt.py")
+    check_ok(proc)
+    assert f"note: no checkpoint in --load {load}; --exit-on-missing-checkpoint: exiting" in proc.stdout
+    assert " iteration " not in proc.stdout and not out.exists()
+    assert not (save / "latest_checkpointed_iteration.txt").exists()
+    proc = run_pretrain(run, entry="pretrain_gpt.py")
+    check_ok(proc)
+    assert f"note: no checkpoint in --load {load}; training from scratch" in proc.stdout
+    assert len(metrics(out)["iterations"]) == 2

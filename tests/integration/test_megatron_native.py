@@ -50,6 +50,7 @@ def _parse(extra_args_provider, args_defaults):
             setattr(args, k, v)
     args.padded_vocab_size, args.max_position_embeddings, args.position_embedding_type = 128, 32, "rope"
     args.untie_embeddings_and_output_weights, args.rotary_percent, args.rotary_base = True, 1.0, 10000
+    args.use_rope_scaling, args.rope_scaling_factor, args.rotary_seq_len_interpolation_factor = False, 8.0, None
     _ARGS = args
     return args
 

@@ -45,3 +45,28 @@ def test_megatron_kwai_overlap_p2p_switch_is_the_drivers_default():
     for argv in (BASE, [*BASE, "--overlap-p2p-communication"]):
         assert parse_args(argv, world_size=1).overlap_p2p_comm is True
     assert TABLE["--overlap-p2p-communication"].cls == "implemented"
+
+
+PARSER_CHECKED_REFUSALS = {"megatron_fsdp"}
+"""Table groups whose flags the driver's parser defines and refuses itself where they cannot run (Megatron FSDP on
+CPU: ``config/feature_checks``), so the docs' class is the CPU one and the parser's own check enforces it."""
+
+
+def test_a_flag_the_parser_defines_is_documented_as_what_it_does():
+    """The converse of the table-only rule: a flag the driver's own parser defines is read by the driver, so its row
+    must not call it noticed (accepted and ignored) or refused (the data-path flags and the hyphenated spellings of
+    Megatron-LM's scheduler switches were, while the driver implemented them)."""
+    parser = build_parser("pretrain_gpt.py", {})
+    own = {f: e for f, e in TABLE.items()
+           if not parser._option_string_actions[f].dest.startswith("_table_flag_")}  # noqa: SLF001
+    assert {"--train-data-path", "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"} <= set(own)
+    wrong = {f: (e.key, e.cls) for f, e in own.items()
+             if e.cls != "implemented" and e.key not in PARSER_CHECKED_REFUSALS}
+    assert wrong == {}
+
+
+def test_both_spellings_of_the_scheduler_switches_set_the_same_field():
+    for spelling in ("--override-opt_param-scheduler", "--override-opt-param-scheduler"):
+        assert parse_args([*BASE, spelling], world_size=1).override_opt_param_scheduler is True
+    for spelling in ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"):
+        assert parse_args([*BASE, spelling], world_size=1).use_checkpoint_opt_param_scheduler is True

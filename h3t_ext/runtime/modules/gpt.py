@@ -172,6 +172,9 @@ def build_gpt_model(
     share_embeddings_and_output_weights: bool = False,
     rotary_percent: float = 1.0,
     rotary_base: int = 10000,
+    rope_scaling: bool = False,
+    rope_scaling_factor: float = 8.0,
+    seq_len_interpolation_factor: Optional[float] = None,
     recompute: Recompute = NO_RECOMPUTE,
     device_type: str,
 ) -> GPTModel:
@@ -180,7 +183,9 @@ def build_gpt_model(
 
     Its layers come from ``h3t_layer_spec(config, ckpt=ckpt, backend=backend,
     core_attention=core_attention)`` with Megatron's ``recompute`` built in (:func:`h3t_block_spec`), or from
-    ``layer_spec`` when given (then with megatron-core's default final norm); ``device_type`` ('cpu' or 'cuda') is
+    ``layer_spec`` when given (then with megatron-core's default final norm); RoPE with Llama 3.x's frequency
+    scaling (``rope_scaling``, ``rope_scaling_factor``) and linear position interpolation
+    (``seq_len_interpolation_factor``) as megatron-core's RotaryEmbedding applies them; ``device_type`` ('cpu' or 'cuda') is
     where the model runs, given by the caller (never probed); the ckpt=ours spec raises
     UnsupportedLayerSpecError for configs it cannot run.
     """
@@ -198,6 +203,9 @@ def build_gpt_model(
         position_embedding_type=position_embedding_type,
         rotary_percent=rotary_percent,
         rotary_base=rotary_base,
+        rope_scaling=rope_scaling,
+        rope_scaling_factor=rope_scaling_factor,
+        seq_len_interpolation_factor=seq_len_interpolation_factor,
         vp_stage=vp_stage,
         pg_collection=pg_collection,
         device_type=device_type,
