@@ -285,6 +285,10 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-signal", default="SIGTERM", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"))
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--log-throughput", action="store_true", help="the log line always shows throughput")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="log the L2 norm of the parameters after each step (Megatron-LM's params norm)")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true",
+                   help="log the zero elements of each step's gradients (Megatron-LM's num zeros)")
     g.add_argument("--metrics-json", default=None, metavar="PATH")
     g.add_argument("--no-progress-bar", action="store_true")
 

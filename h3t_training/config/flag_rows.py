@@ -149,7 +149,7 @@ MEGATRON_LM: dict[str, str] = {
 --lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --start-weight-decay=1
 --end-weight-decay=1 --weight-decay-incr-style=1
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
---merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0
+--merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0 --log-params-norm=0 --log-num-zeros-in-grad=0
 --override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --use-checkpoint-opt-param-scheduler=0
 --use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0 --train-data-path=* --valid-data-path=* --test-data-path=*
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
@@ -396,7 +396,7 @@ MEGATRON_LM: dict[str, str] = {
     "profiling": """
 --app-tag-run-name=1 --app-tag-run-version=1 --config-logger-dir=1 --disable-straggler-on-startup=0
 --log-device-memory-used=0 --log-energy=0 --log-max-attention-logit=0 --log-memory-interval=1
---log-num-zeros-in-grad=0 --log-params-norm=0 --log-progress=0 --log-straggler=0 --logging-level=1
+--log-progress=0 --log-straggler=0 --logging-level=1
 --memory-snapshot-path=1 --no-barrier-with-level-1-timing=0 --no-one-logger=0 --nvtx-ranges=0
 --one-logger-async=0 --one-logger-project=1 --one-logger-run-name=1 --otel-enabled=0 --otel-service-name=1
 --otel-span-groups=1 --profile=0 --profile-ranks=+ --profile-step-end=1 --profile-step-start=1

@@ -30,6 +30,7 @@ from h3t_training.loop.collectives import all_reduce_host
 from h3t_training.loop.mcore_buffers import ddp_buffers, fsdp_buffers
 from h3t_training.loop.optimizer_shards import OwnedSlice, bucket_size, owned_slices
 from h3t_training.loop.param_schedule import ParamSchedule
+from h3t_training.loop.param_stats import counted, zeros_in_grads
 
 
 def decoupled_lr_group(args) -> dict:
@@ -82,6 +83,8 @@ class DataParallelAdamW:
         self.sharded = distributed and self.dp_size > 1
         self.skipped = False
         """Whether the last step was skipped (never here: float32 has no loss scaling)."""
+        self.num_zeros_in_grad: Optional[float] = None
+        """Zero elements of the last step's gradients, with --log-num-zeros-in-grad (:mod:`param_stats`)."""
         self.slices = self._layout(chunks, args, pipeline_group) if self.sharded else \
             [OwnedSlice(i, self.dp_rank, 0, p.numel()) for i, p in enumerate(self.params)]
         """Which elements of which parameter every data-parallel rank steps (this rank's only without the
@@ -193,7 +196,7 @@ class DataParallelAdamW:
 
         sq = torch.zeros(1, dtype=torch.float64)
         for p in self.params:  # the last stage's copy of a tied embedding (``shared``) is counted once, as Megatron
-            if (getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0) and not getattr(p, "shared", False):
+            if counted(p, self.tp_rank):
                 sq += local(p.grad).double().pow(2).sum()
         if self.fsdp and self.dp_size > 1:  # each rank holds one shard of every gradient
             sq = all_reduce_host(sq, group=self.dp_group)
@@ -231,6 +234,9 @@ class DataParallelAdamW:
         if coeff < 1.0:
             for p in self.params:
                 p.grad.mul_(coeff)
+        self.num_zeros_in_grad = zeros_in_grads(  # after clipping, as megatron-core counts them
+            self.params, tp_rank=self.tp_rank, model_parallel_group=self.mp_group,
+            shard_group=self.dp_group if self.fsdp else None) if self.args.log_num_zeros_in_grad else None
         lr = self.schedule.apply(self._param_groups(), num_steps)
         self._attach_grads()
         if self.has_params:
@@ -453,6 +459,7 @@ class MegatronOptimizerAdapter:
                               loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
                               min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
                               hysteresis=args.hysteresis, decoupled_lr=args.decoupled_lr,
+                              log_num_zeros_in_grad=args.log_num_zeros_in_grad,
                               decoupled_min_lr=args.decoupled_min_lr, **optimizer_config_fields(args),
                               **optimizer_dtype_fields(args))
         self.opt = get_megatron_optimizer(cfg, chunks)
@@ -460,6 +467,8 @@ class MegatronOptimizerAdapter:
         self.skipped = False
         """Whether the last step was skipped: with --fp16 an overflow skips it and lowers the loss scale
         (megatron-core's dynamic grad scaler, as in Megatron-LM)."""
+        self.num_zeros_in_grad: Optional[float] = None
+        """megatron-core's count of the last step's zero gradient elements, with --log-num-zeros-in-grad."""
 
     def get_loss_scale(self) -> float:
         scale = self.opt.get_loss_scale()
@@ -474,8 +483,9 @@ class MegatronOptimizerAdapter:
         # megatron-core's groups carry max_lr/min_lr (--decoupled-lr) and wd_mult (0: no decay); its
         # finalize_model_grads has divided the gradients by the batch's tokens already (--calculate-per-token-loss)
         lr = self.schedule.apply(self.opt.param_groups, num_steps)
-        ok, norm, _ = self.opt.step()
+        ok, norm, zeros = self.opt.step()
         self.skipped = not ok
+        self.num_zeros_in_grad = zeros if self.args.log_num_zeros_in_grad else None
         return lr, norm
 
     def sharded_state_dict(self, model_sharded_state_dicts: list, *, is_loading: bool = False,

@@ -36,6 +36,7 @@ from h3t_training.loop.model_provider import build_model_chunks, num_parameters
 from h3t_training.loop.optimizer import NonFiniteError
 from h3t_training.loop.optimizer_offload import cpu_notes
 from h3t_training.loop.param_schedule import increment, resumed_steps, steps_before
+from h3t_training.loop.param_stats import params_l2_norm
 from h3t_training.telemetry.prediction import predicted_scalars
 from h3t_training.launch.run_guard import RunLock
 from h3t_training.telemetry.scalars import TrainingScalars
@@ -264,8 +265,10 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         loss = _iteration_loss(losses) if is_last_stage else float("nan")
         if args.check_for_nan_in_loss_and_grad:
             _check_loss(loss if is_last_stage else 0.0, it + 1)
-        rec = logger.record(it + 1, loss, time.perf_counter() - t0, lr, norm, loss_scale=optimizer.get_loss_scale(),
-                            skipped=optimizer.skipped)
+        elapsed = time.perf_counter() - t0
+        rec = logger.record(it + 1, loss, elapsed, lr, norm, loss_scale=optimizer.get_loss_scale(),
+                            skipped=optimizer.skipped, num_zeros=optimizer.num_zeros_in_grad,
+                            params_norm=_params_norm(args, chunks, on_gpu) if args.log_params_norm else None)
         done = it + 1
         _write_scalars(args, scalars, rec, optimizer, runtime, chunks, config)
         hygiene.after_iteration(done)
@@ -286,6 +289,14 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         if leave or (args.exit_interval and done % args.exit_interval == 0):
             return done, True
     return done, False
+
+
+def _params_norm(args, chunks, on_gpu: bool) -> float:
+    """--log-params-norm: the parameters' L2 norm after the step, as Megatron-LM's ``calc_params_l2_norm`` (on a GPU with
+    --bf16, of the optimizer's fp32 main parameters)."""
+    return params_l2_norm([p for c in chunks for p in c.parameters()], tp_rank=ps.get_tensor_model_parallel_rank(),
+                          model_parallel_group=ps.get_model_parallel_group(),
+                          shard_group=ps.get_data_parallel_group(with_context_parallel=True), bf16=on_gpu and args.bf16)
 
 
 def _final_evaluations(args, evaluator: Evaluator, scalars: TrainingScalars, iteration: int) -> None:

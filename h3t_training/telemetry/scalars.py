@@ -56,6 +56,9 @@ class TrainingScalars:
                 self._pair("world-size", a.world_size, it)
             if rec["grad_norm"] is not None:
                 self._pair("grad-norm", rec["grad_norm"], it)
+            for key, tag in (("num_zeros_in_grad", "num-zeros"), ("params_norm", "params-norm")):
+                if rec.get(key) is not None:
+                    self._pair(tag, rec[key], it)
             if a.log_memory_to_tensorboard:
                 for tag, value in self._memory().items():
                     self.writer.add_scalar(tag, value, it)

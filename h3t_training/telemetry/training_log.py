@@ -81,15 +81,18 @@ class IterationLogger:
             print(line, flush=True)
 
     def record(self, iteration: int, loss: float, elapsed_s: float, lr: float, grad_norm: Optional[float], *,
-               loss_scale: float = 1.0, skipped: bool = False) -> dict:
-        """Store one iteration's metrics (1-based iteration) and print the log line when due."""
+               loss_scale: float = 1.0, skipped: bool = False, num_zeros: Optional[float] = None,
+               params_norm: Optional[float] = None) -> dict:
+        """Store one iteration's metrics (1-based iteration) and print the log line when due; ``num_zeros`` and
+        ``params_norm`` with --log-num-zeros-in-grad and --log-params-norm (else None)."""
         a = self.args
         batch = schedule_of(a).batch_size(iteration - 1)
         tps_gpu = batch * a.seq_length / elapsed_s / a.world_size
         tflops = self.flops_per_token * tps_gpu / 1e12
         rec = {"iteration": iteration, "loss": loss, "global_batch_size": batch, "tokens_per_second_per_gpu": tps_gpu,
                "mfu": tflops * 1e12 / self.peak, "tflops_per_gpu": tflops, "elapsed_ms": elapsed_s * 1e3,
-               "learning_rate": lr, "grad_norm": grad_norm, "loss_scale": loss_scale, "skipped": skipped}
+               "learning_rate": lr, "grad_norm": grad_norm, "loss_scale": loss_scale, "skipped": skipped,
+               "num_zeros_in_grad": num_zeros, "params_norm": params_norm}
         self.records.append(rec)
         self._interval.append(rec)
         if not self.enabled:
@@ -117,6 +120,11 @@ class IterationLogger:
         nan = sum(1 for r in recs if not math.isfinite(r["loss"])
                   or (r["grad_norm"] is not None and not math.isfinite(r["grad_norm"])))
         norm = "" if grad_norm is None else f" grad norm: {grad_norm:.3f} |"
+        last = recs[-1]  # Megatron prints these two of the logged iteration, after the grad norm
+        if last["num_zeros_in_grad"] is not None:
+            norm += f" num zeros: {last['num_zeros_in_grad']} |"
+        if last["params_norm"] is not None:
+            norm += f" params norm: {last['params_norm']:.3f} |"
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         return (f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
                 f"{schedule_of(a).consumed_samples(iteration):12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "

@@ -18,7 +18,7 @@ ARGS = SimpleNamespace(lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, lr_decay_iters=6
                        use_torch_optimizer_for_cpu_offload=False, pin_cpu_grads=True, pin_cpu_params=True,
                        overlap_grad_reduce=False, fp16=False, lr_wsd_decay_steps=None, lr_wsd_decay_style="exponential",
                        start_weight_decay=0.1, end_weight_decay=0.1, wd_incr_steps=None,
-                       weight_decay_incr_style="constant", calculate_per_token_loss=False)
+                       weight_decay_incr_style="constant", calculate_per_token_loss=False, log_num_zeros_in_grad=False)
 """The optimizer's fields of the driver's config (which is closed: every field is present, None when unset)."""
 SCHEDULE = ParamSchedule.from_args(ARGS)
 """Counted in iterations (no sample counts): the update of iteration s runs at num_steps s, as Megatron-LM's."""

@@ -57,7 +57,8 @@ def test_cpu_classes_are_unchanged_on_cpu():
     assert reason_on(TABLE["--fp8-format"], gpu).cls == "implemented"
     assert reason_on(TABLE["--tp-comm-overlap"], gpu).cls == "refused"
     assert reason_on(TABLE["--enable-cuda-graph"], gpu).cls == "refused"
-    assert reason_on(TABLE["--log-params-norm"], gpu).cls == "noticed"
+    assert reason_on(TABLE["--log-memory-interval"], gpu).cls == "noticed"
+    assert reason_on(TABLE["--log-params-norm"], gpu).cls == "implemented"
 
 
 def test_fp8_on_a_gpu_without_transformer_engine_is_refused_naming_it(monkeypatch, capsys):
