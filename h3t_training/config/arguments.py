@@ -298,6 +298,12 @@ def _add_eval_and_logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-interval", type=int, default=1000, help="evaluate on the validation split every N iterations")
     g.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation (0: no evaluation)")
     g.add_argument("--skip-train", action="store_true", help="evaluate only (validation, then test)")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="samples per evaluation iteration (default --global-batch-size)")
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="samples per evaluation microbatch (default --micro-batch-size)")
+    g.add_argument("--start-eval-at-iter", type=int, default=None,
+                   help="evaluate at the interval only from this iteration on")
     g = p.add_argument_group("TensorBoard and wandb (written by the last rank)")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
@@ -381,6 +387,7 @@ def check_positive(args):
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "save_interval",
                  "exit_interval",
                  "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
+                 "eval_global_batch_size", "eval_micro_batch_size",
                  "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples",
                  "rotary_seq_len_interpolation_factor"):
         v = getattr(args, name)
@@ -400,9 +407,9 @@ def check_positive(args):
         raise ArgumentError(f"--exit-duration-in-mins {args.exit_duration_in_mins} is outside [0, inf) (0: no "
                             f"limit, as in Megatron-LM)")
     for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters", "lr_warmup_samples",
-                 "eval_iters"):
+                 "eval_iters", "start_eval_at_iter"):
         v = getattr(args, name)
-        if v < 0:
+        if v is not None and v < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, inf)")
     for name in ("min_lr", "lr_warmup_init"):  # megatron-core's scheduler asserts min_lr <= lr and init_lr <= lr
         v = getattr(args, name)

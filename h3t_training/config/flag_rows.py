@@ -126,8 +126,9 @@ REASONS: dict[str, Reason] = {
                          "(h3t_training/loop/sdc_guards.py)"),
     "ckpt_io": Reason("noticed", "a checkpoint I/O strategy setting; this driver writes megatron-core torch_dist checkpoints synchronously with every shard",
                     "none needed"),
-    "eval_extra": Reason("noticed", "a validation setting beyond --eval-interval/--eval-iters; validation uses the training micro and global batch sizes on the single validation split",
-                    "none needed"),
+    "eval_extra": Reason("refused", "validation over the whole validation split at every evaluation, or one loss per "
+                         "validation dataset, is not implemented; without it the validation losses reported would "
+                         "be others", "--eval-iters N (N batches of --eval-global-batch-size) on one validation split"),
 }
 
 # reason key -> 'flag=arity ...' (Megatron-LM's pretrain_gpt.py flags, from its parser at MEGATRON_LM_SOURCE)
@@ -150,6 +151,7 @@ MEGATRON_LM: dict[str, str] = {
 --end-weight-decay=1 --weight-decay-incr-style=1
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
 --merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0 --log-params-norm=0 --log-num-zeros-in-grad=0
+--eval-global-batch-size=1 --eval-micro-batch-size=1 --start-eval-at-iter=1
 --override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --use-checkpoint-opt-param-scheduler=0
 --use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0 --train-data-path=* --valid-data-path=* --test-data-path=*
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
@@ -396,7 +398,7 @@ MEGATRON_LM: dict[str, str] = {
     "profiling": """
 --app-tag-run-name=1 --app-tag-run-version=1 --config-logger-dir=1 --disable-straggler-on-startup=0
 --log-device-memory-used=0 --log-energy=0 --log-max-attention-logit=0 --log-memory-interval=1
---log-progress=0 --log-straggler=0 --logging-level=1
+--log-progress=0 --test-mode=0 --log-straggler=0 --logging-level=1
 --memory-snapshot-path=1 --no-barrier-with-level-1-timing=0 --no-one-logger=0 --nvtx-ranges=0
 --one-logger-async=0 --one-logger-project=1 --one-logger-run-name=1 --otel-enabled=0 --otel-service-name=1
 --otel-span-groups=1 --profile=0 --profile-ranks=+ --profile-step-end=1 --profile-step-start=1
@@ -453,8 +455,7 @@ MEGATRON_LM: dict[str, str] = {
 --use-dist-ckpt=0
 --use-persistent-ckpt-worker=0 --verify-integrity=0""",
     "eval_extra": """
---eval-global-batch-size=1 --eval-micro-batch-size=1 --full-validation=0 --multiple-validation-sets=0
---start-eval-at-iter=1 --test-mode=0 --validation-set-names=+""",
+--full-validation=0 --multiple-validation-sets=0 --validation-set-names=+""",
 }
 
 # Megatron-Kwai's flags that Megatron-LM does not have (KWAI_SOURCE)

@@ -64,8 +64,6 @@ GPU_NEUTRAL: dict[str, GpuRule] = {
     "ckpt_io": _neutral("a checkpoint I/O strategy setting; this driver writes megatron-core torch_dist "
                         "checkpoints synchronously with every shard, on a GPU as on CPU (the steps between saves "
                         "are the same)"),
-    "eval_extra": _neutral("a validation setting beyond --eval-interval/--eval-iters; validation uses the training "
-                           "micro and global batch sizes on the single validation split, on a GPU as on CPU"),
     "megatron_offload_tuning": _neutral("a setting of Megatron-LM's own offload manager, which this driver does not "
                                         "run on a GPU either: Megatron's offload request runs as h3t-ext's "
                                         "--offload-alpha, whose pinned host pool persists and which copies one layer "

@@ -223,7 +223,19 @@ def resolve_tokenizer(args):
     return args.replace(tokenizer_vocab_size=tokenizer.vocab_size)
 
 
+def _eval_batches(args):
+    """--eval-global-batch-size and --eval-micro-batch-size, defaulting to the training's final batch and microbatch (as
+    Megatron-LM's validate_args); the global one a multiple of the micro one times the data-parallel size."""
+    gbs = args.global_batch_size if args.eval_global_batch_size is None else args.eval_global_batch_size
+    mbs = args.micro_batch_size if args.eval_micro_batch_size is None else args.eval_micro_batch_size
+    if gbs % (mbs * args.data_parallel_size):
+        raise ArgumentError(f"--eval-global-batch-size {gbs} is not a multiple of --eval-micro-batch-size {mbs} x "
+                            f"data-parallel size {args.data_parallel_size}")
+    return args.replace(eval_global_batch_size=gbs, eval_micro_batch_size=mbs)
+
+
 def _validate_eval_and_logging(args):
+    args = _eval_batches(args)
     try:  # the one --split parser (also run earlier with the Megatron-compat step); unset with per-split paths
         shares = None if args.split is None else parse_split(str(args.split), allow_no_train=True)
     except DataFileError as e:

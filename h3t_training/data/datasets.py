@@ -21,6 +21,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 
 from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data.data_checks import parse_split
+from h3t_training.data.eval_schedule import validation_samples
 from h3t_training.launch.quiet_imports import DropMessages
 
 _CP_SPLIT_TAKES_HYBRID = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
@@ -55,11 +56,14 @@ logging.getLogger("megatron.core.datasets.gpt_dataset").addFilter(DropMessages("
 
 def split_sizes(args) -> list[int]:
     """Samples per split as Megatron-LM computes them: train, the samples of ``train_iters`` iterations
-    (``train_iters*B`` at a constant batch size); valid ``(train_iters // eval_interval + 1) * eval_iters * B``
-    (every evaluation plus the one at the end), test ``eval_iters * B``, with B the final batch size."""
-    B = args.global_batch_size
-    return [schedule_of(args).consumed_samples(args.train_iters),
-            (args.train_iters // args.eval_interval + 1) * args.eval_iters * B, args.eval_iters * B]
+    (``train_iters*B`` at a constant batch size); valid, every evaluation's ``eval_iters * E`` samples
+    (:func:`~h3t_training.data.eval_schedule.validation_samples`); test ``eval_iters * E``, with E
+    ``--eval-global-batch-size``."""
+    E = args.eval_global_batch_size
+    valid = validation_samples(train_iters=args.train_iters, eval_interval=args.eval_interval,
+                               eval_iters=args.eval_iters, eval_global_batch_size=E,
+                               start_eval_at_iter=args.start_eval_at_iter, skip_train=args.skip_train)
+    return [schedule_of(args).consumed_samples(args.train_iters), valid, args.eval_iters * E]
 
 
 def _split_weights(split: str) -> list[float]:
@@ -211,10 +215,14 @@ class MicrobatchIterator:
 
 
 def build_data_iterators(args, dataset, *, start_iteration: int, num_chunks: int, data_parallel_rank: int,
-                         device: torch.device, cp_group=None) -> list[MicrobatchIterator]:
+                         device: torch.device, cp_group=None, global_batch_size: Optional[int] = None,
+                         micro_batch_size: Optional[int] = None) -> list[MicrobatchIterator]:
     """One iterator per model chunk (each chunk's forward consumes its own, in the same order); with a
-    context-parallel group of size c > 1 each yields this rank's two sequence chunks."""
-    return [MicrobatchIterator(dataset, start_iteration=start_iteration, global_batch_size=schedule_of(args),
-                               micro_batch_size=args.micro_batch_size, data_parallel_rank=data_parallel_rank,
+    context-parallel group of size c > 1 each yields this rank's two sequence chunks. Batches follow the training's
+    batch schedule and micro batch, or ``global_batch_size`` (constant) and ``micro_batch_size`` (evaluation's)."""
+    return [MicrobatchIterator(dataset, start_iteration=start_iteration,
+                               global_batch_size=schedule_of(args) if global_batch_size is None else global_batch_size,
+                               micro_batch_size=micro_batch_size or args.micro_batch_size,
+                               data_parallel_rank=data_parallel_rank,
                                data_parallel_size=args.data_parallel_size, device=device, cp_group=cp_group)
             for _ in range(num_chunks)]

@@ -1,6 +1,7 @@
 """Evaluation on the validation and test splits, as Megatron-LM's ``evaluate`` / ``evaluate_and_print_results``.
 
-An evaluation runs ``--eval-iters`` forward-only iterations of ``--global-batch-size`` samples through
+An evaluation runs ``--eval-iters`` forward-only iterations of ``--eval-global-batch-size`` samples (default
+``--global-batch-size``) in microbatches of ``--eval-micro-batch-size`` (default ``--micro-batch-size``) through
 the training loop's h3t-ext runtime (its forward-backward function for the layout, forward only: no backward, no
 activation offload) with every model chunk in eval mode (dropout off) and back in train mode afterwards,
 under ``torch.no_grad``. Its loss is the token-weighted mean over all its microbatches and
@@ -8,10 +9,11 @@ data-parallel replicas, computed on the last pipeline stage; the perplexity is `
 
 Data positions follow Megatron-LM: one validation iterator serves every evaluation of a run and
 continues where the previous one stopped (Megatron keeps ``consumed_valid_samples``), which is why
-the validation split holds ``(train_iters // eval_interval + 1) * eval_iters`` batches. Here the
+the validation split holds every evaluation's batches (:mod:`h3t_training.data.eval_schedule`). Here the
 position is a pure function of the iteration, like the training data's: a run starting (or
-resuming) at iteration ``s`` starts the validation data at batch ``(s // eval_interval) * eval_iters``,
-exactly where an uninterrupted run would be; ``--skip-train`` starts it at 0, as Megatron does.
+resuming) at iteration ``s`` starts the validation data after the batches of the evaluations before ``s``
+(``--start-eval-at-iter`` skips the earlier ones), exactly where an uninterrupted run would be; ``--skip-train``
+starts it at 0, as Megatron does.
 The test iterator starts at 0 and serves the one test evaluation at the end.
 
 The evaluation reads its own iterators, runs no optimizer step and draws no random numbers (eval
@@ -30,6 +32,7 @@ from megatron.core import parallel_state as ps
 from h3t_ext.runtime.pipeline.schedules import H3TSchedules
 from h3t_training.config.memory_hygiene import MemoryHygiene
 from h3t_training.data.datasets import build_data_iterators
+from h3t_training.data.eval_schedule import evaluation_due, evaluations_before
 from h3t_training.loop.collectives import all_reduce_host
 
 
@@ -73,7 +76,8 @@ class Evaluator:
         self.hygiene = hygiene
         self.print_fn, self.is_logging_rank = print_fn, is_logging_rank
         self.results: list[EvalResult] = []
-        first_valid = 0 if args.skip_train else (start_iteration // args.eval_interval) * args.eval_iters
+        first_valid = 0 if args.skip_train else evaluations_before(
+            start_iteration, args.eval_interval, args.start_eval_at_iter) * args.eval_iters
         self.valid = self._iterators(valid_dataset, first_valid, device)
         self.test = self._iterators(test_dataset, 0, device)
 
@@ -82,7 +86,9 @@ class Evaluator:
             return None
         return build_data_iterators(self.args, dataset, start_iteration=first_batch, num_chunks=len(self.chunks),
                                     data_parallel_rank=ps.get_data_parallel_rank(), device=device,
-                                    cp_group=ps.get_context_parallel_group())
+                                    cp_group=ps.get_context_parallel_group(),
+                                    global_batch_size=self.args.eval_global_batch_size,
+                                    micro_batch_size=self.args.eval_micro_batch_size)
 
     @property
     def do_valid(self) -> bool:
@@ -94,7 +100,7 @@ class Evaluator:
 
     def due(self, iteration: int) -> bool:
         """An evaluation follows training iteration ``iteration`` (1-based), as in Megatron's loop."""
-        return self.do_valid and iteration % self.args.eval_interval == 0
+        return self.do_valid and evaluation_due(iteration, self.args.eval_interval, self.args.start_eval_at_iter)
 
     def evaluate(self, iteration: int, split: str, *, at_end: bool = False) -> Optional[EvalResult]:
         """Run one evaluation on every rank; the result (and the printed box) on the logging rank."""
@@ -120,8 +126,9 @@ class Evaluator:
             with torch.no_grad():
                 for _ in range(a.eval_iters):
                     losses = fb(forward_step_func=self.forward_step_func, data_iterator=iterators, model=self.chunks,
-                                num_microbatches=a.num_microbatches, seq_length=a.seq_length,
-                                micro_batch_size=a.micro_batch_size, forward_only=True)
+                                num_microbatches=a.eval_global_batch_size // (a.eval_micro_batch_size
+                                                                              * a.data_parallel_size),
+                                seq_length=a.seq_length, micro_batch_size=a.eval_micro_batch_size, forward_only=True)
                     self.hygiene.after_eval_step()
                     for d in losses or ():
                         total += d["lm loss"].detach().double().cpu()
