@@ -99,16 +99,19 @@ class IterationLogger:
             return rec
         if self.progress is not None:
             self.progress.update(self.task, completed=iteration, description=f"loss {loss:.4f}")
-        if iteration % a.log_interval == 0 or iteration in (1, a.train_iters):
-            self._print(self._line(iteration, lr, grad_norm))
+        first = len(self.records) == 1  # the first iteration of this run (a resumed run's too)
+        if iteration % a.log_interval == 0 or first:
+            self._print(self._line(iteration, lr, grad_norm, reset=not first))
         return rec
 
-    def _line(self, iteration: int, lr: float, grad_norm: Optional[float]) -> str:
-        """Megatron's log line: time, throughput and loss averaged over the iterations since the last line;
-        learning rate, grad norm and loss scale of this iteration (1.0 without fp16 loss scaling); the counts of
-        skipped (fp16 overflow) and non-finite iterations in the interval."""
+    def _line(self, iteration: int, lr: float, grad_norm: Optional[float], *, reset: bool = True) -> str:
+        """Megatron's log line: time, throughput and loss averaged over the iterations since the last interval's
+        line; learning rate, grad norm and loss scale of this iteration (1.0 without fp16 loss scaling); the counts of
+        skipped (fp16 overflow) and non-finite iterations in the interval. Megatron-LM (0.19) also prints the run's
+        first iteration, without starting a new interval (``reset=False``): the next line still averages from it."""
         a, recs = self.args, self._interval
-        self._interval = []
+        if reset:
+            self._interval = []
         n = len(recs)
         elapsed_ms = sum(r["elapsed_ms"] for r in recs) / n
         tokens = sum(r["global_batch_size"] for r in recs) * a.seq_length

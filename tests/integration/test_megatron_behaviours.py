@@ -61,7 +61,8 @@ def test_log_line_averages_over_the_interval(tmp_path):
         r"number of nan iterations:\s+0 \|", proc.stdout)}
     assert sorted(logged) == [1, 2, 4]
     assert logged[1] == pytest.approx(its[0]["loss"], rel=1e-6)
-    assert logged[2] == pytest.approx(its[1]["loss"], rel=1e-6)  # only iteration 2 since the line at 1
+    # Megatron-LM 0.19 prints the first iteration without starting a new interval: the line at 2 averages 1 and 2
+    assert logged[2] == pytest.approx((its[0]["loss"] + its[1]["loss"]) / 2, rel=1e-6)
     assert logged[4] == pytest.approx((its[2]["loss"] + its[3]["loss"]) / 2, rel=1e-6)
 
 
@@ -80,3 +81,25 @@ def test_exit_on_missing_checkpoint_exits_before_training_and_trains_from_scratc
     check_ok(proc)
     assert f"note: no checkpoint in --load {load}; training from scratch" in proc.stdout
     assert len(metrics(out)["iterations"]) == 2
+
+
+def test_log_lines_at_the_runs_first_iteration_and_the_interval_only(tmp_path):
+    """Lines at the first iteration of each run (a resumed one's too) and at multiples of --log-interval, as
+    Megatron-LM 0.19 prints them: none at a last iteration off the interval."""
+    save = tmp_path / "ckpt"
+    base = [*TINY_GPT, "--train-iters", "5", "--log-interval", "2", "--save", str(save)]
+
+    def lines(proc):
+        return {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+            r"iteration\s+(\d+)/\s+5 \|.*? lm loss: (\S+) \|", proc.stdout)}
+
+    first = run_pretrain([*base, "--exit-interval", "2", "--metrics-json", str(tmp_path / "a.json")],
+                         entry="pretrain_gpt.py")
+    check_ok(first)
+    assert sorted(lines(first)) == [1, 2]
+    resumed = run_pretrain([*base, "--load", str(save), "--metrics-json", str(tmp_path / "b.json")],
+                           entry="pretrain_gpt.py")
+    check_ok(resumed)
+    logged, its = lines(resumed), metrics(tmp_path / "b.json")["iterations"]
+    assert sorted(logged) == [3, 4]
+    assert logged[4] == pytest.approx((its[0]["loss"] + its[1]["loss"]) / 2, rel=1e-6)  # iterations 3 and 4
