@@ -257,6 +257,11 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     add_tokenizer_flags(g)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--dataloader-type", default="single", choices=("single", "cyclic", "external"),
+                   help="single: the split in order; cyclic: each data-parallel rank's bucket of it in a fresh random "
+                        "order every epoch (Megatron-LM's samplers)")
+    g.add_argument("--no-data-sharding", action="store_false", dest="data_sharding",
+                   help="with cyclic: one permutation over all ranks (not implemented; refused)")
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)

@@ -151,7 +151,7 @@ MEGATRON_LM: dict[str, str] = {
 --end-weight-decay=1 --weight-decay-incr-style=1
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
 --merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0 --log-params-norm=0 --log-num-zeros-in-grad=0
---eval-global-batch-size=1 --eval-micro-batch-size=1 --start-eval-at-iter=1
+--eval-global-batch-size=1 --eval-micro-batch-size=1 --start-eval-at-iter=1 --dataloader-type=1 --no-data-sharding=0
 --override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --use-checkpoint-opt-param-scheduler=0
 --use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0 --train-data-path=* --valid-data-path=* --test-data-path=*
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
@@ -242,10 +242,10 @@ MEGATRON_LM: dict[str, str] = {
 --muon-use-syrk=0 --no-weight-decay-cond-type=1 --phase-transition-iterations=1
 --sgd-momentum=1""",
     "data": """
---allow-ambiguous-pad-tokens=0 --data-args-path=1 --dataloader-inter-document-masking=0 --dataloader-type=1
+--allow-ambiguous-pad-tokens=0 --data-args-path=1 --dataloader-inter-document-masking=0
 --fim-data=0 --fim-eod-token=1 --fim-fragment-rate=1 --fim-middle-token=1 --fim-no-prefix=1
 --fim-pad-token=1 --fim-prefix-token=1 --fim-rate=1 --fim-split-sample=1 --fim-spm-rate=1
---fim-suffix-token=1 --no-data-sharding=0 --per-dataset-sequences-path=1 --per-split-data-args-path=1
+--fim-suffix-token=1 --per-dataset-sequences-path=1 --per-split-data-args-path=1
 --reset-attention-mask=0 --reset-position-ids=0 --sft=0 --sft-tokenizer-prompt-format=1""",
     "tokenizer": """
 --chat-template=1 --disable-pad-vocab-size=0 --disable-tokenizer-sentencepiece-ignore-extra-whitespaces=0

@@ -234,8 +234,20 @@ def _eval_batches(args):
     return args.replace(eval_global_batch_size=gbs, eval_micro_batch_size=mbs)
 
 
+def _validate_sampling(args):
+    """--dataloader-type: single and cyclic are sampled as Megatron-LM samples them; external (the user's own
+    loader, which Megatron-LM takes from a custom dataset provider) and cyclic without data sharding are not."""
+    if args.dataloader_type == "external":
+        raise ArgumentError("--dataloader-type external hands Megatron-LM a loader from the user's own dataset provider, "
+                            "which this driver does not take; use single or cyclic with --data-path")
+    if args.dataloader_type == "cyclic" and not args.data_sharding:
+        raise ArgumentError("--no-data-sharding with --dataloader-type cyclic (one permutation over all ranks) is not "
+                            "implemented; leave it out (each rank samples its own bucket, Megatron-LM's default)")
+    return args
+
+
 def _validate_eval_and_logging(args):
-    args = _eval_batches(args)
+    args = _validate_sampling(_eval_batches(args))
     try:  # the one --split parser (also run earlier with the Megatron-compat step); unset with per-split paths
         shares = None if args.split is None else parse_split(str(args.split), allow_no_train=True)
     except DataFileError as e:

@@ -22,6 +22,7 @@ from megatron.core.utils import get_batch_on_this_cp_rank
 from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
 from h3t_training.data.data_checks import parse_split
 from h3t_training.data.eval_schedule import validation_samples
+from h3t_training.data.samplers import DATALOADER_TYPES, cyclic_indices, single_indices
 from h3t_training.launch.quiet_imports import DropMessages
 
 _CP_SPLIT_TAKES_HYBRID = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
@@ -178,11 +179,16 @@ def build_train_dataset(args, tokenizer) -> GPTDataset:
 
 class MicrobatchIterator:
     """Yields this data-parallel rank's microbatches, iteration after iteration (``global_batch_size``: an int,
-    or a :class:`~h3t_training.data.batch_schedule.BatchSchedule` whose batch size changes with the iteration)."""
+    or a :class:`~h3t_training.data.batch_schedule.BatchSchedule` whose batch size changes with the iteration),
+    with the samples Megatron-LM's ``--dataloader-type`` (``sampling``) gives the rank (:mod:`samplers`)."""
 
     def __init__(self, dataset, *, start_iteration: int, global_batch_size, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, device: torch.device, cp_group=None):
+                 data_parallel_rank: int, data_parallel_size: int, device: torch.device, cp_group=None,
+                 sampling: str = "single"):
+        if sampling not in DATALOADER_TYPES:
+            raise ValueError(f"sampling {sampling!r} is not one of {DATALOADER_TYPES}")
         self.dataset = dataset
+        self.sampling = sampling
         self.cp_group = cp_group
         self.schedule = global_batch_size if isinstance(global_batch_size, BatchSchedule) \
             else BatchSchedule.constant(global_batch_size)
@@ -201,8 +207,14 @@ class MicrobatchIterator:
         return self
 
     def __next__(self) -> dict:
-        first = self.first_sample + self.microbatch * self.mbs * self.dp + self.dp_rank * self.mbs
-        samples = [self.dataset[first + i] for i in range(self.mbs)]
+        consumed = self.first_sample + self.microbatch * self.mbs * self.dp
+        if self.sampling == "cyclic":
+            indices = cyclic_indices(consumed, total_samples=len(self.dataset), micro_batch_size=self.mbs,
+                                     data_parallel_size=self.dp, data_parallel_rank=self.dp_rank)
+        else:
+            indices = single_indices(consumed, micro_batch_size=self.mbs, data_parallel_size=self.dp,
+                                     data_parallel_rank=self.dp_rank)
+        samples = [self.dataset[i] for i in indices]
         self.microbatch += 1
         if self.microbatch == self.num_microbatches:
             self.microbatch = 0
@@ -224,5 +236,6 @@ def build_data_iterators(args, dataset, *, start_iteration: int, num_chunks: int
                                global_batch_size=schedule_of(args) if global_batch_size is None else global_batch_size,
                                micro_batch_size=micro_batch_size or args.micro_batch_size,
                                data_parallel_rank=data_parallel_rank,
-                               data_parallel_size=args.data_parallel_size, device=device, cp_group=cp_group)
+                               data_parallel_size=args.data_parallel_size, device=device, cp_group=cp_group,
+                               sampling=args.dataloader_type)
             for _ in range(num_chunks)]
