@@ -88,6 +88,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--embedding-init-method-std", type=float, default=None,
+                   help="std of the word (and learned position) embeddings' normal init (default --init-method-std)")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--bf16", action="store_true")
@@ -412,7 +414,7 @@ def check_positive(args):
         raise ArgumentError(f"--exit-duration-in-mins {args.exit_duration_in_mins} is outside [0, inf) (0: no "
                             f"limit, as in Megatron-LM)")
     for name in ("min_lr", "weight_decay", "clip_grad", "init_method_std", "lr_warmup_iters", "lr_warmup_samples",
-                 "eval_iters", "start_eval_at_iter"):
+                 "eval_iters", "start_eval_at_iter", "embedding_init_method_std"):
         v = getattr(args, name)
         if v is not None and v < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} {v} is outside [0, inf)")

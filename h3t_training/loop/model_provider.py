@@ -69,6 +69,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
         num_query_groups=args.num_query_groups,
         ffn_hidden_size=args.ffn_hidden_size,
         init_method_std=args.init_method_std,
+        embedding_init_method_std=args.embedding_init_method_std,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
