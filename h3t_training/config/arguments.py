@@ -88,6 +88,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--data-parallel-random-init", action="store_true",
+                   help="seed each data-parallel replica's generators apart (dropout); weights from the first")
     g.add_argument("--embedding-init-method-std", type=float, default=None,
                    help="std of the word (and learned position) embeddings' normal init (default --init-method-std)")
     g.add_argument("--hidden-dropout", type=float, default=0.1)

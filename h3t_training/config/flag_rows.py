@@ -152,7 +152,7 @@ MEGATRON_LM: dict[str, str] = {
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
 --merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0 --log-params-norm=0 --log-num-zeros-in-grad=0
 --eval-global-batch-size=1 --eval-micro-batch-size=1 --start-eval-at-iter=1 --dataloader-type=1 --no-data-sharding=0
---embedding-init-method-std=1
+--embedding-init-method-std=1 --data-parallel-random-init=0
 --override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --use-checkpoint-opt-param-scheduler=0
 --use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0 --train-data-path=* --valid-data-path=* --test-data-path=*
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
@@ -233,7 +233,7 @@ MEGATRON_LM: dict[str, str] = {
     "activation": """
 --openai-gelu=0 --quick-geglu=0 --use-fused-weighted-squared-relu=0""",
     "init": """
---data-parallel-random-init=0 --freeze-all-layers=0
+--freeze-all-layers=0
 --init-method-xavier-uniform=0 --mup-attn-scale-power=1 --mup-base-head-dim=1 --mup-base-hidden-size=1
 --mup-embedding-mult=1 --mup-output-mult=1 --mup-width-mult=1 --no-initialization=0 --use-mup=0""",
     "optimizer": """

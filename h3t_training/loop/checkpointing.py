@@ -449,8 +449,10 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
             optimizer.load_sharded_state_dict(loaded["optimizer"])
         else:  # as Megatron-LM: the optimizer's own copies of the weights follow the loaded model
             optimizer.reload_model_params()
-        if rng_template is not None:
-            megatron_written.set_rng_state(loaded["rng_state"])
+        if rng_template is not None:  # Megatron indexes its list by data-parallel rank under that flag
+            from megatron.core import parallel_state as ps  # noqa: PLC0415
+            megatron_written.set_rng_state(loaded["rng_state"], index=ps.get_data_parallel_rank()
+                                           if args.data_parallel_random_init else 0)
         elif with_rng and not megatron:
             set_rng_state(loaded["rng_state"])
     except BaseException as e:  # DCP's CheckpointException is a BaseException; only an interrupt or exit passes
@@ -476,8 +478,15 @@ def _load_legacy(found: FoundCheckpoint, args, chunks, optimizer, with_optimizer
         raise CheckpointError(f"checkpoint {found.directory} cannot be loaded into this model: "
                               f"{_first_line(e)}") from None
     notes = []
-    if rng is not None:
-        (megatron_written.set_rng_state if megatron else set_rng_state)(rng)
+    if rng is not None and megatron:  # Megatron indexes its list by data-parallel rank under that flag
+        from megatron.core import parallel_state as ps  # noqa: PLC0415
+        try:
+            megatron_written.set_rng_state(rng, index=ps.get_data_parallel_rank() if args.data_parallel_random_init
+                                           else 0)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint {found.directory}: {e}") from None
+    elif rng is not None:
+        set_rng_state(rng)
     elif with_rng:
         notes.append(f"checkpoint iteration {found.iteration} was saved at another data-parallel size; RNG states "
                      f"start from --seed")

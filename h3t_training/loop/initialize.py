@@ -76,13 +76,16 @@ def initialize_distributed(args) -> None:
     )
 
 
-def set_random_seed(seed: int, *, on_gpu: bool) -> None:
+def set_random_seed(seed: int, *, on_gpu: bool, data_parallel_random_init: bool = False) -> None:
     """Megatron's seeding, after the groups exist: ``seed + 100 * pipeline rank`` for torch's
-    generators (every data-parallel replica draws the same weights) and, on a GPU, megatron-core's
+    generators (every data-parallel replica draws the same weights; with --data-parallel-random-init also
+    ``+ 10 * data-parallel rank``, so each replica draws its own dropout masks) and, on a GPU, megatron-core's
     model-parallel CUDA RNG tracker, which weight init, dropout in tensor-parallel regions and
     full recompute read (megatron-core raises "cuda rng state model-parallel-rng is not added"
     without it)."""
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed += 10 * ps.get_data_parallel_rank()
     torch.manual_seed(seed)
     if on_gpu:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -176,11 +176,14 @@ def rng_template(common: dict, args):
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True)), None
 
 
-def set_rng_state(saved) -> None:
-    """Restore Megatron-LM's RNG state of this rank: its list's first entry (this driver has no
-    ``--data-parallel-random-init``, with which Megatron-LM would index it by data-parallel rank): Python's,
+def set_rng_state(saved, *, index: int = 0) -> None:
+    """Restore Megatron-LM's RNG state of this rank: its list's ``index``-th entry (the data-parallel rank under
+    ``--data-parallel-random-init``, else the first, as Megatron-LM's ``load_checkpoint`` picks): Python's,
     NumPy's and torch's CPU generators, and on a GPU the CUDA generator and the model-parallel tracker."""
-    state = saved[0] if isinstance(saved, (list, tuple)) else saved
+    if isinstance(saved, (list, tuple)) and index >= len(saved):
+        raise ValueError(f"it holds {len(saved)} RNG state(s) per model-parallel rank, this run's "
+                         f"--data-parallel-random-init asks for data-parallel rank {index}'s: saved without the flag")
+    state = saved[index] if isinstance(saved, (list, tuple)) else saved
     random.setstate(state["random_rng_state"])
     if "np_rng_state" in state:
         import numpy as np

@@ -5,7 +5,8 @@ on a GPU (backend 'te'), else megatron-core's local modules with h3t-ext's SDPA 
 sequence-parallel-capable norms and linears (backend 'local'), and with context parallelism on
 CPU the ring attention of ``h3t_ext.runtime.modules.ring_attention``. One chunk per virtual pipeline stage;
 weights come from the generators seeded by :func:`~h3t_training.loop.initialize.set_random_seed`
-(``--seed + 100 * pipeline rank``, as Megatron seeds), so every data-parallel replica starts identical.
+(``--seed + 100 * pipeline rank``, as Megatron seeds), so every data-parallel replica starts identical (with
+--data-parallel-random-init each replica seeds its own generators and takes the first replica's weights).
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
 def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.Module]:
     """This rank's model chunks, in virtual-stage order."""
     config = transformer_config(args, on_gpu=on_gpu)
-    set_random_seed(args.seed, on_gpu=on_gpu)
+    set_random_seed(args.seed, on_gpu=on_gpu, data_parallel_random_init=args.data_parallel_random_init)
     padded = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     chunks = build_stage_chunks(config, vocab_size=padded, max_sequence_length=args.max_position_embeddings,
                                 pipeline_rank=ps.get_pipeline_model_parallel_rank(), ckpt=args.ckpt,
@@ -113,7 +114,22 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
     if on_gpu:
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
+    if args.data_parallel_random_init:
+        broadcast_from_first_replica(chunks)
     return chunks
+
+
+def broadcast_from_first_replica(chunks) -> None:
+    """--data-parallel-random-init: every replica takes the first data-parallel rank's weights, as Megatron-LM's
+    ``get_model`` has megatron-core's DDP ``broadcast_params`` them (over the data- and context-parallel group); the
+    replicas' generators keep their own seeds."""
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    if torch.distributed.get_world_size(group) == 1:
+        return
+    src = torch.distributed.get_global_rank(group, 0)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            torch.distributed.broadcast(p.data, src=src, group=group)
 
 
 def num_parameters(chunks) -> int:
