@@ -2,6 +2,7 @@
 what each flag does when the run uses a GPU (:mod:`h3t_training.config.gpu_flags`)."""
 from __future__ import annotations
 
+from h3t_training.config.flag_rows import DORMANT_EXPERTS, DORMANT_OPTIMIZER
 from h3t_training.config.flag_table import KWAI_SOURCE, MEGATRON_LM_SOURCE, REASONS, TABLE, FlagEntry, RunDevice, \
     reason_on
 from h3t_training.config.gpu_flags import GPU_BY_REASON, GpuRule
@@ -38,7 +39,11 @@ def render_markdown() -> str:
            "The classes below are CPU training's. A flag that changes memory, speed or numerics on a GPU is never "
            "accepted and ignored there: where a run uses a GPU (`--distributed-backend nccl` with CUDA), the "
            "\"on a GPU\" line of a reason (or of a flag) says what it does instead -- passed to megatron-core "
-           "(implemented), refused in one line, or noticed where its effect on a GPU is nil.", ""]
+           "(implemented), refused in one line, or noticed where its effect on a GPU is nil.", "",
+           "A refused flag whose feature the command line leaves off is noticed instead, as Megatron-LM ignores it: "
+           f"the MoE settings without `--num-experts` ({len(DORMANT_EXPERTS)} flags; `--expert-model-parallel-size` "
+           "above 1 stays refused, as Megatron-LM asserts) and the Lion, SGD and Muon settings under "
+           f"`--optimizer adam` ({len(DORMANT_OPTIMIZER)} flags).", ""]
     out += [f"{len(TABLE)} flags: {_counts(RunDevice())} on CPU; {_counts(RunDevice(True, True))} on a GPU with "
             f"TransformerEngine; {_counts(RunDevice(True, False))} on a GPU without it.", ""]
     for cls in CLASSES:

@@ -475,3 +475,23 @@ MEGATRON_KWAI: dict[str, str] = {
 
 
 __all__ = ["KWAI_SOURCE", "MEGATRON_KWAI", "MEGATRON_LM", "MEGATRON_LM_SOURCE", "REASONS", "Reason"]
+
+
+
+def _flags(key: str, *, leave_out: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The flags of the table group ``key`` (``MEGATRON_LM``'s), less those starting with ``leave_out``."""
+    return tuple(f for f in (t.split("=")[0] for t in MEGATRON_LM[key].split()) if not f.startswith(leave_out))
+
+
+DORMANT_EXPERTS = _flags("moe", leave_out=("--num-experts", "--gtp-"))
+"""MoE settings: Megatron-LM reads them only where ``--num-experts`` builds expert layers, so without it they change
+nothing (the generalized tensor-parallel remat flags act on dense layers too and stay refused;
+``--expert-model-parallel-size`` above 1 without experts is refused, as Megatron-LM asserts)."""
+DORMANT_OPTIMIZER = ("--lion-beta1", "--lion-beta2", "--sgd-momentum") + tuple(
+    f for f in _flags("optimizer") if f.startswith("--muon-"))
+"""Settings of the other optimizers (Lion, SGD, Muon): Megatron-LM reads them only under their ``--optimizer``."""
+DORMANT_TEXT = {
+    "--num-experts": "a MoE setting; without --num-experts the model has no expert layers and Megatron-LM ignores it "
+                     "too: same result",
+    "--optimizer": "a setting of another optimizer; with --optimizer adam Megatron-LM ignores it too: same result",
+}

@@ -25,8 +25,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from h3t_training.config.flag_rows import (KWAI_SOURCE, MEGATRON_KWAI, MEGATRON_LM, MEGATRON_LM_SOURCE,  # noqa: F401
-                                           REASONS, Reason)
+from h3t_training.config.flag_rows import (DORMANT_EXPERTS, DORMANT_OPTIMIZER, DORMANT_TEXT,  # noqa: F401
+                                           KWAI_SOURCE, MEGATRON_KWAI, MEGATRON_LM, MEGATRON_LM_SOURCE, REASONS,
+                                           Reason)
 from h3t_training.config.gpu_flags import GPU_BY_FLAG, GPU_BY_REASON, GpuRule
 from h3t_training.errors import ArgumentError
 
@@ -149,13 +150,32 @@ def _value(args, entry: FlagEntry):
     return None if args is None else table_value(args, entry.flag)
 
 
+def dormant(entry: FlagEntry, args) -> Optional[Reason]:
+    """The notice of a refused flag whose feature this command line leaves off, so that Megatron-LM would ignore it
+    too (a MoE setting without ``--num-experts``, another optimizer's setting under Adam); None otherwise. Megatron-LM
+    asserts expert parallelism above 1 without experts, so that one stays refused."""
+    if args is None or entry.cls != "refused":
+        return None
+    if entry.flag in DORMANT_EXPERTS and table_value(args, "--num-experts") is None:
+        if entry.flag == "--expert-model-parallel-size" and str(table_value(args, entry.flag)).strip() != "1":
+            return None
+        return Reason("noticed", DORMANT_TEXT["--num-experts"], "none needed")
+    if entry.flag in DORMANT_OPTIMIZER and args.optimizer == "adam":
+        return Reason("noticed", DORMANT_TEXT["--optimizer"], "none needed")
+    return None
+
+
+def _reason(e: FlagEntry, device: RunDevice, args) -> Reason:
+    return dormant(e, args) or reason_on(e, device, _value(args, e))
+
+
 def refusal(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> Optional[str]:
     """One line naming every refused flag among ``entries`` on ``device`` (flags of one reason together, each
     reason with its alternative), so a command line's refusals are learnt in one launch; None when none is
     refused. ``args``: the parsed flags (a GPU rule may depend on a flag's value)."""
     by_reason: dict[Reason, list[str]] = {}
     for e in entries:
-        reason = reason_on(e, device, _value(args, e))
+        reason = _reason(e, device, args)
         if reason.cls == "refused":
             by_reason.setdefault(reason, []).append(e.flag)
     if not by_reason:
@@ -168,10 +188,9 @@ def refusal(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> Opt
 def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> list[str]:
     """One line per flag noticed on ``device``; an implemented flag says nothing (each table-only one is read with
     :func:`table_value` where it acts: ``tests/unit/test_flag_table.py`` holds that true)."""
-    return [f"note: {e.flag}: {reason.text}" for e in entries
-            if (reason := reason_on(e, device, _value(args, e))).cls == "noticed"]
+    return [f"note: {e.flag}: {reason.text}" for e in entries if (reason := _reason(e, device, args)).cls == "noticed"]
 
 
-__all__ = ["CPU", "FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
+__all__ = ["CPU", "FlagEntry", "dormant", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
            "add_table_flags", "given_table_flags", "notice_lines", "reason_on", "refusal", "table_int",
            "table_value"]

@@ -70,3 +70,22 @@ def test_both_spellings_of_the_scheduler_switches_set_the_same_field():
         assert parse_args([*BASE, spelling], world_size=1).override_opt_param_scheduler is True
     for spelling in ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"):
         assert parse_args([*BASE, spelling], world_size=1).use_checkpoint_opt_param_scheduler is True
+
+
+def test_moe_and_other_optimizer_settings_are_noticed_while_their_feature_is_off(capsys):
+    """Megatron-LM ignores a MoE setting without --num-experts and another optimizer's setting under Adam; the driver
+    says so in a notice instead of refusing the script. With --num-experts, or expert parallelism above 1 (which
+    Megatron-LM asserts needs experts), they are refused as before."""
+    from parse_harness import error_body
+
+    config = parse_args([*BASE, "--expert-model-parallel-size", "1", "--moe-router-topk", "2", "--moe-grouped-gemm",
+                         "--sgd-momentum", "0.9", "--muon-momentum", "0.95"], world_size=2)
+    noticed = {line.split(":")[1].strip() for line in config.flag_notices}
+    assert noticed == {"--expert-model-parallel-size", "--moe-router-topk", "--moe-grouped-gemm", "--sgd-momentum",
+                       "--muon-momentum"}
+    assert all("same result" in line for line in config.flag_notices)
+    body = error_body([*BASE, "--num-experts", "8", "--moe-router-topk", "2"], capsys)
+    assert body.startswith("--moe-router-topk, --num-experts are not supported: mixture-of-experts layers")
+    assert error_body([*BASE, "--expert-model-parallel-size", "2"], capsys).startswith(
+        "--expert-model-parallel-size is not supported")
+    assert error_body([*BASE, "--gtp-remat-nccl-ub"], capsys).startswith("--gtp-remat-nccl-ub is not supported")
