@@ -171,8 +171,40 @@ def h3t_layer_spec(config, *, ckpt: str = "no", backend: str = "local", core_att
     return spec
 
 
+UNBUILT_FEATURES = (
+    ("num_moe_experts", "--num-experts (MoE layers)"),
+    ("multi_latent_attention", "--multi-latent-attention (MLA)"),
+    ("mtp_num_layers", "--mtp-num-layers (multi-token prediction)"),
+    ("experimental_attention_variant", "--experimental-attention-variant"),
+    ("heterogeneous_block_specs", "heterogeneous layer configs"),
+    ("is_hybrid_model", "a hybrid (Mamba) model"),
+    ("qk_l2_norm", "--qk-l2-norm"),
+)
+"""TransformerConfig fields (of megatron-core 0.16-0.19; an absent field is off) that this spec does not build: a
+config with one set would be trained as a dense GPT decoder without it."""
+
+
+def validate_spec_config(config, backend: str) -> None:
+    """Raise :class:`UnsupportedLayerSpecError` (one line) when ``config`` asks for a layer this spec does not build,
+    whatever the ckpt: the driver refuses those flags before, Megatron-LM's own loop (megatron_native) hands its
+    TransformerConfig here. The local core attention is full causal softmax attention: no sliding window, no
+    off-by-one or learnable softmax (TransformerEngine's attention, backend 'te', takes both)."""
+    for field, what in UNBUILT_FEATURES:
+        if getattr(config, field, None):
+            raise UnsupportedLayerSpecError(f"h3t-ext's layer spec does not build {what}; leave it out or train it "
+                                            f"with megatron-core's own spec")
+    if backend == "local":
+        if getattr(config, "window_size", None) is not None:
+            raise UnsupportedLayerSpecError("--window-size (sliding-window attention) needs TransformerEngine's "
+                                            "attention; the local spec's attention is full causal")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise UnsupportedLayerSpecError(f"--softmax-type {config.softmax_type} needs TransformerEngine's attention; "
+                                            f"the local spec's softmax is the vanilla one")
+
+
 def _selective_layer_spec(config, ckpt: str, backend: str, core_attention: Optional[type],
                           recompute: Recompute) -> ModuleSpec:
+    validate_spec_config(config, backend)
     if ckpt == "ours":
         validate_ours_config(config)
     if backend == "local":
