@@ -12,7 +12,7 @@ GPU-only; the tests load with --no-load-optim).
 Run as a script (it needs a process group)::
 
     python tests/megatron_written_checkpoint.py SRC DST {torch_dist,torch} [--set FIELD=VALUE] [--drop FIELD]
-        -- DRIVER FLAGS
+        [--rng-copies {one,same,distinct}] -- DRIVER FLAGS
 
 SRC is the driver's ``--save`` directory, DST the new ``--load`` directory; ``--set``/``--drop`` change or remove
 a field of Megatron's args; the driver flags are those of the run that saved SRC.
@@ -73,6 +73,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("format", choices=("torch_dist", "torch"))
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--drop", action="append", default=[])
+    p.add_argument("--rng-copies", choices=("one", "same", "distinct"), default="one",
+                   help="the rng_state list: one state (Megatron-LM's default), or one per data-parallel rank of a "
+                        "2-replica run under --data-parallel-random-init: the same state twice, or the second drawn "
+                        "from another seed")
     opts = p.parse_args(argv[:split])
     flags = argv[split + 1:]
 
@@ -105,6 +109,10 @@ def main(argv: list[str]) -> int:
         rng = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                "torch_rng_state": loaded["rng_state"]["torch"], "cuda_rng_state": torch.ByteTensor(),
                "rng_tracker_states": {}}
+        states = [rng]
+        if opts.rng_copies != "one":
+            other = dict(rng, torch_rng_state=torch.Generator().manual_seed(12345).get_state())
+            states = [rng, rng if opts.rng_copies == "same" else other]
         sets = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in opts.set)}
         ns = megatron_args(args, padded_vocab=run_padded_vocab_size(args), consumed=consumed,
                            ckpt_format=opts.format, sets=sets, drops=opts.drop)
@@ -115,13 +123,13 @@ def main(argv: list[str]) -> int:
             metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
             state["model"] = chunk.sharded_state_dict(
                 metadata={**metadata, "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)})
-            state["rng_state"] = ShardedObject("rng_state", [rng], (1, 1), (0, 0), replica_id=0)
+            state["rng_state"] = ShardedObject("rng_state", states, (1, 1), (0, 0), replica_id=0)
             os.makedirs(dst)
             from h3t_ext.checkpointing import save_strategy  # megatron-core's strategy, without its CUDA sync
             dist_checkpointing.save(state, str(dst), sharded_strategy=save_strategy(False), content_metadata=metadata)
         else:
             state["model"] = chunk.state_dict_for_save_checkpoint()
-            state["rng_state"] = [rng]
+            state["rng_state"] = states
             os.makedirs(dst / "mp_rank_00")
             torch.save(state, dst / "mp_rank_00" / "model_optim_rng.pt")
         (Path(opts.dst) / "latest_checkpointed_iteration.txt").write_text(str(iteration))

@@ -96,6 +96,7 @@ def megatron_written_common(ns, iteration, scheduler: Optional[dict], *, path: s
                 opt_param_scheduler=schedule, h3t={"model": model, "layout": layout},
                 **{WRITTEN_BY: {"file": path, "optimizer_saved": optimizer_saved, "rng_saved": rng_saved,
                                 "tensor_pipeline": (t, p),
+                                "data_parallel_random_init": bool(getattr(ns, "data_parallel_random_init", False)),
                                 "ckpt_fully_parallel_save": bool(getattr(ns, "ckpt_fully_parallel_save", False))}})
 
 
@@ -133,6 +134,11 @@ def check_for_this_run(common: dict, args, where: str, *, on_gpu: bool, legacy_f
     if legacy_format and not (finetune or args.no_load_rng) and not meta["rng_saved"]:
         raise CheckpointError(f"{where} was written by Megatron-LM without RNG states ({meta['file']} has no "
                               f"'rng_state'); add --no-load-rng, as Megatron-LM asks", alike=True)
+    if (args.data_parallel_random_init and not (finetune or args.no_load_rng) and meta["rng_saved"]
+            and not meta.get("data_parallel_random_init", False)):
+        raise CheckpointError(f"{where} was written by Megatron-LM without --data-parallel-random-init (one RNG state, "
+                              f"not one per data-parallel rank), this run has it; Megatron-LM refuses that too: drop "
+                              f"the flag or add --no-load-rng", alike=True)
     with_optimizer = not (finetune or args.no_load_optim) and meta["optimizer_saved"]
     if with_optimizer and not on_gpu:
         raise CheckpointError(f"{where} was written by Megatron-LM: its optimizer state ({meta['file']}) is "

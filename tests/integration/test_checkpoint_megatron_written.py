@@ -91,3 +91,33 @@ def test_megatron_lm_args_of_another_model_or_without_a_field_are_refused(saved,
     file = tmp_path / "partial" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"
     assert line.endswith(f"checkpoint file {file} (written by Megatron-LM) has no field 'padded_vocab_size' in its "
                          "args; it cannot be checked against this run"), line
+
+
+def test_data_parallel_random_init_takes_each_replicas_rng_state(saved, tmp_path):
+    """Under --data-parallel-random-init Megatron-LM's rng_state list holds one state per data-parallel rank and its
+    load_checkpoint takes the rank's own; without the flag the first. At d = 2 with dropout: the flag on (r0, r1)
+    trains otherwise than on (r0, r0), and the run without the flag on (r0, r1) equals the flag on (r0, r0) (both
+    replicas restart from r0, with the same weights). A checkpoint saved without the flag, loaded with it, is one
+    line (Megatron-LM's check_checkpoint_args refuses it too).""" 
+    root, flags = saved
+    for copies in ("same", "distinct", "one"):
+        mark = () if copies == "one" else ("--set", "data_parallel_random_init=True")
+        _rewrite(root / "ours", tmp_path / copies, "torch_dist", flags, "--rng-copies", copies, *mark)
+
+    def run(copies, *extra, nproc=2):
+        out = tmp_path / f"{copies}{''.join(extra)}.json"
+        proc = run_pretrain([*flags, "--load", str(tmp_path / copies), "--no-load-optim", *extra,
+                             "--metrics-json", str(out)], nproc=nproc)
+        return proc, out
+
+    losses_of = {}
+    for copies, extra in (("same", ("--data-parallel-random-init",)), ("distinct", ("--data-parallel-random-init",)),
+                          ("distinct", ())):
+        proc, out = run(copies, *extra)
+        check_ok(proc)
+        losses_of[(copies, extra)] = losses(out)
+    flag = ("--data-parallel-random-init",)
+    assert losses_of[("distinct", ())] == losses_of[("same", flag)]
+    assert losses_of[("distinct", flag)] != losses_of[("same", flag)]
+    proc, _ = run("one", *flag, nproc=1)  # refused before any process group, on every rank alike
+    assert "was written by Megatron-LM without --data-parallel-random-init" in _refused(proc)
