@@ -278,6 +278,10 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
                    help="load the model only; start at iteration 0 with a fresh optimizer and RNG")
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="checkpoints without the optimizer state (a resume then needs --no-load-optim)")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="checkpoints without the RNG states (a resume then needs --no-load-rng)")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: exit (status 0, as Megatron-LM) instead of training from scratch when it holds "
                         "no checkpoint")

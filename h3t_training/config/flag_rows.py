@@ -152,7 +152,7 @@ MEGATRON_LM: dict[str, str] = {
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
 --merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0 --log-params-norm=0 --log-num-zeros-in-grad=0
 --eval-global-batch-size=1 --eval-micro-batch-size=1 --start-eval-at-iter=1 --dataloader-type=1 --no-data-sharding=0
---embedding-init-method-std=1 --data-parallel-random-init=0
+--embedding-init-method-std=1 --data-parallel-random-init=0 --no-save-optim=0 --no-save-rng=0
 --override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --use-checkpoint-opt-param-scheduler=0
 --use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0 --train-data-path=* --valid-data-path=* --test-data-path=*
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
@@ -448,8 +448,8 @@ MEGATRON_LM: dict[str, str] = {
 --disable-save-tokenizer-assets=0 --dist-ckpt-format=1 --dist-ckpt-optim-fully-reshardable=0
 --dist-ckpt-save-pre-mcore-014=0 --dist-ckpt-strictness=1 --dist-ckpt-workers=1
 --distrib-optim-fully-reshardable-mem-efficient=0
---no-ckpt-fully-parallel-save=0 --no-ckpt-load-validate-sharding-integrity=0 --no-save-optim=0
---no-save-rng=0 --no-save-tokenizer-assets=0 --non-persistent-ckpt-type=1 --non-persistent-global-ckpt-dir=1
+--no-ckpt-fully-parallel-save=0 --no-ckpt-load-validate-sharding-integrity=0
+--no-save-tokenizer-assets=0 --non-persistent-ckpt-type=1 --non-persistent-global-ckpt-dir=1
 --non-persistent-local-ckpt-algo=1 --non-persistent-local-ckpt-dir=1 --non-persistent-save-interval=1
 --persistent-save-interval=1
 --replication=0 --replication-factor=1 --replication-jump=1 --save-retain-interval=1

@@ -165,6 +165,12 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
         if saved.get(k) != mine[k]:
             raise CheckpointError(f"{where} was saved with --{k.replace('_', '-')} {saved.get(k)}, this run has "
                                   f"{mine[k]}", alike=True)
+    kept = common["h3t"].get("saved", {})  # a checkpoint that predates the field holds both
+    for part, what, skipped, flag in (("optimizer", "optimizer state", args.no_load_optim, "optim"),
+                                      ("rng", "RNG states", args.no_load_rng, "rng")):
+        if not kept.get(part, True) and not (args.finetune or skipped):
+            raise CheckpointError(f"{where} was saved with --no-save-{flag} (no {what}); add --no-load-{flag} or "
+                                  f"--finetune, as Megatron-LM asks", alike=True)
     for k in MODEL_SWITCH_FLAGS:  # absent from a checkpoint that predates the switch: saved without it
         if bool(saved.get(k, False)) != bool(getattr(args, k)):
             flag = "--" + k.replace("_", "-")
@@ -315,7 +321,8 @@ def _common_state(args, iteration: int, schedule_steps: Optional[int] = None) ->
     return dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
                 consumed_train_samples=schedule_of(args).consumed_samples(iteration),
                 opt_param_scheduler={**_schedule(args), "num_steps": steps},
-                h3t={"model": _model_shape(args), "layout": _layout(args)})
+                h3t={"model": _model_shape(args), "layout": _layout(args),
+                     "saved": {"optimizer": not args.no_save_optim, "rng": not args.no_save_rng}})
 
 
 # ----------------------------------------------------------------------------------------- save / load
@@ -350,7 +357,8 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool,
             _write_checksums(tmp, written)
         else:
             dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False,
-                                                   schedule_steps=schedule_steps), tmp,
+                                                   with_optimizer=not args.no_save_optim,
+                                                   with_rng=not args.no_save_rng, schedule_steps=schedule_steps), tmp,
                                     sharded_strategy=save_strategy(on_gpu))
             dist.barrier()
             _write_checksums(tmp)

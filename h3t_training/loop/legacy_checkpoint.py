@@ -88,13 +88,17 @@ def save(directory: str, args, iteration: int, chunks: dict, optimizer, *, commo
         os.makedirs(mine, exist_ok=True)
     dist.barrier(group=group)
     written = []
-    if optimizer.save_parameter_state(os.path.join(mine, OPTIMIZER_FILE)):  # collective over the group
+    if not args.no_save_optim and optimizer.save_parameter_state(os.path.join(mine, OPTIMIZER_FILE)):  # collective
         written.append(os.path.relpath(os.path.join(mine, OPTIMIZER_FILE), directory))
-    if dp_rank == 0:
+    if dp_rank == 0:  # Megatron-LM leaves 'optimizer' and 'rng_state' out under --no-save-optim / --no-save-rng
         state = {"args": _namespace(args), "checkpoint_version": common["checkpoint_version"], "iteration": iteration,
-                 "optimizer": optimizer.legacy_state_dict(), "opt_param_scheduler": common["opt_param_scheduler"],
-                 "rng_state": rngs, "num_floating_point_operations_so_far": flops_so_far,
+                 "opt_param_scheduler": common["opt_param_scheduler"],
+                 "num_floating_point_operations_so_far": flops_so_far,
                  "consumed_train_samples": common["consumed_train_samples"]}
+        if not args.no_save_optim:
+            state["optimizer"] = optimizer.legacy_state_dict()
+        if not args.no_save_rng:
+            state["rng_state"] = rngs
         for key, chunk in chunks.items():
             state[key] = chunk.state_dict()
         torch.save(state, os.path.join(mine, MODEL_FILE))
