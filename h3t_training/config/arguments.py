@@ -18,6 +18,7 @@ from h3t_ext.planner import cli_flags
 from h3t_training.errors import ArgumentError
 from h3t_training.config.flag_table import add_table_flags, table_value
 from h3t_training.config.h3t_flags import add_h3t_flags
+from h3t_training.data.samplers import DATALOADER_TYPES
 from h3t_training.data.tokenizer import add_tokenizer_flags
 
 
@@ -261,7 +262,7 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     add_tokenizer_flags(g)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--dataloader-type", default="single", choices=("single", "cyclic", "external"),
+    g.add_argument("--dataloader-type", default="single", choices=(*DATALOADER_TYPES, "external"),
                    help="single: the split in order; cyclic: each data-parallel rank's bucket of it in a fresh random "
                         "order every epoch (Megatron-LM's samplers)")
     g.add_argument("--no-data-sharding", action="store_false", dest="data_sharding",
@@ -286,10 +287,11 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
                    help="with --load: exit (status 0, as Megatron-LM) instead of training from scratch when it holds "
                         "no checkpoint")
     g.add_argument("--async-save", action="store_true", help="accepted; this driver saves synchronously")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true", dest="override_opt_param_scheduler",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
                    help="on resume, use this command line's learning-rate schedule over the checkpoint's")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler", action="store_true",
-                   dest="use_checkpoint_opt_param_scheduler",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="on resume, use the checkpoint's learning-rate schedule over this command line's")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=float, default=None,

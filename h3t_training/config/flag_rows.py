@@ -150,11 +150,13 @@ MEGATRON_LM: dict[str, str] = {
 --lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --start-weight-decay=1
 --end-weight-decay=1 --weight-decay-incr-style=1
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
---merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0 --log-params-norm=0 --log-num-zeros-in-grad=0
+--merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0
+--log-params-norm=0 --log-num-zeros-in-grad=0
 --eval-global-batch-size=1 --eval-micro-batch-size=1 --start-eval-at-iter=1 --dataloader-type=1 --no-data-sharding=0
 --embedding-init-method-std=1 --data-parallel-random-init=0 --no-save-optim=0 --no-save-rng=0
 --override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --use-checkpoint-opt-param-scheduler=0
---use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0 --train-data-path=* --valid-data-path=* --test-data-path=*
+--use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0
+--train-data-path=* --valid-data-path=* --test-data-path=*
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
 --norm-epsilon=1 --normalization=1 --num-attention-heads=1 --num-layers=1
 --num-layers-per-virtual-pipeline-stage=1 --num-query-groups=1 --num-virtual-stages-per-pipeline-rank=1
@@ -474,10 +476,6 @@ MEGATRON_KWAI: dict[str, str] = {
 }
 
 
-__all__ = ["KWAI_SOURCE", "MEGATRON_KWAI", "MEGATRON_LM", "MEGATRON_LM_SOURCE", "REASONS", "Reason"]
-
-
-
 def _flags(key: str, *, leave_out: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The flags of the table group ``key`` (``MEGATRON_LM``'s), less those starting with ``leave_out``."""
     return tuple(f for f in (t.split("=")[0] for t in MEGATRON_LM[key].split()) if not f.startswith(leave_out))
@@ -495,3 +493,7 @@ DORMANT_TEXT = {
                      "too: same result",
     "--optimizer": "a setting of another optimizer; with --optimizer adam Megatron-LM ignores it too: same result",
 }
+
+
+__all__ = ["DORMANT_EXPERTS", "DORMANT_OPTIMIZER", "DORMANT_TEXT", "KWAI_SOURCE", "MEGATRON_KWAI", "MEGATRON_LM",
+           "MEGATRON_LM_SOURCE", "REASONS", "Reason"]

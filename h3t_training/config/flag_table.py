@@ -191,6 +191,6 @@ def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -
     return [f"note: {e.flag}: {reason.text}" for e in entries if (reason := _reason(e, device, args)).cls == "noticed"]
 
 
-__all__ = ["CPU", "FlagEntry", "dormant", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
-           "add_table_flags", "given_table_flags", "notice_lines", "reason_on", "refusal", "table_int",
+__all__ = ["CPU", "FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
+           "add_table_flags", "dormant", "given_table_flags", "notice_lines", "reason_on", "refusal", "table_int",
            "table_value"]

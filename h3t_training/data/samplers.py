@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import torch
-
 DATALOADER_TYPES = ("single", "cyclic")
 """The ``--dataloader-type`` values this driver samples (Megatron-LM's ``external``, a user's own loader, is not)."""
 
@@ -28,6 +26,8 @@ def single_indices(consumed: int, *, micro_batch_size: int, data_parallel_size: 
 
 @lru_cache(maxsize=4)
 def _epoch_order(bucket: int, epoch: int) -> tuple[int, ...]:
+    import torch  # here: the flags' parser reads DATALOADER_TYPES without importing torch
+
     g = torch.Generator()
     g.manual_seed(epoch)
     return tuple(torch.randperm(bucket, generator=g).tolist())

@@ -457,10 +457,9 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
             optimizer.load_sharded_state_dict(loaded["optimizer"])
         else:  # as Megatron-LM: the optimizer's own copies of the weights follow the loaded model
             optimizer.reload_model_params()
-        if rng_template is not None:  # Megatron indexes its list by data-parallel rank under that flag
-            from megatron.core import parallel_state as ps  # noqa: PLC0415
-            megatron_written.set_rng_state(loaded["rng_state"], index=ps.get_data_parallel_rank()
-                                           if args.data_parallel_random_init else 0)
+        if rng_template is not None:
+            megatron_written.set_rng_state(loaded["rng_state"],
+                                           data_parallel_random_init=args.data_parallel_random_init)
         elif with_rng and not megatron:
             set_rng_state(loaded["rng_state"])
     except BaseException as e:  # DCP's CheckpointException is a BaseException; only an interrupt or exit passes
@@ -486,11 +485,9 @@ def _load_legacy(found: FoundCheckpoint, args, chunks, optimizer, with_optimizer
         raise CheckpointError(f"checkpoint {found.directory} cannot be loaded into this model: "
                               f"{_first_line(e)}") from None
     notes = []
-    if rng is not None and megatron:  # Megatron indexes its list by data-parallel rank under that flag
-        from megatron.core import parallel_state as ps  # noqa: PLC0415
+    if rng is not None and megatron:
         try:
-            megatron_written.set_rng_state(rng, index=ps.get_data_parallel_rank() if args.data_parallel_random_init
-                                           else 0)
+            megatron_written.set_rng_state(rng, data_parallel_random_init=args.data_parallel_random_init)
         except ValueError as e:
             raise CheckpointError(f"checkpoint {found.directory}: {e}") from None
     elif rng is not None:

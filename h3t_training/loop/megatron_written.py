@@ -182,10 +182,14 @@ def rng_template(common: dict, args):
                          replica_id=ps.get_data_parallel_rank(with_context_parallel=True)), None
 
 
-def set_rng_state(saved, *, index: int = 0) -> None:
-    """Restore Megatron-LM's RNG state of this rank: its list's ``index``-th entry (the data-parallel rank under
-    ``--data-parallel-random-init``, else the first, as Megatron-LM's ``load_checkpoint`` picks): Python's,
-    NumPy's and torch's CPU generators, and on a GPU the CUDA generator and the model-parallel tracker."""
+def set_rng_state(saved, *, data_parallel_random_init: bool) -> None:
+    """Restore Megatron-LM's RNG state of this rank: its list's entry of this data-parallel rank under
+    ``--data-parallel-random-init``, else the first, as Megatron-LM's ``load_checkpoint`` picks: Python's,
+    NumPy's and torch's CPU generators, and on a GPU the CUDA generator and the model-parallel tracker. ValueError
+    (one line) where the list has no entry for this rank."""
+    from megatron.core import parallel_state as ps
+
+    index = ps.get_data_parallel_rank() if data_parallel_random_init else 0
     if isinstance(saved, (list, tuple)) and index >= len(saved):
         raise ValueError(f"it holds {len(saved)} RNG state(s) per model-parallel rank, this run's "
                          f"--data-parallel-random-init asks for data-parallel rank {index}'s: saved without the flag")

@@ -26,9 +26,18 @@ def counted(p: torch.Tensor, tp_rank: int) -> bool:
     return (getattr(p, "tensor_model_parallel", False) or tp_rank == 0) and not getattr(p, "shared", False)
 
 
-def _sum(local_sum: torch.Tensor, shard_sum: torch.Tensor, shard_group, model_parallel_group) -> float:
-    """``local_sum`` (whole tensors) + ``shard_sum`` (this rank's shards, summed over ``shard_group``), summed over the
+def _host_total(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of per-tensor figures (on the tensors' device), as one float64 host value: one transfer per statistic,
+    not one per parameter."""
+    if not parts:
+        return torch.zeros(1, dtype=torch.float64)
+    return torch.stack(parts).sum().double().cpu().reshape(1)
+
+
+def _sum(whole: list[torch.Tensor], shards: list[torch.Tensor], shard_group, model_parallel_group) -> float:
+    """The figures of ``whole`` tensors + those of this rank's ``shards`` (summed over ``shard_group``), summed over the
     model-parallel group."""
+    local_sum, shard_sum = _host_total(whole), _host_total(shards)
     if shard_group is not None and dist.get_world_size(shard_group) > 1:
         shard_sum = all_reduce_host(shard_sum, group=shard_group)
     total = local_sum + shard_sum
@@ -53,34 +62,25 @@ def params_l2_norm(params: Iterable[torch.Tensor], *, tp_rank: int, model_parall
                    bf16: bool = False) -> float:
     """The L2 norm of the model's parameters (``--log-params-norm``); ``shard_group``: the data-parallel group over which
     sharded tensors are summed (torch FSDP2, the distributed optimizer's main parameters)."""
-    whole = torch.zeros(1, dtype=torch.float64)
-    shards = torch.zeros(1, dtype=torch.float64)
+    whole: list[torch.Tensor] = []
+    shards: list[torch.Tensor] = []
     for p in params:
         if not counted(p, tp_rank):
             continue
         data, sharded = _param_data(p, bf16)
-        if data is None:
-            continue
-        sq = data.detach().double().pow(2).sum().cpu()
-        if sharded:
-            shards += sq
-        else:
-            whole += sq
+        if data is not None:
+            (shards if sharded else whole).append(data.detach().double().pow(2).sum())
     return _sum(whole, shards, shard_group, model_parallel_group) ** 0.5
 
 
 def zeros_in_grads(params: Iterable[torch.Tensor], *, tp_rank: int, model_parallel_group, shard_group=None) -> float:
     """Zero elements of the model's gradients (``--log-num-zeros-in-grad``), each element counted once; a float, as
     megatron-core's ``count_zeros_fp32`` returns it. ``shard_group`` sums DTensor gradients' local shards."""
-    whole = torch.zeros(1, dtype=torch.float64)
-    shards = torch.zeros(1, dtype=torch.float64)
+    whole: list[torch.Tensor] = []
+    shards: list[torch.Tensor] = []
     for p in params:
         if p.grad is None or not counted(p, tp_rank):
             continue
         g = local(p.grad).detach()
-        zeros = float(g.numel() - torch.count_nonzero(g).item())
-        if is_dtensor(p.grad):
-            shards += zeros
-        else:
-            whole += zeros
+        (shards if is_dtensor(p.grad) else whole).append(g.numel() - torch.count_nonzero(g))
     return _sum(whole, shards, shard_group, model_parallel_group)
