@@ -2,7 +2,7 @@
 what each flag does when the run uses a GPU (:mod:`h3t_training.config.gpu_flags`)."""
 from __future__ import annotations
 
-from h3t_training.config.flag_rows import DORMANT_EXPERTS, DORMANT_OPTIMIZER
+from h3t_training.config.flag_dormancy import DORMANCIES, DORMANT_EXPERTS, DORMANT_OPTIMIZER, SAME_AS_DEFAULT
 from h3t_training.config.flag_table import KWAI_SOURCE, MEGATRON_LM_SOURCE, REASONS, TABLE, FlagEntry, RunDevice, \
     reason_on
 from h3t_training.config.gpu_flags import GPU_BY_REASON, GpuRule
@@ -40,10 +40,15 @@ def render_markdown() -> str:
            "accepted and ignored there: where a run uses a GPU (`--distributed-backend nccl` with CUDA), the "
            "\"on a GPU\" line of a reason (or of a flag) says what it does instead -- passed to megatron-core "
            "(implemented), refused in one line, or noticed where its effect on a GPU is nil.", "",
-           "A refused flag whose feature the command line leaves off is noticed instead, as Megatron-LM ignores it: "
+           "A refused flag that the command line leaves unread is noticed instead, as Megatron-LM ignores it "
+           "(`h3t_training/config/flag_dormancy.py`, each group with the Megatron-LM code that reads it): "
            f"the MoE settings without `--num-experts` ({len(DORMANT_EXPERTS)} flags; `--expert-model-parallel-size` "
-           "above 1 stays refused, as Megatron-LM asserts) and the Lion, SGD and Muon settings under "
-           f"`--optimizer adam` ({len(DORMANT_OPTIMIZER)} flags).", ""]
+           "above 1 stays refused, as Megatron-LM asserts), the Lion, SGD and Muon settings under "
+           f"`--optimizer adam` ({len(DORMANT_OPTIMIZER)} flags), and:", ""]
+    out += [f"* {' '.join(f'`{f}`' for f in d.flags)}: {d.text}" for key, d in DORMANCIES.items()
+            if key not in ("experts", "optimizer")]
+    out += ["* given Megatron-LM's default, what this driver does: "
+            + ", ".join(f"`{f} {v}`" for f, v in SAME_AS_DEFAULT.items()), ""]
     out += [f"{len(TABLE)} flags: {_counts(RunDevice())} on CPU; {_counts(RunDevice(True, True))} on a GPU with "
             f"TransformerEngine; {_counts(RunDevice(True, False))} on a GPU without it.", ""]
     for cls in CLASSES:

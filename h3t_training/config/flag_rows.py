@@ -167,7 +167,7 @@ MEGATRON_LM: dict[str, str] = {
 --rotary-seq-len-interpolation-factor=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
 --sequence-parallel=0 --skip-train=0 --split=1 --swiglu=0 --tensor-model-parallel-size=1 --tensorboard-dir=1
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
---train-iters=1 --train-samples=1 --untie-embeddings-and-output-weights=0 --use-distributed-optimizer=0
+--null-tokenizer-eod-id=1 --null-tokenizer-pad-id=1 --train-iters=1 --train-samples=1 --untie-embeddings-and-output-weights=0 --use-distributed-optimizer=0
 --use-rotary-position-embeddings=0 --vocab-file=1 --vocab-size=1 --wandb-entity=1 --wandb-exp-name=1
 --wandb-project=1 --wandb-save-dir=1 --weight-decay=1 --fp16=0 --loss-scale=1 --initial-loss-scale=1
 --min-loss-scale=1 --loss-scale-window=1 --hysteresis=1""",
@@ -252,8 +252,7 @@ MEGATRON_LM: dict[str, str] = {
 --reset-attention-mask=0 --reset-position-ids=0 --sft=0 --sft-tokenizer-prompt-format=1""",
     "tokenizer": """
 --chat-template=1 --disable-pad-vocab-size=0 --disable-tokenizer-sentencepiece-ignore-extra-whitespaces=0
---no-pad-vocab-size=0 --no-tokenizer-sentencepiece-ignore-extra-whitespaces=0 --null-tokenizer-eod-id=1
---null-tokenizer-pad-id=1 --padded-vocab-size=1 --tokenizer-hf-no-include-special-tokens=0
+--no-pad-vocab-size=0 --no-tokenizer-sentencepiece-ignore-extra-whitespaces=0 --padded-vocab-size=1 --tokenizer-hf-no-include-special-tokens=0
 --tokenizer-hf-no-use-fast=0 --tokenizer-metadata=1 --tokenizer-sentencepiece-legacy=0
 --tokenizer-special-tokens=+ --trust-remote-code=0 --use-gigatoken=0 --vocab-extra-ids=1""",
     "kitchen": """
@@ -476,24 +475,4 @@ MEGATRON_KWAI: dict[str, str] = {
 }
 
 
-def _flags(key: str, *, leave_out: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The flags of the table group ``key`` (``MEGATRON_LM``'s), less those starting with ``leave_out``."""
-    return tuple(f for f in (t.split("=")[0] for t in MEGATRON_LM[key].split()) if not f.startswith(leave_out))
-
-
-DORMANT_EXPERTS = _flags("moe", leave_out=("--num-experts", "--gtp-"))
-"""MoE settings: Megatron-LM reads them only where ``--num-experts`` builds expert layers, so without it they change
-nothing (the generalized tensor-parallel remat flags act on dense layers too and stay refused;
-``--expert-model-parallel-size`` above 1 without experts is refused, as Megatron-LM asserts)."""
-DORMANT_OPTIMIZER = ("--lion-beta1", "--lion-beta2", "--sgd-momentum") + tuple(
-    f for f in _flags("optimizer") if f.startswith("--muon-"))
-"""Settings of the other optimizers (Lion, SGD, Muon): Megatron-LM reads them only under their ``--optimizer``."""
-DORMANT_TEXT = {
-    "--num-experts": "a MoE setting; without --num-experts the model has no expert layers and Megatron-LM ignores it "
-                     "too: same result",
-    "--optimizer": "a setting of another optimizer; with --optimizer adam Megatron-LM ignores it too: same result",
-}
-
-
-__all__ = ["DORMANT_EXPERTS", "DORMANT_OPTIMIZER", "DORMANT_TEXT", "KWAI_SOURCE", "MEGATRON_KWAI", "MEGATRON_LM",
-           "MEGATRON_LM_SOURCE", "REASONS", "Reason"]
+__all__ = ["KWAI_SOURCE", "MEGATRON_KWAI", "MEGATRON_LM", "MEGATRON_LM_SOURCE", "REASONS", "Reason"]

@@ -25,8 +25,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from h3t_training.config.flag_rows import (DORMANT_EXPERTS, DORMANT_OPTIMIZER, DORMANT_TEXT,  # noqa: F401
-                                           KWAI_SOURCE, MEGATRON_KWAI, MEGATRON_LM, MEGATRON_LM_SOURCE, REASONS,
+from h3t_training.config.flag_dormancy import inert_text
+from h3t_training.config.flag_rows import (KWAI_SOURCE, MEGATRON_KWAI, MEGATRON_LM, MEGATRON_LM_SOURCE, REASONS,  # noqa: F401
                                            Reason)
 from h3t_training.config.gpu_flags import GPU_BY_FLAG, GPU_BY_REASON, GpuRule
 from h3t_training.errors import ArgumentError
@@ -151,18 +151,16 @@ def _value(args, entry: FlagEntry):
 
 
 def dormant(entry: FlagEntry, args) -> Optional[Reason]:
-    """The notice of a refused flag whose feature this command line leaves off, so that Megatron-LM would ignore it
-    too (a MoE setting without ``--num-experts``, another optimizer's setting under Adam); None otherwise. Megatron-LM
-    asserts expert parallelism above 1 without experts, so that one stays refused."""
+    """The notice of a refused flag that this command line leaves unread, as Megatron-LM leaves it
+    (:mod:`~h3t_training.config.flag_dormancy`: a MoE setting without ``--num-experts``, another optimizer's setting
+    under Adam, a tokenizer setting of another ``--tokenizer-type``, a refused flag given Megatron-LM's default); None
+    otherwise. Megatron-LM asserts expert parallelism above 1 without experts, so that one stays refused."""
     if args is None or entry.cls != "refused":
         return None
-    if entry.flag in DORMANT_EXPERTS and table_value(args, "--num-experts") is None:
-        if entry.flag == "--expert-model-parallel-size" and str(table_value(args, entry.flag)).strip() != "1":
-            return None
-        return Reason("noticed", DORMANT_TEXT["--num-experts"], "none needed")
-    if entry.flag in DORMANT_OPTIMIZER and args.optimizer == "adam":
-        return Reason("noticed", DORMANT_TEXT["--optimizer"], "none needed")
-    return None
+    if entry.flag == "--expert-model-parallel-size" and str(table_value(args, entry.flag)).strip() != "1":
+        return None
+    text = inert_text(entry.flag, args, lambda flag: table_value(args, flag))
+    return None if text is None else Reason("noticed", text, "none needed")
 
 
 def _reason(e: FlagEntry, device: RunDevice, args) -> Reason:

@@ -223,7 +223,14 @@ def _split(args) -> dict:
 
 def _tokenizer_files(args) -> dict:
     """Tokenizer files given to this driver's own ByteTokenizer (pretrain_llama.py's default; not a Megatron
-    tokenizer) would be ignored: an error instead (Megatron's tokenizers ignore what they do not read, as there)."""
+    tokenizer) would be ignored: an error instead (Megatron's tokenizers ignore what they do not read, as there).
+    NullTokenizer's own ids under another tokenizer: a notice, as Megatron-LM ignores them."""
+    null_flags = [f"--{n.replace('_', '-')}" for n in ("null_tokenizer_eod_id", "null_tokenizer_pad_id")
+                  if getattr(args, n) is not None]
+    if null_flags and args.tokenizer_type != "NullTokenizer":
+        return {"flag_notices": (*args.flag_notices, *(
+            f"note: {flag}: read only by --tokenizer-type NullTokenizer; Megatron-LM ignores it under "
+            f"{args.tokenizer_type} too: same result" for flag in null_flags))}
     if args.tokenizer_type != "ByteTokenizer":
         return {}
     for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):

@@ -16,7 +16,9 @@ Each carries what megatron-core's GPT datasets and the driver read (``vocab_size
                            pieces, end of document its ``</s>``)
 ``Llama2Tokenizer``        ``--tokenizer-model``: as ``SentencePieceTokenizer``, and each text tokenized
                            starts with the model's BOS (Megatron's ``tokenize(s, bos=True)``)
-``NullTokenizer``          none: text is whitespace-separated ids; ``--vocab-size`` of them
+``NullTokenizer``          none: text is whitespace-separated ids; ``--vocab-size`` of them, the end of
+                           document the last (``--null-tokenizer-eod-id``) from Megatron-LM 0.18, one more
+                           before it (:class:`NullTokenizer`)
 ``ByteTokenizer``          none: UTF-8 bytes (h3t-ext's own, the default)
 =========================  ===================================================================
 
@@ -71,14 +73,45 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
-class NullTokenizer:
-    """Megatron's NullTokenizer: text is whitespace-separated integer ids; eod is the last id."""
+NULL_TOKENIZER_EOD_IN_VOCAB_FROM = (0, 18)
+"""The megatron-core release from which Megatron-LM's NullTokenizer holds its end of document inside ``--vocab-size``
+(Megatron-LM core_v0.18.0, commit c9dfe34 "Enable NullTokenizer for pretraining to reduce I/O access"): vocabulary
+V, end of document V - 1 (``--null-tokenizer-eod-id``), no padding id (``--null-tokenizer-pad-id``, -1). Before it
+(0.16, 0.17): vocabulary V + 1, end of document V."""
 
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size + 1
-        self.eod = vocab_size
-        self.pad = vocab_size
-        self.unique_identifiers = OrderedDict(**{"class": type(self).__name__, "vocab_size": vocab_size})
+
+def installed_megatron_core() -> tuple[int, int]:
+    """(major, minor) of the installed megatron-core, read from its package metadata (no import, no torch): the
+    Megatron-LM release whose flag semantics a user of that megatron-core has."""
+    from importlib.metadata import version
+
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version("megatron-core").split(".")[:2])
+    return major, minor
+
+
+class NullTokenizer:
+    """Megatron's NullTokenizer: text is whitespace-separated integer ids. ``eod_in_vocab`` (Megatron-LM 0.18+, the
+    default where the installed megatron-core is: :data:`NULL_TOKENIZER_EOD_IN_VOCAB_FROM`): ``vocab_size`` ids, the
+    end of document the last of them unless ``eod_id`` names another; else (0.16, 0.17) one id more, the end of
+    document that one. ``pad_id``: -1 (none) unless given; megatron-core's GPT datasets leave labels equal to it out
+    of the loss."""
+
+    def __init__(self, vocab_size: int, *, eod_id: Optional[int] = None, pad_id: Optional[int] = None,
+                 eod_in_vocab: Optional[bool] = None) -> None:
+        if eod_in_vocab is None:
+            eod_in_vocab = installed_megatron_core() >= NULL_TOKENIZER_EOD_IN_VOCAB_FROM
+        if vocab_size < 1 + (eod_id is None and eod_in_vocab):
+            raise TokenizerError(f"--vocab-size {vocab_size} is outside [{1 + (eod_id is None and eod_in_vocab)}, inf) "
+                                 "for --tokenizer-type NullTokenizer")
+        self.vocab_size = vocab_size if eod_in_vocab else vocab_size + 1
+        for flag, value in (("--null-tokenizer-eod-id", eod_id), ("--null-tokenizer-pad-id", pad_id)):
+            if value is not None and not (flag.endswith("pad-id") and value == -1) and not 0 <= value < self.vocab_size:
+                raise TokenizerError(f"{flag} {value} is outside [0, {self.vocab_size - 1}] (the NullTokenizer's "
+                                     f"ids{', or -1 for none' if flag.endswith('pad-id') else ''})")
+        self.eod = self.vocab_size - 1 if eod_id is None else eod_id
+        self.pad = -1 if pad_id is None else pad_id
+        self.unique_identifiers = OrderedDict(**{"class": type(self).__name__, "vocab_size": self.vocab_size,
+                                                 "eod_id": self.eod, "pad_id": self.pad})
 
     def tokenize(self, text: str) -> list[int]:
         return [int(x) for x in text.split()]
@@ -210,14 +243,15 @@ def _gpt2_bpe(vocab_file: str, merge_file: str):
 
 
 def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, tokenizer_model: Optional[str] = None,
-                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None):
+                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+                    null_tokenizer_eod_id: Optional[int] = None, null_tokenizer_pad_id: Optional[int] = None):
     """The tokenizer named by ``--tokenizer-type``; :class:`TokenizerError` (one line) on bad files."""
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size")
-        return NullTokenizer(vocab_size)
+        return NullTokenizer(vocab_size, eod_id=null_tokenizer_eod_id, pad_id=null_tokenizer_pad_id)
     if tokenizer_type == "HuggingFaceTokenizer":
         return _huggingface(_need_file("--tokenizer-model", tokenizer_model, tokenizer_type))
     if tokenizer_type == "GPT2BPETokenizer":
@@ -241,7 +275,8 @@ def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, to
 def tokenizer_from_args(args):
     """The tokenizer of a parsed command line (the driver's or tools/preprocess_data.py's)."""
     return build_tokenizer(args.tokenizer_type, args.vocab_size, tokenizer_model=args.tokenizer_model,
-                           vocab_file=args.vocab_file, merge_file=args.merge_file)
+                           vocab_file=args.vocab_file, merge_file=args.merge_file,
+                           null_tokenizer_eod_id=args.null_tokenizer_eod_id, null_tokenizer_pad_id=args.null_tokenizer_pad_id)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
@@ -266,7 +301,12 @@ def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
     group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer")
+    group.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                       help="NullTokenizer's end-of-document id (default: its last id)")
+    group.add_argument("--null-tokenizer-pad-id", type=int, default=None,
+                       help="NullTokenizer's padding id, whose labels the loss leaves out (default: -1, none)")
 
 
-__all__ = ["REFUSED_TOKENIZER_TYPES", "TOKENIZER_TYPES", "TokenizerError", "add_tokenizer_flags", "build_tokenizer", "padded_vocab_size", "run_padded_vocab_size",
-           "tokenizer_from_args"]
+__all__ = ["NULL_TOKENIZER_EOD_IN_VOCAB_FROM", "REFUSED_TOKENIZER_TYPES", "TOKENIZER_TYPES", "TokenizerError",
+           "add_tokenizer_flags", "build_tokenizer", "installed_megatron_core", "padded_vocab_size",
+           "run_padded_vocab_size", "tokenizer_from_args"]

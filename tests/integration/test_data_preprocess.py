@@ -21,7 +21,7 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_null_tokenizer_and_padding():
-    tok = NullTokenizer(100)
+    tok = NullTokenizer(100, eod_in_vocab=False)
     assert tok.tokenize("3 4 99") == [3, 4, 99] and tok.eod == 100 and tok.vocab_size == 101
     assert padded_vocab_size(258, 128, 1) == 384 and padded_vocab_size(258, 128, 2) == 512
 

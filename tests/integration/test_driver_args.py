@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from driver_harness import PYTHON, REPO, _env
+from driver_harness import PYTHON, REPO, _env, corpus_prefix  # noqa: F401
 from parse_harness import BASE, _error  # noqa: F401
 from h3t_training.config.sections import parse_args
 
@@ -204,3 +204,17 @@ def test_the_silent_data_corruption_guards_megatron_runs_by_default_are_accepted
                         world_size=2)
     assert config.check_weight_hash_across_dp_replicas_interval == 5 and config.rerun_mode == "disabled"
     assert not [n for n in config.flag_notices if "rerun" in n or "weight-hash" in n]
+
+
+def test_null_tokenizer_ids_reach_the_config_and_are_noticed_under_another_tokenizer(corpus_prefix):  # noqa: F811
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-4"]
+    args = parse_args([*base, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+                       "--null-tokenizer-eod-id", "5"])
+    assert args.null_tokenizer_eod_id == 5 and args.tokenizer_vocab_size in (300, 301)
+    assert not any("--null-tokenizer" in line for line in args.flag_notices)
+    args = parse_args([*base, "--data-path", corpus_prefix, "--null-tokenizer-eod-id", "5",
+                       "--null-tokenizer-pad-id", "6"])
+    notes = [line for line in args.flag_notices if "--null-tokenizer" in line]
+    assert notes == [f"note: --null-tokenizer-{k}-id: read only by --tokenizer-type NullTokenizer; Megatron-LM ignores "
+                     "it under ByteTokenizer too: same result" for k in ("eod", "pad")]

@@ -15,6 +15,7 @@ from driver_harness import REPO, check_ok, corpus_prefix, metrics, run_pretrain 
 from h3t_training.config.arguments import LLAMA_DEFAULTS, build_parser
 from h3t_training.config.flag_docs import render_markdown
 from h3t_training.config.flag_table import TABLE
+from h3t_training.data.tokenizer import NULL_TOKENIZER_EOD_IN_VOCAB_FROM, installed_megatron_core
 from megatron_scripts import GPT3_175B, LLAMA3_8B_FP8, kwai_pretrain_llama, script_flags, shrink
 
 FLAG_LIST = Path(__file__).resolve().parents[1] / "data" / "megatron_lm_pretrain_gpt_flags.txt"
@@ -117,7 +118,8 @@ def test_llama3_8b_script_trains_with_sample_based_schedule(tmp_path):
     assert any(line.startswith("note: --fp8-format:") for line in notes)
     assert not any(line.startswith("note: --decoupled-lr") for line in notes)  # implemented
     h, f, L, q, kv = 64, 224, 2, 4 * 32, 2 * 32
-    V = 1152  # NullTokenizer: --vocab-size 1024 ids + eod, padded to a multiple of 128
+    # NullTokenizer: --vocab-size 1024 ids (megatron-core 0.18+) or 1024 ids + eod (0.16, 0.17), padded to 128s
+    V = 1024 if installed_megatron_core() >= NULL_TOKENIZER_EOD_IN_VOCAB_FROM else 1152
     per_layer = h * (q + 2 * kv) + q * h + 2 * h * f + f * h + 2 * h
     n = int(re.search(r"(\d+) parameters on this rank", proc.stdout).group(1))
     assert n == 2 * V * h + L * per_layer + h  # untied, no biases, RMSNorm

@@ -89,3 +89,62 @@ def test_moe_and_other_optimizer_settings_are_noticed_while_their_feature_is_off
     assert error_body([*BASE, "--expert-model-parallel-size", "2"], capsys).startswith(
         "--expert-model-parallel-size is not supported")
     assert error_body([*BASE, "--gtp-remat-nccl-ub"], capsys).startswith("--gtp-remat-nccl-ub is not supported")
+
+
+def test_every_dormant_flag_is_a_refused_row_of_the_table():
+    from h3t_training.config.flag_dormancy import DORMANCIES, SAME_AS_DEFAULT
+
+    named = [f for d in DORMANCIES.values() for f in d.flags] + list(SAME_AS_DEFAULT)
+    assert [f for f in named if f not in TABLE or TABLE[f].cls != "refused"] == []
+    groups = [f for d in DORMANCIES.values() for f in d.flags]
+    assert len(groups) == len(set(groups))  # a flag has one reason to be unread
+
+
+def _noticed(argv) -> set[str]:
+    return {line.split(":")[1].strip() for line in parse_args([*BASE, *argv], world_size=2).flag_notices
+            if line.startswith("note: --")}
+
+
+def test_settings_of_a_feature_left_off_are_noticed_and_refused_with_it(capsys):
+    """Megatron-LM reads these only while their feature is on (flag_dormancy cites where): a script that carries them
+    with the feature off trains the same model, so it is noticed; with the feature on it is refused as before."""
+    from parse_harness import error_body
+
+    off = ["--qk-clip-alpha", "0.3", "--mup-width-mult", "2", "--fim-rate", "0.9", "--yarn-beta-fast", "16",
+           "--window-attn-skip-freq", "4", "--relative-attention-num-buckets", "64", "--apply-wd-to-qk-layernorm",
+           "--use-mp-args-from-checkpoint-args", "--no-strict-fsdp-dtensor-load", "--sft-tokenizer-prompt-format",
+           "x"]
+    assert _noticed(off) >= {f for f in off if f.startswith("--")}
+    for on, setting in ((["--qk-clip"], ["--qk-clip-alpha", "0.3"]), (["--use-mup"], ["--mup-width-mult", "2"]),
+                        (["--fim-data"], ["--fim-rate", "0.9"]), (["--window-size", "128,0"],
+                                                                   ["--window-attn-skip-freq", "4"]),
+                        (["--qk-layernorm"], ["--apply-wd-to-qk-layernorm"]),
+                        (["--use-checkpoint-args"], ["--use-mp-args-from-checkpoint-args"])):
+        body = error_body([*BASE, *on, *setting], capsys)
+        assert setting[0] in body.split(" is not supported")[0].split(" are not supported")[0], (on, body)
+
+
+def test_tokenizer_settings_are_noticed_only_under_tokenizers_that_never_read_them(capsys, tmp_path):
+    from parse_harness import error_body
+
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--mock-data"]
+    assert _noticed([*null, "--trust-remote-code", "--tokenizer-sentencepiece-legacy", "--chat-template", "t",
+                     "--tokenizer-metadata", "m.json", "--vocab-extra-ids", "100"]) >= {
+        "--trust-remote-code", "--tokenizer-sentencepiece-legacy", "--chat-template", "--tokenizer-metadata",
+        "--vocab-extra-ids"}
+    # under the driver's own ByteTokenizer (not Megatron-LM's) nothing is said to be ignored by Megatron-LM
+    assert error_body([*BASE, "--trust-remote-code"], capsys).startswith("--trust-remote-code is not supported")
+    # SentencePieceTokenizer with sentinel tokens adds ids in Megatron-LM 0.16: refused
+    model = tmp_path / "sp.model"
+    model.write_bytes(b"")
+    assert error_body([*BASE, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(model),
+                       "--vocab-extra-ids", "100"], capsys).startswith("--vocab-extra-ids is not supported")
+
+
+def test_refused_flags_given_megatron_lms_default_are_noticed(capsys):
+    from parse_harness import error_body
+
+    given = ["--softmax-type", "vanilla", "--rope-type", "rope", "--vocab-extra-ids", "0", "--mup-output-mult", "1"]
+    assert _noticed(given) == {"--softmax-type", "--rope-type", "--vocab-extra-ids", "--mup-output-mult"}
+    for flag, other in (("--softmax-type", "off-by-one"), ("--rope-type", "yarn"), ("--mup-output-mult", "0.5")):
+        assert error_body([*BASE, flag, other], capsys).startswith(f"{flag} is not supported")
