@@ -262,6 +262,9 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     add_tokenizer_flags(g)
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids restart after each end of document (learned absolute positions read them; "
+                        "RoPE does not, as in Megatron-LM)")
     g.add_argument("--dataloader-type", default="single", choices=(*DATALOADER_TYPES, "external"),
                    help="single: the split in order; cyclic: each data-parallel rank's bucket of it in a fresh random "
                         "order every epoch (Megatron-LM's samplers)")

@@ -141,7 +141,7 @@ MEGATRON_LM: dict[str, str] = {
 --decoder-last-pipeline-num-layers=1 --decoupled-lr=1 --decoupled-min-lr=1
 --decrease-batch-size-if-needed=0 --disable-bias-linear=0 --rampup-batch-size=3 --step-batch-size-schedule=1
 --disable-log-loss-scale-to-tensorboard=0 --distributed-backend=1 --distributed-timeout-minutes=1
---eod-mask-loss=0 --eval-interval=1 --eval-iters=1 --exit-duration-in-mins=1 --exit-interval=1
+--eod-mask-loss=0 --reset-position-ids=0 --eval-interval=1 --eval-iters=1 --exit-duration-in-mins=1 --exit-interval=1
 --exit-signal=1 --exit-signal-handler=0 --ffn-hidden-size=1 --finetune=0 --global-batch-size=1
 --glu-linear-offset=1 --group-query-attention=0 --hidden-dropout=1 --hidden-size=1 --init-method-std=1
 --kv-channels=1 --load=1 --qk-layernorm=0 --squared-relu=0 --log-interval=1 --log-memory-to-tensorboard=0 --log-throughput=0
@@ -249,7 +249,7 @@ MEGATRON_LM: dict[str, str] = {
 --fim-data=0 --fim-eod-token=1 --fim-fragment-rate=1 --fim-middle-token=1 --fim-no-prefix=1
 --fim-pad-token=1 --fim-prefix-token=1 --fim-rate=1 --fim-split-sample=1 --fim-spm-rate=1
 --fim-suffix-token=1 --per-dataset-sequences-path=1 --per-split-data-args-path=1
---reset-attention-mask=0 --reset-position-ids=0 --sft=0 --sft-tokenizer-prompt-format=1""",
+--reset-attention-mask=0 --sft=0 --sft-tokenizer-prompt-format=1""",
     "tokenizer": """
 --chat-template=1 --disable-pad-vocab-size=0 --disable-tokenizer-sentencepiece-ignore-extra-whitespaces=0
 --no-pad-vocab-size=0 --no-tokenizer-sentencepiece-ignore-extra-whitespaces=0 --padded-vocab-size=1 --tokenizer-hf-no-include-special-tokens=0
