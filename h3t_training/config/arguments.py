@@ -72,7 +72,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                    help="MLP activation relu(x)^2 instead of GeLU (Nemotron); excludes --swiglu")
     g.add_argument("--glu-linear-offset", type=float, default=0.0)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"), default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope", "none"), default="learned_absolute",
+                   help="none: no positions at all (NoPE; megatron-core's GPTModel adds no embedding and no rotation)")
     g.add_argument("--use-rotary-position-embeddings", dest="position_embedding_type", action="store_const",
                    const="rope", help="older Megatron name for --position-embedding-type rope")
     g.add_argument("--no-position-embedding", action="store_true",

@@ -60,7 +60,8 @@ def _distributed_backend(args) -> dict:
 def _positions(args) -> dict:
     if args.no_position_embedding and args.position_embedding_type != "rope":
         raise ArgumentError("--no-position-embedding without --use-rotary-position-embeddings (or "
-                            "--position-embedding-type rope) gives a model without positions; not supported")
+                            "--position-embedding-type rope) is refused, as Megatron-LM refuses it; for a model "
+                            "without positions give --position-embedding-type none")
     return {}
 
 
