@@ -94,6 +94,13 @@ DORMANCIES: dict[str, Dormancy] = {
         ("--relative-attention-num-buckets", "--relative-attention-max-distance"),
         lambda args, given: args.position_embedding_type != "relative",
         "a T5 relative-position setting; Megatron-LM's GPT model never reads it: same result"),
+    # Read only by Megatron-LM's legacy models (megatron/legacy/model, --use-legacy-models); megatron-core's
+    # TransformerLayer and MLP never read them (core_v0.16.1 to core_v0.19.0), so a megatron-core GPT ignores them.
+    "legacy_models": Dormancy(
+        ("--openai-gelu", "--apply-residual-connection-post-layernorm"),
+        lambda args, given: True,
+        "read only by Megatron-LM's legacy models; the megatron-core GPT model it builds (and this driver builds) "
+        "never reads it: same result"),
     # optimizer/__init__.py: these only move the query and key norms' parameters into the decayed group.
     "qk_layernorm_decay": Dormancy(
         ("--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type"),
