@@ -274,6 +274,9 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
+    g.add_argument("--pretrained-checkpoint", default=None,
+                   help="where --load holds no checkpoint, finetune from this one (as --finetune: its weights, "
+                        "iteration 0); once --load holds one, runs resume from it")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--ckpt-format", default="torch_dist",
                    help="checkpoint format: torch_dist (megatron-core dist_checkpointing, resharding on load) or "

@@ -100,8 +100,9 @@ def megatron_fsdp_refusal(args) -> Optional[str]:
                                             "distributed optimizer's buffers, not Megatron FSDP's)"),
                (args.save is not None, "--save (Megatron-LM saves Megatron FSDP only as --ckpt-format fsdp_dtensor, "
                                        "which this driver does not write; train without --save)"),
-               (args.load is not None, "--load (Megatron FSDP's parameters load only from --ckpt-format fsdp_dtensor, "
-                                       "which this driver does not read)"),
+               *((path is not None, f"{flag} (Megatron FSDP's parameters load only from --ckpt-format fsdp_dtensor, "
+                                     "which this driver does not read)")
+                 for flag, path in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint))),
                (bool(tuning), f"{', '.join(tuning)} (a Megatron FSDP tuning setting this driver does not pass to "
                               "megatron-core; leave it out)")]
     return next((f"--use-megatron-fsdp is not supported with {what}" for clash, what in clashes if clash), None)

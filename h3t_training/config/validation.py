@@ -284,10 +284,11 @@ def _validate_io(args):
                             "torch_dist")
     if args.ckpt_step is not None and args.ckpt_step < 0:
         raise ArgumentError(f"--ckpt-step {args.ckpt_step} is outside [0, inf)")
-    if args.ckpt_step is not None and args.load is None:
-        raise ArgumentError("--ckpt-step needs --load DIR")
-    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
-        raise ArgumentError(f"--load {args.load} is a file, not a directory")
+    if args.ckpt_step is not None and args.load is None and args.pretrained_checkpoint is None:
+        raise ArgumentError("--ckpt-step needs --load DIR (or --pretrained-checkpoint DIR)")
+    for flag, path in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ArgumentError(f"{flag} {path} is a file, not a directory")
     if args.save is not None:
         _check_writable_dir("--save", args.save)
     for flag in ("tensorboard_dir", "wandb_save_dir"):

@@ -52,12 +52,12 @@ def main(argv=None) -> int:
     defaults = MEGATRON_GPT_DEFAULTS if prog == "pretrain_gpt.py" else None
     with contextlib.redirect_stdout(io.StringIO()):
         args = parse_args(flags, prog=prog, defaults=defaults, world_size=world_size)  # bad flag: one line, exit 2
-        if args.load is None or not os.path.isdir(args.load):  # nothing to check: find_checkpoint would say None
-            return 0
-        from h3t_training.loop.checkpointing import CheckpointError, find_checkpoint  # megatron-core: 3 s to import
+        if not any(d is not None and os.path.isdir(d) for d in (args.load, args.pretrained_checkpoint)):
+            return 0  # nothing to check: find_load would say None (or the missing --pretrained-checkpoint)
+        from h3t_training.loop.checkpointing import CheckpointError, find_load  # megatron-core: 3 s to import
 
         try:
-            find_checkpoint(args, rank=0)
+            find_load(args, rank=0)
         except CheckpointError as e:
             sys.stderr.write(f"{prog}: error: {e}\n")
             return 2

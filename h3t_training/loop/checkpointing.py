@@ -39,7 +39,7 @@ import json
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -61,7 +61,7 @@ from h3t_training.loop.param_schedule import steps_before
 
 @dataclass(frozen=True)
 class FoundCheckpoint:
-    """A complete checkpoint under ``--load``, checked before any process group exists."""
+    """A complete checkpoint under ``--load`` (or ``--pretrained-checkpoint``), checked before any process group exists."""
 
     directory: str
     """The ``iter_NNNNNNN`` directory."""
@@ -78,6 +78,8 @@ class FoundCheckpoint:
     """What rank 0 says of the adopted fields."""
     legacy: bool = False
     """Written with ``--ckpt-format torch`` (Megatron's per-rank files, :mod:`h3t_training.loop.legacy_checkpoint`)."""
+    named_by: str = "--load"
+    """The flag that named its directory: ``--load``, or ``--pretrained-checkpoint`` (:func:`find_load`)."""
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -126,13 +128,30 @@ def _schedule(args) -> dict:
 
 
 
-def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
-    """The checkpoint ``--load`` (and ``--ckpt-step``) names, checked; None when there is none.
+def find_load(args, *, rank: int) -> tuple[Any, Optional[FoundCheckpoint]]:
+    """(the run's config, the checkpoint it starts from): ``--load``'s (:func:`find_checkpoint`); where that holds
+    none and ``--pretrained-checkpoint`` is given, that one's, with ``finetune`` on (its weights at iteration 0), as
+    Megatron-LM's ``load_checkpoint`` falls back to it; a ``--pretrained-checkpoint`` without a checkpoint is a
+    one-line :class:`CheckpointError`, as Megatron-LM raises."""
+    found = find_checkpoint(args, rank=rank)
+    if found is not None or args.pretrained_checkpoint is None:
+        return args, found
+    tuned = args.replace(finetune=True)
+    found = find_checkpoint(tuned, rank=rank, named_by="--pretrained-checkpoint")
+    if found is None:
+        raise CheckpointError(f"no checkpoint in --load {args.load} or --pretrained-checkpoint "
+                              f"{args.pretrained_checkpoint}", alike=True)
+    return tuned, found
+
+
+def find_checkpoint(args, *, rank: int, named_by: str = "--load") -> Optional[FoundCheckpoint]:
+    """The checkpoint ``--load`` (``named_by``: or ``--pretrained-checkpoint``; and ``--ckpt-step``) names, checked;
+    None when there is none.
 
     A missing or empty ``--load`` directory means "start from scratch", as in Megatron. ``rank`` checks the
     SHA-256 of its share of the files (of ``args.world_size`` ranks).
     """
-    root = args.load
+    root = args.load if named_by == "--load" else args.pretrained_checkpoint
     if root is None or not os.path.isdir(root):
         return None
     step = args.ckpt_step
@@ -141,14 +160,14 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
         return None
     directory = iter_dir(root, iteration)
     if not os.path.isdir(directory):
-        raise CheckpointError(f"--load {root}: {directory} does not exist"
+        raise CheckpointError(f"{named_by} {root}: {directory} does not exist"
                               + (" (--ckpt-step)" if step is not None else f" (named by {TRACKER})"), alike=True)
     common = read_common(directory)
     megatron = WRITTEN_BY in common  # Megatron-LM writes no checksum manifest
     if not megatron:
         verify_files(directory, rank, args.world_size)
     per_rank = bool(legacy.rank_dirs(directory))
-    where = f"--load {root}: checkpoint iteration {iteration}"
+    where = f"{named_by} {root}: checkpoint iteration {iteration}"
     if per_rank:
         reason = legacy.check_layout(common["h3t"]["layout"], args, where)
         if reason:
@@ -184,7 +203,7 @@ def find_checkpoint(args, *, rank: int) -> Optional[FoundCheckpoint]:
                                                        legacy_format=per_rank), *notices)
     data, note = _data_position(args, common.get("consumed_train_samples"), iteration, where)
     return FoundCheckpoint(directory, iteration, common["h3t"]["layout"] == _layout(args), common,
-                           {**adopted, **padding, **data}, (*notices, *note), per_rank)
+                           {**adopted, **padding, **data}, (*notices, *note), per_rank, named_by)
 
 
 def _data_position(args, consumed: Optional[int], iteration: int, where: str) -> tuple[dict, tuple[str, ...]]:
@@ -498,5 +517,5 @@ def _load_legacy(found: FoundCheckpoint, args, chunks, optimizer, with_optimizer
     return (0 if args.finetune else found.iteration), notes
 
 
-__all__ = ["CheckpointError", "FoundCheckpoint", "check_latest", "find_checkpoint", "load_checkpoint", "rng_state",
-           "save_checkpoint", "set_rng_state"]
+__all__ = ["CheckpointError", "FoundCheckpoint", "check_latest", "find_checkpoint", "find_load", "load_checkpoint",
+           "rng_state", "save_checkpoint", "set_rng_state"]

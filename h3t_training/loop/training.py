@@ -214,6 +214,9 @@ def _notes(args, on_gpu: bool, found, config: H3TConfig) -> None:
         print(line, flush=True)
     if args.load and found is None:
         print(f"note: no checkpoint in --load {args.load}; training from scratch", flush=True)
+    if found is not None and found.named_by == "--pretrained-checkpoint":
+        print(f"note: no checkpoint in --load {args.load}; finetuning from --pretrained-checkpoint "
+              f"{args.pretrained_checkpoint} (its weights, iteration 0, as --finetune)", flush=True)
     if args.async_save:
         print("note: --async-save: checkpoints are written synchronously by this driver", flush=True)
 
@@ -321,7 +324,8 @@ def pretrain(args, *, rank: int, progress: Optional[RunProgress] = None, progres
     :meth:`~h3t_training.launch.launch_env.LaunchEnv.watched_terminal`); ``--no-progress-bar`` turns it off."""
     progress = progress or RunProgress()
     start_time = time.time()
-    found = ckpt_io.find_checkpoint(args, rank=rank)  # before any process group: a bad checkpoint stops all ranks
+    # before any process group: a bad checkpoint stops all ranks; --pretrained-checkpoint where --load holds none
+    args, found = ckpt_io.find_load(args, rank=rank)
     if found is None and args.load and args.exit_on_missing_checkpoint:  # every rank reads the same --load
         if rank == 0:
             print(f"note: no checkpoint in --load {args.load}; --exit-on-missing-checkpoint: exiting", flush=True)
