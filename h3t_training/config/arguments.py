@@ -238,8 +238,10 @@ def _add_training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None, metavar="N",
                    help="every N iterations, stop with one line when data-parallel replicas hold different weights")
-    g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"), default="disabled",
-                   help="Megatron-LM's rerun state machine: disabled (the default); the others are accepted with a notice")
+    g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"), default=None,
+                   help="Megatron-LM's rerun state machine (its default: validate_results, which re-runs an iteration "
+                        "whose loss check fails); this driver has none and stops at a non-finite loss instead, the "
+                        "same run without a fault: validate_results and report_stats given are a notice")
     g = p.add_argument_group("activation memory")
     cli_flags.add_recompute_flags(g, count=int, full_method=True)
     add_h3t_flags(g)

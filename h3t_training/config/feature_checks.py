@@ -147,8 +147,9 @@ RERUN_NOTICE = ("Megatron-LM's rerun state machine (it re-executes an iteration'
 
 
 def check_sdc_flags(args):
-    """A resolve step: the interval's range, its clash with FSDP2, and a notice for the rerun modes other than
-    disabled (they change nothing in a run without a fault, so the flag rule accepts them)."""
+    """A resolve step: the interval's range, its clash with FSDP2, and a notice for a rerun mode other than disabled
+    given on the command line (it changes nothing in a run without a fault, so the flag rule accepts it; left out, it
+    is Megatron-LM's default validate_results, which the flag table states)."""
     interval = args.check_weight_hash_across_dp_replicas_interval
     if interval is not None and interval < 1:
         raise ArgumentError(f"--check-weight-hash-across-dp-replicas-interval {interval} is outside [1, inf)")
@@ -156,7 +157,7 @@ def check_sdc_flags(args):
         raise ArgumentError("--check-weight-hash-across-dp-replicas-interval is not supported with --use-torch-fsdp2: "
                             "FSDP2 shards the parameters over the data-parallel group, so no two ranks hold a "
                             "replica to compare")
-    if args.rerun_mode != "disabled":
+    if args.rerun_mode not in (None, "disabled"):
         return args.replace(flag_notices=(*args.flag_notices, f"note: --rerun-mode {args.rerun_mode}: {RERUN_NOTICE}"))
     return args
 

@@ -120,9 +120,11 @@ REASONS: dict[str, Reason] = {
                     "none needed"),
     "sdc_guards": Reason("implemented", "Megatron-LM's silent-data-corruption guards: the weight hash check across "
                          "data-parallel replicas as in Megatron-LM, one line and exit status 5 on a mismatch; "
-                         "--rerun-mode disabled (Megatron-LM's default); validate_results and report_stats with a "
-                         "notice (Megatron-LM's rerun state machine, which replays an iteration after a failed "
-                         "result check, is not part of this driver; without a fault the run is the same) "
+                         "--rerun-mode: Megatron-LM's default validate_results and report_stats replay an iteration "
+                         "after a failed result check, to tell a transient fault from a persistent one; that state "
+                         "machine is not part of this driver, which stops at a non-finite loss "
+                         "(--check-for-nan-in-loss-and-grad, on by default): without a fault the run is the same; "
+                         "given, either is a notice, disabled is what the driver does "
                          "(h3t_training/loop/sdc_guards.py)"),
     "ckpt_io": Reason("noticed", "a checkpoint I/O strategy setting; this driver writes megatron-core torch_dist checkpoints synchronously with every shard",
                     "none needed"),

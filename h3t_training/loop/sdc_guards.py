@@ -7,11 +7,12 @@
   mismatch: one line naming the iteration and the ranks, on every rank alike (rank 0 says it), exit status
   :data:`h3t_training.launch.failures.EXIT_SILENT_DATA_CORRUPTION`, before the iteration's checkpoint is written.
   Megatron-LM asserts the same (``check_param_hashes_across_dp_replicas``) at the same point of its loop.
-* ``--rerun-mode``: ``disabled`` (Megatron-LM's default) only. ``validate_results`` and ``report_stats`` need
-  Megatron-LM's rerun state machine, which re-executes an iteration's forward and backward (on the same device,
-  then on another) when a result check fails, to tell a transient hardware fault from a persistent one or a bug;
-  this driver does not replay iterations, so both are refused in one line (a non-finite loss or gradient norm
-  stops the run instead: ``--check-for-nan-in-loss-and-grad``, the default).
+* ``--rerun-mode``: Megatron-LM's default is ``validate_results`` (its rerun state machine re-executes an
+  iteration's forward and backward, on the same device, then on another, when a result check fails, to tell a
+  transient hardware fault from a persistent one or a bug; ``report_stats`` also reruns to measure the spread).
+  This driver does not replay iterations: a non-finite loss or gradient norm stops the run instead
+  (``--check-for-nan-in-loss-and-grad``, the default), so without a fault the run is the same. Given, either mode is a
+  notice (``config.feature_checks.check_sdc_flags``); ``disabled`` is what the driver does.
 """
 from __future__ import annotations
 

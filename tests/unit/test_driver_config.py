@@ -501,7 +501,8 @@ def test_rerun_modes_are_a_notice(mode):
     config = parse_args(RERUN_BASE + ["--rerun-mode", mode], world_size=2)
     lines = [n for n in config.flag_notices if n.startswith("note: --rerun-mode")]
     assert len(lines) == 1 and lines[0].startswith(f"note: --rerun-mode {mode}: Megatron-LM's rerun state machine")
-    assert not any(n.startswith("note: --rerun-mode") for n in parse_args(RERUN_BASE, world_size=2).flag_notices)
+    default = parse_args(RERUN_BASE, world_size=2)  # Megatron-LM's default (validate_results) is not a notice
+    assert default.rerun_mode is None and not any(n.startswith("note: --rerun-mode") for n in default.flag_notices)
 
 
 def test_expert_tensor_parallel_size_on_a_dense_model_is_a_notice():
