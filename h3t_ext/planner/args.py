@@ -394,7 +394,8 @@ def check_flags_apply(ns: argparse.Namespace, *, search: bool) -> None:
         raise UsageError(f"argument --use-flash-attn: contradicts --attention-backend {ns.attention_backend}; give one")
     if ns.use_megatron_fsdp and ns.data_parallel_sharding_strategy is None:
         raise _needs("--use-megatron-fsdp", "--data-parallel-sharding-strategy optim_grads or optim_grads_params (the "
-                     "shardings priced; Megatron's default no_shard shards nothing)")
+                     "shardings priced; Megatron-LM's default is no_shard, which shards nothing, in 0.16 and 0.17, "
+                     "and optim_grads_params from 0.18)")
     if ns.optimizer_offload_fraction is not None and not cpu_optimizer:
         raise _needs("--optimizer-offload-fraction", "--optimizer-cpu-offload (without it no optimizer state is "
                      "stepped on the CPU" + ("; search picks the fraction of the plans it offloads itself)"

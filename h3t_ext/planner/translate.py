@@ -46,7 +46,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "tp_comm_overlap": False,
     "overlap_p2p_comm": True,  # --no-overlap-p2p-communication stores False
     "use_megatron_fsdp": False,
-    "data_parallel_sharding_strategy": "no_shard",
+    "data_parallel_sharding_strategy": "optim_grads_params",  # no_shard in Megatron-LM 0.16 and 0.17
     "use_torch_fsdp2": False,
     "torch_fsdp2_reshard_after_forward": True,  # --torch-fsdp2-no-reshard-after-forward stores False
     "attention_backend": "auto",

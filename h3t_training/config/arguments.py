@@ -131,10 +131,11 @@ def _add_parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-megatron-fsdp", action="store_true",
                    help="Megatron FSDP (megatron-core's FullyShardedDataParallel; GPU only, with "
                         "--use-distributed-optimizer)")
-    g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
+    g.add_argument("--data-parallel-sharding-strategy", default=None,
                    choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
                    help="Megatron FSDP's sharding (with --use-megatron-fsdp): optimizer state, also gradients, also "
-                        "parameters")
+                        "parameters (default: the installed megatron-core's Megatron-LM's, optim_grads_params from "
+                        "0.18, no_shard before)")
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None)
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--strict-p2p", action="store_true",

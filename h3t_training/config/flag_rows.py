@@ -79,8 +79,9 @@ REASONS: dict[str, Reason] = {
                           "distributed optimizer, untied embeddings; --save on CPU only)"),
     "megatron_fsdp": Reason("refused", "Megatron FSDP needs CUDA (megatron-core 0.16.1's MegatronFSDP takes "
                             "torch.cuda.current_device(), a 'cuda' device mesh and CUDA streams); on a GPU it runs "
-                            "through megatron-core's FullyShardedDataParallel; --data-parallel-sharding-strategy "
-                            "no_shard (no sharding) is accepted",
+                            "through megatron-core's FullyShardedDataParallel, its strategy left out the installed "
+                            "megatron-core's Megatron-LM default (optim_grads_params from 0.18, no_shard before); "
+                            "--data-parallel-sharding-strategy no_shard (no sharding) is accepted",
                             "on CPU --use-torch-fsdp2, or --use-distributed-optimizer (optim)"),
     "cuda_graphs": Reason("noticed", "CUDA graphs exist only on a GPU",
                     "none needed"),

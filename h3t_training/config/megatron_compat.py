@@ -21,6 +21,7 @@ from typing import Optional
 from h3t_training.config import feature_checks
 from h3t_training.data.batch_schedule import BatchSchedule, parse_step_schedule, rampup_schedule
 from h3t_training.data.data_checks import DataFileError, parse_split
+from h3t_training import megatron_release
 from h3t_training.errors import ArgumentError
 
 
@@ -242,10 +243,21 @@ def _tokenizer_files(args) -> dict:
     return {}
 
 
+def _sharding_strategy(args) -> dict:
+    """--data-parallel-sharding-strategy left out: the installed megatron-core's Megatron-LM default under
+    --use-megatron-fsdp (optim_grads_params from 0.18, no_shard before: :mod:`h3t_training.megatron_release`), so
+    that a GPU run shards what Megatron-LM would; without Megatron FSDP nothing is sharded (no_shard)."""
+    if args.data_parallel_sharding_strategy is not None:
+        return {}
+    strategy = megatron_release.default_sharding_strategy(megatron_release.installed_megatron_core()) \
+        if args.use_megatron_fsdp else "no_shard"
+    return {"data_parallel_sharding_strategy": strategy}
+
+
 def apply_megatron_behaviours(config):
     """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
     for step in (kwai_aliases, _distributed_backend, _positions, _batch_schedule, _weight_decay, _schedule,
                  _virtual_stages,
-                 _split, _tokenizer_files):
+                 _split, _tokenizer_files, _sharding_strategy):
         config = config.replace(**step(config))
     return config

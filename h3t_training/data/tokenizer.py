@@ -37,6 +37,8 @@ from typing import Optional
 
 import numpy
 
+from h3t_training.megatron_release import NULL_TOKENIZER_EOD_IN_VOCAB_FROM, installed_megatron_core
+
 TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 _BERT = "BERT's WordPiece vocabulary and its special tokens are not implemented; its ids would differ"
@@ -71,22 +73,6 @@ class ByteTokenizer:
 
     def detokenize(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-
-NULL_TOKENIZER_EOD_IN_VOCAB_FROM = (0, 18)
-"""The megatron-core release from which Megatron-LM's NullTokenizer holds its end of document inside ``--vocab-size``
-(Megatron-LM core_v0.18.0, commit c9dfe34 "Enable NullTokenizer for pretraining to reduce I/O access"): vocabulary
-V, end of document V - 1 (``--null-tokenizer-eod-id``), no padding id (``--null-tokenizer-pad-id``, -1). Before it
-(0.16, 0.17): vocabulary V + 1, end of document V."""
-
-
-def installed_megatron_core() -> tuple[int, int]:
-    """(major, minor) of the installed megatron-core, read from its package metadata (no import, no torch): the
-    Megatron-LM release whose flag semantics a user of that megatron-core has."""
-    from importlib.metadata import version
-
-    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in version("megatron-core").split(".")[:2])
-    return major, minor
 
 
 class NullTokenizer:
@@ -307,6 +293,5 @@ def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
                        help="NullTokenizer's padding id, whose labels the loss leaves out (default: -1, none)")
 
 
-__all__ = ["NULL_TOKENIZER_EOD_IN_VOCAB_FROM", "REFUSED_TOKENIZER_TYPES", "TOKENIZER_TYPES", "TokenizerError",
-           "add_tokenizer_flags", "build_tokenizer", "installed_megatron_core", "padded_vocab_size",
-           "run_padded_vocab_size", "tokenizer_from_args"]
+__all__ = ["REFUSED_TOKENIZER_TYPES", "TOKENIZER_TYPES", "TokenizerError", "add_tokenizer_flags", "build_tokenizer",
+           "padded_vocab_size", "run_padded_vocab_size", "tokenizer_from_args"]

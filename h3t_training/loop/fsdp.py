@@ -57,7 +57,9 @@ adapter takes ``torch.cuda.current_device()`` as its device and builds its devic
 and ``MegatronFSDP.__init__`` creates ``torch.cuda.Stream``s; its flags are refused on the CPU path in one line.
 On a GPU the driver wraps each chunk in megatron-core's ``FullyShardedDataParallel`` adapter, as Megatron-LM's
 ``get_model`` does (``loop/gpu_wrap.py``; the rules it runs under: ``config/feature_checks.check_megatron_fsdp``).
-``--data-parallel-sharding-strategy no_shard``, Megatron-LM's default, means no sharding and is accepted.
+``--data-parallel-sharding-strategy no_shard`` (Megatron-LM's default in 0.16 and 0.17; from 0.18 it is
+``optim_grads_params``, which a GPU run left without the flag takes: :mod:`h3t_training.megatron_release`) means no
+sharding and is accepted.
 """
 from __future__ import annotations
 

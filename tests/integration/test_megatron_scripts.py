@@ -15,7 +15,7 @@ from driver_harness import REPO, check_ok, corpus_prefix, metrics, run_pretrain 
 from h3t_training.config.arguments import LLAMA_DEFAULTS, build_parser
 from h3t_training.config.flag_docs import render_markdown
 from h3t_training.config.flag_table import TABLE
-from h3t_training.data.tokenizer import NULL_TOKENIZER_EOD_IN_VOCAB_FROM, installed_megatron_core
+from h3t_training.megatron_release import NULL_TOKENIZER_EOD_IN_VOCAB_FROM, installed_megatron_core
 from megatron_scripts import GPT3_175B, LLAMA3_8B_FP8, kwai_pretrain_llama, script_flags, shrink
 
 FLAG_LIST = Path(__file__).resolve().parents[1] / "data" / "megatron_lm_pretrain_gpt_flags.txt"

@@ -68,6 +68,32 @@ def test_on_a_gpu_it_reaches_megatron_cores_ddp_config_and_the_plan(monkeypatch,
         assert sharded["device"][kind] == pytest.approx(want, rel=1e-3), kind
 
 
+@pytest.mark.parametrize("release, strategy", [((0, 16), "no_shard"), ((0, 17), "no_shard"),
+                                               ((0, 18), "optim_grads_params"), ((0, 19), "optim_grads_params")])
+def test_left_out_the_strategy_is_the_installed_releases_default(monkeypatch, release, strategy):
+    """Megatron-LM changed --data-parallel-sharding-strategy's default in 0.18 (no_shard -> optim_grads_params): a
+    GPU run with --use-megatron-fsdp alone shards what the Megatron-LM of its megatron-core would, and prices it."""
+    from h3t_training import megatron_release
+
+    _gpu(monkeypatch)
+    monkeypatch.setattr(megatron_release, "installed_megatron_core", lambda: release)
+    config = parse_args([*BASE, "--use-megatron-fsdp"], world_size=2)
+    assert config.data_parallel_sharding_strategy == strategy
+    assert gpu_wrap.ddp_config_for(config).data_parallel_sharding_strategy == strategy
+    assert run_plan(config, on_gpu=True).data_parallel_sharding_strategy == (
+        None if strategy == "no_shard" else strategy)
+    assert parse_args(BASE, world_size=2).data_parallel_sharding_strategy == "no_shard"  # no Megatron FSDP
+
+
+def test_the_installed_release_is_read_from_megatron_cores_metadata():
+    from importlib.metadata import version
+
+    from h3t_training.megatron_release import default_sharding_strategy, installed_megatron_core
+
+    assert installed_megatron_core() == tuple(int(p) for p in version("megatron-core").split(".")[:2])
+    assert default_sharding_strategy((0, 16)) == "no_shard" and default_sharding_strategy((1, 0)) == "optim_grads_params"
+
+
 @pytest.mark.parametrize("extra, what", [
     ([a for a in BASE if a != "--use-distributed-optimizer"], "no --use-distributed-optimizer"),
     ([*BASE, "--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], "--use-torch-fsdp2"),

@@ -7,9 +7,9 @@ from importlib.metadata import version
 
 import pytest
 
-from h3t_training.data.tokenizer import (NULL_TOKENIZER_EOD_IN_VOCAB_FROM, NullTokenizer, TokenizerError,
-                                         add_tokenizer_flags, installed_megatron_core, padded_vocab_size,
+from h3t_training.data.tokenizer import (NullTokenizer, TokenizerError, add_tokenizer_flags, padded_vocab_size,
                                          tokenizer_from_args)
+from h3t_training.megatron_release import NULL_TOKENIZER_EOD_IN_VOCAB_FROM, installed_megatron_core
 
 
 def test_megatron_lm_0_18_and_later_keep_the_end_of_document_inside_the_vocabulary():

@@ -1,0 +1,38 @@
+"""The Megatron-LM release a run's flags mean what they mean in: the one that ships with the installed megatron-core.
+
+Users run this driver with the megatron-core of their Megatron-LM checkout (0.16 to 0.19), and a few of Megatron-LM's
+flag semantics changed between those releases. Each change is one named constant here, with the release that made
+it and the commit or file where it shows; the code that acts on a flag asks :func:`installed_megatron_core` once.
+Reading the version from the package metadata imports nothing (the flag parser imports no torch).
+"""
+from __future__ import annotations
+
+Release = tuple[int, int]
+
+NULL_TOKENIZER_EOD_IN_VOCAB_FROM: Release = (0, 18)
+"""Megatron-LM core_v0.18.0 (commit c9dfe34 "Enable NullTokenizer for pretraining to reduce I/O access"): the
+NullTokenizer's vocabulary is ``--vocab-size`` ids, the end of document the last (``--null-tokenizer-eod-id``), no
+padding id; before it (0.16, 0.17) ``--vocab-size`` ids plus the end of document after them."""
+
+SHARD_EVERYTHING_BY_DEFAULT_FROM: Release = (0, 18)
+"""Megatron-LM core_v0.18.0's ``--data-parallel-sharding-strategy`` default is ``optim_grads_params`` (Megatron FSDP
+shards the optimizer state, gradients and parameters); 0.16 and 0.17 default to ``no_shard``
+(``megatron/training/arguments.py`` at each tag). It acts only with ``--use-megatron-fsdp``."""
+
+
+def installed_megatron_core() -> Release:
+    """(major, minor) of the installed megatron-core, read from its package metadata."""
+    from importlib.metadata import version
+
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0)
+                    for part in version("megatron-core").split(".")[:2])
+    return major, minor
+
+
+def default_sharding_strategy(release: Release) -> str:
+    """Megatron-LM's ``--data-parallel-sharding-strategy`` when the command line leaves it out, in ``release``."""
+    return "optim_grads_params" if release >= SHARD_EVERYTHING_BY_DEFAULT_FROM else "no_shard"
+
+
+__all__ = ["NULL_TOKENIZER_EOD_IN_VOCAB_FROM", "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM", "default_sharding_strategy",
+           "installed_megatron_core"]
