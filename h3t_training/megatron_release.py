@@ -9,6 +9,11 @@ from __future__ import annotations
 
 Release = tuple[int, int]
 
+CORE_TOKENIZERS_FROM: Release = (0, 17)
+"""Megatron-LM core_v0.17.0 builds its tokenizers with ``megatron.core.tokenizers`` (commit 3257093930 "fully remove
+legacy tokenizer system"): Llama2Tokenizer's ``tokenize`` no longer starts a text with the model's BOS (0.16's
+``_Llama2Tokenizer.tokenize(s, bos=True)`` did), and ``--tokenizer-hf-no-include-special-tokens`` exists."""
+
 NULL_TOKENIZER_EOD_IN_VOCAB_FROM: Release = (0, 18)
 """Megatron-LM core_v0.18.0 (commit c9dfe34 "Enable NullTokenizer for pretraining to reduce I/O access"): the
 NullTokenizer's vocabulary is ``--vocab-size`` ids, the end of document the last (``--null-tokenizer-eod-id``), no
@@ -34,5 +39,5 @@ def default_sharding_strategy(release: Release) -> str:
     return "optim_grads_params" if release >= SHARD_EVERYTHING_BY_DEFAULT_FROM else "no_shard"
 
 
-__all__ = ["NULL_TOKENIZER_EOD_IN_VOCAB_FROM", "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM", "default_sharding_strategy",
+__all__ = ["CORE_TOKENIZERS_FROM", "NULL_TOKENIZER_EOD_IN_VOCAB_FROM", "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM", "default_sharding_strategy",
            "installed_megatron_core"]

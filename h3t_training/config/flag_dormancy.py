@@ -125,7 +125,7 @@ DORMANCIES: dict[str, Dormancy] = {
         lambda args, given: args.tokenizer_type != "SFTTokenizer",
         "SFTTokenizer's prompt format; Megatron-LM reads it under no other --tokenizer-type: same result"),
     "hf_tokenizer": Dormancy(
-        ("--trust-remote-code", "--tokenizer-hf-no-use-fast", "--tokenizer-hf-no-include-special-tokens"),
+        ("--trust-remote-code", "--tokenizer-hf-no-use-fast"),
         _tokenizer_in(*SENTENCEPIECE, "NullTokenizer"),
         "a HuggingFace tokenizer setting; Megatron-LM's SentencePiece and Null tokenizers never read it: "
         "same result"),

@@ -170,7 +170,8 @@ MEGATRON_LM: dict[str, str] = {
 --rotary-seq-len-interpolation-factor=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
 --sequence-parallel=0 --skip-train=0 --split=1 --swiglu=0 --tensor-model-parallel-size=1 --tensorboard-dir=1
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
---null-tokenizer-eod-id=1 --null-tokenizer-pad-id=1 --train-iters=1 --train-samples=1 --untie-embeddings-and-output-weights=0 --use-distributed-optimizer=0
+--null-tokenizer-eod-id=1 --null-tokenizer-pad-id=1 --tokenizer-hf-no-include-special-tokens=0
+--train-iters=1 --train-samples=1 --untie-embeddings-and-output-weights=0 --use-distributed-optimizer=0
 --use-rotary-position-embeddings=0 --vocab-file=1 --vocab-size=1 --wandb-entity=1 --wandb-exp-name=1
 --wandb-project=1 --wandb-save-dir=1 --weight-decay=1 --fp16=0 --loss-scale=1 --initial-loss-scale=1
 --min-loss-scale=1 --loss-scale-window=1 --hysteresis=1""",
@@ -255,7 +256,7 @@ MEGATRON_LM: dict[str, str] = {
 --reset-attention-mask=0 --sft=0 --sft-tokenizer-prompt-format=1""",
     "tokenizer": """
 --chat-template=1 --disable-pad-vocab-size=0 --disable-tokenizer-sentencepiece-ignore-extra-whitespaces=0
---no-pad-vocab-size=0 --no-tokenizer-sentencepiece-ignore-extra-whitespaces=0 --padded-vocab-size=1 --tokenizer-hf-no-include-special-tokens=0
+--no-pad-vocab-size=0 --no-tokenizer-sentencepiece-ignore-extra-whitespaces=0 --padded-vocab-size=1
 --tokenizer-hf-no-use-fast=0 --tokenizer-metadata=1 --tokenizer-sentencepiece-legacy=0
 --tokenizer-special-tokens=+ --trust-remote-code=0 --use-gigatoken=0 --vocab-extra-ids=1""",
     "kitchen": """

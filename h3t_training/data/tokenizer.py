@@ -37,7 +37,8 @@ from typing import Optional
 
 import numpy
 
-from h3t_training.megatron_release import NULL_TOKENIZER_EOD_IN_VOCAB_FROM, installed_megatron_core
+from h3t_training.megatron_release import (CORE_TOKENIZERS_FROM, NULL_TOKENIZER_EOD_IN_VOCAB_FROM,
+                                           installed_megatron_core)
 
 TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
@@ -109,8 +110,10 @@ class NullTokenizer:
 class _FastTokenizer:
     """A ``tokenizers.Tokenizer`` (HuggingFace tokenizer.json, or GPT-2 byte-level BPE files)."""
 
-    def __init__(self, tok, kind: str, source: str, eod_token: Optional[str] = None) -> None:
+    def __init__(self, tok, kind: str, source: str, eod_token: Optional[str] = None,
+                 include_special_tokens: bool = False) -> None:
         self._tok = tok
+        self._special = include_special_tokens
         size = tok.get_vocab_size(with_added_tokens=True)
         eod = None
         for name in ((eod_token,) if eod_token else EOD_CANDIDATES):
@@ -123,7 +126,7 @@ class _FastTokenizer:
         self.unique_identifiers = OrderedDict(**{"class": kind, "source": os.path.abspath(source)})
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(self._tok.encode(text, add_special_tokens=self._special).ids)
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in numpy.asarray(ids).ravel() if int(i) != self.eod])
@@ -132,10 +135,11 @@ class _FastTokenizer:
 class _TransformersTokenizer:
     """A tokenizer directory ``transformers.AutoTokenizer`` reads (local files only)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, include_special_tokens: bool = True) -> None:
         from transformers import AutoTokenizer  # optional dependency
 
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        self._special = include_special_tokens
         eos = self._tok.eos_token_id
         self.vocab_size = len(self._tok) + (eos is None)
         self.eod = len(self._tok) if eos is None else eos
@@ -143,7 +147,7 @@ class _TransformersTokenizer:
         self.unique_identifiers = OrderedDict(**{"class": "HuggingFaceTokenizer", "source": os.path.abspath(path)})
 
     def tokenize(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False))
+        return list(self._tok.encode(text, add_special_tokens=self._special))
 
     def detokenize(self, ids) -> str:
         return self._tok.decode([int(i) for i in numpy.asarray(ids).ravel() if int(i) != self.eod])
@@ -170,18 +174,21 @@ class SentencePieceTokenizer:
 
 
 class Llama2Tokenizer(SentencePieceTokenizer):
-    """Megatron's Llama2Tokenizer: a SentencePiece model whose ``tokenize`` starts each text with the model's BOS
-    (Megatron's default ``bos=True, eos=False``; tools/preprocess_data.py then appends the end of document)."""
+    """Megatron's Llama2Tokenizer: a SentencePiece model. Megatron-LM 0.16's ``tokenize`` starts each text with the
+    model's BOS (``bos=True, eos=False``; tools/preprocess_data.py then appends the end of document); from 0.17
+    (megatron.core.tokenizers: :data:`~h3t_training.megatron_release.CORE_TOKENIZERS_FROM`) it is the plain
+    SentencePiece encoding, as GPTSentencePieceTokenizer's. ``with_bos`` None: the installed megatron-core's."""
 
-    def __init__(self, model_file: str) -> None:
+    def __init__(self, model_file: str, with_bos: Optional[bool] = None) -> None:
         super().__init__(model_file)
         self.bos = self._sp.bos_id()
-        if self.bos < 0:
+        self.with_bos = installed_megatron_core() < CORE_TOKENIZERS_FROM if with_bos is None else with_bos
+        if self.with_bos and self.bos < 0:
             raise TokenizerError(f"--tokenizer-model {model_file} has no BOS piece; Llama2Tokenizer starts every "
                                  "text with one (use --tokenizer-type GPTSentencePieceTokenizer)")
 
     def tokenize(self, text: str) -> list[int]:
-        return [self.bos, *self._sp.encode(text)]
+        return [self.bos, *self._sp.encode(text)] if self.with_bos else list(self._sp.encode(text))
 
     def detokenize(self, ids) -> str:
         return super().detokenize([i for i in numpy.asarray(ids).ravel() if int(i) != self.bos])
@@ -195,21 +202,49 @@ def _need_file(flag: str, path: Optional[str], tokenizer_type: str) -> str:
     return path
 
 
-def _huggingface(path: str):
+HF_SPECIAL_TOKEN_FILES = ("special_tokens_map.json", "tokenizer_config.json")
+"""Where a HuggingFace tokenizer directory names its special tokens, the first file that names one winning (as
+``transformers``' ``from_pretrained`` lets the special-tokens map override the tokenizer config)."""
+
+
+def hf_eos_token(directory: str) -> Optional[str]:
+    """The ``eos_token`` a HuggingFace tokenizer directory names (a string, or an added-token object's ``content``):
+    Megatron-LM's HuggingFaceTokenizer ends documents with it (its ``eod`` is ``transformers``' ``eos_token_id``)."""
+    for name in HF_SPECIAL_TOKEN_FILES:
+        file = os.path.join(directory, name)
+        if not os.path.isfile(file):
+            continue
+        try:
+            with open(file, encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token")
+        except (OSError, ValueError, AttributeError) as e:
+            raise TokenizerError(f"{file} is not a JSON object ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                                 ) from None
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if isinstance(eos, str):
+            return eos
+    return None
+
+
+def _huggingface(path: str, include_special_tokens: bool = True):
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "tokenizer.json")):
         try:
-            return _TransformersTokenizer(path)
+            return _TransformersTokenizer(path, include_special_tokens)
         except ImportError:
             raise TokenizerError(f"--tokenizer-model {path}: no tokenizer.json in the directory, and reading "
                                  f"other tokenizer formats needs the 'transformers' package") from None
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     from tokenizers import Tokenizer
 
+    eos = hf_eos_token(os.path.dirname(os.path.abspath(file)))
     try:
-        return _FastTokenizer(Tokenizer.from_file(file), "HuggingFaceTokenizer", file)
+        tok = Tokenizer.from_file(file)
     except Exception as e:  # the tokenizers package raises its own exception types
         raise TokenizerError(f"--tokenizer-model {file} is not a tokenizer.json the tokenizers package reads "
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    if eos is not None and tok.token_to_id(eos) is None:
+        raise TokenizerError(f"--tokenizer-model {path}: its eos_token {eos!r} is not in {file}")
+    return _FastTokenizer(tok, "HuggingFaceTokenizer", file, eod_token=eos, include_special_tokens=include_special_tokens)
 
 
 def _gpt2_bpe(vocab_file: str, merge_file: str):
@@ -230,7 +265,8 @@ def _gpt2_bpe(vocab_file: str, merge_file: str):
 
 def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                    null_tokenizer_eod_id: Optional[int] = None, null_tokenizer_pad_id: Optional[int] = None):
+                    null_tokenizer_eod_id: Optional[int] = None, null_tokenizer_pad_id: Optional[int] = None,
+                    hf_include_special_tokens: bool = True):
     """The tokenizer named by ``--tokenizer-type``; :class:`TokenizerError` (one line) on bad files."""
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
@@ -239,7 +275,7 @@ def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, to
             raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size, eod_id=null_tokenizer_eod_id, pad_id=null_tokenizer_pad_id)
     if tokenizer_type == "HuggingFaceTokenizer":
-        return _huggingface(_need_file("--tokenizer-model", tokenizer_model, tokenizer_type))
+        return _huggingface(_need_file("--tokenizer-model", tokenizer_model, tokenizer_type), hf_include_special_tokens)
     if tokenizer_type == "GPT2BPETokenizer":
         return _gpt2_bpe(_need_file("--vocab-file", vocab_file, tokenizer_type),
                          _need_file("--merge-file", merge_file, tokenizer_type))
@@ -262,7 +298,8 @@ def tokenizer_from_args(args):
     """The tokenizer of a parsed command line (the driver's or tools/preprocess_data.py's)."""
     return build_tokenizer(args.tokenizer_type, args.vocab_size, tokenizer_model=args.tokenizer_model,
                            vocab_file=args.vocab_file, merge_file=args.merge_file,
-                           null_tokenizer_eod_id=args.null_tokenizer_eod_id, null_tokenizer_pad_id=args.null_tokenizer_pad_id)
+                           null_tokenizer_eod_id=args.null_tokenizer_eod_id, null_tokenizer_pad_id=args.null_tokenizer_pad_id,
+                           hf_include_special_tokens=not args.tokenizer_hf_no_include_special_tokens)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
@@ -287,6 +324,9 @@ def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
     group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer")
+    group.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer: tokenize without the special tokens its post-processor adds (a "
+                            "BOS); Megatron-LM's default includes them")
     group.add_argument("--null-tokenizer-eod-id", type=int, default=None,
                        help="NullTokenizer's end-of-document id (default: its last id)")
     group.add_argument("--null-tokenizer-pad-id", type=int, default=None,

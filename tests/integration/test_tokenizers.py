@@ -114,14 +114,21 @@ def test_a_file_that_is_no_tokenizer_is_one_line(tmp_path):
 
 def test_megatron_sentencepiece_names(files):
     """GPTSentencePieceTokenizer is the model's pieces (eod its </s>); Llama2Tokenizer starts each text with the
-    model's BOS, as Megatron's ``tokenize(s, bos=True)``; both have the model's vocabulary."""
+    model's BOS in Megatron-LM 0.16 (its ``tokenize(s, bos=True)``) and not from 0.17 (megatron.core.tokenizers'
+    SentencePiece encoding), following the installed megatron-core; all have the model's vocabulary."""
+    from h3t_training.data.tokenizer import Llama2Tokenizer
+    from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, installed_megatron_core
+
     model = str(files / "sp.model")
     sp, gpt, llama = (build_tokenizer(k, tokenizer_model=model) for k in
                       ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"))
     text = "Return the number of items in a container."
     assert gpt.tokenize(text) == sp.tokenize(text) and len(sp.tokenize(text)) > 1
-    assert llama.tokenize(text) == [llama.bos, *sp.tokenize(text)] and llama.bos not in sp.tokenize(text)
-    assert llama.detokenize(llama.tokenize(text) + [llama.eod]).strip() == text
+    legacy, core = Llama2Tokenizer(model, with_bos=True), Llama2Tokenizer(model, with_bos=False)
+    assert legacy.tokenize(text) == [legacy.bos, *sp.tokenize(text)] and legacy.bos not in sp.tokenize(text)
+    assert core.tokenize(text) == sp.tokenize(text)
+    assert llama.tokenize(text) == (legacy if installed_megatron_core() < CORE_TOKENIZERS_FROM else core).tokenize(text)
+    assert legacy.detokenize(legacy.tokenize(text) + [legacy.eod]).strip() == text
     assert sp.vocab_size == gpt.vocab_size == llama.vocab_size == SP_VOCAB and sp.eod == gpt.eod == llama.eod
     assert (gpt.unique_identifiers["class"], llama.unique_identifiers["class"]) == \
         ("GPTSentencePieceTokenizer", "Llama2Tokenizer")  # other ids, other dataset caches
