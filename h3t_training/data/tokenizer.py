@@ -173,6 +173,56 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in numpy.asarray(ids).ravel() if int(i) != self.eod])
 
 
+class LegacySentencePieceTokenizer:
+    """Megatron-LM 0.16's ``SentencePieceTokenizer`` (its legacy ``_SentencePieceTokenizer``; from 0.17 the type is
+    the model's pieces, as :class:`SentencePieceTokenizer`): after the model's pieces come ``<CLS>``, ``<SEP>``,
+    ``<EOD>``, ``<MASK>`` and the padding, BOS and EOS pieces (``<PAD>``, ``<BOS>``, ``<EOS>`` where the model has no
+    such id), each only where the model lacks that piece; documents end with ``<EOD>``; a text is split at every
+    occurrence of one of those special pieces, which keeps its own id, and the rest is the model's encoding."""
+
+    SPECIALS = ("<CLS>", "<SEP>", "<EOD>", "<MASK>")
+
+    def __init__(self, model_file: str) -> None:
+        import sentencepiece
+
+        self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self._pieces = self._sp.get_piece_size()
+        vocab = {self._sp.id_to_piece(i): i for i in range(self._pieces)}
+        self.special_ids: dict[str, int] = {}
+        for token in (*self.SPECIALS, *(self._piece(i, default) for i, default in (
+                (self._sp.pad_id(), "<PAD>"), (self._sp.bos_id(), "<BOS>"), (self._sp.eos_id(), "<EOS>")))):
+            self.special_ids[token] = vocab.setdefault(token, len(vocab))
+        self.vocab_size = len(vocab)
+        self.eod = self.special_ids["<EOD>"]
+        self.pad = -1  # Megatron's GPT datasets take no padding id from it (the <PAD> piece is not one)
+        self._names = {i: t for t, i in self.special_ids.items()}
+        self.unique_identifiers = OrderedDict(**{"class": "SentencePieceTokenizer", "legacy": True,
+                                                 "source": os.path.abspath(model_file)})
+
+    def _piece(self, piece_id: int, default: str) -> str:
+        return self._sp.id_to_piece(piece_id) if 0 <= piece_id < self._pieces else default
+
+    def tokenize(self, text: str) -> list[int]:
+        ids: list[int] = []
+        while True:
+            found = [(text.find(t), order, t) for order, t in enumerate(self.special_ids) if t in text]
+            if not found:
+                return ids + list(self._sp.encode(text))
+            at, _, token = min(found)  # the earliest special piece (the first of the set where two start together)
+            ids += [*self._sp.encode(text[:at]), self.special_ids[token]]
+            text = text[at + len(token):]
+
+    def detokenize(self, ids) -> str:
+        out, run = [], []
+        for i in (int(i) for i in numpy.asarray(ids).ravel() if int(i) != self.eod):
+            if i < self._pieces:
+                run.append(i)
+                continue
+            out += [self._sp.decode(run), self._names.get(i, "")]
+            run = []
+        return "".join([*out, self._sp.decode(run)])
+
+
 class Llama2Tokenizer(SentencePieceTokenizer):
     """Megatron's Llama2Tokenizer: a SentencePiece model. Megatron-LM 0.16's ``tokenize`` starts each text with the
     model's BOS (``bos=True, eos=False``; tools/preprocess_data.py then appends the end of document); from 0.17
@@ -281,8 +331,10 @@ def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, to
                          _need_file("--merge-file", merge_file, tokenizer_type))
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         path = _need_file("--tokenizer-model", tokenizer_model, tokenizer_type)
+        legacy = tokenizer_type == "SentencePieceTokenizer" and installed_megatron_core() < CORE_TOKENIZERS_FROM
         try:
-            tok = (Llama2Tokenizer if tokenizer_type == "Llama2Tokenizer" else SentencePieceTokenizer)(path)
+            tok = (Llama2Tokenizer if tokenizer_type == "Llama2Tokenizer" else LegacySentencePieceTokenizer if legacy
+                   else SentencePieceTokenizer)(path)
         except (OSError, RuntimeError) as e:
             raise TokenizerError(f"--tokenizer-model {path} is not a SentencePiece model "
                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None

@@ -63,7 +63,11 @@ def test_tokenizer_round_trip_and_vocabulary(files, kind):
     assert 0 < len(ids) < len(text) / 1.5  # subwords, not bytes
     assert max(ids) < tok.vocab_size and tok.eod < tok.vocab_size and tok.eod not in ids
     assert tok.detokenize(ids + [tok.eod]).strip() == text
-    expected = {"HuggingFaceTokenizer": BPE_VOCAB, "GPT2BPETokenizer": BPE_VOCAB, "SentencePieceTokenizer": SP_VOCAB}
+    from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, installed_megatron_core
+
+    legacy_specials = 5 if installed_megatron_core() < CORE_TOKENIZERS_FROM else 0  # Megatron-LM 0.16's, below
+    expected = {"HuggingFaceTokenizer": BPE_VOCAB, "GPT2BPETokenizer": BPE_VOCAB,
+                "SentencePieceTokenizer": SP_VOCAB + legacy_specials}
     assert tok.vocab_size == expected[kind]  # the trained eod is in the vocabulary: no extra id
 
 
@@ -119,9 +123,11 @@ def test_megatron_sentencepiece_names(files):
     from h3t_training.data.tokenizer import Llama2Tokenizer
     from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, installed_megatron_core
 
+    from h3t_training.data.tokenizer import SentencePieceTokenizer
+
     model = str(files / "sp.model")
-    sp, gpt, llama = (build_tokenizer(k, tokenizer_model=model) for k in
-                      ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"))
+    gpt, llama = (build_tokenizer(k, tokenizer_model=model) for k in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"))
+    sp = SentencePieceTokenizer(model)  # the model's pieces: every type from Megatron-LM 0.17
     text = "Return the number of items in a container."
     assert gpt.tokenize(text) == sp.tokenize(text) and len(sp.tokenize(text)) > 1
     legacy, core = Llama2Tokenizer(model, with_bos=True), Llama2Tokenizer(model, with_bos=False)
@@ -148,3 +154,31 @@ def test_other_megatron_tokenizer_names_are_one_line(kind, expected, capsys):
         parse_args([*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
                     "--tokenizer-type", kind], prog="pretrain_gpt.py", defaults={})
     assert exc.value.code == 2 and capsys.readouterr().err == f"pretrain_gpt.py: error: {expected}\n"
+
+
+def test_megatron_lm_0_16s_sentencepiece_tokenizer(files):
+    """Megatron-LM 0.16's SentencePieceTokenizer (its legacy tokenizer): <CLS> <SEP> <EOD> <MASK> and a <PAD> (this
+    model has no padding piece) after the model's pieces, documents ending with <EOD>, special pieces in a text kept
+    whole; from 0.17 the type is the model's pieces. The installed megatron-core picks which."""
+    import sentencepiece
+
+    from h3t_training.data.tokenizer import LegacySentencePieceTokenizer, SentencePieceTokenizer
+    from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, installed_megatron_core
+
+    model = str(files / "sp.model")
+    sp = sentencepiece.SentencePieceProcessor(model_file=model)
+    legacy = LegacySentencePieceTokenizer(model)
+    assert (sp.pad_id(), sp.id_to_piece(sp.bos_id()), sp.id_to_piece(sp.eos_id())) == (-1, "<s>", "</s>")
+    assert legacy.vocab_size == SP_VOCAB + 5 and legacy.eod == SP_VOCAB + 2  # <CLS> <SEP> <EOD> <MASK> <PAD>
+    assert legacy.special_ids == {"<CLS>": SP_VOCAB, "<SEP>": SP_VOCAB + 1, "<EOD>": SP_VOCAB + 2,
+                                  "<MASK>": SP_VOCAB + 3, "<PAD>": SP_VOCAB + 4, "<s>": sp.bos_id(),
+                                  "</s>": sp.eos_id()}
+    text = "first part<SEP>second</s>third"
+    assert legacy.tokenize(text) == [*sp.encode("first part"), SP_VOCAB + 1, *sp.encode("second"), sp.eos_id(),
+                                     *sp.encode("third")]
+    assert legacy.tokenize("no special pieces") == sp.encode("no special pieces")
+    assert legacy.detokenize(legacy.tokenize("first part<SEP>second<MASK>")) == "first part<SEP>second<MASK>"
+    built = build_tokenizer("SentencePieceTokenizer", tokenizer_model=model)
+    expected = LegacySentencePieceTokenizer if installed_megatron_core() < CORE_TOKENIZERS_FROM else \
+        SentencePieceTokenizer
+    assert type(built) is expected and built.unique_identifiers["class"] == "SentencePieceTokenizer"
