@@ -15,6 +15,7 @@ from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
 from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config.sections import TrainConfig, UnknownConfigFieldError, parse_args
 from h3t_training.telemetry.training_log import IterationLogger
+from h3t_training.data.tokenizer import NullTokenizer  # the driver's V for --vocab-size 32000
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -147,7 +148,7 @@ def test_driver_auto_alpha_is_the_planners_for_the_same_flags(switches, capsys):
         assert plan_main(planner + list(extra)) == 0
         return json.loads(capsys.readouterr().out)
 
-    planner = ["estimate", *MODEL, *LAYOUT, "--vocab-size", "32001", "--num-gpus", "8", "--gpu", "h800", "--json"]
+    planner = ["estimate", *MODEL, *LAYOUT, "--vocab-size", str(NullTokenizer(32000).vocab_size), "--num-gpus", "8", "--gpu", "h800", "--json"]
     planner += [] if "--use-distributed-optimizer" in switches else ["--no-use-distributed-optimizer"]
     planner += [] if "--sequence-parallel" in switches else ["--no-sequence-parallel"]
     planner += [s for s in switches if s == "--fp16"]  # fp16 gradients (Megatron-LM's) on both sides

@@ -14,6 +14,7 @@ from h3t_ext.costmodel.memory import fsdp_buffer_bytes, stage_state_bytes
 from h3t_ext.costmodel.specs import get_model, get_system
 from h3t_ext.dtypes import BF16
 from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
+from h3t_training.data.tokenizer import NullTokenizer  # the driver's V for --vocab-size 32000
 
 MODEL, SYSTEM = get_model("llama-7b"), get_system("h100-sxm")
 DDP = Plan(num_gpus=8, seq_length=4096, global_batch_size=64, use_distributed_optimizer=False)
@@ -92,7 +93,7 @@ def test_driver_auto_alpha_is_the_planners_for_an_fsdp2_run(capsys):
 
     def planned(*extra) -> dict:
         capsys.readouterr()
-        assert plan_main(["estimate", *model, "--vocab-size", "32001", "--num-gpus", "8", "--gpu", "h800", "--json",
+        assert plan_main(["estimate", *model, "--vocab-size", str(NullTokenizer(32000).vocab_size), "--num-gpus", "8", "--gpu", "h800", "--json",
                           "--no-sequence-parallel", "--untie-embeddings-and-output-weights", *extra]) == 0
         return json.loads(capsys.readouterr().out)
 

@@ -540,6 +540,7 @@ def test_the_tokenizer_is_read_once_at_start_up(monkeypatch, tmp_path):
     """parse_args reads the tokenizer's files once (validation.resolve_tokenizer) and keeps its vocabulary for
     --auto-plan, Megatron's offload request, the checkpoint checks and the out-of-memory line; none reads it again."""
     import h3t_training.data.tokenizer as tokenizer
+    from h3t_training.data.tokenizer import NullTokenizer
     from h3t_training.loop.checkpointing import find_checkpoint
     builds = []
     real = tokenizer.build_tokenizer
@@ -550,6 +551,7 @@ def test_the_tokenizer_is_read_once_at_start_up(monkeypatch, tmp_path):
     for extra in (["--auto-plan"], ["--cpu-offloading-num-layers", "1"]):
         builds.clear()
         args = parse_args([*argv, *extra], world_size=8)
-        assert len(builds) == 1 and args.tokenizer_vocab_size == 32001  # NullTokenizer adds its end-of-document
+        # NullTokenizer adds its end of document in Megatron-LM 0.16 and 0.17, keeps it inside from 0.18
+        assert len(builds) == 1 and args.tokenizer_vocab_size == NullTokenizer(32000).vocab_size in (32000, 32001)
         assert find_checkpoint(args, rank=0) is None and len(builds) == 1
     assert args.offload_alpha != 0  # Megatron's offload request was priced (with the vocabulary read once)
