@@ -39,5 +39,5 @@ def default_sharding_strategy(release: Release) -> str:
     return "optim_grads_params" if release >= SHARD_EVERYTHING_BY_DEFAULT_FROM else "no_shard"
 
 
-__all__ = ["CORE_TOKENIZERS_FROM", "NULL_TOKENIZER_EOD_IN_VOCAB_FROM", "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM", "default_sharding_strategy",
-           "installed_megatron_core"]
+__all__ = ["CORE_TOKENIZERS_FROM", "NULL_TOKENIZER_EOD_IN_VOCAB_FROM", "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM",
+           "default_sharding_strategy", "installed_megatron_core"]

@@ -37,8 +37,8 @@ from typing import Optional
 
 import numpy
 
-from h3t_training.megatron_release import (CORE_TOKENIZERS_FROM, NULL_TOKENIZER_EOD_IN_VOCAB_FROM,
-                                           installed_megatron_core)
+from h3t_training import megatron_release
+from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, NULL_TOKENIZER_EOD_IN_VOCAB_FROM
 
 TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
@@ -86,7 +86,7 @@ class NullTokenizer:
     def __init__(self, vocab_size: int, *, eod_id: Optional[int] = None, pad_id: Optional[int] = None,
                  eod_in_vocab: Optional[bool] = None) -> None:
         if eod_in_vocab is None:
-            eod_in_vocab = installed_megatron_core() >= NULL_TOKENIZER_EOD_IN_VOCAB_FROM
+            eod_in_vocab = megatron_release.installed_megatron_core() >= NULL_TOKENIZER_EOD_IN_VOCAB_FROM
         if vocab_size < 1 + (eod_id is None and eod_in_vocab):
             raise TokenizerError(f"--vocab-size {vocab_size} is outside [{1 + (eod_id is None and eod_in_vocab)}, inf) "
                                  "for --tokenizer-type NullTokenizer")
@@ -232,7 +232,8 @@ class Llama2Tokenizer(SentencePieceTokenizer):
     def __init__(self, model_file: str, with_bos: Optional[bool] = None) -> None:
         super().__init__(model_file)
         self.bos = self._sp.bos_id()
-        self.with_bos = installed_megatron_core() < CORE_TOKENIZERS_FROM if with_bos is None else with_bos
+        release = megatron_release.installed_megatron_core()
+        self.with_bos = release < CORE_TOKENIZERS_FROM if with_bos is None else with_bos
         if self.with_bos and self.bos < 0:
             raise TokenizerError(f"--tokenizer-model {model_file} has no BOS piece; Llama2Tokenizer starts every "
                                  "text with one (use --tokenizer-type GPTSentencePieceTokenizer)")
@@ -268,8 +269,8 @@ def hf_eos_token(directory: str) -> Optional[str]:
             with open(file, encoding="utf-8") as f:
                 eos = json.load(f).get("eos_token")
         except (OSError, ValueError, AttributeError) as e:
-            raise TokenizerError(f"{file} is not a JSON object ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-                                 ) from None
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise TokenizerError(f"{file} is not a JSON object ({why})") from None
         eos = eos.get("content") if isinstance(eos, dict) else eos
         if isinstance(eos, str):
             return eos
@@ -294,7 +295,8 @@ def _huggingface(path: str, include_special_tokens: bool = True):
                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
     if eos is not None and tok.token_to_id(eos) is None:
         raise TokenizerError(f"--tokenizer-model {path}: its eos_token {eos!r} is not in {file}")
-    return _FastTokenizer(tok, "HuggingFaceTokenizer", file, eod_token=eos, include_special_tokens=include_special_tokens)
+    return _FastTokenizer(tok, "HuggingFaceTokenizer", file, eod_token=eos,
+                          include_special_tokens=include_special_tokens)
 
 
 def _gpt2_bpe(vocab_file: str, merge_file: str):
@@ -331,7 +333,8 @@ def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, to
                          _need_file("--merge-file", merge_file, tokenizer_type))
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         path = _need_file("--tokenizer-model", tokenizer_model, tokenizer_type)
-        legacy = tokenizer_type == "SentencePieceTokenizer" and installed_megatron_core() < CORE_TOKENIZERS_FROM
+        legacy = (tokenizer_type == "SentencePieceTokenizer"
+                  and megatron_release.installed_megatron_core() < CORE_TOKENIZERS_FROM)
         try:
             tok = (Llama2Tokenizer if tokenizer_type == "Llama2Tokenizer" else LegacySentencePieceTokenizer if legacy
                    else SentencePieceTokenizer)(path)
@@ -350,7 +353,8 @@ def tokenizer_from_args(args):
     """The tokenizer of a parsed command line (the driver's or tools/preprocess_data.py's)."""
     return build_tokenizer(args.tokenizer_type, args.vocab_size, tokenizer_model=args.tokenizer_model,
                            vocab_file=args.vocab_file, merge_file=args.merge_file,
-                           null_tokenizer_eod_id=args.null_tokenizer_eod_id, null_tokenizer_pad_id=args.null_tokenizer_pad_id,
+                           null_tokenizer_eod_id=args.null_tokenizer_eod_id,
+                           null_tokenizer_pad_id=args.null_tokenizer_pad_id,
                            hf_include_special_tokens=not args.tokenizer_hf_no_include_special_tokens)
 
 

@@ -61,7 +61,8 @@ from h3t_training.loop.param_schedule import steps_before
 
 @dataclass(frozen=True)
 class FoundCheckpoint:
-    """A complete checkpoint under ``--load`` (or ``--pretrained-checkpoint``), checked before any process group exists."""
+    """A complete checkpoint under ``--load`` (or ``--pretrained-checkpoint``), checked before any process group
+    exists."""
 
     directory: str
     """The ``iter_NNNNNNN`` directory."""

@@ -27,7 +27,8 @@ def bpe(tmp_path_factory):
     texts = [TEXT * 3, "a container of items, the number returned", "documents end with their end of text"] * 20
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     d = tmp_path_factory.mktemp("hf")
     tok.save(str(d / "tokenizer.json"))
     return d, tok
