@@ -2,7 +2,7 @@
 
 Users run this driver with the megatron-core of their Megatron-LM checkout (0.16 to 0.19), and a few of Megatron-LM's
 flag semantics changed between those releases. Each change is one named constant here, with the release that made
-it and the commit or file where it shows; the code that acts on a flag asks :func:`installed_megatron_core` once.
+it and the commit or file where it shows; the code that acts on the flag asks :func:`installed_megatron_core` there.
 Reading the version from the package metadata imports nothing (the flag parser imports no torch).
 """
 from __future__ import annotations

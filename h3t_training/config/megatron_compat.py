@@ -223,24 +223,25 @@ def _split(args) -> dict:
     return {"split": text, "flag_notices": args.flag_notices + notices}
 
 
+TOKENIZER_TYPE_FLAGS = {"null_tokenizer_eod_id": "NullTokenizer", "null_tokenizer_pad_id": "NullTokenizer",
+                         "tokenizer_hf_no_include_special_tokens": "HuggingFaceTokenizer"}
+"""The driver's flags that one ``--tokenizer-type`` alone reads (destination -> that type)."""
+
+
 def _tokenizer_files(args) -> dict:
     """Tokenizer files given to this driver's own ByteTokenizer (pretrain_llama.py's default; not a Megatron
     tokenizer) would be ignored: an error instead (Megatron's tokenizers ignore what they do not read, as there).
-    NullTokenizer's own ids under another tokenizer: a notice, as Megatron-LM ignores them."""
-    null_flags = [f"--{n.replace('_', '-')}" for n in ("null_tokenizer_eod_id", "null_tokenizer_pad_id")
-                  if getattr(args, n) is not None]
-    if null_flags and args.tokenizer_type != "NullTokenizer":
-        return {"flag_notices": (*args.flag_notices, *(
-            f"note: {flag}: read only by --tokenizer-type NullTokenizer; Megatron-LM ignores it under "
-            f"{args.tokenizer_type} too: same result" for flag in null_flags))}
-    if args.tokenizer_type != "ByteTokenizer":
-        return {}
-    for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
-        if getattr(args, name) is not None:
-            raise ArgumentError(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give the "
-                                "--tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, "
-                                "NullTokenizer)")
-    return {}
+    A flag of another tokenizer type (:data:`TOKENIZER_TYPE_FLAGS`): a notice, as Megatron-LM ignores it."""
+    if args.tokenizer_type == "ByteTokenizer":
+        for name in ("vocab_file", "merge_file", "tokenizer_model", "vocab_size"):
+            if getattr(args, name) is not None:
+                raise ArgumentError(f"--{name.replace('_', '-')} is not read by --tokenizer-type ByteTokenizer; give "
+                                    "the --tokenizer-type that uses it (e.g. GPT2BPETokenizer, HuggingFaceTokenizer, "
+                                    "NullTokenizer)")
+    notices = tuple(f"note: --{name.replace('_', '-')}: read only by --tokenizer-type {kind}; Megatron-LM ignores it "
+                    f"under {args.tokenizer_type} too: same result" for name, kind in TOKENIZER_TYPE_FLAGS.items()
+                    if getattr(args, name) not in (None, False) and args.tokenizer_type != kind)
+    return {"flag_notices": (*args.flag_notices, *notices)} if notices else {}
 
 
 def _sharding_strategy(args) -> dict:

@@ -218,3 +218,18 @@ def test_null_tokenizer_ids_reach_the_config_and_are_noticed_under_another_token
     notes = [line for line in args.flag_notices if "--null-tokenizer" in line]
     assert notes == [f"note: --null-tokenizer-{k}-id: read only by --tokenizer-type NullTokenizer; Megatron-LM ignores "
                      "it under ByteTokenizer too: same result" for k in ("eod", "pad")]
+
+
+def test_another_tokenizer_types_flag_is_noticed_and_byte_tokenizer_files_stay_refused(capsys):
+    """A flag that one tokenizer type alone reads is a notice under another, and leaves the ByteTokenizer's file
+    check in place (a NullTokenizer id next to a --vocab-file under ByteTokenizer used to skip it)."""
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-4", "--mock-data"]
+    args = parse_args([*base, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+                       "--tokenizer-hf-no-include-special-tokens"])
+    assert [line for line in args.flag_notices if "--tokenizer-hf" in line] == [
+        "note: --tokenizer-hf-no-include-special-tokens: read only by --tokenizer-type HuggingFaceTokenizer; "
+        "Megatron-LM ignores it under NullTokenizer too: same result"]
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--vocab-file", "v.json", "--null-tokenizer-eod-id", "5"])
+    assert "--vocab-file is not read by --tokenizer-type ByteTokenizer" in capsys.readouterr().err
