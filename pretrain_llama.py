@@ -29,8 +29,9 @@ def main(argv=None, prog: str = PROG, defaults=None, launch=None) -> int:
 
     def run(progress) -> int:
         from h3t_training.config.sections import parse_args
-        progress.args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size,
-                                   rank=rank)  # bad flag: exit 2, said by rank 0
+        from h3t_training.loop.saved_args import read_saved_args
+        progress.args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size, rank=rank,
+                                   read_checkpoint_args=read_saved_args)  # bad flag: exit 2, said by rank 0
         from h3t_training.loop.training import pretrain
         return pretrain(progress.args, rank=rank, progress=progress,
                         progress_bar=launch.watched_terminal(sys.stdout))

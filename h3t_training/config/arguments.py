@@ -48,15 +48,15 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
+def _add_model(p: argparse.ArgumentParser, shape_required: bool) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--num-layers", type=int, required=shape_required)
+    g.add_argument("--hidden-size", type=int, required=shape_required)
+    g.add_argument("--num-attention-heads", type=int, required=shape_required)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=shape_required)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--kv-channels", type=int, default=None, help="head dim (default hidden / heads)")
@@ -285,6 +285,14 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
                    help="checkpoint format: torch_dist (megatron-core dist_checkpointing, resharding on load) or "
                         "torch (Megatron-LM's legacy mp_rank_XX[_YYY] files, loaded at the same t/p/v)")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the tracker's")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's flags from the args saved with the checkpoint in --pretrained-checkpoint, "
+                        "then --load, as Megatron-LM does (the shape flags may then be left out)")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args: the tensor- and pipeline-parallel sizes too")
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args", "--disable-use-tokenizer-model-from-checkpoint-args",
+                   action="store_false", dest="use_tokenizer_model_from_checkpoint_args",
+                   help="with --use-checkpoint-args: keep this command line's --tokenizer-type and --tokenizer-model")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only; start at iteration 0 with a fresh optimizer and RNG")
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer state")
@@ -357,12 +365,13 @@ MEGATRON_GPT_DEFAULTS = dict(tokenizer_type="GPT2BPETokenizer")
 
 
 def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None, *,
-                 report: bool = True) -> OneLineParser:
+                 report: bool = True, shape_required: bool = True) -> OneLineParser:
     """The parser with every flag the driver accepts (and every other flag of the flag table); ``report``: whether
-    its one-line error is written here (rank 0) or only the exit status is given (other ranks)."""
+    its one-line error is written here (rank 0) or only the exit status is given (other ranks);
+    ``shape_required``: whether the model's shape flags must be given (not under ``--use-checkpoint-args``)."""
     p = OneLineParser(prog=prog, description="Pretrain a GPT model with Megatron-core and h3t-ext.",
                       allow_abbrev=False, report=report)
-    _add_model(p)
+    _add_model(p, shape_required)
     _add_parallel(p)
     _add_training(p)
     _add_data_io(p)

@@ -106,13 +106,6 @@ DORMANCIES: dict[str, Dormancy] = {
         ("--apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type"),
         lambda args, given: not args.qk_layernorm,
         "weight decay of the query and key norms; without --qk-layernorm the model has none: same result"),
-    # checkpointing.py load_args_from_checkpoint, called only under --use-checkpoint-args (itself refused).
-    "checkpoint_args": Dormancy(
-        ("--use-mp-args-from-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args",
-         "--disable-use-tokenizer-model-from-checkpoint-args"),
-        lambda args, given: given("--use-checkpoint-args") is None,
-        "a --use-checkpoint-args setting; without it Megatron-LM reads no arguments from the checkpoint: "
-        "same result"),
     # checkpointing.py: strict_fsdp_dtensor_load is read in the fsdp_dtensor branch of the checkpoint load only.
     "fsdp_dtensor": Dormancy(
         ("--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load"),

@@ -147,7 +147,8 @@ MEGATRON_LM: dict[str, str] = {
 --eod-mask-loss=0 --reset-position-ids=0 --eval-interval=1 --eval-iters=1 --exit-duration-in-mins=1 --exit-interval=1
 --exit-signal=1 --exit-signal-handler=0 --ffn-hidden-size=1 --finetune=0 --global-batch-size=1
 --glu-linear-offset=1 --group-query-attention=0 --hidden-dropout=1 --hidden-size=1 --init-method-std=1
---kv-channels=1 --load=1 --pretrained-checkpoint=1 --qk-layernorm=0 --squared-relu=0 --log-interval=1 --log-memory-to-tensorboard=0 --log-throughput=0
+--kv-channels=1 --load=1 --pretrained-checkpoint=1 --use-checkpoint-args=0 --use-mp-args-from-checkpoint-args=0
+--no-use-tokenizer-model-from-checkpoint-args=0 --disable-use-tokenizer-model-from-checkpoint-args=0 --qk-layernorm=0 --squared-relu=0 --log-interval=1 --log-memory-to-tensorboard=0 --log-throughput=0
 --log-timers-to-tensorboard=0 --log-validation-ppl-to-tensorboard=0 --log-world-size-to-tensorboard=0 --lr=1
 --lr-decay-iters=1 --lr-decay-samples=1 --lr-decay-style=1 --lr-warmup-fraction=1 --lr-warmup-init=1
 --lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --start-weight-decay=1
@@ -275,10 +276,8 @@ MEGATRON_LM: dict[str, str] = {
 --logits-save-top-p-min-k=1 --perform-rl-step=0""",
     "ckpt_load": """
 --ckpt-convert-format=1 --ckpt-convert-save=1 --ckpt-convert-update-legacy-dist-opt-format=0
---disable-strict-fsdp-dtensor-load=0 --disable-use-tokenizer-model-from-checkpoint-args=0
---load-main-params-from-ckpt=0 --no-strict-fsdp-dtensor-load=0
---no-use-tokenizer-model-from-checkpoint-args=0 --override-ckpt-iteration=1
---use-checkpoint-args=0 --use-mp-args-from-checkpoint-args=0""",
+--disable-strict-fsdp-dtensor-load=0 --load-main-params-from-ckpt=0 --no-strict-fsdp-dtensor-load=0
+--override-ckpt-iteration=1""",
     "seq_model": """
 --decoder-num-layers=1 --encoder-num-layers=1 --encoder-seq-length=1""",
     "other_model": """

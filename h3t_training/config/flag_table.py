@@ -131,6 +131,12 @@ def table_value(args: argparse.Namespace, flag: str, default=None):
     return getattr(args, dest) if hasattr(args, dest) else default
 
 
+def set_table_value(args: argparse.Namespace, flag: str, value) -> None:
+    """Give a table-only flag ``value`` as if the command line had (``--use-checkpoint-args`` takes some from a
+    checkpoint): the table then refuses or notices it as a typed one."""
+    setattr(args, _dest(flag), value)
+
+
 def table_int(args: argparse.Namespace, flag: str, default: int, low: int = 0) -> int:
     """The integer a table-only flag was given (``default`` when it was not), checked to lie in ``[low, inf)``;
     :class:`~h3t_training.errors.ArgumentError` names the flag, its value and the range in one line."""
@@ -190,5 +196,5 @@ def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -
 
 
 __all__ = ["CPU", "FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
-           "add_table_flags", "dormant", "given_table_flags", "notice_lines", "reason_on", "refusal", "table_int",
+           "add_table_flags", "dormant", "given_table_flags", "notice_lines", "reason_on", "refusal", "set_table_value", "table_int",
            "table_value"]

@@ -13,9 +13,10 @@ Later changes are new configs too: a checkpoint's schedule under
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
-from h3t_training.config import arguments
+from h3t_training.config import arguments, checkpoint_args
 
 from h3t_training.config import auto_plan
 
@@ -160,23 +161,48 @@ def run_device(args) -> RunDevice:
     return RunDevice(on_gpu, on_gpu and feature_checks.transformer_engine_available())
 
 
+def _checkpoint_args(namespace: argparse.Namespace, parser: argparse.ArgumentParser,
+                     read: Optional[checkpoint_args.Reader]) -> tuple[argparse.Namespace, tuple[str, ...]]:
+    """``--use-checkpoint-args``: the flags with the saved ones of ``--pretrained-checkpoint``, then ``--load``."""
+    if read is None:
+        raise ArgumentError(f"{checkpoint_args.USE_FLAG} is not available here: this caller reads no checkpoints "
+                            f"(the training entry points pretrain_llama.py and pretrain_gpt.py do)")
+    found = [(flag, read(root, namespace.ckpt_step)) for flag, root in
+             (("--pretrained-checkpoint", namespace.pretrained_checkpoint), ("--load", namespace.load))
+             if root is not None]
+    return checkpoint_args.apply(namespace, parser, found)
+
+
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
-               defaults: Optional[dict] = None, world_size: int = 1, rank: int = 0) -> TrainConfig:
+               defaults: Optional[dict] = None, world_size: int = 1, rank: int = 0,
+               read_checkpoint_args: Optional[checkpoint_args.Reader] = None) -> TrainConfig:
     """Parse and resolve the command line; exit 2 with one line on a bad flag.
 
     ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py gets
     :data:`~h3t_training.config.arguments.LLAMA_DEFAULTS`. ``world_size`` is the job's (the entry point reads the
     launcher's; nothing here reads the environment); every rank parses, rank 0 (``rank``) writes the error line.
+    ``read_checkpoint_args`` reads the args a checkpoint saved, for ``--use-checkpoint-args``
+    (:func:`h3t_training.loop.saved_args.read_saved_args`; the entry points pass it).
     The flag table's refusals and the first problem the resolve steps find are one line together."""
     if defaults is None and prog == "pretrain_llama.py":
         defaults = arguments.LLAMA_DEFAULTS
-    parser = arguments.build_parser(prog, defaults, report=rank == 0)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from_checkpoint = checkpoint_args.requested(argv)
+    parser = arguments.build_parser(prog, defaults, report=rank == 0, shape_required=not from_checkpoint)
     namespace = parser.parse_args(argv)
+    taken: tuple[str, ...] = ()
+    if from_checkpoint:
+        try:
+            namespace, taken = _checkpoint_args(namespace, parser, read_checkpoint_args)
+        except ArgumentError as e:
+            parser.error(str(e))
     given = given_table_flags(namespace)
     device = run_device(namespace)
     refused = refusal(given, device, namespace)
+    if refused and taken:
+        refused += " (" + "; ".join(n.removeprefix("note: ") for n in taken) + ")"
     config = TrainConfig.from_namespace(namespace, world_size=world_size,
-                                        flag_notices=tuple(notice_lines(given, device, namespace)))
+                                        flag_notices=(*taken, *notice_lines(given, device, namespace)))
     try:
         config = resolve(config)  # also with refused flags (the steps never read them): one launch names all
     except (ArgumentError, TokenizerError) as e:

@@ -48,10 +48,12 @@ def main(argv=None) -> int:
     ignore_optional_accelerator_warnings()
     from h3t_training.config.arguments import MEGATRON_GPT_DEFAULTS
     from h3t_training.config.sections import parse_args
+    from h3t_training.loop.saved_args import read_saved_args
 
     defaults = MEGATRON_GPT_DEFAULTS if prog == "pretrain_gpt.py" else None
     with contextlib.redirect_stdout(io.StringIO()):
-        args = parse_args(flags, prog=prog, defaults=defaults, world_size=world_size)  # bad flag: one line, exit 2
+        args = parse_args(flags, prog=prog, defaults=defaults, world_size=world_size,
+                          read_checkpoint_args=read_saved_args)  # bad flag: one line, exit 2
         if not any(d is not None and os.path.isdir(d) for d in (args.load, args.pretrained_checkpoint)):
             return 0  # nothing to check: find_load would say None (or the missing --pretrained-checkpoint)
         from h3t_training.loop.checkpointing import CheckpointError, find_load  # megatron-core: 3 s to import

@@ -142,7 +142,7 @@ def _blame_a_damaged_shard(directory: str) -> None:
         verify_layout(directory, 0, 1)
 
 
-def _load_common_state(directory: str):
+def load_common_state(directory: str):
     """The common state of a torch_dist checkpoint: ``common.pt`` (megatron-core 0.16-0.18 write it), else the
     ``common_state`` object megatron-core 0.19 keeps inside the checkpoint's own files, read with its
     ``load_common_state_dict`` (no process group needed). Returns (state, the path named in errors)."""
@@ -164,7 +164,7 @@ def _load_common_state(directory: str):
 def _read_common_pt(directory: str) -> dict:
     path = os.path.join(directory, "common.pt")
     try:
-        common, path = _load_common_state(directory)
+        common, path = load_common_state(directory)
     except CheckpointError:
         raise
     except Exception as e:  # torch raises several unrelated types for a damaged file

@@ -44,6 +44,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from h3t_training.config.checkpoint_args import megatron_args
 from h3t_training.config.feature_checks import uses_gpu
 from h3t_training.config.validation import check_layout_for
 from h3t_training.errors import ArgumentError
@@ -336,9 +337,11 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
 def _common_state(args, iteration: int, schedule_steps: Optional[int] = None) -> dict:
     """What every rank shares (``common.pt``): iteration, samples, schedule (with its ``num_steps``, as
     megatron-core's scheduler saves it: ``schedule_steps``, default the samples before ``iteration``), model shape
-    and layout."""
+    and layout, and the flags as Megatron-LM's ``args`` (its ``--use-checkpoint-args`` and this driver's read
+    them)."""
     steps = steps_before(args, iteration) if schedule_steps is None else schedule_steps
     return dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
+                args=megatron_args(args, run_padded_vocab_size(args)),
                 consumed_train_samples=schedule_of(args).consumed_samples(iteration),
                 opt_param_scheduler={**_schedule(args), "num_steps": steps},
                 h3t={"model": _model_shape(args), "layout": _layout(args),

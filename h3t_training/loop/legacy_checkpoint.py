@@ -24,7 +24,6 @@ GPU only (megatron-core's ``load_state_dict`` / ``load_parameter_state``, as for
 """
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Optional
 
@@ -69,11 +68,6 @@ def _dp_group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
-def _namespace(args) -> argparse.Namespace:
-    """Megatron-LM's ``args`` entry (an ``argparse.Namespace``; Megatron's ``--use-checkpoint-args`` reads it)."""
-    return args.as_namespace() if hasattr(args, "as_namespace") else argparse.Namespace(**vars(args))
-
-
 def save(directory: str, args, iteration: int, chunks: dict, optimizer, *, common: dict, rng: dict,
          flops_so_far: float = 0.0) -> list[str]:
     """Write this rank's part of a legacy checkpoint into ``directory`` (collective over every rank); returns the
@@ -91,7 +85,7 @@ def save(directory: str, args, iteration: int, chunks: dict, optimizer, *, commo
     if not args.no_save_optim and optimizer.save_parameter_state(os.path.join(mine, OPTIMIZER_FILE)):  # collective
         written.append(os.path.relpath(os.path.join(mine, OPTIMIZER_FILE), directory))
     if dp_rank == 0:  # Megatron-LM leaves 'optimizer' and 'rng_state' out under --no-save-optim / --no-save-rng
-        state = {"args": _namespace(args), "checkpoint_version": common["checkpoint_version"], "iteration": iteration,
+        state = {"args": common["args"], "checkpoint_version": common["checkpoint_version"], "iteration": iteration,
                  "opt_param_scheduler": common["opt_param_scheduler"],
                  "num_floating_point_operations_so_far": flops_so_far,
                  "consumed_train_samples": common["consumed_train_samples"]}

@@ -100,10 +100,9 @@ def megatron_written_common(ns, iteration, scheduler: Optional[dict], *, path: s
                                 "ckpt_fully_parallel_save": bool(getattr(ns, "ckpt_fully_parallel_save", False))}})
 
 
-def read_legacy_common(directory: str, first: str) -> dict:
-    """The common part of a ``--ckpt-format torch`` checkpoint Megatron-LM wrote (no ``common.pt``): from the
-    ``args``, ``iteration`` and ``opt_param_scheduler`` of the first rank directory's file (memory-mapped: its
-    tensors are not read)."""
+def read_legacy_state(directory: str, first: str) -> tuple[dict, str]:
+    """The state of the first rank directory's file of a ``--ckpt-format torch`` checkpoint (memory-mapped: its
+    tensors are not read) and its path."""
     path = os.path.join(directory, first, legacy.MODEL_FILE)
     state, error = None, None
     for mmap in (True, False):  # a file from before torch's zip format cannot be mapped
@@ -115,7 +114,17 @@ def read_legacy_common(directory: str, first: str) -> dict:
     if state is None:
         kind = "missing" if isinstance(error, FileNotFoundError) else f"corrupt or partial ({type(error).__name__})"
         raise CheckpointError(f"checkpoint file {path} is {kind}", alike=True)
-    if not isinstance(state, dict) or "args" not in state:
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file {path} holds no state dictionary", alike=True)
+    return state, path
+
+
+def read_legacy_common(directory: str, first: str) -> dict:
+    """The common part of a ``--ckpt-format torch`` checkpoint Megatron-LM wrote (no ``common.pt``): from the
+    ``args``, ``iteration`` and ``opt_param_scheduler`` of the first rank directory's file (memory-mapped: its
+    tensors are not read)."""
+    state, path = read_legacy_state(directory, first)
+    if "args" not in state:
         raise CheckpointError(f"{directory} is a --ckpt-format torch checkpoint ({first}/...) without this driver's "
                               f"common.pt, and {path} has no Megatron-LM 'args' entry", alike=True)
     ns = state["args"]
@@ -223,5 +232,6 @@ def optimizer_metadata(directory: str, common: dict, args) -> dict:
     return {**(metadata or {}), "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
 
 
-__all__ = ["check_for_this_run", "megatron_written_common", "optimizer_metadata", "read_legacy_common", "rng_template",
+__all__ = ["check_for_this_run", "megatron_written_common", "optimizer_metadata", "read_legacy_common",
+           "read_legacy_state", "rng_template",
            "set_rng_state"]
