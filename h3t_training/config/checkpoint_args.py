@@ -171,9 +171,13 @@ def _take(ns: argparse.Namespace, saved: dict, version: float, taken: _Taken) ->
         saved["add_bias_linear"] = not saved["disable_bias_linear"]
     for name, force in MODEL_FIELDS:
         value = saved.get(name)
-        if value is None:
+        if value is None and name != "num_query_groups":
             continue
-        if name == "use_rotary_position_embeddings":  # validate_args: the older switch means rope
+        if name == "num_query_groups" and not saved.get("group_query_attention"):
+            # read by Megatron-LM only with group_query_attention (its default, 1, is saved either way); the
+            # driver's parser holds None for "not given" and refuses a number without the switch
+            _set_parsed(ns, name, None, True, taken)
+        elif name == "use_rotary_position_embeddings":  # validate_args: the older switch means rope
             if value:
                 _set_parsed(ns, "position_embedding_type", "rope", True, taken)
         elif name == "apply_query_key_layer_scaling":

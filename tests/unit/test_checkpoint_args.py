@@ -62,6 +62,17 @@ def test_a_forced_field_is_the_checkpoints_over_the_command_line():
     assert config.ffn_hidden_size == 256  # the checkpoint's, not SwiGLU's derived size
 
 
+def test_query_groups_count_only_with_group_query_attention():
+    """Megatron-LM saves its default num_query_groups 1 without GQA (and this driver the number of heads): unread,
+    so the run has as many groups as heads, whatever the command line said."""
+    for saved in ({"group_query_attention": False, "num_query_groups": 1},
+                  {"group_query_attention": False, "num_query_groups": 6}):
+        config = parse(["--load", "ckpt", "--group-query-attention", "--num-query-groups", "3"], saved)
+        assert (config.group_query_attention, config.num_query_groups) == (False, 6)
+    config = parse(["--load", "ckpt"], {"group_query_attention": False, "num_query_groups": None})
+    assert config.num_query_groups == 6
+
+
 def test_older_names_of_the_bias_and_rope_switches():
     config = parse(["--load", "ckpt"], {"disable_bias_linear": True, "use_rotary_position_embeddings": True})
     assert config.disable_bias_linear and config.position_embedding_type == "rope"
@@ -154,3 +165,34 @@ def test_the_saved_args_carry_megatrons_names_and_plain_values():
             ns.position_embedding_type, ns.ckpt) == (2, True, False, False, 128, "rope", "no")
     assert all(type(v) in (type(None), bool, int, float, str, list, tuple) for v in vars(ns).values())
     assert not any(k.startswith("_") for k in vars(ns))
+
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+COMPARED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_query_groups",
+            "group_query_attention", "ffn_hidden_size", "kv_channels", "max_position_embeddings", "swiglu",
+            "squared_relu", "normalization", "disable_bias_linear", "add_qkv_bias", "position_embedding_type",
+            "no_position_embedding", "untie_embeddings_and_output_weights", "apply_layernorm_1p", "rotary_base",
+            "rotary_percent", "rotary_interleaved", "hidden_dropout", "attention_dropout", "tokenizer_type")
+
+
+@pytest.mark.parametrize("prog,argv", [
+    ("pretrain_gpt.py", []),
+    ("pretrain_llama.py", []),
+    ("pretrain_llama.py", ["--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96",
+                           "--kv-channels", "8", "--rotary-base", "500000", "--qk-layernorm"]),
+    ("pretrain_gpt.py", ["--use-rotary-position-embeddings", "--no-position-embedding", "--add-qkv-bias",
+                         "--apply-layernorm-1p", "--max-position-embeddings", "64", "--attention-dropout", "0.0"]),
+    ("pretrain_gpt.py", ["--squared-relu", "--disable-bias-linear", "--normalization", "RMSNorm",
+                         "--untie-embeddings-and-output-weights"]),
+])
+def test_a_drivers_saved_args_give_back_its_model(prog, argv):
+    """What this driver saves, read by --use-checkpoint-args into a command line without the model's flags (and with
+    the other entry point's defaults), is the same model."""
+    run = ["--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
+           "NullTokenizer", "--vocab-size", "100"]
+    saved = parse_args([*MODEL, *argv, *run], world_size=1, prog=prog)
+    values = vars(megatron_args(saved, 128))
+    other = "pretrain_gpt.py" if prog == "pretrain_llama.py" else "pretrain_llama.py"
+    taken = parse_args([*run, "--use-checkpoint-args", "--load", "ckpt"], world_size=1, prog=other,
+                       read_checkpoint_args=lambda root, step: SavedArgs("ckpt: checkpoint iteration 2", values))
+    assert {k: getattr(taken, k) for k in COMPARED} == {k: getattr(saved, k) for k in COMPARED}
