@@ -81,6 +81,15 @@ Reader = Callable[[Optional[str], Optional[int]], Optional[SavedArgs]]
 damaged checkpoint raises :class:`~h3t_training.errors.ArgumentError` (one line)."""
 
 
+class MissingCheckpointExit(Exception):
+    """``--exit-on-missing-checkpoint`` where a directory ``--use-checkpoint-args`` reads holds no checkpoint:
+    Megatron-LM's ``load_args_from_checkpoint`` exits there (status 0), before anything else is checked."""
+
+    def __init__(self, flag: str, root: str):
+        super().__init__(f"note: no checkpoint in {flag} {root}; --exit-on-missing-checkpoint: exiting ({USE_FLAG} "
+                         f"reads the checkpoint's arguments first, as Megatron-LM does)")
+
+
 @dataclass
 class _Taken:
     """What one checkpoint changed: ``field=value`` under Megatron-LM's field names, and the destinations set."""
@@ -232,5 +241,5 @@ def megatron_args(config, padded_vocab_size: int) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
-__all__ = ["FEATURE_FIELDS", "LEFT_TO_THE_LOAD", "MODEL_FIELDS", "Reader", "SHAPE_FLAGS", "SavedArgs",
+__all__ = ["FEATURE_FIELDS", "LEFT_TO_THE_LOAD", "MODEL_FIELDS", "MissingCheckpointExit", "Reader", "SHAPE_FLAGS", "SavedArgs",
            "TOKENIZER_FIELDS", "USE_FLAG", "apply", "megatron_args", "requested"]

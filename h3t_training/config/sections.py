@@ -167,9 +167,12 @@ def _checkpoint_args(namespace: argparse.Namespace, parser: argparse.ArgumentPar
     if read is None:
         raise ArgumentError(f"{checkpoint_args.USE_FLAG} is not available here: this caller reads no checkpoints "
                             f"(the training entry points pretrain_llama.py and pretrain_gpt.py do)")
-    found = [(flag, read(root, namespace.ckpt_step)) for flag, root in
-             (("--pretrained-checkpoint", namespace.pretrained_checkpoint), ("--load", namespace.load))
-             if root is not None]
+    found = []
+    for flag, root in (("--pretrained-checkpoint", namespace.pretrained_checkpoint), ("--load", namespace.load)):
+        if root is not None:
+            found.append((flag, read(root, namespace.ckpt_step)))
+            if found[-1][1] is None and namespace.exit_on_missing_checkpoint:
+                raise checkpoint_args.MissingCheckpointExit(flag, root)
     return checkpoint_args.apply(namespace, parser, found)
 
 
@@ -196,6 +199,10 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
             namespace, taken = _checkpoint_args(namespace, parser, read_checkpoint_args)
         except ArgumentError as e:
             parser.error(str(e))
+        except checkpoint_args.MissingCheckpointExit as e:  # Megatron-LM's sys.exit() in load_args_from_checkpoint
+            if rank == 0:
+                sys.stdout.write(f"{e}\n")
+            sys.exit(0)
     given = given_table_flags(namespace)
     device = run_device(namespace)
     refused = refusal(given, device, namespace)

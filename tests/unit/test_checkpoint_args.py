@@ -148,6 +148,26 @@ def test_a_taken_switch_is_classed_by_the_flag_table_as_if_typed():
     assert not any("--apply-query-key-layer-scaling" in n for n in parse(["--load", "ckpt"]).flag_notices)
 
 
+def test_exit_on_missing_checkpoint_exits_where_megatron_lm_does(capsys):
+    """Megatron-LM's load_args_from_checkpoint exits (status 0) where a directory it reads holds no checkpoint
+    under --exit-on-missing-checkpoint: --pretrained-checkpoint's first, and --load's even when the first holds one;
+    no directory named, nothing read, no exit."""
+    read = reader({"base": dict(SAVED)})
+    for argv in (["--load", "empty"], ["--pretrained-checkpoint", "empty", "--load", "base"],
+                 ["--pretrained-checkpoint", "base", "--load", "empty"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args([*RUN, "--vocab-size", "100", "--exit-on-missing-checkpoint", *argv], world_size=4,
+                       read_checkpoint_args=read)
+        assert e.value.code == 0
+        flag = "--load" if argv[-1] == "empty" else "--pretrained-checkpoint"
+        assert capsys.readouterr().out == (f"note: no checkpoint in {flag} empty; --exit-on-missing-checkpoint: "
+                                           "exiting (--use-checkpoint-args reads the checkpoint's arguments first, as "
+                                           "Megatron-LM does)\n")
+    config = parse_args([*RUN, "--vocab-size", "100", "--exit-on-missing-checkpoint", "--load", "base"],
+                        world_size=4, read_checkpoint_args=read)
+    assert config.hidden_size == 96
+
+
 def test_a_caller_without_a_reader_says_so(capsys):
     with pytest.raises(SystemExit):
         parse_args([*RUN, "--load", "ckpt"], world_size=4)
