@@ -362,6 +362,21 @@ LLAMA_DEFAULTS = dict(normalization="RMSNorm", swiglu=True, untie_embeddings_and
 """pretrain_llama.py's defaults (a Llama); pretrain_gpt.py keeps Megatron-LM's (the parser's own)."""
 MEGATRON_GPT_DEFAULTS = dict(tokenizer_type="GPT2BPETokenizer")
 """What Megatron-LM's pretrain_gpt.py sets beyond its parser's defaults (``args_defaults``)."""
+MEGATRON_REQUIRED = ("max_position_embeddings",)
+"""Required by Megatron-LM's ``validate_args`` beyond the flags this parser requires (its ``required_args``, checked
+with ``_check_arg_is_not_none`` in core_v0.16.1 and core_v0.19.0, and in Megatron-Kwai's): pretrain_gpt.py asks for
+them as Megatron-LM does, so a script that would stop there stops here too; pretrain_llama.py, this project's Llama
+entry point, fills ``--max-position-embeddings`` with ``--seq-length``."""
+
+
+def missing_megatron_required(args) -> Optional[str]:
+    """The one-line error for pretrain_gpt.py's command line without a flag Megatron-LM requires, else None."""
+    missing = ["--" + k.replace("_", "-") for k in MEGATRON_REQUIRED if getattr(args, k) is None]
+    if not missing:
+        return None
+    return (f"the following arguments are required: {', '.join(missing)} (Megatron-LM's pretrain_gpt.py requires "
+            f"{'it' if len(missing) == 1 else 'them'}; pretrain_llama.py fills --max-position-embeddings with "
+            f"--seq-length)")
 
 
 def build_parser(prog: str = "pretrain_llama.py", defaults: Optional[dict] = None, *,

@@ -203,6 +203,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
             if rank == 0:
                 sys.stdout.write(f"{e}\n")
             sys.exit(0)
+    if prog == "pretrain_gpt.py" and (missing := arguments.missing_megatron_required(namespace)):
+        parser.error(missing)
     given = given_table_flags(namespace)
     device = run_device(namespace)
     refused = refusal(given, device, namespace)

@@ -150,6 +150,6 @@ def test_schedule_flag_errors(flags, message, capsys):
 def test_a_run_with_a_step_schedule_logs_each_iterations_batch(tmp_path):
     out = tmp_path / "m.json"
     check_ok(run_pretrain([*BASE, "--step-batch-size-schedule", "0:2 256:4", "--train-iters", "6",
-                           "--metrics-json", str(out)], entry="pretrain_gpt.py"))
+                           "--max-position-embeddings", "64", "--metrics-json", str(out)], entry="pretrain_gpt.py"))
     batches = [r["global_batch_size"] for r in metrics(out)["iterations"]]
     assert batches == [2, 2, 2, 2, 4, 4]  # 256 tokens = 8 samples of 32: after four iterations of 2

@@ -144,12 +144,13 @@ def test_cost_model_sees_the_model_the_flags_build(prog, gelu_gpt, monkeypatch):
     layer, linear biases and Megatron's 0.1 dropout; pretrain_llama.py's SwiGLU, untied, no biases and no
     dropout; flags override."""
     from h3t_training.config.run_spec import model_spec
-    spec = model_spec(parse_args(BASE, prog=prog), vocab_size=512)
+    base = [*BASE, "--max-position-embeddings", "64"]  # pretrain_gpt.py requires it, as Megatron-LM does
+    spec = model_spec(parse_args(base, prog=prog), vocab_size=512)
     assert spec.swiglu is not gelu_gpt and spec.untie_embeddings_and_output_weights is not gelu_gpt
     assert spec.add_bias_linear is gelu_gpt
-    assert model_spec(parse_args(BASE + ["--disable-bias-linear"], prog=prog), 512).add_bias_linear is False
+    assert model_spec(parse_args(base + ["--disable-bias-linear"], prog=prog), 512).add_bias_linear is False
     assert (spec.attention_dropout, spec.hidden_dropout) == ((0.1, 0.1) if gelu_gpt else (0.0, 0.0))
-    spec = model_spec(parse_args(BASE + ["--attention-dropout", "0.2", "--hidden-dropout", "0"], prog=prog), 512)
+    spec = model_spec(parse_args(base + ["--attention-dropout", "0.2", "--hidden-dropout", "0"], prog=prog), 512)
     assert (spec.attention_dropout, spec.hidden_dropout) == (0.2, 0.0)
 
 

@@ -21,6 +21,7 @@ from h3t_training.config.sections import parse_args
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
           "--make-vocab-size-divisible-by", "256", "--ckpt", "ours", "--mock-data"]
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--max-position-embeddings", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]
 N_PARAMS = 27  # embedding, 4 x 6 per layer, final norm, output layer (test_optimizer_offload_driver's shapes)
 

@@ -56,7 +56,8 @@ def test_every_launcher_starts_megatron_lms_entry_name_when_asked(script):
 
 
 def test_the_preflight_check_applies_the_entrys_defaults_and_is_silent_when_the_flags_are_good():
-    flags = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--mock-data"]
+    flags = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--mock-data",
+             "--max-position-embeddings", "64"]  # pretrain_gpt.py requires it, as Megatron-LM does
 
     def preflight(*entry):
         return subprocess.run([PYTHON, "-m", "h3t_training.launch.preflight",

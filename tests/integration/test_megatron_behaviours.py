@@ -11,6 +11,7 @@ import pytest
 from driver_harness import PYTHON, REPO, _env, check_ok, metrics, run_pretrain
 
 TINY_GPT = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
+            "--max-position-embeddings", "32",
             "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "200", "--no-progress-bar", "--eval-iters", "0"]
 

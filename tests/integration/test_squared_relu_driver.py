@@ -9,7 +9,7 @@ import pytest
 
 from driver_harness import TINY_MODEL, check_ok, metrics, run_pretrain
 
-COMMON = [*TINY_MODEL, "--mock-data", "--make-vocab-size-divisible-by", "128", "--micro-batch-size", "1",
+COMMON = [*TINY_MODEL, "--max-position-embeddings", "64", "--mock-data", "--make-vocab-size-divisible-by", "128", "--micro-batch-size", "1",
           "--global-batch-size", "4", "--train-iters", "3", "--no-bias-gelu-fusion", "--attention-dropout", "0",
           "--hidden-dropout", "0", "--tokenizer-type", "NullTokenizer",
           "--vocab-size", "255"]  # 256 ids with the end of document: no padding at t = 1 or 2

@@ -152,7 +152,7 @@ def test_other_megatron_tokenizer_names_are_one_line(kind, expected, capsys):
 
     with pytest.raises(SystemExit) as exc:
         parse_args([*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "1", "--mock-data",
-                    "--tokenizer-type", kind], prog="pretrain_gpt.py", defaults={})
+                    "--max-position-embeddings", "64", "--tokenizer-type", kind], prog="pretrain_gpt.py", defaults={})
     assert exc.value.code == 2 and capsys.readouterr().err == f"pretrain_gpt.py: error: {expected}\n"
 
 

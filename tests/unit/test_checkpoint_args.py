@@ -187,7 +187,8 @@ def test_the_saved_args_carry_megatrons_names_and_plain_values():
     assert not any(k.startswith("_") for k in vars(ns))
 
 
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32"]
 COMPARED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "num_query_groups",
             "group_query_attention", "ffn_hidden_size", "kv_channels", "max_position_embeddings", "swiglu",
             "squared_relu", "normalization", "disable_bias_linear", "add_qkv_bias", "position_embedding_type",

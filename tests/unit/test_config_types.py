@@ -114,7 +114,8 @@ def _old_three_hf_flops(config, vocab: int) -> float:
 
 @pytest.mark.parametrize("prog,swiglu", [("pretrain_gpt.py", False), ("pretrain_llama.py", True)])
 def test_logged_mfu_is_the_cost_models_for_the_measured_time(prog, swiglu):
-    flags = BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--ffn-hidden-size", "256"]
+    flags = BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--ffn-hidden-size", "256",
+                    "--max-position-embeddings", "32"]
     config = parse_args(flags + (["--untie-embeddings-and-output-weights"] if not swiglu else []), prog=prog,
                         world_size=1)
     vocab = 1001  # NullTokenizer: --vocab-size plus its end-of-document token
@@ -168,7 +169,9 @@ def test_driver_auto_alpha_is_the_planners_for_the_same_flags(switches, capsys):
 def test_the_driver_prices_the_norm_and_positions_it_builds(prog, norm, positions):
     from h3t_training.config.run_spec import model_spec
 
-    config = parse_args(BASE, prog=prog, world_size=1)
+    # pretrain_gpt.py requires --max-position-embeddings, as Megatron-LM does; pretrain_llama.py fills it in
+    config = parse_args(BASE + (["--max-position-embeddings", "32"] if prog == "pretrain_gpt.py" else []), prog=prog,
+                        world_size=1)
     model = model_spec(config, vocab_size=1000)
     assert (model.normalization, model.position_embedding_type) == (norm, positions)
     assert model.max_position_embeddings == 32  # --seq-length, as the driver fills it in

@@ -249,6 +249,20 @@ def test_the_driver_calls_the_runtime_it_holds():
     assert calls == {"h3t_training/loop/megatron_native.py": {"install"}}, calls
 
 
+def test_pretrain_gpt_requires_max_position_embeddings_as_megatron_lm_does(capsys):
+    """Megatron-LM's validate_args requires --max-position-embeddings (its required_args, 0.16 to 0.19, and
+    Megatron-Kwai's); pretrain_gpt.py stops without it, pretrain_llama.py fills it with --seq-length."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(BASE, world_size=1, prog="pretrain_gpt.py")
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("pretrain_gpt.py: error: the following arguments are required: "
+                                       "--max-position-embeddings (Megatron-LM's pretrain_gpt.py requires it; "
+                                       "pretrain_llama.py fills --max-position-embeddings with --seq-length)\n")
+    assert parse_args(BASE, world_size=1).max_position_embeddings == 64
+    assert parse_args([*BASE, "--max-position-embeddings", "128"], world_size=1,
+                      prog="pretrain_gpt.py").max_position_embeddings == 128
+
+
 def test_split_left_out_is_resolved_as_megatron_resolves_it():
     """No --split: megatron-core's even 1,1,1 with --mock-data (so mock data evaluates, as in Megatron), nothing
     with per-split paths; an explicit split keeps its value (quotes from a shell string dropped)."""
@@ -419,7 +433,7 @@ def test_a_checkpoint_with_a_model_switch_is_refused_by_a_run_without_it(tmp_pat
     import torch
     from h3t_training.loop.checkpointing import CHECKSUMS, TRACKER, CheckpointError, _common_state, find_checkpoint
 
-    base = [*BASE, "--disable-bias-linear"]
+    base = [*BASE, "--disable-bias-linear", "--max-position-embeddings", "64"]  # pretrain_gpt.py requires it
 
     def parse(flags):
         return parse_args([*base, *flags], world_size=1, prog=prog)
@@ -452,7 +466,7 @@ def test_a_checkpoint_with_a_model_switch_is_refused_by_a_run_without_it(tmp_pat
 ])
 def test_squared_relu_is_refused_where_megatron_refuses_it(argv, prog, message, capsys):
     with pytest.raises(SystemExit):
-        parse_args([*BASE, *argv], world_size=1, prog=prog)
+        parse_args([*BASE, "--max-position-embeddings", "64", *argv], world_size=1, prog=prog)
     assert message in capsys.readouterr().err
 
 
@@ -463,7 +477,8 @@ def test_squared_relu_builds_megatrons_activation():
     from h3t_training.loop.model_provider import transformer_config
 
     for flags in (["--disable-bias-linear"], ["--no-bias-gelu-fusion"]):
-        cfg = transformer_config(parse_args([*BASE, "--squared-relu", *flags], world_size=1, prog="pretrain_gpt.py"),
+        cfg = transformer_config(parse_args([*BASE, "--squared-relu", "--max-position-embeddings", "64", *flags],
+                                            world_size=1, prog="pretrain_gpt.py"),
                                  on_gpu=False)
         assert cfg.activation_func is squared_relu and not cfg.gated_linear_unit
         validate_ours_config(cfg)  # ckpt=ours takes it
