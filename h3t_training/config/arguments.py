@@ -290,8 +290,9 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
                         "then --load, as Megatron-LM does (the shape flags may then be left out)")
     g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
                    help="with --use-checkpoint-args: the tensor- and pipeline-parallel sizes too")
-    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args", "--disable-use-tokenizer-model-from-checkpoint-args",
-                   action="store_false", dest="use_tokenizer_model_from_checkpoint_args",
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
+                   "--disable-use-tokenizer-model-from-checkpoint-args", action="store_false",
+                   dest="use_tokenizer_model_from_checkpoint_args",
                    help="with --use-checkpoint-args: keep this command line's --tokenizer-type and --tokenizer-model")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only; start at iteration 0 with a fresh optimizer and RNG")

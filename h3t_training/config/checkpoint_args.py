@@ -230,8 +230,9 @@ def _plain(value: Any) -> bool:
 
 def megatron_args(config, padded_vocab_size: int) -> argparse.Namespace:
     """The ``args`` entry this driver saves with a checkpoint: every flag under its destination (plain values
-    only, an enum as its value, so reading it needs neither this package nor megatron-core), with Megatron-LM's names for the fields the
-    driver's parser stores otherwise (``add_bias_linear``, ``add_position_embedding``) and the padded vocabulary."""
+    only, an enum as its value, so reading it needs neither this package nor megatron-core), with Megatron-LM's
+    names for the fields the driver's parser stores otherwise (``add_bias_linear``, ``add_position_embedding``) and
+    the padded vocabulary."""
     values = {k: v.value if isinstance(v, enum.Enum) else v for k, v in config.as_dict().items()
               if not k.startswith("_")}
     values = {k: v for k, v in values.items() if _plain(v)}
@@ -241,5 +242,5 @@ def megatron_args(config, padded_vocab_size: int) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
-__all__ = ["FEATURE_FIELDS", "LEFT_TO_THE_LOAD", "MODEL_FIELDS", "MissingCheckpointExit", "Reader", "SHAPE_FLAGS", "SavedArgs",
-           "TOKENIZER_FIELDS", "USE_FLAG", "apply", "megatron_args", "requested"]
+__all__ = ["FEATURE_FIELDS", "LEFT_TO_THE_LOAD", "MODEL_FIELDS", "MissingCheckpointExit", "Reader", "SHAPE_FLAGS",
+           "SavedArgs", "TOKENIZER_FIELDS", "USE_FLAG", "apply", "megatron_args", "requested"]

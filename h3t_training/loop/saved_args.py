@@ -32,8 +32,8 @@ def _raw_state(directory: str) -> dict:
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - torch raises several unrelated types for a damaged file
-        raise CheckpointError(f"checkpoint {directory}: its common state is corrupt or partial "
-                                               f"({type(e).__name__})", alike=True) from None
+        raise CheckpointError(f"checkpoint {directory}: its common state is corrupt or partial ({type(e).__name__})",
+                              alike=True) from None
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint file {path} holds no state dictionary", alike=True)
     if "args" not in state and per_rank:  # this driver's legacy checkpoint from before its common.pt held args
