@@ -57,7 +57,8 @@ def read_saved_args(root: Optional[str], step: Optional[int]) -> Optional[SavedA
         directory = iter_dir(root, iteration)
         where = f"{root}: checkpoint iteration {iteration}"
         if not os.path.isdir(directory):
-            raise CheckpointError(f"{root}: {directory} does not exist", alike=True)
+            named = "--ckpt-step" if step is not None else f"named by {checkpoint_files.TRACKER}"
+            raise CheckpointError(f"{root}: {directory} does not exist ({named})", alike=True)
         state = _raw_state(directory)
     except CheckpointError as e:
         raise ArgumentError(str(e)) from None
