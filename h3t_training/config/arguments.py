@@ -59,6 +59,9 @@ def _add_model(p: argparse.ArgumentParser, shape_required: bool) -> None:
     g.add_argument("--seq-length", type=int, required=shape_required)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="the model's vocabulary rows, in place of the tokenizer's padded to a multiple of "
+                        "--make-vocab-size-divisible-by x t (Megatron-LM's; a multiple of t, at least the tokenizer's)")
     g.add_argument("--kv-channels", type=int, default=None, help="head dim (default hidden / heads)")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--rms-norm", dest="normalization", action="store_const", const="RMSNorm",
@@ -436,7 +439,7 @@ def check_positive(args):
                  "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "save_interval",
                  "exit_interval",
-                 "make_vocab_size_divisible_by", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
+                 "make_vocab_size_divisible_by", "padded_vocab_size", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
                  "eval_global_batch_size", "eval_micro_batch_size",
                  "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples",
                  "rotary_seq_len_interpolation_factor"):
@@ -534,6 +537,25 @@ def split_flags(args) -> dict:
                 decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
                 account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
                 account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+
+
+def apply_padded_vocab_size(args):
+    """``--padded-vocab-size P``: the model has P vocabulary rows, as Megatron-LM builds it (its ``build_tokenizer``
+    pads only where P is None). Said as the padding that gives exactly P at this run's tensor-parallel size t
+    (``--make-vocab-size-divisible-by P / t``: the tokenizer's V rounds up to P when V <= P), so every reader of the
+    padding (model, checkpoints, the cost model) has P. A P below V would leave tokens without a row, a P that t
+    does not divide has no equal vocabulary shards (megatron-core asserts): one line each."""
+    p = args.padded_vocab_size
+    if p is None:
+        return args
+    v, t = args.tokenizer_vocab_size, args.tensor_model_parallel_size
+    if p < v:
+        raise ArgumentError(f"--padded-vocab-size {p} is below the tokenizer's {v} tokens; valid: a multiple of "
+                            f"--tensor-model-parallel-size {t} in [{v}, inf)")
+    if p % t:
+        raise ArgumentError(f"--padded-vocab-size {p} is not a multiple of --tensor-model-parallel-size {t} (the "
+                            f"vocabulary is split into t equal shards)")
+    return args.replace(make_vocab_size_divisible_by=p // t)
 
 
 def fill_parallel_defaults(args):

@@ -54,14 +54,16 @@ with ``num_experts`` / a hybrid pattern, so they follow those two and are not ta
 TOKENIZER_FIELDS = ("tokenizer_model", "tokenizer_type")
 """Forced unless ``--no-use-tokenizer-model-from-checkpoint-args``."""
 
+VOCABULARY_FIELDS = (("padded_vocab_size", False),)
+"""Taken after the tokenizer's, whatever the tokenizer switch says (Megatron-LM's order)."""
+
 RENAMED = {"add_bias_linear": ("disable_bias_linear", lambda v: not v),
            "add_position_embedding": ("no_position_embedding", lambda v: not v)}
 """Megatron-LM's fields the driver's parser stores inverted under another destination."""
 
-LEFT_TO_THE_LOAD = ("padded_vocab_size", "ckpt_format")
-"""Taken by Megatron-LM only where the command line left them None: the padded vocabulary (the driver pads to the
-checkpoint's rows when it loads: ``checkpointing.adopted_padding``) and the format (never None: torch_dist by
-default in both)."""
+LEFT_TO_THE_LOAD = ("ckpt_format",)
+"""Taken by Megatron-LM only where the command line left it None, which it never is (torch_dist by default in
+both parsers)."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,9 @@ def _take(ns: argparse.Namespace, saved: dict, version: float, taken: _Taken) ->
         for name in TOKENIZER_FIELDS:
             if saved.get(name) is not None:
                 _set_parsed(ns, name, saved[name], True, taken)
+    for name, force in VOCABULARY_FIELDS:
+        if saved.get(name) is not None:
+            _set_parsed(ns, name, saved[name], force, taken)
     if ns.use_mp_args_from_checkpoint_args:
         if version < 3.0:
             if saved.get("model_parallel_size") is not None:
@@ -243,4 +248,4 @@ def megatron_args(config, padded_vocab_size: int) -> argparse.Namespace:
 
 
 __all__ = ["FEATURE_FIELDS", "LEFT_TO_THE_LOAD", "MODEL_FIELDS", "MissingCheckpointExit", "Reader", "SHAPE_FLAGS",
-           "SavedArgs", "TOKENIZER_FIELDS", "USE_FLAG", "apply", "megatron_args", "requested"]
+           "SavedArgs", "TOKENIZER_FIELDS", "USE_FLAG", "VOCABULARY_FIELDS", "apply", "megatron_args", "requested"]

@@ -153,7 +153,8 @@ MEGATRON_LM: dict[str, str] = {
 --lr-decay-iters=1 --lr-decay-samples=1 --lr-decay-style=1 --lr-warmup-fraction=1 --lr-warmup-init=1
 --lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --start-weight-decay=1
 --end-weight-decay=1 --weight-decay-incr-style=1
---lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --max-position-embeddings=1
+--lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --padded-vocab-size=1
+--max-position-embeddings=1
 --merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0
 --log-params-norm=0 --log-num-zeros-in-grad=0
 --eval-global-batch-size=1 --eval-micro-batch-size=1 --start-eval-at-iter=1 --dataloader-type=1 --no-data-sharding=0
@@ -257,7 +258,7 @@ MEGATRON_LM: dict[str, str] = {
 --reset-attention-mask=0 --sft=0 --sft-tokenizer-prompt-format=1""",
     "tokenizer": """
 --chat-template=1 --disable-pad-vocab-size=0 --disable-tokenizer-sentencepiece-ignore-extra-whitespaces=0
---no-pad-vocab-size=0 --no-tokenizer-sentencepiece-ignore-extra-whitespaces=0 --padded-vocab-size=1
+--no-pad-vocab-size=0 --no-tokenizer-sentencepiece-ignore-extra-whitespaces=0
 --tokenizer-hf-no-use-fast=0 --tokenizer-metadata=1 --tokenizer-sentencepiece-legacy=0
 --tokenizer-special-tokens=+ --trust-remote-code=0 --use-gigatoken=0 --vocab-extra-ids=1""",
     "kitchen": """

@@ -12,6 +12,7 @@ import pytest
 
 from h3t_training.config.checkpoint_args import SavedArgs, megatron_args
 from h3t_training.config.sections import parse_args
+from h3t_training.data.tokenizer import run_padded_vocab_size
 
 RUN = ["--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--use-checkpoint-args"]
 SAVED = dict(num_layers=6, hidden_size=96, num_attention_heads=6, seq_length=128, ffn_hidden_size=256,
@@ -87,6 +88,13 @@ def test_the_tokenizer_is_taken_unless_told_otherwise():
     for flag in ("--no-use-tokenizer-model-from-checkpoint-args", "--disable-use-tokenizer-model-from-checkpoint-args"):
         assert parse(["--load", "ckpt", "--tokenizer-type", "NullTokenizer", flag], saved
                      ).tokenizer_type == "NullTokenizer"
+
+
+def test_the_padded_vocabulary_is_taken_where_the_command_line_has_none():
+    """Megatron-LM's _set_arg('padded_vocab_size'): the checkpoint's rows unless --padded-vocab-size is given."""
+    assert run_padded_vocab_size(parse(["--load", "ckpt"], {"padded_vocab_size": 512})) == 512
+    assert run_padded_vocab_size(parse(["--load", "ckpt", "--padded-vocab-size", "256"],
+                                       {"padded_vocab_size": 512})) == 256
 
 
 def test_parallel_sizes_only_with_use_mp_args():
@@ -212,7 +220,7 @@ def test_a_drivers_saved_args_give_back_its_model(prog, argv):
     run = ["--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tokenizer-type",
            "NullTokenizer", "--vocab-size", "100"]
     saved = parse_args([*MODEL, *argv, *run], world_size=1, prog=prog)
-    values = vars(megatron_args(saved, 128))
+    values = vars(megatron_args(saved, run_padded_vocab_size(saved)))
     other = "pretrain_gpt.py" if prog == "pretrain_llama.py" else "pretrain_llama.py"
     taken = parse_args([*run, "--use-checkpoint-args", "--load", "ckpt"], world_size=1, prog=other,
                        read_checkpoint_args=lambda root, step: SavedArgs("ckpt: checkpoint iteration 2", values))

@@ -263,6 +263,27 @@ def test_pretrain_gpt_requires_max_position_embeddings_as_megatron_lm_does(capsy
                       prog="pretrain_gpt.py").max_position_embeddings == 128
 
 
+def test_padded_vocab_size_is_the_models_rows_as_in_megatron_lm(capsys):
+    """--padded-vocab-size P: the model, its checkpoints and the cost model have P vocabulary rows (Megatron-LM pads
+    only where it is None); below the tokenizer's tokens or not a multiple of t: one line."""
+    from h3t_training.config.run_spec import model_spec
+    from h3t_training.data.tokenizer import run_padded_vocab_size
+
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "300", "--tensor-model-parallel-size", "2"]
+    config = parse_args([*BASE, *null], world_size=2)
+    v = config.tokenizer_vocab_size
+    assert run_padded_vocab_size(config) == 512  # 128 x 2 by default
+    config = parse_args([*BASE, *null, "--padded-vocab-size", "310"], world_size=2)
+    assert run_padded_vocab_size(config) == 310 == model_spec(config, v).padded_vocab_size(2)
+    for p, text in ((str(v - 1), f"--padded-vocab-size {v - 1} is below the tokenizer's {v} tokens; valid: a multiple "
+                                 f"of --tensor-model-parallel-size 2 in [{v}, inf)"),
+                    ("311", "--padded-vocab-size 311 is not a multiple of --tensor-model-parallel-size 2"),
+                    ("0", "--padded-vocab-size 0 is outside [1, inf)")):
+        with pytest.raises(SystemExit):
+            parse_args([*BASE, *null, "--padded-vocab-size", p], world_size=2)
+        assert text in capsys.readouterr().err
+
+
 def test_split_left_out_is_resolved_as_megatron_resolves_it():
     """No --split: megatron-core's even 1,1,1 with --mock-data (so mock data evaluates, as in Megatron), nothing
     with per-split paths; an explicit split keeps its value (quotes from a shell string dropped)."""
