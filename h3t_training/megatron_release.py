@@ -24,6 +24,12 @@ SHARD_EVERYTHING_BY_DEFAULT_FROM: Release = (0, 18)
 shards the optimizer state, gradients and parameters); 0.16 and 0.17 default to ``no_shard``
 (``megatron/training/arguments.py`` at each tag). It acts only with ``--use-megatron-fsdp``."""
 
+ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM: Release = (0, 17)
+"""Megatron-LM core_v0.17.0 (commit b4e4d9618e "Small quality-of-life improvements in megatron/training") skips the
+iteration whose number its log line prints (``(iteration + 1) in args.iterations_to_skip``); 0.16 compares the
+count of iterations done before it (``iteration in args.iterations_to_skip``), so ``--iterations-to-skip 5`` skips the
+iteration logged as 6 there."""
+
 
 def installed_megatron_core() -> Release:
     """(major, minor) of the installed megatron-core, read from its package metadata."""
@@ -34,10 +40,17 @@ def installed_megatron_core() -> Release:
     return major, minor
 
 
+def skipped_iterations(values, release: Release) -> frozenset[int]:
+    """The (1-based, as logged) iterations ``--iterations-to-skip values`` skips in ``release``."""
+    shift = 0 if release >= ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM else 1
+    return frozenset(v + shift for v in values)
+
+
 def default_sharding_strategy(release: Release) -> str:
     """Megatron-LM's ``--data-parallel-sharding-strategy`` when the command line leaves it out, in ``release``."""
     return "optim_grads_params" if release >= SHARD_EVERYTHING_BY_DEFAULT_FROM else "no_shard"
 
 
-__all__ = ["CORE_TOKENIZERS_FROM", "NULL_TOKENIZER_EOD_IN_VOCAB_FROM", "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM",
-           "default_sharding_strategy", "installed_megatron_core"]
+__all__ = ["CORE_TOKENIZERS_FROM", "ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM", "NULL_TOKENIZER_EOD_IN_VOCAB_FROM",
+           "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM", "default_sharding_strategy", "installed_megatron_core",
+           "skipped_iterations"]

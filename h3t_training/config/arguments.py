@@ -15,6 +15,7 @@ from typing import Optional
 from h3t_ext.ckpt import Ckpt, Recompute, combined_ckpt, split_ckpt
 from h3t_ext.layout import LayoutError, pipeline_split
 from h3t_ext.planner import cli_flags
+from h3t_training import megatron_release
 from h3t_training.errors import ArgumentError
 from h3t_training.config.flag_table import add_table_flags, table_value
 from h3t_training.config.h3t_flags import add_h3t_flags
@@ -316,6 +317,10 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
                    action="store_true", dest="use_checkpoint_opt_param_scheduler",
                    help="on resume, use the checkpoint's learning-rate schedule over this command line's")
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--iterations-to-skip", nargs="+", type=int, default=[],
+                   help="iterations to skip entirely: their batches are read past, nothing is trained and the "
+                        "learning-rate schedule does not advance (Megatron-LM's; 0.17+ count them as logged, 1-based, "
+                        "0.16 by the iterations done before them)")
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="save (with --save) and exit after this many minutes")
     g.add_argument("--exit-signal-handler", action="store_true", help="on --exit-signal: save and exit")
@@ -556,6 +561,18 @@ def apply_padded_vocab_size(args):
         raise ArgumentError(f"--padded-vocab-size {p} is not a multiple of --tensor-model-parallel-size {t} (the "
                             f"vocabulary is split into t equal shards)")
     return args.replace(make_vocab_size_divisible_by=p // t)
+
+
+def resolve_iterations_to_skip(args):
+    """``--iterations-to-skip`` as the logged iterations it skips in the installed megatron-core's Megatron-LM
+    (:func:`h3t_training.megatron_release.skipped_iterations`); a value no iteration can have is one line."""
+    release = megatron_release.installed_megatron_core()
+    low = 1 if release >= megatron_release.ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM else 0
+    for v in args.iterations_to_skip:
+        if v < low:
+            raise ArgumentError(f"--iterations-to-skip {v} is outside [{low}, inf) (Megatron-LM "
+                                f"{release[0]}.{release[1]} counts iterations from {low})")
+    return args.replace(skipped_iterations=megatron_release.skipped_iterations(args.iterations_to_skip, release))
 
 
 def fill_parallel_defaults(args):

@@ -154,6 +154,7 @@ MEGATRON_LM: dict[str, str] = {
 --lr-wsd-decay-iters=1 --lr-wsd-decay-samples=1 --lr-wsd-decay-style=1 --start-weight-decay=1
 --end-weight-decay=1 --weight-decay-incr-style=1
 --lr-warmup-iters=1 --lr-warmup-samples=1 --make-vocab-size-divisible-by=1 --padded-vocab-size=1
+--iterations-to-skip=+
 --max-position-embeddings=1
 --merge-file=1 --micro-batch-size=1 --min-lr=1 --mock-data=0 --no-check-for-nan-in-loss-and-grad=0
 --log-params-norm=0 --log-num-zeros-in-grad=0
@@ -245,7 +246,7 @@ MEGATRON_LM: dict[str, str] = {
 --init-method-xavier-uniform=0 --mup-attn-scale-power=1 --mup-base-head-dim=1 --mup-base-hidden-size=1
 --mup-embedding-mult=1 --mup-output-mult=1 --mup-width-mult=1 --no-initialization=0 --use-mup=0""",
     "optimizer": """
---apply-wd-to-qk-layernorm=0 --iterations-to-skip=+ --lion-beta1=1 --lion-beta2=1 --muon-coefficient-type=1
+--apply-wd-to-qk-layernorm=0 --lion-beta1=1 --lion-beta2=1 --muon-coefficient-type=1
 --muon-extra-scale-factor=1 --muon-fp32-matmul-prec=1 --muon-momentum=1 --muon-nesterov=0
 --muon-no-split-qkv=0 --muon-num-ns-steps=1 --muon-scalar-optimizer=1 --muon-scale-mode=1 --muon-tp-mode=1
 --muon-use-syrk=0 --no-weight-decay-cond-type=1 --phase-transition-iterations=1

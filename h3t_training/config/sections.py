@@ -60,6 +60,9 @@ DERIVED_FIELDS: dict[str, tuple[object, str]] = {
     "recompute": (None, "Megatron's --recompute-* flags as one h3t_ext.ckpt.Recompute (resolve_ckpt)"),
     "tokenizer_vocab_size": (None, "the tokenizer's vocabulary V before padding, its files read once "
                                    "(validation.resolve_tokenizer)"),
+    "skipped_iterations": (frozenset(), "the 1-based (logged) iterations --iterations-to-skip skips, as the "
+                                        "installed megatron-core's Megatron-LM counts them "
+                                        "(arguments.resolve_iterations_to_skip)"),
 }
 """Every field a resolve step may add beyond the flags' destinations, with its value before the step runs and
 what it holds. A field outside the flags and this table does not exist."""
@@ -142,7 +145,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
     steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
                          arguments.check_activation, arguments.fill_model_defaults, arguments.check_positive,
-                         arguments.resolve_ckpt,
+                         arguments.resolve_ckpt, arguments.resolve_iterations_to_skip,
                          validation.resolve_tokenizer, megatron_offload.check_offload_requests]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)

@@ -206,6 +206,12 @@ class MicrobatchIterator:
     def __iter__(self) -> Iterator[dict]:
         return self
 
+    def skip_iteration(self) -> None:
+        """Read past the rest of this iteration's microbatches (``--iterations-to-skip``: Megatron-LM's
+        ``dummy_train_step`` reads them and trains on nothing); the next one is the following iteration's first."""
+        self.microbatch = 0
+        self._start(self.iteration + 1)
+
     def __next__(self) -> dict:
         consumed = self.first_sample + self.microbatch * self.mbs * self.dp
         if self.sampling == "cyclic":

@@ -316,7 +316,7 @@ def _rng_object(state):
 
 def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, with_optimizer: bool = True,
                    with_rng: bool = True, optimizer_metadata: Optional[dict] = None,
-                   schedule_steps: Optional[int] = None) -> dict:
+                   schedule_steps: Optional[int] = None, skipped_samples: int = 0) -> dict:
     state: dict = {}
     model_sds = []
     for key, chunk in zip(_model_keys(chunks), chunks):
@@ -330,18 +330,20 @@ def _sharded_state(args, iteration: int, chunks, optimizer, *, loading: bool, wi
     if with_rng:
         state["rng_state"] = _rng_object(None if loading else rng_state())
     if not loading:
-        state.update(_common_state(args, iteration, schedule_steps))
+        state.update(_common_state(args, iteration, schedule_steps, skipped_samples))
     return state
 
 
-def _common_state(args, iteration: int, schedule_steps: Optional[int] = None) -> dict:
+def _common_state(args, iteration: int, schedule_steps: Optional[int] = None, skipped_samples: int = 0) -> dict:
     """What every rank shares (``common.pt``): iteration, samples, schedule (with its ``num_steps``, as
     megatron-core's scheduler saves it: ``schedule_steps``, default the samples before ``iteration``), model shape
     and layout, and the flags as Megatron-LM's ``args`` (its ``--use-checkpoint-args`` and this driver's read
     them)."""
     steps = steps_before(args, iteration) if schedule_steps is None else schedule_steps
-    return dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION,
-                args=megatron_args(args, run_padded_vocab_size(args)),
+    saved_args = megatron_args(args, run_padded_vocab_size(args))
+    saved_args.skipped_train_samples = skipped_samples  # where Megatron-LM keeps it
+    return dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, args=saved_args,
+                skipped_train_samples=skipped_samples,
                 consumed_train_samples=schedule_of(args).consumed_samples(iteration),
                 opt_param_scheduler={**_schedule(args), "num_steps": steps},
                 h3t={"model": _model_shape(args), "layout": _layout(args),
@@ -350,9 +352,10 @@ def _common_state(args, iteration: int, schedule_steps: Optional[int] = None) ->
 
 # ----------------------------------------------------------------------------------------- save / load
 def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool,
-                    schedule_steps: Optional[int] = None) -> None:
+                    schedule_steps: Optional[int] = None, skipped_samples: int = 0) -> None:
     """Write ``iter_N`` under ``--save`` (collective: every rank calls it); ``schedule_steps``: the learning-rate
-    schedule's ``num_steps`` (:mod:`h3t_training.loop.param_schedule`)."""
+    schedule's ``num_steps`` (:mod:`h3t_training.loop.param_schedule`); ``skipped_samples``: the samples
+    ``--iterations-to-skip`` read past so far (Megatron-LM's ``skipped_train_samples``)."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
@@ -373,7 +376,7 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool,
     error = ""
     try:
         if args.ckpt_format == "torch":  # Megatron-LM's legacy per-rank files
-            common = _common_state(args, iteration, schedule_steps)
+            common = _common_state(args, iteration, schedule_steps, skipped_samples)
             written = legacy.save(tmp, args, iteration, _unwrapped_by_key(chunks), optimizer, common=common,
                                   rng=rng_state())
             dist.barrier()
@@ -381,7 +384,8 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, *, on_gpu: bool,
         else:
             dist_checkpointing.save(_sharded_state(args, iteration, chunks, optimizer, loading=False,
                                                    with_optimizer=not args.no_save_optim,
-                                                   with_rng=not args.no_save_rng, schedule_steps=schedule_steps), tmp,
+                                                   with_rng=not args.no_save_rng, schedule_steps=schedule_steps,
+                                                   skipped_samples=skipped_samples), tmp,
                                     sharded_strategy=save_strategy(on_gpu))
             dist.barrier()
             _write_checksums(tmp)

@@ -93,6 +93,7 @@ def megatron_written_common(ns, iteration, scheduler: Optional[dict], *, path: s
         _field(ns, "consumed_train_samples", path)
     t, p = layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"]
     return dict(iteration=iteration, checkpoint_version=CHECKPOINT_VERSION, consumed_train_samples=consumed,
+                skipped_train_samples=getattr(ns, "skipped_train_samples", 0) or 0,
                 opt_param_scheduler=schedule, h3t={"model": model, "layout": layout},
                 **{WRITTEN_BY: {"file": path, "optimizer_saved": optimizer_saved, "rng_saved": rng_saved,
                                 "tensor_pipeline": (t, p),

@@ -136,8 +136,10 @@ def _check_loss(loss: float, iteration: int) -> None:
                              f"(--no-check-for-nan-in-loss-and-grad goes on)")
 
 
-def _save(args, iteration: int, chunks, optimizer, on_gpu: bool, schedule_steps: int) -> None:
-    ckpt_io.save_checkpoint(args, iteration, chunks, optimizer, on_gpu=on_gpu, schedule_steps=schedule_steps)
+def _save(args, iteration: int, chunks, optimizer, on_gpu: bool, schedule_steps: int,
+          skipped_samples: int) -> None:
+    ckpt_io.save_checkpoint(args, iteration, chunks, optimizer, on_gpu=on_gpu, schedule_steps=schedule_steps,
+                            skipped_samples=skipped_samples)
     if dist.get_rank() == 0:
         print(f"saved checkpoint at iteration {iteration} to {args.save}", flush=True)
 
@@ -250,6 +252,12 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
     done = start_iteration
     steps = steps_before(args, start_iteration) if schedule_steps is None else schedule_steps
     for it in range(start_iteration, args.train_iters):
+        if it + 1 in args.skipped_iterations:  # Megatron-LM: read past its batches, and nothing else at all
+            for data_iterator in data_iterators:
+                data_iterator.skip_iteration()
+            logger.skipped_samples += batches.batch_size(it)
+            done = progress.iteration = it + 1
+            continue
         t0 = time.perf_counter()
         _stage_manager(runtime, chunks).reset_stats()
         optimizer.zero_grad()
@@ -286,11 +294,14 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         leave = exits is not None and done < args.train_iters and exits.should_exit()
         if args.save and ((args.save_interval and done % args.save_interval == 0) or done == args.train_iters
                           or (args.exit_interval and done % args.exit_interval == 0) or leave):
-            _save(args, done, chunks, optimizer, on_gpu, steps)
+            _save(args, done, chunks, optimizer, on_gpu, steps, logger.skipped_samples)
         if leave and dist.get_rank() == 0:
             print(f"exiting program at iteration {done}: {exits.reason}", flush=True)
         if leave or (args.exit_interval and done % args.exit_interval == 0):
             return done, True
+    if (args.save and done == args.train_iters > start_iteration and done in args.skipped_iterations
+            and not (args.save_interval and done % args.save_interval == 0)):
+        _save(args, done, chunks, optimizer, on_gpu, steps, logger.skipped_samples)  # Megatron-LM's save after train
     return done, False
 
 
@@ -365,6 +376,8 @@ def _pretrain(args, found, start_time: float, progress: RunProgress, progress_ba
     logger = IterationLogger(args, vocab_size=tokenizer.vocab_size, on_gpu=on_gpu, is_logging_rank=is_logging_rank,
                              progress_bar=progress_bar and not args.no_progress_bar)
     logger.header(start, n_params)
+    if found is not None and not args.finetune:  # Megatron-LM keeps counting from the checkpoint's
+        logger.skipped_samples = int(found.common.get("skipped_train_samples", 0) or 0)
     hygiene = MemoryHygiene.from_args(args, on_gpu=on_gpu)
     evaluator = Evaluator(args, chunks, forward_step, runtime, valid_dataset=valid_ds, test_dataset=test_ds,
                           start_iteration=start, device=device, print_fn=logger._print, is_logging_rank=is_logging_rank,

@@ -47,6 +47,8 @@ class TrainingScalars:
         if self.tensorboard_due(it):
             if a.log_learning_rate_to_tensorboard:
                 self._pair("learning-rate", rec["learning_rate"], it)
+            if rec.get("skipped_train_samples", 0) > 0:  # Megatron-LM writes it alone (no "vs samples" twin)
+                self.writer.add_scalar("skipped-train-samples", rec["skipped_train_samples"], it)
             if a.log_batch_size_to_tensorboard:
                 self._pair("batch-size", rec.get("global_batch_size", a.global_batch_size), it)
             self._pair("lm loss", rec["loss"], it)

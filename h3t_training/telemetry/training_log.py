@@ -61,6 +61,9 @@ class IterationLogger:
         self.peak, self.peak_what = peak_flops(args, on_gpu) if is_logging_rank else (1.0, "")
         self.records: list[dict] = []
         self._interval: list[dict] = []  # the records since the last log line (Megatron averages over them)
+        self.skipped_samples = 0
+        """The samples ``--iterations-to-skip`` read past (Megatron-LM's ``skipped_train_samples``, a checkpoint's
+        count at the start): the log line shows it once above zero, and checkpoints keep it."""
         self.progress = None
         if is_logging_rank and progress_bar:  # a rich bar on a watched terminal (the entry point decides)
             from rich.progress import Progress
@@ -92,7 +95,8 @@ class IterationLogger:
         rec = {"iteration": iteration, "loss": loss, "global_batch_size": batch, "tokens_per_second_per_gpu": tps_gpu,
                "mfu": tflops * 1e12 / self.peak, "tflops_per_gpu": tflops, "elapsed_ms": elapsed_s * 1e3,
                "learning_rate": lr, "grad_norm": grad_norm, "loss_scale": loss_scale, "skipped": skipped,
-               "num_zeros_in_grad": num_zeros, "params_norm": params_norm}
+               "num_zeros_in_grad": num_zeros, "params_norm": params_norm,
+               "skipped_train_samples": self.skipped_samples}
         self.records.append(rec)
         self._interval.append(rec)
         if not self.enabled:
@@ -129,8 +133,11 @@ class IterationLogger:
         if last["params_norm"] is not None:
             norm += f" params norm: {last['params_norm']:.3f} |"
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        read_past = last["skipped_train_samples"]
+        skipped_samples = f" skipped samples: {read_past:12d} |" if read_past > 0 else ""
         return (f" [{stamp}] iteration {iteration:8d}/{a.train_iters:8d} | consumed samples: "
-                f"{schedule_of(a).consumed_samples(iteration):12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} | "
+                f"{schedule_of(a).consumed_samples(iteration):12d} |{skipped_samples} elapsed time per iteration (ms): "
+                f"{elapsed_ms:.1f} | "
                 f"throughput per GPU (TFLOP/s/GPU): {tflops:.4f} | tokens per second per GPU: {tps_gpu:.1f} | "
                 f"MFU: {100 * tflops * 1e12 / self.peak:.2f}% | learning rate: {lr:.6E} | global batch size: "
                 f"{recs[-1]['global_batch_size']:5d} | lm loss: {loss:.6E} | loss scale: {recs[-1]['loss_scale']:.1f} |{norm} "
