@@ -60,6 +60,8 @@ DERIVED_FIELDS: dict[str, tuple[object, str]] = {
     "recompute": (None, "Megatron's --recompute-* flags as one h3t_ext.ckpt.Recompute (resolve_ckpt)"),
     "tokenizer_vocab_size": (None, "the tokenizer's vocabulary V before padding, its files read once "
                                    "(validation.resolve_tokenizer)"),
+    "samples_left_out_per_iteration": (0, "the samples --decrease-batch-size-if-needed leaves out of each "
+                                          "iteration's batch (Megatron-LM counts them as skipped samples)"),
     "skipped_iterations": (frozenset(), "the 1-based (logged) iterations --iterations-to-skip skips, as the "
                                         "installed megatron-core's Megatron-LM counts them "
                                         "(arguments.resolve_iterations_to_skip)"),

@@ -121,7 +121,8 @@ def _decrease_batch_size(args):
     if running == 0:
         raise ArgumentError(f"--decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} is "
                             f"below one micro batch x data-parallel size ({shard})")
-    return args.replace(global_batch_size=running, batch_schedule=BatchSchedule.constant(running), flag_notices=(
+    return args.replace(global_batch_size=running, batch_schedule=BatchSchedule.constant(running),
+                        samples_left_out_per_iteration=args.global_batch_size - running, flag_notices=(
         *args.flag_notices, f"note: --decrease-batch-size-if-needed: --global-batch-size {args.global_batch_size} "
                             f"runs as {running} (a multiple of --micro-batch-size x data-parallel size {shard})"))
 

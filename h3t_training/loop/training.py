@@ -277,6 +277,7 @@ def train(args, chunks, optimizer, runtime, start_iteration: int, logger: Iterat
         if args.check_for_nan_in_loss_and_grad:
             _check_loss(loss if is_last_stage else 0.0, it + 1)
         elapsed = time.perf_counter() - t0
+        logger.skipped_samples += args.samples_left_out_per_iteration  # Megatron-LM: requested minus running batch
         rec = logger.record(it + 1, loss, elapsed, lr, norm, loss_scale=optimizer.get_loss_scale(),
                             skipped=optimizer.skipped, num_zeros=optimizer.num_zeros_in_grad,
                             params_norm=_params_norm(args, chunks, on_gpu) if args.log_params_norm else None)

@@ -132,6 +132,7 @@ def test_flags_resolve_to_one_schedule(capsys):
     config = parse_args([*BASE, "--global-batch-size", "7", "--decrease-batch-size-if-needed", "--train-iters", "2"],
                         world_size=2)
     assert config.global_batch_size == 6 and "runs as 6" in " ".join(config.flag_notices)
+    assert config.samples_left_out_per_iteration == 1
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -153,3 +154,15 @@ def test_a_run_with_a_step_schedule_logs_each_iterations_batch(tmp_path):
                            "--max-position-embeddings", "64", "--metrics-json", str(out)], entry="pretrain_gpt.py"))
     batches = [r["global_batch_size"] for r in metrics(out)["iterations"]]
     assert batches == [2, 2, 2, 2, 4, 4]  # 256 tokens = 8 samples of 32: after four iterations of 2
+
+
+def test_decreased_batches_count_their_left_out_samples_as_megatron_lm_does(tmp_path):
+    """--decrease-batch-size-if-needed: Megatron-LM adds each iteration's requested minus running batch to its
+    skipped samples (the log line's 'skipped samples', checkpoints' skipped_train_samples)."""
+    out = tmp_path / "m.json"
+    proc = run_pretrain([*BASE, "--micro-batch-size", "2", "--global-batch-size", "3", "--decrease-batch-size-if-needed",
+                         "--train-iters", "3", "--log-interval", "1", "--metrics-json", str(out)])
+    check_ok(proc)
+    records = metrics(out)["iterations"]
+    assert [(r["global_batch_size"], r["skipped_train_samples"]) for r in records] == [(2, 1), (2, 2), (2, 3)]
+    assert "| consumed samples:            6 | skipped samples:            3 |" in proc.stdout
