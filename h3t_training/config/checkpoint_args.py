@@ -180,6 +180,8 @@ def apply(ns: argparse.Namespace, parser: argparse.ArgumentParser,
 def _take(ns: argparse.Namespace, saved: dict, version: float, taken: _Taken) -> None:
     if "disable_bias_linear" in saved:  # Megatron-LM's one-off conversion of foundation-model checkpoints
         saved["add_bias_linear"] = not saved["disable_bias_linear"]
+    if saved.get("add_position_embedding") is None and saved.get("no_position_embedding") is not None:  # this driver's, before it
+        saved["add_position_embedding"] = not saved["no_position_embedding"]  # saved Megatron-LM's name too
     for name, force in MODEL_FIELDS:
         value = saved.get(name)
         if value is None and name != "num_query_groups":

@@ -77,6 +77,10 @@ def test_query_groups_count_only_with_group_query_attention():
 def test_older_names_of_the_bias_and_rope_switches():
     config = parse(["--load", "ckpt"], {"disable_bias_linear": True, "use_rotary_position_embeddings": True})
     assert config.disable_bias_linear and config.position_embedding_type == "rope"
+    # this driver's own older legacy files: its destinations only
+    older = {"add_bias_linear": None, "add_position_embedding": None, "no_position_embedding": True,
+             "position_embedding_type": "rope"}
+    assert parse(["--load", "ckpt"], older).no_position_embedding
 
 
 def test_the_tokenizer_is_taken_unless_told_otherwise():
