@@ -40,10 +40,15 @@ def installed_megatron_core() -> Release:
     return major, minor
 
 
+def first_skippable(release: Release) -> int:
+    """The value of ``--iterations-to-skip`` that names the run's first iteration in ``release``: 1 (the logged
+    number) from 0.17, 0 (the iterations done before it) in 0.16."""
+    return 1 if release >= ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM else 0
+
+
 def skipped_iterations(values, release: Release) -> frozenset[int]:
     """The (1-based, as logged) iterations ``--iterations-to-skip values`` skips in ``release``."""
-    shift = 0 if release >= ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM else 1
-    return frozenset(v + shift for v in values)
+    return frozenset(v + 1 - first_skippable(release) for v in values)
 
 
 def default_sharding_strategy(release: Release) -> str:
@@ -52,5 +57,5 @@ def default_sharding_strategy(release: Release) -> str:
 
 
 __all__ = ["CORE_TOKENIZERS_FROM", "ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM", "NULL_TOKENIZER_EOD_IN_VOCAB_FROM",
-           "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM", "default_sharding_strategy", "installed_megatron_core",
-           "skipped_iterations"]
+           "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM", "default_sharding_strategy", "first_skippable",
+           "installed_megatron_core", "skipped_iterations"]

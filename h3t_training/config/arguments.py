@@ -444,7 +444,8 @@ def check_positive(args):
                  "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "save_interval",
                  "exit_interval",
-                 "make_vocab_size_divisible_by", "padded_vocab_size", "recompute_num_layers", "vocab_size", "kv_channels", "eval_interval",
+                 "make_vocab_size_divisible_by", "padded_vocab_size", "recompute_num_layers", "vocab_size", "kv_channels",
+                 "eval_interval",
                  "eval_global_batch_size", "eval_micro_batch_size",
                  "tensorboard_log_interval", "tensorboard_queue_size", "lr_decay_iters", "lr_decay_samples",
                  "rotary_seq_len_interpolation_factor"):
@@ -567,7 +568,7 @@ def resolve_iterations_to_skip(args):
     """``--iterations-to-skip`` as the logged iterations it skips in the installed megatron-core's Megatron-LM
     (:func:`h3t_training.megatron_release.skipped_iterations`); a value no iteration can have is one line."""
     release = megatron_release.installed_megatron_core()
-    low = 1 if release >= megatron_release.ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM else 0
+    low = megatron_release.first_skippable(release)
     for v in args.iterations_to_skip:
         if v < low:
             raise ArgumentError(f"--iterations-to-skip {v} is outside [{low}, inf) (Megatron-LM "

@@ -38,18 +38,20 @@ MODEL_FIELDS: tuple[tuple[str, bool], ...] = (
     ("add_position_embedding", True), ("use_rotary_position_embeddings", True), ("rotary_base", True),
     ("rotary_percent", True), ("rotary_interleaved", True), ("add_bias_linear", True), ("add_qkv_bias", True),
     ("squared_relu", True), ("swiglu", True), ("untie_embeddings_and_output_weights", True),
-    ("apply_layernorm_1p", True), ("normalization", True), ("apply_query_key_layer_scaling", True),
-    ("attention_dropout", True), ("hidden_dropout", True),
+    ("apply_layernorm_1p", True), ("normalization", True), ("attention_dropout", True), ("hidden_dropout", True),
 )
-"""Megatron-LM's model fields, in its order, with whether each is forced."""
+"""Megatron-LM's model fields, in its order, with whether each is forced (its forced
+``apply_query_key_layer_scaling`` is one of :data:`FEATURE_FIELDS`: a table flag)."""
 
-FEATURE_FIELDS = ("num_experts", "mtp_num_layers", "mtp_hybrid_override_pattern", "spec", "hybrid_override_pattern",
-                  "hybrid_layer_pattern", "is_hybrid_model", "heterogeneous_layers_config_path",
-                  "heterogeneous_layers_config_encoded_json", "moe_latent_size", "tiktoken_pattern")
-"""The fields of that list that turn on a model this driver does not build (or a tokenizer setting), each off by
-default (None or False). Set in the checkpoint, each becomes its flag, which the flag table refuses (or notices)
-as if it had been typed. The MoE and Mamba settings of the list (router, grouped GEMM, state sizes) are read only
-with ``num_experts`` / a hybrid pattern, so they follow those two and are not taken."""
+FEATURE_FIELDS = ("apply_query_key_layer_scaling", "num_experts", "mtp_num_layers", "mtp_hybrid_override_pattern",
+                  "spec", "hybrid_override_pattern", "hybrid_layer_pattern", "is_hybrid_model",
+                  "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json", "moe_latent_size",
+                  "tiktoken_pattern")
+"""The fields of that list that turn on a model this driver does not build (or an fp16 attention scaling, or a
+tokenizer setting), each off by default (None or False). Set in the checkpoint, each becomes its flag, which the
+flag table refuses (or notices) as if it had been typed. The MoE and Mamba settings of the list (router, grouped
+GEMM, state sizes) are read only with ``num_experts`` / a hybrid pattern, so they follow those two and are not
+taken."""
 
 TOKENIZER_FIELDS = ("tokenizer_model", "tokenizer_type")
 """Forced unless ``--no-use-tokenizer-model-from-checkpoint-args``."""
@@ -180,8 +182,9 @@ def apply(ns: argparse.Namespace, parser: argparse.ArgumentParser,
 def _take(ns: argparse.Namespace, saved: dict, version: float, taken: _Taken) -> None:
     if "disable_bias_linear" in saved:  # Megatron-LM's one-off conversion of foundation-model checkpoints
         saved["add_bias_linear"] = not saved["disable_bias_linear"]
-    if saved.get("add_position_embedding") is None and saved.get("no_position_embedding") is not None:  # this driver's, before it
-        saved["add_position_embedding"] = not saved["no_position_embedding"]  # saved Megatron-LM's name too
+    # this driver's own files from before it saved Megatron-LM's name for the switch too
+    if saved.get("add_position_embedding") is None and saved.get("no_position_embedding") is not None:
+        saved["add_position_embedding"] = not saved["no_position_embedding"]
     for name, force in MODEL_FIELDS:
         value = saved.get(name)
         if value is None and name != "num_query_groups":
@@ -193,9 +196,6 @@ def _take(ns: argparse.Namespace, saved: dict, version: float, taken: _Taken) ->
         elif name == "use_rotary_position_embeddings":  # validate_args: the older switch means rope
             if value:
                 _set_parsed(ns, "position_embedding_type", "rope", True, taken)
-        elif name == "apply_query_key_layer_scaling":
-            if value:
-                _set_feature(ns, name, value, taken)
         else:
             _set_parsed(ns, name, value, force, taken)
     for name in FEATURE_FIELDS:

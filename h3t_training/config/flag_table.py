@@ -196,5 +196,5 @@ def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -
 
 
 __all__ = ["CPU", "FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
-           "add_table_flags", "dormant", "given_table_flags", "notice_lines", "reason_on", "refusal", "set_table_value", "table_int",
-           "table_value"]
+           "add_table_flags", "dormant", "given_table_flags", "notice_lines", "reason_on", "refusal", "set_table_value",
+           "table_int", "table_value"]

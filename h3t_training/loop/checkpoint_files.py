@@ -161,15 +161,21 @@ def load_common_state(directory: str):
                               alike=True) from None
 
 
-def _read_common_pt(directory: str) -> dict:
+def read_saved_common(directory: str) -> tuple[object, str]:
+    """:func:`load_common_state` as it was saved (not converted), a damaged file a one-line :class:`CheckpointError`:
+    (state, the path named in errors)."""
     path = os.path.join(directory, "common.pt")
     try:
-        common, path = load_common_state(directory)
+        return load_common_state(directory)
     except CheckpointError:
         raise
     except Exception as e:  # torch raises several unrelated types for a damaged file
         raise CheckpointError(f"checkpoint file {path} is corrupt or partial ({type(e).__name__})",
                               alike=True) from None
+
+
+def _read_common_pt(directory: str) -> dict:
+    common, path = read_saved_common(directory)
     if isinstance(common, dict) and "h3t" not in common and "args" in common:  # torch_dist written by Megatron-LM
         ns = common["args"]
         return megatron_written.megatron_written_common(

@@ -27,13 +27,7 @@ def _raw_state(directory: str) -> dict:
     per_rank = legacy_checkpoint.rank_dirs(directory)
     if per_rank and not os.path.isfile(os.path.join(directory, "common.pt")):  # written by Megatron-LM
         return megatron_written.read_legacy_state(directory, per_rank[0])[0]
-    try:
-        state, path = checkpoint_files.load_common_state(directory)
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - torch raises several unrelated types for a damaged file
-        raise CheckpointError(f"checkpoint {directory}: its common state is corrupt or partial ({type(e).__name__})",
-                              alike=True) from None
+    state, path = checkpoint_files.read_saved_common(directory)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint file {path} holds no state dictionary", alike=True)
     if "args" not in state and per_rank:  # this driver's legacy checkpoint from before its common.pt held args
