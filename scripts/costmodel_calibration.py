@@ -110,7 +110,8 @@ def main() -> None:
     ap.add_argument("--residuals", action="store_true",
                     help="each run's error beside the shares of its time terms, and their correlations")
     ap.add_argument("--write-uncertainty", action="store_true",
-                    help="write the leave-one-source-out prediction interval into h3t_ext/data/uncertainty.json")
+                    help="write the leave-one-source-out prediction interval and calibration prior into "
+                         "h3t_ext/data/uncertainty.json")
     args = ap.parse_args()
     if args.write_uncertainty:
         u = computed_uncertainty()
@@ -136,13 +137,15 @@ def main() -> None:
     if args.json:
         print(json.dumps(s, indent=1))
         return
-    print("leave one source out (efficiencies fitted on the other sources; then calibrate on one row):")
+    print("leave one source out (efficiencies fitted on the other sources; then calibrate on one row, pooled at\n"
+          "the weight the other sources' prior gives one row, as h3t-plan calibrate does, and taken whole):")
     print(f"{'held-out source':<16} {'rows':>4} {'MAE uncalibrated':>17} {'MAE after 1 row: mean':>22} "
-          f"{'median':>7} {'worst':>7}")
+          f"{'median':>7} {'worst':>7} {'weight':>7} {'whole: mean':>12}")
     for h in s["leave_one_source_out"]:
         after = sorted(h["mae_after_calibrating_on_one_row"])
         print(f"{h['source']:<16} {h['rows']:>4} {h['mae_uncalibrated']:>17.2%} {h['mae_after_one_row_mean']:>22.2%} "
-              f"{after[len(after) // 2]:>7.2%} {h['mae_after_one_row_worst']:>7.2%}")
+              f"{after[len(after) // 2]:>7.2%} {h['mae_after_one_row_worst']:>7.2%} {h['one_row_weight']:>7.3f} "
+              f"{h['mae_after_one_row_full_weight_mean']:>12.2%}")
     print("\nevery run with the data file's efficiencies:")
     for r in s["all_runs_with_data_file_efficiencies"]:
         print(f"  {r['source']:<14} {r['run']:<52} {r['measured_tokens_per_s_per_gpu']:>9.1f} {r['error']:+7.2%}")

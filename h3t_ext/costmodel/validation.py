@@ -2,16 +2,20 @@
 
 For each held-out source: the efficiencies of every GPU family are fitted (``fit.fit_system``) on the runs of
 the other sources (and the training-only 7B demo), the held-out runs are predicted with no calibration on
-them, and then ``calibrate`` is run on one row of the held-out source and the other rows are predicted.
+them, and then ``calibrate`` is run on one row of the held-out source and the other rows are predicted. The
+calibration is pooled as ``h3t-plan calibrate`` pools it (``pooling``), with a prior estimated from the other
+sources alone: each of them predicted by fits that saw neither it nor the held-out source.
 """
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_joint, fit_system, mean_abs, relative_errors, \
     with_efficiencies
+from h3t_ext.costmodel.pooling import PRIOR_KEY, CalibrationPrior, pooled, prior_from_errors
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
 from h3t_ext.costmodel.specs import SystemSpec, prior_efficiencies
 from h3t_ext.costmodel.uncertainty import COVERAGE, half_width_from_errors
@@ -48,6 +52,36 @@ def errors_with(runs: Sequence[PublishedRun], systems: Mapping[str, SystemSpec])
     return out
 
 
+def uncalibrated_errors(source: str, also_excluded: Sequence[str] = ()) -> list[float]:
+    """Relative tokens/s errors of ``source``'s runs priced with efficiencies fitted on every run of the other
+    sources (less ``also_excluded``), from the priors; a family no training run identifies stays at its
+    priors."""
+    fits = _fits_without(frozenset({source, *also_excluded}))
+    return _priced(published_runs(source), {fam: f.system for fam, f in fits.items()})
+
+
+@functools.lru_cache(maxsize=None)
+def _fits_without(excluded: frozenset[str]) -> Mapping[str, FitResult]:
+    """The family fits on every published run outside the ``excluded`` sources (a few seconds each; the
+    nested held-out fits share them: leaving out a and b is leaving out b and a)."""
+    return fit_families([r for r in published_runs() if r.source not in excluded], neutral=True)
+
+
+def _priced(test: Sequence[PublishedRun], systems: Mapping[str, SystemSpec]) -> list[float]:
+    """``errors_with`` where a family without a fit is priced at its priors (never the data file's values,
+    which were fitted on every source)."""
+    return errors_with(test, {r.system.efficiency_set: systems.get(r.system.efficiency_set, neutral_start(r.system))
+                              for r in test})
+
+
+def prior_without(source: str, sources: Sequence[str] = SOURCES) -> CalibrationPrior:
+    """The calibration prior ``source``'s held-out calibration uses: the held-out errors of the other sources,
+    each fitted without it and without ``source``."""
+    others = [s for s in sources if s != source]
+    return prior_from_errors({s: uncalibrated_errors(s, (source,)) for s in others},
+                             f"held-out errors of {', '.join(others)} (fits without {source})")
+
+
 @dataclass(frozen=True)
 class HeldOut:
     """The figures of one held-out source."""
@@ -60,7 +94,11 @@ class HeldOut:
     mae_uncalibrated: float
     errors_uncalibrated: tuple[float, ...]
     mae_after_one_row: tuple[float, ...]
-    """For each row used alone to calibrate: MAE on the other rows of the source."""
+    """For each row used alone to calibrate (pooled, as ``h3t-plan calibrate`` does): MAE on the other rows."""
+    one_row_weight: float
+    """The pooling weight of one row, from the prior of the other sources."""
+    mae_after_one_row_full_weight: tuple[float, ...]
+    """The same with the one row's fit taken whole (weight 1)."""
 
     @property
     def mae_after_one_row_mean(self) -> float:
@@ -70,47 +108,61 @@ class HeldOut:
     def mae_after_one_row_worst(self) -> float:
         return max(self.mae_after_one_row)
 
+    @property
+    def mae_after_one_row_full_weight_mean(self) -> float:
+        return sum(self.mae_after_one_row_full_weight) / len(self.mae_after_one_row_full_weight)
+
     def to_dict(self) -> dict:
         return {"source": self.source, "rows": self.rows, "training_rows": self.training_rows,
                 "fitted_on_other_sources": {k: dict(v) for k, v in self.fitted.items()},
                 "mae_uncalibrated": self.mae_uncalibrated, "errors_uncalibrated": list(self.errors_uncalibrated),
                 "mae_after_calibrating_on_one_row": list(self.mae_after_one_row),
                 "mae_after_one_row_mean": self.mae_after_one_row_mean,
-                "mae_after_one_row_worst": self.mae_after_one_row_worst}
+                "mae_after_one_row_worst": self.mae_after_one_row_worst,
+                "one_row_weight": self.one_row_weight,
+                "mae_after_one_row_full_weight": list(self.mae_after_one_row_full_weight),
+                "mae_after_one_row_full_weight_mean": self.mae_after_one_row_full_weight_mean}
 
 
-def hold_out(source: str) -> HeldOut:
-    """Fit on every other source, predict ``source``, then calibrate on each of its rows in turn."""
+def hold_out(source: str, sources: Sequence[str] = SOURCES) -> HeldOut:
+    """Fit on every other source, predict ``source``, then calibrate on each of its rows in turn (pooled with
+    the prior of the other sources, and whole)."""
     train = [r for r in published_runs() if r.source != source]
     test = published_runs(source)
-    fits = fit_families(train, neutral=True)
+    fits = _fits_without(frozenset({source}))
     systems = {fam: f.system for fam, f in fits.items()}
-    errs = errors_with(test, systems)
-    after = []
+    errs = _priced(test, systems)
+    weight = prior_without(source, sources).weight(1)
+    after, whole = [], []
     for i, row in enumerate(test):
-        base = systems.get(row.system.efficiency_set, neutral_start(row.system))
+        fam = row.system.efficiency_set
+        base = systems.get(fam, neutral_start(row.system))
         one = fit_system(base, measured([row]))
         rest = [r for j, r in enumerate(test) if j != i]
-        after.append(mean_abs(errors_with(rest, {row.system.efficiency_set: one.system})))
+        after.append(mean_abs(errors_with(rest, {fam: with_efficiencies(base, pooled(base, one.fitted, weight))})))
+        whole.append(mean_abs(errors_with(rest, {fam: one.system})))
     return HeldOut(source, len(test), len(train), {fam: dict(f.fitted) for fam, f in fits.items()},
-                   mean_abs(errs), tuple(errs), tuple(after))
+                   mean_abs(errs), tuple(errs), tuple(after), weight, tuple(whole))
 
 
 def leave_one_source_out(sources: Sequence[str] = SOURCES) -> list[HeldOut]:
-    return [hold_out(s) for s in sources]
+    return [hold_out(s, sources) for s in sources]
 
 
 def computed_uncertainty() -> dict:
     """What validation gives now (the content of ``data/uncertainty.json``, ``uncertainty.COVERAGE`` quantile of
-    the held-out errors); runs the held-out fits."""
-    held = leave_one_source_out()
-    errors = [e for h in held for e in h.errors_uncalibrated]
+    the held-out errors, and the calibration prior of ``pooling``); runs the held-out fits."""
+    by_source = {s: uncalibrated_errors(s) for s in SOURCES}
+    errors = [e for errs in by_source.values() for e in errs]
+    prior = prior_from_errors(by_source, "validation.uncalibrated_errors() of every source: moment estimates of the "
+                                         "random-effects model (pooling.prior_from_errors)")
     return {
         "relative_half_width": round(half_width_from_errors(errors), 6),
         "coverage": COVERAGE,
         "held_out_rows": len(errors),
-        "computed_from": ("validation.leave_one_source_out(): pooled |relative tokens/s error| of every run of "
-                          + ", ".join(h.source for h in held) + " predicted with efficiencies fitted on the other "
+        "computed_from": ("validation.uncalibrated_errors(): pooled |relative tokens/s error| of every run of "
+                          + ", ".join(by_source) + " predicted with efficiencies fitted on the other "
                           "sources (no calibration on the held-out one); nearest-rank quantile at the coverage"),
-        "per_source_mae_uncalibrated": {h.source: round(h.mae_uncalibrated, 6) for h in held},
+        "per_source_mae_uncalibrated": {s: round(mean_abs(e), 6) for s, e in by_source.items()},
+        PRIOR_KEY: prior.to_dict(),
     }

@@ -106,6 +106,19 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _weight(text: str) -> Optional[float]:
+    """``--calibration-weight``: ``auto`` (None) or a number in (0, 1]."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (valid: auto or a weight in (0, 1])") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} out of range (valid: auto or a weight in (0, 1])")
+    return value
+
+
 def _alpha(text: str) -> AlphaArg:
     try:
         value = OffloadAlpha.parse(text, flag="")
@@ -314,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--runs", nargs="+", required=True, metavar="FILE",
                    help="--metrics-json files of the training driver, or CSV files (one run per row)")
     g.add_argument("--output", required=True, metavar="PATH", help="system file to write")
+    g.add_argument("--calibration-weight", type=_weight, default=None, metavar="{auto,W}",
+                   help="share of the fit to apply, in (0, 1] (default auto: the published sources' spread across "
+                        "and within clusters weighs n runs, about half for one run; 1 takes the fit whole)")
     g.add_argument("--json", action="store_true", help="machine-readable report")
     return parser
 

@@ -8,6 +8,9 @@ plus ``num_gpus`` or ``world_size``, ``seq_length``, ``global_batch_size`` and o
 ``pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``, ``ckpt``, ``offload_alpha``,
 and the 0/1 switches of :data:`SWITCHES`; a switch a run does not name is Megatron-LM's default, off for
 sequence parallelism and the distributed optimizer). The model is the command line's (``--model`` or the shape flags).
+
+The fit is applied pooled (``costmodel.pooling``): each fitted efficiency moves from the system file's value by
+the weight the published sources give ``n`` runs (about half for one run), or by ``--calibration-weight``.
 """
 from __future__ import annotations
 
@@ -17,11 +20,12 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec
-from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system
+from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system, mean_abs, relative_errors, with_efficiencies
 from h3t_ext.costmodel.plan import validate_plan
+from h3t_ext.costmodel.pooling import calibration_prior, pooled
 from h3t_ext.costmodel.schema import SchemaError, check_positive_rate
 from h3t_ext.costmodel.specs import plausible_ranges
 from h3t_ext.offload_alpha import OffloadAlpha
@@ -178,24 +182,49 @@ class Calibration:
     """A calibration's result and the system file it writes."""
 
     fit: FitResult
+    """The fit to the runs, taken whole."""
+    weight: float
+    """The share of the fit applied (``pooling``)."""
+    weight_from: str
+    applied: dict[str, float]
+    """The efficiencies written: each fitted one moved ``weight`` of the way from the system file's value."""
+    mae_applied: float
+    """The runs' tokens/s MAE with ``applied``."""
     system_file: dict
 
 
-def calibrate(system: SystemSpec, base_file: dict, runs: Sequence[MeasuredRun]) -> Calibration:
-    """Fit ``system``'s identifiable efficiencies to ``runs``; the new system file is ``base_file`` with an
-    inline ``efficiencies`` object and a ``calibration`` record (rows, fitted, unidentified, errors)."""
+def calibrate(system: SystemSpec, base_file: dict, runs: Sequence[MeasuredRun],
+              weight: Optional[float] = None) -> Calibration:
+    """Fit ``system``'s identifiable efficiencies to ``runs`` and apply the fit pooled: by ``weight`` (in [0, 1])
+    or, when None, by the weight the published sources' prior gives ``len(runs)`` runs. The new system file is
+    ``base_file`` with an inline ``efficiencies`` object and a ``calibration`` record (rows, weight, fitted and
+    applied values, unidentified, errors)."""
     fit = fit_system(system, runs)
+    if weight is None:
+        prior = calibration_prior()
+        weight = prior.weight(len(runs))
+        weight_from = (f"{len(runs)} run(s) against the published sources' spread: across clusters "
+                       f"{prior.between_source_sd:.2%}, within one {prior.within_source_sd:.2%} (data/uncertainty.json)")
+    else:
+        weight_from = "--calibration-weight"
+    applied = pooled(system, fit.fitted, weight)
+    calibrated = with_efficiencies(system, applied)
+    mae_applied = mean_abs(relative_errors(runs, calibrated))
     ranges = plausible_ranges()
     out = dict(base_file)
     out.pop("efficiency_set", None)
     out["name"] = system.name
-    out["efficiencies"] = dict(fit.system.efficiencies)
+    out["efficiencies"] = dict(calibrated.efficiencies)
     out["calibration"] = {
         "rows": fit.rows,
-        "fitted": {k: {"value": v, "plausible_range": list(ranges[k])} for k, v in fit.fitted.items()},
+        "weight": weight,
+        "weight_from": weight_from,
+        "fitted": {k: {"value": applied[k], "fit_to_runs": v, "prior": system.efficiency(k),
+                       "plausible_range": list(ranges[k])} for k, v in fit.fitted.items()},
         "not_identified": dict(fit.unidentified),
         "tokens_per_s_mae_before": fit.mae_before,
-        "tokens_per_s_mae_after": fit.mae_after,
+        "tokens_per_s_mae_after": mae_applied,
+        "tokens_per_s_mae_fit_whole": fit.mae_after,
         "runs": [r.label for r in runs],
     }
-    return Calibration(fit, out)
+    return Calibration(fit, weight, weight_from, applied, mae_applied, out)

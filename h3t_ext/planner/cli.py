@@ -86,7 +86,7 @@ def _calibrate(ns, model, system) -> int:
     try:
         check_output_path(ns.output)
         runs = read_runs(ns.runs, model, system)
-        result = calibrate(system, system_file_from_args(ns), runs)
+        result = calibrate(system, system_file_from_args(ns), runs, ns.calibration_weight)
     except (RunFileError, OSError) as e:
         return _fail(str(e))
     with open(ns.output, "w", encoding="utf-8") as f:
@@ -97,9 +97,12 @@ def _calibrate(ns, model, system) -> int:
         print(json.dumps({**report, "output": ns.output}, indent=2))
         return 0
     fit = result.fit
-    print(f"calibrated {system.name} on {fit.rows} run(s): tokens/s MAE {fit.mae_before:.2%} -> {fit.mae_after:.2%}")
+    print(f"calibrated {system.name} on {fit.rows} run(s): tokens/s MAE {fit.mae_before:.2%} -> "
+          f"{result.mae_applied:.2%} (the fit taken whole: {fit.mae_after:.2%})")
+    print(f"applied at weight {result.weight:.3g}: {result.weight_from}")
     for k, v in fit.fitted.items():
-        print(f"  fitted       {k:<28} {v:.4g}  (plausible {report['fitted'][k]['plausible_range']})")
+        print(f"  fitted       {k:<28} {result.applied[k]:.4g}  (fit {v:.4g}, prior {system.efficiency(k):.4g}; "
+              f"plausible {report['fitted'][k]['plausible_range']})")
     for k, why in fit.unidentified.items():
         print(f"  not fitted   {k:<28} {fit.system.efficiency(k):.4g}  ({why})")
     print(f"wrote {ns.output}; use it with --system-file {ns.output}")
