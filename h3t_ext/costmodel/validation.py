@@ -99,6 +99,8 @@ class HeldOut:
     """The pooling weight of one row, from the prior of the other sources."""
     mae_after_one_row_full_weight: tuple[float, ...]
     """The same with the one row's fit taken whole (weight 1)."""
+    errors_after_one_row: tuple[float, ...] = ()
+    """Every pooled prediction's relative error, each calibration row in turn (rows x (rows - 1))."""
 
     @property
     def mae_after_one_row_mean(self) -> float:
@@ -133,16 +135,18 @@ def hold_out(source: str, sources: Sequence[str] = SOURCES) -> HeldOut:
     systems = {fam: f.system for fam, f in fits.items()}
     errs = _priced(test, systems)
     weight = prior_without(source, sources).weight(1)
-    after, whole = [], []
+    after, whole, errors_after = [], [], []
     for i, row in enumerate(test):
         fam = row.system.efficiency_set
         base = systems.get(fam, neutral_start(row.system))
         one = fit_system(base, measured([row]))
         rest = [r for j, r in enumerate(test) if j != i]
-        after.append(mean_abs(errors_with(rest, {fam: with_efficiencies(base, pooled(base, one.fitted, weight))})))
+        errors_after.append(errors_with(rest, {fam: with_efficiencies(base, pooled(base, one.fitted, weight))}))
+        after.append(mean_abs(errors_after[-1]))
         whole.append(mean_abs(errors_with(rest, {fam: one.system})))
     return HeldOut(source, len(test), len(train), {fam: dict(f.fitted) for fam, f in fits.items()},
-                   mean_abs(errs), tuple(errs), tuple(after), weight, tuple(whole))
+                   mean_abs(errs), tuple(errs), tuple(after), weight, tuple(whole),
+                   tuple(e for errs_i in errors_after for e in errs_i))
 
 
 def leave_one_source_out(sources: Sequence[str] = SOURCES) -> list[HeldOut]:
