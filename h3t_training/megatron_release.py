@@ -10,9 +10,17 @@ from __future__ import annotations
 Release = tuple[int, int]
 
 CORE_TOKENIZERS_FROM: Release = (0, 17)
-"""Megatron-LM core_v0.17.0 builds its tokenizers with ``megatron.core.tokenizers`` (commit 3257093930 "fully remove
-legacy tokenizer system"): Llama2Tokenizer's ``tokenize`` no longer starts a text with the model's BOS (0.16's
-``_Llama2Tokenizer.tokenize(s, bos=True)`` did), and ``--tokenizer-hf-no-include-special-tokens`` exists."""
+"""Megatron-LM core_v0.17.0 removed the legacy tokenizer system (commit 3257093930 "fully remove legacy tokenizer
+system"). Before it, 0.16 tokenizes the data (tools/preprocess_data.py's ``Encoder``, pretrain_gpt.py's
+``core_gpt_dataset_config_from_args``) with ``megatron.core.tokenizers`` unless ``--legacy-tokenizer`` is given, and
+always sizes the padded vocabulary with the legacy tokenizer (``global_vars._build_tokenizer``: SentencePieceTokenizer
+counts the special pieces it adds, and TikTokenizer asserts a ``--tiktoken-pattern``); its core HuggingFace tokenizer
+leaves the special tokens out unless ``--tokenizer-hf-include-special-tokens``. From 0.17 there is no
+``--legacy-tokenizer``, and the HuggingFace tokenizer includes them unless ``--tokenizer-hf-no-include-special-tokens``
+(``--tokenizer-hf-include-special-tokens`` is kept as a deprecated no-op)."""
+
+HF_INCLUDE_SPECIAL_TOKENS_FLAG_UNTIL: Release = (0, 18)
+"""Megatron-LM core_v0.18.0 no longer defines ``--tokenizer-hf-include-special-tokens`` (0.17's deprecated no-op)."""
 
 NULL_TOKENIZER_EOD_IN_VOCAB_FROM: Release = (0, 18)
 """Megatron-LM core_v0.18.0 (commit c9dfe34 "Enable NullTokenizer for pretraining to reduce I/O access"): the
@@ -56,6 +64,6 @@ def default_sharding_strategy(release: Release) -> str:
     return "optim_grads_params" if release >= SHARD_EVERYTHING_BY_DEFAULT_FROM else "no_shard"
 
 
-__all__ = ["CORE_TOKENIZERS_FROM", "ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM", "NULL_TOKENIZER_EOD_IN_VOCAB_FROM",
+__all__ = ["CORE_TOKENIZERS_FROM", "HF_INCLUDE_SPECIAL_TOKENS_FLAG_UNTIL", "ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM", "NULL_TOKENIZER_EOD_IN_VOCAB_FROM",
            "Release", "SHARD_EVERYTHING_BY_DEFAULT_FROM", "default_sharding_strategy", "first_skippable",
            "installed_megatron_core", "skipped_iterations"]

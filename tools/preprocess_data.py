@@ -65,7 +65,7 @@ class _Encoder:
         self.args = args
 
     def initializer(self) -> None:
-        _Encoder.tokenizer = tokenizer_from_args(self.args)
+        _Encoder.tokenizer = tokenizer_from_args(self.args, pretraining=False)
 
     def encode(self, item):
         nbytes, texts = item
@@ -111,7 +111,7 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace):
         p.error("--split-sentences needs nltk's punkt sentence splitter, which is not available here; "
                 "leave it out (documents are kept whole)")
     try:
-        return tokenizer_from_args(args)
+        return tokenizer_from_args(args, pretraining=False)
     except TokenizerError as e:
         p.error(str(e))
 

@@ -173,7 +173,8 @@ MEGATRON_LM: dict[str, str] = {
 --rotary-seq-len-interpolation-factor=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
 --sequence-parallel=0 --skip-train=0 --split=1 --swiglu=0 --tensor-model-parallel-size=1 --tensorboard-dir=1
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
---null-tokenizer-eod-id=1 --null-tokenizer-pad-id=1 --tokenizer-hf-no-include-special-tokens=0
+--null-tokenizer-eod-id=1 --null-tokenizer-pad-id=1 --tiktoken-num-special-tokens=1 --tiktoken-pattern=1
+--tokenizer-hf-no-include-special-tokens=0 --tokenizer-hf-include-special-tokens=0 --legacy-tokenizer=0
 --train-iters=1 --train-samples=1 --untie-embeddings-and-output-weights=0 --use-distributed-optimizer=0
 --use-rotary-position-embeddings=0 --vocab-file=1 --vocab-size=1 --wandb-entity=1 --wandb-exp-name=1
 --wandb-project=1 --wandb-save-dir=1 --weight-decay=1 --fp16=0 --loss-scale=1 --initial-loss-scale=1
@@ -334,7 +335,7 @@ MEGATRON_LM: dict[str, str] = {
 --rl-rollout-bank-dir=1 --rl-rollout-bank-max-bytes=1 --rl-sequence-packing-algo=1
 --rl-sequence-packing-max-sequences-per-bin=1 --rl-skip-bos-token=0 --rl-submission-granularity=1
 --rl-training-cuda-graphs=0 --rl-use-sequence-packing=0 --rl-verify-model-weights-swap=0 --sample-rate=1
---short-seq-prob=1 --swin-backbone-type=1 --tiktoken-num-special-tokens=1 --tiktoken-pattern=1
+--short-seq-prob=1 --swin-backbone-type=1
 --titles-data-path=1 --use-legacy-static-engine=0 --use-one-sent-docs=0
 --use-same-sampling-seed-across-dp-ranks=0 --vision-backbone-type=1 --vision-pretraining=0
 --vision-pretraining-type=1""",

@@ -224,7 +224,9 @@ def _split(args) -> dict:
 
 
 TOKENIZER_TYPE_FLAGS = {"null_tokenizer_eod_id": "NullTokenizer", "null_tokenizer_pad_id": "NullTokenizer",
-                         "tokenizer_hf_no_include_special_tokens": "HuggingFaceTokenizer"}
+                         "tokenizer_hf_no_include_special_tokens": "HuggingFaceTokenizer",
+                         "tokenizer_hf_include_special_tokens": "HuggingFaceTokenizer",
+                         "tiktoken_pattern": "TikTokenizer", "tiktoken_num_special_tokens": "TikTokenizer"}
 """The driver's flags that one ``--tokenizer-type`` alone reads (destination -> that type)."""
 
 

@@ -19,10 +19,13 @@ Each carries what megatron-core's GPT datasets and the driver read (``vocab_size
 ``NullTokenizer``          none: text is whitespace-separated ids; ``--vocab-size`` of them, the end of
                            document the last (``--null-tokenizer-eod-id``) from Megatron-LM 0.18, one more
                            before it (:class:`NullTokenizer`)
+``TikTokenizer``           ``--tokenizer-model``: Megatron's tiktoken JSON vocabulary, with
+                           ``--tiktoken-pattern``, ``--tiktoken-num-special-tokens`` and
+                           ``--vocab-size`` (:mod:`h3t_training.data.tiktoken_vocab`)
 ``ByteTokenizer``          none: UTF-8 bytes (h3t-ext's own, the default)
 =========================  ===================================================================
 
-Megatron's other names (:data:`REFUSED_TOKENIZER_TYPES`: BERT's WordPiece, tiktoken, multimodal, SFT) are
+Megatron's other names (:data:`REFUSED_TOKENIZER_TYPES`: BERT's WordPiece, multimodal, SFT) are
 one line saying why, as is a name Megatron does not have.
 
 Where a tokenizer has no end-of-document token of its own, one id is appended after its
@@ -38,14 +41,15 @@ from typing import Optional
 import numpy
 
 from h3t_training import megatron_release
-from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, NULL_TOKENIZER_EOD_IN_VOCAB_FROM
+from h3t_training.data.tiktoken_vocab import DEFAULT_NUM_SPECIAL_TOKENS, TikTokenError, TikTokenizer
+from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, HF_INCLUDE_SPECIAL_TOKENS_FLAG_UNTIL, \
+    NULL_TOKENIZER_EOD_IN_VOCAB_FROM
 
 TOKENIZER_TYPES = ("ByteTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer",
-                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer")
 _BERT = "BERT's WordPiece vocabulary and its special tokens are not implemented; its ids would differ"
 REFUSED_TOKENIZER_TYPES = {
     "BertWordPieceCase": _BERT, "BertWordPieceLowerCase": _BERT,
-    "TikTokenizer": "tiktoken vocabularies are not implemented; its ids would differ",
     "MultimodalTokenizer": "multimodal tokenizers belong to other Megatron-LM models",
     "NullMultimodalTokenizer": "multimodal tokenizers belong to other Megatron-LM models",
     "SFTTokenizer": "supervised fine-tuning chat templates are not implemented",
@@ -174,8 +178,9 @@ class SentencePieceTokenizer:
 
 
 class LegacySentencePieceTokenizer:
-    """Megatron-LM 0.16's ``SentencePieceTokenizer`` (its legacy ``_SentencePieceTokenizer``; from 0.17 the type is
-    the model's pieces, as :class:`SentencePieceTokenizer`): after the model's pieces come ``<CLS>``, ``<SEP>``,
+    """Megatron-LM 0.16's legacy ``SentencePieceTokenizer`` (its ``_SentencePieceTokenizer``: the data's tokenizer
+    with ``--legacy-tokenizer``, and the padded vocabulary's in 0.16's pretraining always; otherwise the type is the
+    model's pieces, as :class:`SentencePieceTokenizer`): after the model's pieces come ``<CLS>``, ``<SEP>``,
     ``<EOD>``, ``<MASK>`` and the padding, BOS and EOS pieces (``<PAD>``, ``<BOS>``, ``<EOS>`` where the model has no
     such id), each only where the model lacks that piece; documents end with ``<EOD>``; a text is split at every
     occurrence of one of those special pieces, which keeps its own id, and the rest is the model's encoding."""
@@ -224,16 +229,15 @@ class LegacySentencePieceTokenizer:
 
 
 class Llama2Tokenizer(SentencePieceTokenizer):
-    """Megatron's Llama2Tokenizer: a SentencePiece model. Megatron-LM 0.16's ``tokenize`` starts each text with the
-    model's BOS (``bos=True, eos=False``; tools/preprocess_data.py then appends the end of document); from 0.17
-    (megatron.core.tokenizers: :data:`~h3t_training.megatron_release.CORE_TOKENIZERS_FROM`) it is the plain
-    SentencePiece encoding, as GPTSentencePieceTokenizer's. ``with_bos`` None: the installed megatron-core's."""
+    """Megatron's Llama2Tokenizer: a SentencePiece model. megatron.core.tokenizers' (0.17+, and 0.16 without
+    ``--legacy-tokenizer``) is the plain SentencePiece encoding, as GPTSentencePieceTokenizer's; 0.16's legacy
+    ``_Llama2Tokenizer`` (``with_bos``: ``--legacy-tokenizer``) starts each text with the model's BOS (``tokenize(s,
+    bos=True, eos=False)``; tools/preprocess_data.py then appends the end of document)."""
 
-    def __init__(self, model_file: str, with_bos: Optional[bool] = None) -> None:
+    def __init__(self, model_file: str, with_bos: bool = False) -> None:
         super().__init__(model_file)
         self.bos = self._sp.bos_id()
-        release = megatron_release.installed_megatron_core()
-        self.with_bos = release < CORE_TOKENIZERS_FROM if with_bos is None else with_bos
+        self.with_bos = with_bos
         if self.with_bos and self.bos < 0:
             raise TokenizerError(f"--tokenizer-model {model_file} has no BOS piece; Llama2Tokenizer starts every "
                                  "text with one (use --tokenizer-type GPTSentencePieceTokenizer)")
@@ -318,8 +322,12 @@ def _gpt2_bpe(vocab_file: str, merge_file: str):
 def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, tokenizer_model: Optional[str] = None,
                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
                     null_tokenizer_eod_id: Optional[int] = None, null_tokenizer_pad_id: Optional[int] = None,
-                    hf_include_special_tokens: bool = True):
-    """The tokenizer named by ``--tokenizer-type``; :class:`TokenizerError` (one line) on bad files."""
+                    hf_include_special_tokens: bool = True, tiktoken_pattern: Optional[str] = None,
+                    tiktoken_num_special_tokens: int = DEFAULT_NUM_SPECIAL_TOKENS, legacy: bool = False,
+                    legacy_vocabulary: bool = False, tiktoken_pattern_required: bool = False):
+    """The tokenizer named by ``--tokenizer-type``; :class:`TokenizerError` (one line) on bad files. ``legacy``:
+    Megatron-LM 0.16's legacy tokenizer (``--legacy-tokenizer``) tokenizes; ``legacy_vocabulary``: its vocabulary
+    sizes the model (0.16's pretraining); ``tiktoken_pattern_required``: that legacy TikTokenizer is built."""
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     if tokenizer_type == "NullTokenizer":
@@ -333,29 +341,74 @@ def build_tokenizer(tokenizer_type: str, vocab_size: Optional[int] = None, *, to
                          _need_file("--merge-file", merge_file, tokenizer_type))
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         path = _need_file("--tokenizer-model", tokenizer_model, tokenizer_type)
-        legacy = (tokenizer_type == "SentencePieceTokenizer"
-                  and megatron_release.installed_megatron_core() < CORE_TOKENIZERS_FROM)
         try:
-            tok = (Llama2Tokenizer if tokenizer_type == "Llama2Tokenizer" else LegacySentencePieceTokenizer if legacy
-                   else SentencePieceTokenizer)(path)
+            if tokenizer_type == "Llama2Tokenizer":
+                tok = Llama2Tokenizer(path, with_bos=legacy)
+            elif tokenizer_type == "SentencePieceTokenizer" and legacy:
+                tok = LegacySentencePieceTokenizer(path)
+            else:
+                tok = SentencePieceTokenizer(path)
+                if tokenizer_type == "SentencePieceTokenizer" and legacy_vocabulary:
+                    tok.vocab_size = LegacySentencePieceTokenizer(path).vocab_size  # the model's rows, not the data's
         except (OSError, RuntimeError) as e:
             raise TokenizerError(f"--tokenizer-model {path} is not a SentencePiece model "
                                  f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
         tok.unique_identifiers["class"] = tokenizer_type
         return tok
+    if tokenizer_type == "TikTokenizer":
+        path = _need_file("--tokenizer-model", tokenizer_model, tokenizer_type)
+        try:
+            return TikTokenizer(path, pattern=tiktoken_pattern, vocab_size=vocab_size,
+                                num_special_tokens=tiktoken_num_special_tokens, legacy=legacy,
+                                pattern_required=tiktoken_pattern_required)
+        except TikTokenError as e:
+            raise TokenizerError(str(e)) from None
     if tokenizer_type in REFUSED_TOKENIZER_TYPES:
         raise TokenizerError(f"--tokenizer-type {tokenizer_type} is not supported: "
                              f"{REFUSED_TOKENIZER_TYPES[tokenizer_type]} (instead: one of {', '.join(TOKENIZER_TYPES)})")
     raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
 
 
-def tokenizer_from_args(args):
-    """The tokenizer of a parsed command line (the driver's or tools/preprocess_data.py's)."""
+def release_tokenizer_flags(args, release: megatron_release.Release) -> None:
+    """Refuse, in one line, a tokenizer flag that ``release``'s Megatron-LM does not define (its parser would stop
+    there): ``--legacy-tokenizer`` before 0.17 only, ``--tokenizer-hf-include-special-tokens`` before 0.18 only,
+    ``--tokenizer-hf-no-include-special-tokens`` from 0.17 only."""
+    installed = ".".join(map(str, release))
+    if args.legacy_tokenizer and release >= CORE_TOKENIZERS_FROM:
+        raise TokenizerError(f"--legacy-tokenizer: Megatron-LM 0.17 removed the legacy tokenizers (the installed "
+                             f"megatron-core is {installed}); leave it out")
+    if args.tokenizer_hf_include_special_tokens and release >= HF_INCLUDE_SPECIAL_TOKENS_FLAG_UNTIL:
+        raise TokenizerError(f"--tokenizer-hf-include-special-tokens: Megatron-LM 0.18 removed it (the installed "
+                             f"megatron-core is {installed}); special tokens are included unless "
+                             "--tokenizer-hf-no-include-special-tokens")
+    if args.tokenizer_hf_no_include_special_tokens and release < CORE_TOKENIZERS_FROM:
+        raise TokenizerError(f"--tokenizer-hf-no-include-special-tokens is Megatron-LM 0.17's (the installed "
+                             f"megatron-core is {installed}); 0.16 leaves special tokens out unless "
+                             "--tokenizer-hf-include-special-tokens")
+
+
+def tokenizer_from_args(args, *, pretraining: bool = True):
+    """The tokenizer of a parsed command line (the driver's, ``pretraining``, or tools/preprocess_data.py's), as the
+    installed megatron-core's Megatron-LM builds it (:data:`~h3t_training.megatron_release.CORE_TOKENIZERS_FROM`):
+    its tokenizer system, the HuggingFace special tokens' default, and in 0.16's pretraining the legacy
+    tokenizer's vocabulary."""
+    release = megatron_release.installed_megatron_core()
+    release_tokenizer_flags(args, release)
+    legacy = bool(args.legacy_tokenizer)
+    before_core = release < CORE_TOKENIZERS_FROM
+    if before_core:
+        include = legacy or bool(args.tokenizer_hf_include_special_tokens)  # the legacy one always includes them
+    else:
+        include = not args.tokenizer_hf_no_include_special_tokens
     return build_tokenizer(args.tokenizer_type, args.vocab_size, tokenizer_model=args.tokenizer_model,
                            vocab_file=args.vocab_file, merge_file=args.merge_file,
                            null_tokenizer_eod_id=args.null_tokenizer_eod_id,
                            null_tokenizer_pad_id=args.null_tokenizer_pad_id,
-                           hf_include_special_tokens=not args.tokenizer_hf_no_include_special_tokens)
+                           hf_include_special_tokens=include, tiktoken_pattern=args.tiktoken_pattern,
+                           tiktoken_num_special_tokens=(DEFAULT_NUM_SPECIAL_TOKENS if args.tiktoken_num_special_tokens
+                                                        is None else args.tiktoken_num_special_tokens),
+                           legacy=legacy, legacy_vocabulary=pretraining and before_core,
+                           tiktoken_pattern_required=legacy or (pretraining and before_core))
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_model_parallel_size: int) -> int:
@@ -376,13 +429,23 @@ def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
     group.add_argument("--tokenizer-type", default=default, metavar="{" + ",".join(TOKENIZER_TYPES) + "}",
                        help="checked when the tokenizer is built: Megatron's other names are one line saying why")
     group.add_argument("--tokenizer-model", default=None,
-                       help="tokenizer.json (or its directory) or a SentencePiece .model file")
+                       help="tokenizer.json (or its directory), a SentencePiece .model file, or a TikTokenizer .json")
     group.add_argument("--vocab-file", default=None, help="GPT-2 BPE vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT-2 BPE merges.txt")
-    group.add_argument("--vocab-size", type=int, default=None, help="vocabulary of NullTokenizer")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="vocabulary of NullTokenizer, and of TikTokenizer (default 131072)")
+    group.add_argument("--tiktoken-pattern", default=None, metavar="{v1,v2}",
+                       help="TikTokenizer's split before the merges (Megatron-LM 0.16 requires it; 0.17+ default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=None,
+                       help=f"TikTokenizer's special tokens before the BPE ranks (default {DEFAULT_NUM_SPECIAL_TOKENS})")
     group.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
                        help="HuggingFaceTokenizer: tokenize without the special tokens its post-processor adds (a "
-                            "BOS); Megatron-LM's default includes them")
+                            "BOS); Megatron-LM 0.17+'s default includes them")
+    group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer in Megatron-LM 0.16 (0.17: a no-op; 0.18 removed it): tokenize with "
+                            "the special tokens its post-processor adds")
+    group.add_argument("--legacy-tokenizer", action="store_true",
+                       help="Megatron-LM 0.16: tokenize with its legacy tokenizers (0.17 removed them)")
     group.add_argument("--null-tokenizer-eod-id", type=int, default=None,
                        help="NullTokenizer's end-of-document id (default: its last id)")
     group.add_argument("--null-tokenizer-pad-id", type=int, default=None,
@@ -390,4 +453,4 @@ def add_tokenizer_flags(group, *, default: str = "ByteTokenizer") -> None:
 
 
 __all__ = ["REFUSED_TOKENIZER_TYPES", "TOKENIZER_TYPES", "TokenizerError", "add_tokenizer_flags", "build_tokenizer",
-           "padded_vocab_size", "run_padded_vocab_size", "tokenizer_from_args"]
+           "padded_vocab_size", "release_tokenizer_flags", "run_padded_vocab_size", "tokenizer_from_args"]

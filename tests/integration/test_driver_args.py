@@ -226,10 +226,13 @@ def test_another_tokenizer_types_flag_is_noticed_and_byte_tokenizer_files_stay_r
     check in place (a NullTokenizer id next to a --vocab-file under ByteTokenizer used to skip it)."""
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-4", "--mock-data"]
-    args = parse_args([*base, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
-                       "--tokenizer-hf-no-include-special-tokens"])
+    from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, installed_megatron_core
+
+    flag = "--tokenizer-hf-" + ("include" if installed_megatron_core() < CORE_TOKENIZERS_FROM else "no-include") \
+        + "-special-tokens"  # the installed release's spelling (0.16 has only the first, 0.18+ only the second)
+    args = parse_args([*base, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300", flag])
     assert [line for line in args.flag_notices if "--tokenizer-hf" in line] == [
-        "note: --tokenizer-hf-no-include-special-tokens: read only by --tokenizer-type HuggingFaceTokenizer; "
+        f"note: {flag}: read only by --tokenizer-type HuggingFaceTokenizer; "
         "Megatron-LM ignores it under NullTokenizer too: same result"]
     with pytest.raises(SystemExit):
         parse_args([*base, "--vocab-file", "v.json", "--null-tokenizer-eod-id", "5"])

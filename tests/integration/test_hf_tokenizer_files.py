@@ -1,6 +1,7 @@
 """Megatron-LM's HuggingFaceTokenizer as it reads a tokenizer directory (transformers' AutoTokenizer): documents end
 with the eos_token that special_tokens_map.json or tokenizer_config.json names, and a text is tokenized with the
-special tokens the tokenizer's post-processor adds (a BOS), unless --tokenizer-hf-no-include-special-tokens."""
+special tokens the tokenizer's post-processor adds (a BOS), unless --tokenizer-hf-no-include-special-tokens (Megatron-LM
+0.17+; 0.16 leaves them out unless --tokenizer-hf-include-special-tokens or --legacy-tokenizer)."""
 from __future__ import annotations
 
 import json
@@ -75,8 +76,15 @@ def test_texts_carry_the_post_processors_special_tokens_unless_told(tmp_path, bp
                            hf_include_special_tokens=False).tokenize(TEXT) == plain
     src = tmp_path / "c.jsonl"
     src.write_text(json.dumps({"text": TEXT}) + "\n")
-    for extra, first in (([], [bos, *plain]), (["--tokenizer-hf-no-include-special-tokens"], plain)):
-        out = tmp_path / f"out{len(extra)}"
+    from h3t_training.megatron_release import CORE_TOKENIZERS_FROM, installed_megatron_core
+
+    if installed_megatron_core() < CORE_TOKENIZERS_FROM:  # 0.16: left out unless asked; the legacy one includes them
+        cases = (([], plain), (["--tokenizer-hf-include-special-tokens"], [bos, *plain]),
+                 (["--legacy-tokenizer"], [bos, *plain]))
+    else:
+        cases = (([], [bos, *plain]), (["--tokenizer-hf-no-include-special-tokens"], plain))
+    for i, (extra, first) in enumerate(cases):
+        out = tmp_path / f"out{i}"
         subprocess.run([PYTHON, str(REPO / "tools/preprocess_data.py"), "--input", str(src), "--output-prefix",
                         str(out), "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", d, "--append-eod",
                         *extra], check=True, cwd=REPO, env=_env(), capture_output=True, timeout=120)
