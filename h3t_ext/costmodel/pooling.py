@@ -25,10 +25,11 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from h3t_ext.costmodel.specs import DATA_DIR, SystemSpec
+from h3t_ext.costmodel.specs import SystemSpec
+from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE
 
-PRIOR_FILE = DATA_DIR / "uncertainty.json"
 PRIOR_KEY = "calibration_prior"
+"""The prior's key in ``uncertainty.UNCERTAINTY_FILE``, beside the prediction interval."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def pooled(system: SystemSpec, fitted: Mapping[str, float], weight: float) -> di
 def calibration_prior() -> CalibrationPrior:
     """The stored prior (``data/uncertainty.json``, written by ``scripts/costmodel_calibration.py
     --write-uncertainty`` from ``validation.computed_uncertainty``)."""
-    with open(PRIOR_FILE, encoding="utf-8") as f:
+    with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
         d = json.load(f)[PRIOR_KEY]
     return CalibrationPrior(float(d["between_source_sd"]), float(d["within_source_sd"]), int(d["sources"]),
                             int(d["rows"]), str(d["computed_from"]))

@@ -99,7 +99,7 @@ class HeldOut:
     """The pooling weight of one row, from the prior of the other sources."""
     mae_after_one_row_full_weight: tuple[float, ...]
     """The same with the one row's fit taken whole (weight 1)."""
-    errors_after_one_row: tuple[float, ...] = ()
+    errors_after_one_row: tuple[float, ...]
     """Every pooled prediction's relative error, each calibration row in turn (rows x (rows - 1))."""
 
     @property

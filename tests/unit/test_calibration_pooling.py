@@ -7,8 +7,8 @@ import random
 import pytest
 
 from h3t_ext.costmodel import get_system
-from h3t_ext.costmodel.pooling import PRIOR_FILE, PRIOR_KEY, CalibrationPrior, calibration_prior, pooled, \
-    prior_from_errors
+from h3t_ext.costmodel.pooling import PRIOR_KEY, CalibrationPrior, calibration_prior, pooled, prior_from_errors
+from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE
 
 
 def test_moment_estimates_by_hand():
@@ -67,7 +67,7 @@ def test_pooled_moves_in_log_space():
 
 
 def test_stored_prior_reads_back_and_weighs_one_run_about_half():
-    with open(PRIOR_FILE, encoding="utf-8") as f:
+    with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
         stored = json.load(f)[PRIOR_KEY]
     prior = calibration_prior()
     assert prior.to_dict() == stored
