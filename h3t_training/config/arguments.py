@@ -264,6 +264,12 @@ def _add_data_io(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-data-path", nargs="+", default=None, help="[weight] prefix ... of the training split")
     g.add_argument("--valid-data-path", nargs="+", default=None, help="[weight] prefix ... of the validation split")
     g.add_argument("--test-data-path", nargs="+", default=None, help="[weight] prefix ... of the test split")
+    g.add_argument("--data-args-path", default=None,
+                   help="a file whose whitespace-separated words are the --data-path list (Megatron-LM's; needs "
+                        "--split)")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help="a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} holding the --train-data-path, "
+                        "--valid-data-path and --test-data-path lists (each a list, one string, or null)")
     g.add_argument("--split", default=None,
                    help="train,valid,test shares of --data-path (default as Megatron-LM: 969,30,1 with --data-path, "
                         "1,1,1 with --mock-data)")

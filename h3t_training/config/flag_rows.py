@@ -162,7 +162,7 @@ MEGATRON_LM: dict[str, str] = {
 --embedding-init-method-std=1 --data-parallel-random-init=0 --no-save-optim=0 --no-save-rng=0
 --override-opt-param-scheduler=0 --override-opt_param-scheduler=0 --use-checkpoint-opt-param-scheduler=0
 --use-checkpoint-opt_param-scheduler=0 --exit-on-missing-checkpoint=0
---train-data-path=* --valid-data-path=* --test-data-path=*
+--train-data-path=* --valid-data-path=* --test-data-path=* --data-args-path=1 --per-split-data-args-path=1
 --no-load-optim=0 --no-load-rng=0 --no-log-loss-scale-to-tensorboard=0 --no-position-embedding=0
 --norm-epsilon=1 --normalization=1 --num-attention-heads=1 --num-layers=1
 --num-layers-per-virtual-pipeline-stage=1 --num-query-groups=1 --num-virtual-stages-per-pipeline-rank=1
@@ -253,10 +253,10 @@ MEGATRON_LM: dict[str, str] = {
 --muon-use-syrk=0 --no-weight-decay-cond-type=1 --phase-transition-iterations=1
 --sgd-momentum=1""",
     "data": """
---allow-ambiguous-pad-tokens=0 --data-args-path=1 --dataloader-inter-document-masking=0
+--allow-ambiguous-pad-tokens=0 --dataloader-inter-document-masking=0
 --fim-data=0 --fim-eod-token=1 --fim-fragment-rate=1 --fim-middle-token=1 --fim-no-prefix=1
 --fim-pad-token=1 --fim-prefix-token=1 --fim-rate=1 --fim-split-sample=1 --fim-spm-rate=1
---fim-suffix-token=1 --per-dataset-sequences-path=1 --per-split-data-args-path=1
+--fim-suffix-token=1 --per-dataset-sequences-path=1
 --reset-attention-mask=0 --sft=0 --sft-tokenizer-prompt-format=1""",
     "tokenizer": """
 --chat-template=1 --disable-pad-vocab-size=0 --disable-tokenizer-sentencepiece-ignore-extra-whitespaces=0

@@ -190,6 +190,42 @@ def _virtual_stages(args) -> dict:
     return {"num_layers_per_virtual_pipeline_stage": n // (p * v), "num_virtual_stages_per_pipeline_rank": None}
 
 
+def _data_args_files(args) -> dict:
+    """Megatron-LM's blend files as the blend flags they stand for (:mod:`h3t_training.data.data_args_files`):
+    ``--data-args-path`` fills ``data_path``, ``--per-split-data-args-path`` the three per-split paths. A file
+    beside another data source is one line (Megatron-LM asserts ``--data-path`` and ``--data-args-path`` exclusive,
+    and a per-split file beside per-split flags; a per-split source beside ``--data-path`` it would drop silently),
+    as is ``--data-args-path`` without ``--split``: Megatron-LM applies its legacy split to ``--data-path`` alone and
+    its dataset config then asserts "split must be provided"."""
+    from h3t_training.data.data_args_files import DataArgsFileError, read_data_args, read_per_split_data_args
+
+    files = [f for f in ("data_args_path", "per_split_data_args_path") if getattr(args, f) is not None]
+    if not files:
+        return {}
+    sources = [f for f in ("data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
+                           "per_split_data_args_path") if getattr(args, f) is not None]
+    sources += ["mock_data"] if args.mock_data else []
+    if len(sources) > 1:
+        names = " and ".join("--" + f.replace("_", "-") for f in sources)
+        raise ArgumentError(f"{names} each give the training data; give one of --data-path, --data-args-path, "
+                            "--train/valid/test-data-path, --per-split-data-args-path and --mock-data")
+    try:
+        if args.data_args_path is not None:
+            if args.split is None:
+                raise ArgumentError(f"--data-args-path {args.data_args_path} needs --split (e.g. 969,30,1): "
+                                    "Megatron-LM's legacy default applies to --data-path alone")
+            return {"data_path": read_data_args(args.data_args_path)}
+        lists = read_per_split_data_args(args.per_split_data_args_path)
+    except DataArgsFileError as e:
+        raise ArgumentError(str(e)) from None
+    if lists["train"] is None and not args.skip_train:
+        raise ArgumentError(f"--per-split-data-args-path {args.per_split_data_args_path}: 'train' is null; training "
+                            "needs data (or give --skip-train)")
+    if all(v is None for v in lists.values()):  # Megatron-LM would fall back to mock data here
+        raise ArgumentError(f"--per-split-data-args-path {args.per_split_data_args_path} names no data for any split")
+    return {f"{k}_data_path": v for k, v in lists.items()}
+
+
 MEGATRON_LEGACY_SPLIT = "969,30,1"
 """Megatron-LM's ``--split`` when ``--data-path`` is given without one (megatron/training/arguments.py,
 ``validate_args``: "Please specify --split when using --data-path. Using legacy default value")."""
@@ -205,6 +241,10 @@ def _split(args) -> dict:
     shares are checked by :func:`~h3t_training.data.data_checks.parse_split` (training data unless
     ``--skip-train``)."""
     notices = ()
+    if args.split is not None and any(getattr(args, f"{k}_data_path") is not None for k in ("train", "valid", "test")):
+        source = "--per-split-data-args-path" if args.per_split_data_args_path else "--train/valid/test-data-path"
+        raise ArgumentError(f"--split {args.split} does not apply with {source}: each split has its own blend "
+                            "(Megatron-LM asserts 'split and blend_per_split are incompatible'); leave --split out")
     if args.split is None:
         if args.data_path is not None:
             notices = (f"note: --split not given with --data-path: Megatron-LM's legacy default {MEGATRON_LEGACY_SPLIT} "
@@ -261,6 +301,6 @@ def apply_megatron_behaviours(config):
     """A new config with Megatron's flags mapped onto this driver's fields; ArgumentError on a contradiction."""
     for step in (kwai_aliases, _distributed_backend, _positions, _batch_schedule, _weight_decay, _schedule,
                  _virtual_stages,
-                 _split, _tokenizer_files, _sharding_strategy):
+                 _data_args_files, _split, _tokenizer_files, _sharding_strategy):
         config = config.replace(**step(config))
     return config

@@ -202,15 +202,27 @@ def _validate_data(args):
             parse_split(args.split)
     except DataFileError as e:
         raise ArgumentError(str(e)) from None
-    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
-        if getattr(args, flag) is None:
+    for field in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        if getattr(args, field) is None:
             continue
+        flag = _blend_source(args, field)
         try:
-            for _, prefix in parse_blend(getattr(args, flag)):
+            prefixes, _ = parse_blend(getattr(args, field), flag)
+            for prefix in prefixes:
                 check_indexed_dataset(prefix, vocab_size=args.tokenizer_vocab_size)
-        except DataFileError as e:  # the checks name --data-path; say which of the four flags it was
-            raise ArgumentError(str(e).replace("--data-path", "--" + flag.replace("_", "-"), 1)) from None
+        except DataFileError as e:  # the checks name --data-path; say which flag or file gave the prefix
+            raise ArgumentError(str(e).replace("--data-path", flag, 1)) from None
     return args
+
+
+def _blend_source(args, field: str) -> str:
+    """The flag (or blend file) a blend field came from, as the user gave it: ``--train-data-path``, or
+    ``--per-split-data-args-path FILE ('train')`` when Megatron's blend file filled the field."""
+    if field == "data_path" and args.data_args_path is not None:
+        return f"--data-args-path {args.data_args_path}"
+    if field != "data_path" and args.per_split_data_args_path is not None:
+        return f"--per-split-data-args-path {args.per_split_data_args_path} ({field.split('_')[0]!r})"
+    return "--" + field.replace("_", "-")
 
 
 def resolve_tokenizer(args):

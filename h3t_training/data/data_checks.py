@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Optional
 
 import numpy
 
@@ -71,24 +72,36 @@ def check_indexed_dataset(prefix: str, vocab_size: int | None = None) -> int:
     return documents - 1
 
 
-def parse_blend(data_path: list[str]) -> list[tuple[float, str]]:
-    """Megatron's ``--data-path [w1] p1 [w2] p2 ...`` as (weight, prefix) pairs, checked."""
-    if len(data_path) == 1:
-        return [(1.0, data_path[0])]
+Blend = tuple[list[str], Optional[list[float]]]
+"""megatron-core's blend: the dataset prefixes and their weights, or None (each dataset's size weighs it)."""
+
+
+def parse_blend(data_path: list[str], flag: str = "--data-path") -> Blend:
+    """Megatron's ``--data-path`` list as megatron-core's blend, read as Megatron-LM's ``get_blend_from_list`` reads
+    it: an odd count is prefixes alone; an even count is ``weight prefix`` pairs when every first of a pair is a
+    number and prefixes alone when none is (megatron-core then weighs each dataset by its size and builds one epoch
+    of each). A mix of the two, a weight that is not positive and finite, or an empty list is one line naming
+    ``flag``."""
+    if not data_path:
+        raise DataFileError(f"{flag} names no dataset prefix")
     if len(data_path) % 2:
-        raise DataFileError(f"--data-path with several prefixes takes a weight before each: got {len(data_path)} "
-                            f"items (weight prefix weight prefix ...)")
-    out = []
-    for weight, prefix in zip(data_path[0::2], data_path[1::2]):
+        return [p.strip() for p in data_path], None
+    weights = []
+    for token in data_path[0::2]:
         try:
-            w = float(weight)
+            weights.append(float(token))
         except ValueError:
-            raise DataFileError(f"--data-path: {weight!r} stands where a weight belongs (weight prefix pairs)") \
-                from None
-        if not w > 0 or w != w or w == float("inf"):
-            raise DataFileError(f"--data-path weight {weight} of {prefix} is outside (0, inf)")
-        out.append((w, prefix))
-    return out
+            weights.append(None)
+    if all(w is None for w in weights):
+        return [p.strip() for p in data_path], None
+    if any(w is None for w in weights):
+        bad = next(t for t, w in zip(data_path[0::2], weights) if w is None)
+        raise DataFileError(f"{flag}: {bad!r} stands where a weight belongs: give weight prefix pairs, or prefixes "
+                            f"alone ({len(data_path)} items)")
+    for w, prefix in zip(weights, data_path[1::2]):
+        if not w > 0 or w == float("inf"):
+            raise DataFileError(f"{flag} weight {w:g} of {prefix} is outside (0, inf)")
+    return [p.strip() for p in data_path[1::2]], weights
 
 
 def parse_split(text: str, *, allow_no_train: bool = False) -> tuple[float, float, float]:
@@ -107,4 +120,4 @@ def parse_split(text: str, *, allow_no_train: bool = False) -> tuple[float, floa
     return shares[0], shares[1], shares[2]
 
 
-__all__ = ["DataFileError", "check_indexed_dataset", "parse_blend", "parse_split"]
+__all__ = ["Blend", "DataFileError", "check_indexed_dataset", "parse_blend", "parse_split"]

@@ -20,7 +20,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from h3t_training.data.batch_schedule import BatchSchedule, schedule_of
-from h3t_training.data.data_checks import parse_split
+from h3t_training.data.data_checks import parse_blend, parse_split
 from h3t_training.data.eval_schedule import validation_samples
 from h3t_training.data.samplers import DATALOADER_TYPES, cyclic_indices, single_indices
 from h3t_training.launch.quiet_imports import DropMessages
@@ -39,15 +39,9 @@ def batch_on_this_cp_rank(batch: dict, cp_group=None) -> dict:
 
 
 def _blend(data_path: Optional[list[str]]):
-    """Megatron's ``--data-path [w1] p1 [w2] p2 ...`` -> (prefixes, weights or None)."""
-    if data_path is None:
-        return None
-    if len(data_path) == 1:
-        return [data_path[0]], None
-    if len(data_path) % 2:
-        raise ValueError("--data-path with several prefixes needs a weight before each")
-    weights = [float(w) for w in data_path[0::2]]
-    return list(data_path[1::2]), weights
+    """A ``--data-path``-style list as megatron-core's blend (None stays None); the one reading of such lists is
+    :func:`~h3t_training.data.data_checks.parse_blend` (checked with the config before any rank starts)."""
+    return None if data_path is None else parse_blend(data_path)
 
 
 # megatron-core warns on every rank that it cannot cache a dataset's sample index without --data-cache-path; the index
@@ -86,9 +80,9 @@ def _splits_with_documents(args, split_matrix, valid_on: bool, test_on: bool, no
     """A held-out split that gets no document of some blended dataset is dropped, with a notice on rank
     0 (megatron-core would loop forever building it); a split's documents are the range
     ``round(beg * n) .. round(end * n)`` of each dataset's n documents, as megatron-core cuts them."""
-    from h3t_training.data.data_checks import check_indexed_dataset, parse_blend
+    from h3t_training.data.data_checks import check_indexed_dataset
 
-    counts = [check_indexed_dataset(prefix) for _, prefix in parse_blend(args.data_path)]
+    counts = [check_indexed_dataset(prefix) for prefix in parse_blend(args.data_path)[0]]
     wanted = [True, valid_on, test_on]
     for i, name in ((1, "validation"), (2, "test")):
         if not wanted[i] or split_matrix[i] is None:
@@ -140,13 +134,16 @@ def build_datasets(args, tokenizer, *, notify: Callable[[str], None] = _silent) 
              sizes[1] if valid_on else (0 if not per_split else None),
              sizes[2] if test_on else (0 if not per_split else None)]
     train, valid, test = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+    blends = [b for b in (config.blend, *(config.blend_per_split or ())) if b is not None]
+    hint = "a blend without weights holds one epoch of each dataset's split, as in megatron-core" \
+        if any(w is None and len(p) > 1 for p, w in blends) else "check --split"
     if train_needed and (train is None or len(train) < sizes[0]):
         raise RuntimeError(f"the training split has {0 if train is None else len(train)} samples, "
-                           f"{sizes[0]} needed (check --split)")
+                           f"{sizes[0]} needed ({hint})")
     for name, on, ds, n in (("validation", valid_on, valid, sizes[1]), ("test", test_on, test, sizes[2])):
         if on and (ds is None or len(ds) < n):
             raise RuntimeError(f"the {name} split has {0 if ds is None else len(ds)} samples, {n} needed "
-                               f"(check --split)")
+                               f"({hint})")
     return train, (valid if valid_on else None), (test if test_on else None)
 
 
