@@ -14,8 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from h3t_ext.testing import free_port, run_entry
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,6 +112,3 @@ def make_corpus_data(directory: Path) -> str:
     return str(directory / "stdlib_text_document")
 
 
-@pytest.fixture(scope="module")
-def corpus_prefix(tmp_path_factory) -> str:
-    return make_corpus_data(tmp_path_factory.mktemp("corpus"))

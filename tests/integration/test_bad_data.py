@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from driver_harness import PYTHON, REPO, TINY_MODEL, _env, corpus_prefix  # noqa: F401
+from driver_harness import PYTHON, REPO, TINY_MODEL, _env  # noqa: F401
 from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, parse_split
 
 
@@ -25,7 +25,7 @@ def _one_line(proc) -> str:
 
 
 @pytest.fixture()
-def copy(corpus_prefix, tmp_path):  # noqa: F811
+def copy(corpus_prefix, tmp_path):
     dst = tmp_path / "d"
     for ext in (".bin", ".idx"):
         shutil.copy(corpus_prefix + ext, str(dst) + ext)
@@ -73,11 +73,11 @@ def test_damaged_dataset_is_one_line(copy, how, expected):
     (["--split", "0,100,0"], "--split 0,100,0 leaves no training data"),
     (["--split", "1,-1,0"], "takes up to three finite non-negative shares"),
 ])
-def test_bad_split_is_one_line(corpus_prefix, argv, expected):  # noqa: F811
+def test_bad_split_is_one_line(corpus_prefix, argv, expected):
     assert expected in _one_line(_run(["--data-path", corpus_prefix, *argv]))
 
 
-def test_odd_blends_are_one_line(corpus_prefix):  # noqa: F811
+def test_odd_blends_are_one_line(corpus_prefix):
     # an odd count is prefixes alone, as megatron-core reads it: '0.5' is a dataset that does not exist
     assert "--data-path 0.5: 0.5.idx does not exist" in _one_line(_run(["--data-path", "0.5", corpus_prefix,
                                                                         corpus_prefix]))
@@ -86,12 +86,12 @@ def test_odd_blends_are_one_line(corpus_prefix):  # noqa: F811
     assert "weight -1 of" in _one_line(_run(["--data-path", "-1", corpus_prefix]))
 
 
-def test_token_ids_beyond_the_vocabulary_are_named(corpus_prefix):  # noqa: F811
+def test_token_ids_beyond_the_vocabulary_are_named(corpus_prefix):
     line = _one_line(_run(["--data-path", corpus_prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]))
     assert "outside the tokenizer's vocabulary of 101" in line
 
 
-def test_a_good_dataset_passes(corpus_prefix):  # noqa: F811
+def test_a_good_dataset_passes(corpus_prefix):
     assert check_indexed_dataset(corpus_prefix) > 10
     assert parse_split("969,30,1") == (969.0, 30.0, 1.0) and parse_split("98/2") == (98.0, 2.0, 0.0)
 

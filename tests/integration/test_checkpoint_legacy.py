@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, run_pretrain  # noqa: F401
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-decay-style", "cosine",
           "--lr-warmup-iters", "1", "--ckpt-format", "torch"]
@@ -33,7 +33,7 @@ def _files(root) -> list[str]:
                   "mp_rank_00_001/model_optim_rng.pt"], {"model0", "model1"},
                  marks=pytest.mark.slow),  # the slow tier (about 27 s): p2 with two chunks per stage
 ], ids=["p2", "d2-distributed-optimizer", "p2-interleaved"])
-def test_legacy_checkpoints_resume_bit_for_bit(corpus_prefix, tmp_path, layout, files, model_keys):  # noqa: F811
+def test_legacy_checkpoints_resume_bit_for_bit(corpus_prefix, tmp_path, layout, files, model_keys):
     common = [*TINY_MODEL, *COMMON, *layout, "--data-path", corpus_prefix]
     full = tmp_path / "full.json"
     check_ok(run_pretrain([*common, "--metrics-json", str(full)], nproc=2))
@@ -58,7 +58,7 @@ def test_legacy_checkpoints_resume_bit_for_bit(corpus_prefix, tmp_path, layout, 
     assert [r["iteration"] for r in json.load(open(resumed))["iterations"]] == [3, 4]
 
 
-def test_a_legacy_checkpoint_loads_only_at_its_layout_and_into_a_torch_dist_run(corpus_prefix, tmp_path):  # noqa: F811
+def test_a_legacy_checkpoint_loads_only_at_its_layout_and_into_a_torch_dist_run(corpus_prefix, tmp_path):
     common = [*TINY_MODEL, *COMMON, "--data-path", corpus_prefix]
     ckpt = tmp_path / "ckpt"
     check_ok(run_pretrain([*common, "--pipeline-model-parallel-size", "2", "--save", str(ckpt), "--exit-interval",

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from driver_harness import COMMON_PT, PYTHON, REPO, TINY_MODEL, _env, check_ok, corpus_prefix, losses, read_common, \
+from driver_harness import COMMON_PT, PYTHON, REPO, TINY_MODEL, _env, check_ok, losses, read_common, \
     run_pretrain  # noqa: F401
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-decay-style", "cosine",
@@ -23,7 +23,7 @@ def _rewrite(src, dst, fmt: str, flags: list[str], *extra: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(corpus_prefix, tmp_path_factory):  # noqa: F811
+def saved(corpus_prefix, tmp_path_factory):
     """The driver's checkpoint at iteration 2, its own resume with --no-load-optim, and that checkpoint in
     Megatron-LM's two layouts."""
     root = tmp_path_factory.mktemp("megatron")

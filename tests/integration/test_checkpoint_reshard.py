@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from driver_harness import (PYTHON, REPO, TINY_MODEL, _env, check_ok, corpus_prefix, losses,  # noqa: F401
+from driver_harness import (PYTHON, REPO, TINY_MODEL, _env, check_ok, losses,  # noqa: F401
                             run_pretrain)
 from h3t_ext.testing import free_port
 
@@ -28,7 +28,7 @@ def _resume(argv, ckpt, layout, out):
 
 @pytest.mark.parametrize("saved, other", [("t1p2", "t2p1"), pytest.param("t2p1", "t1p2", marks=pytest.mark.slow)])
 # t2p1 -> t1p2 is the slow tier (about 22 s): the reverse resharding of the same two layouts
-def test_resume_at_another_layout_continues_the_same_run(corpus_prefix, tmp_path, saved, other):  # noqa: F811
+def test_resume_at_another_layout_continues_the_same_run(corpus_prefix, tmp_path, saved, other):
     argv = [*TINY_MODEL, *COMMON, "--data-path", corpus_prefix]
     ckpt = tmp_path / "ckpt"
     check_ok(run_pretrain([*argv, *LAYOUTS[saved], "--save", str(ckpt), "--exit-interval", "2"], nproc=2))
@@ -43,7 +43,7 @@ def test_resume_at_another_layout_continues_the_same_run(corpus_prefix, tmp_path
         assert abs(a - b) <= 1e-5 * abs(a), (same, moved)
 
 
-def test_finetune_and_ckpt_step_and_no_load_optim(corpus_prefix, tmp_path):  # noqa: F811
+def test_finetune_and_ckpt_step_and_no_load_optim(corpus_prefix, tmp_path):
     argv = [*TINY_MODEL, *COMMON, "--data-path", corpus_prefix]
     ckpt = tmp_path / "ckpt"
     check_ok(run_pretrain([*argv, "--save", str(ckpt), "--save-interval", "1", "--exit-interval", "2"]))
@@ -73,7 +73,7 @@ def _wait_for(path, proc, timeout_s=120.0) -> bool:
 
 
 @pytest.mark.parametrize("point", ["tmp dir created", "first tensor file", "both tensor files"])
-def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(corpus_prefix, tmp_path, point):  # noqa: F811
+def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(corpus_prefix, tmp_path, point):
     argv = [*TINY_MODEL, *COMMON, "--data-path", corpus_prefix, "--save", str(tmp_path / "ckpt"),
             "--save-interval", "1"]
     ckpt = tmp_path / "ckpt"
@@ -107,7 +107,7 @@ def test_a_run_killed_during_a_save_resumes_from_the_previous_checkpoint(corpus_
     shutil.rmtree(ckpt)
 
 
-def test_a_padding_the_tensor_parallel_size_does_not_divide_is_refused_once(corpus_prefix, tmp_path):  # noqa: F811
+def test_a_padding_the_tensor_parallel_size_does_not_divide_is_refused_once(corpus_prefix, tmp_path):
     argv = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1",
             "--data-path", corpus_prefix]
     ckpt = tmp_path / "ckpt"

@@ -6,13 +6,13 @@ import os
 
 import pytest
 
-from driver_harness import COMMON_PT, TINY_MODEL, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+from driver_harness import COMMON_PT, TINY_MODEL, check_ok, losses, run_pretrain  # noqa: F401
 
 DP2 = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--use-distributed-optimizer",
        "--lr-decay-style", "cosine", "--lr-warmup-iters", "1"]
 
 
-def test_resume_reproduces_the_uninterrupted_losses(corpus_prefix, tmp_path):  # noqa: F811
+def test_resume_reproduces_the_uninterrupted_losses(corpus_prefix, tmp_path):
     common = [*TINY_MODEL, *DP2, "--data-path", corpus_prefix]
     full = tmp_path / "full.json"
     check_ok(run_pretrain([*common, "--metrics-json", str(full)], nproc=2))
@@ -85,7 +85,7 @@ def test_mismatched_model_is_refused(saved_single_rank):
     assert "was saved with --ffn-hidden-size 128, this run has 192" in line
 
 
-def test_resume_with_another_batch_size_continues_from_the_consumed_samples(corpus_prefix, tmp_path):  # noqa: F811
+def test_resume_with_another_batch_size_continues_from_the_consumed_samples(corpus_prefix, tmp_path):
     """As in Megatron-LM, a resume whose global batch changed continues the data from the checkpoint's consumed
     samples: 2 iterations of 4 samples, saved, resumed at a batch of 8, give the losses of one run whose step
     schedule goes from 4 to 8 after 8 samples (512 tokens), bit for bit (constant learning rate; the schedule in

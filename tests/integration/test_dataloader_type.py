@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, metrics, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, metrics, run_pretrain  # noqa: F401
 
 
 def _losses(tmp_path, name, flags, nproc=1):
@@ -15,7 +15,7 @@ def _losses(tmp_path, name, flags, nproc=1):
 
 
 @pytest.fixture
-def common(corpus_prefix):  # noqa: F811
+def common(corpus_prefix):
     return [*TINY_MODEL, "--data-path", corpus_prefix, "--global-batch-size", "4", "--micro-batch-size", "1",
             "--train-iters", "4", "--eval-iters", "0"]
 

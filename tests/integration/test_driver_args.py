@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from driver_harness import PYTHON, REPO, _env, corpus_prefix  # noqa: F401
+from driver_harness import PYTHON, REPO, _env  # noqa: F401
 from parse_harness import BASE, _error  # noqa: F401
 from h3t_training.config.sections import parse_args
 
@@ -207,7 +207,7 @@ def test_the_silent_data_corruption_guards_megatron_runs_by_default_are_accepted
     assert not [n for n in config.flag_notices if "rerun" in n or "weight-hash" in n]
 
 
-def test_null_tokenizer_ids_reach_the_config_and_are_noticed_under_another_tokenizer(corpus_prefix):  # noqa: F811
+def test_null_tokenizer_ids_reach_the_config_and_are_noticed_under_another_tokenizer(corpus_prefix):
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-4"]
     args = parse_args([*base, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",

@@ -5,14 +5,14 @@ import math
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, metrics, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain  # noqa: F401
 
 PIPELINE = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "3"]
 
 
 @pytest.fixture(scope="module")
-def reference_and_ours(corpus_prefix, tmp_path_factory):  # noqa: F811
+def reference_and_ours(corpus_prefix, tmp_path_factory):
     out = {}
     runs = {"no": ["--ckpt", "no", "--offload-alpha", "0"], "ours": ["--ckpt", "ours", "--offload-alpha", "0.5"],
             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
@@ -70,7 +70,7 @@ def test_metrics_have_the_documented_fields(reference_and_ours):
         assert r["tokens_per_second_per_gpu"] > 0 and 0 < r["mfu"]
 
 
-def test_auto_plan_picks_a_plan_that_runs(corpus_prefix, tmp_path):  # noqa: F811
+def test_auto_plan_picks_a_plan_that_runs(corpus_prefix, tmp_path):
     path = tmp_path / "metrics.json"
     proc = run_pretrain([*TINY_MODEL, "--auto-plan", "--global-batch-size", "8", "--train-iters", "2",
                          "--data-path", corpus_prefix, "--metrics-json", str(path)], nproc=2)

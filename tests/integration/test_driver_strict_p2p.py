@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, run_pretrain  # noqa: F401
 
 ITERS = 2
 
@@ -21,7 +21,7 @@ def _flags(pp: int, num_layers: int, global_batch: int) -> list[str]:
 
 # (pp, layers, global batch): v = layers / (pp * 1) = 2 and m = global batch
 @pytest.mark.parametrize("pp,layers,gbs", [(2, 4, 4), (4, 8, 8)], ids=["p2-v2-m4", "p4-v2-m8"])
-def test_strict_p2p_runs_give_the_plain_losses(corpus_prefix, tmp_path, pp, layers, gbs):  # noqa: F811
+def test_strict_p2p_runs_give_the_plain_losses(corpus_prefix, tmp_path, pp, layers, gbs):
     runs = {}
     for name, extra in (("plain", []), ("strict", ["--strict-p2p"])):
         path = tmp_path / f"{name}.json"

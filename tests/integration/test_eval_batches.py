@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, metrics, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, metrics, run_pretrain  # noqa: F401
 
 
 def _common(corpus):
@@ -23,7 +23,7 @@ def _evals(tmp_path, name, flags, nproc=1):
     return [(e["iteration"], e["split"], e["at_end"], e["loss"]) for e in metrics(out)["evaluations"]]
 
 
-def test_the_same_samples_in_other_batches_give_the_same_loss(corpus_prefix, tmp_path):  # noqa: F811
+def test_the_same_samples_in_other_batches_give_the_same_loss(corpus_prefix, tmp_path):
     base = _common(corpus_prefix)
     ref = _evals(tmp_path, "ref", [*base, "--eval-iters", "2", "--eval-global-batch-size", "4"])
     assert [e[:3] for e in ref] == [(2, "valid", False), (2, "valid", True), (2, "test", True)]
@@ -39,7 +39,7 @@ def test_the_same_samples_in_other_batches_give_the_same_loss(corpus_prefix, tmp
     assert [e[3] for e in trained[:2]] == pytest.approx([e[3] for e in ref[:2]], rel=1e-6)
 
 
-def test_pipeline_evaluates_microbatches_of_its_own_size(corpus_prefix, tmp_path):  # noqa: F811
+def test_pipeline_evaluates_microbatches_of_its_own_size(corpus_prefix, tmp_path):
     base = [*_common(corpus_prefix), "--pipeline-model-parallel-size", "2", "--eval-iters", "1",
             "--eval-global-batch-size", "4"]
     one = _evals(tmp_path, "mb1", base, nproc=2)
@@ -47,7 +47,7 @@ def test_pipeline_evaluates_microbatches_of_its_own_size(corpus_prefix, tmp_path
     assert [e[3] for e in four] == pytest.approx([e[3] for e in one], rel=1e-6)
 
 
-def test_start_eval_at_iter_and_a_resume_after_it(corpus_prefix, tmp_path):  # noqa: F811
+def test_start_eval_at_iter_and_a_resume_after_it(corpus_prefix, tmp_path):
     common = [*TINY_MODEL, "--data-path", corpus_prefix, "--split", "90,5,5", "--global-batch-size", "2",
               "--train-iters", "5", "--eval-interval", "1", "--eval-iters", "1", "--start-eval-at-iter", "3"]
     full = _evals(tmp_path, "full", common)
@@ -61,7 +61,7 @@ def test_start_eval_at_iter_and_a_resume_after_it(corpus_prefix, tmp_path):  # n
     assert resumed == full[1:]
 
 
-def test_a_batch_the_ranks_cannot_share_is_one_line(corpus_prefix):  # noqa: F811
+def test_a_batch_the_ranks_cannot_share_is_one_line(corpus_prefix):
     proc = run_pretrain([*_common(corpus_prefix), "--eval-iters", "1", "--eval-global-batch-size", "3",
                          "--eval-micro-batch-size", "2"])
     assert proc.returncode == 2
@@ -69,7 +69,7 @@ def test_a_batch_the_ranks_cannot_share_is_one_line(corpus_prefix):  # noqa: F81
         proc.stderr and proc.stderr.strip().count("\n") == 0, proc.stderr
 
 
-def test_a_batch_ramp_up_evaluates_at_the_full_batch(corpus_prefix, tmp_path):  # noqa: F811
+def test_a_batch_ramp_up_evaluates_at_the_full_batch(corpus_prefix, tmp_path):
     """Megatron-LM evaluates --eval-global-batch-size samples (default the final --global-batch-size) whatever the
     ramp-up's batch: the end-of-training evaluation of a ramped run equals a --skip-train evaluation of its checkpoint
     (the evaluation iterators followed the ramp before, reading other samples)."""

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, metrics, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, metrics, run_pretrain  # noqa: F401
 
 SMALL = ["--global-batch-size", "4", "--train-iters", "4", "--split", "90,5,5", "--hidden-dropout", "0.1"]
 
@@ -90,7 +90,7 @@ def test_skip_train_only_evaluates(tmp_path, with_and_without_eval):
         assert e["loss"] == pytest.approx(first_train_loss, rel=0.05)
 
 
-def test_pipelined_evaluation_equals_single_process(corpus_prefix, tmp_path):  # noqa: F811
+def test_pipelined_evaluation_equals_single_process(corpus_prefix, tmp_path):
     common = [*TINY_MODEL, "--data-path", corpus_prefix, "--split", "90,5,5", "--global-batch-size", "4",
               "--micro-batch-size", "1", "--train-iters", "2", "--eval-interval", "1000", "--eval-iters", "2"]
     ckpt, pp_json, one_json = tmp_path / "ckpt", tmp_path / "pp.json", tmp_path / "one.json"
@@ -114,7 +114,7 @@ def test_pipelined_evaluation_equals_single_process(corpus_prefix, tmp_path):  #
             measured[r], rel=0.01)
 
 
-def test_separate_split_paths(corpus_prefix, tmp_path):  # noqa: F811
+def test_separate_split_paths(corpus_prefix, tmp_path):
     path = tmp_path / "m.json"
     check_ok(run_pretrain([*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "1",
                            "--eval-iters", "1", "--train-data-path", corpus_prefix, "--valid-data-path", corpus_prefix,
@@ -125,7 +125,7 @@ def test_separate_split_paths(corpus_prefix, tmp_path):  # noqa: F811
     assert all(math.isfinite(e["loss"]) for e in evals)
 
 
-def test_resume_continues_the_validation_data(corpus_prefix, tmp_path):  # noqa: F811
+def test_resume_continues_the_validation_data(corpus_prefix, tmp_path):
     # real data: with --mock-data, megatron-core's GPTDataset caches the loss mask after zeroing the
     # first sample's pad-valued labels (mock tokens include the pad id), so its losses depend on which
     # sample is read first
@@ -144,7 +144,7 @@ def test_resume_continues_the_validation_data(corpus_prefix, tmp_path):  # noqa:
     assert evals(resumed) == ref[2:]  # the validation position follows the iteration
 
 
-def test_without_split_the_run_evaluates_as_megatron_does(corpus_prefix, tmp_path):  # noqa: F811
+def test_without_split_the_run_evaluates_as_megatron_does(corpus_prefix, tmp_path):
     """No --split: --mock-data evaluates at --eval-interval (megatron-core splits mock data 1,1,1), and --data-path
     takes Megatron-LM's legacy 969,30,1 with its notice (its 1 part holds no document of the small corpus: no test
     evaluation, said in a note) and evaluates at the end of training."""

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, run_pretrain  # noqa: F401
 
 
 def _strict_json(path):
@@ -18,7 +18,7 @@ def _strict_json(path):
         return json.load(f, parse_constant=refuse)
 
 
-def test_divergence_stops_with_one_line_and_a_finite_checkpoint(corpus_prefix, tmp_path):  # noqa: F811
+def test_divergence_stops_with_one_line_and_a_finite_checkpoint(corpus_prefix, tmp_path):
     ckpt = tmp_path / "ckpt"
     argv = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "20",
             "--data-path", corpus_prefix, "--save", str(ckpt), "--save-interval", "1",
@@ -39,7 +39,7 @@ def test_divergence_stops_with_one_line_and_a_finite_checkpoint(corpus_prefix, t
     assert len(tensors) > 10 and all(torch.isfinite(t).all() for t in tensors)
 
 
-def test_metrics_json_is_strict_on_every_layout(corpus_prefix, tmp_path):  # noqa: F811
+def test_metrics_json_is_strict_on_every_layout(corpus_prefix, tmp_path):
     out = tmp_path / "m.json"
     check_ok(run_pretrain([*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
                            "--data-path", corpus_prefix, "--pipeline-model-parallel-size", "2",
@@ -48,7 +48,7 @@ def test_metrics_json_is_strict_on_every_layout(corpus_prefix, tmp_path):  # noq
     assert all(math.isfinite(r["loss"]) for r in data["iterations"])
 
 
-def test_resume_with_dropout_is_bit_exact(corpus_prefix, tmp_path):  # noqa: F811
+def test_resume_with_dropout_is_bit_exact(corpus_prefix, tmp_path):
     argv = [*TINY_MODEL, "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "4",
             "--data-path", corpus_prefix, "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     full = tmp_path / "full.json"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, read_common, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, read_common, run_pretrain  # noqa: F401
 from h3t_training.megatron_release import ITERATIONS_TO_SKIP_COUNT_FROM_ONE_FROM, installed_megatron_core
 
 RUN = ["--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "6"]
@@ -18,7 +18,7 @@ def _records(path) -> list[dict]:
     return json.load(open(path))["iterations"]
 
 
-def test_the_skipped_batch_is_read_past_and_not_trained(corpus_prefix, tmp_path):  # noqa: F811
+def test_the_skipped_batch_is_read_past_and_not_trained(corpus_prefix, tmp_path):
     """At --lr 1e-30 no float32 weight changes (an Adam step is about lr, far below a weight's last bit), so each
     logged loss is its batch's at the initial weights: the skipping run's are the plain run's with iteration 3's
     left out."""
@@ -35,7 +35,7 @@ def test_the_skipped_batch_is_read_past_and_not_trained(corpus_prefix, tmp_path)
         in lines[2], lines
 
 
-def test_the_schedule_does_not_advance_and_a_resume_continues_the_count(corpus_prefix, tmp_path):  # noqa: F811
+def test_the_schedule_does_not_advance_and_a_resume_continues_the_count(corpus_prefix, tmp_path):
     flags = [*TINY_MODEL, *RUN, "--data-path", corpus_prefix, "--lr-warmup-iters", "5", "--lr-decay-style", "linear"]
     check_ok(run_pretrain([*flags, "--metrics-json", str(tmp_path / "plain.json")]))
     check_ok(run_pretrain([*flags, *SKIP, "--save", str(tmp_path / "all"), "--metrics-json",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from driver_harness import REPO, corpus_prefix  # noqa: F401
+from driver_harness import REPO  # noqa: F401
 
 SOURCE = Path(__file__).resolve().parents[1] / "data" / "kwai_atc24"
 ITERS = 3
@@ -65,7 +65,7 @@ def test_the_copied_scripts_are_the_published_ones():
 
 
 @pytest.fixture(scope="module")
-def artifact(tmp_path_factory, corpus_prefix):  # noqa: F811
+def artifact(tmp_path_factory, corpus_prefix):
     """The artifact's tree with the edits made; returns its ``examples/atc24`` directory."""
     root = tmp_path_factory.mktemp("kwai")
     examples = root / "Megatron-Kwai" / "examples" / "atc24"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, metrics, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain  # noqa: F401
 
 LAYERS = ["--num-layers", "8"]  # 8 layers: at alpha 0.5 layers 0-3 offloaded, all gone at the peak
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3"]
@@ -17,7 +17,7 @@ def _argv(corpus, ckpt, alpha, extra):
 
 
 @pytest.fixture(scope="module")
-def runs(corpus_prefix, tmp_path_factory):  # noqa: F811
+def runs(corpus_prefix, tmp_path_factory):
     out = {}
     for (ckpt, alpha, nproc), extra in RUNS.items():
         path = tmp_path_factory.mktemp(f"m_{ckpt}_{alpha}_{nproc}") / "metrics.json"
@@ -35,7 +35,7 @@ def test_offload_at_p1_gives_the_losses_of_alpha_0(runs, ckpt, nproc):
 
 
 @pytest.mark.parametrize("key", list(RUNS))
-def test_measured_peak_is_the_cost_models(runs, corpus_prefix, key):  # noqa: F811
+def test_measured_peak_is_the_cost_models(runs, corpus_prefix, key):
     """The measured saved-activation peak of the rank equals the prediction the driver makes for the same flags
     (h3t_training.telemetry.prediction: the model spec and plan through h3t_ext.planner.translate) within 3%."""
     from h3t_training.config.sections import parse_args

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, metrics, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain  # noqa: F401
 
 COMMON = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "4", "--lr-warmup-iters", "1",
           "--make-vocab-size-divisible-by", "256", "--ckpt", "ours"]  # one padded vocabulary for t = 1 and 2
@@ -47,12 +47,12 @@ def _single_rank(corpus_prefix, d, extra=()):
 
 
 @pytest.fixture(scope="module")
-def single_rank(corpus_prefix, tmp_path_factory):  # noqa: F811
+def single_rank(corpus_prefix, tmp_path_factory):
     return _single_rank(corpus_prefix, tmp_path_factory.mktemp("single"))
 
 
 @pytest.fixture(scope="module")
-def single_rank_float64(corpus_prefix, tmp_path_factory):  # noqa: F811
+def single_rank_float64(corpus_prefix, tmp_path_factory):
     argv, ckpt, _ = _single_rank(corpus_prefix, tmp_path_factory.mktemp("single64"), ["--h3t-float64"])
     return argv, ckpt, metrics(ckpt.parent / "ref.json")["iterations"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from driver_harness import REPO, check_ok, corpus_prefix, metrics, run_pretrain  # noqa: F401
+from driver_harness import REPO, check_ok, metrics, run_pretrain  # noqa: F401
 from h3t_training.config.arguments import LLAMA_DEFAULTS, build_parser
 from h3t_training.config.flag_docs import render_markdown
 from h3t_training.config.flag_table import TABLE
@@ -70,7 +70,7 @@ def _notes(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("note: ")]
 
 
-def test_gpt3_175b_script_trains_a_gpt_model(corpus_prefix, tmp_path):  # noqa: F811
+def test_gpt3_175b_script_trains_a_gpt_model(corpus_prefix, tmp_path):
     vocab, merges = _gpt2_files(tmp_path)
     L, h, s = 2, 64, 64
     flags = shrink(GPT3_175B, {
@@ -129,7 +129,7 @@ KWAI_SMALL = {"--num-layers": "4", "--hidden-size": "64", "--num-attention-heads
               "--seq-length": "64", "--max-position-embeddings": "64", "--global-batch-size": "8", "--train-iters": "3"}
 
 
-def test_kwai_ours_flags_are_ckpt_ours_with_offload(corpus_prefix, tmp_path):  # noqa: F811
+def test_kwai_ours_flags_are_ckpt_ours_with_offload(corpus_prefix, tmp_path):
     kwai = shrink(kwai_pretrain_llama("ours", "0.10", "1", "4"),
                   {**KWAI_SMALL, "--pipeline-model-parallel-size": "2", "--data-path": corpus_prefix})
     ours = shrink(kwai, {}, drop=("--kaimm-recompute-mlp-activation-func", "--kaimm-recompute-norm",
@@ -147,7 +147,7 @@ def test_kwai_ours_flags_are_ckpt_ours_with_offload(corpus_prefix, tmp_path):  #
     assert kw["stage_peak_activation_bytes"] == ref["stage_peak_activation_bytes"]
 
 
-def test_kwai_baseline_flags_train_with_full_recompute(corpus_prefix, tmp_path):  # noqa: F811
+def test_kwai_baseline_flags_train_with_full_recompute(corpus_prefix, tmp_path):
     flags = shrink(kwai_pretrain_llama("full", "0.0", "1", "1"), {**KWAI_SMALL, "--data-path": corpus_prefix})
     out = tmp_path / "m.json"
     proc = run_pretrain([*flags, "--metrics-json", str(out)], entry="pretrain_gpt.py")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, run_pretrain  # noqa: F401
 
 RUN = ["--micro-batch-size", "1", "--global-batch-size", "2", "--lr-warmup-iters", "0", "--ckpt-format", "torch"]
 
@@ -15,7 +15,7 @@ def _rows(directory) -> tuple[int, int]:
     return state["embedding.word_embeddings.weight"].shape[0], state["output_layer.weight"].shape[0]
 
 
-def test_the_model_has_the_given_rows_and_a_checkpoint_gives_them_back(corpus_prefix, tmp_path):  # noqa: F811
+def test_the_model_has_the_given_rows_and_a_checkpoint_gives_them_back(corpus_prefix, tmp_path):
     flags = [*TINY_MODEL, *RUN, "--data-path", corpus_prefix, "--train-iters", "2"]
     check_ok(run_pretrain([*flags, "--padded-vocab-size", "300", "--save", str(tmp_path / "p"), "--exit-interval", "1"]))
     assert _rows(tmp_path / "p") == (300, 300)  # ByteTokenizer's 257 tokens would pad to 384

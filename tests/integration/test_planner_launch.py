@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from driver_harness import PYTHON, REPO, _env, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+from driver_harness import PYTHON, REPO, _env, check_ok, losses, run_pretrain  # noqa: F401
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--ffn-hidden-size", "128", "--seq-length", "64"]
@@ -37,7 +37,7 @@ def planned() -> dict:
 
 
 @pytest.mark.parametrize("signature", SIGNATURES, ids=lambda s: "t{}c{}p{}l{}".format(*s))
-def test_planned_layout_trains_on_four_ranks(planned, signature, corpus_prefix, tmp_path):  # noqa: F811
+def test_planned_layout_trains_on_four_ranks(planned, signature, corpus_prefix, tmp_path):
     assert signature in planned, f"the planner printed no plan with (t, c, p, l) = {signature}"
     flags = planned[signature]
     out = tmp_path / "m.json"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, run_pretrain  # noqa: F401
 
 RUN = ["--micro-batch-size", "1", "--global-batch-size", "2", "--lr-warmup-iters", "0"]
 
@@ -14,7 +14,7 @@ def _iterations(path) -> list[int]:
     return [r["iteration"] for r in json.load(open(path))["iterations"]]
 
 
-def test_finetunes_from_the_pretrained_checkpoint_then_resumes_its_own(corpus_prefix, tmp_path):  # noqa: F811
+def test_finetunes_from_the_pretrained_checkpoint_then_resumes_its_own(corpus_prefix, tmp_path):
     common = [*TINY_MODEL, *RUN, "--data-path", corpus_prefix]
     base = tmp_path / "base"
     check_ok(run_pretrain([*common, "--train-iters", "3", "--save", str(base)]))
@@ -35,7 +35,7 @@ def test_finetunes_from_the_pretrained_checkpoint_then_resumes_its_own(corpus_pr
     assert _iterations(resumed) == [3, 4] and losses(resumed) == losses(ref)[2:]
 
 
-def test_no_checkpoint_in_either_is_one_line(corpus_prefix, tmp_path):  # noqa: F811
+def test_no_checkpoint_in_either_is_one_line(corpus_prefix, tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     proc = run_pretrain([*TINY_MODEL, *RUN, "--data-path", corpus_prefix, "--train-iters", "2", "--load",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, metrics, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain  # noqa: F401
 
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3"]
 P2 = ["--pipeline-model-parallel-size", "2", "--offload-alpha", "0.5", "--micro-batch-size", "1",
@@ -32,7 +32,7 @@ def _argv(corpus, flags):
 
 
 @pytest.fixture(scope="module")
-def runs(corpus_prefix, tmp_path_factory):  # noqa: F811
+def runs(corpus_prefix, tmp_path_factory):
     out = {}
     for name, (flags, nproc) in RUNS.items():
         path = tmp_path_factory.mktemp(name) / "metrics.json"
@@ -49,7 +49,7 @@ def test_recompute_gives_the_losses_of_no_recompute(runs, name):
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_measured_peak_is_the_cost_models(runs, corpus_prefix, name):  # noqa: F811
+def test_measured_peak_is_the_cost_models(runs, corpus_prefix, name):
     """Each stage's measured saved-activation peak equals the driver's prediction for the same flags within 3%."""
     from h3t_training.config.sections import parse_args
     from h3t_training.data.tokenizer import padded_vocab_size, tokenizer_from_args

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from driver_harness import TINY_MODEL, check_ok, corpus_prefix, losses, metrics, run_pretrain  # noqa: F401
+from driver_harness import TINY_MODEL, check_ok, losses, metrics, run_pretrain  # noqa: F401
 
 COMMON = [*TINY_MODEL, "--num-layers", "6", "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters",
           "4", "--lr-warmup-iters", "1", "--ckpt", "ours"]
@@ -34,7 +34,7 @@ prices their mean; with --ckpt ours its first-stage peak is a few percent low on
 
 
 @pytest.fixture(scope="module")
-def single_rank(corpus_prefix, tmp_path_factory):  # noqa: F811
+def single_rank(corpus_prefix, tmp_path_factory):
     d = tmp_path_factory.mktemp("single")
     argv = [*COMMON, "--data-path", corpus_prefix]
     check_ok(run_pretrain([*argv, "--save", str(d / "ckpt"), "--exit-interval", "1"]))

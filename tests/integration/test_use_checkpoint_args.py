@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, corpus_prefix, losses, read_common, \
+from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, losses, read_common, \
     run_pretrain  # noqa: F401
 
 SHAPE = {"--num-layers", "--hidden-size", "--num-attention-heads", "--group-query-attention", "--num-query-groups",
@@ -31,7 +31,7 @@ def _without_shape(flags: list[str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def saved(corpus_prefix, tmp_path_factory):  # noqa: F811
+def saved(corpus_prefix, tmp_path_factory):
     """Checkpoints at iteration 2 in both formats (the same run twice) and the full-flag finetune of one."""
     root = tmp_path_factory.mktemp("ckptargs")
     flags = [*TINY_MODEL, *RUN, "--data-path", corpus_prefix]
