@@ -253,14 +253,10 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     stages = tuple(stage_memory(model, plan, k, alphas[k]) for k in range(p))
     chunk = chunk_activation_bytes(model, plan)
     offloaded = tuple(rank_offloads(p, m, v, k) for k in range(p))
-    closed = time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded)
+    closed = _closed_form(model, plan, system, alphas, chunk, offloaded)
     too_large = timeline_too_large(model, plan, alphas) if timeline else None
     tl = plan_timeline(model, plan, system, alphas) if timeline and too_large is None else None
-    terms = closed if tl is None else timeline_terms(model, plan, system, tl)
-    if not (math.isfinite(terms.total) and terms.total > 0):
-        raise InvalidPlanError(f"system {system.name}: its rates and efficiencies price an iteration at "
-                               f"{terms.total} s (a peak FLOP/s or a bandwidth times its efficiency is too small to "
-                               "price); valid: rates of at least one per second and efficiencies that keep them so")
+    terms = closed if tl is None else _checked(timeline_terms(model, plan, system, tl), system)
     layers = layers_per_chunk(model, plan)
     traffic = None
     if layers is not None:  # pipeline size 1: layer-granular, every microbatch
@@ -284,6 +280,31 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         offload_traffic=traffic,
         timeline_note="" if too_large is None else f"priced by the closed form: {too_large}",
     )
+
+
+def _checked(terms: TimeTerms, system: SystemSpec) -> TimeTerms:
+    if not (math.isfinite(terms.total) and terms.total > 0):
+        raise InvalidPlanError(f"system {system.name}: its rates and efficiencies price an iteration at "
+                               f"{terms.total} s (a peak FLOP/s or a bandwidth times its efficiency is too small to "
+                               "price); valid: rates of at least one per second and efficiencies that keep them so")
+    return terms
+
+
+def _closed_form(model: ModelSpec, plan: Plan, system: SystemSpec, alphas, chunk: int, offloaded) -> TimeTerms:
+    return _checked(time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded),
+                    system)
+
+
+def closed_form_terms(model: ModelSpec, plan: Plan, system: SystemSpec) -> TimeTerms:
+    """``estimate(model, plan, system, timeline=False).time_terms`` without the memory terms, which no
+    efficiency of ``system`` changes: what a fit of the efficiencies prices thousands of times
+    (:mod:`~h3t_ext.costmodel.fit`). The same validation and the same closed form as :func:`estimate`."""
+    validate_plan(model, plan, system)
+    alphas = plan.alphas()
+    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
+    v = plan.virtual_size(model.num_layers)
+    offloaded = tuple(rank_offloads(p, m, v, k) for k in range(p))
+    return _closed_form(model, plan, system, alphas, chunk_activation_bytes(model, plan), offloaded)
 
 
 def _host_terms(model: ModelSpec, plan: Plan, stage: int, alpha: float, v: int,

@@ -6,7 +6,8 @@ its plausible range. A run identifies an efficiency when its predicted time move
 over the runs (|cos| >= ``MAX_COLLINEARITY``) cannot be told apart and only the more sensitive one is fitted;
 never more efficiencies than runs. The fit minimises the mean absolute relative error of tokens/s per GPU by
 coordinate-wise golden-section search inside the ranges (the error is unimodal in each efficiency: time
-is monotonic in every one). The fit prices the closed form (``estimate(..., timeline=False)``): thousands of
+is monotonic in every one). The fit prices the closed form, ``estimate(..., timeline=False)``'s time without the
+memory terms that no efficiency changes (:func:`~h3t_ext.costmodel.estimate.closed_form_terms`): thousands of
 estimates, and the timeline of the schedule's lists takes milliseconds to a second per plan.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional, Sequence
 
-from h3t_ext.costmodel.estimate import estimate
+from h3t_ext.costmodel.estimate import closed_form_terms
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, plausible_ranges
 
@@ -72,8 +73,14 @@ def _on(run: MeasuredRun, system: SystemSpec) -> SystemSpec:
 
 def relative_errors(runs: Sequence[MeasuredRun], system: SystemSpec) -> list[float]:
     """Predicted / measured tokens/s per GPU - 1, per run."""
-    return [estimate(r.model, r.plan, _on(r, system), timeline=False).tokens_per_second_per_gpu / r.tokens_per_s_per_gpu - 1
-            for r in runs]
+    return [_tokens_per_s_per_gpu(r, _on(r, system)) / r.tokens_per_s_per_gpu - 1 for r in runs]
+
+
+def _tokens_per_s_per_gpu(run: MeasuredRun, system: SystemSpec) -> float:
+    """``estimate(run.model, run.plan, system, timeline=False).tokens_per_second_per_gpu``, priced without the
+    memory terms (:func:`~h3t_ext.costmodel.estimate.closed_form_terms`)."""
+    seconds = closed_form_terms(run.model, run.plan, system).total
+    return run.plan.tokens_per_iteration / seconds / run.plan.num_gpus
 
 
 def mean_abs(errors: Sequence[float]) -> float:
@@ -104,7 +111,7 @@ def _errors(groups: Groups, values: Mapping[Param, float]) -> list[float]:
 
 def _times(groups: Groups, values: Mapping[Param, float]) -> list[float]:
     systems = _systems(groups, values)
-    return [estimate(r.model, r.plan, _on(r, systems[fam]), timeline=False).iteration_time_s
+    return [closed_form_terms(r.model, r.plan, _on(r, systems[fam])).total
             for fam, (_, runs) in groups.items() for r in runs]
 
 
