@@ -44,6 +44,9 @@ REASONS: dict[str, Reason] = {
                     "GeLU (default) or --swiglu"),
     "init": Reason("refused", "this initialisation is not implemented and would give other weights",
                     "--init-method-std"),
+    "megatron_fails": Reason("refused", "Megatron-LM 0.16-0.19 itself stops on it: core_transformer_config_from_args "
+                                        "passes scaled_init_method, a field TransformerConfig does not have (TypeError "
+                                        "before the model is built)", "--init-method-std"),
     "optimizer": Reason("refused", "only Adam(W) is implemented",
                     "--optimizer adam"),
     "data": Reason("refused", "this data source / sample construction is not implemented and would train on other samples",
@@ -240,11 +243,13 @@ MEGATRON_LM: dict[str, str] = {
 --softmax-type=1 --window-attn-skip-freq=1
 --window-size=1 --yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int=0
 --yarn-original-max-position-embeddings=1""",
+    "megatron_fails": """
+--init-method-xavier-uniform=0""",
     "activation": """
 --openai-gelu=0 --quick-geglu=0 --use-fused-weighted-squared-relu=0""",
     "init": """
 --freeze-all-layers=0
---init-method-xavier-uniform=0 --mup-attn-scale-power=1 --mup-base-head-dim=1 --mup-base-hidden-size=1
+--mup-attn-scale-power=1 --mup-base-head-dim=1 --mup-base-hidden-size=1
 --mup-embedding-mult=1 --mup-output-mult=1 --mup-width-mult=1 --no-initialization=0 --use-mup=0""",
     "optimizer": """
 --apply-wd-to-qk-layernorm=0 --lion-beta1=1 --lion-beta2=1 --muon-coefficient-type=1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 from h3t_training.config.arguments import build_parser
 from h3t_training.config.flag_table import TABLE, notice_lines
 from h3t_training.config.sections import parse_args
@@ -147,3 +149,20 @@ def test_refused_flags_given_megatron_lms_default_are_noticed(capsys):
     assert _noticed(given) == {"--softmax-type", "--rope-type", "--vocab-extra-ids", "--mup-output-mult"}
     for flag, other in (("--softmax-type", "off-by-one"), ("--rope-type", "yarn"), ("--mup-output-mult", "0.5")):
         assert error_body([*BASE, flag, other], capsys).startswith(f"{flag} is not supported")
+
+
+def test_xavier_init_is_refused_as_megatron_lm_fails_on_it():
+    """--init-method-xavier-uniform's group states that Megatron-LM cannot run it: its config builder passes
+    scaled_init_method, which the installed megatron-core's TransformerConfig refuses. A release that accepts it
+    fails this test, and the flag is then to be implemented."""
+    import dataclasses
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert TABLE["--init-method-xavier-uniform"].key == "megatron_fails"
+    assert TABLE["--init-method-xavier-uniform"].cls == "refused"
+    assert "scaled_init_method" not in {f.name for f in dataclasses.fields(TransformerConfig)}
+    with pytest.raises(TypeError, match="scaled_init_method"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                          init_method=torch.nn.init.xavier_uniform_, scaled_init_method=torch.nn.init.xavier_uniform_)
