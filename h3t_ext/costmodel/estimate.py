@@ -247,12 +247,9 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     validate_plan(model, plan, system)
     budget = (default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None
               else int(memory_budget_bytes))
-    alphas = plan.alphas()
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
-    v = plan.virtual_size(model.num_layers)
+    alphas, v, chunk, offloaded = _closed_form_inputs(model, plan)
     stages = tuple(stage_memory(model, plan, k, alphas[k]) for k in range(p))
-    chunk = chunk_activation_bytes(model, plan)
-    offloaded = tuple(rank_offloads(p, m, v, k) for k in range(p))
     closed = _closed_form(model, plan, system, alphas, chunk, offloaded)
     too_large = timeline_too_large(model, plan, alphas) if timeline else None
     tl = plan_timeline(model, plan, system, alphas) if timeline and too_large is None else None
@@ -290,6 +287,15 @@ def _checked(terms: TimeTerms, system: SystemSpec) -> TimeTerms:
     return terms
 
 
+def _closed_form_inputs(model: ModelSpec, plan: Plan) -> tuple[tuple[float, ...], int, int, tuple[int, ...]]:
+    """What the closed form reads of ``plan`` besides the system: each stage's alpha, the virtual size, one
+    microbatch-chunk's activation bytes and each stage's offloaded microbatch-chunks."""
+    alphas = plan.alphas()
+    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
+    v = plan.virtual_size(model.num_layers)
+    return alphas, v, chunk_activation_bytes(model, plan), tuple(rank_offloads(p, m, v, k) for k in range(p))
+
+
 def _closed_form(model: ModelSpec, plan: Plan, system: SystemSpec, alphas, chunk: int, offloaded) -> TimeTerms:
     return _checked(time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded),
                     system)
@@ -300,11 +306,8 @@ def closed_form_terms(model: ModelSpec, plan: Plan, system: SystemSpec) -> TimeT
     efficiency of ``system`` changes: what a fit of the efficiencies prices thousands of times
     (:mod:`~h3t_ext.costmodel.fit`). The same validation and the same closed form as :func:`estimate`."""
     validate_plan(model, plan, system)
-    alphas = plan.alphas()
-    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
-    v = plan.virtual_size(model.num_layers)
-    offloaded = tuple(rank_offloads(p, m, v, k) for k in range(p))
-    return _closed_form(model, plan, system, alphas, chunk_activation_bytes(model, plan), offloaded)
+    alphas, _, chunk, offloaded = _closed_form_inputs(model, plan)
+    return _closed_form(model, plan, system, alphas, chunk, offloaded)
 
 
 def _host_terms(model: ModelSpec, plan: Plan, stage: int, alpha: float, v: int,

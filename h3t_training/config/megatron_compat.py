@@ -199,8 +199,7 @@ def _data_args_files(args) -> dict:
     its dataset config then asserts "split must be provided"."""
     from h3t_training.data.data_args_files import DataArgsFileError, read_data_args, read_per_split_data_args
 
-    files = [f for f in ("data_args_path", "per_split_data_args_path") if getattr(args, f) is not None]
-    if not files:
+    if args.data_args_path is None and args.per_split_data_args_path is None:
         return {}
     sources = [f for f in ("data_path", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
                            "per_split_data_args_path") if getattr(args, f) is not None]

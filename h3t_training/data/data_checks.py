@@ -72,6 +72,13 @@ def check_indexed_dataset(prefix: str, vocab_size: int | None = None) -> int:
     return documents - 1
 
 
+def _number(token: str) -> Optional[float]:
+    try:
+        return float(token)
+    except ValueError:
+        return None
+
+
 Blend = tuple[list[str], Optional[list[float]]]
 """megatron-core's blend: the dataset prefixes and their weights, or None (each dataset's size weighs it)."""
 
@@ -84,15 +91,8 @@ def parse_blend(data_path: list[str], flag: str = "--data-path") -> Blend:
     ``flag``."""
     if not data_path:
         raise DataFileError(f"{flag} names no dataset prefix")
-    if len(data_path) % 2:
-        return [p.strip() for p in data_path], None
-    weights = []
-    for token in data_path[0::2]:
-        try:
-            weights.append(float(token))
-        except ValueError:
-            weights.append(None)
-    if all(w is None for w in weights):
+    weights = None if len(data_path) % 2 else [_number(token) for token in data_path[0::2]]
+    if weights is None or all(w is None for w in weights):
         return [p.strip() for p in data_path], None
     if any(w is None for w in weights):
         bad = next(t for t, w in zip(data_path[0::2], weights) if w is None)
