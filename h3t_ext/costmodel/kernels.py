@@ -35,7 +35,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
+from h3t_ext.attention_window import attended_pairs
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.specs import SystemSpec
 from h3t_ext.dtypes import BF16, BOOL, FP8, FP32
@@ -177,18 +179,25 @@ def _attention_waves(batch_heads: int, s_q: int, r: KernelRates) -> float:
 
 
 def flash_attention_flops(batch_heads: int, s_q: int, s_k: int, head_dim: int, *, causal: bool,
-                          backward: bool) -> float:
-    """FLOPs of one flash-attention call: 4 s_q s_k d per head (QK^T and PV), half of it causal, times
-    ``FLASH_BACKWARD_FLOP_RATIO`` for the backward."""
-    flops = 4.0 * batch_heads * s_q * s_k * head_dim * (0.5 if causal else 1.0)
+                          backward: bool, window: Optional[int] = None) -> float:
+    """FLOPs of one flash-attention call: 4 d per (query, key) pair per head (QK^T and PV) over s_q s_k pairs, half of
+    them causal, the band of a sliding ``window`` (causal self-attention, s_q = s_k:
+    :func:`h3t_ext.attention_window.attended_pairs`), times ``FLASH_BACKWARD_FLOP_RATIO`` for the backward."""
+    if causal and window is not None:
+        if s_q != s_k:
+            raise ValueError(f"a windowed flash-attention call is self-attention, got {s_q} queries over {s_k} keys")
+        pairs = attended_pairs(s_q, window)
+    else:
+        pairs = s_q * s_k * (0.5 if causal else 1.0)
+    flops = 4.0 * batch_heads * pairs * head_dim
     return flops * FLASH_BACKWARD_FLOP_RATIO if backward else flops
 
 
 def flash_attention_seconds(batch_heads: int, s_q: int, s_k: int, head_dim: int, r: KernelRates, *,
-                            causal: bool, backward: bool, dropout: bool = False) -> float:
+                            causal: bool, backward: bool, dropout: bool = False, window: Optional[int] = None) -> float:
     """One flash-attention call of ``batch_heads`` (batch x local heads) of s_q queries over s_k keys, with
-    or without attention dropout."""
-    flops = flash_attention_flops(batch_heads, s_q, s_k, head_dim, causal=causal, backward=backward)
+    or without attention dropout, causal within a sliding ``window`` when one is given."""
+    flops = flash_attention_flops(batch_heads, s_q, s_k, head_dim, causal=causal, backward=backward, window=window)
     rate = r.attention_flops * head_dim / (head_dim + r.head_dim_overhead)
     if backward:
         rate *= r.attention_backward_fraction

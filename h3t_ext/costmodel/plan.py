@@ -368,6 +368,10 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     _validate_alphas(plan)
     plan_layout(model, plan, system)
     _validate_recompute(model, plan)
+    _check(plan.context_parallel_size == 1 or model.windowed_layers == 0,
+           f"context_parallel_size {plan.context_parallel_size} with sliding-window attention (window_size "
+           f"{model.window_size}): the cost model prices context parallelism as the causal ring, which has no window; "
+           f"valid: context_parallel_size 1")
     _check(not plan.use_torch_fsdp2 or model.untie_embeddings_and_output_weights,
            "use_torch_fsdp2 needs untied embedding and output weights (Megatron-LM refuses FSDP2 with tied ones)")
 

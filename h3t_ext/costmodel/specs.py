@@ -8,6 +8,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional
 
+from h3t_ext.attention_window import SkipFreq, WindowFlagError, attended_pairs, check_window, windowed_layer_count
 from h3t_ext.costmodel.errors import UnknownNameError
 from h3t_ext.costmodel.schema import SchemaError, check_system_dict
 
@@ -78,6 +79,14 @@ class ModelSpec:
     """Megatron's --qk-layernorm: a norm (of --normalization's kind) over each head's d channels of the queries and
     the keys after the QKV projection (OLMo 2, Qwen3, Gemma 3). One memory-bound pass over q and k each way; its
     input, the QKV projection's output, and its per-head rstd are saved for its backward; weights of d each."""
+    window_size: Optional[int] = None
+    """Megatron's --window-size LEFT,0 as LEFT: sliding-window attention, each token attending to the LEFT tokens
+    before it and itself (Mistral, Gemma). Flash attention computes only the band's blocks
+    (:func:`h3t_ext.attention_window.attended_pairs`); what it saves is the same as without a window. None: causal
+    attention over the whole sequence."""
+    window_attn_skip_freq: Optional[SkipFreq] = None
+    """Megatron's --window-attn-skip-freq: which layers the window applies to (an int N: all but every N-th; a tuple:
+    one 0/1 per layer); None: all of them (:func:`h3t_ext.attention_window.is_windowed`)."""
 
     def __post_init__(self) -> None:
         if self.normalization is None:
@@ -107,6 +116,13 @@ class ModelSpec:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
                              f"({self.num_attention_heads}); valid hidden_size: multiples of "
                              f"{self.num_attention_heads}, or give kv_channels")
+        if isinstance(self.window_attn_skip_freq, list):
+            object.__setattr__(self, "window_attn_skip_freq", tuple(self.window_attn_skip_freq))
+        try:
+            check_window(self.window_size, self.window_attn_skip_freq, self.num_layers)
+        except WindowFlagError as e:
+            raise ValueError(str(e).replace("--window-size", "window_size").replace(
+                "--window-attn-skip-freq", "window_attn_skip_freq").replace("--num-layers", "num_layers")) from None
         if self.num_attention_heads % self.num_query_groups:
             groups = ", ".join(str(g) for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0)
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
@@ -117,6 +133,20 @@ class ModelSpec:
         """The head dimension d: ``kv_channels``, else h / heads (left None, it follows h through
         ``dataclasses.replace``)."""
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers that attend through the sliding window (0 without --window-size)."""
+        return windowed_layer_count(self.window_size, self.window_attn_skip_freq, self.num_layers)
+
+    def attended_pairs_per_layer(self, seq_length: int) -> float:
+        """Score pairs of one head in an average layer: the windowed layers' band and the others' causal triangle,
+        weighted by their counts (:func:`h3t_ext.attention_window.attended_pairs`)."""
+        w = self.windowed_layers
+        full = attended_pairs(seq_length)
+        if w == 0:
+            return full
+        return (w * attended_pairs(seq_length, self.window_size) + (self.num_layers - w) * full) / self.num_layers
 
     @property
     def query_hidden_size(self) -> int:

@@ -158,25 +158,37 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
     context-parallel K/V ring leaves exposed (reported separately as ``cp_fwd``/``cp_bwd``)."""
     c = plan.context_parallel_size
     link = _cp_link(plan, system) if c > 1 and plan.attention_backend != "unfused" else None
+    windowed = model.windowed_layers if model.window_size is not None and model.window_size < plan.seq_length \
+        else 0
     return dict(_attention(model.num_attention_heads, model.head_dim, model.kv_hidden_size, model.query_hidden_size,
                            model.attention_dropout > 0, plan.attention_backend, plan.tensor_model_parallel_size, c,
-                           plan.seq_length, plan.micro_batch_size, r, link))
+                           plan.seq_length, plan.micro_batch_size, r, link,
+                           model.window_size if windowed else None, windowed / model.num_layers))
 
 
 @functools.lru_cache(maxsize=4096)
 def _attention(heads: int, d: int, kv_hidden: int, q_hidden: int, drop: bool, backend: str, t: int, c: int, s: int,
-               mb: int, r: KernelRates, link: Optional[Link]) -> tuple[tuple[str, float], ...]:
+               mb: int, r: KernelRates, link: Optional[Link], window: Optional[int] = None,
+               windowed_share: float = 0.0) -> tuple[tuple[str, float], ...]:
     """:func:`attention_seconds` of the model's attention sizes and the plan's (pure; memoised: every
-    checkpointing mode and precision of a search shares it)."""
+    checkpointing mode and precision of a search shares it). With a sliding ``window`` on ``windowed_share`` of the
+    layers, the flash kernels of an average layer: that share of the band's time and the rest of the causal
+    triangle's (the unfused attention computes every score whatever the mask; the plan check refuses a window with
+    context parallelism)."""
     bh = mb * heads // t
     if backend == "unfused":
         return (("fwd", unfused_attention_seconds(bh, s // c, d, r, backward=False, dropout=drop)),
                 ("bwd", unfused_attention_seconds(bh, s // c, d, r, backward=True, dropout=drop)), ("cp_fwd", 0.0),
                 ("cp_bwd", 0.0))
     if c == 1:
-        return (("fwd", flash_attention_seconds(bh, s, s, d, r, causal=True, backward=False, dropout=drop)),
-                ("bwd", flash_attention_seconds(bh, s, s, d, r, causal=True, backward=True, dropout=drop)),
-                ("cp_fwd", 0.0), ("cp_bwd", 0.0))
+        def layer(backward: bool) -> float:
+            full = flash_attention_seconds(bh, s, s, d, r, causal=True, backward=backward, dropout=drop)
+            if window is None:
+                return full
+            band = flash_attention_seconds(bh, s, s, d, r, causal=True, backward=backward, dropout=drop,
+                                           window=window)
+            return windowed_share * band + (1.0 - windowed_share) * full
+        return (("fwd", layer(False)), ("bwd", layer(True)), ("cp_fwd", 0.0), ("cp_bwd", 0.0))
     # load-balanced causal ring (2c chunks): step 0 is the rank's own causal block, steps 1..c-1 are
     # s/c queries against half of a neighbour's s/c keys
     q = s // c

@@ -17,6 +17,7 @@ from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, OPTIMIZER_IMPLS, TRANSFORMER_IMPLS
 from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
 from h3t_ext.offload_alpha import OffloadAlpha
+from h3t_ext.attention_window import WindowFlagError, parse_skip_freq, parse_window_size
 from h3t_ext.planner import cli_flags, translate
 from h3t_ext.planner.space import SearchConstraints
 from h3t_ext.planner.units import parse_bytes
@@ -37,7 +38,7 @@ _FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|
                     r"offload_alpha|ckpt|num_layers|hidden_size|num_attention_heads|num_query_groups|ffn_hidden_size|"
                     r"vocab_size|kv_channels|optimizer_cpu_offload|use_distributed_optimizer|"
                     r"data_parallel_sharding_strategy|tp_comm_overlap|sequence_parallel|overlap_param_gather|"
-                    r"overlap_grad_reduce|use_torch_fsdp2)\b")
+                    r"overlap_grad_reduce|use_torch_fsdp2|window_size|window_attn_skip_freq)\b")
 
 
 def flagify(reason: str) -> str:
@@ -299,6 +300,12 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
                         "default 128)")
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
                    help="rows of the learned position table, >= --seq-length (default --seq-length)")
+    g.add_argument("--window-size", default=None, metavar="LEFT,0",
+                   help="sliding-window attention (Mistral, Gemma): each token attends to the LEFT before it; flash "
+                        "attention computes only that band (default: the zoo model's; none for a custom shape)")
+    g.add_argument("--window-attn-skip-freq", default=None, metavar="N|PATTERN",
+                   help="which layers the window applies to: all but every N-th, or a 0/1 pattern per layer such as "
+                        "[1,1,1,0]*8 (default all)")
     for flag in ("attention-dropout", "hidden-dropout"):
         g.add_argument("--" + flag, type=_dropout, default=None,
                        help="dropout probability (default: the zoo model's, 0 for a custom shape; Megatron-LM's "
@@ -345,6 +352,7 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
                                   ("max_position_embeddings", ns.max_position_embeddings),
                                   ("make_vocab_size_divisible_by", ns.make_vocab_size_divisible_by))
                 if v is not None}
+    switches.update(_window_switches(ns))
     seq_length = getattr(ns, "seq_length", None)
     if ns.max_position_embeddings is not None and seq_length is not None and ns.max_position_embeddings < seq_length:
         raise UsageError(f"argument --max-position-embeddings: {ns.max_position_embeddings} is below --seq-length "
@@ -367,6 +375,19 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
         return ModelSpec(name="custom", **given, **switches)
     except ValueError as e:
         raise UsageError(f"model: {flagify(str(e))}") from None
+
+
+def _window_switches(ns: argparse.Namespace) -> dict:
+    """The ModelSpec fields of --window-size and --window-attn-skip-freq (UsageError, one line, on a bad value)."""
+    try:
+        out = {}
+        if ns.window_size is not None:
+            out["window_size"] = parse_window_size(ns.window_size)
+        if ns.window_attn_skip_freq is not None:
+            out["window_attn_skip_freq"] = parse_skip_freq(ns.window_attn_skip_freq)
+        return out
+    except WindowFlagError as e:
+        raise UsageError(str(e)) from None
 
 
 def _gpu_name(ns: argparse.Namespace) -> str:

@@ -33,6 +33,7 @@ R_T_HEADS = "num_attention_heads not divisible by tensor_model_parallel_size"
 R_T_GROUPS = "num_query_groups not divisible by tensor_model_parallel_size"
 R_T_FFN = "ffn_hidden_size not divisible by tensor_model_parallel_size"
 R_C_SEQ = "seq_length not divisible by 2 * context_parallel_size"
+R_C_WINDOW = "context parallelism with sliding-window attention (the cost model prices only the causal ring)"
 R_T_SEQ = "seq_length / context_parallel_size not divisible by tensor_model_parallel_size"
 R_P_LAYERS = "num_layers not divisible by pipeline_model_parallel_size"
 R_L_LAYERS = "num_layers not divisible by pipeline_model_parallel_size * num_layers_per_virtual_pipeline_stage"
@@ -250,6 +251,9 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
             rejected[reason] += 1
             continue
         for c in _pick(k.context_parallel_size, divisors(num_gpus // t)):
+            if c > 1 and model.windowed_layers:  # the plan check's rule (costmodel.plan.validate_plan), early
+                rejected[R_C_WINDOW] += 1
+                continue
             if reason := R_GPUS if (num_gpus // t) % c else _validate_context(seq_length, t, c, k.sequence_parallel):
                 rejected[reason] += 1
                 continue

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Optional
 
+from h3t_ext.attention_window import WindowFlagError, check_window, parse_skip_freq, parse_window_size
 from h3t_ext.ckpt import Ckpt, Recompute, combined_ckpt, split_ckpt
 from h3t_ext.layout import LayoutError, pipeline_split
 from h3t_ext.planner import cli_flags
@@ -91,6 +92,12 @@ def _add_model(p: argparse.ArgumentParser, shape_required: bool) -> None:
                    help="its factor (Megatron-LM's default 8.0); needs --use-rope-scaling")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                    help="RoPE linear position interpolation: positions divided by this factor")
+    g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention: each token attends to the LEFT tokens before it and itself "
+                        "(RIGHT is 0 in a causal GPT), e.g. 4096,0")
+    g.add_argument("--window-attn-skip-freq", default=None, metavar="N|PATTERN",
+                   help="which layers --window-size windows: N windows all but every N-th layer; a pattern such as "
+                        "[1,1,1,0]*3 gives one 0/1 per layer (1 windowed); default every layer")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
@@ -163,6 +170,30 @@ def check_activation(args):
         raise ArgumentError("--squared-relu with linear biases needs --no-bias-gelu-fusion (megatron-core fuses "
                             "only GeLU and SwiGLU with the bias), or --disable-bias-linear")
     return args
+
+
+def resolve_window(args):
+    """--window-size as megatron-core's (LEFT, 0) and --window-attn-skip-freq as an int or a 0/1 tuple
+    (:mod:`h3t_ext.attention_window`, one line on a bad value); a frequency without a window is Megatron-LM's no-op,
+    said in a notice. Context parallelism is refused with a window: the CPU ring attention has none, and the cost
+    model does not price a windowed ring."""
+    if args.window_size is None and args.window_attn_skip_freq is None:
+        return args
+    try:
+        left = None if args.window_size is None else parse_window_size(args.window_size)
+        freq = None if args.window_attn_skip_freq is None else parse_skip_freq(args.window_attn_skip_freq)
+        check_window(left, freq, args.num_layers)
+    except WindowFlagError as e:
+        raise ArgumentError(str(e)) from None
+    if left is None:
+        return args.replace(window_attn_skip_freq=freq, flag_notices=(
+            *args.flag_notices, "note: --window-attn-skip-freq: no effect without --window-size (Megatron-LM's layers "
+                                "then all attend fully too): same result"))
+    if (args.context_parallel_size or 1) > 1:
+        raise ArgumentError(f"--window-size with --context-parallel-size {args.context_parallel_size}: context-parallel "
+                            f"attention here is a causal ring without a sliding window; valid: "
+                            f"--context-parallel-size 1")
+    return args.replace(window_size=(left, 0), window_attn_skip_freq=freq)
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")

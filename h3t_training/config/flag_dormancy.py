@@ -83,12 +83,6 @@ DORMANCIES: dict[str, Dormancy] = {
          "--no-yarn-correction-range-round-to-int", "--yarn-original-max-position-embeddings"),
         lambda args, given: args.position_embedding_type != "yarn",
         "a YaRN setting; Megatron-LM reads it only with --position-embedding-type yarn: same result"),
-    # transformer/utils.py is_layer_window_attention: no --window-size, no windowed layer, whatever the frequency.
-    "window": Dormancy(
-        ("--window-attn-skip-freq",),
-        lambda args, given: given("--window-size") is None,
-        "which layers --window-size windows; without a window Megatron-LM's layers all attend fully too: "
-        "same result"),
     # T5's relative position buckets (models/T5, examples/t5): a GPT model never reads them.
     "relative": Dormancy(
         ("--relative-attention-num-buckets", "--relative-attention-max-distance"),

@@ -173,7 +173,7 @@ MEGATRON_LM: dict[str, str] = {
 --position-embedding-type=1 --recompute-activations=0 --recompute-granularity=1 --recompute-method=1
 --recompute-modules=* --recompute-num-layers=1
 --rotary-base=1 --rotary-interleaved=0 --rotary-percent=1 --use-rope-scaling=0 --rope-scaling-factor=1
---rotary-seq-len-interpolation-factor=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
+--rotary-seq-len-interpolation-factor=1 --window-size=1 --window-attn-skip-freq=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
 --sequence-parallel=0 --skip-train=0 --split=1 --swiglu=0 --tensor-model-parallel-size=1 --tensorboard-dir=1
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
 --null-tokenizer-eod-id=1 --null-tokenizer-pad-id=1 --tiktoken-num-special-tokens=1 --tiktoken-pattern=1
@@ -240,8 +240,8 @@ MEGATRON_LM: dict[str, str] = {
 --mrope-section=+ --no-rope-freq=1 --no-yarn-correction-range-round-to-int=0 --qk-clip=0 --qk-clip-alpha=1
 --qk-clip-threshold=1 --qk-l2-norm=0 --relative-attention-max-distance=1
 --relative-attention-num-buckets=1 --rope-type=1
---softmax-type=1 --window-attn-skip-freq=1
---window-size=1 --yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int=0
+--softmax-type=1
+--yarn-beta-fast=1 --yarn-beta-slow=1 --yarn-correction-range-round-to-int=0
 --yarn-original-max-position-embeddings=1""",
     "megatron_fails": """
 --init-method-xavier-uniform=0""",

@@ -10,6 +10,9 @@ userbuffers (``--tp-comm-overlap``), no Megatron FSDP. The layer split (uneven f
 """
 from __future__ import annotations
 
+from typing import Optional
+
+from h3t_ext.attention_window import SkipFreq, parse_skip_freq
 from h3t_ext.costmodel import ModelSpec, Plan
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.dtypes import BOOL, DtypeName, bytes_per_element
@@ -69,7 +72,20 @@ def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
                      normalization=config.normalization, position_embedding_type=config.position_embedding_type,
                      max_position_embeddings=config.max_position_embeddings,
                      make_vocab_size_divisible_by=config.make_vocab_size_divisible_by,
-                     kv_channels=config.kv_channels, qk_layernorm=bool(config.qk_layernorm))
+                     kv_channels=config.kv_channels, qk_layernorm=bool(config.qk_layernorm),
+                     window_size=window_left(config),
+                     window_attn_skip_freq=_skip_freq(config))
+
+
+def _skip_freq(config) -> Optional[SkipFreq]:
+    """--window-attn-skip-freq of a windowed run (an int or a tuple; None without a window: Megatron-LM's no-op)."""
+    freq = config.window_attn_skip_freq
+    return None if config.window_size is None or freq is None else parse_skip_freq(freq)
+
+
+def window_left(config) -> Optional[int]:
+    """The left window of --window-size (resolved to megatron-core's (LEFT, 0)), None without one."""
+    return None if config.window_size is None else int(config.window_size[0])
 
 
 def stack_fields(config, *, on_gpu: bool) -> dict:
@@ -105,4 +121,5 @@ def model_flops_per_iteration_token(config, vocab_size: int) -> float:
     return model_flops_per_token(model_spec(config, vocab_size), config.seq_length)
 
 
-__all__ = ["activation_spec", "compute_dtype", "gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan", "uses_transformer_engine"]
+__all__ = ["activation_spec", "compute_dtype", "gpu_plan_fields", "model_flops_per_iteration_token", "model_spec", "run_plan",
+           "uses_transformer_engine", "window_left"]

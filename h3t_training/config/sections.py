@@ -146,7 +146,8 @@ Step = Callable[[TrainConfig], TrainConfig]
 def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
     steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
-                         arguments.check_activation, arguments.fill_model_defaults, arguments.check_positive,
+                         arguments.check_activation, arguments.fill_model_defaults, arguments.resolve_window,
+                         arguments.check_positive,
                          arguments.resolve_ckpt, arguments.resolve_iterations_to_skip,
                          validation.resolve_tokenizer, megatron_offload.check_offload_requests]
     if config.auto_plan:

@@ -19,6 +19,21 @@ MODEL_SWITCH_FLAGS = ("qk_layernorm", "squared_relu")
 """Switches of the model's structure that must match too; a checkpoint that predates one (no such field) was saved
 without it. A load reads only the tensors the run's model asks for, so a checkpoint with q/k norms would otherwise
 lose them silently in a run without; the MLP activation has no tensor of its own to tell."""
+MODEL_WINDOW_FLAGS = ("window_size", "window_attn_skip_freq")
+"""The sliding window (--window-size, --window-attn-skip-freq) must match by value: a windowed checkpoint resumed
+without the window (or with another) would train another model on the same tensors. A checkpoint that predates the
+fields was saved without a window."""
+
+
+def window_values(ns) -> dict:
+    """The window fields of a run's flags or of Megatron-LM's saved args, comparable: lists for tuples, and no
+    frequency without a window (Megatron-LM's no-op)."""
+    size = getattr(ns, "window_size", None)
+    freq = getattr(ns, "window_attn_skip_freq", None) if size is not None else None
+    return {"window_size": None if size is None else [int(v) for v in size],
+            "window_attn_skip_freq": [int(v) for v in freq] if isinstance(freq, (list, tuple)) else freq}
+
+
 LAYOUT_FLAGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
                 "context_parallel_size", "data_parallel_size", "world_size", "use_distributed_optimizer")
 SCHEDULE_FLAGS = ("lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "lr_decay_iters", "weight_decay", "decoupled_lr",
@@ -44,4 +59,5 @@ class CheckpointError(Exception):
 
 
 __all__ = ["CHECKPOINT_VERSION", "CheckpointError", "LAYOUT_FLAGS", "MODEL_SHAPE_FLAGS", "MODEL_SWITCH_FLAGS",
+           "MODEL_WINDOW_FLAGS", "window_values",
            "SCHEDULE_FLAGS", "SCHEDULE_STEPS", "WRITTEN_BY"]

@@ -52,8 +52,8 @@ from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.data.tokenizer import padded_vocab_size, run_padded_vocab_size
 from h3t_training.loop import fsdp, legacy_checkpoint as legacy, megatron_written
 from h3t_training.loop.checkpoint_common import (CHECKPOINT_VERSION, LAYOUT_FLAGS, MODEL_SHAPE_FLAGS,  # noqa: F401
-                                                 MODEL_SWITCH_FLAGS, SCHEDULE_FLAGS, SCHEDULE_STEPS, WRITTEN_BY,
-                                                 CheckpointError)
+                                                 MODEL_SWITCH_FLAGS, MODEL_WINDOW_FLAGS, SCHEDULE_FLAGS, SCHEDULE_STEPS,
+                                                 WRITTEN_BY, CheckpointError, window_values)
 from h3t_training.loop.checkpoint_files import (CHECKSUMS, TRACKER, file_digest, read_common,  # noqa: F401
                                                 read_tracker, verify_files, verify_layout)
 from h3t_training.loop.collectives import all_reduce_host
@@ -117,6 +117,7 @@ def adopted_padding(saved_padded: Optional[int], vocab_size: int, args, where: s
 
 def _model_shape(args) -> dict:
     shape = {k: getattr(args, k) for k in MODEL_SHAPE_FLAGS + MODEL_SWITCH_FLAGS}
+    shape.update(window_values(args))
     shape["padded_vocab_size"] = run_padded_vocab_size(args)
     return shape
 
@@ -198,6 +199,13 @@ def find_checkpoint(args, *, rank: int, named_by: str = "--load") -> Optional[Fo
             raise CheckpointError(f"{where} was saved {'with' if saved.get(k) else 'without'} {flag}, this run "
                                   f"{'has' if getattr(args, k) else 'does not have'} it; give the same model flags",
                                   alike=True)
+    windows = window_values(args)
+    for k in MODEL_WINDOW_FLAGS:  # absent from a checkpoint that predates the window: saved without one
+        if saved.get(k) != windows[k]:
+            flag = "--" + k.replace("_", "-")
+            theirs, ours = (", ".join(map(str, v)) if isinstance(v, list) else v for v in (saved.get(k), windows[k]))
+            raise CheckpointError(f"{where} was saved with {flag} {theirs}, this run has {ours}; give the same model "
+                                  f"flags", alike=True)
     adopted = _check_schedule(args, common.get("opt_param_scheduler", {}), iteration)
     padding, notices = adopted_padding(saved.get("padded_vocab_size"), args.tokenizer_vocab_size, args, where)
     if megatron:  # what this run cannot take (one line), and what it takes

@@ -32,7 +32,7 @@ import torch
 from h3t_training.loop import legacy_checkpoint as legacy
 from h3t_training.loop.checkpoint_common import (CHECKPOINT_VERSION, LAYOUT_FLAGS, MODEL_SHAPE_FLAGS,
                                                  MODEL_SWITCH_FLAGS, SCHEDULE_FLAGS, SCHEDULE_STEPS, WRITTEN_BY,
-                                                 CheckpointError)
+                                                 CheckpointError, window_values)
 
 MODEL_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "group_query_attention", "ffn_hidden_size",
               "tokenizer_type", "vocab_size", "padded_vocab_size")
@@ -72,6 +72,7 @@ def megatron_written_common(ns, iteration, scheduler: Optional[dict], *, path: s
     model["num_query_groups"] = _field(ns, "num_query_groups", path) if gqa else model["num_attention_heads"]
     model = {k: model[k] for k in (*MODEL_SHAPE_FLAGS, "padded_vocab_size")}
     model.update({k: bool(getattr(ns, k, False)) for k in MODEL_SWITCH_FLAGS})  # Megatron-LM's default: off
+    model.update(window_values(ns))
     layout = {k: _field(ns, k, path) for k in LAYOUT_FLAGS}
     schedule = {k: getattr(ns, k, None) if k in OPTIONAL_SCHEDULE_ARGS else _field(ns, k, path)
                 for k in SCHEDULE_FLAGS}

@@ -16,10 +16,11 @@ from megatron.core import parallel_state as ps
 from megatron.core.activations import squared_relu
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from h3t_ext.attention_window import megatron_window_fields
 from h3t_ext.runtime.modules.gpt import build_stage_chunks, tiny_llama_config
 from h3t_training.config import feature_checks
 from h3t_training.config.megatron_fields import spec_backend, transformer_fields
-from h3t_training.config.run_spec import compute_dtype
+from h3t_training.config.run_spec import compute_dtype, window_left
 from h3t_training.errors import ArgumentError
 from h3t_training.loop.initialize import set_random_seed
 from h3t_training.data.tokenizer import padded_vocab_size
@@ -62,6 +63,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
         add_qkv_bias=args.add_qkv_bias,
         kv_channels=args.kv_channels,
         qk_layernorm=args.qk_layernorm,
+        **megatron_window_fields(window_left(args), args.window_attn_skip_freq),
         calculate_per_token_loss=args.calculate_per_token_loss,
         rotary_interleaved=args.rotary_interleaved,
         num_layers=args.num_layers,

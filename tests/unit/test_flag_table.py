@@ -113,13 +113,12 @@ def test_settings_of_a_feature_left_off_are_noticed_and_refused_with_it(capsys):
     from parse_harness import error_body
 
     off = ["--qk-clip-alpha", "0.3", "--mup-width-mult", "2", "--fim-rate", "0.9", "--yarn-beta-fast", "16",
-           "--window-attn-skip-freq", "4", "--relative-attention-num-buckets", "64", "--apply-wd-to-qk-layernorm",
+           "--relative-attention-num-buckets", "64", "--apply-wd-to-qk-layernorm",
            "--no-strict-fsdp-dtensor-load", "--sft-tokenizer-prompt-format",
            "x", "--openai-gelu", "--apply-residual-connection-post-layernorm"]
     assert _noticed(off) >= {f for f in off if f.startswith("--")}
     for on, setting in ((["--qk-clip"], ["--qk-clip-alpha", "0.3"]), (["--use-mup"], ["--mup-width-mult", "2"]),
-                        (["--fim-data"], ["--fim-rate", "0.9"]), (["--window-size", "128,0"],
-                                                                   ["--window-attn-skip-freq", "4"]),
+                        (["--fim-data"], ["--fim-rate", "0.9"]),
                         (["--qk-layernorm"], ["--apply-wd-to-qk-layernorm"])):
         body = error_body([*BASE, *on, *setting], capsys)
         assert setting[0] in body.split(" is not supported")[0].split(" are not supported")[0], (on, body)

@@ -27,10 +27,10 @@ def test_a_real_moe_config_is_refused_at_the_spec_for_every_ckpt():
             h3t_layer_spec(config, ckpt=ckpt)
 
 
-def test_local_attention_is_full_causal_softmax_attention():
-    with pytest.raises(UnsupportedLayerSpecError, match="--window-size"):
-        h3t_layer_spec(tiny_llama_config(window_size=(16, 0)), ckpt="no")
+def test_local_attention_is_vanilla_softmax_attention():
+    """The local spec builds sliding windows (tests/unit/test_sliding_window.py), not another softmax."""
+    h3t_layer_spec(tiny_llama_config(window_size=(16, 0)), ckpt="no")
     with pytest.raises(UnsupportedLayerSpecError, match="--softmax-type off-by-one"):
         validate_spec_config(types.SimpleNamespace(softmax_type="off-by-one"), "local")
-    validate_spec_config(types.SimpleNamespace(window_size=(16, 0), softmax_type="off-by-one"), "te")  # TE takes both
+    validate_spec_config(types.SimpleNamespace(softmax_type="off-by-one", num_layers=2), "te")  # TE takes it
     h3t_layer_spec(tiny_llama_config(), ckpt="ours")  # the plain decoder builds

@@ -47,6 +47,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from h3t_ext.ckpt import NO_RECOMPUTE, Recompute, split_ckpt
+from h3t_ext.attention_window import WindowFlagError, window_from_config
 
 from ..config import CKPT_CHOICES, RuntimeConfigError
 from .attention import SDPACoreAttention
@@ -187,16 +188,18 @@ config with one set would be trained as a dense GPT decoder without it."""
 def validate_spec_config(config, backend: str) -> None:
     """Raise :class:`UnsupportedLayerSpecError` (one line) when ``config`` asks for a layer this spec does not build,
     whatever the ckpt: the driver refuses those flags before, Megatron-LM's own loop (megatron_native) hands its
-    TransformerConfig here. The local core attention is full causal softmax attention: no sliding window, no
-    off-by-one or learnable softmax (TransformerEngine's attention, backend 'te', takes both)."""
+    TransformerConfig here. The local core attention is causal softmax attention, within a sliding window where the
+    config has one (:mod:`h3t_ext.attention_window`: a causal left window, one pattern entry per layer); no
+    off-by-one or learnable softmax (TransformerEngine's attention, backend 'te', takes it)."""
     for field, what in UNBUILT_FEATURES:
         if getattr(config, field, None):
             raise UnsupportedLayerSpecError(f"h3t-ext's layer spec does not build {what}; leave it out or train it "
                                             f"with megatron-core's own spec")
+    try:
+        window_from_config(config)
+    except WindowFlagError as e:
+        raise UnsupportedLayerSpecError(str(e)) from None
     if backend == "local":
-        if getattr(config, "window_size", None) is not None:
-            raise UnsupportedLayerSpecError("--window-size (sliding-window attention) needs TransformerEngine's "
-                                            "attention; the local spec's attention is full causal")
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise UnsupportedLayerSpecError(f"--softmax-type {config.softmax_type} needs TransformerEngine's attention; "
                                             f"the local spec's softmax is the vanilla one")

@@ -240,6 +240,9 @@ class RingSDPACoreAttention(MegatronModule):
             raise ValueError(f"RingSDPACoreAttention implements cp_comm_type 'p2p', got {cp_comm_type!r}")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"RingSDPACoreAttention supports causal masks only, got {attn_mask_type}")
+        if getattr(config, "window_size", None) is not None:
+            raise ValueError("RingSDPACoreAttention has no sliding window (--window-size): its blocks are causal or "
+                             "full; train windowed attention with --context-parallel-size 1")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"RingSDPACoreAttention does not support --attention-dropout {dropout} (use 0)")
