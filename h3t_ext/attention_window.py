@@ -142,6 +142,8 @@ def is_windowed(window_size: Optional[int], skip_freq: Optional[SkipFreq], layer
 
 def windowed_layer_count(window_size: Optional[int], skip_freq: Optional[SkipFreq], num_layers: int) -> int:
     """How many of the model's layers are windowed."""
+    if window_size is None:
+        return 0
     return sum(is_windowed(window_size, skip_freq, n) for n in range(1, num_layers + 1))
 
 
