@@ -11,6 +11,10 @@ and megatron-core 0.16.1 enforce:
   splits evenly over the middle ranks; with --account-for-embedding/loss-in-pipeline-split the embedding
   and the loss count as one layer each), and over the v model chunks of each rank (:class:`PipelineSplit`,
   megatron-core's ``get_num_layers_to_build`` / ``get_transformer_layer_offset``);
+* or, with megatron-core's ``--pipeline-model-parallel-layout`` (a string such as ``Ett|(tt|)*6tL``: one
+  ``|``-separated stage per pipeline rank and model chunk, 'E' the embedding, 't' a transformer layer, 'L' the loss),
+  each model chunk's layers as written (:func:`parse_pipeline_layout`, megatron-core's
+  ``PipelineParallelLayerLayout``);
 * interleaving (v > 1) needs p > 1 and megatron-core's microbatch grouping of
   ``forward_backward_pipelining_with_interleaving``: with ``microbatch_group_size_per_vp_stage`` g
   (default p), p <= g <= m and m mod g is 0 or >= p (so with the default, m a multiple of p);
@@ -28,11 +32,13 @@ In formulas t, c, p, v, d, m are the six sizes; public names are Megatron's.
 """
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
 
-RULES = ("range", "world_size", "global_batch_size", "num_layers", "uneven_stages",
+RULES = ("range", "world_size", "global_batch_size", "num_layers", "uneven_stages", "pipeline_layout",
          "num_layers_per_virtual_pipeline_stage", "virtual_needs_pipeline", "interleaving", "num_attention_heads",
          "num_query_groups", "ffn_hidden_size", "seq_length_context_parallel", "seq_length_sequence_parallel")
 """Names of the rules (``LayoutError.rule``), for callers that count refusals by kind (the planner)."""
@@ -149,6 +155,64 @@ def _slots(num_layers: int, embedding: bool, loss: bool) -> tuple[int, str]:
     return n, (said if n == num_layers else f"({said}) = {n}")
 
 
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+MAX_LAYOUT_CHARS = 1 << 20
+"""Longest layout string expanded (a model has far fewer layers: a longer one is refused, not built)."""
+_LAYOUT_GROUP = re.compile(r"\(([^)]+)\)\*(\d+)")
+_LAYOUT_REPEAT = re.compile(r"(.)\*(\d+)")
+
+
+def _expand(pattern: re.Pattern, text: str) -> str:
+    """One pass of megatron-core's unrolling (``parse_str_to_list``: every ``(x)*n`` then every ``c*n``)."""
+    def repeat(m: re.Match) -> str:
+        n = int(m.group(2))
+        if len(m.group(1)) * n > MAX_LAYOUT_CHARS:
+            raise LayoutError(f"{LAYOUT_FLAG}: {m.group(0)!r} unrolls to more than {MAX_LAYOUT_CHARS} layers",
+                              "pipeline_layout")
+        return m.group(1) * n
+    return pattern.sub(repeat, text)
+
+
+def parse_pipeline_layout(layout: str, num_layers: int, pipeline_model_parallel_size: int) -> tuple[int, ...]:
+    """The transformer layers of each virtual stage of megatron-core's ``--pipeline-model-parallel-layout``, in its
+    order (stage ``k`` is model chunk ``k // p`` of pipeline rank ``k % p``), after megatron-core's rules
+    (``PipelineParallelLayerLayout``: commas dropped, ``(x)*n`` and ``c*n`` unrolled once each, stages split on
+    ``|``; their count a multiple of p; the embedding 'E' first and the loss 'L' last, once each; as many 't' as
+    --num-layers). This driver builds no multi-token prediction layers ('m'), and the output layer and the loss are
+    the last pipeline rank's: 'L' must end the last stage. LayoutError (one line) otherwise."""
+    _positive("--num-layers", num_layers)
+    _positive("--pipeline-model-parallel-size", pipeline_model_parallel_size)
+    if not isinstance(layout, str) or not layout.strip():
+        raise LayoutError(f"{LAYOUT_FLAG} {layout!r} is empty; valid: stages of E, t and L separated by |, e.g. "
+                          f"Ett|ttL", "pipeline_layout")
+    text = _expand(_LAYOUT_REPEAT, _expand(_LAYOUT_GROUP, layout.replace(",", "")))
+    stages = text.split("|")
+    bad = sorted(set(text) - set("ELt|m"))
+    if bad:
+        raise LayoutError(f"{LAYOUT_FLAG} {layout!r} has {', '.join(map(repr, bad))}; valid characters: E "
+                          f"(embedding), t (transformer layer), L (loss), | between stages, (..)*N and c*N repeats",
+                          "pipeline_layout")
+    if "m" in text:
+        raise LayoutError(f"{LAYOUT_FLAG} {layout!r} places multi-token prediction layers ('m'), which this driver "
+                          f"does not build; valid: E, t and L only", "pipeline_layout")
+    p = pipeline_model_parallel_size
+    if len(stages) % p:
+        raise LayoutError(f"{LAYOUT_FLAG} {layout!r} has {len(stages)} stages, not a multiple of "
+                          f"--pipeline-model-parallel-size {p}; valid: p x (model chunks per rank) stages",
+                          "pipeline_layout")
+    if text.count("E") != 1 or not stages[0].startswith("E"):
+        raise LayoutError(f"{LAYOUT_FLAG} {layout!r}: the embedding 'E' must be given once, first in the first "
+                          f"stage", "pipeline_layout")
+    if text.count("L") != 1 or not stages[-1].endswith("L"):
+        raise LayoutError(f"{LAYOUT_FLAG} {layout!r}: the loss 'L' must be given once, last in the last stage (the "
+                          f"last pipeline rank's last model chunk holds the output layer)", "pipeline_layout")
+    counts = tuple(stage.count("t") for stage in stages)
+    if sum(counts) != num_layers:
+        raise LayoutError(f"{LAYOUT_FLAG} {layout!r} places {sum(counts)} transformer layers ('t'), --num-layers is "
+                          f"{num_layers}; valid: {num_layers} 't'", "pipeline_layout")
+    return counts
+
+
 @dataclass(frozen=True)
 class PipelineSplit:
     """Which transformer layers each pipeline rank and model chunk builds, by megatron-core 0.16.1's rule
@@ -169,14 +233,26 @@ class PipelineSplit:
     decoder_last_pipeline_num_layers: Optional[int] = None
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
+    stage_layout: Optional[tuple[int, ...]] = None
+    """--pipeline-model-parallel-layout's transformer layers per virtual stage (:func:`parse_pipeline_layout`,
+    stage ``chunk x p + rank``); None: the split of the other flags."""
 
     @property
     def uneven(self) -> bool:
         """True with --decoder-first/last-pipeline-num-layers."""
         return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
 
+    def representative_stages(self) -> tuple[int, ...]:
+        """Pipeline ranks that stand for all: the first, a middle one and the last (the middle ranks hold alike),
+        or every rank under a layout (which may give each its own layers)."""
+        p = self.pipeline_model_parallel_size
+        return tuple(range(p)) if self.stage_layout is not None else tuple(sorted({0, min(1, p - 1), p - 1}))
+
     def rank_slots(self, stage: int) -> int:
-        """Layers of pipeline rank ``stage`` as the split counts them (the embedding and loss slots included)."""
+        """Layers of pipeline rank ``stage`` as the split counts them (the embedding and loss slots included; under a
+        layout its transformer layers)."""
+        if self.stage_layout is not None:
+            return self.stage_layers(stage)
         p, first, last = self.pipeline_model_parallel_size, self.decoder_first_pipeline_num_layers, \
             self.decoder_last_pipeline_num_layers
         if not self.uneven:
@@ -192,6 +268,8 @@ class PipelineSplit:
     def chunk_layers(self, stage: int, chunk: int = 0) -> int:
         """Transformer layers that model chunk ``chunk`` of pipeline rank ``stage`` builds."""
         p, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        if self.stage_layout is not None:
+            return self.stage_layout[chunk * p + stage]
         n = self.rank_slots(stage) // v
         if self.account_for_embedding_in_pipeline_split and stage == 0 and chunk == 0:
             n -= 1
@@ -204,6 +282,8 @@ class PipelineSplit:
         them, in closed form (v chunks of ``rank_slots // v``, less the embedding's and the loss's slots), so a
         split of thousands of chunks costs no more than one of a few."""
         p, v = self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size
+        if self.stage_layout is not None:
+            return sum(self.stage_layout[stage::p])
         return (v * (self.rank_slots(stage) // v) - (self.account_for_embedding_in_pipeline_split and stage == 0)
                 - (self.account_for_loss_in_pipeline_split and stage == p - 1))
 
@@ -212,6 +292,8 @@ class PipelineSplit:
         walking its chunks: only the first and the last chunk can differ from the others (the embedding's and the
         loss's slots)."""
         v = self.virtual_pipeline_model_parallel_size
+        if self.stage_layout is not None:
+            return dict(Counter(self.stage_layout[stage::self.pipeline_model_parallel_size]))
         counts = {self.chunk_layers(stage, 0): 1}
         if v > 1:
             last = self.chunk_layers(stage, v - 1)
@@ -224,6 +306,8 @@ class PipelineSplit:
     def distinct_chunk_layers(self) -> set[int]:
         """The layer counts of every model chunk of every pipeline rank (the set), from the ranks that can differ:
         the first, a middle one and the last."""
+        if self.stage_layout is not None:
+            return set(self.stage_layout)
         p = self.pipeline_model_parallel_size
         return {n for stage in {0, min(1, p - 1), p - 1} for n in self.chunk_layer_counts(stage)}
 
@@ -239,7 +323,8 @@ def pipeline_split(num_layers: int, pipeline_model_parallel_size: int,
                    decoder_first_pipeline_num_layers: Optional[int] = None,
                    decoder_last_pipeline_num_layers: Optional[int] = None,
                    account_for_embedding_in_pipeline_split: bool = False,
-                   account_for_loss_in_pipeline_split: bool = False) -> PipelineSplit:
+                   account_for_loss_in_pipeline_split: bool = False,
+                   pipeline_model_parallel_layout: Optional[str] = None) -> PipelineSplit:
     """The :class:`PipelineSplit` of Megatron's flags, after Megatron-LM's and megatron-core's checks
     (``arguments.py`` and ``TransformerConfig.__post_init__``): uneven stages exclude the --account-for-* flags
     and --num-layers-per-virtual-pipeline-stage (their chunks come from --num-virtual-stages-per-pipeline-rank,
@@ -256,6 +341,12 @@ def pipeline_split(num_layers: int, pipeline_model_parallel_size: int,
                           "--num-virtual-stages-per-pipeline-rank; valid: one of them", "range")
     if V is not None:
         _positive("--num-virtual-stages-per-pipeline-rank", V)
+    if pipeline_model_parallel_layout is not None:
+        return _layout_split(L, p, pipeline_model_parallel_layout, {
+            "--num-layers-per-virtual-pipeline-stage": l is not None,
+            "--num-virtual-stages-per-pipeline-rank": V is not None,
+            "--decoder-first-pipeline-num-layers": first is not None,
+            "--decoder-last-pipeline-num-layers": last is not None, _ACCOUNT[0]: e, _ACCOUNT[1]: lo})
     uneven = first is not None or last is not None
     if uneven:
         if e or lo:
@@ -295,6 +386,22 @@ def pipeline_split(num_layers: int, pipeline_model_parallel_size: int,
         v = 1
     _check_chunks(p, v)
     return PipelineSplit(L, p, v, account_for_embedding_in_pipeline_split=e, account_for_loss_in_pipeline_split=lo)
+
+
+def _layout_split(num_layers: int, p: int, layout: str, others: dict[str, bool]) -> PipelineSplit:
+    """The split of --pipeline-model-parallel-layout, which Megatron-LM (its interleaving flags) and megatron-core's
+    TransformerConfig (uneven stages, --account-for-*) take alone."""
+    given = [flag for flag, on in others.items() if on]
+    if given:
+        raise LayoutError(f"{LAYOUT_FLAG} cannot be combined with {', '.join(given)} (Megatron-LM and megatron-core "
+                          f"refuse both: the layout says every stage's layers); valid: one of them", "pipeline_layout")
+    counts = parse_pipeline_layout(layout, num_layers, p)
+    v = len(counts) // p
+    if v > 1 and p == 1:
+        raise LayoutError(f"{LAYOUT_FLAG} {layout!r} has {v} stages, {v} model chunks on the one pipeline rank; "
+                          f"interleaving needs --pipeline-model-parallel-size > 1; valid: one stage per rank at "
+                          f"--pipeline-model-parallel-size 1", "virtual_needs_pipeline")
+    return PipelineSplit(num_layers, p, v, stage_layout=counts)
 
 
 def virtual_pipeline_size(num_layers: int, pipeline_model_parallel_size: int,
@@ -458,4 +565,5 @@ class ParallelLayout:
                               "seq_length_sequence_parallel")
 
 
-__all__ = ["RULES", "LayoutError", "ParallelLayout", "PipelineSplit", "pipeline_split", "virtual_pipeline_size"]
+__all__ = ["LAYOUT_FLAG", "RULES", "LayoutError", "ParallelLayout", "PipelineSplit", "parse_pipeline_layout",
+           "pipeline_split", "virtual_pipeline_size"]

@@ -269,7 +269,10 @@ def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: 
 
 def _stage_kind(plan: Plan, stage: int) -> int:
     """Stages with the same kind have the same parameters, transients and chunk bytes: 0 the first, 2 the
-    last, 1 every middle one (3 when p = 1: first and last at once)."""
+    last, 1 every middle one (3 when p = 1: first and last at once); under a --pipeline-model-parallel-layout,
+    which may give every rank its own layers, each stage its own kind (4 + stage)."""
+    if plan.pipeline_model_parallel_layout is not None:
+        return 4 + stage
     last = plan.pipeline_model_parallel_size - 1
     return (stage == 0) * 1 + (stage == last) * 2 if stage in (0, last) else 0
 

@@ -9,7 +9,7 @@ from h3t_ext.ckpt import CKPT_CHOICES, NO_RECOMPUTE, Ckpt, Recompute, split_ckpt
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, validate_fp8
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
-from h3t_ext.layout import LayoutError, ParallelLayout, PipelineSplit
+from h3t_ext.layout import LayoutError, ParallelLayout, PipelineSplit, parse_pipeline_layout
 from h3t_ext.offload_alpha import Alpha, check_alpha
 
 SELECTIVE = Ckpt.SELECTIVE
@@ -140,6 +140,9 @@ class Plan:
     (L + 1 split evenly; the first stage's first chunk builds one transformer layer fewer)."""
     account_for_loss_in_pipeline_split: bool = False
     """Megatron's --account-for-loss-in-pipeline-split: the loss counts as one layer of the last stage."""
+    pipeline_model_parallel_layout: Optional[str] = None
+    """megatron-core's --pipeline-model-parallel-layout (e.g. ``Ett|tt|tt|tL``): every model chunk's layers as
+    written (:func:`h3t_ext.layout.parse_pipeline_layout`; v is its stages / p); it excludes the other split flags."""
     fp8: Optional[str] = None
     """Megatron's --fp8-format (its field ``fp8``): 'e4m3' or 'hybrid' runs the linear layers' GEMMs in FP8
     through TransformerEngine (h3t_ext.costmodel.fp8); None: BF16 (Megatron's default)."""
@@ -196,7 +199,7 @@ class Plan:
         return _split(num_layers, self.pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage,
                       self.num_virtual_stages_per_pipeline_rank, self.decoder_first_pipeline_num_layers,
                       self.decoder_last_pipeline_num_layers, self.account_for_embedding_in_pipeline_split,
-                      self.account_for_loss_in_pipeline_split)
+                      self.account_for_loss_in_pipeline_split, self.pipeline_model_parallel_layout)
 
     def layers_per_rank(self, num_layers: int) -> int:
         """Layers of a middle stage: L / p, (L + 1 per --account-for-* flag) / p, or with uneven first/last stages
@@ -210,6 +213,10 @@ class Plan:
         if p - (first is not None) - (last is not None) == 0:
             return first
         return split.rank_slots(0 if first is None else 1)
+
+    def representative_stages(self, num_layers: int) -> tuple[int, ...]:
+        """The pipeline ranks whose memory and time stand for all (:meth:`PipelineSplit.representative_stages`)."""
+        return self.pipeline_split(num_layers).representative_stages()
 
     def stage_layers(self, num_layers: int, stage: int) -> int:
         """Transformer layers held by pipeline rank ``stage`` (Megatron's rule: the embedding / loss of
@@ -243,8 +250,11 @@ class Plan:
 
 @lru_cache(maxsize=4096)
 def _split(L: int, p: int, l: Optional[int], V: Optional[int], first: Optional[int], last: Optional[int],
-           embedding: bool, loss: bool) -> PipelineSplit:
-    """The plan's split without the layout checks (v = (n/p) / l, with n = L + the --account-for-* slots)."""
+           embedding: bool, loss: bool, layout: Optional[str] = None) -> PipelineSplit:
+    """The plan's split without the layout checks (v = (n/p) / l, with n = L + the --account-for-* slots); a
+    --pipeline-model-parallel-layout is read as written (LayoutError where it cannot be)."""
+    if layout is not None:
+        return PipelineSplit(L, p, len(counts := parse_pipeline_layout(layout, L, p)) // p, stage_layout=counts)
     if V is not None:
         v = V
     elif l is None or first is not None or last is not None:
@@ -346,7 +356,8 @@ def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = Non
             decoder_first_pipeline_num_layers=plan.decoder_first_pipeline_num_layers,
             decoder_last_pipeline_num_layers=plan.decoder_last_pipeline_num_layers,
             account_for_embedding_in_pipeline_split=plan.account_for_embedding_in_pipeline_split,
-            account_for_loss_in_pipeline_split=plan.account_for_loss_in_pipeline_split)
+            account_for_loss_in_pipeline_split=plan.account_for_loss_in_pipeline_split,
+            pipeline_model_parallel_layout=plan.pipeline_model_parallel_layout)
     except LayoutError as e:
         raise InvalidPlanError(e.reason) from None
 

@@ -8,7 +8,7 @@ action gets its price from the cost model's per-layer terms (:class:`~h3t_ext.co
 * ``FORWARD`` / ``BACKWARD`` of a model chunk run on the rank's compute stream, one after the other:
   ``layers * LayerTime.forward_action`` (``backward_action``: backward kernels, recompute, exposed tensor-
   and context-parallel communication), plus the output layer's ``HeadTime.fwd`` / ``bwd`` on the last
-  stage's last chunk. A chunk holds ``stage_layers / v`` layers.
+  stage's last chunk. A chunk holds its own layers (``PipelineSplit.chunk_layers``: an --account-for-* slot or a layout makes them differ).
 * Sends and receives: every run of them between two compute actions is one ``batch_isend_irecv`` batch
   (:func:`h3t_ext.schedule.posting.posting_batches`). A batch is posted when the compute before it ends and
   runs after the rank's previous batch (NCCL runs a rank's batches in order on one stream); a transfer runs
@@ -397,9 +397,10 @@ def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opt
     st = shape_times(model, plan, system)
     fa, ba = st.layer.forward_action, st.layer.backward_action
     forward, backward = [], []
+    split = plan.pipeline_split(L)
     for r in range(p):
-        chunk_layers = plan.stage_layers(L, r) / v
-        f, b = [chunk_layers * fa] * v, [chunk_layers * ba] * v
+        chunks = [split.chunk_layers(r, c) for c in range(v)]  # a layout or --account-for-* makes them differ
+        f, b = [n * fa for n in chunks], [n * ba for n in chunks]
         if r == p - 1:
             f[-1] += st.head.fwd
             b[-1] += st.head.bwd

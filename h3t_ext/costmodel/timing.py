@@ -526,8 +526,8 @@ def stage_microbatch_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, s
 
 def slowest_stage(model: ModelSpec, plan: Plan, system: SystemSpec) -> int:
     """The pipeline rank with the longest microbatch (middle stages are alike: first, one middle, last)."""
-    p = plan.pipeline_model_parallel_size
-    return max({0, min(1, p - 1), p - 1}, key=lambda k: stage_microbatch_seconds(model, plan, system, k))
+    return max(plan.representative_stages(model.num_layers),
+               key=lambda k: stage_microbatch_seconds(model, plan, system, k))
 
 
 def dp_exposed_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:

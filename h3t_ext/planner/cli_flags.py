@@ -35,7 +35,7 @@ def add_parallel_size_flags(g, *, count: Parse, default: Optional[int]) -> None:
 
 def add_virtual_pipeline_flags(g, *, count: Parse, uneven: bool) -> None:
     """Interleaving (``--num-layers-per-virtual-pipeline-stage``) and, with ``uneven``, Megatron's uneven first and
-    last stages and the second way to interleave them."""
+    last stages, the second way to interleave them and megatron-core's layout string."""
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=count, default=None,
                    help="layers of each model chunk (interleaved 1F1B)")
     if not uneven:
@@ -50,6 +50,10 @@ def add_virtual_pipeline_flags(g, *, count: Parse, uneven: bool) -> None:
                    help="the embedding counts as one layer of the first stage when the layers are split")
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
                    help="the loss counts as one layer of the last stage when the layers are split")
+    g.add_argument("--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+                   help="every model chunk's layers as megatron-core reads them: p x v stages separated by |, "
+                        "E the embedding, t a transformer layer, L the loss, (..)*N and c*N repeats, e.g. "
+                        "Ett|(tt|)*2tL (excludes the other split and interleaving flags)")
 
 
 def add_recompute_flags(g, *, count: Parse, full_method: bool) -> None:

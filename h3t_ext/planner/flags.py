@@ -33,6 +33,8 @@ def megatron_flags(plan: Plan) -> list[str]:
     flags += [flag for flag, attr in _SPLIT_INTS.items() if getattr(plan, attr) is not None
               for flag in (flag, str(getattr(plan, attr)))]
     flags += [flag for flag, attr in _SPLIT_SWITCHES.items() if getattr(plan, attr)]
+    if plan.pipeline_model_parallel_layout is not None:
+        flags += ["--pipeline-model-parallel-layout", plan.pipeline_model_parallel_layout]
     if plan.tensor_model_parallel_size > 1 and plan.sequence_parallel:
         flags.append("--sequence-parallel")
     if plan.use_distributed_optimizer:
@@ -99,7 +101,8 @@ _PRECISION = {"--fp16": "fp16", "--accumulate-allreduce-grads-in-fp32": "accumul
 _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
                "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--attention-backend": "attention_backend",
                "--transformer-impl": "transformer_impl", "--recompute-granularity": "recompute_granularity",
-               "--recompute-method": "recompute_method"}
+               "--recompute-method": "recompute_method",
+               "--pipeline-model-parallel-layout": "pipeline_model_parallel_layout"}
 
 
 def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int) -> Plan:

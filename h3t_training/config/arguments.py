@@ -579,7 +579,8 @@ def split_flags(args) -> dict:
                 decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
                 decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
                 account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
-                account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+                account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+                pipeline_model_parallel_layout=args.pipeline_model_parallel_layout)
 
 
 def apply_padded_vocab_size(args):

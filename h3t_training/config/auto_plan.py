@@ -105,7 +105,8 @@ def plan_config(args):
         ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers is not None),
         ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None),
         ("--account-for-embedding-in-pipeline-split", args.account_for_embedding_in_pipeline_split),
-        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split)) if given]
+        ("--account-for-loss-in-pipeline-split", args.account_for_loss_in_pipeline_split),
+        ("--pipeline-model-parallel-layout", args.pipeline_model_parallel_layout is not None)) if given]
     if split:
         raise ArgumentError(f"--auto-plan searches even layer splits only; it cannot keep {', '.join(split)}: give the "
                             "parallel flags yourself, or leave those out")

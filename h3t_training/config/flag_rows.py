@@ -173,7 +173,8 @@ MEGATRON_LM: dict[str, str] = {
 --position-embedding-type=1 --recompute-activations=0 --recompute-granularity=1 --recompute-method=1
 --recompute-modules=* --recompute-num-layers=1
 --rotary-base=1 --rotary-interleaved=0 --rotary-percent=1 --use-rope-scaling=0 --rope-scaling-factor=1
---rotary-seq-len-interpolation-factor=1 --window-size=1 --window-attn-skip-freq=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
+--rotary-seq-len-interpolation-factor=1 --window-size=1 --window-attn-skip-freq=1
+--pipeline-model-parallel-layout=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
 --sequence-parallel=0 --skip-train=0 --split=1 --swiglu=0 --tensor-model-parallel-size=1 --tensorboard-dir=1
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
 --null-tokenizer-eod-id=1 --null-tokenizer-pad-id=1 --tiktoken-num-special-tokens=1 --tiktoken-pattern=1
@@ -378,7 +379,7 @@ MEGATRON_LM: dict[str, str] = {
 --no-tp-comm-bulk-wgrad=0 --no-tp-comm-overlap-ag=0 --no-tp-comm-overlap-rs=0 --no-tp-comm-split-ag=0
 --no-tp-comm-split-rs=0 --overlap-p2p-communication-warmup-flush=0
 --overlap-param-gather-with-optimizer-step=0 --pipeline-model-parallel-comm-backend=1
---pipeline-model-parallel-layout=1 --sharp-enabled-group=1 --suggested-communication-unit-size=1
+--sharp-enabled-group=1 --suggested-communication-unit-size=1
 --symmetric-ar-type=1 --tensor-parallel-num-weight-shards=1 --tp-comm-bootstrap-backend=1
 --tp-comm-overlap=0 --tp-comm-overlap-cfg=1 --tp-comm-overlap-rs-dgrad=0 --use-nccl-ub=0
 --use-ring-exchange-p2p=0 --use-sharp=0 --use-tp-pp-dp-mapping=0 --wgrad-deferral-limit=1""",

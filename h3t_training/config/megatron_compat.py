@@ -179,7 +179,8 @@ def _virtual_stages(args) -> dict:
     if args.num_layers_per_virtual_pipeline_stage is not None:
         raise ArgumentError("give one of --num-virtual-stages-per-pipeline-rank and "
                             "--num-layers-per-virtual-pipeline-stage")
-    if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
+    if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None \
+            or args.pipeline_model_parallel_layout is not None:  # the split's own refusal names the flags
         return {}
     n = args.num_layers + args.account_for_embedding_in_pipeline_split + args.account_for_loss_in_pipeline_split
     if v < 1 or n % (p * v):

@@ -82,6 +82,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
         num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         params_dtype=dtype,

@@ -221,4 +221,4 @@ def test_layout_module_imports_nothing_from_h3t_ext():
     tree = ast.parse(open(mod.__file__).read())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module or "." for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert imported <= {"__future__", "dataclasses", "typing"}, imported
+    assert imported <= {"__future__", "collections", "dataclasses", "re", "typing"}, imported
