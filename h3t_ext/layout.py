@@ -243,10 +243,24 @@ class PipelineSplit:
         return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
 
     def representative_stages(self) -> tuple[int, ...]:
-        """Pipeline ranks that stand for all: the first, a middle one and the last (the middle ranks hold alike),
-        or every rank under a layout (which may give each its own layers)."""
+        """Pipeline ranks that stand for all: the first, a middle one and the last (the middle ranks hold alike);
+        under a layout, which may give each rank its own layers, the first rank of each :meth:`stage_class`."""
         p = self.pipeline_model_parallel_size
-        return tuple(range(p)) if self.stage_layout is not None else tuple(sorted({0, min(1, p - 1), p - 1}))
+        if self.stage_layout is None:
+            return tuple(sorted({0, min(1, p - 1), p - 1}))
+        return tuple(sorted({self.stage_class(r) for r in range(p)}))
+
+    def stage_class(self, stage: int) -> int:
+        """The first pipeline rank that holds what ``stage`` holds: the same layers in each model chunk, and the
+        embedding or the output layer where ``stage`` has them (their weights, grads and per-microbatch work are
+        alike; the microbatches in flight still depend on the rank)."""
+        p, layout = self.pipeline_model_parallel_size, self.stage_layout
+        if stage in (0, p - 1):
+            return stage
+        if layout is None:
+            return 1
+        mine = layout[stage::p]
+        return next(r for r in range(1, p - 1) if layout[r::p] == mine)
 
     def rank_slots(self, stage: int) -> int:
         """Layers of pipeline rank ``stage`` as the split counts them (the embedding and loss slots included; under a

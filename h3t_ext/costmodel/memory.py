@@ -267,12 +267,13 @@ def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: 
     return act, reload
 
 
-def _stage_kind(plan: Plan, stage: int) -> int:
+def _stage_kind(model: ModelSpec, plan: Plan, stage: int) -> int:
     """Stages with the same kind have the same parameters, transients and chunk bytes: 0 the first, 2 the
     last, 1 every middle one (3 when p = 1: first and last at once); under a --pipeline-model-parallel-layout,
-    which may give every rank its own layers, each stage its own kind (4 + stage)."""
+    which may give every rank its own layers, 4 + the first rank that holds the same
+    (:meth:`~h3t_ext.layout.PipelineSplit.stage_class`)."""
     if plan.pipeline_model_parallel_layout is not None:
-        return 4 + stage
+        return 4 + plan.pipeline_split(model.num_layers).stage_class(stage)
     last = plan.pipeline_model_parallel_size - 1
     return (stage == 0) * 1 + (stage == last) * 2 if stage in (0, last) else 0
 
@@ -285,8 +286,8 @@ def _stage_constants(model: ModelSpec, plan: Plan, kind: int, stage: int) -> tup
 
 
 def _constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
-    kind = _stage_kind(plan, stage)
-    return _stage_constants(model, plan, kind, stage if kind else 1)
+    kind = _stage_kind(model, plan, stage)
+    return _stage_constants(model, plan, kind, kind - 4 if kind >= 4 else stage if kind else 1)
 
 
 def stage_fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> Mapping[str, int]:

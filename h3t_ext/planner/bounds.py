@@ -7,6 +7,7 @@ from typing import Optional
 from h3t_ext.costmodel import Plan
 from h3t_ext.costmodel.plan import applicable_switches
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
+from h3t_ext.layout import pipeline_split
 from h3t_ext.planner.recompute_modes import RecomputeMode
 from h3t_ext.planner.space import Layout
 
@@ -26,6 +27,7 @@ def candidate_plan(run: tuple, layout: Layout, mb: int, mode, block_layers: Opti
         context_parallel_size=layout.context_parallel_size,
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=layout.num_layers_per_virtual_pipeline_stage,
+        pipeline_model_parallel_layout=layout.pipeline_model_parallel_layout,
         ckpt=mode.ckpt,
         recompute=mode.recompute_of(block_layers),
         **switches,
@@ -42,7 +44,8 @@ class Bounds:
 
     The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
     per-microbatch time T and the bubble is (sum over stages - T)/v, so together (m - 1/v) T + (sum over
-    stages)/v; the slowest stage is at least as slow as the last one. pp_p2p is exact, dp_exposed at least its
+    stages)/v; T is the largest of the stages' layers times the layer's time plus, on the last, the output layer's
+    (an even split's last stage; under a layout any stage). pp_p2p is exact, dp_exposed at least its
     value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
 
     A layer's time with ckpt ``no`` is its time with any other mode without the recompute terms (>= 0; nothing
@@ -69,24 +72,33 @@ class Bounds:
         self._plain_id = tuple(unique.index(m) for m in self._plain)
         """Each mode's / each plain mode's index among the distinct modes (a cheap key for :attr:`_shapes`)."""
         self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8) -> (layer, output) s
-        self._per_layout: dict[int, tuple] = {}  # layout -> (t, c, layers per stage, v, p, replicas, fp8)
+        self._per_layout: dict[int, tuple] = {}  # layout -> (t, c, (most layers of a stage but the last, the last's,
+        #                                                      all), v, p, replicas, fp8)
         self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
 
     def _layout_sizes(self, li: int) -> tuple:
-        """(t, c, layers per stage, v, p, data-parallel replicas, fp8) of layout ``li``."""
+        """(t, c, (most layers of a stage but the last, the last stage's, all), v, p, data-parallel replicas, fp8) of
+        layout ``li``."""
         sizes = self._per_layout.get(li)
         if sizes is None:
             (num_gpus, _, _, switches), layout = self.layouts[li]
             L, t, c, p = (self.model.num_layers, layout.tensor_model_parallel_size, layout.context_parallel_size,
                           layout.pipeline_model_parallel_size)
             l = layout.num_layers_per_virtual_pipeline_stage
-            sizes = self._per_layout[li] = (t, c, L // p, 1 if l is None else L // p // l, p,
+            if layout.pipeline_model_parallel_layout is None:
+                stages = (L // p, L // p, L // p * p)
+            else:
+                split = pipeline_split(L, p, pipeline_model_parallel_layout=layout.pipeline_model_parallel_layout)
+                counts = [split.stage_layers(r) for r in range(p)]
+                stages = (max(counts[:-1], default=0), counts[-1], L)
+            sizes = self._per_layout[li] = (t, c, stages, 1 if l is None else L // p // l, p,
                                             num_gpus // (t * p) // c, switches.get("fp8"))
         return sizes
 
     def _pipelined(self, li: int, ci: int, i: int) -> float:
         """Lower bound on compute + recompute + tp_comm + cp_comm + bubble of candidate (``li``, ``ci``, ``i``)."""
-        t, c, per_stage, v, p, replicas, fp8 = self._layout_sizes(li)
+        t, c, (others, last_layers, layers), v, p, replicas, fp8 = self._layout_sizes(li)
+        per_stage = max(others, last_layers)
         run, layout = self.layouts[li]
         mb = layout.micro_batch_sizes[i]
         n = self.block_layers.get((li, ci, i)) if self.modes[ci].block else None
@@ -99,8 +111,8 @@ class Bounds:
             times = self._shapes[key] = (st.layer.total, st.head.total)
         per_layer, head = times
         m = run[2] // (mb * replicas)
-        last = per_stage * per_layer + head
-        return (m - 1 / v) * last + (p * per_stage * per_layer + head) / v if p > 1 else m * last
+        slowest = max(others * per_layer, last_layers * per_layer + head)
+        return (m - 1 / v) * slowest + (layers * per_layer + head) / v if p > 1 else m * slowest
 
     def _tokens(self, li: int) -> int:
         _, seq_length, global_batch, _ = self.layouts[li][0]

@@ -301,7 +301,7 @@ def search(
         gpus_per_node=system.gpus_per_node, constraints=constraints)
     col = _Collector(rejected)
     modes = search_modes(constraints.ckpt, constraints.attention_backend)
-    static: dict[tuple[int, int, int], Optional[ClosestInfeasible]] = {}
+    static: dict[tuple, Optional[ClosestInfeasible]] = {}
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
                                                       "overlap_p2p_comm", "sequence_parallel",
                                                       "use_distributed_optimizer", "data_parallel_sharding_strategy",
@@ -322,7 +322,7 @@ def search(
             continue
         for layout in layouts:
             key = (run[3].get("fp8"), layout.tensor_model_parallel_size, layout.context_parallel_size,
-                   layout.pipeline_model_parallel_size)
+                   layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_layout)
             if key not in static:
                 probe = candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0])
                 static[key] = _static_infeasibility(model, system, probe, budgets)

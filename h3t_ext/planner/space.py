@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 from h3t_ext.costmodel import ModelSpec
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE
 from h3t_ext.layout import LayoutError, ParallelLayout, virtual_pipeline_size
+from h3t_ext.planner.pipeline_balance import split_candidates
 
 CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
 """The plain checkpointing modes from least to most saved activation memory (the search's recompute axis adds
@@ -147,6 +148,9 @@ class Layout:
     """l, or None for plain 1F1B."""
     micro_batch_sizes: tuple[int, ...]
     """Valid micro batch sizes, ascending (activation memory grows with it)."""
+    pipeline_model_parallel_layout: Optional[str] = None
+    """The layer split as megatron-core's layout string (:mod:`h3t_ext.planner.pipeline_balance`: the output layer's
+    work balanced, one chunk per stage), or None for Megatron's even split."""
 
 
 def divisors(n: int) -> list[int]:
@@ -261,15 +265,17 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                 if (num_gpus // (t * c)) % p:
                     rejected[R_GPUS] += 1
                     continue
-                if reason := _refusal(lambda: virtual_pipeline_size(L, p)):
-                    rejected[reason] += 1
+                uneven = _refusal(lambda: virtual_pipeline_size(L, p))  # why the even split cannot be built
+                splits = split_candidates(model, seq_length, p, t) if p > 1 else (None,)
+                if uneven and not splits:
+                    rejected[uneven] += 1
                     continue
                 for l in l_options:
-                    if reason := _validate_virtual(L, p, l):
+                    if reason := uneven if l is not None and uneven else _validate_virtual(L, p, l):
                         rejected[reason] += 1
                         continue
                     mbs = []
-                    v = virtual_pipeline_size(L, p, l)  # checked above
+                    v = 1 if uneven else virtual_pipeline_size(L, p, l)  # checked above (a layout: one chunk)
                     for mb, reason in zip(mb_pick, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v,
                                                                          mb_pick, seen)):
                         if reason:
@@ -277,4 +283,5 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                         else:
                             mbs.append(mb)
                     if mbs:
-                        yield Layout(t, c, p, l, tuple(mbs))
+                        for split in splits if l is None else (None,):
+                            yield Layout(t, c, p, l, tuple(mbs), split)

@@ -141,6 +141,7 @@ def plan_config(args):
         context_parallel_size=plan.context_parallel_size,
         pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=plan.num_layers_per_virtual_pipeline_stage,
+        pipeline_model_parallel_layout=plan.pipeline_model_parallel_layout,
         micro_batch_size=plan.micro_batch_size,
         ckpt=combined_ckpt(base, recompute),
         recompute=recompute,

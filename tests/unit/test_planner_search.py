@@ -14,6 +14,7 @@ from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
 from h3t_ext.planner.bounds import Bounds
 from h3t_ext.planner.search import R_BOUND, search
 from h3t_ext.planner.space import SearchConstraints, divisors, enumerate_layouts
+from h3t_ext.planner.pipeline_balance import balanced_stage_layers, layout_string, output_layer_in_layers
 from h3t_ext.planner.units import parse_bytes
 
 # 12 heads, 2 query groups, 6 layers: t=4 fails on groups, t=3 on gpus_per_node, t=8 on heads.
@@ -22,16 +23,20 @@ TOY = ModelSpec(name="toy", num_layers=6, hidden_size=384, num_attention_heads=1
 
 
 def _brute_force(model, num_gpus, seq, batch, gpus_per_node):
-    """Every valid (t, c, p, l, mb), straight from the rules, without the enumeration's structure."""
+    """Every valid (t, c, p, l, mb, layout), straight from the rules, without the enumeration's structure: Megatron's
+    even split where p divides the layers (interleaved too), and with one chunk per stage the balanced layout
+    (h3t_ext.planner.pipeline_balance, tested on its own) where there is one."""
     L, valid = model.num_layers, set()
     for t, c, p in itertools.product(range(1, num_gpus + 1), repeat=3):
         if num_gpus % (t * c * p) or gpus_per_node % t:
             continue
-        if model.num_attention_heads % t or model.num_query_groups % t or L % p:
+        if model.num_attention_heads % t or model.num_query_groups % t:
             continue
         if (c > 1 and seq % (2 * c)) or seq % (c * t):
             continue
         replicas = num_gpus // (t * c * p)
+        balanced = balanced_stage_layers(L, p, output_layer_in_layers(model, seq, t))
+        layouts = [layout_string(balanced)] if balanced and len(set(balanced)) > 1 else []
         for l, mb in itertools.product([None, *range(1, L + 1)], range(1, batch + 1)):
             if l is not None and (L % (p * l) or p == 1 or p * l == L):
                 continue
@@ -39,7 +44,8 @@ def _brute_force(model, num_gpus, seq, batch, gpus_per_node):
                 continue
             if l is not None and (batch // (mb * replicas)) % p:
                 continue
-            valid.add((t, c, p, l, mb))
+            for layout in ([None] if L % p == 0 else []) + (layouts if l is None else []):
+                valid.add((t, c, p, l, mb, layout))
     return valid
 
 
@@ -47,9 +53,22 @@ def _brute_force(model, num_gpus, seq, batch, gpus_per_node):
 def test_enumeration_equals_brute_force(num_gpus, seq, batch):
     layouts, _ = enumerate_layouts(TOY, num_gpus=num_gpus, seq_length=seq, global_batch_size=batch, gpus_per_node=8)
     got = {(x.tensor_model_parallel_size, x.context_parallel_size, x.pipeline_model_parallel_size,
-            x.num_layers_per_virtual_pipeline_stage, mb) for x in layouts for mb in x.micro_batch_sizes}
+            x.num_layers_per_virtual_pipeline_stage, mb, x.pipeline_model_parallel_layout)
+           for x in layouts for mb in x.micro_batch_sizes}
     assert got == _brute_force(TOY, num_gpus, seq, batch, 8)
     assert len(got) == sum(len(x.micro_batch_sizes) for x in layouts)  # no duplicates
+
+
+def test_layers_that_p_does_not_divide_get_the_balanced_layout():
+    """6 layers over 4 stages: Megatron's even split cannot, a layout can (1, 2, 2, 1: the output layer is worth a
+    quarter layer here, so the last stage keeps one and the middle ones take the rest)."""
+    layouts, rejected = enumerate_layouts(TOY, num_gpus=4, seq_length=96, global_batch_size=12, gpus_per_node=8,
+                                          constraints=SearchConstraints(tensor_model_parallel_size=1,
+                                                                        context_parallel_size=1,
+                                                                        pipeline_model_parallel_size=4))
+    assert {x.pipeline_model_parallel_layout for x in layouts} == {"Et|t*2|t*2|tL"}
+    assert {x.num_layers_per_virtual_pipeline_stage for x in layouts} == {None}
+    assert rejected[space.R_P_LAYERS] == 4  # l = 1, 2, 3, 6: interleaving needs the even split
 
 
 def _reasons(constraints, *, num_gpus=24, seq=96, batch=12, model=TOY):
@@ -62,7 +81,7 @@ def _reasons(constraints, *, num_gpus=24, seq=96, batch=12, model=TOY):
     (dict(tensor_model_parallel_size=4), space.R_T_GROUPS),
     (dict(tensor_model_parallel_size=3), space.R_T_NODE),
     (dict(tensor_model_parallel_size=24), space.R_T_NODE),
-    (dict(pipeline_model_parallel_size=4), space.R_P_LAYERS),
+    (dict(pipeline_model_parallel_size=4, num_layers_per_virtual_pipeline_stage=1), space.R_P_LAYERS),
     (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2), space.R_L_LAYERS),
     (dict(pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1), space.R_L_P1),
     (dict(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=3), space.R_L_SAME),

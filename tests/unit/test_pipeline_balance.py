@@ -1,0 +1,97 @@
+"""The search's balanced pipeline split (h3t_ext.planner.pipeline_balance): the output layer counted in layers, the
+stages it evens out, the layout string it writes, the cost model's verdict on it (faster where the output layer is
+large, as for a 128K vocabulary), the best-first bounds that must hold for it, and the search choosing it."""
+from __future__ import annotations
+
+import pytest
+
+from h3t_ext.costmodel import get_model, get_system
+from h3t_ext.costmodel.estimate import estimate
+from h3t_ext.layout import parse_pipeline_layout
+from h3t_ext.planner.bounds import Bounds, candidate_plan
+from h3t_ext.planner.pipeline_balance import (balanced_stage_layers, layout_string, output_layer_in_layers,
+                                              split_candidates)
+from h3t_ext.planner.search import search
+from h3t_ext.planner.space import CKPT_BY_MEMORY, SearchConstraints, enumerate_layouts
+
+SYSTEM = get_system("h100-sxm")
+
+
+def test_the_output_layer_in_layers_is_its_flops_over_a_layers():
+    m = get_model("llama3-8b")  # V 128256 (padded 128256), h 4096, GQA 8 groups, f 14336
+    h, f, q, kv = 4096, 14336, 4096, 1024
+    layer = 2 * (2 * h * q + 2 * h * kv + 3 * h * f) + 4 * q * 4096 / 2
+    assert output_layer_in_layers(m, 4096) == pytest.approx(2 * 128256 * h / layer)
+    assert output_layer_in_layers(get_model("llama-175b"), 4096) < 0.25  # a 32K vocabulary on a 12K-wide model
+
+
+@pytest.mark.parametrize("layers,p,head,want", [
+    (32, 4, 2.24, (8, 9, 9, 6)),  # the last stage gives two layers to the middle ones
+    (6, 4, 0.26, (1, 2, 2, 1)),  # p does not divide the layers
+    (126, 4, 0.65, (31, 32, 32, 31)),  # Llama 3 405B's 126 layers over 4 stages
+    (33, 2, 2.0, (17, 16)),  # no middle stage: the first one takes the rest
+    (16, 4, 0.2, (4, 4, 4, 4)),  # a small output layer changes nothing
+    (8, 4, 12.0, (2, 3, 3, 0)),  # an output layer worth many layers: the last stage holds it alone
+])
+def test_balanced_stage_layers(layers, p, head, want):
+    got = balanced_stage_layers(layers, p, head)
+    assert got == want and sum(got) == layers
+    work = [n + (head if i == p - 1 else 0) for i, n in enumerate(got)]
+    ideal = (layers + head) / p  # every stage's share of the work in layers
+    assert max(work) <= max(ideal + 1, head)  # whole layers: within one of the ideal, unless the output layer alone is more
+
+
+def test_no_split_for_fewer_layers_than_stages():
+    assert balanced_stage_layers(2, 4, 0.1) is None and balanced_stage_layers(5, 1, 0.1) is None
+
+
+def test_the_layout_string_reads_back():
+    text = layout_string((8, 9, 9, 6))
+    assert text == "Et*8|t*9|t*9|t*6L"
+    assert parse_pipeline_layout(text, 32, 4) == (8, 9, 9, 6)
+    assert parse_pipeline_layout(layout_string((1, 2, 0)), 3, 3) == (1, 2, 0)
+
+
+def test_candidates_are_the_even_split_and_the_balanced_one():
+    m = get_model("llama3-8b")
+    assert split_candidates(m, 4096, 4) == (None, "Et*8|t*9|t*9|t*6L")
+    assert split_candidates(get_model("llama-175b"), 4096, 8) == (None,)  # balanced = even
+    assert split_candidates(get_model("llama3-405b"), 4096, 4) == ("Et*31|t*32|t*32|t*31L",)  # even cannot
+
+
+def test_the_cost_model_prices_the_balanced_split_faster_for_a_large_vocabulary():
+    from h3t_ext.costmodel import Plan
+    m = get_model("llama3-8b")
+    base = dict(num_gpus=16, seq_length=4096, global_batch_size=128, pipeline_model_parallel_size=4, ckpt="no")
+    even = estimate(m, Plan(**base), SYSTEM)
+    balanced = estimate(m, Plan(**base, pipeline_model_parallel_layout="Et*8|t*9|t*9|t*6L"), SYSTEM)
+    assert balanced.iteration_time_s < 0.9 * even.iteration_time_s
+    # the even split's last stage waits on its output layer; the balanced one moves two layers' work off it
+    assert balanced.stages[3].terms["weights"] < even.stages[3].terms["weights"]
+
+
+def test_best_first_bounds_hold_for_layout_candidates():
+    m = get_model("llama3-8b")
+    k = SearchConstraints(pipeline_model_parallel_size=4)
+    layouts, _ = enumerate_layouts(m, num_gpus=16, seq_length=4096, global_batch_size=32, gpus_per_node=8,
+                                   constraints=k)
+    run = (16, 4096, 32, {"sequence_parallel": True, "use_distributed_optimizer": True})
+    live = [(run, x) for x in layouts if x.pipeline_model_parallel_layout is not None]
+    assert live
+    bounds = Bounds(m, SYSTEM, live, CKPT_BY_MEMORY)
+    for li, (_, layout) in enumerate(live):
+        for i, mb in enumerate(layout.micro_batch_sizes):
+            plan = candidate_plan(run, layout, mb, "no")
+            assert bounds.bound(li, 2, i) >= estimate(m, plan, SYSTEM, timeline=False).tokens_per_second * (1 - 1e-9)
+
+
+def test_the_search_chooses_the_balanced_split():
+    m = get_model("llama3-8b")
+    kw = dict(num_gpus=16, seq_length=4096, global_batch_size=128,
+              constraints=SearchConstraints(pipeline_model_parallel_size=4, ckpt="no"))
+    best_first = search(m, SYSTEM, top=3, **kw)
+    exhaustive = search(m, SYSTEM, exhaustive=True, **kw)
+    assert best_first.best.plan == exhaustive.best.plan
+    assert best_first.best.plan.pipeline_model_parallel_layout == "Et*8|t*9|t*9|t*6L"
+    flags = best_first.best.megatron_flags
+    assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == "Et*8|t*9|t*9|t*6L"
