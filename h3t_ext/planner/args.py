@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     srch.add_argument("--top", type=_positive_int, default=10, help="rows to print (default 10)")
     srch.add_argument("--max-micro-batch-size", type=_positive_int, default=None,
                       help="largest micro batch to search (default: no limit)")
+    srch.add_argument("--even-pipeline-split", action="store_true",
+                      help="search Megatron's even layer split only, never --pipeline-model-parallel-layout (for a "
+                           "Megatron without that flag, such as Megatron-Kwai's ATC'24 scripts)")
     srch.add_argument("--exhaustive", action="store_true",
                       help="price every micro batch (default: stop once throughput falls with the micro batch)")
     cal = sub.add_parser("calibrate", help="fit a system file's efficiencies to measured runs")

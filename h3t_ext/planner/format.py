@@ -14,7 +14,7 @@ from h3t_ext.planner.units import format_bytes
 
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
              "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-             "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather")
+             "pipeline_model_parallel_layout", "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather")
 
 
 def recompute_label(plan) -> str:
@@ -83,6 +83,8 @@ def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
     l = p.num_layers_per_virtual_pipeline_stage
     v = p.virtual_size(model.num_layers)
     inter = f" l={l} (v={v})" if l is not None else ""
+    if p.pipeline_model_parallel_layout is not None:
+        inter += f" layout={p.pipeline_model_parallel_layout}" + (f" (v={v})" if v > 1 else "")
     return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
             f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} recompute={recompute_label(p)} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
             f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)}")
@@ -183,11 +185,14 @@ def search_table(result: SearchResult, top: int) -> Table:
         l = p.num_layers_per_virtual_pipeline_stage
         extra = [format_bytes(r.evaluation.pcie_bytes_saved_vs_auto or 0)] if balanced else []
         tab.add_row(str(i), str(p.tensor_model_parallel_size), str(p.context_parallel_size),
-                    str(p.pipeline_model_parallel_size), "-" if l is None else str(l), str(p.data_parallel_size),
+                    str(p.pipeline_model_parallel_size) + ("*" if p.pipeline_model_parallel_layout else ""),
+                    "-" if l is None else str(l), str(p.data_parallel_size),
                     recompute_label(p), p.precision, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
                     str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
                     f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
                     _plausibility_cell(est.plausibility), *extra)
+    if any(r.plan.pipeline_model_parallel_layout for r in result.plans[:top]):
+        tab.caption = "p*: the layers split as --pipeline-model-parallel-layout says (the plan's flags)"
     return tab
 
 

@@ -84,6 +84,10 @@ class SearchConstraints:
     """Fixed p, or None."""
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     """Fixed l, or None (then both plain and interleaved 1F1B are searched)."""
+    pipeline_layouts: bool = True
+    """Whether the search may write the layer split as megatron-core's --pipeline-model-parallel-layout
+    (:mod:`h3t_ext.planner.pipeline_balance`); False: Megatron's even split only (a Megatron without the flag, such
+    as Megatron-Kwai's ATC '24 fork)."""
     micro_batch_size: Optional[int] = None
     """Fixed micro batch, or None."""
     max_micro_batch_size: Optional[int] = None
@@ -266,8 +270,8 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                     rejected[R_GPUS] += 1
                     continue
                 uneven = _refusal(lambda: virtual_pipeline_size(L, p))  # why the even split cannot be built
-                splits = split_candidates(model, seq_length, p, t) if p > 1 else (None,)
-                if uneven and not splits:
+                splits = split_candidates(model, seq_length, p, t) if p > 1 and k.pipeline_layouts else (None,)
+                if uneven and not any(splits):
                     rejected[uneven] += 1
                     continue
                 for l in l_options:

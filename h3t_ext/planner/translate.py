@@ -73,6 +73,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "min_offloaded_tensor_size": MIN_OFFLOADED_TENSOR_SIZE,
     "delta_offload_bytes_across_pp_ranks": 0,
     "cpu_offloading_num_layers": 0,
+    "even_pipeline_split": False,  # not Megatron's: h3t-plan search --even-pipeline-split
 }
 """Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
 not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
@@ -272,6 +273,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         num_layers_per_virtual_pipeline_stage=given("num_layers_per_virtual_pipeline_stage"),
         micro_batch_size=given("micro_batch_size"),
         max_micro_batch_size=max_micro_batch_size,
+        pipeline_layouts=not _value(read, "even_pipeline_split", fixed),
         ckpt=ckpt,
         data_parallel_sharding_strategy=_sharding(read, fixed),
         attention_backend=_attention(read, fixed),

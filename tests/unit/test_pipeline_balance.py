@@ -95,3 +95,19 @@ def test_the_search_chooses_the_balanced_split():
     assert best_first.best.plan.pipeline_model_parallel_layout == "Et*8|t*9|t*9|t*6L"
     flags = best_first.best.megatron_flags
     assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == "Et*8|t*9|t*9|t*6L"
+
+
+def test_even_pipeline_split_keeps_to_megatrons_split(capsys):
+    """For a Megatron without --pipeline-model-parallel-layout (Megatron-Kwai's fork): no layout is searched, and
+    layers that p does not divide have no plan at that p."""
+    from tests.planner_harness import run_json
+    argv = ["search", "--model", "llama3-8b", "--num-gpus", "16", "--gpu", "h100-sxm", "--seq-length", "4096",
+            "--global-batch-size", "128", "--pipeline-model-parallel-size", "4", "--ckpt", "no", "--top", "3"]
+    assert "--pipeline-model-parallel-layout" in run_json(argv, capsys)[0]["megatron_flags"]
+    even = run_json([*argv, "--even-pipeline-split"], capsys)
+    assert even and all("--pipeline-model-parallel-layout" not in r["megatron_flags"] for r in even)
+    layouts, rejected = enumerate_layouts(get_model("llama3-405b"), num_gpus=16, seq_length=4096,
+                                          global_batch_size=64, gpus_per_node=8,
+                                          constraints=SearchConstraints(pipeline_model_parallel_size=4,
+                                                                        pipeline_layouts=False))
+    assert layouts == [] and rejected["num_layers not divisible by pipeline_model_parallel_size"] > 0
