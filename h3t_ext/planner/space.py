@@ -269,17 +269,17 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                 if (num_gpus // (t * c)) % p:
                     rejected[R_GPUS] += 1
                     continue
-                uneven = _refusal(lambda: virtual_pipeline_size(L, p))  # why the even split cannot be built
+                no_even_split = _refusal(lambda: virtual_pipeline_size(L, p))  # why the even split cannot be built
                 splits = split_candidates(model, seq_length, p, t) if p > 1 and k.pipeline_layouts else (None,)
-                if uneven and not any(splits):
-                    rejected[uneven] += 1
+                if no_even_split and not any(splits):
+                    rejected[no_even_split] += 1
                     continue
                 for l in l_options:
-                    if reason := uneven if l is not None and uneven else _validate_virtual(L, p, l):
+                    if reason := no_even_split if l is not None and no_even_split else _validate_virtual(L, p, l):
                         rejected[reason] += 1
                         continue
                     mbs = []
-                    v = 1 if uneven else virtual_pipeline_size(L, p, l)  # checked above (a layout: one chunk)
+                    v = 1 if no_even_split else virtual_pipeline_size(L, p, l)  # checked above (a layout: one chunk)
                     for mb, reason in zip(mb_pick, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v,
                                                                          mb_pick, seen)):
                         if reason:

@@ -23,6 +23,7 @@ from h3t_training.config import auto_plan
 
 from h3t_training.config import megatron_compat
 from h3t_training.config import megatron_offload
+from h3t_training.config import model_flags
 
 
 from h3t_training.config import validation
@@ -146,7 +147,7 @@ Step = Callable[[TrainConfig], TrainConfig]
 def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
     steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
-                         arguments.check_activation, arguments.fill_model_defaults, arguments.resolve_window,
+                         model_flags.check_activation, arguments.fill_model_defaults, model_flags.resolve_window,
                          arguments.check_positive,
                          arguments.resolve_ckpt, arguments.resolve_iterations_to_skip,
                          validation.resolve_tokenizer, megatron_offload.check_offload_requests]
