@@ -5,8 +5,9 @@ Runs come from the training driver's ``--metrics-json`` files (their ``config`` 
 with one run per row and Megatron's field names as columns (``tokens_per_second_per_gpu`` required,
 plus ``num_gpus`` or ``world_size``, ``seq_length``, ``global_batch_size`` and optionally
 ``micro_batch_size``, ``tensor_model_parallel_size``, ``context_parallel_size``,
-``pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``, ``ckpt``, ``offload_alpha``,
-and the 0/1 switches of :data:`SWITCHES`; a switch a run does not name is Megatron-LM's default, off for
+``pipeline_model_parallel_size``, ``num_layers_per_virtual_pipeline_stage``, the uneven split's
+``decoder_first/last_pipeline_num_layers``, ``pipeline_model_parallel_layout``, ``ckpt``, ``offload_alpha``,
+and the 0/1 switches of :data:`SWITCHES` (the ``--account-for-*`` ones among them); a switch a run does not name is Megatron-LM's default, off for
 sequence parallelism and the distributed optimizer). The model is the command line's (``--model`` or the shape flags).
 
 The fit is applied pooled (``costmodel.pooling``): each fitted efficiency moves from the system file's value by
@@ -32,11 +33,17 @@ from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner.translate import plan_from_args
 
 INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
-              "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+              "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+              "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
 SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
-            "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather")
-TEXT_FIELDS = ("fp8", "fp8_recipe")
-"""Megatron's --fp8-format (field ``fp8``; empty: BF16) and --fp8-recipe, as the run names them."""
+            "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather",
+            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+TEXT_FIELDS = ("fp8", "fp8_recipe", "pipeline_model_parallel_layout")
+"""Megatron's --fp8-format (field ``fp8``; empty: BF16), --fp8-recipe and --pipeline-model-parallel-layout, as the run
+names them."""
+_SPLIT_GIVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+"""Split flags with which a run's model chunks per rank are Megatron's --num-virtual-stages-per-pipeline-rank."""
 
 
 class RunFileError(ValueError):
@@ -125,9 +132,12 @@ def _finish(where: str, fields: dict, model: ModelSpec, system: SystemSpec) -> P
     (:func:`~h3t_ext.costmodel.plan.validate_plan`); a plan refused by either is a RunFileError naming
     ``where`` (the file, and the row of a CSV)."""
     virtual = fields.pop("_virtual", None)
-    if virtual is not None:
-        p = fields.get("pipeline_model_parallel_size", 1)
-        fields["num_layers_per_virtual_pipeline_stage"] = model.num_layers // (p * virtual)
+    if virtual is not None and fields.get("pipeline_model_parallel_layout") is None:  # a layout says v itself
+        if any(fields.get(k) for k in _SPLIT_GIVEN):
+            fields["num_virtual_stages_per_pipeline_rank"] = virtual
+        else:
+            p = fields.get("pipeline_model_parallel_size", 1)
+            fields["num_layers_per_virtual_pipeline_stage"] = model.num_layers // (p * virtual)
     try:
         plan = plan_from_args(fields, num_gpus=fields["num_gpus"], offload_alpha=fields.get("offload_alpha", 0.0))
         validate_plan(model, plan, system)

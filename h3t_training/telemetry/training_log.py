@@ -21,6 +21,12 @@ from h3t_training.data.batch_schedule import schedule_of
 from h3t_training.config.run_spec import model_flops_per_iteration_token
 
 
+SPLIT_FIELDS = ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
+                "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout")
+"""The layer split's flags, written into ``--metrics-json``'s config so that ``h3t-plan calibrate`` prices the split
+the run trained with (:mod:`h3t_ext.planner.calibrate`)."""
+
 def measured_cpu_peak_flops(n: int = 384, trials: int = 12) -> float:
     """Best dense fp32 GEMM FLOP/s of this process over a few short trials (the CPU stand-in for a peak)."""
     g = torch.Generator().manual_seed(0)  # its own generator: the run's RNG streams are not touched
@@ -177,6 +183,7 @@ def write_metrics_json(path: str, args, records: list[dict], stage_stats: list[d
                    "tensor_model_parallel_size": args.tensor_model_parallel_size,
                    "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                    "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size,
+                   **{k: getattr(args, k) for k in SPLIT_FIELDS},
                    "context_parallel_size": args.context_parallel_size,
                    "data_parallel_size": args.data_parallel_size, "micro_batch_size": args.micro_batch_size,
                    "use_distributed_optimizer": args.use_distributed_optimizer,

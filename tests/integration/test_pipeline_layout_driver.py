@@ -2,12 +2,12 @@
 writes them, and the h3t schedules run them. In float64, from the single rank's checkpoint after its first iteration
 (each pipeline rank draws its own initial weights, as in Megatron), two ranks under an uneven layout (Et|tttL) and an
 interleaved one with chunks that hold no transformer layer (E|tt|tt|L: the embedding alone, then the loss alone) give
-the single rank's next losses and gradient norms within 1e-12 relative."""
+the single rank's next losses and gradient norms within 1e-12 relative; --metrics-json records the layout."""
 from __future__ import annotations
 
 import pytest
 
-from driver_harness import TINY_MODEL, losses_and_grad_norms
+from driver_harness import TINY_MODEL, losses_and_grad_norms, metrics
 
 COMMON = [*TINY_MODEL, "--mock-data", "--make-vocab-size-divisible-by", "256", "--micro-batch-size", "1",
           "--global-batch-size", "4", "--train-iters", "3", "--h3t-float64", "--ckpt", "no"]
@@ -25,6 +25,8 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["Et|tttL", "E|tt|tt|L"])
 def test_layouts_match_the_single_rank(reference, tmp_path, layout):
     ref, ckpt = reference
-    got = losses_and_grad_norms(tmp_path / "run.json", [*COMMON, "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+    path = tmp_path / "run.json"
+    got = losses_and_grad_norms(path, [*COMMON, "--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
                                        layout, "--load", str(ckpt), "--ckpt-step", "1"], nproc=2, iterations=2)
     assert got == pytest.approx([*ref[1:3], *ref[4:6]], rel=1e-12, abs=0)
+    assert metrics(path)["config"]["pipeline_model_parallel_layout"] == layout  # what h3t-plan calibrate prices

@@ -189,3 +189,28 @@ def test_driver_layout_errors_are_one_line(capsys, extra, says):
         parse_args([*DRIVER, *extra], world_size=2)
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and says in err, err
+
+
+def test_calibrate_prices_the_split_a_run_trained_with(tmp_path):
+    """--metrics-json's config carries the split flags, and h3t-plan calibrate reads them: a layout run is priced with
+    its layout, an uneven interleaved one with its --num-virtual-stages-per-pipeline-rank (not an even split)."""
+    import json
+
+    from h3t_ext.planner.calibrate import read_runs
+    base = {"num_gpus": 8, "seq_length": 4096, "global_batch_size": 64, "pipeline_model_parallel_size": 4,
+            "virtual_pipeline_model_parallel_size": 2}
+    cases = [({"pipeline_model_parallel_layout": "Et*3|t*4|t*4|t*4|(t*4|)*3t*5L"}, "layout"),
+             ({"decoder_first_pipeline_num_layers": 6, "decoder_last_pipeline_num_layers": 10}, "uneven")]
+    for extra, name in cases:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"config": {**base, **extra},
+                                    "iterations": [{"tokens_per_second_per_gpu": 3000.0}] * 2}))
+        plan = read_runs([str(path)], MODEL, SYSTEM)[0].plan
+        split = plan.pipeline_split(MODEL.num_layers)
+        assert split.virtual_pipeline_model_parallel_size == 2
+        if name == "layout":
+            assert plan.pipeline_model_parallel_layout == extra["pipeline_model_parallel_layout"]
+            assert split.stage_layers(0) == 7 and split.stage_layers(3) == 9
+        else:
+            assert plan.num_virtual_stages_per_pipeline_rank == 2 and plan.num_layers_per_virtual_pipeline_stage is None
+            assert split.stage_layers(0) == 6 and split.stage_layers(3) == 10
