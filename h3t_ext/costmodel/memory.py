@@ -267,27 +267,18 @@ def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: 
     return act, reload
 
 
-def _stage_kind(model: ModelSpec, plan: Plan, stage: int) -> int:
-    """Stages with the same kind have the same parameters, transients and chunk bytes: 0 the first, 2 the
-    last, 1 every middle one (3 when p = 1: first and last at once); under a --pipeline-model-parallel-layout,
-    which may give every rank its own layers, 4 + the first rank that holds the same
-    (:meth:`~h3t_ext.layout.PipelineSplit.stage_class`)."""
-    if plan.pipeline_model_parallel_layout is not None:
-        return 4 + plan.pipeline_split(model.num_layers).stage_class(stage)
-    last = plan.pipeline_model_parallel_size - 1
-    return (stage == 0) * 1 + (stage == last) * 2 if stage in (0, last) else 0
-
-
 @functools.lru_cache(maxsize=8192)
-def _stage_constants(model: ModelSpec, plan: Plan, kind: int, stage: int) -> tuple[int, dict[str, int], int]:
-    """(parameters, alpha-independent terms, chunk bytes) of a stage of this kind."""
+def _stage_constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
+    """(parameters, alpha-independent terms, chunk bytes) of pipeline rank ``stage``, called with the first rank of
+    its class (:meth:`~h3t_ext.layout.PipelineSplit.stage_class`: the middle ranks of an even split are one class,
+    and the ranks of a layout that hold the same layers), whose ranks have the same parameters, transients and chunk
+    bytes."""
     n = stage_params(model, plan, stage)
     return n, _fixed_terms(model, plan, stage, n), chunk_activation_bytes(model, plan, stage)
 
 
 def _constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
-    kind = _stage_kind(model, plan, stage)
-    return _stage_constants(model, plan, kind, kind - 4 if kind >= 4 else stage if kind else 1)
+    return _stage_constants(model, plan, plan.pipeline_split(model.num_layers).stage_class(stage))
 
 
 def stage_fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> Mapping[str, int]:

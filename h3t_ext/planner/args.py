@@ -300,12 +300,7 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
                         "default 128)")
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
                    help="rows of the learned position table, >= --seq-length (default --seq-length)")
-    g.add_argument("--window-size", default=None, metavar="LEFT,0",
-                   help="sliding-window attention (Mistral, Gemma): each token attends to the LEFT before it; flash "
-                        "attention computes only that band (default: the zoo model's; none for a custom shape)")
-    g.add_argument("--window-attn-skip-freq", default=None, metavar="N|PATTERN",
-                   help="which layers the window applies to: all but every N-th, or a 0/1 pattern per layer such as "
-                        "[1,1,1,0]*8 (default all)")
+    cli_flags.add_window_flags(g)  # left out: the zoo model's window (a custom shape has none)
     for flag in ("attention-dropout", "hidden-dropout"):
         g.add_argument("--" + flag, type=_dropout, default=None,
                        help="dropout probability (default: the zoo model's, 0 for a custom shape; Megatron-LM's "

@@ -1,4 +1,4 @@
-"""Megatron-LM's layout, recompute and activation-offload flags, defined once for both command lines that take
+"""Megatron-LM's layout, sliding-window, recompute and activation-offload flags, defined once for both command lines that take
 them: ``h3t-plan`` (:mod:`h3t_ext.planner.args`) and the training driver (``h3t_training/config/arguments.py``).
 
 Each function adds one family of flags to an argparse group with Megatron-LM's names, destinations, choices and
@@ -54,6 +54,17 @@ def add_virtual_pipeline_flags(g, *, count: Parse, uneven: bool) -> None:
                    help="every model chunk's layers as megatron-core reads them: p x v stages separated by |, "
                         "E the embedding, t a transformer layer, L the loss, (..)*N and c*N repeats, e.g. "
                         "Ett|(tt|)*2tL (excludes the other split and interleaving flags)")
+
+
+def add_window_flags(g) -> None:
+    """Megatron's sliding-window attention, ``--window-size`` and ``--window-attn-skip-freq``, as text: each command
+    line reads them with :mod:`h3t_ext.attention_window` and says a bad value in its own one-line error."""
+    g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
+                   help="sliding-window attention (Mistral, Gemma): each token attends to the LEFT tokens before it "
+                        "and itself (RIGHT is 0 in a causal GPT), e.g. 4096,0; flash attention computes only that band")
+    g.add_argument("--window-attn-skip-freq", default=None, metavar="N|PATTERN",
+                   help="which layers --window-size windows: N windows all but every N-th layer; a pattern such as "
+                        "[1,1,1,0]*3 gives one 0/1 per layer (1 windowed); default every layer")
 
 
 def add_recompute_flags(g, *, count: Parse, full_method: bool) -> None:

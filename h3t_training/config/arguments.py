@@ -91,12 +91,7 @@ def _add_model(p: argparse.ArgumentParser, shape_required: bool) -> None:
                    help="its factor (Megatron-LM's default 8.0); needs --use-rope-scaling")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                    help="RoPE linear position interpolation: positions divided by this factor")
-    g.add_argument("--window-size", default=None, metavar="LEFT,RIGHT",
-                   help="sliding-window attention: each token attends to the LEFT tokens before it and itself "
-                        "(RIGHT is 0 in a causal GPT), e.g. 4096,0")
-    g.add_argument("--window-attn-skip-freq", default=None, metavar="N|PATTERN",
-                   help="which layers --window-size windows: N windows all but every N-th layer; a pattern such as "
-                        "[1,1,1,0]*3 gives one 0/1 per layer (1 windowed); default every layer")
+    cli_flags.add_window_flags(g)
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)

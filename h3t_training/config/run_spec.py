@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from h3t_ext.attention_window import SkipFreq, parse_skip_freq
+from h3t_ext.attention_window import SkipFreq
 from h3t_ext.costmodel import ModelSpec, Plan
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.dtypes import BOOL, DtypeName, bytes_per_element
@@ -78,9 +78,9 @@ def model_spec(config, vocab_size: int, name: str = "custom") -> ModelSpec:
 
 
 def _skip_freq(config) -> Optional[SkipFreq]:
-    """--window-attn-skip-freq of a windowed run (an int or a tuple; None without a window: Megatron-LM's no-op)."""
-    freq = config.window_attn_skip_freq
-    return None if config.window_size is None or freq is None else parse_skip_freq(freq)
+    """--window-attn-skip-freq of a windowed run, as ``model_flags.resolve_window`` read it (an int or a tuple; None
+    without a window: Megatron-LM's no-op)."""
+    return None if config.window_size is None else config.window_attn_skip_freq
 
 
 def window_left(config) -> Optional[int]:
