@@ -216,4 +216,73 @@ def run_entry(path: str, argv: Sequence[str], *, env: dict, cwd: str,
         return subprocess.CompletedProcess(cmd, proc.exitcode, read(out), read(err))
 
 
-__all__ = ["DistributedTestError", "free_port", "run_distributed", "run_entry"]
+def run_entry_world(path: str, argv: Sequence[str], *, nproc: int, env: dict, cwd: str,
+                    timeout_s: float, stop_grace_s: float = 30.0) -> "subprocess.CompletedProcess[str]":
+    """``python path *argv`` on ``nproc`` local ranks, each a fork of the forkserver's server (as :func:`run_entry`),
+    started as a launcher without an agent store starts them (mpirun, srun): ``RANK``, ``LOCAL_RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and a free ``MASTER_PORT`` in each rank's environment, rank 0
+    hosting the store. Like torchrun it stops the others when one rank fails (SIGTERM, SIGKILL after
+    ``stop_grace_s``); the exit status is 0 when every rank ends 0, else the status of the rank that failed first
+    (torchrun exits 1 and names that status in its report). stdout and stderr are each rank's in rank order. A world past ``timeout_s`` is killed and raises
+    ``subprocess.TimeoutExpired``. It saves the launcher's and every rank's interpreter start and imports (about 6 s
+    on 2 cores per world); torchrun's own behaviour (restarts, its agent store, its report) is not in it."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    cmd = [sys.executable, path, *argv]
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="h3t-world-") as d:
+        procs, files = [], []
+        for rank in range(nproc):
+            rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            out, err = os.path.join(d, f"{rank}.out"), os.path.join(d, f"{rank}.err")
+            files.append((out, err))
+            procs.append(_context().Process(target=_run_entry, args=(path, list(argv), rank_env, cwd, out, err),
+                                            daemon=False))
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        stop_at, first_failure = None, None
+        try:
+            while any(p.exitcode is None for p in procs):
+                now = time.monotonic()
+                if now > deadline:
+                    raise subprocess.TimeoutExpired(cmd, timeout_s)
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if stop_at is None and failed:
+                    first_failure = failed[0]
+                    for p in procs:  # one rank failed: the others may wait on it forever
+                        if p.exitcode is None:
+                            os.kill(p.pid, signal.SIGTERM)
+                    stop_at = now + stop_grace_s
+                if stop_at is not None and now > stop_at:
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+                p.join(5)
+
+        def read(name: str) -> str:
+            if not os.path.exists(name):
+                return ""
+            with open(name, encoding="utf-8", errors="replace") as f:
+                return f.read()
+
+        if all(p.exitcode == 0 for p in procs):
+            code = 0
+        else:
+            code = first_failure if first_failure is not None else next(
+                p.exitcode for p in procs if p.exitcode != 0)
+        return subprocess.CompletedProcess(cmd, code, "".join(read(o) for o, _ in files),
+                                           "".join(read(e) for _, e in files))
+
+
+__all__ = ["DistributedTestError", "free_port", "run_distributed", "run_entry", "run_entry_world"]

@@ -1,7 +1,8 @@
 """Shared pieces of the driver tests: run ``pretrain_llama.py`` for real, in 1 or 2 CPU processes.
 
 Runs go through the real entry point (one rank: as a fork of h3t_ext.testing's preloaded server, which gives a
-subprocess's exit code and output without importing torch and megatron-core again; more ranks: torchrun), read the
+subprocess's exit code and output without importing torch and megatron-core again; more ranks: forks of that server
+started as mpirun or srun starts ranks, ``run_entry_world``; the tests of torchrun itself launch it), read the
 ``--metrics-json`` file the last rank writes, and use a corpus made on the spot by
 ``tools/make_stdlib_corpus.py`` + ``tools/preprocess_data.py``.
 """
@@ -14,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from h3t_ext.testing import free_port, run_entry
+from h3t_ext.testing import free_port, run_entry, run_entry_world  # noqa: F401 (free_port: for the launcher tests)
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -61,13 +62,12 @@ def _env() -> dict:
 
 
 def run_pretrain(args: list[str], nproc: int = 1, entry: str = "pretrain_llama.py") -> subprocess.CompletedProcess:
-    """``entry args`` (pretrain_llama.py or pretrain_gpt.py) in ``nproc`` CPU processes (torchrun when nproc > 1)."""
+    """``entry args`` (pretrain_llama.py or pretrain_gpt.py) in ``nproc`` CPU processes, forks of h3t_ext.testing's
+    preloaded server: a subprocess's result, without the interpreter starts and imports."""
     entry = str(REPO / entry)
-    if nproc == 1:  # the entry as a fork of h3t_ext.testing's preloaded server: a subprocess's result, no imports
+    if nproc == 1:
         return run_entry(entry, [str(a) for a in args], env=_env(), cwd=str(REPO), timeout_s=TIMEOUT_S)
-    cmd = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), entry, *args]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+    return run_entry_world(entry, [str(a) for a in args], nproc=nproc, env=_env(), cwd=str(REPO), timeout_s=TIMEOUT_S)
 
 
 def check_ok(proc: subprocess.CompletedProcess) -> None:

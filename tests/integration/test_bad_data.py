@@ -7,14 +7,13 @@ import subprocess
 
 import pytest
 
-from driver_harness import PYTHON, REPO, TINY_MODEL, _env  # noqa: F401
+from driver_harness import PYTHON, REPO, TINY_MODEL, _env, run_pretrain  # noqa: F401
 from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, parse_split
 
 
 def _run(argv):
-    return subprocess.run([PYTHON, str(REPO / "pretrain_llama.py"), *TINY_MODEL, "--global-batch-size", "2",
-                           "--train-iters", "1", *argv], cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=120)
+    """The driver on one rank (a fork of the test server, as the launchers' first rank would run it)."""
+    return run_pretrain([*TINY_MODEL, "--global-batch-size", "2", "--train-iters", "1", *argv])
 
 
 def _one_line(proc) -> str:

@@ -314,6 +314,26 @@ DRIVER_CASES = [
 
 
 @pytest.mark.parametrize("extra, expected", DRIVER_CASES, ids=[f"drv{i}" for i in range(len(DRIVER_CASES))])
+def test_bad_driver_input_is_one_line_before_any_rank_starts(extra, expected, capsys):
+    """Every case through the launchers' check (h3t_training.launch.preflight, which the launch scripts run before
+    torchrun, mpirun or srun start a rank), called in this process: its one line and status 2. The launcher around it
+    is run for real on three of them below."""
+    from h3t_training.launch.preflight import main
+
+    try:
+        code = main(["--world-size", "2", "--", *BASE, *extra])
+    except SystemExit as e:  # argparse's own errors (unknown flag, invalid choice) leave through SystemExit
+        code = e.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("pretrain_llama.py: error: ") and expected in lines[0], lines[0]
+
+
+LAUNCHER_CASES = [DRIVER_CASES[0], DRIVER_CASES[3],  # a value out of its range; argparse's invalid choice
+                  next(c for c in DRIVER_CASES if "--tensor-model-parallel-size" in c[0])]  # a layout of the world
+
+
+@pytest.mark.parametrize("extra, expected", LAUNCHER_CASES, ids=["range", "choice", "world"])
 def test_bad_driver_input_is_one_line_through_the_launcher(extra, expected):
     proc = subprocess.run(["bash", str(REPO / "scripts/launch_torchrun.sh"), *BASE, *extra], cwd=REPO,
                           env=dict(_env(), NPROC_PER_NODE="2"), capture_output=True, text=True, timeout=120)

@@ -1,6 +1,8 @@
-"""Launchers: --dry-run prints the resolved command; mpirun really starts 2 CPU ranks (when installed)."""
+"""Launchers: --dry-run prints the resolved command; mpirun and torchrun really start 2 CPU ranks (mpirun when
+installed), and torchrun's ranks train what the tests' forked worlds (driver_harness.run_pretrain) train."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -8,7 +10,7 @@ import subprocess
 
 import pytest
 
-from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, free_port, losses
+from driver_harness import PYTHON, REPO, TINY_MODEL, _env, check_ok, free_port, losses, run_pretrain
 
 
 def _dry(script: str, *args: str, **env: str) -> list[str]:
@@ -83,6 +85,26 @@ def test_the_preflight_check_applies_the_entrys_defaults_and_is_silent_when_the_
 def test_example_scripts_dry_run(script, env):
     cmd = _dry(script, **env)
     assert str(REPO / "pretrain_llama.py") in cmd or str(REPO / "scripts/launch_mpirun.sh") in cmd
+
+
+def test_torchrun_ranks_train_what_the_tests_forked_ranks_train(corpus_prefix, tmp_path):
+    """The driver tests start their multi-rank runs as forks of a preloaded server (h3t_ext.testing.run_entry_world);
+    users start them with torchrun. The same 2-rank run (t=2 with sequence parallelism and ckpt=ours, the data read
+    from files) through scripts/launch_torchrun.sh gives the forked world's losses and gradient norms bit for bit,
+    and the same rank-0 report."""
+    argv = [*TINY_MODEL, "--global-batch-size", "4", "--train-iters", "3", "--data-path", corpus_prefix,
+            "--tensor-model-parallel-size", "2", "--sequence-parallel", "--ckpt", "ours"]
+    launched, forked = tmp_path / "torchrun.json", tmp_path / "forked.json"
+    proc = subprocess.run(["bash", str(REPO / "scripts/launch_torchrun.sh"), *argv, "--metrics-json", str(launched)],
+                          cwd=REPO, env={**_env(), "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())},
+                          capture_output=True, text=True, timeout=300)
+    check_ok(proc)
+    world = run_pretrain([*argv, "--metrics-json", str(forked)], nproc=2)
+    check_ok(world)
+    a, b = json.loads(launched.read_text()), json.loads(forked.read_text())
+    assert [(r["loss"], r["grad_norm"]) for r in a["iterations"]] == [(r["loss"], r["grad_norm"])
+                                                                       for r in b["iterations"]]
+    assert len(a["iterations"]) == 3 and "world size 2" in proc.stdout and "world size 2" in world.stdout
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI's mpirun is not installed")
