@@ -126,9 +126,13 @@ def middle_stage_model(seed: int = 0, num_layers: int = 2, ckpt: Optional[str] =
 
 
 def run_middle_stage(model, mgr, *, pipeline_size: int, rank: int, num_microbatches: int, micro_batch: int,
-                     seq: int, hidden: int, seed: int = 3, check_live: Optional[list] = None):
-    """One iteration of ``rank``'s action list on a layers-only chunk fed with random stage inputs."""
-    sched = build_schedule(pipeline_size, num_microbatches)
+                     seq: int, hidden: int, seed: int = 3, check_live: Optional[list] = None, virtual_size: int = 1,
+                     group_size: Optional[int] = None):
+    """One iteration of ``rank``'s action list on a layers-only chunk fed with random stage inputs. With
+    ``virtual_size`` v > 1 the list is interleaved 1F1B's (microbatch groups of ``group_size``) and ``model`` stands
+    for each of the rank's v chunks (same layers, so the same saved bytes per microbatch-chunk)."""
+    sched = build_schedule(pipeline_size, num_microbatches, virtual_size,
+                           microbatch_group_size_per_vp_stage=group_size)
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(seq).unsqueeze(0).expand(micro_batch, seq)
     outputs, inputs, input_grads = {}, {}, {}

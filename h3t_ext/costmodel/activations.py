@@ -145,10 +145,11 @@ def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_par
 
 
 @functools.lru_cache(maxsize=4096)
-def _walk_schedule(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+def _walk_schedule(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
     """Per rank, from the builder's action lists: Pareto-maximal (full, offloaded) held-chunk counts over
-    the compute actions, and the number of offloaded microbatch-chunks."""
-    sched = build_schedule(p, m, v)
+    the compute actions, and the number of offloaded microbatch-chunks. ``g``: the interleaved schedule's
+    microbatch group size (None: p)."""
+    sched = build_schedule(p, m, v, microbatch_group_size_per_vp_stage=g if v > 1 else None)
     out = []
     for rank in range(p):
         off = sched.offloaded(rank)
@@ -176,52 +177,72 @@ def _walk_schedule(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int],
 
 
 @functools.lru_cache(maxsize=4096)
-def _closed_form(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+def _closed_form(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
     """What :func:`_walk_schedule` returns, in closed form (equality with the builder is asserted for
-    every p <= 12, v <= 5 and valid m <= 4p in tests/unit/test_costmodel_activations.py).
+    every p <= 12, v <= 5 and valid m <= 4p, and for every valid group size g at p <= 6, v <= 4, m <= 3p + 2, in
+    tests/unit/test_costmodel_activations.py).
 
     The peak is the first steady-state forward (or the last forward when the warm-up covers every
-    chunk): it holds N = min(warm-up + 1, m v) chunks, of which the two newest are still whole. Every
+    chunk): it holds N = min(warm-up + 1, m v) chunks, the warm-up being 2 (p - r - 1) + (v - 1) g forwards
+    with interleaving (megatron-core's count), of which the two newest are still whole. Every
     chunk is offloaded except where its backward follows too closely: with m <= 2 all of a rank's first
     m; otherwise, with v > 1, the last rank's last chunk of every microbatch, and with v = 1 the last
     rank entirely and the first and last microbatch of the rank before it.
     """
     out = []
     for r in range(p):
-        warm = 2 * (p - r - 1) + (v - 1) * p if v > 1 else p - r - 1
+        warm = 2 * (p - r - 1) + (v - 1) * (p if g is None else g) if v > 1 else p - r - 1
         n = min(warm + 1, m * v)
         full = min(2, n)
         if m <= 2:
             kept = m
         elif v > 1:
-            kept = m if r == p - 1 else 0
+            kept = (m if r == p - 1 else 0) if g is None else _kept_grouped(m, v, g, min(warm, m * v))
         else:
             kept = m if warm == 0 else (2 if warm == 1 else 0)
         out.append((((full, n - full),), m * v - kept))
     return tuple(out)
 
 
-def _rank_timelines(p: int, m: int, v: int) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+def _kept_grouped(m: int, v: int, g: int, warm: int) -> int:
+    """Forwards of an interleaved rank with ``warm`` warm-up forwards and group size ``g`` whose backward follows
+    within two compute actions (the builder keeps those on the device): with g > p the last rank's last chunk of a
+    microbatch no longer always meets its backward at once. Walks positions, not actions (O(m v))."""
+    table = [(mb, c) for start in range(0, m, g) for c in range(v) for mb in range(start, min(start + g, m))]
+    backward_index = {(mb, v - 1 - c): k for k, (mb, c) in enumerate(table)}  # backward k runs table[k]'s mirror
+    steady = m * v - warm
+
+    def forward_at(f: int) -> int:
+        return f if f < warm else warm + 2 * (f - warm)
+
+    def backward_at(k: int) -> int:
+        return warm + 2 * k + 1 if k < steady else warm + 2 * steady + (k - steady)
+    return sum(backward_at(backward_index[key]) - forward_at(f) - 1 < 2 for f, key in enumerate(table))
+
+
+def _rank_timelines(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
     """The closed form of the builder's lists. It was checked equal to :func:`_walk_schedule` for all 1,828
     valid (p, m, v) with p m v <= 256 (every runtime-sized schedule); tests keep asserting it for p <= 12,
-    v <= 5, m <= 4p. Walking the lists cost a third of a planner search's time."""
-    return _closed_form(p, m, v)
+    v <= 5, m <= 4p, and with every valid group size g for small p, v, m. Walking the lists cost a third of a
+    planner search's time. ``g`` = p is the default, and is cached as None."""
+    return _closed_form(p, m, v, None if g in (None, p) or v == 1 else g)
 
 
-def residency_lines(p: int, m: int, v: int, rank: int) -> tuple[tuple[int, int], ...]:
+def residency_lines(p: int, m: int, v: int, rank: int, g: Optional[int] = None) -> tuple[tuple[int, int], ...]:
     """(full, offloaded) held-chunk counts that can be the peak of ``rank``'s timeline.
 
     Over the compute actions of the builder's list, a held microbatch-chunk is *full* on the device
     (not offloadable, its forward is running, or its offload still overlaps the next compute action)
     or *offloaded* (1 - alpha of it stays on the device). Activation bytes during a compute action are
-    A * (full + (1 - alpha) * offloaded); only the Pareto-maximal pairs are kept.
+    A * (full + (1 - alpha) * offloaded); only the Pareto-maximal pairs are kept. ``g``: the interleaved
+    schedule's microbatch group size (--microbatch-group-size-per-virtual-pipeline-stage; None: p).
     """
-    return _rank_timelines(p, m, v)[rank][0]
+    return _rank_timelines(p, m, v, g)[rank][0]
 
 
-def rank_offloads(p: int, m: int, v: int, rank: int) -> int:
+def rank_offloads(p: int, m: int, v: int, rank: int, g: Optional[int] = None) -> int:
     """Microbatch-chunks ``rank`` offloads per iteration (0 means no reload buffer)."""
-    return _rank_timelines(p, m, v)[rank][1]
+    return _rank_timelines(p, m, v, g)[rank][1]
 
 
 def chunk_resident_factor(lines: tuple[tuple[int, int], ...], alpha: float, offloads: bool) -> float:
@@ -352,7 +373,8 @@ def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = BF
         if layers is not None:
             lo = layer_offload(alphas[r], layers)
             return lo.resident + lo.reload_buffer
-        return chunk_resident_factor(residency_lines(p, m, v, r), alphas[r], rank_offloads(p, m, v, r) > 0)
+        g = plan.microbatch_group_size_per_vp_stage
+        return chunk_resident_factor(residency_lines(p, m, v, r, g), alphas[r], rank_offloads(p, m, v, r, g) > 0)
 
     return tuple(int(round(microbatch_chunk_bytes(model, plan, r, **opts) * factor(r))) + (head if r == p - 1 else 0)
                  for r in range(p))

@@ -158,20 +158,22 @@ def _fsdp2_comm(model: ModelSpec, plan: Plan, n: int, link: Link) -> DataParalle
     return DataParallelComm(units, units * one, units * one, 2 * units * (d - 1) * link.latency, one, one, "ring")
 
 
-def bucketed_exposed(comm: float, buckets: int, chunks: int, unit: float, p: int, last_bucket: float | None = None) -> float:
+def bucketed_exposed(comm: float, buckets: int, chunks: int, unit: float, group: int,
+                     last_bucket: float | None = None) -> float:
     """Exposed part of Megatron's bucketed gradient reduce-scatter (or parameter all-gather) stream on the
     rank that finishes last (rank 0), with ``chunks`` = v model chunks of ``unit`` seconds of one
     microbatch's backward (forward) each.
 
-    Interleaved 1F1B runs the last p v backward units as p units of chunk v - 1, then p of chunk v - 2, ...,
-    p of chunk 0 (Megatron's schedules.py: backward chunk = v - 1 - (k // p) % v), so chunk j's gradients are
-    complete j p units before the end, and within its last unit they arrive bucket by bucket. One link
-    drains them in that order, each chunk carrying comm / v: it ends max_j ((j + 1) comm / v - j p unit - unit)
-    after the backward -- j = v - 1 (the link is the bottleneck: comm - ((v - 1) p + 1) unit) or j = 0
-    (the last chunk alone: comm / v - unit) -- and at least one bucket after it. The parameter all-gather
-    mirrors it in the forward (chunk j is first used j p units after the start). v = 1: comm - unit.
-    ``last_bucket``: seconds of that last bucket (default comm / buckets)."""
-    window = ((chunks - 1) * p + 1) * unit
+    Interleaved 1F1B runs its last group of microbatches (``group`` = g_last of them: m mod g, or g, with g
+    = --microbatch-group-size-per-virtual-pipeline-stage, by default p) as g_last backward units of chunk v - 1,
+    then g_last of chunk v - 2, ..., g_last of chunk 0 (megatron-core's schedule table), so chunk j's gradients
+    are complete j g_last units before the end, and within its last unit they arrive bucket by bucket. One link
+    drains them in that order, each chunk carrying comm / v: it ends max_j ((j + 1) comm / v - j g_last unit -
+    unit) after the backward -- j = v - 1 (the link is the bottleneck: comm - ((v - 1) g_last + 1) unit) or
+    j = 0 (the last chunk alone: comm / v - unit) -- and at least one bucket after it. The parameter all-gather
+    mirrors it in the forward with the first group, g microbatches (chunk j is first used j g units after the
+    start). v = 1: comm - unit. ``last_bucket``: seconds of that last bucket (default comm / buckets)."""
+    window = ((chunks - 1) * group + 1) * unit
     return max(comm / buckets if last_bucket is None else last_bucket, comm - window, comm / chunks - unit)
 
 
@@ -191,8 +193,9 @@ def dp_exposed(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float
     if c.buckets == 0:
         return 0.0
     grads, params, buckets = c.grad_seconds, c.param_seconds, c.buckets
-    p, v = plan.pipeline_model_parallel_size, plan.virtual_size(model.num_layers)
-    bwd_window = ((v - 1) * p + 1) * bwd_unit
+    v = plan.virtual_size(model.num_layers)
+    last_group, first_group = plan.last_microbatch_group(), plan.microbatch_group_size()
+    bwd_window = ((v - 1) * last_group + 1) * bwd_unit
     strategy = plan.sharding_strategy
     if strategy is not None:
         m = plan.num_microbatches
@@ -206,9 +209,9 @@ def dp_exposed(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float
                 params = max(params / (gathers * buckets), params - m * mb_window)
             return grads + params
     elif plan.overlap_grad_reduce:
-        grads = bucketed_exposed(grads, buckets, v, bwd_unit, p, c.last_grad_bucket_seconds)
+        grads = bucketed_exposed(grads, buckets, v, bwd_unit, last_group, c.last_grad_bucket_seconds)
     if plan.overlap_param_gather and params:
-        params = bucketed_exposed(params, buckets, v, fwd_unit, p, c.last_param_bucket_seconds)
+        params = bucketed_exposed(params, buckets, v, fwd_unit, first_group, c.last_param_bucket_seconds)
     return grads + params
 
 

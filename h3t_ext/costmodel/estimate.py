@@ -293,7 +293,8 @@ def _closed_form_inputs(model: ModelSpec, plan: Plan) -> tuple[tuple[float, ...]
     alphas = plan.alphas()
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    return alphas, v, chunk_activation_bytes(model, plan), tuple(rank_offloads(p, m, v, k) for k in range(p))
+    return alphas, v, chunk_activation_bytes(model, plan), tuple(rank_offloads(p, m, v, k, plan.microbatch_group_size_per_vp_stage)
+                                                           for k in range(p))
 
 
 def _closed_form(model: ModelSpec, plan: Plan, system: SystemSpec, alphas, chunk: int, offloaded) -> TimeTerms:
@@ -319,7 +320,7 @@ def _host_terms(model: ModelSpec, plan: Plan, stage: int, alpha: float, v: int,
     if layers is not None and alpha > 0:  # pipeline size 1: one microbatch's offloaded layers at a time
         terms["activations"] = int(layer_offload(alpha, layers).offloaded * chunk_activation_bytes(model, plan, stage))
     elif alpha > 0 and offloads:
-        held = max(full + n_off for full, n_off in residency_lines(plan.pipeline_model_parallel_size,
-                                                                   plan.num_microbatches, v, stage))
+        held = max(full + n_off for full, n_off in residency_lines(
+            plan.pipeline_model_parallel_size, plan.num_microbatches, v, stage, plan.microbatch_group_size_per_vp_stage))
         terms["activations"] = int(alpha * held * chunk_activation_bytes(model, plan, stage))
     return tuple(terms.items())

@@ -304,7 +304,8 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> Stag
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
     n, fixed, chunk = _constants(model, plan, stage)
-    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0, alpha,
+    g = plan.microbatch_group_size_per_vp_stage
+    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0, alpha,
                                     layers_per_chunk(model, plan))
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
@@ -321,7 +322,8 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[f
     v = plan.virtual_size(model.num_layers)
     n, terms, chunk = _constants(model, plan, stage)
     fixed = sum(terms.values())
-    lines, offloads = residency_lines(p, m, v, stage), rank_offloads(p, m, v, stage) > 0
+    g = plan.microbatch_group_size_per_vp_stage
+    lines, offloads = residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0
     layers = layers_per_chunk(model, plan)
     temporary = _step_temporary(n, plan)
     if not temporary:  # fused Adam: the step's moment never exceeds a backward's

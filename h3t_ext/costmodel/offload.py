@@ -75,7 +75,8 @@ def pcie_bytes_per_iteration(model: ModelSpec, plan: Plan, alphas: tuple[float, 
     layers = layers_per_chunk(model, plan)
     if layers is not None:
         return tuple(int(2 * m * layer_offload(a, layers).offloaded * chunk) for a in alphas)
-    return tuple(int(2 * a * chunk * rank_offloads(p, m, v, s)) for s, a in enumerate(alphas))
+    return tuple(int(2 * a * chunk * rank_offloads(p, m, v, s, plan.microbatch_group_size_per_vp_stage))
+                 for s, a in enumerate(alphas))
 
 
 def balanced_pcie_savings(model: ModelSpec, plan: Plan, system: SystemSpec,

@@ -143,6 +143,10 @@ class Plan:
     pipeline_model_parallel_layout: Optional[str] = None
     """megatron-core's --pipeline-model-parallel-layout (e.g. ``Ett|tt|tt|tL``): every model chunk's layers as
     written (:func:`h3t_ext.layout.parse_pipeline_layout`; v is its stages / p); it excludes the other split flags."""
+    microbatch_group_size_per_vp_stage: Optional[int] = None
+    """Megatron's --microbatch-group-size-per-virtual-pipeline-stage g (interleaving only): each model chunk runs g
+    microbatches before the next chunk takes over, so a rank's warm-up holds (v - 1) g + 2 (p - rank - 1)
+    microbatch-chunks (:func:`h3t_ext.schedule.builder.schedule_table`); None: megatron-core's default g = p."""
     fp8: Optional[str] = None
     """Megatron's --fp8-format (its field ``fp8``): 'e4m3' or 'hybrid' runs the linear layers' GEMMs in FP8
     through TransformerEngine (h3t_ext.costmodel.fp8); None: BF16 (Megatron's default)."""
@@ -200,6 +204,17 @@ class Plan:
                       self.num_virtual_stages_per_pipeline_rank, self.decoder_first_pipeline_num_layers,
                       self.decoder_last_pipeline_num_layers, self.account_for_embedding_in_pipeline_split,
                       self.account_for_loss_in_pipeline_split, self.pipeline_model_parallel_layout)
+
+    def microbatch_group_size(self) -> int:
+        """g of the interleaved schedule: ``microbatch_group_size_per_vp_stage``, else megatron-core's default p."""
+        g = self.microbatch_group_size_per_vp_stage
+        return self.pipeline_model_parallel_size if g is None else g
+
+    def last_microbatch_group(self) -> int:
+        """Microbatches of the interleaved schedule's last group (m mod g, or g when g divides m): the cool-down
+        runs each chunk's backwards of that many microbatches in turn."""
+        g = self.microbatch_group_size()
+        return self.num_microbatches % g or g
 
     def layers_per_rank(self, num_layers: int) -> int:
         """Layers of a middle stage: L / p, (L + 1 per --account-for-* flag) / p, or with uneven first/last stages
@@ -357,7 +372,8 @@ def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = Non
             decoder_last_pipeline_num_layers=plan.decoder_last_pipeline_num_layers,
             account_for_embedding_in_pipeline_split=plan.account_for_embedding_in_pipeline_split,
             account_for_loss_in_pipeline_split=plan.account_for_loss_in_pipeline_split,
-            pipeline_model_parallel_layout=plan.pipeline_model_parallel_layout)
+            pipeline_model_parallel_layout=plan.pipeline_model_parallel_layout,
+            microbatch_group_size_per_vp_stage=plan.microbatch_group_size_per_vp_stage)
     except LayoutError as e:
         raise InvalidPlanError(e.reason) from None
 

@@ -338,6 +338,7 @@ def schedule_config(model: ModelSpec, plan: Plan, alphas: Sequence[float]) -> Sc
     return ScheduleConfig(pipeline_model_parallel_size=plan.pipeline_model_parallel_size,
                           num_microbatches=plan.num_microbatches,
                           virtual_pipeline_model_parallel_size=plan.virtual_size(model.num_layers),
+                          microbatch_group_size_per_vp_stage=plan.microbatch_group_size_per_vp_stage,
                           offload=any(offload), offload_stages=offload if any(offload) else None,
                           offload_alphas=tuple(alphas) if layers is not None and any(offload) else None,
                           num_layers_per_chunk=layers if any(offload) else None)

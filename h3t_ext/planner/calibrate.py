@@ -34,7 +34,8 @@ from h3t_ext.planner.translate import plan_from_args
 
 INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
               "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-              "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+              "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+              "microbatch_group_size_per_vp_stage")
 SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
             "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather",
             "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")

@@ -54,6 +54,11 @@ def add_virtual_pipeline_flags(g, *, count: Parse, uneven: bool) -> None:
                    help="every model chunk's layers as megatron-core reads them: p x v stages separated by |, "
                         "E the embedding, t a transformer layer, L the loss, (..)*N and c*N repeats, e.g. "
                         "Ett|(tt|)*2tL (excludes the other split and interleaving flags)")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=count, default=None, metavar="G",
+                   dest="microbatch_group_size_per_vp_stage",
+                   help="interleaved 1F1B: microbatches each model chunk runs before the next chunk takes over "
+                        "(default --pipeline-model-parallel-size; p <= G <= microbatches, and microbatches mod G is 0 "
+                        "or >= p); a larger G holds (v - 1) G + 2 (p - 1) microbatch-chunks in the warm-up")
 
 
 def add_window_flags(g) -> None:

@@ -82,8 +82,10 @@ _SPLIT_INTS = {
     "--num-virtual-stages-per-pipeline-rank": "num_virtual_stages_per_pipeline_rank",
     "--decoder-first-pipeline-num-layers": "decoder_first_pipeline_num_layers",
     "--decoder-last-pipeline-num-layers": "decoder_last_pipeline_num_layers",
+    "--microbatch-group-size-per-virtual-pipeline-stage": "microbatch_group_size_per_vp_stage",
 }
-"""Megatron's flags of the layer split (uneven stages, virtual stages given as a count), when set."""
+"""Megatron's flags of the layer split (uneven stages, virtual stages given as a count) and of the interleaved
+schedule's microbatch groups, when set."""
 _SPLIT_SWITCHES = {
     "--account-for-embedding-in-pipeline-split": "account_for_embedding_in_pipeline_split",
     "--account-for-loss-in-pipeline-split": "account_for_loss_in_pipeline_split",

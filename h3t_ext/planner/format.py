@@ -14,7 +14,7 @@ from h3t_ext.planner.units import format_bytes
 
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
              "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-             "pipeline_model_parallel_layout", "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather")
+             "pipeline_model_parallel_layout", "microbatch_group_size_per_vp_stage", "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather")
 
 
 def recompute_label(plan) -> str:
@@ -85,6 +85,8 @@ def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
     inter = f" l={l} (v={v})" if l is not None else ""
     if p.pipeline_model_parallel_layout is not None:
         inter += f" layout={p.pipeline_model_parallel_layout}" + (f" (v={v})" if v > 1 else "")
+    if p.microbatch_group_size_per_vp_stage is not None:
+        inter += f" g={p.microbatch_group_size_per_vp_stage}"
     return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
             f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} recompute={recompute_label(p)} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
             f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)}")

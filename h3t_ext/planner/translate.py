@@ -58,6 +58,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "account_for_embedding_in_pipeline_split": False,
     "account_for_loss_in_pipeline_split": False,
     "pipeline_model_parallel_layout": None,
+    "microbatch_group_size_per_vp_stage": None,  # megatron-core's default: p
     "fp8": None,  # --fp8-format (dest fp8): BF16 unless given
     "fp8_recipe": DEFAULT_FP8_RECIPE,
     "fp8_param_gather": False,
@@ -85,7 +86,8 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "transformer_impl", "optimizer_impl", "decoder_first_pipeline_num_layers",
            "decoder_last_pipeline_num_layers",
            "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
-           "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout", "fp8",
+           "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
+           "microbatch_group_size_per_vp_stage", "fp8",
            "fp8_recipe", "fp8_param_gather", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}

@@ -174,7 +174,7 @@ MEGATRON_LM: dict[str, str] = {
 --recompute-modules=* --recompute-num-layers=1
 --rotary-base=1 --rotary-interleaved=0 --rotary-percent=1 --use-rope-scaling=0 --rope-scaling-factor=1
 --rotary-seq-len-interpolation-factor=1 --window-size=1 --window-attn-skip-freq=1
---pipeline-model-parallel-layout=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
+--pipeline-model-parallel-layout=1 --microbatch-group-size-per-virtual-pipeline-stage=1 --save=1 --save-interval=1 --seed=1 --seq-length=1
 --sequence-parallel=0 --skip-train=0 --split=1 --swiglu=0 --tensor-model-parallel-size=1 --tensorboard-dir=1
 --tensorboard-log-interval=1 --tensorboard-queue-size=1 --tokenizer-model=1 --tokenizer-type=1
 --null-tokenizer-eod-id=1 --null-tokenizer-pad-id=1 --tiktoken-num-special-tokens=1 --tiktoken-pattern=1
@@ -373,7 +373,7 @@ MEGATRON_LM: dict[str, str] = {
 --disable-tp-comm-overlap-ag=0 --disable-tp-comm-overlap-rs=0 --disable-tp-comm-split-ag=0
 --disable-tp-comm-split-rs=0 --fake-process-group=0 --hierarchical-context-parallel-sizes=+
 --high-priority-a2a-comm-stream=0 --high-priority-stream-groups=+ --lazy-mpu-init=0 --local-rank=1
---max-seqlen-per-dp-cp-rank=1 --microbatch-group-size-per-virtual-pipeline-stage=1
+--max-seqlen-per-dp-cp-rank=1
 --nccl-communicator-config-path=1 --no-align-grad-reduce=0 --no-align-param-gather=0
 --no-clone-scatter-output-in-embedding=0 --no-overlap-p2p-communication=0 --no-tp-comm-bulk-dgrad=0
 --no-tp-comm-bulk-wgrad=0 --no-tp-comm-overlap-ag=0 --no-tp-comm-overlap-rs=0 --no-tp-comm-split-ag=0

@@ -79,9 +79,13 @@ def _validate_layout(args):
                                   ffn_hidden_size=args.ffn_hidden_size)
     except LayoutError as e:
         raise ArgumentError(e.reason) from None
+    notices = args.flag_notices
+    if args.microbatch_group_size_per_vp_stage is not None and not layout.interleaved:
+        notices = (*notices, "note: --microbatch-group-size-per-virtual-pipeline-stage: no effect without interleaving "
+                             "(Megatron's 1F1B schedule has one model chunk per rank, nothing to group): same result")
     return args.replace(data_parallel_size=layout.data_parallel_size, num_microbatches=layout.num_microbatches,
                         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size
-                        if layout.interleaved else None, parallel_layout=layout)
+                        if layout.interleaved else None, parallel_layout=layout, flag_notices=notices)
 
 
 def check_layout_for(args) -> ParallelLayout:
@@ -106,7 +110,8 @@ def _layout(args, global_batch_size: int) -> ParallelLayout:
         world_size=args.world_size, global_batch_size=global_batch_size, micro_batch_size=args.micro_batch_size,
         tensor_model_parallel_size=args.tensor_model_parallel_size, context_parallel_size=args.context_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, num_layers=args.num_layers,
-        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage, **split_flags(args))
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage, **split_flags(args))
 
 
 def _decrease_batch_size(args):

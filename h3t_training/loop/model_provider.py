@@ -83,6 +83,7 @@ def transformer_config(args, *, on_gpu: bool) -> TransformerConfig:
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
+        microbatch_group_size_per_vp_stage=args.microbatch_group_size_per_vp_stage,
         context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         params_dtype=dtype,

@@ -23,9 +23,11 @@ from h3t_training.config.run_spec import model_flops_per_iteration_token
 
 SPLIT_FIELDS = ("num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
                 "decoder_last_pipeline_num_layers", "account_for_embedding_in_pipeline_split",
-                "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout")
-"""The layer split's flags, written into ``--metrics-json``'s config so that ``h3t-plan calibrate`` prices the split
-the run trained with (:mod:`h3t_ext.planner.calibrate`)."""
+                "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
+                "microbatch_group_size_per_vp_stage")
+"""The layer split's flags and the interleaved schedule's microbatch group size, written into ``--metrics-json``'s
+config so that ``h3t-plan calibrate`` prices the split and schedule the run trained with
+(:mod:`h3t_ext.planner.calibrate`)."""
 
 def measured_cpu_peak_flops(n: int = 384, trials: int = 12) -> float:
     """Best dense fp32 GEMM FLOP/s of this process over a few short trials (the CPU stand-in for a peak)."""

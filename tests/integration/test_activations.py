@@ -225,6 +225,30 @@ def test_stage_peaks_match_cost_model(ckpt, alpha):
         assert st.peak_resident_bytes == pytest.approx(predicted[rank], rel=0.05), (rank, predicted)
 
 
+@pytest.mark.parametrize("group", [None, 3, 6])
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+def test_grouped_interleaved_stage_peaks_match_cost_model(group, alpha):
+    """Interleaved 1F1B (p=2, v=2, m=6) with --microbatch-group-size-per-virtual-pipeline-stage g: rank 0's warm-up
+    holds 2 (p - 1) + (v - 1) g microbatch-chunks (4, 5 and 8 for g = 2 (the default), 3, 6); every rank's measured
+    peak resident bytes equal the cost model's stage peaks within 5%, which move with g."""
+    layers, p, v, m, mb, seq = 1, 2, 2, 6, 2, 32
+    plan = Plan(num_gpus=p, seq_length=seq, global_batch_size=m * mb, micro_batch_size=mb,
+                pipeline_model_parallel_size=p, num_layers_per_virtual_pipeline_stage=layers, ckpt="ours",
+                offload_alpha=alpha, microbatch_group_size_per_vp_stage=group)
+    spec = tiny_model_spec(layers * p * v)
+    predicted = list(stage_activation_peak_bytes(spec, plan, dtype_bytes=4, layer_spec="local",
+                                                 sequence_parallel=False))
+    predicted[-1] -= output_layer_bytes(spec, plan, dtype_bytes=4, sequence_parallel=False)["total"]
+    default = list(stage_activation_peak_bytes(spec, replace(plan, microbatch_group_size_per_vp_stage=None),
+                                               dtype_bytes=4, layer_spec="local", sequence_parallel=False))
+    assert (predicted[0] > default[0]) == (group not in (None, p))
+    for rank in range(p):
+        model = middle_stage_model(num_layers=layers, ckpt="ours")
+        st = run_middle_stage(model, _manager(alpha), pipeline_size=p, rank=rank, num_microbatches=m,
+                              micro_batch=mb, seq=seq, hidden=HIDDEN, virtual_size=v, group_size=group)
+        assert st.peak_resident_bytes == pytest.approx(predicted[rank], rel=0.05), (rank, predicted)
+
+
 def test_ours_saves_what_design_says():
     """no - ours per layer and token = the two norm outputs and the SwiGLU output (2h + f elements)."""
     layers, mb, seq = 2, 2, 32

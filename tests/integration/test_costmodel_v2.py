@@ -339,12 +339,12 @@ def test_gradient_sharding_switch():
                             "use_distributed_optimizer": False}), H100)
 
 
-def _simulated_dp_exposed(p, m, v, comm, buckets_per_chunk, fwd=0.5, bwd=1.0):
+def _simulated_dp_exposed(p, m, v, comm, buckets_per_chunk, fwd=0.5, bwd=1.0, g=None):
     """Timeline of the schedule builder's action lists (Megatron-core's order; every chunk forward takes
     ``fwd``, backward ``bwd``, p2p is free) and one link draining rank 0's gradient buckets as they
     complete (each chunk's buckets spread over its last backward): how long the link runs past rank 0's
-    last backward."""
-    sched = build_schedule(p, m, v)
+    last backward. ``g``: --microbatch-group-size-per-virtual-pipeline-stage (None: p)."""
+    sched = build_schedule(p, m, v, microbatch_group_size_per_vp_stage=g)
     lists = [sched.compute_actions(r) for r in range(p)]
     done, clock, pos = {}, [0.0] * p, [0] * p
     while any(pos[r] < len(lists[r]) for r in range(p)):
@@ -387,6 +387,27 @@ def test_interleaved_dp_overlap_window_matches_the_schedule(p, v, m):
         sim = _simulated_dp_exposed(p, m, v, comm, buckets_per_chunk)
         model = _bucketed_exposed(comm, buckets_per_chunk * v, v, 1.0, p)
         assert abs(model - sim) <= comm / (v * buckets_per_chunk) + 1e-9, (comm, sim, model)
+
+
+@pytest.mark.parametrize("p,v,m,g", [(2, 3, 8, 3), (4, 2, 10, 6), (2, 4, 10, 4), (4, 3, 12, 6), (3, 2, 11, 4),
+                                     (2, 5, 9, 9)])
+def test_grouped_interleaving_moves_the_dp_overlap_window(p, v, m, g):
+    """With --microbatch-group-size-per-virtual-pipeline-stage g the cool-down runs the last group (m mod g, or g)
+    chunk by chunk, so the window is ((v - 1) g_last + 1) units, not ((v - 1) p + 1): the plan's window matches
+    the simulated schedule within one bucket, and the p window misses it where g_last != p."""
+    from h3t_ext.costmodel import Plan
+    plan = Plan(num_gpus=p, seq_length=64, global_batch_size=m, pipeline_model_parallel_size=p,
+                microbatch_group_size_per_vp_stage=g)
+    last = plan.last_microbatch_group()
+    assert last == (m % g or g)
+    buckets_per_chunk = 8
+    missed = 0
+    for comm in (0.5, 3.0, 10.0, 20.0, 40.0):
+        sim = _simulated_dp_exposed(p, m, v, comm, buckets_per_chunk, g=g)
+        model = _bucketed_exposed(comm, buckets_per_chunk * v, v, 1.0, last)
+        assert abs(model - sim) <= comm / (v * buckets_per_chunk) + 1e-9, (comm, sim, model)
+        missed += abs(_bucketed_exposed(comm, buckets_per_chunk * v, v, 1.0, p) - sim) > comm / (v * buckets_per_chunk)
+    assert (missed > 0) == (last != p)
 
 
 def _megatron_row(size):

@@ -2,7 +2,9 @@
 writes them, and the h3t schedules run them. In float64, from the single rank's checkpoint after its first iteration
 (each pipeline rank draws its own initial weights, as in Megatron), two ranks under an uneven layout (Et|tttL) and an
 interleaved one with chunks that hold no transformer layer (E|tt|tt|L: the embedding alone, then the loss alone) give
-the single rank's next losses and gradient norms within 1e-12 relative; --metrics-json records the layout."""
+the single rank's next losses and gradient norms within 1e-12 relative; --metrics-json records the layout. So does
+interleaving with --microbatch-group-size-per-virtual-pipeline-stage (every chunk runs all 4 microbatches before the
+next takes over), which megatron-core passes to its schedule and which h3t-plan calibrate prices."""
 from __future__ import annotations
 
 import pytest
@@ -30,3 +32,14 @@ def test_layouts_match_the_single_rank(reference, tmp_path, layout):
                                        layout, "--load", str(ckpt), "--ckpt-step", "1"], nproc=2, iterations=2)
     assert got == pytest.approx([*ref[1:3], *ref[4:6]], rel=1e-12, abs=0)
     assert metrics(path)["config"]["pipeline_model_parallel_layout"] == layout  # what h3t-plan calibrate prices
+
+
+def test_grouped_interleaving_matches_the_single_rank(reference, tmp_path):
+    ref, ckpt = reference
+    path = tmp_path / "run.json"
+    got = losses_and_grad_norms(path, [*COMMON, "--pipeline-model-parallel-size", "2",
+                                       "--num-layers-per-virtual-pipeline-stage", "1",
+                                       "--microbatch-group-size-per-virtual-pipeline-stage", "4", "--load", str(ckpt),
+                                       "--ckpt-step", "1"], nproc=2, iterations=2)
+    assert got == pytest.approx([*ref[1:3], *ref[4:6]], rel=1e-12, abs=0)
+    assert metrics(path)["config"]["microbatch_group_size_per_vp_stage"] == 4
