@@ -173,6 +173,12 @@ def _expand(pattern: re.Pattern, text: str) -> str:
     return pattern.sub(repeat, text)
 
 
+def layout_stage_count(layout: str) -> int:
+    """Virtual stages of a --pipeline-model-parallel-layout string (its ``|``-separated stages once the repeats are
+    unrolled); p x v for a valid one (:func:`parse_pipeline_layout` checks it)."""
+    return len(_expand(_LAYOUT_REPEAT, _expand(_LAYOUT_GROUP, layout.replace(",", ""))).split("|"))
+
+
 def parse_pipeline_layout(layout: str, num_layers: int, pipeline_model_parallel_size: int) -> tuple[int, ...]:
     """The transformer layers of each virtual stage of megatron-core's ``--pipeline-model-parallel-layout``, in its
     order (stage ``k`` is model chunk ``k // p`` of pipeline rank ``k % p``), after megatron-core's rules

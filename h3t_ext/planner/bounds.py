@@ -87,12 +87,13 @@ class Bounds:
             l = layout.num_layers_per_virtual_pipeline_stage
             if layout.pipeline_model_parallel_layout is None:
                 stages = (L // p, L // p, L // p * p)
-            else:
+                v = 1 if l is None else L // p // l
+            else:  # a layout string: its ranks' totals, and its chunks per rank (interleaved when > 1)
                 split = pipeline_split(L, p, pipeline_model_parallel_layout=layout.pipeline_model_parallel_layout)
                 counts = [split.stage_layers(r) for r in range(p)]
                 stages = (max(counts[:-1], default=0), counts[-1], L)
-            sizes = self._per_layout[li] = (t, c, stages, 1 if l is None else L // p // l, p,
-                                            num_gpus // (t * p) // c, switches.get("fp8"))
+                v = split.virtual_pipeline_model_parallel_size
+            sizes = self._per_layout[li] = (t, c, stages, v, p, num_gpus // (t * p) // c, switches.get("fp8"))
         return sizes
 
     def _pipelined(self, li: int, ci: int, i: int) -> float:
@@ -103,7 +104,7 @@ class Bounds:
         mb = layout.micro_batch_sizes[i]
         n = self.block_layers.get((li, ci, i)) if self.modes[ci].block else None
         key = (t, c, mb, self._plain_id[ci] if n is None else self._mode_id[ci], n,
-               per_stage // v if n else None, fp8)
+               (per_stage // v, layout.pipeline_model_parallel_layout) if n else None, fp8)
         times = self._shapes.get(key)
         if times is None:
             mode = self._plain[ci] if n is None else self.modes[ci]

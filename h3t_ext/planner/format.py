@@ -6,6 +6,7 @@ from rich.table import Table
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
+from h3t_ext.layout import layout_stage_count
 from h3t_ext.planner.evaluate import Evaluation
 from h3t_ext.offload_alpha import format_alpha
 from h3t_ext.planner.flags import megatron_flags
@@ -184,18 +185,28 @@ def search_table(result: SearchResult, top: int) -> Table:
         tab.add_column(col, justify="left" if col in ("recompute", "precision") else "right")
     for i, r in enumerate(result.plans[:top], 1):
         p, est = r.plan, r.evaluation.estimate
-        l = p.num_layers_per_virtual_pipeline_stage
         extra = [format_bytes(r.evaluation.pcie_bytes_saved_vs_auto or 0)] if balanced else []
         tab.add_row(str(i), str(p.tensor_model_parallel_size), str(p.context_parallel_size),
                     str(p.pipeline_model_parallel_size) + ("*" if p.pipeline_model_parallel_layout else ""),
-                    "-" if l is None else str(l), str(p.data_parallel_size),
+                    _layers_cell(p), str(p.data_parallel_size),
                     recompute_label(p), p.precision, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
                     str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
                     f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
                     _plausibility_cell(est.plausibility), *extra)
     if any(r.plan.pipeline_model_parallel_layout for r in result.plans[:top]):
-        tab.caption = "p*: the layers split as --pipeline-model-parallel-layout says (the plan's flags)"
+        tab.caption = ("p*: the layers split as --pipeline-model-parallel-layout says (the plan's flags); v=N: its N "
+                       "model chunks per rank (interleaved)")
     return tab
+
+
+def _layers_cell(plan) -> str:
+    """The l column: layers per virtual stage, ``v=N`` for an interleaved layout string, ``-`` for one chunk."""
+    if plan.num_layers_per_virtual_pipeline_stage is not None:
+        return str(plan.num_layers_per_virtual_pipeline_stage)
+    if plan.pipeline_model_parallel_layout is not None:
+        v = layout_stage_count(plan.pipeline_model_parallel_layout) // plan.pipeline_model_parallel_size
+        return f"v={v}" if v > 1 else "-"
+    return "-"
 
 
 def _plausibility_cell(pl) -> str:

@@ -13,7 +13,15 @@ the middle stages first: the first stage already holds the most activations in f
 The FLOP count is a structural estimate, not the cost model's price: the search prices the even split and this one
 and keeps what is faster, so the count only has to point at the right neighbourhood. It also gives a split where
 the layers do not divide evenly over the stages (L not a multiple of p), which only a layout can write.
-Interleaved schedules (v > 1) are searched with even splits only.
+
+Interleaved 1F1B (v model chunks per rank) runs N = p v virtual stages in a ring, each microbatch through all of
+them, and the virtual stage with the output layer -- the last rank's last chunk -- is the one an even split leaves
+behind, and its rank with it: every rank runs all its chunks for each microbatch, so the ranks' totals set the
+pace. The ranks are evened out as above, and each rank's layers split evenly over its chunks, except that the output
+layer's chunk keeps only what brings it to one virtual stage's share, (L + H) / N - H layers, the rank's other
+chunks taking the rest (:func:`balanced_chunk_layers`). Megatron-LM's even interleaving,
+``--num-layers-per-virtual-pipeline-stage l``, is v = L / (p l) chunks of l layers; its balanced twin is the layout
+string of p v stages (stage k: chunk k // p of rank k % p).
 """
 from __future__ import annotations
 
@@ -47,6 +55,28 @@ def balanced_stage_layers(num_layers: int, p: int, head_layers: float) -> Option
     return (*counts, last)
 
 
+def balanced_chunk_layers(num_layers: int, p: int, v: int, head_layers: float) -> Optional[tuple[int, ...]]:
+    """Transformer layers of the p v virtual stages of interleaved 1F1B in layout order (stage k: chunk k // p of rank
+    k % p): each rank's total as :func:`balanced_stage_layers` evens out the ranks (a rank runs all its chunks for
+    every microbatch), split evenly over its chunks, except that the last rank's last chunk, which holds the output
+    layer, keeps only the layers that bring it to one virtual stage's share, (L + H) / (p v) - H (at least none);
+    None where the ranks cannot be balanced. v = 1: :func:`balanced_stage_layers`."""
+    ranks = balanced_stage_layers(num_layers, p, head_layers)
+    if ranks is None or v == 1:
+        return ranks
+    chunks = [[0] * v for _ in range(p)]
+    for r, total in enumerate(ranks):
+        even = v if r < p - 1 else v - 1
+        if r == p - 1:
+            share = (num_layers + head_layers) / (p * v) - head_layers
+            chunks[r][v - 1] = min(total, max(0, round(share)))
+            total -= chunks[r][v - 1]
+        base, extra = divmod(total, even)
+        for c in range(even):
+            chunks[r][c] = base + (c < extra)  # the remainder to the earlier chunks
+    return tuple(chunks[k % p][k // p] for k in range(p * v))
+
+
 def layout_string(stage_layers: tuple[int, ...]) -> str:
     """megatron-core's layout string of one model chunk per stage: ``Et*8|t*9|t*9|t*6L``."""
     def layers(n: int) -> str:
@@ -58,16 +88,18 @@ def layout_string(stage_layers: tuple[int, ...]) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def split_candidates(model: ModelSpec, seq_length: int, p: int, t: int = 1) -> tuple[Optional[str], ...]:
-    """The layer splits the search prices for p stages of one chunk each: None (the even split, where p divides the
-    layers) and the balanced layout where it differs from it."""
-    L = model.num_layers
-    even = L % p == 0
+def split_candidates(model: ModelSpec, seq_length: int, p: int, t: int = 1, v: int = 1) -> tuple[Optional[str], ...]:
+    """The layer splits the search prices for p stages of v chunks each: None (Megatron's even split, where it exists:
+    p divides the layers, or with v > 1 p v does) and the balanced layout where it differs from it."""
+    L, stages = model.num_layers, p * v
+    even = L % stages == 0
     out: list[Optional[str]] = [None] if even else []
-    counts = balanced_stage_layers(L, p, output_layer_in_layers(model, seq_length, t))
-    if counts is not None and not (even and set(counts) == {L // p}):
+    if v > 1 and not even:  # Megatron's interleaving needs its even split; a layout alone is not searched there
+        return ()
+    counts = balanced_chunk_layers(L, p, v, output_layer_in_layers(model, seq_length, t))
+    if counts is not None and not (even and set(counts) == {L // stages}):
         out.append(layout_string(counts))
     return tuple(out)
 
 
-__all__ = ["balanced_stage_layers", "layout_string", "output_layer_in_layers", "split_candidates"]
+__all__ = ["balanced_chunk_layers", "balanced_stage_layers", "layout_string", "output_layer_in_layers", "split_candidates"]

@@ -286,6 +286,12 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                             rejected[reason] += 1
                         else:
                             mbs.append(mb)
-                    if mbs:
-                        for split in splits if l is None else (None,):
-                            yield Layout(t, c, p, l, tuple(mbs), split)
+                    if not mbs:
+                        continue
+                    for split in splits if l is None else (None,):
+                        yield Layout(t, c, p, l, tuple(mbs), split)
+                    if l is not None and v > 1 and k.pipeline_layouts and k.num_layers_per_virtual_pipeline_stage is None:
+                        # interleaving's balanced twin (p v stages), unless the user fixed Megatron's l
+                        for split in split_candidates(model, seq_length, p, t, v):
+                            if split is not None:
+                                yield Layout(t, c, p, None, tuple(mbs), split)

@@ -7,7 +7,7 @@ import pytest
 
 from h3t_ext.costmodel import get_model, get_system
 from h3t_ext.costmodel.estimate import estimate
-from h3t_ext.layout import parse_pipeline_layout
+from h3t_ext.layout import layout_stage_count, parse_pipeline_layout
 from h3t_ext.planner.bounds import Bounds, candidate_plan
 from h3t_ext.planner.pipeline_balance import (balanced_stage_layers, layout_string, output_layer_in_layers,
                                               split_candidates)
@@ -92,9 +92,44 @@ def test_the_search_chooses_the_balanced_split():
     best_first = search(m, SYSTEM, top=3, **kw)
     exhaustive = search(m, SYSTEM, exhaustive=True, **kw)
     assert best_first.best.plan == exhaustive.best.plan
-    assert best_first.best.plan.pipeline_model_parallel_layout == "Et*8|t*9|t*9|t*6L"
+    layout = best_first.best.plan.pipeline_model_parallel_layout
+    v = layout_stage_count(layout) // 4
+    assert v > 1 and layout == split_candidates(m, 4096, 4, 1, v)[-1]  # interleaved, balanced
     flags = best_first.best.megatron_flags
-    assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == "Et*8|t*9|t*9|t*6L"
+    assert flags[flags.index("--pipeline-model-parallel-layout") + 1] == layout
+    even = search(m, SYSTEM, top=3, **{**kw, "constraints": SearchConstraints(
+        pipeline_model_parallel_size=4, ckpt="no", pipeline_layouts=False)})
+    # Megatron's best even split is interleaved too, and 15% slower: its last rank carries the output layer
+    assert even.best.plan.num_layers_per_virtual_pipeline_stage is not None
+    assert best_first.best.evaluation.estimate.tokens_per_second > 1.1 * even.best.evaluation.estimate.tokens_per_second
+
+
+@pytest.mark.parametrize("p,v,want", [
+    (4, 2, (4, 5, 5, 4, 4, 4, 4, 2)),  # ranks 8, 9, 9, 6 + the output layer
+    (2, 2, (9, 9, 8, 6)),  # ranks 17, 15: the last chunk keeps (32 + 2.24) / 4 - 2.24 = 6.3 layers
+    (2, 4, (5, 5, 4, 4, 4, 4, 4, 2)),  # ranks 17 and 15 + the output layer (2.24 layers)
+])
+def test_interleaved_candidates_even_out_the_virtual_stages(p, v, want):
+    """With v chunks per rank the p v virtual stages are evened out, the output layer's (the last) lighter; its
+    layout string is p v stages (stage k: chunk k // p of rank k % p), and v = L / (p l) of Megatron's even
+    interleaving is the other candidate."""
+    m = get_model("llama3-8b")
+    even, layout = split_candidates(m, 4096, p, 1, v)
+    assert even is None and layout_stage_count(layout) == p * v
+    assert parse_pipeline_layout(layout, 32, p) == want
+    head = output_layer_in_layers(m, 4096)
+    ranks = [sum(want[r::p]) + (head if r == p - 1 else 0) for r in range(p)]
+    assert max(ranks) - min(ranks) <= 1 + 1e-9  # whole layers: the ranks within one layer of each other
+    assert split_candidates(get_model("llama-175b"), 4096, 8, 1, 2) == (None,)  # a small output layer: even
+    assert split_candidates(m, 4096, 3, 1, 2) == ()  # 32 layers do not make 3 x 2 even chunks: no interleaving
+
+
+def test_fixing_megatrons_interleaving_keeps_its_even_split():
+    m = get_model("llama3-8b")
+    layouts, _ = enumerate_layouts(m, num_gpus=16, seq_length=4096, global_batch_size=128, gpus_per_node=8,
+                                   constraints=SearchConstraints(pipeline_model_parallel_size=4,
+                                                                 num_layers_per_virtual_pipeline_stage=2))
+    assert layouts and all(x.pipeline_model_parallel_layout is None for x in layouts)
 
 
 def test_even_pipeline_split_keeps_to_megatrons_split(capsys):
