@@ -50,10 +50,36 @@ class UsageError(Exception):
     """Bad command-line input; the message is the one line printed after ``h3t-plan: error:``."""
 
 
+UNPRICED_MODEL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("--num-experts", "--moe-", "--expert-model-parallel-size", "--expert-tensor-parallel-size"),
+     "mixture-of-experts layers"),
+    (("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+      "--v-head-dim"), "multi-latent attention"),
+    (("--mtp-",), "multi-token prediction layers"),
+    (("--hybrid-", "--mamba-", "--is-hybrid-model"), "Mamba / hybrid layers"),
+)
+"""Megatron-LM's flags of model families the cost model does not price (prefixes), and the family's name: a command
+line pasted from such a run is refused naming the family, not only as an unknown flag."""
+
+
+def _unpriced_family(message: str) -> Optional[str]:
+    """The model family an 'unrecognized arguments' message's flags belong to, if any."""
+    flags = [w.split("=")[0] for w in message.removeprefix("unrecognized arguments:").split() if w.startswith("--")]
+    for prefixes, family in UNPRICED_MODEL_FLAGS:
+        named = [f for f in flags if f.startswith(prefixes)]
+        if named:
+            return f"{', '.join(named)}: the cost model does not price {family} (it prices dense decoder-only " \
+                   f"transformers: multi-head or grouped-query attention, a dense MLP); leave the flags out to price " \
+                   f"the dense model"
+    return None
+
+
 class _Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line with a fixed program name."""
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            message = _unpriced_family(message) or message
         sys.stderr.write(f"{PROG}: error: {message}\n")
         raise SystemExit(2)
 

@@ -30,6 +30,12 @@ def _with(base: list[str], **flags) -> list[str]:
 
 
 PLANNER_CASES = [
+    # a Megatron-LM command line of a model family the cost model does not price: named, not only "unrecognized"
+    ([*ESTIMATE, "--num-experts", "8", "--moe-router-topk", "2"],
+     "--num-experts, --moe-router-topk: the cost model does not price mixture-of-experts layers"),
+    ([*SEARCH, "--multi-latent-attention", "--kv-lora-rank=512"],
+     "--multi-latent-attention, --kv-lora-rank: the cost model does not price multi-latent attention"),
+    ([*SEARCH, "--foo"], "unrecognized arguments: --foo"),
     (_with(SEARCH, num_gpus=0), "--num-gpus: 0 out of range"),
     (_with(SEARCH, num_gpus=-1), "--num-gpus: -1 out of range"),
     (_with(SEARCH, num_gpus="abc"), "'abc' is not an integer"),
