@@ -67,7 +67,7 @@ from h3t_ext.costmodel.recompute import chunk_layers_bytes, core_attention_pinne
     recomputes_core_attention, selective_terms
 from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.dtypes import BF16, BOOL, FP8, FP32, INT64
-from h3t_ext.schedule import ActionKind, build_schedule
+from h3t_ext.schedule import ActionKind, build_schedule, schedule_table
 
 REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
                           "hidden_dropout_mask")
@@ -179,8 +179,8 @@ def _walk_schedule(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tup
 @functools.lru_cache(maxsize=4096)
 def _closed_form(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
     """What :func:`_walk_schedule` returns, in closed form (equality with the builder is asserted for
-    every p <= 12, v <= 5 and valid m <= 4p, and for every valid group size g at p <= 6, v <= 4, m <= 3p + 2, in
-    tests/unit/test_costmodel_activations.py).
+    every p <= 12, v <= 5 and valid m <= 4p in tests/unit/test_costmodel_activations.py, and for every valid group
+    size g at p <= 6, v <= 4, m <= 3p + 2 in tests/unit/test_microbatch_group.py).
 
     The peak is the first steady-state forward (or the last forward when the warm-up covers every
     chunk): it holds N = min(warm-up + 1, m v) chunks, the warm-up being 2 (p - r - 1) + (v - 1) g forwards
@@ -208,7 +208,7 @@ def _kept_grouped(m: int, v: int, g: int, warm: int) -> int:
     """Forwards of an interleaved rank with ``warm`` warm-up forwards and group size ``g`` whose backward follows
     within two compute actions (the builder keeps those on the device): with g > p the last rank's last chunk of a
     microbatch no longer always meets its backward at once. Walks positions, not actions (O(m v))."""
-    table = [(mb, c) for start in range(0, m, g) for c in range(v) for mb in range(start, min(start + g, m))]
+    table = schedule_table(m, v, g)
     backward_index = {(mb, v - 1 - c): k for k, (mb, c) in enumerate(table)}  # backward k runs table[k]'s mirror
     steady = m * v - warm
 
