@@ -9,7 +9,7 @@
 
 ``pytest tests`` (the README's command, which CI runs) runs all three but the slow tier: tests marked ``slow``
 (long end-to-end runs whose behaviour a faster test of the default tier also covers) and the recipe launches beyond
-the covering 16; ``pytest tests --run-slow`` runs everything. ``-m unit`` / ``-m "not integration"`` select by
+the covering 17; ``pytest tests --run-slow`` runs everything. ``-m unit`` / ``-m "not integration"`` select by
 marker. The shared harnesses (``driver_harness.py``, ``gpt_harness.py``, ...) stay in ``tests/`` and are
 importable from every tier.
 """
@@ -36,8 +36,8 @@ def corpus_prefix(tmp_path_factory) -> str:
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False,
-                     help="also run the slow tier: the tests marked slow (long end-to-end runs) and all 82 launches of "
-                          "Megatron-LM's CI recipes (default: the 16 that cover every flag and outcome)")
+                     help="also run the slow tier: the tests marked slow (long end-to-end runs) and all 84 launches of "
+                          "Megatron-LM's CI recipes (default: the 17 that cover every flag and outcome)")
 
 
 def pytest_collection_modifyitems(config, items):

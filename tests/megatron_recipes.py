@@ -107,7 +107,9 @@ def shrink(pairs: list[list[str]], paths: Paths, iters: int, save_interval: int 
     a = dict(pairs)
     _, p, _ = layout(pairs)
     d = data_parallel_size(pairs)
-    gbs = d * max(p, 2)  # one sample per micro-batch, as many micro-batches as stages (at least 2)
+    # one sample per micro-batch, as many micro-batches as stages (at least 2) and as the recipe's microbatch group
+    # (--microbatch-group-size-per-virtual-pipeline-stage g needs g <= microbatches: one whole group)
+    gbs = d * max(p, 2, _int(a, "--microbatch-group-size-per-virtual-pipeline-stage", 0))
     new: dict[str, str] = {k: v for k, v in SIZES.items() if k in a}
     t = layout(pairs)[0]
     if "--num-query-groups" in a:  # a multiple of t (t=8 in the release recipes) that divides the 8 heads

@@ -28,8 +28,8 @@ iterations' losses must equal the uninterrupted run's exactly. ``frozen-start``,
 once from an empty ``--load`` directory, as their first run does (for checkpoint-consistency: its MODEL_ARGS,
 not its further MODEL_ARGS_N). Recipes that run the same run share one launch (:func:`run_key`: their shrunk
 flags are equal once the flags the driver notices on CPU, which by the flag table's rule give the same result, are
-set aside; the ``_1node`` twins, the logging, data-loader and kernel-tuning variants): 156 recipes, 82 runs, 31
-of them ckpt-resume (a group with a ckpt-resume recipe runs as one), 113 launches.
+set aside; the ``_1node`` twins, the logging, data-loader and kernel-tuning variants): 156 recipes, 84 runs, 31
+of them ckpt-resume (a group with a ckpt-resume recipe runs as one), 115 launches.
 
 Outcomes at the pin (``expect``): 144 train (56 of them ckpt-resume recipes, resumed exactly; the 4 release
 recipes with --squared-relu, their W&B logging left out: :data:`megatron_recipes.WANDB_PREFIX`), 12 are refused:
@@ -119,15 +119,15 @@ def test_recipe_data_counts():
     assert collections.Counter(DATA["excluded"].values()) == {
         "not training (MODE inference)": 38, "not training (MODE rl)": 6, "MoE (--num-experts)": 5,
         "no model_config.yaml (or an empty one)": 2, "not training (an inference recipe by its name)": 1}
-    assert len(GROUPS) == 82 and sum(rs[0]["test_type"] == "ckpt-resume" for rs in GROUPS.values()) == 31
+    assert len(GROUPS) == 84 and sum(rs[0]["test_type"] == "ckpt-resume" for rs in GROUPS.values()) == 31
     outcomes = collections.Counter(r["expect"].split(":")[0] for r in DATA["recipes"])
     assert outcomes == EXPECTED_OUTCOMES
     for rs in GROUPS.values():  # recipes sharing a launch share its outcome
         assert len({r["expect"] for r in rs}) == 1, [r["name"] for r in rs]
     assert sum(r["test_type"] == "ckpt-resume" for r in DATA["recipes"]) == 62
-    # the default launches cover every flag, outcome and test type of the 82 (pytest --run-slow: all)
+    # the default launches cover every flag, outcome and test type of the 84 (pytest --run-slow: all)
     assert set().union(*(features(GROUPS[n][0]) for n in COVER)) == set().union(*map(features, DATA["recipes"]))
-    assert len(COVER) == 16 and {GROUPS[n][0]["expect"] for n in COVER} >= {r["expect"] for r in DATA["recipes"]}
+    assert len(COVER) == 17 and {GROUPS[n][0]["expect"] for n in COVER} >= {r["expect"] for r in DATA["recipes"]}
 
 
 EXPECTED_OUTCOMES = {"trains": 144, "refused": 12}
