@@ -173,10 +173,15 @@ def _expand(pattern: re.Pattern, text: str) -> str:
     return pattern.sub(repeat, text)
 
 
+def _unrolled(layout: str) -> str:
+    """A layout string as megatron-core reads it: commas dropped, ``(x)*n`` and then ``c*n`` unrolled once each."""
+    return _expand(_LAYOUT_REPEAT, _expand(_LAYOUT_GROUP, layout.replace(",", "")))
+
+
 def layout_stage_count(layout: str) -> int:
     """Virtual stages of a --pipeline-model-parallel-layout string (its ``|``-separated stages once the repeats are
     unrolled); p x v for a valid one (:func:`parse_pipeline_layout` checks it)."""
-    return len(_expand(_LAYOUT_REPEAT, _expand(_LAYOUT_GROUP, layout.replace(",", ""))).split("|"))
+    return len(_unrolled(layout).split("|"))
 
 
 def parse_pipeline_layout(layout: str, num_layers: int, pipeline_model_parallel_size: int) -> tuple[int, ...]:
@@ -191,7 +196,7 @@ def parse_pipeline_layout(layout: str, num_layers: int, pipeline_model_parallel_
     if not isinstance(layout, str) or not layout.strip():
         raise LayoutError(f"{LAYOUT_FLAG} {layout!r} is empty; valid: stages of E, t and L separated by |, e.g. "
                           f"Ett|ttL", "pipeline_layout")
-    text = _expand(_LAYOUT_REPEAT, _expand(_LAYOUT_GROUP, layout.replace(",", "")))
+    text = _unrolled(layout)
     stages = text.split("|")
     bad = sorted(set(text) - set("ELt|m"))
     if bad:

@@ -186,6 +186,14 @@ def _run_entry(path: str, argv: list, env: dict, cwd: str, out: str, err: str) -
         os._exit(code)
 
 
+def _read_output(name: str) -> str:
+    """A forked entry's captured stdout or stderr ("" when it never started)."""
+    if not os.path.exists(name):
+        return ""
+    with open(name, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 def run_entry(path: str, argv: Sequence[str], *, env: dict, cwd: str,
               timeout_s: float) -> "subprocess.CompletedProcess[str]":
     """``python path *argv`` run as a fork of the forkserver's server (torch and megatron-core already imported):
@@ -207,13 +215,7 @@ def run_entry(path: str, argv: Sequence[str], *, env: dict, cwd: str,
             proc.join(5)
             raise subprocess.TimeoutExpired(cmd, timeout_s)
 
-        def read(name: str) -> str:
-            if not os.path.exists(name):
-                return ""
-            with open(name, encoding="utf-8", errors="replace") as f:
-                return f.read()
-
-        return subprocess.CompletedProcess(cmd, proc.exitcode, read(out), read(err))
+        return subprocess.CompletedProcess(cmd, proc.exitcode, _read_output(out), _read_output(err))
 
 
 def run_entry_world(path: str, argv: Sequence[str], *, nproc: int, env: dict, cwd: str,
@@ -270,19 +272,13 @@ def run_entry_world(path: str, argv: Sequence[str], *, nproc: int, env: dict, cw
                     p.kill()
                 p.join(5)
 
-        def read(name: str) -> str:
-            if not os.path.exists(name):
-                return ""
-            with open(name, encoding="utf-8", errors="replace") as f:
-                return f.read()
-
         if all(p.exitcode == 0 for p in procs):
             code = 0
         else:
             code = first_failure if first_failure is not None else next(
                 p.exitcode for p in procs if p.exitcode != 0)
-        return subprocess.CompletedProcess(cmd, code, "".join(read(o) for o, _ in files),
-                                           "".join(read(e) for _, e in files))
+        return subprocess.CompletedProcess(cmd, code, "".join(_read_output(o) for o, _ in files),
+                                           "".join(_read_output(e) for _, e in files))
 
 
 __all__ = ["DistributedTestError", "free_port", "run_distributed", "run_entry", "run_entry_world"]

@@ -67,7 +67,7 @@ from h3t_ext.costmodel.recompute import chunk_layers_bytes, core_attention_pinne
     recomputes_core_attention, selective_terms
 from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.dtypes import BF16, BOOL, FP8, FP32, INT64
-from h3t_ext.schedule import ActionKind, build_schedule, schedule_table
+from h3t_ext.schedule import ActionKind, ScheduleConfig, build_schedule, offloaded_chunk_count
 
 REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
                           "hidden_dropout_mask")
@@ -187,37 +187,27 @@ def _closed_form(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple
     with interleaving (megatron-core's count), of which the two newest are still whole. Every
     chunk is offloaded except where its backward follows too closely: with m <= 2 all of a rank's first
     m; otherwise, with v > 1, the last rank's last chunk of every microbatch, and with v = 1 the last
-    rank entirely and the first and last microbatch of the rank before it.
+    rank entirely and the first and last microbatch of the rank before it. With a group g other than p the
+    offloaded chunks are counted from the builder's compute order (:func:`h3t_ext.schedule.offloaded_chunk_count`,
+    O(m v)): the last rank's last chunk of a microbatch no longer always meets its backward at once.
     """
+    grouped = ScheduleConfig(pipeline_model_parallel_size=p, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
+                             microbatch_group_size_per_vp_stage=g) if g is not None and v > 1 and m > 2 else None
     out = []
     for r in range(p):
         warm = 2 * (p - r - 1) + (v - 1) * (p if g is None else g) if v > 1 else p - r - 1
         n = min(warm + 1, m * v)
         full = min(2, n)
-        if m <= 2:
-            kept = m
+        if grouped is not None:  # g > p: which chunks meet their backward at once follows the builder's order
+            offloaded = offloaded_chunk_count(grouped, r)
+        elif m <= 2:
+            offloaded = m * v - m
         elif v > 1:
-            kept = (m if r == p - 1 else 0) if g is None else _kept_grouped(m, v, g, min(warm, m * v))
+            offloaded = m * v - (m if r == p - 1 else 0)
         else:
-            kept = m if warm == 0 else (2 if warm == 1 else 0)
-        out.append((((full, n - full),), m * v - kept))
+            offloaded = m * v - (m if warm == 0 else (2 if warm == 1 else 0))
+        out.append((((full, n - full),), offloaded))
     return tuple(out)
-
-
-def _kept_grouped(m: int, v: int, g: int, warm: int) -> int:
-    """Forwards of an interleaved rank with ``warm`` warm-up forwards and group size ``g`` whose backward follows
-    within two compute actions (the builder keeps those on the device): with g > p the last rank's last chunk of a
-    microbatch no longer always meets its backward at once. Walks positions, not actions (O(m v))."""
-    table = schedule_table(m, v, g)
-    backward_index = {(mb, v - 1 - c): k for k, (mb, c) in enumerate(table)}  # backward k runs table[k]'s mirror
-    steady = m * v - warm
-
-    def forward_at(f: int) -> int:
-        return f if f < warm else warm + 2 * (f - warm)
-
-    def backward_at(k: int) -> int:
-        return warm + 2 * k + 1 if k < steady else warm + 2 * steady + (k - steady)
-    return sum(backward_at(backward_index[key]) - forward_at(f) - 1 < 2 for f, key in enumerate(table))
 
 
 def _rank_timelines(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:

@@ -8,6 +8,7 @@ from h3t_ext.schedule.builder import (
     ScheduleConfig,
     build_rank_actions,
     build_schedule,
+    offloaded_chunk_count,
     schedule_table,
 )
 from h3t_ext.schedule.actions import layer_offload_fractions, offloaded_layers
@@ -23,6 +24,7 @@ __all__ = [
     "build_rank_actions",
     "build_schedule",
     "layer_offload_fractions",
+    "offloaded_chunk_count",
     "offloaded_layers",
     "posting_batches",
     "schedule_table",

@@ -145,18 +145,33 @@ def _compute_order(cfg: ScheduleConfig, rank: int) -> list[Action]:
     return [step_action(s) for s in _compute_steps(cfg, rank, table)]
 
 
+def _offload_pairs(v: int, compute: list[tuple]) -> list[tuple[int, int]]:
+    """(forward, backward) compute indices of the microbatch-chunks whose offload can hide: at least two compute
+    actions between the forward and its backward (one to copy out behind, one to copy back behind)."""
+    backward_at = {s[1] * v + s[2]: i for i, s in enumerate(compute) if s[0] == S_B}
+    pairs = []
+    for i, s in enumerate(compute):
+        if s[0] == S_F:
+            j = backward_at.get(s[1] * v + s[2])
+            if j is not None and j - i - 1 >= 2:
+                pairs.append((i, j))
+    return pairs
+
+
+def offloaded_chunk_count(cfg: ScheduleConfig, rank: int) -> int:
+    """Microbatch-chunks ``rank`` offloads in ``cfg``'s schedule (:func:`_offload_pairs` over its compute order),
+    without building the actions: O(m v) step tuples."""
+    table = schedule_table(cfg.num_microbatches, cfg.virtual_pipeline_model_parallel_size, cfg.group_size)
+    return len(_offload_pairs(cfg.virtual_pipeline_model_parallel_size, _compute_steps(cfg, rank, table)))
+
+
 def _with_offload(v: int, compute: list[tuple], steps: list[tuple], at: list[int]) -> list[tuple]:
     """Insert OFFLOAD after each forward and RELOAD before the compute preceding its backward (``compute``: the
     rank's compute steps; ``at``: their indices in ``steps``)."""
-    backward_at = {s[1] * v + s[2]: i for i, s in enumerate(compute) if s[0] == S_B}
     offload_after: dict[int, tuple] = {}  # compute index -> its OFFLOAD
     reload_after: dict[int, tuple] = {}  # compute index -> the RELOAD that follows it (and its OFFLOAD)
-    for i, s in enumerate(compute):
-        if s[0] != S_F:
-            continue
-        j = backward_at.get(s[1] * v + s[2])
-        if j is None or j - i - 1 < 2:
-            continue
+    for i, j in _offload_pairs(v, compute):
+        s = compute[i]
         offload_after[i] = (S_OFF, s[1], s[2], None, None)
         # The reload goes before the batch of transfers posted ahead of compute j - 1, so the copy is in flight
         # while the rank waits for that compute's input.
