@@ -87,10 +87,11 @@ class Recompute:
 
     @classmethod
     def parse(cls, granularity: Optional[str] = None, method: Optional[str] = None,
-              num_layers: Optional[int] = None, modules=None) -> "Recompute":
+              num_layers: Optional[int] = None, modules=None, *, moe: bool = False) -> "Recompute":
         """The record of Megatron's four flags; ValueError (one line, naming the flag and the valid values)
         otherwise. ``full`` without a method is ``uniform`` with 1 layer; ``selective`` without modules is
-        Megatron's default ``core_attn``; MoE-only and MLA-only modules are refused (dense models only). Without a
+        Megatron's default ``core_attn``; MLA-only modules are refused, and MoE-only ones unless ``moe`` (the model has
+        MoE layers: the cost model prices them; the runtime has none). Without a
         granularity the other three are ignored, as Megatron-LM and megatron-core ignore them (no recompute: the
         CI recipe gpt3_mcore_reruns_resume_check_grads passes ``--recompute-num-layers 1`` alone)."""
         if granularity is None:
@@ -112,7 +113,10 @@ class Recompute:
             raise ValueError("--recompute-num-layers needs --recompute-granularity full (selective recomputes "
                              "its --recompute-modules in every layer)")
         names = tuple(dict.fromkeys(modules or ("core_attn",)))
+        valid = DENSE_RECOMPUTE_MODULES + (MOE_RECOMPUTE_MODULES if moe else ())
         for name in names:
+            if name in MOE_RECOMPUTE_MODULES and moe:
+                continue
             if name in MOE_RECOMPUTE_MODULES:
                 raise ValueError(f"--recompute-modules {name} recomputes MoE layers; the model is dense (valid: "
                                  f"{{{','.join(DENSE_RECOMPUTE_MODULES)}}})")
@@ -121,7 +125,7 @@ class Recompute:
                                  f" (valid: {{{','.join(DENSE_RECOMPUTE_MODULES)}}})")
             if name not in DENSE_RECOMPUTE_MODULES:
                 raise ValueError(f"--recompute-modules {name!r} is not one of {{{','.join(DENSE_RECOMPUTE_MODULES)}}}")
-        return cls("selective", None, None, tuple(m for m in DENSE_RECOMPUTE_MODULES if m in names))
+        return cls("selective", None, None, tuple(m for m in valid if m in names))
 
     @property
     def full(self) -> bool:

@@ -40,7 +40,8 @@ from typing import Optional
 
 RULES = ("range", "world_size", "global_batch_size", "num_layers", "uneven_stages", "pipeline_layout",
          "num_layers_per_virtual_pipeline_stage", "virtual_needs_pipeline", "interleaving", "num_attention_heads",
-         "num_query_groups", "ffn_hidden_size", "seq_length_context_parallel", "seq_length_sequence_parallel")
+         "num_query_groups", "ffn_hidden_size", "seq_length_context_parallel", "seq_length_sequence_parallel",
+         "expert_layout")
 """Names of the rules (``LayoutError.rule``), for callers that count refusals by kind (the planner)."""
 
 
@@ -460,6 +461,10 @@ class ParallelLayout:
     """m = global_batch_size / (micro_batch_size x d): microbatches per iteration on each rank."""
     microbatch_group_size_per_vp_stage: Optional[int] = None
     """megatron-core's grouping of microbatches per virtual stage (interleaving only); None means p."""
+    expert_model_parallel_size: int = 1
+    """ep: ranks that split a MoE layer's experts (each holds E / ep of them)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """etp: ranks that split each expert's weights; None means t (Megatron's default)."""
 
     def __post_init__(self) -> None:
         _positive("--tensor-model-parallel-size", self.tensor_model_parallel_size)
@@ -472,6 +477,16 @@ class ParallelLayout:
             _positive("--microbatch-group-size-per-virtual-pipeline-stage", self.microbatch_group_size_per_vp_stage)
         _check_interleaving(self.pipeline_model_parallel_size, self.virtual_pipeline_model_parallel_size,
                             self.num_microbatches, self.microbatch_group_size_per_vp_stage)
+        _positive("--expert-model-parallel-size", self.expert_model_parallel_size)
+        if self.expert_tensor_parallel_size is not None:
+            _positive("--expert-tensor-parallel-size", self.expert_tensor_parallel_size)
+        grid = self.expert_model_parallel_size * self.expert_parallel_tensor_size
+        ranks = self.tensor_model_parallel_size * self.context_parallel_size * self.data_parallel_size
+        if ranks % grid:
+            raise LayoutError(f"--expert-model-parallel-size {self.expert_model_parallel_size} x "
+                              f"--expert-tensor-parallel-size {self.expert_parallel_tensor_size} = {grid} does not "
+                              f"divide the {ranks} ranks of a pipeline stage (world size / "
+                              f"--pipeline-model-parallel-size); valid products: {_divisors(ranks)}", "expert_layout")
 
     @classmethod
     def from_sizes(cls, *, world_size: int, global_batch_size: int, micro_batch_size: int = 1,
@@ -479,6 +494,7 @@ class ParallelLayout:
                    pipeline_model_parallel_size: int = 1, virtual_pipeline_model_parallel_size: Optional[int] = None,
                    microbatch_group_size_per_vp_stage: Optional[int] = None, num_layers: Optional[int] = None,
                    num_layers_per_virtual_pipeline_stage: Optional[int] = None,
+                   expert_model_parallel_size: int = 1, expert_tensor_parallel_size: Optional[int] = None,
                    **split) -> "ParallelLayout":
         """The layout of a job of ``world_size`` ranks, with d and m derived and every rule checked.
 
@@ -487,7 +503,7 @@ class ParallelLayout:
         ``num_virtual_stages_per_pipeline_rank``) as Megatron-LM derives it; with ``num_layers`` the layer split
         over the stages is checked too (:func:`pipeline_split`, whose keyword arguments ``split`` takes: uneven
         first/last stages, --account-for-*).
-        Checks run in the order world size, layers, batch, interleaving; the first broken rule raises.
+        Checks run in the order world size, layers, batch, interleaving, expert grid; the first broken rule raises.
         """
         t, c, p = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
         for flag, n in (("world size", world_size), ("--tensor-model-parallel-size", t),
@@ -516,7 +532,9 @@ class ParallelLayout:
         return cls(tensor_model_parallel_size=t, context_parallel_size=c, pipeline_model_parallel_size=p,
                    virtual_pipeline_model_parallel_size=v, data_parallel_size=d,
                    num_microbatches=global_batch_size // shard,
-                   microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
+                   microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage,
+                   expert_model_parallel_size=expert_model_parallel_size,
+                   expert_tensor_parallel_size=expert_tensor_parallel_size)
 
     # -- derived sizes -------------------------------------------------------------------------------
     @property
@@ -530,6 +548,18 @@ class ParallelLayout:
         """d x c: megatron-core's data-parallel group with context parallelism (gradients are reduced and the
         distributed optimizer is sharded over it; the cost model's ``Plan.data_parallel_size``)."""
         return self.data_parallel_size * self.context_parallel_size
+
+    @property
+    def expert_parallel_tensor_size(self) -> int:
+        """etp in effect (Megatron's default t)."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """edp = t c d / (ep etp): the ranks of a stage holding the same experts (their gradients' reduce group)."""
+        return (self.tensor_model_parallel_size * self.context_parallel_size * self.data_parallel_size
+                // (self.expert_model_parallel_size * self.expert_parallel_tensor_size))
 
     @property
     def interleaved(self) -> bool:
@@ -573,6 +603,23 @@ class ParallelLayout:
             if n is not None and n % t:
                 raise LayoutError(f"{flag} {n} is not a multiple of --tensor-model-parallel-size {t}; "
                                   f"valid --tensor-model-parallel-size: {_divisors(n)}", flag[2:].replace("-", "_"))
+
+    def check_experts(self, *, num_experts: Optional[int], expert_ffn_hidden_size: Optional[int] = None) -> None:
+        """ep divides the experts and etp each expert's MLP width; without experts (a dense model) ep and etp stay
+        at their defaults (Megatron-LM refuses --expert-model-parallel-size > 1 without --num-experts)."""
+        ep, etp = self.expert_model_parallel_size, self.expert_parallel_tensor_size
+        if num_experts is None:
+            if ep > 1:
+                raise LayoutError(f"--expert-model-parallel-size {ep} needs --num-experts (a mixture-of-experts "
+                                  f"model); valid: 1", "expert_layout")
+            return
+        if num_experts % ep:
+            raise LayoutError(f"--num-experts {num_experts} is not a multiple of --expert-model-parallel-size {ep}; "
+                              f"valid --expert-model-parallel-size: {_divisors(num_experts)}", "expert_layout")
+        if expert_ffn_hidden_size is not None and expert_ffn_hidden_size % etp:
+            raise LayoutError(f"--moe-ffn-hidden-size {expert_ffn_hidden_size} is not a multiple of "
+                              f"--expert-tensor-parallel-size {etp}; valid --expert-tensor-parallel-size: "
+                              f"{_divisors(expert_ffn_hidden_size)}", "expert_layout")
 
     def check_seq_length(self, seq_length: int, *, sequence_parallel: bool = True) -> None:
         """With c > 1 the sequence is 2c equal chunks; with sequence parallelism (t > 1) each rank's context

@@ -62,6 +62,7 @@ import functools
 from typing import Optional
 
 from h3t_ext.ckpt import NO_RECOMPUTE, Ckpt, Recompute
+from h3t_ext.costmodel import moe
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.recompute import chunk_layers_bytes, core_attention_pinned_qkv, plan_recompute, \
     recomputes_core_attention, selective_terms
@@ -93,7 +94,7 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
         ckpt = "no"
     if ckpt not in ("no", "full", "ours"):
         raise ValueError(f"ckpt must be 'no', 'full' or 'ours', got {ckpt!r}")
-    h, hkv, f, b = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, dtype_bytes
+    h, hkv, f, b = model.hidden_size, model.kv_hidden_size, model.dense_ffn_hidden_size, dtype_bytes
     q = model.query_hidden_size  # h unless --kv-channels makes heads x d differ from it
     terms = {
         "layer_input": h * b,
@@ -303,14 +304,16 @@ def layer_kept_bytes(model: ModelSpec, plan, *, tensor_model_parallel_size: int,
                      dtype_bytes: int = BF16, layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
                      fp8: bool = False) -> int:
     """Saved bytes of one layer and microbatch outside full-recompute units (``plan``'s ckpt and selective
-    modules): the per-token terms over :func:`local_tokens`, the local spec's RoPE cos/sin and unfused attention's
-    scores."""
+    modules): the per-token terms over :func:`local_tokens` (a MoE layer's router and experts:
+    :func:`h3t_ext.costmodel.moe.kept_expert_bytes`), the local spec's RoPE cos/sin and unfused attention's scores."""
     base, recompute = plan_recompute(plan)
     per_tok = layer_bytes_per_local_token(
         model, base, recompute=recompute, tensor_model_parallel_size=tensor_model_parallel_size,
         sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes, layer_spec=layer_spec,
         dropout_mask_bytes=dropout_mask_bytes, fp8=fp8) + core_attention_pinned_qkv(
         model, recompute, layer_spec=layer_spec, dtype_bytes=dtype_bytes)
+    per_tok += moe.kept_expert_bytes(model, plan, base, recompute.modules if recompute.selective else (),
+                                     dtype_bytes=dtype_bytes, layer_spec=layer_spec)
     return (local_tokens(plan) * per_tok
             + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
             + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, dropout_mask_bytes=dropout_mask_bytes))

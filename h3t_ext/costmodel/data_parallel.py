@@ -27,10 +27,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from h3t_ext.costmodel import fp8, optimizer_offload
+from h3t_ext.costmodel import fp8, moe, optimizer_offload
 from h3t_ext.costmodel.collectives import Link, all_gather_seconds, group_link, group_node_spread
 from h3t_ext.costmodel.kernels import elementwise_seconds, kernel_rates
-from h3t_ext.costmodel.memory import optimizer_shards, stage_params
+from h3t_ext.costmodel.memory import optimizer_shard_params, stage_expert_params, stage_params
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.dtypes import BF16, FP32
@@ -116,11 +116,31 @@ def all_reduce_choice(nbytes: float, size: int, stride: int, link: Link, system:
 
 
 def dp_comm(model: ModelSpec, plan: Plan, system: SystemSpec) -> DataParallelComm:
-    """The data-parallel collectives of one iteration (:class:`DataParallelComm`), not yet overlapped."""
+    """The data-parallel collectives of one iteration (:class:`DataParallelComm`), not yet overlapped. A MoE model's
+    routed experts have buffers of their own, reduced over their expert data-parallel group (edp ranks ``ep etp``
+    apart) after the dense parameters' (d ranks t apart): the two streams' collectives add up."""
     d, p, t = plan.data_parallel_size, plan.pipeline_model_parallel_size, plan.tensor_model_parallel_size
-    if d == 1:
+    n, stage = max((stage_params(model, plan, k), k) for k in {0, p - 1})
+    experts = stage_expert_params(model, plan, stage)
+    dense = _group_comm(model, plan, system, n - experts, d, t)
+    if not experts:
+        return dense
+    edp, grid = moe.expert_data_parallel_size(plan), plan.expert_model_parallel_size * moe.expert_tensor_parallel_size(plan)
+    ex = _group_comm(model, plan, system, experts, edp, grid)
+    if ex.buckets == 0:
+        return dense
+    if dense.buckets == 0:
+        return ex
+    return DataParallelComm(dense.buckets + ex.buckets, dense.grad_seconds + ex.grad_seconds,
+                            dense.param_seconds + ex.param_seconds, dense.latency_seconds + ex.latency_seconds,
+                            max(dense.last_grad_bucket_seconds, ex.last_grad_bucket_seconds),
+                            max(dense.last_param_bucket_seconds, ex.last_param_bucket_seconds), dense.all_reduce_algorithm)
+
+
+def _group_comm(model: ModelSpec, plan: Plan, system: SystemSpec, n: int, d: int, t: int) -> DataParallelComm:
+    """The collectives of ``n`` parameters' gradients (and parameters) over a group of ``d`` ranks ``t`` apart."""
+    if d == 1 or n <= 0:
         return DataParallelComm(0, 0.0, 0.0, 0.0, 0.0, 0.0, "ring")
-    n = max(stage_params(model, plan, k) for k in {0, p - 1})
     link = group_link(t, d, system)
     if plan.use_torch_fsdp2:  # collectives per fully_shard unit, not DDP buckets
         return _fsdp2_comm(model, plan, n, link)
@@ -222,7 +242,7 @@ def optimizer_step_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> 
     steps 1 - F of the shard and the CPU the rest (``optimizer_offload.step_seconds``)."""
     p = plan.pipeline_model_parallel_size
     n, k = max((stage_params(model, plan, k), k) for k in {0, p - 1})
-    shard = n / optimizer_shards(plan)
+    shard = optimizer_shard_params(model, plan, k, n)
     on_device = optimizer_offload.device_params(shard, plan)
     return elementwise_seconds(on_device * ADAM_BYTES_PER_PARAM + n * FP32, kernel_rates(system),
                                kernels=OPTIMIZER_KERNELS) \

@@ -114,7 +114,7 @@ def cast_elements(model, plan) -> tuple[int, int]:
     width, h unless --kv-channels)."""
     t = plan.tensor_model_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    h, q, hkv, f = model.hidden_size, model.query_hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    h, q, hkv, f = model.hidden_size, model.query_hidden_size, model.kv_hidden_size, model.dense_ffn_hidden_size
     fwd = tokens * (h + q // t + h + f // t)
     bwd = tokens * ((q + 2 * hkv) // t + h + model.fc1_width // t + h)
     return fwd, bwd

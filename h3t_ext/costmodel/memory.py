@@ -34,6 +34,9 @@ sees on top of that:
 * ``offload_reload_buffer`` the reload double buffer, 2 * alpha * A (reported next to ``activations``); at
                            pipeline size 1 (layer-granular offload, :mod:`h3t_ext.costmodel.layer_offload`) two
                            slots of one layer, 2 A / L.
+* ``moe_backward_workspace`` MoE layers (:mod:`h3t_ext.costmodel.moe`): d(FC1 output), d(activation output) and
+                           d(expert input) of the rank's T k etp routed token copies, (fc1_e + f_e) / etp + h each.
+* ``moe_dispatch_buffer``  MoE layers: one all-to-all buffer of the T k token copies.
 * ``p2p_buffers``          received activations/gradients waiting for their compute action (2 per
                            direction), 4 * (s/(c t)) * h bf16 (p > 1 only).
 * ``fsdp_buffers``         Megatron FSDP with sharded gradients: the fp32 gradients of two layers waiting
@@ -72,7 +75,7 @@ from h3t_ext.costmodel.activations import (
     rank_offloads,
     residency_lines,
 )
-from h3t_ext.costmodel import fp8, optimizer_offload
+from h3t_ext.costmodel import fp8, moe, optimizer_offload
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec
@@ -119,7 +122,8 @@ def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
     """Parameters on pipeline rank ``stage`` (tensor-parallel shard; norms replicated)."""
     t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     h = model.hidden_size
-    n = plan.stage_layers(model.num_layers, stage) * model.layer_params_per_rank(t)
+    n = plan.stage_layers(model.num_layers, stage) * model.layer_params_per_rank(
+        t, plan.expert_model_parallel_size, plan.expert_tensor_parallel_size)
     vocab = model.padded_vocab_size(t) * h // t
     if stage == 0:
         n += vocab + model.position_embedding_params(plan.seq_length)
@@ -139,7 +143,7 @@ def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = 
 
 def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     t, c, p = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.pipeline_model_parallel_size
-    mb, h, f = plan.micro_batch_size, model.hidden_size, model.ffn_hidden_size
+    mb, h, f = plan.micro_batch_size, model.hidden_size, model.dense_ffn_hidden_size
     seq_tokens = mb * plan.seq_length // c
     local = seq_tokens // t
     out = {
@@ -148,15 +152,21 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
         "p2p_buffers": 4 * local * h * BF16 if p > 1 else 0,
         "cp_kv_gather_buffer": mb * plan.seq_length * 2 * model.kv_hidden_size // t * BF16 if c > 1 else 0,
     }
+    if model.is_moe:
+        out.update(_moe_transients(model, plan))
     if plan.sharding_strategy is not None:
         out["fsdp_buffers"] = fsdp_buffer_bytes(model, plan, stage)
     base, recompute = plan_recompute(plan)
     unit_layers = unit_workspace_layers(recompute, chunk_layers(model, plan, stage))
+    experts_no = moe.kept_expert_bytes(model, plan, "no", ())
     if unit_layers:  # a full unit's layers re-created in its backward
-        out["recompute_workspace"] = unit_layers * local * activation_bytes_per_layer_token(model, "no")["total"]
+        out["recompute_workspace"] = unit_layers * local * (activation_bytes_per_layer_token(model, "no")["total"]
+                                                            + experts_no)
     elif base == "ours":
         terms_no = activation_bytes_per_layer_token(model, "no")
-        out["recompute_workspace"] = local * max(terms_no[k] for k in ("norm2_output", "swiglu_output"))
+        expert_act = moe.expert_terms(model, plan)["expert_act_output"] if model.is_moe else 0
+        out["recompute_workspace"] = local * max(terms_no[k] for k in ("norm2_output", "swiglu_output")) \
+            if not expert_act else local * max(terms_no["norm2_output"], terms_no["swiglu_output"], expert_act)
     vocab_shard = model.padded_vocab_size(t) // t
     if stage == 0:
         out["embedding_grad"] = vocab_shard * h * BF16
@@ -164,6 +174,17 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
         out["logits_transient"] = seq_tokens * vocab_shard * BF16
         out["output_layer_activations"] = output_layer_bytes(model, plan)["total"]
     return out
+
+
+def _moe_transients(model: ModelSpec, plan: Plan) -> dict[str, int]:
+    """A MoE layer's short-lived buffers at a backward: the gradients inside its experts' backward (d(FC1 output),
+    d(activation output) and d(expert input) of the rank's T k etp token copies; ``layer_backward_workspace`` holds
+    the shared expert's and the gradient flowing between layers), and one all-to-all buffer of the T k token copies (the exchange's
+    input, freed after it)."""
+    copies, local = moe.expert_token_copies(model, plan), moe.local_tokens(plan)
+    etp, h = moe.expert_tensor_parallel_size(plan), model.hidden_size
+    grads = copies * ((model.expert_fc1_width + model.expert_ffn_hidden_size) // etp + h) * BF16
+    return {"moe_backward_workspace": grads, "moe_dispatch_buffer": local * model.moe_router_topk * h * BF16}
 
 
 def fsdp_buffer_bytes(model: ModelSpec, plan: Plan, stage: int) -> int:
@@ -184,21 +205,41 @@ def fsdp_buffer_bytes(model: ModelSpec, plan: Plan, stage: int) -> int:
 
 
 def optimizer_shards(plan: Plan) -> int:
-    """Ranks the fp32 master weights and Adam states are sharded over: d with the distributed optimizer or torch
-    FSDP2 (the optimizer steps its DTensor shards), 1 without."""
+    """Ranks the fp32 master weights and Adam states of the dense parameters are sharded over: d with the
+    distributed optimizer or torch FSDP2 (the optimizer steps its DTensor shards), 1 without."""
     return plan.data_parallel_size if plan.use_distributed_optimizer or plan.use_torch_fsdp2 else 1
 
 
-def _device_shard_params(n: int, plan: Plan) -> float:
+def expert_optimizer_shards(plan: Plan) -> int:
+    """... and of the routed experts' parameters: their expert data-parallel group edp with the distributed
+    optimizer (megatron-core shards each parameter over the group that reduces its gradient), 1 without."""
+    return moe.expert_data_parallel_size(plan) if plan.use_distributed_optimizer else 1
+
+
+def stage_expert_params(model: ModelSpec, plan: Plan, stage: int) -> int:
+    """Routed-expert parameters on pipeline rank ``stage`` (0 in a dense model)."""
+    return plan.stage_layers(model.num_layers, stage) * model.expert_layer_params_per_rank(
+        plan.expert_model_parallel_size, moe.expert_tensor_parallel_size(plan))
+
+
+def optimizer_shard_params(model: ModelSpec, plan: Plan, stage: int, n: Optional[int] = None) -> float:
+    """Parameters of one rank's optimizer shard on pipeline rank ``stage`` (holding ``n``, default
+    :func:`stage_params`): the dense ones over :func:`optimizer_shards`, the experts over
+    :func:`expert_optimizer_shards`."""
+    n = stage_params(model, plan, stage) if n is None else n
+    experts = stage_expert_params(model, plan, stage)
+    return (n - experts) / optimizer_shards(plan) + (experts / expert_optimizer_shards(plan) if experts else 0.0)
+
+
+def _device_shard_params(model: ModelSpec, plan: Plan, stage: int, n: Optional[int] = None) -> float:
     """Parameters of a rank's optimizer shard (of a stage holding ``n``) that are stepped on the device."""
-    return optimizer_offload.device_params(n / optimizer_shards(plan), plan)
+    return optimizer_offload.device_params(optimizer_shard_params(model, plan, stage, n), plan)
 
 
 def stage_host_bytes(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     """Host bytes of one rank of pipeline stage ``stage``, by term: the offloaded optimizer share
     (``optimizer_offload.host_bytes``)."""
-    shard = stage_params(model, plan, stage) / optimizer_shards(plan)
-    return optimizer_offload.host_bytes(shard, plan)
+    return optimizer_offload.host_bytes(optimizer_shard_params(model, plan, stage), plan)
 
 
 def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: int = BF16,
@@ -213,7 +254,7 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
     n = stage_params(model, plan, stage)
     d = plan.data_parallel_size
     strategy = plan.sharding_strategy
-    on_device = _device_shard_params(n, plan)
+    on_device = _device_shard_params(model, plan, stage, n)
     host = stage_host_bytes(model, plan, stage)
     return {
         "device": {"params": int(round(n * param_bytes / (d if strategy == "optim_grads_params" else 1))),
@@ -228,11 +269,18 @@ def _static_terms(model: ModelSpec, plan: Plan, n: int, layers: int) -> dict[str
     d = plan.data_parallel_size
     strategy = plan.sharding_strategy
     weights = fp8.weight_bytes(model, plan, n, layers)
+    experts = layers * model.expert_layer_params_per_rank(plan.expert_model_parallel_size,
+                                                          moe.expert_tensor_parallel_size(plan))
+    if experts:  # dense and expert parameters sharded over their own groups
+        shard = (n - experts) / optimizer_shards(plan) + experts / expert_optimizer_shards(plan)
+        states = int(round(optimizer_offload.device_params(shard, plan) * OPTIMIZER_BYTES_PER_PARAM))
+    else:
+        states = -(-int(round(optimizer_offload.device_params(n, plan))) * OPTIMIZER_BYTES_PER_PARAM
+                   // optimizer_shards(plan))
     return {
         "weights": -(-weights // d) if strategy == "optim_grads_params" else weights,
         "grads": -(-n * plan.grad_bytes // d) if strategy is not None else n * plan.grad_bytes,
-        "optimizer_states": -(-int(round(optimizer_offload.device_params(n, plan)))
-                              * OPTIMIZER_BYTES_PER_PARAM // optimizer_shards(plan)),
+        "optimizer_states": states,
     }
 
 
@@ -287,11 +335,11 @@ def stage_fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> Mapping[str, 
     return _constants(model, plan, stage)[1]
 
 
-def _step_temporary(n: int, plan: Plan) -> int:
-    """The optimizer step's temporary on a rank of a stage holding ``n`` parameters:
+def _step_temporary(model: ModelSpec, plan: Plan, stage: int, n: int) -> int:
+    """The optimizer step's temporary on a rank of ``stage`` holding ``n`` parameters:
     ``OPTIMIZER_STEP_TEMPORARY_BYTES`` per parameter of its device optimizer shard."""
     per_param = OPTIMIZER_STEP_TEMPORARY_BYTES[plan.optimizer_impl]
-    return int(round(_device_shard_params(n, plan) * per_param)) if per_param else 0
+    return int(round(_device_shard_params(model, plan, stage, n) * per_param)) if per_param else 0
 
 
 def _step_moment(terms: Mapping[str, int], temporary: int) -> int:
@@ -310,7 +358,7 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> Stag
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
-    excess = _step_moment(terms, _step_temporary(n, plan)) - sum(terms.values())
+    excess = _step_moment(terms, _step_temporary(model, plan, stage, n)) - sum(terms.values())
     if excess > 0:
         terms["optimizer_step_excess"] = excess
     return StageMemory(stage=stage, terms=terms, params=n)
@@ -325,7 +373,7 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[f
     g = plan.microbatch_group_size_per_vp_stage
     lines, offloads = residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0
     layers = layers_per_chunk(model, plan)
-    temporary = _step_temporary(n, plan)
+    temporary = _step_temporary(model, plan, stage, n)
     if not temporary:  # fused Adam: the step's moment never exceeds a backward's
         return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha, layers))
     step_fixed = _step_moment(terms, temporary)  # the fixed terms: the reload buffer is added per alpha

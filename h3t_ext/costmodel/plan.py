@@ -8,6 +8,7 @@ from typing import Optional
 from h3t_ext.ckpt import CKPT_CHOICES, NO_RECOMPUTE, Ckpt, Recompute, split_ckpt  # noqa: F401  (CKPT_CHOICES re-exported)
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, validate_fp8
+from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.layout import LayoutError, ParallelLayout, PipelineSplit, parse_pipeline_layout
 from h3t_ext.offload_alpha import Alpha, check_alpha
@@ -154,6 +155,15 @@ class Plan:
     """Megatron's --fp8-recipe: 'delayed' (its default), 'tensorwise', 'blockwise' or 'mxfp8' (Blackwell)."""
     fp8_param_gather: bool = False
     """Megatron's --fp8-param-gather: parameters held and all-gathered in FP8 (needs --fp8-format)."""
+    expert_model_parallel_size: int = 1
+    """Megatron's --expert-model-parallel-size ep: ranks that split a MoE model's experts (:mod:`h3t_ext.costmodel.moe`)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """Megatron's --expert-tensor-parallel-size etp: ranks that split each expert's weights; None: t (its default)."""
+    moe_token_dispatcher_type: str = "allgather"
+    """Megatron's --moe-token-dispatcher-type: 'allgather' (its default), 'alltoall' or 'flex' (DeepEP, priced as the
+    all-to-all's bytes)."""
+    moe_grouped_gemm: bool = False
+    """Megatron's --moe-grouped-gemm: one grouped GEMM per FC over a rank's experts instead of one GEMM per expert."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, Ckpt):
@@ -318,6 +328,9 @@ def _validate_ranges(plan: Plan) -> None:
            "tp_comm_overlap needs sequence_parallel with tensor_model_parallel_size > 1 (Megatron-LM asserts it)")
     _check(not plan.overlap_param_gather or (plan.use_distributed_optimizer and plan.overlap_grad_reduce),
            "overlap_param_gather needs use_distributed_optimizer and overlap_grad_reduce (Megatron-LM asserts it)")
+    _check(plan.moe_token_dispatcher_type in MOE_TOKEN_DISPATCHERS,
+           f"moe_token_dispatcher_type must be one of {', '.join(MOE_TOKEN_DISPATCHERS)}, got "
+           f"{plan.moe_token_dispatcher_type!r}")
     _check(plan.attention_backend in ATTENTION_BACKENDS,
            f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {plan.attention_backend!r}")
     validate_fp8(plan)
@@ -358,11 +371,11 @@ def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = Non
     try:
         split = ParallelLayout(tensor_model_parallel_size=t, context_parallel_size=c)  # model-shape rules first
         split.check_tensor_split(num_attention_heads=model.num_attention_heads,
-                                 num_query_groups=model.num_query_groups, ffn_hidden_size=model.ffn_hidden_size)
+                                 num_query_groups=model.num_query_groups, ffn_hidden_size=model.dense_ffn_hidden_size)
         if system is not None:
             _validate_node(plan, system)
         split.check_seq_length(plan.seq_length, sequence_parallel=plan.sequence_parallel)
-        return ParallelLayout.from_sizes(
+        layout = ParallelLayout.from_sizes(
             world_size=plan.num_gpus, global_batch_size=plan.global_batch_size, micro_batch_size=plan.micro_batch_size,
             tensor_model_parallel_size=t, context_parallel_size=c,
             pipeline_model_parallel_size=plan.pipeline_model_parallel_size, num_layers=model.num_layers,
@@ -373,7 +386,12 @@ def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = Non
             account_for_embedding_in_pipeline_split=plan.account_for_embedding_in_pipeline_split,
             account_for_loss_in_pipeline_split=plan.account_for_loss_in_pipeline_split,
             pipeline_model_parallel_layout=plan.pipeline_model_parallel_layout,
-            microbatch_group_size_per_vp_stage=plan.microbatch_group_size_per_vp_stage)
+            microbatch_group_size_per_vp_stage=plan.microbatch_group_size_per_vp_stage,
+            expert_model_parallel_size=plan.expert_model_parallel_size,
+            expert_tensor_parallel_size=plan.expert_tensor_parallel_size)
+        layout.check_experts(num_experts=model.num_experts,
+                             expert_ffn_hidden_size=model.expert_ffn_hidden_size if model.is_moe else None)
+        return layout
     except LayoutError as e:
         raise InvalidPlanError(e.reason) from None
 
@@ -401,6 +419,39 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
            f"valid: context_parallel_size 1")
     _check(not plan.use_torch_fsdp2 or model.untie_embeddings_and_output_weights,
            "use_torch_fsdp2 needs untied embedding and output weights (Megatron-LM refuses FSDP2 with tied ones)")
+    if model.is_moe:
+        _validate_moe(plan)
+    else:
+        for name, value, default in (("expert_tensor_parallel_size", plan.expert_tensor_parallel_size, None),
+                                     ("moe_token_dispatcher_type", plan.moe_token_dispatcher_type, "allgather"),
+                                     ("moe_grouped_gemm", plan.moe_grouped_gemm, False)):
+            _check(value == default, f"{name}{'' if isinstance(value, bool) else f' {value!r}'} needs num_experts (a "
+                                     f"mixture-of-experts model); the model is dense")
+
+
+MOE_UNPRICED = (("fp8", "FP8 expert GEMMs"), ("sharding_strategy", "Megatron FSDP / torch FSDP2 over experts"),
+                ("optimizer_cpu_offload", "the CPU optimizer over expert states"))
+"""Plan switches the cost model does not yet price with MoE layers, and what they would need priced."""
+
+
+def _validate_moe(plan: Plan) -> None:
+    """A MoE model's plan: megatron-core's rule that tensor parallelism with experts runs sequence parallel, and
+    the switches not priced with experts (:data:`MOE_UNPRICED`)."""
+    _check(plan.tensor_model_parallel_size == 1 or plan.sequence_parallel,
+           "a mixture-of-experts model with tensor_model_parallel_size > 1 needs sequence_parallel (megatron-core "
+           "asserts it)")
+    for name, what in MOE_UNPRICED:
+        value = getattr(plan, name)
+        _check(not value, f"{name} {value!r} with a mixture-of-experts model: the cost model does not price {what}; "
+                          f"valid: leave it off")
+    _check(not plan.recompute.recomputes("mlp"),
+           "recompute module mlp reruns dense MLPs; a mixture-of-experts model's are moe, moe_act and "
+           "shared_experts")
+    _check(plan.ckpt is not Ckpt.OURS, "ckpt ours with a mixture-of-experts model: it runs in h3t-ext's runtime, which "
+                                        "has no MoE layers; Megatron's --recompute-granularity selective "
+                                        "--recompute-modules layernorm moe_act drops the same tensors")
+    _check(not any(plan.alphas()), f"offload_alpha {plan.offload_alpha} with a mixture-of-experts model: h3t-ext's "
+                                   f"activation offload runs in its runtime, which has no MoE layers; valid: 0")
 
 
 def _validate_recompute(model: ModelSpec, plan: Plan) -> None:

@@ -36,8 +36,13 @@ SELECTIVE_DROPS: dict[str, tuple[str, ...]] = {
     "core_attn": ("softmax_lse",),
     "layernorm": ("norm1_output", "norm2_output", "norm1_rstd", "norm2_rstd"),
     "mlp": ("fc1_output", "swiglu_output", "fc2_input"),
+    "shared_experts": ("fc1_output", "swiglu_output", "fc2_input"),
+    "moe": (),
+    "moe_act": (),
 }
-"""The per-layer terms each selective module drops (module docstring)."""
+"""The per-layer terms each selective module drops (module docstring); in a MoE model the dense MLP terms are its
+shared expert's (``shared_experts``), and ``moe`` / ``moe_act`` drop expert terms
+(:func:`h3t_ext.costmodel.moe.kept_expert_bytes`)."""
 
 
 def plan_recompute(plan) -> tuple[Ckpt, Recompute]:
@@ -92,15 +97,18 @@ def unit_workspace_layers(recompute: Recompute, layers: int) -> int:
 
 
 def recompute_seconds(recompute: Recompute, layers: int, *, forward: float, base: float, attention_forward: float,
-                      mlp_forward: float, tp_forward: float, cp_forward: float) -> tuple[float, float, float]:
+                      mlp_forward: float, tp_forward: float, cp_forward: float,
+                      moe_forward: Optional[dict[str, float]] = None) -> tuple[float, float, float]:
     """(compute, tensor-parallel, context-parallel) recompute seconds per layer and microbatch, averaged over a
     chunk of ``layers`` layers: a layer inside a full unit reruns its ``forward`` (and its traffic); the others
-    rerun their ``base`` recompute (ckpt=ours's element-wise part) plus the selective modules."""
+    rerun their ``base`` recompute (ckpt=ours's element-wise part) plus the selective modules (a MoE model's
+    ``shared_experts``, ``moe`` and ``moe_act``: the forward seconds ``moe_forward`` gives them)."""
     if layers <= 0:
         return 0.0, 0.0, 0.0
     share = chunk_units(recompute, layers)[1] / layers
     selective = (attention_forward if recompute.recomputes("core_attn") else 0.0) + (
-        mlp_forward if recompute.recomputes("mlp") else 0.0)
+        mlp_forward if recompute.recomputes("mlp") or recompute.recomputes("shared_experts") else 0.0) + sum(
+        x for module, x in (moe_forward or {}).items() if recompute.recomputes(module))
     return (share * forward + (1 - share) * (base + selective), share * tp_forward, share * cp_forward)
 
 

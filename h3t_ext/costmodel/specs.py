@@ -87,6 +87,17 @@ class ModelSpec:
     window_attn_skip_freq: Optional[SkipFreq] = None
     """Megatron's --window-attn-skip-freq: which layers the window applies to (an int N: all but every N-th; a tuple:
     one 0/1 per layer); None: all of them (:func:`h3t_ext.attention_window.is_windowed`)."""
+    num_experts: Optional[int] = None
+    """Megatron's --num-experts E: every layer's MLP is a mixture of E experts behind a router (Mixtral, Qwen3-MoE;
+    megatron-core's --moe-layer-freq 1); None: a dense MLP (:mod:`h3t_ext.costmodel.moe`)."""
+    moe_router_topk: int = 2
+    """Megatron's --moe-router-topk k: experts each token is routed to (its default 2)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Megatron's --moe-ffn-hidden-size: one expert's MLP width f_e (SwiGLU experts: FC1 2 f_e wide); None:
+    ``ffn_hidden_size`` (Megatron's default)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Megatron's --moe-shared-expert-intermediate-size: width of the shared expert every token also passes (a
+    dense MLP beside the routed experts, split over the tensor-parallel ranks); None: no shared expert."""
 
     def __post_init__(self) -> None:
         if self.normalization is None:
@@ -123,10 +134,82 @@ class ModelSpec:
         except WindowFlagError as e:
             raise ValueError(str(e).replace("--window-size", "window_size").replace(
                 "--window-attn-skip-freq", "window_attn_skip_freq").replace("--num-layers", "num_layers")) from None
+        self._check_moe()
         if self.num_attention_heads % self.num_query_groups:
             groups = ", ".join(str(g) for g in range(1, self.num_attention_heads + 1) if self.num_attention_heads % g == 0)
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                              f"num_query_groups ({self.num_query_groups}); valid num_query_groups: {groups}")
+
+    def _check_moe(self) -> None:
+        """Megatron's rules on the MoE fields (one-line ValueErrors naming the field and its range)."""
+        if self.num_experts is None:
+            for f in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+                if getattr(self, f) is not None:
+                    raise ValueError(f"{f} needs num_experts (a mixture-of-experts model); valid: leave it out")
+            return
+        if int(self.num_experts) < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if not 1 <= int(self.moe_router_topk) <= int(self.num_experts):
+            raise ValueError(f"moe_router_topk must be in [1, num_experts={self.num_experts}], got "
+                             f"{self.moe_router_topk}")
+        for f in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if getattr(self, f) is not None and int(getattr(self, f)) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.add_bias_linear:
+            raise ValueError("add_bias_linear with num_experts: the cost model prices experts without linear biases "
+                             "(Mixtral, Qwen3-MoE); valid: add_bias_linear false")
+
+    @property
+    def is_moe(self) -> bool:
+        """True when every layer's MLP is a mixture of experts (``num_experts``)."""
+        return self.num_experts is not None
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """f_e: one expert's MLP width (``moe_ffn_hidden_size``, else ``ffn_hidden_size``)."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_hidden_size
+
+    @property
+    def expert_fc1_width(self) -> int:
+        """Output width of one expert's FC1: 2 f_e with SwiGLU, f_e with GeLU."""
+        return (2 if self.swiglu else 1) * self.expert_ffn_hidden_size
+
+    @property
+    def dense_ffn_hidden_size(self) -> int:
+        """Width of the MLP split over the tensor-parallel ranks like attention: ``ffn_hidden_size`` in a dense
+        model, the shared expert's in a MoE model (0 without one)."""
+        if not self.is_moe:
+            return self.ffn_hidden_size
+        return self.moe_shared_expert_intermediate_size or 0
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        """GEMM weights of one layer's attention: QKV (h x (q + 2 h_kv)) and the projection (q x h)."""
+        h, q, hkv = self.hidden_size, self.query_hidden_size, self.kv_hidden_size
+        return 2 * h * q + 2 * h * hkv
+
+    @property
+    def dense_mlp_params_per_layer(self) -> int:
+        """GEMM weights of the tensor-parallel MLP of one layer (the dense MLP, or a MoE model's shared expert)."""
+        return (3 if self.swiglu else 2) * self.hidden_size * self.dense_ffn_hidden_size
+
+    @property
+    def expert_params(self) -> int:
+        """GEMM weights of one routed expert (FC1 and FC2)."""
+        return (3 if self.swiglu else 2) * self.hidden_size * self.expert_ffn_hidden_size
+
+    @property
+    def router_params_per_layer(self) -> int:
+        """The router's weight (E x h), whole on every rank (0 in a dense model)."""
+        return self.num_experts * self.hidden_size if self.is_moe else 0
+
+    @property
+    def active_params_per_layer(self) -> int:
+        """GEMM weights one token passes through in one layer: attention, the tensor-parallel MLP and k routed
+        experts (Megatron-LM's FLOPs convention, ``num_floating_point_operations``: the router is not counted);
+        :attr:`params_per_layer` in a dense model."""
+        routed = self.moe_router_topk * self.expert_params if self.is_moe else 0
+        return self.attention_params_per_layer + self.dense_mlp_params_per_layer + routed
 
     @property
     def head_dim(self) -> int:
@@ -160,15 +243,17 @@ class ModelSpec:
 
     @property
     def fc1_width(self) -> int:
-        """Output width of FC1: 2f with SwiGLU, f with GeLU."""
-        return (2 if self.swiglu else 1) * self.ffn_hidden_size
+        """Output width of the tensor-parallel MLP's FC1: 2f with SwiGLU, f with GeLU (f the
+        :attr:`dense_ffn_hidden_size`: a MoE model's shared expert)."""
+        return (2 if self.swiglu else 1) * self.dense_ffn_hidden_size
 
     @property
     def params_per_layer(self) -> int:
-        """GEMM weights of one layer: QKV (h x (q + 2 h_kv)) + projection (q x h) + MLP (norm weights excluded; see
-        layer_params); q = :attr:`query_hidden_size`."""
-        h, q, hkv, f = self.hidden_size, self.query_hidden_size, self.kv_hidden_size, self.ffn_hidden_size
-        return 2 * h * q + 2 * h * hkv + (3 if self.swiglu else 2) * h * f
+        """GEMM weights one layer holds: QKV (h x (q + 2 h_kv)) + projection (q x h) + MLP (norm weights excluded;
+        see layer_params); q = :attr:`query_hidden_size`. A MoE layer's MLP is its shared expert, its E experts
+        and its router."""
+        moe = self.num_experts * self.expert_params + self.router_params_per_layer if self.is_moe else 0
+        return self.attention_params_per_layer + self.dense_mlp_params_per_layer + moe
 
     def bias_params_per_layer(self, tensor_model_parallel_size: int = 1) -> int:
         """Linear biases of one layer on one tensor-parallel rank: QKV's and FC1's are split with their
@@ -206,11 +291,30 @@ class ModelSpec:
             return 0
         return (self.max_position_embeddings or seq_length) * self.hidden_size
 
-    def layer_params_per_rank(self, tensor_model_parallel_size: int = 1) -> int:
-        """All parameters of one layer on one tensor-parallel rank: its GEMM weights' shard, its biases
-        (:meth:`bias_params_per_layer`) and its norms (replicated)."""
+    def layer_params_per_rank(self, tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                              expert_tensor_parallel_size: Optional[int] = None) -> int:
+        """All parameters of one layer on one rank: :meth:`dense_layer_params_per_rank` and
+        :meth:`expert_layer_params_per_rank`."""
+        return self.dense_layer_params_per_rank(tensor_model_parallel_size) + self.expert_layer_params_per_rank(
+            expert_model_parallel_size, tensor_model_parallel_size if expert_tensor_parallel_size is None
+            else expert_tensor_parallel_size)
+
+    def dense_layer_params_per_rank(self, tensor_model_parallel_size: int = 1) -> int:
+        """Parameters of one layer on one tensor-parallel rank outside its routed experts: the shard of its
+        attention's and tensor-parallel MLP's GEMM weights, its biases (:meth:`bias_params_per_layer`), its norms and
+        a MoE layer's router (replicated). Their gradients are reduced over the data-parallel group."""
         t = tensor_model_parallel_size
-        return self.params_per_layer // t + self.bias_params_per_layer(t) + self.layer_norm_params
+        return ((self.attention_params_per_layer + self.dense_mlp_params_per_layer) // t
+                + self.bias_params_per_layer(t) + self.layer_norm_params + self.router_params_per_layer)
+
+    def expert_layer_params_per_rank(self, expert_model_parallel_size: int = 1,
+                                     expert_tensor_parallel_size: int = 1) -> int:
+        """Routed-expert parameters of one layer on one rank: E / ep experts, each split over the etp expert
+        tensor-parallel ranks (0 in a dense model). Their gradients are reduced over the expert data-parallel group
+        (:func:`h3t_ext.costmodel.moe.expert_data_parallel_size`)."""
+        if not self.is_moe:
+            return 0
+        return self.num_experts // expert_model_parallel_size * self.expert_params // expert_tensor_parallel_size
 
     def padded_vocab_size(self, tensor_model_parallel_size: int = 1) -> int:
         """V padded to a multiple of ``make_vocab_size_divisible_by`` x t (Megatron's rule)."""

@@ -444,6 +444,7 @@ def timeline_terms(model: ModelSpec, plan: Plan, system: SystemSpec, timeline: T
         dp_exposed=timeline.dp_exposed_s,
         optimizer=timeline.optimizer_s,
         offload_exposed=r.stall,
+        ep_comm=per_mb_layers * lt.ep,
     )
 
 

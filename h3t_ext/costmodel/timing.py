@@ -44,7 +44,7 @@ import math
 from typing import Optional
 from dataclasses import dataclass, fields
 
-from h3t_ext.costmodel import fp8
+from h3t_ext.costmodel import fp8, moe
 from h3t_ext.costmodel.collectives import (
     Link,
     all_gather_seconds,
@@ -75,7 +75,7 @@ from h3t_ext.costmodel.kernels import (
 from h3t_ext.costmodel.data_parallel import dp_exposed, optimizer_step_seconds
 from h3t_ext.costmodel.layer_offload import p1_exposed_seconds
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.recompute import chunk_layers, plan_recompute, recompute_seconds
+from h3t_ext.costmodel.recompute import chunk_layers, chunk_units, plan_recompute, recompute_seconds
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.dtypes import BF16, BOOL, FP32
 
@@ -116,7 +116,7 @@ def layer_gemm_shapes(model: ModelSpec, plan: Plan) -> dict[str, tuple[int, int,
     """(m, n, k) of the four linear layers of one layer on one rank (X[m, k] -> Y[m, n], m the GEMMs' tokens);
     ``kernels.linear_pass_gemm`` gives the GEMM each pass runs."""
     t, tokens = plan.tensor_model_parallel_size, plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    h, q, hkv, f = model.hidden_size, model.query_hidden_size, model.kv_hidden_size, model.ffn_hidden_size
+    h, q, hkv, f = model.hidden_size, model.query_hidden_size, model.kv_hidden_size, model.dense_ffn_hidden_size
     return dict(zip(LAYER_GEMMS, ((tokens, (q + 2 * hkv) // t, h), (tokens, h, q // t),
                                   (tokens, model.fc1_width // t, h), (tokens, h, f // t))))
 
@@ -229,7 +229,7 @@ def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, floa
     t = plan.tensor_model_parallel_size
     tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
     norm_tokens = tokens // t if plan.sequence_parallel else tokens
-    h, hkv, f, fc1 = model.hidden_size, model.kv_hidden_size, model.ffn_hidden_size, model.fc1_width
+    h, hkv, f, fc1 = model.hidden_size, model.kv_hidden_size, model.dense_ffn_hidden_size, model.fc1_width
     dropout = model.hidden_dropout > 0
     norms_fwd, norms_bwd = 2 * NORM_ELEMENTS_FWD * h * norm_tokens, 2 * NORM_ELEMENTS_BWD * h * norm_tokens
     residual_fwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens
@@ -301,10 +301,20 @@ class LayerTime:
     """... of the backward."""
     cp_recompute: float = 0.0
     """... of the recomputed forward (ckpt=full)."""
+    ep_fwd: float = 0.0
+    """A MoE layer's token exchange (dispatch and combine over the expert-parallel ranks) in the forward."""
+    ep_bwd: float = 0.0
+    """... of the gradients in the backward."""
+    ep_recompute: float = 0.0
+    """... of the recomputed forward (ckpt=full)."""
 
     @property
     def tp(self) -> float:
         return self.tp_fwd + self.tp_bwd + self.tp_recompute
+
+    @property
+    def ep(self) -> float:
+        return self.ep_fwd + self.ep_bwd + self.ep_recompute
 
     @property
     def cp(self) -> float:
@@ -313,12 +323,13 @@ class LayerTime:
     @property
     def forward_action(self) -> float:
         """What one layer adds to a FORWARD action of the schedule."""
-        return self.fwd + self.tp_fwd + self.cp_fwd
+        return self.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd
 
     @property
     def backward_action(self) -> float:
         """What one layer adds to a BACKWARD action (recompute included)."""
-        return self.bwd + self.recompute + self.tp_bwd + self.tp_recompute + self.cp_bwd + self.cp_recompute
+        return (self.bwd + self.recompute + self.tp_bwd + self.tp_recompute + self.cp_bwd + self.cp_recompute
+                + self.ep_bwd + self.ep_recompute)
 
     @property
     def total(self) -> float:
@@ -365,6 +376,8 @@ class TimeTerms:
     optimizer: float
     offload_exposed: float
     """Waiting for host<->device copies (the timeline: reloads that end after their backward would start)."""
+    ep_comm: float = 0.0
+    """MoE token exchanges (dispatch and combine over the expert-parallel ranks, forward, backward and recompute)."""
 
     @property
     def total(self) -> float:
@@ -385,7 +398,9 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
             plan.context_parallel_size, plan.seq_length,
             plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend,
             plan.fp8 is not None, plan.fp8_recipe, plan.recompute,
-            chunk_layers(model, plan) if plan.recompute.full else None)
+            chunk_layers(model, plan) if plan.recompute.full else None,
+            (plan.expert_model_parallel_size, plan.expert_tensor_parallel_size, plan.moe_token_dispatcher_type,
+             plan.moe_grouped_gemm) if model.is_moe else None)
 
 
 def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
@@ -428,16 +443,30 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     tp_f, tp_b = _tp_seconds(model, plan, system, g)
     cast_fwd, cast_bwd = fp8.cast_seconds(model, plan, r)  # (0, 0) in BF16
     fwd = g["fwd"] + a["fwd"] + e_fwd + cast_fwd
+    bwd = g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd + cast_bwd
     base, recompute = plan_recompute(plan)  # ckpt full / selective are Megatron's recompute on ckpt no
     shapes = layer_gemm_shapes(model, plan)
     mlp_fwd = sum(linear_pass_seconds("fwd", *shapes[k], r, fp8=plan.fp8 is not None) for k in ("fc1", "fc2"))
+    ours = elementwise_seconds(elem_ours, r, kernels=OURS_RECOMPUTE_KERNELS) if base == "ours" else 0.0
+    ep = moe_forward = None
+    if model.is_moe:
+        x = moe.expert_gemm_seconds(model, plan, r)
+        m_fwd, m_bwd, m_act = moe.elementwise_bytes(model, plan)
+        kernels = moe.elementwise_kernels()
+        moe_f = x["fwd"] + elementwise_seconds(m_fwd, r, kernels=kernels)
+        fwd, bwd = fwd + moe_f, bwd + x["dgrad"] + x["wgrad"] + elementwise_seconds(m_bwd, r, kernels=kernels)
+        act = elementwise_seconds(m_act, r, kernels=1)
+        ours += act if base == "ours" else 0.0
+        ep = moe.dispatch_seconds(model, plan, system)
+        moe_forward = {"moe": moe_f + ep, "moe_act": act}
     rec, tp_rec, cp_rec = recompute_seconds(
         recompute, chunk_layers(model, plan), forward=fwd, attention_forward=a["fwd"], mlp_forward=mlp_fwd,
-        base=elementwise_seconds(elem_ours, r, kernels=OURS_RECOMPUTE_KERNELS) if base == "ours" else 0.0,
-        tp_forward=tp_f, cp_forward=a["cp_fwd"])
-    return LayerTime(fwd=fwd, bwd=g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd + cast_bwd, recompute=rec,
-                     tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_rec, cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"],
-                     cp_recompute=cp_rec)
+        base=ours, tp_forward=tp_f, cp_forward=a["cp_fwd"], moe_forward=moe_forward)
+    layers = chunk_layers(model, plan)  # a full unit's layers rerun their exchanges too
+    ep_rec = ep * chunk_units(recompute, layers)[1] / layers if ep and layers > 0 else 0.0
+    return LayerTime(fwd=fwd, bwd=bwd, recompute=rec, tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_rec,
+                     cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=cp_rec, ep_fwd=ep or 0.0,
+                     ep_bwd=ep or 0.0, ep_recompute=ep_rec)
 
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
@@ -586,4 +615,5 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
         dp_exposed=dp_exposed_seconds(model, plan, system),
         optimizer=optimizer_seconds(model, plan, system),
         offload_exposed=off,
+        ep_comm=m * layers * lt.ep,
     )

@@ -18,6 +18,7 @@ from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, OPTIMIZER_IMPLS, TR
 from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.attention_window import WindowFlagError, parse_skip_freq, parse_window_size
+from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 from h3t_ext.planner import cli_flags, translate
 from h3t_ext.planner.space import SearchConstraints
 from h3t_ext.planner.units import parse_bytes
@@ -29,7 +30,8 @@ DEFAULT_GPU = "h800"
 AlphaArg = Union[float, tuple[float, ...], str]
 
 _CUSTOM_MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                       "ffn_hidden_size", "vocab_size", "kv_channels")
+                       "ffn_hidden_size", "vocab_size", "kv_channels", "num_experts", "moe_router_topk",
+                       "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
 _REQUIRED_CUSTOM = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size")
 
 
@@ -38,7 +40,9 @@ _FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|
                     r"offload_alpha|ckpt|num_layers|hidden_size|num_attention_heads|num_query_groups|ffn_hidden_size|"
                     r"vocab_size|kv_channels|optimizer_cpu_offload|use_distributed_optimizer|"
                     r"data_parallel_sharding_strategy|tp_comm_overlap|sequence_parallel|overlap_param_gather|"
-                    r"overlap_grad_reduce|use_torch_fsdp2|window_size|window_attn_skip_freq)\b")
+                    r"overlap_grad_reduce|use_torch_fsdp2|window_size|window_attn_skip_freq|num_experts|moe_router_topk|"
+                    r"moe_ffn_hidden_size|moe_shared_expert_intermediate_size|expert_model_parallel_size|"
+                    r"expert_tensor_parallel_size|moe_token_dispatcher_type|moe_grouped_gemm)\b")
 
 
 def flagify(reason: str) -> str:
@@ -51,8 +55,9 @@ class UsageError(Exception):
 
 
 UNPRICED_MODEL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("--num-experts", "--moe-", "--expert-model-parallel-size", "--expert-tensor-parallel-size"),
-     "mixture-of-experts layers"),
+    (("--moe-",), "these mixture-of-experts settings (it prices --num-experts, --moe-router-topk, --moe-ffn-hidden-size, "
+                  "--moe-shared-expert-intermediate-size, --moe-layer-freq 1, --expert-model-parallel-size, "
+                  "--expert-tensor-parallel-size, --moe-token-dispatcher-type and --moe-grouped-gemm)"),
     (("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
       "--v-head-dim"), "multi-latent attention"),
     (("--mtp-",), "multi-token prediction layers"),
@@ -68,9 +73,11 @@ def _unpriced_family(message: str) -> Optional[str]:
     for prefixes, family in UNPRICED_MODEL_FLAGS:
         named = [f for f in flags if f.startswith(prefixes)]
         if named:
-            return f"{', '.join(named)}: the cost model does not price {family} (it prices dense decoder-only " \
-                   f"transformers: multi-head or grouped-query attention, a dense MLP); leave the flags out to price " \
-                   f"the dense model"
+            if family.startswith("these"):
+                return f"{', '.join(named)}: the cost model does not price {family}; leave them out"
+            return f"{', '.join(named)}: the cost model does not price {family} (it prices decoder-only " \
+                   f"transformers: multi-head or grouped-query attention, a dense or mixture-of-experts MLP); leave " \
+                   f"the flags out to price the rest of the model"
     return None
 
 
@@ -111,6 +118,14 @@ def _positive_int(text: str) -> int:
 
 def _layer_count(text: str) -> int:
     return _count(text, MAX_LAYERS)
+
+
+def _moe_layer_freq(text: str) -> int:
+    """--moe-layer-freq: the cost model prices every layer routed (1); dense layers between them are not priced."""
+    if text.strip() != "1":
+        raise argparse.ArgumentTypeError(f"{text!r}: the cost model prices --moe-layer-freq 1 only (every layer's MLP "
+                                         f"a mixture of experts); dense layers between MoE layers are not priced")
+    return 1
 
 
 def _dropout(text: str) -> float:
@@ -180,6 +195,21 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     cli_flags.add_virtual_pipeline_flags(p, count=_positive_int, uneven=not search)
     p.add_argument("--ckpt", choices=CKPT_CHOICES, default=None, help="h3t-ext's checkpointing (default no)")
     cli_flags.add_recompute_flags(p, count=_positive_int, full_method=not search)
+    e = sp.add_argument_group("experts (a model with --num-experts" + ("; fixes that dimension of the search)"
+                                                                        if search else ")"))
+    e.add_argument("--expert-model-parallel-size", type=_positive_int, default=None if search else 1,
+                   help="ep: ranks that split the experts (E / ep each); it divides --num-experts and, times "
+                        "--expert-tensor-parallel-size, the ranks of a pipeline stage")
+    e.add_argument("--expert-tensor-parallel-size", type=_positive_int, default=None,
+                   help="etp: ranks that split each expert's weights (default: " + (
+                       "1 in the plans searched" if search else "--tensor-model-parallel-size, as Megatron-LM") + ")")
+    e.add_argument("--moe-token-dispatcher-type", choices=MOE_TOKEN_DISPATCHERS, default=None,
+                   help="how tokens reach their experts: allgather (Megatron-LM's default), alltoall, or flex (DeepEP: "
+                        "each token crosses the network once per node its experts lie in)" + (
+                            " (default alltoall in the plans searched)" if search else ""))
+    e.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="one grouped GEMM per expert FC instead of one GEMM per expert" + (
+                       " (always on in the plans searched)" if search else ""))
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
@@ -326,6 +356,8 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
                         "default 128)")
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
                    help="rows of the learned position table, >= --seq-length (default --seq-length)")
+    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=None, metavar="1",
+                   help="mixture-of-experts layers: only 1 (every layer's MLP routed), as in Mixtral and Qwen3-MoE")
     cli_flags.add_window_flags(g)  # left out: the zoo model's window (a custom shape has none)
     for flag in ("attention-dropout", "hidden-dropout"):
         g.add_argument("--" + flag, type=_dropout, default=None,

@@ -28,6 +28,7 @@ def candidate_plan(run: tuple, layout: Layout, mb: int, mode, block_layers: Opti
         pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=layout.num_layers_per_virtual_pipeline_stage,
         pipeline_model_parallel_layout=layout.pipeline_model_parallel_layout,
+        expert_model_parallel_size=layout.expert_model_parallel_size,
         ckpt=mode.ckpt,
         recompute=mode.recompute_of(block_layers),
         **switches,
@@ -71,7 +72,7 @@ class Bounds:
         self._mode_id = tuple(unique.index(m) for m in self.modes)
         self._plain_id = tuple(unique.index(m) for m in self._plain)
         """Each mode's / each plain mode's index among the distinct modes (a cheap key for :attr:`_shapes`)."""
-        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8) -> (layer, output) s
+        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8, ep) -> (layer, output) s
         self._per_layout: dict[int, tuple] = {}  # layout -> (t, c, (most layers of a stage but the last, the last's,
         #                                                      all), v, p, replicas, fp8)
         self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
@@ -104,7 +105,8 @@ class Bounds:
         mb = layout.micro_batch_sizes[i]
         n = self.block_layers.get((li, ci, i)) if self.modes[ci].block else None
         key = (t, c, mb, self._plain_id[ci] if n is None else self._mode_id[ci], n,
-               (per_stage // v, layout.pipeline_model_parallel_layout) if n else None, fp8)
+               (per_stage // v, layout.pipeline_model_parallel_layout) if n else None, fp8,
+               layout.expert_model_parallel_size)
         times = self._shapes.get(key)
         if times is None:
             mode = self._plain[ci] if n is None else self.modes[ci]

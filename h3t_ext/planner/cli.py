@@ -15,6 +15,7 @@ from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_fro
     model_from_args, plan_from_args, system_file_from_args, system_from_args
 from h3t_ext.planner.calibrate import RunFileError, calibrate, check_output_path, read_runs
 from h3t_ext.planner.evaluate import evaluate
+from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.search import search
 
 def _fail(message: str) -> int:
@@ -45,7 +46,7 @@ def _estimate(ns, model, system) -> int:
     except InfeasiblePlanError as e:
         return _fail(f"--offload-alpha {ns.offload_alpha}: no alpha in [0, 1] fits the memory budget: {e.reason}")
     if ns.json:
-        out = fmt.evaluation_dict(ev)
+        out = fmt.evaluation_dict(ev, megatron_flags(ev.plan, moe=model.is_moe))
         if ns.explain:
             out["estimate"] = ev.estimate.to_dict()
         print(json.dumps(out, indent=2))

@@ -7,7 +7,7 @@ reads such a list back (the two round-trip).
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from typing import Optional, Sequence
 
 from h3t_ext.ckpt import SELECTIVE_CORE_ATTN, Ckpt
 from h3t_ext.costmodel import Plan
@@ -15,14 +15,16 @@ from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
 from h3t_ext.planner.translate import plan_from_args
 
 
-def megatron_flags(plan: Plan) -> list[str]:
+def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
     """The Megatron (plus h3t-ext) command-line flags that launch ``plan``.
 
     ``--sequence-parallel`` (with t > 1), ``--use-distributed-optimizer`` and ``--tp-comm-overlap`` follow
     the plan's switches; Megatron's recompute follows ``--ckpt`` (``--recompute-granularity full --recompute-method block
     --recompute-num-layers N`` for a block plan; ckpt ``selective`` as ``--ckpt no --recompute-granularity selective
     --recompute-modules core_attn``, which the driver takes); an FP8 plan adds ``--fp8-format``, ``--fp8-recipe`` (and ``--fp8-param-gather``). ``--seq-length`` and
-    the GPU count are the launcher's business and are not repeated here.
+    the GPU count are the launcher's business and are not repeated here. A MoE model's plan (``moe``) runs on
+    Megatron-LM's own loop (h3t-ext's runtime has no MoE layers): its expert flags, and neither ``--ckpt`` nor
+    ``--offload-alpha`` (its plans have ckpt no and alpha 0).
     """
     flags = ["--tensor-model-parallel-size", str(plan.tensor_model_parallel_size)]
     if plan.context_parallel_size > 1:
@@ -35,6 +37,12 @@ def megatron_flags(plan: Plan) -> list[str]:
     flags += [flag for flag, attr in _SPLIT_SWITCHES.items() if getattr(plan, attr)]
     if plan.pipeline_model_parallel_layout is not None:
         flags += ["--pipeline-model-parallel-layout", plan.pipeline_model_parallel_layout]
+    if plan.expert_model_parallel_size > 1:
+        flags += ["--expert-model-parallel-size", str(plan.expert_model_parallel_size)]
+    if plan.expert_tensor_parallel_size is not None:
+        flags += ["--expert-tensor-parallel-size", str(plan.expert_tensor_parallel_size)]
+    if plan.moe_token_dispatcher_type != "allgather":
+        flags += ["--moe-token-dispatcher-type", plan.moe_token_dispatcher_type]
     if plan.tensor_model_parallel_size > 1 and plan.sequence_parallel:
         flags.append("--sequence-parallel")
     if plan.use_distributed_optimizer:
@@ -60,7 +68,10 @@ def megatron_flags(plan: Plan) -> list[str]:
         flags.append("--no-overlap-p2p-communication")
     # ckpt selective is h3t-ext's name of Megatron's selective core_attn on ckpt no: the driver takes Megatron's flags
     ckpt, recompute = (Ckpt.NO, SELECTIVE_CORE_ATTN) if plan.ckpt is Ckpt.SELECTIVE else (plan.ckpt, plan.recompute)
-    flags += ["--ckpt", str(ckpt), *recompute.flags(), "--offload-alpha", format_alpha(plan.offload_alpha)]
+    if moe:
+        flags += [*recompute.flags()]
+    else:
+        flags += ["--ckpt", str(ckpt), *recompute.flags(), "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
     if plan.fp8 is not None:
         flags += ["--fp8-format", plan.fp8, "--fp8-recipe", plan.fp8_recipe]
@@ -77,6 +88,8 @@ _INT_FLAGS = {
     "--micro-batch-size": "micro_batch_size",
     "--global-batch-size": "global_batch_size",
     "--recompute-num-layers": "recompute_num_layers",
+    "--expert-model-parallel-size": "expert_model_parallel_size",
+    "--expert-tensor-parallel-size": "expert_tensor_parallel_size",
 }
 _SPLIT_INTS = {
     "--num-virtual-stages-per-pipeline-rank": "num_virtual_stages_per_pipeline_rank",
@@ -94,7 +107,7 @@ _INT_FLAGS.update(_SPLIT_INTS)
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
                        "--no-overlap-p2p-communication", "--use-precision-aware-optimizer", "--use-torch-fsdp2",
                        "--torch-fsdp2-no-reshard-after-forward"})
-_OVERLAP = {"--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
+_OVERLAP = {"--moe-grouped-gemm": "moe_grouped_gemm", "--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather",
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
             "--grad-reduce-in-bf16": "grad_reduce_in_bf16"}
@@ -104,13 +117,17 @@ _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_para
                "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--attention-backend": "attention_backend",
                "--transformer-impl": "transformer_impl", "--recompute-granularity": "recompute_granularity",
                "--recompute-method": "recompute_method",
-               "--pipeline-model-parallel-layout": "pipeline_model_parallel_layout"}
+               "--pipeline-model-parallel-layout": "pipeline_model_parallel_layout",
+               "--moe-token-dispatcher-type": "moe_token_dispatcher_type"}
 
 
-def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int) -> Plan:
+def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int,
+                             num_experts: Optional[int] = None) -> Plan:
     """Read a flag list made by :func:`megatron_flags` back into a :class:`Plan` (through the one translation,
-    :func:`h3t_ext.planner.translate.plan_from_args`); ValueError on a flag it does not make."""
-    ns = argparse.Namespace(seq_length=seq_length, use_distributed_optimizer="--use-distributed-optimizer" in flags,
+    :func:`h3t_ext.planner.translate.plan_from_args`); ValueError on a flag it does not make. ``num_experts``: the
+    model's (the flags of a plan carry no model shape; MoE recompute modules need it)."""
+    ns = argparse.Namespace(seq_length=seq_length, num_experts=num_experts, ckpt=None if num_experts is None else "no",
+                            use_distributed_optimizer="--use-distributed-optimizer" in flags,
                             overlap_p2p_comm="--no-overlap-p2p-communication" not in flags,
                             sequence_parallel="--sequence-parallel" in flags,
                             use_megatron_fsdp="--use-megatron-fsdp" in flags,

@@ -1,6 +1,8 @@
 """Rendering of planner results: JSON-ready dicts and rich tables (no printing here; the CLI prints)."""
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from rich.table import Table
 
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
@@ -42,7 +44,7 @@ def _alpha_value(alphas: tuple[float, ...]):
     return alphas[0] if len(set(alphas)) == 1 else list(alphas)
 
 
-def evaluation_dict(ev: Evaluation) -> dict:
+def evaluation_dict(ev: Evaluation, flags: Optional[Sequence[str]] = None) -> dict:
     """Flat JSON object of one evaluated plan: the headline numbers, the plan fields and the launch flags."""
     est = ev.estimate
     plan = ev.plan
@@ -74,7 +76,7 @@ def evaluation_dict(ev: Evaluation) -> dict:
     err = est.infeasibility()
     if err is not None:
         out["over_budget"] = {"term": err.term, "excess_bytes": err.excess_bytes, "stage": err.stage}
-    out["megatron_flags"] = megatron_flags(plan)
+    out["megatron_flags"] = list(flags) if flags is not None else megatron_flags(plan)
     return out
 
 
@@ -88,6 +90,9 @@ def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
         inter += f" layout={p.pipeline_model_parallel_layout}" + (f" (v={v})" if v > 1 else "")
     if p.microbatch_group_size_per_vp_stage is not None:
         inter += f" g={p.microbatch_group_size_per_vp_stage}"
+    if model.is_moe:
+        etp = p.tensor_model_parallel_size if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+        inter += f" ep={p.expert_model_parallel_size} etp={etp} dispatcher={p.moe_token_dispatcher_type}"
     return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
             f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} recompute={recompute_label(p)} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
             f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)}")
@@ -126,7 +131,7 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         auto = format_alpha(_alpha_value(ev.auto_estimate.offload_alpha))
         lines.append(f"balanced    per-stage alpha saves {format_bytes(ev.pcie_bytes_saved_vs_auto or 0)} of PCIe "
                      f"traffic per iteration (summed over stages) vs auto alpha {auto}")
-    lines.append("flags       " + " ".join(megatron_flags(ev.plan)))
+    lines.append("flags       " + " ".join(megatron_flags(ev.plan, moe=model.is_moe)))
     return lines
 
 
@@ -179,7 +184,8 @@ def search_table(result: SearchResult, top: int) -> Table:
     """The best ``top`` plans."""
     tab = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} feasible plans priced")
     balanced = any(r.evaluation.pcie_bytes_saved_vs_auto is not None for r in result.plans[:top])
-    cols = ["#", "t", "c", "p", "l", "d", "recompute", "precision", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU",
+    experts = any(r.plan.moe_grouped_gemm or r.plan.expert_model_parallel_size > 1 for r in result.plans[:top])
+    cols = ["#", "t", "c", "p", "l", "d", *(["ep"] if experts else []), "recompute", "precision", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU",
             "MFU", "vs published"]
     for col in cols + (["PCIe saved vs auto"] if balanced else []):
         tab.add_column(col, justify="left" if col in ("recompute", "precision") else "right")
@@ -189,7 +195,7 @@ def search_table(result: SearchResult, top: int) -> Table:
         tab.add_row(str(i), str(p.tensor_model_parallel_size), str(p.context_parallel_size),
                     str(p.pipeline_model_parallel_size) + ("*" if p.pipeline_model_parallel_layout else ""),
                     _layers_cell(p), str(p.data_parallel_size),
-                    recompute_label(p), p.precision, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
+                    *([str(p.expert_model_parallel_size)] if experts else []), recompute_label(p), p.precision, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
                     str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
                     f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
                     _plausibility_cell(est.plausibility), *extra)
@@ -231,7 +237,8 @@ def plausibility_line(result: SearchResult, top: int) -> str:
 def search_dicts(result: SearchResult, top: int) -> list[dict]:
     """The best ``top`` plans as JSON objects, each with ``tied_with_best`` (within the best's interval)."""
     tied = set(result.tied_with_best())
-    return [{**evaluation_dict(r.evaluation), "tied_with_best": i in tied} for i, r in enumerate(result.plans[:top])]
+    return [{**evaluation_dict(r.evaluation, r.megatron_flags), "tied_with_best": i in tied}
+            for i, r in enumerate(result.plans[:top])]
 
 
 def tie_line(result: SearchResult) -> str:
@@ -259,7 +266,8 @@ def no_plan_message(result: SearchResult) -> str:
             r for r in result.rejected if r not in (R_PRUNED, R_SLOWER, R_BOUND)) + ")"
     p = c.plan
     l = p.num_layers_per_virtual_pipeline_stage
-    options = "".join(f" {name}" for name, on in (
+    ep = f" ep={p.expert_model_parallel_size}" if p.expert_model_parallel_size > 1 else ""
+    options = ep + "".join(f" {name}" for name, on in (
         (f"sharding={p.data_parallel_sharding_strategy}", p.data_parallel_sharding_strategy is not None),
         (f"optimizer_offload_fraction={p.optimizer_offload_fraction:g}", p.optimizer_cpu_offload)) if on)
     terms = "; its terms: " + ", ".join(f"{k} {format_bytes(b)}" for k, b in c.terms) if c.terms else ""

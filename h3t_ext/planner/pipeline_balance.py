@@ -41,7 +41,7 @@ from h3t_ext.costmodel.specs import ModelSpec
 
 def output_layer_in_layers(model: ModelSpec, seq_length: int, tensor_model_parallel_size: int = 1) -> float:
     """The output layer's forward FLOPs per token in transformer layers' (H above)."""
-    layer = 2 * model.params_per_layer + 4 * model.query_hidden_size * model.attended_pairs_per_layer(
+    layer = 2 * model.active_params_per_layer + 4 * model.query_hidden_size * model.attended_pairs_per_layer(
         seq_length) / seq_length
     return 2 * model.padded_vocab_size(tensor_model_parallel_size) * model.hidden_size / layer
 

@@ -87,12 +87,21 @@ class RecomputeMode:
 FULL_MODE = RecomputeMode(Ckpt.FULL)
 
 
-def search_modes(ckpt: Optional[str], attention_backend: str) -> tuple[RecomputeMode, ...]:
+MOE_OURS = Recompute.parse("selective", modules=("layernorm", "moe_act"), moe=True)
+"""What a MoE model's plans use in place of ckpt ``ours`` (which runs in h3t-ext's runtime, without MoE layers):
+Megatron's selective recompute of the norms and the experts' activation, which drops the same tensors."""
+
+
+def search_modes(ckpt: Optional[str], attention_backend: str, *, moe: bool = False) -> tuple[RecomputeMode, ...]:
     """The recompute axis of a search, least kept memory first (a fixed ``ckpt``: that mode alone): ``full``, block
     on ``ours`` and on ``no``, with unfused attention selective ``core_attn`` on ``ours`` and on ``no``, then
-    ``ours`` and ``no``."""
+    ``ours`` and ``no``. A MoE model's (``moe``): what Megatron-LM runs, ``full``, block on ``no``, :data:`MOE_OURS`
+    and ``no``."""
     if ckpt is not None:
         return (RecomputeMode.of(ckpt),)
+    if moe:
+        return (FULL_MODE, RecomputeMode(Ckpt.NO, block=True), RecomputeMode(Ckpt.NO, MOE_OURS),
+                RecomputeMode(Ckpt.NO))
     selective = (RecomputeMode(Ckpt.OURS, SELECTIVE_CORE_ATTN), RecomputeMode(Ckpt.SELECTIVE)) \
         if attention_backend == "unfused" else ()
     return (FULL_MODE, RecomputeMode(Ckpt.OURS, block=True), RecomputeMode(Ckpt.NO, block=True), *selective,

@@ -227,7 +227,7 @@ def _price_one(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode
         col.infeasible(ev.plan, err.term, err.excess_bytes, err.stage, err.reason,
                        lambda: est.stages[est.peak_stage].terms if err.stage is not None else dict(est.host_terms))
         return None
-    ranked = RankedPlan(ev, tuple(megatron_flags(ev.plan)))
+    ranked = RankedPlan(ev, tuple(megatron_flags(ev.plan, moe=model.is_moe)))
     col.feasible.append(ranked)
     return ranked
 
@@ -300,7 +300,12 @@ def search(
         model, num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
         gpus_per_node=system.gpus_per_node, constraints=constraints)
     col = _Collector(rejected)
-    modes = search_modes(constraints.ckpt, constraints.attention_backend)
+    modes = search_modes(constraints.ckpt, constraints.attention_backend, moe=model.is_moe)
+    if model.is_moe:  # h3t-ext's activation offload runs in its runtime, which has no MoE layers
+        if alpha_mode not in ("auto", 0, 0.0):
+            raise InvalidPlanError(f"offload_alpha {alpha_mode} with a mixture-of-experts model: h3t-ext's activation "
+                                   f"offload runs in its runtime, which has no MoE layers; valid: leave it out")
+        alpha_mode = 0.0
     static: dict[tuple, Optional[ClosestInfeasible]] = {}
     switches = {k: getattr(constraints, k) for k in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap",
                                                       "overlap_p2p_comm", "sequence_parallel",
@@ -309,8 +314,13 @@ def search(
                                                       "optimizer_cpu_offload",
                                                       "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                                                       "grad_reduce_in_bf16", "fp16")}
+    if model.is_moe:  # the experts' switches; the memory ladder's options are not priced with experts
+        switches.update(expert_tensor_parallel_size=constraints.expert_tensor_parallel_size or 1,
+                        moe_token_dispatcher_type=constraints.moe_token_dispatcher_type or "alltoall",
+                        moe_grouped_gemm=True)
     best_first = top is not None and not exhaustive
-    budgets = _Budgets(memory_budget_bytes, host_memory_budget_bytes, constraints.memory_ladder)
+    budgets = _Budgets(memory_budget_bytes, host_memory_budget_bytes,
+                       () if model.is_moe else constraints.memory_ladder)
     live: list[tuple[tuple, Layout]] = []
     runs = _runs(num_gpus, seq_length, global_batch_size, switches, constraints)
     refusals = [_run_refusal(run, system) for run in runs]
@@ -322,7 +332,8 @@ def search(
             continue
         for layout in layouts:
             key = (run[3].get("fp8"), layout.tensor_model_parallel_size, layout.context_parallel_size,
-                   layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_layout)
+                   layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_layout,
+                   layout.expert_model_parallel_size)
             if key not in static:
                 probe = candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0])
                 static[key] = _static_infeasibility(model, system, probe, budgets)
@@ -375,7 +386,7 @@ def _with_timeline(model, system, ranked: list[RankedPlan], k: int, alpha_mode, 
         ev = rest.pop(0).evaluation
         est = estimate(model, ev.plan, system, memory_budget_bytes=budget.device,
                        host_memory_budget_bytes=budget.host)
-        kept.append(RankedPlan(replace(ev, estimate=est), tuple(megatron_flags(ev.plan))))
+        kept.append(RankedPlan(replace(ev, estimate=est), tuple(megatron_flags(ev.plan, moe=model.is_moe))))
         kept.sort(key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
     return kept + rest
 

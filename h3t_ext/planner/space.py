@@ -43,6 +43,8 @@ R_L_P1 = "interleaving needs pipeline_model_parallel_size > 1"
 R_MB_BATCH = "global_batch_size not divisible by micro_batch_size * data_parallel_size / context_parallel_size"
 R_MB_INTERLEAVE = "interleaved 1F1B needs num_microbatches to be a multiple of pipeline_model_parallel_size"
 R_GPUS = "num_gpus not divisible by the parallel sizes"
+R_EP = "num_experts or the ranks of a pipeline stage not divisible by expert_model_parallel_size x " \
+       "expert_tensor_parallel_size"
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,12 @@ class SearchConstraints:
     """--fp8-recipe of the FP8 plans searched."""
     fp8_param_gather: bool = False
     """--fp8-param-gather for the FP8 plans searched."""
+    expert_model_parallel_size: Optional[int] = None
+    """Fixed ep of a MoE model, or None (every ep that divides the experts and a stage's ranks is searched)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """etp of a MoE model's plans (None: 1, megatron-core's recommended folding of experts)."""
+    moe_token_dispatcher_type: Optional[str] = None
+    """--moe-token-dispatcher-type of a MoE model's plans (None: alltoall)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +163,8 @@ class Layout:
     pipeline_model_parallel_layout: Optional[str] = None
     """The layer split as megatron-core's layout string (:mod:`h3t_ext.planner.pipeline_balance`: the output layer's
     work balanced, one chunk per stage), or None for Megatron's even split."""
+    expert_model_parallel_size: int = 1
+    """ep of a MoE model (1 for a dense one)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -168,6 +178,7 @@ def _pick(fixed: Optional[int], options: list[int]) -> list[int]:
 
 
 _BY_RULE = {"num_attention_heads": R_T_HEADS, "num_query_groups": R_T_GROUPS, "ffn_hidden_size": R_T_FFN,
+            "expert_layout": R_EP,
             "seq_length_context_parallel": R_C_SEQ, "seq_length_sequence_parallel": R_T_SEQ, "num_layers": R_P_LAYERS,
             "num_layers_per_virtual_pipeline_stage": R_L_LAYERS, "virtual_needs_pipeline": R_L_P1,
             "global_batch_size": R_MB_BATCH, "interleaving": R_MB_INTERLEAVE}
@@ -190,7 +201,7 @@ def _validate_tensor(model: ModelSpec, seq_length: int, t: int, gpus_per_node: i
     split = ParallelLayout(tensor_model_parallel_size=t)
     return _refusal(lambda: (split.check_tensor_split(num_attention_heads=model.num_attention_heads,
                                                       num_query_groups=model.num_query_groups,
-                                                      ffn_hidden_size=model.ffn_hidden_size),
+                                                      ffn_hidden_size=model.dense_ffn_hidden_size),
                              split.check_seq_length(seq_length, sequence_parallel=sequence_parallel)))
 
 
@@ -288,10 +299,29 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                             mbs.append(mb)
                     if not mbs:
                         continue
+                    eps = _expert_sizes(model, num_gpus // p, k, rejected)
                     for split in splits if l is None else (None,):
-                        yield Layout(t, c, p, l, tuple(mbs), split)
+                        for ep in eps:
+                            yield Layout(t, c, p, l, tuple(mbs), split, ep)
                     if l is not None and v > 1 and k.pipeline_layouts and k.num_layers_per_virtual_pipeline_stage is None:
                         # interleaving's balanced twin (p v stages), unless the user fixed Megatron's l
                         for split in split_candidates(model, seq_length, p, t, v):
                             if split is not None:
-                                yield Layout(t, c, p, None, tuple(mbs), split)
+                                for ep in eps:
+                                    yield Layout(t, c, p, None, tuple(mbs), split, ep)
+
+
+def _expert_sizes(model: ModelSpec, stage_ranks: int, k: SearchConstraints, rejected: Counter) -> list[int]:
+    """The ep of a MoE model's plans on a pipeline stage of ``stage_ranks`` ranks: the fixed one, else every divisor
+    of the experts that divides the stage's ranks with etp (:meth:`h3t_ext.layout.ParallelLayout.check_experts`'s
+    rules); [1] for a dense model."""
+    if not model.is_moe:
+        return [1]
+    etp = k.expert_tensor_parallel_size or 1
+    out = []
+    for ep in _pick(k.expert_model_parallel_size, divisors(model.num_experts)):
+        if model.num_experts % ep or stage_ranks % (ep * etp):
+            rejected[R_EP] += 1
+        else:
+            out.append(ep)
+    return out

@@ -75,6 +75,11 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "delta_offload_bytes_across_pp_ranks": 0,
     "cpu_offloading_num_layers": 0,
     "even_pipeline_split": False,  # not Megatron's: h3t-plan search --even-pipeline-split
+    "num_experts": None,
+    "expert_model_parallel_size": 1,
+    "expert_tensor_parallel_size": None,  # Megatron-LM: t
+    "moe_token_dispatcher_type": "allgather",
+    "moe_grouped_gemm": False,
 }
 """Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
 not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
@@ -89,7 +94,9 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
            "microbatch_group_size_per_vp_stage", "fp8",
            "fp8_recipe", "fp8_param_gather", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
-           "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward")
+           "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",
+           "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
+           "moe_grouped_gemm")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
 save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""
@@ -131,7 +138,8 @@ def _named(read, name: str, fixed: Mapping[str, Any]) -> Any:
 
 _NONE_IS_UNSET = frozenset({"fp8_recipe", "optimizer_offload_fraction", "fine_grained_activation_offloading",
                             "offload_modules", "activation_offload_fraction", "min_offloaded_tensor_size",
-                            "delta_offload_bytes_across_pp_ranks", "cpu_offloading_num_layers"})
+                            "delta_offload_bytes_across_pp_ranks", "cpu_offloading_num_layers",
+                            "moe_token_dispatcher_type", "expert_model_parallel_size"})
 """Fields whose None (an argparse default) means "not given": Megatron's default applies."""
 
 
@@ -151,7 +159,8 @@ def _recompute(read, fixed: Mapping[str, Any]) -> Recompute:
     if _value(read, "recompute_activations", fixed) and granularity is None:
         granularity = "selective"
     return Recompute.parse(granularity, _value(read, "recompute_method", fixed),
-                           _value(read, "recompute_num_layers", fixed), _value(read, "recompute_modules", fixed))
+                           _value(read, "recompute_num_layers", fixed), _value(read, "recompute_modules", fixed),
+                           moe=_value(read, "num_experts", fixed) is not None)
 
 
 def _ckpt(read, fixed: Mapping[str, Any]) -> tuple[Optional[Ckpt], Recompute]:
@@ -212,6 +221,8 @@ def plan_from_args(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, mode
     (:func:`megatron_offload_mapping`; a nonzero ``offload_alpha`` with them is two offload requests). ValueError
     (one line) when ``seq_length`` or ``global_batch_size`` is missing or ``ckpt`` is not a mode; the plan's own
     checks are :func:`~h3t_ext.costmodel.validate_plan`'s."""
+    if model is not None and model.is_moe:  # the model's experts admit Megatron's MoE recompute modules
+        fixed.setdefault("num_experts", model.num_experts)
     plan = _plan(args, num_gpus=num_gpus, offload_alpha=offload_alpha, **fixed)
     if model is None:
         return plan
@@ -281,6 +292,9 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         attention_backend=_attention(read, fixed),
         transformer_impl=_value(read, "transformer_impl", fixed),
         optimizer_impl=_value(read, "optimizer_impl", fixed),
+        expert_model_parallel_size=given("expert_model_parallel_size"),
+        expert_tensor_parallel_size=given("expert_tensor_parallel_size"),
+        moe_token_dispatcher_type=given("moe_token_dispatcher_type"),
         **_precision(read, fixed),
         memory_ladder=_ladder(read, fixed, switches) if memory_ladder is None else memory_ladder,
         **{k: (v if k == "optimizer_offload_fraction" else bool(v)) for k, v in switches.items()},

@@ -87,7 +87,7 @@ def test_layer_time_fields_sum_to_total():
         assert isinstance(terms, TimeTerms)
         assert terms.total == pytest.approx(sum(terms.as_dict().values()))
         assert list(terms.as_dict()) == ["compute", "recompute", "tp_comm", "cp_comm", "pp_p2p", "bubble",
-                                          "dp_exposed", "optimizer", "offload_exposed"]
+                                          "dp_exposed", "optimizer", "offload_exposed", "ep_comm"]
 
 
 def test_builder_emits_offload_only_for_stages_that_offload():

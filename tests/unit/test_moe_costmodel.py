@@ -1,0 +1,286 @@
+"""Mixture-of-experts pricing (h3t_ext.costmodel.moe and its hooks): parameter and FLOPs counts against the published
+models and Megatron-LM's own count, expert sharding of states and gradients, the token exchanges, saved activations,
+the planner's flags, refusals and search."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+from h3t_ext.ckpt import Recompute
+from h3t_ext.costmodel import InvalidPlanError, estimate, get_model, get_system
+from h3t_ext.costmodel import moe
+from h3t_ext.costmodel.data_parallel import dp_comm, _group_comm
+from h3t_ext.costmodel.memory import stage_memory, stage_params
+from h3t_ext.costmodel.mfu import model_flops_per_token
+from h3t_ext.costmodel.plan import Plan, validate_plan
+from h3t_ext.costmodel.published_moe import published_moe_runs
+from h3t_ext.costmodel.specs import ModelSpec
+from h3t_ext.layout import LayoutError, ParallelLayout
+from h3t_ext.planner.cli import main
+from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
+from h3t_ext.planner.search import search
+from h3t_ext.planner.space import SearchConstraints
+
+H100 = get_system("h100-sxm")
+
+
+@pytest.mark.parametrize("name, total, active", [
+    ("mixtral-8x7b", 46.7e9, 12.9e9),      # Mixtral paper (arXiv:2401.04088): 47B total, 13B active
+    ("mixtral-8x22b", 141e9, 39e9),        # Mistral's 8x22B release: 141B total, 39B active
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9),      # Qwen3 report (arXiv:2505.09388), Table 2
+    ("qwen3-235b-a22b", 235e9, 22e9),
+])
+def test_zoo_moe_models_have_their_published_sizes(name, total, active):
+    m = get_model(name)
+    routed_idle = m.num_layers * (m.num_experts - m.moe_router_topk) * m.expert_params
+    router = m.num_layers * m.router_params_per_layer
+    assert m.num_parameters == pytest.approx(total, rel=0.01)
+    assert m.num_parameters - routed_idle - router == pytest.approx(active, rel=0.02)
+
+
+def test_flops_per_token_is_megatrons_count_of_the_published_qwen3_runs():
+    """The model zoo's published rows give both a step time and Megatron-LM's TFLOP/s per GPU: the one FLOPs formula
+    reproduces Megatron's count from the step time (routed experts k f_e wide, router left out)."""
+    runs = [r for r in published_moe_runs() if r.iteration_time_s is not None]
+    assert len(runs) >= 4
+    for r in runs:
+        tflops = r.plan.tokens_per_iteration * model_flops_per_token(r.model, r.plan.seq_length) / (
+            r.iteration_time_s * r.plan.num_gpus) / 1e12
+        assert tflops == pytest.approx(r.model_tflops_per_s_per_gpu, rel=0.006), r.label
+
+
+def test_one_expert_routed_to_once_is_the_dense_mlp():
+    """E = 1, k = 1, f_e = f: the same FLOPs as the dense model, and its weights plus the router's h."""
+    dense = get_model("llama3-8b")
+    one = dataclasses.replace(dense, num_experts=1, moe_router_topk=1)
+    assert model_flops_per_token(one, 4096) == model_flops_per_token(dense, 4096)
+    assert one.params_per_layer == dense.params_per_layer + dense.hidden_size
+    assert one.num_parameters == dense.num_parameters + dense.num_layers * dense.hidden_size
+
+
+def test_moe_fields_are_checked_in_one_line():
+    base = get_model("mixtral-8x7b")
+    with pytest.raises(ValueError, match=r"moe_router_topk must be in \[1, num_experts=8\], got 9"):
+        dataclasses.replace(base, moe_router_topk=9)
+    with pytest.raises(ValueError, match="moe_ffn_hidden_size needs num_experts"):
+        dataclasses.replace(get_model("llama3-8b"), moe_ffn_hidden_size=1024)
+    with pytest.raises(ValueError, match="add_bias_linear with num_experts"):
+        dataclasses.replace(base, add_bias_linear=True)
+
+
+def _plan(**kw) -> Plan:
+    base = dict(num_gpus=64, seq_length=4096, global_batch_size=256, tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=4, expert_model_parallel_size=8, moe_token_dispatcher_type="alltoall",
+                moe_grouped_gemm=True)
+    return Plan(**{**base, **kw})
+
+
+def test_experts_are_split_over_ep_and_etp_and_their_states_over_edp():
+    m = get_model("mixtral-8x7b")
+    for ep, etp in ((1, 1), (2, 1), (8, 1), (4, 2), (2, 4)):
+        per_rank = m.expert_layer_params_per_rank(ep, etp)
+        assert per_rank * ep * etp == m.num_experts * m.expert_params
+    plan = _plan(expert_model_parallel_size=8, expert_tensor_parallel_size=1)  # t c d = 16 ranks a stage: edp 2
+    assert moe.expert_data_parallel_size(plan) == 2 and plan.data_parallel_size == 16
+    layers = 8
+    experts = layers * m.expert_layer_params_per_rank(8, 1)
+    dense = stage_params(m, plan, 1) - experts
+    assert dense == layers * m.dense_layer_params_per_rank(1)
+    states = stage_memory(m, plan, 1, 0.0).terms["optimizer_states"]
+    assert states == round((dense / 16 + experts / 2) * 12)  # fp32 master, m, v: dense over d, experts over edp
+
+
+def test_expert_gradients_are_reduced_over_their_own_group():
+    """With ep = every rank of a stage (edp = 1) the experts' gradients need no reduction: the data-parallel
+    traffic is the dense parameters' alone; with edp > 1 it adds the experts' over edp."""
+    m = get_model("mixtral-8x7b")
+    whole = _plan(num_gpus=32, expert_model_parallel_size=8, expert_tensor_parallel_size=1, pipeline_model_parallel_size=4)
+    assert moe.expert_data_parallel_size(whole) == 1
+    experts = 8 * m.expert_layer_params_per_rank(8, 1)
+    n = stage_params(m, whole, 3)
+    assert dp_comm(m, whole, H100).grad_seconds == _group_comm(m, whole, H100, n - experts, 8, 1).grad_seconds
+    half = dataclasses.replace(whole, expert_model_parallel_size=4)
+    assert dp_comm(m, half, H100).grad_seconds == pytest.approx(
+        _group_comm(m, half, H100, stage_params(m, half, 3) - 2 * experts, 8, 1).grad_seconds
+        + _group_comm(m, half, H100, 2 * experts, 2, 4).grad_seconds)
+
+
+def test_remote_nodes_per_token_is_the_count_over_every_routing():
+    """DeepEP sends a token once per other node its k experts lie in: the closed form against every k-subset."""
+    model = dataclasses.replace(get_model("mixtral-8x7b"), num_experts=12, moe_router_topk=3)
+    ep, per_node = 6, 2  # 3 nodes, 4 experts each; the token's own rank is on node 0
+    node = [e * ep // model.num_experts // per_node for e in range(model.num_experts)]
+    subsets = list(itertools.combinations(range(model.num_experts), model.moe_router_topk))
+    brute = sum(len({node[e] for e in s} - {0}) for s in subsets) / len(subsets)
+    assert moe.remote_nodes_per_token(model, ep, per_node) == pytest.approx(brute, rel=1e-12)
+
+
+def test_all_to_all_inside_a_node_and_across_nodes():
+    n = 1 << 28
+    nvlink = H100.nvlink_bandwidth * H100.efficiency("nvlink_fraction")
+    nic = H100.network_bandwidth * H100.efficiency("network_fraction")
+    assert moe.all_to_all_seconds(n, 8, 1, H100) == pytest.approx(H100.nvlink_latency_s + 7 / 8 * n / nvlink)
+    # 32 ranks, 8 to a node: 24/32 of the buffer leaves the node through the rank's NIC
+    assert moe.all_to_all_seconds(n, 32, 1, H100) == pytest.approx(H100.network_latency_s + 24 / 32 * n / nic)
+    assert moe.all_to_all_seconds(n, 1, 1, H100) == 0.0
+
+
+def test_deepep_crosses_the_network_once_per_node():
+    m = get_model("qwen3-235b-a22b")
+    tokens = 2048
+    inside = moe.deepep_seconds(m, tokens, 8, 1, H100)
+    assert inside == moe.all_to_all_seconds(tokens * m.moe_router_topk * m.hidden_size * 2, 8, 1, H100)
+    across = moe.deepep_seconds(m, tokens, 32, 1, H100)
+    a2a = moe.all_to_all_seconds(tokens * m.moe_router_topk * m.hidden_size * 2, 32, 1, H100)
+    assert across < 0.5 * a2a  # k = 8 copies, 6 of them off-node on average, against < 3 remote nodes
+    top1 = dataclasses.replace(m, moe_router_topk=1)  # one copy: nothing to deduplicate
+    assert moe.deepep_seconds(top1, tokens, 32, 1, H100) == pytest.approx(
+        moe.all_to_all_seconds(tokens * m.hidden_size * 2, 32, 1, H100))
+
+
+def test_saved_expert_bytes_by_recompute():
+    m = get_model("qwen3-235b-a22b")
+    plan = _plan(num_gpus=256, global_batch_size=2048, tensor_model_parallel_size=2, pipeline_model_parallel_size=8,
+                 expert_tensor_parallel_size=1)
+    k, h, f = m.moe_router_topk, m.hidden_size, m.expert_ffn_hidden_size
+    terms = moe.expert_terms(m, plan)
+    assert terms == {"router_probs": 2 * 128, "expert_input": 2 * k * h, "expert_fc1_output": 2 * k * 2 * f,
+                     "expert_act_output": 2 * k * f, "expert_fc2_input": 2 * k * f, "expert_output": 2 * k * h}
+    everything = sum(terms.values())
+    assert moe.kept_expert_bytes(m, plan, "no", ()) == everything
+    assert moe.kept_expert_bytes(m, plan, "ours", ()) == everything - 4 * k * f
+    assert moe.kept_expert_bytes(m, plan, "no", ("layernorm", "moe_act")) == everything - 4 * k * f
+    assert moe.kept_expert_bytes(m, plan, "no", ("moe",)) == 0
+    etp2 = dataclasses.replace(plan, expert_tensor_parallel_size=2)  # FC1's input is all-gathered over etp
+    assert moe.expert_terms(m, etp2)["expert_input"] == 2 * terms["expert_input"]
+
+
+def test_layout_rules_of_the_expert_grid():
+    with pytest.raises(LayoutError, match=r"--expert-model-parallel-size 16 x --expert-tensor-parallel-size 1 = 16 "
+                                          r"does not divide the 8 ranks"):
+        ParallelLayout(data_parallel_size=8, expert_model_parallel_size=16, expert_tensor_parallel_size=1)
+    layout = ParallelLayout(tensor_model_parallel_size=2, data_parallel_size=4, expert_model_parallel_size=4)
+    assert layout.expert_parallel_tensor_size == 2 and layout.expert_data_parallel_size == 1
+    with pytest.raises(LayoutError, match="--num-experts 8 is not a multiple of --expert-model-parallel-size 3"):
+        ParallelLayout(data_parallel_size=6, expert_model_parallel_size=3, expert_tensor_parallel_size=1
+                       ).check_experts(num_experts=8)
+    with pytest.raises(LayoutError, match="needs --num-experts"):
+        ParallelLayout(data_parallel_size=2, expert_model_parallel_size=2).check_experts(num_experts=None)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(fp8="hybrid"), "does not price FP8 expert GEMMs"),
+    (dict(use_torch_fsdp2=True, use_distributed_optimizer=False, pipeline_model_parallel_size=1),
+     "Megatron FSDP / torch FSDP2 over experts"),
+    (dict(optimizer_cpu_offload=True), "the CPU optimizer over expert states"),
+    (dict(ckpt="ours"), "ckpt ours with a mixture-of-experts model"),
+    (dict(offload_alpha=0.5), "offload_alpha 0.5 with a mixture-of-experts model"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=False), "needs sequence_parallel"),
+    (dict(recompute=Recompute.parse("selective", modules=["mlp"])), "recompute module mlp reruns dense MLPs"),
+])
+def test_moe_plans_refuse_what_is_not_priced(change, reason):
+    with pytest.raises(InvalidPlanError, match=reason):
+        validate_plan(get_model("mixtral-8x7b"), _plan(**change), H100)
+
+
+@pytest.mark.parametrize("change", [dict(moe_grouped_gemm=True), dict(moe_token_dispatcher_type="alltoall"),
+                                    dict(expert_tensor_parallel_size=1)])
+def test_dense_plans_refuse_expert_switches(change):
+    plan = Plan(num_gpus=8, seq_length=4096, global_batch_size=64, **change)
+    with pytest.raises(InvalidPlanError, match="needs num_experts"):
+        validate_plan(get_model("llama3-8b"), plan, H100)
+
+
+def test_recompute_modules_of_experts_need_a_moe_model():
+    with pytest.raises(ValueError, match="recomputes MoE layers; the model is dense"):
+        Recompute.parse("selective", modules=["moe_act"])
+    assert Recompute.parse("selective", modules=["layernorm", "moe_act"], moe=True).modules == ("layernorm", "moe_act")
+
+
+def test_moe_time_terms_add_up_and_include_the_exchanges():
+    m = get_model("mixtral-8x7b")
+    est = estimate(m, _plan(num_layers_per_virtual_pipeline_stage=1, expert_tensor_parallel_size=1), H100)
+    terms = est.time_terms.as_dict()
+    assert terms["ep_comm"] > 0 and sum(terms.values()) == pytest.approx(est.iteration_time_s, rel=1e-9)
+    one = estimate(m, _plan(num_layers_per_virtual_pipeline_stage=1, expert_model_parallel_size=1,
+                            expert_tensor_parallel_size=1), H100)
+    assert one.time_terms.ep_comm == 0.0  # every expert on every rank: no exchange
+    grouped = est.iteration_time_s
+    looped = estimate(m, _plan(num_layers_per_virtual_pipeline_stage=1, expert_model_parallel_size=1,
+                               expert_tensor_parallel_size=1, moe_grouped_gemm=False), H100).iteration_time_s
+    assert looped > one.iteration_time_s and grouped > 0  # eight launches and waves per FC instead of one
+
+
+def test_flags_round_trip_and_leave_out_h3t_only_flags():
+    plan = _plan(expert_tensor_parallel_size=1, recompute=Recompute.parse("selective", modules=["layernorm", "moe_act"],
+                                                                        moe=True))
+    flags = megatron_flags(plan, moe=True)
+    assert "--ckpt" not in flags and "--offload-alpha" not in flags
+    assert flags[flags.index("--expert-model-parallel-size") + 1] == "8" and "--moe-grouped-gemm" in flags
+    back = plan_from_megatron_flags(flags, num_gpus=64, seq_length=4096, num_experts=8)
+    assert dataclasses.replace(back, sequence_parallel=plan.sequence_parallel) == plan
+
+
+def test_search_chooses_expert_parallelism_and_best_first_equals_exhaustive():
+    m = get_model("mixtral-8x7b")
+    kw = dict(num_gpus=32, seq_length=4096, global_batch_size=128,
+              constraints=SearchConstraints(pipeline_model_parallel_size=4, overlap_grad_reduce=True,
+                                            overlap_param_gather=True))
+    best = search(m, H100, top=1, **kw).best
+    full = search(m, H100, exhaustive=True, **kw)
+    assert best.plan.expert_model_parallel_size > 1 and best.plan.moe_grouped_gemm
+    assert best.tokens_per_second == pytest.approx(full.best.tokens_per_second, rel=1e-9)
+    assert {r.plan.expert_model_parallel_size for r in full.plans} > {best.plan.expert_model_parallel_size}
+    assert not any(r.plan.ckpt.value == "ours" or any(r.plan.alphas()) for r in full.plans)
+
+
+def _error(argv, capsys) -> str:
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors leave through SystemExit
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("h3t-plan: error: "), err
+    return err
+
+
+RUN = ["--seq-length", "4096", "--num-gpus", "64", "--global-batch-size", "256", "--gpu", "h100-sxm"]
+
+
+def test_cli_estimates_a_moe_model_and_names_its_expert_layout(capsys):
+    assert main(["estimate", "--model", "mixtral-8x7b", *RUN, "--pipeline-model-parallel-size", "4",
+                 "--expert-model-parallel-size", "8", "--moe-token-dispatcher-type", "alltoall",
+                 "--moe-grouped-gemm"]) == 0
+    out = capsys.readouterr().out
+    assert "ep=8 etp=1 dispatcher=alltoall" in out and "--expert-model-parallel-size 8" in out
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--model", "mixtral-8x7b", "--moe-layer-freq", "2"], "--moe-layer-freq 1 only"),
+    (["--model", "mixtral-8x7b", "--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff: the cost model does not price"),
+    (["--model", "mixtral-8x7b", "--expert-model-parallel-size", "3"], "= 3 does not divide the 64 ranks of a pipeline "
+                                                                       "stage"),
+    (["--model", "mixtral-8x7b", "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1"],
+     "--num-experts 8 is not a multiple of --expert-model-parallel-size 16"),
+    (["--model", "llama3-8b", "--expert-model-parallel-size", "2"], "needs --num-experts"),
+    (["--model", "llama3-8b", "--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
+    (["--model", "mixtral-8x7b", "--moe-router-topk", "9"], "--moe-router-topk must be in [1, --num-experts=8], got 9"),
+    (["--model", "mixtral-8x7b", "--ckpt", "ours"], "--recompute-modules layernorm moe_act drops the same"),
+    (["--model", "mixtral-8x7b", "--multi-latent-attention"], "does not price multi-latent attention"),
+])
+def test_cli_moe_errors_are_one_line(capsys, extra, fragment):
+    err = _error(["estimate", *RUN, *extra], capsys)
+    assert fragment in err, err
+
+
+def test_estimate_moe_through_flags_and_search_reads_them(capsys):
+    assert main(["search", "--model", "mixtral-8x7b", *RUN, "--expert-model-parallel-size", "4", "--top", "1",
+                 "--json"]) == 0
+    import json
+    best = json.loads(capsys.readouterr().out)[0]
+    flags = best["megatron_flags"]
+    assert flags[flags.index("--expert-model-parallel-size") + 1] == "4"
+    assert math.isfinite(best["tokens_per_second"])
