@@ -35,15 +35,15 @@ from h3t_ext.planner.translate import plan_from_args
 INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
               "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-              "microbatch_group_size_per_vp_stage")
+              "microbatch_group_size_per_vp_stage", "expert_model_parallel_size", "expert_tensor_parallel_size")
 SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
             "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather",
-            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-TEXT_FIELDS = ("fp8", "fp8_recipe", "pipeline_model_parallel_layout")
-"""Megatron's --fp8-format (field ``fp8``; empty: BF16), --fp8-recipe and --pipeline-model-parallel-layout, as the run
-names them."""
+            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm")
+TEXT_FIELDS = ("fp8", "fp8_recipe", "pipeline_model_parallel_layout", "moe_token_dispatcher_type")
+"""Megatron's --fp8-format (field ``fp8``; empty: BF16), --fp8-recipe, --pipeline-model-parallel-layout and
+--moe-token-dispatcher-type, as the run names them."""
 _SPLIT_GIVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm")
 """Split flags with which a run's model chunks per rank are Megatron's --num-virtual-stages-per-pipeline-rank."""
 
 
@@ -140,7 +140,8 @@ def _finish(where: str, fields: dict, model: ModelSpec, system: SystemSpec) -> P
             p = fields.get("pipeline_model_parallel_size", 1)
             fields["num_layers_per_virtual_pipeline_stage"] = model.num_layers // (p * virtual)
     try:
-        plan = plan_from_args(fields, num_gpus=fields["num_gpus"], offload_alpha=fields.get("offload_alpha", 0.0))
+        plan = plan_from_args(fields, num_gpus=fields["num_gpus"], offload_alpha=fields.get("offload_alpha", 0.0),
+                              model=model)
         validate_plan(model, plan, system)
         return plan
     except ValueError as e:  # the translation's one-line refusals, PlanError among them

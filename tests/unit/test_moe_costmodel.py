@@ -284,3 +284,16 @@ def test_estimate_moe_through_flags_and_search_reads_them(capsys):
     flags = best["megatron_flags"]
     assert flags[flags.index("--expert-model-parallel-size") + 1] == "4"
     assert math.isfinite(best["tokens_per_second"])
+
+
+def test_calibrate_reads_a_moe_runs_expert_layout(tmp_path):
+    """A run file's expert fields price the run as it ran (before, calibrate dropped them: every expert on every
+    rank, no exchange)."""
+    from h3t_ext.planner.calibrate import read_runs
+    path = tmp_path / "mixtral.csv"
+    path.write_text("num_gpus,seq_length,global_batch_size,pipeline_model_parallel_size,expert_model_parallel_size,"
+                    "expert_tensor_parallel_size,moe_token_dispatcher_type,moe_grouped_gemm,use_distributed_optimizer,"
+                    "tokens_per_second_per_gpu\n64,4096,256,4,8,1,alltoall,true,true,5000\n")
+    plan = read_runs([str(path)], get_model("mixtral-8x7b"), H100)[0].plan
+    assert (plan.expert_model_parallel_size, plan.expert_tensor_parallel_size, plan.moe_token_dispatcher_type,
+            plan.moe_grouped_gemm) == (8, 1, "alltoall", True)
