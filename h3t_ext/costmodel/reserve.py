@@ -28,6 +28,10 @@ below are the ones a dense bf16 GPT training step uses; groups of one rank have 
 * ``PIPELINE_MODEL_PARALLEL_GROUP`` p > 1: activation and gradient send/recv (p2p, 1 peer at p = 2, else 2).
 * ``EMBEDDING_GROUP``       p > 1 with tied embedding and output weights: the word-embedding gradient
                             all-reduce between the first and last stage (skipped when they are untied).
+* MoE layers (:mod:`h3t_ext.costmodel.moe`): ``EXPERT_MODEL_PARALLEL_GROUP`` ep > 1, the all-to-all (p2p with
+                            each of the ep - 1 others), ``EXPERT_TENSOR_PARALLEL_GROUP`` etp > 1 (its all-gather /
+                            reduce-scatter), or with the allgather dispatcher one collective over the ep etp ranks;
+                            ``EXPERT_DATA_PARALLEL_GROUP`` edp > 1, the experts' gradient reduce-scatter.
 
 NCCL buffers (NCCL's defaults, ``src/include/device.h`` and the ``NCCL_BUFFSIZE`` documentation): one
 connection of one channel holds a receive buffer per protocol, SIMPLE 4 MiB + LL128 4.6875 MiB + LL 0.5 MiB
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from h3t_ext.costmodel import moe
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
@@ -131,6 +136,15 @@ def communicators(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple[Com
         out.append(_p2p("PIPELINE_MODEL_PARALLEL_GROUP", 1 if p == 2 else 2, 2 * t * d <= node, system))
         if not model.untie_embeddings_and_output_weights:
             collective("EMBEDDING_GROUP", 2, n)
+    if model.is_moe:
+        ep, etp = plan.expert_model_parallel_size, moe.expert_tensor_parallel_size(plan)
+        if plan.moe_token_dispatcher_type == "allgather":
+            collective("EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", ep * etp, ep * etp)
+        elif ep > 1:  # the all-to-all: send/recv with every other member
+            out.append(_p2p("EXPERT_MODEL_PARALLEL_GROUP", ep - 1, ep * etp <= node, system))
+        if plan.moe_token_dispatcher_type != "allgather" and etp > 1:
+            collective("EXPERT_TENSOR_PARALLEL_GROUP", etp, etp)
+        collective("EXPERT_DATA_PARALLEL_GROUP", moe.expert_data_parallel_size(plan), t * c * d)
     return tuple(out)
 
 

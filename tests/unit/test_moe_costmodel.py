@@ -297,3 +297,19 @@ def test_calibrate_reads_a_moe_runs_expert_layout(tmp_path):
     plan = read_runs([str(path)], get_model("mixtral-8x7b"), H100)[0].plan
     assert (plan.expert_model_parallel_size, plan.expert_tensor_parallel_size, plan.moe_token_dispatcher_type,
             plan.moe_grouped_gemm) == (8, 1, "alltoall", True)
+
+
+def test_moe_plans_hold_nccl_buffers_for_their_expert_groups():
+    from h3t_ext.costmodel.reserve import communicators
+    m = get_model("mixtral-8x7b")
+    plan = _plan(expert_model_parallel_size=4, expert_tensor_parallel_size=1)  # 16 ranks a stage: edp 4
+    groups = {c.group: c for c in communicators(m, plan, H100)}
+    assert groups["EXPERT_MODEL_PARALLEL_GROUP"].peers == 3  # p2p with the 3 others of the all-to-all
+    assert groups["EXPERT_DATA_PARALLEL_GROUP"].peers == 4
+    assert "EXPERT_TENSOR_PARALLEL_GROUP" not in groups
+    gathered = {c.group for c in communicators(m, dataclasses.replace(plan, moe_token_dispatcher_type="allgather",
+                                                                      expert_tensor_parallel_size=2), H100)}
+    assert "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP" in gathered and "EXPERT_MODEL_PARALLEL_GROUP" not in gathered
+    dense = {c.group for c in communicators(get_model("llama3-8b"), Plan(num_gpus=64, seq_length=4096,
+                                                                         global_batch_size=256), H100)}
+    assert not any(g.startswith("EXPERT") for g in dense)
