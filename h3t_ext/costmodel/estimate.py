@@ -73,6 +73,9 @@ class Estimate:
     timeline_note: str = ""
     """Why a timeline was asked for and not run (the schedule is too large to simulate: the closed form prices
     it), else empty."""
+    moe: bool = False
+    """The model has mixture-of-experts layers: its prediction interval is the published MoE runs' and its routing
+    is priced balanced (``h3t_ext.costmodel.moe``)."""
 
     @property
     def host_bytes_per_rank(self) -> int:
@@ -121,7 +124,7 @@ class Estimate:
     def tokens_per_second_interval(self) -> tuple[float, float]:
         """(low, high) tokens/s: the prediction interval of the leave-one-source-out errors
         (``uncertainty.throughput_uncertainty``)."""
-        return throughput_uncertainty().interval(self.tokens_per_second)
+        return throughput_uncertainty(self.moe).interval(self.tokens_per_second)
 
     @property
     def mfu(self) -> float:
@@ -216,7 +219,7 @@ class Estimate:
             "tokens_per_second": self.tokens_per_second,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
             "tokens_per_second_interval": list(self.tokens_per_second_interval),
-            "tokens_per_second_relative_half_width": throughput_uncertainty().relative_half_width,
+            "tokens_per_second_relative_half_width": throughput_uncertainty(self.moe).relative_half_width,
             "mfu": self.mfu,
             "plausibility": self.plausibility.to_dict(),
             "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,
@@ -276,6 +279,7 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
                                   else int(host_memory_budget_bytes)),
         offload_traffic=traffic,
         timeline_note="" if too_large is None else f"priced by the closed form: {too_large}",
+        moe=model.is_moe,
     )
 
 

@@ -12,7 +12,8 @@ from typing import Optional
 from h3t_ext.ckpt import Recompute
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, get_model
+from h3t_ext.costmodel.estimate import Estimate, estimate
+from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_model, get_system
 
 PATH = DATA_DIR / "reference" / "moe_published.json"
 _PLAN_FIELDS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
@@ -76,4 +77,28 @@ def published_moe_runs() -> tuple[PublishedMoERun, ...]:
     return tuple(out)
 
 
-__all__ = ["PATH", "PublishedMoERun", "RUN_SWITCHES", "published_moe_runs"]
+def dropless_slowdowns() -> tuple[float, ...]:
+    """Forced-balance / dropless throughput - 1 of the published runs that give both (the cost of a trained router's
+    imbalance the cost model does not price)."""
+    return tuple(r.model_tflops_per_s_per_gpu / r.dropless_model_tflops_per_s_per_gpu - 1
+                 for r in published_moe_runs() if r.dropless_model_tflops_per_s_per_gpu)
+
+
+MOE_SYSTEM = "h100-sxm"
+"""The GPU every published MoE run ran on."""
+
+
+def held_out_errors(system: Optional[SystemSpec] = None) -> list[tuple[PublishedMoERun, Estimate, float]]:
+    """(run, estimate, predicted / published tokens/s - 1) of every priced row (those without ``not_priced``),
+    on ``system`` (default :data:`MOE_SYSTEM` with its fitted efficiencies)."""
+    system = get_system(MOE_SYSTEM) if system is None else system
+    out = []
+    for run in published_moe_runs():
+        if run.not_priced:
+            continue
+        est = estimate(run.model, run.plan, system)
+        out.append((run, est, est.tokens_per_second / run.tokens_per_second - 1))
+    return out
+
+
+__all__ = ["MOE_SYSTEM", "dropless_slowdowns", "PATH", "PublishedMoERun", "RUN_SWITCHES", "held_out_errors", "published_moe_runs"]

@@ -17,6 +17,7 @@ from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_joint, fit_system,
     with_efficiencies
 from h3t_ext.costmodel.pooling import PRIOR_KEY, CalibrationPrior, pooled, prior_from_errors
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
+from h3t_ext.costmodel.published_moe import held_out_errors
 from h3t_ext.costmodel.specs import SystemSpec, prior_efficiencies
 from h3t_ext.costmodel.uncertainty import COVERAGE, half_width_from_errors
 
@@ -169,4 +170,17 @@ def computed_uncertainty() -> dict:
                           "sources (no calibration on the held-out one); nearest-rank quantile at the coverage"),
         "per_source_mae_uncalibrated": {s: round(mean_abs(e), 6) for s, e in by_source.items()},
         PRIOR_KEY: prior.to_dict(),
+        "moe": moe_uncertainty(),
     }
+
+
+def moe_uncertainty() -> dict:
+    """The prediction interval of mixture-of-experts models: the ``COVERAGE`` quantile of the |errors| of the
+    published MoE runs (``published_moe.held_out_errors``: nothing of the MoE terms is fitted, every row is held
+    out)."""
+    errors = [e for _, _, e in held_out_errors()]
+    return {"relative_half_width": round(half_width_from_errors(errors), 6), "coverage": COVERAGE,
+            "held_out_rows": len(errors),
+            "computed_from": "published_moe.held_out_errors(): |relative tokens/s error| of the published "
+                             "Megatron-Core MoE runs on H100 (data/reference/moe_published.json), none fitted on; "
+                             "nearest-rank quantile at the coverage"}

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec
+from h3t_ext.costmodel.published_moe import dropless_slowdowns
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.layout import layout_stage_count
 from h3t_ext.planner.evaluate import Evaluation
@@ -120,10 +121,15 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         f"throughput  {est.tokens_per_second:,.0f} tokens/s ({est.tokens_per_second_per_gpu:,.1f} tokens/s/GPU), "
         f"MFU {100 * est.mfu:.1f}%",
         f"interval    {est.tokens_per_second_interval[0]:,.0f} - {est.tokens_per_second_interval[1]:,.0f} tokens/s "
-        f"(+-{100 * throughput_uncertainty().relative_half_width:.1f}%: {100 * throughput_uncertainty().coverage:.0f}% "
-        f"of held-out published runs)",
+        f"(+-{100 * throughput_uncertainty(est.moe).relative_half_width:.1f}%: "
+        f"{100 * throughput_uncertainty(est.moe).coverage:.0f}% of held-out published {'MoE ' if est.moe else ''}runs)",
         f"plausible   {est.plausibility.line()}",
     ]
+    if model.is_moe:
+        slow = dropless_slowdowns()
+        lines.append(f"routing     priced balanced (as --moe-router-force-load-balancing); a trained router's dropless "
+                     f"routing runs slower by its imbalance ({100 * min(slow):.0f}-{100 * max(slow):.0f}% in the "
+                     f"published runs that give both)")
     err = est.infeasibility()
     if err is not None:
         lines.append(f"over budget {err.reason}")
@@ -244,7 +250,7 @@ def search_dicts(result: SearchResult, top: int) -> list[dict]:
 def tie_line(result: SearchResult) -> str:
     """Which rows the cost model cannot tell from the best."""
     tied = result.tied_with_best()
-    w = throughput_uncertainty().relative_half_width
+    w = throughput_uncertainty(bool(result.plans) and result.plans[0].evaluation.estimate.moe).relative_half_width
     rows = ", ".join(f"#{i + 1}" for i in tied)
     return (f"tied with the best (tokens/s within its +-{100 * w:.1f}% prediction interval): {rows} "
             f"({len(tied)} of {len(result.plans)} feasible plans)")

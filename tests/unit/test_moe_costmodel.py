@@ -313,3 +313,23 @@ def test_moe_plans_hold_nccl_buffers_for_their_expert_groups():
     dense = {c.group for c in communicators(get_model("llama3-8b"), Plan(num_gpus=64, seq_length=4096,
                                                                          global_batch_size=256), H100)}
     assert not any(g.startswith("EXPERT") for g in dense)
+
+
+def test_moe_interval_is_the_published_moe_runs_and_stored():
+    """MoE estimates carry the interval of the published MoE runs, stored as validation computes it now (the dense
+    interval's check, tests/integration/test_calibration.py, covers the file as a whole)."""
+    import json
+
+    from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, throughput_uncertainty
+    from h3t_ext.costmodel.validation import moe_uncertainty
+    assert json.loads(UNCERTAINTY_FILE.read_text())["moe"] == moe_uncertainty()
+    est = estimate(get_model("mixtral-8x7b"), _plan(expert_tensor_parallel_size=1), H100)
+    w = throughput_uncertainty(moe=True).relative_half_width
+    assert est.moe and est.tokens_per_second_interval == pytest.approx(
+        (est.tokens_per_second * (1 - w), est.tokens_per_second * (1 + w)))
+    assert w > throughput_uncertainty().relative_half_width
+
+
+def test_dropless_slowdowns_are_the_published_pairs():
+    from h3t_ext.costmodel.published_moe import dropless_slowdowns
+    assert dropless_slowdowns() == pytest.approx((295 / 237 - 1, 335 / 277 - 1, 368 / 320 - 1, 389 / 357 - 1))
