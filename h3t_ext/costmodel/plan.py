@@ -434,6 +434,11 @@ MOE_UNPRICED = (("fp8", "FP8 expert GEMMs"), ("sharding_strategy", "Megatron FSD
 """Plan switches the cost model does not yet price with MoE layers, and what they would need priced."""
 
 
+MOE_OURS_REASON = ("ckpt ours with a mixture-of-experts model: it runs in h3t-ext's runtime, which has no MoE layers; "
+                   "Megatron's --recompute-granularity selective --recompute-modules layernorm moe_act drops the same "
+                   "tensors")
+
+
 def _validate_moe(plan: Plan) -> None:
     """A MoE model's plan: megatron-core's rule that tensor parallelism with experts runs sequence parallel, and
     the switches not priced with experts (:data:`MOE_UNPRICED`)."""
@@ -447,9 +452,7 @@ def _validate_moe(plan: Plan) -> None:
     _check(not plan.recompute.recomputes("mlp"),
            "recompute module mlp reruns dense MLPs; a mixture-of-experts model's are moe, moe_act and "
            "shared_experts")
-    _check(plan.ckpt is not Ckpt.OURS, "ckpt ours with a mixture-of-experts model: it runs in h3t-ext's runtime, which "
-                                        "has no MoE layers; Megatron's --recompute-granularity selective "
-                                        "--recompute-modules layernorm moe_act drops the same tensors")
+    _check(plan.ckpt is not Ckpt.OURS, MOE_OURS_REASON)
     _check(not any(plan.alphas()), f"offload_alpha {plan.offload_alpha} with a mixture-of-experts model: h3t-ext's "
                                    f"activation offload runs in its runtime, which has no MoE layers; valid: 0")
 

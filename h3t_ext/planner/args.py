@@ -558,6 +558,12 @@ def plan_from_args(ns: argparse.Namespace, alpha: Optional[float] = None,
                    model: Optional[ModelSpec] = None) -> Plan:
     """The plan of ``estimate``'s flags (the one translation, :mod:`h3t_ext.planner.translate`); ``alpha``
     replaces a symbolic ``--offload-alpha``; with ``model``, Megatron's activation offload flags set the alpha."""
+    if model is not None and model.is_moe and (megatron_offload_requested(ns) or ns.offload_alpha not in (0, 0.0)):
+        given = "Megatron's activation offload flags" if megatron_offload_requested(ns) else \
+            f"--offload-alpha {ns.offload_alpha}"
+        raise UsageError(f"argument {given}: activation offload is not priced with mixture-of-experts layers (h3t-ext's "
+                         "offload runs in its runtime, which has no MoE layers; Megatron's module groups of experts "
+                         "are not mapped); valid: leave it out")
     if model is not None and isinstance(ns.offload_alpha, str) and megatron_offload_requested(ns):
         raise UsageError(f"argument --offload-alpha: {ns.offload_alpha} and Megatron's activation offload flags are "
                          "two offload requests; give one")

@@ -42,6 +42,7 @@ from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_stat
 from h3t_ext.planner.bounds import GROUP_ENTRY, LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
+from h3t_ext.costmodel.plan import MOE_OURS_REASON
 from h3t_ext.planner.recompute_modes import R_BLOCK_NONE, RecomputeMode, search_modes, smallest_block_layers
 from h3t_ext.planner.space import Layout, MemoryOption, SearchConstraints, enumerate_layouts
 
@@ -303,7 +304,9 @@ def search(
         gpus_per_node=system.gpus_per_node, constraints=constraints)
     col = _Collector(rejected)
     modes = search_modes(constraints.ckpt, constraints.attention_backend, moe=model.is_moe)
-    if model.is_moe:  # h3t-ext's activation offload runs in its runtime, which has no MoE layers
+    if model.is_moe:  # h3t-ext's activation offload and ckpt=ours run in its runtime, which has no MoE layers
+        if constraints.ckpt is not None and str(constraints.ckpt) == "ours":
+            raise InvalidPlanError(MOE_OURS_REASON)
         if alpha_mode not in ("auto", 0, 0.0):
             raise InvalidPlanError(f"offload_alpha {alpha_mode} with a mixture-of-experts model: h3t-ext's activation "
                                    f"offload runs in its runtime, which has no MoE layers; valid: leave it out")

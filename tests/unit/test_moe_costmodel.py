@@ -270,9 +270,22 @@ def test_cli_estimates_a_moe_model_and_names_its_expert_layout(capsys):
     (["--model", "mixtral-8x7b", "--moe-router-topk", "9"], "--moe-router-topk must be in [1, --num-experts=8], got 9"),
     (["--model", "mixtral-8x7b", "--ckpt", "ours"], "--recompute-modules layernorm moe_act drops the same"),
     (["--model", "mixtral-8x7b", "--multi-latent-attention"], "does not price multi-latent attention"),
+    (["--model", "mixtral-8x7b", "--offload-alpha", "auto"], "argument --offload-alpha auto: activation offload is "
+                                                              "not priced with mixture-of-experts layers"),
+    (["--model", "mixtral-8x7b", "--fine-grained-activation-offloading", "--offload-modules", "core_attn"],
+     "argument Megatron's activation offload flags: activation offload is not priced"),
 ])
 def test_cli_moe_errors_are_one_line(capsys, extra, fragment):
     err = _error(["estimate", *RUN, *extra], capsys)
+    assert fragment in err, err
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--ckpt", "ours"], "--ckpt ours with a mixture-of-experts model"),
+    (["--offload-alpha", "0.5"], "--offload-alpha 0.5 with a mixture-of-experts model"),
+])
+def test_cli_moe_search_refusals_are_one_line(capsys, extra, fragment):
+    err = _error(["search", "--model", "mixtral-8x7b", *RUN, *extra], capsys)
     assert fragment in err, err
 
 
