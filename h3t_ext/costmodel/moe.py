@@ -48,10 +48,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from h3t_ext.costmodel.collectives import all_gather_seconds, group_link, group_node_spread
 from h3t_ext.costmodel.elementwise import activation_elements
-from h3t_ext.costmodel.kernels import KernelRates, elementwise_seconds, gemm_seconds, linear_pass_seconds
+from h3t_ext.costmodel.kernels import KernelRates, elementwise_seconds, gemm_seconds, linear_pass_gemm, \
+    linear_pass_seconds
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.dtypes import BF16, FP32
 
@@ -115,18 +117,18 @@ def expert_shapes(model: ModelSpec, plan) -> ExpertShapes:
                         (model.hidden_size, model.expert_ffn_hidden_size // etp))
 
 
-def _grouped_pass(pass_: str, tokens: int, n: int, k: int, experts: int, grouped: bool, r: KernelRates) -> float:
-    """One pass of one FC over the local experts: a batched GEMM (--moe-grouped-gemm) or one GEMM per expert; the
-    weight gradient accumulates into fp32 main grads as the dense layers' does."""
+def grouped_pass_seconds(pass_: str, tokens: int, n: int, k: int, experts: int, r: KernelRates, *,
+                         grouped: bool = True, out_bytes: Optional[int] = None) -> float:
+    """One pass of one FC X[tokens, k] -> Y[tokens, n] over ``experts`` local experts: a batched GEMM
+    (--moe-grouped-gemm) or one GEMM per expert; the weight gradient accumulates into fp32 main grads as the dense
+    layers' does (``out_bytes`` replaces the bytes per output element: a measurement that writes bf16)."""
     if tokens <= 0:
         return 0.0
     if not grouped:
-        return experts * linear_pass_seconds(pass_, tokens, n, k, r)
-    if pass_ == "fwd":
-        return gemm_seconds(tokens, n, k, r, batch=experts)
-    if pass_ == "dgrad":
-        return gemm_seconds(tokens, k, n, r, batch=experts)
-    return gemm_seconds(k, n, tokens, r, batch=experts, out_bytes=2 * FP32)
+        return experts * linear_pass_seconds(pass_, tokens, n, k, r, out_bytes=out_bytes)
+    if out_bytes is None:
+        out_bytes = 2 * FP32 if pass_ == "wgrad" else BF16
+    return gemm_seconds(*linear_pass_gemm(pass_, tokens, n, k), r, batch=experts, out_bytes=out_bytes)
 
 
 def expert_gemm_seconds(model: ModelSpec, plan, r: KernelRates) -> dict[str, float]:
@@ -134,12 +136,12 @@ def expert_gemm_seconds(model: ModelSpec, plan, r: KernelRates) -> dict[str, flo
     one microbatch."""
     s = expert_shapes(model, plan)
     grouped = plan.moe_grouped_gemm
-    out = {p: sum(_grouped_pass(p, s.tokens, n, k, s.experts, grouped, r) for n, k in (s.fc1, s.fc2))
+    out = {p: sum(grouped_pass_seconds(p, s.tokens, n, k, s.experts, r, grouped=grouped) for n, k in (s.fc1, s.fc2))
            for p in ("fwd", "dgrad", "wgrad")}
     tokens = local_tokens(plan)
     for p in out:
         out[p] += linear_pass_seconds(p, tokens, model.num_experts, model.hidden_size, r)
-    out["expert_fwd"] = sum(_grouped_pass("fwd", s.tokens, n, k, s.experts, grouped, r) for n, k in (s.fc1, s.fc2))
+    out["expert_fwd"] = sum(grouped_pass_seconds("fwd", s.tokens, n, k, s.experts, r, grouped=grouped) for n, k in (s.fc1, s.fc2))
     return out
 
 
@@ -255,6 +257,6 @@ def kept_expert_bytes(model: ModelSpec, plan, base: str, modules: tuple[str, ...
 
 
 __all__ = ["EXPERT_TERMS", "MOE_TOKEN_DISPATCHERS", "ExpertShapes", "all_to_all_seconds", "dispatch_seconds",
-           "elementwise_bytes", "elementwise_kernels", "expert_data_parallel_size", "expert_gemm_seconds",
+           "elementwise_bytes", "elementwise_kernels", "expert_data_parallel_size", "expert_gemm_seconds", "grouped_pass_seconds",
            "expert_shapes", "expert_tensor_parallel_size", "expert_terms", "expert_token_copies",
            "kept_expert_bytes", "local_tokens"]

@@ -5,7 +5,9 @@ Measures (``scripts/gpu/groundtruth/``; each case priced by ``h3t_ext/costmodel`
 BF16 and FP8 (``torch._scaled_mm``, E4M3, per-tensor scales) GEMMs of the QKV, projection, FC1, FC2 and output
 layers of Llama 2 7B, Llama 2 70B and GPT-3 175B at t in {1, 2, 4, 8} and micro-batch tokens in
 {2K, 4K, 8K, 16K}, forward, data- and weight-gradient (as many (t, tokens) pairs as ``--budget-s`` allows, in
-an order that covers both axes first: the output says which); SDPA attention forward and backward (flash and
+an order that covers both axes first: the output says which); the experts' batched GEMMs of Mixtral 8x7B and
+Qwen3-235B-A22B at the published runs' expert-parallel sizes (``--moe-grouped-gemm``'s work, ``torch.bmm``); SDPA
+attention forward and backward (flash and
 cuDNN backends, causal, sequence 2K-16K, head dim 64 and 128, with and without GQA); the element-wise kernels
 as bandwidth (RMSNorm/LayerNorm, SwiGLU/GeLU, residual add, cross entropy); pinned host<->device copies alone
 and while a GEMM runs on the other stream (and that GEMM while copies run). Timing: CUDA events around work

@@ -57,6 +57,13 @@ def test_dry_run_lists_every_measurement_with_its_prediction(tmp_path):
              r["case"]["tokens"]): r["efficiency"] for r in by_kind["gemm"]}
     assert keys[("gpt3-175b", "fc1", "fwd", "bf16", 1, 16384)] == "gemm_peak_fraction"
     assert keys[("gpt3-175b", "fc1", "fwd", "fp8", 1, 16384)] == "gemm_fp8_peak_fraction"
+    # the experts' batched GEMMs: 4 (model, ep, tokens) layouts x FC1/FC2 x 3 passes, priced as moe prices them
+    experts = [r for r in rows if r["kind"] == "experts"]
+    assert len(experts) == 4 * 2 * 3 and {r["efficiency"] for r in experts} <= {"gemm_peak_fraction", "hbm_fraction"}
+    mixtral = {(r["case"]["ep"], r["case"]["layer"], r["case"]["pass_"]): r["case"] for r in experts
+               if r["case"]["model"] == "mixtral-8x7b"}
+    assert (mixtral[(8, "fc1", "fwd")]["experts"], mixtral[(8, "fc1", "fwd")]["m"]) == (1, 4096 * 2)
+    assert (mixtral[(2, "fc1", "fwd")]["experts"], mixtral[(2, "fc1", "fwd")]["m"]) == (4, 4096 * 2 // 4)
 
 
 def test_dry_run_subset_under_a_small_budget(tmp_path):
@@ -94,6 +101,7 @@ def test_cpu_smoke_runs_the_measurement_code(tmp_path):
     assert any(r["case"]["during_copy"] for r in measured if r["kind"] == "gemm")
     assert {r["case"]["backend"] for r in measured if r["kind"] == "attention"} == {"flash"}
     assert len([r for r in measured if r["kind"] == "copy"]) == 4
+    assert len([r for r in measured if r["kind"] == "experts"]) == 6  # the smoke MoE's FC1 and FC2, 3 passes each
     assert {r["case"]["op"] for r in measured if r["kind"] == "elementwise"} == {
         "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd", "residual_add", "swiglu_fwd", "swiglu_bwd",
         "cross_entropy_fwd", "cross_entropy_bwd"}

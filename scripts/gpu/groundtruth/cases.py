@@ -19,6 +19,10 @@ Kinds (``KINDS``):
   per-kernel rules of ``costmodel/elementwise.py``.
 * ``copy``: one pinned host<->device copy, alone or while a GEMM runs on another stream, priced by
   ``collectives.host_copy_seconds`` (the model assumes no interference either way).
+* ``experts``: one pass of a MoE layer's expert FC1 or FC2 over a rank's local experts as one batched GEMM (what
+  ``--moe-grouped-gemm`` runs; measured with ``torch.bmm``), the shapes of ``moe.expert_shapes`` for a zoo MoE model
+  at an expert-parallel size and local tokens, priced by ``moe.grouped_pass_seconds`` (the weight gradient writes
+  bf16: ``out_bytes`` 2).
 
 Every case names the efficiency it identifies (``efficiency_key``): the one its predicted time is most
 sensitive to among the candidates of its kind (a memory-bound GEMM identifies ``hbm_fraction``, not the GEMM
@@ -33,6 +37,7 @@ from types import MappingProxyType
 from typing import ClassVar, Optional, Union
 
 from h3t_ext.costmodel import elementwise as ew
+from h3t_ext.costmodel import moe
 from h3t_ext.costmodel.collectives import host_copy_seconds
 from h3t_ext.costmodel.kernels import (
     LINEAR_PASSES,
@@ -45,9 +50,9 @@ from h3t_ext.costmodel.kernels import (
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, get_model
 from h3t_ext.costmodel.timing import LAYER_GEMMS, layer_gemm_shapes, output_layer_gemm_shape
-from h3t_ext.dtypes import FP32
+from h3t_ext.dtypes import BF16, FP32
 
-KINDS = ("copy", "elementwise", "attention", "gemm")
+KINDS = ("copy", "elementwise", "attention", "experts", "gemm")
 """Measured in this order: the fixed, short lists first, then GEMMs in priority order (a run stopped by
 the budget loses the least informative GEMMs)."""
 GEMM_MODELS = ("llama2-7b", "llama2-70b", "gpt3-175b")
@@ -171,6 +176,44 @@ class AttentionCase:
         return f"attention {self.backend}" + (" gqa" if self.kv_heads != self.heads else "")
 
 
+@dataclass(frozen=True)
+class ExpertGemmCase:
+    kind: ClassVar[str] = "experts"
+    model: str
+    layer: str
+    pass_: str
+    ep: int
+    tokens: int
+    """Local tokens T of the rank (its experts run T k of them)."""
+    experts: int
+    m: int
+    n: int
+    k: int
+    """Each local expert's linear layer X[m, k] -> Y[m, n] (m: its share of the T k token copies)."""
+    out_bytes: int = BF16
+    """Bytes per output element of the measured GEMM (``torch.bmm`` writes bf16, the weight gradient too)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.model} experts {self.layer} {self.pass_} ep{self.ep} {_tokens(self.tokens)} x{self.experts}"
+
+    @property
+    def work(self) -> float:
+        return 2.0 * self.experts * self.m * self.n * self.k
+
+    work_unit: ClassVar[str] = "flop"
+
+    def predict(self, system: SystemSpec) -> float:
+        return moe.grouped_pass_seconds(self.pass_, self.m, self.n, self.k, self.experts, kernel_rates(system),
+                                        out_bytes=self.out_bytes)
+
+    def candidates(self) -> tuple[str, ...]:
+        return ("gemm_peak_fraction", "hbm_fraction")
+
+    def group(self) -> str:
+        return "experts bf16"
+
+
 ELEMENTWISE_OPS = ("rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd", "residual_add", "swiglu_fwd",
                    "swiglu_bwd", "gelu_fwd", "gelu_bwd", "cross_entropy_fwd", "cross_entropy_bwd")
 
@@ -259,8 +302,8 @@ class CopyCase:
         return "copy" + (" during GEMM" if self.during_gemm else " alone")
 
 
-Case = Union[GemmCase, AttentionCase, ElementwiseCase, CopyCase]
-_CASE_TYPES = {c.kind: c for c in (GemmCase, AttentionCase, ElementwiseCase, CopyCase)}
+Case = Union[ExpertGemmCase, GemmCase, AttentionCase, ElementwiseCase, CopyCase]
+_CASE_TYPES = {c.kind: c for c in (GemmCase, AttentionCase, ElementwiseCase, CopyCase, ExpertGemmCase)}
 
 
 def case_to_dict(case: Case) -> dict:
@@ -346,6 +389,26 @@ def gemm_cases(models: tuple[ModelSpec, ...], pairs: list[tuple[int, int]]) -> l
     return out
 
 
+EXPERT_LAYOUTS = (("mixtral-8x7b", 8, 4096), ("mixtral-8x7b", 2, 4096), ("qwen3-235b-a22b", 8, 2048),
+                  ("qwen3-235b-a22b", 32, 2048))
+"""(model, ep, local tokens) of the expert GEMM cases: one expert a rank and four (Mixtral 8x7B, t = 1 at sequence
+4096), sixteen and four (Qwen3-235B-A22B, t = 2 at sequence 4096: the published runs' layouts)."""
+
+
+def expert_cases(layouts=EXPERT_LAYOUTS, models: Optional[dict] = None) -> list[ExpertGemmCase]:
+    """FC1 and FC2, every pass, of each (model, ep, tokens) (``moe.expert_shapes``; etp 1)."""
+    out = []
+    for name, ep, tokens in layouts:
+        spec = (models or {}).get(name) or get_model(name)
+        plan = Plan(num_gpus=ep, seq_length=tokens, global_batch_size=ep, expert_model_parallel_size=ep,
+                    expert_tensor_parallel_size=1)
+        shapes = moe.expert_shapes(spec, plan)
+        for layer, (n, k) in (("fc1", shapes.fc1), ("fc2", shapes.fc2)):
+            for pass_ in LINEAR_PASSES:
+                out.append(ExpertGemmCase(spec.name, layer, pass_, ep, tokens, shapes.experts, shapes.tokens, n, k))
+    return out
+
+
 def attention_cases(seqs=(2048, 4096, 8192, 16384), head_dims=(64, 128), tokens=ATTENTION_TOKENS,
                     hidden=ATTENTION_HIDDEN, backends=ATTENTION_BACKENDS) -> list[AttentionCase]:
     out = []
@@ -390,6 +453,8 @@ def gemm_during_copy_case(spec: ModelSpec, t: int, tokens: int) -> GemmCase:
 SMOKE_MODEL = ModelSpec(name="smoke", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                         ffn_hidden_size=176, vocab_size=500)
 """Tiny shapes for ``--smoke`` (the code paths, not the timings)."""
+SMOKE_MOE = dataclasses.replace(SMOKE_MODEL, name="smoke-moe", num_experts=4, moe_router_topk=2)
+"""... and of its expert GEMMs."""
 
 
 @dataclass(frozen=True)
@@ -425,6 +490,7 @@ def select(system: SystemSpec, budget_s: float, warmup: int, repeats: int, smoke
         models = (SMOKE_MODEL,)
         pairs = [(1, 32), (2, 64)]
         fixed: list[Case] = [*copy_cases(1 << 16), *elementwise_cases(models, tokens=(32,)),
+                             *expert_cases(((SMOKE_MOE.name, 2, 32),), {SMOKE_MOE.name: SMOKE_MOE}),
                              *attention_cases(seqs=(32, 64), head_dims=(16,), tokens=64, hidden=64,
                                               backends=ATTENTION_BACKENDS),
                              gemm_during_copy_case(SMOKE_MODEL, 1, 32)]
@@ -432,7 +498,7 @@ def select(system: SystemSpec, budget_s: float, warmup: int, repeats: int, smoke
         models = tuple(get_model(m) for m in GEMM_MODELS)
         pairs = _spread_pairs()
         spec, _, t, tokens = GEMM_DURING_COPY
-        fixed = [*copy_cases(), *elementwise_cases(models), *attention_cases(),
+        fixed = [*copy_cases(), *elementwise_cases(models), *attention_cases(), *expert_cases(),
                  gemm_during_copy_case(get_model(spec), t, tokens)]
     allowed = budget_s / BUDGET_SAFETY
     estimate = STARTUP_S + sum(case_cost_s(c, system, warmup, repeats) for c in fixed)

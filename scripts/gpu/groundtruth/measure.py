@@ -32,7 +32,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from groundtruth.cases import HEAD_START_S, AttentionCase, Case, CopyCase, ElementwiseCase, GemmCase, op_parts
+from groundtruth.cases import HEAD_START_S, AttentionCase, Case, CopyCase, ElementwiseCase, ExpertGemmCase, GemmCase, \
+    op_parts
+from h3t_ext.costmodel.kernels import linear_pass_gemm
 from h3t_ext.dtypes import BF16
 from h3t_ext.costmodel.specs import SystemSpec
 
@@ -174,6 +176,13 @@ def gemm_runner(dev: Device, case: GemmCase, caps: Capabilities) -> tuple[Callab
             return (lambda _: torch.addmm(acc, a, b, out_dtype=torch.float32)), case
         case = dataclasses.replace(case, out_bytes=BF16)
     return (lambda _: torch.mm(a, b)), case
+
+
+def measure_experts(dev: Device, case: ExpertGemmCase, warmup: int, repeats: int) -> list[float]:
+    """The local experts' GEMMs of one pass as one ``torch.bmm`` (``kernels.linear_pass_gemm``'s shapes, batched)."""
+    gm, gn, gk = linear_pass_gemm(case.pass_, case.m, case.n, case.k)
+    a, b = dev.randn(case.experts, gm, gk), dev.randn(case.experts, gk, gn)
+    return time_calls(dev, lambda _: dev.torch.bmm(a, b), warmup=warmup, repeats=repeats, stream=dev.main)
 
 
 def _cover(covered_s: float, unit_s: float) -> int:
@@ -334,6 +343,8 @@ def measure(dev: Device, case: Case, caps: Capabilities, system: SystemSpec, war
             if case.fp8 and caps.fp8:
                 return Outcome(case, "skipped", why=caps.fp8)
             samples, case = measure_gemm(dev, case, caps, system, warmup, repeats)
+        elif isinstance(case, ExpertGemmCase):
+            samples = measure_experts(dev, case, warmup, repeats)
         elif isinstance(case, AttentionCase):
             if case.backend == "cudnn" and not dev.cuda:
                 return Outcome(case, "skipped", why="cuDNN attention needs CUDA: skipped on CPU")
