@@ -480,11 +480,11 @@ class ParallelLayout:
         _positive("--expert-model-parallel-size", self.expert_model_parallel_size)
         if self.expert_tensor_parallel_size is not None:
             _positive("--expert-tensor-parallel-size", self.expert_tensor_parallel_size)
-        grid = self.expert_model_parallel_size * self.expert_parallel_tensor_size
+        grid = self.expert_model_parallel_size * self.effective_expert_tensor_parallel_size
         ranks = self.tensor_model_parallel_size * self.context_parallel_size * self.data_parallel_size
         if ranks % grid:
             raise LayoutError(f"--expert-model-parallel-size {self.expert_model_parallel_size} x "
-                              f"--expert-tensor-parallel-size {self.expert_parallel_tensor_size} = {grid} does not "
+                              f"--expert-tensor-parallel-size {self.effective_expert_tensor_parallel_size} = {grid} does not "
                               f"divide the {ranks} ranks of a pipeline stage (world size / "
                               f"--pipeline-model-parallel-size); valid products: {_divisors(ranks)}", "expert_layout")
 
@@ -550,16 +550,10 @@ class ParallelLayout:
         return self.data_parallel_size * self.context_parallel_size
 
     @property
-    def expert_parallel_tensor_size(self) -> int:
-        """etp in effect (Megatron's default t)."""
+    def effective_expert_tensor_parallel_size(self) -> int:
+        """etp in effect: ``expert_tensor_parallel_size``, else t (Megatron's default)."""
         etp = self.expert_tensor_parallel_size
         return self.tensor_model_parallel_size if etp is None else etp
-
-    @property
-    def expert_data_parallel_size(self) -> int:
-        """edp = t c d / (ep etp): the ranks of a stage holding the same experts (their gradients' reduce group)."""
-        return (self.tensor_model_parallel_size * self.context_parallel_size * self.data_parallel_size
-                // (self.expert_model_parallel_size * self.expert_parallel_tensor_size))
 
     @property
     def interleaved(self) -> bool:
@@ -607,7 +601,7 @@ class ParallelLayout:
     def check_experts(self, *, num_experts: Optional[int], expert_ffn_hidden_size: Optional[int] = None) -> None:
         """ep divides the experts and etp each expert's MLP width; without experts (a dense model) ep and etp stay
         at their defaults (Megatron-LM refuses --expert-model-parallel-size > 1 without --num-experts)."""
-        ep, etp = self.expert_model_parallel_size, self.expert_parallel_tensor_size
+        ep, etp = self.expert_model_parallel_size, self.effective_expert_tensor_parallel_size
         if num_experts is None:
             if ep > 1:
                 raise LayoutError(f"--expert-model-parallel-size {ep} needs --num-experts (a mixture-of-experts "

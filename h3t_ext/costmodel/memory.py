@@ -165,8 +165,7 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     elif base == "ours":
         terms_no = activation_bytes_per_layer_token(model, "no")
         expert_act = moe.expert_terms(model, plan)["expert_act_output"] if model.is_moe else 0
-        out["recompute_workspace"] = local * max(terms_no[k] for k in ("norm2_output", "swiglu_output")) \
-            if not expert_act else local * max(terms_no["norm2_output"], terms_no["swiglu_output"], expert_act)
+        out["recompute_workspace"] = local * max(terms_no["norm2_output"], terms_no["swiglu_output"], expert_act)
     vocab_shard = model.padded_vocab_size(t) // t
     if stage == 0:
         out["embedding_grad"] = vocab_shard * h * BF16
@@ -227,7 +226,11 @@ def optimizer_shard_params(model: ModelSpec, plan: Plan, stage: int, n: Optional
     :func:`stage_params`): the dense ones over :func:`optimizer_shards`, the experts over
     :func:`expert_optimizer_shards`."""
     n = stage_params(model, plan, stage) if n is None else n
-    experts = stage_expert_params(model, plan, stage)
+    return _shard_params(plan, n, stage_expert_params(model, plan, stage))
+
+
+def _shard_params(plan: Plan, n: int, experts: int) -> float:
+    """A shard of ``n`` parameters of which ``experts`` are routed experts (the one sharding rule)."""
     return (n - experts) / optimizer_shards(plan) + (experts / expert_optimizer_shards(plan) if experts else 0.0)
 
 
@@ -272,8 +275,8 @@ def _static_terms(model: ModelSpec, plan: Plan, n: int, layers: int) -> dict[str
     experts = layers * model.expert_layer_params_per_rank(plan.expert_model_parallel_size,
                                                           moe.expert_tensor_parallel_size(plan))
     if experts:  # dense and expert parameters sharded over their own groups
-        shard = (n - experts) / optimizer_shards(plan) + experts / expert_optimizer_shards(plan)
-        states = int(round(optimizer_offload.device_params(shard, plan) * OPTIMIZER_BYTES_PER_PARAM))
+        states = int(round(optimizer_offload.device_params(_shard_params(plan, n, experts), plan)
+                           * OPTIMIZER_BYTES_PER_PARAM))
     else:
         states = -(-int(round(optimizer_offload.device_params(n, plan))) * OPTIMIZER_BYTES_PER_PARAM
                    // optimizer_shards(plan))

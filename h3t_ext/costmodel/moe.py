@@ -141,7 +141,6 @@ def expert_gemm_seconds(model: ModelSpec, plan, r: KernelRates) -> dict[str, flo
     tokens = local_tokens(plan)
     for p in out:
         out[p] += linear_pass_seconds(p, tokens, model.num_experts, model.hidden_size, r)
-    out["expert_fwd"] = sum(grouped_pass_seconds("fwd", s.tokens, n, k, s.experts, r, grouped=grouped) for n, k in (s.fc1, s.fc2))
     return out
 
 

@@ -160,8 +160,8 @@ class Plan:
     expert_tensor_parallel_size: Optional[int] = None
     """Megatron's --expert-tensor-parallel-size etp: ranks that split each expert's weights; None: t (its default)."""
     moe_token_dispatcher_type: str = "allgather"
-    """Megatron's --moe-token-dispatcher-type: 'allgather' (its default), 'alltoall' or 'flex' (DeepEP, priced as the
-    all-to-all's bytes)."""
+    """Megatron's --moe-token-dispatcher-type: 'allgather' (its default), 'alltoall' or 'flex' (DeepEP: a token crosses
+    the network once per node its experts lie in, :func:`h3t_ext.costmodel.moe.deepep_seconds`)."""
     moe_grouped_gemm: bool = False
     """Megatron's --moe-grouped-gemm: one grouped GEMM per FC over a rank's experts instead of one GEMM per expert."""
 

@@ -37,12 +37,11 @@ from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, 
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.plan import applicable_switches, validate_switches
+from h3t_ext.costmodel.plan import MOE_OURS_REASON, applicable_switches, validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.planner.bounds import GROUP_ENTRY, LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
-from h3t_ext.costmodel.plan import MOE_OURS_REASON
 from h3t_ext.planner.recompute_modes import R_BLOCK_NONE, RecomputeMode, search_modes, smallest_block_layers
 from h3t_ext.planner.space import Layout, MemoryOption, SearchConstraints, enumerate_layouts
 

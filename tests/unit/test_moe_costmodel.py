@@ -163,7 +163,9 @@ def test_layout_rules_of_the_expert_grid():
                                           r"does not divide the 8 ranks"):
         ParallelLayout(data_parallel_size=8, expert_model_parallel_size=16, expert_tensor_parallel_size=1)
     layout = ParallelLayout(tensor_model_parallel_size=2, data_parallel_size=4, expert_model_parallel_size=4)
-    assert layout.expert_parallel_tensor_size == 2 and layout.expert_data_parallel_size == 1
+    assert layout.effective_expert_tensor_parallel_size == 2  # Megatron's default etp = t: 4 x 2 ranks, edp 1
+    with pytest.raises(LayoutError, match="= 16 does not divide the 8 ranks"):
+        ParallelLayout(tensor_model_parallel_size=2, data_parallel_size=4, expert_model_parallel_size=8)
     with pytest.raises(LayoutError, match="--num-experts 8 is not a multiple of --expert-model-parallel-size 3"):
         ParallelLayout(data_parallel_size=6, expert_model_parallel_size=3, expert_tensor_parallel_size=1
                        ).check_experts(num_experts=8)
