@@ -30,15 +30,19 @@ imbalance is a property of the run's router, not of the hardware, and is not pri
 runs it was checked against, and how far off that leaves a dropless run).
 
 Saved activations per local token of one MoE layer (on top of attention, the norms and a shared expert, which are
-:mod:`h3t_ext.costmodel.activations`' dense terms with f the shared expert's width), ``expert_terms``:
+:mod:`h3t_ext.costmodel.activations`' dense terms with f the shared expert's width), ``expert_terms``, as megatron-core
+0.16.1 saves them (measured on CPU through its own dispatcher and experts: tests/unit/test_moe_costmodel.py):
 
-* ``router_probs``       E      the softmax scores the top-k backward needs
+* ``router_scores``      2 E fp32  the softmax's output and the top-k's input
+* ``routing_map``        E (bool + fp32)  the dispatcher's map of local experts and its transposed scores
+* ``routing_indices``    k (2 int64 + 2 fp32)  the top-k's indices and probabilities, the permutation's indices and
+                                   the permuted probabilities (which the experts' activation multiplies in: megatron-core
+                                   weighs the k outputs there, so the unpermute keeps nothing)
 * ``expert_input``       k etp h  FC1's input: the dispatched (and, with etp > 1, all-gathered) token copies
 * ``expert_fc1_output``  k fc1_e  the activation's input (the rank's 2 f_e / etp of T k etp copies)
 * ``expert_act_output``  k f_e    the activation's output
 * ``expert_fc2_input``   k f_e    the copy TransformerEngine's FC2 keeps ('te' spec; the 'local' spec's is the same
                                    tensor as the activation's output, as for the dense MLP)
-* ``expert_output``      k h      FC2's output, which the unpermute keeps to weigh it by the probabilities
 
 ckpt=ours drops the activation outputs (recomputed from the kept FC1 output); Megatron's selective ``moe_act`` drops
 the same, ``moe`` all of them (the whole MoE layer, exchanges included, reruns in the backward) and
@@ -55,14 +59,14 @@ from h3t_ext.costmodel.elementwise import activation_elements
 from h3t_ext.costmodel.kernels import KernelRates, elementwise_seconds, gemm_seconds, linear_pass_gemm, \
     linear_pass_seconds
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
-from h3t_ext.dtypes import BF16, FP32
+from h3t_ext.dtypes import BF16, BOOL, FP32, INT64
 
 MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
 """Megatron's --moe-token-dispatcher-type values ('allgather' its default)."""
 EXPERT_ACT_DROPS = ("expert_act_output", "expert_fc2_input")
 """The expert terms ckpt=ours and Megatron's selective ``moe_act`` recompute."""
-EXPERT_TERMS = ("router_probs", "expert_input", "expert_fc1_output", "expert_act_output", "expert_fc2_input",
-                "expert_output")
+EXPERT_TERMS = ("router_scores", "routing_map", "routing_indices", "expert_input", "expert_fc1_output",
+                "expert_act_output", "expert_fc2_input")
 ROUTER_BYTES_PER_SCORE_FWD = BF16 + FP32 + FP32
 """The router's softmax and top-k per score, forward: read the bf16 logits, write the fp32 scores, read them for the
 top-k."""
@@ -228,15 +232,16 @@ def dispatch_seconds(model: ModelSpec, plan, system: SystemSpec) -> float:
 def expert_terms(model: ModelSpec, plan, *, dtype_bytes: int = BF16, layer_spec: str = "te") -> dict[str, int]:
     """Saved bytes of one MoE layer's router and experts per local token, by term, before any recompute
     (module docstring)."""
-    k, h, b = model.moe_router_topk, model.hidden_size, dtype_bytes
+    k, h, b, e = model.moe_router_topk, model.hidden_size, dtype_bytes, model.num_experts
     etp = expert_tensor_parallel_size(plan)
     return {
-        "router_probs": model.num_experts * b,
+        "router_scores": 2 * e * FP32,
+        "routing_map": e * (BOOL + FP32),
+        "routing_indices": k * (2 * INT64 + 2 * FP32),
         "expert_input": k * etp * h * b,
         "expert_fc1_output": k * model.expert_fc1_width * b,
         "expert_act_output": k * model.expert_ffn_hidden_size * b,
         "expert_fc2_input": k * model.expert_ffn_hidden_size * b if layer_spec == "te" else 0,
-        "expert_output": k * h * b,
     }
 
 

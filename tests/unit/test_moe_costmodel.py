@@ -147,8 +147,9 @@ def test_saved_expert_bytes_by_recompute():
                  expert_tensor_parallel_size=1)
     k, h, f = m.moe_router_topk, m.hidden_size, m.expert_ffn_hidden_size
     terms = moe.expert_terms(m, plan)
-    assert terms == {"router_probs": 2 * 128, "expert_input": 2 * k * h, "expert_fc1_output": 2 * k * 2 * f,
-                     "expert_act_output": 2 * k * f, "expert_fc2_input": 2 * k * f, "expert_output": 2 * k * h}
+    assert terms == {"router_scores": 2 * 128 * 4, "routing_map": 128 * 5, "routing_indices": k * 24,
+                     "expert_input": 2 * k * h, "expert_fc1_output": 2 * k * 2 * f, "expert_act_output": 2 * k * f,
+                     "expert_fc2_input": 2 * k * f}
     everything = sum(terms.values())
     assert moe.kept_expert_bytes(m, plan, "no", ()) == everything
     assert moe.kept_expert_bytes(m, plan, "ours", ()) == everything - 4 * k * f
@@ -348,3 +349,57 @@ def test_moe_interval_is_the_published_moe_runs_and_stored():
 def test_dropless_slowdowns_are_the_published_pairs():
     from h3t_ext.costmodel.published_moe import dropless_slowdowns
     assert dropless_slowdowns() == pytest.approx((295 / 237 - 1, 335 / 277 - 1, 368 / 320 - 1, 389 / 357 - 1))
+
+
+def test_expert_terms_are_what_megatron_cores_moe_saves():
+    """megatron-core's own MoE token dispatcher (allgather, one rank), its SequentialMLP experts (the 'local' spec) and
+    its router's routing run on CPU in float32: the tensors they keep for the backward, per token, are
+    ``moe.expert_terms`` exactly (the router's input, the norm output the dense terms count, left out). Among them:
+    no copy of the experts' output (megatron-core weighs the k outputs in the activation, so the unpermute keeps
+    nothing), and the activation's output once (FC2 keeps the same tensor)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tests.activation_harness import init_single_process_megatron
+    init_single_process_megatron()
+    h, experts_n, k, f, tokens = 64, 4, 2, 48, 32
+    cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, ffn_hidden_size=f,
+                            num_moe_experts=experts_n, moe_router_topk=k, moe_ffn_hidden_size=f, gated_linear_unit=True,
+                            activation_func=F.silu, add_bias_linear=False, moe_token_dispatcher_type="allgather",
+                            bias_activation_fusion=True, use_cpu_initialization=True, params_dtype=torch.float32)
+    pgc = ProcessGroupCollection.use_mpu_process_groups()
+    torch.manual_seed(0)
+    experts = SequentialMLP(experts_n, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                          linear_fc2=RowParallelLinear), pg_collection=pgc)
+    dispatcher = MoEAllGatherTokenDispatcher(num_local_experts=experts_n, local_expert_indices=list(range(experts_n)),
+                                             config=cfg, pg_collection=pgc)
+    router = TopKRouter(config=cfg, pg_collection=pgc)
+    x = torch.randn(tokens, 1, h, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter) and t is not flat:
+            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    flat = x.view(-1, h)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        probs, routing_map = router.routing(F.linear(flat, router.weight))  # the gating GEMM: router.py moves it to CUDA
+        hs, pr = dispatcher.token_dispatch(*dispatcher.dispatch_preprocess(x, routing_map, probs))
+        hs, per_expert, pr = dispatcher.dispatch_postprocess(hs, pr)
+        out, _ = experts(hs, per_expert, pr)
+        out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(out)))
+    out.sum().backward()
+    assert x.grad is not None and out.shape == x.shape
+    model = ModelSpec(name="tiny-moe", num_layers=1, hidden_size=h, num_attention_heads=4, num_query_groups=4,
+                      ffn_hidden_size=f, vocab_size=128, num_experts=experts_n, moe_router_topk=k)
+    plan = Plan(num_gpus=1, seq_length=tokens, global_batch_size=1, expert_tensor_parallel_size=1)
+    terms = moe.expert_terms(model, plan, dtype_bytes=4, layer_spec="local")
+    assert sum(saved.values()) == tokens * sum(terms.values()), (sorted(saved.values()), terms)
