@@ -19,8 +19,9 @@ causal triangle, otherwise): :func:`attended_pairs`. The same area convention as
 """
 from __future__ import annotations
 
-import ast
 from typing import Optional, Union
+
+from h3t_ext.layer_pattern import evaluate_pattern
 
 SkipFreq = Union[int, tuple[int, ...]]
 """``--window-attn-skip-freq``: an integer N, or one 0/1 entry per layer (1: windowed)."""
@@ -52,32 +53,6 @@ def parse_window_size(text: Union[str, tuple, list]) -> int:
     return left
 
 
-MAX_PATTERN_ENTRIES = 1 << 16
-"""Longest pattern evaluated (a model has far fewer layers; a longer one is refused, not built)."""
-
-_PATTERN_NODES = (ast.Expression, ast.List, ast.Constant, ast.BinOp, ast.Add, ast.Mult, ast.Load)
-
-
-def _evaluate(node: ast.AST):
-    """Python list arithmetic of integer constants (``+`` of lists, ``*`` of a list by an integer)."""
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    if isinstance(node, ast.List):
-        return [_evaluate(e) for e in node.elts]
-    if isinstance(node, ast.BinOp):
-        a, b = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Add) and isinstance(a, list) and isinstance(b, list):
-            return a + b
-        if isinstance(node.op, ast.Mult) and {type(a), type(b)} == {list, int}:
-            lst, n = (a, b) if isinstance(a, list) else (b, a)
-            if len(lst) * max(n, 0) > MAX_PATTERN_ENTRIES:
-                raise ValueError("too long")
-            return lst * n
-    raise ValueError(ast.dump(node))
-
-
 def parse_skip_freq(text: Union[str, int, list, tuple]) -> SkipFreq:
     """``--window-attn-skip-freq``'s value: an integer >= 1, or a pattern of 0/1 entries (``[1,1,1,0]*3``, as
     Megatron-LM evaluates it: lists, ``+``, ``*`` and parentheses) as a tuple."""
@@ -86,22 +61,14 @@ def parse_skip_freq(text: Union[str, int, list, tuple]) -> SkipFreq:
     elif isinstance(text, (list, tuple)):
         value = list(text)
     else:
-        s = str(text).strip()
-        if "[" not in s:
-            try:
-                value = int(s)
-            except ValueError:
+        try:
+            value = evaluate_pattern(str(text))
+        except ValueError:
+            if "[" not in str(text):
                 raise WindowFlagError(f"--window-attn-skip-freq {text!r} is neither an integer N >= 1 nor a pattern "
                                       f"of 0/1 entries such as [1,1,1,0]*3") from None
-        else:
-            try:
-                tree = ast.parse(s, mode="eval")
-                if not all(isinstance(n, _PATTERN_NODES) for n in ast.walk(tree)):
-                    raise ValueError(s)
-                value = _evaluate(tree)
-            except (SyntaxError, ValueError, RecursionError, MemoryError):
-                raise WindowFlagError(f"--window-attn-skip-freq {text!r} is not a pattern of 0/1 entries such as "
-                                      f"[1,1,1,0]*3 (lists, + and *)") from None
+            raise WindowFlagError(f"--window-attn-skip-freq {text!r} is not a pattern of 0/1 entries such as "
+                                  f"[1,1,1,0]*3 (lists, + and *)") from None
     if isinstance(value, int):
         if value < 1:
             raise WindowFlagError(f"--window-attn-skip-freq {value} is outside [1, inf) (N: every N-th layer attends "

@@ -306,6 +306,12 @@ def layer_kept_bytes(model: ModelSpec, plan, *, tensor_model_parallel_size: int,
     """Saved bytes of one layer and microbatch outside full-recompute units (``plan``'s ckpt and selective
     modules): the per-token terms over :func:`local_tokens` (a MoE layer's router and experts:
     :func:`h3t_ext.costmodel.moe.kept_expert_bytes`), the local spec's RoPE cos/sin and unfused attention's scores."""
+    if model.mixed_moe:  # the pattern's average layer
+        opts = dict(tensor_model_parallel_size=tensor_model_parallel_size, sequence_parallel=sequence_parallel,
+                    dtype_bytes=dtype_bytes, layer_spec=layer_spec, dropout_mask_bytes=dropout_mask_bytes, fp8=fp8)
+        phi = model.moe_layer_fraction
+        return int(round((1 - phi) * layer_kept_bytes(model.dense_variant(), plan, **opts)
+                         + phi * layer_kept_bytes(model.moe_variant(), plan, **opts)))
     base, recompute = plan_recompute(plan)
     per_tok = layer_bytes_per_local_token(
         model, base, recompute=recompute, tensor_model_parallel_size=tensor_model_parallel_size,

@@ -122,8 +122,15 @@ def stage_params(model: ModelSpec, plan: Plan, stage: int) -> int:
     """Parameters on pipeline rank ``stage`` (tensor-parallel shard; norms replicated)."""
     t, p = plan.tensor_model_parallel_size, plan.pipeline_model_parallel_size
     h = model.hidden_size
-    n = plan.stage_layers(model.num_layers, stage) * model.layer_params_per_rank(
-        t, plan.expert_model_parallel_size, plan.expert_tensor_parallel_size)
+    layers = plan.stage_layers(model.num_layers, stage)
+    if model.mixed_moe:  # its dense and MoE layers, as the stage holds them
+        moe_layers = stage_moe_layers(model, plan, stage)
+        n = (layers - moe_layers) * model.dense_variant().layer_params_per_rank(t) + moe_layers * \
+            model.moe_variant().layer_params_per_rank(t, plan.expert_model_parallel_size,
+                                                      plan.expert_tensor_parallel_size)
+    else:
+        n = layers * model.layer_params_per_rank(t, plan.expert_model_parallel_size,
+                                                 plan.expert_tensor_parallel_size)
     vocab = model.padded_vocab_size(t) * h // t
     if stage == 0:
         n += vocab + model.position_embedding_params(plan.seq_length)
@@ -142,6 +149,9 @@ def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = 
 
 
 def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
+    if model.mixed_moe:  # the larger of each buffer over the two kinds of layer
+        dense, moe_ = _transients(model.dense_variant(), plan, stage), _transients(model.moe_variant(), plan, stage)
+        return {k: max(dense.get(k, 0), moe_.get(k, 0)) for k in {**dense, **moe_}}
     t, c, p = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.pipeline_model_parallel_size
     mb, h, f = plan.micro_batch_size, model.hidden_size, model.dense_ffn_hidden_size
     seq_tokens = mb * plan.seq_length // c
@@ -215,9 +225,24 @@ def expert_optimizer_shards(plan: Plan) -> int:
     return moe.expert_data_parallel_size(plan) if plan.use_distributed_optimizer else 1
 
 
+def stage_moe_layers(model: ModelSpec, plan: Plan, stage: int) -> int:
+    """MoE layers among those pipeline rank ``stage`` holds (all of them unless --moe-layer-freq mixes in dense ones)."""
+    if not model.mixed_moe:
+        return plan.stage_layers(model.num_layers, stage) if model.is_moe else 0
+    return _held(model.moe_layer_pattern, plan.pipeline_split(model.num_layers), stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(pattern: tuple[int, ...], split, stage: int) -> int:
+    """How many of ``pattern``'s 1s lie in the layers of ``stage``'s model chunks under ``split``."""
+    return sum(sum(pattern[o:o + split.chunk_layers(stage, c)])
+               for c in range(split.virtual_pipeline_model_parallel_size)
+               for o in (split.layer_offset(stage, c),))
+
+
 def stage_expert_params(model: ModelSpec, plan: Plan, stage: int) -> int:
     """Routed-expert parameters on pipeline rank ``stage`` (0 in a dense model)."""
-    return plan.stage_layers(model.num_layers, stage) * model.expert_layer_params_per_rank(
+    return stage_moe_layers(model, plan, stage) * model.expert_layer_params_per_rank(
         plan.expert_model_parallel_size, moe.expert_tensor_parallel_size(plan))
 
 
@@ -267,13 +292,12 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
     }
 
 
-def _static_terms(model: ModelSpec, plan: Plan, n: int, layers: int) -> dict[str, int]:
-    """Weights, gradients and optimizer states of a stage holding ``n`` parameters in ``layers`` layers."""
+def _static_terms(model: ModelSpec, plan: Plan, n: int, layers: int, experts: int) -> dict[str, int]:
+    """Weights, gradients and optimizer states of a stage holding ``n`` parameters in ``layers`` layers, ``experts`` of
+    them routed experts' (:func:`stage_expert_params`)."""
     d = plan.data_parallel_size
     strategy = plan.sharding_strategy
     weights = fp8.weight_bytes(model, plan, n, layers)
-    experts = layers * model.expert_layer_params_per_rank(plan.expert_model_parallel_size,
-                                                          moe.expert_tensor_parallel_size(plan))
     if experts:  # dense and expert parameters sharded over their own groups
         states = int(round(optimizer_offload.device_params(_shard_params(plan, n, experts), plan)
                            * OPTIMIZER_BYTES_PER_PARAM))
@@ -292,13 +316,13 @@ def stage_static_terms(model: ModelSpec, plan: Plan, stage: int) -> dict[str, in
     grads, optimizer_states), without computing the others (the planner's check that they alone exceed the
     budget, on every parallel layout)."""
     return _static_terms(model, plan, stage_params(model, plan, stage),
-                         plan.stage_layers(model.num_layers, stage))
+                         plan.stage_layers(model.num_layers, stage), stage_expert_params(model, plan, stage))
 
 
 def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
     """The alpha-independent terms of a stage holding ``n`` parameters."""
     layers = plan.stage_layers(model.num_layers, stage)
-    terms = _static_terms(model, plan, n, layers)
+    terms = _static_terms(model, plan, n, layers, stage_expert_params(model, plan, stage))
     if plan.fp8 is not None:
         terms["fp8_weight_cache"] = fp8.weight_cache_bytes(model, plan, layers)
         terms["fp8_scaling_state"] = fp8.scaling_state_bytes(plan, layers)
@@ -329,6 +353,8 @@ def _stage_constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dic
 
 
 def _constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
+    if model.mixed_moe:  # ranks of one class may hold different numbers of MoE layers
+        return _stage_constants(model, plan, stage)
     return _stage_constants(model, plan, plan.pipeline_split(model.num_layers).stage_class(stage))
 
 

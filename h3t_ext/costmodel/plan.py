@@ -372,6 +372,9 @@ def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = Non
         split = ParallelLayout(tensor_model_parallel_size=t, context_parallel_size=c)  # model-shape rules first
         split.check_tensor_split(num_attention_heads=model.num_attention_heads,
                                  num_query_groups=model.num_query_groups, ffn_hidden_size=model.dense_ffn_hidden_size)
+        if model.mixed_moe:  # its dense layers' MLP too
+            split.check_tensor_split(num_attention_heads=model.num_attention_heads,
+                                     ffn_hidden_size=model.ffn_hidden_size)
         if system is not None:
             _validate_node(plan, system)
         split.check_seq_length(plan.seq_length, sequence_parallel=plan.sequence_parallel)

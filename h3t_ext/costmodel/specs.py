@@ -1,12 +1,13 @@
 """Model and system specifications, loaded from the JSON data files under ``h3t_ext/data``."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 from h3t_ext.attention_window import SkipFreq, WindowFlagError, attended_pairs, check_window, windowed_layer_count
 from h3t_ext.costmodel.errors import UnknownNameError
@@ -98,6 +99,10 @@ class ModelSpec:
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Megatron's --moe-shared-expert-intermediate-size: width of the shared expert every token also passes (a
     dense MLP beside the routed experts, split over the tensor-parallel ranks); None: no shared expert."""
+    moe_layer_freq: Union[int, tuple[int, ...]] = 1
+    """Megatron's --moe-layer-freq: which layers are MoE layers (the others have the dense MLP of ``ffn_hidden_size``):
+    an int N makes layer i (from 0) one when i mod N is 0; a tuple gives one 0/1 per layer (Megatron's list
+    pattern, e.g. ``[0]*1+[1]*45`` for a first dense layer). 1: every layer."""
 
     def __post_init__(self) -> None:
         if self.normalization is None:
@@ -142,11 +147,25 @@ class ModelSpec:
 
     def _check_moe(self) -> None:
         """Megatron's rules on the MoE fields (one-line ValueErrors naming the field and its range)."""
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         if self.num_experts is None:
             for f in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
                 if getattr(self, f) is not None:
                     raise ValueError(f"{f} needs num_experts (a mixture-of-experts model); valid: leave it out")
+            if self.moe_layer_freq != 1:
+                raise ValueError("moe_layer_freq needs num_experts (a mixture-of-experts model); valid: leave it out")
             return
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            if freq < 1:
+                raise ValueError(f"moe_layer_freq {freq} is outside [1, inf) (N: every N-th layer is a MoE layer)")
+        elif not isinstance(freq, tuple) or any(type(x) is not int or x not in (0, 1) for x in freq) or not any(freq):
+            raise ValueError("moe_layer_freq: an integer N >= 1 or one 0/1 entry per layer (1: a MoE layer), at least "
+                             "one 1")
+        elif len(freq) != self.num_layers:
+            raise ValueError(f"moe_layer_freq has {len(freq)} entries for num_layers {self.num_layers}; valid: one per "
+                             f"layer")
         if int(self.num_experts) < 1:
             raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
         if not 1 <= int(self.moe_router_topk) <= int(self.num_experts):
@@ -163,6 +182,39 @@ class ModelSpec:
     def is_moe(self) -> bool:
         """True when every layer's MLP is a mixture of experts (``num_experts``)."""
         return self.num_experts is not None
+
+    @property
+    def moe_layer_pattern(self) -> tuple[int, ...]:
+        """One 0/1 per layer, 1 for a MoE layer (Megatron's rule of --moe-layer-freq); all 0 in a dense model."""
+        if not self.is_moe:
+            return (0,) * self.num_layers
+        freq = self.moe_layer_freq
+        return freq if isinstance(freq, tuple) else tuple(int(i % freq == 0) for i in range(self.num_layers))
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers are MoE layers."""
+        return sum(self.moe_layer_pattern)
+
+    @property
+    def mixed_moe(self) -> bool:
+        """A MoE model with dense layers between its MoE layers: priced per layer kind (:meth:`dense_variant`,
+        :meth:`moe_variant`)."""
+        return self.is_moe and self.moe_layers < self.num_layers
+
+    def dense_variant(self) -> "ModelSpec":
+        """The same model with every layer dense (a mixed model's dense layers)."""
+        return dataclasses.replace(self, num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None,
+                                   moe_shared_expert_intermediate_size=None, moe_layer_freq=1)
+
+    def moe_variant(self) -> "ModelSpec":
+        """The same model with every layer a MoE layer (a mixed model's MoE layers)."""
+        return dataclasses.replace(self, moe_layer_freq=1)
+
+    @property
+    def moe_layer_fraction(self) -> float:
+        """The share of MoE layers (the weight of a mixed model's MoE layer in its average layer)."""
+        return self.moe_layers / self.num_layers
 
     @property
     def expert_ffn_hidden_size(self) -> int:
@@ -208,6 +260,9 @@ class ModelSpec:
         """GEMM weights one token passes through in one layer: attention, the tensor-parallel MLP and k routed
         experts (Megatron-LM's FLOPs convention, ``num_floating_point_operations``: the router is not counted);
         :attr:`params_per_layer` in a dense model."""
+        if self.mixed_moe:  # the average layer of the pattern
+            phi = self.moe_layer_fraction
+            return (1 - phi) * self.dense_variant().active_params_per_layer + phi * self.moe_variant().active_params_per_layer
         routed = self.moe_router_topk * self.expert_params if self.is_moe else 0
         return self.attention_params_per_layer + self.dense_mlp_params_per_layer + routed
 
@@ -326,7 +381,11 @@ class ModelSpec:
         """Total parameters (unpadded vocabulary)."""
         emb = self.vocab_size * self.hidden_size
         out = emb if self.untie_embeddings_and_output_weights else 0
-        return self.num_layers * self.layer_params_per_rank() + emb + out + self.norm_params \
+        moe = self.moe_layers
+        layers = (moe * self.moe_variant().layer_params_per_rank()
+                  + (self.num_layers - moe) * self.dense_variant().layer_params_per_rank()) if self.mixed_moe \
+            else self.num_layers * self.layer_params_per_rank()
+        return layers + emb + out + self.norm_params \
             + self.position_embedding_params(self.max_position_embeddings or 0)
 
 

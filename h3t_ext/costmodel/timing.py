@@ -431,6 +431,10 @@ def head_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
 
 
 def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
+    if model.mixed_moe:  # the pattern's average layer (exact per chunk where each holds the pattern's share)
+        phi = model.moe_layer_fraction
+        dense, moe_ = _layer_time(model.dense_variant(), plan, system), _layer_time(model.moe_variant(), plan, system)
+        return LayerTime(**{f: (1 - phi) * getattr(dense, f) + phi * getattr(moe_, f) for f in _field_names(LayerTime)})
     r = kernel_rates(system)
     g = layer_gemm_seconds(model, plan, r)
     a = attention_seconds(model, plan, system, r)

@@ -21,6 +21,7 @@ from h3t_ext.attention_window import WindowFlagError, parse_skip_freq, parse_win
 from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 from h3t_ext.planner import cli_flags, translate
 from h3t_ext.planner.space import SearchConstraints
+from h3t_ext.layer_pattern import evaluate_pattern
 from h3t_ext.planner.units import parse_bytes
 
 PROG = "h3t-plan"
@@ -42,7 +43,7 @@ _FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|
                     r"data_parallel_sharding_strategy|tp_comm_overlap|sequence_parallel|overlap_param_gather|"
                     r"overlap_grad_reduce|use_torch_fsdp2|window_size|window_attn_skip_freq|num_experts|moe_router_topk|"
                     r"moe_ffn_hidden_size|moe_shared_expert_intermediate_size|expert_model_parallel_size|"
-                    r"expert_tensor_parallel_size|moe_token_dispatcher_type|moe_grouped_gemm)\b")
+                    r"expert_tensor_parallel_size|moe_token_dispatcher_type|moe_grouped_gemm|moe_layer_freq)\b")
 
 
 def flagify(reason: str) -> str:
@@ -56,7 +57,7 @@ class UsageError(Exception):
 
 UNPRICED_MODEL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--moe-",), "these mixture-of-experts settings (it prices --num-experts, --moe-router-topk, --moe-ffn-hidden-size, "
-                  "--moe-shared-expert-intermediate-size, --moe-layer-freq 1, --expert-model-parallel-size, "
+                  "--moe-shared-expert-intermediate-size, --moe-layer-freq, --expert-model-parallel-size, "
                   "--expert-tensor-parallel-size, --moe-token-dispatcher-type and --moe-grouped-gemm)"),
     (("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
       "--v-head-dim"), "multi-latent attention"),
@@ -120,12 +121,15 @@ def _layer_count(text: str) -> int:
     return _count(text, MAX_LAYERS)
 
 
-def _moe_layer_freq(text: str) -> int:
-    """--moe-layer-freq: the cost model prices every layer routed (1); dense layers between them are not priced."""
-    if text.strip() != "1":
-        raise argparse.ArgumentTypeError(f"{text!r}: the cost model prices --moe-layer-freq 1 only (every layer's MLP "
-                                         f"a mixture of experts); dense layers between MoE layers are not priced")
-    return 1
+def _moe_layer_freq(text: str):
+    """--moe-layer-freq: an integer N (every N-th layer, from the first, a MoE layer) or Megatron's list pattern of one
+    0/1 per layer (``[0]*1+[1]*45``); its length is checked against the layers with the model."""
+    try:
+        value = evaluate_pattern(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer N >= 1 nor a pattern of 0/1 entries such "
+                                         f"as ([0]*1+[1]*45)") from None
+    return tuple(value) if isinstance(value, list) else value
 
 
 def _dropout(text: str) -> float:
@@ -356,8 +360,10 @@ def _add_model(sp: argparse.ArgumentParser) -> None:
                         "default 128)")
     g.add_argument("--max-position-embeddings", type=_positive_int, default=None,
                    help="rows of the learned position table, >= --seq-length (default --seq-length)")
-    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=None, metavar="1",
-                   help="mixture-of-experts layers: only 1 (every layer's MLP routed), as in Mixtral and Qwen3-MoE")
+    g.add_argument("--moe-layer-freq", type=_moe_layer_freq, default=None, metavar="N|PATTERN",
+                   help="which layers are mixture-of-experts layers (the others dense): N makes every N-th one, from "
+                        "the first, a MoE layer; a pattern gives one 0/1 per layer, e.g. ([0]*1+[1]*45) (default 1: "
+                        "all); dense and MoE layers are priced as the pattern's average layer")
     cli_flags.add_window_flags(g)  # left out: the zoo model's window (a custom shape has none)
     for flag in ("attention-dropout", "hidden-dropout"):
         g.add_argument("--" + flag, type=_dropout, default=None,
@@ -406,7 +412,8 @@ def model_from_args(ns: argparse.Namespace) -> ModelSpec:
                                   ("normalization", ns.normalization), ("qk_layernorm", ns.qk_layernorm),
                                   ("position_embedding_type", ns.position_embedding_type),
                                   ("max_position_embeddings", ns.max_position_embeddings),
-                                  ("make_vocab_size_divisible_by", ns.make_vocab_size_divisible_by))
+                                  ("make_vocab_size_divisible_by", ns.make_vocab_size_divisible_by),
+                                  ("moe_layer_freq", ns.moe_layer_freq))
                 if v is not None}
     switches.update(_window_switches(ns))
     seq_length = getattr(ns, "seq_length", None)

@@ -111,7 +111,9 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
     est = ev.estimate
     verdict = "fits" if est.fits else "DOES NOT FIT"
     lines = [
-        f"model       {model.name} ({model.num_parameters / 1e9:.1f}B params) on {est.num_gpus} x {system.name}, "
+        f"model       {model.name} ({model.num_parameters / 1e9:.1f}B params"
+        f"{f', {model.moe_layers} of {model.num_layers} layers MoE' if model.mixed_moe else ''}) on {est.num_gpus} x "
+        f"{system.name}, "
         f"seq {ev.plan.seq_length}, global batch {ev.plan.global_batch_size}",
         f"plan        {describe_plan(ev, model)}",
         f"memory      peak {format_bytes(est.peak_memory_bytes)} on stage {est.peak_stage} "

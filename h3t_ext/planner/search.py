@@ -250,7 +250,9 @@ def _static_infeasibility(model, system, plan: Plan, budgets: _Budgets) -> Optio
 
 def _static_verdict(model, system, plan: Plan, budget: Optional[int]) -> Optional[ClosestInfeasible]:
     budget = default_memory_budget_bytes(model, plan, system) if budget is None else budget
-    for k in plan.representative_stages(model.num_layers):  # one rank per class (PipelineSplit.stage_class)
+    stages = range(plan.pipeline_model_parallel_size) if model.mixed_moe else \
+        plan.representative_stages(model.num_layers)  # one rank per class (PipelineSplit.stage_class)
+    for k in stages:
         terms = stage_static_terms(model, plan, k)
         static = {name: terms.get(name, 0) for name in STATIC_TERMS}
         need = sum(static.values())

@@ -262,7 +262,6 @@ def test_cli_estimates_a_moe_model_and_names_its_expert_layout(capsys):
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--model", "mixtral-8x7b", "--moe-layer-freq", "2"], "--moe-layer-freq 1 only"),
     (["--model", "mixtral-8x7b", "--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff: the cost model does not price"),
     (["--model", "mixtral-8x7b", "--expert-model-parallel-size", "3"], "= 3 does not divide the 64 ranks of a pipeline "
                                                                        "stage"),
@@ -403,3 +402,42 @@ def test_expert_terms_are_what_megatron_cores_moe_saves():
     plan = Plan(num_gpus=1, seq_length=tokens, global_batch_size=1, expert_tensor_parallel_size=1)
     terms = moe.expert_terms(model, plan, dtype_bytes=4, layer_spec="local")
     assert sum(saved.values()) == tokens * sum(terms.values()), (sorted(saved.values()), terms)
+
+
+def test_moe_layer_freq_mixes_dense_and_moe_layers():
+    """--moe-layer-freq N (or its pattern) makes every N-th layer a MoE layer: the FLOPs are Megatron's per-kind sum,
+    every stage holds the parameters of the layers it builds (summing to the model's), and an int and its pattern
+    price the same plan."""
+    base = get_model("mixtral-8x7b")
+    dense = base.dense_variant()
+    every_other = dataclasses.replace(base, moe_layer_freq=2)
+    as_pattern = dataclasses.replace(base, moe_layer_freq=(1, 0) * 16)
+    assert every_other.moe_layers == 16 and every_other.mixed_moe and not base.mixed_moe
+    flops = model_flops_per_token(every_other, 4096)
+    assert flops == pytest.approx((model_flops_per_token(dense, 4096) + model_flops_per_token(base, 4096)) / 2)
+    plan = _plan(expert_tensor_parallel_size=1)
+    assert estimate(every_other, plan, H100).iteration_time_s == estimate(as_pattern, plan, H100).iteration_time_s
+    # the first half of the layers MoE: stage 0 and 1 hold them, 2 and 3 none (p = 4, 8 layers each)
+    front = dataclasses.replace(base, moe_layer_freq=(1,) * 16 + (0,) * 16)
+    whole = Plan(num_gpus=4, seq_length=4096, global_batch_size=4, pipeline_model_parallel_size=4,
+                 expert_tensor_parallel_size=1)
+    params = [stage_params(front, whole, k) for k in range(4)]
+    moe_layer = front.moe_variant().layer_params_per_rank(1, 1, 1)
+    dense_layer = dense.layer_params_per_rank(1)
+    assert params[1] - params[2] == 8 * (moe_layer - dense_layer) > 0
+    padding = 2 * (front.padded_vocab_size(1) - front.vocab_size) * front.hidden_size  # embedding and output rows
+    assert sum(params) == front.num_parameters + padding
+    peaks = [s.peak_bytes for s in estimate(front, whole, H100).stages]
+    assert peaks[1] > peaks[2]  # not one middle stage standing for the other
+
+
+@pytest.mark.parametrize("freq, fragment", [
+    ("[1]*5", "--moe-layer-freq has 5 entries for --num-layers 32"),
+    ("0", "--moe-layer-freq 0 is outside [1, inf)"),
+    ("[2]*32", "one 0/1 entry per layer (1: a MoE layer), at least one 1"),
+    ("[0]*32", "one 0/1 entry per layer (1: a MoE layer), at least one 1"),
+    ("abc", "'abc' is neither an integer N >= 1 nor a pattern"),
+])
+def test_cli_moe_layer_freq_errors_are_one_line(capsys, freq, fragment):
+    err = _error(["estimate", "--model", "mixtral-8x7b", *RUN, "--moe-layer-freq", freq], capsys)
+    assert fragment in err, err
