@@ -329,7 +329,7 @@ def search(
                        () if model.is_moe else constraints.memory_ladder)
     live: list[tuple[tuple, Layout]] = []
     runs = _runs(num_gpus, seq_length, global_batch_size, switches, constraints)
-    refusals = [_run_refusal(run, system) for run in runs]
+    refusals = [_run_refusal(run, system, model) for run in runs]
     if all(refusals):  # every precision searched is refused whatever the layout: say why, not the layout rules
         raise InvalidPlanError("; ".join(dict.fromkeys(refusals)))
     for run, reason in zip(runs, refusals):
@@ -365,7 +365,7 @@ def _runs(num_gpus: int, seq_length: int, global_batch_size: int, switches: dict
             for precision in k.precisions]
 
 
-def _run_refusal(run: tuple, system: SystemSpec) -> Optional[str]:
+def _run_refusal(run: tuple, system: SystemSpec, model: Optional[ModelSpec] = None) -> Optional[str]:
     """Why no plan of this run can be built: its switches contradict each other (Megatron-LM's rules of the Plan,
     e.g. a sharding strategy without the distributed optimizer) or its precision cannot run on ``system`` (the FP8
     rules); None when its plans can be. --tp-comm-overlap is left out of the probe: it applies where t > 1."""
@@ -375,6 +375,9 @@ def _run_refusal(run: tuple, system: SystemSpec) -> Optional[str]:
                      **applicable_switches(switches, 1))
         validate_switches(probe)
         validate_fp8(probe, system)
+        if model is not None and model.is_moe and probe.fp8 is not None:  # the MoE switches the cost model refuses
+            raise InvalidPlanError(f"fp8 {probe.fp8!r} with a mixture-of-experts model: the cost model does not price "
+                                   f"FP8 expert GEMMs; valid: --precision bf16")
     except InvalidPlanError as e:
         return e.reason
     return None

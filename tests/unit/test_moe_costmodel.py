@@ -283,6 +283,7 @@ def test_cli_moe_errors_are_one_line(capsys, extra, fragment):
 
 
 @pytest.mark.parametrize("extra, fragment", [
+    (["--precision", "fp8"], "with a mixture-of-experts model: the cost model does not price FP8 expert GEMMs"),
     (["--ckpt", "ours"], "--ckpt ours with a mixture-of-experts model"),
     (["--offload-alpha", "0.5"], "--offload-alpha 0.5 with a mixture-of-experts model"),
 ])
