@@ -423,7 +423,7 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     _check(not plan.use_torch_fsdp2 or model.untie_embeddings_and_output_weights,
            "use_torch_fsdp2 needs untied embedding and output weights (Megatron-LM refuses FSDP2 with tied ones)")
     if model.is_moe:
-        _validate_moe(plan)
+        _validate_moe(model, plan)
     else:
         for name, value, default in (("expert_tensor_parallel_size", plan.expert_tensor_parallel_size, None),
                                      ("moe_token_dispatcher_type", plan.moe_token_dispatcher_type, "allgather"),
@@ -442,7 +442,7 @@ MOE_OURS_REASON = ("ckpt ours with a mixture-of-experts model: it runs in h3t-ex
                    "tensors")
 
 
-def _validate_moe(plan: Plan) -> None:
+def _validate_moe(model: ModelSpec, plan: Plan) -> None:
     """A MoE model's plan: megatron-core's rule that tensor parallelism with experts runs sequence parallel, and
     the switches not priced with experts (:data:`MOE_UNPRICED`)."""
     _check(plan.tensor_model_parallel_size == 1 or plan.sequence_parallel,
@@ -456,6 +456,9 @@ def _validate_moe(plan: Plan) -> None:
            "recompute module mlp reruns dense MLPs; a mixture-of-experts model's are moe, moe_act and "
            "shared_experts")
     _check(plan.ckpt is not Ckpt.OURS, MOE_OURS_REASON)
+    _check(not plan.recompute.recomputes("shared_experts") or model.moe_shared_expert_intermediate_size,
+           "recompute module shared_experts: the model has no shared expert (moe_shared_expert_intermediate_size); "
+           "valid: moe, moe_act, layernorm, core_attn")
     _check(not any(plan.alphas()), f"offload_alpha {plan.offload_alpha} with a mixture-of-experts model: h3t-ext's "
                                    f"activation offload runs in its runtime, which has no MoE layers; valid: 0")
 

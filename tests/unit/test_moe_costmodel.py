@@ -183,6 +183,7 @@ def test_layout_rules_of_the_expert_grid():
     (dict(offload_alpha=0.5), "offload_alpha 0.5 with a mixture-of-experts model"),
     (dict(tensor_model_parallel_size=2, sequence_parallel=False), "needs sequence_parallel"),
     (dict(recompute=Recompute.parse("selective", modules=["mlp"])), "recompute module mlp reruns dense MLPs"),
+    (dict(recompute=Recompute.parse("selective", modules=["shared_experts"], moe=True)), "has no shared expert"),
 ])
 def test_moe_plans_refuse_what_is_not_priced(change, reason):
     with pytest.raises(InvalidPlanError, match=reason):
