@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Dump everything ``search(...)`` returns for four fixed cases, to check that a speed change alters no result.
+"""Dump everything ``search(...)`` returns for five fixed cases (one a mixture-of-experts model), to check that a speed change alters no result.
 
 Each case is parsed by ``h3t-plan search``'s own parser (so ``--precision auto`` and the memory ladder are the CLI's)
-and searched twice, best-first with the CLI's ``--top 10`` and, for the two small cases, ranking every feasible plan
+and searched twice, best-first with the CLI's ``--top 10`` and, for the three small cases, ranking every feasible plan
 (``top=None``). Written per plan: the full ``repr`` of the plan and of its estimate (every memory and time term, the
 timeline's totals, plausibility), its Megatron flags and whether it ties with the best; per search: the plans priced,
 the rejection counts, the closest infeasible plan, the tie and plausibility lines. Compare two dumps with ``diff``:
@@ -35,6 +35,9 @@ CASES: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     ("llama-7b on 8 h100-sxm", ("--model", "llama-7b", "--num-gpus", "8", "--seq-length", "2048",
                                "--global-batch-size", "128", "--gpu", "h100-sxm", "--precision", "auto"),
      True),
+    ("mixtral-8x7b, every other layer MoE, on 64 h100-sxm", (
+        "--model", "mixtral-8x7b", "--moe-layer-freq", "2", "--num-gpus", "64", "--seq-length", "4096",
+        "--global-batch-size", "256", "--gpu", "h100-sxm"), True),
 )
 """(title, h3t-plan search arguments, also rank every feasible plan)."""
 
