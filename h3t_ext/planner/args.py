@@ -58,7 +58,8 @@ class UsageError(Exception):
 UNPRICED_MODEL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--moe-",), "these mixture-of-experts settings (it prices --num-experts, --moe-router-topk, --moe-ffn-hidden-size, "
                   "--moe-shared-expert-intermediate-size, --moe-layer-freq, --expert-model-parallel-size, "
-                  "--expert-tensor-parallel-size, --moe-token-dispatcher-type and --moe-grouped-gemm)"),
+                  "--expert-tensor-parallel-size, --moe-token-dispatcher-type and --moe-grouped-gemm, and takes the "
+                  "routing flags such as --moe-aux-loss-coeff as written, priced alike)"),
     (("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
       "--v-head-dim"), "multi-latent attention"),
     (("--mtp-",), "multi-token prediction layers"),
@@ -214,6 +215,7 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     e.add_argument("--moe-grouped-gemm", action="store_true",
                    help="one grouped GEMM per expert FC instead of one GEMM per expert" + (
                        " (always on in the plans searched)" if search else ""))
+    _add_routing_spellings(e)
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
@@ -313,6 +315,34 @@ def _nonnegative_int(text: str) -> int:
 
 def _add_megatron_offload(p) -> None:
     cli_flags.add_megatron_offload_flags(p, nonnegative=_nonnegative_int, fraction=_fraction)
+
+
+MOE_ROUTING_SPELLINGS: tuple[tuple[str, dict], ...] = (
+    ("--moe-router-load-balancing-type", dict(choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                                        "none"))),
+    ("--moe-aux-loss-coeff", dict(type=float)),
+    ("--moe-z-loss-coeff", dict(type=float)),
+    ("--moe-router-topk-scaling-factor", dict(type=float)),
+    ("--moe-router-score-function", dict(choices=("softmax", "sigmoid"))),
+    ("--moe-router-dtype", dict(choices=("fp32", "fp64"))),
+    ("--moe-router-bias-update-rate", dict(type=float)),
+    ("--moe-router-pre-softmax", dict(action="store_true")),
+    ("--moe-router-enable-expert-bias", dict(action="store_true")),
+    ("--moe-permute-fusion", dict(action="store_true")),
+    ("--moe-router-fusion", dict(action="store_true")),
+    ("--moe-router-force-load-balancing", dict(action="store_true")),
+)
+"""Megatron's MoE routing flags a training script carries that change what the router computes, not what a step
+costs: accepted as written and priced alike (routing is priced balanced, as --moe-router-force-load-balancing
+makes it; the router's scores in fp32, as --moe-router-dtype fp32 keeps them; the permute's and the router's bytes
+fused or not). Capacity factors, token dropping and the overlaps of the shared expert or the all-to-all change the
+cost and are refused as not priced."""
+
+
+def _add_routing_spellings(g) -> None:
+    for flag, kw in MOE_ROUTING_SPELLINGS:
+        g.add_argument(flag, default=None, dest="_spelling_" + flag[2:].replace("-", "_"),
+                       help="Megatron's routing flag, accepted as written in a training script: priced alike", **kw)
 
 
 def _add_system(g) -> None:

@@ -31,8 +31,9 @@ def _with(base: list[str], **flags) -> list[str]:
 
 PLANNER_CASES = [
     # a Megatron-LM command line of a model family the cost model does not price: named, not only "unrecognized"
-    ([*ESTIMATE, "--num-experts", "8", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff=0.001"],
-     "--moe-aux-loss-coeff, --moe-z-loss-coeff: the cost model does not price these mixture-of-experts settings"),
+    ([*ESTIMATE, "--num-experts", "8", "--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
+     "--moe-expert-capacity-factor, --moe-pad-expert-input-to-capacity: the cost model does not price these "
+     "mixture-of-experts settings"),
     ([*SEARCH, "--multi-latent-attention", "--kv-lora-rank=512"],
      "--multi-latent-attention, --kv-lora-rank: the cost model does not price multi-latent attention"),
     ([*SEARCH, "--foo"], "unrecognized arguments: --foo"),

@@ -263,7 +263,8 @@ def test_cli_estimates_a_moe_model_and_names_its_expert_layout(capsys):
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--model", "mixtral-8x7b", "--moe-aux-loss-coeff", "0.01"], "--moe-aux-loss-coeff: the cost model does not price"),
+    (["--model", "mixtral-8x7b", "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap: the cost model does "
+                                                                  "not price"),
     (["--model", "mixtral-8x7b", "--expert-model-parallel-size", "3"], "= 3 does not divide the 64 ranks of a pipeline "
                                                                        "stage"),
     (["--model", "mixtral-8x7b", "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1"],
@@ -443,3 +444,21 @@ def test_moe_layer_freq_mixes_dense_and_moe_layers():
 def test_cli_moe_layer_freq_errors_are_one_line(capsys, freq, fragment):
     err = _error(["estimate", "--model", "mixtral-8x7b", *RUN, "--moe-layer-freq", freq], capsys)
     assert fragment in err, err
+
+
+def test_routing_flags_of_a_training_script_are_priced_alike(capsys):
+    """A Qwen3-MoE script's routing flags (aux loss, router dtype, fusions, pre-softmax) change what the router
+    computes, not the step's cost: the estimate is the same with them; a capacity factor changes the cost and is
+    refused."""
+    import json
+    base = ["estimate", "--model", "qwen3-30b-a3b", *RUN, "--expert-model-parallel-size", "8", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "1e-3",
+                 "--moe-router-pre-softmax", "--moe-permute-fusion", "--moe-router-fusion", "--moe-router-dtype",
+                 "fp32", "--moe-router-force-load-balancing"]) == 0
+    scripted = json.loads(capsys.readouterr().out)
+    assert scripted["tokens_per_second"] == plain["tokens_per_second"]
+    assert scripted["peak_memory_bytes"] == plain["peak_memory_bytes"]
+    err = _error(["estimate", "--model", "qwen3-30b-a3b", *RUN, "--moe-expert-capacity-factor", "1.0"], capsys)
+    assert "--moe-expert-capacity-factor: the cost model does not price these mixture-of-experts settings" in err
