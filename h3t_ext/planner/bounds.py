@@ -31,7 +31,8 @@ def candidate_plan(run: tuple, layout: Layout, mb: int, mode, block_layers: Opti
         expert_model_parallel_size=layout.expert_model_parallel_size,
         ckpt=mode.ckpt,
         recompute=mode.recompute_of(block_layers),
-        **switches,
+        **{**switches, **({"expert_tensor_parallel_size": layout.expert_tensor_parallel_size}
+                          if layout.expert_tensor_parallel_size is not None else {})},
     )
 
 
@@ -106,7 +107,7 @@ class Bounds:
         n = self.block_layers.get((li, ci, i)) if self.modes[ci].block else None
         key = (t, c, mb, self._plain_id[ci] if n is None else self._mode_id[ci], n,
                (per_stage // v, layout.pipeline_model_parallel_layout) if n else None, fp8,
-               layout.expert_model_parallel_size)
+               layout.expert_model_parallel_size, layout.expert_tensor_parallel_size)
         times = self._shapes.get(key)
         if times is None:
             mode = self._plain[ci] if n is None else self.modes[ci]

@@ -321,8 +321,7 @@ def search(
                                                       "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                                                       "grad_reduce_in_bf16", "fp16")}
     if model.is_moe:  # the experts' switches; the memory ladder's options are not priced with experts
-        switches.update(expert_tensor_parallel_size=constraints.expert_tensor_parallel_size or 1,
-                        moe_token_dispatcher_type=constraints.moe_token_dispatcher_type or "alltoall",
+        switches.update(moe_token_dispatcher_type=constraints.moe_token_dispatcher_type or "alltoall",
                         moe_grouped_gemm=True)
     best_first = top is not None and not exhaustive
     budgets = _Budgets(memory_budget_bytes, host_memory_budget_bytes,
@@ -339,7 +338,7 @@ def search(
         for layout in layouts:
             key = (run[3].get("fp8"), layout.tensor_model_parallel_size, layout.context_parallel_size,
                    layout.pipeline_model_parallel_size, layout.pipeline_model_parallel_layout,
-                   layout.expert_model_parallel_size)
+                   layout.expert_model_parallel_size, layout.expert_tensor_parallel_size)
             if key not in static:
                 probe = candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0])
                 static[key] = _static_infeasibility(model, system, probe, budgets)

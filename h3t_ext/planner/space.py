@@ -43,8 +43,8 @@ R_L_P1 = "interleaving needs pipeline_model_parallel_size > 1"
 R_MB_BATCH = "global_batch_size not divisible by micro_batch_size * data_parallel_size / context_parallel_size"
 R_MB_INTERLEAVE = "interleaved 1F1B needs num_microbatches to be a multiple of pipeline_model_parallel_size"
 R_GPUS = "num_gpus not divisible by the parallel sizes"
-R_EP = "num_experts or the ranks of a pipeline stage not divisible by expert_model_parallel_size x " \
-       "expert_tensor_parallel_size"
+R_EP = "num_experts not divisible by expert_model_parallel_size, the ranks of a pipeline stage by " \
+       "expert_model_parallel_size x expert_tensor_parallel_size, or moe_ffn_hidden_size by expert_tensor_parallel_size"
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,8 @@ class Layout:
     work balanced, one chunk per stage), or None for Megatron's even split."""
     expert_model_parallel_size: int = 1
     """ep of a MoE model (1 for a dense one)."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """etp of a MoE model (None for a dense one)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -299,29 +301,32 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                             mbs.append(mb)
                     if not mbs:
                         continue
-                    eps = _expert_sizes(model, num_gpus // p, k, rejected)
+                    grids = _expert_grids(model, num_gpus // p, t, k, rejected)
                     for split in splits if l is None else (None,):
-                        for ep in eps:
-                            yield Layout(t, c, p, l, tuple(mbs), split, ep)
+                        for ep, etp in grids:
+                            yield Layout(t, c, p, l, tuple(mbs), split, ep, etp)
                     if l is not None and v > 1 and k.pipeline_layouts and k.num_layers_per_virtual_pipeline_stage is None:
                         # interleaving's balanced twin (p v stages), unless the user fixed Megatron's l
                         for split in split_candidates(model, seq_length, p, t, v):
                             if split is not None:
-                                for ep in eps:
-                                    yield Layout(t, c, p, None, tuple(mbs), split, ep)
+                                for ep, etp in grids:
+                                    yield Layout(t, c, p, None, tuple(mbs), split, ep, etp)
 
 
-def _expert_sizes(model: ModelSpec, stage_ranks: int, k: SearchConstraints, rejected: Counter) -> list[int]:
-    """The ep of a MoE model's plans on a pipeline stage of ``stage_ranks`` ranks: the fixed one, else every divisor
-    of the experts that divides the stage's ranks with etp (:meth:`h3t_ext.layout.ParallelLayout.check_experts`'s
-    rules); [1] for a dense model."""
+def _expert_grids(model: ModelSpec, stage_ranks: int, t: int, k: SearchConstraints,
+                  rejected: Counter) -> list[tuple[int, Optional[int]]]:
+    """The (ep, etp) of a MoE model's plans on a pipeline stage of ``stage_ranks`` ranks at tensor-parallel size t: the
+    fixed ones, else every divisor ep of the experts with etp 1 (megatron-core's recommended folding) and, with t > 1,
+    etp = t (Megatron's default), where ep etp divides the stage's ranks and etp each expert's width
+    (:meth:`h3t_ext.layout.ParallelLayout.check_experts`'s rules); [(1, None)] for a dense model."""
     if not model.is_moe:
-        return [1]
-    etp = k.expert_tensor_parallel_size or 1
+        return [(1, None)]
+    etps = [k.expert_tensor_parallel_size] if k.expert_tensor_parallel_size else sorted({1, t})
     out = []
-    for ep in _pick(k.expert_model_parallel_size, divisors(model.num_experts)):
-        if model.num_experts % ep or stage_ranks % (ep * etp):
-            rejected[R_EP] += 1
-        else:
-            out.append(ep)
+    for etp in etps:
+        for ep in _pick(k.expert_model_parallel_size, divisors(model.num_experts)):
+            if model.num_experts % ep or stage_ranks % (ep * etp) or model.expert_ffn_hidden_size % etp:
+                rejected[R_EP] += 1
+            else:
+                out.append((ep, etp))
     return out

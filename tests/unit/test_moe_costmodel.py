@@ -238,6 +238,8 @@ def test_search_chooses_expert_parallelism_and_best_first_equals_exhaustive():
     assert best.plan.expert_model_parallel_size > 1 and best.plan.moe_grouped_gemm
     assert best.tokens_per_second == pytest.approx(full.best.tokens_per_second, rel=1e-9)
     assert {r.plan.expert_model_parallel_size for r in full.plans} > {best.plan.expert_model_parallel_size}
+    # with t = 2 both expert tensor-parallel sizes are searched: 1 (the folding) and t (Megatron's default)
+    assert {r.plan.expert_tensor_parallel_size for r in full.plans if r.plan.tensor_model_parallel_size == 2} == {1, 2}
     assert not any(r.plan.ckpt.value == "ours" or any(r.plan.alphas()) for r in full.plans)
 
 
