@@ -164,6 +164,10 @@ class Plan:
     the network once per node its experts lie in, :func:`h3t_ext.costmodel.moe.deepep_seconds`)."""
     moe_grouped_gemm: bool = False
     """Megatron's --moe-grouped-gemm: one grouped GEMM per FC over a rank's experts instead of one GEMM per expert."""
+    moe_shared_expert_overlap: bool = False
+    """Megatron's --moe-shared-expert-overlap: the shared expert runs on a side stream while the token exchange runs
+    (its FC1 and activation during the dispatch, its FC2 during the combine; their backwards likewise, on the streams
+    the forward used), hiding the exchange up to the shared expert's compute (alltoall dispatcher only)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, Ckpt):
@@ -427,7 +431,8 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     else:
         for name, value, default in (("expert_tensor_parallel_size", plan.expert_tensor_parallel_size, None),
                                      ("moe_token_dispatcher_type", plan.moe_token_dispatcher_type, "allgather"),
-                                     ("moe_grouped_gemm", plan.moe_grouped_gemm, False)):
+                                     ("moe_grouped_gemm", plan.moe_grouped_gemm, False),
+                                     ("moe_shared_expert_overlap", plan.moe_shared_expert_overlap, False)):
             _check(value == default, f"{name}{'' if isinstance(value, bool) else f' {value!r}'} needs num_experts (a "
                                      f"mixture-of-experts model); the model is dense")
 
@@ -459,6 +464,14 @@ def _validate_moe(model: ModelSpec, plan: Plan) -> None:
     _check(not plan.recompute.recomputes("shared_experts") or model.moe_shared_expert_intermediate_size,
            "recompute module shared_experts: the model has no shared expert (moe_shared_expert_intermediate_size); "
            "valid: moe, moe_act, layernorm, core_attn")
+    if plan.moe_shared_expert_overlap:  # megatron-core's TransformerConfig rules
+        _check(bool(model.moe_shared_expert_intermediate_size),
+               "moe_shared_expert_overlap needs a shared expert (moe_shared_expert_intermediate_size)")
+        _check(plan.moe_token_dispatcher_type == "alltoall",
+               f"moe_shared_expert_overlap only works with moe_token_dispatcher_type alltoall (megatron-core raises), "
+               f"got {plan.moe_token_dispatcher_type!r}")
+        _check(not plan.recompute.recomputes("shared_experts"),
+               "recompute module shared_experts cannot work with moe_shared_expert_overlap (megatron-core raises)")
     _check(not any(plan.alphas()), f"offload_alpha {plan.offload_alpha} with a mixture-of-experts model: h3t-ext's "
                                    f"activation offload runs in its runtime, which has no MoE layers; valid: 0")
 

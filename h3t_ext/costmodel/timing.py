@@ -400,7 +400,7 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
             plan.fp8 is not None, plan.fp8_recipe, plan.recompute,
             chunk_layers(model, plan) if plan.recompute.full else None,
             (plan.expert_model_parallel_size, plan.expert_tensor_parallel_size, plan.moe_token_dispatcher_type,
-             plan.moe_grouped_gemm) if model.is_moe else None)
+             plan.moe_grouped_gemm, plan.moe_shared_expert_overlap) if model.is_moe else None)
 
 
 def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
@@ -463,14 +463,23 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
         ours += act if base == "ours" else 0.0
         ep = moe.dispatch_seconds(model, plan, system)
         moe_forward = {"moe": moe_f + ep, "moe_act": act}
+        if plan.moe_shared_expert_overlap:  # the shared expert's GEMMs run while the exchange does, each way
+            q = plan.fp8 is not None
+            shared = {p_: sum(linear_pass_seconds(p_, *shapes[k], r, fp8=q) for k in ("fc1", "fc2"))
+                      for p_ in LINEAR_PASSES}
+            ep_f, ep_b = max(0.0, ep - shared["fwd"]), max(0.0, ep - shared["dgrad"] - shared["wgrad"])
     rec, tp_rec, cp_rec = recompute_seconds(
         recompute, chunk_layers(model, plan), forward=fwd, attention_forward=a["fwd"], mlp_forward=mlp_fwd,
         base=ours, tp_forward=tp_f, cp_forward=a["cp_fwd"], moe_forward=moe_forward)
     layers = chunk_layers(model, plan)  # a full unit's layers rerun their exchanges too
     ep_rec = ep * chunk_units(recompute, layers)[1] / layers if ep and layers > 0 else 0.0
+    if ep and not plan.moe_shared_expert_overlap:
+        ep_f = ep_b = ep
+    elif not ep:
+        ep_f = ep_b = 0.0
     return LayerTime(fwd=fwd, bwd=bwd, recompute=rec, tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_rec,
-                     cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=cp_rec, ep_fwd=ep or 0.0,
-                     ep_bwd=ep or 0.0, ep_recompute=ep_rec)
+                     cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=cp_rec, ep_fwd=ep_f,
+                     ep_bwd=ep_b, ep_recompute=ep_rec)
 
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:

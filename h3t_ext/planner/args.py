@@ -43,7 +43,8 @@ _FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|
                     r"data_parallel_sharding_strategy|tp_comm_overlap|sequence_parallel|overlap_param_gather|"
                     r"overlap_grad_reduce|use_torch_fsdp2|window_size|window_attn_skip_freq|num_experts|moe_router_topk|"
                     r"moe_ffn_hidden_size|moe_shared_expert_intermediate_size|expert_model_parallel_size|"
-                    r"expert_tensor_parallel_size|moe_token_dispatcher_type|moe_grouped_gemm|moe_layer_freq)\b")
+                    r"expert_tensor_parallel_size|moe_token_dispatcher_type|moe_grouped_gemm|moe_layer_freq|"
+                    r"moe_shared_expert_overlap)\b")
 
 
 def flagify(reason: str) -> str:
@@ -58,7 +59,8 @@ class UsageError(Exception):
 UNPRICED_MODEL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--moe-",), "these mixture-of-experts settings (it prices --num-experts, --moe-router-topk, --moe-ffn-hidden-size, "
                   "--moe-shared-expert-intermediate-size, --moe-layer-freq, --expert-model-parallel-size, "
-                  "--expert-tensor-parallel-size, --moe-token-dispatcher-type and --moe-grouped-gemm, and takes the "
+                  "--expert-tensor-parallel-size, --moe-token-dispatcher-type, --moe-grouped-gemm and "
+                  "--moe-shared-expert-overlap, and takes the "
                   "routing flags such as --moe-aux-loss-coeff as written, priced alike)"),
     (("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
       "--v-head-dim"), "multi-latent attention"),
@@ -215,6 +217,9 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     e.add_argument("--moe-grouped-gemm", action="store_true",
                    help="one grouped GEMM per expert FC instead of one GEMM per expert" + (
                        " (always on in the plans searched)" if search else ""))
+    e.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="the shared expert runs beside the token exchange (alltoall dispatcher), hiding it up to the "
+                        "shared expert's compute" + (" (on in the plans searched where it applies)" if search else ""))
     _add_routing_spellings(e)
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")

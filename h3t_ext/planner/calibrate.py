@@ -38,12 +38,14 @@ INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_paralle
               "microbatch_group_size_per_vp_stage", "expert_model_parallel_size", "expert_tensor_parallel_size")
 SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
             "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather",
-            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm")
+            "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm",
+            "moe_shared_expert_overlap")
 TEXT_FIELDS = ("fp8", "fp8_recipe", "pipeline_model_parallel_layout", "moe_token_dispatcher_type")
 """Megatron's --fp8-format (field ``fp8``; empty: BF16), --fp8-recipe, --pipeline-model-parallel-layout and
 --moe-token-dispatcher-type, as the run names them."""
 _SPLIT_GIVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm")
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm",
+            "moe_shared_expert_overlap")
 """Split flags with which a run's model chunks per rank are Megatron's --num-virtual-stages-per-pipeline-rank."""
 
 

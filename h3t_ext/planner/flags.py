@@ -107,7 +107,8 @@ _INT_FLAGS.update(_SPLIT_INTS)
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
                        "--no-overlap-p2p-communication", "--use-precision-aware-optimizer", "--use-torch-fsdp2",
                        "--torch-fsdp2-no-reshard-after-forward"})
-_OVERLAP = {"--moe-grouped-gemm": "moe_grouped_gemm", "--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
+_OVERLAP = {"--moe-grouped-gemm": "moe_grouped_gemm", "--moe-shared-expert-overlap": "moe_shared_expert_overlap",
+            "--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather",
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
             "--grad-reduce-in-bf16": "grad_reduce_in_bf16"}

@@ -19,7 +19,8 @@ from h3t_ext.planner.units import format_bytes
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
              "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
              "pipeline_model_parallel_layout", "microbatch_group_size_per_vp_stage", "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather",
-             "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type", "moe_grouped_gemm")
+             "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type", "moe_grouped_gemm",
+             "moe_shared_expert_overlap")
 
 
 def recompute_label(plan) -> str:

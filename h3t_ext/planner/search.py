@@ -321,8 +321,15 @@ def search(
                                                       "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                                                       "grad_reduce_in_bf16", "fp16")}
     if model.is_moe:  # the experts' switches; the memory ladder's options are not priced with experts
-        switches.update(moe_token_dispatcher_type=constraints.moe_token_dispatcher_type or "alltoall",
-                        moe_grouped_gemm=True)
+        dispatcher = constraints.moe_token_dispatcher_type or "alltoall"
+        if constraints.moe_shared_expert_overlap and not model.moe_shared_expert_intermediate_size:
+            raise InvalidPlanError("moe_shared_expert_overlap needs a shared expert (moe_shared_expert_intermediate_size)")
+        if constraints.moe_shared_expert_overlap and dispatcher != "alltoall":
+            raise InvalidPlanError(f"moe_shared_expert_overlap only works with moe_token_dispatcher_type alltoall "
+                                   f"(megatron-core raises), got {dispatcher!r}")
+        switches.update(moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=True,
+                        moe_shared_expert_overlap=bool(model.moe_shared_expert_intermediate_size)
+                        and dispatcher == "alltoall")
     best_first = top is not None and not exhaustive
     budgets = _Budgets(memory_budget_bytes, host_memory_budget_bytes,
                        () if model.is_moe else constraints.memory_ladder)

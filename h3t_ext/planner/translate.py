@@ -80,6 +80,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "expert_tensor_parallel_size": None,  # Megatron-LM: t
     "moe_token_dispatcher_type": "allgather",
     "moe_grouped_gemm": False,
+    "moe_shared_expert_overlap": False,
 }
 """Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
 not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
@@ -96,7 +97,7 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "fp8_recipe", "fp8_param_gather", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",
            "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
-           "moe_grouped_gemm")
+           "moe_grouped_gemm", "moe_shared_expert_overlap")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
 save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""
@@ -295,6 +296,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         expert_model_parallel_size=given("expert_model_parallel_size"),
         expert_tensor_parallel_size=given("expert_tensor_parallel_size"),
         moe_token_dispatcher_type=given("moe_token_dispatcher_type"),
+        moe_shared_expert_overlap=bool(given("moe_shared_expert_overlap")),
         **_precision(read, fixed),
         memory_ladder=_ladder(read, fixed, switches) if memory_ladder is None else memory_ladder,
         **{k: (v if k == "optimizer_offload_fraction" else bool(v)) for k, v in switches.items()},

@@ -265,8 +265,9 @@ def test_cli_estimates_a_moe_model_and_names_its_expert_layout(capsys):
 
 
 @pytest.mark.parametrize("extra, fragment", [
-    (["--model", "mixtral-8x7b", "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap: the cost model does "
-                                                                  "not price"),
+    (["--model", "mixtral-8x7b", "--moe-token-drop-policy", "probs"], "--moe-token-drop-policy: the cost model does "
+                                                                      "not price"),
+    (["--model", "mixtral-8x7b", "--moe-shared-expert-overlap"], "--moe-shared-expert-overlap needs a shared expert"),
     (["--model", "mixtral-8x7b", "--expert-model-parallel-size", "3"], "= 3 does not divide the 64 ranks of a pipeline "
                                                                        "stage"),
     (["--model", "mixtral-8x7b", "--expert-model-parallel-size", "16", "--expert-tensor-parallel-size", "1"],
@@ -464,3 +465,43 @@ def test_routing_flags_of_a_training_script_are_priced_alike(capsys):
     assert scripted["peak_memory_bytes"] == plain["peak_memory_bytes"]
     err = _error(["estimate", "--model", "qwen3-30b-a3b", *RUN, "--moe-expert-capacity-factor", "1.0"], capsys)
     assert "--moe-expert-capacity-factor: the cost model does not price these mixture-of-experts settings" in err
+
+
+def test_shared_expert_overlap_hides_the_exchange_up_to_the_shared_experts_compute():
+    from h3t_ext.costmodel.kernels import kernel_rates, linear_pass_seconds
+    from h3t_ext.costmodel.timing import layer_gemm_shapes, layer_time
+    m = dataclasses.replace(get_model("qwen3-235b-a22b"), moe_shared_expert_intermediate_size=4096)
+    plan = Plan(num_gpus=256, seq_length=4096, global_batch_size=2048, tensor_model_parallel_size=2,
+                pipeline_model_parallel_size=2, expert_model_parallel_size=32, expert_tensor_parallel_size=1,
+                moe_token_dispatcher_type="alltoall", moe_grouped_gemm=True)
+    r, shapes = kernel_rates(H100), layer_gemm_shapes(m, plan)
+
+    def shared(p_):
+        return sum(linear_pass_seconds(p_, *shapes[k], r) for k in ("fc1", "fc2"))
+
+    plain = layer_time(m, plan, H100)
+    hidden = layer_time(m, dataclasses.replace(plan, moe_shared_expert_overlap=True), H100)
+    assert plain.ep_fwd > shared("fwd") > 0  # cross-node EP32: the exchange outlasts the shared expert
+    assert hidden.ep_fwd == pytest.approx(plain.ep_fwd - shared("fwd"))
+    assert hidden.ep_bwd == pytest.approx(plain.ep_bwd - shared("dgrad") - shared("wgrad"))
+    assert hidden.fwd == plain.fwd and hidden.bwd == plain.bwd  # the shared expert still computes
+    flags = megatron_flags(dataclasses.replace(plan, moe_shared_expert_overlap=True), moe=True)
+    assert "--moe-shared-expert-overlap" in flags
+    assert plan_from_megatron_flags(flags, num_gpus=256, seq_length=4096, num_experts=128).moe_shared_expert_overlap
+    kw = dict(constraints=SearchConstraints(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                            expert_model_parallel_size=32))
+    best = search(m, H100, num_gpus=256, seq_length=4096, global_batch_size=2048, top=1, **kw).best
+    assert best.plan.moe_shared_expert_overlap  # on wherever it applies
+
+
+@pytest.mark.parametrize("model_change, plan_change, reason", [
+    ({}, {}, "needs a shared expert"),
+    ({"moe_shared_expert_intermediate_size": 4096}, {"moe_token_dispatcher_type": "allgather"},
+     "only works with moe_token_dispatcher_type alltoall"),
+    ({"moe_shared_expert_intermediate_size": 4096},
+     {"recompute": Recompute.parse("selective", modules=["shared_experts"], moe=True)}, "cannot work with"),
+])
+def test_shared_expert_overlap_refusals(model_change, plan_change, reason):
+    m = dataclasses.replace(get_model("mixtral-8x7b"), **model_change)
+    with pytest.raises(InvalidPlanError, match=reason):
+        validate_plan(m, _plan(expert_tensor_parallel_size=1, moe_shared_expert_overlap=True, **plan_change), H100)
