@@ -340,8 +340,8 @@ MOE_ROUTING_SPELLINGS: tuple[tuple[str, dict], ...] = (
 """Megatron's MoE routing flags a training script carries that change what the router computes, not what a step
 costs: accepted as written and priced alike (routing is priced balanced, as --moe-router-force-load-balancing
 makes it; the router's scores in fp32, as --moe-router-dtype fp32 keeps them; the permute's and the router's bytes
-fused or not). Capacity factors, token dropping and the overlaps of the shared expert or the all-to-all change the
-cost and are refused as not priced."""
+fused or not). Capacity factors, token dropping and the all-to-all's overlap with the other microbatch change the cost
+and are refused as not priced."""
 
 
 def _add_routing_spellings(g) -> None:
