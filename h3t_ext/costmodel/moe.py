@@ -229,6 +229,42 @@ def dispatch_seconds(model: ModelSpec, plan, system: SystemSpec) -> float:
     return 2 * (a2a + gather)
 
 
+@dataclass(frozen=True)
+class MoELayerTime:
+    """What a MoE layer adds to one layer's time, per microbatch on one rank (``timing``'s ``LayerTime`` takes it)."""
+
+    fwd: float
+    """Router, experts' GEMMs and element-wise work (softmax/top-k, permute/unpermute, activation) of the forward."""
+    bwd: float
+    """... of the backward."""
+    act: float
+    """The experts' activation forward: what ckpt=ours and Megatron's ``moe_act`` recompute."""
+    exchange: float
+    """One direction's token exchange (:func:`dispatch_seconds`), before any overlap."""
+    exchange_fwd: float
+    """The forward's exchange left exposed (less the shared expert's forward GEMMs with --moe-shared-expert-overlap)."""
+    exchange_bwd: float
+    """... the backward's (less the shared expert's data- and weight-gradient GEMMs)."""
+
+
+def layer_seconds(model: ModelSpec, plan, system: SystemSpec, r: KernelRates,
+                  shared_gemms: dict[str, float]) -> MoELayerTime:
+    """A MoE layer's own work and exchanges; ``shared_gemms``: the tensor-parallel MLP's (the shared expert's) GEMM
+    seconds by pass, which --moe-shared-expert-overlap runs beside the exchange."""
+    x = expert_gemm_seconds(model, plan, r)
+    m_fwd, m_bwd, m_act = elementwise_bytes(model, plan)
+    kernels = elementwise_kernels()
+    ep = dispatch_seconds(model, plan, system)
+    ep_f = ep_b = ep
+    if plan.moe_shared_expert_overlap:
+        ep_f = max(0.0, ep - shared_gemms["fwd"])
+        ep_b = max(0.0, ep - shared_gemms["dgrad"] - shared_gemms["wgrad"])
+    return MoELayerTime(fwd=x["fwd"] + elementwise_seconds(m_fwd, r, kernels=kernels),
+                        bwd=x["dgrad"] + x["wgrad"] + elementwise_seconds(m_bwd, r, kernels=kernels),
+                        act=elementwise_seconds(m_act, r, kernels=1), exchange=ep, exchange_fwd=ep_f,
+                        exchange_bwd=ep_b)
+
+
 def expert_terms(model: ModelSpec, plan, *, dtype_bytes: int = BF16, layer_spec: str = "te") -> dict[str, int]:
     """Saved bytes of one MoE layer's router and experts per local token, by term, before any recompute
     (module docstring)."""
@@ -260,7 +296,7 @@ def kept_expert_bytes(model: ModelSpec, plan, base: str, modules: tuple[str, ...
     return sum(v for key, v in terms.items() if key not in drop)
 
 
-__all__ = ["EXPERT_TERMS", "MOE_TOKEN_DISPATCHERS", "ExpertShapes", "all_to_all_seconds", "dispatch_seconds",
+__all__ = ["EXPERT_TERMS", "MOE_TOKEN_DISPATCHERS", "ExpertShapes", "MoELayerTime", "layer_seconds", "all_to_all_seconds", "dispatch_seconds",
            "elementwise_bytes", "elementwise_kernels", "expert_data_parallel_size", "expert_gemm_seconds", "grouped_pass_seconds",
            "expert_shapes", "expert_tensor_parallel_size", "expert_terms", "expert_token_copies",
            "kept_expert_bytes", "local_tokens"]

@@ -450,36 +450,22 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     bwd = g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd + cast_bwd
     base, recompute = plan_recompute(plan)  # ckpt full / selective are Megatron's recompute on ckpt no
     shapes = layer_gemm_shapes(model, plan)
-    mlp_fwd = sum(linear_pass_seconds("fwd", *shapes[k], r, fp8=plan.fp8 is not None) for k in ("fc1", "fc2"))
+    q = plan.fp8 is not None
+    mlp = {p_: sum(linear_pass_seconds(p_, *shapes[k], r, fp8=q) for k in ("fc1", "fc2")) for p_ in LINEAR_PASSES}
     ours = elementwise_seconds(elem_ours, r, kernels=OURS_RECOMPUTE_KERNELS) if base == "ours" else 0.0
-    ep = moe_forward = None
-    if model.is_moe:
-        x = moe.expert_gemm_seconds(model, plan, r)
-        m_fwd, m_bwd, m_act = moe.elementwise_bytes(model, plan)
-        kernels = moe.elementwise_kernels()
-        moe_f = x["fwd"] + elementwise_seconds(m_fwd, r, kernels=kernels)
-        fwd, bwd = fwd + moe_f, bwd + x["dgrad"] + x["wgrad"] + elementwise_seconds(m_bwd, r, kernels=kernels)
-        act = elementwise_seconds(m_act, r, kernels=1)
-        ours += act if base == "ours" else 0.0
-        ep = moe.dispatch_seconds(model, plan, system)
-        moe_forward = {"moe": moe_f + ep, "moe_act": act}
-        if plan.moe_shared_expert_overlap:  # the shared expert's GEMMs run while the exchange does, each way
-            q = plan.fp8 is not None
-            shared = {p_: sum(linear_pass_seconds(p_, *shapes[k], r, fp8=q) for k in ("fc1", "fc2"))
-                      for p_ in LINEAR_PASSES}
-            ep_f, ep_b = max(0.0, ep - shared["fwd"]), max(0.0, ep - shared["dgrad"] - shared["wgrad"])
+    x = moe.layer_seconds(model, plan, system, r, mlp) if model.is_moe else None
+    if x is not None:
+        fwd, bwd, ours = fwd + x.fwd, bwd + x.bwd, ours + (x.act if base == "ours" else 0.0)
     rec, tp_rec, cp_rec = recompute_seconds(
-        recompute, chunk_layers(model, plan), forward=fwd, attention_forward=a["fwd"], mlp_forward=mlp_fwd,
-        base=ours, tp_forward=tp_f, cp_forward=a["cp_fwd"], moe_forward=moe_forward)
+        recompute, chunk_layers(model, plan), forward=fwd, attention_forward=a["fwd"], mlp_forward=mlp["fwd"],
+        base=ours, tp_forward=tp_f, cp_forward=a["cp_fwd"],
+        moe_forward=None if x is None else {"moe": x.fwd + x.exchange, "moe_act": x.act})
     layers = chunk_layers(model, plan)  # a full unit's layers rerun their exchanges too
-    ep_rec = ep * chunk_units(recompute, layers)[1] / layers if ep and layers > 0 else 0.0
-    if ep and not plan.moe_shared_expert_overlap:
-        ep_f = ep_b = ep
-    elif not ep:
-        ep_f = ep_b = 0.0
+    ep_rec = x.exchange * chunk_units(recompute, layers)[1] / layers if x is not None and layers > 0 else 0.0
     return LayerTime(fwd=fwd, bwd=bwd, recompute=rec, tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_rec,
-                     cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=cp_rec, ep_fwd=ep_f,
-                     ep_bwd=ep_b, ep_recompute=ep_rec)
+                     cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=cp_rec,
+                     ep_fwd=0.0 if x is None else x.exchange_fwd, ep_bwd=0.0 if x is None else x.exchange_bwd,
+                     ep_recompute=ep_rec)
 
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:

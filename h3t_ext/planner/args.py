@@ -18,7 +18,6 @@ from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, OPTIMIZER_IMPLS, TR
 from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.attention_window import WindowFlagError, parse_skip_freq, parse_window_size
-from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 from h3t_ext.planner import cli_flags, translate
 from h3t_ext.planner.space import SearchConstraints
 from h3t_ext.layer_pattern import evaluate_pattern
@@ -202,25 +201,8 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     cli_flags.add_virtual_pipeline_flags(p, count=_positive_int, uneven=not search)
     p.add_argument("--ckpt", choices=CKPT_CHOICES, default=None, help="h3t-ext's checkpointing (default no)")
     cli_flags.add_recompute_flags(p, count=_positive_int, full_method=not search)
-    e = sp.add_argument_group("experts (a model with --num-experts" + ("; fixes that dimension of the search)"
-                                                                        if search else ")"))
-    e.add_argument("--expert-model-parallel-size", type=_positive_int, default=None if search else 1,
-                   help="ep: ranks that split the experts (E / ep each); it divides --num-experts and, times "
-                        "--expert-tensor-parallel-size, the ranks of a pipeline stage")
-    e.add_argument("--expert-tensor-parallel-size", type=_positive_int, default=None,
-                   help="etp: ranks that split each expert's weights (default: " + (
-                       "1 in the plans searched" if search else "--tensor-model-parallel-size, as Megatron-LM") + ")")
-    e.add_argument("--moe-token-dispatcher-type", choices=MOE_TOKEN_DISPATCHERS, default=None,
-                   help="how tokens reach their experts: allgather (Megatron-LM's default), alltoall, or flex (DeepEP: "
-                        "each token crosses the network once per node its experts lie in)" + (
-                            " (default alltoall in the plans searched)" if search else ""))
-    e.add_argument("--moe-grouped-gemm", action="store_true",
-                   help="one grouped GEMM per expert FC instead of one GEMM per expert" + (
-                       " (always on in the plans searched)" if search else ""))
-    e.add_argument("--moe-shared-expert-overlap", action="store_true",
-                   help="the shared expert runs beside the token exchange (alltoall dispatcher), hiding it up to the "
-                        "shared expert's compute" + (" (on in the plans searched where it applies)" if search else ""))
-    _add_routing_spellings(e)
+    cli_flags.add_expert_flags(sp.add_argument_group("experts (a model with --num-experts" + (
+        "; fixes that dimension of the search)" if search else ")")), count=_positive_int, search=search)
     p.add_argument("--overlap-grad-reduce", action="store_true", help="data-parallel reduce-scatter behind backward")
     p.add_argument("--overlap-param-gather", action="store_true", help="parameter all-gather behind forward")
     p.add_argument("--grad-reduce-in-bf16", action="store_true",
@@ -320,34 +302,6 @@ def _nonnegative_int(text: str) -> int:
 
 def _add_megatron_offload(p) -> None:
     cli_flags.add_megatron_offload_flags(p, nonnegative=_nonnegative_int, fraction=_fraction)
-
-
-MOE_ROUTING_SPELLINGS: tuple[tuple[str, dict], ...] = (
-    ("--moe-router-load-balancing-type", dict(choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
-                                                        "none"))),
-    ("--moe-aux-loss-coeff", dict(type=float)),
-    ("--moe-z-loss-coeff", dict(type=float)),
-    ("--moe-router-topk-scaling-factor", dict(type=float)),
-    ("--moe-router-score-function", dict(choices=("softmax", "sigmoid"))),
-    ("--moe-router-dtype", dict(choices=("fp32", "fp64"))),
-    ("--moe-router-bias-update-rate", dict(type=float)),
-    ("--moe-router-pre-softmax", dict(action="store_true")),
-    ("--moe-router-enable-expert-bias", dict(action="store_true")),
-    ("--moe-permute-fusion", dict(action="store_true")),
-    ("--moe-router-fusion", dict(action="store_true")),
-    ("--moe-router-force-load-balancing", dict(action="store_true")),
-)
-"""Megatron's MoE routing flags a training script carries that change what the router computes, not what a step
-costs: accepted as written and priced alike (routing is priced balanced, as --moe-router-force-load-balancing
-makes it; the router's scores in fp32, as --moe-router-dtype fp32 keeps them; the permute's and the router's bytes
-fused or not). Capacity factors, token dropping and the all-to-all's overlap with the other microbatch change the cost
-and are refused as not priced."""
-
-
-def _add_routing_spellings(g) -> None:
-    for flag, kw in MOE_ROUTING_SPELLINGS:
-        g.add_argument(flag, default=None, dest="_spelling_" + flag[2:].replace("-", "_"),
-                       help="Megatron's routing flag, accepted as written in a training script: priced alike", **kw)
 
 
 def _add_system(g) -> None:

@@ -1,5 +1,6 @@
 """Megatron-LM's layout, sliding-window, recompute and activation-offload flags, defined once for both command lines that take
-them: ``h3t-plan`` (:mod:`h3t_ext.planner.args`) and the training driver (``h3t_training/config/arguments.py``).
+them: ``h3t-plan`` (:mod:`h3t_ext.planner.args`) and the training driver (``h3t_training/config/arguments.py``); and a
+MoE model's expert flags (:func:`add_expert_flags`: ``h3t-plan`` only, the driver refuses MoE layers).
 
 Each function adds one family of flags to an argparse group with Megatron-LM's names, destinations, choices and
 help. What differs between the two command lines is passed in, not copied: the type that parses a count (the
@@ -16,6 +17,7 @@ from typing import Any, Callable, Optional
 
 from h3t_ext.ckpt import DENSE_RECOMPUTE_MODULES, RECOMPUTE_GRANULARITIES, RECOMPUTE_METHODS
 from h3t_ext.costmodel.megatron_offload import DENSE_OFFLOAD_MODULES, MIN_OFFLOADED_TENSOR_SIZE
+from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 
 Parse = Callable[[str], Any]
 
@@ -122,3 +124,51 @@ def add_megatron_offload_flags(g, *, nonnegative: Parse, fraction: Parse) -> Non
 
 __all__ = ["PARALLEL_SIZE_FLAGS", "add_megatron_offload_flags", "add_parallel_size_flags", "add_recompute_flags",
            "add_virtual_pipeline_flags", "recompute_granularity_of"]
+
+
+MOE_ROUTING_SPELLINGS: tuple[tuple[str, dict], ...] = (
+    ("--moe-router-load-balancing-type", dict(choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                                        "none"))),
+    ("--moe-aux-loss-coeff", dict(type=float)),
+    ("--moe-z-loss-coeff", dict(type=float)),
+    ("--moe-router-topk-scaling-factor", dict(type=float)),
+    ("--moe-router-score-function", dict(choices=("softmax", "sigmoid"))),
+    ("--moe-router-dtype", dict(choices=("fp32", "fp64"))),
+    ("--moe-router-bias-update-rate", dict(type=float)),
+    ("--moe-router-pre-softmax", dict(action="store_true")),
+    ("--moe-router-enable-expert-bias", dict(action="store_true")),
+    ("--moe-permute-fusion", dict(action="store_true")),
+    ("--moe-router-fusion", dict(action="store_true")),
+    ("--moe-router-force-load-balancing", dict(action="store_true")),
+)
+"""Megatron's MoE routing flags a training script carries that change what the router computes, not what a step
+costs: the planner accepts them as written and prices alike (routing is priced balanced, as
+--moe-router-force-load-balancing makes it; the router's scores in fp32, as --moe-router-dtype fp32 keeps them; the
+permute's and the router's bytes fused or not). Capacity factors, token dropping and the all-to-all's overlap with the
+other microbatch change the cost and are refused as not priced."""
+
+
+def add_expert_flags(g, *, count: Parse, search: bool) -> None:
+    """A MoE model's expert layout (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``,
+    ``--moe-token-dispatcher-type``, ``--moe-grouped-gemm``, ``--moe-shared-expert-overlap``) and the routing flags
+    priced alike (:data:`MOE_ROUTING_SPELLINGS`); ``search``: the sizes left to be chosen unless given."""
+    g.add_argument("--expert-model-parallel-size", type=count, default=None if search else 1,
+                   help="ep: ranks that split the experts (E / ep each); it divides --num-experts and, times "
+                        "--expert-tensor-parallel-size, the ranks of a pipeline stage")
+    g.add_argument("--expert-tensor-parallel-size", type=count, default=None,
+                   help="etp: ranks that split each expert's weights (default: " + (
+                       "1, and with t > 1 also t, in the plans searched" if search
+                       else "--tensor-model-parallel-size, as Megatron-LM") + ")")
+    g.add_argument("--moe-token-dispatcher-type", choices=MOE_TOKEN_DISPATCHERS, default=None,
+                   help="how tokens reach their experts: allgather (Megatron-LM's default), alltoall, or flex (DeepEP: "
+                        "each token crosses the network once per node its experts lie in)" + (
+                            " (default alltoall in the plans searched)" if search else ""))
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="one grouped GEMM per expert FC instead of one GEMM per expert" + (
+                       " (always on in the plans searched)" if search else ""))
+    g.add_argument("--moe-shared-expert-overlap", action="store_true",
+                   help="the shared expert runs beside the token exchange (alltoall dispatcher), hiding it up to the "
+                        "shared expert's compute" + (" (on in the plans searched where it applies)" if search else ""))
+    for flag, kw in MOE_ROUTING_SPELLINGS:
+        g.add_argument(flag, default=None, dest="_spelling_" + flag[2:].replace("-", "_"),
+                       help="Megatron's routing flag, accepted as written in a training script: priced alike", **kw)
