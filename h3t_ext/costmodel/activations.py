@@ -63,6 +63,7 @@ from typing import Optional
 
 from h3t_ext.ckpt import NO_RECOMPUTE, Ckpt, Recompute
 from h3t_ext.costmodel import moe
+from h3t_ext.costmodel.moe import local_tokens  # one rule: b s / (c t) tokens of a rank's local sequence shard
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.recompute import chunk_layers_bytes, core_attention_pinned_qkv, plan_recompute, \
     recomputes_core_attention, selective_terms
@@ -293,11 +294,6 @@ def rope_bytes_per_layer(model: ModelSpec, plan, *, dtype_bytes: int = BF16, lay
     if layer_spec != "local" or not model.rotates_qk:
         return 0
     return 4 * (plan.seq_length // plan.context_parallel_size) * model.head_dim * dtype_bytes
-
-
-def local_tokens(plan) -> int:
-    """Tokens of one microbatch on a rank's local sequence shard: b s / (c t)."""
-    return plan.micro_batch_size * plan.seq_length // (plan.context_parallel_size * plan.tensor_model_parallel_size)
 
 
 def layer_kept_bytes(model: ModelSpec, plan, *, tensor_model_parallel_size: int, sequence_parallel: bool = True,

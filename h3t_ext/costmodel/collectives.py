@@ -79,11 +79,13 @@ def _group_node_spread_walk(stride: int, size: int, gpus_per_node: int) -> int:
     return fewest if crosses else 0
 
 
-def _nvlink(system: SystemSpec) -> float:
+def nvlink_rate(system: SystemSpec) -> float:
+    """Bytes/s one GPU drives over its NVLink port: ``nvlink_bandwidth`` x ``nvlink_fraction``."""
     return system.nvlink_bandwidth * system.efficiency("nvlink_fraction")
 
 
-def _nic(system: SystemSpec) -> float:
+def nic_rate(system: SystemSpec) -> float:
+    """Bytes/s one GPU drives through its NIC: ``network_bandwidth`` x ``network_fraction``."""
     return system.network_bandwidth * system.efficiency("network_fraction")
 
 
@@ -91,16 +93,16 @@ def group_link(stride: int, size: int, system: SystemSpec) -> Link:
     """The ring of a group of ``size`` ranks ``stride`` apart."""
     k = group_node_spread(stride, size, system.gpus_per_node)
     if k == 0:
-        return Link(_nvlink(system), system.nvlink_latency_s)
-    return Link(min(_nvlink(system), k * _nic(system)), system.network_latency_s)
+        return Link(nvlink_rate(system), system.nvlink_latency_s)
+    return Link(min(nvlink_rate(system), k * nic_rate(system)), system.network_latency_s)
 
 
 def p2p_link(stride: int, size: int, system: SystemSpec) -> Link:
     """A transfer between pipeline neighbours ``stride`` apart: one NIC when any neighbour pair crosses a
     node (the fill/drain critical path goes through every pair), NVLink otherwise."""
     if group_node_spread(stride, size, system.gpus_per_node) == 0:
-        return Link(_nvlink(system), system.nvlink_latency_s)
-    return Link(_nic(system), system.network_latency_s)
+        return Link(nvlink_rate(system), system.nvlink_latency_s)
+    return Link(nic_rate(system), system.network_latency_s)
 
 
 def all_gather_seconds(nbytes: float, size: int, link: Link) -> float:
@@ -116,6 +118,19 @@ reduce_scatter_seconds = all_gather_seconds
 def all_reduce_seconds(nbytes: float, size: int, link: Link) -> float:
     """Ring all-reduce of ``nbytes``: reduce-scatter + all-gather."""
     return 2 * all_gather_seconds(nbytes, size, link)
+
+
+def all_to_all_seconds(nbytes: float, size: int, stride: int, system: SystemSpec) -> float:
+    """An all-to-all over ``size`` ranks ``stride`` apart in which every rank sends ``nbytes`` in ``size`` equal parts
+    (one it keeps). The parts for members in its node go over NVLink, the others over the rank's NIC, at once; the
+    node with the fewest members (:func:`group_node_spread`) sends most over the network."""
+    if size <= 1:
+        return 0.0
+    k = group_node_spread(stride, size, system.gpus_per_node)
+    if k == 0:
+        return system.nvlink_latency_s + (size - 1) / size * nbytes / nvlink_rate(system)
+    return system.network_latency_s + max((k - 1) / size * nbytes / nvlink_rate(system),
+                                          (size - k) / size * nbytes / nic_rate(system))
 
 
 def p2p_seconds(nbytes: float, link: Link) -> float:

@@ -54,7 +54,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from h3t_ext.costmodel.collectives import all_gather_seconds, group_link, group_node_spread
+from h3t_ext.costmodel.collectives import all_gather_seconds, all_to_all_seconds, group_link, group_node_spread, \
+    nic_rate, nvlink_rate
 from h3t_ext.costmodel.elementwise import activation_elements
 from h3t_ext.costmodel.kernels import KernelRates, elementwise_seconds, gemm_seconds, linear_pass_gemm, \
     linear_pass_seconds
@@ -91,7 +92,8 @@ def expert_data_parallel_size(plan) -> int:
 
 
 def local_tokens(plan) -> int:
-    """T: tokens of one microbatch a rank holds at a MoE layer's input, b s / (c t)."""
+    """T: tokens of one microbatch on a rank's local sequence shard, b s / (c t) (a MoE layer's input with sequence
+    parallelism; ``activations`` counts saved bytes per such token)."""
     return plan.micro_batch_size * plan.seq_length // (plan.context_parallel_size * plan.tensor_model_parallel_size)
 
 
@@ -168,22 +170,6 @@ def elementwise_kernels() -> int:
     return ROUTER_KERNELS + PERMUTE_KERNELS
 
 
-def all_to_all_seconds(nbytes: float, size: int, stride: int, system: SystemSpec) -> float:
-    """An all-to-all over ``size`` ranks ``stride`` apart in which every rank sends ``nbytes`` in ``size`` equal parts
-    (one it keeps). The parts for members in its node go over NVLink, the others over the rank's NIC, at once; the
-    node with the fewest members (:func:`~h3t_ext.costmodel.collectives.group_node_spread`) sends most over the
-    network."""
-    if size <= 1:
-        return 0.0
-    k = group_node_spread(stride, size, system.gpus_per_node)
-    link = group_link(stride, size, system)
-    if k == 0:
-        return link.latency + (size - 1) / size * nbytes / link.bandwidth
-    nvlink = system.nvlink_bandwidth * system.efficiency("nvlink_fraction")
-    nic = system.network_bandwidth * system.efficiency("network_fraction")
-    return system.network_latency_s + max((k - 1) / size * nbytes / nvlink, (size - k) / size * nbytes / nic)
-
-
 def remote_nodes_per_token(model: ModelSpec, ep: int, members_per_node: int) -> float:
     """Expected number of other nodes a token's k experts lie in, when the ep ranks sit ``members_per_node`` to a
     node and each node holds E members_per_node / ep experts: (N - 1) (1 - C(E - E_n, k) / C(E, k)) for N nodes
@@ -204,10 +190,8 @@ def deepep_seconds(model: ModelSpec, tokens: int, ep: int, stride: int, system: 
     row = model.hidden_size * BF16
     if k == 0 or ep % k:
         return all_to_all_seconds(tokens * model.moe_router_topk * row, ep, stride, system)
-    nvlink = system.nvlink_bandwidth * system.efficiency("nvlink_fraction")
-    nic = system.network_bandwidth * system.efficiency("network_fraction")
-    network = tokens * remote_nodes_per_token(model, ep, k) * row / nic
-    local = tokens * model.moe_router_topk * row * (k - 1) / ep / nvlink
+    network = tokens * remote_nodes_per_token(model, ep, k) * row / nic_rate(system)
+    local = tokens * model.moe_router_topk * row * (k - 1) / ep / nvlink_rate(system)
     return system.network_latency_s + max(network, local)
 
 
@@ -248,17 +232,20 @@ class MoELayerTime:
 
 
 def layer_seconds(model: ModelSpec, plan, system: SystemSpec, r: KernelRates,
-                  shared_gemms: dict[str, float]) -> MoELayerTime:
-    """A MoE layer's own work and exchanges; ``shared_gemms``: the tensor-parallel MLP's (the shared expert's) GEMM
-    seconds by pass, which --moe-shared-expert-overlap runs beside the exchange."""
+                  shared_shapes: tuple[tuple[int, int, int], ...]) -> MoELayerTime:
+    """A MoE layer's own work and exchanges; ``shared_shapes``: (m, n, k) of the tensor-parallel MLP's FC1 and FC2 (the
+    shared expert's), whose GEMMs --moe-shared-expert-overlap runs beside the exchange."""
     x = expert_gemm_seconds(model, plan, r)
     m_fwd, m_bwd, m_act = elementwise_bytes(model, plan)
     kernels = elementwise_kernels()
     ep = dispatch_seconds(model, plan, system)
     ep_f = ep_b = ep
     if plan.moe_shared_expert_overlap:
-        ep_f = max(0.0, ep - shared_gemms["fwd"])
-        ep_b = max(0.0, ep - shared_gemms["dgrad"] - shared_gemms["wgrad"])
+        q = plan.fp8 is not None
+
+        def shared(*passes: str) -> float:
+            return sum(linear_pass_seconds(p, *shape, r, fp8=q) for p in passes for shape in shared_shapes)
+        ep_f, ep_b = max(0.0, ep - shared("fwd")), max(0.0, ep - shared("dgrad", "wgrad"))
     return MoELayerTime(fwd=x["fwd"] + elementwise_seconds(m_fwd, r, kernels=kernels),
                         bwd=x["dgrad"] + x["wgrad"] + elementwise_seconds(m_bwd, r, kernels=kernels),
                         act=elementwise_seconds(m_act, r, kernels=1), exchange=ep, exchange_fwd=ep_f,
@@ -296,7 +283,7 @@ def kept_expert_bytes(model: ModelSpec, plan, base: str, modules: tuple[str, ...
     return sum(v for key, v in terms.items() if key not in drop)
 
 
-__all__ = ["EXPERT_TERMS", "MOE_TOKEN_DISPATCHERS", "ExpertShapes", "MoELayerTime", "layer_seconds", "all_to_all_seconds", "dispatch_seconds",
+__all__ = ["EXPERT_TERMS", "MOE_TOKEN_DISPATCHERS", "ExpertShapes", "MoELayerTime", "layer_seconds", "dispatch_seconds",
            "elementwise_bytes", "elementwise_kernels", "expert_data_parallel_size", "expert_gemm_seconds", "grouped_pass_seconds",
            "expert_shapes", "expert_tensor_parallel_size", "expert_terms", "expert_token_copies",
            "kept_expert_bytes", "local_tokens"]

@@ -427,7 +427,7 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     _check(not plan.use_torch_fsdp2 or model.untie_embeddings_and_output_weights,
            "use_torch_fsdp2 needs untied embedding and output weights (Megatron-LM refuses FSDP2 with tied ones)")
     if model.is_moe:
-        _validate_moe(model, plan)
+        validate_moe(model, plan)
     else:
         for name, value, default in (("expert_tensor_parallel_size", plan.expert_tensor_parallel_size, None),
                                      ("moe_token_dispatcher_type", plan.moe_token_dispatcher_type, "allgather"),
@@ -447,7 +447,7 @@ MOE_OURS_REASON = ("ckpt ours with a mixture-of-experts model: it runs in h3t-ex
                    "tensors")
 
 
-def _validate_moe(model: ModelSpec, plan: Plan) -> None:
+def validate_moe(model: ModelSpec, plan: Plan) -> None:
     """A MoE model's plan: megatron-core's rule that tensor parallelism with experts runs sequence parallel, and
     the switches not priced with experts (:data:`MOE_UNPRICED`)."""
     _check(plan.tensor_model_parallel_size == 1 or plan.sequence_parallel,

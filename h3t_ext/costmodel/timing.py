@@ -450,14 +450,13 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     bwd = g["dgrad"] + g["wgrad"] + a["bwd"] + e_bwd + cast_bwd
     base, recompute = plan_recompute(plan)  # ckpt full / selective are Megatron's recompute on ckpt no
     shapes = layer_gemm_shapes(model, plan)
-    q = plan.fp8 is not None
-    mlp = {p_: sum(linear_pass_seconds(p_, *shapes[k], r, fp8=q) for k in ("fc1", "fc2")) for p_ in LINEAR_PASSES}
+    mlp_fwd = sum(linear_pass_seconds("fwd", *shapes[k], r, fp8=plan.fp8 is not None) for k in ("fc1", "fc2"))
     ours = elementwise_seconds(elem_ours, r, kernels=OURS_RECOMPUTE_KERNELS) if base == "ours" else 0.0
-    x = moe.layer_seconds(model, plan, system, r, mlp) if model.is_moe else None
+    x = moe.layer_seconds(model, plan, system, r, (shapes["fc1"], shapes["fc2"])) if model.is_moe else None
     if x is not None:
         fwd, bwd, ours = fwd + x.fwd, bwd + x.bwd, ours + (x.act if base == "ours" else 0.0)
     rec, tp_rec, cp_rec = recompute_seconds(
-        recompute, chunk_layers(model, plan), forward=fwd, attention_forward=a["fwd"], mlp_forward=mlp["fwd"],
+        recompute, chunk_layers(model, plan), forward=fwd, attention_forward=a["fwd"], mlp_forward=mlp_fwd,
         base=ours, tp_forward=tp_f, cp_forward=a["cp_fwd"],
         moe_forward=None if x is None else {"moe": x.fwd + x.exchange, "moe_act": x.act})
     layers = chunk_layers(model, plan)  # a full unit's layers rerun their exchanges too

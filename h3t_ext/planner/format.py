@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 from rich.table import Table
 
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
-from h3t_ext.costmodel import ModelSpec, SystemSpec
+from h3t_ext.costmodel import ModelSpec, SystemSpec, moe
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.layout import layout_stage_count
@@ -94,8 +94,8 @@ def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
     if p.microbatch_group_size_per_vp_stage is not None:
         inter += f" g={p.microbatch_group_size_per_vp_stage}"
     if model.is_moe:
-        etp = p.tensor_model_parallel_size if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
-        inter += f" ep={p.expert_model_parallel_size} etp={etp} dispatcher={p.moe_token_dispatcher_type}"
+        inter += (f" ep={p.expert_model_parallel_size} etp={moe.expert_tensor_parallel_size(p)} "
+                  f"dispatcher={p.moe_token_dispatcher_type}")
     return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
             f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} recompute={recompute_label(p)} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
             f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)}")

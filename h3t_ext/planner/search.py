@@ -37,7 +37,7 @@ from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, 
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.plan import MOE_OURS_REASON, applicable_switches, validate_switches
+from h3t_ext.costmodel.plan import MOE_OURS_REASON, applicable_switches, validate_moe, validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.planner.bounds import GROUP_ENTRY, LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
@@ -381,9 +381,8 @@ def _run_refusal(run: tuple, system: SystemSpec, model: Optional[ModelSpec] = No
                      **applicable_switches(switches, 1))
         validate_switches(probe)
         validate_fp8(probe, system)
-        if model is not None and model.is_moe and probe.fp8 is not None:  # the MoE switches the cost model refuses
-            raise InvalidPlanError(f"fp8 {probe.fp8!r} with a mixture-of-experts model: the cost model does not price "
-                                   f"FP8 expert GEMMs; valid: --precision bf16")
+        if model is not None and model.is_moe:  # the switches the cost model refuses with experts (FP8 among them)
+            validate_moe(model, probe)
     except InvalidPlanError as e:
         return e.reason
     return None

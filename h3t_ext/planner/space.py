@@ -16,6 +16,7 @@ plus the cost model's "t stays within one node":
 """
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
@@ -319,16 +320,31 @@ def _expert_grids(model: ModelSpec, stage_ranks: int, t: int, k: SearchConstrain
                   rejected: Counter) -> list[tuple[int, Optional[int]]]:
     """The (ep, etp) of a MoE model's plans on a pipeline stage of ``stage_ranks`` ranks at tensor-parallel size t: the
     fixed ones, else every divisor ep of the experts with etp 1 (megatron-core's recommended folding) and, with t > 1,
-    etp = t (Megatron's default), where ep etp divides the stage's ranks and etp each expert's width
-    (:meth:`h3t_ext.layout.ParallelLayout.check_experts`'s rules); [(1, None)] for a dense model."""
+    etp = t (Megatron's default), where :meth:`h3t_ext.layout.ParallelLayout.check_experts` and the layout's own grid
+    rule pass; [(1, None)] for a dense model."""
     if not model.is_moe:
         return [(1, None)]
-    etps = [k.expert_tensor_parallel_size] if k.expert_tensor_parallel_size else sorted({1, t})
-    out = []
-    for etp in etps:
-        for ep in _pick(k.expert_model_parallel_size, divisors(model.num_experts)):
-            if model.num_experts % ep or stage_ranks % (ep * etp) or model.expert_ffn_hidden_size % etp:
-                rejected[R_EP] += 1
+    grids, refused = _checked_grids(model.num_experts, model.expert_ffn_hidden_size, stage_ranks, t,
+                                    k.expert_model_parallel_size, k.expert_tensor_parallel_size)
+    if refused:
+        rejected[R_EP] += refused
+    return list(grids)
+
+
+@functools.lru_cache(maxsize=4096)
+def _checked_grids(num_experts: int, expert_ffn_hidden_size: int, stage_ranks: int, t: int, ep: Optional[int],
+                   etp: Optional[int]) -> tuple[tuple[tuple[int, int], ...], int]:
+    """(the (ep, etp) pairs the layout rules pass, how many they refuse) of :func:`_expert_grids` (pure; memoised: the
+    walk asks once per layer split and interleaving of a (t, c, p))."""
+    out, refused = [], 0
+    for e in ([etp] if etp else sorted({1, t})):
+        for size in _pick(ep, divisors(num_experts)):
+            reason = _refusal(lambda: ParallelLayout(
+                tensor_model_parallel_size=t, data_parallel_size=stage_ranks // t, expert_model_parallel_size=size,
+                expert_tensor_parallel_size=e).check_experts(num_experts=num_experts,
+                                                             expert_ffn_hidden_size=expert_ffn_hidden_size))
+            if reason:
+                refused += 1
             else:
-                out.append((ep, etp))
-    return out
+                out.append((size, e))
+    return tuple(out), refused

@@ -12,6 +12,7 @@ import pytest
 from h3t_ext.ckpt import Recompute
 from h3t_ext.costmodel import InvalidPlanError, estimate, get_model, get_system
 from h3t_ext.costmodel import moe
+from h3t_ext.costmodel.collectives import all_to_all_seconds
 from h3t_ext.costmodel.data_parallel import dp_comm, _group_comm
 from h3t_ext.costmodel.memory import stage_memory, stage_params
 from h3t_ext.costmodel.mfu import model_flops_per_token
@@ -122,23 +123,23 @@ def test_all_to_all_inside_a_node_and_across_nodes():
     n = 1 << 28
     nvlink = H100.nvlink_bandwidth * H100.efficiency("nvlink_fraction")
     nic = H100.network_bandwidth * H100.efficiency("network_fraction")
-    assert moe.all_to_all_seconds(n, 8, 1, H100) == pytest.approx(H100.nvlink_latency_s + 7 / 8 * n / nvlink)
+    assert all_to_all_seconds(n, 8, 1, H100) == pytest.approx(H100.nvlink_latency_s + 7 / 8 * n / nvlink)
     # 32 ranks, 8 to a node: 24/32 of the buffer leaves the node through the rank's NIC
-    assert moe.all_to_all_seconds(n, 32, 1, H100) == pytest.approx(H100.network_latency_s + 24 / 32 * n / nic)
-    assert moe.all_to_all_seconds(n, 1, 1, H100) == 0.0
+    assert all_to_all_seconds(n, 32, 1, H100) == pytest.approx(H100.network_latency_s + 24 / 32 * n / nic)
+    assert all_to_all_seconds(n, 1, 1, H100) == 0.0
 
 
 def test_deepep_crosses_the_network_once_per_node():
     m = get_model("qwen3-235b-a22b")
     tokens = 2048
     inside = moe.deepep_seconds(m, tokens, 8, 1, H100)
-    assert inside == moe.all_to_all_seconds(tokens * m.moe_router_topk * m.hidden_size * 2, 8, 1, H100)
+    assert inside == all_to_all_seconds(tokens * m.moe_router_topk * m.hidden_size * 2, 8, 1, H100)
     across = moe.deepep_seconds(m, tokens, 32, 1, H100)
-    a2a = moe.all_to_all_seconds(tokens * m.moe_router_topk * m.hidden_size * 2, 32, 1, H100)
+    a2a = all_to_all_seconds(tokens * m.moe_router_topk * m.hidden_size * 2, 32, 1, H100)
     assert across < 0.5 * a2a  # k = 8 copies, 6 of them off-node on average, against < 3 remote nodes
     top1 = dataclasses.replace(m, moe_router_topk=1)  # one copy: nothing to deduplicate
     assert moe.deepep_seconds(top1, tokens, 32, 1, H100) == pytest.approx(
-        moe.all_to_all_seconds(tokens * m.hidden_size * 2, 32, 1, H100))
+        all_to_all_seconds(tokens * m.hidden_size * 2, 32, 1, H100))
 
 
 def test_saved_expert_bytes_by_recompute():
