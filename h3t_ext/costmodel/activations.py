@@ -22,9 +22,16 @@ Terms of one transformer layer (elements per token; ``dtype_bytes`` each unless 
 * ``norm2_rstd``        1 fp32
 * ``norm2_output``      h      input of FC1
 * ``fc1_output``        2f     (f with GeLU) input of the activation function
-* ``swiglu_output``     f      output of the activation function
-* ``fc2_input``         f      the copy FC2 saves (TransformerEngine keeps its own); with the 'local' layer
-                               spec it is the same tensor as ``swiglu_output`` and is counted once.
+* ``swiglu_output``     f      output of the activation function, which FC2 saves as its input: one tensor
+                               (TransformerEngine's ``_Linear.forward`` saves the tensor it is given when no cast is
+                               needed, ``saved_inputmat = inputmat``; the local spec's linear layer too)
+* ``fc2_input``         f      FC2's own FP8 copy of that input (1 byte each), with FP8 only; the bf16
+                               ``swiglu_output`` is then freed once FC2 has quantized it
+* ``glu_activation``    f      an unfused SwiGLU's ``silu(gate)``, kept by the product for its backward
+                               (:func:`mlp_activation_impl` 'unfused' and 'legacy'; the 'te' spec only)
+* ``glu_linear_shifted`` f     megatron-core's unfused SwiGLU's ``linear + glu_linear_offset``, the product's other
+                               factor ('unfused' only: the legacy model multiplies the linear half, a view of
+                               ``fc1_output``, directly)
 * ``hidden_dropout_mask`` 2 h bytes: the bool masks of the two bias-dropout-adds, with hidden dropout
                                (flash attention's dropout keeps only its RNG state)
 
@@ -41,7 +48,14 @@ ckpt='ours' drops ``norm1_output``, ``norm2_output`` and ``swiglu_output``/``fc2
 backward from the kept norm inputs, rstd and FC1 output). ckpt='full' keeps only ``layer_input``. Megatron's
 ``--recompute-*`` flags (``Plan.recompute``: full uniform/block with N layers, selective modules) are priced
 per chunk by :mod:`h3t_ext.costmodel.recompute`.
-With bf16 and the 'te' spec, ckpt=no is 12h + 4h_kv + 8f (+ 4 heads + 8) bytes, ours 8h + 4h_kv + 4f (+ ...).
+With bf16 and the 'te' spec, ckpt=no is 12h + 4h_kv + 6f (+ 4 heads + 8) bytes (8f with the legacy model's
+SwiGLU, 10f with megatron-core's unfused one), ours 8h + 4h_kv + 4f (+ ...).
+
+Which SwiGLU runs (:func:`mlp_activation_impl`): megatron-core's fused bias-SwiGLU (Megatron-LM's default) saves
+its input only, and FC2 its output; unfused (--no-bias-swiglu-fusion) megatron-core 0.16+ computes
+``silu(gate) * (linear + offset)`` op by op and the product saves both factors; the legacy model (the ATC '24 runs,
+Megatron-Kwai: ``F.silu(x[0]) * x[1]``) saves ``silu(gate)`` and a view. The measured ATC '24 ckpt=no peaks
+(Figure 7, held out) are the legacy count; the local spec (h3t-ext's runtime) saves what the fused kernel saves.
 
 The last stage also holds the output layer's saved tensors of the microbatch whose last chunk is
 in its forward or backward (``output_layer_bytes``: the final norm's input, rstd and output, the
@@ -73,24 +87,39 @@ from h3t_ext.schedule import ActionKind, ScheduleConfig, build_schedule, offload
 
 REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
                           "hidden_dropout_mask")
-_OURS_DROPS = ("norm1_output", "norm2_output", "swiglu_output", "fc2_input")
+GLU_UNFUSED_TERMS = ("glu_activation", "glu_linear_shifted")
+"""The saved tensors an unfused SwiGLU adds (module docstring)."""
+_OURS_DROPS = ("norm1_output", "norm2_output", "swiglu_output", "fc2_input") + GLU_UNFUSED_TERMS
+MLP_ACTIVATION_IMPLS = ("fused", "unfused", "legacy")
+"""How a SwiGLU MLP's activation runs on the 'te' spec (:func:`mlp_activation_impl`)."""
+
+
+def mlp_activation_impl(plan) -> str:
+    """'legacy' (``use_legacy_models``), 'fused' (``bias_activation_fusion``, Megatron-LM's default) or 'unfused'."""
+    if plan.use_legacy_models:
+        return "legacy"
+    return "fused" if plan.bias_activation_fusion else "unfused"
 
 
 def activation_bytes_per_layer_token(model: ModelSpec, ckpt: str, *, dtype_bytes: int = BF16,
                                      layer_spec: str = "te", dropout_mask_bytes: int = BOOL,
-                                     fp8: bool = False) -> dict[str, int]:
+                                     fp8: bool = False, activation_impl: str = "fused") -> dict[str, int]:
     """Saved bytes of one layer per local token, by term, plus ``total``. ``dropout_mask_bytes``: bytes per
     element of a hidden-dropout mask: 1 on a GPU (CUDA's fused dropout keeps a bool mask); PyTorch's CPU
     dropout keeps its noise tensor in the activation dtype (pass ``dtype_bytes`` for the CPU stand-in).
-    ``fp8``: TransformerEngine's FP8 linear layers save their inputs in FP8 (module docstring)."""
-    return dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes, fp8))
+    ``fp8``: TransformerEngine's FP8 linear layers save their inputs in FP8 (module docstring).
+    ``activation_impl``: :func:`mlp_activation_impl` of the plan (read on the 'te' spec with SwiGLU)."""
+    return dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes, fp8, activation_impl))
 
 
 @functools.lru_cache(maxsize=1024)
 def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
-                 dropout_mask_bytes: int = BOOL, fp8: bool = False) -> tuple[tuple[str, int], ...]:
+                 dropout_mask_bytes: int = BOOL, fp8: bool = False,
+                 activation_impl: str = "fused") -> tuple[tuple[str, int], ...]:
     if layer_spec not in ("te", "local"):
         raise ValueError(f"layer_spec must be 'te' or 'local', got {layer_spec!r}")
+    if activation_impl not in MLP_ACTIVATION_IMPLS:
+        raise ValueError(f"activation_impl must be one of {', '.join(MLP_ACTIVATION_IMPLS)}, got {activation_impl!r}")
     if ckpt == "selective":  # flash attention saves no s^2 scores: recomputing the core saves nothing more
         ckpt = "no"
     if ckpt not in ("no", "full", "ours"):
@@ -109,19 +138,20 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
         "norm2_rstd": FP32,
         "norm2_output": h * b,
         "fc1_output": model.fc1_width * b,
-        "swiglu_output": f * b,
-        "fc2_input": f * b if layer_spec == "te" else 0,
+        "swiglu_output": f * b,  # FC2's input too: one tensor
+        "fc2_input": 0,
         "hidden_dropout_mask": 2 * h * dropout_mask_bytes if model.hidden_dropout > 0 else 0,
     }
+    if layer_spec == "te" and model.swiglu and activation_impl != "fused":
+        terms.update(glu_activation=f * b, glu_linear_shifted=f * b if activation_impl == "unfused" else 0)
     if model.qk_layernorm:  # kept by ckpt=ours: a GEMM output and the norms' statistics
         terms.update(qk_norm_input=(q + hkv if layer_spec == "te" else 2 * q + 2 * hkv) * b,
                      qk_norm_rstd=(model.num_attention_heads + model.num_query_groups) * FP32)
-    if not model.swiglu:
-        terms["swiglu_output"] = f * b  # GeLU output
-    if fp8:
+    if fp8:  # FC2 keeps its FP8 copy; the activation's bf16 output is freed once FC2 has quantized it
         if layer_spec != "te":
             raise ValueError("FP8 runs in TransformerEngine: layer_spec must be 'te'")
-        terms.update(norm1_output=h * FP8, norm2_output=h * FP8, fc2_input=f * FP8, projection_input_fp8=q * FP8)
+        terms.update(norm1_output=h * FP8, norm2_output=h * FP8, swiglu_output=0, fc2_input=f * FP8,
+                     projection_input_fp8=q * FP8)
     if ckpt == "ours":
         terms = {k: (0 if k in _OURS_DROPS else v) for k, v in terms.items()}
     elif ckpt == "full":
@@ -134,12 +164,12 @@ def _layer_terms(model: ModelSpec, ckpt: str, dtype_bytes: int, layer_spec: str,
 def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_parallel_size: int = 1,
                                 sequence_parallel: bool = True, dtype_bytes: int = BF16,
                                 layer_spec: str = "te", dropout_mask_bytes: int = BOOL, fp8: bool = False,
-                                recompute: Recompute = NO_RECOMPUTE) -> int:
+                                recompute: Recompute = NO_RECOMPUTE, activation_impl: str = "fused") -> int:
     """Total saved bytes of one layer per local token; without sequence parallel the norm-side terms are
     replicated over the tensor-parallel group (t times more tokens). ``recompute``: Megatron's selective
     modules drop their terms (:mod:`h3t_ext.costmodel.recompute`; full recompute is per unit, not per layer)."""
-    terms = selective_terms(dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes, fp8)),
-                            recompute)
+    terms = selective_terms(dict(_layer_terms(model, ckpt, dtype_bytes, layer_spec, dropout_mask_bytes, fp8,
+                                              activation_impl)), recompute)
     total = terms["total"]
     if not sequence_parallel and tensor_model_parallel_size > 1:
         total += (tensor_model_parallel_size - 1) * sum(terms[k] for k in REPLICATED_WITHOUT_SP)
@@ -312,10 +342,10 @@ def layer_kept_bytes(model: ModelSpec, plan, *, tensor_model_parallel_size: int,
     per_tok = layer_bytes_per_local_token(
         model, base, recompute=recompute, tensor_model_parallel_size=tensor_model_parallel_size,
         sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes, layer_spec=layer_spec,
-        dropout_mask_bytes=dropout_mask_bytes, fp8=fp8) + core_attention_pinned_qkv(
+        dropout_mask_bytes=dropout_mask_bytes, fp8=fp8, activation_impl=mlp_activation_impl(plan)) + core_attention_pinned_qkv(
         model, recompute, layer_spec=layer_spec, dtype_bytes=dtype_bytes)
     per_tok += moe.kept_expert_bytes(model, plan, base, recompute.modules if recompute.selective else (),
-                                     dtype_bytes=dtype_bytes, layer_spec=layer_spec)
+                                     dtype_bytes=dtype_bytes)
     return (local_tokens(plan) * per_tok
             + rope_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
             + unfused_scores_bytes_per_layer(model, plan, dtype_bytes=dtype_bytes, dropout_mask_bytes=dropout_mask_bytes))

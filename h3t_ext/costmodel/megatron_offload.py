@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from h3t_ext.costmodel.activations import REPLICATED_WITHOUT_SP, activation_bytes_per_layer_token, \
-    layer_kept_bytes, local_tokens, unfused_scores_bytes_per_layer
+    layer_kept_bytes, local_tokens, mlp_activation_impl, unfused_scores_bytes_per_layer
 from h3t_ext.costmodel.recompute import plan_recompute, selective_terms
 from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.dtypes import BF16, BOOL
@@ -228,7 +228,8 @@ def fine_grained_alpha(model: ModelSpec, plan, request: MegatronOffload, *, dtyp
     tokens = local_tokens(plan)
     terms = selective_terms(activation_bytes_per_layer_token(model, base, dtype_bytes=dtype_bytes,
                                                              layer_spec=layer_spec,
-                                                             dropout_mask_bytes=dropout_mask_bytes, fp8=fp8),
+                                                             dropout_mask_bytes=dropout_mask_bytes, fp8=fp8,
+                                                             activation_impl=mlp_activation_impl(plan)),
                             recompute)
     listed = set(request.offload_modules)
     tensors: list[OffloadedTensor] = []

@@ -71,6 +71,7 @@ from h3t_ext.costmodel.activations import (
     activation_bytes_per_layer_token,
     chunk_resident_factor,
     microbatch_chunk_bytes,
+    mlp_activation_impl,
     output_layer_bytes,
     rank_offloads,
     residency_lines,
@@ -170,8 +171,8 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     unit_layers = unit_workspace_layers(recompute, chunk_layers(model, plan, stage))
     experts_no = moe.kept_expert_bytes(model, plan, "no", ())
     if unit_layers:  # a full unit's layers re-created in its backward
-        out["recompute_workspace"] = unit_layers * local * (activation_bytes_per_layer_token(model, "no")["total"]
-                                                            + experts_no)
+        out["recompute_workspace"] = unit_layers * local * (activation_bytes_per_layer_token(
+            model, "no", activation_impl=mlp_activation_impl(plan))["total"] + experts_no)
     elif base == "ours":
         terms_no = activation_bytes_per_layer_token(model, "no")
         expert_act = moe.expert_terms(model, plan)["expert_act_output"] if model.is_moe else 0

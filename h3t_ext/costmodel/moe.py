@@ -40,9 +40,9 @@ Saved activations per local token of one MoE layer (on top of attention, the nor
                                    weighs the k outputs there, so the unpermute keeps nothing)
 * ``expert_input``       k etp h  FC1's input: the dispatched (and, with etp > 1, all-gathered) token copies
 * ``expert_fc1_output``  k fc1_e  the activation's input (the rank's 2 f_e / etp of T k etp copies)
-* ``expert_act_output``  k f_e    the activation's output
-* ``expert_fc2_input``   k f_e    the copy TransformerEngine's FC2 keeps ('te' spec; the 'local' spec's is the same
-                                   tensor as the activation's output, as for the dense MLP)
+* ``expert_act_output``  k f_e    the activation's output, which FC2 saves as its input (one tensor on both specs:
+                                   TransformerEngine's grouped linear saves views of the tensor it is given, as
+                                   its dense linear does)
 
 ckpt=ours drops the activation outputs (recomputed from the kept FC1 output); Megatron's selective ``moe_act`` drops
 the same, ``moe`` all of them (the whole MoE layer, exchanges included, reruns in the backward) and
@@ -64,10 +64,10 @@ from h3t_ext.dtypes import BF16, BOOL, FP32, INT64
 
 MOE_TOKEN_DISPATCHERS = ("allgather", "alltoall", "flex")
 """Megatron's --moe-token-dispatcher-type values ('allgather' its default)."""
-EXPERT_ACT_DROPS = ("expert_act_output", "expert_fc2_input")
+EXPERT_ACT_DROPS = ("expert_act_output",)
 """The expert terms ckpt=ours and Megatron's selective ``moe_act`` recompute."""
 EXPERT_TERMS = ("router_scores", "routing_map", "routing_indices", "expert_input", "expert_fc1_output",
-                "expert_act_output", "expert_fc2_input")
+                "expert_act_output")
 ROUTER_BYTES_PER_SCORE_FWD = BF16 + FP32 + FP32
 """The router's softmax and top-k per score, forward: read the bf16 logits, write the fp32 scores, read them for the
 top-k."""
@@ -252,7 +252,7 @@ def layer_seconds(model: ModelSpec, plan, system: SystemSpec, r: KernelRates,
                         exchange_bwd=ep_b)
 
 
-def expert_terms(model: ModelSpec, plan, *, dtype_bytes: int = BF16, layer_spec: str = "te") -> dict[str, int]:
+def expert_terms(model: ModelSpec, plan, *, dtype_bytes: int = BF16) -> dict[str, int]:
     """Saved bytes of one MoE layer's router and experts per local token, by term, before any recompute
     (module docstring)."""
     k, h, b, e = model.moe_router_topk, model.hidden_size, dtype_bytes, model.num_experts
@@ -264,17 +264,16 @@ def expert_terms(model: ModelSpec, plan, *, dtype_bytes: int = BF16, layer_spec:
         "expert_input": k * etp * h * b,
         "expert_fc1_output": k * model.expert_fc1_width * b,
         "expert_act_output": k * model.expert_ffn_hidden_size * b,
-        "expert_fc2_input": k * model.expert_ffn_hidden_size * b if layer_spec == "te" else 0,
     }
 
 
-def kept_expert_bytes(model: ModelSpec, plan, base: str, modules: tuple[str, ...], *, dtype_bytes: int = BF16,
-                      layer_spec: str = "te") -> int:
+def kept_expert_bytes(model: ModelSpec, plan, base: str, modules: tuple[str, ...], *,
+                      dtype_bytes: int = BF16) -> int:
     """Saved expert bytes per local token of a layer outside full-recompute units: ``base`` ckpt ('no' or 'ours')
     and Megatron's selective ``modules``."""
     if not model.is_moe:
         return 0
-    terms = expert_terms(model, plan, dtype_bytes=dtype_bytes, layer_spec=layer_spec)
+    terms = expert_terms(model, plan, dtype_bytes=dtype_bytes)
     drop: set[str] = set()
     if base == "ours" or "moe_act" in modules:
         drop.update(EXPERT_ACT_DROPS)

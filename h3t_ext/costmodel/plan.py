@@ -123,7 +123,19 @@ class Plan:
         """Bytes per parameter of the gradient buffer and of its reduce-scatter / all-reduce."""
         return 2 if self.grad_reduce_in_bf16 else 4
     transformer_impl: str = "transformer_engine"
-    """Megatron's --transformer-impl: 'transformer_engine' (FC2 keeps its own copy of its input) or 'local'."""
+    """Megatron's --transformer-impl: 'transformer_engine' (megatron-core's TE layer spec) or 'local' (h3t-ext's
+    local spec, whose ckpt=no MLP saves what the fused kernels save whatever the fusion flags say)."""
+    bias_activation_fusion: bool = True
+    """megatron-core's ``TransformerConfig.bias_activation_fusion`` for a SwiGLU MLP (Megatron-LM's default; its
+    --no-bias-swiglu-fusion clears it): one jit-fused kernel that saves its input only. Unfused, megatron-core 0.16+
+    computes ``silu(gate) * (linear + glu_linear_offset)`` op by op: the product keeps both factors, two more f-wide
+    tensors per token, and three kernels run where one did (:func:`h3t_ext.costmodel.activations.mlp_activation_impl`).
+    A GeLU MLP saves the same either way. Read on the 'transformer_engine' spec only."""
+    use_legacy_models: bool = False
+    """Megatron-LM's --use-legacy-models (through core 0.15): the legacy GPT model (``megatron/legacy/model``, the
+    code Megatron-Kwai's ATC '24 runs use), whose SwiGLU is never fused and multiplies ``silu(gate)`` by the linear
+    half directly: one more f-wide saved tensor than the fused kernel, three kernels for one. Not a flag of
+    ``h3t-plan`` (Megatron-LM 0.16+ has no legacy models); the published ATC '24 runs set it."""
     optimizer_impl: str = "fused"
     """The Adam megatron-core steps with; it takes the first it can import: 'fused' (TransformerEngine's or apex's
     FusedAdam, multi-tensor kernels updating in place) or 'torch' (torch.optim.AdamW, its fallback without both, whose

@@ -16,7 +16,7 @@ runtime's spec builds it (:mod:`h3t_ext.runtime.modules.recompute`, megatron-cor
   elements (:func:`core_attention_pinned_qkv`; measured: +92 fp32 per token for h = 64, h_kv = 32, 4 heads).
 * selective ``layernorm``: the two norm outputs and their fp32 statistics (``norm1_output``, ``norm2_output``,
   ``norm1_rstd``, ``norm2_rstd``); the norms keep their inputs, which the residual keeps anyway.
-* selective ``mlp``: ``fc1_output``, ``swiglu_output`` and ``fc2_input``; the MLP's input (``norm2_output``) stays
+* selective ``mlp``: ``fc1_output``, ``swiglu_output``, ``fc2_input`` and an unfused SwiGLU's two factors; the MLP's input (``norm2_output``) stays
   unless ``layernorm`` drops it too.
 
 Recompute time (per layer and microbatch, averaged over a chunk's layers, :func:`recompute_seconds`): a full unit
@@ -35,8 +35,8 @@ from h3t_ext.ckpt import Ckpt, Recompute, split_ckpt
 SELECTIVE_DROPS: dict[str, tuple[str, ...]] = {
     "core_attn": ("softmax_lse",),
     "layernorm": ("norm1_output", "norm2_output", "norm1_rstd", "norm2_rstd"),
-    "mlp": ("fc1_output", "swiglu_output", "fc2_input"),
-    "shared_experts": ("fc1_output", "swiglu_output", "fc2_input"),
+    "mlp": ("fc1_output", "swiglu_output", "fc2_input", "glu_activation", "glu_linear_shifted"),
+    "shared_experts": ("fc1_output", "swiglu_output", "fc2_input", "glu_activation", "glu_linear_shifted"),
     "moe": (),
     "moe_act": (),
 }

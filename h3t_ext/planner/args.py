@@ -268,6 +268,9 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                         "what --attention-backend auto / flash price")
     p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="transformer_engine",
                    help="Megatron's --transformer-impl (local: no TransformerEngine; no FP8)")
+    p.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                   help="a SwiGLU run op by op (megatron-core's silu(gate) * (linear + offset)) instead of its fused "
+                        "kernel: two more f-wide tensors saved per token and layer, three kernels' traffic for one")
     p.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="fused",
                    help="the Adam megatron-core finds installed: fused (TransformerEngine's or apex's FusedAdam) or "
                         "torch (torch.optim.AdamW, its fallback without both: one fp32 temporary per parameter of "

@@ -170,5 +170,8 @@ def add_expert_flags(g, *, count: Parse, search: bool) -> None:
                    help="the shared expert runs beside the token exchange (alltoall dispatcher), hiding it up to the "
                         "shared expert's compute" + (" (on in the plans searched where it applies)" if search else ""))
     for flag, kw in MOE_ROUTING_SPELLINGS:
-        g.add_argument(flag, default=None, dest="_spelling_" + flag[2:].replace("-", "_"),
-                       help="Megatron's routing flag, accepted as written in a training script: priced alike", **kw)
+        name = flag[2:].replace("-", "_")
+        shown = {"metavar": name.upper()} if kw.get("type") is not None else {}  # not the hidden dest's name
+        g.add_argument(flag, default=None, dest="_spelling_" + name,
+                       help="Megatron's routing flag, accepted as written in a training script: priced alike",
+                       **shown, **kw)

@@ -57,11 +57,13 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags += ["--attention-backend", "unfused"]
     if plan.transformer_impl != "transformer_engine":
         flags += ["--transformer-impl", plan.transformer_impl]
+    if not plan.bias_activation_fusion:
+        flags.append("--no-bias-swiglu-fusion")
     if plan.optimizer_cpu_offload:
         flags += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
                   f"{plan.optimizer_offload_fraction:g}"]
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)
-              and not (plan.fp16 and attr == "grad_reduce_in_bf16")]
+              and not (plan.fp16 and attr == "grad_reduce_in_bf16") and attr != "fp8_param_gather"]
     if plan.fp16:  # Megatron-LM holds an fp16 run's gradients in fp16 unless told to accumulate them in fp32
         flags += ["--fp16"] + ([] if plan.grad_reduce_in_bf16 else ["--accumulate-allreduce-grads-in-fp32"])
     if not plan.overlap_p2p_comm:
@@ -75,7 +77,7 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
     if plan.fp8 is not None:
         flags += ["--fp8-format", plan.fp8, "--fp8-recipe", plan.fp8_recipe]
-        if plan.fp8_param_gather:
+        if plan.fp8_param_gather:  # here, not with the other _OVERLAP switches (it was printed twice)
             flags.append("--fp8-param-gather")
     return flags
 
@@ -105,6 +107,7 @@ _SPLIT_SWITCHES = {
 }
 _INT_FLAGS.update(_SPLIT_INTS)
 _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp",
+                       "--no-bias-swiglu-fusion",
                        "--no-overlap-p2p-communication", "--use-precision-aware-optimizer", "--use-torch-fsdp2",
                        "--torch-fsdp2-no-reshard-after-forward"})
 _OVERLAP = {"--moe-grouped-gemm": "moe_grouped_gemm", "--moe-shared-expert-overlap": "moe_shared_expert_overlap",
@@ -133,6 +136,7 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
                             sequence_parallel="--sequence-parallel" in flags,
                             use_megatron_fsdp="--use-megatron-fsdp" in flags,
                             use_torch_fsdp2="--use-torch-fsdp2" in flags,
+                            bias_swiglu_fusion="--no-bias-swiglu-fusion" not in flags,
                             torch_fsdp2_reshard_after_forward="--torch-fsdp2-no-reshard-after-forward" not in flags)
     alpha = 0.0
     flags = list(flags)

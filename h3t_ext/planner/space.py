@@ -119,6 +119,10 @@ class SearchConstraints:
     """16-bit gradients (Megatron's --grad-reduce-in-bf16, or an --fp16 run's) for every plan searched."""
     fp16: bool = False
     """Megatron's --fp16 for every plan searched."""
+    bias_activation_fusion: bool = True
+    """Megatron's fused bias-SwiGLU for every plan searched (--no-bias-swiglu-fusion clears it)."""
+    use_legacy_models: bool = False
+    """Every plan searched runs Megatron-LM's legacy GPT model (``Plan.use_legacy_models``: the ATC '24 runs)."""
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP's --data-parallel-sharding-strategy for every plan searched (None: Megatron's DDP)."""
     attention_backend: str = "flash"

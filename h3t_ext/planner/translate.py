@@ -81,6 +81,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "moe_token_dispatcher_type": "allgather",
     "moe_grouped_gemm": False,
     "moe_shared_expert_overlap": False,
+    "bias_swiglu_fusion": True,  # --no-bias-swiglu-fusion stores False (Plan.bias_activation_fusion)
 }
 """Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
 not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
@@ -240,6 +241,7 @@ def _plan(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fixed: Any)
     read = _reader(args)
     values = {name: _value(read, name, fixed) for name in _COPIED}
     values["grad_reduce_in_bf16"] = _grads_16bit(read, fixed)
+    values["bias_activation_fusion"] = bool(_value(read, "bias_swiglu_fusion", fixed))
     for name in _REQUIRED:  # no Megatron default: _value raises when they are missing
         values[name] = _value(read, name, fixed)
         if values[name] is None:
@@ -280,6 +282,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         "use_distributed_optimizer", "fp8_param_gather", "fp16", "optimizer_cpu_offload",
         "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d")}
     switches["grad_reduce_in_bf16"] = _grads_16bit(read, fixed)
+    switches["bias_activation_fusion"] = _value(read, "bias_swiglu_fusion", fixed)
     return SearchConstraints(
         tensor_model_parallel_size=given("tensor_model_parallel_size"),
         context_parallel_size=given("context_parallel_size"),

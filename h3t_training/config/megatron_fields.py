@@ -68,6 +68,13 @@ def fp8_fields(args) -> dict[str, Any]:
     return fields
 
 
+def bias_swiglu_fusion(args) -> bool:
+    """Megatron-LM's fused bias-SwiGLU (its default; --no-bias-swiglu-fusion turns it off): the plan's
+    ``bias_activation_fusion``, which the cost model reads for a SwiGLU MLP only (:func:`transformer_fields` sets
+    megatron-core's field by the same flag)."""
+    return not _given(args, "--no-bias-swiglu-fusion")
+
+
 def attention_backend(args) -> Optional[str]:
     """The AttnBackend name of ``--attention-backend`` (``--use-flash-attn``: flash), or None when neither is given."""
     backend = table_value(args, "--attention-backend")

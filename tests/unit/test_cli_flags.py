@@ -56,3 +56,13 @@ def test_what_differs_is_the_count_type_and_the_default_sizes():
     assert estimate[t].type is search[t].type is not int  # the planner checks the range as it parses
     assert (estimate[t].default, search[t].default) == (1, None)
     assert estimate[t].type("8") == 8
+
+
+def test_help_names_every_value_as_the_flag_does_never_a_hidden_destination():
+    """A flag stored under a private destination (a Megatron spelling accepted as written) shows its own name in
+    ``--help``, not the destination's (``--moe-aux-loss-coeff MOE_AUX_LOSS_COEFF``, never ``_SPELLING_...``)."""
+    for name, sub in _subparsers(planner_parser()).items():
+        text = sub.format_help()
+        assert "_SPELLING" not in text and " _" not in text.replace("\n", " ").split("options:")[0], name
+        assert "--moe-aux-loss-coeff MOE_AUX_LOSS_COEFF" in text.replace("\n", " ") or name == "calibrate", name
+    assert " _" not in driver_parser().format_usage()

@@ -15,23 +15,42 @@ def test_design_formulas_bf16_te(name):
     m = get_model(name)
     h, hkv, f = m.hidden_size, m.kv_hidden_size, m.ffn_hidden_size
     extra = 4 * m.num_attention_heads + 8  # softmax logsumexp (fp32 per head) + two fp32 rstd
-    assert activation_bytes_per_layer_token(m, "no")["total"] == 12 * h + 4 * hkv + 8 * f + extra
-    assert activation_bytes_per_layer_token(m, "ours")["total"] == 8 * h + 4 * hkv + 4 * f + extra
+    assert activation_bytes_per_layer_token(m, "no")["total"] == 12 * h + 4 * hkv + 6 * f + extra
+    # an op-by-op SwiGLU's product keeps its factors: silu(gate) (legacy), and linear + offset (megatron-core)
+    assert activation_bytes_per_layer_token(m, "no", activation_impl="legacy")["total"] == 12 * h + 4 * hkv + 8 * f + extra
+    assert activation_bytes_per_layer_token(m, "no", activation_impl="unfused")["total"] == 12 * h + 4 * hkv + 10 * f + extra
+    for impl in ("fused", "legacy", "unfused"):  # ckpt=ours runs its own MLP, whatever the fusion
+        assert activation_bytes_per_layer_token(m, "ours", activation_impl=impl)["total"] == 8 * h + 4 * hkv + 4 * f + extra
     assert activation_bytes_per_layer_token(m, "full")["total"] == 2 * h
 
 
 def test_ratio_no_over_ours_65b():
+    """The ATC '24 runs (Megatron-Kwai's legacy model) and megatron-core's fused SwiGLU."""
     m = get_model("llama-65b")
-    r = activation_bytes_per_layer_token(m, "no")["total"] / activation_bytes_per_layer_token(m, "ours")["total"]
-    assert r == pytest.approx(1.648, abs=0.002)
+    ours = activation_bytes_per_layer_token(m, "ours")["total"]
+    assert activation_bytes_per_layer_token(m, "no", activation_impl="legacy")["total"] / ours == pytest.approx(
+        1.648, abs=0.002)
+    assert activation_bytes_per_layer_token(m, "no")["total"] / ours == pytest.approx(1.412, abs=0.002)
 
 
-def test_local_spec_counts_swiglu_output_once():
+def test_fc2_saves_the_activation_output_it_is_given():
+    """TransformerEngine's linear saves the tensor it is given (no cast in bf16): the SwiGLU output is one tensor on
+    both specs; only an unfused SwiGLU on the TE spec (megatron-core's MLP) adds its factors, never the local spec
+    (h3t-ext's runtime saves what the fused kernel saves)."""
     m = get_model("llama-7b")
+    f = m.ffn_hidden_size
     te = activation_bytes_per_layer_token(m, "no", dtype_bytes=4, layer_spec="te")
     local = activation_bytes_per_layer_token(m, "no", dtype_bytes=4, layer_spec="local")
-    assert te["total"] - local["total"] == 4 * m.ffn_hidden_size
-    assert local["fc2_input"] == 0 and local["swiglu_output"] == 4 * m.ffn_hidden_size
+    assert te == local
+    assert local["fc2_input"] == 0 and local["swiglu_output"] == 4 * f
+    for impl, extra in (("legacy", 4 * f), ("unfused", 8 * f)):
+        te_impl = activation_bytes_per_layer_token(m, "no", dtype_bytes=4, layer_spec="te", activation_impl=impl)
+        assert te_impl["total"] - te["total"] == extra, impl
+        assert activation_bytes_per_layer_token(m, "no", dtype_bytes=4, layer_spec="local",
+                                                activation_impl=impl) == local
+    gelu = replace(m, swiglu=False)  # a GeLU MLP saves the same fused or not
+    assert activation_bytes_per_layer_token(gelu, "no", activation_impl="unfused") == \
+        activation_bytes_per_layer_token(gelu, "no")
     # breakdown sums to the total
     assert sum(v for k, v in local.items() if k != "total") == local["total"]
 
@@ -151,3 +170,31 @@ def test_an_fp8_plan_prices_its_stage_peaks_with_fp8_saved_inputs_as_the_memory_
     # at alpha 0 without interleaving the first stage holds p chunks: the memory model's A, p times
     assert fp8_peaks[0] == 4 * chunk_activation_bytes(model, fp8, 0)
     assert bf16_peaks[0] == 4 * chunk_activation_bytes(model, plan, 0)
+
+
+def test_swiglu_fusion_is_priced_in_memory_and_time():
+    """--no-bias-swiglu-fusion (megatron-core's op-by-op SwiGLU): two more f-wide saved tensors per token and layer
+    and more element-wise traffic; the legacy model's (the ATC '24 runs): one more saved tensor, timed as the fused
+    kernel (timing.LEGACY_GLU_TIMED_AS_FUSED). A GeLU model reads neither."""
+    from h3t_ext.costmodel import estimate, get_system
+    from h3t_ext.costmodel.activations import mlp_activation_impl
+    from h3t_ext.planner.translate import plan_from_args
+
+    m, system = get_model("llama3-8b"), get_system("h100-sxm")
+    plan = Plan(num_gpus=8, seq_length=8192, global_batch_size=8, tensor_model_parallel_size=2)
+    runs = {impl: estimate(m, replace(plan, **kw), system, timeline=False) for impl, kw in (
+        ("fused", {}), ("unfused", {"bias_activation_fusion": False}), ("legacy", {"use_legacy_models": True}))}
+    f = m.ffn_hidden_size
+    per_layer = {k: activation_bytes_per_layer_token(m, "no", activation_impl=k)["total"] for k in runs}
+    assert per_layer["unfused"] - per_layer["fused"] == 2 * 2 * f and per_layer["legacy"] - per_layer["fused"] == 2 * f
+    assert runs["unfused"].peak_memory_bytes > runs["legacy"].peak_memory_bytes > runs["fused"].peak_memory_bytes
+    assert runs["unfused"].iteration_time_s > runs["fused"].iteration_time_s * 1.005
+    assert runs["legacy"].iteration_time_s == runs["fused"].iteration_time_s
+    gelu = replace(m, swiglu=False)
+    assert estimate(gelu, replace(plan, bias_activation_fusion=False), system, timeline=False).iteration_time_s == \
+        estimate(gelu, plan, system, timeline=False).iteration_time_s
+    # the one translation: Megatron's --no-bias-swiglu-fusion (dest bias_swiglu_fusion) -> the plan's field
+    read = plan_from_args({"seq_length": 8192, "global_batch_size": 8, "bias_swiglu_fusion": False, "ckpt": "no"},
+                          num_gpus=8)
+    assert read.bias_activation_fusion is False and mlp_activation_impl(read) == "unfused"
+    assert plan_from_args({"seq_length": 8192, "global_batch_size": 8, "ckpt": "no"}, num_gpus=8).bias_activation_fusion

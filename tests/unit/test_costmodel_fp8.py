@@ -69,7 +69,8 @@ def test_fp8_saved_inputs_hand_computed():
     h, hkv, f, heads = 1024, 512, 2816, 8
     bf = activation_bytes_per_layer_token(SMALL, "no")
     q = activation_bytes_per_layer_token(SMALL, "no", fp8=True)
-    assert bf["total"] == 2 * (h + h + h + 2 * hkv + h + h + h + 2 * f + f + f) + 4 + heads * 4 + 4
+    assert bf["total"] == 2 * (h + h + h + 2 * hkv + h + h + h + 2 * f + f) + 4 + heads * 4 + 4
+    assert q["swiglu_output"] == 0  # FC2 keeps its FP8 copy; the activation's bf16 output is freed
     assert (q["norm1_output"], q["norm2_output"], q["fc2_input"], q["projection_input_fp8"]) == (h, h, f, h)
     assert q["attention_output"] == 2 * h  # flash attention keeps its bf16 output
     assert bf["total"] - q["total"] == h + h + f - h
@@ -133,6 +134,8 @@ def test_fp8_flags_round_trip(kw):
                         pipeline_model_parallel_size=2), **kw)
     flags = megatron_flags(plan)
     assert ("--fp8-format" in flags) == bool(kw)
+    switches = [f for f in flags if f.startswith("--")]
+    assert len(switches) == len(set(switches)), flags  # each flag once (--fp8-param-gather was printed twice)
     assert plan_from_megatron_flags(flags, num_gpus=16, seq_length=4096) == plan
 
 

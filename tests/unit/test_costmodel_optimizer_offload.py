@@ -106,8 +106,9 @@ def test_h3ts_headline_fits_only_through_the_memory_ladder(gpu, num_gpus):
 
 
 def test_no_plan_says_term_by_term_why(capsys):
-    """Llama-3 70B at 128K tokens on 8 H100: nothing fits; the message lists the closest plan's memory terms."""
-    code = main(["search", "--model", "llama3-70b", "--num-gpus", "8", "--gpu", "h100-sxm", "--seq-length", "131072",
+    """Llama-3 70B at 128K tokens on 4 H100: nothing fits (bf16 weights and fp32 gradients alone are 106 GB a GPU at
+    t = 4); the message lists the closest plan's memory terms."""
+    code = main(["search", "--model", "llama3-70b", "--num-gpus", "4", "--gpu", "h100-sxm", "--seq-length", "131072",
                  "--global-batch-size", "8"])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1

@@ -506,8 +506,9 @@ def test_squared_relu_builds_megatrons_activation():
 
 
 def test_auto_plan_runs_the_recompute_it_chose(monkeypatch):
-    """A budget where ckpt ours does not fit without offload and full is slower: the search picks Megatron's block
-    recompute, and the config (its Megatron flags, its record and the plan the driver prices) carries it."""
+    """A budget where ckpt no and ours do not fit without offload and full is slower: the search picks Megatron's
+    block recompute (on ckpt no: tests/unit/test_planner_recompute_search.py), and the config (its Megatron flags,
+    its record and the plan the driver prices) carries it."""
     from h3t_ext.ckpt import Ckpt, Recompute
     from h3t_training.config.run_spec import run_plan
     monkeypatch.setenv("RANK", "1")
@@ -520,11 +521,11 @@ def test_auto_plan_runs_the_recompute_it_chose(monkeypatch):
     after = resolve(TrainConfig.from_namespace(build_parser(defaults=LLAMA_DEFAULTS).parse_args(argv), world_size=8,
                                                flag_notices=()))
     n = after.recompute_num_layers
-    assert after.recompute == Recompute("full", "block", n) and after.ckpt is Ckpt.OURS
+    assert after.recompute == Recompute("full", "block", n) and after.ckpt is Ckpt.NO
     assert (after.recompute_granularity, after.recompute_method) == ("full", "block")
     assert f"--recompute-method block --recompute-num-layers {n}" in " ".join(after.auto_plan_flags)
     plan = run_plan(after)
-    assert plan.ckpt is Ckpt.OURS and plan.recompute == after.recompute
+    assert plan.ckpt is Ckpt.NO and plan.recompute == after.recompute
 
 
 RERUN_BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -29,8 +29,8 @@ def _local_layer_bytes(d: int) -> int:
 
 
 def _te_layer_bytes(d: int) -> int:
-    """The TE spec adds FC2's own copy of its input (f) and keeps no RoPE tables."""
-    return TOKENS * ((8 * H) * d + 8 + HEADS * 4 + 4 * F * d)
+    """The TE spec keeps no RoPE tables (FC2 saves the SwiGLU output it is given, as on the local spec)."""
+    return TOKENS * ((8 * H) * d + 8 + HEADS * 4 + 3 * F * d)
 
 
 def fg(*modules, **kw) -> MegatronOffload:

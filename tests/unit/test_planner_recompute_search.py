@@ -17,7 +17,7 @@ from h3t_ext.planner.space import SearchConstraints
 
 MODEL, SYSTEM = get_model("llama-7b"), get_system("h800")
 BUDGET = 20 * 10**9
-"""Between ckpt full's peak (17.0 GB) and ckpt ours's (22.3 GB) of the layout below, at alpha 0."""
+"""Between ckpt full's peak (17.2 GB) and ckpt ours's (24.6 GB; no: 28.0 GB) of the layout below, at alpha 0."""
 LAYOUT = SearchConstraints(tensor_model_parallel_size=2, pipeline_model_parallel_size=4, micro_batch_size=1,
                            num_layers_per_virtual_pipeline_stage=4)
 """t=2 p=4 l=4 (v=2: model chunks of 4 layers), micro batch 1, 16 microbatches."""
@@ -30,11 +30,15 @@ def _fits(plan: Plan) -> bool:
 
 def test_block_recompute_with_the_smallest_n_that_fits_is_the_best_plan():
     """No offload (alpha 0): ckpt no and ours do not fit, full fits but reruns every layer; block recompute of the
-    first N layers of every chunk on top of ours fits and is faster, with N the smallest that fits."""
+    first N layers of every chunk fits and is faster, with N the smallest that fits. On ckpt no it beats ours: both
+    need N = 3 here, and with megatron-core's fused SwiGLU ckpt=ours saves too little on the other layers (1.41x) to
+    pay for its recompute of the norms and activation (ours would need fewer block layers to win)."""
     result = search(MODEL, SYSTEM, constraints=LAYOUT, alpha_mode=0.0, top=3, **RUN)
     best = result.best.plan
     n = best.recompute.num_layers
-    assert best.ckpt is Ckpt.OURS and best.recompute == Recompute("full", "block", n) and 1 < n < 4
+    assert best.ckpt is Ckpt.NO and best.recompute == Recompute("full", "block", n) and 1 < n < 4
+    runner_up = result.plans[1].plan
+    assert runner_up.ckpt is Ckpt.OURS and runner_up.recompute == best.recompute
     assert _fits(best) and not _fits(replace(best, recompute=Recompute("full", "block", n - 1)))
     assert not _fits(replace(best, recompute=Recompute())) and not _fits(replace(best, ckpt="no", recompute=Recompute()))
     full = replace(best, ckpt="full", recompute=Recompute())
@@ -42,11 +46,11 @@ def test_block_recompute_with_the_smallest_n_that_fits_is_the_best_plan():
     full_tps = estimate(MODEL, full, SYSTEM, memory_budget_bytes=BUDGET).tokens_per_second
     assert result.best.tokens_per_second > full_tps * 1.02  # the cost model's own numbers: 52.4k vs 49.2k tokens/s
     flags = result.best.megatron_flags
-    assert " ".join(flags).count(f"--ckpt ours --recompute-granularity full --recompute-method block "
+    assert " ".join(flags).count(f"--ckpt no --recompute-granularity full --recompute-method block "
                                  f"--recompute-num-layers {n} ") == 1
     assert plan_from_megatron_flags(flags, num_gpus=8, seq_length=4096) == best
     d = evaluation_dict(result.best.evaluation)
-    assert d["recompute"] == f"ours+block({n})" == recompute_label(best)
+    assert d["recompute"] == f"no+block({n})" == recompute_label(best)
     assert (d["recompute_granularity"], d["recompute_method"], d["recompute_num_layers"]) == ("full", "block", n)
     exhaustive = search(MODEL, SYSTEM, constraints=LAYOUT, alpha_mode=0.0, exhaustive=True, **RUN)
     assert [(r.plan, r.tokens_per_second) for r in exhaustive.plans[:3]] == [(r.plan, r.tokens_per_second)

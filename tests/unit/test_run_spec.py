@@ -29,3 +29,15 @@ def test_the_model_provider_builds_in_that_dtype():
     config = parse_args([*BASE, "--h3t-float64"], world_size=1)
     assert transformer_config(config, on_gpu=False).params_dtype == torch.float64
     assert transformer_config(parse_args(BASE, world_size=1), on_gpu=False).params_dtype == torch.float32
+
+
+def test_the_priced_plan_has_the_swiglu_fusion_megatron_core_gets():
+    """--no-bias-swiglu-fusion turns megatron-core's fused bias-SwiGLU off (transformer_config) and the plan the driver
+    prices says so (its op-by-op SwiGLU saves two more tensors and moves more bytes: costmodel/activations.py)."""
+    from h3t_training.config.run_spec import run_plan
+    from h3t_training.loop.model_provider import transformer_config
+
+    for extra, fused in (([], True), (["--no-bias-swiglu-fusion"], False)):
+        config = parse_args([*BASE, "--swiglu", "--disable-bias-linear", *extra], world_size=1)
+        assert run_plan(config).bias_activation_fusion is fused
+        assert transformer_config(config, on_gpu=True).bias_activation_fusion is fused
