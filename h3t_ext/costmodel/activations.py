@@ -342,8 +342,8 @@ def layer_kept_bytes(model: ModelSpec, plan, *, tensor_model_parallel_size: int,
     per_tok = layer_bytes_per_local_token(
         model, base, recompute=recompute, tensor_model_parallel_size=tensor_model_parallel_size,
         sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes, layer_spec=layer_spec,
-        dropout_mask_bytes=dropout_mask_bytes, fp8=fp8, activation_impl=mlp_activation_impl(plan)) + core_attention_pinned_qkv(
-        model, recompute, layer_spec=layer_spec, dtype_bytes=dtype_bytes)
+        dropout_mask_bytes=dropout_mask_bytes, fp8=fp8, activation_impl=mlp_activation_impl(plan))
+    per_tok += core_attention_pinned_qkv(model, recompute, layer_spec=layer_spec, dtype_bytes=dtype_bytes)
     per_tok += moe.kept_expert_bytes(model, plan, base, recompute.modules if recompute.selective else (),
                                      dtype_bytes=dtype_bytes)
     return (local_tokens(plan) * per_tok

@@ -6,6 +6,7 @@ from functools import lru_cache
 from typing import Optional
 
 from h3t_ext.ckpt import CKPT_CHOICES, NO_RECOMPUTE, Ckpt, Recompute, split_ckpt  # noqa: F401  (CKPT_CHOICES re-exported)
+from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, validate_fp8
 from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
@@ -131,6 +132,13 @@ class Plan:
     computes ``silu(gate) * (linear + glu_linear_offset)`` op by op: the product keeps both factors, two more f-wide
     tensors per token, and three kernels run where one did (:func:`h3t_ext.costmodel.activations.mlp_activation_impl`).
     A GeLU MLP saves the same either way. Read on the 'transformer_engine' spec only."""
+    cross_entropy_loss_fusion: bool = False
+    """Megatron's --cross-entropy-loss-fusion: the vocabulary-parallel cross entropy in fused kernels
+    (``cross_entropy_fusion_impl``); fewer bytes and kernels on the last stage, the same saved 4 bytes a logit
+    (:data:`h3t_ext.costmodel.elementwise.FUSED_CROSS_ENTROPY`)."""
+    cross_entropy_fusion_impl: str = "native"
+    """Megatron's --cross-entropy-fusion-impl: 'native' (megatron-core's jit-fused functions) or 'te'
+    (TransformerEngine's triton kernel); read with ``cross_entropy_loss_fusion``."""
     use_legacy_models: bool = False
     """Megatron-LM's --use-legacy-models (through core 0.15): the legacy GPT model (``megatron/legacy/model``, the
     code Megatron-Kwai's ATC '24 runs use), whose SwiGLU is never fused and multiplies ``silu(gate)`` by the linear
@@ -315,6 +323,9 @@ def _validate_ranges(plan: Plan) -> None:
     _check(plan.ckpt in PRICED_CKPT, f"ckpt must be one of {', '.join(PRICED_CKPT)}, got {plan.ckpt!r}")
     _check(plan.transformer_impl in TRANSFORMER_IMPLS,
            f"transformer_impl must be one of {', '.join(TRANSFORMER_IMPLS)}, got {plan.transformer_impl!r}")
+    _check(plan.cross_entropy_fusion_impl in CROSS_ENTROPY_FUSION_IMPLS,
+           f"cross_entropy_fusion_impl must be one of {', '.join(CROSS_ENTROPY_FUSION_IMPLS)}, "
+           f"got {plan.cross_entropy_fusion_impl!r}")
     _check(plan.optimizer_impl in OPTIMIZER_IMPLS,
            f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {plan.optimizer_impl!r}")
     strategy = plan.data_parallel_sharding_strategy

@@ -55,14 +55,12 @@ from h3t_ext.costmodel.collectives import (
     p2p_seconds,
 )
 from h3t_ext.costmodel.elementwise import (
-    NORM_ELEMENTS_BWD,
-    NORM_ELEMENTS_FWD,
     NORM_KERNELS_BWD,
     NORM_KERNELS_FWD,
-    RESIDUAL_ADD_ELEMENTS,
-    activation_elements,
     activation_extra_kernels,
     cross_entropy_seconds,
+    layer_elementwise_bytes,
+    timed_activation_impl,
 )
 from h3t_ext.costmodel.activations import mlp_activation_impl
 from h3t_ext.costmodel.kernels import (
@@ -79,7 +77,7 @@ from h3t_ext.costmodel.layer_offload import p1_exposed_seconds
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.recompute import chunk_layers, chunk_units, plan_recompute, recompute_seconds
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
-from h3t_ext.dtypes import BF16, BOOL, FP32
+from h3t_ext.dtypes import BF16, FP32
 
 CP_MERGE_BYTES_FWD = BF16 + FP32 + FP32
 """Context-parallel ring forward, per output element and step: read the step's bf16 output, read and write
@@ -105,13 +103,6 @@ bias-activation function returns (the other biases come from cuBLAS epilogues)."
 ROPE_KERNELS = 2
 """Rotary embeddings (Llama): ``apply_rotary_pos_emb`` on q and on k in ``transformer/attention.py``
 (TransformerEngine's fused RoPE, one kernel each), forward and again backward."""
-LEGACY_GLU_TIMED_AS_FUSED = True
-"""The legacy model's eager SwiGLU (``F.silu(x[0]) * x[1]``, the ATC '24 runs) is timed as the fused kernel: it saves
-one more f-wide tensor (measured: Figure 7's ckpt=no peaks, priced in ``activations``), but the ATC '24 step times the
-efficiencies are fitted on do not show its extra traffic. Pricing it (5f / 13f elements forward / backward, +2.3% of
-a 65B layer at t = 2, +4.5% of a 7B layer at t = 1) and refitting moved every efficiency and made the held-out checks
-worse (Korthikanti's held-out MAE 2.8% -> 4.2%, the 7B demo's H800 rows 2 points slower, the published ATC '24
-layouts in the search's top 3 on 11 of 15 rows instead of 12): measured time wins over the kernel count here."""
 OURS_RECOMPUTE_KERNELS = 2 * NORM_KERNELS_FWD + 1
 """ckpt=ours recomputes the two norms' outputs and the activation function in the backward."""
 CP_MERGE_KERNELS = 2
@@ -218,50 +209,8 @@ def _attention(heads: int, d: int, kv_hidden: int, q_hidden: int, drop: bool, ba
 
 
 def _timed_activation_impl(plan: Plan) -> str:
-    """The SwiGLU the time model prices (:data:`LEGACY_GLU_TIMED_AS_FUSED`)."""
-    impl = mlp_activation_impl(plan)
-    return "fused" if impl == "legacy" and LEGACY_GLU_TIMED_AS_FUSED else impl
-
-
-def _elementwise_bytes(model: ModelSpec, plan: Plan) -> tuple[float, float, float, float]:
-    """Bytes one layer's element-wise kernels move for one microbatch: (forward, backward, recomputed by
-    ckpt=ours, hidden-dropout masks: written in the forward, read once in the backward).
-
-    Per kernel, in elements of the tokens it runs on (the norms and residual adds on T / t with sequence
-    parallelism, the rest on the rank's T x width / t):
-
-    * forward: two norms read x, write y (2 h); two bias-dropout-adds read the branch and the residual and
-      write the sum (3 h); RoPE (Llama) reads and writes q and k; the activation reads the FC1 output and
-      writes its input to FC2 (fc1 + f; a SwiGLU run op by op moves more: ``elementwise.UNFUSED_GLU_ELEMENTS``,
-      and ckpt=ours recomputes it as the forward ran it);
-    * backward: two norm backwards read x and dy, write dx (3 h); the residual stream is read by the norm
-      and by the add, so autograd adds the two gradients (read 2 h, write h); with hidden dropout each
-      dropout backward reads dy and writes its gradient (2 h; without dropout the add passes dy through);
-      RoPE rotates dq and dk; the activation backward reads its saved input and dy and writes the FC1
-      gradient (2 fc1 + f), and with linear biases autograd reduces that gradient into FC1's bias (fc1;
-      megatron-core's bias-GeLU / bias-SwiGLU functions return the full-size gradient for the bias);
-    * with --qk-layernorm, the q and k norms as the two norms, over the rank's q + h_kv channels of every token
-      (their output goes to RoPE and attention, which save their own inputs: nothing to recompute)."""
-    t = plan.tensor_model_parallel_size
-    tokens = plan.micro_batch_size * plan.seq_length // plan.context_parallel_size
-    norm_tokens = tokens // t if plan.sequence_parallel else tokens
-    h, hkv, f, fc1 = model.hidden_size, model.kv_hidden_size, model.dense_ffn_hidden_size, model.fc1_width
-    dropout = model.hidden_dropout > 0
-    norms_fwd, norms_bwd = 2 * NORM_ELEMENTS_FWD * h * norm_tokens, 2 * NORM_ELEMENTS_BWD * h * norm_tokens
-    residual_fwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens
-    residual_bwd = 2 * RESIDUAL_ADD_ELEMENTS * h * norm_tokens + (2 * 2 * h * norm_tokens if dropout else 0)
-    rope = 2 * (model.query_hidden_size + hkv) * tokens // t if model.rotates_qk else 0
-    qk = (model.query_hidden_size + hkv) * tokens // t if model.qk_layernorm else 0  # the q and k norms' channels
-    impl = _timed_activation_impl(plan)
-    act_fwd = activation_elements(fc1, f, backward=False, impl=impl) * tokens // t
-    act_bwd = activation_elements(fc1, f, backward=True, impl=impl) * tokens // t
-    if model.add_bias_linear:  # the fused bias-activation's bias gradient, reduced over the tokens by autograd
-        act_bwd += fc1 * tokens // t
-    # hidden dropout: the two fused bias-dropout-adds also write their 1-byte masks
-    masks = 2 * h * norm_tokens * BOOL if dropout else 0
-    return (BF16 * (norms_fwd + NORM_ELEMENTS_FWD * qk + residual_fwd + rope + act_fwd),
-            BF16 * (norms_bwd + NORM_ELEMENTS_BWD * qk + residual_bwd + rope + act_bwd),
-            BF16 * (norms_fwd + act_fwd), masks)
+    """The SwiGLU the time model prices (``elementwise.LEGACY_GLU_TIMED_AS_FUSED``)."""
+    return timed_activation_impl(mlp_activation_impl(plan))
 
 
 def _tp_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, g: dict[str, float]) -> tuple[float, float]:
@@ -415,6 +364,7 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
             plan.context_parallel_size, plan.seq_length,
             plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend,
             plan.fp8 is not None, plan.fp8_recipe, plan.recompute, _timed_activation_impl(plan),
+            _cross_entropy_fusion(plan),
             chunk_layers(model, plan) if plan.recompute.full else None,
             (plan.expert_model_parallel_size, plan.expert_tensor_parallel_size, plan.moe_token_dispatcher_type,
              plan.moe_grouped_gemm, plan.moe_shared_expert_overlap) if model.is_moe else None)
@@ -455,8 +405,8 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     r = kernel_rates(system)
     g = layer_gemm_seconds(model, plan, r)
     a = attention_seconds(model, plan, system, r)
-    elem_fwd, elem_bwd, elem_ours, masks = _elementwise_bytes(model, plan)
-    rope = ROPE_KERNELS if model.rotates_qk else 0  # RoPE's kernels (as _elementwise_bytes)
+    elem_fwd, elem_bwd, elem_ours, masks = layer_elementwise_bytes(model, plan, _timed_activation_impl(plan))
+    rope = ROPE_KERNELS if model.rotates_qk else 0  # RoPE's kernels (as layer_elementwise_bytes)
     qk_fwd, qk_bwd = (2 * NORM_KERNELS_FWD, 2 * NORM_KERNELS_BWD) if model.qk_layernorm else (0, 0)
     impl = _timed_activation_impl(plan)
     act_f, act_b = (activation_extra_kernels(model.fc1_width, model.dense_ffn_hidden_size, backward=b, impl=impl)
@@ -488,15 +438,21 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
 
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
-    return _head_seconds(*output_layer_gemm_shape(model, plan), kernel_rates(system))
+    return _head_seconds(*output_layer_gemm_shape(model, plan), kernel_rates(system), _cross_entropy_fusion(plan))
+
+
+def _cross_entropy_fusion(plan: Plan) -> Optional[str]:
+    """The fused cross entropy's implementation, None without --cross-entropy-loss-fusion."""
+    return plan.cross_entropy_fusion_impl if plan.cross_entropy_loss_fusion else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _head_seconds(tokens: int, v_shard: int, h: int, r: KernelRates) -> HeadTime:
+def _head_seconds(tokens: int, v_shard: int, h: int, r: KernelRates, fusion: Optional[str] = None) -> HeadTime:
     """:func:`_head_time` of the output layer's GEMM shape (pure; memoised like :func:`_layer_gemms`)."""
-    fwd = linear_pass_seconds("fwd", tokens, v_shard, h, r) + cross_entropy_seconds(tokens, v_shard, r, backward=False)
+    fwd = linear_pass_seconds("fwd", tokens, v_shard, h, r) + cross_entropy_seconds(tokens, v_shard, r, backward=False,
+                                                                                    fusion=fusion)
     bwd = (linear_pass_seconds("dgrad", tokens, v_shard, h, r) + linear_pass_seconds("wgrad", tokens, v_shard, h, r)
-           + cross_entropy_seconds(tokens, v_shard, r, backward=True))
+           + cross_entropy_seconds(tokens, v_shard, r, backward=True, fusion=fusion))
     return HeadTime(fwd, bwd)
 
 

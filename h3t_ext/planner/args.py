@@ -13,6 +13,7 @@ from typing import NoReturn, Optional, Union
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec, UnknownNameError, get_model, get_system
 from h3t_ext.costmodel.specs import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, load_system_file, system_file_dict
+from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, OPTIMIZER_IMPLS, TRANSFORMER_IMPLS
 from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
@@ -271,6 +272,11 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
                    help="a SwiGLU run op by op (megatron-core's silu(gate) * (linear + offset)) instead of its fused "
                         "kernel: two more f-wide tensors saved per token and layer, three kernels' traffic for one")
+    p.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="the vocabulary-parallel cross entropy in fused kernels (--cross-entropy-fusion-impl): fewer "
+                        "bytes and kernels on the last pipeline stage")
+    p.add_argument("--cross-entropy-fusion-impl", choices=CROSS_ENTROPY_FUSION_IMPLS, default=None,
+                   help="native (megatron-core's jit-fused functions, the default) or te (TransformerEngine's kernel)")
     p.add_argument("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="fused",
                    help="the Adam megatron-core finds installed: fused (TransformerEngine's or apex's FusedAdam) or "
                         "torch (torch.optim.AdamW, its fallback without both: one fp32 temporary per parameter of "

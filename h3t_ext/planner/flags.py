@@ -59,11 +59,16 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags += ["--transformer-impl", plan.transformer_impl]
     if not plan.bias_activation_fusion:
         flags.append("--no-bias-swiglu-fusion")
+    if plan.cross_entropy_loss_fusion:
+        flags.append("--cross-entropy-loss-fusion")
+        if plan.cross_entropy_fusion_impl != "native":
+            flags += ["--cross-entropy-fusion-impl", plan.cross_entropy_fusion_impl]
     if plan.optimizer_cpu_offload:
         flags += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
                   f"{plan.optimizer_offload_fraction:g}"]
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)
-              and not (plan.fp16 and attr == "grad_reduce_in_bf16") and attr != "fp8_param_gather"]
+              and not (plan.fp16 and attr == "grad_reduce_in_bf16")
+              and attr not in ("fp8_param_gather", "cross_entropy_loss_fusion")]
     if plan.fp16:  # Megatron-LM holds an fp16 run's gradients in fp16 unless told to accumulate them in fp32
         flags += ["--fp16"] + ([] if plan.grad_reduce_in_bf16 else ["--accumulate-allreduce-grads-in-fp32"])
     if not plan.overlap_p2p_comm:
@@ -114,7 +119,7 @@ _OVERLAP = {"--moe-grouped-gemm": "moe_grouped_gemm", "--moe-shared-expert-overl
             "--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather",
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
-            "--grad-reduce-in-bf16": "grad_reduce_in_bf16"}
+            "--grad-reduce-in-bf16": "grad_reduce_in_bf16", "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion"}
 _PRECISION = {"--fp16": "fp16", "--accumulate-allreduce-grads-in-fp32": "accumulate_allreduce_grads_in_fp32"}
 """An fp16 plan's switches (its gradient dtype follows from them: ``translate.sixteen_bit_grads``)."""
 _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
@@ -122,7 +127,8 @@ _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_para
                "--transformer-impl": "transformer_impl", "--recompute-granularity": "recompute_granularity",
                "--recompute-method": "recompute_method",
                "--pipeline-model-parallel-layout": "pipeline_model_parallel_layout",
-               "--moe-token-dispatcher-type": "moe_token_dispatcher_type"}
+               "--moe-token-dispatcher-type": "moe_token_dispatcher_type",
+               "--cross-entropy-fusion-impl": "cross_entropy_fusion_impl"}
 
 
 def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length: int,

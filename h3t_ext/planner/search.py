@@ -320,7 +320,8 @@ def search(
                                                       "optimizer_cpu_offload",
                                                       "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                                                       "grad_reduce_in_bf16", "fp16", "bias_activation_fusion",
-                                                      "use_legacy_models")}
+                                                      "use_legacy_models", "cross_entropy_loss_fusion",
+                                                      "cross_entropy_fusion_impl")}
     if model.is_moe:  # the experts' switches; the memory ladder's options are not priced with experts
         dispatcher = constraints.moe_token_dispatcher_type or "alltoall"
         if constraints.moe_shared_expert_overlap and not model.moe_shared_expert_intermediate_size:

@@ -123,6 +123,10 @@ class SearchConstraints:
     """Megatron's fused bias-SwiGLU for every plan searched (--no-bias-swiglu-fusion clears it)."""
     use_legacy_models: bool = False
     """Every plan searched runs Megatron-LM's legacy GPT model (``Plan.use_legacy_models``: the ATC '24 runs)."""
+    cross_entropy_loss_fusion: bool = False
+    """Megatron's --cross-entropy-loss-fusion for every plan searched."""
+    cross_entropy_fusion_impl: str = "native"
+    """Megatron's --cross-entropy-fusion-impl for every plan searched."""
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP's --data-parallel-sharding-strategy for every plan searched (None: Megatron's DDP)."""
     attention_backend: str = "flash"

@@ -82,6 +82,8 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "moe_grouped_gemm": False,
     "moe_shared_expert_overlap": False,
     "bias_swiglu_fusion": True,  # --no-bias-swiglu-fusion stores False (Plan.bias_activation_fusion)
+    "cross_entropy_loss_fusion": False,
+    "cross_entropy_fusion_impl": "native",
 }
 """Megatron-LM's defaults (``MEGATRON_ARGUMENTS_SOURCE``) of the fields a plan reads, for arguments that do
 not name them. ``micro_batch_size`` has none in Megatron (it is required); 1 is what a run file without it ran."""
@@ -98,7 +100,7 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "fp8_recipe", "fp8_param_gather", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",
            "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
-           "moe_grouped_gemm", "moe_shared_expert_overlap")
+           "moe_grouped_gemm", "moe_shared_expert_overlap", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
 _ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
 save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""
@@ -141,7 +143,7 @@ def _named(read, name: str, fixed: Mapping[str, Any]) -> Any:
 _NONE_IS_UNSET = frozenset({"fp8_recipe", "optimizer_offload_fraction", "fine_grained_activation_offloading",
                             "offload_modules", "activation_offload_fraction", "min_offloaded_tensor_size",
                             "delta_offload_bytes_across_pp_ranks", "cpu_offloading_num_layers",
-                            "moe_token_dispatcher_type", "expert_model_parallel_size"})
+                            "moe_token_dispatcher_type", "expert_model_parallel_size", "cross_entropy_fusion_impl"})
 """Fields whose None (an argparse default) means "not given": Megatron's default applies."""
 
 
@@ -283,7 +285,9 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d")}
     switches["grad_reduce_in_bf16"] = _grads_16bit(read, fixed)
     switches["bias_activation_fusion"] = _value(read, "bias_swiglu_fusion", fixed)
+    switches["cross_entropy_loss_fusion"] = _value(read, "cross_entropy_loss_fusion", fixed)
     return SearchConstraints(
+        cross_entropy_fusion_impl=_value(read, "cross_entropy_fusion_impl", fixed),
         tensor_model_parallel_size=given("tensor_model_parallel_size"),
         context_parallel_size=given("context_parallel_size"),
         pipeline_model_parallel_size=given("pipeline_model_parallel_size"),

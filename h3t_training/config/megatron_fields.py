@@ -75,6 +75,13 @@ def bias_swiglu_fusion(args) -> bool:
     return not _given(args, "--no-bias-swiglu-fusion")
 
 
+def cross_entropy_fusion(args) -> dict[str, Any]:
+    """Megatron-LM's --cross-entropy-loss-fusion and --cross-entropy-fusion-impl as the plan's fields (and
+    megatron-core's: :func:`transformer_fields` reads the same flags)."""
+    return {"cross_entropy_loss_fusion": _given(args, "--cross-entropy-loss-fusion"),
+            "cross_entropy_fusion_impl": _choice(args, "--cross-entropy-fusion-impl", ("native", "te"), "native")}
+
+
 def attention_backend(args) -> Optional[str]:
     """The AttnBackend name of ``--attention-backend`` (``--use-flash-attn``: flash), or None when neither is given."""
     backend = table_value(args, "--attention-backend")
@@ -98,8 +105,7 @@ def transformer_fields(args) -> dict[str, Any]:
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=_given(args, "--use-fast-rope") and not _given(args, "--no-rope-fusion"),
         gradient_accumulation_fusion=False,  # the driver's: each --no-*-fusion flag asks for what it runs
-        cross_entropy_loss_fusion=_given(args, "--cross-entropy-loss-fusion"),
-        cross_entropy_fusion_impl=_choice(args, "--cross-entropy-fusion-impl", ("native", "te"), "native"),
+        **cross_entropy_fusion(args),
         attention_softmax_in_fp32=True, apply_query_key_layer_scaling=False,
         fp32_residual_connection=_given(args, "--fp32-residual-connection"),
         disable_bf16_reduced_precision_matmul=_given(args, "--disable-bf16-reduced-precision-matmul"),

@@ -20,8 +20,8 @@ from h3t_ext.offload_alpha import Alpha
 from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config.flag_table import table_value
 from h3t_training.config.fp8_flags import fp8_flag
-from h3t_training.config.megatron_fields import attention_backend, bias_swiglu_fusion, optimizer_impl, \
-    sixteen_bit_grads_of, spec_backend
+from h3t_training.config.megatron_fields import attention_backend, bias_swiglu_fusion, cross_entropy_fusion, \
+    optimizer_impl, sixteen_bit_grads_of, spec_backend
 
 
 def uses_transformer_engine(on_gpu: bool, config) -> bool:
@@ -109,6 +109,7 @@ def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixe
     (:func:`gpu_plan_fields`). On a GPU the plan's Adam is the one megatron-core imported
     (:func:`~h3t_training.config.megatron_fields.optimizer_impl`); elsewhere the GPU job's, TransformerEngine's."""
     runs = dict(tp_comm_overlap=False, attention_backend="flash", bias_swiglu_fusion=bias_swiglu_fusion(config),
+                **cross_entropy_fusion(config),
                 grad_reduce_in_bf16=sixteen_bit_grads_of(config), **stack_fields(config, on_gpu=on_gpu))
     if on_gpu and uses_transformer_engine(on_gpu, config):
         runs.update(gpu_plan_fields(config), transformer_impl="transformer_engine")

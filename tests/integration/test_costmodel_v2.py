@@ -474,7 +474,7 @@ def test_element_wise_bytes_kernel_by_kernel(swiglu, sequence_parallel, bias):
     write 1), the activation backward (read its input and dy, write FC1's gradient), RoPE on dq and dk; with
     linear biases, autograd's reduction of the fused bias-activation's full-size gradient into FC1's bias."""
     from h3t_ext.costmodel.specs import ModelSpec
-    from h3t_ext.costmodel.timing import _elementwise_bytes
+    from h3t_ext.costmodel.elementwise import layer_elementwise_bytes as _elementwise_bytes
     h, f, tokens, t = 1024, 4096, 4096, 2
     model = ModelSpec(name="x", num_layers=2, hidden_size=h, num_attention_heads=8, num_query_groups=8, ffn_hidden_size=f,
                       vocab_size=1000, swiglu=swiglu, add_bias_linear=bias)

@@ -195,7 +195,7 @@ def test_the_per_kernel_element_wise_rules_add_up_to_the_layer():
     from h3t_ext.dtypes import BF16
     from h3t_ext.costmodel.plan import Plan
     from h3t_ext.costmodel.specs import get_model
-    from h3t_ext.costmodel.timing import _elementwise_bytes
+    from h3t_ext.costmodel.elementwise import layer_elementwise_bytes as _elementwise_bytes
 
     model = get_model("gpt3-175b")
     model = type(model)(**{**model.__dict__, "hidden_dropout": 0.0, "add_bias_linear": False})

@@ -10,7 +10,8 @@ import pytest
 from h3t_ext.costmodel import ModelSpec, Plan, get_system
 from h3t_ext.costmodel.activations import activation_bytes_per_layer_token
 from h3t_ext.costmodel.elementwise import NORM_ELEMENTS_BWD, NORM_ELEMENTS_FWD
-from h3t_ext.costmodel.timing import _elementwise_bytes, layer_time
+from h3t_ext.costmodel.elementwise import layer_elementwise_bytes as _elementwise_bytes
+from h3t_ext.costmodel.timing import layer_time
 from h3t_ext.dtypes import BF16, FP32
 from tests.activation_harness import FFN, GROUPS, HEADS, HIDDEN, VOCAB, init_single_process_megatron
 from tests.planner_harness import run_json, run_main
