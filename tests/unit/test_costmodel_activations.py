@@ -176,7 +176,7 @@ def test_an_fp8_plan_prices_its_stage_peaks_with_fp8_saved_inputs_as_the_memory_
 def test_swiglu_fusion_is_priced_in_memory_and_time():
     """--no-bias-swiglu-fusion (megatron-core's op-by-op SwiGLU): two more f-wide saved tensors per token and layer
     and more element-wise traffic; the legacy model's (the ATC '24 runs): one more saved tensor, timed as the fused
-    kernel (timing.LEGACY_GLU_TIMED_AS_FUSED). A GeLU model reads neither."""
+    kernel (elementwise.LEGACY_GLU_TIMED_AS_FUSED). A GeLU model reads neither."""
     from h3t_ext.costmodel import estimate, get_system
     from h3t_ext.costmodel.activations import mlp_activation_impl
     from h3t_ext.planner.translate import plan_from_args
