@@ -58,14 +58,14 @@ the bf16 cast in one function (read fp32, write it back and the bf16 gradient). 
 cast to the logits' bf16. All three keep 4 bytes a logit for the backward (the softmax, or TE's gradient)."""
 
 
-UNFUSED_GLU_ELEMENTS = {"unfused": (7, 13)}
+UNFUSED_GLU_ELEMENTS = (7, 13)
 """Elements per token, in units of f, megatron-core 0.16+'s op-by-op SwiGLU ``silu(gate) * (linear + offset)``
 moves (forward, backward): silu reads and writes f (2), the offset's add too (2), the product reads 2f and writes f
 (3); backward each of the product's two gradients reads dy and the other factor and writes one (6), the add passes
 dy through, silu's backward reads x and its gradient and writes one (3), and the chunk's backward (a cat) copies
 the two halves into FC1's 2f gradient (4). The legacy model's SwiGLU is timed as the fused one
 (:data:`LEGACY_GLU_TIMED_AS_FUSED`)."""
-UNFUSED_GLU_KERNELS = {"unfused": (3, 4)}
+UNFUSED_GLU_KERNELS = (3, 4)
 """Its kernels (forward; backward: the product's two gradients, silu's and the chunk's backward) where the fused one
 runs one each way."""
 
@@ -75,16 +75,19 @@ def activation_elements(fc1_width: int, ffn_hidden_size: int, *, backward: bool,
     output (``fc1_width``: 2f with SwiGLU) and writes FC2's input (f); backward reads its saved input and dy
     and writes FC1's gradient. megatron-core's SwiGLU run op by op (``impl`` 'unfused',
     :func:`h3t_ext.costmodel.activations.mlp_activation_impl`): :data:`UNFUSED_GLU_ELEMENTS`."""
-    if impl == "unfused" and fc1_width == 2 * ffn_hidden_size:
-        return UNFUSED_GLU_ELEMENTS[impl][1 if backward else 0] * ffn_hidden_size
+    if _op_by_op_glu(fc1_width, ffn_hidden_size, impl):
+        return UNFUSED_GLU_ELEMENTS[backward] * ffn_hidden_size
     return (2 * fc1_width + ffn_hidden_size) if backward else (fc1_width + ffn_hidden_size)
 
 
 def activation_extra_kernels(fc1_width: int, ffn_hidden_size: int, *, backward: bool, impl: str = "fused") -> int:
     """Kernels the activation launches beyond the fused one's (:data:`UNFUSED_GLU_KERNELS`)."""
-    if impl == "unfused" and fc1_width == 2 * ffn_hidden_size:
-        return UNFUSED_GLU_KERNELS[impl][1 if backward else 0] - 1
-    return 0
+    return UNFUSED_GLU_KERNELS[backward] - 1 if _op_by_op_glu(fc1_width, ffn_hidden_size, impl) else 0
+
+
+def _op_by_op_glu(fc1_width: int, ffn_hidden_size: int, impl: str) -> bool:
+    """A SwiGLU (FC1 2f wide) that runs megatron-core's op-by-op path (``impl`` 'unfused')."""
+    return impl == "unfused" and fc1_width == 2 * ffn_hidden_size
 
 
 def norm_seconds(tokens: int, width: int, r: KernelRates, *, backward: bool) -> float:

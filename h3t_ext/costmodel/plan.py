@@ -142,8 +142,9 @@ class Plan:
     use_legacy_models: bool = False
     """Megatron-LM's --use-legacy-models (through core 0.15): the legacy GPT model (``megatron/legacy/model``, the
     code Megatron-Kwai's ATC '24 runs use), whose SwiGLU is never fused and multiplies ``silu(gate)`` by the linear
-    half directly: one more f-wide saved tensor than the fused kernel, three kernels for one. Not a flag of
-    ``h3t-plan`` (Megatron-LM 0.16+ has no legacy models); the published ATC '24 runs set it."""
+    half directly: one more f-wide saved tensor than the fused kernel, timed as the fused one
+    (:data:`h3t_ext.costmodel.elementwise.LEGACY_GLU_TIMED_AS_FUSED`). Not a flag of ``h3t-plan`` (Megatron-LM 0.16+
+    has no legacy models); the published ATC '24 runs set it."""
     optimizer_impl: str = "fused"
     """The Adam megatron-core steps with; it takes the first it can import: 'fused' (TransformerEngine's or apex's
     FusedAdam, multi-tensor kernels updating in place) or 'torch' (torch.optim.AdamW, its fallback without both, whose

@@ -32,11 +32,13 @@ from typing import Optional
 
 from h3t_ext.ckpt import Ckpt, Recompute, split_ckpt
 
+_MLP_TERMS = ("fc1_output", "swiglu_output", "fc2_input", "glu_activation", "glu_linear_shifted")
+"""A dense MLP's saved terms inside the MLP (:mod:`h3t_ext.costmodel.activations`; its input is the norm's)."""
 SELECTIVE_DROPS: dict[str, tuple[str, ...]] = {
     "core_attn": ("softmax_lse",),
     "layernorm": ("norm1_output", "norm2_output", "norm1_rstd", "norm2_rstd"),
-    "mlp": ("fc1_output", "swiglu_output", "fc2_input", "glu_activation", "glu_linear_shifted"),
-    "shared_experts": ("fc1_output", "swiglu_output", "fc2_input", "glu_activation", "glu_linear_shifted"),
+    "mlp": _MLP_TERMS,
+    "shared_experts": _MLP_TERMS,
     "moe": (),
     "moe_act": (),
 }

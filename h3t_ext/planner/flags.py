@@ -67,8 +67,7 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags += ["--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--optimizer-offload-fraction",
                   f"{plan.optimizer_offload_fraction:g}"]
     flags += [flag for flag, attr in _OVERLAP.items() if getattr(plan, attr, False)
-              and not (plan.fp16 and attr == "grad_reduce_in_bf16")
-              and attr not in ("fp8_param_gather", "cross_entropy_loss_fusion")]
+              and not (plan.fp16 and attr == "grad_reduce_in_bf16")]
     if plan.fp16:  # Megatron-LM holds an fp16 run's gradients in fp16 unless told to accumulate them in fp32
         flags += ["--fp16"] + ([] if plan.grad_reduce_in_bf16 else ["--accumulate-allreduce-grads-in-fp32"])
     if not plan.overlap_p2p_comm:
@@ -82,7 +81,7 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]
     if plan.fp8 is not None:
         flags += ["--fp8-format", plan.fp8, "--fp8-recipe", plan.fp8_recipe]
-        if plan.fp8_param_gather:  # here, not with the other _OVERLAP switches (it was printed twice)
+        if plan.fp8_param_gather:
             flags.append("--fp8-param-gather")
     return flags
 
@@ -117,11 +116,16 @@ _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--
                        "--torch-fsdp2-no-reshard-after-forward"})
 _OVERLAP = {"--moe-grouped-gemm": "moe_grouped_gemm", "--moe-shared-expert-overlap": "moe_shared_expert_overlap",
             "--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
-            "--tp-comm-overlap": "tp_comm_overlap", "--fp8-param-gather": "fp8_param_gather",
+            "--tp-comm-overlap": "tp_comm_overlap",
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
-            "--grad-reduce-in-bf16": "grad_reduce_in_bf16", "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion"}
+            "--grad-reduce-in-bf16": "grad_reduce_in_bf16"}
+_FAMILY_SWITCHES = {"--fp8-param-gather": "fp8_param_gather", "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion"}
+"""Switches :func:`megatron_flags` prints beside their family (after --fp8-recipe; before
+--cross-entropy-fusion-impl), not with ``_OVERLAP``'s."""
 _PRECISION = {"--fp16": "fp16", "--accumulate-allreduce-grads-in-fp32": "accumulate_allreduce_grads_in_fp32"}
 """An fp16 plan's switches (its gradient dtype follows from them: ``translate.sixteen_bit_grads``)."""
+_TRUE_SWITCHES = {**_OVERLAP, **_FAMILY_SWITCHES, **_SPLIT_SWITCHES, **_PRECISION}
+"""The switches :func:`plan_from_megatron_flags` reads as True when given."""
 _TEXT_FLAGS = {"--ckpt": "ckpt", "--data-parallel-sharding-strategy": "data_parallel_sharding_strategy",
                "--fp8-format": "fp8", "--fp8-recipe": "fp8_recipe", "--attention-backend": "attention_backend",
                "--transformer-impl": "transformer_impl", "--recompute-granularity": "recompute_granularity",
@@ -157,8 +161,8 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
             continue
         if flag in _SWITCHES:
             continue
-        if flag in _OVERLAP or flag in _SPLIT_SWITCHES or flag in _PRECISION:
-            setattr(ns, {**_OVERLAP, **_SPLIT_SWITCHES, **_PRECISION}[flag], True)
+        if flag in _TRUE_SWITCHES:
+            setattr(ns, _TRUE_SWITCHES[flag], True)
             continue
         if flag not in _INT_FLAGS and flag not in _TEXT_FLAGS and flag not in ("--offload-alpha",
                                                                                "--optimizer-offload-fraction"):

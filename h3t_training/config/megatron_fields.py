@@ -98,10 +98,9 @@ def transformer_fields(args) -> dict[str, Any]:
     the model provider sets)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    swiglu = bool(args.swiglu)
-    off = "--no-bias-swiglu-fusion" if swiglu else "--no-bias-gelu-fusion"
     fields: dict[str, Any] = dict(
-        bias_activation_fusion=(swiglu or not args.disable_bias_linear) and not _given(args, off),
+        bias_activation_fusion=bias_swiglu_fusion(args) if args.swiglu else (
+            not args.disable_bias_linear and not _given(args, "--no-bias-gelu-fusion")),
         bias_dropout_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=_given(args, "--use-fast-rope") and not _given(args, "--no-rope-fusion"),
         gradient_accumulation_fusion=False,  # the driver's: each --no-*-fusion flag asks for what it runs
