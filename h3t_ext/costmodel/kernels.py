@@ -20,7 +20,14 @@ GEMM-like products, 2.5x the forward FLOPs (Dao 2023, FlashAttention-2, Sec. 3),
 on A100; the backward's non-matmul work and atomics). Work is split into
 blocks of ``ATTENTION_BLOCK_Q`` query rows per (batch, head) that are quantized into waves over the SMs
 like GEMM tiles; the head dim sets how much of the peak a block reaches: d / (d + ``attention_head_dim_overhead``)
-(softmax and rescaling are per score, matmul work per score is proportional to d). Attention dropout
+(softmax and rescaling are per score, matmul work per score is proportional to d). Two kernels are priced: Dao's
+FlashAttention (``flash``, at ``attention_peak_fraction``) and cuDNN's fused attention (``fused``, which
+TransformerEngine selects on Hopper: :func:`attention_kernel`). The fused kernel's rate is measured on the chip
+(``fused_attention_gemm_ratio``: its FLOP/s at long sequence over the bf16 GEMM's on the same GPU and clocks, so the
+GEMM efficiency's step from an isolated kernel to a training step applies to both tensor-core kernels alike), and so
+is its fixed work per query row (``fused_attention_row_overhead_keys``: loading the query tile, the final rescale
+and writing the output and its logsumexp, which cost as many keys' work; it is why a 2K-token sequence runs 20%
+below a 16K one). A family with no fused measurement prices it as FlashAttention. Attention dropout
 draws a Philox random number per score in the forward and draws it again in the backward (the mask is
 never stored): integer work beside the softmax that lengthens the forward and backward kernels by
 ``attention_dropout_fwd_slowdown`` and ``attention_dropout_bwd_slowdown``, whatever the probability.
@@ -83,6 +90,11 @@ class KernelRates:
     hbm: float
     """Achievable HBM bytes/s of element-wise kernels."""
     launch_s: float
+    fused_attention_flops: float = 0.0
+    """Achievable FLOP/s of cuDNN's fused attention at infinite head dim and sequence (0: the family has no
+    measurement of it; priced as FlashAttention)."""
+    fused_row_overhead_keys: float = 0.0
+    """The fused attention's fixed work per query row, in keys' work (the same in both passes)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -118,7 +130,31 @@ def _kernel_rates(system: SystemSpec) -> KernelRates:
         dropout_bwd_slowdown=e("attention_dropout_bwd_slowdown"),
         hbm=system.hbm_bandwidth * e("hbm_fraction"),
         launch_s=system.kernel_launch_s,
+        **_fused_attention_rates(system),
     )
+
+
+def _fused_attention_rates(system: SystemSpec) -> dict[str, float]:
+    """cuDNN's fused attention where the efficiency set has its measurement (a multiple of the GEMM rate)."""
+    ratio = system.efficiencies.get("fused_attention_gemm_ratio")
+    if ratio is None:
+        return {}
+    return {"fused_attention_flops": system.peak_bf16_flops * system.efficiency("gemm_peak_fraction") * ratio,
+            "fused_row_overhead_keys": system.efficiency("fused_attention_row_overhead_keys")}
+
+
+ATTENTION_KERNELS = ("flash", "fused")
+"""The flash-attention kernels priced: Dao's FlashAttention and cuDNN's fused attention."""
+
+
+def attention_kernel(backend: str, transformer_impl: str, compute_capability: float) -> str:
+    """The kernel Megatron's --attention-backend runs (``flash`` or ``fused``; ``unfused`` passes through): 'auto'
+    is TransformerEngine's choice, cuDNN's fused attention on Hopper and later (compute capability 9.0 up: TE 1.2+
+    disables FlashAttention there 'for performance reasons' when both can run) and FlashAttention before; without
+    TransformerEngine the local layers run FlashAttention."""
+    if backend != "auto":
+        return backend
+    return "fused" if transformer_impl == "transformer_engine" and compute_capability >= 9.0 else "flash"
 
 
 def gemm_seconds(m: int, n: int, k: int, r: KernelRates, *, out_bytes: int = BF16, batch: int = 1,
@@ -194,11 +230,20 @@ def flash_attention_flops(batch_heads: int, s_q: int, s_k: int, head_dim: int, *
 
 
 def flash_attention_seconds(batch_heads: int, s_q: int, s_k: int, head_dim: int, r: KernelRates, *,
-                            causal: bool, backward: bool, dropout: bool = False, window: Optional[int] = None) -> float:
+                            causal: bool, backward: bool, dropout: bool = False, window: Optional[int] = None,
+                            kernel: str = "flash") -> float:
     """One flash-attention call of ``batch_heads`` (batch x local heads) of s_q queries over s_k keys, with
-    or without attention dropout, causal within a sliding ``window`` when one is given."""
+    or without attention dropout, causal within a sliding ``window`` when one is given; ``kernel`` 'fused' prices
+    cuDNN's fused attention (its own rate and fixed work per query row) where the GPU family has it measured."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
     flops = flash_attention_flops(batch_heads, s_q, s_k, head_dim, causal=causal, backward=backward, window=window)
-    rate = r.attention_flops * head_dim / (head_dim + r.head_dim_overhead)
+    peak = r.attention_flops
+    if kernel == "fused" and r.fused_attention_flops > 0:
+        peak = r.fused_attention_flops
+        pairs = flash_attention_flops(1, s_q, s_k, 1, causal=causal, backward=False, window=window) / 4.0
+        flops *= 1.0 + (r.fused_row_overhead_keys * s_q / pairs if pairs > 0 else 0.0)
+    rate = peak * head_dim / (head_dim + r.head_dim_overhead)
     if backward:
         rate *= r.attention_backward_fraction
     if dropout:

@@ -24,9 +24,11 @@ OPTIMIZER_IMPLS = ("fused", "torch")
 """The Adam megatron-core steps with (``Plan.optimizer_impl``)."""
 LAYER_SPEC = {"transformer_engine": "te", "local": "local"}
 """Layer spec of the activation byte counts (activations.py) for each --transformer-impl."""
-ATTENTION_BACKENDS = ("flash", "unfused")
-"""Megatron's attention: 'flash' (flash attention / TE fused, saves no s^2 scores) or 'unfused'
-(--no-use-flash-attn before TE: batched GEMMs and a fused softmax over s^2 scores in HBM)."""
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
+"""Megatron's --attention-backend (its AttnBackend names; 'local' is priced as 'unfused'): 'flash' (FlashAttention,
+Dao's kernels), 'fused' (cuDNN's fused attention through TransformerEngine), 'auto' (what TransformerEngine selects:
+:func:`h3t_ext.costmodel.kernels.attention_kernel`), all three saving no s^2 scores; or 'unfused' (batched GEMMs and
+a fused softmax over the s^2 scores in HBM)."""
 
 FSDP_SHARDING_STRATEGIES = ("optim_grads", "optim_grads_params")
 """Megatron FSDP's --data-parallel-sharding-strategy values that shard more than the distributed optimizer:
@@ -107,8 +109,8 @@ class Plan:
     """Megatron's --optimizer-offload-fraction (default 1.0): that share, in [0, 1]."""
     overlap_cpu_optimizer_d2h_h2d: bool = False
     """Megatron's --overlap-cpu-optimizer-d2h-h2d: gradient and parameter copies pipelined with the CPU steps."""
-    attention_backend: str = "flash"
-    """'flash' or 'unfused' (see ATTENTION_BACKENDS)."""
+    attention_backend: str = "auto"
+    """Megatron's --attention-backend, default 'auto' (see ATTENTION_BACKENDS)."""
     grad_reduce_in_bf16: bool = False
     """The gradient buffer and its data-parallel reduction in 16 bits (2 bytes per parameter) instead of fp32
     (megatron-core's DDP ``grad_reduce_in_fp32``, Megatron-LM's default with bf16): Megatron's --grad-reduce-in-bf16,

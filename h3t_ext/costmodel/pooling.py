@@ -11,7 +11,7 @@ one row moved the other rows further from their measurements than no calibration
 The standard answer is the random-effects model: a source's error is ``e = b + eps`` with the offset ``b`` drawn
 with variance ``tau^2`` across sources and the deviation ``eps`` with variance ``sigma^2`` within one. The best
 linear predictor of ``b`` from the mean error of ``n`` runs weighs it by ``w_n = tau^2 / (tau^2 + sigma^2 / n)``
-(so one run counts about half, ten runs nearly fully). ``tau`` and ``sigma`` are estimated by moments from the
+(so one run counts about a third, ten runs nearly fully). ``tau`` and ``sigma`` are estimated by moments from the
 held-out errors of the published sources (``prior_from_errors``) and stored with the prediction interval in
 ``data/uncertainty.json``; ``pooled`` moves each fitted efficiency from its prior value by ``w_n`` of the way
 in log space (the time is close to a power of each efficiency, so this moves the log time by ``w_n`` of the

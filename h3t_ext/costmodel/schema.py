@@ -120,10 +120,10 @@ def check_fields(where: str, d: Any, rules: tuple[Field, ...]) -> None:
 
 
 def check_system_dict(where: str, d: Any, efficiency_set_names: tuple[str, ...] = ("hopper", "ampere"),
-                      efficiency_names: tuple[str, ...] = ()) -> None:
+                      efficiency_names: tuple[str, ...] = (), optional_names: tuple[str, ...] = ()) -> None:
     """A system file: its numbers (:data:`SYSTEM_FIELDS`), its ``source`` text, its inline ``efficiencies``
-    (when present: each of ``efficiency_names`` given, in its :func:`efficiency_rule` range, and no other name
-    than those and ``_``-prefixed notes), its ``efficiency_set`` (one of ``efficiency_set_names``, when no
+    (when present: each of ``efficiency_names`` given but ``optional_names``, in its :func:`efficiency_rule` range,
+    and no other name than those and ``_``-prefixed notes), its ``efficiency_set`` (one of ``efficiency_set_names``, when no
     efficiencies are inline) and a positive memory budget (HBM above the CUDA context and NCCL buffers)."""
     check_fields(where, d, SYSTEM_FIELDS)
     known = {rule.name for rule in SYSTEM_FIELDS} | set(TEXT_FIELDS)
@@ -150,7 +150,7 @@ def check_system_dict(where: str, d: Any, efficiency_set_names: tuple[str, ...] 
                                   f"valid: {', '.join(efficiency_names)}")
             _number(where, f"efficiencies.{k}", v, efficiency_rule(k))
         for k in efficiency_names:
-            if k not in eff:
+            if k not in eff and k not in optional_names:
                 raise SchemaError(f"{where}: field efficiencies.{k} is missing; it must be {efficiency_rule(k).valid}")
 
 

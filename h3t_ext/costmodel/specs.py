@@ -526,7 +526,7 @@ def load_system_file(path: str | Path) -> SystemSpec:
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise SchemaError(f"--system-file {path}: not a JSON file ({str(e) or type(e).__name__})") from None
     where = f"--system-file {path}"
-    check_system_dict(where, d, efficiency_set_names(), tuple(plausible_ranges()))
+    check_system_dict(where, d, efficiency_set_names(), tuple(plausible_ranges()), OPTIONAL_EFFICIENCIES)
     return system_from_dict(str(d.get("name", p.stem)).lower(), d, where=where)
 
 
@@ -546,6 +546,11 @@ def prior_efficiencies(name: str) -> dict[str, float]:
     """Prior values (public benchmarks, ``fitted_efficiencies.json`` ``priors``) of efficiency set ``name``."""
     priors = _fitted()["priors"]
     return {**priors["shared"], **priors.get(name, {})}
+
+
+OPTIONAL_EFFICIENCIES = ("fused_attention_gemm_ratio", "fused_attention_row_overhead_keys")
+"""Efficiencies measured on a GPU family's chip, given only where measured: a set or system file without them
+prices cuDNN's fused attention as FlashAttention (:mod:`h3t_ext.costmodel.kernels`)."""
 
 
 def plausible_ranges() -> dict[str, tuple[float, float]]:
@@ -574,7 +579,7 @@ def system_from_dict(name: str, d: dict, *, where: Optional[str] = None) -> Syst
     """Build a SystemSpec from a system file's dict (efficiencies inline or by ``efficiency_set``), checked by
     :func:`h3t_ext.costmodel.schema.check_system_dict` (SchemaError, a ValueError, names the field)."""
     where = where or f"system {name}"
-    check_system_dict(where, d, efficiency_set_names(), tuple(plausible_ranges()))
+    check_system_dict(where, d, efficiency_set_names(), tuple(plausible_ranges()), OPTIONAL_EFFICIENCIES)
     eff_name = d.get("efficiency_set", name)
     eff = dict(d["efficiencies"]) if "efficiencies" in d else efficiency_set(eff_name)
     return SystemSpec(

@@ -66,6 +66,7 @@ from h3t_ext.costmodel.activations import mlp_activation_impl
 from h3t_ext.costmodel.kernels import (
     LINEAR_PASSES,
     KernelRates,
+    attention_kernel,
     elementwise_seconds,
     flash_attention_seconds,
     kernel_rates,
@@ -157,17 +158,18 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
     """Attention of one layer (one microbatch, one rank): forward and backward seconds including what the
     context-parallel K/V ring leaves exposed (reported separately as ``cp_fwd``/``cp_bwd``)."""
     c = plan.context_parallel_size
-    link = _cp_link(plan, system) if c > 1 and plan.attention_backend != "unfused" else None
+    kernel = attention_kernel(plan.attention_backend, plan.transformer_impl, system.compute_capability)
+    link = _cp_link(plan, system) if c > 1 and kernel != "unfused" else None
     windowed = model.windowed_layers if model.window_size is not None and model.window_size < plan.seq_length \
         else 0
     return dict(_attention(model.num_attention_heads, model.head_dim, model.kv_hidden_size, model.query_hidden_size,
-                           model.attention_dropout > 0, plan.attention_backend, plan.tensor_model_parallel_size, c,
+                           model.attention_dropout > 0, kernel, plan.tensor_model_parallel_size, c,
                            plan.seq_length, plan.micro_batch_size, r, link,
                            model.window_size if windowed else None, windowed / model.num_layers))
 
 
 @functools.lru_cache(maxsize=4096)
-def _attention(heads: int, d: int, kv_hidden: int, q_hidden: int, drop: bool, backend: str, t: int, c: int, s: int,
+def _attention(heads: int, d: int, kv_hidden: int, q_hidden: int, drop: bool, kernel: str, t: int, c: int, s: int,
                mb: int, r: KernelRates, link: Optional[Link], window: Optional[int] = None,
                windowed_share: float = 0.0) -> tuple[tuple[str, float], ...]:
     """:func:`attention_seconds` of the model's attention sizes and the plan's (pure; memoised: every
@@ -176,17 +178,17 @@ def _attention(heads: int, d: int, kv_hidden: int, q_hidden: int, drop: bool, ba
     triangle's (the unfused attention computes every score whatever the mask; the plan check refuses a window with
     context parallelism)."""
     bh = mb * heads // t
-    if backend == "unfused":
+    if kernel == "unfused":
         return (("fwd", unfused_attention_seconds(bh, s // c, d, r, backward=False, dropout=drop)),
                 ("bwd", unfused_attention_seconds(bh, s // c, d, r, backward=True, dropout=drop)), ("cp_fwd", 0.0),
                 ("cp_bwd", 0.0))
     if c == 1:
         def layer(backward: bool) -> float:
-            full = flash_attention_seconds(bh, s, s, d, r, causal=True, backward=backward, dropout=drop)
+            full = flash_attention_seconds(bh, s, s, d, r, causal=True, backward=backward, dropout=drop, kernel=kernel)
             if window is None:
                 return full
             band = flash_attention_seconds(bh, s, s, d, r, causal=True, backward=backward, dropout=drop,
-                                           window=window)
+                                           window=window, kernel=kernel)
             return windowed_share * band + (1.0 - windowed_share) * full
         return (("fwd", layer(False)), ("bwd", layer(True)), ("cp_fwd", 0.0), ("cp_bwd", 0.0))
     # load-balanced causal ring (2c chunks): step 0 is the rank's own causal block, steps 1..c-1 are
@@ -195,8 +197,9 @@ def _attention(heads: int, d: int, kv_hidden: int, q_hidden: int, drop: bool, ba
     out = {"cp_fwd": 0.0, "cp_bwd": 0.0}
     kv_bytes = mb * q * 2 * kv_hidden // t * BF16
     for name, backward, bytes_per_step in (("fwd", False, kv_bytes), ("bwd", True, 2 * kv_bytes)):
-        diag = flash_attention_seconds(bh, q, q, d, r, causal=True, backward=backward, dropout=drop)
-        off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward, dropout=drop)
+        diag = flash_attention_seconds(bh, q, q, d, r, causal=True, backward=backward, dropout=drop, kernel=kernel)
+        off = flash_attention_seconds(bh, q, q // 2, d, r, causal=False, backward=backward, dropout=drop,
+                                      kernel=kernel)
         send = p2p_seconds(bytes_per_step, link)
         # the c steps: the diagonal block, then c - 1 off-diagonal ones; every step after the first merges its
         # partial result into fp32 accumulators
@@ -362,7 +365,8 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
     (SystemSpec's hash leaves out its efficiencies, so their values are part of the key: fits try many.)"""
     return (model, system, tuple(system.efficiencies.values()), plan.tensor_model_parallel_size,
             plan.context_parallel_size, plan.seq_length,
-            plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap, plan.attention_backend,
+            plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap,
+            attention_kernel(plan.attention_backend, plan.transformer_impl, system.compute_capability),
             plan.fp8 is not None, plan.fp8_recipe, plan.recompute, _timed_activation_impl(plan),
             _cross_entropy_fusion(plan),
             chunk_layers(model, plan) if plan.recompute.full else None,

@@ -262,11 +262,14 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     p.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
                    help="pipeline the gradient and parameter copies with the CPU optimizer steps")
     p.add_argument("--attention-backend", choices=translate.ATTENTION_BACKEND_CHOICES, default="auto",
-                   help="Megatron's attention backend: auto/flash/fused save no s^2 scores, unfused/local do "
-                        "(batched GEMMs and a softmax over the scores in HBM)")
+                   help="Megatron's attention backend: flash (FlashAttention), fused (cuDNN's, through "
+                        "TransformerEngine) and auto (TransformerEngine's choice: fused on Hopper, flash before) save "
+                        "no s^2 scores and are priced at their own measured rates; unfused/local save the scores "
+                        "(batched GEMMs and a softmax over them in HBM)")
     p.add_argument("--use-flash-attn", action="store_true",
                    help="Megatron's older switch of flash attention, accepted as written in a training script: "
-                        "what --attention-backend auto / flash price")
+                        "megatron-core's models ignore it (only the legacy model reads it), so the plan keeps "
+                        "--attention-backend")
     p.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default="transformer_engine",
                    help="Megatron's --transformer-impl (local: no TransformerEngine; no FP8)")
     p.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",

@@ -53,8 +53,8 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags.append("--use-torch-fsdp2")
         if not plan.torch_fsdp2_reshard_after_forward:
             flags.append("--torch-fsdp2-no-reshard-after-forward")
-    if plan.attention_backend != "flash":
-        flags += ["--attention-backend", "unfused"]
+    if plan.attention_backend != "auto":  # Megatron's default
+        flags += ["--attention-backend", plan.attention_backend]
     if plan.transformer_impl != "transformer_engine":
         flags += ["--transformer-impl", plan.transformer_impl]
     if not plan.bias_activation_fusion:

@@ -129,8 +129,8 @@ class SearchConstraints:
     """Megatron's --cross-entropy-fusion-impl for every plan searched."""
     data_parallel_sharding_strategy: Optional[str] = None
     """Megatron FSDP's --data-parallel-sharding-strategy for every plan searched (None: Megatron's DDP)."""
-    attention_backend: str = "flash"
-    """The cost model's attention of every plan searched ('flash' or 'unfused'; Megatron's --attention-backend
+    attention_backend: str = "auto"
+    """The cost model's attention of every plan searched (``Plan.attention_backend``: Megatron's --attention-backend
     through the one translation)."""
     transformer_impl: str = "transformer_engine"
     """Megatron's --transformer-impl of every plan searched."""

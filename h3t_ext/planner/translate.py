@@ -101,9 +101,10 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",
            "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
            "moe_grouped_gemm", "moe_shared_expert_overlap", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
-_ATTENTION_BACKENDS = {"auto": "flash", "flash": "flash", "fused": "flash", "local": "unfused", "unfused": "unfused"}
-"""Megatron's --attention-backend -> the cost model's attention: flash attention and cuDNN's fused attention
-save no s^2 scores ('flash'); the local (unfused) core attention does ('unfused')."""
+_ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "fused", "local": "unfused", "unfused": "unfused"}
+"""Megatron's --attention-backend -> the cost model's attention (``Plan.attention_backend``): FlashAttention, cuDNN's
+fused attention and TransformerEngine's choice between them ('auto') save no s^2 scores; the local (unfused) core
+attention does ('unfused')."""
 ATTENTION_BACKEND_CHOICES = tuple(_ATTENTION_BACKENDS)
 """Megatron's --attention-backend values (its AttnBackend names)."""
 _MISSING = object()
@@ -257,7 +258,8 @@ def _plan(args: Any, *, num_gpus: int, offload_alpha: Alpha = 0.0, **fixed: Any)
 
 
 def _attention(read, fixed: Mapping[str, Any]) -> str:
-    """The cost model's attention ('flash' or 'unfused') of Megatron's --attention-backend."""
+    """The cost model's attention of Megatron's --attention-backend (megatron-core's models ignore the older
+    --use-flash-attn, which only Megatron-LM's legacy model reads)."""
     backend = _value(read, "attention_backend", fixed)
     backend = getattr(backend, "name", backend)  # Megatron's AttnBackend enum or its name
     if backend not in _ATTENTION_BACKENDS:

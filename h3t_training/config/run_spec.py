@@ -54,7 +54,7 @@ def gpu_plan_fields(config) -> dict:
     backend, so the plan prices what runs."""
     fields = {"fp8": table_value(config, "--fp8-format"), "fp8_param_gather": table_value(config, "--fp8-param-gather",
                                                                                           False) is not False,
-              "attention_backend": attention_backend(config) or "flash"}
+              "attention_backend": attention_backend(config) or "auto"}
     if fields["fp8"] is not None:
         fields["fp8_recipe"] = table_value(config, "--fp8-recipe", fp8_flag("--fp8-recipe").default)
     return fields
@@ -108,7 +108,7 @@ def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixe
     TransformerEngine the plan has the FP8 and attention backend the run passes to megatron-core
     (:func:`gpu_plan_fields`). On a GPU the plan's Adam is the one megatron-core imported
     (:func:`~h3t_training.config.megatron_fields.optimizer_impl`); elsewhere the GPU job's, TransformerEngine's."""
-    runs = dict(tp_comm_overlap=False, attention_backend="flash", bias_swiglu_fusion=bias_swiglu_fusion(config),
+    runs = dict(tp_comm_overlap=False, attention_backend="auto", bias_swiglu_fusion=bias_swiglu_fusion(config),
                 **cross_entropy_fusion(config),
                 grad_reduce_in_bf16=sixteen_bit_grads_of(config), **stack_fields(config, on_gpu=on_gpu))
     if on_gpu and uses_transformer_engine(on_gpu, config):

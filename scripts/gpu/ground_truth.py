@@ -18,6 +18,7 @@ the median of ``--repeats``.
   python scripts/gpu/ground_truth.py --dry-run [--json PATH]          # anywhere: the list and the predictions
   python scripts/gpu/ground_truth.py --device cpu --smoke [--json PATH]  # the code paths, tiny shapes, on CPU
   python scripts/gpu/ground_truth.py --refit REPORT.json              # the efficiencies a report implies
+  python scripts/gpu/ground_truth.py --attention-curve REPORT.json    # cuDNN attention's stated rate and row cost
 
 ``scripts/gpu_check.sh`` (``scripts/gpu/report.py``) runs it and writes its JSON beside the report under
 docs/gpu-reports/. TODO (issue 21, a later step): one training step of a ~1B and a ~3B Llama and GPT through the
@@ -50,6 +51,9 @@ def _parser():
     p.add_argument("--system", default="h100-sxm", help="the cost model's system file to predict with")
     p.add_argument("--json", metavar="PATH", help="write every row (and the run's settings) to PATH")
     p.add_argument("--refit", metavar="REPORT", help="print the efficiencies a report's measurements imply")
+    p.add_argument("--attention-curve", metavar="REPORT",
+                   help="print cuDNN's fused attention as the report measured it (rate and fixed work per query row) "
+                        "beside the values the cost model states")
     return p
 
 
@@ -67,6 +71,16 @@ def main(argv=None) -> int:
         system = get_system(args.system)
     except UnknownNameError as e:
         p.error(f"--system: {e}")
+    if args.attention_curve:
+        from groundtruth.attention_curve import attention_curve, format_curve
+        from groundtruth.refit import load_report
+
+        try:
+            curve = attention_curve(load_report(args.attention_curve, "--attention-curve")["rows"])
+        except ValueError as e:
+            p.error(str(e))
+        print(format_curve(curve, system.efficiency("attention_head_dim_overhead"), system.efficiencies))
+        return 0
     if args.refit:
         from groundtruth.refit import format_refit, load_report, refit
 

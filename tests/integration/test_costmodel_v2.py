@@ -12,7 +12,7 @@ from h3t_ext.costmodel.fit import FAMILY_KEYS, FITTABLE, SHARED_KEYS, MeasuredRu
 from h3t_ext.costmodel.published import SOURCES, TRAINING_ONLY, published_runs
 from h3t_ext.costmodel.pooling import calibration_prior
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
-from h3t_ext.costmodel.specs import DATA_DIR, efficiency_set, plausible_ranges
+from h3t_ext.costmodel.specs import DATA_DIR, OPTIONAL_EFFICIENCIES, efficiency_set, plausible_ranges
 from h3t_ext.costmodel.data_parallel import bucketed_exposed as _bucketed_exposed
 from h3t_ext.costmodel.validation import leave_one_source_out
 from h3t_ext.planner.cli import main
@@ -35,15 +35,15 @@ def test_sources_and_row_counts():
 
 
 @pytest.mark.parametrize("source,threshold",
-                         [("atc24_65b", 0.022), ("megatron_h100", 0.025), ("korthikanti", 0.030),
+                         [("atc24_65b", 0.016), ("megatron_h100", 0.027), ("korthikanti", 0.030),
                           ("nemo_fp8_h100", 0.027)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
-@pytest.mark.parametrize("source,median", [("atc24_65b", 0.018), ("megatron_h100", 0.024), ("korthikanti", 0.025),
-                                          ("nemo_fp8_h100", 0.023)])
+@pytest.mark.parametrize("source,median", [("atc24_65b", 0.015), ("megatron_h100", 0.029), ("korthikanti", 0.026),
+                                          ("nemo_fp8_h100", 0.024)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows (pooled as
     ``h3t-plan calibrate`` pools one row): a regression bound at what the model achieves today."""
@@ -68,8 +68,8 @@ def test_prediction_interval_still_covers_after_one_row(loso):
     assert sum(abs(e) <= 0.89 * width for e in errors) < 0.9 * len(errors)
 
 
-@pytest.mark.parametrize("source,weight", [("atc24_65b", (0.08, 0.18)), ("megatron_h100", (0.22, 0.34)),
-                                          ("korthikanti", (0.40, 0.53)), ("nemo_fp8_h100", (0.48, 0.62))])
+@pytest.mark.parametrize("source,weight", [("atc24_65b", (0.0, 0.05)), ("megatron_h100", (0.40, 0.51)),
+                                          ("korthikanti", (0.22, 0.33)), ("nemo_fp8_h100", (0.26, 0.38))])
 def test_one_row_weight_comes_from_the_other_sources(loso, source, weight):
     """Each held-out source's one-row weight is its own (a prior of the other three sources' errors, fitted
     without it). Pooling trades: with the fit taken whole, Megatron's H100 rows end further from their
@@ -155,7 +155,8 @@ def test_fitted_numbers_are_named_in_range_and_counted():
     assert set(ranges) == set(data["meanings"])  # every efficiency has a stated physical meaning
     for fam in ("hopper", "ampere"):
         eff = {k: v for k, v in efficiency_set(fam).items() if not k.startswith("_")}
-        assert set(eff) == set(ranges), fam
+        # the fused attention's two numbers are measured on Hopper's chip only; Ampere prices it as FlashAttention
+        assert set(eff) == set(ranges) - (set(OPTIONAL_EFFICIENCIES) if fam == "ampere" else set()), fam
         for k, v in eff.items():
             lo, hi = ranges[k]
             assert lo <= v <= hi, (fam, k, v)
@@ -167,7 +168,8 @@ def test_fitted_numbers_are_named_in_range_and_counted():
     # the rest are stated assumptions, not fitted
     assert set(ranges) - set(FITTABLE) == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction",
                                            "attention_dropout_fwd_slowdown", "attention_dropout_bwd_slowdown",
-                                           "host_memory_fraction", "attention_backward_rate_fraction"}
+                                           "host_memory_fraction", "attention_backward_rate_fraction",
+                                           *OPTIONAL_EFFICIENCIES}
     assert set(ranges) - set(FITTABLE) - {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"} <= set(
         data["stated_sources"])  # the dropout slowdowns carry their public source
 

@@ -66,10 +66,11 @@ def test_pooled_moves_in_log_space():
             pooled(system, fitted, w)
 
 
-def test_stored_prior_reads_back_and_weighs_one_run_about_half():
+def test_stored_prior_reads_back_and_weighs_one_run_about_a_third():
     with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
         stored = json.load(f)[PRIOR_KEY]
     prior = calibration_prior()
     assert prior.to_dict() == stored
     assert prior.sources == 4 and prior.rows == 41 and "prior_from_errors" in prior.computed_from
-    assert 0.35 < prior.weight(1) < 0.6
+    # the sources' offsets spread less than their rows (tau 1.49% < sigma 2.12%): one run weighs 0.33, ten 0.83
+    assert 0.28 < prior.weight(1) < 0.4 and 0.75 < prior.weight(10) < 0.9

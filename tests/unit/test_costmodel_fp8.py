@@ -29,7 +29,7 @@ def test_fp8_gemm_is_the_bf16_gemm_scaled_by_the_rates():
     ratio = (H100.peak_bf16_flops * H100.efficiency("gemm_peak_fraction")) / (
         H100.peak_fp8_flops * H100.efficiency("gemm_fp8_peak_fraction"))
     assert f8 == pytest.approx(bf16 * ratio, rel=1e-12)
-    assert 0.4 < ratio < 0.5  # 1979 vs 989 TFLOP/s at fractions 0.65 vs 0.59
+    assert 0.45 < ratio < 0.55  # 1979 vs 989 TFLOP/s at fractions 0.58 vs 0.59
 
 
 def test_fp8_tile_overhead_keeps_its_bf16_time():

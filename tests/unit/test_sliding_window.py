@@ -196,10 +196,18 @@ def test_the_window_prices_the_band_and_saves_no_memory():
     r = kernel_rates(system)
     a_win = attention_seconds(mistral, _plan(), system, r)
     a_full = attention_seconds(same_shape, _plan(), system, r)
-    # at s = 16384 the band holds 7/32 of the triangle's pairs (2 W/s - (W/s)^2); the launch stays
+    # at s = 16384 the band holds 7/16 of the triangle's pairs (2 W/s - (W/s)^2); the launch stays, and so does the
+    # fused kernel's fixed work per query row (auto on Hopper is cuDNN's), K0 keys' work for each of the s queries
+    s, k0 = 16384, r.fused_row_overhead_keys
+    assert k0 > 0
     for part in ("fwd", "bwd"):
         launch = r.launch_s
-        assert (a_win[part] - launch) / (a_full[part] - launch) == pytest.approx(7 / 16, rel=1e-9)
+        assert (a_win[part] - launch) / (a_full[part] - launch) == pytest.approx(
+            (7 / 16 * s * s / 2 + k0 * s) / (s * s / 2 + k0 * s), rel=1e-9)
+    flash = dataclasses.replace(_plan(), attention_backend="flash")  # FlashAttention: the pairs alone
+    for part in ("fwd", "bwd"):
+        assert (attention_seconds(mistral, flash, system, r)[part] - r.launch_s) / (
+            attention_seconds(same_shape, flash, system, r)[part] - r.launch_s) == pytest.approx(7 / 16, rel=1e-9)
     half = dataclasses.replace(mistral, window_attn_skip_freq=2)  # every other layer full
     a_half = attention_seconds(half, _plan(), system, r)
     assert a_half["fwd"] == pytest.approx((a_win["fwd"] + a_full["fwd"]) / 2)

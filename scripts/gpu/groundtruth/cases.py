@@ -165,12 +165,20 @@ class AttentionCase:
 
     work_unit: ClassVar[str] = "flop"
 
+    @property
+    def kernel(self) -> str:
+        """The cost model's kernel of this SDPA backend: cuDNN's is the fused attention TransformerEngine runs."""
+        return "fused" if self.backend == "cudnn" else "flash"
+
     def predict(self, system: SystemSpec) -> float:
         return flash_attention_seconds(self.batch * self.heads, self.seq, self.seq, self.head_dim,
-                                       kernel_rates(system), causal=True, backward=self.pass_ == "bwd")
+                                       kernel_rates(system), causal=True, backward=self.pass_ == "bwd",
+                                       kernel=self.kernel)
 
     def candidates(self) -> tuple[str, ...]:
-        return ("attention_peak_fraction",)
+        # the fused kernel's own rate where the family has it measured (efficiency_key keeps those it has)
+        return ("fused_attention_gemm_ratio", "attention_peak_fraction") if self.kernel == "fused" \
+            else ("attention_peak_fraction",)
 
     def group(self) -> str:
         return f"attention {self.backend}" + (" gqa" if self.kv_heads != self.heads else "")
@@ -325,7 +333,7 @@ def case_from_dict(d: dict) -> Case:
 
 def efficiency_key(case: Case, system: SystemSpec) -> str:
     """The efficiency the case's predicted time is most sensitive to (relative change for a 10% change)."""
-    cands = case.candidates()
+    cands = tuple(k for k in case.candidates() if k in system.efficiencies)
     if len(cands) == 1:
         return cands[0]
     base = case.predict(system)

@@ -60,20 +60,20 @@ def _origin(key: str, system: SystemSpec) -> str:
     return f"fitted_efficiencies.json '{own}'" if key in sets.get(own, {}) else "fitted_efficiencies.json 'shared'"
 
 
-def load_report(path: str) -> dict:
-    """A ground-truth report; ValueError naming the file and what is wrong."""
+def load_report(path: str, flag: str = "--refit") -> dict:
+    """A ground-truth report; ValueError naming ``flag``, the file and what is wrong."""
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except FileNotFoundError:
-        raise ValueError(f"--refit {path}: no such file") from None
+        raise ValueError(f"{flag} {path}: no such file") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"--refit {path}: not JSON ({e.msg} at line {e.lineno})") from None
+        raise ValueError(f"{flag} {path}: not JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
-        raise ValueError(f"--refit {path}: field 'schema' must be {SCHEMA!r} (a report of scripts/gpu/ground_truth.py)")
+        raise ValueError(f"{flag} {path}: field 'schema' must be {SCHEMA!r} (a report of scripts/gpu/ground_truth.py)")
     for k in ("system", "rows"):
         if k not in doc:
-            raise ValueError(f"--refit {path}: missing field {k!r}")
+            raise ValueError(f"{flag} {path}: missing field {k!r}")
     return doc
 
 
