@@ -7,6 +7,7 @@ from rich.table import Table
 
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec, moe
+from h3t_ext.costmodel.kernels import attention_kernel, kernel_rates
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.layout import layout_stage_count
@@ -108,6 +109,23 @@ def _precision(plan) -> str:
     return f"fp8 ({plan.fp8}, {plan.fp8_recipe}{', fp8 params' if plan.fp8_param_gather else ''})"
 
 
+_KERNEL_NAMES = {"flash": "FlashAttention", "fused": "cuDNN's fused attention through TransformerEngine",
+                 "unfused": "unfused attention, s^2 scores saved"}
+
+
+def attention_line(plan, system: SystemSpec) -> str:
+    """The attention kernel the plan is priced with, and why (``kernels.attention_kernel``)."""
+    kernel = attention_kernel(plan.attention_backend, plan.transformer_impl, system.compute_capability)
+    why = f"--attention-backend {plan.attention_backend}"
+    if plan.attention_backend == "auto":
+        why += (f": TransformerEngine's choice on compute capability {system.compute_capability:.1f}"
+                if plan.transformer_impl == "transformer_engine" else ": the local layers' FlashAttention")
+    line = f"{_KERNEL_NAMES[kernel]} ({why})"
+    if kernel == "fused" and kernel_rates(system).fused_attention_flops <= 0:
+        line += f", priced as FlashAttention: no measurement of it for the {system.efficiency_set or system.name} family"
+    return line
+
+
 def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list[str]:
     """Short human summary of one evaluated plan."""
     est = ev.estimate
@@ -118,6 +136,7 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         f"{system.name}, "
         f"seq {ev.plan.seq_length}, global batch {ev.plan.global_batch_size}",
         f"plan        {describe_plan(ev, model)}",
+        f"attention   {attention_line(ev.plan, system)}",
         f"memory      peak {format_bytes(est.peak_memory_bytes)} on stage {est.peak_stage} "
         f"(budget {format_bytes(est.memory_budget_bytes)}): {verdict}",
         f"time        {est.iteration_time_s:.3f} s per iteration"

@@ -154,3 +154,20 @@ def test_estimate_prices_the_kernel_each_gpu_runs():
            for gpu in ("h100-sxm", "a100-80g") for b in ("auto", "flash", "fused")}
     assert tps["h100-sxm", "auto"] == tps["h100-sxm", "fused"] > 1.05 * tps["h100-sxm", "flash"]
     assert tps["a100-80g", "auto"] == tps["a100-80g", "flash"] == tps["a100-80g", "fused"]
+
+
+def test_the_estimate_says_which_kernel_it_priced():
+    from h3t_ext.planner.format import attention_line
+
+    base = dict(num_gpus=8, tensor_model_parallel_size=8, seq_length=4096, global_batch_size=8)
+    h100, a100 = get_system("h100-sxm"), get_system("a100-80g")
+    assert attention_line(Plan(**base), h100) == ("cuDNN's fused attention through TransformerEngine "
+                                                  "(--attention-backend auto: TransformerEngine's choice on compute "
+                                                  "capability 9.0)")
+    assert attention_line(Plan(**base), a100).startswith("FlashAttention (--attention-backend auto: ")
+    assert attention_line(Plan(**base, transformer_impl="local"), h100) == (
+        "FlashAttention (--attention-backend auto: the local layers' FlashAttention)")
+    fused_a100 = attention_line(Plan(**base, attention_backend="fused"), a100)
+    assert fused_a100.endswith("priced as FlashAttention: no measurement of it for the ampere family")
+    assert "priced as" not in attention_line(Plan(**base, attention_backend="fused"), h100)
+    assert attention_line(Plan(**base, attention_backend="unfused"), h100).startswith("unfused attention, s^2 scores")
