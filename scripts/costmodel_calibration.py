@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from h3t_ext.costmodel.calibration import calibration_report  # noqa: E402
 from h3t_ext.costmodel.fit import SHARED_KEYS  # noqa: E402
 from h3t_ext.costmodel.published import published_runs  # noqa: E402
-from h3t_ext.costmodel.specs import DATA_DIR  # noqa: E402
+from h3t_ext.costmodel.efficiency_sets import FITTED_EFFICIENCIES_FILE  # noqa: E402
 from h3t_ext.costmodel.validation import errors_with, fit_families, leave_one_source_out  # noqa: E402
 from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE  # noqa: E402
 from h3t_ext.costmodel.validation import computed_uncertainty  # noqa: E402
@@ -71,7 +71,7 @@ def fit(write: bool) -> dict:
     out = {fam: {"rows": f.rows, "fitted": dict(f.fitted), "not_identified": dict(f.unidentified),
                  "mae_before": f.mae_before, "mae_after": f.mae_after} for fam, f in fits.items()}
     if write:
-        path = DATA_DIR / "fitted_efficiencies.json"
+        path = FITTED_EFFICIENCIES_FILE
         data = json.loads(path.read_text())
         for fam, f in fits.items():
             for k, v in f.fitted.items():

@@ -18,7 +18,8 @@ from typing import Mapping, Optional, Sequence
 
 from h3t_ext.costmodel.estimate import closed_form_terms
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, plausible_ranges
+from h3t_ext.costmodel.efficiency_sets import plausible_ranges
+from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
 FITTABLE = ("gemm_peak_fraction", "gemm_fp8_peak_fraction", "attention_peak_fraction", "gemm_tile_overhead_k",
             "tp_comm_overlap_exposed", "network_fraction", "hbm_fraction")

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from typing import Any, Mapping, Optional, Union
 
 from h3t_ext.attention_window import SkipFreq, WindowFlagError, attended_pairs, check_window, windowed_layer_count
+from h3t_ext.costmodel.efficiency_sets import OPTIONAL_EFFICIENCIES, efficiency_set, efficiency_set_names, plausible_ranges
 from h3t_ext.costmodel.errors import UnknownNameError
 from h3t_ext.costmodel.schema import SchemaError, check_system_dict
 
@@ -485,11 +486,6 @@ def list_systems() -> list[str]:
     return sorted(p.stem for p in (DATA_DIR / "systems").glob("*.json"))
 
 
-@functools.lru_cache(maxsize=None)
-def _fitted() -> dict:
-    return _read_json(DATA_DIR / "fitted_efficiencies.json")
-
-
 def _shipped_system(name: str) -> dict:
     """The data file of the shipped system ``name`` (a name, never a path: '../systems/h800' read a file by its
     path); raises UnknownNameError listing valid names."""
@@ -528,34 +524,6 @@ def load_system_file(path: str | Path) -> SystemSpec:
     where = f"--system-file {path}"
     check_system_dict(where, d, efficiency_set_names(), tuple(plausible_ranges()), OPTIONAL_EFFICIENCIES)
     return system_from_dict(str(d.get("name", p.stem)).lower(), d, where=where)
-
-
-def efficiency_set_names() -> tuple[str, ...]:
-    """The GPU-family efficiency sets of ``fitted_efficiencies.json`` a system file may name."""
-    return tuple(k for k in _fitted()["efficiencies"] if k != "shared")
-
-
-def efficiency_set(name: str) -> dict:
-    """One named set of ``fitted_efficiencies.json`` over the ``shared`` set (values, plus ``_``-prefixed
-    notes)."""
-    sets = _fitted()["efficiencies"]
-    return {**sets["shared"], **sets[name]}
-
-
-def prior_efficiencies(name: str) -> dict[str, float]:
-    """Prior values (public benchmarks, ``fitted_efficiencies.json`` ``priors``) of efficiency set ``name``."""
-    priors = _fitted()["priors"]
-    return {**priors["shared"], **priors.get(name, {})}
-
-
-OPTIONAL_EFFICIENCIES = ("fused_attention_gemm_ratio", "fused_attention_row_overhead_keys")
-"""Efficiencies measured on a GPU family's chip, given only where measured: a set or system file without them
-prices cuDNN's fused attention as FlashAttention (:mod:`h3t_ext.costmodel.kernels`)."""
-
-
-def plausible_ranges() -> dict[str, tuple[float, float]]:
-    """Physically plausible range of every efficiency (``fitted_efficiencies.json``, ``plausible_ranges``)."""
-    return {k: (float(v[0]), float(v[1])) for k, v in _fitted()["plausible_ranges"].items() if not k.startswith("_")}
 
 
 NCCL_COMMUNICATORS_IN_USE = 5

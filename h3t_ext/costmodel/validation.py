@@ -18,7 +18,8 @@ from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_joint, fit_system,
 from h3t_ext.costmodel.pooling import PRIOR_KEY, CalibrationPrior, pooled, prior_from_errors
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
 from h3t_ext.costmodel.published_moe import held_out_errors
-from h3t_ext.costmodel.specs import SystemSpec, prior_efficiencies
+from h3t_ext.costmodel.efficiency_sets import prior_efficiencies
+from h3t_ext.costmodel.specs import SystemSpec
 from h3t_ext.costmodel.uncertainty import COVERAGE, half_width_from_errors
 
 

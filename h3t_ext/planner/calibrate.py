@@ -28,7 +28,7 @@ from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system, mean_abs, 
 from h3t_ext.costmodel.plan import validate_plan
 from h3t_ext.costmodel.pooling import calibration_prior, pooled
 from h3t_ext.costmodel.schema import SchemaError, check_positive_rate
-from h3t_ext.costmodel.specs import plausible_ranges
+from h3t_ext.costmodel.efficiency_sets import plausible_ranges
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner.translate import plan_from_args
 

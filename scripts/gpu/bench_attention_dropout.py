@@ -91,7 +91,7 @@ def main(argv=None) -> int:
         print("bench_attention_dropout.py: error: no CUDA GPU (use --device cpu to exercise the code path)",
               file=sys.stderr)
         return 1
-    from h3t_ext.costmodel.specs import efficiency_set
+    from h3t_ext.costmodel.efficiency_sets import efficiency_set
 
     stated = efficiency_set("hopper")
     backends = ("flash", "cudnn") if args.device == "cuda" else ("math",)

@@ -12,7 +12,8 @@ from h3t_ext.costmodel.fit import FAMILY_KEYS, FITTABLE, SHARED_KEYS, MeasuredRu
 from h3t_ext.costmodel.published import SOURCES, TRAINING_ONLY, published_runs
 from h3t_ext.costmodel.pooling import calibration_prior
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
-from h3t_ext.costmodel.specs import DATA_DIR, OPTIONAL_EFFICIENCIES, efficiency_set, plausible_ranges
+from h3t_ext.costmodel.efficiency_sets import OPTIONAL_EFFICIENCIES, efficiency_set, plausible_ranges
+from h3t_ext.costmodel.specs import DATA_DIR
 from h3t_ext.costmodel.data_parallel import bucketed_exposed as _bucketed_exposed
 from h3t_ext.costmodel.validation import leave_one_source_out
 from h3t_ext.planner.cli import main

@@ -82,7 +82,7 @@ def test_attention_dropout_bench_runs_its_cpu_path():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    from h3t_ext.costmodel.specs import efficiency_set
+    from h3t_ext.costmodel.efficiency_sets import efficiency_set
     assert out["stated"] == {"fwd_slowdown": efficiency_set("hopper")["attention_dropout_fwd_slowdown"],
                              "bwd_slowdown": efficiency_set("hopper")["attention_dropout_bwd_slowdown"]}
     r = out["backends"]["math"]

@@ -139,7 +139,7 @@ def _synthetic_report(path, scale: dict) -> dict:
 def test_refit_recovers_the_efficiencies_of_a_synthetic_report(tmp_path):
     from groundtruth.refit import refit
 
-    from h3t_ext.costmodel.specs import efficiency_set
+    from h3t_ext.costmodel.efficiency_sets import efficiency_set
 
     # each row inverts one efficiency with the others at their current values (an FP8 tile's prologue and
     # epilogue run at the bf16 rate): the bf16 GEMM rate is checked on its own report

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from h3t_ext.costmodel.specs import OPTIONAL_EFFICIENCIES, plausible_ranges
+from h3t_ext.costmodel.efficiency_sets import OPTIONAL_EFFICIENCIES, plausible_ranges
 from h3t_ext.costmodel import (
     Estimate,
     InfeasiblePlanError,

@@ -16,7 +16,7 @@ from h3t_ext.costmodel.kernels import (
     flash_attention_seconds,
     kernel_rates,
 )
-from h3t_ext.costmodel.specs import OPTIONAL_EFFICIENCIES, efficiency_set
+from h3t_ext.costmodel.efficiency_sets import OPTIONAL_EFFICIENCIES, efficiency_set
 from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
 
 ROOT = Path(__file__).resolve().parents[2]

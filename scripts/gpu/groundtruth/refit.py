@@ -23,7 +23,8 @@ from typing import Optional
 from groundtruth.cases import case_from_dict, efficiency_key, implied_efficiency
 from groundtruth.gemm_form import format_forms
 from groundtruth.table import SCHEMA
-from h3t_ext.costmodel.specs import DATA_DIR, SystemSpec, get_system, plausible_ranges, prior_efficiencies
+from h3t_ext.costmodel.efficiency_sets import FITTED_EFFICIENCIES_FILE, plausible_ranges, prior_efficiencies
+from h3t_ext.costmodel.specs import SystemSpec, get_system
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def _peak(key: str, system: SystemSpec) -> Optional[float]:
 
 
 def _origin(key: str, system: SystemSpec) -> str:
-    with open(DATA_DIR / "fitted_efficiencies.json", encoding="utf-8") as f:
+    with open(FITTED_EFFICIENCIES_FILE, encoding="utf-8") as f:
         sets = json.load(f)["efficiencies"]
     own = system.efficiency_set
     return f"fitted_efficiencies.json '{own}'" if key in sets.get(own, {}) else "fitted_efficiencies.json 'shared'"
