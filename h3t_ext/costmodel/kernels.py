@@ -214,18 +214,21 @@ def _attention_waves(batch_heads: int, s_q: int, r: KernelRates) -> float:
     return math.ceil(blocks / r.sms) * r.sms / blocks
 
 
-def flash_attention_flops(batch_heads: int, s_q: int, s_k: int, head_dim: int, *, causal: bool,
-                          backward: bool, window: Optional[int] = None) -> float:
-    """FLOPs of one flash-attention call: 4 d per (query, key) pair per head (QK^T and PV) over s_q s_k pairs, half of
-    them causal, the band of a sliding ``window`` (causal self-attention, s_q = s_k:
-    :func:`h3t_ext.attention_window.attended_pairs`), times ``FLASH_BACKWARD_FLOP_RATIO`` for the backward."""
+def score_pairs(s_q: int, s_k: int, *, causal: bool, window: Optional[int] = None) -> float:
+    """(query, key) pairs one head of a flash-attention call scores: s_q s_k, half of them causal, the band of a
+    sliding ``window`` (causal self-attention, s_q = s_k: :func:`h3t_ext.attention_window.attended_pairs`)."""
     if causal and window is not None:
         if s_q != s_k:
             raise ValueError(f"a windowed flash-attention call is self-attention, got {s_q} queries over {s_k} keys")
-        pairs = attended_pairs(s_q, window)
-    else:
-        pairs = s_q * s_k * (0.5 if causal else 1.0)
-    flops = 4.0 * batch_heads * pairs * head_dim
+        return attended_pairs(s_q, window)
+    return s_q * s_k * (0.5 if causal else 1.0)
+
+
+def flash_attention_flops(batch_heads: int, s_q: int, s_k: int, head_dim: int, *, causal: bool,
+                          backward: bool, window: Optional[int] = None) -> float:
+    """FLOPs of one flash-attention call: 4 d per scored pair (:func:`score_pairs`) per head (QK^T and PV), times
+    ``FLASH_BACKWARD_FLOP_RATIO`` for the backward."""
+    flops = 4.0 * batch_heads * score_pairs(s_q, s_k, causal=causal, window=window) * head_dim
     return flops * FLASH_BACKWARD_FLOP_RATIO if backward else flops
 
 
@@ -241,7 +244,7 @@ def flash_attention_seconds(batch_heads: int, s_q: int, s_k: int, head_dim: int,
     peak = r.attention_flops
     if kernel == "fused" and r.fused_attention_flops > 0:
         peak = r.fused_attention_flops
-        pairs = flash_attention_flops(1, s_q, s_k, 1, causal=causal, backward=False, window=window) / 4.0
+        pairs = score_pairs(s_q, s_k, causal=causal, window=window)
         flops *= 1.0 + (r.fused_row_overhead_keys * s_q / pairs if pairs > 0 else 0.0)
     rate = peak * head_dim / (head_dim + r.head_dim_overhead)
     if backward:

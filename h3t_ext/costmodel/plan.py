@@ -9,6 +9,7 @@ from h3t_ext.ckpt import CKPT_CHOICES, NO_RECOMPUTE, Ckpt, Recompute, split_ckpt
 from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, validate_fp8
+from h3t_ext.costmodel.kernels import attention_kernel
 from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.layout import LayoutError, ParallelLayout, PipelineSplit, parse_pipeline_layout
@@ -215,6 +216,10 @@ class Plan:
     def precision(self) -> str:
         """'fp8' with --fp8-format, else 'bf16'."""
         return "bf16" if self.fp8 is None else "fp8"
+
+    def attention_kernel(self, system: SystemSpec) -> str:
+        """The attention kernel this plan runs on ``system`` (:func:`~h3t_ext.costmodel.kernels.attention_kernel`)."""
+        return attention_kernel(self.attention_backend, self.transformer_impl, system.compute_capability)
 
     @property
     def data_parallel_size(self) -> int:

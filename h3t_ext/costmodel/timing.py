@@ -66,7 +66,6 @@ from h3t_ext.costmodel.activations import mlp_activation_impl
 from h3t_ext.costmodel.kernels import (
     LINEAR_PASSES,
     KernelRates,
-    attention_kernel,
     elementwise_seconds,
     flash_attention_seconds,
     kernel_rates,
@@ -158,7 +157,7 @@ def attention_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, r: Kerne
     """Attention of one layer (one microbatch, one rank): forward and backward seconds including what the
     context-parallel K/V ring leaves exposed (reported separately as ``cp_fwd``/``cp_bwd``)."""
     c = plan.context_parallel_size
-    kernel = attention_kernel(plan.attention_backend, plan.transformer_impl, system.compute_capability)
+    kernel = plan.attention_kernel(system)
     link = _cp_link(plan, system) if c > 1 and kernel != "unfused" else None
     windowed = model.windowed_layers if model.window_size is not None and model.window_size < plan.seq_length \
         else 0
@@ -366,7 +365,7 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
     return (model, system, tuple(system.efficiencies.values()), plan.tensor_model_parallel_size,
             plan.context_parallel_size, plan.seq_length,
             plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap,
-            attention_kernel(plan.attention_backend, plan.transformer_impl, system.compute_capability),
+            plan.attention_kernel(system),
             plan.fp8 is not None, plan.fp8_recipe, plan.recompute, _timed_activation_impl(plan),
             _cross_entropy_fusion(plan),
             chunk_layers(model, plan) if plan.recompute.full else None,

@@ -7,7 +7,7 @@ from rich.table import Table
 
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec, moe
-from h3t_ext.costmodel.kernels import attention_kernel, kernel_rates
+from h3t_ext.costmodel.kernels import kernel_rates
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.layout import layout_stage_count
@@ -114,8 +114,8 @@ _KERNEL_NAMES = {"flash": "FlashAttention", "fused": "cuDNN's fused attention th
 
 
 def attention_line(plan, system: SystemSpec) -> str:
-    """The attention kernel the plan is priced with, and why (``kernels.attention_kernel``)."""
-    kernel = attention_kernel(plan.attention_backend, plan.transformer_impl, system.compute_capability)
+    """The attention kernel the plan is priced with, and why (``Plan.attention_kernel``)."""
+    kernel = plan.attention_kernel(system)
     why = f"--attention-backend {plan.attention_backend}"
     if plan.attention_backend == "auto":
         why += (f": TransformerEngine's choice on compute capability {system.compute_capability:.1f}"

@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
-from h3t_ext.costmodel.kernels import flash_attention_flops
+from h3t_ext.costmodel.kernels import score_pairs
 
 GEMM_PLATEAU_MIN_FLOP = 2.0 ** 38
 """Forward bf16 GEMMs at least this large make the plateau (below it the launch and the tile quantization show)."""
@@ -54,8 +54,8 @@ def _points(rows: Iterable[Mapping], backend: str) -> dict[tuple[str, int], list
         if r.get("kind") != "attention" or r.get("status") != "measured" or case.get("backend") != backend:
             continue
         s = int(case["seq"])
-        pairs = flash_attention_flops(1, s, s, 1, causal=True, backward=False) / 4.0
-        out.setdefault((case["pass_"], int(case["head_dim"])), []).append((s / pairs, r["measured_s"] / r["work"]))
+        out.setdefault((case["pass_"], int(case["head_dim"])), []).append(
+            (s / score_pairs(s, s, causal=True), r["measured_s"] / r["work"]))
     return out
 
 
