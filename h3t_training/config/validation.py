@@ -158,6 +158,11 @@ def _validate_precision(args):
         raise ArgumentError(f"--loss-scale {args.loss_scale} is outside (0, inf)")
     if args.hysteresis < 1:
         raise ArgumentError(f"--hysteresis {args.hysteresis} is outside [1, inf)")
+    if args.fp16 and args.loss_scale is None and args.check_for_nan_in_loss_and_grad:
+        # as Megatron-LM's validate_args: a dynamic loss scale reads NaN gradients as overflow and skips the step
+        args = args.replace(check_for_nan_in_loss_and_grad=False, flag_notices=(
+            *args.flag_notices, "note: --check-for-nan-in-loss-and-grad: off with --fp16's dynamic loss scale, whose "
+                                "overflowed steps are skipped (as Megatron-LM does)"))
     return args
 
 

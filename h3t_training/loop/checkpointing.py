@@ -459,6 +459,9 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
     with_optimizer = not (finetune or args.no_load_optim) and (not megatron or
                                                                found.common[WRITTEN_BY]["optimizer_saved"])
     with_rng = not (finetune or args.no_load_rng)
+    blocker = getattr(optimizer, "load_blocker", lambda: None)() if with_optimizer else None
+    if blocker:
+        raise CheckpointError(f"checkpoint {found.directory}: {blocker}", alike=True)
     if found.legacy:
         return _load_legacy(found, args, chunks, optimizer, with_optimizer, with_rng)
     rng_template, metadata = None, None

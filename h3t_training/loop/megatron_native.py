@@ -165,9 +165,43 @@ def forward_step(data_iterator, model):
     from h3t_training.data.datasets import batch_on_this_cp_rank  # noqa: PLC0415
     from h3t_training.loop.training import loss_func  # noqa: PLC0415
 
-    batch = batch_on_this_cp_rank(_megatron(".utils").get_batch_on_this_tp_rank(data_iterator))
+    batch = batch_on_this_cp_rank(batch_on_this_tp_rank(data_iterator))
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, partial(loss_func, batch["loss_mask"])
+
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+"""The GPT batch's tensors that tensor-parallel rank 0 moves to the GPU before megatron-core 0.19's broadcast."""
+
+
+def batch_on_this_tp_rank(data_iterator) -> dict:
+    """The next batch on this tensor-parallel rank, as the installed Megatron-LM gets it: up to 0.18
+    ``megatron.training.utils.get_batch_on_this_tp_rank(data_iterator)``; from 0.19 tensor-parallel rank 0 takes
+    the batch from the iterator and moves its tensors to the GPU, and ``megatron.core.utils.get_batch_on_this_tp_rank``
+    broadcasts them over the tensor-parallel group (with Megatron-LM's arguments: no packed sequences here)."""
+    legacy = getattr(_megatron(".utils"), "get_batch_on_this_tp_rank", None)
+    if legacy is not None:
+        return legacy(data_iterator)
+    import torch  # noqa: PLC0415
+    from megatron.core import parallel_state as ps  # noqa: PLC0415
+    from megatron.core.utils import get_batch_on_this_tp_rank  # noqa: PLC0415
+
+    args = _megatron("").get_args()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    batch = {}
+    if tp_rank == 0:
+        batch = next(data_iterator)
+        for key in BATCH_KEYS:
+            value = batch.get(key)
+            batch[key] = value.cuda(non_blocking=True) if isinstance(value, torch.Tensor) else None
+    return get_batch_on_this_tp_rank(
+        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
+        broadcast_src_rank=ps.get_tensor_model_parallel_src_rank(),
+        broadcast_group=ps.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size, tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size, seq_length=args.seq_length, mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=ps.is_pipeline_first_stage(), is_pipeline_last_stage=ps.is_pipeline_last_stage())
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):

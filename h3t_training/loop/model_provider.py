@@ -118,9 +118,20 @@ def build_model_chunks(args, *, on_gpu: bool, vocab_size: int) -> list[torch.nn.
     if on_gpu:
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
+            cast_to_params_dtype(chunk, config.params_dtype)
     if args.data_parallel_random_init:
         broadcast_from_first_replica(chunks)
     return chunks
+
+
+def cast_to_params_dtype(chunk: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Every floating-point parameter and buffer of ``chunk`` in ``dtype`` (bf16 or fp16), as Megatron-LM's
+    ``get_model`` has them through ``Float16Module`` (``module.bfloat16()`` / ``.half()``). megatron-core's layers
+    create their weights in ``params_dtype``, but the modules torch builds (the learned position embedding,
+    ``torch.nn.Embedding``, and the local spec's ``torch.nn`` norms) in float32: a GPT embedding summed in float32
+    reached the first bf16 GEMM as float32 (an H200 run stopped there, 2026-11-30)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        chunk.to(dtype=dtype)
 
 
 def broadcast_from_first_replica(chunks) -> None:

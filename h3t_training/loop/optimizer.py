@@ -440,6 +440,23 @@ def _sharded_params(model_sharded_state_dicts: list) -> dict:
     return out
 
 
+def distributed_optimizer_load_blocker(args) -> Optional[str]:
+    """Why megatron-core's distributed optimizer cannot load its state here, or None. Without TransformerEngine or
+    apex it steps torch's Adam (``distrib_optimizer.HAVE_APEX_OR_TE`` False), whose per-parameter ``step`` its
+    loaders (every sharding type, and the legacy parameter state) leave out of the tensors they install while
+    ``_set_main_param_and_optimizer_states`` copies every state key: a KeyError 'step' in megatron-core 0.16 to 0.19
+    (measured on an H200). HybridDeviceOptimizer (--optimizer-cpu-offload) installs what it is given, and is not
+    affected."""
+    if not args.use_distributed_optimizer or args.optimizer_cpu_offload:
+        return None
+    from megatron.core.optimizer import distrib_optimizer
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return None
+    return ("megatron-core's distributed optimizer steps torch's Adam here (neither TransformerEngine nor apex is "
+            "importable), and megatron-core cannot load that optimizer's per-parameter step (KeyError 'step'); "
+            "install TransformerEngine, or resume the weights alone with --no-load-optim")
+
+
 class MegatronOptimizerAdapter:
     """megatron-core's (distributed) optimizer behind the same step/zero_grad/state_dict calls (GPU)."""
 
@@ -447,21 +464,21 @@ class MegatronOptimizerAdapter:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from h3t_training.config.megatron_fields import optimizer_dtype_fields
-        from h3t_training.loop.optimizer_offload import optimizer_config_fields, require_transformer_engine
+        from h3t_training.loop.optimizer_offload import (build_optimizer_config, optimizer_config_fields,
+                                                         require_transformer_engine)
         missing = require_transformer_engine(args)
         if missing:
             raise RuntimeError(missing)
         self.args, self.chunks = args, chunks
-        cfg = OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                              bf16=args.bf16, fp16=args.fp16, params_dtype=tf_config.params_dtype,
-                              adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-                              clip_grad=args.clip_grad, use_distributed_optimizer=args.use_distributed_optimizer,
-                              loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-                              min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-                              hysteresis=args.hysteresis, decoupled_lr=args.decoupled_lr,
-                              log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-                              decoupled_min_lr=args.decoupled_min_lr, **optimizer_config_fields(args),
-                              **optimizer_dtype_fields(args))
+        cfg = build_optimizer_config(OptimizerConfig, dict(
+            optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, bf16=args.bf16,
+            fp16=args.fp16, params_dtype=tf_config.params_dtype, adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+            use_distributed_optimizer=args.use_distributed_optimizer, loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, decoupled_lr=args.decoupled_lr,
+            log_num_zeros_in_grad=args.log_num_zeros_in_grad, decoupled_min_lr=args.decoupled_min_lr,
+            **optimizer_config_fields(args), **optimizer_dtype_fields(args)))
         self.opt = get_megatron_optimizer(cfg, chunks)
         self.schedule = ParamSchedule.from_args(args)
         self.skipped = False
@@ -501,6 +518,10 @@ class MegatronOptimizerAdapter:
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         self.opt.load_state_dict(loaded)
+
+    def load_blocker(self) -> Optional[str]:
+        """Why this optimizer's state cannot be loaded here, or None (:func:`distributed_optimizer_load_blocker`)."""
+        return distributed_optimizer_load_blocker(self.args)
 
     def legacy_state_dict(self) -> dict:
         """megatron-core's ``state_dict()``, as Megatron-LM's legacy save stores it."""

@@ -153,13 +153,19 @@ def _json_file(path: str) -> tuple[object, str]:
         return None, (errors[-1] if errors else "no result: the process died without a message (see the lease log)")
 
 
+NAMED_ERROR = re.compile(r"\b\w*(Error|Exception): ")
+
+
 def _native_losses(path: str) -> dict:
     if not os.path.isfile(path):
         return {"ran": False, "why": f"{os.path.basename(path)} was not written"}
     with open(path, encoding="utf-8", errors="replace") as f:
         text = f.read()
-    errors = [ln for ln in text.splitlines() if ": error: " in ln]
-    return {"ran": True, "losses": _lm_losses(text), "last_error": errors[-1] if errors else ""}
+    # the driver's one line (": error: "), or a traceback's last exception line (a rank's "[rank0]: ...Error: ...")
+    # before torchrun's own ChildFailedError, which follows it
+    errors = [ln for ln in text.splitlines() if ": error: " in ln or (NAMED_ERROR.search(ln) and "Warning" not in ln)]
+    ranks = [ln for ln in errors if ln.startswith("[rank")]
+    return {"ran": True, "losses": _lm_losses(text), "last_error": (ranks or errors or [""])[-1]}
 
 
 def _lm_losses(text: str) -> list[float]:

@@ -154,6 +154,10 @@ def test_report_from_the_parts_of_a_lease(tmp_path):
     (parts / "stage_memory.json").write_text('some warning\n{"max_error": 0.021, "stages": []}\n')
     (parts / "overlap.json").write_text("  warnings.warn(\n")  # the bench died after a warning
     (parts / "native-ours.log").write_text("iteration 1 | lm loss: 7.5E+00 |\niteration 2 | lm loss: 7.25E+00 |\n")
+    (parts / "native-no.log").write_text(  # a rank's exception, then torchrun's own error after it
+        "[rank0]: Traceback (most recent call last):\n[rank0]: AttributeError: module 'x' has no attribute 'y'\n"
+        "[rank0]:[W1130] Warning: WARNING: destroy_process_group() was not called\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
     gt = {"schema": "h3t-ground-truth/1", "system": "h200", "rows": [
         {"status": "measured", "ratio": 1.05}, {"status": "measured", "ratio": 0.8}, {"status": "left_out"}]}
     (parts / "ground_truth.json").write_text(json.dumps(gt))
@@ -168,6 +172,8 @@ def test_report_from_the_parts_of_a_lease(tmp_path):
     assert report["missing"]["offload_step_time_ratio"].startswith("no result: the process died")
     assert report["missing"]["copy"] == "copies.json was not written (the part did not run)"
     assert report["details"]["megatron_native"]["ours"]["losses"] == [7.5, 7.25]
+    assert report["details"]["megatron_native"]["no"] == {
+        "ran": True, "losses": [], "last_error": "[rank0]: AttributeError: module 'x' has no attribute 'y'"}
     assert report["ground_truth"]["measured"] == 2 and report["ground_truth"]["within_10_percent"] == 1
     assert report["details"]["sustained_gemm"] == {"bf16": {"burst_tflops": 760.0, "sustained_tflops": 690.0},
                                                    "fp8": None}

@@ -137,3 +137,14 @@ def test_each_chunk_is_wrapped_as_megatron_lm_wraps_it(monkeypatch):
                for w in made)
     assert tf_config.no_sync_func == [w.no_sync for w in made]
     assert tf_config.finalize_model_grads_func is gpu_wrap.finalize_model_grads
+
+
+@pytest.mark.parametrize("precision, checked", [(["--fp16"], False), (["--fp16", "--loss-scale", "1024"], True),
+                                                (["--bf16"], True)])
+def test_fp16_dynamic_loss_scaling_turns_the_nan_check_off_as_megatron_lm(monkeypatch, precision, checked):
+    """megatron-core's DDP raises at a NaN gradient when check_for_nan_in_grad is set; with --fp16's dynamic loss
+    scale an overflow is a skipped step, so Megatron-LM's validate_args turns the check off there (a GPU fp16 run
+    stopped at its first overflow before)."""
+    _gpu(monkeypatch)
+    config = parse_args([*[a for a in BASE if a != "--bf16"], *precision], world_size=1)
+    assert gpu_wrap.ddp_config_for(config).check_for_nan_in_grad is checked

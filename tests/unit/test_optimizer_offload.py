@@ -193,3 +193,40 @@ def test_offload_flags_without_the_offload_are_noticed():
     assert ("note: --optimizer-offload-fraction, --overlap-cpu-optimizer-d2h-h2d: no effect without "
             "--optimizer-cpu-offload (as in Megatron-LM)") in config.flag_notices
     assert parse_args(BASE + OFFLOAD, world_size=2).flag_notices == ()
+
+
+def test_optimizer_config_with_cpu_offload_builds_without_transformer_engine():
+    """megatron-core 0.16's OptimizerConfig asks TE's version for the precision-aware optimizer and fails without TE;
+    the driver's config for HybridDeviceOptimizer still carries the field, with store_param_remainders off as
+    __post_init__ sets it below TE 2.1."""
+    import importlib.util
+
+    from megatron.core.optimizer import OptimizerConfig
+
+    from h3t_training.loop.optimizer_offload import build_optimizer_config
+    fields = dict(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True,
+                  use_precision_aware_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
+    cfg = build_optimizer_config(OptimizerConfig, fields)
+    assert cfg.use_precision_aware_optimizer and cfg.optimizer_cpu_offload and cfg.optimizer_offload_fraction == 0.5
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert cfg.store_param_remainders is False
+    plain = build_optimizer_config(OptimizerConfig, dict(optimizer="adam", lr=1e-3, use_distributed_optimizer=True))
+    assert not plain.use_precision_aware_optimizer and plain.store_param_remainders is True
+
+
+def test_the_distributed_optimizer_with_torch_adam_cannot_load_and_says_why():
+    """megatron-core without TE or apex (this machine) steps torch's Adam, whose per-parameter step its loaders drop
+    (KeyError 'step' on an H200): the driver names that before loading; the CPU offload's HybridDeviceOptimizer and
+    the plain optimizer load."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import distrib_optimizer
+
+    from h3t_training.loop.optimizer import distributed_optimizer_load_blocker
+
+    def args(**kw):
+        return SimpleNamespace(**{"use_distributed_optimizer": True, "optimizer_cpu_offload": False, **kw})
+    assert distrib_optimizer.HAVE_APEX_OR_TE is False  # the CPU machines have neither
+    assert "--no-load-optim" in distributed_optimizer_load_blocker(args())
+    assert distributed_optimizer_load_blocker(args(optimizer_cpu_offload=True)) is None
+    assert distributed_optimizer_load_blocker(args(use_distributed_optimizer=False)) is None
