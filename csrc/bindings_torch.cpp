@@ -11,9 +11,13 @@
 // Callers never import this module directly; h3t_ext.kernels.batched_copy_ does. It copies
 // with _copy_cpu's executor and options (lent through its `_api` capsule).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <cstdint>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "copy_cpu.h"
@@ -34,20 +38,35 @@ bool within_storage(const at::Tensor& t, std::size_t nbytes) {
   return offset <= capacity && nbytes <= capacity - offset;
 }
 
+// Where a pair's tensors may live: both on the CPU (the CPU kernels), or each on the CPU or on one CUDA device (the
+// CUDA module; `device` is the batch's, -1 until its first CUDA tensor sets it).
+struct Placement {
+  bool cuda = false;
+  int device = -1;
+
+  bool admits(const at::Tensor& t) {
+    const c10::Device dev = t.device();
+    if (dev.is_cpu()) return true;
+    if (!cuda || !dev.is_cuda()) return false;
+    if (device < 0) device = dev.index();
+    return dev.index() == device;
+  }
+};
+
 // The fast-path decision for one pair; fills `task` and returns true when it applies:
 // exact torch.Tensor (or Parameter) objects (a subclass may redefine attribute reads in
-// Python, so it takes the checked path), defined, strided, on the CPU, contiguous, of one dtype that is
-// not quantized (copy_ also copies the quantizer), neither a lazily conjugated or negated
+// Python, so it takes the checked path), defined, strided, placed as `where` admits, contiguous, of one dtype that
+// is not quantized (copy_ also copies the quantizer), neither a lazily conjugated or negated
 // view, of equal sizes, with storages that hold every byte copied, and a destination that
 // is not an inference tensor (its version counter could not be bumped).
-bool fast_pair(PyObject* d, PyObject* s, h3t::CopyTask& task) {
+bool fast_pair(PyObject* d, PyObject* s, Placement& where, h3t::CopyTask& task) {
   if (!THPVariable_CheckExact(d) || !THPVariable_CheckExact(s)) return false;
   const at::Tensor& dt = THPVariable_Unpack(d);
   const at::Tensor& st = THPVariable_Unpack(s);
   if (!dt.defined() || !st.defined()) return false;
   if (dt.scalar_type() != st.scalar_type() || c10::isQIntType(dt.scalar_type())) return false;
   if (dt.layout() != c10::kStrided || st.layout() != c10::kStrided) return false;
-  if (!dt.device().is_cpu() || !st.device().is_cpu()) return false;
+  if (!where.admits(dt) || !where.admits(st)) return false;
   if (dt.is_inference()) return false;
   if (!dt.is_contiguous() || !st.is_contiguous()) return false;
   if (dt.is_conj() || st.is_conj() || dt.is_neg() || st.is_neg()) return false;
@@ -61,44 +80,77 @@ bool fast_pair(PyObject* d, PyObject* s, h3t::CopyTask& task) {
   return true;
 }
 
-// Copies srcs[i] into dsts[i] for all i when every pair takes the fast path (see
-// fast_pair); returns the threads used (0: no bytes), or None, having written nothing,
-// for any other batch (the caller then validates it in Python and copies or raises).
-// Raises ValueError (CopyError) when a destination overlaps its own source.
-py::object batched_copy_tensors(py::handle dsts, py::handle srcs) {
+// The batch's tasks when every pair takes the fast path placed as `where` admits (zero-byte pairs left out), or
+// nothing; with `validate`, each checked as it is read (h3t::validate_task, named by its index in the batch: a
+// CopyError when a destination overlaps its own source). Tuples hold a reference to every tensor while the GIL is released for a copy: another thread emptying
+// the caller's list cannot free a tensor being copied; `held` keeps them.
+std::optional<std::vector<h3t::CopyTask>> fast_tasks(py::handle dsts, py::handle srcs, Placement& where,
+                                                     bool validate, std::pair<py::tuple, py::tuple>& held) {
   const auto is_seq = [](py::handle o) { return PyList_Check(o.ptr()) || PyTuple_Check(o.ptr()); };
-  if (!is_seq(dsts) || !is_seq(srcs)) return py::none();
-  // Tuples hold a reference to every tensor while the GIL is released for the copy: another
-  // thread emptying the caller's list cannot free a tensor being copied.
-  const py::tuple dt = py::reinterpret_steal<py::tuple>(PySequence_Tuple(dsts.ptr()));
-  const py::tuple st = py::reinterpret_steal<py::tuple>(PySequence_Tuple(srcs.ptr()));
-  if (!dt || !st) throw py::error_already_set();
-  const Py_ssize_t count = PyTuple_GET_SIZE(dt.ptr());
-  if (PyTuple_GET_SIZE(st.ptr()) != count) return py::none();
-  PyObject** d = &PyTuple_GET_ITEM(dt.ptr(), 0);
-  PyObject** s = &PyTuple_GET_ITEM(st.ptr(), 0);
+  if (!is_seq(dsts) || !is_seq(srcs)) return std::nullopt;
+  held.first = py::reinterpret_steal<py::tuple>(PySequence_Tuple(dsts.ptr()));
+  held.second = py::reinterpret_steal<py::tuple>(PySequence_Tuple(srcs.ptr()));
+  if (!held.first || !held.second) throw py::error_already_set();
+  const Py_ssize_t count = PyTuple_GET_SIZE(held.first.ptr());
+  if (PyTuple_GET_SIZE(held.second.ptr()) != count) return std::nullopt;
   std::vector<h3t::CopyTask> tasks;
   tasks.reserve(static_cast<std::size_t>(count));
   try {
     for (Py_ssize_t i = 0; i < count; ++i) {
       h3t::CopyTask task{};
-      if (!fast_pair(d[i], s[i], task)) return py::none();
-      h3t::validate_task(task, static_cast<std::size_t>(i));
+      if (!fast_pair(PyTuple_GET_ITEM(held.first.ptr(), i), PyTuple_GET_ITEM(held.second.ptr(), i), where, task)) {
+        return std::nullopt;
+      }
+      if (validate) h3t::validate_task(task, static_cast<std::size_t>(i));
       if (task.bytes()) tasks.push_back(task);
     }
   } catch (const c10::Error&) {
-    return py::none();  // torch refused a read: its own copy_ will say why
+    return std::nullopt;  // torch refused a read: its own copy_ will say why
   }
+  return tasks;
+}
+
+// Copies srcs[i] into dsts[i] for all i when every pair takes the fast path with both tensors on the CPU (see
+// fast_pair); returns the threads used (0: no bytes), or None, having written nothing,
+// for any other batch (the caller then validates it in Python and copies or raises).
+// Raises ValueError (CopyError) when a destination overlaps its own source.
+py::object batched_copy_tensors(py::handle dsts, py::handle srcs) {
+  Placement cpu;
+  std::pair<py::tuple, py::tuple> held;
+  std::optional<std::vector<h3t::CopyTask>> tasks = fast_tasks(dsts, srcs, cpu, true, held);
+  if (!tasks) return py::none();
   // Like copy_, the write is an in-place change of each destination for autograd.
-  for (Py_ssize_t i = 0; i < count; ++i) THPVariable_Unpack(d[i]).unsafeGetTensorImpl()->bump_version();
-  if (tasks.empty()) return py::int_(0);
+  const Py_ssize_t count = PyTuple_GET_SIZE(held.first.ptr());
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    THPVariable_Unpack(PyTuple_GET_ITEM(held.first.ptr(), i)).unsafeGetTensorImpl()->bump_version();
+  }
+  if (tasks->empty()) return py::int_(0);
   const h3t::CpuCopyOptions options = *g_cpu->options;
   unsigned used = 0;
   {
     py::gil_scoped_release release;
-    used = g_cpu->run_tasks(tasks, options);
+    used = g_cpu->run_tasks(*tasks, options);
   }
   return py::int_(used);
+}
+
+// The pointers of a CUDA batch for _copy_cuda.batched_copy: (device, dst pointers, src pointers, bytes) when every
+// pair takes the fast path with each tensor on the CPU or one CUDA device, and one tensor at least on it (zero-byte
+// pairs left out); None otherwise, for the checked path. Writes nothing and bumps no version: the caller enqueues
+// the copy (which validates the tasks), then bumps the destinations' versions.
+py::object cuda_copy_plan(py::handle dsts, py::handle srcs) {
+  Placement cuda{true, -1};
+  std::pair<py::tuple, py::tuple> held;
+  std::optional<std::vector<h3t::CopyTask>> tasks = fast_tasks(dsts, srcs, cuda, false, held);
+  if (!tasks || cuda.device < 0) return py::none();  // no CUDA tensor: not a CUDA batch
+  std::vector<std::uintptr_t> dp, sp;
+  std::vector<std::size_t> n;
+  for (const h3t::CopyTask& t : *tasks) {
+    dp.push_back(reinterpret_cast<std::uintptr_t>(t.dst));
+    sp.push_back(reinterpret_cast<std::uintptr_t>(t.src));
+    n.push_back(t.bytes());
+  }
+  return py::make_tuple(cuda.device, py::cast(dp), py::cast(sp), py::cast(n));
 }
 
 }  // namespace
@@ -117,4 +169,7 @@ PYBIND11_MODULE(_copy_torch, m) {
   m.def("batched_copy_tensors", &batched_copy_tensors, py::arg("dsts"), py::arg("srcs"),
         "Copies lists of CPU, contiguous torch.Tensor pairs of one dtype and shape in one native call "
         "(threads used), or returns None having written nothing for any other input.");
+  m.def("cuda_copy_plan", &cuda_copy_plan, py::arg("dsts"), py::arg("srcs"),
+        "(device, dst pointers, src pointers, bytes) of lists of contiguous tensor pairs of one dtype and shape on "
+        "the CPU or one CUDA device (at least one CUDA tensor), or None for any other input.");
 }

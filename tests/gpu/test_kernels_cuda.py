@@ -89,3 +89,35 @@ def test_gpu_batched_copy_strided_and_host_to_device():
     torch.cuda.synchronize()
     assert torch.equal(dst[:, 8:56].cpu(), src)
     assert torch.equal(dst[:, :4].cpu(), src[:, :4])
+
+
+@gpu
+def test_gpu_contiguous_batch_takes_the_tensor_front_end_and_copies_both_ways():
+    """The offload runtime's batch (many contiguous pairs between one GPU and pinned host memory) is read by the
+    tensor front end in C++ and enqueued in one native call; the bytes equal torch's copy and every destination's
+    version is bumped, as copy_ bumps it. Pairs on two GPUs, or an odd layout, take the checked path."""
+    from h3t_ext.kernels import _backend
+
+    front = _backend.tensor_module()
+    assert front is not None
+    gen = torch.Generator().manual_seed(1)
+    host = [torch.randn(n, generator=gen) for n in (0, 1, 300, 16384, 1 << 18)]
+    dev = [torch.empty_like(h, device="cuda") for h in host]
+    pinned = [kernels.alloc_pinned(h.nbytes).view(h.dtype)[:h.numel()] if h.numel() else torch.empty(0)
+              for h in host]
+    for p, h in zip(pinned, host):
+        p.copy_(h)
+    device, dsts, srcs, nbytes = front.cuda_copy_plan(dev, pinned)
+    assert device == torch.cuda.current_device() and len(dsts) == len(srcs) == len(nbytes) == 4  # no 0-byte pair
+    assert nbytes == [h.nbytes for h in host if h.numel()]
+    versions = [d._version for d in dev]
+    stream = torch.cuda.Stream()
+    kernels.batched_copy_(dev, pinned, stream=stream)
+    back = [torch.empty_like(p) for p in pinned]
+    stream.synchronize()
+    kernels.batched_copy_(back, dev, stream=stream)
+    stream.synchronize()
+    assert all(torch.equal(b, h) for b, h in zip(back, host))
+    assert all(d._version > v for d, v in zip(dev, versions))
+    assert front.cuda_copy_plan([dev[2][::2]], [pinned[2][::2]]) is None  # strided: the checked path
+    assert front.cuda_copy_plan([host[2]], [pinned[2]]) is None  # no CUDA tensor: not a CUDA batch
