@@ -244,8 +244,11 @@ def build_report(meta: dict, raw: dict, out_dir: str, tag: str = "") -> tuple[di
         report["missing"]["stage_memory_max_error"] = why
     overlap, why = raw["overlap"]
     report["details"]["offload_overlap"] = overlap
-    report["offload_step_time_ratio"] = None if overlap is None else \
-        next(r["step_time_ratio"] for r in overlap if r["alpha"] == 0.5)
+    # alpha 0.5 of the compute-bound shape, where the copies can hide (bench_offload_overlap.py's CASES; a report
+    # before the cases had one shape, the copy-bound one)
+    report["offload_step_time_ratio"] = None if overlap is None else next(
+        r["step_time_ratio"] for r in sorted(overlap, key=lambda r: r.get("case") != "compute_bound")
+        if r["alpha"] == 0.5)
     if overlap is None:
         report["missing"]["offload_step_time_ratio"] = why
     copies, why = raw["copies"]
@@ -288,7 +291,7 @@ def print_table(report: dict, path: str) -> None:
     dropout = report["details"]["attention_dropout"]
     rows = [("GPU tests passed / failed", f"{report['tests_passed']} / {report['tests_failed']}", "all pass"),
             ("stage memory max error", report["stage_memory_max_error"], "<= 3%"),
-            ("offload step time, alpha 0.5 / 0", report["offload_step_time_ratio"], "<= 1.05"),
+            ("offload step, alpha 0.5 / 0, compute-bound", report["offload_step_time_ratio"], "<= 1.05"),
             ("batched copy vs copy_ loop, 2,000 x 64 KiB", report["copy_speedup_small"], ">= 3x"),
             ("share of one large copy (worse case)", report["copy_bandwidth_share"], ">= 0.8")]
     stated = "stated " + ("?" if dropout is None else

@@ -199,6 +199,23 @@ def test_a_tier_stopped_by_the_lease_cap_is_counted_from_its_verbose_log(tmp_pat
         "--tag '../x': letters, digits and '-' only")
 
 
+def test_the_offload_target_reads_the_compute_bound_shape(tmp_path):
+    """bench_offload_overlap.py runs a copy-bound shape (the link's bound, ~1.4x on an H200) and a compute-bound one;
+    the report's offload_step_time_ratio is the compute-bound alpha 0.5, where the runtime's overlap is what is
+    measured, and a report of the earlier one-shape bench still reads."""
+    rows = [{"case": case, "alpha": a, "step_time_ratio": r} for case, ratios in
+            (("copy_bound", (1.0, 1.38, 2.37)), ("compute_bound", (1.0, 1.02, 1.1))) for a, r in zip((0.0, 0.5, 1.0),
+                                                                                                    ratios)]
+    for overlap, want in ((rows, 1.02), ([{"alpha": 0.0, "step_time_ratio": 1.0},
+                                          {"alpha": 0.5, "step_time_ratio": 1.35}], 1.35)):
+        (tmp_path / str(want)).mkdir()
+        parts = _lease_parts(tmp_path / str(want))
+        (parts / "overlap.json").write_text(json.dumps(overlap))
+        _report(parts, "--out-dir", str(tmp_path / str(want) / "out"))
+        (report,) = [json.loads(f.read_text()) for f in (tmp_path / str(want) / "out").glob("*h200.json")]
+        assert report["offload_step_time_ratio"] == want
+
+
 def test_driver_steps_lists_its_runs_and_compares_a_report_with_the_estimate():
     """scripts/gpu/driver_steps.py: --dry-run prints each case's driver command; --compare puts the committed H200
     measurements beside h3t-plan estimate (no GPU needed for either)."""
