@@ -21,7 +21,7 @@ from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config.flag_table import table_value
 from h3t_training.config.fp8_flags import fp8_flag
 from h3t_training.config.megatron_fields import attention_backend, bias_swiglu_fusion, cross_entropy_fusion, \
-    optimizer_impl, sixteen_bit_grads_of, spec_backend
+    given_attention_backend, optimizer_impl, sixteen_bit_grads_of, spec_backend
 
 
 def uses_transformer_engine(on_gpu: bool, config) -> bool:
@@ -106,9 +106,13 @@ def run_plan(config, *, offload_alpha: Alpha = 0.0, on_gpu: bool = False, **fixe
     provider builds the local spec; elsewhere the plan is the GPU job's (``--transformer-impl``, Megatron's
     default TransformerEngine), which is what ``--gpu``'s budget and ``h3t-plan`` price. On a GPU with
     TransformerEngine the plan has the FP8 and attention backend the run passes to megatron-core
-    (:func:`gpu_plan_fields`). On a GPU the plan's Adam is the one megatron-core imported
-    (:func:`~h3t_training.config.megatron_fields.optimizer_impl`); elsewhere the GPU job's, TransformerEngine's."""
-    runs = dict(tp_comm_overlap=False, attention_backend="auto", bias_swiglu_fusion=bias_swiglu_fusion(config),
+    (:func:`gpu_plan_fields`), and off a GPU the attention backend its flags give. On a GPU the plan's Adam is the
+    one megatron-core imported (:func:`~h3t_training.config.megatron_fields.optimizer_impl`); elsewhere the GPU
+    job's, TransformerEngine's."""
+    # off a GPU the GPU job's attention as its flags give it (local: the translation's unfused); on a GPU without
+    # TransformerEngine the local spec's core attention ('auto' prices FlashAttention there)
+    job_attention = "auto" if on_gpu else given_attention_backend(config) or "auto"
+    runs = dict(tp_comm_overlap=False, attention_backend=job_attention, bias_swiglu_fusion=bias_swiglu_fusion(config),
                 **cross_entropy_fusion(config),
                 grad_reduce_in_bf16=sixteen_bit_grads_of(config), **stack_fields(config, on_gpu=on_gpu))
     if on_gpu and uses_transformer_engine(on_gpu, config):

@@ -41,3 +41,18 @@ def test_the_priced_plan_has_the_swiglu_fusion_megatron_core_gets():
         config = parse_args([*BASE, "--swiglu", "--disable-bias-linear", *extra], world_size=1)
         assert run_plan(config).bias_activation_fusion is fused
         assert transformer_config(config, on_gpu=True).bias_activation_fusion is fused
+
+
+@pytest.mark.parametrize("extra, priced", [([], "auto"), (["--attention-backend", "fused"], "fused"),
+                                           (["--attention-backend", "local"], "unfused"),
+                                           (["--attention-backend", "unfused"], "unfused"),
+                                           (["--use-flash-attn"], "flash")])
+def test_the_cpu_runs_plan_prices_the_attention_its_flags_give(extra, priced):
+    """Off a GPU the driver's plan is the GPU job's (its --gpu budget and logged estimate): the attention kernel the
+    flags name, as h3t-plan reads them (local: the unfused core attention, which saves the s^2 scores); on a GPU
+    without TransformerEngine the local spec's attention, whatever the flags say."""
+    from h3t_training.config.run_spec import run_plan
+
+    config = parse_args([*BASE, *extra], world_size=1)
+    assert run_plan(config).attention_backend == priced
+    assert run_plan(config, on_gpu=True).attention_backend == "auto"
