@@ -174,17 +174,22 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
 """The GPT batch's tensors that tensor-parallel rank 0 moves to the GPU before megatron-core 0.19's broadcast."""
 
 
-def batch_on_this_tp_rank(data_iterator) -> dict:
+def _to_gpu(t):
+    return t.cuda(non_blocking=True)
+
+
+def batch_on_this_tp_rank(data_iterator, *, to_device=_to_gpu) -> dict:
     """The next batch on this tensor-parallel rank, as the installed Megatron-LM gets it: up to 0.18
     ``megatron.training.utils.get_batch_on_this_tp_rank(data_iterator)``; from 0.19 tensor-parallel rank 0 takes
-    the batch from the iterator and moves its tensors to the GPU, and ``megatron.core.utils.get_batch_on_this_tp_rank``
-    broadcasts them over the tensor-parallel group (with Megatron-LM's arguments: no packed sequences here)."""
+    the batch from the iterator and moves its tensors with ``to_device`` (to the GPU, as Megatron-LM's training
+    loop does), and ``megatron.core.utils.get_batch_on_this_tp_rank`` broadcasts them over the tensor-parallel
+    group (with Megatron-LM's arguments: no packed sequences here)."""
     legacy = getattr(_megatron(".utils"), "get_batch_on_this_tp_rank", None)
     if legacy is not None:
         return legacy(data_iterator)
     import torch  # noqa: PLC0415
     from megatron.core import parallel_state as ps  # noqa: PLC0415
-    from megatron.core.utils import get_batch_on_this_tp_rank  # noqa: PLC0415
+    from megatron.core import utils as core_utils  # noqa: PLC0415
 
     args = _megatron("").get_args()
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -193,8 +198,8 @@ def batch_on_this_tp_rank(data_iterator) -> dict:
         batch = next(data_iterator)
         for key in BATCH_KEYS:
             value = batch.get(key)
-            batch[key] = value.cuda(non_blocking=True) if isinstance(value, torch.Tensor) else None
-    return get_batch_on_this_tp_rank(
+            batch[key] = to_device(value) if isinstance(value, torch.Tensor) else None
+    return core_utils.get_batch_on_this_tp_rank(
         batch, has_cu_seqlens=False, is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         broadcast_src_rank=ps.get_tensor_model_parallel_src_rank(),
