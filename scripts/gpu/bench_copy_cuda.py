@@ -6,8 +6,9 @@ Cases: 2,000 x 64 KiB (many small) and 16 x 64 MiB (few large). Prints a table, 
 with ``--json``. Every copy is enqueued on one side stream, as the offload runtime enqueues its copies. ``methods``
 times each way the native module can enqueue the same batch: auto (what ``batched_copy_`` does: the SM copy kernel
 for copies of at most 1 MiB, one ``cudaMemcpyBatchAsync`` for the rest), loop (one ``cudaMemcpyAsync`` per copy),
-kernel (the SM copy kernel for all). Needs CUDA and the native CUDA kernels (``h3t_ext.kernels``); says so in one line
-otherwise.
+kernel (the SM copy kernel for all). ``beside_gemm`` enqueues each method's batch beside a run of bf16 GEMMs and
+gives the GEMMs' slowdown and the copies' rate (the SM kernel shares the SMs, the copy engines do not). Needs CUDA
+and the native CUDA kernels (``h3t_ext.kernels``); says so in one line otherwise.
 """
 from __future__ import annotations
 
@@ -81,6 +82,60 @@ def run_case(count: int, nbytes: int, repeats: int) -> dict:
     return out
 
 
+GEMMS, BATCHES = 12, 4
+"""Beside the copies: twelve bf16 8192^3 products (~20 ms on an H200) on the compute stream, and the copy batch
+enqueued four times on the side stream (~512 MiB for the small case, ~10-15 ms through the link)."""
+
+
+def beside_gemm(count: int, nbytes: int, repeats: int) -> dict:
+    """Each method's device -> pinned host batch, enqueued on a side stream beside a run of bf16 GEMMs on the compute
+    stream, both started together behind a short GPU sleep: the GEMMs' time over the same GEMMs alone (the SM copy
+    kernel takes SMs they would use; the copy engines take none, which is what the offload runtime's auto method
+    trades when its copies overlap compute), and the copies' rate beside them; medians of ``repeats``."""
+    import statistics
+
+    import torch
+
+    from h3t_ext import kernels
+    from h3t_ext.kernels import _backend
+
+    mod, side, compute = _backend.cuda_module(), torch.cuda.Stream(), torch.cuda.current_stream()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(count)]
+    host = [kernels.alloc_pinned(nbytes) for _ in range(count)]
+    ptrs = ([t.data_ptr() for t in host], [t.data_ptr() for t in dev], [nbytes] * count)
+
+    def once(method):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000)  # ~1 ms: the host enqueues both streams' work before either starts
+        events[0].record(compute)
+        for _ in range(GEMMS):
+            torch.mm(a, b)
+        events[1].record(compute)
+        if method is not None:
+            side.wait_event(events[0])
+            events[2].record(side)
+            for _ in range(BATCHES):
+                mod.batched_copy(*ptrs, stream=side.cuda_stream, method=method)
+            events[3].record(side)
+        torch.cuda.synchronize()
+        gemm_s = events[0].elapsed_time(events[1]) / 1e3
+        return gemm_s, (events[2].elapsed_time(events[3]) / 1e3 if method is not None else None)
+
+    once(None)
+    alone = statistics.median(once(None)[0] for _ in range(repeats))
+    out = {"gemm_alone_s": alone}
+    for m, name in METHODS.items():
+        once(m)
+        runs = [once(m) for _ in range(repeats)]
+        gemm, copy = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+        out[name] = {"gemm_s": gemm, "gemm_slowdown": gemm / alone, "copy_s": copy,
+                     "copy_gb_per_s": BATCHES * count * nbytes / copy / 1e9}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", action="store_true")
@@ -98,10 +153,17 @@ def main(argv=None) -> int:
                          f"({kernels.native_unavailable_reason(torch.device('cuda'))})\n")
         return 1
     results = {name: run_case(c, n, args.repeats) for name, (c, n) in CASES.items()}
+    results["beside_gemm"] = {name: beside_gemm(c, n, max(3, args.repeats // 2)) for name, (c, n) in CASES.items()}
     if args.json:
         print(json.dumps(results))
     else:
         for name, r in results.items():
+            if name == "beside_gemm":
+                for case, by in r.items():
+                    for m in METHODS.values():
+                        print(f"{case:10s} d2h beside GEMMs, {m}: GEMMs {by[m]['gemm_slowdown']:.3f}x alone, "
+                              f"copies {by[m]['copy_gb_per_s']:.1f} GB/s")
+                continue
             for d, x in r.items():
                 print(f"{name:10s} {d}: native {x['native_gb_per_s']:.1f} GB/s, {x['speedup_over_loop']:.2f}x the "
                       f"copy_ loop, {100 * x['share_of_one_copy']:.0f}% of one large copy")

@@ -115,7 +115,7 @@ grep -h "lm loss" "$PARTS"/native-*.log | head -n 4; tail -n 2 "$PARTS/stage_mem
 pack
 stamp "timings, alone on the GPU"
 export PYTHONPATH=$ROOT:$SITE_OLD
-run_capped 45 "$PYTHON" scripts/gpu/bench_copy_cuda.py --json >"$PARTS/copies.json" 2>&1 \
+run_capped 60 "$PYTHON" scripts/gpu/bench_copy_cuda.py --json >"$PARTS/copies.json" 2>&1 \
   || echo "copies failed: $(tail -n 2 "$PARTS/copies.json")"
 run_capped 100 "$PYTHON" scripts/gpu/bench_offload_overlap.py --json >"$PARTS/overlap.json" 2>&1 \
   || echo "overlap failed: $(tail -n 2 "$PARTS/overlap.json")"

@@ -258,7 +258,8 @@ def build_report(meta: dict, raw: dict, out_dir: str, tag: str = "") -> tuple[di
         report["copy_speedup_small"] = report["copy_bandwidth_share"] = None
     else:
         report["copy_speedup_small"] = min(d["speedup_over_loop"] for d in copies["many_small"].values())
-        report["copy_bandwidth_share"] = min(d["share_of_one_copy"] for c in copies.values() for d in c.values())
+        report["copy_bandwidth_share"] = min(d["share_of_one_copy"] for name, c in copies.items()
+                                             if name != "beside_gemm" for d in c.values())
     dropout, why = raw["dropout"]
     report["details"]["attention_dropout"] = dropout
     report["attention_dropout_slowdown"] = None if dropout is None else {

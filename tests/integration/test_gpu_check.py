@@ -216,6 +216,24 @@ def test_the_offload_target_reads_the_compute_bound_shape(tmp_path):
         assert report["offload_step_time_ratio"] == want
 
 
+def test_the_copy_figures_read_the_cases_and_keep_the_copies_beside_gemms(tmp_path):
+    """copy_speedup_small and copy_bandwidth_share come from the copy cases; bench_copy_cuda.py's beside_gemm rows (each
+    method's copies beside a run of GEMMs) are kept in the details, not read as a case."""
+    side = {"d2h": {"speedup_over_loop": 3.1, "share_of_one_copy": 0.86},
+            "h2d": {"speedup_over_loop": 3.3, "share_of_one_copy": 0.84}}
+    beside = {"gemm_alone_s": 0.02, **{m: {"gemm_s": 0.021, "gemm_slowdown": 1.05, "copy_s": 0.012,
+                                           "copy_gb_per_s": 44.7} for m in ("auto", "loop", "kernel")}}
+    copies = {"many_small": side, "few_large": {"d2h": {"speedup_over_loop": 1.0, "share_of_one_copy": 0.98},
+                                                  "h2d": {"speedup_over_loop": 1.0, "share_of_one_copy": 0.97}},
+              "beside_gemm": {"many_small": beside, "few_large": beside}}
+    parts = _lease_parts(tmp_path)
+    (parts / "copies.json").write_text(json.dumps(copies))
+    _report(parts, "--out-dir", str(tmp_path / "out"))
+    report = json.loads((tmp_path / "out" / "2026-11-28-nvidia-h200.json").read_text())
+    assert (report["copy_speedup_small"], report["copy_bandwidth_share"]) == (3.1, 0.84)
+    assert report["details"]["copies"]["beside_gemm"]["many_small"]["kernel"]["gemm_slowdown"] == 1.05
+
+
 def test_driver_steps_lists_its_runs_and_compares_a_report_with_the_estimate():
     """scripts/gpu/driver_steps.py: --dry-run prints each case's driver command; --compare puts the committed H200
     measurements beside h3t-plan estimate (no GPU needed for either)."""
