@@ -41,13 +41,16 @@ def test_each_kernel_lands_in_its_kind(name, kind):
 
 
 def test_the_table_is_per_iteration_by_kind():
-    out = summarize([("nvjet_tst_a", 4000.0), ("nvjet_tst_a", 2000.0), ("flash_fwd_kernel", 1000.0),
-                     ("Memcpy DtoH (Device -> Pinned)", 500.0), ("vectorized_elementwise_kernel", 250.0),
-                     ("idle", 0.0)], iterations=2)
+    out = summarize([("nvjet_tst_a", 4000.0, 6), ("nvjet_tst_a", 2000.0, 2), ("flash_fwd_kernel", 1000.0, 4),
+                     ("Memcpy DtoH (Device -> Pinned)", 500.0, 2), ("vectorized_elementwise_kernel", 250.0, 40),
+                     ("idle", 0.0, 8)], iterations=2)
     assert out["by_kind_ms_per_iteration"] == {**{k: 0.0 for k in KINDS}, "gemm": 3.0, "attention": 0.5,
                                                "copy": 0.25, "elementwise": 0.125}
     assert out["total_ms_per_iteration"] == pytest.approx(3.875)
     assert out["top_ms_per_iteration"][0] == ["nvjet_tst_a", 3.0, "gemm"]
+    assert out["launches_per_iteration"] == {**{k: 0.0 for k in KINDS}, "gemm": 4.0, "attention": 2.0, "copy": 1.0,
+                                             "elementwise": 20.0}
+    assert summarize([("nvjet_tst_a", 10.0)], iterations=1)["launches_per_iteration"]["gemm"] == 0  # no counts given
     with pytest.raises(ValueError, match="iterations must be >= 1"):
         summarize([], iterations=0)
 

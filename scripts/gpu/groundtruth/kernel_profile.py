@@ -44,22 +44,27 @@ def kind_of(name: str) -> str:
     return "elementwise"
 
 
-def summarize(device_us: Iterable[tuple[str, float]], iterations: int) -> dict:
-    """Per-iteration milliseconds by kind and the longest kernels, from (name, total device microseconds) pairs."""
+def summarize(device_us: Iterable[tuple], iterations: int) -> dict:
+    """Per-iteration milliseconds and kernel launches by kind, and the longest kernels, from (name, total device
+    microseconds[, launches]) tuples: the launches tell a step bound by the host's dispatch (each launch costs the
+    host some microseconds whatever the kernel's size) from one bound by the kernels."""
     if iterations < 1:
         raise ValueError(f"iterations must be >= 1, got {iterations}")
     by_kind = {k: 0.0 for k in KINDS}
+    launches = {k: 0 for k in KINDS}
     per_name: dict[str, float] = {}
-    for name, us in device_us:
+    for name, us, *count in device_us:
         if us <= 0:
             continue
         by_kind[kind_of(name)] += us
+        launches[kind_of(name)] += int(count[0]) if count else 0
         per_name[name] = per_name.get(name, 0.0) + us
     scale = 1e-3 / iterations
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:TOP]
     return {"iterations": iterations,
             "by_kind_ms_per_iteration": {k: v * scale for k, v in by_kind.items()},
             "total_ms_per_iteration": sum(by_kind.values()) * scale,
+            "launches_per_iteration": {k: v / iterations for k, v in launches.items()},
             "top_ms_per_iteration": [[name, us * scale, kind_of(name)] for name, us in top]}
 
 
@@ -93,7 +98,7 @@ def profile(entry: str, argv: Sequence[str], iterations: int) -> dict:
         sys.argv = saved
     if code:
         raise SystemExit(f"kernel_profile.py: error: {os.path.basename(entry)} exited {code}")
-    return summarize(((e.key, _device_us(e)) for e in prof.key_averages()), iterations)
+    return summarize(((e.key, _device_us(e), e.count) for e in prof.key_averages()), iterations)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
