@@ -20,7 +20,7 @@
 # parts packed), OUT (docs/gpu-reports/parts), PYTHON (python3), WHEELS_OLD / WHEELS_NEW (.whl/
 # megatron-core-0.16.1-cp312 / .whl/megatron-core-0.19.2-cp312), TESTS_S (180), GT_BUDGET_S (90),
 # NATIVE_ITERS (20), XDIST (4: pytest-xdist workers, 0 for none), STEPS (the driver_steps.py cases, all when
-# empty), PROFILE (the cases profiled by kernel kind: llama-1b/no/0 llama-1b/ours/0.5), SKIP (parts left out, any of
+# empty), STEPS_ITERS (6: iterations a case runs; its step time is the median after the first two), PROFILE (the cases profiled by kernel kind: llama-1b/no/0 llama-1b/ours/0.5), SKIP (parts left out, any of
 # attention sustained profile steps gt: a second, shorter lease measures only what the first did not), GT_TIMEOUT_S (150),
 # TEST_TIMEOUT_S (100: one gpu-tier test's limit).
 set -uo pipefail
@@ -34,6 +34,7 @@ GT_BUDGET_S=${GT_BUDGET_S:-90}
 NATIVE_ITERS=${NATIVE_ITERS:-20}
 XDIST=${XDIST:-4}
 STEPS=${STEPS:-}
+STEPS_ITERS=${STEPS_ITERS:-6}
 GT_TIMEOUT_S=${GT_TIMEOUT_S:-150}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-100}
 LEASE_S=${LEASE_S:-560}
@@ -56,7 +57,7 @@ NATIVE=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 25
 # needs --eval-interval with --train-iters)
 if [[ ${1:-} == --dry-run ]]; then
   echo "LEASE_S=$LEASE_S OUT=$OUT PYTHON=$PYTHON WHEELS_OLD=$WHEELS_OLD WHEELS_NEW=$WHEELS_NEW TESTS_S=$TESTS_S GT_BUDGET_S=$GT_BUDGET_S"
-  echo "PROFILE=$PROFILE SKIP=$SKIP"
+  echo "PROFILE=$PROFILE SKIP=$SKIP STEPS=$STEPS STEPS_ITERS=$STEPS_ITERS"
   echo -n "native: "; printf '%q ' "$PYTHON" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py "${NATIVE[@]}"; echo
   exit 0
 elif [[ $# -gt 0 ]]; then
@@ -134,7 +135,8 @@ skipped profile || run_capped 150 "$PYTHON" scripts/gpu/driver_steps.py --profil
   --json "$PARTS/driver_profile.json" 2>&1
 pack
 ONLY=(); [[ -n $STEPS ]] && ONLY=(--only $STEPS)
-skipped steps || run_capped 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" "${ONLY[@]}" 2>&1
+skipped steps || run_capped 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" \
+  --iters "$STEPS_ITERS" "${ONLY[@]}" 2>&1
 pack
 GT_T=$(cap "$GT_TIMEOUT_S"); GT_B=$((GT_T - 30 < GT_BUDGET_S ? GT_T - 30 : GT_BUDGET_S))
 ((GT_B < 10)) && GT_T=0  # under 10 s of budget measures nothing worth the start-up
