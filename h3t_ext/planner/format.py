@@ -8,6 +8,7 @@ from rich.table import Table
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec, moe
 from h3t_ext.costmodel.kernels import kernel_rates
+from h3t_ext.costmodel.measured_local_steps import local_stack_steps
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.layout import layout_stage_count
@@ -126,6 +127,17 @@ def attention_line(plan, system: SystemSpec) -> str:
     return line
 
 
+def local_stack_line() -> str:
+    """What the measured driver steps say of an estimate with the local (eager) layers
+    (:mod:`h3t_ext.costmodel.measured_local_steps`)."""
+    steps = local_stack_steps()
+    times = [r.time_ratio for r in steps.rows]
+    memory = max(abs(r.memory_ratio - 1) for r in steps.rows)
+    return (f"the local (eager) layers: time priced GPU-bound with fused element-wise kernels; the driver's "
+            f"{len(steps.rows)} measured steps on an {steps.gpu.upper()} ran {min(times):.2f}-{max(times):.2f}x their "
+            f"estimate (host dispatch, unfused kernels), their peak memory within {100 * memory:.1f}%")
+
+
 def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list[str]:
     """Short human summary of one evaluated plan."""
     est = ev.estimate
@@ -148,6 +160,8 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         f"{100 * throughput_uncertainty(est.moe).coverage:.0f}% of held-out published {'MoE ' if est.moe else ''}runs)",
         f"plausible   {est.plausibility.line()}",
     ]
+    if ev.plan.transformer_impl == "local":
+        lines.append(f"stack       {local_stack_line()}")
     if model.is_moe:
         slow = dropless_slowdowns()
         lines.append(f"routing     priced balanced (as --moe-router-force-load-balancing); a trained router's dropless "
