@@ -36,6 +36,10 @@ PLANNER_CASES = [
      "mixture-of-experts settings"),
     ([*SEARCH, "--multi-latent-attention", "--kv-lora-rank=512"],
      "--multi-latent-attention, --kv-lora-rank: the cost model does not price multi-latent attention"),
+    ([*ESTIMATE, "--fp8-format", "hybrid", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2"],
+     "--first-last-layers-bf16, --num-layers-at-start-in-bf16: the cost model does not price an FP8 run's first and "
+     "last layers in BF16 (it prices every layer in --fp8-format's precision)"),
+    ([*SEARCH, "--fp4-format", "e2m1"], "--fp4-format: the cost model does not price FP4 training"),
     ([*SEARCH, "--foo"], "unrecognized arguments: --foo"),
     (_with(SEARCH, num_gpus=0), "--num-gpus: 0 out of range"),
     (_with(SEARCH, num_gpus=-1), "--num-gpus: -1 out of range"),
