@@ -440,23 +440,6 @@ def _sharded_params(model_sharded_state_dicts: list) -> dict:
     return out
 
 
-def distributed_optimizer_load_blocker(args) -> Optional[str]:
-    """Why megatron-core's distributed optimizer cannot load its state here, or None. Without TransformerEngine or
-    apex it steps torch's Adam (``distrib_optimizer.HAVE_APEX_OR_TE`` False), whose per-parameter ``step`` its
-    loaders (every sharding type, and the legacy parameter state) leave out of the tensors they install while
-    ``_set_main_param_and_optimizer_states`` copies every state key: a KeyError 'step' in megatron-core 0.16 to 0.19
-    (measured on an H200). HybridDeviceOptimizer (--optimizer-cpu-offload) installs what it is given, and is not
-    affected."""
-    if not args.use_distributed_optimizer or args.optimizer_cpu_offload:
-        return None
-    from megatron.core.optimizer import distrib_optimizer
-    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
-        return None
-    return ("megatron-core's distributed optimizer steps torch's Adam here (neither TransformerEngine nor apex is "
-            "importable), and megatron-core cannot load that optimizer's per-parameter step (KeyError 'step'); "
-            "install TransformerEngine, or resume the weights alone with --no-load-optim")
-
-
 class MegatronOptimizerAdapter:
     """megatron-core's (distributed) optimizer behind the same step/zero_grad/state_dict calls (GPU)."""
 
@@ -464,8 +447,8 @@ class MegatronOptimizerAdapter:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         from h3t_training.config.megatron_fields import optimizer_dtype_fields
-        from h3t_training.loop.optimizer_offload import (build_optimizer_config, optimizer_config_fields,
-                                                         require_transformer_engine)
+        from h3t_training.loop.mcore_optimizer_limits import build_optimizer_config, require_transformer_engine
+        from h3t_training.loop.optimizer_offload import optimizer_config_fields
         missing = require_transformer_engine(args)
         if missing:
             raise RuntimeError(missing)
@@ -520,7 +503,9 @@ class MegatronOptimizerAdapter:
         self.opt.load_state_dict(loaded)
 
     def load_blocker(self) -> Optional[str]:
-        """Why this optimizer's state cannot be loaded here, or None (:func:`distributed_optimizer_load_blocker`)."""
+        """Why this optimizer's state cannot be loaded here, or None
+        (:func:`~h3t_training.loop.mcore_optimizer_limits.distributed_optimizer_load_blocker`)."""
+        from h3t_training.loop.mcore_optimizer_limits import distributed_optimizer_load_blocker
         return distributed_optimizer_load_blocker(self.args)
 
     def legacy_state_dict(self) -> dict:

@@ -18,7 +18,7 @@ megatron-core's ``build_cpu_optimizer_list`` (without it: all gradients in, one 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -184,36 +184,5 @@ def optimizer_config_fields(args) -> dict:
                 pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params)
 
 
-def build_optimizer_config(config_cls, fields: dict):
-    """megatron-core's ``OptimizerConfig`` (``config_cls``) of ``fields``.
-
-    megatron-core 0.16's ``__post_init__`` asks TransformerEngine's version whenever
-    ``use_precision_aware_optimizer`` is set, and fails where TE is not importable (``None >= Version``: a
-    TypeError; 0.19 takes the version as 0.0.0 there). Under ``optimizer_cpu_offload`` its other precision-aware
-    checks return at once (HybridDeviceOptimizer steps with torch's AdamW) and the driver has checked Adam and the
-    distributed optimizer (feature_checks), so without TE the field is set after construction, with
-    ``store_param_remainders`` False as ``__post_init__`` sets it below TE 2.1."""
-    import importlib.util
-    if not (fields.get("use_precision_aware_optimizer") and fields.get("optimizer_cpu_offload")) \
-            or importlib.util.find_spec("transformer_engine") is not None:
-        return config_cls(**fields)
-    cfg = config_cls(**{**fields, "use_precision_aware_optimizer": False})
-    cfg.use_precision_aware_optimizer = True
-    cfg.store_param_remainders = False
-    return cfg
-
-
-def require_transformer_engine(args) -> Optional[str]:
-    """On a GPU ``--use-precision-aware-optimizer`` runs TransformerEngine's FusedAdam (megatron-core's
-    OptimizerConfig); the one-line reason when TE is not importable, else None."""
-    if not args.use_precision_aware_optimizer or args.optimizer_cpu_offload:
-        return None  # with the offload megatron-core's HybridDeviceOptimizer steps with torch's AdamW
-    import importlib.util
-    if importlib.util.find_spec("transformer_engine") is None:
-        return ("--use-precision-aware-optimizer needs TransformerEngine's FusedAdam on a GPU "
-                "(transformer_engine is not importable); leave the flag out")
-    return None
-
-
-__all__ = ["DEFAULT_OFFLOAD_FRACTION", "HostPartition", "OptimizerOffload", "build_optimizer_config", "cpu_notes",
-           "offloaded_prefix", "optimizer_config_fields", "require_transformer_engine", "split_groups"]
+__all__ = ["DEFAULT_OFFLOAD_FRACTION", "HostPartition", "OptimizerOffload", "cpu_notes", "offloaded_prefix",
+           "optimizer_config_fields", "split_groups"]

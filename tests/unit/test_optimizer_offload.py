@@ -203,7 +203,7 @@ def test_optimizer_config_with_cpu_offload_builds_without_transformer_engine():
 
     from megatron.core.optimizer import OptimizerConfig
 
-    from h3t_training.loop.optimizer_offload import build_optimizer_config
+    from h3t_training.loop.mcore_optimizer_limits import build_optimizer_config
     fields = dict(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True,
                   use_precision_aware_optimizer=True, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)
     cfg = build_optimizer_config(OptimizerConfig, fields)
@@ -222,7 +222,7 @@ def test_the_distributed_optimizer_with_torch_adam_cannot_load_and_says_why():
 
     from megatron.core.optimizer import distrib_optimizer
 
-    from h3t_training.loop.optimizer import distributed_optimizer_load_blocker
+    from h3t_training.loop.mcore_optimizer_limits import distributed_optimizer_load_blocker
 
     def args(**kw):
         return SimpleNamespace(**{"use_distributed_optimizer": True, "optimizer_cpu_offload": False, **kw})
