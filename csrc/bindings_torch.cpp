@@ -82,8 +82,9 @@ bool fast_pair(PyObject* d, PyObject* s, Placement& where, h3t::CopyTask& task) 
 
 // The batch's tasks when every pair takes the fast path placed as `where` admits (zero-byte pairs left out), or
 // nothing; with `validate`, each checked as it is read (h3t::validate_task, named by its index in the batch: a
-// CopyError when a destination overlaps its own source). Tuples hold a reference to every tensor while the GIL is released for a copy: another thread emptying
-// the caller's list cannot free a tensor being copied; `held` keeps them.
+// CopyError when a destination overlaps its own source). `held` keeps the batch as tuples, which hold a reference
+// to every tensor while the GIL is released for a copy: another thread emptying the caller's list cannot free a
+// tensor being copied.
 std::optional<std::vector<h3t::CopyTask>> fast_tasks(py::handle dsts, py::handle srcs, Placement& where,
                                                      bool validate, std::pair<py::tuple, py::tuple>& held) {
   const auto is_seq = [](py::handle o) { return PyList_Check(o.ptr()) || PyTuple_Check(o.ptr()); };

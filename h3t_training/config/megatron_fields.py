@@ -94,9 +94,10 @@ def given_attention_backend(args) -> Optional[str]:
 def attention_backend(args) -> Optional[str]:
     """The AttnBackend name of ``--attention-backend`` (``--use-flash-attn``: flash) a GPU run with TransformerEngine
     passes to megatron-core, or None when neither is given."""
-    if table_value(args, "--attention-backend") is None:
-        return given_attention_backend(args)  # --use-flash-attn's flash, or None
-    if table_value(args, "--attention-backend") == "local":
+    backend = given_attention_backend(args)
+    if backend is None or table_value(args, "--attention-backend") is None:
+        return backend  # --use-flash-attn's flash, or None
+    if backend == "local":
         raise ValueError("--attention-backend local on a GPU needs --transformer-impl local (the driver's "
                          "TransformerEngine spec has no local attention); use flash, fused, unfused or auto")
     return _choice(args, "--attention-backend", ATTENTION_BACKENDS)
@@ -207,5 +208,5 @@ def check_gpu_flags(args):
 
 
 __all__ = ["AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
-           "attention_backend", "check_gpu_flags", "given_attention_backend", "ddp_fields", "fp8_fields", "optimizer_dtype_fields",
-           "optimizer_impl", "spec_backend", "transformer_fields"]
+           "attention_backend", "check_gpu_flags", "ddp_fields", "fp8_fields", "given_attention_backend",
+           "optimizer_dtype_fields", "optimizer_impl", "spec_backend", "transformer_fields"]

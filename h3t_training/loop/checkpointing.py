@@ -459,7 +459,7 @@ def load_checkpoint(found: FoundCheckpoint, args, chunks, optimizer) -> tuple[in
     with_optimizer = not (finetune or args.no_load_optim) and (not megatron or
                                                                found.common[WRITTEN_BY]["optimizer_saved"])
     with_rng = not (finetune or args.no_load_rng)
-    blocker = getattr(optimizer, "load_blocker", lambda: None)() if with_optimizer else None
+    blocker = optimizer.load_blocker() if with_optimizer else None
     if blocker:
         raise CheckpointError(f"checkpoint {found.directory}: {blocker}", alike=True)
     if found.legacy:

@@ -319,6 +319,11 @@ class DataParallelAdamW:
             self._install(i, {"exp_avg": entry["exp_avg"], "exp_avg_sq": entry["exp_avg_sq"]})
         self.reload_model_params()
 
+    def load_blocker(self) -> Optional[str]:
+        """Why this optimizer's state cannot be loaded here, or None: this optimizer loads every checkpoint whose
+        model it builds."""
+        return None
+
     def _whole_moments(self) -> dict[int, dict[str, torch.Tensor]]:
         """Every parameter's Adam moments, whole and shaped as the parameter (none before the first step). With
         the distributed optimizer each rank holds slices: they are summed into zeros over the data-parallel group

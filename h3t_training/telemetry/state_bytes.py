@@ -8,8 +8,9 @@ the first category whose tensors span it in the order params, grads, optimizer: 
 its first element to its last (a buffer the optimizer reports counts whole, and the views of it, such as the
 parameters in megatron-core's DDP buffer, add nothing); an optimizer parameter that is the model parameter
 itself, as the float32 weights Adam updates in place, counts as params. Ranges, not whole storages: Megatron
-FSDP allocates its main weights and main gradients as slices of one float32 storage (``buffer_all_in_one``). A DTensor (torch FSDP2's parameters, gradients and Adam
-moments, ``--use-torch-fsdp2``) counts as the local shard this rank holds.
+FSDP allocates its main weights and main gradients as slices of one float32 storage (``buffer_all_in_one``). A
+DTensor (torch FSDP2's parameters, gradients and Adam moments, ``--use-torch-fsdp2``) counts as the local shard this
+rank holds.
 """
 from __future__ import annotations
 

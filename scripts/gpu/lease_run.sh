@@ -20,7 +20,8 @@
 # parts packed), OUT (docs/gpu-reports/parts), PYTHON (python3), WHEELS_OLD / WHEELS_NEW (.whl/
 # megatron-core-0.16.1-cp312 / .whl/megatron-core-0.19.2-cp312), TESTS_S (180), GT_BUDGET_S (90),
 # NATIVE_ITERS (20), XDIST (4: pytest-xdist workers, 0 for none), STEPS (the driver_steps.py cases, all when
-# empty), STEPS_ITERS (6: iterations a case runs; its step time is the median after the first two), PROFILE (the cases profiled by kernel kind: llama-1b/no/0 llama-1b/ours/0.5), SKIP (parts left out, any of
+# empty), STEPS_ITERS (6: iterations a case runs; its step time is the median after the first two), PROFILE (the
+# cases profiled by kernel kind: llama-1b/no/0 llama-1b/ours/0.5), SKIP (parts left out, any of
 # attention sustained profile steps gt: a second, shorter lease measures only what the first did not), GT_TIMEOUT_S (150),
 # TEST_TIMEOUT_S (100: one gpu-tier test's limit).
 set -uo pipefail

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -119,7 +120,7 @@ def test_a_checkpoint_load_failing_with_a_base_exception_is_one_checkpoint_error
     found = ckpt_io.FoundCheckpoint(str(tmp_path / "iter_0000001"), 1, True, {})
     args = parse_args([*TINY_MODEL, "--global-batch-size", "2", "--train-iters", "2", "--mock-data", "--load", str(tmp_path)])
     with pytest.raises(ckpt_io.CheckpointError) as e:
-        ckpt_io.load_checkpoint(found, args, [], None)
+        ckpt_io.load_checkpoint(found, args, [], SimpleNamespace(load_blocker=lambda: None))
     assert str(e.value) == (f"checkpoint {tmp_path / 'iter_0000001'} cannot be loaded into this model: RuntimeError: "
                             "PytorchStreamReader failed reading zip archive: failed finding central directory")
 
