@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <optional>
+#include <string>
 
 #include "copy_cuda.h"
 #include "copy_plan.h"
@@ -31,6 +32,26 @@ std::size_t pack(bool gather, std::uintptr_t buffer, std::size_t buffer_nbytes, 
   return enqueue(h3t::plan_pack(gather, buffer, buffer_nbytes, ptrs, offsets, row_bytes, r, p), stream, method);
 }
 
+// plan_batched's tasks, marked with the caller's `on_device` bytes (one a pair: kDstOnDevice | kSrcOnDevice).
+std::vector<h3t::CopyTask> batched_tasks(const Ptrs& dsts, const Ptrs& srcs, const Sizes& nbytes,
+                                         const std::optional<std::string>& on_device) {
+  std::vector<h3t::CopyTask> tasks = h3t::plan_batched(dsts, srcs, nbytes);
+  if (!on_device) return tasks;
+  if (on_device->size() != tasks.size()) {
+    throw h3t::CopyError("on_device has " + std::to_string(on_device->size()) + " bytes for " +
+                         std::to_string(tasks.size()) + " copies (one a copy)");
+  }
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    const auto bits = static_cast<std::uint8_t>((*on_device)[i]);
+    if (bits > (h3t::kDstOnDevice | h3t::kSrcOnDevice)) {
+      throw h3t::CopyError(h3t::at_index("on_device", i) + " must be 0-3 (1: dst, 2: src on the device), got " +
+                           std::to_string(bits));
+    }
+    tasks[i].on_device = bits;
+  }
+  return tasks;
+}
+
 struct PinnedBuffer {
   void* ptr = nullptr;
   std::size_t nbytes = 0;
@@ -52,11 +73,20 @@ PYBIND11_MODULE(_copy_cuda, m) {
   py::register_exception<h3t::CopyError>(m, "CopyError", PyExc_ValueError);
 
   m.def("batched_copy",
-        [](const Ptrs& dsts, const Ptrs& srcs, const Sizes& nbytes, std::uintptr_t stream, int method) {
-          return enqueue(h3t::plan_batched(dsts, srcs, nbytes), stream, method);
+        [](const Ptrs& dsts, const Ptrs& srcs, const Sizes& nbytes, std::uintptr_t stream, int method,
+           const std::optional<std::string>& on_device) {
+          return enqueue(batched_tasks(dsts, srcs, nbytes, on_device), stream, method);
         },
         py::arg("dsts"), py::arg("srcs"), py::arg("nbytes"), py::arg("stream"), py::arg("method") = 0,
-        "Enqueues nbytes[i] from srcs[i] to dsts[i] on stream; returns CUDA calls issued.");
+        py::arg("on_device") = py::none(),
+        "Enqueues nbytes[i] from srcs[i] to dsts[i] on stream; returns CUDA calls issued. on_device (bytes, one a "
+        "copy): bit 0 / bit 1 when dsts[i] / srcs[i] is known to be memory of the current device.");
+  m.def("kernel_routes",
+        [](const Ptrs& dsts, const Ptrs& srcs, const Sizes& nbytes, const std::optional<std::string>& on_device) {
+          return hc::kernel_routes(batched_tasks(dsts, srcs, nbytes, on_device));
+        },
+        py::arg("dsts"), py::arg("srcs"), py::arg("nbytes"), py::arg("on_device") = py::none(),
+        "For each copy, whether the auto method gives it to the SM kernel on the current device.");
   m.def("copy_2d",
         [](const Ptrs& dsts, const Sizes& dst_pitches, const Ptrs& srcs, const Sizes& src_pitches,
            const Sizes& widths, const Sizes& heights, std::uintptr_t stream) {

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -73,6 +74,9 @@ bool fast_pair(PyObject* d, PyObject* s, Placement& where, h3t::CopyTask& task) 
   if (!dt.sizes().equals(st.sizes())) return false;
   const std::size_t nbytes = dt.nbytes();
   task = h3t::CopyTask{nullptr, nullptr, 1, nbytes, nbytes, nbytes};
+  // a CUDA tensor here is memory of the batch's one device (where.admits), on which the copy runs
+  task.on_device = static_cast<std::uint8_t>((dt.is_cuda() ? h3t::kDstOnDevice : 0) |
+                                             (st.is_cuda() ? h3t::kSrcOnDevice : 0));
   if (nbytes == 0) return true;
   if (!within_storage(dt, nbytes) || !within_storage(st, nbytes)) return false;
   task.dst = static_cast<char*>(dt.mutable_data_ptr());  // materializes a copy-on-write storage
@@ -135,10 +139,12 @@ py::object batched_copy_tensors(py::handle dsts, py::handle srcs) {
   return py::int_(used);
 }
 
-// The pointers of a CUDA batch for _copy_cuda.batched_copy: (device, dst pointers, src pointers, bytes) when every
-// pair takes the fast path with each tensor on the CPU or one CUDA device, and one tensor at least on it (zero-byte
-// pairs left out); None otherwise, for the checked path. Writes nothing and bumps no version: the caller enqueues
-// the copy (which validates the tasks), then bumps the destinations' versions.
+// The pointers of a CUDA batch for _copy_cuda.batched_copy: (device, dst pointers, src pointers, bytes, on_device)
+// when every pair takes the fast path with each tensor on the CPU or one CUDA device, and one tensor at least on it
+// (zero-byte pairs left out); None otherwise, for the checked path. on_device has one byte a pair: which of its
+// pointers are that device's memory (CopyTask::on_device), so the copy need not ask the driver. Writes nothing and
+// bumps no version: the caller enqueues the copy (which validates the tasks), then bumps the destinations'
+// versions.
 py::object cuda_copy_plan(py::handle dsts, py::handle srcs) {
   Placement cuda{true, -1};
   std::pair<py::tuple, py::tuple> held;
@@ -146,12 +152,14 @@ py::object cuda_copy_plan(py::handle dsts, py::handle srcs) {
   if (!tasks || cuda.device < 0) return py::none();  // no CUDA tensor: not a CUDA batch
   std::vector<std::uintptr_t> dp, sp;
   std::vector<std::size_t> n;
+  std::string on_device;
   for (const h3t::CopyTask& t : *tasks) {
     dp.push_back(reinterpret_cast<std::uintptr_t>(t.dst));
     sp.push_back(reinterpret_cast<std::uintptr_t>(t.src));
     n.push_back(t.bytes());
+    on_device.push_back(static_cast<char>(t.on_device));
   }
-  return py::make_tuple(cuda.device, py::cast(dp), py::cast(sp), py::cast(n));
+  return py::make_tuple(cuda.device, py::cast(dp), py::cast(sp), py::cast(n), py::bytes(on_device));
 }
 
 }  // namespace
@@ -171,6 +179,6 @@ PYBIND11_MODULE(_copy_torch, m) {
         "Copies lists of CPU, contiguous torch.Tensor pairs of one dtype and shape in one native call "
         "(threads used), or returns None having written nothing for any other input.");
   m.def("cuda_copy_plan", &cuda_copy_plan, py::arg("dsts"), py::arg("srcs"),
-        "(device, dst pointers, src pointers, bytes) of lists of contiguous tensor pairs of one dtype and shape on "
+        "(device, dst pointers, src pointers, bytes, on_device) of lists of contiguous tensor pairs of one dtype and shape on "
         "the CPU or one CUDA device (at least one CUDA tensor), or None for any other input.");
 }

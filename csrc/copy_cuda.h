@@ -24,6 +24,10 @@ enum class Method {
 // the number of CUDA API calls issued. Throws std::runtime_error on a CUDA error.
 std::size_t enqueue_tasks(const std::vector<CopyTask>& tasks, std::uintptr_t stream, Method method);
 
+// For each task, whether the auto method copies it with the SM kernel (contiguous, at most 1 MiB, both pointers
+// kernel-accessible from the current device), as enqueue_tasks decides it.
+std::vector<bool> kernel_routes(const std::vector<CopyTask>& tasks);
+
 // Pinned host memory of nbytes for `device`. With numa_local, pages are bound to the NUMA
 // node of the GPU's PCI slot (when the platform reports one) and then registered;
 // otherwise cudaHostAlloc. `numa_node` receives the node used (-1: none).

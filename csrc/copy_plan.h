@@ -23,9 +23,15 @@ struct CopyTask {
   std::size_t row_bytes;
   std::size_t dst_pitch;
   std::size_t src_pitch;
+  // CUDA only: bit 0 (kDstOnDevice) / bit 1 (kSrcOnDevice) when the caller knows dst / src is memory of the device
+  // the copy runs on (a CUDA tensor of it), so the auto method need not ask the driver where the pointer lives.
+  std::uint8_t on_device = 0;
 
   std::size_t bytes() const { return rows * row_bytes; }
 };
+
+constexpr std::uint8_t kDstOnDevice = 1;
+constexpr std::uint8_t kSrcOnDevice = 2;
 
 // One line naming the offending argument and index, raised as ValueError in Python.
 class CopyError : public std::invalid_argument {

@@ -35,14 +35,14 @@ def _cuda_fast_path(front, dsts, srcs, stream) -> bool:
     plan = front.cuda_copy_plan(dsts, srcs)
     if plan is None:
         return False
-    device, flat_d, flat_s, flat_n = plan
+    device, flat_d, flat_s, flat_n, on_device = plan
     if stream is None:
         handle = int(torch.cuda.current_stream(device).cuda_stream)
     else:
         handle = stream_handle(stream, ())
     if flat_n:
-        with torch.cuda.device(device):
-            native.batched_copy(flat_d, flat_s, flat_n, stream=handle)
+        with torch.cuda.device(device):  # on_device marks the CUDA tensors: this device's memory, not queried
+            native.batched_copy(flat_d, flat_s, flat_n, stream=handle, on_device=on_device)
     mark_native_writes(dsts, ())
     return True
 

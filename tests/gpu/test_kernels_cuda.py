@@ -37,7 +37,8 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
     assert res.returncode == 0, res.stderr
     assert obj.stat().st_size > 0
     syms = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, env=ENV).stdout
-    assert "h3t::cuda::enqueue_tasks" in syms and "batched_copy_kernel" in syms
+    for name in ("h3t::cuda::enqueue_tasks", "h3t::cuda::kernel_routes", "batched_copy_kernel"):
+        assert name in syms, name
 
 
 @pytest.mark.skipif(NVCC is None or shutil.which("g++") is None, reason="nvcc or g++ not found")
@@ -107,9 +108,11 @@ def test_gpu_contiguous_batch_takes_the_tensor_front_end_and_copies_both_ways():
               for h in host]
     for p, h in zip(pinned, host):
         p.copy_(h)
-    device, dsts, srcs, nbytes = front.cuda_copy_plan(dev, pinned)
+    device, dsts, srcs, nbytes, on_device = front.cuda_copy_plan(dev, pinned)
     assert device == torch.cuda.current_device() and len(dsts) == len(srcs) == len(nbytes) == 4  # no 0-byte pair
     assert nbytes == [h.nbytes for h in host if h.numel()]
+    assert on_device == bytes([1] * 4)  # every destination is a CUDA tensor, no source is
+    assert front.cuda_copy_plan(pinned[1:], dev[1:])[4] == bytes([2] * 4)
     versions = [d._version for d in dev]
     stream = torch.cuda.Stream()
     kernels.batched_copy_(dev, pinned, stream=stream)
@@ -121,3 +124,32 @@ def test_gpu_contiguous_batch_takes_the_tensor_front_end_and_copies_both_ways():
     assert all(d._version > v for d, v in zip(dev, versions))
     assert front.cuda_copy_plan([dev[2][::2]], [pinned[2][::2]]) is None  # strided: the checked path
     assert front.cuda_copy_plan([host[2]], [pinned[2]]) is None  # no CUDA tensor: not a CUDA batch
+
+
+@gpu
+def test_gpu_auto_routes_the_same_with_and_without_the_callers_hints():
+    """The auto method gives a small copy to the SM kernel when both pointers are kernel-accessible. It asks the
+    driver unless the caller marked a pointer as this device's memory (on_device) or the pointer lies in a buffer of
+    alloc_pinned (read when the buffer was made); the answers are the driver's: device <-> alloc_pinned and torch's
+    pinned memory go to the kernel, pageable host memory and copies over 1 MiB do not."""
+    native = kernels._backend.cuda_module()
+    n = 64 << 10
+    dev = [torch.empty(n, dtype=torch.uint8, device="cuda") for _ in range(3)]
+    ours = kernels.alloc_pinned(2 * n)  # one buffer, two slices: the registry covers the whole range
+    theirs = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    pageable = torch.empty(n, dtype=torch.uint8)
+    big_dev = torch.empty(2 << 20, dtype=torch.uint8, device="cuda")
+    big_host = kernels.alloc_pinned(2 << 20)
+    pairs = [(dev[0], ours[:n]), (ours[n:], dev[1]), (dev[2], theirs), (pageable, dev[0]), (big_host, big_dev),
+             (dev[1], dev[2])]
+    dsts = [d.data_ptr() for d, _ in pairs]
+    srcs = [s.data_ptr() for _, s in pairs]
+    nbytes = [d.nbytes for d, _ in pairs]
+    hints = bytes(int(d.is_cuda) | 2 * int(s.is_cuda) for d, s in pairs)
+    want = [True, True, True, False, False, True]
+    assert native.kernel_routes(dsts, srcs, nbytes) == want
+    assert native.kernel_routes(dsts, srcs, nbytes, on_device=hints) == want
+    with pytest.raises(ValueError, match=r"on_device\[0\] must be 0-3"):
+        native.kernel_routes(dsts, srcs, nbytes, on_device=bytes([4] * len(pairs)))
+    with pytest.raises(ValueError, match="on_device has 1 bytes for 6 copies"):
+        native.kernel_routes(dsts, srcs, nbytes, on_device=b"\x01")
