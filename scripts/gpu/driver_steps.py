@@ -11,8 +11,14 @@ any machine: the local layer spec the driver ran, no TransformerEngine).
 iteration by kernel kind, which ``--compare`` prints beside the cost model's GEMM, attention, element-wise,
 recompute, output-layer, optimizer and offload seconds for the same run.
 
-  python scripts/gpu/driver_steps.py [--json PATH] [--iters 6] [--only NAME ...] [--profile]   # on the GPU
-  python scripts/gpu/driver_steps.py --dry-run [--profile]                                 # the commands
+``--host`` runs each case at narrow widths instead (:data:`HOST_WIDTHS`: the same layers, sequence, microbatches,
+ckpt and alpha, so the same kernels and autograd nodes, each a few microseconds of GPU work): its step time is the
+host's time to dispatch the case's iteration, which ``--compare`` prints beside the case's step. The eager local
+stack's steps ran 1.4-1.8x the model's GPU-bound estimate with a third of the step not GPU time (second and third
+leases); this measures the other side of that, on the GPU machine's own host.
+
+  python scripts/gpu/driver_steps.py [--json PATH] [--iters 6] [--only NAME ...] [--profile | --host]  # on the GPU
+  python scripts/gpu/driver_steps.py --dry-run [--profile | --host]                        # the commands
   python scripts/gpu/driver_steps.py --compare PATH [--gpu h200]                           # beside estimate
 """
 from __future__ import annotations
@@ -51,6 +57,21 @@ CASES = [  # (name, entry, model flags, ckpt, alpha): the first of each model is
     ("gpt-3b/ours/0", "pretrain_gpt.py", GPT_3B, "ours", "0"),
 ]
 MEMORY = re.compile(r"max memory \(MB\): ([0-9.]+)")
+HOST_WIDTHS = {"--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
+               "--num-query-groups": "2", "--vocab-size": "256"}
+"""``--host``'s widths: every GEMM, attention and element-wise kernel of a case a few microseconds on the GPU (4 heads
+of 16, 2 query groups where the case has groups), its saved tensors still over the offload's minimum size (the
+sequence and micro batch are the case's), so its iteration dispatches what the case's does."""
+
+
+def host_case(case):
+    """``case`` at :data:`HOST_WIDTHS` (the same name, entry, layers, ckpt and alpha)."""
+    name, entry, model, ckpt, alpha = case
+    narrow = list(model)
+    for i, flag in enumerate(narrow[:-1]):
+        if flag in HOST_WIDTHS:
+            narrow[i + 1] = HOST_WIDTHS[flag]
+    return name, entry, narrow, ckpt, alpha
 
 
 def command(case, iters: int, metrics: str) -> list[str]:
@@ -171,6 +192,9 @@ def compare(path: str, gpu: str) -> list[dict]:
             out.append({"case": r["case"], "kernels_ms": r["kernels"]["by_kind_ms_per_iteration"],
                         "model_ms": model_kinds_ms(by_name[r["case"]], gpu)})
             continue
+        if r.get("status") == "host" and r["case"] in by_name:
+            out.append({"case": r["case"], "host_ms": r["step_time_ms"]})
+            continue
         if r.get("status") != "measured" or r["case"] not in by_name:
             continue
         buf = io.StringIO()
@@ -195,9 +219,16 @@ def main(argv=None) -> int:
     p.add_argument("--compare", metavar="PATH", help="a driver_steps.py JSON: print it beside h3t-plan estimate")
     p.add_argument("--gpu", default="h200", help="the system file of --compare's estimate")
     p.add_argument("--profile", action="store_true", help="run each case under torch.profiler: its kernels by kind")
+    p.add_argument("--host", action="store_true",
+                   help="run each case at narrow widths: its step time is the host's dispatch of the iteration")
     args = p.parse_args(argv)
+    if args.profile and args.host:
+        p.error("--profile and --host are two runs of a case: give one")
     if args.compare:
         for r in compare(args.compare, args.gpu):
+            if "host_ms" in r:
+                print(f"{r['case']:20s} host (narrow widths) {r['host_ms']:8.1f} ms")
+                continue
             if "kernels_ms" in r:
                 kernels = ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_ms"].items())
                 model = ", ".join(f"{k} {v:.1f}" for k, v in r["model_ms"].items())
@@ -213,6 +244,8 @@ def main(argv=None) -> int:
     if args.only is not None and set(args.only) - set(names):
         p.error(f"--only: unknown case {sorted(set(args.only) - set(names))[0]} (valid: {', '.join(names)})")
     cases = [c for c in CASES if args.only is None or c[0] in args.only]
+    if args.host:
+        cases = [host_case(c) for c in cases]
     if args.dry_run:
         for c in cases:
             cmd = profile_command(c, args.iters, "M.json", "K.json") if args.profile else command(c, args.iters, "M.json")
@@ -227,6 +260,8 @@ def main(argv=None) -> int:
         rows.append(profile_case(c, args.iters, args.timeout_s) if args.profile else measure(c, args.iters,
                                                                                               args.timeout_s))
         r = rows[-1]
+        if args.host and r["status"] == "measured":
+            r["status"], r["widths"] = "host", dict(HOST_WIDTHS)
         if r["status"] == "profiled":
             kinds = r["kernels"]["by_kind_ms_per_iteration"]
             print(f"{r['case']:20s} kernels {r['kernels']['total_ms_per_iteration']:.1f} ms/iteration: "

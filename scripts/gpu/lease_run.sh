@@ -6,8 +6,9 @@
 #   3. alone on the GPU (timings): the copy kernels, the offload overlap, attention with and without dropout
 #      (scripts/gpu/bench_attention_dropout.py: flash and cuDNN), a GEMM sustained for 20 s (bf16) and
 #      10 s (fp8) beside the SM clock (scripts/gpu/sustained_gemm.py), two driver steps under the kernel
-#      profiler (scripts/gpu/driver_steps.py --profile), the driver's training steps and the cost model's
-#      ground truth (committed from the first lease: it gets what LEASE_S leaves).
+#      profiler (scripts/gpu/driver_steps.py --profile), the driver's training steps, the same steps at narrow
+#      widths (driver_steps.py --host: the host's dispatch time of each) and the cost model's ground truth
+#      (committed from the first lease: it gets what LEASE_S leaves).
 # The parts land in OUT/parts.tgz (packed again after each stage, so a run stopped at its limit keeps what it
 # measured).
 # scripts/gpu/report.py --from-parts DIR (DIR: parts.tgz unpacked) then writes the report from these files
@@ -21,8 +22,9 @@
 # megatron-core-0.16.1-cp312 / .whl/megatron-core-0.19.2-cp312), TESTS_S (180), GT_BUDGET_S (90),
 # NATIVE_ITERS (20), XDIST (4: pytest-xdist workers, 0 for none), STEPS (the driver_steps.py cases, all when
 # empty), STEPS_ITERS (6: iterations a case runs; its step time is the median after the first two), PROFILE (the
-# cases profiled by kernel kind: llama-1b/no/0 llama-1b/ours/0.5), SKIP (parts left out, any of
-# attention sustained profile steps gt: a second, shorter lease measures only what the first did not), GT_TIMEOUT_S (150),
+# cases profiled by kernel kind: llama-1b/no/0 llama-1b/ours/0.5), HOST (the cases run at narrow widths: the four
+# llama-1b ones and llama-3b/ours/0.5), SKIP (parts left out, any of attention sustained profile steps host gt: a
+# second, shorter lease measures only what the first did not), GT_TIMEOUT_S (150),
 # TEST_TIMEOUT_S (100: one gpu-tier test's limit).
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -40,10 +42,11 @@ GT_TIMEOUT_S=${GT_TIMEOUT_S:-150}
 TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-100}
 LEASE_S=${LEASE_S:-560}
 PROFILE=${PROFILE:-llama-1b/no/0 llama-1b/ours/0.5}
+HOST=${HOST:-llama-1b/no/0 llama-1b/ours/0 llama-1b/ours/0.5 llama-1b/full/0 llama-3b/ours/0.5}
 SKIP=${SKIP:-}
 for part in $SKIP; do
-  [[ " attention sustained profile steps gt " == *" $part "* ]] \
-    || { echo "lease_run.sh: error: SKIP has $part (valid: attention sustained profile steps gt)" >&2; exit 2; }
+  [[ " attention sustained profile steps host gt " == *" $part "* ]] \
+    || { echo "lease_run.sh: error: SKIP has $part (valid: attention sustained profile steps host gt)" >&2; exit 2; }
 done
 skipped() { [[ " $SKIP " == *" $1 "* ]] && echo "skipped (SKIP): $1"; }
 SITE_OLD=/tmp/h3t-site-old
@@ -58,7 +61,7 @@ NATIVE=(--num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 25
 # needs --eval-interval with --train-iters)
 if [[ ${1:-} == --dry-run ]]; then
   echo "LEASE_S=$LEASE_S OUT=$OUT PYTHON=$PYTHON WHEELS_OLD=$WHEELS_OLD WHEELS_NEW=$WHEELS_NEW TESTS_S=$TESTS_S GT_BUDGET_S=$GT_BUDGET_S"
-  echo "PROFILE=$PROFILE SKIP=$SKIP STEPS=$STEPS STEPS_ITERS=$STEPS_ITERS"
+  echo "PROFILE=$PROFILE HOST=$HOST SKIP=$SKIP STEPS=$STEPS STEPS_ITERS=$STEPS_ITERS"
   echo -n "native: "; printf '%q ' "$PYTHON" -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py "${NATIVE[@]}"; echo
   exit 0
 elif [[ $# -gt 0 ]]; then
@@ -138,6 +141,10 @@ pack
 ONLY=(); [[ -n $STEPS ]] && ONLY=(--only $STEPS)
 skipped steps || run_capped 300 "$PYTHON" scripts/gpu/driver_steps.py --json "$PARTS/driver_steps.json" \
   --iters "$STEPS_ITERS" "${ONLY[@]}" 2>&1
+pack
+# the same steps at narrow widths: the host's time to dispatch each (the eager stack's steps are not all GPU time)
+skipped host || run_capped 150 "$PYTHON" scripts/gpu/driver_steps.py --host --json "$PARTS/driver_host.json" \
+  --iters "$STEPS_ITERS" --only $HOST 2>&1
 pack
 GT_T=$(cap "$GT_TIMEOUT_S"); GT_B=$((GT_T - 30 < GT_BUDGET_S ? GT_T - 30 : GT_BUDGET_S))
 ((GT_B < 10)) && GT_T=0  # under 10 s of budget measures nothing worth the start-up

@@ -183,7 +183,7 @@ PART_FILES = {"meta": "meta.json", "tests": "gpu_tests.xml", "tests_log": "gpu_t
               "stage_memory": "stage_memory.json",
               "overlap": "overlap.json", "copies": "copies.json", "dropout": "attention_dropout.json",
               **{f"native-{n}": f"native-{n}.log" for n in NATIVE_RUNS}, "driver_steps": "driver_steps.json",
-              "driver_profile": "driver_profile.json",
+              "driver_profile": "driver_profile.json", "driver_host": "driver_host.json",
               **{f"sustained-{p}": f"sustained-{p}.json" for p in SUSTAINED}, "ground_truth": "ground_truth.json"}
 """Every file of scripts/gpu/lease_run.sh's parts that the report reads (tests/integration/test_gpu_check.py checks
 that the lease writes each one)."""
@@ -205,6 +205,7 @@ def parts_from_dir(parts: str) -> tuple[dict, dict]:
            "native": {name: _native_losses(path[f"native-{name}"]) for name in NATIVE_RUNS},
            "driver_steps": _json_file(path["driver_steps"])[0],
            "driver_profile": _json_file(path["driver_profile"])[0],
+           "driver_host": _json_file(path["driver_host"])[0],
            "sustained": {prec: _json_file(path[f"sustained-{prec}"])[0] for prec in SUSTAINED},
            "ground_truth": path["ground_truth"]}
     return meta, raw
@@ -223,6 +224,7 @@ def parts_live(budget_s: float) -> tuple[dict, dict]:
            "copies": _run_json([sys.executable, "scripts/gpu/bench_copy_cuda.py", "--json"], 1200),
            "dropout": _run_json([sys.executable, "scripts/gpu/bench_attention_dropout.py", "--json"], 600),
            "native": megatron_native(timeout_s=600), "driver_steps": None, "driver_profile": None,
+           "driver_host": None,
            "sustained": {prec: sustained_gemm(prec, seconds) for prec, seconds in SUSTAINED.items()},
            "ground_truth": None,
            "ground_truth_budget_s": budget_s}
@@ -270,6 +272,7 @@ def build_report(meta: dict, raw: dict, out_dir: str, tag: str = "") -> tuple[di
     report["details"]["megatron_native"] = raw["native"]
     report["details"]["driver_steps"] = raw["driver_steps"]
     report["details"]["driver_kernel_profile"] = raw.get("driver_profile")
+    report["details"]["driver_host_dispatch"] = raw.get("driver_host")
     report["details"]["sustained_gemm"] = raw.get("sustained")
     os.makedirs(out_dir, exist_ok=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", meta["gpu"] + (f" {tag}" if tag else "")).strip("-").lower()

@@ -84,3 +84,22 @@ def test_a_failed_case_says_its_error_not_the_shutdown_warning_after_it():
     line = "pretrain_llama.py: error: --foo: bad"
     assert driver_steps.failure_line("", line + "\n") == line
     assert driver_steps.failure_line("just a last line\n", "") == "just a last line"
+
+
+def test_driver_steps_host_runs_a_case_at_narrow_widths_and_compares_its_dispatch_time(tmp_path, capsys):
+    """--host keeps everything that sets what a step dispatches (layers, sequence, micro and global batch, ckpt,
+    alpha, entry) and narrows only the widths; --compare prints its step as the host's time beside the case."""
+    for case in driver_steps.CASES:
+        narrow = driver_steps.host_case(case)
+        wide_cmd, narrow_cmd = driver_steps.command(case, 6, "M.json"), driver_steps.command(narrow, 6, "M.json")
+        assert len(wide_cmd) == len(narrow_cmd) and narrow[0] == case[0]
+        changed = {wide_cmd[i - 1]: (w, n) for i, (w, n) in enumerate(zip(wide_cmd, narrow_cmd)) if w != n}
+        assert set(changed) <= set(driver_steps.HOST_WIDTHS) and "--hidden-size" in changed, changed
+        assert all(int(n) < int(w) for w, n in changed.values()), changed
+        assert ("--num-query-groups" in changed) == ("--num-query-groups" in case[2])
+    doc = {"rows": [{"case": "llama-1b/no/0", "status": "host", "step_time_ms": 612.5}]}
+    (tmp_path / "h.json").write_text(json.dumps(doc))
+    assert driver_steps.main(["--compare", str(tmp_path / "h.json")]) == 0
+    assert capsys.readouterr().out.split() == ["llama-1b/no/0", "host", "(narrow", "widths)", "612.5", "ms"]
+    with pytest.raises(SystemExit):
+        driver_steps.main(["--host", "--profile", "--dry-run"])
