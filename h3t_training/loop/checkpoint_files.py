@@ -150,11 +150,13 @@ def load_common_state(directory: str):
     if os.path.isfile(path) or not os.path.isfile(os.path.join(directory, ".metadata")):
         return torch.load(path, map_location="cpu", weights_only=False), path
     from megatron.core import dist_checkpointing  # noqa: PLC0415
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415 (a BaseException)
 
     source = os.path.join(directory, ".metadata")
     try:
         return dist_checkpointing.load_common_state_dict(directory), source
-    except Exception as e:  # noqa: BLE001 (megatron-core 0.16 looks for common.pt, 0.19 in the shard files)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 (megatron-core 0.16 looks for common.pt, 0.19 in
+        # the shard files, read through torch.distributed.checkpoint, whose CheckpointException is no Exception)
         _blame_a_damaged_shard(directory)
         raise CheckpointError(f"checkpoint {directory} has no common.pt and its common state cannot be read from its "
                               f"shard files by this megatron-core ({type(e).__name__}: {str(e).splitlines()[0][:160]})",
