@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
 #include <optional>
 #include <string>
 
@@ -52,6 +53,25 @@ std::vector<h3t::CopyTask> batched_tasks(const Ptrs& dsts, const Ptrs& srcs, con
   return tasks;
 }
 
+// The tasks of a plan packed as bytes (bindings_torch.cpp's cuda_copy_plan), checked as plan_batched checks its
+// pointer lists: a whole number of tasks, on_device bits 0-3, each task valid (h3t::validate_task).
+std::vector<h3t::CopyTask> planned_tasks(const std::string& packed) {
+  if (packed.size() % sizeof(h3t::CopyTask)) {
+    throw h3t::CopyError("tasks has " + std::to_string(packed.size()) + " bytes, not a multiple of a task's " +
+                         std::to_string(sizeof(h3t::CopyTask)) + " (a plan from another build?)");
+  }
+  std::vector<h3t::CopyTask> tasks(packed.size() / sizeof(h3t::CopyTask));
+  if (!tasks.empty()) std::memcpy(static_cast<void*>(tasks.data()), packed.data(), packed.size());
+  for (std::size_t i = 0; i < tasks.size(); ++i) {
+    if (tasks[i].on_device > (h3t::kDstOnDevice | h3t::kSrcOnDevice)) {
+      throw h3t::CopyError(h3t::at_index("tasks", i) + ".on_device must be 0-3, got " +
+                           std::to_string(tasks[i].on_device));
+    }
+    h3t::validate_task(tasks[i], i);
+  }
+  return tasks;
+}
+
 struct PinnedBuffer {
   void* ptr = nullptr;
   std::size_t nbytes = 0;
@@ -81,6 +101,14 @@ PYBIND11_MODULE(_copy_cuda, m) {
         py::arg("on_device") = py::none(),
         "Enqueues nbytes[i] from srcs[i] to dsts[i] on stream; returns CUDA calls issued. on_device (bytes, one a "
         "copy): bit 0 / bit 1 when dsts[i] / srcs[i] is known to be memory of the current device.");
+  m.def("batched_copy_planned",
+        [](const py::bytes& tasks, std::uintptr_t stream, int method) {
+          return enqueue(planned_tasks(tasks), stream, method);
+        },
+        py::arg("tasks"), py::arg("stream"), py::arg("method") = 0,
+        "Enqueues the copies of a plan of the tensor front end (cuda_copy_plan's tasks as bytes) on stream; returns "
+        "CUDA calls issued.");
+  m.attr("TASK_LAYOUT") = py::tuple(py::cast(h3t::task_layout()));
   m.def("kernel_routes",
         [](const Ptrs& dsts, const Ptrs& srcs, const Sizes& nbytes, const std::optional<std::string>& on_device) {
           return hc::kernel_routes(batched_tasks(dsts, srcs, nbytes, on_device));

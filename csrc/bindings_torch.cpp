@@ -139,27 +139,19 @@ py::object batched_copy_tensors(py::handle dsts, py::handle srcs) {
   return py::int_(used);
 }
 
-// The pointers of a CUDA batch for _copy_cuda.batched_copy: (device, dst pointers, src pointers, bytes, on_device)
-// when every pair takes the fast path with each tensor on the CPU or one CUDA device, and one tensor at least on it
-// (zero-byte pairs left out); None otherwise, for the checked path. on_device has one byte a pair: which of its
-// pointers are that device's memory (CopyTask::on_device), so the copy need not ask the driver. Writes nothing and
-// bumps no version: the caller enqueues the copy (which validates the tasks), then bumps the destinations'
-// versions.
+// The plan of a CUDA batch for _copy_cuda.batched_copy_planned: (device, tasks) when every pair takes the fast path
+// with each tensor on the CPU or one CUDA device, and one tensor at least on it; None otherwise, for the checked path.
+// `tasks` is the CopyTask array as bytes (h3t::task_layout; zero-byte pairs left out), each task's on_device marking
+// which of its pointers are that device's memory, so the copy need not ask the driver: no Python list of pointers is
+// built and read back. Writes nothing and bumps no version: the caller enqueues the copy (which validates the tasks),
+// then bumps the destinations' versions.
 py::object cuda_copy_plan(py::handle dsts, py::handle srcs) {
   Placement cuda{true, -1};
   std::pair<py::tuple, py::tuple> held;
   std::optional<std::vector<h3t::CopyTask>> tasks = fast_tasks(dsts, srcs, cuda, false, held);
   if (!tasks || cuda.device < 0) return py::none();  // no CUDA tensor: not a CUDA batch
-  std::vector<std::uintptr_t> dp, sp;
-  std::vector<std::size_t> n;
-  std::string on_device;
-  for (const h3t::CopyTask& t : *tasks) {
-    dp.push_back(reinterpret_cast<std::uintptr_t>(t.dst));
-    sp.push_back(reinterpret_cast<std::uintptr_t>(t.src));
-    n.push_back(t.bytes());
-    on_device.push_back(static_cast<char>(t.on_device));
-  }
-  return py::make_tuple(cuda.device, py::cast(dp), py::cast(sp), py::cast(n), py::bytes(on_device));
+  return py::make_tuple(cuda.device, py::bytes(reinterpret_cast<const char*>(tasks->data()),
+                                               tasks->size() * sizeof(h3t::CopyTask)));
 }
 
 }  // namespace
@@ -179,6 +171,7 @@ PYBIND11_MODULE(_copy_torch, m) {
         "Copies lists of CPU, contiguous torch.Tensor pairs of one dtype and shape in one native call "
         "(threads used), or returns None having written nothing for any other input.");
   m.def("cuda_copy_plan", &cuda_copy_plan, py::arg("dsts"), py::arg("srcs"),
-        "(device, dst pointers, src pointers, bytes, on_device) of lists of contiguous tensor pairs of one dtype and shape on "
-        "the CPU or one CUDA device (at least one CUDA tensor), or None for any other input.");
+        "(device, tasks as bytes) of lists of contiguous tensor pairs of one dtype and shape on the CPU or one CUDA "
+        "device (at least one CUDA tensor), for _copy_cuda.batched_copy_planned; None for any other input.");
+  m.attr("TASK_LAYOUT") = py::tuple(py::cast(h3t::task_layout()));
 }

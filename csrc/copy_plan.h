@@ -33,6 +33,15 @@ struct CopyTask {
 constexpr std::uint8_t kDstOnDevice = 1;
 constexpr std::uint8_t kSrcOnDevice = 2;
 
+// The byte layout of CopyTask (its size, then each field's offset): a plan packed into bytes by one module (the tensor
+// front end's cuda_copy_plan) is read by another (the CUDA module's batched_copy_planned) only where both report the
+// same layout, i.e. were built alike.
+inline std::vector<std::size_t> task_layout() {
+  return {sizeof(CopyTask),           offsetof(CopyTask, dst),       offsetof(CopyTask, src),
+          offsetof(CopyTask, rows),   offsetof(CopyTask, row_bytes), offsetof(CopyTask, dst_pitch),
+          offsetof(CopyTask, src_pitch), offsetof(CopyTask, on_device)};
+}
+
 // One line naming the offending argument and index, raised as ValueError in Python.
 class CopyError : public std::invalid_argument {
  public:

@@ -50,6 +50,85 @@ def test_cuda_bindings_compile_with_host_compiler():
     assert res.returncode == 0, res.stderr
 
 
+def _toolkit_lib() -> str:
+    root = os.path.dirname(_cuda_include())
+    for lib in (os.path.join(root, "lib64"), os.path.join(root, "lib")):  # a toolkit's, the wheels'
+        if os.path.isdir(lib) and any(n.startswith("libcudart.so") for n in os.listdir(lib)):
+            return lib
+    pytest.skip(f"no libcudart.so under {root}")
+
+
+@pytest.fixture(scope="module")
+def cuda_module_built_here(tmp_path_factory):
+    """The CUDA module built as setup.py builds it (nvcc for copy_cuda.cu, the host compiler for the rest, linked
+    with cudart) and imported on this machine, which may have no GPU: its Python surface and its checks, which run
+    before any CUDA call, are tested without one."""
+    if NVCC is None or shutil.which("g++") is None:
+        pytest.skip("nvcc or g++ not found (scripts/cuda_compiler.sh installs a CUDA compiler without a GPU)")
+    import importlib.util
+
+    out = tmp_path_factory.mktemp("cuda_module")
+    obj = out / "copy_cuda.o"
+    subprocess.run([NVCC, "-c", os.path.join(CSRC, "copy_cuda.cu"), "-o", str(obj), "-O1", "-std=c++17",
+                    "-Xcompiler", "-fPIC", f"-I{CSRC}"], check=True, capture_output=True, timeout=300, env=ENV)
+    lib = _toolkit_lib()
+    so = out / ("_copy_cuda" + sysconfig.get_config_var("EXT_SUFFIX"))
+    cudart = sorted(n for n in os.listdir(lib) if n.startswith("libcudart.so"))[-1]
+    res = subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-std=c++17", "-pthread", f"-I{CSRC}",
+                          f"-I{_cuda_include()}", f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
+                          *(os.path.join(CSRC, f) for f in ("bindings_cuda.cpp", "copy_plan.cpp", "host_alloc.cpp")),
+                          str(obj), f"-L{lib}", f"-l:{cudart}", f"-Wl,-rpath,{lib}", "-o", str(so)],
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("_copy_cuda", so)  # top level, beside any installed one
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _packed_tasks(layout, tasks) -> bytes:
+    """CopyTask records as bytes at the offsets ``layout`` (TASK_LAYOUT) gives: (dst, src, rows, row_bytes,
+    dst_pitch, src_pitch, on_device) each."""
+    size, *offsets = layout
+    out = bytearray()
+    for task in tasks:
+        rec = bytearray(size)
+        for i, (off, value) in enumerate(zip(offsets, task)):
+            width = 1 if i == len(offsets) - 1 else 8
+            rec[off:off + width] = int(value).to_bytes(width, "little")
+        out += rec
+    return bytes(out)
+
+
+def test_the_cuda_module_reads_the_tensor_front_ends_plans_and_checks_them_before_any_cuda_call(
+        cuda_module_built_here):
+    """The tensor front end packs a CUDA batch's tasks as bytes (cuda_copy_plan) and the CUDA module reads them
+    (batched_copy_planned): both report the same task layout (batched_copy_ takes that path only then), and a plan
+    that is no whole number of tasks, marks a pointer other than 0-3, or holds an invalid task is a ValueError naming
+    it, raised before anything is enqueued; so is an on_device of batched_copy's that does not fit its copies."""
+    from h3t_ext.kernels import _backend
+
+    mod = cuda_module_built_here
+    front = _backend.tensor_module()
+    assert front is not None and tuple(front.TASK_LAYOUT) == tuple(mod.TASK_LAYOUT)
+    layout = tuple(mod.TASK_LAYOUT)
+    assert layout[0] >= 7 * 8 and len(layout) == 8
+    assert mod.batched_copy_planned(b"", stream=0) == 0  # nothing to copy: no CUDA call
+    with pytest.raises(ValueError, match=rf"tasks has {layout[0] + 1} bytes, not a multiple of a task's {layout[0]}"):
+        mod.batched_copy_planned(b"\0" * (layout[0] + 1), stream=0)
+    good = (0x10000, 0x20000, 1, 64, 64, 64, 1)
+    with pytest.raises(ValueError, match=r"tasks\[1\]\.on_device must be 0-3, got 4"):
+        mod.batched_copy_planned(_packed_tasks(layout, [good, (*good[:6], 4)]), stream=0)
+    with pytest.raises(ValueError, match=r"dsts\[0\] overlaps srcs\[0\]"):
+        mod.batched_copy_planned(_packed_tasks(layout, [(0x10000, 0x10020, 1, 64, 64, 64, 0)]), stream=0)
+    with pytest.raises(ValueError, match=r"srcs\[0\] is a null pointer"):
+        mod.batched_copy_planned(_packed_tasks(layout, [(0x10000, 0, 1, 64, 64, 64, 0)]), stream=0)
+    with pytest.raises(ValueError, match="on_device has 1 bytes for 2 copies"):
+        mod.batched_copy([0x10000, 0x30000], [0x20000, 0x40000], [64, 64], stream=0, on_device=b"\x01")
+    with pytest.raises(ValueError, match=r"on_device\[1\] must be 0-3"):
+        mod.batched_copy([0x10000, 0x30000], [0x20000, 0x40000], [64, 64], stream=0, on_device=b"\x01\x07")
+
+
 def test_cpu_sources_do_not_include_torch_or_cuda():
     """Only the optional tensor front end includes torch; the kernels build without it."""
     for name in os.listdir(CSRC):
@@ -108,11 +187,16 @@ def test_gpu_contiguous_batch_takes_the_tensor_front_end_and_copies_both_ways():
               for h in host]
     for p, h in zip(pinned, host):
         p.copy_(h)
-    device, dsts, srcs, nbytes, on_device = front.cuda_copy_plan(dev, pinned)
-    assert device == torch.cuda.current_device() and len(dsts) == len(srcs) == len(nbytes) == 4  # no 0-byte pair
-    assert nbytes == [h.nbytes for h in host if h.numel()]
-    assert on_device == bytes([1] * 4)  # every destination is a CUDA tensor, no source is
-    assert front.cuda_copy_plan(pinned[1:], dev[1:])[4] == bytes([2] * 4)
+    device, tasks = front.cuda_copy_plan(dev, pinned)
+    size, *offsets = front.TASK_LAYOUT
+    fields = [[int.from_bytes(tasks[k * size + off:k * size + off + (1 if i == 6 else 8)], "little")
+               for i, off in enumerate(offsets)] for k in range(len(tasks) // size)]
+    assert device == torch.cuda.current_device() and len(tasks) == 4 * size  # no 0-byte pair
+    assert [f[:2] for f in fields] == [[d.data_ptr(), p.data_ptr()] for d, p in zip(dev[1:], pinned[1:])]
+    assert [f[2] * f[3] for f in fields] == [h.nbytes for h in host if h.numel()]
+    assert [f[6] for f in fields] == [1] * 4  # every destination is a CUDA tensor, no source is
+    _, back_tasks = front.cuda_copy_plan(pinned[1:], dev[1:])
+    assert [back_tasks[k * size + offsets[6]] for k in range(4)] == [2] * 4
     versions = [d._version for d in dev]
     stream = torch.cuda.Stream()
     kernels.batched_copy_(dev, pinned, stream=stream)
