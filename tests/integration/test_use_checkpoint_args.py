@@ -4,8 +4,8 @@ exactly as the run that gives them all."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
-import sys
 
 import pytest
 
@@ -105,20 +105,29 @@ def test_the_launch_scripts_preflight_reads_the_checkpoints_args(saved):
         "the following arguments are required: --num-layers, --hidden-size, --num-attention-heads, --seq-length")
 
 
+_MEGATRON_READS = """
+import json, sys
+from megatron.training import arguments, checkpointing
+args, _ = checkpointing.load_args_from_checkpoint(arguments.parse_args(ignore_unknown_args=True))
+json.dump([args.num_layers, args.hidden_size, args.num_attention_heads, args.group_query_attention,
+           args.num_query_groups, args.ffn_hidden_size, args.seq_length, args.swiglu, args.normalization,
+           args.add_bias_linear, args.position_embedding_type, args.untie_embeddings_and_output_weights,
+           args.padded_vocab_size], sys.stdout)
+"""
+"""Megatron-LM's own reader in a process of its own, as a run reads it: with torch.distributed initialized (an
+earlier test of this process may leave it so) its read_metadata all-reduces on a CUDA tensor."""
+
+
 @pytest.mark.skipif(importlib.util.find_spec("megatron.training") is None,
                     reason="megatron.training ships with megatron-core 0.17+ (scripts/megatron_compat_probe.sh runs "
                            "this file with the 0.19.2 wheel)")
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_megatron_lm_reads_the_drivers_checkpoint_args(saved, fmt, monkeypatch):
+def test_megatron_lm_reads_the_drivers_checkpoint_args(saved, fmt):
     """Megatron-LM's own load_args_from_checkpoint on this driver's checkpoint (nothing stubbed: its checkpoint
     reader, its parser): the model fields it takes are the ones the driver's run saved."""
-    from megatron.training import arguments, checkpointing
-
     root, flags = saved
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *_without_shape(flags), "--use-checkpoint-args", "--load",
-                                      str(root / fmt)])
-    args, _ = checkpointing.load_args_from_checkpoint(arguments.parse_args(ignore_unknown_args=True))
-    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.group_query_attention,
-            args.num_query_groups, args.ffn_hidden_size, args.seq_length, args.swiglu, args.normalization,
-            args.add_bias_linear, args.position_embedding_type, args.untie_embeddings_and_output_weights,
-            args.padded_vocab_size) == (4, 64, 4, True, 2, 128, 64, True, "RMSNorm", False, "rope", True, 384)
+    proc = subprocess.run([PYTHON, "-c", _MEGATRON_READS, *_without_shape(flags), "--use-checkpoint-args", "--load",
+                           str(root / fmt)], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert tuple(json.loads(proc.stdout.strip().splitlines()[-1])) == (4, 64, 4, True, 2, 128, 64, True, "RMSNorm",
+                                                                        False, "rope", True, 384)
