@@ -43,12 +43,8 @@ std::vector<h3t::CopyTask> batched_tasks(const Ptrs& dsts, const Ptrs& srcs, con
                          std::to_string(tasks.size()) + " copies (one a copy)");
   }
   for (std::size_t i = 0; i < tasks.size(); ++i) {
-    const auto bits = static_cast<std::uint8_t>((*on_device)[i]);
-    if (bits > (h3t::kDstOnDevice | h3t::kSrcOnDevice)) {
-      throw h3t::CopyError(h3t::at_index("on_device", i) + " must be 0-3 (1: dst, 2: src on the device), got " +
-                           std::to_string(bits));
-    }
-    tasks[i].on_device = bits;
+    tasks[i].on_device = static_cast<std::uint8_t>((*on_device)[i]);
+    h3t::check_on_device(tasks[i].on_device, h3t::at_index("on_device", i));
   }
   return tasks;
 }
@@ -63,10 +59,7 @@ std::vector<h3t::CopyTask> planned_tasks(const std::string& packed) {
   std::vector<h3t::CopyTask> tasks(packed.size() / sizeof(h3t::CopyTask));
   if (!tasks.empty()) std::memcpy(static_cast<void*>(tasks.data()), packed.data(), packed.size());
   for (std::size_t i = 0; i < tasks.size(); ++i) {
-    if (tasks[i].on_device > (h3t::kDstOnDevice | h3t::kSrcOnDevice)) {
-      throw h3t::CopyError(h3t::at_index("tasks", i) + ".on_device must be 0-3, got " +
-                           std::to_string(tasks[i].on_device));
-    }
+    h3t::check_on_device(tasks[i].on_device, h3t::at_index("tasks", i) + ".on_device");
     h3t::validate_task(tasks[i], i);
   }
   return tasks;

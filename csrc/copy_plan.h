@@ -52,6 +52,13 @@ inline std::string at_index(const char* what, std::size_t i) {
   return std::string(what) + "[" + std::to_string(i) + "]";
 }
 
+// Checks a task's on_device marks (CopyTask::on_device), named `what` in the error: 0-3.
+inline void check_on_device(std::uint8_t bits, const std::string& what) {
+  if (bits > (kDstOnDevice | kSrcOnDevice)) {
+    throw CopyError(what + " must be 0-3 (bit 0: dst, bit 1: src on the device), got " + std::to_string(bits));
+  }
+}
+
 // Checked a * b + c for extents; throws (naming what[i]) when it does not fit in size_t.
 // The name is built only on error: this runs once per tensor of every batch.
 inline std::size_t checked_extent(std::size_t rows, std::size_t pitch, std::size_t row_bytes,

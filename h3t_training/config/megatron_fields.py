@@ -94,10 +94,10 @@ def given_attention_backend(args) -> Optional[str]:
 def attention_backend(args) -> Optional[str]:
     """The AttnBackend name of ``--attention-backend`` (``--use-flash-attn``: flash) a GPU run with TransformerEngine
     passes to megatron-core, or None when neither is given."""
-    backend = given_attention_backend(args)
-    if backend is None or table_value(args, "--attention-backend") is None:
-        return backend  # --use-flash-attn's flash, or None
-    if backend == "local":
+    given = table_value(args, "--attention-backend")
+    if given is None:
+        return given_attention_backend(args)  # --use-flash-attn's flash, or None
+    if given == "local":
         raise ValueError("--attention-backend local on a GPU needs --transformer-impl local (the driver's "
                          "TransformerEngine spec has no local attention); use flash, fused, unfused or auto")
     return _choice(args, "--attention-backend", ATTENTION_BACKENDS)
