@@ -79,7 +79,8 @@ from h3t_ext.ckpt import NO_RECOMPUTE, Ckpt, Recompute
 from h3t_ext.costmodel import moe
 from h3t_ext.costmodel.moe import local_tokens  # one rule: b s / (c t) tokens of a rank's local sequence shard
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
-from h3t_ext.costmodel.recompute import chunk_layers_bytes, core_attention_pinned_qkv, plan_recompute, \
+from h3t_ext.costmodel.fp8 import bf16_layers_in
+from h3t_ext.costmodel.recompute import chunk_layers_bytes, chunk_units, core_attention_pinned_qkv, plan_recompute, \
     recomputes_core_attention, selective_terms
 from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.dtypes import BF16, BOOL, FP8, FP32, INT64
@@ -370,10 +371,30 @@ def microbatch_chunk_bytes(model: ModelSpec, plan, stage: Optional[int] = None, 
     unit_input = local_tokens(plan) * layer_bytes_per_local_token(model, Ckpt.FULL, **opts)
     chunk = (sum(k * chunk_layers_bytes(n, recompute, kept=kept, unit_input=unit_input) for n, k in chunks.items())
              // sum(chunks.values()))
+    if fp8 and stage is not None and plan.has_bf16_layers:
+        chunk += _bf16_layers_extra(model, plan, stage, layer_kept_bytes(model, plan, **{**opts, "fp8": False}) - kept)
     if stage == 0:
         chunk += embedding_dropout_chunk_bytes(model, plan, sequence_parallel=sequence_parallel,
                                                dropout_mask_bytes=dropout_mask_bytes)
     return chunk
+
+
+def _bf16_layers_extra(model: ModelSpec, plan, stage: int, more: int) -> int:
+    """What an FP8 plan's BF16 first / last layers on ``stage`` save beyond as many FP8 layers, per microbatch-chunk
+    (the mean over the stage's chunks, as :func:`microbatch_chunk_bytes`): ``more`` bytes for each such layer that
+    keeps its own activations. A full-recompute unit keeps only its input, the same in both precisions; the units are
+    a chunk's first layers (megatron-core's uniform and block methods)."""
+    split, L = plan.pipeline_split(model.num_layers), model.num_layers
+    _, recompute = plan_recompute(plan)
+    v = split.virtual_pipeline_model_parallel_size
+    total = 0
+    for c, b in enumerate(plan.chunk_bf16_layers(L, stage)):
+        if b:
+            n = split.chunk_layers(stage, c)
+            inside = chunk_units(recompute, n)[1]
+            total += bf16_layers_in(plan.num_layers_at_start_in_bf16, plan.num_layers_at_end_in_bf16, L,
+                                    split.layer_offset(stage, c) + inside, n - inside)
+    return total * more // v
 
 
 def stage_activation_peak_bytes(model: ModelSpec, plan, *, dtype_bytes: int = BF16, layer_spec: str = "te",

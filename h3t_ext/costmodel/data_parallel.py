@@ -246,5 +246,5 @@ def optimizer_step_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> 
     on_device = optimizer_offload.device_params(shard, plan)
     return elementwise_seconds(on_device * ADAM_BYTES_PER_PARAM + n * FP32, kernel_rates(system),
                                kernels=OPTIMIZER_KERNELS) \
-        + fp8.step_seconds(model, plan, system, plan.stage_layers(model.num_layers, k)) \
+        + fp8.step_seconds(model, plan, system, plan.stage_fp8_layers(model.num_layers, k)) \
         + optimizer_offload.step_seconds(model, plan, system, shard)

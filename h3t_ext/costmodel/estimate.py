@@ -263,7 +263,8 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         pcie = int(2 * m * layer_offload(alphas[0], layers).offloaded * chunk)
         if alphas[0] > 0:
             st = shape_times(model, plan, system)
-            traffic = p1_traffic(st.layer, st.head.total, chunk, layers, alphas[0], system)
+            traffic = p1_traffic(st.mean_layer(layers, plan.stage_bf16_layers(model.num_layers, 0)), st.head.total,
+                                 chunk, layers, alphas[0], system)
     else:
         pcie = max(int(2 * a * chunk * n) for a, n in zip(alphas, offloaded))
     host = max((_host_terms(model, plan, k, alphas[k], v, offloaded[k]) for k in range(p)),

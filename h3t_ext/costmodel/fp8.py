@@ -30,8 +30,20 @@ the fp32 main params) and only the transpose is made. The recipes differ in thei
 Memory (``memory.py`` and ``activations.py`` read the byte rules here): the FP8 weight cache (an FP8 copy and
 its transpose per GEMM weight, ``WEIGHT_CACHE_BYTES``), the scaling state of every FP8 tensor (small), and the
 saved inputs of the four GEMMs in FP8 (``activations.py``).
+
+BF16 first and last layers (Megatron's ``--first-last-layers-bf16`` with ``--num-layers-at-start-in-bf16`` N1 and
+``--num-layers-at-end-in-bf16`` N2, default 1 each): megatron-core builds and runs the model's first N1 and last N2
+transformer layers (global layer numbers, ``fp8_utils.is_first_last_bf16_layer``) outside the FP8 context, so
+they are BF16 layers in every respect priced here: BF16 GEMMs, no casts, no FP8 weight copies or scaling state,
+bf16 saved inputs, bf16 parameters under --fp8-param-gather. :func:`bf16_layers_in` counts them in a span of
+layers (``Plan.chunk_bf16_layers`` per model chunk); the time and memory models price each pipeline rank and
+model chunk with its own count. Megatron refuses
+them with the delayed recipe and N1 or N2 above L / p (``TransformerConfig.__post_init__``), and so does
+:func:`validate_fp8` / :func:`validate_bf16_layers`.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.kernels import KernelRates, elementwise_seconds, kernel_rates
@@ -82,8 +94,18 @@ def validate_fp8(plan, system=None) -> None:
         raise InvalidPlanError(f"--fp8-recipe must be one of {', '.join(FP8_RECIPES)}, got {recipe!r}")
     if plan.fp8_param_gather and fmt is None:
         raise InvalidPlanError("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
+    if plan.first_last_layers_bf16 and fmt is None:
+        raise InvalidPlanError("--first-last-layers-bf16 needs --fp8-format (e4m3 or hybrid): without FP8 every layer "
+                               "is BF16 already")
+    for flag, n in (("--num-layers-at-start-in-bf16", plan.num_layers_at_start_in_bf16),
+                    ("--num-layers-at-end-in-bf16", plan.num_layers_at_end_in_bf16)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidPlanError(f"{flag} must be an integer >= 0, got {n!r}")
     if fmt is None:
         return
+    refusal = bf16_layers_recipe_refusal(plan.first_last_layers_bf16, recipe)
+    if refusal:
+        raise InvalidPlanError(refusal)
     if plan.transformer_impl != "transformer_engine":
         raise InvalidPlanError("--fp8-format needs --transformer-impl transformer_engine (FP8 runs in TransformerEngine)")
     if system is None:
@@ -94,6 +116,34 @@ def validate_fp8(plan, system=None) -> None:
     if recipe == "mxfp8" and system.compute_capability < MXFP8_MIN_COMPUTE_CAPABILITY:
         raise InvalidPlanError(f"--fp8-recipe mxfp8 needs Blackwell (compute capability >= "
                                f"{MXFP8_MIN_COMPUTE_CAPABILITY}): {system.name} has {system.compute_capability}")
+
+
+def bf16_layers_recipe_refusal(first_last_layers_bf16: bool, recipe: str) -> Optional[str]:
+    """Why an FP8 run cannot keep its first / last layers in BF16 under ``recipe`` (megatron-core refuses the delayed
+    recipe), or None; the planner and the training driver refuse with this line."""
+    if first_last_layers_bf16 and recipe == "delayed":
+        return ("--first-last-layers-bf16 does not work with --fp8-recipe delayed (megatron-core: delayed scaling does "
+                "not support first / last layers in BF16); valid: tensorwise, blockwise or mxfp8")
+    return None
+
+
+def validate_bf16_layers(plan, num_layers: int) -> None:
+    """Megatron's bound on the BF16 first / last layers: each count at most L / p (integer division)."""
+    if plan.fp8 is None or not plan.first_last_layers_bf16:
+        return
+    most = num_layers // plan.pipeline_model_parallel_size
+    for flag, n in (("--num-layers-at-start-in-bf16", plan.num_layers_at_start_in_bf16),
+                    ("--num-layers-at-end-in-bf16", plan.num_layers_at_end_in_bf16)):
+        if n > most:
+            raise InvalidPlanError(f"{flag} must be between 0 and the layers per pipeline stage ({num_layers} // "
+                                   f"{plan.pipeline_model_parallel_size} = {most}), got {n} (megatron-core's rule)")
+
+
+def bf16_layers_in(at_start: int, at_end: int, num_layers: int, first: int, count: int) -> int:
+    """How many of the global layers ``first`` .. ``first + count - 1`` of a ``num_layers``-layer model are among
+    its first ``at_start`` and last ``at_end`` (--num-layers-at-start-in-bf16 / -at-end-in-bf16)."""
+    fp8_layers = max(0, min(first + count, num_layers - at_end) - max(first, at_start))
+    return max(0, count) - fp8_layers
 
 
 def cast_bytes_per_element(recipe: str) -> float:

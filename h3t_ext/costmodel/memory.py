@@ -294,8 +294,8 @@ def stage_state_bytes(model: ModelSpec, plan: Plan, stage: int, *, param_bytes: 
 
 
 def _static_terms(model: ModelSpec, plan: Plan, n: int, layers: int, experts: int) -> dict[str, int]:
-    """Weights, gradients and optimizer states of a stage holding ``n`` parameters in ``layers`` layers, ``experts`` of
-    them routed experts' (:func:`stage_expert_params`)."""
+    """Weights, gradients and optimizer states of a stage holding ``n`` parameters, ``layers`` FP8 layers (whose
+    GEMM weights --fp8-param-gather holds in FP8), ``experts`` of them routed experts' (:func:`stage_expert_params`)."""
     d = plan.data_parallel_size
     strategy = plan.sharding_strategy
     weights = fp8.weight_bytes(model, plan, n, layers)
@@ -317,12 +317,12 @@ def stage_static_terms(model: ModelSpec, plan: Plan, stage: int) -> dict[str, in
     grads, optimizer_states), without computing the others (the planner's check that they alone exceed the
     budget, on every parallel layout)."""
     return _static_terms(model, plan, stage_params(model, plan, stage),
-                         plan.stage_layers(model.num_layers, stage), stage_expert_params(model, plan, stage))
+                         plan.stage_fp8_layers(model.num_layers, stage), stage_expert_params(model, plan, stage))
 
 
 def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
     """The alpha-independent terms of a stage holding ``n`` parameters."""
-    layers = plan.stage_layers(model.num_layers, stage)
+    layers = plan.stage_fp8_layers(model.num_layers, stage)  # FP8 layers: their weights' FP8 copies and scales
     terms = _static_terms(model, plan, n, layers, stage_expert_params(model, plan, stage))
     if plan.fp8 is not None:
         terms["fp8_weight_cache"] = fp8.weight_cache_bytes(model, plan, layers)

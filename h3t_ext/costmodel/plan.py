@@ -8,7 +8,7 @@ from typing import Optional
 from h3t_ext.ckpt import CKPT_CHOICES, NO_RECOMPUTE, Ckpt, Recompute, split_ckpt  # noqa: F401  (CKPT_CHOICES re-exported)
 from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.errors import InvalidPlanError
-from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, validate_fp8
+from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, bf16_layers_in, validate_bf16_layers, validate_fp8
 from h3t_ext.costmodel.kernels import attention_kernel
 from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
@@ -179,6 +179,13 @@ class Plan:
     """Megatron's --fp8-recipe: 'delayed' (its default), 'tensorwise', 'blockwise' or 'mxfp8' (Blackwell)."""
     fp8_param_gather: bool = False
     """Megatron's --fp8-param-gather: parameters held and all-gathered in FP8 (needs --fp8-format)."""
+    first_last_layers_bf16: bool = False
+    """Megatron's --first-last-layers-bf16: an FP8 plan's first and last layers run in BF16 (not with the delayed
+    recipe; :mod:`h3t_ext.costmodel.fp8`)."""
+    num_layers_at_start_in_bf16: int = 1
+    """Megatron's --num-layers-at-start-in-bf16: the model's first layers kept in BF16 (0 .. L / p)."""
+    num_layers_at_end_in_bf16: int = 1
+    """Megatron's --num-layers-at-end-in-bf16: the model's last layers kept in BF16 (0 .. L / p)."""
     expert_model_parallel_size: int = 1
     """Megatron's --expert-model-parallel-size ep: ranks that split a MoE model's experts (:mod:`h3t_ext.costmodel.moe`)."""
     expert_tensor_parallel_size: Optional[int] = None
@@ -272,13 +279,43 @@ class Plan:
         return split.rank_slots(0 if first is None else 1)
 
     def representative_stages(self, num_layers: int) -> tuple[int, ...]:
-        """The pipeline ranks whose memory and time stand for all (:meth:`PipelineSplit.representative_stages`)."""
-        return self.pipeline_split(num_layers).representative_stages()
+        """The pipeline ranks whose memory and time stand for all (:meth:`PipelineSplit.representative_stages`),
+        and every rank holding an FP8 plan's BF16 first / last layers (with interleaving they may reach past the
+        first and last rank)."""
+        stages = self.pipeline_split(num_layers).representative_stages()
+        if not self.has_bf16_layers:
+            return stages
+        return tuple(sorted(set(stages) | {r for r in range(self.pipeline_model_parallel_size)
+                                           if self.stage_bf16_layers(num_layers, r)}))
 
     def stage_layers(self, num_layers: int, stage: int) -> int:
         """Transformer layers held by pipeline rank ``stage`` (Megatron's rule: the embedding / loss of
         --account-for-* take one layer's place on the first / last stage)."""
         return self.pipeline_split(num_layers).stage_layers(stage)
+
+    @property
+    def has_bf16_layers(self) -> bool:
+        """An FP8 plan with --first-last-layers-bf16 and at least one such layer (:mod:`h3t_ext.costmodel.fp8`)."""
+        return (self.fp8 is not None and self.first_last_layers_bf16
+                and self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16 > 0)
+
+    def chunk_bf16_layers(self, num_layers: int, stage: int) -> tuple[int, ...]:
+        """BF16 layers of an FP8 plan in each model chunk of pipeline rank ``stage`` (all 0 without
+        --first-last-layers-bf16)."""
+        split = self.pipeline_split(num_layers)
+        if not self.has_bf16_layers:
+            return (0,) * split.virtual_pipeline_model_parallel_size
+        return _chunk_bf16_layers(split, stage, self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16)
+
+    def stage_bf16_layers(self, num_layers: int, stage: int) -> int:
+        """BF16 layers of an FP8 plan on pipeline rank ``stage`` (0 without --first-last-layers-bf16)."""
+        return sum(self.chunk_bf16_layers(num_layers, stage)) if self.has_bf16_layers else 0
+
+    def stage_fp8_layers(self, num_layers: int, stage: int) -> int:
+        """Layers of pipeline rank ``stage`` that run in FP8 (none in a BF16 plan)."""
+        if self.fp8 is None:
+            return 0
+        return self.stage_layers(num_layers, stage) - self.stage_bf16_layers(num_layers, stage)
 
     def virtual_size(self, num_layers: int) -> int:
         """v = (L/p) / l, or --num-virtual-stages-per-pipeline-rank."""
@@ -371,6 +408,15 @@ def _validate_ranges(plan: Plan) -> None:
     validate_fp8(plan)
 
 
+@lru_cache(maxsize=4096)
+def _chunk_bf16_layers(split: PipelineSplit, stage: int, at_start: int, at_end: int) -> tuple[int, ...]:
+    """BF16 layers in each model chunk of ``stage``: the model's first ``at_start`` and last ``at_end`` layers by
+    their global numbers (megatron-core numbers layers chunk-major, :meth:`PipelineSplit.layer_offset`)."""
+    return tuple(bf16_layers_in(at_start, at_end, split.num_layers, split.layer_offset(stage, c),
+                                split.chunk_layers(stage, c))
+                 for c in range(split.virtual_pipeline_model_parallel_size))
+
+
 def applicable_switches(switches: dict, tensor_model_parallel_size: int) -> dict:
     """``switches`` (Plan fields) as they apply to a plan of tensor-parallel size t: ``tp_comm_overlap`` only where
     t > 1 (Megatron-LM refuses --tp-comm-overlap without sequence parallelism, which it turns off at t = 1; a
@@ -448,6 +494,7 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     schedule builder, the runtime and the driver refuse a layout with the same reason."""
     _validate_ranges(plan)
     validate_fp8(plan, system)
+    validate_bf16_layers(plan, model.num_layers)
     _validate_alphas(plan)
     plan_layout(model, plan, system)
     _validate_recompute(model, plan)

@@ -385,6 +385,12 @@ def _cycle_collector_paused():
             gc.enable()
 
 
+_FORWARD_ACTION = ("fwd", "tp_fwd", "cp_fwd", "ep_fwd")
+"""The LayerTime fields of a FORWARD action (``LayerTime.forward_action``)."""
+_BACKWARD_ACTION = ("bwd", "recompute", "tp_bwd", "tp_recompute", "cp_bwd", "cp_recompute", "ep_bwd", "ep_recompute")
+"""... of a BACKWARD action (``LayerTime.backward_action``)."""
+
+
 def plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Optional[Sequence[float]] = None) -> Timeline:
     """Price ``plan``'s action lists (``alphas``: per stage, default the plan's) on the timeline."""
     with _cycle_collector_paused():
@@ -402,6 +408,10 @@ def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opt
     for r in range(p):
         chunks = [split.chunk_layers(r, c) for c in range(v)]  # a layout or --account-for-* makes them differ
         f, b = [n * fa for n in chunks], [n * ba for n in chunks]
+        if plan.has_bf16_layers:  # an FP8 plan's BF16 first / last layers, in the chunks that hold them
+            for c, k in enumerate(plan.chunk_bf16_layers(L, r)):
+                f[c] += st.extra(k, *_FORWARD_ACTION)
+                b[c] += st.extra(k, *_BACKWARD_ACTION)
         if r == p - 1:
             f[-1] += st.head.fwd
             b[-1] += st.head.bwd
@@ -413,8 +423,8 @@ def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opt
     stalls = ()
     if layers is not None and alphas[0] > 0:  # layer-granular: the copies are priced inside the compute
         copy = [0.0]
-        stalls = (p1_exposed_seconds(st.layer, st.head.total, chunk_activation_bytes(model, plan, 0), layers,
-                                     alphas[0], system),)
+        stalls = (p1_exposed_seconds(st.mean_layer(layers, plan.stage_bf16_layers(L, 0)), st.head.total,
+                                     chunk_activation_bytes(model, plan, 0), layers, alphas[0], system),)
     blocking = v == 1 or not plan.overlap_p2p_comm
     hop = pipeline_hop_seconds(model, plan, system) if p > 1 else 0.0
     ranks = simulate(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking, copy=copy,
@@ -433,18 +443,19 @@ def timeline_terms(model: ModelSpec, plan: Plan, system: SystemSpec, timeline: T
     st = shape_times(model, plan, system)
     lt, m, p = st.layer, plan.num_microbatches, plan.pipeline_model_parallel_size
     per_mb_layers = m * plan.stage_layers(model.num_layers, r.rank)
+    b = plan.stage_bf16_layers(model.num_layers, r.rank)  # an FP8 plan's BF16 layers on the rank (ShapeTimes.extra)
     head = m * st.head.total if r.rank == p - 1 else 0.0
     return TimeTerms(
-        compute=per_mb_layers * (lt.fwd + lt.bwd) + head,
-        recompute=per_mb_layers * lt.recompute,
-        tp_comm=per_mb_layers * lt.tp,
-        cp_comm=per_mb_layers * lt.cp,
+        compute=per_mb_layers * (lt.fwd + lt.bwd) + head + m * st.extra(b, "fwd", "bwd"),
+        recompute=per_mb_layers * lt.recompute + m * st.extra(b, "recompute"),
+        tp_comm=per_mb_layers * lt.tp + m * st.extra(b, "tp_fwd", "tp_bwd", "tp_recompute"),
+        cp_comm=per_mb_layers * lt.cp + m * st.extra(b, "cp_fwd", "cp_bwd", "cp_recompute"),
         pp_p2p=r.p2p + timeline.tied_embedding_s,
         bubble=r.bubble + (timeline.pipeline_s - r.end),
         dp_exposed=timeline.dp_exposed_s,
         optimizer=timeline.optimizer_s,
         offload_exposed=r.stall,
-        ep_comm=per_mb_layers * lt.ep,
+        ep_comm=per_mb_layers * lt.ep + m * st.extra(b, "ep_fwd", "ep_bwd", "ep_recompute"),
     )
 
 

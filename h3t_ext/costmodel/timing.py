@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import math
 from typing import Optional
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from h3t_ext.costmodel import fp8, moe
 from h3t_ext.costmodel.collectives import (
@@ -320,10 +320,33 @@ class HeadTime:
 
 @dataclass(frozen=True)
 class ShapeTimes:
-    """Everything the time model prices per microbatch for one shape: a layer and the output layer."""
+    """Everything the time model prices per microbatch for one shape: a layer and the output layer (and, in an FP8
+    plan with --first-last-layers-bf16, a BF16 layer: ``bf16_layer``)."""
 
     layer: LayerTime
     head: HeadTime
+    bf16_layer: Optional[LayerTime] = None
+    """An FP8 plan's BF16 first / last layer (None without them: every layer is ``layer``)."""
+
+    def extra(self, bf16: int, *names: str) -> float:
+        """What ``bf16`` BF16 layers add over as many FP8 layers, summed over the LayerTime fields ``names``
+        (``total`` where none are named); exactly 0.0 without BF16 layers, so a plan without them prices as before."""
+        lb = self.bf16_layer
+        if not bf16 or lb is None:
+            return 0.0
+        lt = self.layer
+        if not names:
+            return bf16 * (lb.total - lt.total)
+        return bf16 * sum(getattr(lb, n) - getattr(lt, n) for n in names)
+
+    def mean_layer(self, layers: int, bf16: int) -> LayerTime:
+        """The average of ``layers`` layers, ``bf16`` of them BF16 layers (``layer`` itself without them)."""
+        lb = self.bf16_layer
+        if not bf16 or lb is None or layers <= 0:
+            return self.layer
+        share = bf16 / layers
+        return LayerTime(*((1 - share) * getattr(self.layer, f) + share * getattr(lb, f)
+                           for f in _field_names(LayerTime)))
 
 
 @dataclass(frozen=True)
@@ -366,7 +389,7 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
             plan.context_parallel_size, plan.seq_length,
             plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap,
             plan.attention_kernel(system),
-            plan.fp8 is not None, plan.fp8_recipe, plan.recompute, _timed_activation_impl(plan),
+            plan.fp8 is not None, plan.fp8_recipe, plan.has_bf16_layers, plan.recompute, _timed_activation_impl(plan),
             _cross_entropy_fusion(plan),
             chunk_layers(model, plan) if plan.recompute.full else None,
             (plan.expert_model_parallel_size, plan.expert_tensor_parallel_size, plan.moe_token_dispatcher_type,
@@ -381,8 +404,14 @@ def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
     if hit is None:
         if len(_shape_cache) > _CACHE_LIMIT:
             _shape_cache.clear()
-        hit = _shape_cache[key] = ShapeTimes(_layer_time(model, plan, system), _head_time(model, plan, system))
+        bf16 = _layer_time(model, bf16_variant(plan), system) if plan.has_bf16_layers else None
+        hit = _shape_cache[key] = ShapeTimes(_layer_time(model, plan, system), _head_time(model, plan, system), bf16)
     return hit
+
+
+def bf16_variant(plan: Plan) -> Plan:
+    """``plan`` as its BF16 first / last layers run: without FP8 (the rest of the plan alike)."""
+    return replace(plan, fp8=None, fp8_param_gather=False, first_last_layers_bf16=False)
 
 
 def layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
@@ -526,8 +555,9 @@ def dp_seconds_lower_bound(model: ModelSpec, plan: Plan, system: SystemSpec) -> 
 def stage_microbatch_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, stage: int) -> float:
     """One microbatch's forward + backward (all its chunks) on pipeline rank ``stage``."""
     st = shape_times(model, plan, system)
-    p = plan.pipeline_model_parallel_size
-    return plan.stage_layers(model.num_layers, stage) * st.layer.total + (st.head.total if stage == p - 1 else 0.0)
+    p, L = plan.pipeline_model_parallel_size, model.num_layers
+    return (plan.stage_layers(L, stage) * st.layer.total + (st.head.total if stage == p - 1 else 0.0)
+            + st.extra(plan.stage_bf16_layers(L, stage)))
 
 
 def slowest_stage(model: ModelSpec, plan: Plan, system: SystemSpec) -> int:
@@ -538,11 +568,13 @@ def slowest_stage(model: ModelSpec, plan: Plan, system: SystemSpec) -> int:
 
 def dp_exposed_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
     """The ``dp_exposed`` term: windows of the slowest stage's chunk backward / forward and microbatch."""
-    lt = layer_time(model, plan, system)
+    st = shape_times(model, plan, system)
+    lt = st.layer
     slow = slowest_stage(model, plan, system)
     layers, v = plan.stage_layers(model.num_layers, slow), plan.virtual_size(model.num_layers)
-    return dp_exposed(model, plan, system, layers * (lt.bwd + lt.recompute) / v, layers * lt.fwd / v,
-                      stage_microbatch_seconds(model, plan, system, slow))
+    b = plan.stage_bf16_layers(model.num_layers, slow)  # an FP8 plan's BF16 layers: in the mean chunk's windows
+    return dp_exposed(model, plan, system, (layers * (lt.bwd + lt.recompute) + st.extra(b, "bwd", "recompute")) / v,
+                      (layers * lt.fwd + st.extra(b, "fwd")) / v, stage_microbatch_seconds(model, plan, system, slow))
 
 
 def optimizer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
@@ -563,34 +595,36 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
 
     slow = slowest_stage(model, plan, system)
     layers = plan.stage_layers(L, slow)
+    b = plan.stage_bf16_layers(L, slow)  # an FP8 plan's BF16 first / last layers on the slow rank (st.extra)
     per_mb = stage_microbatch_seconds(model, plan, system, slow)
     # the warm-up and cool-down are the forward and backward of the first and last microbatch on every
     # rank but the slowest one (which runs all m in between): (p - 1)/v microbatches when the ranks are
     # alike, less when the last rank is the slow one only because it also runs the output layer
-    everyone = L * lt.total + head
+    everyone = L * lt.total + head + st.extra(fp8.bf16_layers_in(plan.num_layers_at_start_in_bf16,
+                                                                 plan.num_layers_at_end_in_bf16, L, 0, L))
     bubble = (everyone - per_mb) / v if p > 1 else 0.0
 
     pp = pipeline_p2p_seconds(model, plan, system)
 
     off = 0.0
     if p == 1 and chunk_bytes and alphas[0] > 0:  # layer-granular (h3t_ext.costmodel.layer_offload)
-        off = m * p1_exposed_seconds(lt, st.head.total, chunk_bytes, layers, alphas[0], system)
+        off = m * p1_exposed_seconds(st.mean_layer(layers, b), st.head.total, chunk_bytes, layers, alphas[0], system)
     elif chunk_bytes and any(a > 0 for a in alphas):
-        f_chunk = layers * lt.fwd / v
-        b_chunk = layers * (lt.bwd + lt.recompute) / v
+        f_chunk = (layers * lt.fwd + st.extra(b, "fwd")) / v
+        b_chunk = (layers * (lt.bwd + lt.recompute) + st.extra(b, "bwd", "recompute")) / v
         for a, n in zip(alphas, offloaded_chunks):
             copy = host_copy_seconds(a * chunk_bytes, system)
             off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
 
     return TimeTerms(
-        compute=m * (layers * (lt.fwd + lt.bwd) + (head if slow == p - 1 else 0.0)),
-        recompute=m * layers * lt.recompute,
-        tp_comm=m * layers * lt.tp,
-        cp_comm=m * layers * lt.cp,
+        compute=m * (layers * (lt.fwd + lt.bwd) + (head if slow == p - 1 else 0.0) + st.extra(b, "fwd", "bwd")),
+        recompute=m * (layers * lt.recompute + st.extra(b, "recompute")),
+        tp_comm=m * (layers * lt.tp + st.extra(b, "tp_fwd", "tp_bwd", "tp_recompute")),
+        cp_comm=m * (layers * lt.cp + st.extra(b, "cp_fwd", "cp_bwd", "cp_recompute")),
         pp_p2p=pp,
         bubble=bubble,
         dp_exposed=dp_exposed_seconds(model, plan, system),
         optimizer=optimizer_seconds(model, plan, system),
         offload_exposed=off,
-        ep_comm=m * layers * lt.ep,
+        ep_comm=m * (layers * lt.ep + st.extra(b, "ep_fwd", "ep_bwd", "ep_recompute")),
     )

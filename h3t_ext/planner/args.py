@@ -263,6 +263,12 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                    help="FP8 scaling recipe (default delayed, Megatron's); mxfp8 needs Blackwell")
     p.add_argument("--fp8-param-gather", action="store_true",
                    help="parameters held and all-gathered in FP8 (needs --fp8-format)")
+    p.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="an FP8 run's first and last layers in BF16 (not with --fp8-recipe delayed)")
+    p.add_argument("--num-layers-at-start-in-bf16", type=_nonnegative_int, default=1, metavar="N",
+                   help="with --first-last-layers-bf16: the model's first N layers in BF16 (default 1; at most L / p)")
+    p.add_argument("--num-layers-at-end-in-bf16", type=_nonnegative_int, default=1, metavar="N",
+                   help="with --first-last-layers-bf16: the model's last N layers in BF16 (default 1; at most L / p)")
     if search:
         p.add_argument("--precision", choices=PRECISIONS, default=None,
                        help="bf16, fp8 or auto (both; the best of either ranks first); default fp8 with "

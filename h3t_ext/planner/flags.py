@@ -83,6 +83,9 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags += ["--fp8-format", plan.fp8, "--fp8-recipe", plan.fp8_recipe]
         if plan.fp8_param_gather:
             flags.append("--fp8-param-gather")
+        if plan.first_last_layers_bf16:
+            flags += ["--first-last-layers-bf16", "--num-layers-at-start-in-bf16", str(plan.num_layers_at_start_in_bf16),
+                      "--num-layers-at-end-in-bf16", str(plan.num_layers_at_end_in_bf16)]
     return flags
 
 
@@ -96,6 +99,8 @@ _INT_FLAGS = {
     "--recompute-num-layers": "recompute_num_layers",
     "--expert-model-parallel-size": "expert_model_parallel_size",
     "--expert-tensor-parallel-size": "expert_tensor_parallel_size",
+    "--num-layers-at-start-in-bf16": "num_layers_at_start_in_bf16",
+    "--num-layers-at-end-in-bf16": "num_layers_at_end_in_bf16",
 }
 _SPLIT_INTS = {
     "--num-virtual-stages-per-pipeline-rank": "num_virtual_stages_per_pipeline_rank",
@@ -119,7 +124,8 @@ _OVERLAP = {"--moe-grouped-gemm": "moe_grouped_gemm", "--moe-shared-expert-overl
             "--tp-comm-overlap": "tp_comm_overlap",
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",
             "--grad-reduce-in-bf16": "grad_reduce_in_bf16"}
-_FAMILY_SWITCHES = {"--fp8-param-gather": "fp8_param_gather", "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion"}
+_FAMILY_SWITCHES = {"--fp8-param-gather": "fp8_param_gather", "--first-last-layers-bf16": "first_last_layers_bf16",
+                    "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion"}
 """Switches :func:`megatron_flags` prints beside their family (after --fp8-recipe; before
 --cross-entropy-fusion-impl), not with ``_OVERLAP``'s."""
 _PRECISION = {"--fp16": "fp16", "--accumulate-allreduce-grads-in-fp32": "accumulate_allreduce_grads_in_fp32"}

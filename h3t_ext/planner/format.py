@@ -21,6 +21,7 @@ from h3t_ext.planner.units import format_bytes
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
              "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
              "pipeline_model_parallel_layout", "microbatch_group_size_per_vp_stage", "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather",
+             "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
              "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type", "moe_grouped_gemm",
              "moe_shared_expert_overlap")
 
@@ -107,7 +108,9 @@ def _precision(plan) -> str:
     """``bf16``, or ``fp8 (hybrid, delayed)`` with the FP8 settings."""
     if plan.fp8 is None:
         return "bf16"
-    return f"fp8 ({plan.fp8}, {plan.fp8_recipe}{', fp8 params' if plan.fp8_param_gather else ''})"
+    bf16 = (f", bf16 first {plan.num_layers_at_start_in_bf16} last {plan.num_layers_at_end_in_bf16}"
+            if plan.first_last_layers_bf16 else "")
+    return f"fp8 ({plan.fp8}, {plan.fp8_recipe}{', fp8 params' if plan.fp8_param_gather else ''}{bf16})"
 
 
 _KERNEL_NAMES = {"flash": "FlashAttention", "fused": "cuDNN's fused attention through TransformerEngine",

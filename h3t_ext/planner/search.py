@@ -368,7 +368,10 @@ def search(
 def _runs(num_gpus: int, seq_length: int, global_batch_size: int, switches: dict,
           k: SearchConstraints) -> list[tuple]:
     """One (GPUs, sequence, batch, switches) per precision searched; FP8 plans carry the FP8 settings."""
-    fp8 = {"fp8": k.fp8, "fp8_recipe": k.fp8_recipe, "fp8_param_gather": k.fp8_param_gather}
+    fp8 = {"fp8": k.fp8, "fp8_recipe": k.fp8_recipe, "fp8_param_gather": k.fp8_param_gather,
+           "first_last_layers_bf16": k.first_last_layers_bf16,
+           "num_layers_at_start_in_bf16": k.num_layers_at_start_in_bf16,
+           "num_layers_at_end_in_bf16": k.num_layers_at_end_in_bf16}
     return [(num_gpus, seq_length, global_batch_size, {**switches, **(fp8 if precision == "fp8" else {})})
             for precision in k.precisions]
 

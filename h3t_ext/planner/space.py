@@ -147,6 +147,10 @@ class SearchConstraints:
     """--fp8-recipe of the FP8 plans searched."""
     fp8_param_gather: bool = False
     """--fp8-param-gather for the FP8 plans searched."""
+    first_last_layers_bf16: bool = False
+    """--first-last-layers-bf16 for the FP8 plans searched (with the two counts below)."""
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
     expert_model_parallel_size: Optional[int] = None
     """Fixed ep of a MoE model, or None (every ep that divides the experts and a stage's ranks is searched)."""
     expert_tensor_parallel_size: Optional[int] = None

@@ -62,6 +62,9 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "fp8": None,  # --fp8-format (dest fp8): BF16 unless given
     "fp8_recipe": DEFAULT_FP8_RECIPE,
     "fp8_param_gather": False,
+    "first_last_layers_bf16": False,
+    "num_layers_at_start_in_bf16": 1,
+    "num_layers_at_end_in_bf16": 1,
     "grad_reduce_in_bf16": False,
     "fp16": False,
     "accumulate_allreduce_grads_in_fp32": False,  # Megatron-LM turns it on for --bf16 (sixteen_bit_grads)
@@ -97,7 +100,8 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
            "microbatch_group_size_per_vp_stage", "fp8",
-           "fp8_recipe", "fp8_param_gather", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
+           "fp8_recipe", "fp8_param_gather", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+           "num_layers_at_end_in_bf16", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",
            "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
            "moe_grouped_gemm", "moe_shared_expert_overlap", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
@@ -283,7 +287,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
                          "takes --ckpt no|full|ours or --recompute-granularity alone)")
     switches = {name: _value(read, name, fixed) for name in (
         "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
-        "use_distributed_optimizer", "fp8_param_gather", "fp16", "optimizer_cpu_offload",
+        "use_distributed_optimizer", "fp16", "optimizer_cpu_offload",
         "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d")}
     switches["grad_reduce_in_bf16"] = _grads_16bit(read, fixed)
     switches["bias_activation_fusion"] = _value(read, "bias_swiglu_fusion", fixed)
@@ -337,10 +341,17 @@ def _precision(read, fixed: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if fmt is not None and fmt not in FP8_FORMATS:
         raise ValueError(f"--fp8-format must be one of {', '.join(FP8_FORMATS)}, got {fmt!r}")
-    if precision == "bf16" and (fmt is not None or _value(read, "fp8_param_gather", fixed)):
-        raise ValueError("--fp8-format / --fp8-param-gather need --precision fp8 or auto (bf16 plans have no FP8)")
+    fp8_only = {name: _value(read, name, fixed) for name in _FP8_PLAN_SETTINGS}
+    if precision == "bf16" and (fmt is not None or fp8_only["fp8_param_gather"] or fp8_only["first_last_layers_bf16"]):
+        raise ValueError("--fp8-format / --fp8-param-gather / --first-last-layers-bf16 need --precision fp8 or auto "
+                         "(bf16 plans have no FP8)")
     return {"precisions": ("bf16", "fp8") if precision == "auto" else (precision,),
-            "fp8": fmt or DEFAULT_SEARCH_FP8_FORMAT, "fp8_recipe": _value(read, "fp8_recipe", fixed)}
+            "fp8": fmt or DEFAULT_SEARCH_FP8_FORMAT, "fp8_recipe": _value(read, "fp8_recipe", fixed), **fp8_only}
+
+
+_FP8_PLAN_SETTINGS = ("fp8_param_gather", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+                      "num_layers_at_end_in_bf16")
+"""The settings a search gives its FP8 plans only (its BF16 plans, with ``--precision auto``, have no FP8)."""
 
 
 __all__ = ["ATTENTION_BACKEND_CHOICES", "MEGATRON_DEFAULTS", "constraints_from_args", "megatron_offload_from_args",

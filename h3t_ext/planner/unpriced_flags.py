@@ -17,9 +17,6 @@ UNPRICED_MODEL_FLAGS: tuple[tuple[tuple[str, ...], str], ...] = (
       "--v-head-dim"), f"multi-latent attention ({_PRICES_DECODERS}"),
     (("--mtp-",), f"multi-token prediction layers ({_PRICES_DECODERS}"),
     (("--hybrid-", "--mamba-", "--is-hybrid-model"), f"Mamba / hybrid layers ({_PRICES_DECODERS}"),
-    (("--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"),
-     "an FP8 run's first and last layers in BF16 (it prices every layer in --fp8-format's precision); leave them out "
-     "to price all layers in FP8, or leave --fp8-format out to price all in BF16"),
     (("--fp4-",), "FP4 training (it prices BF16, FP16 and --fp8-format's FP8); leave them out"),
 )
 """Megatron-LM's flags the cost model does not price (prefixes), and what it does not price (with what it prices

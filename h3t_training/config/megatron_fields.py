@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from h3t_ext.costmodel.fp8 import bf16_layers_recipe_refusal
 from h3t_ext.planner.translate import sixteen_bit_grads
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import table_int, table_value
@@ -63,8 +64,9 @@ def fp8_fields(args) -> dict[str, Any]:
             fields[f.field] = value
     if fields["fp8_recipe"] == "custom" and "fp8_quantizer_factory" not in fields:
         raise ValueError("--fp8-recipe custom needs --fp8-quantizer-factory")
-    if fields["first_last_layers_bf16"] and fields["fp8_recipe"] == "delayed":
-        raise ValueError("--first-last-layers-bf16 does not work with --fp8-recipe delayed (megatron-core)")
+    refusal = bf16_layers_recipe_refusal(fields["first_last_layers_bf16"], fields["fp8_recipe"])
+    if refusal:
+        raise ValueError(refusal)
     return fields
 
 

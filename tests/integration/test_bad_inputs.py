@@ -36,9 +36,18 @@ PLANNER_CASES = [
      "mixture-of-experts settings"),
     ([*SEARCH, "--multi-latent-attention", "--kv-lora-rank=512"],
      "--multi-latent-attention, --kv-lora-rank: the cost model does not price multi-latent attention"),
-    ([*ESTIMATE, "--fp8-format", "hybrid", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "2"],
-     "--first-last-layers-bf16, --num-layers-at-start-in-bf16: the cost model does not price an FP8 run's first and "
-     "last layers in BF16 (it prices every layer in --fp8-format's precision)"),
+    # an FP8 run's BF16 first / last layers: megatron-core's rules (the recipe, at most L / p each), and FP8 needed
+    ([*ESTIMATE, "--gpu", "h100-sxm", "--fp8-format", "hybrid", "--first-last-layers-bf16"],
+     "--first-last-layers-bf16 does not work with --fp8-recipe delayed (megatron-core: delayed scaling does not "
+     "support first / last layers in BF16); valid: tensorwise, blockwise or mxfp8"),
+    ([*ESTIMATE, "--gpu", "h100-sxm", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+      "--first-last-layers-bf16", "--pipeline-model-parallel-size", "4", "--num-layers-at-end-in-bf16", "9"],
+     "--num-layers-at-end-in-bf16 must be between 0 and the layers per pipeline stage (32 // 4 = 8), got 9"),
+    ([*ESTIMATE, "--first-last-layers-bf16"], "--first-last-layers-bf16 needs --fp8-format (e4m3 or hybrid)"),
+    ([*SEARCH, "--first-last-layers-bf16"], "--first-last-layers-bf16 need --precision fp8 or auto"),
+    ([*ESTIMATE, "--gpu", "h100-sxm", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+      "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "-1"],
+     "--num-layers-at-start-in-bf16"),
     ([*SEARCH, "--fp4-format", "e2m1"], "--fp4-format: the cost model does not price FP4 training"),
     ([*SEARCH, "--foo"], "unrecognized arguments: --foo"),
     (_with(SEARCH, num_gpus=0), "--num-gpus: 0 out of range"),
