@@ -127,16 +127,26 @@ def bf16_layers_recipe_refusal(first_last_layers_bf16: bool, recipe: str) -> Opt
     return None
 
 
+def bf16_layer_counts_refusal(at_start: int, at_end: int, num_layers: int,
+                              pipeline_model_parallel_size: int) -> Optional[str]:
+    """Why megatron-core refuses these BF16 layer counts (each at most L / p, integer division), or None; the planner
+    and the training driver refuse with this line."""
+    most = num_layers // pipeline_model_parallel_size
+    for flag, n in (("--num-layers-at-start-in-bf16", at_start), ("--num-layers-at-end-in-bf16", at_end)):
+        if n > most:
+            return (f"{flag} must be between 0 and the layers per pipeline stage ({num_layers} // "
+                    f"{pipeline_model_parallel_size} = {most}), got {n} (megatron-core's rule)")
+    return None
+
+
 def validate_bf16_layers(plan, num_layers: int) -> None:
-    """Megatron's bound on the BF16 first / last layers: each count at most L / p (integer division)."""
+    """Megatron's bound on an FP8 plan's BF16 first / last layers (:func:`bf16_layer_counts_refusal`)."""
     if plan.fp8 is None or not plan.first_last_layers_bf16:
         return
-    most = num_layers // plan.pipeline_model_parallel_size
-    for flag, n in (("--num-layers-at-start-in-bf16", plan.num_layers_at_start_in_bf16),
-                    ("--num-layers-at-end-in-bf16", plan.num_layers_at_end_in_bf16)):
-        if n > most:
-            raise InvalidPlanError(f"{flag} must be between 0 and the layers per pipeline stage ({num_layers} // "
-                                   f"{plan.pipeline_model_parallel_size} = {most}), got {n} (megatron-core's rule)")
+    refusal = bf16_layer_counts_refusal(plan.num_layers_at_start_in_bf16, plan.num_layers_at_end_in_bf16, num_layers,
+                                        plan.pipeline_model_parallel_size)
+    if refusal:
+        raise InvalidPlanError(refusal)
 
 
 def bf16_layers_in(at_start: int, at_end: int, num_layers: int, first: int, count: int) -> int:

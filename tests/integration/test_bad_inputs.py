@@ -330,6 +330,11 @@ DRIVER_CASES = [
     (["--num-query-groups", "3"], "--num-query-groups 3 does not divide"),
     (["--strict-p2p-comm", "nope"], "--strict-p2p-comm"),
     (["--foo"], "unrecognized arguments: --foo"),
+    # FP8 values a GPU run's megatron-core refuses are refused on CPU too (where FP8 itself is only noticed)
+    (["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+      "--num-layers-at-end-in-bf16", "5"], "--num-layers-at-end-in-bf16 must be between 0 and the layers per pipeline "
+                                           "stage"),
+    (["--fp8-format", "hybrid", "--first-last-layers-bf16"], "does not work with --fp8-recipe delayed"),
 ]
 
 
