@@ -162,3 +162,48 @@ def test_the_flags_round_trip():
     assert (back.first_last_layers_bf16, back.num_layers_at_start_in_bf16, back.num_layers_at_end_in_bf16) == (
         True, 2, 3)
     assert "--first-last-layers-bf16" not in megatron_flags(FP8)
+
+
+def _sampled_plans(n: int = 24):
+    """Valid FP8 plans with BF16 layers over the split kinds, pipeline sizes 1-8 and both counts (seeded)."""
+    import random
+    rng = random.Random(7)
+    out = []
+    while len(out) < n:
+        p = rng.choice((1, 2, 4, 8))
+        split = rng.choice([{}, {"num_layers_per_virtual_pipeline_stage": rng.choice((1, 2))},
+                            {"account_for_embedding_in_pipeline_split": True,
+                             "account_for_loss_in_pipeline_split": True}])
+        most = MODEL.num_layers // p
+        start, end = rng.randint(0, most), rng.randint(0, most)
+        plan = _bf16(replace(FP8, num_gpus=p, global_batch_size=4 * p, pipeline_model_parallel_size=p,
+                             **(split if p > 1 else {})), start, end)
+        try:
+            validate_plan(MODEL, plan, H100)
+        except InvalidPlanError:
+            continue
+        out.append(plan)
+    return out
+
+
+@pytest.mark.parametrize("plan", _sampled_plans(), ids=lambda p: (
+    f"p{p.pipeline_model_parallel_size}-l{p.num_layers_per_virtual_pipeline_stage}-"
+    f"{int(p.account_for_embedding_in_pipeline_split)}-{p.num_layers_at_start_in_bf16}+{p.num_layers_at_end_in_bf16}"))
+def test_every_split_prices_its_bf16_layers_where_they_are(plan):
+    """Over sampled splits: the ranks hold N1 + N2 BF16 layers in all (fewer only where the two ranges overlap);
+    the iteration is no faster than the all-FP8 plan's (at this width a BF16 layer is the slower one); a rank
+    without BF16 layers holds what it holds in the all-FP8 plan, byte for byte, and a rank with some more."""
+    L, p = MODEL.num_layers, plan.pipeline_model_parallel_size
+    fp8_all = replace(plan, first_last_layers_bf16=False)
+    held = [plan.stage_bf16_layers(L, r) for r in range(p)]
+    assert sum(held) == min(L, plan.num_layers_at_start_in_bf16 + plan.num_layers_at_end_in_bf16)
+    e, e0 = estimate(MODEL, plan, H100), estimate(MODEL, fp8_all, H100)
+    assert e.iteration_time_s >= e0.iteration_time_s - 1e-12
+    assert (e.iteration_time_s > e0.iteration_time_s) == (sum(held) > 0)
+    for r in range(p):
+        a, b = stage_memory(MODEL, plan, r, 0.0), stage_memory(MODEL, fp8_all, r, 0.0)
+        if held[r] == 0:
+            assert a.terms == b.terms
+        else:
+            assert a.terms["fp8_weight_cache"] < b.terms["fp8_weight_cache"]
+            assert a.terms["activations"] >= b.terms["activations"]
