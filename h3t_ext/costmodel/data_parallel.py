@@ -122,7 +122,8 @@ def dp_comm(model: ModelSpec, plan: Plan, system: SystemSpec) -> DataParallelCom
     d, p, t = plan.data_parallel_size, plan.pipeline_model_parallel_size, plan.tensor_model_parallel_size
     n, stage = max((stage_params(model, plan, k), k) for k in {0, p - 1})
     experts = stage_expert_params(model, plan, stage)
-    dense = _group_comm(model, plan, system, n - experts, d, t)
+    fp8_weights = fp8.gemm_weight_params(model, plan, plan.stage_fp8_layers(model.num_layers, stage))
+    dense = _group_comm(model, plan, system, n - experts, d, t, fp8_weights)
     if not experts:
         return dense
     edp, grid = moe.expert_data_parallel_size(plan), plan.expert_model_parallel_size * moe.expert_tensor_parallel_size(plan)
@@ -137,8 +138,10 @@ def dp_comm(model: ModelSpec, plan: Plan, system: SystemSpec) -> DataParallelCom
                             max(dense.last_param_bucket_seconds, ex.last_param_bucket_seconds), dense.all_reduce_algorithm)
 
 
-def _group_comm(model: ModelSpec, plan: Plan, system: SystemSpec, n: int, d: int, t: int) -> DataParallelComm:
-    """The collectives of ``n`` parameters' gradients (and parameters) over a group of ``d`` ranks ``t`` apart."""
+def _group_comm(model: ModelSpec, plan: Plan, system: SystemSpec, n: int, d: int, t: int,
+                fp8_weights: int = 0) -> DataParallelComm:
+    """The collectives of ``n`` parameters' gradients (and parameters) over a group of ``d`` ranks ``t`` apart,
+    ``fp8_weights`` of them FP8 layers' GEMM weights (all-gathered in FP8 with --fp8-param-gather)."""
     if d == 1 or n <= 0:
         return DataParallelComm(0, 0.0, 0.0, 0.0, 0.0, 0.0, "ring")
     link = group_link(t, d, system)
@@ -149,7 +152,7 @@ def _group_comm(model: ModelSpec, plan: Plan, system: SystemSpec, n: int, d: int
     gbytes = plan.grad_bytes  # fp32, or bf16 with --grad-reduce-in-bf16
     if plan.use_distributed_optimizer:
         # reduce-scatter: the same ring cost as the all-gather of its input
-        pbytes = fp8.param_gather_bytes(plan)  # BF16, or FP8 with --fp8-param-gather
+        pbytes = fp8.param_gather_bytes(plan, n, fp8_weights)  # BF16; with --fp8-param-gather FP8 GEMM weights
         last_g, last_p = all_gather_seconds(last * gbytes, d, link), all_gather_seconds(last * pbytes, d, link)
         grads = last_g + (buckets - 1) * all_gather_seconds(rest * gbytes, d, link)
         params = last_p + (buckets - 1) * all_gather_seconds(rest * pbytes, d, link)

@@ -232,6 +232,11 @@ def scaling_state_bytes(plan, layers: int) -> int:
     return layers * 4 * FP8_TENSORS_PER_GEMM * (2 + history) * FP32
 
 
-def param_gather_bytes(plan) -> int:
-    """Bytes per parameter of the data-parallel parameter all-gather: FP8 with --fp8-param-gather."""
-    return FP8 if plan.fp8 is not None and plan.fp8_param_gather else BF16
+def param_gather_bytes(plan, params: int, fp8_params: int) -> float:
+    """Bytes per parameter of the data-parallel parameter all-gather of ``params`` parameters, ``fp8_params`` of them
+    the GEMM weights of FP8 layers: with --fp8-param-gather those travel in FP8 (TransformerEngine's FP8 weights) and
+    the rest -- embeddings, norms, the output layer, BF16 first / last layers -- in bf16 (megatron-core keeps a buffer
+    per dtype); BF16 without it."""
+    if plan.fp8 is None or not plan.fp8_param_gather or params <= 0:
+        return float(BF16)
+    return (fp8_params * FP8 + (params - fp8_params) * BF16) / params

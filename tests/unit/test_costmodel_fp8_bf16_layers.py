@@ -207,3 +207,19 @@ def test_every_split_prices_its_bf16_layers_where_they_are(plan):
         else:
             assert a.terms["fp8_weight_cache"] < b.terms["fp8_weight_cache"]
             assert a.terms["activations"] >= b.terms["activations"]
+
+
+def test_the_parameter_all_gather_moves_only_fp8_layers_weights_in_fp8():
+    """--fp8-param-gather: megatron-core gathers TransformerEngine's FP8 weights in 1 byte and the rest (embedding,
+    norms, output layer, the BF16 layers' weights) in 2 from buffers of their own: the mean bytes per parameter of a
+    rank's all-gather, hand-computed; 2 without the switch or FP8."""
+    from h3t_ext.costmodel.fp8 import param_gather_bytes
+    from h3t_ext.costmodel.memory import stage_params
+    gather = _bf16(replace(FP8, fp8_param_gather=True, use_distributed_optimizer=True), 1, 1)
+    n = stage_params(MODEL, gather, 0)
+    w = gemm_weight_params(MODEL, gather, MODEL.num_layers - 2)
+    assert 0 < w < n
+    assert param_gather_bytes(gather, n, w) == pytest.approx((w + 2 * (n - w)) / n, rel=1e-15)
+    assert param_gather_bytes(replace(gather, fp8_param_gather=False), n, w) == 2.0
+    assert param_gather_bytes(replace(gather, fp8=None, fp8_param_gather=False, first_last_layers_bf16=False),
+                              n, w) == 2.0
