@@ -35,9 +35,10 @@ from h3t_ext.planner.translate import plan_from_args
 INT_FIELDS = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size",
               "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
               "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-              "microbatch_group_size_per_vp_stage", "expert_model_parallel_size", "expert_tensor_parallel_size")
+              "microbatch_group_size_per_vp_stage", "expert_model_parallel_size", "expert_tensor_parallel_size",
+              "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
 SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
-            "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather",
+            "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather", "first_last_layers_bf16",
             "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm",
             "moe_shared_expert_overlap")
 TEXT_FIELDS = ("fp8", "fp8_recipe", "pipeline_model_parallel_layout", "moe_token_dispatcher_type")

@@ -244,3 +244,16 @@ def test_metrics_json_integer_field(tmp_path, capsys, value):
                                 "iterations": [{"tokens_per_second_per_gpu": 3000.0}]}))
     code, err = _calibrate(runs, tmp_path / "out.json", capsys)
     assert code == 2 and f"field tensor_model_parallel_size must be an integer, got {value!r}" in err, err
+
+
+def test_a_run_file_names_its_bf16_layers(tmp_path):
+    """A measured FP8 run with --first-last-layers-bf16 is priced with them (read, not dropped, by calibrate)."""
+    from h3t_ext.costmodel import get_model, get_system
+    from h3t_ext.planner.calibrate import read_runs
+    runs = tmp_path / "runs.csv"
+    runs.write_text("num_gpus,seq_length,global_batch_size,tensor_model_parallel_size,fp8,fp8_recipe,"
+                    "first_last_layers_bf16,num_layers_at_end_in_bf16,tokens_per_second_per_gpu\n"
+                    "8,4096,8,8,hybrid,tensorwise,1,3,3000\n")
+    (run,) = read_runs([str(runs)], get_model("llama-7b"), get_system("h100-sxm"))
+    assert (run.plan.first_last_layers_bf16, run.plan.num_layers_at_start_in_bf16,
+            run.plan.num_layers_at_end_in_bf16) == (True, 1, 3)
