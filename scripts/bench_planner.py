@@ -12,7 +12,7 @@ where the time goes: docs/DESIGN.md, "Search speed".
 
     python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]
                                     [--global-batch-size 2048] [--gpu h800] [--precision auto] [--top 10]
-                                    [--repeat 1] [--json]
+                                    [--fp8-recipe delayed] [--first-last-layers-bf16] [--repeat 1] [--json]
 """
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def _in_process(args) -> dict:
     result = search(model, system, num_gpus=args.num_gpus, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, top=args.top or None,
                     constraints=SearchConstraints(precisions=("bf16", "fp8") if args.precision == "auto"
-                                                  else (args.precision,), memory_ladder=MEMORY_LADDER))
+                                                  else (args.precision,), memory_ladder=MEMORY_LADDER,
+                                                  fp8_recipe=args.fp8_recipe,
+                                                  first_last_layers_bf16=args.first_last_layers_bf16))
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     best = result.best
     return {
@@ -54,7 +56,8 @@ def _in_process(args) -> dict:
 def _cli(args) -> dict:
     cmd = [sys.executable, "-m", "h3t_ext.planner", "search", "--model", args.model, "--num-gpus", str(args.num_gpus),
            "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size), "--gpu", args.gpu,
-           "--precision", args.precision, "--json", "--top", str(args.top or 10**9)]
+           "--precision", args.precision, "--fp8-recipe", args.fp8_recipe, "--json", "--top", str(args.top or 10**9),
+           *(["--first-last-layers-bf16"] if args.first_last_layers_bf16 else [])]
     t0 = time.perf_counter()
     before = os.times()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -73,6 +76,10 @@ def main() -> int:
     ap.add_argument("--gpu", default="h800")
     ap.add_argument("--top", type=int, default=10, help="best plans wanted (0: rank every feasible plan)")
     ap.add_argument("--precision", default="auto", choices=("bf16", "fp8", "auto"))
+    ap.add_argument("--fp8-recipe", default="delayed", choices=("delayed", "tensorwise", "blockwise"),
+                    help="the FP8 plans' recipe (default delayed, Megatron's)")
+    ap.add_argument("--first-last-layers-bf16", action="store_true",
+                    help="the FP8 plans' first and last layers in BF16 (needs a recipe other than delayed)")
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs; the minimum is reported")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -75,12 +75,12 @@ class Bounds:
         """Each mode's / each plain mode's index among the distinct modes (a cheap key for :attr:`_shapes`)."""
         self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8, ep) -> (layer, output) s
         self._per_layout: dict[int, tuple] = {}  # layout -> (t, c, (most layers of a stage but the last, the last's,
-        #                                                      all), v, p, replicas, fp8)
+        #                                                      all), v, p, replicas, fp8, (layers, BF16 layers) per rank)
         self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
 
     def _layout_sizes(self, li: int) -> tuple:
-        """(t, c, (most layers of a stage but the last, the last stage's, all), v, p, data-parallel replicas, fp8) of
-        layout ``li``."""
+        """(t, c, (most layers of a stage but the last, the last stage's, all), v, p, data-parallel replicas, fp8, and
+        with BF16 first / last layers (layers, BF16 layers) of every rank, else ()) of layout ``li``."""
         sizes = self._per_layout.get(li)
         if sizes is None:
             (num_gpus, _, _, switches), layout = self.layouts[li]
@@ -95,12 +95,16 @@ class Bounds:
                 counts = [split.stage_layers(r) for r in range(p)]
                 stages = (max(counts[:-1], default=0), counts[-1], L)
                 v = split.virtual_pipeline_model_parallel_size
-            sizes = self._per_layout[li] = (t, c, stages, v, p, num_gpus // (t * p) // c, switches.get("fp8"))
+            bf16 = ()
+            probe = candidate_plan(*self.layouts[li], layout.micro_batch_sizes[0], self.modes[0])
+            if probe.has_bf16_layers:  # an FP8 plan's BF16 first / last layers: (layers, BF16 layers) of every rank
+                bf16 = tuple((probe.stage_layers(L, r), probe.stage_bf16_layers(L, r)) for r in range(p))
+            sizes = self._per_layout[li] = (t, c, stages, v, p, num_gpus // (t * p) // c, switches.get("fp8"), bf16)
         return sizes
 
     def _pipelined(self, li: int, ci: int, i: int) -> float:
         """Lower bound on compute + recompute + tp_comm + cp_comm + bubble of candidate (``li``, ``ci``, ``i``)."""
-        t, c, (others, last_layers, layers), v, p, replicas, fp8 = self._layout_sizes(li)
+        t, c, (others, last_layers, layers), v, p, replicas, fp8, bf16 = self._layout_sizes(li)
         per_stage = max(others, last_layers)
         run, layout = self.layouts[li]
         mb = layout.micro_batch_sizes[i]
@@ -112,11 +116,16 @@ class Bounds:
         if times is None:
             mode = self._plain[ci] if n is None else self.modes[ci]
             st = shape_times(self.model, candidate_plan(run, layout, mb, mode, n), self.system)
-            times = self._shapes[key] = (st.layer.total, st.head.total)
-        per_layer, head = times
+            times = self._shapes[key] = (st.layer.total, st.head.total, st.extra(1))
+        per_layer, head, extra = times
         m = run[2] // (mb * replicas)
-        slowest = max(others * per_layer, last_layers * per_layer + head)
-        return (m - 1 / v) * slowest + (layers * per_layer + head) / v if p > 1 else m * slowest
+        if bf16:  # each rank with its own BF16 layers (their extra may be either sign: a bound must count it)
+            stage = [n * per_layer + b * extra for n, b in bf16]
+            stage[-1] += head
+            slowest, everyone = max(stage), sum(stage)
+        else:
+            slowest, everyone = max(others * per_layer, last_layers * per_layer + head), layers * per_layer + head
+        return (m - 1 / v) * slowest + everyone / v if p > 1 else m * slowest
 
     def _tokens(self, li: int) -> int:
         _, seq_length, global_batch, _ = self.layouts[li][0]

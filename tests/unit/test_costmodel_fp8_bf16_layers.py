@@ -223,3 +223,27 @@ def test_the_parameter_all_gather_moves_only_fp8_layers_weights_in_fp8():
     assert param_gather_bytes(replace(gather, fp8_param_gather=False), n, w) == 2.0
     assert param_gather_bytes(replace(gather, fp8=None, fp8_param_gather=False, first_last_layers_bf16=False),
                               n, w) == 2.0
+
+
+NARROW = ModelSpec(name="narrow", num_layers=16, hidden_size=512, num_attention_heads=8, num_query_groups=4,
+                   ffn_hidden_size=1408, vocab_size=32000)
+
+
+@pytest.mark.parametrize("model", [MODEL, NARROW], ids=["l3-16", "narrow"])
+def test_best_first_search_with_bf16_layers_is_the_exhaustive_top(model):
+    """The best-first search's bound counts each rank's BF16 layers (Bounds._pipelined), so its top plans are the
+    exhaustive search's, and it prunes: it priced 123 plans of the 175B / 4,096-GPU case while the bound took every
+    layer for an FP8 one, 19 since (scripts/bench_planner.py --fp8-recipe tensorwise --first-last-layers-bf16)."""
+    from h3t_ext.planner.search import R_BOUND, search
+    from h3t_ext.planner.space import SearchConstraints
+    assert shape_times(model, _bf16(FP8), H100).extra(1) > 0
+    k = SearchConstraints(precisions=("fp8",), fp8_recipe="tensorwise", first_last_layers_bf16=True,
+                          num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=1)
+    kw = dict(num_gpus=8, seq_length=2048, global_batch_size=32, constraints=k)
+    full = search(model, H100, exhaustive=True, **kw)
+    assert all(r.plan.has_bf16_layers for r in full.plans)
+    for top in (1, 5):
+        best = search(model, H100, top=top, **kw)
+        assert best.considered < full.considered and best.rejected.get(R_BOUND, 0) > 0
+        assert ([(r.plan, r.tokens_per_second) for r in best.plans[:top]]
+                == [(r.plan, r.tokens_per_second) for r in full.plans[:top]])
