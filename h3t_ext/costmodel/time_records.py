@@ -14,6 +14,12 @@ def record_fields(cls) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
+FORWARD_ACTION = ("fwd", "tp_fwd", "cp_fwd", "ep_fwd")
+"""The :class:`LayerTime` fields a layer adds to a FORWARD action of the schedule."""
+BACKWARD_ACTION = ("bwd", "recompute", "tp_bwd", "tp_recompute", "cp_bwd", "cp_recompute", "ep_bwd", "ep_recompute")
+"""... to a BACKWARD action (the rest: the fields add up to ``LayerTime.total``)."""
+
+
 @dataclass(frozen=True)
 class LayerTime:
     """Seconds of one transformer layer for one microbatch on one rank, by part. The forward action of a
@@ -60,14 +66,13 @@ class LayerTime:
 
     @property
     def forward_action(self) -> float:
-        """What one layer adds to a FORWARD action of the schedule."""
-        return self.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd
+        """What one layer adds to a FORWARD action of the schedule (the fields of ``FORWARD_ACTION``)."""
+        return sum(getattr(self, name) for name in FORWARD_ACTION)
 
     @property
     def backward_action(self) -> float:
-        """What one layer adds to a BACKWARD action (recompute included)."""
-        return (self.bwd + self.recompute + self.tp_bwd + self.tp_recompute + self.cp_bwd + self.cp_recompute
-                + self.ep_bwd + self.ep_recompute)
+        """What one layer adds to a BACKWARD action, recompute included (the fields of ``BACKWARD_ACTION``)."""
+        return sum(getattr(self, name) for name in BACKWARD_ACTION)
 
     @property
     def total(self) -> float:
@@ -148,4 +153,4 @@ class TimeTerms:
         return {name: getattr(self, name) for name in record_fields(TimeTerms)}
 
 
-__all__ = ["HeadTime", "LayerTime", "ShapeTimes", "TimeTerms", "record_fields"]
+__all__ = ["BACKWARD_ACTION", "FORWARD_ACTION", "HeadTime", "LayerTime", "ShapeTimes", "TimeTerms", "record_fields"]

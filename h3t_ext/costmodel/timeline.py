@@ -56,6 +56,7 @@ from h3t_ext.costmodel.layer_offload import layers_per_chunk, p1_exposed_seconds
 from h3t_ext.costmodel.memory import chunk_activation_bytes
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.costmodel.time_records import BACKWARD_ACTION, FORWARD_ACTION
 from h3t_ext.costmodel.timing import (
     TimeTerms,
     dp_exposed_seconds,
@@ -385,12 +386,6 @@ def _cycle_collector_paused():
             gc.enable()
 
 
-_FORWARD_ACTION = ("fwd", "tp_fwd", "cp_fwd", "ep_fwd")
-"""The LayerTime fields of a FORWARD action (``LayerTime.forward_action``)."""
-_BACKWARD_ACTION = ("bwd", "recompute", "tp_bwd", "tp_recompute", "cp_bwd", "cp_recompute", "ep_bwd", "ep_recompute")
-"""... of a BACKWARD action (``LayerTime.backward_action``)."""
-
-
 def plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Optional[Sequence[float]] = None) -> Timeline:
     """Price ``plan``'s action lists (``alphas``: per stage, default the plan's) on the timeline."""
     with _cycle_collector_paused():
@@ -410,8 +405,8 @@ def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opt
         f, b = [n * fa for n in chunks], [n * ba for n in chunks]
         if plan.has_bf16_layers:  # an FP8 plan's BF16 first / last layers, in the chunks that hold them
             for c, k in enumerate(plan.chunk_bf16_layers(L, r)):
-                f[c] += st.extra(k, *_FORWARD_ACTION)
-                b[c] += st.extra(k, *_BACKWARD_ACTION)
+                f[c] += st.extra(k, *FORWARD_ACTION)
+                b[c] += st.extra(k, *BACKWARD_ACTION)
         if r == p - 1:
             f[-1] += st.head.fwd
             b[-1] += st.head.bwd

@@ -47,12 +47,14 @@ class Bounds:
     The cost model's time terms compute + recompute + tp_comm + cp_comm add up to m times the slowest stage's
     per-microbatch time T and the bubble is (sum over stages - T)/v, so together (m - 1/v) T + (sum over
     stages)/v; T is the largest of the stages' layers times the layer's time plus, on the last, the output layer's
-    (an even split's last stage; under a layout any stage). pp_p2p is exact, dp_exposed at least its
-    value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
+    (an even split's last stage; under a layout any stage). With an FP8 plan's BF16 first / last layers each stage
+    is its FP8 layers' time plus its BF16 layers' (the bound walks every rank). pp_p2p is exact, dp_exposed at least
+    its value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
 
     A layer's time with ckpt ``no`` is its time with any other mode without the recompute terms (>= 0; nothing
-    else in it depends on the mode), and the bound only falls as the layer's time grows, so the bound of ckpt
-    ``no`` at a micro batch is also one for every mode at that micro batch (:meth:`group`); leaving out pp_p2p and
+    else in it depends on the mode; a BF16 layer's likewise), and the bound only falls as the layer's time grows, so
+    the bound of ckpt ``no`` at a micro batch is also one for every mode at that micro batch (:meth:`group`); leaving
+    out pp_p2p and
     dp_exposed (>= 0) bounds a whole layout (:meth:`layout`). A block mode's candidate is bounded by its base's
     bound (block recompute only adds time) until its N is known (:attr:`block_layers`), then by its own.
     """
@@ -73,7 +75,8 @@ class Bounds:
         self._mode_id = tuple(unique.index(m) for m in self.modes)
         self._plain_id = tuple(unique.index(m) for m in self._plain)
         """Each mode's / each plain mode's index among the distinct modes (a cheap key for :attr:`_shapes`)."""
-        self._shapes: dict[tuple, tuple[float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8, ep) -> (layer, output) s
+        self._shapes: dict[tuple, tuple[float, float, float]] = {}  # (t, c, mb, mode id, N, chunk, fp8, ep) ->
+        #                                                           (layer, output, a BF16 layer's extra) s
         self._per_layout: dict[int, tuple] = {}  # layout -> (t, c, (most layers of a stage but the last, the last's,
         #                                                      all), v, p, replicas, fp8, (layers, BF16 layers) per rank)
         self._traffic: dict[int, tuple[list[float], float]] = {}  # layout -> (pp_p2p by micro batch, dp lower bound)
