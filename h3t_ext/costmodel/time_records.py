@@ -14,12 +14,6 @@ def record_fields(cls) -> tuple[str, ...]:
     return tuple(f.name for f in fields(cls))
 
 
-FORWARD_ACTION = ("fwd", "tp_fwd", "cp_fwd", "ep_fwd")
-"""The :class:`LayerTime` fields a layer adds to a FORWARD action of the schedule."""
-BACKWARD_ACTION = ("bwd", "recompute", "tp_bwd", "tp_recompute", "cp_bwd", "cp_recompute", "ep_bwd", "ep_recompute")
-"""... to a BACKWARD action (the rest: the fields add up to ``LayerTime.total``)."""
-
-
 @dataclass(frozen=True)
 class LayerTime:
     """Seconds of one transformer layer for one microbatch on one rank, by part. The forward action of a
@@ -66,13 +60,14 @@ class LayerTime:
 
     @property
     def forward_action(self) -> float:
-        """What one layer adds to a FORWARD action of the schedule (the fields of ``FORWARD_ACTION``)."""
-        return sum(getattr(self, name) for name in FORWARD_ACTION)
+        """What one layer adds to a FORWARD action of the schedule."""
+        return self.fwd + self.tp_fwd + self.cp_fwd + self.ep_fwd
 
     @property
     def backward_action(self) -> float:
-        """What one layer adds to a BACKWARD action, recompute included (the fields of ``BACKWARD_ACTION``)."""
-        return sum(getattr(self, name) for name in BACKWARD_ACTION)
+        """What one layer adds to a BACKWARD action (recompute included)."""
+        return (self.bwd + self.recompute + self.tp_bwd + self.tp_recompute + self.cp_bwd + self.cp_recompute
+                + self.ep_bwd + self.ep_recompute)
 
     @property
     def total(self) -> float:
@@ -103,16 +98,15 @@ class ShapeTimes:
     bf16_layer: Optional[LayerTime] = None
     """An FP8 plan's BF16 first / last layer (None without them: every layer is ``layer``)."""
 
-    def extra(self, bf16: int, *names: str) -> float:
-        """What ``bf16`` BF16 layers add over as many FP8 layers, summed over the LayerTime fields ``names``
-        (``total`` where none are named); exactly 0.0 without BF16 layers, so a plan without them prices as before."""
+    def extra(self, bf16: int, *parts: str) -> float:
+        """What ``bf16`` BF16 layers add over as many FP8 layers, summed over the :class:`LayerTime` ``parts`` (its
+        fields or sums such as ``tp`` and ``forward_action``; ``total`` where none are named); exactly 0.0 without BF16
+        layers, so a plan without them prices as before."""
         lb = self.bf16_layer
         if not bf16 or lb is None:
             return 0.0
         lt = self.layer
-        if not names:
-            return bf16 * (lb.total - lt.total)
-        return bf16 * sum(getattr(lb, n) - getattr(lt, n) for n in names)
+        return bf16 * sum(getattr(lb, n) - getattr(lt, n) for n in parts or ("total",))
 
     def mean_layer(self, layers: int, bf16: int) -> LayerTime:
         """The average of ``layers`` layers, ``bf16`` of them BF16 layers (``layer`` itself without them)."""
@@ -153,4 +147,4 @@ class TimeTerms:
         return {name: getattr(self, name) for name in record_fields(TimeTerms)}
 
 
-__all__ = ["BACKWARD_ACTION", "FORWARD_ACTION", "HeadTime", "LayerTime", "ShapeTimes", "TimeTerms", "record_fields"]
+__all__ = ["HeadTime", "LayerTime", "ShapeTimes", "TimeTerms", "record_fields"]

@@ -56,7 +56,6 @@ from h3t_ext.costmodel.layer_offload import layers_per_chunk, p1_exposed_seconds
 from h3t_ext.costmodel.memory import chunk_activation_bytes
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
-from h3t_ext.costmodel.time_records import BACKWARD_ACTION, FORWARD_ACTION
 from h3t_ext.costmodel.timing import (
     TimeTerms,
     dp_exposed_seconds,
@@ -405,8 +404,8 @@ def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opt
         f, b = [n * fa for n in chunks], [n * ba for n in chunks]
         if plan.has_bf16_layers:  # an FP8 plan's BF16 first / last layers, in the chunks that hold them
             for c, k in enumerate(plan.chunk_bf16_layers(L, r)):
-                f[c] += st.extra(k, *FORWARD_ACTION)
-                b[c] += st.extra(k, *BACKWARD_ACTION)
+                f[c] += st.extra(k, "forward_action")
+                b[c] += st.extra(k, "backward_action")
         if r == p - 1:
             f[-1] += st.head.fwd
             b[-1] += st.head.bwd
@@ -443,14 +442,14 @@ def timeline_terms(model: ModelSpec, plan: Plan, system: SystemSpec, timeline: T
     return TimeTerms(
         compute=per_mb_layers * (lt.fwd + lt.bwd) + head + m * st.extra(b, "fwd", "bwd"),
         recompute=per_mb_layers * lt.recompute + m * st.extra(b, "recompute"),
-        tp_comm=per_mb_layers * lt.tp + m * st.extra(b, "tp_fwd", "tp_bwd", "tp_recompute"),
-        cp_comm=per_mb_layers * lt.cp + m * st.extra(b, "cp_fwd", "cp_bwd", "cp_recompute"),
+        tp_comm=per_mb_layers * lt.tp + m * st.extra(b, "tp"),
+        cp_comm=per_mb_layers * lt.cp + m * st.extra(b, "cp"),
         pp_p2p=r.p2p + timeline.tied_embedding_s,
         bubble=r.bubble + (timeline.pipeline_s - r.end),
         dp_exposed=timeline.dp_exposed_s,
         optimizer=timeline.optimizer_s,
         offload_exposed=r.stall,
-        ep_comm=per_mb_layers * lt.ep + m * st.extra(b, "ep_fwd", "ep_bwd", "ep_recompute"),
+        ep_comm=per_mb_layers * lt.ep + m * st.extra(b, "ep"),
     )
 
 

@@ -99,8 +99,8 @@ class Bounds:
                 stages = (max(counts[:-1], default=0), counts[-1], L)
                 v = split.virtual_pipeline_model_parallel_size
             bf16 = ()
-            probe = candidate_plan(*self.layouts[li], layout.micro_batch_sizes[0], self.modes[0])
-            if probe.has_bf16_layers:  # an FP8 plan's BF16 first / last layers: (layers, BF16 layers) of every rank
+            if switches.get("fp8") and switches.get("first_last_layers_bf16"):  # (layers, BF16 layers) of every rank
+                probe = candidate_plan(*self.layouts[li], layout.micro_batch_sizes[0], self.modes[0])
                 bf16 = tuple((probe.stage_layers(L, r), probe.stage_bf16_layers(L, r)) for r in range(p))
             sizes = self._per_layout[li] = (t, c, stages, v, p, num_gpus // (t * p) // c, switches.get("fp8"), bf16)
         return sizes
