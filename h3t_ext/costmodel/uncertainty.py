@@ -30,6 +30,9 @@ class ThroughputUncertainty:
     coverage: float
     held_out_rows: int
     computed_from: str
+    newer_stacks_underprediction: float = 0.0
+    """How much faster than predicted the newest published stacks ran, at most (dense: ``validation.newer_stacks``;
+    0.0 where not measured, as for MoE models)."""
 
     def interval(self, value: float) -> tuple[float, float]:
         """(low, high) of a predicted value."""
@@ -54,7 +57,8 @@ def throughput_uncertainty(moe: bool = False) -> ThroughputUncertainty:
     MoE runs nothing was fitted to (its ``moe`` entry, written by ``scripts/moe_validation.py --write-uncertainty``)."""
     with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
         d = json.load(f)
+    newer = 0.0 if moe else float(d["newer_stacks"]["max_underprediction"])
     if moe:
         d = d["moe"]
     return ThroughputUncertainty(float(d["relative_half_width"]), float(d["coverage"]), int(d["held_out_rows"]),
-                                 str(d["computed_from"]))
+                                 str(d["computed_from"]), newer)

@@ -17,6 +17,7 @@ from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_joint, fit_system,
     with_efficiencies
 from h3t_ext.costmodel.pooling import PRIOR_KEY, CalibrationPrior, pooled, prior_from_errors
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
+from h3t_ext.costmodel import published_bridge
 from h3t_ext.costmodel.published_moe import held_out_errors
 from h3t_ext.costmodel.efficiency_sets import prior_efficiencies
 from h3t_ext.costmodel.specs import SystemSpec
@@ -171,8 +172,21 @@ def computed_uncertainty() -> dict:
                           "sources (no calibration on the held-out one); nearest-rank quantile at the coverage"),
         "per_source_mae_uncalibrated": {s: round(mean_abs(e), 6) for s, e in by_source.items()},
         PRIOR_KEY: prior.to_dict(),
+        "newer_stacks": newer_stacks(),
         "moe": moe_uncertainty(),
     }
+
+
+def newer_stacks() -> dict:
+    """How much faster than predicted the newest published software stacks ran: the largest under-prediction of
+    Megatron-Bridge's DGX-H100 rows (``published_bridge.held_out_errors``: 2025-26 containers, none fitted on), which
+    the fitted sources' interval does not cover."""
+    errors = [e for _, _, e in published_bridge.held_out_errors()]
+    return {"max_underprediction": round(max(0.0, -min(errors)), 6), "rows": len(errors),
+            "computed_from": "published_bridge.held_out_errors(): predicted / published tokens/s - 1 of the "
+                             "Megatron-Bridge DGX-H100 rows (data/reference/megatron_bridge_h100.json, containers "
+                             + ", ".join(sorted({r.container for r in published_bridge.bridge_runs()}))
+                             + "), with the data file's efficiencies; the most negative, as a positive fraction"}
 
 
 def moe_uncertainty() -> dict:

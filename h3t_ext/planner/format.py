@@ -141,6 +141,18 @@ def local_stack_line() -> str:
             f"estimate (host dispatch, unfused kernels), their peak memory within {100 * memory:.1f}%")
 
 
+def interval_line(est) -> str:
+    """The estimate's prediction interval and what it is: the fitted sources' held-out spread (dense), with how much
+    faster the newest published stacks ran than predicted; the published MoE runs' spread (MoE)."""
+    u = throughput_uncertainty(est.moe)
+    lo, hi = est.tokens_per_second_interval
+    what = ("the held-out published MoE runs" if est.moe else
+            "the fitted sources' published runs, each predicted without its source; the newest published stacks ran up "
+            f"to {100 * u.newer_stacks_underprediction:.0f}% faster than predicted")
+    return f"interval    {lo:,.0f} - {hi:,.0f} tokens/s (+-{100 * u.relative_half_width:.1f}%: " \
+           f"{100 * u.coverage:.0f}% of {what})"
+
+
 def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list[str]:
     """Short human summary of one evaluated plan."""
     est = ev.estimate
@@ -158,9 +170,7 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         + (f" ({est.timeline_note})" if est.timeline_note else ""),
         f"throughput  {est.tokens_per_second:,.0f} tokens/s ({est.tokens_per_second_per_gpu:,.1f} tokens/s/GPU), "
         f"MFU {100 * est.mfu:.1f}%",
-        f"interval    {est.tokens_per_second_interval[0]:,.0f} - {est.tokens_per_second_interval[1]:,.0f} tokens/s "
-        f"(+-{100 * throughput_uncertainty(est.moe).relative_half_width:.1f}%: "
-        f"{100 * throughput_uncertainty(est.moe).coverage:.0f}% of held-out published {'MoE ' if est.moe else ''}runs)",
+        interval_line(est),
         f"plausible   {est.plausibility.line()}",
     ]
     if ev.plan.transformer_impl == "local":

@@ -1,18 +1,23 @@
 """Megatron-Bridge's published dense H100 runs (h3t_ext/data/reference/megatron_bridge_h100.json), held out from every
-fit: runs that ran are predicted to fit their GPU, through the one flags-to-Plan translation. The Llama-3 70B run was
-predicted over its budget (76.4 GiB against 72.0) while the memory model counted the SwiGLU output twice on the
-TransformerEngine spec (docs/DESIGN.md, "Memory model")."""
+fit: runs that ran are predicted to fit their GPU, through the one flags-to-Plan translation (the Llama-3 70B run was
+predicted over its budget, 76.4 GiB against 72.0, while the memory model counted the SwiGLU output twice on the
+TransformerEngine spec: docs/DESIGN.md, "Memory model"); the layout NVIDIA later pinned for the 70B recipe is the move
+the search makes; the 2026 containers' rows are copied right and priced as pinned; and the most the model
+under-predicts them is what data/uncertainty.json stores and h3t-plan estimate prints beside its interval."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from h3t_ext.costmodel import estimate, get_model, get_system
+from h3t_ext.costmodel import estimate, get_model, get_system, published_bridge
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.specs import DATA_DIR
+from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, throughput_uncertainty
+from h3t_ext.costmodel.validation import newer_stacks
 from h3t_ext.layout import layout_stage_count, parse_pipeline_layout
 from h3t_ext.planner.cli import main
+from h3t_ext.planner.format import interval_line
 from h3t_ext.planner.pipeline_balance import layout_string
 from h3t_ext.planner.translate import plan_from_args
 
@@ -132,3 +137,28 @@ def test_the_later_containers_run_faster_than_the_model_and_the_70b_gap_stays():
     for container in ("26.02", "26.04.01"):  # the containers with both rows: the 70B 5-9 points further off
         gap = errors[("llama3-405b", container)] - errors[("llama3-70b", container)]
         assert 0.05 < gap < 0.09, (container, gap)
+
+
+def test_the_library_reads_the_rows_as_the_one_translation_does():
+    """published_bridge builds each Plan from the file's Megatron field names directly; the flags-to-Plan translation
+    gives the same Plan for every row (so the stored figures and these tests price the same runs)."""
+    runs = published_bridge.bridge_runs()
+    rows = [*DATA["rows"], *LATER]
+    assert len(runs) == len(rows) == 9
+    for run, row in zip(runs, rows):
+        args = {**DATA["plan"], **{k: v for k, v in row.items() if k not in _LATER_NOT}}
+        assert run.plan == plan_from_args(args, num_gpus=row["num_gpus"]), row["label"]
+        assert run.container == row.get("container", "25.11") and run.note == row.get("note")
+
+
+def test_the_stored_newer_stacks_figure_is_what_the_rows_give_now():
+    """data/uncertainty.json's newer_stacks entry (the most the model under-predicts a Bridge row) is not stale, and
+    h3t-plan estimate prints it beside the interval."""
+    stored = json.loads(UNCERTAINTY_FILE.read_text())["newer_stacks"]
+    assert stored == newer_stacks()
+    errors = [e for _, _, e in published_bridge.held_out_errors()]
+    assert stored["max_underprediction"] == pytest.approx(-min(errors), abs=1e-6) and -min(errors) > 0.13
+    est = _estimate(DATA["rows"][0])
+    line = interval_line(est)
+    assert "14% faster than predicted" in line and "+-4.1%" in line, line
+    assert throughput_uncertainty(moe=True).newer_stacks_underprediction == 0.0
