@@ -57,6 +57,18 @@ def test_within_three_percent_after_one_row(loso, source):
     assert loso[source].mae_after_one_row_mean <= 0.03, loso[source].mae_after_one_row
 
 
+def test_the_stored_interval_is_what_these_held_out_errors_give(loso):
+    """data/uncertainty.json's dense interval and per-source errors, against the held-out fits this tier runs anyway
+    (the whole file's check is in the slow tier: tests/integration/test_calibration.py); the file had drifted by 1e-6
+    from a cost-model change that no default test noticed."""
+    from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, half_width_from_errors
+    stored = json.loads(UNCERTAINTY_FILE.read_text())
+    errors = [e for s in SOURCES for e in loso[s].errors_uncalibrated]
+    assert stored["per_source_mae_uncalibrated"] == {s: round(loso[s].mae_uncalibrated, 6) for s in SOURCES}
+    assert stored["relative_half_width"] == round(half_width_from_errors(errors), 6)
+    assert stored["held_out_rows"] == len(errors) == 41
+
+
 def test_prediction_interval_still_covers_after_one_row(loso):
     """An estimate's interval (the uncalibrated held-out errors' 90% quantile, data/uncertainty.json) is kept
     after a calibration: on every held-out source's pooled one-row calibrations (each row in turn, the other rows
