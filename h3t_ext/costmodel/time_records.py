@@ -117,6 +117,18 @@ class ShapeTimes:
         return LayerTime(*((1 - share) * getattr(self.layer, f) + share * getattr(lb, f)
                            for f in record_fields(LayerTime)))
 
+    def busy_terms(self, microbatches: int, layers: int, bf16: int, head: bool) -> dict[str, float]:
+        """A rank's busy seconds by :class:`TimeTerms` field over ``microbatches`` microbatches of its ``layers``
+        layers (``bf16`` of them BF16 layers) and, where ``head``, the output layer: ``compute``, ``recompute``,
+        ``tp_comm``, ``cp_comm`` and ``ep_comm``, as the closed form and the timeline both split a rank's work."""
+        lt, m = self.layer, microbatches
+        return {"compute": m * (layers * (lt.fwd + lt.bwd) + (self.head.total if head else 0.0)
+                                + self.extra(bf16, "fwd", "bwd")),
+                "recompute": m * (layers * lt.recompute + self.extra(bf16, "recompute")),
+                "tp_comm": m * (layers * lt.tp + self.extra(bf16, "tp")),
+                "cp_comm": m * (layers * lt.cp + self.extra(bf16, "cp")),
+                "ep_comm": m * (layers * lt.ep + self.extra(bf16, "ep"))}
+
 
 @dataclass(frozen=True)
 class TimeTerms:

@@ -434,22 +434,16 @@ def timeline_terms(model: ModelSpec, plan: Plan, system: SystemSpec, timeline: T
     layers, and the output layer on the last stage), its stall, its waits on the wire and its bubble (with
     the time it ends before the pipeline's end, none for the rank that ends last)."""
     r = timeline.ranks[timeline.critical_rank]
-    st = shape_times(model, plan, system)
-    lt, m, p = st.layer, plan.num_microbatches, plan.pipeline_model_parallel_size
-    per_mb_layers = m * plan.stage_layers(model.num_layers, r.rank)
-    b = plan.stage_bf16_layers(model.num_layers, r.rank)  # an FP8 plan's BF16 layers on the rank (ShapeTimes.extra)
-    head = m * st.head.total if r.rank == p - 1 else 0.0
+    L, p = model.num_layers, plan.pipeline_model_parallel_size
+    busy = shape_times(model, plan, system).busy_terms(plan.num_microbatches, plan.stage_layers(L, r.rank),
+                                                       plan.stage_bf16_layers(L, r.rank), r.rank == p - 1)
     return TimeTerms(
-        compute=per_mb_layers * (lt.fwd + lt.bwd) + head + m * st.extra(b, "fwd", "bwd"),
-        recompute=per_mb_layers * lt.recompute + m * st.extra(b, "recompute"),
-        tp_comm=per_mb_layers * lt.tp + m * st.extra(b, "tp"),
-        cp_comm=per_mb_layers * lt.cp + m * st.extra(b, "cp"),
+        **busy,
         pp_p2p=r.p2p + timeline.tied_embedding_s,
         bubble=r.bubble + (timeline.pipeline_s - r.end),
         dp_exposed=timeline.dp_exposed_s,
         optimizer=timeline.optimizer_s,
         offload_exposed=r.stall,
-        ep_comm=per_mb_layers * lt.ep + m * st.extra(b, "ep"),
     )
 
 

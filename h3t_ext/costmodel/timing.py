@@ -478,14 +478,10 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
             off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
 
     return TimeTerms(
-        compute=m * (layers * (lt.fwd + lt.bwd) + (head if slow == p - 1 else 0.0) + st.extra(b, "fwd", "bwd")),
-        recompute=m * (layers * lt.recompute + st.extra(b, "recompute")),
-        tp_comm=m * (layers * lt.tp + st.extra(b, "tp")),
-        cp_comm=m * (layers * lt.cp + st.extra(b, "cp")),
+        **st.busy_terms(m, layers, b, slow == p - 1),
         pp_p2p=pp,
         bubble=bubble,
         dp_exposed=dp_exposed_seconds(model, plan, system),
         optimizer=optimizer_seconds(model, plan, system),
         offload_exposed=off,
-        ep_comm=m * (layers * lt.ep + st.extra(b, "ep")),
     )
