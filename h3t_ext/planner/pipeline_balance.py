@@ -104,18 +104,35 @@ def layout_string(stage_layers: tuple[int, ...]) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
+def uneven_virtual_sizes(num_layers: int, p: int) -> tuple[int, ...]:
+    """The model chunks per rank (v >= 2) of interleaved 1F1B that Megatron's even interleaving cannot write for
+    ``num_layers`` over p stages (p v does not divide the layers) but the layers with the embedding and the loss
+    counted as one layer each can (p v divides L + 1 or L + 2: megatron-core's ``--account-for-embedding-in-pipeline-split``
+    and ``--account-for-loss-in-pipeline-split``; Llama 3.1 405B's 126 layers over 8 stages of 8 chunks, as its
+    published recipes run it). The search prices their balanced layout (:func:`balanced_chunk_layers`), which gives
+    the first and last chunks what the embedding and the output layer leave them. At most L / p chunks a rank, so that
+    every chunk keeps a transformer layer: a chunk of the embedding or the loss alone fills and drains the pipeline
+    faster than the closed form's even chunks say, and the search ranks by the closed form."""
+    if p < 2:
+        return ()
+    return tuple(v for v in range(2, num_layers // p + 1)
+                 if num_layers % (p * v) and any((num_layers + e) % (p * v) == 0 for e in (1, 2)))
+
+
+@functools.lru_cache(maxsize=4096)
 def split_candidates(model: ModelSpec, seq_length: int, p: int, t: int = 1, v: int = 1) -> tuple[Optional[str], ...]:
     """The layer splits the search prices for p stages of v chunks each: None (Megatron's even split, where it exists:
     p divides the layers, or with v > 1 p v does) and the balanced layout where it differs from it."""
     L, stages = model.num_layers, p * v
     even = L % stages == 0
     out: list[Optional[str]] = [None] if even else []
-    if v > 1 and not even:  # Megatron's interleaving needs its even split; a layout alone is not searched there
-        return ()
+    if v > 1 and not even and v not in uneven_virtual_sizes(L, p):
+        return ()  # interleaving without Megatron's even split: only where the embedding and the loss even it out
     counts = balanced_chunk_layers(L, p, v, output_layer_in_layers(model, seq_length, t))
     if counts is not None and not (even and set(counts) == {L // stages}):
         out.append(layout_string(counts))
     return tuple(out)
 
 
-__all__ = ["balanced_chunk_layers", "balanced_stage_layers", "layout_string", "output_layer_in_layers", "split_candidates"]
+__all__ = ["balanced_chunk_layers", "balanced_stage_layers", "layout_string", "output_layer_in_layers", "split_candidates",
+           "uneven_virtual_sizes"]

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 from h3t_ext.costmodel import ModelSpec
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE
 from h3t_ext.layout import LayoutError, ParallelLayout, virtual_pipeline_size
-from h3t_ext.planner.pipeline_balance import split_candidates
+from h3t_ext.planner.pipeline_balance import split_candidates, uneven_virtual_sizes
 
 CKPT_BY_MEMORY: tuple[str, ...] = ("full", "ours", "no")
 """The plain checkpointing modes from least to most saved activation memory (the search's recompute axis adds
@@ -299,7 +299,8 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                     continue
                 no_even_split = _refusal(lambda: virtual_pipeline_size(L, p))  # why the even split cannot be built
                 splits = split_candidates(model, seq_length, p, t) if p > 1 and k.pipeline_layouts else (None,)
-                if no_even_split and not any(splits):
+                twins = _uneven_interleaved(model, seq_length, p, t, k)
+                if no_even_split and not any(splits) and not twins:
                     rejected[no_even_split] += 1
                     continue
                 for l in l_options:
@@ -326,6 +327,23 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                             if split is not None:
                                 for ep, etp in grids:
                                     yield Layout(t, c, p, None, tuple(mbs), split, ep, etp)
+                for v, split in twins:  # interleaving Megatron's even split cannot write (uneven_virtual_sizes)
+                    mbs = [mb for mb, reason in zip(mb_pick, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v,
+                                                                                   mb_pick, seen)) if not reason]
+                    if mbs:
+                        for ep, etp in _expert_grids(model, num_gpus // p, t, k, rejected):
+                            yield Layout(t, c, p, None, tuple(mbs), split, ep, etp)
+
+
+def _uneven_interleaved(model: ModelSpec, seq_length: int, p: int, t: int,
+                        k: SearchConstraints) -> tuple[tuple[int, str], ...]:
+    """(v, layout) of the interleaved splits Megatron's --num-layers-per-virtual-pipeline-stage cannot write for p
+    stages but the embedding and the loss counted as layers can (:func:`~h3t_ext.planner.pipeline_balance.
+    uneven_virtual_sizes`), balanced; none where layouts are off or the user fixed Megatron's l."""
+    if p < 2 or not k.pipeline_layouts or k.num_layers_per_virtual_pipeline_stage is not None:
+        return ()
+    return tuple((v, split) for v in uneven_virtual_sizes(model.num_layers, p)
+                 for split in split_candidates(model, seq_length, p, t, v) if split is not None)
 
 
 def _expert_grids(model: ModelSpec, stage_ranks: int, t: int, k: SearchConstraints,

@@ -9,8 +9,9 @@ from h3t_ext.costmodel import get_model, get_system
 from h3t_ext.costmodel.estimate import estimate
 from h3t_ext.layout import layout_stage_count, parse_pipeline_layout
 from h3t_ext.planner.bounds import Bounds, candidate_plan
+from h3t_ext.layout import pipeline_split
 from h3t_ext.planner.pipeline_balance import (balanced_stage_layers, layout_string, output_layer_in_layers,
-                                              split_candidates)
+                                              split_candidates, uneven_virtual_sizes)
 from h3t_ext.planner.search import search
 from h3t_ext.planner.space import CKPT_BY_MEMORY, SearchConstraints, enumerate_layouts
 
@@ -172,3 +173,50 @@ def test_kept_twins_are_priced_alike_by_the_closed_form_and_the_timeline():
     assert kept >= 6
     assert split_candidates(get_model("llama3-8b"), 4096, 4, 1, 8) == (None,)  # the output layer outweighs a stage
     assert split_candidates(get_model("mistral-7b"), 4096, 8, 1, 4) == (None,)  # a 2-layer stage among 1-layer ones
+
+
+@pytest.mark.parametrize("layers,p,want", [
+    (126, 8, (2, 4, 8)),  # Llama 3.1 405B: 128 = 126 + the embedding + the loss over 8 x v chunks (v 16: a chunk alone)
+    (126, 4, (2, 4, 8, 16)),
+    (80, 8, ()),  # Llama 3 70B: 81 and 82 do not split over 8 v; 80 itself does for v 2, 5, 10
+    (32, 2, ()),  # 34 over 2 v needs v 17 > 16 layers a rank: a chunk of the embedding or the loss alone
+    (40, 2, (3, 7)),  # 42 = 2 x 3 x 7
+    (32, 1, ()),
+])
+def test_uneven_virtual_sizes_are_the_ones_the_embedding_and_loss_even_out(layers, p, want):
+    got = uneven_virtual_sizes(layers, p)
+    assert got == want
+    for v in got:
+        assert layers % (p * v) and ((layers + 1) % (p * v) == 0 or (layers + 2) % (p * v) == 0) and v <= layers // p
+
+
+@pytest.mark.parametrize("v", [2, 4, 8])
+def test_the_405b_twin_is_megatrons_split_with_the_embedding_and_loss_counted(v):
+    """Llama 3.1 405B over 8 ranks of v chunks: Megatron's even interleaving cannot write it (126 layers), its
+    --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split can (128 slots), and the balanced
+    layout the search prices is that split, chunk for chunk."""
+    m = get_model("llama3-405b")
+    (layout,) = split_candidates(m, 8192, 8, 8, v)
+    counts = parse_pipeline_layout(layout, 126, 8)
+    split = pipeline_split(126, 8, num_virtual_stages_per_pipeline_rank=v, account_for_embedding_in_pipeline_split=True,
+                           account_for_loss_in_pipeline_split=True)
+    assert counts == tuple(split.chunk_layers(k % 8, k // 8) for k in range(8 * v))
+
+
+def test_best_first_bounds_hold_for_the_uneven_interleaved_candidates():
+    m = get_model("llama3-405b")
+    layouts, _ = enumerate_layouts(m, num_gpus=512, seq_length=8192, global_batch_size=256, gpus_per_node=8,
+                                   constraints=SearchConstraints(tensor_model_parallel_size=8, context_parallel_size=2))
+    run = (512, 8192, 256, {"sequence_parallel": True, "use_distributed_optimizer": True})
+    live = [(run, x) for x in layouts if x.pipeline_model_parallel_layout is not None
+            and layout_stage_count(x.pipeline_model_parallel_layout) > x.pipeline_model_parallel_size]
+    vs = {(x.pipeline_model_parallel_size, layout_stage_count(x.pipeline_model_parallel_layout)
+           // x.pipeline_model_parallel_size) for _, x in live}
+    # 128 = 126 + 2 over p v chunks of at least one layer (127 is prime), p dividing 32 = 512 / (t c)
+    assert vs == {(2, 2), (2, 4), (2, 8), (2, 16), (2, 32), (4, 2), (4, 4), (4, 8), (4, 16), (8, 2), (8, 4), (8, 8),
+                  (16, 2), (16, 4), (32, 2)}, vs
+    bounds = Bounds(m, SYSTEM, live, CKPT_BY_MEMORY)
+    for li, (_, layout) in enumerate(live):
+        for i, mb in enumerate(layout.micro_batch_sizes[:2]):
+            plan = candidate_plan(run, layout, mb, "no")
+            assert bounds.bound(li, 2, i) >= estimate(m, plan, SYSTEM, timeline=False).tokens_per_second * (1 - 1e-9)
