@@ -328,8 +328,13 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                                 for ep, etp in grids:
                                     yield Layout(t, c, p, None, tuple(mbs), split, ep, etp)
                 for v, split in twins:  # interleaving Megatron's even split cannot write (uneven_virtual_sizes)
-                    mbs = [mb for mb, reason in zip(mb_pick, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v,
-                                                                                   mb_pick, seen)) if not reason]
+                    mbs = []
+                    for mb, reason in zip(mb_pick, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v, mb_pick,
+                                                                         seen)):
+                        if reason:
+                            rejected[reason] += 1
+                        else:
+                            mbs.append(mb)
                     if mbs:
                         for ep, etp in _expert_grids(model, num_gpus // p, t, k, rejected):
                             yield Layout(t, c, p, None, tuple(mbs), split, ep, etp)
