@@ -110,9 +110,9 @@ def uneven_virtual_sizes(num_layers: int, p: int) -> tuple[int, ...]:
     counted as one layer each can (p v divides L + 1 or L + 2: megatron-core's ``--account-for-embedding-in-pipeline-split``
     and ``--account-for-loss-in-pipeline-split``; Llama 3.1 405B's 126 layers over 8 stages of 8 chunks, as its
     published recipes run it). The search prices their balanced layout (:func:`balanced_chunk_layers`), which gives
-    the first and last chunks what the embedding and the output layer leave them. At most L / p chunks a rank, so that
-    every chunk keeps a transformer layer: a chunk of the embedding or the loss alone fills and drains the pipeline
-    faster than the closed form's even chunks say, and the search ranks by the closed form."""
+    the first and last chunks what the embedding and the output layer leave them. At most L / p chunks a rank: more
+    leave chunks of the embedding or the loss alone, whose fill and drain the timeline prices 1-2% faster than the
+    closed form's even chunks, and the search ranks by the closed form."""
     if p < 2:
         return ()
     return tuple(v for v in range(2, num_layers // p + 1)
