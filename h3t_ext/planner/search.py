@@ -358,10 +358,10 @@ def search(
                 live.append((run, layout))
             else:
                 _search_layout(col, model, system, layout, modes, alpha_mode, budgets, run, exhaustive)
-    if best_first:
-        _search_best_first(col, model, system, live, modes, alpha_mode, budgets, top)
+    if best_first:  # at least the plans the timeline re-ranks, so that --top does not change which plan comes first
+        _search_best_first(col, model, system, live, modes, alpha_mode, budgets, max(top, TIMELINE_TOP))
     ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
-    ranked = _with_timeline(model, system, ranked, min(top or TIMELINE_TOP, TIMELINE_TOP), alpha_mode, budgets)
+    ranked = _with_timeline(model, system, ranked, TIMELINE_TOP, alpha_mode, budgets)
     return SearchResult(tuple(ranked), dict(col.rejected), col.considered, col.closest)
 
 
