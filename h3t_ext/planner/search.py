@@ -295,7 +295,8 @@ def search(
     weights, gradients and optimizer states alone exceed the budget still prunes.
 
     ``top`` (ignored with ``exhaustive``): only the best ``top`` plans are needed; the search runs
-    best-first on an upper bound of tokens/s and prices no plan that cannot enter them. ``plans`` then
+    best-first on an upper bound of tokens/s and prices no plan that cannot enter them (the best
+    ``max(top, TIMELINE_TOP)``: the timeline re-ranks that many, whatever ``top``). ``plans`` then
     holds every plan priced that fits, of which the first ``top`` are exact.
     """
     if top is not None and top < 1:
