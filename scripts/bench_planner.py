@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from h3t_ext.costmodel import get_model, get_system  # noqa: E402
+from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_RECIPES  # noqa: E402
 from h3t_ext.planner.search import search  # noqa: E402
 from h3t_ext.planner.space import MEMORY_LADDER, SearchConstraints  # noqa: E402
 
@@ -76,8 +77,8 @@ def main() -> int:
     ap.add_argument("--gpu", default="h800")
     ap.add_argument("--top", type=int, default=10, help="best plans wanted (0: rank every feasible plan)")
     ap.add_argument("--precision", default="auto", choices=("bf16", "fp8", "auto"))
-    ap.add_argument("--fp8-recipe", default="delayed", choices=("delayed", "tensorwise", "blockwise"),
-                    help="the FP8 plans' recipe (default delayed, Megatron's)")
+    ap.add_argument("--fp8-recipe", default=DEFAULT_FP8_RECIPE, choices=FP8_RECIPES,
+                    help=f"the FP8 plans' recipe (default {DEFAULT_FP8_RECIPE}, Megatron's)")
     ap.add_argument("--first-last-layers-bf16", action="store_true",
                     help="the FP8 plans' first and last layers in BF16 (needs a recipe other than delayed)")
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs; the minimum is reported")

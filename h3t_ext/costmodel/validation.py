@@ -181,11 +181,12 @@ def newer_stacks() -> dict:
     """How much faster than predicted the newest published software stacks ran: the largest under-prediction of
     Megatron-Bridge's DGX-H100 rows (``published_bridge.held_out_errors``: 2025-26 containers, none fitted on), which
     the fitted sources' interval does not cover."""
-    errors = [e for _, _, e in published_bridge.held_out_errors()]
+    rows = published_bridge.held_out_errors()
+    errors = [e for _, _, e in rows]
     return {"max_underprediction": round(max(0.0, -min(errors)), 6), "rows": len(errors),
             "computed_from": "published_bridge.held_out_errors(): predicted / published tokens/s - 1 of the "
                              "Megatron-Bridge DGX-H100 rows (data/reference/megatron_bridge_h100.json, containers "
-                             + ", ".join(sorted({r.container for r in published_bridge.bridge_runs()}))
+                             + ", ".join(sorted({run.container for run, _, _ in rows}))
                              + "), with the data file's efficiencies; the most negative, as a positive fraction"}
 
 

@@ -255,6 +255,19 @@ def _micro_batch_refusals(num_gpus: int, global_batch: int, t: int, c: int, p: i
     return got
 
 
+def _micro_batches(num_gpus: int, global_batch: int, t: int, c: int, p: int, v: int, mbs: list[int], seen: dict,
+                   rejected: Counter) -> list[int]:
+    """The micro batches of ``mbs`` that pass :func:`_micro_batch_refusals`; each refused one counted under its
+    reason."""
+    kept = []
+    for mb, reason in zip(mbs, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v, mbs, seen)):
+        if reason:
+            rejected[reason] += 1
+        else:
+            kept.append(mb)
+    return kept
+
+
 def enumerate_layouts(
     model: ModelSpec,
     *,
@@ -307,14 +320,8 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                     if reason := no_even_split if l is not None and no_even_split else _validate_virtual(L, p, l):
                         rejected[reason] += 1
                         continue
-                    mbs = []
                     v = 1 if no_even_split else virtual_pipeline_size(L, p, l)  # checked above (a layout: one chunk)
-                    for mb, reason in zip(mb_pick, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v,
-                                                                         mb_pick, seen)):
-                        if reason:
-                            rejected[reason] += 1
-                        else:
-                            mbs.append(mb)
+                    mbs = _micro_batches(num_gpus, global_batch, t, c, p, v, mb_pick, seen, rejected)
                     if not mbs:
                         continue
                     grids = _expert_grids(model, num_gpus // p, t, k, rejected)
@@ -328,14 +335,7 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
                                 for ep, etp in grids:
                                     yield Layout(t, c, p, None, tuple(mbs), split, ep, etp)
                 for v, split in twins:  # interleaving Megatron's even split cannot write (uneven_virtual_sizes)
-                    mbs = []
-                    for mb, reason in zip(mb_pick, _micro_batch_refusals(num_gpus, global_batch, t, c, p, v, mb_pick,
-                                                                         seen)):
-                        if reason:
-                            rejected[reason] += 1
-                        else:
-                            mbs.append(mb)
-                    if mbs:
+                    if mbs := _micro_batches(num_gpus, global_batch, t, c, p, v, mb_pick, seen, rejected):
                         for ep, etp in _expert_grids(model, num_gpus // p, t, k, rejected):
                             yield Layout(t, c, p, None, tuple(mbs), split, ep, etp)
 
