@@ -14,7 +14,7 @@ from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_fro
     megatron_offload_requested, \
     model_from_args, plan_from_args, system_file_from_args, system_from_args
 from h3t_ext.planner.calibrate import RunFileError, calibrate, check_output_path, read_runs
-from h3t_ext.planner.evaluate import evaluate
+from h3t_ext.planner.evaluate import evaluate, flash_rate_tokens_per_second
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.search import search
 
@@ -47,6 +47,9 @@ def _estimate(ns, model, system) -> int:
         return _fail(f"--offload-alpha {ns.offload_alpha}: no alpha in [0, 1] fits the memory budget: {e.reason}")
     if ns.json:
         out = fmt.evaluation_dict(ev, megatron_flags(ev.plan, moe=model.is_moe))
+        flash = flash_rate_tokens_per_second(model, ev, system)
+        if flash is not None:  # the fused attention at a 2024 stack's rate (format.attention_stack_clause)
+            out["tokens_per_second_at_flash_attention_rate"] = flash
         if ns.explain:
             out["estimate"] = ev.estimate.to_dict()
         print(json.dumps(out, indent=2))

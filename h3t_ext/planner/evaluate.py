@@ -7,11 +7,12 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from h3t_ext.costmodel import (
     Estimate,
+    InvalidPlanError,
     ModelSpec,
     Plan,
     SystemSpec,
@@ -19,6 +20,7 @@ from h3t_ext.costmodel import (
     pcie_bytes_per_iteration,
     solve_offload_alpha,
 )
+from h3t_ext.costmodel.kernels import kernel_rates
 
 AlphaMode = Union[float, tuple[float, ...], str]
 """A number in [0, 1], one number per pipeline stage, ``"auto"`` or ``"balanced"``."""
@@ -87,3 +89,18 @@ def evaluate(model: ModelSpec, plan: Plan, system: SystemSpec, *, alpha_mode: Al
     saved = (sum(pcie_bytes_per_iteration(model, plan, auto_plan.alphas()))
              - sum(pcie_bytes_per_iteration(model, plan, bal_plan.alphas())))
     return Evaluation(bal_plan, bal_est, alpha_mode, auto_estimate=auto_est, pcie_bytes_saved_vs_auto=int(saved))
+
+
+def flash_rate_tokens_per_second(model: ModelSpec, ev: Evaluation, system: SystemSpec) -> Optional[float]:
+    """Tokens/s of ``ev``'s plan with its cuDNN fused attention priced at FlashAttention-2's rate instead of the
+    rate measured with a 2026 cuDNN (``fused_attention_gemm_ratio``): how fast the fused kernel ran on a 2024 stack
+    (NeMo 24.03's published long-sequence runs are priced within -1% to +10% so, and +2% to +46% at the measured
+    rate: :mod:`h3t_ext.costmodel.published_long_sequence`). None where the plan's attention is not that measured
+    kernel, or where FlashAttention cannot run it."""
+    if ev.plan.attention_kernel(system) != "fused" or kernel_rates(system).fused_attention_flops <= 0:
+        return None
+    try:
+        return estimate(model, replace(ev.plan, attention_backend="flash"), system,
+                        memory_budget_bytes=ev.estimate.memory_budget_bytes).tokens_per_second
+    except InvalidPlanError:
+        return None

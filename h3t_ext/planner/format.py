@@ -12,7 +12,7 @@ from h3t_ext.costmodel.measured_local_steps import local_stack_steps
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.layout import layout_stage_count
-from h3t_ext.planner.evaluate import Evaluation
+from h3t_ext.planner.evaluate import Evaluation, flash_rate_tokens_per_second
 from h3t_ext.offload_alpha import format_alpha
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.search import R_BOUND, R_PRUNED, R_SLOWER, SearchResult
@@ -130,6 +130,21 @@ def attention_line(plan, system: SystemSpec) -> str:
     return line
 
 
+def attention_stack_clause(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> str:
+    """What the measured fused attention's rate stands for, where it moves this plan by 0.5% or more: a 2026 cuDNN's,
+    against the FlashAttention-2 rate a 2024 stack's fused attention ran at (``flash_rate_tokens_per_second``)."""
+    flash = flash_rate_tokens_per_second(model, ev, system)
+    if flash is None:
+        return ""
+    fewer = 1 - flash / ev.estimate.tokens_per_second
+    if fewer < 0.005:
+        return ""
+    r = kernel_rates(system)
+    return (f"; priced at a 2026 cuDNN's rate, {r.fused_attention_flops / r.attention_flops:.1f}x FlashAttention-2's: "
+            f"on a 2024 stack it ran at FlashAttention-2's (NeMo 24.03's long-sequence runs), {100 * fewer:.0f}% fewer "
+            "tokens/s for this plan")
+
+
 def local_stack_line() -> str:
     """What the measured driver steps say of an estimate with the local (eager) layers
     (:mod:`h3t_ext.costmodel.measured_local_steps`)."""
@@ -163,7 +178,7 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         f"{system.name}, "
         f"seq {ev.plan.seq_length}, global batch {ev.plan.global_batch_size}",
         f"plan        {describe_plan(ev, model)}",
-        f"attention   {attention_line(ev.plan, system)}",
+        f"attention   {attention_line(ev.plan, system)}{attention_stack_clause(ev, model, system)}",
         f"memory      peak {format_bytes(est.peak_memory_bytes)} on stage {est.peak_stage} "
         f"(budget {format_bytes(est.memory_budget_bytes)}): {verdict}",
         f"time        {est.iteration_time_s:.3f} s per iteration"

@@ -1,0 +1,87 @@
+"""NVIDIA's published long-sequence runs of Llama 2 7B (FP8) on DGX-H100 with context parallelism, 4K to 1M tokens a
+sequence (``data/reference/nemo_long_sequence_h100.json``, the NeMo 24.03 container), as typed records with the Plan
+each ran. Nothing is fitted on them: they are the held-out check of the attention and context-parallel pricing where
+attention is most of the step, and the evidence that cuDNN's fused attention was as fast as FlashAttention-2 on that
+stack (``held_out_errors(attention_backend="flash")``; docs/DESIGN.md, "Reference numbers")."""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from h3t_ext.costmodel.estimate import Estimate, estimate
+from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_model, get_system
+
+PATH = DATA_DIR / "reference" / "nemo_long_sequence_h100.json"
+LONG_SEQUENCE_SYSTEM = "h100-sxm"
+"""The GPU every row ran on (DGX-H100)."""
+_NOT_PLAN = ("label", "model_tflops_per_s_per_gpu", "without_cp_model_tflops_per_s_per_gpu", "data_parallel_size")
+
+
+def nemo_llama_flops_per_token(model: ModelSpec, seq_length: int) -> float:
+    """NeMo's training FLOPs per token of a Llama model (its ``flops_formulas.llama2``): 6 L h^2 (2 + 2 g/a + 3 f/h +
+    2 s/h + V / (L h)), causal attention counted as a full s x s score matrix and the vocabulary unpadded; the count
+    behind NVIDIA's NeMo tables' model TFLOP/s (its 24.07 FP8 table's Llama rows within 0.05%)."""
+    L, h = model.num_layers, model.hidden_size
+    groups = model.num_query_groups / model.num_attention_heads
+    return 6 * L * h * h * (2 + 2 * groups + 3 * model.ffn_hidden_size / h + 2 * seq_length / h
+                            + model.vocab_size / (L * h))
+
+
+@dataclass(frozen=True)
+class LongSequenceRun:
+    """One published row and the plan it ran (the file's ``plan`` settings with the row's sizes, in Plan's field
+    names, which are Megatron's)."""
+
+    label: str
+    model: ModelSpec
+    plan: Plan
+    model_tflops_per_s_per_gpu: float
+    without_cp_model_tflops_per_s_per_gpu: float
+    """The fastest layout without context parallelism that fit, as published (that layout is not given)."""
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """The published TFLOP/s per GPU in tokens, by the publisher's own count (:func:`nemo_llama_flops_per_token`)."""
+        return self.model_tflops_per_s_per_gpu * 1e12 / nemo_llama_flops_per_token(self.model, self.plan.seq_length)
+
+
+@functools.lru_cache(maxsize=1)
+def _data() -> dict:
+    with open(PATH, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=1)
+def long_sequence_runs() -> tuple[LongSequenceRun, ...]:
+    """Every row of the file, shortest sequence first."""
+    data = _data()
+    model = replace(get_model(data["model"]), vocab_size=int(data["vocab_size"]))
+    out = []
+    for row in data["rows"]:
+        t = row["tensor_model_parallel_size"]
+        plan = Plan(**{**data["plan"], **{k: v for k, v in row.items() if k not in _NOT_PLAN},
+                       "sequence_parallel": t > 1, "tp_comm_overlap": t > 1})
+        out.append(LongSequenceRun(row["label"], model, plan, float(row["model_tflops_per_s_per_gpu"]),
+                                   float(row["without_cp_model_tflops_per_s_per_gpu"])))
+    return tuple(out)
+
+
+def held_out_errors(system: Optional[SystemSpec] = None, *, attention_backend: Optional[str] = None
+                    ) -> list[tuple[LongSequenceRun, Estimate, float]]:
+    """(run, estimate, predicted / published tokens/s - 1) of every row, on ``system`` (default
+    :data:`LONG_SEQUENCE_SYSTEM` with its fitted efficiencies), with the rows' own ``--attention-backend`` (auto:
+    cuDNN's fused attention on Hopper) or the one given (``flash``: priced at FlashAttention-2's rate)."""
+    system = get_system(LONG_SEQUENCE_SYSTEM) if system is None else system
+    out = []
+    for run in long_sequence_runs():
+        plan = run.plan if attention_backend is None else replace(run.plan, attention_backend=attention_backend)
+        est = estimate(run.model, plan, system)
+        out.append((run, est, est.tokens_per_second_per_gpu / run.tokens_per_s_per_gpu - 1))
+    return out
+
+
+__all__ = ["LONG_SEQUENCE_SYSTEM", "LongSequenceRun", "PATH", "held_out_errors", "long_sequence_runs",
+           "nemo_llama_flops_per_token"]
