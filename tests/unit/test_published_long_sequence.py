@@ -127,3 +127,17 @@ def test_the_validation_script_prints_both_pricings(capsys):
     assert [r["seq_length"] // 1024 for r in rows] == list(DEFAULT_ERRORS)
     assert [r["error"] for r in rows] == pytest.approx(list(DEFAULT_ERRORS.values()), abs=0.005)
     assert [r["flash_rate_error"] for r in rows] == pytest.approx(list(FLASH_ERRORS.values()), abs=0.005)
+
+
+def test_estimate_json_carries_the_older_rate(capsys):
+    """h3t-plan estimate --json: tokens_per_second_at_flash_attention_rate where the fused kernel is priced (an H100
+    plan at Megatron's default backend), absent where FlashAttention already is (an A100 plan)."""
+    from h3t_ext.planner.cli import main
+
+    base = ["estimate", "--model", "llama2-7b", "--num-gpus", "16", "--seq-length", "16384", "--global-batch-size",
+            "256", "--micro-batch-size", "1", "--tensor-model-parallel-size", "2", "--json"]
+    assert main([*base, "--gpu", "h100-sxm"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0.8 * out["tokens_per_second"] < out["tokens_per_second_at_flash_attention_rate"] < out["tokens_per_second"]
+    assert main([*base, "--gpu", "a100-80g"]) == 0
+    assert "tokens_per_second_at_flash_attention_rate" not in json.loads(capsys.readouterr().out)
