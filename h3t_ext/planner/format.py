@@ -101,7 +101,20 @@ def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
                   f"dispatcher={p.moe_token_dispatcher_type}")
     return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
             f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} recompute={recompute_label(p)} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
-            f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)}")
+            f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)} states={states_label(p)}")
+
+
+def states_label(plan) -> str:
+    """Where the weights, gradients and optimizer states live: ``fsdp=optim_grads_params`` (Megatron FSDP's
+    sharding strategy), ``torch-fsdp2``, ``dist-opt`` (the distributed optimizer) or ``ddp``, with
+    ``+cpu-adam=F`` for --optimizer-cpu-offload with --optimizer-offload-fraction F."""
+    if plan.use_torch_fsdp2:
+        label = "torch-fsdp2"
+    elif plan.data_parallel_sharding_strategy is not None:
+        label = f"fsdp={plan.data_parallel_sharding_strategy}"
+    else:
+        label = "dist-opt" if plan.use_distributed_optimizer else "ddp"
+    return label + (f"+cpu-adam={plan.optimizer_offload_fraction:g}" if plan.optimizer_cpu_offload else "")
 
 
 def _precision(plan) -> str:
@@ -256,17 +269,20 @@ def search_table(result: SearchResult, top: int) -> Table:
     tab = Table(title=f"best {min(top, len(result.plans))} of {len(result.plans)} feasible plans priced")
     balanced = any(r.evaluation.pcie_bytes_saved_vs_auto is not None for r in result.plans[:top])
     experts = any(r.plan.moe_grouped_gemm or r.plan.expert_model_parallel_size > 1 for r in result.plans[:top])
-    cols = ["#", "t", "c", "p", "l", "d", *(["ep"] if experts else []), "recompute", "precision", "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU",
-            "MFU", "vs published"]
+    states = any(states_label(r.plan) != "dist-opt" for r in result.plans[:top])
+    cols = ["#", "t", "c", "p", "l", "d", *(["ep"] if experts else []), "recompute", "precision",
+            *(["states"] if states else []), "alpha", "mb", "m", "peak GiB", "tokens/s", "tok/s/GPU", "MFU",
+            "vs published"]
     for col in cols + (["PCIe saved vs auto"] if balanced else []):
-        tab.add_column(col, justify="left" if col in ("recompute", "precision") else "right")
+        tab.add_column(col, justify="left" if col in ("recompute", "precision", "states") else "right")
     for i, r in enumerate(result.plans[:top], 1):
         p, est = r.plan, r.evaluation.estimate
         extra = [format_bytes(r.evaluation.pcie_bytes_saved_vs_auto or 0)] if balanced else []
         tab.add_row(str(i), str(p.tensor_model_parallel_size), str(p.context_parallel_size),
                     str(p.pipeline_model_parallel_size) + ("*" if p.pipeline_model_parallel_layout else ""),
                     _layers_cell(p), str(p.data_parallel_size),
-                    *([str(p.expert_model_parallel_size)] if experts else []), recompute_label(p), p.precision, _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
+                    *([str(p.expert_model_parallel_size)] if experts else []), recompute_label(p), p.precision,
+                    *([states_label(p)] if states else []), _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
                     str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
                     f"{est.tokens_per_second:,.0f}", f"{est.tokens_per_second_per_gpu:,.1f}", f"{100 * est.mfu:.1f}%",
                     _plausibility_cell(est.plausibility), *extra)

@@ -301,3 +301,29 @@ def test_top_does_not_change_which_plan_comes_first(model_name, num_gpus, seq_le
     firsts = [search(model, system, top=top, **kw).plans[0] for top in (1, 2, 3)]
     assert firsts[0].plan == firsts[1].plan == firsts[2].plan
     assert firsts[0].evaluation.estimate.timeline is not None  # priced on the timeline, as the first plan always is
+
+
+def test_where_the_states_live_is_said_in_the_plan_line_and_the_table(small_search):
+    """states_label names Megatron FSDP's strategy, torch FSDP2, the distributed optimizer or plain DDP, and CPU Adam's
+    fraction; the search table shows a states column only when a printed plan is not the distributed optimizer (a
+    Megatron FSDP plan was listed without it before, its choice only in the flags), and estimate's plan line always."""
+    from dataclasses import replace
+
+    from h3t_ext.planner.format import search_table, states_label
+
+    base = Plan(num_gpus=8, seq_length=4096, global_batch_size=16)
+    assert states_label(base) == "dist-opt"
+    assert states_label(replace(base, use_distributed_optimizer=False)) == "ddp"
+    assert states_label(replace(base, data_parallel_sharding_strategy="optim_grads")) == "fsdp=optim_grads"
+    assert states_label(replace(base, use_distributed_optimizer=False, use_torch_fsdp2=True)) == "torch-fsdp2"
+    assert states_label(replace(base, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5)) == \
+        "dist-opt+cpu-adam=0.5"
+    columns = lambda result: [c.header for c in search_table(result, 3).columns]  # noqa: E731
+    assert "states" not in columns(small_search)
+    sharded = search(get_model("gpt3-175b"), get_system("a100-80g"), num_gpus=32, seq_length=2048,
+                     global_batch_size=512, constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
+    assert sharded.plans and all(states_label(r.plan) != "dist-opt" for r in sharded.plans[:3])
+    table = search_table(sharded, 3)
+    assert "states" in columns(sharded)
+    cells = table.columns[[c.header for c in table.columns].index("states")]._cells
+    assert cells == [states_label(r.plan) for r in sharded.plans[:3]]
