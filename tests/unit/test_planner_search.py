@@ -309,7 +309,7 @@ def test_where_the_states_live_is_said_in_the_plan_line_and_the_table(small_sear
     Megatron FSDP plan was listed without it before, its choice only in the flags), and estimate's plan line always."""
     from dataclasses import replace
 
-    from h3t_ext.planner.format import search_table, states_label
+    from h3t_ext.planner.format import evaluation_dict, search_table, states_label
 
     base = Plan(num_gpus=8, seq_length=4096, global_batch_size=16)
     assert states_label(base) == "dist-opt"
@@ -327,3 +327,9 @@ def test_where_the_states_live_is_said_in_the_plan_line_and_the_table(small_sear
     assert "states" in columns(sharded)
     cells = table.columns[[c.header for c in table.columns].index("states")]._cells
     assert cells == [states_label(r.plan) for r in sharded.plans[:3]]
+    d = evaluation_dict(sharded.plans[0].evaluation)  # --json: the same choice in Megatron's field names
+    best = sharded.plans[0].plan
+    assert (d["data_parallel_sharding_strategy"], d["optimizer_cpu_offload"], d["optimizer_offload_fraction"],
+            d["use_distributed_optimizer"], d["use_torch_fsdp2"]) == (
+        best.data_parallel_sharding_strategy, best.optimizer_cpu_offload, best.optimizer_offload_fraction,
+        best.use_distributed_optimizer, False)
