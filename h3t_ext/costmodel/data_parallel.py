@@ -209,7 +209,8 @@ def dp_exposed(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float
     traffic; with --overlap-grad-reduce it runs behind the compute of the following microbatches,
     ``mb_window`` seconds each, and the last one's backward); with sharded parameters it also all-gathers
     them before every microbatch's forward and backward (2 m times; with --overlap-param-gather behind
-    the compute), and there is no all-gather after the optimizer step. Torch FSDP2 does the same, always
+    the compute, which the two share: their traffic together hides only in the m microbatches' compute), and there
+    is no all-gather after the optimizer step. Torch FSDP2 does the same, always
     overlapped (its prefetching streams), with one all-gather per microbatch instead of two when it keeps the
     gathered parameters from the forward to the backward (--torch-fsdp2-no-reshard-after-forward)."""
     c = dp_comm(model, plan, system)
@@ -227,10 +228,13 @@ def dp_exposed(model: ModelSpec, plan: Plan, system: SystemSpec, bwd_unit: float
             grads = max(grads / (m * buckets), grads - (m - 1) * mb_window - bwd_window)
         if strategy == "optim_grads_params":
             gathers = m if plan.use_torch_fsdp2 and not plan.torch_fsdp2_reshard_after_forward else 2 * m
+            traffic = c.grad_seconds * m + c.param_seconds * gathers
             params *= gathers
             if plan.overlap_param_gather or plan.use_torch_fsdp2:
                 params = max(params / (gathers * buckets), params - m * mb_window)
-            return grads + params
+            # the reduce-scatters and all-gathers share the data-parallel link: together they hide only in the
+            # microbatches' compute
+            return max(grads + params, traffic - m * mb_window)
     elif plan.overlap_grad_reduce:
         grads = bucketed_exposed(grads, buckets, v, bwd_unit, last_group, c.last_grad_bucket_seconds)
     if plan.overlap_param_gather and params:
