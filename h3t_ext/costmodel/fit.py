@@ -18,16 +18,19 @@ from typing import Mapping, Optional, Sequence
 
 from h3t_ext.costmodel.estimate import closed_form_terms
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.efficiency_sets import plausible_ranges
+from h3t_ext.costmodel.efficiency_sets import OPTIONAL_EFFICIENCIES, plausible_ranges
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 
 FITTABLE = ("gemm_peak_fraction", "gemm_fp8_peak_fraction", "attention_peak_fraction", "gemm_tile_overhead_k",
-            "tp_comm_overlap_exposed", "network_fraction", "hbm_fraction")
-"""Efficiencies a calibration may fit, in the order of their usual influence on tokens/s."""
+            "tp_comm_overlap_exposed", "network_fraction", "hbm_fraction", "fused_attention_gemm_ratio")
+"""Efficiencies a calibration may fit, in the order of their usual influence on tokens/s (the fused attention's
+ratio only where the system has it: elsewhere the fused kernel is priced as FlashAttention)."""
 MIN_SENSITIVITY = 0.01
 """Smallest |d log time / d log efficiency| (over the runs) for a run set to identify an efficiency."""
 MAX_COLLINEARITY = 0.995
 """|cos| of two sensitivity vectors above which the runs cannot separate the two efficiencies."""
+BOUND_TOLERANCE = 0.01
+"""A fitted value within this fraction of its plausible range of a bound is taken as on the bound."""
 _STEP = 0.05
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -168,23 +171,64 @@ def _golden(f, lo: float, hi: float, iters: int) -> float:
     return (a + b) / 2
 
 
+def _fit_chosen(groups: Groups, values: dict[Param, float], chosen: Sequence[Param], sweeps: int, iters: int) -> None:
+    """Coordinate-wise golden-section search of ``chosen`` inside their plausible ranges (``values`` in place)."""
+    ranges = plausible_ranges()
+    for _ in range(sweeps if len(chosen) > 1 else 1):
+        for p in chosen:
+            lo, hi = ranges[p[1]]
+            values[p] = _golden(lambda x: mean_abs(_errors(groups, {**values, p: x})), lo, hi, iters)
+
+
+def _at_bound(p: Param, x: float) -> bool:
+    lo, hi = plausible_ranges()[p[1]]
+    return min(x - lo, hi - x) <= BOUND_TOLERANCE * (hi - lo)
+
+
+def _twins_for_bounds(groups: Groups, values: dict[Param, float], prior: Mapping[Param, float],
+                      chosen: list[Param], reasons: dict[Param, str], sweeps: int, iters: int
+                      ) -> tuple[list[Param], dict[Param, str]]:
+    """A chosen efficiency that the fit drove onto its plausible bound is asked for a value no plausible stack has. An
+    efficiency left out whose sensitivity over the runs is parallel to it (with one run, any the run's time depends on)
+    may explain the runs inside its own range: an FP8 run's attention-bound time moves gemm_peak_fraction, which scales
+    the fused attention's rate, and fused_attention_gemm_ratio alike. The most sensitive such twin is fitted instead,
+    the bound one back at its prior, and kept when it stays inside its range and fits the runs better."""
+    for p in list(chosen):
+        if not _at_bound(p, values[p]):
+            continue
+        sp = _sensitivity(groups, prior, p)
+        sens = {q: _sensitivity(groups, prior, q) for q in reasons}
+        twins = sorted((q for q, v in sens.items() if max(map(abs, v)) >= MIN_SENSITIVITY
+                        and _cos(v, sp) >= MAX_COLLINEARITY), key=lambda q: -max(map(abs, sens[q])))
+        for q in twins:
+            swapped = [q if c == p else c for c in chosen]
+            trial = {**values, p: prior[p]}
+            _fit_chosen(groups, trial, swapped, sweeps, iters)
+            if not _at_bound(q, trial[q]) and mean_abs(_errors(groups, trial)) < mean_abs(_errors(groups, values)):
+                values.update(trial)
+                chosen = swapped
+                reasons = {**{k: v for k, v in reasons.items() if k != q},
+                           p: f"its fit reached its plausible bound; {q[1]}, which these runs cannot tell from it, "
+                              f"explains them inside its range"}
+                break
+    return chosen, reasons
+
+
 def fit_joint(groups: Groups, family_keys: Sequence[str] = FAMILY_KEYS, shared_keys: Sequence[str] = SHARED_KEYS,
               *, sweeps: int = 3, iters: int = 18) -> dict[str, FitResult]:
     """Fit per-family efficiencies (``family_keys``, one value per family) and shared ones (``shared_keys``,
     one value for all families) jointly to every family's runs."""
     if not any(runs for _, runs in groups.values()):
         raise ValueError("calibration needs at least one measured run")
-    ranges = plausible_ranges()
     first = next(iter(groups.values()))[0]
     values: dict[Param, float] = {(SHARED, k): first.efficiency(k) for k in shared_keys}
     for fam, (base, _) in groups.items():
         values.update({(fam, k): base.efficiency(k) for k in family_keys})
     before = _errors(groups, values)
     chosen, reasons = identifiable(groups, values, list(values))
-    for _ in range(sweeps if len(chosen) > 1 else 1):
-        for p in chosen:
-            lo, hi = ranges[p[1]]
-            values[p] = _golden(lambda x: mean_abs(_errors(groups, {**values, p: x})), lo, hi, iters)
+    prior = dict(values)
+    _fit_chosen(groups, values, chosen, sweeps, iters)
+    chosen, reasons = _twins_for_bounds(groups, values, prior, chosen, reasons, sweeps, iters)
     systems = _systems(groups, values)
     after = _errors(groups, values)
     out, offset = {}, 0
@@ -203,5 +247,6 @@ def fit_system(system: SystemSpec, runs: Sequence[MeasuredRun], keys: Optional[S
     """Fit the identifiable efficiencies of ``system`` (among ``keys``) to ``runs`` (what ``h3t-plan
     calibrate`` runs: one system, every fittable efficiency its own)."""
     keys = FITTABLE if keys is None else tuple(keys)
+    keys = tuple(k for k in keys if k in system.efficiencies or k not in OPTIONAL_EFFICIENCIES)
     return fit_joint({system.efficiency_set or system.name: (system, runs)}, keys, (), sweeps=sweeps,
                      iters=iters)[system.efficiency_set or system.name]

@@ -7,6 +7,7 @@ from rich.table import Table
 
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec, moe
+from h3t_ext.costmodel.efficiency_sets import efficiency_set, efficiency_set_names
 from h3t_ext.costmodel.kernels import kernel_rates
 from h3t_ext.costmodel.measured_local_steps import local_stack_steps
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
@@ -154,7 +155,12 @@ def attention_stack_clause(ev: Evaluation, model: ModelSpec, system: SystemSpec)
     if fewer < 0.005:
         return ""
     r = kernel_rates(system)
-    return (f"; priced at a 2026 cuDNN's rate, {r.fused_attention_flops / r.attention_flops:.1f}x FlashAttention-2's: "
+    shipped = (efficiency_set(system.efficiency_set).get("fused_attention_gemm_ratio")
+               if system.efficiency_set in efficiency_set_names() else None)
+    whose = ("a 2026 cuDNN's rate" if shipped == system.efficiency("fused_attention_gemm_ratio")
+             else f"this system's rate (a fused_attention_gemm_ratio of {system.efficiency('fused_attention_gemm_ratio'):g}"
+                  f" against the 2026 cuDNN's {shipped:g})" if shipped else "this system's rate")
+    return (f"; priced at {whose}, {r.fused_attention_flops / r.attention_flops:.1f}x FlashAttention-2's: "
             f"on a 2024 stack it ran at FlashAttention-2's (NeMo 24.03's long-sequence runs), {100 * fewer:.0f}% fewer "
             "tokens/s for this plan")
 

@@ -174,16 +174,20 @@ def test_fitted_numbers_are_named_in_range_and_counted():
             lo, hi = ranges[k]
             assert lo <= v <= hi, (fam, k, v)
     # fitted: 4 per GPU family (2 families) + 3 shared = 11 numbers, on 45 published runs; Ampere has no FP8
-    assert len(FAMILY_KEYS) * 2 + len(SHARED_KEYS) == 11 and set(FAMILY_KEYS + SHARED_KEYS) == set(FITTABLE)
+    assert len(FAMILY_KEYS) * 2 + len(SHARED_KEYS) == 11
+    # a user's calibration may also fit the fused attention's measured ratio (an older stack's kernel); the published
+    # runs do not: its value is the H200 measurement
+    assert set(FITTABLE) - set(FAMILY_KEYS + SHARED_KEYS) == {"fused_attention_gemm_ratio"}
+    assert set(FAMILY_KEYS + SHARED_KEYS) < set(FITTABLE)
     assert len(published_runs()) == 45
     assert "not identified: gemm_fp8_peak_fraction" in data["efficiencies"]["ampere"]["_fitted_on"]
     assert "gemm_fp8_peak_fraction" in data["efficiencies"]["hopper"]
     # the rest are stated assumptions, not fitted
-    assert set(ranges) - set(FITTABLE) == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction",
-                                           "attention_dropout_fwd_slowdown", "attention_dropout_bwd_slowdown",
-                                           "host_memory_fraction", "attention_backward_rate_fraction",
-                                           *OPTIONAL_EFFICIENCIES}
-    assert set(ranges) - set(FITTABLE) - {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"} <= set(
+    fitted = set(FAMILY_KEYS + SHARED_KEYS)
+    assert set(ranges) - fitted == {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction",
+                                    "attention_dropout_fwd_slowdown", "attention_dropout_bwd_slowdown",
+                                    "host_memory_fraction", "attention_backward_rate_fraction", *OPTIONAL_EFFICIENCIES}
+    assert set(ranges) - fitted - {"attention_head_dim_overhead", "nvlink_fraction", "pcie_fraction"} <= set(
         data["stated_sources"])  # the dropout slowdowns carry their public source
 
 
