@@ -361,9 +361,8 @@ def no_plan_message(result: SearchResult) -> str:
     p = c.plan
     l = p.num_layers_per_virtual_pipeline_stage
     ep = f" ep={p.expert_model_parallel_size}" if p.expert_model_parallel_size > 1 else ""
-    options = ep + "".join(f" {name}" for name, on in (
-        (f"sharding={p.data_parallel_sharding_strategy}", p.data_parallel_sharding_strategy is not None),
-        (f"optimizer_offload_fraction={p.optimizer_offload_fraction:g}", p.optimizer_cpu_offload)) if on)
+    states = states_label(p)
+    options = ep + (f" states={states}" if states != "dist-opt" else "")
     terms = "; its terms: " + ", ".join(f"{k} {format_bytes(b)}" for k, b in c.terms) if c.terms else ""
     return (f"no plan fits the memory budget; closest: t={p.tensor_model_parallel_size} "
             f"c={p.context_parallel_size} p={p.pipeline_model_parallel_size} l={l if l is not None else '-'} "

@@ -309,7 +309,7 @@ def test_where_the_states_live_is_said_in_the_plan_line_and_the_table(small_sear
     Megatron FSDP plan was listed without it before, its choice only in the flags), and estimate's plan line always."""
     from dataclasses import replace
 
-    from h3t_ext.planner.format import evaluation_dict, search_table, states_label
+    from h3t_ext.planner.format import evaluation_dict, no_plan_message, search_table, states_label
 
     base = Plan(num_gpus=8, seq_length=4096, global_batch_size=16)
     assert states_label(base) == "dist-opt"
@@ -333,3 +333,7 @@ def test_where_the_states_live_is_said_in_the_plan_line_and_the_table(small_sear
             d["use_distributed_optimizer"], d["use_torch_fsdp2"]) == (
         best.data_parallel_sharding_strategy, best.optimizer_cpu_offload, best.optimizer_offload_fraction,
         best.use_distributed_optimizer, False)
+    none = search(get_model("gpt3-175b"), get_system("a100-40g"), num_gpus=16, seq_length=2048, global_batch_size=512,
+                  constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
+    assert not none.plans  # the message names the closest plan's states the same way
+    assert f" states={states_label(none.closest_infeasible.plan)}:" in no_plan_message(none)
