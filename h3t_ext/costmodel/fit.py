@@ -135,15 +135,18 @@ def _cos(a: Sequence[float], b: Sequence[float]) -> float:
     return abs(sum(x * y for x, y in zip(a, b))) / (na * nb) if na and nb else 0.0
 
 
-def identifiable(groups: Groups, values: Mapping[Param, float], params: Sequence[Param]
-                 ) -> tuple[list[Param], dict[Param, str]]:
-    """(parameters the runs identify, most sensitive first; {other: reason})."""
-    rows = sum(len(runs) for _, runs in groups.values())
-    sens = {p: _sensitivity(groups, values, p) for p in params}
-    strength = {p: max(abs(x) for x in v) for p, v in sens.items()}
+def _strength(v: Sequence[float]) -> float:
+    """How strongly the runs' times depend on an efficiency: its largest |d log t / d log e| over them."""
+    return max(abs(x) for x in v)
+
+
+def identifiable(sens: Mapping[Param, Sequence[float]], rows: int) -> tuple[list[Param], dict[Param, str]]:
+    """(parameters ``rows`` runs identify, most sensitive first; {other: reason}), from each parameter's sensitivity
+    over the runs (:func:`_sensitivity`)."""
+    strength = {p: _strength(v) for p, v in sens.items()}
     chosen: list[Param] = []
     reasons: dict[Param, str] = {}
-    for p in sorted(params, key=lambda p: -strength[p]):
+    for p in sorted(sens, key=lambda p: -strength[p]):
         if strength[p] < MIN_SENSITIVITY:
             reasons[p] = f"no run's time depends on it (|d log t / d log {p[1]}| < {MIN_SENSITIVITY})"
         elif len(chosen) >= rows:
@@ -186,8 +189,8 @@ def _at_bound(p: Param, x: float) -> bool:
 
 
 def _twins_for_bounds(groups: Groups, values: dict[Param, float], prior: Mapping[Param, float],
-                      chosen: list[Param], reasons: dict[Param, str], sweeps: int, iters: int
-                      ) -> tuple[list[Param], dict[Param, str]]:
+                      sens: Mapping[Param, Sequence[float]], chosen: list[Param], reasons: dict[Param, str],
+                      sweeps: int, iters: int) -> tuple[list[Param], dict[Param, str]]:
     """A chosen efficiency that the fit drove onto its plausible bound is asked for a value no plausible stack has. An
     efficiency left out whose sensitivity over the runs is parallel to it (with one run, any the run's time depends on)
     may explain the runs inside its own range: an FP8 run's attention-bound time moves gemm_peak_fraction, which scales
@@ -196,10 +199,8 @@ def _twins_for_bounds(groups: Groups, values: dict[Param, float], prior: Mapping
     for p in list(chosen):
         if not _at_bound(p, values[p]):
             continue
-        sp = _sensitivity(groups, prior, p)
-        sens = {q: _sensitivity(groups, prior, q) for q in reasons}
-        twins = sorted((q for q, v in sens.items() if max(map(abs, v)) >= MIN_SENSITIVITY
-                        and _cos(v, sp) >= MAX_COLLINEARITY), key=lambda q: -max(map(abs, sens[q])))
+        twins = sorted((q for q in reasons if _strength(sens[q]) >= MIN_SENSITIVITY
+                        and _cos(sens[q], sens[p]) >= MAX_COLLINEARITY), key=lambda q: -_strength(sens[q]))
         for q in twins:
             swapped = [q if c == p else c for c in chosen]
             trial = {**values, p: prior[p]}
@@ -225,10 +226,11 @@ def fit_joint(groups: Groups, family_keys: Sequence[str] = FAMILY_KEYS, shared_k
     for fam, (base, _) in groups.items():
         values.update({(fam, k): base.efficiency(k) for k in family_keys})
     before = _errors(groups, values)
-    chosen, reasons = identifiable(groups, values, list(values))
+    sens = {p: _sensitivity(groups, values, p) for p in values}  # at the priors, once
+    chosen, reasons = identifiable(sens, sum(len(runs) for _, runs in groups.values()))
     prior = dict(values)
     _fit_chosen(groups, values, chosen, sweeps, iters)
-    chosen, reasons = _twins_for_bounds(groups, values, prior, chosen, reasons, sweeps, iters)
+    chosen, reasons = _twins_for_bounds(groups, values, prior, sens, chosen, reasons, sweeps, iters)
     systems = _systems(groups, values)
     after = _errors(groups, values)
     out, offset = {}, 0
