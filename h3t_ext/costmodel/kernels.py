@@ -147,6 +147,12 @@ ATTENTION_KERNELS = ("flash", "fused")
 """The flash-attention kernels priced: Dao's FlashAttention and cuDNN's fused attention."""
 
 
+def priced_attention_kernel(kernel: str, r: KernelRates) -> str:
+    """The kernel whose rate prices ``kernel``: cuDNN's fused attention at its own rate only where the GPU family has it
+    measured (``fused_attention_gemm_ratio``), else at FlashAttention's; the others as themselves."""
+    return "flash" if kernel == "fused" and r.fused_attention_flops <= 0 else kernel
+
+
 def attention_kernel(backend: str, transformer_impl: str, compute_capability: float) -> str:
     """The kernel Megatron's --attention-backend runs (``flash`` or ``fused``; ``unfused`` passes through): 'auto'
     is TransformerEngine's choice, cuDNN's fused attention on Hopper and later (compute capability 9.0 up: TE 1.2+
@@ -242,7 +248,7 @@ def flash_attention_seconds(batch_heads: int, s_q: int, s_k: int, head_dim: int,
         raise ValueError(f"kernel must be one of {', '.join(ATTENTION_KERNELS)}, got {kernel!r}")
     flops = flash_attention_flops(batch_heads, s_q, s_k, head_dim, causal=causal, backward=backward, window=window)
     peak = r.attention_flops
-    if kernel == "fused" and r.fused_attention_flops > 0:
+    if priced_attention_kernel(kernel, r) == "fused":
         peak = r.fused_attention_flops
         pairs = score_pairs(s_q, s_k, causal=causal, window=window)
         flops *= 1.0 + (r.fused_row_overhead_keys * s_q / pairs if pairs > 0 else 0.0)

@@ -20,7 +20,7 @@ from h3t_ext.costmodel import (
     pcie_bytes_per_iteration,
     solve_offload_alpha,
 )
-from h3t_ext.costmodel.kernels import kernel_rates
+from h3t_ext.costmodel.kernels import kernel_rates, priced_attention_kernel
 
 AlphaMode = Union[float, tuple[float, ...], str]
 """A number in [0, 1], one number per pipeline stage, ``"auto"`` or ``"balanced"``."""
@@ -97,7 +97,7 @@ def flash_rate_tokens_per_second(model: ModelSpec, ev: Evaluation, system: Syste
     (NeMo 24.03's published long-sequence runs are priced within -1% to +10% so, and +2% to +46% at the measured
     rate: :mod:`h3t_ext.costmodel.published_long_sequence`). None where the plan's attention is not that measured
     kernel, or where FlashAttention cannot run it."""
-    if ev.plan.attention_kernel(system) != "fused" or kernel_rates(system).fused_attention_flops <= 0:
+    if priced_attention_kernel(ev.plan.attention_kernel(system), kernel_rates(system)) != "fused":
         return None
     try:
         return estimate(model, replace(ev.plan, attention_backend="flash"), system,

@@ -8,7 +8,7 @@ from rich.table import Table
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec, moe
 from h3t_ext.costmodel.efficiency_sets import efficiency_set, efficiency_set_names
-from h3t_ext.costmodel.kernels import kernel_rates
+from h3t_ext.costmodel.kernels import kernel_rates, priced_attention_kernel
 from h3t_ext.costmodel.measured_local_steps import local_stack_steps
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
@@ -140,7 +140,7 @@ def attention_line(plan, system: SystemSpec) -> str:
         why += (f": TransformerEngine's choice on compute capability {system.compute_capability:.1f}"
                 if plan.transformer_impl == "transformer_engine" else ": the local layers' FlashAttention")
     line = f"{_KERNEL_NAMES[kernel]} ({why})"
-    if kernel == "fused" and kernel_rates(system).fused_attention_flops <= 0:
+    if priced_attention_kernel(kernel, kernel_rates(system)) != kernel:
         line += f", priced as FlashAttention: no measurement of it for the {system.efficiency_set or system.name} family"
     return line
 
