@@ -31,7 +31,6 @@ communicators and the allocator gap), which is what decides whether a run fits o
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
@@ -42,7 +41,7 @@ from h3t_ext.costmodel.mfu import mfu
 from h3t_ext.costmodel.offload import solve_offload_alpha
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.published import atc24_memory_budget_bytes, published_runs, settings, stated_switches
-from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_system
+from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, get_system, reference_json
 
 FIG9, TABLE8, DEMO7B, FIG7 = "Figure 9", "Table 8", "7B demo", "Figure 7"
 TABLES = (FIG9, TABLE8, DEMO7B)
@@ -102,12 +101,6 @@ class ArtifactPoint:
         return not self.used_for
 
 
-@functools.lru_cache(maxsize=None)
-def _load(name: str) -> dict:
-    with open(DATA_DIR / "reference" / name, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def _run_switches(tensor_model_parallel_size: int) -> dict:
     """Plan switches of every ATC '24 run (TP comm overlap where t > 1, no DP overlap, ...): run_settings.json
     atc24_65b (:func:`~h3t_ext.costmodel.published.stated_switches`)."""
@@ -134,7 +127,7 @@ def _row(table: str, label: str, model: ModelSpec, plan: Plan, system: SystemSpe
 def figure9_rows() -> list[ArtifactRow]:
     """Figure 9's 41 rows (whole-cluster tokens/s as published, divided by the GPUs)."""
     h800 = get_system("h800")
-    published = _load(FIG9_FILES[0])["throughput_table"] + _load(FIG9_FILES[1])["rows"]
+    published = reference_json(FIG9_FILES[0])["throughput_table"] + reference_json(FIG9_FILES[1])["rows"]
     out = []
     for r in published:
         model = reference_model(r["model"])
@@ -166,13 +159,13 @@ def _method_rows(table: str, rows: Iterable[dict], label: Callable[[dict], str])
 
 def table8_rows() -> list[ArtifactRow]:
     """Table 8's four rows (Llama-175B, seq 8192, 256 H800); the ckpt=no one went out of memory."""
-    return _method_rows(TABLE8, _load("atc24_memory.json")["table8"]["rows"],
+    return _method_rows(TABLE8, reference_json("atc24_memory.json")["table8"]["rows"],
                         lambda r: f"{r['method']} t{r['t']} c{r['c']} p{r['p']} l{r['l']} ckpt={r['ckpt']}")
 
 
 def demo7b_rows() -> list[ArtifactRow]:
     """The 7B demo's six rows (4 GPUs, seq 12288; A800 and H800)."""
-    return _method_rows(DEMO7B, _load("atc24_calibration.json")["demo7b"],
+    return _method_rows(DEMO7B, reference_json("atc24_calibration.json")["demo7b"],
                         lambda r: f"{r['gpu']} {r['method']} ckpt={r['ckpt']}")
 
 

@@ -7,15 +7,13 @@ A100) and ``nemo_fp8_h100`` (NeMo 24.07's FP8 pre-training table, DGX-H100). How
 """
 from __future__ import annotations
 
-import functools
-import json
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from h3t_ext.costmodel.plan import Plan, applicable_switches
-from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_model, get_system
+from h3t_ext.costmodel.specs import REFERENCE_DIR  # noqa: F401 (re-exported: its readers import it from here)
+from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, get_model, get_system, reference_json
 
-REFERENCE_DIR = DATA_DIR / "reference"
 SOURCES = ("atc24_65b", "megatron_h100", "korthikanti", "nemo_fp8_h100")
 """The held-out-checked sources of the leave-one-source-out test."""
 TRAINING_ONLY = ("atc24_demo7b",)
@@ -38,15 +36,9 @@ class PublishedRun:
     """The run's own memory budget when the source planned against one (ATC '24), else None (the GPU's)."""
 
 
-@functools.lru_cache(maxsize=None)
-def _json(name: str) -> dict:
-    with open(REFERENCE_DIR / name, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def settings() -> dict:
     """``run_settings.json``: stated and assumed settings per source."""
-    return _json("run_settings.json")
+    return reference_json("run_settings.json")
 
 
 def stated_switches(plan: dict, tensor_model_parallel_size: int) -> dict:
@@ -73,7 +65,7 @@ def megatron_flops_per_token(model: ModelSpec, seq_length: int) -> float:
 
 
 def _atc24() -> list[PublishedRun]:
-    ref = _json("atc24_calibration.json")
+    ref = reference_json("atc24_calibration.json")
     cfg = settings()["sources"]["atc24_65b"]
     model = ModelSpec(name="llama-65b", **ref["models"]["llama-65b"])
     system = get_system(cfg["system"])
@@ -90,7 +82,7 @@ def _atc24() -> list[PublishedRun]:
 
 
 def _demo7b() -> list[PublishedRun]:
-    ref = _json("atc24_calibration.json")
+    ref = reference_json("atc24_calibration.json")
     cfg = settings()["sources"]["atc24_65b"]
     model = ModelSpec(name="llama-7b", **ref["models"]["llama-7b"])
     runs = []
@@ -110,7 +102,7 @@ def _megatron() -> list[PublishedRun]:
     cfg = settings()["sources"]["megatron_h100"]
     system = get_system(cfg["system"])
     runs = []
-    for row in _json("external_calibration.json")["rows"]:
+    for row in reference_json("external_calibration.json")["rows"]:
         if row["source"] != "megatron_h100":
             continue
         r = row["published"]
@@ -132,7 +124,7 @@ def _korthikanti() -> list[PublishedRun]:
     cfg = settings()["sources"]["korthikanti"]
     system = get_system(cfg["system"])
     runs = []
-    for row in _json("external_calibration.json")["rows"]:
+    for row in reference_json("external_calibration.json")["rows"]:
         if row["source"] != "korthikanti":
             continue
         r = row["published"]
@@ -162,7 +154,7 @@ def _nemo_fp8() -> list[PublishedRun]:
     cfg = settings()["sources"]["nemo_fp8_h100"]
     system = get_system(cfg["system"])
     runs = []
-    for r in _json(cfg["file"])["rows"]:
+    for r in reference_json(cfg["file"])["rows"]:
         name = cfg["models"].get(r["model"])
         if name is None:
             continue

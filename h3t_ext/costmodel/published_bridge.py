@@ -5,15 +5,14 @@ with the Plan each ran. Nothing is fitted on them; they are the held-out check o
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from typing import Optional
 
 from h3t_ext.costmodel.estimate import Estimate, estimate
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_model, get_system
+from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, SystemSpec, get_model, get_system, reference_json
 
-PATH = DATA_DIR / "reference" / "megatron_bridge_h100.json"
+PATH = REFERENCE_DIR / "megatron_bridge_h100.json"
 BRIDGE_SYSTEM = "h100-sxm"
 """The GPU every row ran on (DGX-H100)."""
 FIRST_CONTAINER = "25.11"
@@ -38,15 +37,9 @@ class BridgeRun:
 
 
 @functools.lru_cache(maxsize=1)
-def _data() -> dict:
-    with open(PATH, encoding="utf-8") as f:
-        return json.load(f)
-
-
-@functools.lru_cache(maxsize=1)
 def bridge_runs() -> tuple[BridgeRun, ...]:
     """Every row of the file: the 25.11 rows, then the later containers' in the file's order."""
-    data = _data()
+    data = reference_json(PATH.name)
     out = []
     for row in (*data["rows"], *data["later_rows"]):
         plan = Plan(**{**data["plan"], **{k: v for k, v in row.items() if k not in _NOT_PLAN}})

@@ -6,15 +6,14 @@ stack (``held_out_errors(attention_backend="flash")``; docs/DESIGN.md, "Referenc
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from h3t_ext.costmodel.estimate import Estimate, estimate
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_model, get_system
+from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, SystemSpec, get_model, get_system, reference_json
 
-PATH = DATA_DIR / "reference" / "nemo_long_sequence_h100.json"
+PATH = REFERENCE_DIR / "nemo_long_sequence_h100.json"
 LONG_SEQUENCE_SYSTEM = "h100-sxm"
 """The GPU every row ran on (DGX-H100)."""
 _NOT_PLAN = ("label", "model_tflops_per_s_per_gpu", "without_cp_model_tflops_per_s_per_gpu", "data_parallel_size")
@@ -49,15 +48,9 @@ class LongSequenceRun:
 
 
 @functools.lru_cache(maxsize=1)
-def _data() -> dict:
-    with open(PATH, encoding="utf-8") as f:
-        return json.load(f)
-
-
-@functools.lru_cache(maxsize=1)
 def long_sequence_runs() -> tuple[LongSequenceRun, ...]:
     """Every row of the file, shortest sequence first."""
-    data = _data()
+    data = reference_json(PATH.name)
     model = replace(get_model(data["model"]), vocab_size=int(data["vocab_size"]))
     out = []
     for row in data["rows"]:

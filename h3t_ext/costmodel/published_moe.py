@@ -4,8 +4,6 @@ ran, for checking the MoE terms (:mod:`h3t_ext.costmodel.moe`) on runs nothing w
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,9 +11,9 @@ from h3t_ext.ckpt import Recompute
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.estimate import Estimate, estimate
-from h3t_ext.costmodel.specs import DATA_DIR, ModelSpec, SystemSpec, get_model, get_system
+from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, SystemSpec, get_model, get_system, reference_json
 
-PATH = DATA_DIR / "reference" / "moe_published.json"
+PATH = REFERENCE_DIR / "moe_published.json"
 _PLAN_FIELDS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
                 "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                 "num_virtual_stages_per_pipeline_rank", "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -53,15 +51,9 @@ class PublishedMoERun:
                 / model_flops_per_token(self.model, self.plan.seq_length))
 
 
-@functools.lru_cache(maxsize=1)
-def _data() -> dict:
-    with open(PATH, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def published_moe_runs() -> tuple[PublishedMoERun, ...]:
     """Every row of the reference file, in its order."""
-    data = _data()
+    data = reference_json(PATH.name)
     out = []
     for row in data["rows"]:
         row = {**data["row_settings"].get(row["source"], {}), **row}

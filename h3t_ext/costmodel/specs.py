@@ -462,6 +462,16 @@ def _read_json(path: Path) -> Any:
         return json.load(f)
 
 
+REFERENCE_DIR = DATA_DIR / "reference"
+"""The published measurements the cost model is checked against (``data/reference/*.json``)."""
+
+
+@functools.lru_cache(maxsize=None)
+def reference_json(name: str) -> dict:
+    """One file of :data:`REFERENCE_DIR`, read once (callers do not modify it)."""
+    return _read_json(REFERENCE_DIR / name)
+
+
 @functools.lru_cache(maxsize=1)
 def _models() -> dict[str, dict]:
     return {k: v for k, v in _read_json(DATA_DIR / "models.json")["models"].items()}
