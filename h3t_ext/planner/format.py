@@ -155,11 +155,15 @@ def attention_stack_clause(ev: Evaluation, model: ModelSpec, system: SystemSpec)
     if fewer < 0.005:
         return ""
     r = kernel_rates(system)
+    ratio = system.efficiency("fused_attention_gemm_ratio")
     shipped = (efficiency_set(system.efficiency_set).get("fused_attention_gemm_ratio")
                if system.efficiency_set in efficiency_set_names() else None)
-    whose = ("a 2026 cuDNN's rate" if shipped == system.efficiency("fused_attention_gemm_ratio")
-             else f"this system's rate (a fused_attention_gemm_ratio of {system.efficiency('fused_attention_gemm_ratio'):g}"
-                  f" against the 2026 cuDNN's {shipped:g})" if shipped else "this system's rate")
+    if shipped == ratio:
+        whose = "a 2026 cuDNN's rate"
+    elif shipped:
+        whose = f"this system's rate (a fused_attention_gemm_ratio of {ratio:g} against the 2026 cuDNN's {shipped:g})"
+    else:  # a calibrated or hand-written system file naming no shipped set
+        whose = "this system's rate"
     return (f"; priced at {whose}, {r.fused_attention_flops / r.attention_flops:.1f}x FlashAttention-2's: "
             f"on a 2024 stack it ran at FlashAttention-2's (NeMo 24.03's long-sequence runs), {100 * fewer:.0f}% fewer "
             "tokens/s for this plan")
