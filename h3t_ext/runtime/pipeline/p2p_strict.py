@@ -157,17 +157,26 @@ class StrictP2P:
         g.started = True
 
     def _advance(self, g: _Group) -> bool:
-        """Post the sends whose ready token arrived; True when every transfer of ``g`` completed."""
+        """Post the sends whose ready token arrived; True when every transfer of ``g`` completed.
+
+        Sends to one peer are checked in posting order: their tokens are matched by gloo in that
+        order, but their watcher threads may flag them in any order, and a later send's token must
+        not be judged (or its data posted) before an earlier send's to the same peer."""
+        waiting: set[int] = set()  # peers with an earlier send still waiting for its token
         for op in g.ops:
-            if op.send and op.data is None and op.ready.done():
-                op.ready.result(self.rank, op.what)
-                if int(op.token[0]) != op.tag:
-                    raise P2POrderError(
-                        f"pipeline rank {self.rank}: send {op.what} to pipeline rank {op.peer} would be matched "
-                        f"with the peer's receive of tag {int(op.token[0])} (tag {op.tag} expected): the two ranks "
-                        "post their transfers in different orders, which NCCL matches by order"
-                    )
-                op.data = self._watch(dist.isend(op.tensor, group=self.group, group_dst=op.peer, tag=op.tag))
+            if not op.send or op.data is not None:
+                continue
+            if op.peer in waiting or not op.ready.done():
+                waiting.add(op.peer)
+                continue
+            op.ready.result(self.rank, op.what)
+            if int(op.token[0]) != op.tag:
+                raise P2POrderError(
+                    f"pipeline rank {self.rank}: send {op.what} to pipeline rank {op.peer} would be matched "
+                    f"with the peer's receive of tag {int(op.token[0])} (tag {op.tag} expected): the two ranks "
+                    "post their transfers in different orders, which NCCL matches by order"
+                )
+            op.data = self._watch(dist.isend(op.tensor, group=self.group, group_dst=op.peer, tag=op.tag))
         return all(op.done() for op in g.ops)
 
     def progress(self) -> None:
