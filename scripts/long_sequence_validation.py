@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from h3t_ext.costmodel.published_long_sequence import held_out_errors  # noqa: E402
+from h3t_ext.costmodel.validation import held_out_record  # noqa: E402
 
 
 def rows() -> list[dict]:
@@ -27,12 +28,9 @@ def rows() -> list[dict]:
     out = []
     for run, est, err in held_out_errors():
         flash_est, flash_err = flash[run.label]
-        out.append({"label": run.label, "seq_length": run.plan.seq_length,
-                    "published_tflops_per_gpu": run.model_tflops_per_s_per_gpu,
-                    "published_tokens_per_s_per_gpu": run.tokens_per_s_per_gpu,
-                    "predicted_tokens_per_s_per_gpu": est.tokens_per_second_per_gpu, "error": err,
-                    "flash_rate_tokens_per_s_per_gpu": flash_est.tokens_per_second_per_gpu, "flash_rate_error": flash_err,
-                    "peak_memory_gib": est.peak_memory_bytes / 2**30, "fits": est.fits})
+        out.append({**held_out_record(run.label, run.tokens_per_s_per_gpu, est, err),
+                    "seq_length": run.plan.seq_length, "published_tflops_per_gpu": run.model_tflops_per_s_per_gpu,
+                    "flash_rate_tokens_per_s_per_gpu": flash_est.tokens_per_second_per_gpu, "flash_rate_error": flash_err})
     return out
 
 

@@ -24,17 +24,45 @@ def efficiency_set_names() -> tuple[str, ...]:
     return tuple(k for k in _fitted()["efficiencies"] if k != "shared")
 
 
+def transferred_source(name: str) -> str:
+    """The family whose fitted efficiencies family ``name`` carries over (``fitted_efficiencies.json``
+    ``transfers``); empty where it has its own."""
+    transfer = _fitted().get("transfers", {}).get(name)
+    return "" if transfer is None else str(transfer["from"])
+
+
+def transferred_efficiencies(name: str) -> dict[str, float]:
+    """The efficiencies family ``name`` takes from another family's (``fitted_efficiencies.json`` ``transfers``):
+    each ``scaled`` one is the source family's times the ratio of the two chips' matmul ceilings (measured best
+    matmul FLOP/s over the datasheet peak, in the listed precision), each ``same`` one the source's as it is.
+    Empty for a family that has no transfer (one fitted or stated on its own runs)."""
+    transfer = _fitted().get("transfers", {}).get(name)
+    if transfer is None:
+        return {}
+    source = efficiency_set(transfer["from"])
+    out = {k: float(source[k]) for k in transfer.get("same", ())}
+    for key, precision in transfer["scaled"].items():
+        ceiling = transfer["matmul_ceiling"][precision]
+        (to_best, to_peak), (from_best, from_peak) = ceiling[name], ceiling[transfer["from"]]
+        out[key] = float(source[key]) * (to_best / to_peak) / (from_best / from_peak)
+    return out
+
+
 def efficiency_set(name: str) -> dict:
     """One named set of ``fitted_efficiencies.json`` over the ``shared`` set (values, plus ``_``-prefixed
-    notes)."""
+    notes), with what it takes from another family (:func:`transferred_efficiencies`) under its own values."""
     sets = _fitted()["efficiencies"]
-    return {**sets["shared"], **sets[name]}
+    return {**sets["shared"], **transferred_efficiencies(name), **sets[name]}
 
 
 def prior_efficiencies(name: str) -> dict[str, float]:
-    """Prior values (public benchmarks, ``fitted_efficiencies.json`` ``priors``) of efficiency set ``name``."""
+    """Prior values (public benchmarks, ``fitted_efficiencies.json`` ``priors``) of efficiency set ``name``; a family
+    priced by transfer (no prior of its own) starts from its transferred values."""
     priors = _fitted()["priors"]
-    return {**priors["shared"], **priors.get(name, {})}
+    own = priors.get(name)
+    if own is None:
+        own = transferred_efficiencies(name)
+    return {**priors["shared"], **own}
 
 
 def plausible_ranges() -> dict[str, tuple[float, float]]:

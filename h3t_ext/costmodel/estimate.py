@@ -124,7 +124,7 @@ class Estimate:
     def tokens_per_second_interval(self) -> tuple[float, float]:
         """(low, high) tokens/s: the prediction interval of the leave-one-source-out errors
         (``uncertainty.throughput_uncertainty``)."""
-        return throughput_uncertainty(self.moe).interval(self.tokens_per_second)
+        return throughput_uncertainty(self.moe, self.efficiency_set).interval(self.tokens_per_second)
 
     @property
     def mfu(self) -> float:
@@ -219,7 +219,8 @@ class Estimate:
             "tokens_per_second": self.tokens_per_second,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
             "tokens_per_second_interval": list(self.tokens_per_second_interval),
-            "tokens_per_second_relative_half_width": throughput_uncertainty(self.moe).relative_half_width,
+            "tokens_per_second_relative_half_width":
+                throughput_uncertainty(self.moe, self.efficiency_set).relative_half_width,
             "mfu": self.mfu,
             "plausibility": self.plausibility.to_dict(),
             "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,

@@ -1,8 +1,9 @@
 """Is a predicted MFU above anything published for that GPU family and precision?
 
-The cost model is checked on the published runs of ``data/reference`` (``published.py``); a plan it prices
-above the best MFU any of those runs reached on the same GPU family (``SystemSpec.efficiency_set``: A100 and
-A800 share a chip, H100/H800/H200 another) and precision lies where the model was never checked. Such a plan
+The cost model is checked on the published runs of ``data/reference`` (those it is fitted on, ``published.py``, and
+the held-out ones: Megatron-Bridge's and NeMo's long-sequence tables); a plan it prices above the best MFU any of those
+runs reached on the same GPU family (``SystemSpec.efficiency_set``: A100 and A800 share a chip, H100/H800/H200
+another, B200 a third) and precision lies where the model was never checked. Such a plan
 is not refused (a better stack may get there), it is flagged: ``search`` and ``estimate`` print the ceiling
 and the run that set it. The ceilings are computed from the same reference files with the one FLOPs formula
 (:func:`h3t_ext.costmodel.mfu.mfu`, dense bf16 peak), so they cannot drift from the data.
@@ -69,17 +70,35 @@ class Plausibility:
                                                        "precision": c.precision}}
 
 
+def _reference_runs():
+    """(source, label, model, plan, system, tokens/s per GPU) of every published run in ``data/reference``: the
+    fitted sources (``published.py``) and the held-out ones (Megatron-Bridge's and NeMo's long-sequence tables, each
+    GPU's file)."""
+    # imported here: they read the reference files and price with the cost model, which imports this module
+    from h3t_ext.costmodel import published_bridge, published_long_sequence  # noqa: PLC0415
+    from h3t_ext.costmodel.published import published_runs  # noqa: PLC0415
+    from h3t_ext.costmodel.specs import get_system  # noqa: PLC0415
+
+    for r in published_runs():
+        yield r.source, r.label, r.model, r.plan, r.system, r.tokens_per_s_per_gpu
+    for gpu, name in published_bridge.FILES.items():
+        for r in published_bridge.bridge_runs(gpu):
+            yield name.removesuffix(".json"), r.label, r.model, r.plan, get_system(r.system_name), r.tokens_per_s_per_gpu
+    for table, name in published_long_sequence.TABLES.items():
+        for r in published_long_sequence.long_sequence_runs(table):
+            yield name.removesuffix(".json"), r.label, r.model, r.plan, get_system(r.system_name), r.tokens_per_s_per_gpu
+
+
 @functools.lru_cache(maxsize=1)
 def published_mfu_ceilings() -> dict[tuple[str, str], MfuCeiling]:
-    """(efficiency set, precision) -> best published MFU, over every run of ``published.published_runs()``."""
-    from h3t_ext.costmodel.published import published_runs  # noqa: PLC0415  (reads the reference files)
-
+    """(efficiency set, precision) -> best published MFU, over every published run of ``data/reference``, fitted on
+    or held out."""
     best: dict[tuple[str, str], MfuCeiling] = {}
-    for r in published_runs():
-        key = (r.system.efficiency_set, r.plan.precision)
-        value = mfu(r.model, r.plan.seq_length, r.tokens_per_s_per_gpu, r.system.peak_bf16_flops)
+    for source, label, model, plan, system, tokens in _reference_runs():
+        key = (system.efficiency_set, plan.precision)
+        value = mfu(model, plan.seq_length, tokens, system.peak_bf16_flops)
         if key not in best or value > best[key].mfu:
-            best[key] = MfuCeiling(key[0], key[1], value, r.source, r.label, r.system.name)
+            best[key] = MfuCeiling(key[0], key[1], value, source, label, system.name)
     return best
 
 

@@ -1,7 +1,14 @@
-"""Megatron-Bridge's published dense DGX-H100 runs (``data/reference/megatron_bridge_h100.json``): the 25.11
-container's Llama-3 70B and Llama-3.1 405B FP8 rows and the 2026 containers' rows of the same recipes, as typed records
-with the Plan each ran. Nothing is fitted on them; they are the held-out check of the newest software stacks (the
-``newer_stacks`` entry of ``data/uncertainty.json``, which ``h3t-plan estimate`` prints beside its interval)."""
+"""Megatron-Bridge's published dense pre-training runs, as typed records with the Plan each ran, one file of
+``data/reference`` per GPU:
+
+* ``h100`` (``megatron_bridge_h100.json``): the 25.11 container's Llama-3 70B and Llama-3.1 405B FP8 rows on DGX-H100
+  and the 2026 containers' rows of the same recipes: the held-out check of the newest software stacks (the
+  ``newer_stacks`` entry of ``data/uncertainty.json``, which ``h3t-plan estimate`` prints beside its interval);
+* ``b200`` (``megatron_bridge_b200.json``): the 25.09 and 25.11 containers' Llama-3 8B and Llama-3.1 405B rows on
+  DGX-B200, per-tensor current scaling and MXFP8: with NeMo's B200 long-sequence table, the check of the Blackwell
+  efficiencies carried over from Hopper (the ``transferred`` entry of ``data/uncertainty.json``).
+
+Nothing is fitted on them."""
 from __future__ import annotations
 
 import functools
@@ -12,11 +19,14 @@ from h3t_ext.costmodel.estimate import Estimate, estimate
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, SystemSpec, get_model, get_system, reference_json
 
-PATH = REFERENCE_DIR / "megatron_bridge_h100.json"
+FILES = {"h100": "megatron_bridge_h100.json", "b200": "megatron_bridge_b200.json"}
+"""Each GPU's file in ``data/reference`` (its ``system`` names the GPU every row ran on)."""
+PATH = REFERENCE_DIR / FILES["h100"]
 BRIDGE_SYSTEM = "h100-sxm"
-"""The GPU every row ran on (DGX-H100)."""
+"""The GPU the ``h100`` file's rows ran on (DGX-H100)."""
 FIRST_CONTAINER = "25.11"
-"""The container of the file's ``rows`` (its ``source``); ``later_rows`` name their own."""
+"""The container of a row that names none (the ``h100`` file's ``rows``, its ``source``'s); its ``later_rows`` and
+every ``b200`` row name their own."""
 _NOT_PLAN = ("label", "model", "tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu", "container", "archive_line",
              "note")
 
@@ -34,30 +44,33 @@ class BridgeRun:
     model_tflops_per_s_per_gpu: float
     note: Optional[str] = None
     """What is odd about the published row itself, where something is."""
+    system_name: str = BRIDGE_SYSTEM
+    """The GPU the row ran on (its file's ``system``)."""
 
 
-@functools.lru_cache(maxsize=1)
-def bridge_runs() -> tuple[BridgeRun, ...]:
-    """Every row of the file: the 25.11 rows, then the later containers' in the file's order."""
-    data = reference_json(PATH.name)
+@functools.lru_cache(maxsize=None)
+def bridge_runs(gpu: str = "h100") -> tuple[BridgeRun, ...]:
+    """Every row of one GPU's file (:data:`FILES`): its ``rows``, then its ``later_rows`` in the file's order."""
+    data = reference_json(FILES[gpu])
     out = []
-    for row in (*data["rows"], *data["later_rows"]):
+    for row in (*data["rows"], *data.get("later_rows", ())):
         plan = Plan(**{**data["plan"], **{k: v for k, v in row.items() if k not in _NOT_PLAN}})
         out.append(BridgeRun(row["label"], row.get("container", FIRST_CONTAINER), get_model(row["model"]), plan,
                              float(row["tokens_per_s_per_gpu"]), float(row["model_tflops_per_s_per_gpu"]),
-                             row.get("note")))
+                             row.get("note"), data["system"]))
     return tuple(out)
 
 
-def held_out_errors(system: Optional[SystemSpec] = None) -> list[tuple[BridgeRun, Estimate, float]]:
-    """(run, estimate, predicted / published tokens/s - 1) of every row, on ``system`` (default
-    :data:`BRIDGE_SYSTEM` with its fitted efficiencies)."""
-    system = get_system(BRIDGE_SYSTEM) if system is None else system
+def held_out_errors(system: Optional[SystemSpec] = None, gpu: str = "h100") -> list[tuple[BridgeRun, Estimate, float]]:
+    """(run, estimate, predicted / published tokens/s - 1) of every row of ``gpu``'s file, on ``system`` (default the
+    GPU the rows ran on, with its shipped efficiencies)."""
+    runs = bridge_runs(gpu)
+    system = get_system(runs[0].system_name) if system is None else system
     out = []
-    for run in bridge_runs():
+    for run in runs:
         est = estimate(run.model, run.plan, system)
         out.append((run, est, est.tokens_per_second_per_gpu / run.tokens_per_s_per_gpu - 1))
     return out
 
 
-__all__ = ["BRIDGE_SYSTEM", "BridgeRun", "FIRST_CONTAINER", "PATH", "bridge_runs", "held_out_errors"]
+__all__ = ["BRIDGE_SYSTEM", "BridgeRun", "FILES", "FIRST_CONTAINER", "PATH", "bridge_runs", "held_out_errors"]

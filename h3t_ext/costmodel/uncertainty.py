@@ -33,6 +33,11 @@ class ThroughputUncertainty:
     newer_stacks_underprediction: float = 0.0
     """How much faster than predicted the newest published stacks ran, at most (dense: ``validation.newer_stacks``;
     0.0 where not measured, as for MoE models)."""
+    transferred_from: str = ""
+    """Where the interval is that of a GPU family priced with another family's efficiencies carried over
+    (``efficiency_sets.transferred_efficiencies``): that other family; empty otherwise."""
+    held_out_runs: str = ""
+    """What the held-out runs of a carried-over family are (empty otherwise)."""
 
     def interval(self, value: float) -> tuple[float, float]:
         """(low, high) of a predicted value."""
@@ -51,14 +56,21 @@ def half_width_from_errors(errors: Sequence[float], coverage: float = COVERAGE) 
     return ranked[max(0, math.ceil(coverage * len(ranked)) - 1)]
 
 
-@functools.lru_cache(maxsize=2)
-def throughput_uncertainty(moe: bool = False) -> ThroughputUncertainty:
+@functools.lru_cache(maxsize=None)
+def throughput_uncertainty(moe: bool = False, efficiency_set: str = "") -> ThroughputUncertainty:
     """The stored interval (``data/uncertainty.json``); ``moe``: that of mixture-of-experts models, from the published
-    MoE runs nothing was fitted to (its ``moe`` entry, written by ``scripts/moe_validation.py --write-uncertainty``)."""
+    MoE runs nothing was fitted to (its ``moe`` entry, written by ``scripts/moe_validation.py --write-uncertainty``).
+    For a GPU family priced with another family's efficiencies carried over (its ``transferred`` entry, from that
+    family's held-out published runs), the wider of the two."""
     with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
         d = json.load(f)
     newer = 0.0 if moe else float(d["newer_stacks"]["max_underprediction"])
-    if moe:
-        d = d["moe"]
-    return ThroughputUncertainty(float(d["relative_half_width"]), float(d["coverage"]), int(d["held_out_rows"]),
-                                 str(d["computed_from"]), newer)
+    entry = d["moe"] if moe else d
+    base = ThroughputUncertainty(float(entry["relative_half_width"]), float(entry["coverage"]),
+                                 int(entry["held_out_rows"]), str(entry["computed_from"]), newer)
+    t = d.get("transferred", {}).get(efficiency_set)
+    if t is None:
+        return base
+    carried = ThroughputUncertainty(float(t["relative_half_width"]), float(t["coverage"]), int(t["held_out_rows"]),
+                                    str(t["computed_from"]), 0.0, str(t["from"]), str(t["runs"]))
+    return carried if carried.relative_half_width >= base.relative_half_width else base

@@ -17,9 +17,9 @@ from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_joint, fit_system,
     with_efficiencies
 from h3t_ext.costmodel.pooling import PRIOR_KEY, CalibrationPrior, pooled, prior_from_errors
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
-from h3t_ext.costmodel import published_bridge
+from h3t_ext.costmodel import published_bridge, published_long_sequence
 from h3t_ext.costmodel.published_moe import held_out_errors
-from h3t_ext.costmodel.efficiency_sets import prior_efficiencies
+from h3t_ext.costmodel.efficiency_sets import prior_efficiencies, transferred_source
 from h3t_ext.costmodel.specs import SystemSpec
 from h3t_ext.costmodel.uncertainty import COVERAGE, half_width_from_errors
 
@@ -174,6 +174,7 @@ def computed_uncertainty() -> dict:
         PRIOR_KEY: prior.to_dict(),
         "newer_stacks": newer_stacks(),
         "moe": moe_uncertainty(),
+        "transferred": transferred_uncertainty(),
     }
 
 
@@ -188,6 +189,30 @@ def newer_stacks() -> dict:
                              "Megatron-Bridge DGX-H100 rows (data/reference/megatron_bridge_h100.json, containers "
                              + ", ".join(sorted({run.container for run, _, _ in rows}))
                              + "), with the data file's efficiencies; the most negative, as a positive fraction"}
+
+
+def held_out_record(label: str, published_tokens_per_s_per_gpu: float, est, error: float) -> dict:
+    """One held-out published run against its estimate, as the validation scripts print and emit it (``--json``)."""
+    return {"label": label, "published_tokens_per_s_per_gpu": published_tokens_per_s_per_gpu,
+            "predicted_tokens_per_s_per_gpu": est.tokens_per_second_per_gpu, "error": error,
+            "peak_memory_gib": est.peak_memory_bytes / 2**30, "fits": est.fits}
+
+
+def transferred_uncertainty() -> dict:
+    """The prediction interval of each GPU family priced with another family's efficiencies carried over
+    (``efficiency_sets.transferred_efficiencies``), from its held-out published runs: Blackwell's from the
+    Megatron-Bridge DGX-B200 rows and NeMo's B200 long-sequence table (none fitted on), the ``COVERAGE`` quantile of
+    their |errors|."""
+    errors = ([e for _, _, e in published_bridge.held_out_errors(gpu="b200")]
+              + [e for _, _, e in published_long_sequence.held_out_errors(table="b200")])
+    return {"blackwell": {
+        "relative_half_width": round(half_width_from_errors(errors), 6), "coverage": COVERAGE,
+        "held_out_rows": len(errors), "from": transferred_source("blackwell"),
+        "runs": "published DGX-B200 runs (Megatron-Bridge 25.09-25.11, NeMo 25.04's long-sequence table)",
+        "computed_from": "published_bridge.held_out_errors(gpu='b200') and published_long_sequence.held_out_errors("
+                         "table='b200'): |relative tokens/s error| of the published DGX-B200 runs "
+                         "(data/reference/megatron_bridge_b200.json, nemo_long_sequence_b200.json), none fitted on; "
+                         "nearest-rank quantile at the coverage"}}
 
 
 def moe_uncertainty() -> dict:

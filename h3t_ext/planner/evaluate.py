@@ -26,6 +26,9 @@ AlphaMode = Union[float, tuple[float, ...], str]
 """A number in [0, 1], one number per pipeline stage, ``"auto"`` or ``"balanced"``."""
 
 ALPHA_MODES = ("auto", "balanced")
+FIRST_2025_STACK_COMPUTE_CAPABILITY = 10.0
+"""GPUs from this compute capability on (Blackwell) ran only 2025-and-later software stacks: the 2024 stacks' fused
+attention at FlashAttention-2's rate (NeMo 24.03's long-sequence runs on H100) says nothing of them."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,10 @@ def flash_rate_tokens_per_second(model: ModelSpec, ev: Evaluation, system: Syste
     rate measured with a 2026 cuDNN (``fused_attention_gemm_ratio``): how fast the fused kernel ran on a 2024 stack
     (NeMo 24.03's published long-sequence runs are priced within -1% to +10% so, and +2% to +46% at the measured
     rate: :mod:`h3t_ext.costmodel.published_long_sequence`). None where the plan's attention is not that measured
-    kernel, or where FlashAttention cannot run it."""
+    kernel, where FlashAttention cannot run it, or on a GPU no 2024 stack ran
+    (:data:`FIRST_2025_STACK_COMPUTE_CAPABILITY`)."""
+    if system.compute_capability >= FIRST_2025_STACK_COMPUTE_CAPABILITY:
+        return None
     if priced_attention_kernel(ev.plan.attention_kernel(system), kernel_rates(system)) != "fused":
         return None
     try:

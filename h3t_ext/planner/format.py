@@ -183,11 +183,16 @@ def local_stack_line() -> str:
 def interval_line(est) -> str:
     """The estimate's prediction interval and what it is: the fitted sources' held-out spread (dense), with how much
     faster the newest published stacks ran than predicted; the published MoE runs' spread (MoE)."""
-    u = throughput_uncertainty(est.moe)
+    u = throughput_uncertainty(est.moe, est.efficiency_set)
     lo, hi = est.tokens_per_second_interval
-    what = ("the held-out published MoE runs" if est.moe else
-            "the fitted sources' published runs, each predicted without its source; the newest published stacks ran up "
-            f"to {100 * u.newer_stacks_underprediction:.0f}% faster than predicted")
+    if u.transferred_from:
+        what = (f"the held-out {u.held_out_runs}: this GPU family is priced with {u.transferred_from.capitalize()}'s fitted "
+                "efficiencies carried over, none fitted on its own runs")
+    elif est.moe:
+        what = "the held-out published MoE runs"
+    else:
+        what = ("the fitted sources' published runs, each predicted without its source; the newest published stacks "
+                f"ran up to {100 * u.newer_stacks_underprediction:.0f}% faster than predicted")
     return f"interval    {lo:,.0f} - {hi:,.0f} tokens/s (+-{100 * u.relative_half_width:.1f}%: " \
            f"{100 * u.coverage:.0f}% of {what})"
 
@@ -342,7 +347,9 @@ def search_dicts(result: SearchResult, top: int) -> list[dict]:
 def tie_line(result: SearchResult) -> str:
     """Which rows the cost model cannot tell from the best."""
     tied = result.tied_with_best()
-    w = throughput_uncertainty(bool(result.plans) and result.plans[0].evaluation.estimate.moe).relative_half_width
+    best = result.plans[0].evaluation.estimate if result.plans else None
+    w = (throughput_uncertainty() if best is None else
+         throughput_uncertainty(best.moe, best.efficiency_set)).relative_half_width
     rows = ", ".join(f"#{i + 1}" for i in tied)
     return (f"tied with the best (tokens/s within its +-{100 * w:.1f}% prediction interval): {rows} "
             f"({len(tied)} of {len(result.plans)} feasible plans)")

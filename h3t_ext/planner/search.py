@@ -122,7 +122,7 @@ class SearchResult:
         if not self.plans:
             return ()
         best = self.plans[0].evaluation.estimate
-        w = throughput_uncertainty(best.moe).relative_half_width if relative_half_width is None \
+        w = throughput_uncertainty(best.moe, best.efficiency_set).relative_half_width if relative_half_width is None \
             else relative_half_width
         floor = best.tokens_per_second * (1.0 - w)
         return tuple(i for i, r in enumerate(self.plans) if r.evaluation.estimate.tokens_per_second >= floor)

@@ -166,9 +166,9 @@ def test_fitted_numbers_are_named_in_range_and_counted():
     ranges = plausible_ranges()
     data = json.loads((DATA_DIR / "fitted_efficiencies.json").read_text())
     assert set(ranges) == set(data["meanings"])  # every efficiency has a stated physical meaning
-    for fam in ("hopper", "ampere"):
+    for fam in ("hopper", "ampere", "blackwell"):  # Blackwell's: Hopper's carried over, and its own fused attention
         eff = {k: v for k, v in efficiency_set(fam).items() if not k.startswith("_")}
-        # the fused attention's two numbers are measured on Hopper's chip only; Ampere prices it as FlashAttention
+        # the fused attention's two numbers are given for Hopper and Blackwell; Ampere prices it as FlashAttention
         assert set(eff) == set(ranges) - (set(OPTIONAL_EFFICIENCIES) if fam == "ampere" else set()), fam
         for k, v in eff.items():
             lo, hi = ranges[k]

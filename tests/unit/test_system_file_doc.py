@@ -84,7 +84,7 @@ def test_each_field_of_the_example_is_checked(tmp_path, capsys, rule):
 
 def test_unknown_efficiency_set_is_one_line(tmp_path, capsys):
     d = _doc_example()
-    d["efficiency_set"] = "blackwell"
+    d["efficiency_set"] = "rubin"
     assert main(["estimate", "--system-file", _write(tmp_path, d), *RUN]) == 2
     err = capsys.readouterr().err
     assert "efficiency_set" in err and "hopper" in err and len(err.strip().splitlines()) == 1
