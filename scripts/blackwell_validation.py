@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     for r in out:
         if r["source"] != source:
             source = r["source"]
-            print(f"\n{source}\n{'run':<52} {'recipe':>10} {'published':>10} {'predicted':>10} {'error':>7} {'peak':>10}")
+            print(f"\n{source}\n{'run':<52} {'recipe':>10} {'published':>10} {'predicted':>10} {'error':>7} "
+                  f"{'peak':>10}")
         print(f"{r['label']:<52} {r['fp8_recipe']:>10} {r['published_tokens_per_s_per_gpu']:10,.0f} "
               f"{r['predicted_tokens_per_s_per_gpu']:10,.0f} {100 * r['error']:+6.1f}% "
               f"{r['peak_memory_gib']:6.1f} GiB{'' if r['fits'] else ' OVER'}")

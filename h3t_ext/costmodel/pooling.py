@@ -89,11 +89,14 @@ def pooled(system: SystemSpec, fitted: Mapping[str, float], weight: float) -> di
     return {k: _between(system.efficiency(k), v, weight) for k, v in fitted.items()}
 
 
-@functools.lru_cache(maxsize=1)
-def calibration_prior() -> CalibrationPrior:
+@functools.lru_cache(maxsize=None)
+def calibration_prior(efficiency_set: str = "") -> CalibrationPrior:
     """The stored prior (``data/uncertainty.json``, written by ``scripts/costmodel_calibration.py
-    --write-uncertainty`` from ``validation.computed_uncertainty``)."""
+    --write-uncertainty`` from ``validation.computed_uncertainty``): the fitted sources' spread, or for a GPU family
+    priced with another family's efficiencies carried over, the spread of its own held-out published runs (its
+    ``transferred`` entry), which is wider, so that its measured runs move it further."""
     with open(UNCERTAINTY_FILE, encoding="utf-8") as f:
-        d = json.load(f)[PRIOR_KEY]
+        stored = json.load(f)
+    d = stored.get("transferred", {}).get(efficiency_set, stored)[PRIOR_KEY]
     return CalibrationPrior(float(d["between_source_sd"]), float(d["within_source_sd"]), int(d["sources"]),
                             int(d["rows"]), str(d["computed_from"]))

@@ -203,8 +203,11 @@ def transferred_uncertainty() -> dict:
     (``efficiency_sets.transferred_efficiencies``), from its held-out published runs: Blackwell's from the
     Megatron-Bridge DGX-B200 rows and NeMo's B200 long-sequence table (none fitted on), the ``COVERAGE`` quantile of
     their |errors|."""
-    errors = ([e for _, _, e in published_bridge.held_out_errors(gpu="b200")]
-              + [e for _, _, e in published_long_sequence.held_out_errors(table="b200")])
+    by_source = {"megatron_bridge_b200": [e for _, _, e in published_bridge.held_out_errors(gpu="b200")],
+                 "nemo_long_sequence_b200": [e for _, _, e in published_long_sequence.held_out_errors(table="b200")]}
+    errors = [e for errs in by_source.values() for e in errs]
+    prior = prior_from_errors(by_source, "the held-out errors of the two B200 sources: moment estimates of the "
+                                         "random-effects model (pooling.prior_from_errors)")
     return {"blackwell": {
         "relative_half_width": round(half_width_from_errors(errors), 6), "coverage": COVERAGE,
         "held_out_rows": len(errors), "from": transferred_source("blackwell"),
@@ -212,7 +215,8 @@ def transferred_uncertainty() -> dict:
         "computed_from": "published_bridge.held_out_errors(gpu='b200') and published_long_sequence.held_out_errors("
                          "table='b200'): |relative tokens/s error| of the published DGX-B200 runs "
                          "(data/reference/megatron_bridge_b200.json, nemo_long_sequence_b200.json), none fitted on; "
-                         "nearest-rank quantile at the coverage"}}
+                         "nearest-rank quantile at the coverage",
+        PRIOR_KEY: prior.to_dict()}}
 
 
 def moe_uncertainty() -> dict:

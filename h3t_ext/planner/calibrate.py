@@ -28,7 +28,7 @@ from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system, mean_abs, 
 from h3t_ext.costmodel.plan import validate_plan
 from h3t_ext.costmodel.pooling import calibration_prior, pooled
 from h3t_ext.costmodel.schema import SchemaError, check_positive_rate
-from h3t_ext.costmodel.efficiency_sets import plausible_ranges
+from h3t_ext.costmodel.efficiency_sets import plausible_ranges, transferred_source
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner.translate import plan_from_args
 
@@ -216,10 +216,12 @@ def calibrate(system: SystemSpec, base_file: dict, runs: Sequence[MeasuredRun],
     applied values, unidentified, errors)."""
     fit = fit_system(system, runs)
     if weight is None:
-        prior = calibration_prior()
+        prior = calibration_prior(system.efficiency_set)
         weight = prior.weight(len(runs))
-        weight_from = (f"{len(runs)} run(s) against the published sources' spread: across clusters "
-                       f"{prior.between_source_sd:.2%}, within one {prior.within_source_sd:.2%} (data/uncertainty.json)")
+        whose = ("its GPU family's held-out published runs' spread" if transferred_source(system.efficiency_set)
+                 else "the published sources' spread")
+        weight_from = (f"{len(runs)} run(s) against {whose}: across clusters {prior.between_source_sd:.2%}, "
+                       f"within one {prior.within_source_sd:.2%} (data/uncertainty.json)")
     else:
         weight_from = "--calibration-weight"
     applied = pooled(system, fit.fitted, weight)

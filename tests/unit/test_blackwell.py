@@ -51,7 +51,8 @@ def test_blackwell_carries_over_hoppers_fit_scaled_by_the_matmul_ceilings():
     0.803, fp8 0.763 / 0.709); HBM is Hopper's; the fused attention is Blackwell's own; Hopper and Ampere carry
     nothing over."""
     hopper, blackwell = efficiency_set("hopper"), efficiency_set("blackwell")
-    assert blackwell["gemm_peak_fraction"] == pytest.approx(hopper["gemm_peak_fraction"] * (1745 / 2250) / (794.5 / 989))
+    assert blackwell["gemm_peak_fraction"] == pytest.approx(
+        hopper["gemm_peak_fraction"] * (1745 / 2250) / (794.5 / 989))
     assert blackwell["gemm_fp8_peak_fraction"] == pytest.approx(
         hopper["gemm_fp8_peak_fraction"] * (3432.5 / 4500) / (1402.6 / 1979))
     assert blackwell["attention_peak_fraction"] == pytest.approx(
@@ -87,7 +88,8 @@ def test_the_bridge_copy_agrees_with_the_tables_flops_count():
     """Every row's tokens/s times the one FLOPs formula (mfu.py, causal) is its published TFLOP/s within 0.2%: the copy
     is checked, and the Bridge counts FLOPs as this project does."""
     src = BRIDGE["source"]
-    assert src["repository"] == "NVIDIA-NeMo/Megatron-Bridge" and len(src["commit"]) == 40 and src["commit"] in src["url"]
+    assert src["repository"] == "NVIDIA-NeMo/Megatron-Bridge" and len(src["commit"]) == 40
+    assert src["commit"] in src["url"]
     assert len(BRIDGE["rows"]) == 8 and BRIDGE["system"] == "b200"
     for row in BRIDGE["rows"]:
         flops = model_flops_per_token(get_model(row["model"]), row["seq_length"])
@@ -244,3 +246,19 @@ def test_the_b200_runs_set_blackwells_mfu_ceiling_and_the_405b_plan_is_flagged_a
     assert est.plausibility.above_ceiling and est.mfu == pytest.approx(0.82, abs=0.01)
     small = published_bridge.held_out_errors(gpu="b200")[0][1]  # the 8B: within the range
     assert not small.plausibility.above_ceiling
+
+
+def test_one_b200_run_moves_a_calibration_further_than_one_hopper_run():
+    """The calibration prior of a carried-over family is the spread of its own held-out runs (two B200 sources: across
+    them 5.8%, within one 6.1%), so one measured B200 run keeps 47% of its fit where one Hopper run keeps 33%."""
+    from h3t_ext.costmodel.fit import MeasuredRun
+    from h3t_ext.costmodel.pooling import calibration_prior
+    from h3t_ext.planner.calibrate import calibrate
+
+    b200, hopper = calibration_prior("blackwell"), calibration_prior("hopper")
+    assert hopper == calibration_prior() and b200.sources == 2 and b200.rows == 16
+    assert b200.weight(1) == pytest.approx(0.470, abs=0.001) and hopper.weight(1) == pytest.approx(0.331, abs=0.001)
+    run = published_bridge.bridge_runs("b200")[0]
+    cal = calibrate(get_system("b200"), {"efficiency_set": "blackwell"},
+                    [MeasuredRun(run.model, run.plan, run.tokens_per_s_per_gpu, run.label)])
+    assert cal.weight == pytest.approx(b200.weight(1)) and "its GPU family's held-out" in cal.weight_from
