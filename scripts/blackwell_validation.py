@@ -20,7 +20,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from h3t_ext.costmodel import published_bridge, published_long_sequence  # noqa: E402
+from h3t_ext.costmodel import held_out  # noqa: E402
 from h3t_ext.costmodel.efficiency_sets import transferred_efficiencies  # noqa: E402
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty  # noqa: E402
 from h3t_ext.costmodel.validation import held_out_record  # noqa: E402
@@ -28,8 +28,8 @@ from h3t_ext.costmodel.validation import held_out_record  # noqa: E402
 
 def rows() -> list[dict]:
     out = []
-    for source, errors in (("megatron_bridge_b200", published_bridge.held_out_errors(gpu="b200")),
-                           ("nemo_long_sequence_b200", published_long_sequence.held_out_errors(table="b200"))):
+    for source, errors in (("megatron_bridge_b200", held_out.bridge_errors(gpu="b200")),
+                           ("nemo_long_sequence_b200", held_out.long_sequence_errors(table="b200"))):
         out += [{"source": source, "fp8_recipe": run.plan.fp8_recipe,
                  **held_out_record(run.label, run.tokens_per_s_per_gpu, est, err)} for run, est, err in errors]
     return out

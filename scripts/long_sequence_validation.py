@@ -19,14 +19,14 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from h3t_ext.costmodel.published_long_sequence import held_out_errors  # noqa: E402
+from h3t_ext.costmodel.held_out import long_sequence_errors  # noqa: E402
 from h3t_ext.costmodel.validation import held_out_record  # noqa: E402
 
 
 def rows() -> list[dict]:
-    flash = {run.label: (est, err) for run, est, err in held_out_errors(attention_backend="flash")}
+    flash = {run.label: (est, err) for run, est, err in long_sequence_errors(attention_backend="flash")}
     out = []
-    for run, est, err in held_out_errors():
+    for run, est, err in long_sequence_errors():
         flash_est, flash_err = flash[run.label]
         out.append({**held_out_record(run.label, run.tokens_per_s_per_gpu, est, err),
                     "seq_length": run.plan.seq_length, "published_tflops_per_gpu": run.model_tflops_per_s_per_gpu,

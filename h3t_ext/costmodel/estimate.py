@@ -253,7 +253,7 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
               else int(memory_budget_bytes))
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     alphas, v, chunk, offloaded = _closed_form_inputs(model, plan)
-    stages = tuple(stage_memory(model, plan, k, alphas[k]) for k in range(p))
+    stages = tuple(stage_memory(model, plan, k, alphas[k], system) for k in range(p))
     closed = _closed_form(model, plan, system, alphas, chunk, offloaded)
     too_large = timeline_too_large(model, plan, alphas) if timeline else None
     tl = plan_timeline(model, plan, system, alphas) if timeline and too_large is None else None

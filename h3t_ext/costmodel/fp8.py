@@ -16,7 +16,10 @@ cast-transpose kernel that also reduces the amax; in the backward the same for e
 The weights are cast once per iteration (megatron-core passes ``is_first_microbatch`` to TransformerEngine,
 which caches the FP8 weight and its transpose for the other microbatches), priced with the optimizer step
 (``step_seconds``); with ``--fp8-param-gather`` the parameters already are FP8 (the optimizer writes them from
-the fp32 main params) and only the transpose is made. The recipes differ in their scaling:
+the fp32 main params) and only the transpose is made. On a GPU whose FP8 GEMMs take any operand layout
+(``kernels.any_layout_fp8_gemm``: Blackwell's compute capability 10.x) a per-tensor-scaled tensor (``delayed``,
+``tensorwise``) is one buffer that both GEMM directions read: no transpose is written, cached or made
+(``fp8_copies``; TransformerEngine's ``Float8Tensor`` on such a GPU). The recipes differ in their scaling:
 
 * ``delayed``: scales from an amax history (Megatron's ``--fp8-amax-history-len``, default 1); the amax comes
   out of the cast kernel, and one fused kernel per iteration updates the histories and scales.
@@ -46,7 +49,7 @@ from __future__ import annotations
 from typing import Optional
 
 from h3t_ext.costmodel.errors import InvalidPlanError
-from h3t_ext.costmodel.kernels import KernelRates, elementwise_seconds, kernel_rates
+from h3t_ext.costmodel.kernels import KernelRates, any_layout_fp8_gemm, elementwise_seconds, kernel_rates
 from h3t_ext.dtypes import BF16, E8M0, FP8, FP32
 
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -65,6 +68,10 @@ MXFP8_MIN_COMPUTE_CAPABILITY = 10.0
 CAST_TRANSPOSE_BYTES = BF16 + FP8 + FP8
 """Per element cast: read bf16, write the FP8 row-wise copy and the FP8 transpose (TransformerEngine's fused
 cast-transpose; the amax reduction rides in the same kernel)."""
+PER_TENSOR_RECIPES = ("delayed", "tensorwise")
+"""The recipes with one scale per tensor, whose FP8 data reads the same in either GEMM direction on a GPU whose FP8
+GEMMs take any operand layout (:func:`fp8_copies`); block scales belong to one direction (``blockwise``, ``mxfp8``),
+so those keep both copies."""
 AMAX_PASS_BYTES = BF16
 """Current (tensorwise) scaling: the amax is needed before the cast, so every input is read once more."""
 BLOCKWISE_SCALE_BYTES = 2 * FP32 / 128
@@ -156,11 +163,19 @@ def bf16_layers_in(at_start: int, at_end: int, num_layers: int, first: int, coun
     return max(0, count) - fp8_layers
 
 
-def cast_bytes_per_element(recipe: str) -> float:
-    """HBM bytes per element of one cast tensor under ``recipe`` (cast-transpose, amax pass, scales)."""
+def fp8_copies(recipe: str, any_layout: bool = False) -> int:
+    """FP8 copies TransformerEngine makes of a cast tensor for its two GEMM directions: the row-wise data and its
+    transpose (2), or, for a per-tensor-scaled recipe on a GPU whose FP8 GEMMs take any layout (``any_layout``:
+    ``kernels.any_layout_fp8_gemm``), the one buffer both directions read (1: ``Float8Tensor`` keeps no transpose)."""
+    return 1 if any_layout and recipe in PER_TENSOR_RECIPES else 2
+
+
+def cast_bytes_per_element(recipe: str, copies: int = 2) -> float:
+    """HBM bytes per element of one cast tensor under ``recipe`` (read bf16, write ``copies`` FP8 copies, the amax
+    pass, scales)."""
     extra = {"delayed": 0.0, "tensorwise": AMAX_PASS_BYTES, "blockwise": BLOCKWISE_SCALE_BYTES,
              "mxfp8": MXFP8_SCALE_BYTES}[recipe]
-    return CAST_TRANSPOSE_BYTES + extra
+    return CAST_TRANSPOSE_BYTES - (2 - copies) * FP8 + extra
 
 
 def _cast_kernels(recipe: str) -> int:
@@ -184,7 +199,8 @@ def cast_seconds(model, plan, r: KernelRates) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's casts for one microbatch on one rank (0, 0 without FP8)."""
     if plan.fp8 is None:
         return 0.0, 0.0
-    per, kernels = cast_bytes_per_element(plan.fp8_recipe), 4 * _cast_kernels(plan.fp8_recipe)
+    copies = fp8_copies(plan.fp8_recipe, r.fp8_any_layout)
+    per, kernels = cast_bytes_per_element(plan.fp8_recipe, copies), 4 * _cast_kernels(plan.fp8_recipe)
     fwd, bwd = cast_elements(model, plan)
     return elementwise_seconds(fwd * per, r, kernels=kernels), elementwise_seconds(bwd * per, r, kernels=kernels)
 
@@ -195,12 +211,14 @@ def gemm_weight_params(model, plan, layers: int) -> int:
 
 
 def step_seconds(model, plan, system, layers: int) -> float:
-    """Once per iteration on a rank holding ``layers`` layers: the weights' cast (read bf16, write FP8 and its
-    transpose; with --fp8-param-gather only the transpose of the FP8 parameters) and the scale update."""
+    """Once per iteration on a rank holding ``layers`` layers: the weights' cast (read bf16, write FP8 and, where it
+    is kept (:func:`fp8_copies`), its transpose; with --fp8-param-gather only the transpose of the FP8 parameters)
+    and the scale update."""
     if plan.fp8 is None:
         return 0.0
     w = gemm_weight_params(model, plan, layers)
-    per = (FP8 + FP8) if plan.fp8_param_gather else cast_bytes_per_element(plan.fp8_recipe)
+    copies = fp8_copies(plan.fp8_recipe, kernel_rates(system).fp8_any_layout)
+    per = (FP8 + FP8) * (copies - 1) if plan.fp8_param_gather else cast_bytes_per_element(plan.fp8_recipe, copies)
     return elementwise_seconds(w * per, kernel_rates(system), kernels=STEP_KERNELS + 4 * layers * _cast_kernels(
         plan.fp8_recipe))
 
@@ -214,12 +232,15 @@ def weight_bytes(model, plan, n: int, layers: int) -> int:
     return (n - w) * BF16 + w * FP8
 
 
-def weight_cache_bytes(model, plan, layers: int) -> int:
+def weight_cache_bytes(model, plan, layers: int, system=None) -> int:
     """TransformerEngine's FP8 weight copies kept through the iteration: the FP8 copy and its transpose per GEMM
-    weight (with --fp8-param-gather the parameter is the FP8 copy: only the transpose)."""
+    weight, or the copy alone where no transpose is kept (:func:`fp8_copies` on ``system``); with --fp8-param-gather
+    the parameter is the FP8 copy, so only the transpose (none where none is kept). ``system`` None: a GPU that keeps
+    the transpose."""
     if plan.fp8 is None:
         return 0
-    per = FP8 if plan.fp8_param_gather else WEIGHT_CACHE_BYTES
+    copies = fp8_copies(plan.fp8_recipe, system is not None and any_layout_fp8_gemm(system.compute_capability))
+    per = FP8 * (copies - 1) if plan.fp8_param_gather else WEIGHT_CACHE_BYTES - (2 - copies) * FP8
     return gemm_weight_params(model, plan, layers) * per
 
 

@@ -95,6 +95,9 @@ class KernelRates:
     measurement of it; priced as FlashAttention)."""
     fused_row_overhead_keys: float = 0.0
     """The fused attention's fixed work per query row, in keys' work (the same in both passes)."""
+    fp8_any_layout: bool = False
+    """The GPU's FP8 GEMMs take any operand layout (:func:`any_layout_fp8_gemm`): a per-tensor-scaled cast writes no
+    transpose (``fp8.fp8_copies``)."""
 
 
 @functools.lru_cache(maxsize=64)
@@ -111,6 +114,12 @@ def kernel_rates(system: SystemSpec) -> KernelRates:
             raise InvalidPlanError(f"system {system.name}: {name} is {value:g} per second, too small to price; "
                                    "valid: rates of at least one per second and efficiencies that keep them so")
     return r
+
+
+def any_layout_fp8_gemm(compute_capability: float) -> bool:
+    """Whether the GPU's FP8 GEMMs take any operand layout, not only TN (TransformerEngine's
+    ``is_non_tn_fp8_gemm_supported``: compute capability 10.x, Blackwell's data-center parts, and 13.0 on)."""
+    return 10.0 <= compute_capability < 12.0 or compute_capability >= 13.0
 
 
 def _kernel_rates(system: SystemSpec) -> KernelRates:
@@ -130,6 +139,7 @@ def _kernel_rates(system: SystemSpec) -> KernelRates:
         dropout_bwd_slowdown=e("attention_dropout_bwd_slowdown"),
         hbm=system.hbm_bandwidth * e("hbm_fraction"),
         launch_s=system.kernel_launch_s,
+        fp8_any_layout=any_layout_fp8_gemm(system.compute_capability),
         **_fused_attention_rates(system),
     )
 

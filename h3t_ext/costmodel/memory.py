@@ -79,7 +79,7 @@ from h3t_ext.costmodel.activations import (
 from h3t_ext.costmodel import fp8, moe, optimizer_offload
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
-from h3t_ext.costmodel.specs import ModelSpec
+from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.dtypes import BF16, FP32
 
 OPTIMIZER_BYTES_PER_PARAM = 3 * FP32  # fp32 master weight + Adam m + Adam v
@@ -320,12 +320,14 @@ def stage_static_terms(model: ModelSpec, plan: Plan, stage: int) -> dict[str, in
                          plan.stage_fp8_layers(model.num_layers, stage), stage_expert_params(model, plan, stage))
 
 
-def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int) -> dict[str, int]:
-    """The alpha-independent terms of a stage holding ``n`` parameters."""
+def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int, system: Optional[SystemSpec] = None
+                 ) -> dict[str, int]:
+    """The alpha-independent terms of a stage holding ``n`` parameters (``system``: the GPU, where the FP8 weight
+    copies depend on it; None prices a GPU that keeps their transposes)."""
     layers = plan.stage_fp8_layers(model.num_layers, stage)  # FP8 layers: their weights' FP8 copies and scales
     terms = _static_terms(model, plan, n, layers, stage_expert_params(model, plan, stage))
     if plan.fp8 is not None:
-        terms["fp8_weight_cache"] = fp8.weight_cache_bytes(model, plan, layers)
+        terms["fp8_weight_cache"] = fp8.weight_cache_bytes(model, plan, layers, system)
         terms["fp8_scaling_state"] = fp8.scaling_state_bytes(plan, layers)
     terms.update(_transients(model, plan, stage))
     return terms
@@ -344,25 +346,28 @@ def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: 
 
 
 @functools.lru_cache(maxsize=8192)
-def _stage_constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
+def _stage_constants(model: ModelSpec, plan: Plan, stage: int, system: Optional[SystemSpec] = None
+                     ) -> tuple[int, dict[str, int], int]:
     """(parameters, alpha-independent terms, chunk bytes) of pipeline rank ``stage``, called with the first rank of
     its class (:meth:`~h3t_ext.layout.PipelineSplit.stage_class`: the middle ranks of an even split are one class,
     and the ranks of a layout that hold the same layers), whose ranks have the same parameters, transients and chunk
     bytes."""
     n = stage_params(model, plan, stage)
-    return n, _fixed_terms(model, plan, stage, n), chunk_activation_bytes(model, plan, stage)
+    return n, _fixed_terms(model, plan, stage, n, system), chunk_activation_bytes(model, plan, stage)
 
 
-def _constants(model: ModelSpec, plan: Plan, stage: int) -> tuple[int, dict[str, int], int]:
+def _constants(model: ModelSpec, plan: Plan, stage: int, system: Optional[SystemSpec] = None
+               ) -> tuple[int, dict[str, int], int]:
     if model.mixed_moe:  # ranks of one class may hold different numbers of MoE layers
-        return _stage_constants(model, plan, stage)
-    return _stage_constants(model, plan, plan.pipeline_split(model.num_layers).stage_class(stage))
+        return _stage_constants(model, plan, stage, system)
+    return _stage_constants(model, plan, plan.pipeline_split(model.num_layers).stage_class(stage), system)
 
 
-def stage_fixed_terms(model: ModelSpec, plan: Plan, stage: int) -> Mapping[str, int]:
+def stage_fixed_terms(model: ModelSpec, plan: Plan, stage: int, system: Optional[SystemSpec] = None
+                      ) -> Mapping[str, int]:
     """The alpha- and schedule-independent terms of ``stage_memory`` (parameters, gradients, optimizer
     states, transients), without walking the schedule; do not modify the mapping (it is cached)."""
-    return _constants(model, plan, stage)[1]
+    return _constants(model, plan, stage, system)[1]
 
 
 def _step_temporary(model: ModelSpec, plan: Plan, stage: int, n: int) -> int:
@@ -377,11 +382,13 @@ def _step_moment(terms: Mapping[str, int], temporary: int) -> int:
     return sum(terms.get(k, 0) for k in STEP_PERSISTENT_TERMS) + temporary
 
 
-def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> StageMemory:
-    """Peak memory terms of pipeline rank ``stage`` with offload ratio ``alpha``."""
+def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float,
+                 system: Optional[SystemSpec] = None) -> StageMemory:
+    """Peak memory terms of pipeline rank ``stage`` with offload ratio ``alpha`` on ``system`` (the GPU, where a term
+    depends on it: the FP8 weight copies; None: a GPU that keeps their transposes, as Hopper does)."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    n, fixed, chunk = _constants(model, plan, stage)
+    n, fixed, chunk = _constants(model, plan, stage, system)
     g = plan.microbatch_group_size_per_vp_stage
     act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0, alpha,
                                     layers_per_chunk(model, plan))
@@ -394,11 +401,12 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float) -> Stag
     return StageMemory(stage=stage, terms=terms, params=n)
 
 
-def stage_peak_function(model: ModelSpec, plan: Plan, stage: int) -> Callable[[float], int]:
-    """peak_bytes of ``stage_memory(model, plan, stage, alpha)`` as a cheap function of alpha."""
+def stage_peak_function(model: ModelSpec, plan: Plan, stage: int,
+                        system: Optional[SystemSpec] = None) -> Callable[[float], int]:
+    """peak_bytes of ``stage_memory(model, plan, stage, alpha, system)`` as a cheap function of alpha."""
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    n, terms, chunk = _constants(model, plan, stage)
+    n, terms, chunk = _constants(model, plan, stage, system)
     fixed = sum(terms.values())
     g = plan.microbatch_group_size_per_vp_stage
     lines, offloads = residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0

@@ -17,14 +17,14 @@ ALPHA_DECIMALS = 3
 _STEPS = 1000  # alpha grid 0.001
 
 
-def _stage_min_alpha(model: ModelSpec, plan: Plan, stage: int, budget: int) -> int:
+def _stage_min_alpha(model: ModelSpec, plan: Plan, stage: int, budget: int, system: SystemSpec) -> int:
     """Smallest k in [0, 1000] with stage peak(k/1000) <= budget; raises when even k=1000 does not fit."""
-    f = stage_peak_function(model, plan, stage)
+    f = stage_peak_function(model, plan, stage, system)
     peak = lambda k: f(k / _STEPS)  # noqa: E731
     if peak(0) <= budget:
         return 0
     if peak(_STEPS) > budget:
-        raise over_budget_error(stage_memory(model, plan, stage, 1.0), budget, " even with offload_alpha=1")
+        raise over_budget_error(stage_memory(model, plan, stage, 1.0, system), budget, " even with offload_alpha=1")
     lo, hi = 0, _STEPS  # peak(lo) > budget >= peak(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -51,17 +51,17 @@ def solve_offload_alpha(model: ModelSpec, plan: Plan, system: SystemSpec, memory
         raise ValueError(f"mode must be 'auto' or 'balanced', got {mode!r}")
     validate_plan(model, plan.with_alpha(0.0), system)
     budget = _budget(model, plan, system, memory_budget_bytes)
-    ks = [_stage_min_alpha(model, plan, s, budget) for s in range(plan.pipeline_model_parallel_size)]
+    ks = [_stage_min_alpha(model, plan, s, budget, system) for s in range(plan.pipeline_model_parallel_size)]
     if mode == "balanced":
         return tuple(k / _STEPS for k in ks)
     k = max(ks)
     # a stage whose peak rises with alpha (reload buffer larger than what it frees) must still fit
     for s in range(plan.pipeline_model_parallel_size):
-        f = stage_peak_function(model, plan, s)
+        f = stage_peak_function(model, plan, s, system)
         while f(k / _STEPS) > budget and k < _STEPS:
             k += 1
         if f(k / _STEPS) > budget:
-            raise over_budget_error(stage_memory(model, plan, s, k / _STEPS), budget,
+            raise over_budget_error(stage_memory(model, plan, s, k / _STEPS, system), budget,
                                     f" with one offload_alpha={k / _STEPS} for all stages")
     return round(k / _STEPS, ALPHA_DECIMALS)
 

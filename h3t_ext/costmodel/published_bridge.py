@@ -8,16 +8,15 @@
   DGX-B200, per-tensor current scaling and MXFP8: with NeMo's B200 long-sequence table, the check of the Blackwell
   efficiencies carried over from Hopper (the ``transferred`` entry of ``data/uncertainty.json``).
 
-Nothing is fitted on them."""
+Nothing is fitted on them; ``held_out.bridge_errors`` prices them."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 from typing import Optional
 
-from h3t_ext.costmodel.estimate import Estimate, estimate
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, SystemSpec, get_model, get_system, reference_json
+from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, get_model, reference_json
 
 FILES = {"h100": "megatron_bridge_h100.json", "b200": "megatron_bridge_b200.json"}
 """Each GPU's file in ``data/reference`` (its ``system`` names the GPU every row ran on)."""
@@ -61,16 +60,4 @@ def bridge_runs(gpu: str = "h100") -> tuple[BridgeRun, ...]:
     return tuple(out)
 
 
-def held_out_errors(system: Optional[SystemSpec] = None, gpu: str = "h100") -> list[tuple[BridgeRun, Estimate, float]]:
-    """(run, estimate, predicted / published tokens/s - 1) of every row of ``gpu``'s file, on ``system`` (default the
-    GPU the rows ran on, with its shipped efficiencies)."""
-    runs = bridge_runs(gpu)
-    system = get_system(runs[0].system_name) if system is None else system
-    out = []
-    for run in runs:
-        est = estimate(run.model, run.plan, system)
-        out.append((run, est, est.tokens_per_second_per_gpu / run.tokens_per_s_per_gpu - 1))
-    return out
-
-
-__all__ = ["BRIDGE_SYSTEM", "BridgeRun", "FILES", "FIRST_CONTAINER", "PATH", "bridge_runs", "held_out_errors"]
+__all__ = ["BRIDGE_SYSTEM", "BridgeRun", "FILES", "FIRST_CONTAINER", "PATH", "bridge_runs"]

@@ -3,21 +3,20 @@ records with the Plan each ran, one table per file of ``data/reference``:
 
 * ``h100``: Llama 2 7B (FP8) on DGX-H100, 4K to 1M tokens a sequence (``nemo_long_sequence_h100.json``, the NeMo 24.03
   container): the evidence that cuDNN's fused attention was as fast as FlashAttention-2 on that stack
-  (``held_out_errors(attention_backend="flash")``; docs/DESIGN.md, "Reference numbers");
+  (``held_out.long_sequence_errors(attention_backend="flash")``; docs/DESIGN.md, "Reference numbers");
 * ``b200``: Llama 3 8B (FP8) on DGX-B200, 8K to 1M tokens (``nemo_long_sequence_b200.json``, NeMo 25.04): the check of
   the Blackwell efficiencies carried over from Hopper (``efficiency_sets.transferred_efficiencies``).
 
 Nothing is fitted on them: they are the held-out check of the attention and context-parallel pricing where attention is
-most of the step."""
+most of the step (priced by ``held_out.long_sequence_errors``)."""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from h3t_ext.costmodel.estimate import Estimate, estimate
 from h3t_ext.costmodel.plan import Plan
-from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, SystemSpec, get_model, get_system, reference_json
+from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, get_model, reference_json
 
 TABLES = {"h100": "nemo_long_sequence_h100.json", "b200": "nemo_long_sequence_b200.json"}
 """Each published table's file in ``data/reference`` (its ``system`` names the GPU every row ran on)."""
@@ -73,19 +72,4 @@ def long_sequence_runs(table: str = "h100") -> tuple[LongSequenceRun, ...]:
     return tuple(out)
 
 
-def held_out_errors(system: Optional[SystemSpec] = None, *, attention_backend: Optional[str] = None,
-                    table: str = "h100") -> list[tuple[LongSequenceRun, Estimate, float]]:
-    """(run, estimate, predicted / published tokens/s - 1) of every row of ``table``, on ``system`` (default the GPU
-    the rows ran on, with its shipped efficiencies), with the rows' own ``--attention-backend`` (auto: cuDNN's fused
-    attention on Hopper and Blackwell) or the one given (``flash``: priced at FlashAttention's rate)."""
-    runs = long_sequence_runs(table)
-    system = get_system(runs[0].system_name) if system is None else system
-    out = []
-    for run in runs:
-        plan = run.plan if attention_backend is None else replace(run.plan, attention_backend=attention_backend)
-        est = estimate(run.model, plan, system)
-        out.append((run, est, est.tokens_per_second_per_gpu / run.tokens_per_s_per_gpu - 1))
-    return out
-
-
-__all__ = ["LongSequenceRun", "PATH", "TABLES", "held_out_errors", "long_sequence_runs", "nemo_llama_flops_per_token"]
+__all__ = ["LongSequenceRun", "PATH", "TABLES", "long_sequence_runs", "nemo_llama_flops_per_token"]

@@ -17,7 +17,7 @@ from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_joint, fit_system,
     with_efficiencies
 from h3t_ext.costmodel.pooling import PRIOR_KEY, CalibrationPrior, pooled, prior_from_errors
 from h3t_ext.costmodel.published import SOURCES, PublishedRun, published_runs
-from h3t_ext.costmodel import published_bridge, published_long_sequence
+from h3t_ext.costmodel import held_out
 from h3t_ext.costmodel.published_moe import held_out_errors
 from h3t_ext.costmodel.efficiency_sets import prior_efficiencies, transferred_source
 from h3t_ext.costmodel.specs import SystemSpec
@@ -180,12 +180,12 @@ def computed_uncertainty() -> dict:
 
 def newer_stacks() -> dict:
     """How much faster than predicted the newest published software stacks ran: the largest under-prediction of
-    Megatron-Bridge's DGX-H100 rows (``published_bridge.held_out_errors``: 2025-26 containers, none fitted on), which
+    Megatron-Bridge's DGX-H100 rows (``held_out.bridge_errors``: 2025-26 containers, none fitted on), which
     the fitted sources' interval does not cover."""
-    rows = published_bridge.held_out_errors()
+    rows = held_out.bridge_errors()
     errors = [e for _, _, e in rows]
     return {"max_underprediction": round(max(0.0, -min(errors)), 6), "rows": len(errors),
-            "computed_from": "published_bridge.held_out_errors(): predicted / published tokens/s - 1 of the "
+            "computed_from": "held_out.bridge_errors(): predicted / published tokens/s - 1 of the "
                              "Megatron-Bridge DGX-H100 rows (data/reference/megatron_bridge_h100.json, containers "
                              + ", ".join(sorted({run.container for run, _, _ in rows}))
                              + "), with the data file's efficiencies; the most negative, as a positive fraction"}
@@ -203,8 +203,8 @@ def transferred_uncertainty() -> dict:
     (``efficiency_sets.transferred_efficiencies``), from its held-out published runs: Blackwell's from the
     Megatron-Bridge DGX-B200 rows and NeMo's B200 long-sequence table (none fitted on), the ``COVERAGE`` quantile of
     their |errors|."""
-    by_source = {"megatron_bridge_b200": [e for _, _, e in published_bridge.held_out_errors(gpu="b200")],
-                 "nemo_long_sequence_b200": [e for _, _, e in published_long_sequence.held_out_errors(table="b200")]}
+    by_source = {"megatron_bridge_b200": [e for _, _, e in held_out.bridge_errors(gpu="b200")],
+                 "nemo_long_sequence_b200": [e for _, _, e in held_out.long_sequence_errors(table="b200")]}
     errors = [e for errs in by_source.values() for e in errs]
     prior = prior_from_errors(by_source, "the held-out errors of the two B200 sources: moment estimates of the "
                                          "random-effects model (pooling.prior_from_errors)")
@@ -212,7 +212,7 @@ def transferred_uncertainty() -> dict:
         "relative_half_width": round(half_width_from_errors(errors), 6), "coverage": COVERAGE,
         "held_out_rows": len(errors), "from": transferred_source("blackwell"),
         "runs": "published DGX-B200 runs (Megatron-Bridge 25.09-25.11, NeMo 25.04's long-sequence table)",
-        "computed_from": "published_bridge.held_out_errors(gpu='b200') and published_long_sequence.held_out_errors("
+        "computed_from": "held_out.bridge_errors(gpu='b200') and held_out.long_sequence_errors("
                          "table='b200'): |relative tokens/s error| of the published DGX-B200 runs "
                          "(data/reference/megatron_bridge_b200.json, nemo_long_sequence_b200.json), none fitted on; "
                          "nearest-rank quantile at the coverage",

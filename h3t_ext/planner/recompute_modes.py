@@ -127,8 +127,8 @@ def _alphas(alpha_mode, p: int) -> tuple[float, ...]:
     return (float(alpha_mode),) * p
 
 
-def _fits(model: ModelSpec, plan: Plan, alphas: Sequence[float], budget: int) -> bool:
-    return all(stage_peak_function(model, plan, k)(alphas[k]) <= budget
+def _fits(model: ModelSpec, plan: Plan, alphas: Sequence[float], budget: int, system: SystemSpec) -> bool:
+    return all(stage_peak_function(model, plan, k, system)(alphas[k]) <= budget
                for k in range(plan.pipeline_model_parallel_size))
 
 
@@ -142,11 +142,11 @@ def smallest_block_layers(model: ModelSpec, system: SystemSpec, plan: Plan, *, a
         return BlockChoice(None, R_BLOCK_WHOLE)
     alphas = _alphas(alpha_mode, plan.pipeline_model_parallel_size)
     budget = default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None else memory_budget_bytes
-    if _fits(model, plan, alphas, budget):
+    if _fits(model, plan, alphas, budget, system):
         return BlockChoice(None, R_BLOCK_UNNEEDED)
 
     def fits(n: int) -> bool:
-        return _fits(model, replace(plan, recompute=Recompute("full", "block", n)), alphas, budget)
+        return _fits(model, replace(plan, recompute=Recompute("full", "block", n)), alphas, budget, system)
 
     lo, hi = 1, layers - 1  # the answer, if any, is in [lo, hi]
     if not fits(hi):

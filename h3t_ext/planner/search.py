@@ -201,8 +201,8 @@ def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budge
     device = default_memory_budget_bytes(model, base, system) if budget.device is None else budget.device
     fraction = 0.0
     for k in sorted({0, plan.pipeline_model_parallel_size - 1}):
-        terms = stage_fixed_terms(model, base, k)
-        excess = stage_memory(model, base, k, 0.0).peak_bytes - device
+        terms = stage_fixed_terms(model, base, k, system)
+        excess = stage_memory(model, base, k, 0.0, system).peak_bytes - device
         if excess > 0 and terms["optimizer_states"] > 0:
             fraction = max(fraction, excess / terms["optimizer_states"])
     fraction = min(1.0, math.ceil(fraction / OFFLOAD_FRACTION_STEP) * OFFLOAD_FRACTION_STEP) if fraction else 1.0
@@ -221,7 +221,7 @@ def _price_one(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode
         return False  # not a memory verdict: no pruning
     except InfeasiblePlanError as e:
         col.infeasible(plan, e.term, e.excess_bytes, e.stage, e.reason,
-                       lambda stage=e.stage or 0: stage_memory(model, plan.with_alpha(1.0), stage, 1.0).terms)
+                       lambda stage=e.stage or 0: stage_memory(model, plan.with_alpha(1.0), stage, 1.0, system).terms)
         return None
     est = ev.estimate
     err = est.infeasibility()

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from h3t_ext.costmodel import estimate, get_model, get_system, published_bridge, published_long_sequence
+from h3t_ext.costmodel import estimate, get_model, get_system, held_out, published_bridge, published_long_sequence
 from h3t_ext.costmodel.efficiency_sets import (
     FITTED_EFFICIENCIES_FILE,
     efficiency_set,
@@ -29,13 +29,13 @@ TRANSFERS = json.loads(FITTED_EFFICIENCIES_FILE.read_text())["transfers"]
 BRIDGE = json.loads((REFERENCE_DIR / "megatron_bridge_b200.json").read_text())
 LONG = json.loads((REFERENCE_DIR / "nemo_long_sequence_b200.json").read_text())
 
-BRIDGE_ERRORS = {("llama3-8b", "tensorwise", "25.11"): -0.027, ("llama3-8b", "mxfp8", "25.11"): 0.033,
-                 ("llama3-405b", "tensorwise", "25.11"): 0.108, ("llama3-405b", "mxfp8", "25.11"): 0.171,
-                 ("llama3-8b", "tensorwise", "25.09"): -0.007, ("llama3-8b", "mxfp8", "25.09"): 0.037,
-                 ("llama3-405b", "tensorwise", "25.09"): 0.103, ("llama3-405b", "mxfp8", "25.09"): 0.175}
+BRIDGE_ERRORS = {("llama3-8b", "tensorwise", "25.11"): -0.016, ("llama3-8b", "mxfp8", "25.11"): 0.033,
+                 ("llama3-405b", "tensorwise", "25.11"): 0.116, ("llama3-405b", "mxfp8", "25.11"): 0.171,
+                 ("llama3-8b", "tensorwise", "25.09"): 0.005, ("llama3-8b", "mxfp8", "25.09"): 0.037,
+                 ("llama3-405b", "tensorwise", "25.09"): 0.111, ("llama3-405b", "mxfp8", "25.09"): 0.175}
 """Predicted / published tokens/s - 1 of the Bridge B200 rows with the carried-over efficiencies; pinned (the values
 were set before these rows were compared, docs/DESIGN.md "Blackwell"), to be updated with a Hopper refit."""
-LONG_ERRORS = {8: 0.022, 16: -0.016, 32: -0.015, 64: -0.048, 128: -0.058, 256: -0.072, 512: -0.090, 1024: -0.084}
+LONG_ERRORS = {8: 0.033, 16: -0.008, 32: -0.009, 64: -0.044, 128: -0.056, 256: -0.070, 512: -0.089, 1024: -0.084}
 """The same for NeMo's B200 long-sequence rows, per sequence length (K tokens)."""
 
 
@@ -129,29 +129,29 @@ def test_the_long_sequence_copy_and_its_gpu_count():
 
 @pytest.mark.parametrize("gpu_rows", ["bridge", "long"])
 def test_every_published_b200_run_fits_its_gpu(gpu_rows):
-    rows = (published_bridge.held_out_errors(gpu="b200") if gpu_rows == "bridge"
-            else published_long_sequence.held_out_errors(table="b200"))
+    rows = (held_out.bridge_errors(gpu="b200") if gpu_rows == "bridge"
+            else held_out.long_sequence_errors(table="b200"))
     for run, est, _ in rows:
         assert est.fits and est.peak_memory_bytes < 0.9 * est.memory_budget_bytes, (run.label, est.peak_memory_bytes)
 
 
 def test_the_bridge_b200_rows_against_the_carried_over_model():
-    """Held out: Llama-3 8B within 4% either way; Llama-3.1 405B (t4 p8 c2 vp8, 128 GPUs) 10-18% fast, more with
+    """Held out: Llama-3 8B within 4% either way; Llama-3.1 405B (t4 p8 c2 vp8, 128 GPUs) 11-18% fast, more with
     MXFP8, which the model prices as cheap as per-tensor FP8 while it ran 4-6% slower."""
     errors = {(r.model.name, r.plan.fp8_recipe, r.container): e
-              for r, _, e in published_bridge.held_out_errors(gpu="b200")}
+              for r, _, e in held_out.bridge_errors(gpu="b200")}
     assert errors == pytest.approx(BRIDGE_ERRORS, abs=0.005)
     assert all(abs(e) < 0.04 for (m, _, _), e in errors.items() if m == "llama3-8b")
     assert all(0.10 < e < 0.18 for (m, _, _), e in errors.items() if m == "llama3-405b")
 
 
 def test_the_long_sequence_b200_rows_against_the_carried_over_model():
-    """Held out: within +-2.2% up to 32K tokens, then slow by up to 9% as attention's share grows: the B200's fused
+    """Held out: within +-3.3% up to 32K tokens, then slow by up to 9% as attention's share grows: the B200's fused
     attention ran faster on NeMo 25.04 than the FlashAttention-4 rate it is priced at (the opposite of the 2024 H100
     stack, which ran slower than the cuDNN rate measured in 2026)."""
-    errors = {r.plan.seq_length // 1024: e for r, _, e in published_long_sequence.held_out_errors(table="b200")}
+    errors = {r.plan.seq_length // 1024: e for r, _, e in held_out.long_sequence_errors(table="b200")}
     assert errors == pytest.approx(LONG_ERRORS, abs=0.005)
-    assert all(abs(errors[k]) < 0.025 for k in (8, 16, 32)) and all(errors[k] < -0.04 for k in (64, 256, 512, 1024))
+    assert all(abs(errors[k]) < 0.035 for k in (8, 16, 32)) and all(errors[k] < -0.04 for k in (64, 256, 512, 1024))
 
 
 def test_the_stored_blackwell_interval_is_what_the_b200_rows_give_now():
@@ -208,13 +208,13 @@ def test_the_fused_ratio_is_blackwells_own_not_hoppers():
     hopper_ratio = replace(b200, efficiencies={**b200.efficiencies,
                                                "fused_attention_gemm_ratio": efficiency_set("hopper")[
                                                    "fused_attention_gemm_ratio"]})
-    own = published_long_sequence.held_out_errors(table="b200")[-1][2]
-    other = published_long_sequence.held_out_errors(hopper_ratio, table="b200")[-1][2]
+    own = held_out.long_sequence_errors(table="b200")[-1][2]
+    other = held_out.long_sequence_errors(hopper_ratio, table="b200")[-1][2]
     assert other > own + 0.1
 
 
 def test_the_validation_script_prints_every_b200_row(capsys):
-    """scripts/blackwell_validation.py --json: the 16 rows with the errors held_out_errors gives, the carried-over
+    """scripts/blackwell_validation.py --json: the 16 rows with the errors held_out gives, the carried-over
     values and the interval."""
     import importlib.util
 
@@ -242,23 +242,52 @@ def test_the_b200_runs_set_blackwells_mfu_ceiling_and_the_405b_plan_is_flagged_a
     assert c.source == "megatron_bridge_b200" and c.mfu == pytest.approx(0.745, abs=0.001) and c.gpu == "b200"
     assert {k: v.source for k, v in ceilings.items() if k[0] != "blackwell"} == {
         ("hopper", "bf16"): "atc24_65b", ("ampere", "bf16"): "atc24_demo7b", ("hopper", "fp8"): "nemo_fp8_h100"}
-    run, est, _ = published_bridge.held_out_errors(gpu="b200")[2]  # the 405B, FP8-CS, 25.11
+    run, est, _ = held_out.bridge_errors(gpu="b200")[2]  # the 405B, FP8-CS, 25.11
     assert est.plausibility.above_ceiling and est.mfu == pytest.approx(0.82, abs=0.01)
-    small = published_bridge.held_out_errors(gpu="b200")[0][1]  # the 8B: within the range
+    small = held_out.bridge_errors(gpu="b200")[0][1]  # the 8B: within the range
     assert not small.plausibility.above_ceiling
 
 
 def test_one_b200_run_moves_a_calibration_further_than_one_hopper_run():
     """The calibration prior of a carried-over family is the spread of its own held-out runs (two B200 sources: across
-    them 5.8%, within one 6.1%), so one measured B200 run keeps 47% of its fit where one Hopper run keeps 33%."""
+    them 5.9%, within one 6.1%), so one measured B200 run keeps 49% of its fit where one Hopper run keeps 33%."""
     from h3t_ext.costmodel.fit import MeasuredRun
     from h3t_ext.costmodel.pooling import calibration_prior
     from h3t_ext.planner.calibrate import calibrate
 
     b200, hopper = calibration_prior("blackwell"), calibration_prior("hopper")
     assert hopper == calibration_prior() and b200.sources == 2 and b200.rows == 16
-    assert b200.weight(1) == pytest.approx(0.470, abs=0.001) and hopper.weight(1) == pytest.approx(0.331, abs=0.001)
+    assert b200.weight(1) == pytest.approx(0.487, abs=0.001) and hopper.weight(1) == pytest.approx(0.331, abs=0.001)
     run = published_bridge.bridge_runs("b200")[0]
     cal = calibrate(get_system("b200"), {"efficiency_set": "blackwell"},
                     [MeasuredRun(run.model, run.plan, run.tokens_per_s_per_gpu, run.label)])
     assert cal.weight == pytest.approx(b200.weight(1)) and "its GPU family's held-out" in cal.weight_from
+
+
+def test_per_tensor_fp8_on_blackwell_keeps_no_transpose():
+    """TransformerEngine on compute capability 10.x: a per-tensor-scaled FP8 tensor is one buffer both GEMM directions
+    read, so the casts write one FP8 copy, not two, and no FP8 weight transpose is cached (none at all with
+    --fp8-param-gather); MXFP8 (block scales per direction) keeps both; Hopper keeps both for every recipe."""
+    from h3t_ext.costmodel import fp8
+    from h3t_ext.costmodel.kernels import any_layout_fp8_gemm, kernel_rates
+
+    assert [any_layout_fp8_gemm(c) for c in (9.0, 10.0, 10.3, 12.0, 13.0)] == [False, True, True, False, True]
+    assert kernel_rates(get_system("b200")).fp8_any_layout and not kernel_rates(get_system("h100-sxm")).fp8_any_layout
+    assert [fp8.fp8_copies(r, True) for r in ("delayed", "tensorwise", "blockwise", "mxfp8")] == [1, 1, 2, 2]
+    assert fp8.cast_bytes_per_element("delayed", 1) == fp8.cast_bytes_per_element("delayed") - 1
+    model = get_model("llama3-8b")
+    cs, mx = (published_bridge.bridge_runs("b200")[i].plan for i in (0, 1))  # 8B, --fp8-param-gather
+    layers, w = model.num_layers, fp8.gemm_weight_params(model, cs, model.num_layers)
+    b200, h100 = get_system("b200"), get_system("h100-sxm")
+    assert fp8.weight_cache_bytes(model, cs, layers, b200) == 0
+    assert fp8.weight_cache_bytes(model, cs, layers, h100) == fp8.weight_cache_bytes(model, cs, layers) == w
+    assert fp8.weight_cache_bytes(model, mx, layers, b200) == w
+    no_gather = replace(cs, fp8_param_gather=False)
+    assert fp8.weight_cache_bytes(model, no_gather, layers, b200) == w
+    assert fp8.weight_cache_bytes(model, no_gather, layers, h100) == 2 * w
+    est = estimate(model, cs, b200)
+    assert est.stages[0].terms["fp8_weight_cache"] == 0
+    assert estimate(model, mx, b200).stages[0].terms["fp8_weight_cache"] == w
+    hopper_priced = estimate(model, cs, replace(b200, compute_capability=9.0))
+    assert hopper_priced.stages[0].terms["fp8_weight_cache"] == w
+    assert est.tokens_per_second > hopper_priced.tokens_per_second * 1.005  # the casts write one copy, not two

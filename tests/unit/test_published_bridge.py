@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from h3t_ext.costmodel import estimate, get_model, get_system, published_bridge
+from h3t_ext.costmodel import estimate, get_model, get_system, held_out, published_bridge
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.specs import DATA_DIR
 from h3t_ext.costmodel.uncertainty import UNCERTAINTY_FILE, throughput_uncertainty
@@ -125,7 +125,7 @@ def test_the_later_containers_run_faster_than_the_model_and_the_70b_gap_stays():
     the 405B by 4-9% (its software sped up 12% from 25.11's 292 tokens/s, 1% of that the larger batch), the 70B by
     11.5-14% as in 25.11 (the larger batch's 1.3% included). So the 70B's gap does not belong to one container, and the
     405B's 25.11 agreement is partly its stack's: later stacks run faster than anything the model was fitted to."""
-    errors = {(run.model.name, run.container): e for run, _, e in published_bridge.held_out_errors()
+    errors = {(run.model.name, run.container): e for run, _, e in held_out.bridge_errors()
               if run.container != published_bridge.FIRST_CONTAINER}
     seventy = [e for (m, _), e in errors.items() if m == "llama3-70b"]
     big = [e for (m, _), e in errors.items() if m == "llama3-405b"]
@@ -153,7 +153,7 @@ def test_the_stored_newer_stacks_figure_is_what_the_rows_give_now():
     h3t-plan estimate prints it beside the interval."""
     stored = json.loads(UNCERTAINTY_FILE.read_text())["newer_stacks"]
     assert stored == newer_stacks()
-    errors = [e for _, _, e in published_bridge.held_out_errors()]
+    errors = [e for _, _, e in held_out.bridge_errors()]
     assert stored["max_underprediction"] == pytest.approx(-min(errors), abs=1e-6) and -min(errors) > 0.13
     est = _estimate(DATA["rows"][0])
     line = interval_line(est)

@@ -14,9 +14,9 @@ import pytest
 from h3t_ext.costmodel import estimate, get_model, get_system
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.published import settings
+from h3t_ext.costmodel.held_out import long_sequence_errors
 from h3t_ext.costmodel.published_long_sequence import (
     PATH,
-    held_out_errors,
     long_sequence_runs,
     nemo_llama_flops_per_token,
 )
@@ -77,7 +77,7 @@ def test_every_published_run_fits_its_gpu(run):
 def test_at_the_measured_fused_rate_the_attention_bound_rows_are_over_predicted():
     """The fused attention priced at a 2026 cuDNN's rate: +2% at 4K, growing with attention's share of the step to
     +46% at 1M tokens."""
-    errors = {run.plan.seq_length // 1024: err for run, _, err in held_out_errors()}
+    errors = {run.plan.seq_length // 1024: err for run, _, err in long_sequence_errors()}
     assert errors == pytest.approx(DEFAULT_ERRORS, abs=0.005)
     assert errors[4] < 0.05 and min(errors[k] for k in (64, 128, 256, 512, 1024)) > 0.30
 
@@ -85,7 +85,7 @@ def test_at_the_measured_fused_rate_the_attention_bound_rows_are_over_predicted(
 def test_at_flashattention_2s_rate_every_row_is_within_ten_percent():
     """What the rows say of the stack: its fused attention ran at FlashAttention-2's rate. Priced so, every row from
     4K to 1M tokens is within -1% to +10% (the rest grows with context parallelism, not with the sequence)."""
-    errors = {run.plan.seq_length // 1024: err for run, _, err in held_out_errors(attention_backend="flash")}
+    errors = {run.plan.seq_length // 1024: err for run, _, err in long_sequence_errors(attention_backend="flash")}
     assert errors == pytest.approx(FLASH_ERRORS, abs=0.005)
     assert all(-0.01 <= e <= 0.10 for e in errors.values())
 
@@ -115,7 +115,7 @@ def test_estimate_says_what_a_2024_stack_would_give():
 
 
 def test_the_validation_script_prints_both_pricings(capsys):
-    """scripts/long_sequence_validation.py --json: every row with both errors, as held_out_errors gives them."""
+    """scripts/long_sequence_validation.py --json: every row with both errors, as held_out.long_sequence_errors gives them."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(

@@ -1,0 +1,43 @@
+"""The cost model on the published runs held out from every fit: Megatron-Bridge's tables (``published_bridge``) and
+NeMo's long-sequence tables (``published_long_sequence``), one file per GPU. The records stay in those modules, which
+the MFU ceilings (``plausibility``) read without pricing anything; the pricing is here."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from h3t_ext.costmodel.estimate import Estimate, estimate
+from h3t_ext.costmodel.published_bridge import BridgeRun, bridge_runs
+from h3t_ext.costmodel.published_long_sequence import LongSequenceRun, long_sequence_runs
+from h3t_ext.costmodel.specs import SystemSpec, get_system
+
+
+def bridge_errors(system: Optional[SystemSpec] = None, gpu: str = "h100") -> list[tuple[BridgeRun, Estimate, float]]:
+    """(run, estimate, predicted / published tokens/s - 1) of every Megatron-Bridge row of ``gpu``'s file, on
+    ``system`` (default the GPU the rows ran on, with its shipped efficiencies)."""
+    runs = bridge_runs(gpu)
+    system = get_system(runs[0].system_name) if system is None else system
+    out = []
+    for run in runs:
+        est = estimate(run.model, run.plan, system)
+        out.append((run, est, est.tokens_per_second_per_gpu / run.tokens_per_s_per_gpu - 1))
+    return out
+
+
+def long_sequence_errors(system: Optional[SystemSpec] = None, *, attention_backend: Optional[str] = None,
+                         table: str = "h100") -> list[tuple[LongSequenceRun, Estimate, float]]:
+    """(run, estimate, predicted / published tokens/s - 1) of every row of NeMo's long-sequence ``table``, on
+    ``system`` (default the GPU the rows ran on, with its shipped efficiencies), with the rows' own
+    ``--attention-backend`` (auto: cuDNN's fused attention on Hopper and Blackwell) or the one given (``flash``:
+    priced at FlashAttention's rate)."""
+    runs = long_sequence_runs(table)
+    system = get_system(runs[0].system_name) if system is None else system
+    out = []
+    for run in runs:
+        plan = run.plan if attention_backend is None else replace(run.plan, attention_backend=attention_backend)
+        est = estimate(run.model, plan, system)
+        out.append((run, est, est.tokens_per_second_per_gpu / run.tokens_per_s_per_gpu - 1))
+    return out
+
+
+__all__ = ["bridge_errors", "long_sequence_errors"]
