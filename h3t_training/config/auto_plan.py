@@ -7,6 +7,8 @@ plan is printed (rank 0) as the Megatron flags that launch it.
 """
 from __future__ import annotations
 
+import re
+
 from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_training.errors import ArgumentError
@@ -15,20 +17,38 @@ from h3t_training.config.megatron_fields import sixteen_bit_grads_of
 from h3t_training.config.run_spec import model_spec, run_plan, stack_fields
 
 DEFAULT_SYSTEM = "h800"
-_CUDA_NAMES = (("H800", "h800"), ("H100", "h100-sxm"), ("H200", "h200"), ("A800", "a800"), ("A100", "a100-80g"))
+_CUDA_NAMES = ((r"\bH800\b", "h800"), (r"\bH100\b", "h100-sxm"), (r"\bH200\b", "h200"), (r"\bB200\b", "b200"),
+               (r"\bA800\b", "a800"), (r"\bA100\b.*\b40GB\b", "a100-40g"), (r"\bA100\b", "a100-80g"))
+"""CUDA device names (patterns, first match wins) and their system files; a model name matches as a whole word
+("NVIDIA B200" is b200; "NVIDIA GB200", whose chip runs at another power and peak, is none of them)."""
+
+
+def cuda_system_name(device_name: str):
+    """The system file of a CUDA device name (``torch.cuda.get_device_name()``), or None when none is shipped."""
+    for pattern, name in _CUDA_NAMES:
+        if re.search(pattern, device_name):
+            return name
+    return None
+
+
+def system_choice(args) -> tuple[str, str]:
+    """(system name, why it was taken where the user did not name it): ``--gpu``, else the CUDA device's system
+    file, else the default system, saying which device had none."""
+    if args.gpu:
+        return args.gpu, ""
+    import torch
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+        name = cuda_system_name(device)
+        if name is not None:
+            return name, f"the CUDA device {device!r}"
+        return DEFAULT_SYSTEM, f"the default: no system file for the CUDA device {device!r}; give --gpu"
+    return DEFAULT_SYSTEM, ""
 
 
 def system_name(args) -> str:
-    """``--gpu``, else the CUDA device's system file, else the default system."""
-    if args.gpu:
-        return args.gpu
-    import torch
-    if torch.cuda.is_available():
-        dev = torch.cuda.get_device_name()
-        for key, name in _CUDA_NAMES:
-            if key in dev:
-                return name
-    return DEFAULT_SYSTEM
+    """``--gpu``, else the CUDA device's system file, else the default system (:func:`system_choice`)."""
+    return system_choice(args)[0]
 
 
 def _model_spec(args):
@@ -132,7 +152,9 @@ def plan_config(args):
         raise ArgumentError(f"--auto-plan found no plan for {args.world_size} ranks on {system.name}: {why}")
     plan = best.plan
     est = best.evaluation.estimate
-    line = (f"auto-plan ({system.name}, {result.considered} plans priced): {' '.join(best.megatron_flags)} | "
+    why = system_choice(args)[1]
+    line = (f"auto-plan ({system.name}{', ' + why if why else ''}, {result.considered} plans priced): "
+            f"{' '.join(best.megatron_flags)} | "
             f"predicted {est.tokens_per_second / args.world_size:.1f} tokens/s/GPU, "
             f"peak memory {est.peak_memory_bytes / 2**30:.2f} GiB")
     base, recompute = split_ckpt(plan.ckpt, plan.recompute)  # the config's form (arguments.resolve_ckpt)
