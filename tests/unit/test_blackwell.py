@@ -291,3 +291,15 @@ def test_per_tensor_fp8_on_blackwell_keeps_no_transpose():
     hopper_priced = estimate(model, cs, replace(b200, compute_capability=9.0))
     assert hopper_priced.stages[0].terms["fp8_weight_cache"] == w
     assert est.tokens_per_second > hopper_priced.tokens_per_second * 1.005  # the casts write one copy, not two
+
+
+def test_at_the_other_public_attention_figure_the_long_rows_are_flat_in_attention_share():
+    """Recorded, not adopted: with the fused ratio PR #2280's FlashAttention-4 figure gives (1.10), the B200
+    long-sequence errors no longer follow attention's share (8K to 1M within four points of each other, +3% to +7%),
+    where the adopted 0.965 spans twelve points (+3.3% to -8.9%)."""
+    b200 = get_system("b200")
+    faster = replace(b200, efficiencies={**b200.efficiencies, "fused_attention_gemm_ratio": 1.10})
+    errors = [e for _, _, e in held_out.long_sequence_errors(faster, table="b200")]
+    adopted = [e for _, _, e in held_out.long_sequence_errors(table="b200")]
+    assert max(errors) - min(errors) < 0.04 and all(0.03 < e < 0.075 for e in errors)
+    assert max(adopted) - min(adopted) > 0.11
