@@ -58,7 +58,13 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line with a fixed program name."""
+    """An ArgumentParser whose errors are one line with a fixed program name, and which takes flags whole, as
+    Megatron-LM's parser does (``allow_abbrev=False``): an abbreviation Megatron would refuse is not priced, and
+    Megatron's ``--cpu-offloading`` is not read as a prefix of ``--cpu-offloading-num-layers``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):

@@ -134,3 +134,13 @@ def test_the_vocabulary_pads_as_megatron_pads_it(capsys):
     exact = run_json(["estimate", *LLAMA70B, "--make-vocab-size-divisible-by", "1"], capsys)
     assert exact["peak_memory_bytes"] < padded["peak_memory_bytes"]
     assert exact["tokens_per_second"] > padded["tokens_per_second"]
+
+
+@pytest.mark.parametrize("abbreviated", [["--tensor-model", "2"], ["--cpu-offloading", "--cpu-offloading-num-layers", "4"],
+                                         ["--micro-batch", "2"]])
+def test_flags_are_taken_whole_as_megatron_takes_them(abbreviated, capsys):
+    """Megatron-LM's parser refuses abbreviations (allow_abbrev=False); so does h3t-plan, in one line, rather than
+    price a flag a training script could not pass (``--tensor-model 2``) or read ``--cpu-offloading`` as the start
+    of ``--cpu-offloading-num-layers``."""
+    code, out, err = run_main(["estimate", *LLAMA7B, *abbreviated], capsys)
+    assert code == 2 and err.count("\n") == 1 and "unrecognized arguments: " + abbreviated[0] in err
