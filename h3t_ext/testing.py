@@ -228,7 +228,6 @@ def run_entry_world(path: str, argv: Sequence[str], *, nproc: int, env: dict, cw
     (torchrun exits 1 and names that status in its report). stdout and stderr are each rank's in rank order. A world past ``timeout_s`` is killed and raises
     ``subprocess.TimeoutExpired``. It saves the launcher's and every rank's interpreter start and imports (about 6 s
     on 2 cores per world); torchrun's own behaviour (restarts, its agent store, its report) is not in it."""
-    import signal
     import subprocess
     import sys
     import tempfile
@@ -261,7 +260,9 @@ def run_entry_world(path: str, argv: Sequence[str], *, nproc: int, env: dict, cw
                     first_failure = failed[0]
                     for p in procs:  # one rank failed: the others may wait on it forever
                         if p.exitcode is None:
-                            os.kill(p.pid, signal.SIGTERM)
+                            # SIGTERM; terminate() passes over a rank that ended (and was reaped by the
+                            # forkserver) since exitcode was read, where os.kill raised ProcessLookupError
+                            p.terminate()
                     stop_at = now + stop_grace_s
                 if stop_at is not None and now > stop_at:
                     break
