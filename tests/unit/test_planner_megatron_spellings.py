@@ -4,7 +4,6 @@
 contradicts is one line."""
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
