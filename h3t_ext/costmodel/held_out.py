@@ -12,16 +12,22 @@ from h3t_ext.costmodel.published_long_sequence import LongSequenceRun, long_sequ
 from h3t_ext.costmodel.specs import SystemSpec, get_system
 
 
-def bridge_errors(system: Optional[SystemSpec] = None, gpu: str = "h100") -> list[tuple[BridgeRun, Estimate, float]]:
-    """(run, estimate, predicted / published tokens/s - 1) of every Megatron-Bridge row of ``gpu``'s file, on
-    ``system`` (default the GPU the rows ran on, with its shipped efficiencies)."""
-    runs = bridge_runs(gpu)
+def _errors(runs, system: Optional[SystemSpec], attention_backend: Optional[str] = None) -> list:
+    """(run, estimate, predicted / published tokens/s - 1) of each of ``runs`` on ``system`` (default the GPU they ran
+    on, with its shipped efficiencies), with their own plans or with ``attention_backend`` in them."""
     system = get_system(runs[0].system_name) if system is None else system
     out = []
     for run in runs:
-        est = estimate(run.model, run.plan, system)
+        plan = run.plan if attention_backend is None else replace(run.plan, attention_backend=attention_backend)
+        est = estimate(run.model, plan, system)
         out.append((run, est, est.tokens_per_second_per_gpu / run.tokens_per_s_per_gpu - 1))
     return out
+
+
+def bridge_errors(system: Optional[SystemSpec] = None, gpu: str = "h100") -> list[tuple[BridgeRun, Estimate, float]]:
+    """(run, estimate, predicted / published tokens/s - 1) of every Megatron-Bridge row of ``gpu``'s file, on
+    ``system`` (default the GPU the rows ran on, with its shipped efficiencies)."""
+    return _errors(bridge_runs(gpu), system)
 
 
 def long_sequence_errors(system: Optional[SystemSpec] = None, *, attention_backend: Optional[str] = None,
@@ -30,14 +36,7 @@ def long_sequence_errors(system: Optional[SystemSpec] = None, *, attention_backe
     ``system`` (default the GPU the rows ran on, with its shipped efficiencies), with the rows' own
     ``--attention-backend`` (auto: cuDNN's fused attention on Hopper and Blackwell) or the one given (``flash``:
     priced at FlashAttention's rate)."""
-    runs = long_sequence_runs(table)
-    system = get_system(runs[0].system_name) if system is None else system
-    out = []
-    for run in runs:
-        plan = run.plan if attention_backend is None else replace(run.plan, attention_backend=attention_backend)
-        est = estimate(run.model, plan, system)
-        out.append((run, est, est.tokens_per_second_per_gpu / run.tokens_per_s_per_gpu - 1))
-    return out
+    return _errors(long_sequence_runs(table), system, attention_backend)
 
 
 __all__ = ["bridge_errors", "long_sequence_errors"]
