@@ -16,7 +16,7 @@ from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms, timeline_too_large
 from h3t_ext.costmodel.timing import TimeTerms, shape_times, time_terms
 from h3t_ext.costmodel.plausibility import Plausibility, plausibility
-from h3t_ext.costmodel.uncertainty import throughput_uncertainty
+from h3t_ext.costmodel.uncertainty import ThroughputUncertainty, throughput_uncertainty
 
 GB = 1e9
 HOST_MEMORY_USABLE_FRACTION = 0.8
@@ -121,10 +121,16 @@ class Estimate:
         return self.tokens_per_second / self.num_gpus
 
     @property
+    def uncertainty(self) -> ThroughputUncertainty:
+        """The prediction interval that applies to this estimate (``uncertainty.throughput_uncertainty``): the
+        fitted sources' held-out spread, the MoE runs' for an MoE model, a carried-over GPU family's own held-out
+        runs' where wider."""
+        return throughput_uncertainty(self.moe, self.efficiency_set)
+
+    @property
     def tokens_per_second_interval(self) -> tuple[float, float]:
-        """(low, high) tokens/s: the prediction interval of the leave-one-source-out errors
-        (``uncertainty.throughput_uncertainty``)."""
-        return throughput_uncertainty(self.moe, self.efficiency_set).interval(self.tokens_per_second)
+        """(low, high) tokens/s of :attr:`uncertainty`."""
+        return self.uncertainty.interval(self.tokens_per_second)
 
     @property
     def mfu(self) -> float:
@@ -219,8 +225,7 @@ class Estimate:
             "tokens_per_second": self.tokens_per_second,
             "tokens_per_second_per_gpu": self.tokens_per_second_per_gpu,
             "tokens_per_second_interval": list(self.tokens_per_second_interval),
-            "tokens_per_second_relative_half_width":
-                throughput_uncertainty(self.moe, self.efficiency_set).relative_half_width,
+            "tokens_per_second_relative_half_width": self.uncertainty.relative_half_width,
             "mfu": self.mfu,
             "plausibility": self.plausibility.to_dict(),
             "pcie_bytes_per_iteration": self.pcie_bytes_per_iteration,

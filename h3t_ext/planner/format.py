@@ -183,7 +183,7 @@ def local_stack_line() -> str:
 def interval_line(est) -> str:
     """The estimate's prediction interval and what it is: the fitted sources' held-out spread (dense), with how much
     faster the newest published stacks ran than predicted; the published MoE runs' spread (MoE)."""
-    u = throughput_uncertainty(est.moe, est.efficiency_set)
+    u = est.uncertainty
     lo, hi = est.tokens_per_second_interval
     if u.transferred_from:
         what = (f"the held-out {u.held_out_runs}: this GPU family is priced with {u.transferred_from.capitalize()}'s fitted "
@@ -347,9 +347,8 @@ def search_dicts(result: SearchResult, top: int) -> list[dict]:
 def tie_line(result: SearchResult) -> str:
     """Which rows the cost model cannot tell from the best."""
     tied = result.tied_with_best()
-    best = result.plans[0].evaluation.estimate if result.plans else None
-    w = (throughput_uncertainty() if best is None else
-         throughput_uncertainty(best.moe, best.efficiency_set)).relative_half_width
+    w = (result.plans[0].evaluation.estimate.uncertainty if result.plans else throughput_uncertainty()
+         ).relative_half_width
     rows = ", ".join(f"#{i + 1}" for i in tied)
     return (f"tied with the best (tokens/s within its +-{100 * w:.1f}% prediction interval): {rows} "
             f"({len(tied)} of {len(result.plans)} feasible plans)")

@@ -35,7 +35,6 @@ from typing import Callable, Mapping, Optional
 
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
-from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.plan import MOE_OURS_REASON, applicable_switches, validate_moe, validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
@@ -117,13 +116,11 @@ class SearchResult:
 
     def tied_with_best(self, relative_half_width: Optional[float] = None) -> tuple[int, ...]:
         """Indices (0 = the best) of the plans whose predicted tokens/s lie within the best's prediction
-        interval (default half-width: ``uncertainty.throughput_uncertainty``): the cost model cannot tell
-        them apart."""
+        interval (default half-width: the best estimate's ``uncertainty``): the cost model cannot tell them apart."""
         if not self.plans:
             return ()
         best = self.plans[0].evaluation.estimate
-        w = throughput_uncertainty(best.moe, best.efficiency_set).relative_half_width if relative_half_width is None \
-            else relative_half_width
+        w = best.uncertainty.relative_half_width if relative_half_width is None else relative_half_width
         floor = best.tokens_per_second * (1.0 - w)
         return tuple(i for i, r in enumerate(self.plans) if r.evaluation.estimate.tokens_per_second >= floor)
 
