@@ -216,11 +216,10 @@ def step_seconds(model, plan, system, layers: int) -> float:
     and the scale update."""
     if plan.fp8 is None:
         return 0.0
-    w = gemm_weight_params(model, plan, layers)
-    copies = fp8_copies(plan.fp8_recipe, kernel_rates(system).fp8_any_layout)
+    w, r = gemm_weight_params(model, plan, layers), kernel_rates(system)
+    copies = fp8_copies(plan.fp8_recipe, r.fp8_any_layout)
     per = (FP8 + FP8) * (copies - 1) if plan.fp8_param_gather else cast_bytes_per_element(plan.fp8_recipe, copies)
-    return elementwise_seconds(w * per, kernel_rates(system), kernels=STEP_KERNELS + 4 * layers * _cast_kernels(
-        plan.fp8_recipe))
+    return elementwise_seconds(w * per, r, kernels=STEP_KERNELS + 4 * layers * _cast_kernels(plan.fp8_recipe))
 
 
 def weight_bytes(model, plan, n: int, layers: int) -> int:
