@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from h3t_ext.costmodel.mfu import mfu
+from h3t_ext.costmodel.published import published_runs
+from h3t_ext.costmodel.published_bridge import FILES as BRIDGE_FILES, bridge_runs
+from h3t_ext.costmodel.published_long_sequence import TABLES as LONG_SEQUENCE_TABLES, long_sequence_runs
+from h3t_ext.costmodel.specs import get_system
 
 
 @dataclass(frozen=True)
@@ -74,18 +78,12 @@ def _reference_runs():
     """(source, label, model, plan, system, tokens/s per GPU) of every published run in ``data/reference``: the
     fitted sources (``published.py``) and the held-out ones (Megatron-Bridge's and NeMo's long-sequence tables, each
     GPU's file)."""
-    # imported here: they read the reference files and price with the cost model, which imports this module
-    from h3t_ext.costmodel import published_bridge, published_long_sequence  # noqa: PLC0415
-    from h3t_ext.costmodel.published import published_runs  # noqa: PLC0415
-    from h3t_ext.costmodel.specs import get_system  # noqa: PLC0415
-
     for r in published_runs():
         yield r.source, r.label, r.model, r.plan, r.system, r.tokens_per_s_per_gpu
-    for gpu, name in published_bridge.FILES.items():
-        for r in published_bridge.bridge_runs(gpu):
-            yield name.removesuffix(".json"), r.label, r.model, r.plan, get_system(r.system_name), r.tokens_per_s_per_gpu
-    for table, name in published_long_sequence.TABLES.items():
-        for r in published_long_sequence.long_sequence_runs(table):
+    held_out = [(name, bridge_runs(gpu)) for gpu, name in BRIDGE_FILES.items()]
+    held_out += [(name, long_sequence_runs(table)) for table, name in LONG_SEQUENCE_TABLES.items()]
+    for name, runs in held_out:
+        for r in runs:
             yield name.removesuffix(".json"), r.label, r.model, r.plan, get_system(r.system_name), r.tokens_per_s_per_gpu
 
 
