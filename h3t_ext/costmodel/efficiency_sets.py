@@ -24,10 +24,15 @@ def efficiency_set_names() -> tuple[str, ...]:
     return tuple(k for k in _fitted()["efficiencies"] if k != "shared")
 
 
+def _transfer(name: str):
+    """Family ``name``'s entry of ``fitted_efficiencies.json`` ``transfers`` (None where it has its own values)."""
+    return _fitted().get("transfers", {}).get(name)
+
+
 def transferred_source(name: str) -> str:
     """The family whose fitted efficiencies family ``name`` carries over (``fitted_efficiencies.json``
     ``transfers``); empty where it has its own."""
-    transfer = _fitted().get("transfers", {}).get(name)
+    transfer = _transfer(name)
     return "" if transfer is None else str(transfer["from"])
 
 
@@ -36,7 +41,7 @@ def transferred_efficiencies(name: str) -> dict[str, float]:
     each ``scaled`` one is the source family's times the ratio of the two chips' matmul ceilings (measured best
     matmul FLOP/s over the datasheet peak, in the listed precision), each ``same`` one the source's as it is.
     Empty for a family that has no transfer (one fitted or stated on its own runs)."""
-    transfer = _fitted().get("transfers", {}).get(name)
+    transfer = _transfer(name)
     if transfer is None:
         return {}
     source = efficiency_set(transfer["from"])
