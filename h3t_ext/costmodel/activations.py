@@ -82,7 +82,9 @@ from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.fp8 import bf16_layers_in
 from h3t_ext.costmodel.recompute import chunk_layers_bytes, chunk_units, core_attention_pinned_qkv, plan_recompute, \
     recomputes_core_attention, selective_terms
+from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_SAVED_BYTES
 from h3t_ext.costmodel.specs import ModelSpec
+from h3t_ext.costmodel.te_version import cross_entropy_impl
 from h3t_ext.dtypes import BF16, BOOL, FP8, FP32, INT64
 from h3t_ext.schedule import ActionKind, ScheduleConfig, build_schedule, offloaded_chunk_count
 
@@ -284,16 +286,19 @@ def output_layer_bytes(model: ModelSpec, plan, *, dtype_bytes: int = BF16,
     entropy (megatron-core ``tensor_parallel/cross_entropy.py``) casts the logits of the gathered
     sequence (s/c tokens, V_pad/t columns) to fp32, turns them into the softmax in place and saves
     it with the int64 masked targets and the bool target mask. The bf16 logits themselves are not
-    saved (see ``logits_transient`` in memory.py)."""
+    saved (see ``logits_transient`` in memory.py); TransformerEngine's fused one before 2.18 saves
+    them instead, holding their gradient (``cross_entropy_softmax`` at
+    :data:`~h3t_ext.costmodel.elementwise.CROSS_ENTROPY_SAVED_BYTES`)."""
     t, c = plan.tensor_model_parallel_size, plan.context_parallel_size
     seq_tokens = plan.micro_batch_size * plan.seq_length // c
     norm_tokens = seq_tokens // t if sequence_parallel else seq_tokens
     h, b = model.hidden_size, dtype_bytes
+    saved = CROSS_ENTROPY_SAVED_BYTES[cross_entropy_impl(plan)]
     terms = {
         "final_norm_input": norm_tokens * h * b,
         "final_norm_rstd": norm_tokens * FP32,
         "final_norm_output": norm_tokens * h * b,
-        "cross_entropy_softmax": seq_tokens * (model.padded_vocab_size(t) // t) * FP32,
+        "cross_entropy_softmax": seq_tokens * (model.padded_vocab_size(t) // t) * saved,
         "cross_entropy_targets": seq_tokens * INT64,
         "cross_entropy_target_mask": seq_tokens * BOOL,
     }

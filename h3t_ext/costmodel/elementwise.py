@@ -47,6 +47,7 @@ FUSED_CROSS_ENTROPY = {
     # (bytes per logit forward, backward; kernels forward, backward)
     "native": ((BF16 + FP32) + (FP32 + FP32) + (FP32 + FP32), (FP32 + FP32) + (FP32 + BF16), 4, 2),
     "te": ((BF16 + BF16 + FP32), (FP32 + FP32) + (FP32 + BF16), 2, 2),
+    "te-bf16": ((BF16 + BF16 + BF16), (BF16 + BF16), 2, 1),
 }
 """--cross-entropy-loss-fusion by --cross-entropy-fusion-impl. 'native' (megatron-core 0.16.1
 ``fusions/fused_cross_entropy.py``: the same steps in three jit-fused functions): forward the fp32 copy of the logits
@@ -55,7 +56,17 @@ write fp32), the division in place (read and write fp32); backward the in-place 
 the bf16 cast in one function (read fp32, write it back and the bf16 gradient). 'te' (TransformerEngine's triton
 ``parallel_cross_entropy``): forward an online-softmax pass and a pass that writes the fp32 gradient of the logits
 (read bf16 twice, write fp32); backward the in-place scaling by the loss gradient (read and write fp32) and autograd's
-cast to the logits' bf16. All three keep 4 bytes a logit for the backward (the softmax, or TE's gradient)."""
+cast to the logits' bf16. 'te-bf16' (TransformerEngine before 2.18, :mod:`h3t_ext.costmodel.te_version`): the same
+passes writing the gradient in place into the bf16 logits; backward the in-place scaling in bf16, no cast.
+
+What each keeps for the backward (:data:`CROSS_ENTROPY_SAVED_BYTES`) and what lives beside it while the forward runs
+(:data:`CROSS_ENTROPY_LOGITS_TRANSIENT`)."""
+CROSS_ENTROPY_SAVED_BYTES = {None: FP32, "native": FP32, "te": FP32, "te-bf16": BF16}
+"""Bytes a logit the cross entropy saves for its backward, by implementation (None: unfused): the fp32 softmax, TE's
+fp32 gradient, or (TE before 2.18) the bf16 logits holding their gradient."""
+CROSS_ENTROPY_LOGITS_TRANSIENT = {None: BF16, "native": BF16, "te": BF16, "te-bf16": 0}
+"""Bytes a logit of the bf16 logits alive next to the saved tensor while the cross entropy runs (and of their bf16
+gradient next to it in the backward): none where the saved tensor is the logits themselves."""
 
 
 UNFUSED_GLU_ELEMENTS = (7, 13)

@@ -212,13 +212,16 @@ def gemm_weight_params(model, plan, layers: int) -> int:
 
 def step_seconds(model, plan, system, layers: int) -> float:
     """Once per iteration on a rank holding ``layers`` layers: the weights' cast (read bf16, write FP8 and, where it
-    is kept (:func:`fp8_copies`), its transpose; with --fp8-param-gather only the transpose of the FP8 parameters)
-    and the scale update."""
+    is kept (:func:`fp8_copies`), its transpose; with --fp8-param-gather only the transpose of the FP8 parameters,
+    once per microbatch where Megatron FSDP drops it between uses, :func:`fsdp_drops_weight_transposes`) and the
+    scale update."""
     if plan.fp8 is None:
         return 0.0
     w, r = gemm_weight_params(model, plan, layers), kernel_rates(system)
     copies = fp8_copies(plan.fp8_recipe, r.fp8_any_layout)
     per = (FP8 + FP8) * (copies - 1) if plan.fp8_param_gather else cast_bytes_per_element(plan.fp8_recipe, copies)
+    if fsdp_drops_weight_transposes(plan):  # each microbatch's backward makes the gathered weights' transposes
+        per *= plan.num_microbatches
     return elementwise_seconds(w * per, r, kernels=STEP_KERNELS + 4 * layers * _cast_kernels(plan.fp8_recipe))
 
 
@@ -231,12 +234,33 @@ def weight_bytes(model, plan, n: int, layers: int) -> int:
     return (n - w) * BF16 + w * FP8
 
 
+def fsdp_drops_weight_transposes(plan) -> bool:
+    """Whether Megatron FSDP drops the FP8 parameters' transposes between uses: with --fp8-param-gather and
+    parameters sharded ('optim_grads_params'), megatron_fsdp makes a gathered FP8 parameter's transpose for its
+    backward (``fp8_create_transpose_cache`` after the all-gather) and drops it when the module's forward or backward
+    is done (``release_params_fp8_transpose_cache``; the DDP config's ``keep_fp8_transpose_cache`` is off by
+    default). No FP8 copy is kept through the iteration then; the gathered layers hold theirs
+    (``memory.fsdp_buffer_bytes``). With 'optim_grads' the parameters stay whole and TransformerEngine keeps each
+    transpose, as without FSDP."""
+    return (plan.fp8 is not None and plan.fp8_param_gather and not plan.use_torch_fsdp2
+            and plan.data_parallel_sharding_strategy == "optim_grads_params")
+
+
+def gathered_weight_bytes(plan, system=None) -> int:
+    """Bytes per GEMM-weight parameter of an FP8 layer's gathered parameters under Megatron FSDP with
+    --fp8-param-gather, in its backward: the FP8 data and the transpose made for it where one is kept
+    (:func:`fp8_copies` on ``system``; None: a GPU that keeps it)."""
+    any_layout = system is not None and any_layout_fp8_gemm(system.compute_capability)
+    return FP8 * fp8_copies(plan.fp8_recipe, any_layout)
+
+
 def weight_cache_bytes(model, plan, layers: int, system=None) -> int:
     """TransformerEngine's FP8 weight copies kept through the iteration: the FP8 copy and its transpose per GEMM
     weight, or the copy alone where no transpose is kept (:func:`fp8_copies` on ``system``); with --fp8-param-gather
-    the parameter is the FP8 copy, so only the transpose (none where none is kept). ``system`` None: a GPU that keeps
-    the transpose."""
-    if plan.fp8 is None:
+    the parameter is the FP8 copy, so only the transpose (none where none is kept), and none under Megatron FSDP
+    sharding the parameters (:func:`fsdp_drops_weight_transposes`). ``system`` None: a GPU that keeps the
+    transpose."""
+    if plan.fp8 is None or fsdp_drops_weight_transposes(plan):
         return 0
     copies = fp8_copies(plan.fp8_recipe, system is not None and any_layout_fp8_gemm(system.compute_capability))
     per = FP8 * (copies - 1) if plan.fp8_param_gather else WEIGHT_CACHE_BYTES - (2 - copies) * FP8

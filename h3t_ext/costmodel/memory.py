@@ -18,13 +18,17 @@ sees on top of that:
                            output of one layer; they are produced one at a time and freed after use);
                            full recompute: the saved activations of a unit's layers (one for ckpt=full,
                            N with --recompute-method uniform --recompute-num-layers N) re-created in backward.
-* ``embedding_grad``       first stage: the dense bf16 gradient of the vocabulary-parallel embedding
-                           (V_pad/t * h) before it is added to the fp32 main grad.
+* ``embedding_grad``       first stage of a pipeline (p > 1): the dense bf16 gradient of the vocabulary-parallel
+                           embedding (V_pad/t * h) before it is added to the fp32 main grad, made while the stage
+                           holds other microbatches' activations. At p = 1 it is made after the last layer's
+                           backward, when the microbatch's activations are gone: a moment of its own (below).
 * ``logits_transient``     last stage: the bf16 logits, alive next to the fp32 softmax while the
                            vocabulary-parallel cross entropy runs (and their bf16 gradient next to
                            it in backward), (s/c) * V_pad/t * 2. The fp32 softmax the cross
                            entropy keeps for backward (its gradient is written into it) is saved
-                           state, in ``output_layer_activations``.
+                           state, in ``output_layer_activations``. None with TransformerEngine's
+                           fused cross entropy before 2.18, which saves the logits themselves
+                           (:mod:`h3t_ext.costmodel.te_version`).
 * ``output_layer_activations`` last stage: one microbatch's saved tensors of the final norm, output
                            GEMM and cross entropy (``activations.output_layer_bytes``), counted once.
 * ``fp8_weight_cache``     with --fp8-format: TransformerEngine's FP8 copy of every GEMM weight and its
@@ -39,15 +43,19 @@ sees on top of that:
 * ``moe_dispatch_buffer``  MoE layers: one all-to-all buffer of the T k token copies.
 * ``p2p_buffers``          received activations/gradients waiting for their compute action (2 per
                            direction), 4 * (s/(c t)) * h bf16 (p > 1 only).
-* ``fsdp_buffers``         Megatron FSDP with sharded gradients: the fp32 gradients of two layers waiting
-                           for their reduce-scatter (one reducing, one being produced); with sharded
-                           parameters also the bf16 all-gathered parameters of two layers (the one running
-                           and the prefetched one).
+* ``fsdp_buffers``         Megatron FSDP with sharded gradients: the gradients of two layers, in the gradient
+                           buffer's dtype, waiting for their reduce-scatter (one reducing, one being produced);
+                           with sharded parameters also the all-gathered parameters of two layers (the one
+                           running and the prefetched one): bf16, or FP8 with --fp8-param-gather
+                           (:func:`fsdp_buffer_bytes`).
 
-The peak is the larger of two moments: a backward (the terms above) and the optimizer step, after the last
-backward, when the activations and their transients are freed but the states, TransformerEngine's FP8 weight copies,
-the offload runtime's reload buffers and pipeline buffers (both kept for the next iteration) stay:
+The peak is the largest of the moments: a backward (the terms above); at p = 1 the embedding's backward, after
+the last layer's; and the optimizer step, after the last backward. At the later two the activations and their
+transients are freed but the states, TransformerEngine's FP8 weight copies, the offload runtime's reload buffers and
+pipeline buffers (both kept for the next iteration) stay:
 
+* ``embedding_backward_excess`` p = 1: what the embedding's backward holds above the other moments (the terms
+                           ``EMBEDDING_MOMENT_TERMS`` and the gradient); left out when smaller, as it nearly always is.
 * ``optimizer_step_excess`` what the optimizer step's moment holds above the backward's (0, and left out, when the
                            backward's is larger): with torch's AdamW (``Plan.optimizer_impl`` 'torch', megatron-core's
                            fallback without TransformerEngine and apex) its foreach step allocates sqrt(v) + eps as
@@ -77,9 +85,11 @@ from h3t_ext.costmodel.activations import (
     residency_lines,
 )
 from h3t_ext.costmodel import fp8, moe, optimizer_offload
+from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_LOGITS_TRANSIENT
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
 from h3t_ext.costmodel.plan import LAYER_SPEC, Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.costmodel.te_version import cross_entropy_impl
 from h3t_ext.dtypes import BF16, FP32
 
 OPTIMIZER_BYTES_PER_PARAM = 3 * FP32  # fp32 master weight + Adam m + Adam v
@@ -95,6 +105,11 @@ STEP_PERSISTENT_TERMS = ("weights", "grads", "optimizer_states", "fp8_weight_cac
 """The terms alive at the optimizer step: the states, TE's FP8 weight caches, and the buffers the runtime keeps
 from one iteration to the next (the H200's ckpt=ours steps with alpha 0.5 and 1 peak 404 MiB above alpha 0's, the
 two reload slots of one layer, at the optimizer step)."""
+EMBEDDING_MOMENT_TERMS = STEP_PERSISTENT_TERMS + ("fsdp_buffers",)
+"""The terms alive when the embedding's gradient is made at pipeline size 1, after the last layer's backward: the
+persistent ones and a sharded data-parallel rank's unsharded buffers. The H200's ckpt=no step of a 1.1 B Llama
+(``data/reference/local_stack_steps.json``) peaked 0.12 GiB (its embedding gradient) below the sum that counted the
+gradient at the backward's peak, and at that sum less the gradient to 0.01%."""
 
 
 @dataclass(frozen=True)
@@ -149,9 +164,10 @@ def chunk_activation_bytes(model: ModelSpec, plan: Plan, stage: Optional[int] = 
                                   sequence_parallel=plan.sequence_parallel, fp8=plan.fp8 is not None)
 
 
-def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
+def _transients(model: ModelSpec, plan: Plan, stage: int, system: Optional[SystemSpec] = None) -> dict[str, int]:
     if model.mixed_moe:  # the larger of each buffer over the two kinds of layer
-        dense, moe_ = _transients(model.dense_variant(), plan, stage), _transients(model.moe_variant(), plan, stage)
+        dense, moe_ = (_transients(model.dense_variant(), plan, stage, system),
+                       _transients(model.moe_variant(), plan, stage, system))
         return {k: max(dense.get(k, 0), moe_.get(k, 0)) for k in {**dense, **moe_}}
     t, c, p = plan.tensor_model_parallel_size, plan.context_parallel_size, plan.pipeline_model_parallel_size
     mb, h, f = plan.micro_batch_size, model.hidden_size, model.dense_ffn_hidden_size
@@ -166,7 +182,7 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
     if model.is_moe:
         out.update(_moe_transients(model, plan))
     if plan.sharding_strategy is not None:
-        out["fsdp_buffers"] = fsdp_buffer_bytes(model, plan, stage)
+        out["fsdp_buffers"] = fsdp_buffer_bytes(model, plan, stage, system)
     base, recompute = plan_recompute(plan)
     unit_layers = unit_workspace_layers(recompute, chunk_layers(model, plan, stage))
     experts_no = moe.kept_expert_bytes(model, plan, "no", ())
@@ -178,12 +194,20 @@ def _transients(model: ModelSpec, plan: Plan, stage: int) -> dict[str, int]:
         expert_act = moe.expert_terms(model, plan)["expert_act_output"] if model.is_moe else 0
         out["recompute_workspace"] = local * max(terms_no["norm2_output"], terms_no["swiglu_output"], expert_act)
     vocab_shard = model.padded_vocab_size(t) // t
-    if stage == 0:
-        out["embedding_grad"] = vocab_shard * h * BF16
+    if stage == 0 and p > 1:
+        out["embedding_grad"] = embedding_grad_bytes(model, plan)
     if stage == p - 1:
-        out["logits_transient"] = seq_tokens * vocab_shard * BF16
+        transient = CROSS_ENTROPY_LOGITS_TRANSIENT[cross_entropy_impl(plan)]
+        if transient:
+            out["logits_transient"] = seq_tokens * vocab_shard * transient
         out["output_layer_activations"] = output_layer_bytes(model, plan)["total"]
     return out
+
+
+def embedding_grad_bytes(model: ModelSpec, plan: Plan) -> int:
+    """The dense bf16 gradient of the vocabulary-parallel embedding, V_pad/t * h."""
+    t = plan.tensor_model_parallel_size
+    return model.padded_vocab_size(t) // t * model.hidden_size * BF16
 
 
 def _moe_transients(model: ModelSpec, plan: Plan) -> dict[str, int]:
@@ -197,21 +221,32 @@ def _moe_transients(model: ModelSpec, plan: Plan) -> dict[str, int]:
     return {"moe_backward_workspace": grads, "moe_dispatch_buffer": local * model.moe_router_topk * h * BF16}
 
 
-def fsdp_buffer_bytes(model: ModelSpec, plan: Plan, stage: int) -> int:
+def fsdp_buffer_bytes(model: ModelSpec, plan: Plan, stage: int, system: Optional[SystemSpec] = None) -> int:
     """Unsharded buffers of a sharded data-parallel rank beside its shards, at the peak (a layer's backward).
 
-    Megatron FSDP: the unsharded fp32 main gradients of two layers (the one whose backward writes them and the
-    previous one's, still reduce-scattering), and with 'optim_grads_params' the bf16 parameters of two layers
-    (the one computing and the next, prefetched). Torch FSDP2 (``fully_shard`` per layer): the gathered parameters
-    of two layers (computing, prefetched) and the unsharded gradients of two in the parameters' dtype, which FSDP2
-    reduce-scatters in; without resharding after the forward, the whole chunk's gathered parameters instead, kept
-    from the forward to the backward."""
+    Megatron FSDP: the unsharded main gradients of two layers (the one whose backward writes them and the previous
+    one's, still reduce-scattering), in the gradient buffer's dtype (``Plan.grad_bytes``: fp32, or bf16 with
+    --grad-reduce-in-bf16, as Megatron-Bridge's recipes run), and with 'optim_grads_params' the gathered parameters
+    of two layers (the one computing and the next, prefetched): bf16, or with --fp8-param-gather the FP8 GEMM
+    weights with the transpose made for their backward where one is kept (:func:`fp8.gathered_weight_bytes` on
+    ``system``; bf16 when the rank also holds BF16 layers, which may be the gathered ones).
+
+    Torch FSDP2 (``fully_shard`` per layer): the gathered parameters of two layers (computing, prefetched) and the
+    unsharded gradients of two in the parameters' dtype, which FSDP2 reduce-scatters in; without resharding after the
+    forward, the whole chunk's gathered parameters instead, kept from the forward to the backward."""
     layer_params = model.layer_params_per_rank(plan.tensor_model_parallel_size)
     if plan.use_torch_fsdp2:
         held = plan.stage_layers(model.num_layers, stage) if not plan.torch_fsdp2_reshard_after_forward else 2
         return held * layer_params * BF16 + 2 * layer_params * BF16
-    gathered = 2 * layer_params * BF16 if plan.sharding_strategy == "optim_grads_params" else 0
-    return 2 * layer_params * FP32 + gathered
+    gathered = 0
+    if plan.sharding_strategy == "optim_grads_params":
+        per_layer = layer_params * BF16
+        layers = plan.stage_layers(model.num_layers, stage)
+        if fp8.fsdp_drops_weight_transposes(plan) and plan.stage_fp8_layers(model.num_layers, stage) == layers:
+            gemm = fp8.gemm_weight_params(model, plan, 1)
+            per_layer = (layer_params - gemm) * BF16 + gemm * fp8.gathered_weight_bytes(plan, system)
+        gathered = 2 * per_layer
+    return 2 * layer_params * plan.grad_bytes + gathered
 
 
 def optimizer_shards(plan: Plan) -> int:
@@ -329,7 +364,7 @@ def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int, system: Optio
     if plan.fp8 is not None:
         terms["fp8_weight_cache"] = fp8.weight_cache_bytes(model, plan, layers, system)
         terms["fp8_scaling_state"] = fp8.scaling_state_bytes(plan, layers)
-    terms.update(_transients(model, plan, stage))
+    terms.update(_transients(model, plan, stage, system))
     return terms
 
 
@@ -382,6 +417,14 @@ def _step_moment(terms: Mapping[str, int], temporary: int) -> int:
     return sum(terms.get(k, 0) for k in STEP_PERSISTENT_TERMS) + temporary
 
 
+def _embedding_moment(model: ModelSpec, plan: Plan, terms: Mapping[str, int]) -> int:
+    """Bytes alive when the embedding's gradient is made at pipeline size 1 (``EMBEDDING_MOMENT_TERMS`` and the
+    gradient); 0 with a pipeline, where ``embedding_grad`` is a term of the backward's moment."""
+    if plan.pipeline_model_parallel_size > 1:
+        return 0
+    return sum(terms.get(k, 0) for k in EMBEDDING_MOMENT_TERMS) + embedding_grad_bytes(model, plan)
+
+
 def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float,
                  system: Optional[SystemSpec] = None) -> StageMemory:
     """Peak memory terms of pipeline rank ``stage`` with offload ratio ``alpha`` on ``system`` (the GPU, where a term
@@ -395,6 +438,9 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float,
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
+    embedding = _embedding_moment(model, plan, terms) - sum(terms.values())
+    if embedding > 0:
+        terms["embedding_backward_excess"] = embedding
     excess = _step_moment(terms, _step_temporary(model, plan, stage, n)) - sum(terms.values())
     if excess > 0:
         terms["optimizer_step_excess"] = excess
@@ -412,11 +458,13 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int,
     lines, offloads = residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0
     layers = layers_per_chunk(model, plan)
     temporary = _step_temporary(model, plan, stage, n)
-    if not temporary:  # fused Adam: the step's moment never exceeds a backward's
+    # the later moments' fixed terms (the reload buffer is added per alpha); with fused Adam the step's moment never
+    # exceeds a backward's
+    late_fixed = max(_step_moment(terms, temporary) if temporary else 0, _embedding_moment(model, plan, terms))
+    if not late_fixed:
         return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha, layers))
-    step_fixed = _step_moment(terms, temporary)  # the fixed terms: the reload buffer is added per alpha
 
     def peak(alpha: float) -> int:
         act, reload = _activation_terms(chunk, lines, offloads, alpha, layers)
-        return max(fixed + act + reload, step_fixed + reload)
+        return max(fixed + act + reload, late_fixed + reload)
     return peak

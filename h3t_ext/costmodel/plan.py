@@ -12,6 +12,7 @@ from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, bf16_layers_in, validate_b
 from h3t_ext.costmodel.kernels import attention_kernel
 from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.costmodel.te_version import parse_te_version
 from h3t_ext.layout import LayoutError, ParallelLayout, PipelineSplit, parse_pipeline_layout
 from h3t_ext.offload_alpha import Alpha, check_alpha
 
@@ -142,6 +143,10 @@ class Plan:
     cross_entropy_fusion_impl: str = "native"
     """Megatron's --cross-entropy-fusion-impl: 'native' (megatron-core's jit-fused functions) or 'te'
     (TransformerEngine's triton kernel); read with ``cross_entropy_loss_fusion``."""
+    transformer_engine_version: Optional[str] = None
+    """The TransformerEngine the run imports, 'MAJOR.MINOR' (None: the newest this package knows). Not a Megatron
+    flag: ``h3t-plan --transformer-engine-version`` and the driver's installed TransformerEngine set it; where TE
+    changed what a kernel saves, it picks the rule (:mod:`h3t_ext.costmodel.te_version`)."""
     use_legacy_models: bool = False
     """Megatron-LM's --use-legacy-models (through core 0.15): the legacy GPT model (``megatron/legacy/model``, the
     code Megatron-Kwai's ATC '24 runs use), whose SwiGLU is never fused and multiplies ``silu(gate)`` by the linear
@@ -371,6 +376,11 @@ def _validate_ranges(plan: Plan) -> None:
     _check(plan.cross_entropy_fusion_impl in CROSS_ENTROPY_FUSION_IMPLS,
            f"cross_entropy_fusion_impl must be one of {', '.join(CROSS_ENTROPY_FUSION_IMPLS)}, "
            f"got {plan.cross_entropy_fusion_impl!r}")
+    if plan.transformer_engine_version is not None:
+        try:
+            parse_te_version(plan.transformer_engine_version)
+        except ValueError as e:
+            raise InvalidPlanError(str(e)) from None
     _check(plan.optimizer_impl in OPTIMIZER_IMPLS,
            f"optimizer_impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got {plan.optimizer_impl!r}")
     strategy = plan.data_parallel_sharding_strategy

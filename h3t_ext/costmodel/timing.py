@@ -77,6 +77,7 @@ from h3t_ext.costmodel.layer_offload import p1_exposed_seconds
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.recompute import chunk_layers, chunk_units, plan_recompute, recompute_seconds
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.costmodel.te_version import cross_entropy_impl
 from h3t_ext.costmodel.time_records import HeadTime, LayerTime, ShapeTimes, TimeTerms, record_fields  # noqa: F401 (re-exported)
 from h3t_ext.dtypes import BF16, FP32
 
@@ -335,8 +336,9 @@ def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
 
 
 def _cross_entropy_fusion(plan: Plan) -> Optional[str]:
-    """The fused cross entropy's implementation, None without --cross-entropy-loss-fusion."""
-    return plan.cross_entropy_fusion_impl if plan.cross_entropy_loss_fusion else None
+    """The fused cross entropy's implementation, None without --cross-entropy-loss-fusion
+    (:func:`~h3t_ext.costmodel.te_version.cross_entropy_impl`)."""
+    return cross_entropy_impl(plan)
 
 
 @functools.lru_cache(maxsize=4096)

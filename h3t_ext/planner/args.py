@@ -16,6 +16,7 @@ from h3t_ext.costmodel.specs import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, lo
 from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.fp8 import FP8_FORMATS, FP8_RECIPES, PRECISIONS
 from h3t_ext.costmodel.plan import FSDP_SHARDING_STRATEGIES, OPTIMIZER_IMPLS, TRANSFORMER_IMPLS
+from h3t_ext.costmodel.te_version import parse_te_version
 from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.attention_window import WindowFlagError, parse_skip_freq, parse_window_size
@@ -154,6 +155,15 @@ def _alpha(text: str) -> AlphaArg:
     return value.mode if value.is_mode else value.alpha
 
 
+def te_version_arg(text: str) -> str:
+    """``--transformer-engine-version``: a version MAJOR.MINOR[.PATCH], kept as given."""
+    try:
+        parse_te_version(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("transformer_engine_version ", "")) from None
+    return text.strip()
+
+
 def _budget(text: str) -> int:
     try:
         return parse_bytes(text)
@@ -262,6 +272,9 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
                    help="the Adam megatron-core finds installed: fused (TransformerEngine's or apex's FusedAdam) or "
                         "torch (torch.optim.AdamW, its fallback without both: one fp32 temporary per parameter of "
                         "the optimizer shard at the optimizer step)")
+    p.add_argument("--transformer-engine-version", type=te_version_arg, default=None, metavar="MAJOR.MINOR",
+                   help="the TransformerEngine the run imports (default: the newest rules this package knows); "
+                        "before 2.18 the fused cross entropy keeps the logits' gradient in bf16, in place")
     p.add_argument("--fp8-format", dest="fp8", choices=FP8_FORMATS, default=None,
                    help="FP8 linear layers through TransformerEngine (Hopper or newer): e4m3, or hybrid (E5M2 "
                         "gradients); default BF16")

@@ -315,6 +315,7 @@ def search(
                                                       "overlap_p2p_comm", "sequence_parallel",
                                                       "use_distributed_optimizer", "data_parallel_sharding_strategy",
                                                       "attention_backend", "transformer_impl", "optimizer_impl",
+                                                      "transformer_engine_version",
                                                       "optimizer_cpu_offload",
                                                       "optimizer_offload_fraction", "overlap_cpu_optimizer_d2h_h2d",
                                                       "grad_reduce_in_bf16", "fp16", "bias_activation_fusion",

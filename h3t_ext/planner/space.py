@@ -136,6 +136,8 @@ class SearchConstraints:
     """Megatron's --transformer-impl of every plan searched."""
     optimizer_impl: str = "fused"
     """The Adam of every plan searched (``Plan.optimizer_impl``)."""
+    transformer_engine_version: Optional[str] = None
+    """The TransformerEngine of every plan searched (``Plan.transformer_engine_version``)."""
     memory_ladder: tuple[MemoryOption, ...] = ()
     """Memory options tried on a plan that needs activation offload or does not fit (:data:`MEMORY_LADDER`; the
     CLI's default); empty: every plan keeps the switches above."""

@@ -52,6 +52,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "attention_backend": "auto",
     "transformer_impl": "transformer_engine",
     "optimizer_impl": "fused",  # not Megatron's: TransformerEngine's FusedAdam, which a Megatron-LM GPU job imports
+    "transformer_engine_version": None,  # not Megatron's: the newest TransformerEngine's rules
     "decoder_first_pipeline_num_layers": None,
     "decoder_last_pipeline_num_layers": None,
     "num_virtual_stages_per_pipeline_rank": None,
@@ -95,7 +96,7 @@ _REQUIRED = ("seq_length", "global_batch_size")
 _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
            "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "use_distributed_optimizer",
            "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm",
-           "transformer_impl", "optimizer_impl", "decoder_first_pipeline_num_layers",
+           "transformer_impl", "optimizer_impl", "transformer_engine_version", "decoder_first_pipeline_num_layers",
            "decoder_last_pipeline_num_layers",
            "num_virtual_stages_per_pipeline_rank", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split", "pipeline_model_parallel_layout",
@@ -306,6 +307,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         attention_backend=_attention(read, fixed),
         transformer_impl=_value(read, "transformer_impl", fixed),
         optimizer_impl=_value(read, "optimizer_impl", fixed),
+        transformer_engine_version=_value(read, "transformer_engine_version", fixed),
         expert_model_parallel_size=given("expert_model_parallel_size"),
         expert_tensor_parallel_size=given("expert_tensor_parallel_size"),
         moe_token_dispatcher_type=given("moe_token_dispatcher_type"),

@@ -147,6 +147,16 @@ def optimizer_impl() -> str:
     return "torch" if getattr(optimizer, "Adam", None) is torch.optim.AdamW else "fused"
 
 
+def transformer_engine_version():
+    """The installed TransformerEngine's version (``Plan.transformer_engine_version``), None where it is not
+    importable."""
+    try:
+        import transformer_engine  # noqa: PLC0415
+    except ImportError:
+        return None
+    return getattr(transformer_engine, "__version__", None)
+
+
 def ddp_fields(args) -> dict[str, Any]:
     """The ``DistributedDataParallelConfig`` fields of the table flags (gradients in fp32 unless
     ``--grad-reduce-in-bf16``, or ``--fp16`` without ``--accumulate-allreduce-grads-in-fp32``: Megatron-LM's rule,
@@ -214,4 +224,5 @@ def check_gpu_flags(args):
 
 __all__ = ["AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
            "attention_backend", "check_gpu_flags", "ddp_fields", "fp8_fields", "given_attention_backend",
-           "optimizer_dtype_fields", "optimizer_impl", "spec_backend", "transformer_fields"]
+           "optimizer_dtype_fields", "optimizer_impl", "spec_backend", "transformer_engine_version",
+           "transformer_fields"]

@@ -21,7 +21,7 @@ from h3t_ext.planner.translate import plan_from_args
 from h3t_training.config.flag_table import table_value
 from h3t_training.config.fp8_flags import fp8_flag
 from h3t_training.config.megatron_fields import attention_backend, bias_swiglu_fusion, cross_entropy_fusion, \
-    given_attention_backend, optimizer_impl, sixteen_bit_grads_of, spec_backend
+    given_attention_backend, optimizer_impl, sixteen_bit_grads_of, spec_backend, transformer_engine_version
 
 
 def uses_transformer_engine(on_gpu: bool, config) -> bool:
@@ -91,13 +91,15 @@ def window_left(config) -> Optional[int]:
 
 def stack_fields(config, *, on_gpu: bool) -> dict:
     """The Plan fields of the software this run's GPU has (none off a GPU: the plan is then the GPU job's, with
-    TransformerEngine): the local layer spec where TransformerEngine is not used, and the Adam megatron-core
-    imported (:func:`~h3t_training.config.megatron_fields.optimizer_impl`)."""
+    TransformerEngine): the local layer spec where TransformerEngine is not used, else the TransformerEngine version
+    it imports, and the Adam megatron-core imported (:func:`~h3t_training.config.megatron_fields.optimizer_impl`)."""
     if not on_gpu:
         return {}
     out = {"optimizer_impl": optimizer_impl()}
     if not uses_transformer_engine(on_gpu, config):
         out["transformer_impl"] = "local"
+    else:
+        out["transformer_engine_version"] = transformer_engine_version()
     return out
 
 

@@ -123,17 +123,19 @@ def test_the_later_rows_are_copied_with_the_tables_flops_count(row):
 def test_the_later_containers_run_faster_than_the_model_and_the_70b_gap_stays():
     """The 2026 containers' rows of the same recipes (held out like the 25.11 ones): the model is slow on all of them,
     the 405B by 4-9% (its software sped up 12% from 25.11's 292 tokens/s, 1% of that the larger batch), the 70B by
-    11.5-14% as in 25.11 (the larger batch's 1.3% included). So the 70B's gap does not belong to one container, and the
-    405B's 25.11 agreement is partly its stack's: later stacks run faster than anything the model was fitted to."""
+    11-13% as in 25.11 (the larger batch's 1.3% included). So the 70B's gap does not belong to one container, and the
+    405B's 25.11 agreement is partly its stack's: later stacks run faster than anything the model was fitted to. (The
+    70B rows are 0.6 points nearer since the cross entropy is priced as these containers' TransformerEngine, before
+    2.18, ran it: in place in the bf16 logits, lighter on the last stage, which is the pipeline's slowest.)"""
     errors = {(run.model.name, run.container): e for run, _, e in held_out.bridge_errors()
               if run.container != published_bridge.FIRST_CONTAINER}
     seventy = [e for (m, _), e in errors.items() if m == "llama3-70b"]
     big = [e for (m, _), e in errors.items() if m == "llama3-405b"]
-    assert len(seventy) == 4 and all(-0.145 < e < -0.11 for e in seventy), seventy
+    assert len(seventy) == 4 and all(-0.14 < e < -0.105 for e in seventy), seventy
     assert len(big) == 3 and all(-0.095 < e < -0.03 for e in big), big
-    for container in ("26.02", "26.04.01"):  # the containers with both rows: the 70B 5-9 points further off
+    for container in ("26.02", "26.04.01"):  # the containers with both rows: the 70B 4.5-9 points further off
         gap = errors[("llama3-405b", container)] - errors[("llama3-70b", container)]
-        assert 0.05 < gap < 0.09, (container, gap)
+        assert 0.04 < gap < 0.09, (container, gap)
 
 
 def test_the_library_reads_the_rows_as_the_one_translation_does():
@@ -157,7 +159,7 @@ def test_the_stored_newer_stacks_figure_is_what_the_rows_give_now():
     assert stored["max_underprediction"] == pytest.approx(-min(errors), abs=1e-6) and -min(errors) > 0.13
     est = _estimate(DATA["rows"][0])
     line = interval_line(est)
-    assert "14% faster than predicted" in line and "+-4.1%" in line, line
+    assert "13% faster than predicted" in line and "+-4.1%" in line, line
     assert throughput_uncertainty(moe=True).newer_stacks_underprediction == 0.0
 
 
