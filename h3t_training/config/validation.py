@@ -7,6 +7,7 @@ its value and the valid range.
 """
 from __future__ import annotations
 
+import errno
 import os
 
 from h3t_ext.layout import LayoutError, ParallelLayout
@@ -323,17 +324,22 @@ def _validate_io(args):
         parent = os.path.dirname(os.path.abspath(args.metrics_json))
         if not os.path.isdir(parent):
             raise ArgumentError(f"--metrics-json {args.metrics_json}: directory {parent} does not exist")
-        _check_writable_dir("--metrics-json", parent, create=False)
+        _check_writable_dir("--metrics-json", parent)
     return args
 
 
-def _check_writable_dir(flag: str, path: str, *, create: bool = True) -> None:
-    """Create ``path`` if asked and write a probe file into it, so an unwritable directory is found
-    now, in one line, and not at the first save after hours of training."""
+def _check_writable_dir(flag: str, path: str) -> None:
+    """Write a probe file into ``path``, or where it does not exist yet into its nearest existing ancestor (where
+    the run will create it: the checkpoint save, the loggers and the run lock make their directories), so an
+    unwritable directory is found now, in one line, and not at the first save after hours of training. Nothing is
+    created: a parse that fails at a later flag leaves no directory behind."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
     try:
-        if create:
-            os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".h3t_write_probe_{os.getpid()}")
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), existing)
+        probe = os.path.join(existing, f".h3t_write_probe_{os.getpid()}")
         with open(probe, "wb") as f:
             f.write(b"x")
         os.remove(probe)

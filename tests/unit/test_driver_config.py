@@ -592,3 +592,22 @@ def test_the_tokenizer_is_read_once_at_start_up(monkeypatch, tmp_path):
         assert len(builds) == 1 and args.tokenizer_vocab_size == NullTokenizer(32000).vocab_size in (32000, 32001)
         assert find_checkpoint(args, rank=0) is None and len(builds) == 1
     assert args.offload_alpha != 0  # Megatron's offload request was priced (with the vocabulary read once)
+
+
+def test_parsing_creates_no_output_directory(tmp_path, capsys):
+    """--save, --tensorboard-dir and --wandb-save-dir are checked for writability where the run will create them
+    (their nearest existing directory); parsing creates none, so a parse that fails at a later flag leaves nothing
+    behind. A file in the way and an unwritable parent are one line each."""
+    save, board = tmp_path / "runs" / "ckpt", tmp_path / "runs" / "tb"
+    out = ["--save", str(save), "--tensorboard-dir", str(board)]
+    with pytest.raises(SystemExit):  # a later flag fails: no directory is left
+        parse_args([*BASE, *out, "--eval-iters", "-3"], world_size=1)
+    capsys.readouterr()
+    assert not (tmp_path / "runs").exists()
+    config = parse_args([*BASE, *out], world_size=1)
+    assert config.save == str(save) and not (tmp_path / "runs").exists() and not list(tmp_path.iterdir())
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--save", str(tmp_path / "file" / "ckpt")], world_size=1)
+    err = capsys.readouterr().err
+    assert f"--save {tmp_path / 'file' / 'ckpt'} is not writable (Not a directory)" in err, err
