@@ -301,8 +301,8 @@ def compile_lists(cfg: ScheduleConfig, lists: Sequence[Sequence[Action]]) -> tup
 
 
 def timeline_program(cfg: ScheduleConfig, programs: Sequence[RankProgram], early_receives: bool) -> _Program:
-    """:func:`compile_lists`'s programs in the form ``timeline._compile`` makes them (its docstring), each batch's
-    peers sorted (:func:`canonical`)."""
+    """:func:`compile_lists`'s programs in the form ``timeline._compile`` makes them (its docstring; nothing merged),
+    each batch's peers sorted (:func:`canonical`)."""
     p, v, m = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
     first = [sum(len(pr.batches) for pr in programs[:r]) for r in range(p)]  # number of each rank's first batch
     ranks, batches = [], []
@@ -324,9 +324,9 @@ def timeline_program(cfg: ScheduleConfig, programs: Sequence[RankProgram], early
                 _, forward, chunk, inp, prev, key, layers = it
                 wait = prev if not early_receives and prev >= 0 else inp
                 records.append((*run, (2 * r + (not forward)) * v + chunk, first[r] + wait if wait >= 0 else -1,
-                                r * m * v + key if not forward and key in reloaded else -1, layers))
+                                r * m * v + key if not forward and key in reloaded else -1, layers, -1))
                 run = [-1, -1, -1]
-        records.append((*run, -1, -1, -1, False))
+        records.append((*run, -1, -1, -1, False, -1))
         ranks.append(tuple(records))
     return _Program(tuple(ranks), tuple(batches))
 

@@ -40,7 +40,9 @@ sees on top of that:
                            slots of one layer, 2 A / L.
 * ``moe_backward_workspace`` MoE layers (:mod:`h3t_ext.costmodel.moe`): d(FC1 output), d(activation output) and
                            d(expert input) of the rank's T k etp routed token copies, (fc1_e + f_e) / etp + h each.
-* ``moe_dispatch_buffer``  MoE layers: one all-to-all buffer of the T k token copies.
+* ``moe_dispatch_buffer``  MoE layers: one all-to-all buffer of the T k token copies (two with
+                           --overlap-moe-expert-parallel-comm: a merged forward's exchange of another microbatch
+                           runs beside the backward's).
 * ``p2p_buffers``          received activations/gradients waiting for their compute action (2 per
                            direction), 4 * (s/(c t)) * h bf16 (p > 1 only).
 * ``fsdp_buffers``         Megatron FSDP with sharded gradients: the gradients of two layers, in the gradient
@@ -218,7 +220,10 @@ def _moe_transients(model: ModelSpec, plan: Plan) -> dict[str, int]:
     copies, local = moe.expert_token_copies(model, plan), moe.local_tokens(plan)
     etp, h = moe.expert_tensor_parallel_size(plan), model.hidden_size
     grads = copies * ((model.expert_fc1_width + model.expert_ffn_hidden_size) // etp + h) * BF16
-    return {"moe_backward_workspace": grads, "moe_dispatch_buffer": local * model.moe_router_topk * h * BF16}
+    buffer = local * model.moe_router_topk * h * BF16
+    # --overlap-moe-expert-parallel-comm: the merged forward's exchange of another microbatch beside the backward's
+    return {"moe_backward_workspace": grads,
+            "moe_dispatch_buffer": buffer * (2 if plan.overlap_moe_expert_parallel_comm else 1)}
 
 
 def fsdp_buffer_bytes(model: ModelSpec, plan: Plan, stage: int, system: Optional[SystemSpec] = None) -> int:

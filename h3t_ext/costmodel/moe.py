@@ -16,8 +16,10 @@ t > 1 without it). The router (a GEMM T x h x E and a softmax/top-k over E) send
   ranks; ``allgather`` (Megatron's default) all-gathers the T tokens of all ep etp ranks and keeps those routed to
   its experts. The combine mirrors it (all-to-all / reduce-scatter) and the backward runs both again for the
   gradients. ``flex`` (DeepEP) is the all-to-all inside a node; across nodes it sends each token once per other
-  node its experts lie in and forwards it there over NVLink (:func:`deepep_seconds`). Nothing overlaps the
-  exchanges with compute (megatron-core's --overlap-moe-expert-parallel-comm is not priced).
+  node its experts lie in and forwards it there over NVLink (:func:`deepep_seconds`). With
+  --overlap-moe-expert-parallel-comm megatron-core merges one microbatch's forward of a layer with another's backward
+  and runs each exchange beside the other's compute (:func:`merged_layer_seconds`; the schedule's merged pairs are
+  the timeline's); otherwise nothing overlaps them (--moe-shared-expert-overlap hides them behind the shared expert).
 * experts: every rank runs T k etp token copies through its E / ep experts (balanced routing: each expert gets
   T k etp ep / E of them) -- one grouped GEMM per FC with --moe-grouped-gemm (a batched GEMM), else one GEMM per
   expert; FC1 h -> 2 f_e / etp (SwiGLU), the activation, FC2 f_e / etp -> h.
@@ -140,22 +142,31 @@ def grouped_pass_seconds(pass_: str, tokens: int, n: int, k: int, experts: int, 
 def expert_gemm_seconds(model: ModelSpec, plan, r: KernelRates) -> dict[str, float]:
     """Forward, data- and weight-gradient seconds of the rank's expert GEMMs and of the router's GEMM (T x h x E) for
     one microbatch."""
-    s = expert_shapes(model, plan)
-    grouped = plan.moe_grouped_gemm
-    out = {p: sum(grouped_pass_seconds(p, s.tokens, n, k, s.experts, r, grouped=grouped) for n, k in (s.fc1, s.fc2))
-           for p in ("fwd", "dgrad", "wgrad")}
+    out = _expert_mlp_gemm_seconds(model, plan, r)
     tokens = local_tokens(plan)
     for p in out:
         out[p] += linear_pass_seconds(p, tokens, model.num_experts, model.hidden_size, r)
     return out
 
 
-def elementwise_bytes(model: ModelSpec, plan) -> tuple[float, float, float]:
+def _expert_mlp_gemm_seconds(model: ModelSpec, plan, r: KernelRates) -> dict[str, float]:
+    """... of the rank's expert GEMMs alone (FC1 and FC2 of its E / ep experts)."""
+    s = expert_shapes(model, plan)
+    grouped = plan.moe_grouped_gemm
+    return {p: sum(grouped_pass_seconds(p, s.tokens, n, k, s.experts, r, grouped=grouped) for n, k in (s.fc1, s.fc2))
+            for p in ("fwd", "dgrad", "wgrad")}
+
+
+def elementwise_bytes(model: ModelSpec, plan, *, activation_only: bool = False):
     """(forward, backward, recomputed by ckpt=ours / ``moe_act``) bytes of one MoE layer's element-wise kernels: the
     router's softmax and top-k over T x E scores; the permute (read T h, write T k h) and the unpermute (read T k h,
-    write T h), each way; the activation over the T k etp copies' 2 f_e / etp columns."""
+    write T h), each way; the activation over the T k etp copies' 2 f_e / etp columns. ``activation_only``: the
+    activation's backward bytes alone."""
     tokens, copies = local_tokens(plan), expert_token_copies(model, plan)
     etp, h, k = expert_tensor_parallel_size(plan), model.hidden_size, model.moe_router_topk
+    if activation_only:
+        return BF16 * activation_elements(model.expert_fc1_width // etp, model.expert_ffn_hidden_size // etp,
+                                          backward=True) * copies
     router_f = ROUTER_BYTES_PER_SCORE_FWD * tokens * model.num_experts
     router_b = ROUTER_BYTES_PER_SCORE_BWD * tokens * model.num_experts
     permute = 2 * BF16 * (tokens * h + tokens * k * h)
@@ -229,6 +240,13 @@ class MoELayerTime:
     """The forward's exchange left exposed (less the shared expert's forward GEMMs with --moe-shared-expert-overlap)."""
     exchange_bwd: float
     """... the backward's (less the shared expert's data- and weight-gradient GEMMs)."""
+    mlp_fwd: float = 0.0
+    """The experts' own forward (their GEMMs and activation, megatron-core's ``mlp`` node of the 1F1B overlap),
+    part of ``fwd``."""
+    mlp_dgrad: float = 0.0
+    """... their data-gradient backward (GEMMs and activation), part of ``bwd``."""
+    mlp_wgrad: float = 0.0
+    """... their weight-gradient GEMMs, part of ``bwd``."""
 
 
 def layer_seconds(model: ModelSpec, plan, system: SystemSpec, r: KernelRates,
@@ -246,10 +264,34 @@ def layer_seconds(model: ModelSpec, plan, system: SystemSpec, r: KernelRates,
         def shared(*passes: str) -> float:
             return sum(linear_pass_seconds(p, *shape, r, fp8=q) for p in passes for shape in shared_shapes)
         ep_f, ep_b = max(0.0, ep - shared("fwd")), max(0.0, ep - shared("dgrad", "wgrad"))
+    mlp = _expert_mlp_gemm_seconds(model, plan, r)
+    act_b = elementwise_bytes(model, plan, activation_only=True)
     return MoELayerTime(fwd=x["fwd"] + elementwise_seconds(m_fwd, r, kernels=kernels),
                         bwd=x["dgrad"] + x["wgrad"] + elementwise_seconds(m_bwd, r, kernels=kernels),
                         act=elementwise_seconds(m_act, r, kernels=1), exchange=ep, exchange_fwd=ep_f,
-                        exchange_bwd=ep_b)
+                        exchange_bwd=ep_b, mlp_fwd=mlp["fwd"] + elementwise_seconds(m_act, r, kernels=1),
+                        mlp_dgrad=mlp["dgrad"] + elementwise_seconds(act_b, r, kernels=1), mlp_wgrad=mlp["wgrad"])
+
+
+def merged_layer_seconds(pre_fwd: float, mlp_fwd: float, pre_bwd: float, mlp_dgrad: float, mlp_wgrad: float,
+                         exchange: float) -> float:
+    """One layer's forward of one microbatch and another layer's backward of another, merged as megatron-core's
+    --overlap-moe-expert-parallel-comm runs them (``TransformerLayerSchedulePlan.run``): two streams, each serial,
+    every exchange half (a dispatch or a combine, ``exchange`` / 2 each) on the communication stream while the other
+    microbatch computes:
+
+        comm:    combine bwd       | dispatch fwd -> dispatch bwd      | combine fwd
+        compute: pre-dispatch fwd  | mlp dgrad -> mlp wgrad -> mlp fwd | pre-dispatch bwd
+
+    ``pre_*``: the layer's work before the dispatch (attention, norms, router, permute and their tensor- and
+    context-parallel traffic); ``mlp_*``: the experts' (:class:`MoELayerTime`). The MLP's backward waits for the
+    combine's backward, its forward for the forward's dispatch, the dispatch's backward for the MLP's data gradient,
+    and the last phase for both streams."""
+    half = exchange / 2
+    start = max(pre_fwd, half)  # both streams' first items
+    mlp_fwd_end = max(mlp_dgrad + mlp_wgrad, half) + mlp_fwd  # on the compute stream after the dispatch fwd
+    dispatch_bwd_end = max(half, mlp_dgrad) + half
+    return start + max(mlp_fwd_end, dispatch_bwd_end) + max(half, pre_bwd)
 
 
 def expert_terms(model: ModelSpec, plan, *, dtype_bytes: int = BF16) -> dict[str, int]:
@@ -285,4 +327,4 @@ def kept_expert_bytes(model: ModelSpec, plan, base: str, modules: tuple[str, ...
 __all__ = ["EXPERT_TERMS", "MOE_TOKEN_DISPATCHERS", "ExpertShapes", "MoELayerTime", "layer_seconds", "dispatch_seconds",
            "elementwise_bytes", "elementwise_kernels", "expert_data_parallel_size", "expert_gemm_seconds", "grouped_pass_seconds",
            "expert_shapes", "expert_tensor_parallel_size", "expert_terms", "expert_token_copies",
-           "kept_expert_bytes", "local_tokens"]
+           "kept_expert_bytes", "local_tokens", "merged_layer_seconds"]

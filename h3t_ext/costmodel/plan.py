@@ -204,6 +204,11 @@ class Plan:
     """Megatron's --moe-shared-expert-overlap: the shared expert runs on a side stream while the token exchange runs
     (its FC1 and activation during the dispatch, its FC2 during the combine; their backwards likewise, on the streams
     the forward used), hiding the exchange up to the shared expert's compute (alltoall dispatcher only)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Megatron's --overlap-moe-expert-parallel-comm: one microbatch's forward merged with another's backward, layer by
+    layer, each token exchange running beside the other microbatch's compute (:func:`h3t_ext.costmodel.moe.
+    merged_layer_seconds`); every adjacent forward-backward pair of different microbatches in a rank's schedule
+    merges (1F1B's steady state; at pipeline size 1 each backward with the next forward)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ckpt, Ckpt):
@@ -520,7 +525,9 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
         for name, value, default in (("expert_tensor_parallel_size", plan.expert_tensor_parallel_size, None),
                                      ("moe_token_dispatcher_type", plan.moe_token_dispatcher_type, "allgather"),
                                      ("moe_grouped_gemm", plan.moe_grouped_gemm, False),
-                                     ("moe_shared_expert_overlap", plan.moe_shared_expert_overlap, False)):
+                                     ("moe_shared_expert_overlap", plan.moe_shared_expert_overlap, False),
+                                     ("overlap_moe_expert_parallel_comm", plan.overlap_moe_expert_parallel_comm,
+                                      False)):
             _check(value == default, f"{name}{'' if isinstance(value, bool) else f' {value!r}'} needs num_experts (a "
                                      f"mixture-of-experts model); the model is dense")
 
@@ -560,6 +567,20 @@ def validate_moe(model: ModelSpec, plan: Plan) -> None:
                f"got {plan.moe_token_dispatcher_type!r}")
         _check(not plan.recompute.recomputes("shared_experts"),
                "recompute module shared_experts cannot work with moe_shared_expert_overlap (megatron-core raises)")
+    if plan.overlap_moe_expert_parallel_comm:  # megatron-core's TransformerConfig rules
+        _check(plan.expert_model_parallel_size > 1,
+               "overlap_moe_expert_parallel_comm needs expert_model_parallel_size > 1 (megatron-core asserts it)")
+        _check(plan.moe_token_dispatcher_type in ("alltoall", "flex"),
+               f"overlap_moe_expert_parallel_comm works with moe_token_dispatcher_type alltoall or flex (megatron-core "
+               f"asserts it), got {plan.moe_token_dispatcher_type!r}")
+        _check(plan.pipeline_model_parallel_size == 1 or plan.virtual_size(model.num_layers) > 1,
+               "overlap_moe_expert_parallel_comm with pipeline_model_parallel_size > 1 needs a virtual pipeline "
+               "(megatron-core asserts it)")
+        _check(not plan.recompute.full and plan.recompute.method is None and not plan.recompute.recomputes("moe"),
+               "overlap_moe_expert_parallel_comm runs without full recompute, a recompute method or recompute module "
+               "moe (megatron-core asserts it)")
+        _check(not plan.moe_shared_expert_overlap,
+               "overlap_moe_expert_parallel_comm and moe_shared_expert_overlap are exclusive (megatron-core asserts it)")
     _check(not any(plan.alphas()), f"offload_alpha {plan.offload_alpha} with a mixture-of-experts model: h3t-ext's "
                                    f"activation offload runs in its runtime, which has no MoE layers; valid: 0")
 

@@ -17,8 +17,8 @@ PATH = REFERENCE_DIR / "moe_published.json"
 _PLAN_FIELDS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
                 "context_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
                 "num_virtual_stages_per_pipeline_rank", "expert_model_parallel_size", "expert_tensor_parallel_size",
-                "moe_token_dispatcher_type", "account_for_embedding_in_pipeline_split",
-                "account_for_loss_in_pipeline_split")
+                "moe_token_dispatcher_type", "overlap_moe_expert_parallel_comm",
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 _MODEL_FIELDS = ("make_vocab_size_divisible_by",)
 RUN_SWITCHES = dict(moe_grouped_gemm=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
                     overlap_param_gather=True, sequence_parallel=True)

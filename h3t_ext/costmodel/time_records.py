@@ -97,6 +97,9 @@ class ShapeTimes:
     head: HeadTime
     bf16_layer: Optional[LayerTime] = None
     """An FP8 plan's BF16 first / last layer (None without them: every layer is ``layer``)."""
+    merge_hidden: float = 0.0
+    """Seconds of token exchange one merged pair of layers hides (a forward's and another microbatch's backward's,
+    --overlap-moe-expert-parallel-comm: :func:`h3t_ext.costmodel.moe.merged_layer_seconds`); 0 without it."""
 
     def extra(self, bf16: int, *parts: str) -> float:
         """What ``bf16`` BF16 layers add over as many FP8 layers, summed over the :class:`LayerTime` ``parts`` (its

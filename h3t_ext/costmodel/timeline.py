@@ -59,6 +59,7 @@ from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timing import (
     TimeTerms,
     dp_exposed_seconds,
+    merged_pairs,
     optimizer_seconds,
     pipeline_hop_seconds,
     shape_times,
@@ -84,6 +85,9 @@ class RankTimeline:
     """Waiting for a transfer on the wire (at most one hop per wait)."""
     stall: float
     """Waiting for reloads: a backward whose reload had not ended."""
+    hidden: float = 0.0
+    """Token exchange its merged forward-backward pairs hid (--overlap-moe-expert-parallel-comm): compute time the
+    per-layer records count that the merged pairs did not take."""
 
     @property
     def idle(self) -> float:
@@ -126,12 +130,12 @@ class _Program:
     """Every rank's list as the simulator reads it (built once per schedule shape and posting order).
 
     ``ranks[r][i]`` (i < the rank's compute count): ``(batch, offload, reload, slot, wait, reload_wait,
-    layer_stall)``: the batch posted (``-1``: none), the OFFLOAD and the RELOAD issued (their copy slots, ``-1``:
-    none) in the run of steps before compute i (every one of them once compute i - 1 has ended), then compute i:
-    its duration slot (``(2 rank + is_backward) v + chunk``), the batch it waits for (the one carrying its input,
+    layer_stall, partner)``: the batch posted (``-1``: none), the OFFLOAD and the RELOAD issued (their copy slots,
+    ``-1``: none) in the run of steps before compute i (every one of them once compute i - 1 has ended), then compute
+    i: its duration slot (``(2 rank + is_backward) v + chunk``), the batch it waits for (the one carrying its input,
     or with blocking exchanges the one posted just before it; ``-1``: none), the copy slot of its reload
-    (``-1``: none) and whether it waits for layer reloads. ``ranks[r][-1]``: the run after the last compute,
-    ``slot = -1``. Batches are numbered over all ranks; a copy slot is ``rank * m v + microbatch * v + chunk``."""
+    (``-1``: none), whether it waits for layer reloads, and the chunk of the compute before it that it merges with
+    (``-1``: none; :func:`_compile`'s ``merge``). ``ranks[r][-1]``: the run after the last compute, ``slot = -1``. Batches are numbered over all ranks; a copy slot is ``rank * m v + microbatch * v + chunk``."""
 
     ranks: tuple
     batches: tuple
@@ -143,12 +147,16 @@ _TRANSFER_SHIFT = {S_SF: (True, 0, 1), S_SB: (True, 1, -1), S_RF: (False, 0, 0),
 
 
 @functools.lru_cache(maxsize=64)
-def _compile(cfg: ScheduleConfig, early_receives: bool) -> _Program:
+def _compile(cfg: ScheduleConfig, early_receives: bool, merge: bool = False) -> _Program:
     """The builder's lists of ``cfg`` (posted with ``early_receives`` or not) as a program: batches numbered,
     every transfer tied to the peer's batch, every compute tied to the batch it waits for (with blocking
     exchanges, ``early_receives=False``, the batch just before it when there is one). Reads the builder's steps
     (``build_rank_steps``: the lists, element for element); a transfer is numbered
-    ``(direction * m + microbatch) * p v + receiving stage`` on both ends."""
+    ``(direction * m + microbatch) * p v + receiving stage`` on both ends. ``merge``
+    (--overlap-moe-expert-parallel-comm): a compute merges with the compute before it when one is a forward and the
+    other a backward of another microbatch and that one merged with none (1F1B's steady-state pairs; at pipeline
+    size 1 each backward with the next forward, as megatron-core's combined 1F1B schedules them), up to the rank's
+    steady-state steps (``timing.merged_pairs``: a rank whose warm-up holds every forward merges none)."""
     p, v, m = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size, cfg.num_microbatches
     pv, mv = p * v, m * v
     blocking = not early_receives
@@ -167,6 +175,8 @@ def _compile(cfg: ScheduleConfig, early_receives: bool) -> _Program:
         batch = offload = reload = -1  # of the run since the last compute
         peers: list[int] = []  # the run's batch
         after_batch = False  # the step before is a transfer
+        before = None  # (code, microbatch, chunk) of the compute before, None when it merged (or there is none)
+        merges_left = merged_pairs(p, m, v, r, cfg.microbatch_group_size_per_vp_stage) if merge else 0
         for code, mb, chunk, _peer, layer in steps:  # step codes (STEP_KINDS): computes, transfers, copies
             if code <= S_B:
                 if code == S_F:
@@ -177,8 +187,13 @@ def _compile(cfg: ScheduleConfig, early_receives: bool) -> _Program:
                     slot, wait_reload = backward_slot + chunk, copy_slot + mb * v + chunk
                     if not reloaded[wait_reload]:
                         wait_reload = -1
+                partner = -1
+                if merges_left and before is not None and before[0] != code and before[1] != mb:
+                    partner = before[2]
+                    merges_left -= 1
+                before = None if partner >= 0 else (code, mb, chunk)
                 out.append((batch, offload, reload, slot, batch if blocking and after_batch else inp, wait_reload,
-                            False))
+                            False, partner))
                 batch = offload = reload = -1
                 after_batch = False
             elif code <= S_SB:
@@ -198,7 +213,7 @@ def _compile(cfg: ScheduleConfig, early_receives: bool) -> _Program:
                 after_batch = True
             elif layer is not None:  # runs inside the compute action before it (layer-granular, p = 1)
                 if code == S_RL:
-                    out[-1] = out[-1][:6] + (True,)  # this backward waits for its layers' reloads
+                    out[-1] = out[-1][:6] + (True,) + out[-1][7:]  # this backward waits for its layers' reloads
             elif code == S_OFF and offload < 0:
                 offload = copy_slot + mb * v + chunk
                 after_batch = False
@@ -208,28 +223,31 @@ def _compile(cfg: ScheduleConfig, early_receives: bool) -> _Program:
                 after_batch = False
             else:  # pragma: no cover - the builder emits nothing else (one offload and one reload a run at most)
                 raise AssertionError(f"no price for action {step_action((code, mb, chunk, _peer, layer))}")
-        out.append((batch, offload, reload, -1, -1, -1, False))
+        out.append((batch, offload, reload, -1, -1, -1, False, -1))
         ranks.append(tuple(out))
     return _Program(tuple(ranks), tuple(batches))
 
 
 def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,
              hop: float, blocking: bool, copy: Sequence[float] = (), in_order_batches: bool = False,
-             layer_stall: Sequence[float] = ()) -> tuple[RankTimeline, ...]:
+             layer_stall: Sequence[float] = (), merge_hidden: Sequence[Sequence[float]] = ()
+             ) -> tuple[RankTimeline, ...]:
     """Run every rank's action list on a clock.
 
     ``forward[r][c]`` / ``backward[r][c]``: seconds of the FORWARD / BACKWARD of model chunk c on rank r;
     ``hop``: seconds of one pipeline transfer; ``blocking``: Megatron's blocking exchanges, the lists posted
     in their order (``early_receives=False``) with every compute waiting for the batch just before it (else
     the builder's lists, as the runtime posts them); ``copy[r]``: seconds of one OFFLOAD or RELOAD on rank r (0 or absent where the rank copies nothing);
-    ``layer_stall[r]``: seconds a backward with layer-granular reloads waits for them on rank r.
+    ``layer_stall[r]``: seconds a backward with layer-granular reloads waits for them on rank r;
+    ``merge_hidden[r][c]``: seconds of exchange a merged pair hides per its chunk c on rank r (given: the
+    forward-backward pairs merge, --overlap-moe-expert-parallel-comm; a pair of two chunks hides the smaller).
 
     A rank runs its list in order. The steps between two computes all start when the first compute has ended
     (a batch, with ``in_order_batches``, once the rank's previous batch has ended too); a compute waits for its
     batch, whose transfers run once the batches on both ends have started.
     """
     cfg = schedule_or_config.config if isinstance(schedule_or_config, PipelineSchedule) else schedule_or_config
-    prog = _compile(cfg, not blocking)
+    prog = _compile(cfg, not blocking, bool(merge_hidden))
     p, v = len(prog.ranks), cfg.virtual_pipeline_model_parallel_size
     copy = list(copy) + [0.0] * (p - len(copy))
     layer_stall = list(layer_stall) + [0.0] * (p - len(layer_stall))
@@ -253,8 +271,8 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
         return e
 
     # per rank: next record, whether its run of steps has run, compute stream and copy streams free at,
-    # busy, bubble, p2p, stall, last batch started
-    state = [[0, False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1] for _ in range(p)]
+    # busy, bubble, p2p, stall, last batch started, hidden
+    state = [[0, False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1, 0.0] for _ in range(p)]
     out: list[Optional[RankTimeline]] = [None] * p
     remaining = p
     while remaining:
@@ -263,9 +281,9 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
             if out[r] is not None:
                 continue
             records, cp, ls = prog.ranks[r], copy[r], layer_stall[r]
-            i, ran, now, d2h, h2d, busy, bubble, p2p, stall, last = state[r]
+            i, ran, now, d2h, h2d, busy, bubble, p2p, stall, last, hidden = state[r]
             while True:
-                batch, offload, reload, slot, wait, wait_reload, layers = records[i]
+                batch, offload, reload, slot, wait, wait_reload, layers, partner = records[i]
                 if not ran:
                     if batch >= 0:
                         s = now
@@ -295,7 +313,7 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
                             p2p += on_wire
                             bubble += w - on_wire
                             now = e
-                    out[r] = RankTimeline(r, now, busy, bubble, p2p, stall)
+                    out[r] = RankTimeline(r, now, busy, bubble, p2p, stall, hidden)
                     remaining -= 1
                     progress = True
                     break
@@ -320,11 +338,16 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
                     stall += ls
                     start += ls
                 d = durations[slot]
+                if partner >= 0:
+                    h = merge_hidden[r]
+                    saved = min(h[partner], h[slot % v])
+                    d -= saved
+                    hidden += saved
                 busy += d
                 now = start + d
                 i += 1
                 ran = False
-            state[r] = [i, ran, now, d2h, h2d, busy, bubble, p2p, stall, last]
+            state[r] = [i, ran, now, d2h, h2d, busy, bubble, p2p, stall, last, hidden]
         if not progress:  # pragma: no cover - the builder's posting order cannot deadlock (posting.py)
             raise AssertionError(f"timeline stuck at {[s[0] for s in state]}")
     return tuple(out)
@@ -421,8 +444,11 @@ def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opt
                                      chunk_activation_bytes(model, plan, 0), layers, alphas[0], system),)
     blocking = v == 1 or not plan.overlap_p2p_comm
     hop = pipeline_hop_seconds(model, plan, system) if p > 1 else 0.0
+    merge = ()
+    if st.merge_hidden:  # --overlap-moe-expert-parallel-comm: per rank and chunk, what merging the chunk hides
+        merge = [[st.merge_hidden * split.chunk_layers(r, c) for c in range(v)] for r in range(p)]
     ranks = simulate(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking, copy=copy,
-                     layer_stall=stalls)
+                     layer_stall=stalls, merge_hidden=merge)
     return Timeline(ranks=ranks, pipeline_s=max(r.end for r in ranks),
                     tied_embedding_s=tied_embedding_seconds(model, plan, system),
                     dp_exposed_s=dp_exposed_seconds(model, plan, system), optimizer_s=optimizer_seconds(model, plan, system))
@@ -437,6 +463,7 @@ def timeline_terms(model: ModelSpec, plan: Plan, system: SystemSpec, timeline: T
     L, p = model.num_layers, plan.pipeline_model_parallel_size
     busy = shape_times(model, plan, system).busy_terms(plan.num_microbatches, plan.stage_layers(L, r.rank),
                                                        plan.stage_bf16_layers(L, r.rank), r.rank == p - 1)
+    busy["ep_comm"] -= r.hidden  # the exchange its merged pairs hid
     return TimeTerms(
         **busy,
         pp_p2p=r.p2p + timeline.tied_embedding_s,

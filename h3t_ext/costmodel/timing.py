@@ -255,7 +255,8 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
             _cross_entropy_fusion(plan),
             chunk_layers(model, plan) if plan.recompute.full else None,
             (plan.expert_model_parallel_size, plan.expert_tensor_parallel_size, plan.moe_token_dispatcher_type,
-             plan.moe_grouped_gemm, plan.moe_shared_expert_overlap) if model.is_moe else None)
+             plan.moe_grouped_gemm, plan.moe_shared_expert_overlap, plan.overlap_moe_expert_parallel_comm)
+            if model.is_moe else None)
 
 
 def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
@@ -267,8 +268,27 @@ def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
         if len(_shape_cache) > _CACHE_LIMIT:
             _shape_cache.clear()
         bf16 = _layer_time(model, bf16_variant(plan), system) if plan.has_bf16_layers else None
-        hit = _shape_cache[key] = ShapeTimes(_layer_time(model, plan, system), _head_time(model, plan, system), bf16)
+        layer = _layer_time(model, plan, system)
+        hit = _shape_cache[key] = ShapeTimes(layer, _head_time(model, plan, system), bf16,
+                                             _merge_hidden(model, plan, system))
     return hit
+
+
+def _merge_hidden(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """Seconds of exchange a merged forward-backward layer pair hides with --overlap-moe-expert-parallel-comm: the
+    layer's forward and backward one after the other, less the two merged (:func:`h3t_ext.costmodel.moe.
+    merged_layer_seconds`); a pattern of dense and MoE layers hides its MoE layers' share."""
+    if not (model.is_moe and plan.overlap_moe_expert_parallel_comm):
+        return 0.0
+    if model.mixed_moe:
+        return model.moe_layer_fraction * _merge_hidden(model.moe_variant(), plan, system)
+    lt = _layer_time(model, plan, system)
+    shapes = layer_gemm_shapes(model, plan)
+    x = moe.layer_seconds(model, plan, system, kernel_rates(system), (shapes["fc1"], shapes["fc2"]))
+    pre_fwd = lt.forward_action - lt.ep_fwd - x.mlp_fwd
+    pre_bwd = lt.backward_action - lt.ep_bwd - lt.ep_recompute - x.mlp_dgrad - x.mlp_wgrad
+    merged = moe.merged_layer_seconds(pre_fwd, x.mlp_fwd, pre_bwd, x.mlp_dgrad, x.mlp_wgrad, x.exchange)
+    return max(0.0, lt.forward_action + lt.backward_action - lt.ep_recompute - merged)
 
 
 def bf16_variant(plan: Plan) -> Plan:
@@ -445,6 +465,19 @@ def optimizer_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float
     return optimizer_step_seconds(model, plan, system)
 
 
+def merged_pairs(p: int, m: int, v: int, rank: int, group: Optional[int] = None) -> int:
+    """Forward-backward pairs rank ``rank`` merges with --overlap-moe-expert-parallel-comm, as megatron-core's combined
+    1F1B schedules them: at pipeline size 1 each backward with the next forward (m - 1); with a pipeline its
+    steady-state steps, the m v computes of each kind less its warm-up forwards, (p - rank - 1) 2 + (v - 1) g with g
+    the microbatch group of a virtual stage (default p), and on the last rank one less (its first steady-state forward
+    is the first microbatch's last chunk, whose own backward follows it: one microbatch, nothing to merge). The
+    timeline pairs the builder's lists by the same rule (tests/unit/test_moe_a2a_overlap.py)."""
+    if p == 1:
+        return max(0, m - 1)
+    warmup = min(m * v, (p - rank - 1) * 2 + (v - 1) * (group or p))
+    return max(0, m * v - warmup - (rank == p - 1))
+
+
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
                chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> TimeTerms:
     """The closed form: seconds per iteration by term (they add up to the iteration time). The cost model's
@@ -479,8 +512,12 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
             copy = host_copy_seconds(a * chunk_bytes, system)
             off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
 
+    busy = st.busy_terms(m, layers, b, slow == p - 1)
+    if st.merge_hidden:  # --overlap-moe-expert-parallel-comm: the slow rank's merged forward-backward pairs
+        busy["ep_comm"] -= merged_pairs(p, m, v, slow, plan.microbatch_group_size_per_vp_stage) * st.merge_hidden \
+            * layers / v
     return TimeTerms(
-        **st.busy_terms(m, layers, b, slow == p - 1),
+        **busy,
         pp_p2p=pp,
         bubble=bubble,
         dp_exposed=dp_exposed_seconds(model, plan, system),

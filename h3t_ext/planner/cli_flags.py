@@ -144,13 +144,14 @@ MOE_ROUTING_SPELLINGS: tuple[tuple[str, dict], ...] = (
 """Megatron's MoE routing flags a training script carries that change what the router computes, not what a step
 costs: the planner accepts them as written and prices alike (routing is priced balanced, as
 --moe-router-force-load-balancing makes it; the router's scores in fp32, as --moe-router-dtype fp32 keeps them; the
-permute's and the router's bytes fused or not). Capacity factors, token dropping and the all-to-all's overlap with the
-other microbatch change the cost and are refused as not priced."""
+permute's and the router's bytes fused or not). Capacity factors and token dropping change the cost and are refused as
+not priced; the all-to-all's overlap with the other microbatch (--overlap-moe-expert-parallel-comm) is priced."""
 
 
 def add_expert_flags(g, *, count: Parse, search: bool) -> None:
     """A MoE model's expert layout (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``,
-    ``--moe-token-dispatcher-type``, ``--moe-grouped-gemm``, ``--moe-shared-expert-overlap``) and the routing flags
+    ``--moe-token-dispatcher-type``, ``--moe-grouped-gemm``, ``--moe-shared-expert-overlap``,
+    ``--overlap-moe-expert-parallel-comm``) and the routing flags
     priced alike (:data:`MOE_ROUTING_SPELLINGS`); ``search``: the sizes left to be chosen unless given."""
     g.add_argument("--expert-model-parallel-size", type=count, default=None if search else 1,
                    help="ep: ranks that split the experts (E / ep each); it divides --num-experts and, times "
@@ -169,6 +170,9 @@ def add_expert_flags(g, *, count: Parse, search: bool) -> None:
     g.add_argument("--moe-shared-expert-overlap", action="store_true",
                    help="the shared expert runs beside the token exchange (alltoall dispatcher), hiding it up to the "
                         "shared expert's compute" + (" (on in the plans searched where it applies)" if search else ""))
+    g.add_argument("--overlap-moe-expert-parallel-comm", action="store_true",
+                   help="one microbatch's forward merged with another's backward, each token exchange beside the "
+                        "other's compute (alltoall or flex, ep > 1; with a pipeline, interleaved)")
     for flag, kw in MOE_ROUTING_SPELLINGS:
         name = flag[2:].replace("-", "_")
         shown = {"metavar": name.upper()} if kw.get("type") is not None else {}  # not the hidden dest's name

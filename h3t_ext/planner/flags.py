@@ -120,6 +120,7 @@ _SWITCHES = frozenset({"--sequence-parallel", "--use-distributed-optimizer", "--
                        "--no-overlap-p2p-communication", "--use-precision-aware-optimizer", "--use-torch-fsdp2",
                        "--torch-fsdp2-no-reshard-after-forward"})
 _OVERLAP = {"--moe-grouped-gemm": "moe_grouped_gemm", "--moe-shared-expert-overlap": "moe_shared_expert_overlap",
+            "--overlap-moe-expert-parallel-comm": "overlap_moe_expert_parallel_comm",
             "--overlap-grad-reduce": "overlap_grad_reduce", "--overlap-param-gather": "overlap_param_gather",
             "--tp-comm-overlap": "tp_comm_overlap",
             "--overlap-cpu-optimizer-d2h-h2d": "overlap_cpu_optimizer_d2h_h2d",

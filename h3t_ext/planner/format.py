@@ -24,7 +24,8 @@ PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", 
              "pipeline_model_parallel_layout", "microbatch_group_size_per_vp_stage", "ckpt", "precision", "fp8", "fp8_recipe", "fp8_param_gather",
              "first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
              "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type", "moe_grouped_gemm",
-             "moe_shared_expert_overlap", "use_distributed_optimizer", "data_parallel_sharding_strategy",
+             "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm", "use_distributed_optimizer",
+             "data_parallel_sharding_strategy",
              "use_torch_fsdp2", "optimizer_cpu_offload", "optimizer_offload_fraction")
 
 

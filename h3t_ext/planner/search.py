@@ -328,9 +328,10 @@ def search(
         if constraints.moe_shared_expert_overlap and dispatcher != "alltoall":
             raise InvalidPlanError(f"moe_shared_expert_overlap only works with moe_token_dispatcher_type alltoall "
                                    f"(megatron-core raises), got {dispatcher!r}")
+        a2a = constraints.overlap_moe_expert_parallel_comm  # exclusive with the shared expert's overlap
         switches.update(moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=True,
                         moe_shared_expert_overlap=bool(model.moe_shared_expert_intermediate_size)
-                        and dispatcher == "alltoall")
+                        and dispatcher == "alltoall" and not a2a, overlap_moe_expert_parallel_comm=a2a)
     best_first = top is not None and not exhaustive
     budgets = _Budgets(memory_budget_bytes, host_memory_budget_bytes,
                        () if model.is_moe else constraints.memory_ladder)

@@ -161,6 +161,8 @@ class SearchConstraints:
     """--moe-token-dispatcher-type of a MoE model's plans (None: alltoall)."""
     moe_shared_expert_overlap: bool = False
     """--moe-shared-expert-overlap given (the search turns it on wherever it applies: a shared expert, alltoall)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """--overlap-moe-expert-parallel-comm for every plan searched (the plans it cannot run with are refused)."""
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ MEGATRON_DEFAULTS: dict[str, Any] = {
     "moe_token_dispatcher_type": "allgather",
     "moe_grouped_gemm": False,
     "moe_shared_expert_overlap": False,
+    "overlap_moe_expert_parallel_comm": False,
     "bias_swiglu_fusion": True,  # --no-bias-swiglu-fusion stores False (Plan.bias_activation_fusion)
     "cross_entropy_loss_fusion": False,
     "cross_entropy_fusion_impl": "native",
@@ -105,7 +106,8 @@ _COPIED = ("micro_batch_size", "tensor_model_parallel_size", "context_parallel_s
            "num_layers_at_end_in_bf16", "fp16", "optimizer_cpu_offload", "optimizer_offload_fraction",
            "overlap_cpu_optimizer_d2h_h2d", "use_torch_fsdp2", "torch_fsdp2_reshard_after_forward",
            "expert_model_parallel_size", "expert_tensor_parallel_size", "moe_token_dispatcher_type",
-           "moe_grouped_gemm", "moe_shared_expert_overlap", "cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
+           "moe_grouped_gemm", "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm",
+           "cross_entropy_loss_fusion", "cross_entropy_fusion_impl")
 _ATTENTION_BACKENDS = {"auto": "auto", "flash": "flash", "fused": "fused", "local": "unfused", "unfused": "unfused"}
 """Megatron's --attention-backend -> the cost model's attention (``Plan.attention_backend``): FlashAttention, cuDNN's
 fused attention and TransformerEngine's choice between them ('auto') save no s^2 scores; the local (unfused) core
@@ -312,6 +314,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         expert_tensor_parallel_size=given("expert_tensor_parallel_size"),
         moe_token_dispatcher_type=given("moe_token_dispatcher_type"),
         moe_shared_expert_overlap=bool(given("moe_shared_expert_overlap")),
+        overlap_moe_expert_parallel_comm=bool(given("overlap_moe_expert_parallel_comm")),
         **_precision(read, fixed),
         memory_ladder=_ladder(read, fixed, switches) if memory_ladder is None else memory_ladder,
         **{k: (v if k == "optimizer_offload_fraction" else bool(v)) for k, v in switches.items()},
