@@ -542,9 +542,10 @@ MOE_OURS_REASON = ("ckpt ours with a mixture-of-experts model: it runs in h3t-ex
                    "tensors")
 
 
-def validate_moe(model: ModelSpec, plan: Plan) -> None:
+def validate_moe(model: ModelSpec, plan: Plan, *, layout: bool = True) -> None:
     """A MoE model's plan: megatron-core's rule that tensor parallelism with experts runs sequence parallel, and
-    the switches not priced with experts (:data:`MOE_UNPRICED`)."""
+    the switches not priced with experts (:data:`MOE_UNPRICED`); ``layout`` False: only the rules of the switches,
+    not those of the sizes (a search's probe of its switches, before it has a layout)."""
     _check(plan.tensor_model_parallel_size == 1 or plan.sequence_parallel,
            "a mixture-of-experts model with tensor_model_parallel_size > 1 needs sequence_parallel (megatron-core "
            "asserts it)")
@@ -568,12 +569,12 @@ def validate_moe(model: ModelSpec, plan: Plan) -> None:
         _check(not plan.recompute.recomputes("shared_experts"),
                "recompute module shared_experts cannot work with moe_shared_expert_overlap (megatron-core raises)")
     if plan.overlap_moe_expert_parallel_comm:  # megatron-core's TransformerConfig rules
-        _check(plan.expert_model_parallel_size > 1,
+        _check(not layout or plan.expert_model_parallel_size > 1,
                "overlap_moe_expert_parallel_comm needs expert_model_parallel_size > 1 (megatron-core asserts it)")
         _check(plan.moe_token_dispatcher_type in ("alltoall", "flex"),
                f"overlap_moe_expert_parallel_comm works with moe_token_dispatcher_type alltoall or flex (megatron-core "
                f"asserts it), got {plan.moe_token_dispatcher_type!r}")
-        _check(plan.pipeline_model_parallel_size == 1 or plan.virtual_size(model.num_layers) > 1,
+        _check(not layout or plan.pipeline_model_parallel_size == 1 or plan.virtual_size(model.num_layers) > 1,
                "overlap_moe_expert_parallel_comm with pipeline_model_parallel_size > 1 needs a virtual pipeline "
                "(megatron-core asserts it)")
         _check(not plan.recompute.full and plan.recompute.method is None and not plan.recompute.recomputes("moe"),

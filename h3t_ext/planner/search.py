@@ -387,7 +387,7 @@ def _run_refusal(run: tuple, system: SystemSpec, model: Optional[ModelSpec] = No
         validate_switches(probe)
         validate_fp8(probe, system)
         if model is not None and model.is_moe:  # the switches the cost model refuses with experts (FP8 among them)
-            validate_moe(model, probe)
+            validate_moe(model, probe, layout=False)
     except InvalidPlanError as e:
         return e.reason
     return None

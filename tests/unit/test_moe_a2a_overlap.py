@@ -117,3 +117,15 @@ def test_the_published_on_off_pairs():
              errors["Qwen3-30B 16 GPUs ep16 (HybridEP, forced balance, 1f1b overlap)"]]
     assert zoo == pytest.approx([0.015, 0.244], abs=0.005)
     assert skill == pytest.approx([0.162, 0.249], abs=0.005)
+
+
+def test_search_keeps_the_overlap_to_the_layouts_that_can_run_it(capsys):
+    """The overlap's size rules (ep > 1, a virtual pipeline with p > 1) reject layouts, not the whole search."""
+    rows = run_json(["search", "--model", "qwen3-30b-a3b", "--num-gpus", "16", "--seq-length", "4096",
+                     "--global-batch-size", "1024", "--overlap-moe-expert-parallel-comm", "--top", "3"], capsys)
+    assert len(rows) == 3
+    for row in rows:
+        assert row["expert_model_parallel_size"] > 1 and row["overlap_moe_expert_parallel_comm"]
+        assert row["pipeline_model_parallel_size"] == 1 or row["num_layers_per_virtual_pipeline_stage"] or \
+            row["pipeline_model_parallel_layout"]
+        assert "--overlap-moe-expert-parallel-comm" in row["megatron_flags"]
