@@ -49,7 +49,9 @@ class Bounds:
     stages)/v; T is the largest of the stages' layers times the layer's time plus, on the last, the output layer's
     (an even split's last stage; under a layout any stage). With an FP8 plan's BF16 first / last layers each stage
     is its FP8 layers' time plus its BF16 layers' (the bound walks every rank). pp_p2p is exact, dp_exposed at least
-    its value with unbounded overlap windows, optimizer and offload_exposed are >= 0.
+    its value with unbounded overlap windows, optimizer and offload_exposed are >= 0. With
+    --overlap-moe-expert-parallel-comm a layer's time is less what a merged pair of it hides (``merge_hidden``; at
+    most one pair per layer and microbatch).
 
     A layer's time with ckpt ``no`` is its time with any other mode without the recompute terms (>= 0; nothing
     else in it depends on the mode; a BF16 layer's likewise), and the bound only falls as the layer's time grows, so
@@ -119,7 +121,9 @@ class Bounds:
         if times is None:
             mode = self._plain[ci] if n is None else self.modes[ci]
             st = shape_times(self.model, candidate_plan(run, layout, mb, mode, n), self.system)
-            times = self._shapes[key] = (st.layer.total, st.head.total, st.extra(1))
+            # a merged forward-backward layer pair (--overlap-moe-expert-parallel-comm) hides up to merge_hidden of
+            # the exchange: at most one pair per layer and microbatch
+            times = self._shapes[key] = (st.layer.total - st.merge_hidden, st.head.total, st.extra(1))
         per_layer, head, extra = times
         m = run[2] // (mb * replicas)
         if bf16:  # each rank with its own BF16 layers (their extra may be either sign: a bound must count it)
