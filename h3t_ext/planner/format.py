@@ -102,9 +102,13 @@ def describe_plan(ev: Evaluation, model: ModelSpec) -> str:
     if model.is_moe:
         inter += (f" ep={p.expert_model_parallel_size} etp={moe.expert_tensor_parallel_size(p)} "
                   f"dispatcher={p.moe_token_dispatcher_type}")
+        if p.overlap_moe_expert_parallel_comm:
+            inter += " a2a-overlap"
+    te = f" te={p.transformer_engine_version}" if p.transformer_engine_version is not None else ""
     return (f"t={p.tensor_model_parallel_size} c={p.context_parallel_size} p={p.pipeline_model_parallel_size}"
             f"{inter} d={p.data_parallel_size} ckpt={p.ckpt} recompute={recompute_label(p)} alpha={format_alpha(_alpha_value(ev.estimate.offload_alpha))}"
-            f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)} states={states_label(p)}")
+            f" micro_batch={p.micro_batch_size} m={p.num_microbatches} precision={_precision(p)} states={states_label(p)}"
+            f"{te}")
 
 
 def states_label(plan) -> str:
