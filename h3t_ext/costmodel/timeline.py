@@ -32,6 +32,9 @@ action gets its price from the cost model's per-layer terms (:class:`~h3t_ext.co
   and backward they follow. A backward carrying layer reloads waits ``layer_stall[r]`` seconds for them
   (:func:`h3t_ext.costmodel.layer_offload.exposed_seconds_per_microbatch`: each layer's copy against the
   next layer's forward and backward), counted as stall.
+* With --overlap-moe-expert-parallel-comm a compute that megatron-core's combined 1F1B merges with the one before
+  it (a forward and a backward of different microbatches, up to the rank's steady-state steps) takes what the
+  merged layer pairs hide off its duration (``ShapeTimes.merge_hidden`` per layer), counted as the rank's ``hidden``.
 
 Per rank the result has compute busy time, bubble (waiting for peers' compute), exposed transfer time and
 stall. The iteration is the latest rank's end, then the tied-embedding gradient all-reduce and the
@@ -135,7 +138,8 @@ class _Program:
     i: its duration slot (``(2 rank + is_backward) v + chunk``), the batch it waits for (the one carrying its input,
     or with blocking exchanges the one posted just before it; ``-1``: none), the copy slot of its reload
     (``-1``: none), whether it waits for layer reloads, and the chunk of the compute before it that it merges with
-    (``-1``: none; :func:`_compile`'s ``merge``). ``ranks[r][-1]``: the run after the last compute, ``slot = -1``. Batches are numbered over all ranks; a copy slot is ``rank * m v + microbatch * v + chunk``."""
+    (``-1``: none; :func:`_compile`'s ``merge``). ``ranks[r][-1]``: the run after the last compute, ``slot = -1``.
+    Batches are numbered over all ranks; a copy slot is ``rank * m v + microbatch * v + chunk``."""
 
     ranks: tuple
     batches: tuple
