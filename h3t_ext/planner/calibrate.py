@@ -41,9 +41,10 @@ SWITCHES = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "o
             "sequence_parallel", "use_distributed_optimizer", "fp8_param_gather", "first_last_layers_bf16",
             "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm",
             "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm")
-TEXT_FIELDS = ("fp8", "fp8_recipe", "pipeline_model_parallel_layout", "moe_token_dispatcher_type")
+TEXT_FIELDS = ("fp8", "fp8_recipe", "pipeline_model_parallel_layout", "moe_token_dispatcher_type",
+               "transformer_engine_version")
 """Megatron's --fp8-format (field ``fp8``; empty: BF16), --fp8-recipe, --pipeline-model-parallel-layout and
---moe-token-dispatcher-type, as the run names them."""
+--moe-token-dispatcher-type, as the run names them, and the TransformerEngine it ran (empty: the newest rules)."""
 _SPLIT_GIVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                 "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm",
             "moe_shared_expert_overlap")

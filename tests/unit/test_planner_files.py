@@ -257,3 +257,25 @@ def test_a_run_file_names_its_bf16_layers(tmp_path):
     (run,) = read_runs([str(runs)], get_model("llama-7b"), get_system("h100-sxm"))
     assert (run.plan.first_last_layers_bf16, run.plan.num_layers_at_start_in_bf16,
             run.plan.num_layers_at_end_in_bf16) == (True, 1, 3)
+
+
+def test_a_run_file_names_its_transformer_engine_and_all_to_all_overlap(tmp_path, capsys):
+    """A measured run's TransformerEngine version (which cross entropy rule) and Megatron's MoE all-to-all overlap are
+    read, not dropped, by calibrate; a malformed version is one line naming the field."""
+    from h3t_ext.costmodel import get_model, get_system
+    from h3t_ext.planner.calibrate import read_runs
+    runs = tmp_path / "runs.csv"
+    runs.write_text("num_gpus,seq_length,global_batch_size,cross_entropy_loss_fusion,cross_entropy_fusion_impl,"
+                    "transformer_engine_version,tokens_per_second_per_gpu\n8,4096,8,1,te,2.9.0,3000\n")
+    (run,) = read_runs([str(runs)], get_model("llama-7b"), get_system("h100-sxm"))
+    assert run.plan.transformer_engine_version == "2.9.0"
+    moe = tmp_path / "moe.csv"
+    moe.write_text("num_gpus,seq_length,global_batch_size,expert_model_parallel_size,moe_token_dispatcher_type,"
+                   "moe_grouped_gemm,overlap_moe_expert_parallel_comm,tokens_per_second_per_gpu\n"
+                   "16,4096,256,16,alltoall,1,1,3000\n")
+    (run,) = read_runs([str(moe)], get_model("qwen3-30b-a3b"), get_system("h100-sxm"))
+    assert run.plan.overlap_moe_expert_parallel_comm
+    runs.write_text("num_gpus,seq_length,global_batch_size,transformer_engine_version,tokens_per_second_per_gpu\n"
+                    "8,4096,8,two,3000\n")
+    code, err = _calibrate(runs, tmp_path / "out.json", capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "transformer_engine_version" in err, err
