@@ -246,12 +246,16 @@ def fsdp_drops_weight_transposes(plan) -> bool:
             and plan.data_parallel_sharding_strategy == "optim_grads_params")
 
 
+def _weight_copies(plan, system=None) -> int:
+    """:func:`fp8_copies` of the plan's recipe on ``system`` (None: a GPU that keeps the transpose)."""
+    return fp8_copies(plan.fp8_recipe, system is not None and any_layout_fp8_gemm(system.compute_capability))
+
+
 def gathered_weight_bytes(plan, system=None) -> int:
     """Bytes per GEMM-weight parameter of an FP8 layer's gathered parameters under Megatron FSDP with
     --fp8-param-gather, in its backward: the FP8 data and the transpose made for it where one is kept
     (:func:`fp8_copies` on ``system``; None: a GPU that keeps it)."""
-    any_layout = system is not None and any_layout_fp8_gemm(system.compute_capability)
-    return FP8 * fp8_copies(plan.fp8_recipe, any_layout)
+    return FP8 * _weight_copies(plan, system)
 
 
 def weight_cache_bytes(model, plan, layers: int, system=None) -> int:
@@ -262,7 +266,7 @@ def weight_cache_bytes(model, plan, layers: int, system=None) -> int:
     transpose."""
     if plan.fp8 is None or fsdp_drops_weight_transposes(plan):
         return 0
-    copies = fp8_copies(plan.fp8_recipe, system is not None and any_layout_fp8_gemm(system.compute_capability))
+    copies = _weight_copies(plan, system)
     per = FP8 * (copies - 1) if plan.fp8_param_gather else WEIGHT_CACHE_BYTES - (2 - copies) * FP8
     return gemm_weight_params(model, plan, layers) * per
 

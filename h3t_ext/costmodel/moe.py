@@ -140,39 +140,37 @@ def grouped_pass_seconds(pass_: str, tokens: int, n: int, k: int, experts: int, 
 
 
 def expert_gemm_seconds(model: ModelSpec, plan, r: KernelRates) -> dict[str, float]:
-    """Forward, data- and weight-gradient seconds of the rank's expert GEMMs and of the router's GEMM (T x h x E) for
+    """Forward, data- and weight-gradient seconds of the rank's expert GEMMs (FC1 and FC2 of its E / ep experts) for
     one microbatch."""
-    out = _expert_mlp_gemm_seconds(model, plan, r)
-    tokens = local_tokens(plan)
-    for p in out:
-        out[p] += linear_pass_seconds(p, tokens, model.num_experts, model.hidden_size, r)
-    return out
-
-
-def _expert_mlp_gemm_seconds(model: ModelSpec, plan, r: KernelRates) -> dict[str, float]:
-    """... of the rank's expert GEMMs alone (FC1 and FC2 of its E / ep experts)."""
     s = expert_shapes(model, plan)
     grouped = plan.moe_grouped_gemm
     return {p: sum(grouped_pass_seconds(p, s.tokens, n, k, s.experts, r, grouped=grouped) for n, k in (s.fc1, s.fc2))
             for p in ("fwd", "dgrad", "wgrad")}
 
 
-def elementwise_bytes(model: ModelSpec, plan, *, activation_only: bool = False):
+def router_gemm_seconds(model: ModelSpec, plan, r: KernelRates) -> dict[str, float]:
+    """... of the router's GEMM (T x h x E)."""
+    tokens = local_tokens(plan)
+    return {p: linear_pass_seconds(p, tokens, model.num_experts, model.hidden_size, r)
+            for p in ("fwd", "dgrad", "wgrad")}
+
+
+def activation_bytes(model: ModelSpec, plan, *, backward: bool) -> float:
+    """Bytes of the experts' activation kernel over the T k etp copies' 2 f_e / etp columns, one way."""
+    etp = expert_tensor_parallel_size(plan)
+    return BF16 * activation_elements(model.expert_fc1_width // etp, model.expert_ffn_hidden_size // etp,
+                                      backward=backward) * expert_token_copies(model, plan)
+
+
+def elementwise_bytes(model: ModelSpec, plan) -> tuple[float, float, float]:
     """(forward, backward, recomputed by ckpt=ours / ``moe_act``) bytes of one MoE layer's element-wise kernels: the
     router's softmax and top-k over T x E scores; the permute (read T h, write T k h) and the unpermute (read T k h,
-    write T h), each way; the activation over the T k etp copies' 2 f_e / etp columns. ``activation_only``: the
-    activation's backward bytes alone."""
-    tokens, copies = local_tokens(plan), expert_token_copies(model, plan)
-    etp, h, k = expert_tensor_parallel_size(plan), model.hidden_size, model.moe_router_topk
-    if activation_only:
-        return BF16 * activation_elements(model.expert_fc1_width // etp, model.expert_ffn_hidden_size // etp,
-                                          backward=True) * copies
+    write T h), each way; the activation (:func:`activation_bytes`)."""
+    tokens, h, k = local_tokens(plan), model.hidden_size, model.moe_router_topk
     router_f = ROUTER_BYTES_PER_SCORE_FWD * tokens * model.num_experts
     router_b = ROUTER_BYTES_PER_SCORE_BWD * tokens * model.num_experts
     permute = 2 * BF16 * (tokens * h + tokens * k * h)
-    fc1, f = model.expert_fc1_width // etp, model.expert_ffn_hidden_size // etp
-    act_f = BF16 * activation_elements(fc1, f, backward=False) * copies
-    act_b = BF16 * activation_elements(fc1, f, backward=True) * copies
+    act_f, act_b = activation_bytes(model, plan, backward=False), activation_bytes(model, plan, backward=True)
     return router_f + permute + act_f, router_b + permute + act_b, act_f
 
 
@@ -253,7 +251,7 @@ def layer_seconds(model: ModelSpec, plan, system: SystemSpec, r: KernelRates,
                   shared_shapes: tuple[tuple[int, int, int], ...]) -> MoELayerTime:
     """A MoE layer's own work and exchanges; ``shared_shapes``: (m, n, k) of the tensor-parallel MLP's FC1 and FC2 (the
     shared expert's), whose GEMMs --moe-shared-expert-overlap runs beside the exchange."""
-    x = expert_gemm_seconds(model, plan, r)
+    mlp, router = expert_gemm_seconds(model, plan, r), router_gemm_seconds(model, plan, r)
     m_fwd, m_bwd, m_act = elementwise_bytes(model, plan)
     kernels = elementwise_kernels()
     ep = dispatch_seconds(model, plan, system)
@@ -264,13 +262,13 @@ def layer_seconds(model: ModelSpec, plan, system: SystemSpec, r: KernelRates,
         def shared(*passes: str) -> float:
             return sum(linear_pass_seconds(p, *shape, r, fp8=q) for p in passes for shape in shared_shapes)
         ep_f, ep_b = max(0.0, ep - shared("fwd")), max(0.0, ep - shared("dgrad", "wgrad"))
-    mlp = _expert_mlp_gemm_seconds(model, plan, r)
-    act_b = elementwise_bytes(model, plan, activation_only=True)
-    return MoELayerTime(fwd=x["fwd"] + elementwise_seconds(m_fwd, r, kernels=kernels),
-                        bwd=x["dgrad"] + x["wgrad"] + elementwise_seconds(m_bwd, r, kernels=kernels),
-                        act=elementwise_seconds(m_act, r, kernels=1), exchange=ep, exchange_fwd=ep_f,
-                        exchange_bwd=ep_b, mlp_fwd=mlp["fwd"] + elementwise_seconds(m_act, r, kernels=1),
-                        mlp_dgrad=mlp["dgrad"] + elementwise_seconds(act_b, r, kernels=1), mlp_wgrad=mlp["wgrad"])
+    act = elementwise_seconds(m_act, r, kernels=1)
+    act_b = elementwise_seconds(activation_bytes(model, plan, backward=True), r, kernels=1)
+    return MoELayerTime(fwd=mlp["fwd"] + router["fwd"] + elementwise_seconds(m_fwd, r, kernels=kernels),
+                        bwd=sum(mlp[p] + router[p] for p in ("dgrad", "wgrad"))
+                        + elementwise_seconds(m_bwd, r, kernels=kernels),
+                        act=act, exchange=ep, exchange_fwd=ep_f, exchange_bwd=ep_b, mlp_fwd=mlp["fwd"] + act,
+                        mlp_dgrad=mlp["dgrad"] + act_b, mlp_wgrad=mlp["wgrad"])
 
 
 def merged_layer_seconds(pre_fwd: float, mlp_fwd: float, pre_bwd: float, mlp_dgrad: float, mlp_wgrad: float,
@@ -325,6 +323,6 @@ def kept_expert_bytes(model: ModelSpec, plan, base: str, modules: tuple[str, ...
 
 
 __all__ = ["EXPERT_TERMS", "MOE_TOKEN_DISPATCHERS", "ExpertShapes", "MoELayerTime", "layer_seconds", "dispatch_seconds",
-           "elementwise_bytes", "elementwise_kernels", "expert_data_parallel_size", "expert_gemm_seconds", "grouped_pass_seconds",
+           "activation_bytes", "elementwise_bytes", "elementwise_kernels", "expert_data_parallel_size", "expert_gemm_seconds", "grouped_pass_seconds",
            "expert_shapes", "expert_tensor_parallel_size", "expert_terms", "expert_token_copies",
-           "kept_expert_bytes", "local_tokens", "merged_layer_seconds"]
+           "kept_expert_bytes", "local_tokens", "merged_layer_seconds", "router_gemm_seconds"]

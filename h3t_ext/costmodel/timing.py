@@ -252,7 +252,7 @@ def _shape_key(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple:
             plan.micro_batch_size, plan.ckpt, plan.sequence_parallel, plan.tp_comm_overlap,
             plan.attention_kernel(system),
             plan.fp8 is not None, plan.fp8_recipe, plan.has_bf16_layers, plan.recompute, _timed_activation_impl(plan),
-            _cross_entropy_fusion(plan),
+            cross_entropy_impl(plan),
             chunk_layers(model, plan) if plan.recompute.full else None,
             (plan.expert_model_parallel_size, plan.expert_tensor_parallel_size, plan.moe_token_dispatcher_type,
              plan.moe_grouped_gemm, plan.moe_shared_expert_overlap, plan.overlap_moe_expert_parallel_comm)
@@ -268,23 +268,23 @@ def shape_times(model: ModelSpec, plan: Plan, system: SystemSpec) -> ShapeTimes:
         if len(_shape_cache) > _CACHE_LIMIT:
             _shape_cache.clear()
         bf16 = _layer_time(model, bf16_variant(plan), system) if plan.has_bf16_layers else None
-        layer = _layer_time(model, plan, system)
+        layer, x = (_layer_time(model, plan, system), None) if model.mixed_moe else _layer_parts(model, plan, system)
         hit = _shape_cache[key] = ShapeTimes(layer, _head_time(model, plan, system), bf16,
-                                             _merge_hidden(model, plan, system))
+                                             _merge_hidden(model, plan, system, layer, x))
     return hit
 
 
-def _merge_hidden(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+def _merge_hidden(model: ModelSpec, plan: Plan, system: SystemSpec, lt: LayerTime,
+                  x: Optional[moe.MoELayerTime]) -> float:
     """Seconds of exchange a merged forward-backward layer pair hides with --overlap-moe-expert-parallel-comm: the
-    layer's forward and backward one after the other, less the two merged (:func:`h3t_ext.costmodel.moe.
-    merged_layer_seconds`); a pattern of dense and MoE layers hides its MoE layers' share."""
+    layer's forward and backward one after the other (``lt``, its MoE record ``x``), less the two merged
+    (:func:`h3t_ext.costmodel.moe.merged_layer_seconds`); a pattern of dense and MoE layers hides its MoE layers'
+    share."""
     if not (model.is_moe and plan.overlap_moe_expert_parallel_comm):
         return 0.0
     if model.mixed_moe:
-        return model.moe_layer_fraction * _merge_hidden(model.moe_variant(), plan, system)
-    lt = _layer_time(model, plan, system)
-    shapes = layer_gemm_shapes(model, plan)
-    x = moe.layer_seconds(model, plan, system, kernel_rates(system), (shapes["fc1"], shapes["fc2"]))
+        variant = model.moe_variant()
+        return model.moe_layer_fraction * _merge_hidden(variant, plan, system, *_layer_parts(variant, plan, system))
     pre_fwd = lt.forward_action - lt.ep_fwd - x.mlp_fwd
     pre_bwd = lt.backward_action - lt.ep_bwd - lt.ep_recompute - x.mlp_dgrad - x.mlp_wgrad
     merged = moe.merged_layer_seconds(pre_fwd, x.mlp_fwd, pre_bwd, x.mlp_dgrad, x.mlp_wgrad, x.exchange)
@@ -316,6 +316,12 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
         phi = model.moe_layer_fraction
         dense, moe_ = _layer_time(model.dense_variant(), plan, system), _layer_time(model.moe_variant(), plan, system)
         return LayerTime(**{f: (1 - phi) * getattr(dense, f) + phi * getattr(moe_, f) for f in record_fields(LayerTime)})
+    return _layer_parts(model, plan, system)[0]
+
+
+def _layer_parts(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple[LayerTime, Optional[moe.MoELayerTime]]:
+    """One kind of layer (a dense one, or every layer of a MoE model that is not a pattern): its time by part and its
+    MoE record (None for a dense layer)."""
     r = kernel_rates(system)
     g = layer_gemm_seconds(model, plan, r)
     a = attention_seconds(model, plan, system, r)
@@ -348,17 +354,11 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
     return LayerTime(fwd=fwd, bwd=bwd, recompute=rec, tp_fwd=tp_f, tp_bwd=tp_b, tp_recompute=tp_rec,
                      cp_fwd=a["cp_fwd"], cp_bwd=a["cp_bwd"], cp_recompute=cp_rec,
                      ep_fwd=0.0 if x is None else x.exchange_fwd, ep_bwd=0.0 if x is None else x.exchange_bwd,
-                     ep_recompute=ep_rec)
+                     ep_recompute=ep_rec), x
 
 
 def _head_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> HeadTime:
-    return _head_seconds(*output_layer_gemm_shape(model, plan), kernel_rates(system), _cross_entropy_fusion(plan))
-
-
-def _cross_entropy_fusion(plan: Plan) -> Optional[str]:
-    """The fused cross entropy's implementation, None without --cross-entropy-loss-fusion
-    (:func:`~h3t_ext.costmodel.te_version.cross_entropy_impl`)."""
-    return cross_entropy_impl(plan)
+    return _head_seconds(*output_layer_gemm_shape(model, plan), kernel_rates(system), cross_entropy_impl(plan))
 
 
 @functools.lru_cache(maxsize=4096)
