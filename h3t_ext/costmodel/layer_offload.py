@@ -8,9 +8,13 @@ L layers of a = A / L saved bytes each (A: one microbatch's, :func:`memory.chunk
 * **memory** (what the runtime's manager holds, :mod:`h3t_ext.runtime.memory.activations`): one microbatch is
   held at a time; its peak is at the end of its forward, when layers 0 .. L-3 have been offloaded and dropped
   (layer l's bytes go when layer l+2's forward starts; layer L-2's copy still overlaps layer L-1's forward).
-  Saved bytes there: A - a * sum_{l <= L-3} f_l. The reload buffers are two slots of the largest offloaded
-  layer, 2a (a little more than the runtime's when only part of layer 0 is offloaded: its slot holds the
-  records that part touches);
+  Saved bytes there: A - a * sum_{l <= L-3} f_l. The reload buffers, two slots of one layer each, are allocated
+  at the microbatch's first reload and freed when its backward ends, so they add to that peak only what the
+  backward has not freed by then: the first reload (of the last offloaded layer j) starts when layer j+1's backward
+  does, after layers j+2 .. L-1 have freed theirs, which covers both slots unless j = L-2. Then the slot takes
+  the place of layer L-2's dropped f_{L-2} a, and the backward holds (1 - f_{L-2}) a more than the forward's end
+  (one slot of a whole layer; the second comes once layer L-1's a is freed). At the embedding's backward, after
+  layer 0's, one slot (layer 0's) is still held;
 * **PCIe**: sum_l f_l * a each way per microbatch (at most (L-1)/L of A: the last layer never offloads);
 * **time**: layer l's copy to the host starts when layer l+1's forward starts and hides behind it; its copy
   back starts when layer l+1's backward starts and hides behind it; copies in one direction run one after the
@@ -46,8 +50,15 @@ class LayerOffload:
 
     @property
     def reload_buffer(self) -> float:
-        """The two reload slots of one layer each, as a fraction of A (0 when nothing offloads)."""
-        return 2.0 / self.num_layers if any(self.fractions) else 0.0
+        """What the reload slots (one layer each, allocated in the backward) add to the peak, as a fraction of A:
+        (1 - f_{L-2}) / L when layer L-2 is offloaded, else 0 (module docstring)."""
+        last = self.fractions[self.num_layers - 2] if self.num_layers >= 2 else 0.0
+        return (1.0 - last) / self.num_layers if last > 0 else 0.0
+
+    @property
+    def embedding_slot(self) -> float:
+        """The reload slot held at the embedding's backward (layer 0's), as a fraction of A; 0 when layer 0 stays."""
+        return 1.0 / self.num_layers if self.fractions and self.fractions[0] > 0 else 0.0
 
 
 def layer_offload(alpha: float, num_layers: int) -> LayerOffload:

@@ -36,8 +36,10 @@ sees on top of that:
                            whose parameters are the FP8 copy: ``weights`` holds them at 1 byte).
 * ``fp8_scaling_state``    with --fp8-format: scales and amax histories of the FP8 tensors (a few kB a layer).
 * ``offload_reload_buffer`` the reload double buffer, 2 * alpha * A (reported next to ``activations``); at
-                           pipeline size 1 (layer-granular offload, :mod:`h3t_ext.costmodel.layer_offload`) two
-                           slots of one layer, 2 A / L.
+                           pipeline size 1 (layer-granular offload, :mod:`h3t_ext.costmodel.layer_offload`) what its
+                           two one-layer slots, allocated in the backward, add to the forward's end: 0 unless layer
+                           L-2 is offloaded. The runtime frees the slots at the iteration's end (and at p = 1 after
+                           each microbatch's backward), so they are not alive at the optimizer step.
 * ``moe_backward_workspace`` MoE layers (:mod:`h3t_ext.costmodel.moe`): d(FC1 output), d(activation output) and
                            d(expert input) of the rank's T k etp routed token copies, (fc1_e + f_e) / etp + h each.
 * ``moe_dispatch_buffer``  MoE layers: one all-to-all buffer of the T k token copies (two with
@@ -53,8 +55,8 @@ sees on top of that:
 
 The peak is the largest of the moments: a backward (the terms above); at p = 1 the embedding's backward, after
 the last layer's; and the optimizer step, after the last backward. At the later two the activations and their
-transients are freed but the states, TransformerEngine's FP8 weight copies, the offload runtime's reload buffers and
-pipeline buffers (both kept for the next iteration) stay:
+transients are freed but the states, TransformerEngine's FP8 weight copies and the pipeline buffers (kept for the
+next iteration) stay, and at the embedding's backward the reload slot of layer 0 when it was offloaded:
 
 * ``embedding_backward_excess`` p = 1: what the embedding's backward holds above the other moments (the terms
                            ``EMBEDDING_MOMENT_TERMS`` and the gradient); left out when smaller, as it nearly always is.
@@ -103,10 +105,11 @@ apex's FusedAdam read and write the states in place. Measured on the H200 (secon
 TE or apex): a ~1.1 B-parameter Llama's ckpt=full and ckpt=ours steps peak 4.2 GiB above their 18.5 GiB of states,
 as its 1.104 B fp32 temporaries take."""
 STEP_PERSISTENT_TERMS = ("weights", "grads", "optimizer_states", "fp8_weight_cache", "fp8_scaling_state",
-                         "offload_reload_buffer", "p2p_buffers")
-"""The terms alive at the optimizer step: the states, TE's FP8 weight caches, and the buffers the runtime keeps
-from one iteration to the next (the H200's ckpt=ours steps with alpha 0.5 and 1 peak 404 MiB above alpha 0's, the
-two reload slots of one layer, at the optimizer step)."""
+                         "p2p_buffers")
+"""The terms alive at the optimizer step: the states, TE's FP8 weight caches, and the pipeline buffers the runtime
+keeps from one iteration to the next. Not the offload's reload slots: the runtime frees them when the iteration's
+forward-backward ends (until 2026-12-01 it kept them, and the H200's ckpt=ours steps with alpha 0.5 peaked 404 MiB
+above alpha 0's at the optimizer step, the two slots of one layer: ``data/reference/local_stack_steps.json``)."""
 EMBEDDING_MOMENT_TERMS = STEP_PERSISTENT_TERMS + ("fsdp_buffers",)
 """The terms alive when the embedding's gradient is made at pipeline size 1, after the last layer's backward: the
 persistent ones and a sharded data-parallel rank's unsharded buffers. The H200's ckpt=no step of a 1.1 B Llama
@@ -422,12 +425,13 @@ def _step_moment(terms: Mapping[str, int], temporary: int) -> int:
     return sum(terms.get(k, 0) for k in STEP_PERSISTENT_TERMS) + temporary
 
 
-def _embedding_moment(model: ModelSpec, plan: Plan, terms: Mapping[str, int]) -> int:
-    """Bytes alive when the embedding's gradient is made at pipeline size 1 (``EMBEDDING_MOMENT_TERMS`` and the
-    gradient); 0 with a pipeline, where ``embedding_grad`` is a term of the backward's moment."""
+def _embedding_moment(model: ModelSpec, plan: Plan, terms: Mapping[str, int], slot: int = 0) -> int:
+    """Bytes alive when the embedding's gradient is made at pipeline size 1 (``EMBEDDING_MOMENT_TERMS``, the
+    gradient and the offload's ``slot`` still held for layer 0); 0 with a pipeline, where ``embedding_grad`` is a term
+    of the backward's moment."""
     if plan.pipeline_model_parallel_size > 1:
         return 0
-    return sum(terms.get(k, 0) for k in EMBEDDING_MOMENT_TERMS) + embedding_grad_bytes(model, plan)
+    return sum(terms.get(k, 0) for k in EMBEDDING_MOMENT_TERMS) + embedding_grad_bytes(model, plan) + slot
 
 
 def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float,
@@ -443,7 +447,9 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float,
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
-    embedding = _embedding_moment(model, plan, terms) - sum(terms.values())
+    layers = layers_per_chunk(model, plan)
+    slot = int(round(chunk * layer_offload(alpha, layers).embedding_slot)) if layers is not None else 0
+    embedding = _embedding_moment(model, plan, terms, slot) - sum(terms.values())
     if embedding > 0:
         terms["embedding_backward_excess"] = embedding
     excess = _step_moment(terms, _step_temporary(model, plan, stage, n)) - sum(terms.values())
@@ -463,13 +469,15 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int,
     lines, offloads = residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0
     layers = layers_per_chunk(model, plan)
     temporary = _step_temporary(model, plan, stage, n)
-    # the later moments' fixed terms (the reload buffer is added per alpha); with fused Adam the step's moment never
-    # exceeds a backward's
-    late_fixed = max(_step_moment(terms, temporary) if temporary else 0, _embedding_moment(model, plan, terms))
-    if not late_fixed:
+    # the later moments' fixed terms (the embedding's adds layer 0's reload slot per alpha); with fused Adam the
+    # step's moment never exceeds a backward's
+    step = _step_moment(terms, temporary) if temporary else 0
+    embedding = _embedding_moment(model, plan, terms)
+    if not (step or embedding):
         return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha, layers))
 
     def peak(alpha: float) -> int:
         act, reload = _activation_terms(chunk, lines, offloads, alpha, layers)
-        return max(fixed + act + reload, late_fixed + reload)
+        slot = int(round(chunk * layer_offload(alpha, layers).embedding_slot)) if layers is not None and embedding else 0
+        return max(fixed + act + reload, step, embedding + slot)
     return peak

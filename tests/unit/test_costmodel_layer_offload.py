@@ -19,7 +19,11 @@ def _plan(alpha, **kw):
                 pipeline_model_parallel_size=1, ckpt="no", offload_alpha=alpha, **kw)
 
 
-def test_peak_is_the_layers_left_at_the_end_of_the_forward_plus_two_layer_slots():
+def test_peak_is_the_layers_left_at_the_end_of_the_forward_and_the_slots_come_in_the_backward():
+    """The reload slots are allocated at a microbatch's first reload, after the layers behind the last offloaded
+    one have freed their bytes: at alpha 0.5 (layers 0-15 offloaded) they add nothing to the forward's end; when
+    layer L-2 is offloaded in part, the first slot (a whole layer) holds (1 - f) of a layer more than the dropped
+    part; when it is offloaded whole, nothing."""
     L = MODEL.num_layers  # 32
     A = chunk_activation_bytes(MODEL, _plan(0.0))
     base = stage_memory(MODEL, _plan(0.0), 0, 0.0).terms
@@ -27,10 +31,31 @@ def test_peak_is_the_layers_left_at_the_end_of_the_forward_plus_two_layer_slots(
     assert base["offload_reload_buffer"] == 0 and base["activations"] == A
     # layers 0-15 offloaded, all dropped before layer 31's forward ends (layer 30's copy still overlaps it)
     assert half["activations"] == round(A * (L - 16) / L)
-    assert half["offload_reload_buffer"] == round(2 * A / L)
+    assert half["offload_reload_buffer"] == 0
     full = stage_memory(MODEL, _plan(1.0), 0, 1.0).terms
     assert full["activations"] == round(A * 2 / L)  # layers 30 (still copying) and 31 (never offloaded) stay
+    assert full["offload_reload_buffer"] == 0  # layer 30 offloaded whole: its slot takes its dropped bytes' place
     assert layer_offload(1.0, L).offloaded == pytest.approx((L - 1) / L)
+    alpha = (30 + 0.25) / L  # layers 0-29 whole, a quarter of layer 30
+    assert layer_offload(alpha, L).fractions[L - 2] == pytest.approx(0.25)
+    part = stage_memory(MODEL, _plan(alpha), 0, alpha).terms
+    assert part["offload_reload_buffer"] == round(0.75 * A / L)
+
+
+def test_one_reload_slot_is_held_at_the_embeddings_backward():
+    """At p = 1 the embedding's gradient is made after layer 0's backward, while layer 0's reload slot is still
+    held: the embedding moment counts one layer's slot when layer 0 was offloaded, none at alpha 0."""
+    from h3t_ext.costmodel.memory import EMBEDDING_MOMENT_TERMS, _embedding_moment
+
+    L = MODEL.num_layers
+    plan = _plan(0.5)
+    A = chunk_activation_bytes(MODEL, plan)
+    assert layer_offload(0.5, L).embedding_slot == pytest.approx(1 / L)
+    assert layer_offload(0.0, L).embedding_slot == 0
+    terms = stage_memory(MODEL, plan, 0, 0.5).terms
+    assert "offload_reload_buffer" not in EMBEDDING_MOMENT_TERMS
+    assert (_embedding_moment(MODEL, plan, terms, round(A / L)) - _embedding_moment(MODEL, plan, terms)
+            == round(A / L))
 
 
 def test_pcie_bytes_are_every_microbatch_both_ways():

@@ -19,6 +19,25 @@ def test_each_stored_estimate_is_the_current_models(row, capsys):
     assert est["peak_memory_bytes"] / 2**30 == pytest.approx(row.estimate_gib, rel=2e-3)
 
 
+def test_the_slots_the_measured_runtime_kept_are_the_models_two_layers_and_what_the_runs_differ_by(capsys):
+    """The alpha-0.5 rows ran with the runtime that kept its two reload slots to the optimizer step: their stored
+    slots are two layers of the model's saved bytes (2 A / L, A from the estimate's PCIe bytes), and the
+    1.1 B Llama's alpha-0.5 step peaked that much above its ckpt=full step, whose peak is the same optimizer step."""
+    from h3t_ext.costmodel.layer_offload import layer_offload
+
+    rows = {r.case: r for r in STEPS.rows}
+    kept = [r for r in STEPS.rows if r.reload_slots_gib]
+    assert {r.case for r in kept} == {"llama-1b/ours/0.5", "llama-3b/ours/0.5"}
+    for row in kept:
+        est = run_json([*row.estimate_args, "--gpu", STEPS.gpu], capsys)
+        layers = int(row.estimate_args[row.estimate_args.index("--num-layers") + 1])
+        lo = layer_offload(0.5, layers)
+        chunk = est["pcie_bytes_per_iteration"] / (2 * est["num_microbatches"] * lo.offloaded)
+        assert row.reload_slots_gib == pytest.approx(2 * chunk / layers / 2**30, abs=2e-3)
+    one = rows["llama-1b/ours/0.5"]
+    assert one.peak_gib - rows["llama-1b/full/0"].peak_gib == pytest.approx(one.reload_slots_gib, rel=0.02)
+
+
 def test_the_measured_memory_is_the_models_and_the_time_is_not():
     assert all(abs(r.memory_ratio - 1) < 0.01 for r in STEPS.rows)
     assert all(1.4 < r.time_ratio < 1.9 for r in STEPS.rows)

@@ -3,7 +3,9 @@ fallback without TransformerEngine and apex) the step holds the states, the runt
 temporary per parameter of the device optimizer shard, and that moment is the peak when the backward's is lower.
 
 Checked against the H200's driver steps of the second lease (docs/gpu-reports/2026-11-28-nvidia-h200-lease2.json,
-megatron-core 0.16.1 without TE or apex): the ckpt=ours and ckpt=full runs, whose peak is the optimizer step."""
+megatron-core 0.16.1 without TE or apex): the ckpt=ours and ckpt=full runs, whose peak is the optimizer step. The
+runtime of that lease kept the offload's two reload slots (one layer each) to the optimizer step; the runtime now frees
+them when the forward-backward ends, so the runs with offload are compared with the model plus those two layers."""
 from __future__ import annotations
 
 import json
@@ -15,6 +17,7 @@ import pytest
 from h3t_ext.costmodel import ModelSpec, Plan
 from h3t_ext.costmodel.memory import (
     OPTIMIZER_STEP_TEMPORARY_BYTES,
+    chunk_activation_bytes,
     STEP_PERSISTENT_TERMS,
     stage_memory,
     stage_peak_function,
@@ -70,11 +73,13 @@ def test_the_h200_steps_whose_peak_is_the_optimizer_step_are_within_1_percent(ca
     model = model_from_args(ns)
     plan = plan_from_args(ns, model=model)
     assert plan.optimizer_impl == "torch"
-    mem = stage_memory(model, plan, 0, float(spec[4]))
+    alpha = float(spec[4])
+    mem = stage_memory(model, plan, 0, alpha)
     measured = _measured()[case]
-    assert abs(mem.peak_bytes - measured) / measured < 0.01, (mem.peak_bytes / 2**30, measured / 2**30)
+    kept = 2 * chunk_activation_bytes(model, plan, 0) / model.num_layers if alpha > 0 else 0  # that lease's slots
+    assert abs(mem.peak_bytes + kept - measured) / measured < 0.01, (mem.peak_bytes / 2**30, measured / 2**30)
     if case != "llama-1b/ours/0":  # its backward holds as much: there the step's moment changes nothing
-        fused = stage_memory(model, dataclass_replace(plan, optimizer_impl="fused"), 0, float(spec[4]))
+        fused = stage_memory(model, dataclass_replace(plan, optimizer_impl="fused"), 0, alpha)
         assert (measured - fused.peak_bytes) / measured > 0.05  # without the step's moment: 5.6-11% low
 
 

@@ -13,7 +13,8 @@ Timeline, following the schedule builder's OFFLOAD/RELOAD semantics:
   ``d2h`` stream. The device bytes are dropped when the next compute scope ends; the kept tail of
   a split record is cloned then, after the whole records have been dropped.
 * ``reload(mb, chunk)`` copies them back into one slot of a reusable two-slot device buffer on the
-  ``h2d`` stream (the opposite PCIe direction). The slot is free again after ``release``.
+  ``h2d`` stream (the opposite PCIe direction). The slot is free again after ``release``; the two slots exist from
+  the first offload of an iteration to its end (``end_iteration`` frees them, before the optimizer step).
 * In ``backward_scope`` the first unpack waits for the reload (and reloads first if the schedule
   had no RELOAD for it); a chunk that was never offloaded is read in place.
 
@@ -26,7 +27,12 @@ starts, segment l-1's offloaded bytes are dropped (its copy overlapped layer l's
 ``layer_offload_fractions(alpha, L)[l]`` of segment l's bytes starts. In backward the first unpack of a tensor
 saved in segment l+1 is where layer l+1's backward starts: the slots of the later segments are free again,
 and segment l's reload starts (into one of two reload slots, each the size of the largest offloaded
-segment); the first unpack of segment l waits for it. A segment's records are forgotten by storage once
+segment); the first unpack of segment l waits for it, and the manager lets go of the later segments' bytes (their
+backward is over), as autograd without the manager frees saved tensors when their backward has used them. The slots
+are allocated at a microbatch's first reload and
+freed when its backward ends (``release``), as TransformerEngine's layer offload allocates its reloads in the
+backward: they never sit through a forward's peak, where the layers after the last offloaded one are still saved
+(the first reload starts once their backward has freed them). A segment's records are forgotten by storage once
 dropped, so a freed storage whose address comes back later in the forward is a new record.
 
 A grad-requiring leaf among the saved tensors is a received stage input, which the schedule (and
@@ -34,8 +40,8 @@ the leaf's ``AccumulateGrad`` node) keeps for its ``.grad``; when its storage is
 data is replaced by a one-element expanded tensor, so the device bytes are really freed.
 
 Resident bytes (``ActivationStats.peak_resident_bytes``) are the saved bytes the manager holds on
-the device (records, small tensors, split tails) plus the two reload slots, sampled at every pack
-and at the end of every compute scope.
+the device (records, small tensors, split tails) plus the reload slots while they exist, sampled at every pack,
+at every slot allocation and at the end of every compute scope.
 """
 from __future__ import annotations
 
@@ -81,14 +87,14 @@ class ActivationStats:
     host_pool_allocations: int = 0
     """Host buffers the pool has allocated since it was created."""
     reload_buffer_bytes: int = 0
-    """Bytes of the reload slots (two; more only when a backward read a segment out of order)."""
+    """Most bytes of reload slots held at once (two slots; more only when a backward read a segment out of order)."""
 
 
 class _Record:
     """One storage saved by a microbatch-chunk's forward."""
 
     __slots__ = ("flat", "nbytes", "off_bytes", "host_offset", "slot_offset", "tail", "storage_ref", "leaves",
-                 "ptr", "group")
+                 "ptr", "group", "released")
 
     def __init__(self, flat: torch.Tensor, ptr: int, group: "_ChunkState"):
         self.flat: Optional[torch.Tensor] = flat  # uint8 over the whole storage, None once offloaded
@@ -100,6 +106,7 @@ class _Record:
         self.tail: Optional[torch.Tensor] = None  # device copy of the kept bytes of a split record
         self.storage_ref = None  # StorageWeakRef, kept when the manager tracks storages
         self.leaves: list = []  # weakrefs to grad-requiring leaves (received stage inputs) on this storage
+        self.released = False  # layer segment: its backward is over and the manager let go of its bytes
 
 
 class _Saved:
@@ -340,6 +347,9 @@ class ActivationManager:
         seg = s.segment
         if seg is not None and seg.layer not in self._states[seg.key].read_segments:
             self._segment_backward_starts(self._states[seg.key], seg.layer)
+        if rec.released:
+            raise AssertionError(f"a tensor saved in layer {rec.group.layer} of microbatch-chunk {rec.group.key} was "
+                                 "read after the backward of an earlier layer had started (its bytes were let go)")
         if rec.flat is not None:
             flat = rec.flat
         else:
@@ -368,9 +378,23 @@ class ActivationManager:
         st.read_segments.add(k)
         for seg in st.segments[k + 1:]:
             self._give_back_slot(seg)
+            self._let_go(seg)
         for l in sorted(st.reload_layers, reverse=True):
             if l >= k - 1:
                 self._start_reload(st.segments[l])
+        if k == 0:  # nothing left to reload: the slot segment 1 gave back goes before the embedding's backward
+            self._free_slots()
+
+    def _let_go(self, seg: _ChunkState) -> None:
+        """Layer segment ``seg``'s backward is over (autograd has read what it saved): the manager stops holding its
+        device bytes, so they go when autograd frees its last use, as without the manager, and the next reload's
+        slot takes their place rather than adding to them."""
+        for rec in seg.records:
+            if rec.released:
+                continue
+            self._resident -= self._device_bytes(rec)
+            rec.flat = rec.tail = None
+            rec.released = True
 
     def _give_back_slot(self, st: _ChunkState) -> None:
         if st.slot is None:
@@ -410,8 +434,9 @@ class ActivationManager:
         st.off_event = self.device.copy_async(self._d2h, dsts, srcs, after=after)
         st.offloaded, st.slot_bytes = True, slot_bytes
         self.stats.offloaded_bytes += sum(r.off_bytes for r in plan)
-        for i in (0, 1):  # the double buffer exists from the first offload on
-            self._ensure_slot(i, slot_bytes)
+        if st.layer is None:  # a pipeline's chunk: the double buffer exists from the first offload on
+            for i in (0, 1):
+                self._ensure_slot(i, slot_bytes)
         self._to_drop.append(st)
 
     def reload(self, microbatch: int, chunk: int) -> None:
@@ -457,6 +482,8 @@ class ActivationManager:
             if group.slot is not None:
                 self._slot_owner[group.slot] = None
                 self._slot_free[group.slot] = self.device.compute_event()
+        if st.layer_granular:  # pipeline size 1: the next microbatch's forward runs without them
+            self._free_slots()
         freed = st.small_bytes
         for rec in st.records:
             freed += self._device_bytes(rec)
@@ -469,9 +496,9 @@ class ActivationManager:
         for key in list(self._states):
             self.release(*key)
         self.device.synchronize()
+        self._free_slots()
         self.stats.host_pool_bytes = self.pool.capacity_bytes
         self.stats.host_pool_allocations = self.pool.allocations
-        self.stats.reload_buffer_bytes = sum(s.numel() for s in self._slots if s is not None)
         self._new_iteration = True
 
     def reset_stats(self) -> None:
@@ -507,6 +534,21 @@ class ActivationManager:
         self._resident -= old
         self._slots[i] = self.device.empty_device(nbytes)
         self._add_resident(nbytes)
+        held = sum(s.numel() for s in self._slots if s is not None)
+        self.stats.reload_buffer_bytes = max(self.stats.reload_buffer_bytes, held)
+
+    def _free_slots(self) -> None:
+        """Give the reload slots that no segment or chunk holds back to the allocator (no wait: the backward that
+        read a slot ran on the compute stream it was allocated on, after the copy into it, see
+        :meth:`_ensure_slot`); the extra slots of an out-of-order read go too."""
+        for i, slot in enumerate(self._slots):
+            if slot is not None and self._slot_owner[i] is None:
+                self._resident -= slot.numel()
+                self._slots[i] = None
+        while len(self._slots) > 2 and self._slots[-1] is None and self._slot_owner[-1] is None:
+            self._slots.pop()
+            self._slot_owner.pop()
+            self._slot_free.pop()
 
     def _compute_ended(self) -> None:
         """End of a compute action: offloads issued before it have overlapped it; drop their bytes."""
