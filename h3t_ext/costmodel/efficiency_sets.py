@@ -8,9 +8,10 @@ from pathlib import Path
 
 FITTED_EFFICIENCIES_FILE = Path(__file__).resolve().parent.parent / "data" / "fitted_efficiencies.json"
 
-OPTIONAL_EFFICIENCIES = ("fused_attention_gemm_ratio", "fused_attention_row_overhead_keys")
-"""Efficiencies measured on a GPU family's chip, given only where measured: a set or system file without them
-prices cuDNN's fused attention as FlashAttention (:mod:`h3t_ext.costmodel.kernels`)."""
+OPTIONAL_EFFICIENCIES = ("fused_attention_gemm_ratio", "fused_attention_row_overhead_keys", "mxfp8_gemm_rate_fraction")
+"""Efficiencies measured on a GPU family's chip, given only where measured: a set or system file without the first two
+prices cuDNN's fused attention as FlashAttention, without the third MXFP8 GEMMs at the per-tensor FP8 rate
+(:mod:`h3t_ext.costmodel.kernels`)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,13 +40,17 @@ def transferred_source(name: str) -> str:
 def transferred_efficiencies(name: str) -> dict[str, float]:
     """The efficiencies family ``name`` takes from another family's (``fitted_efficiencies.json`` ``transfers``):
     each ``scaled`` one is the source family's times the ratio of the two chips' matmul ceilings (measured best
-    matmul FLOP/s over the datasheet peak, in the listed precision), each ``same`` one the source's as it is.
-    Empty for a family that has no transfer (one fitted or stated on its own runs)."""
+    matmul FLOP/s over the datasheet peak, in the listed precision), each ``same`` one the source's as it is, each
+    ``kept_from`` one what another family gives itself (the same silicon's kernel measurements: the GB200's fused
+    attention is the B200's). Empty for a family that has no transfer (one fitted or stated on its own runs)."""
     transfer = _transfer(name)
     if transfer is None:
         return {}
     source = efficiency_set(transfer["from"])
     out = {k: float(source[k]) for k in transfer.get("same", ())}
+    for family, keys in transfer.get("kept_from", {}).items():
+        own = _fitted()["efficiencies"][family]
+        out.update({k: float(own[k]) for k in keys})
     for key, precision in transfer["scaled"].items():
         ceiling = transfer["matmul_ceiling"][precision]
         (to_best, to_peak), (from_best, from_peak) = ceiling[name], ceiling[transfer["from"]]

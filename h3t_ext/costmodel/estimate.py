@@ -11,7 +11,7 @@ from h3t_ext.costmodel.errors import InfeasiblePlanError, InvalidPlanError
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_host_bytes, stage_memory
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan, validate_plan
-from h3t_ext.costmodel.reserve import default_memory_budget_bytes
+from h3t_ext.costmodel.reserve import ALLOCATOR_GAP_RANGE, allocator_gap_left, memory_reserve
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms, timeline_too_large
 from h3t_ext.costmodel.timing import TimeTerms, shape_times, time_terms
@@ -65,7 +65,7 @@ class Estimate:
     host_terms: tuple[tuple[str, int], ...] = ()
     """Host bytes of the rank that holds most, by term (offloaded optimizer share, offloaded activations)."""
     gpus_per_node: int = 1
-    """Ranks sharing one host."""
+    """Ranks sharing one host (the system's ``gpus_per_host``, at most the plan's GPUs)."""
     host_memory_budget_bytes: Optional[int] = None
     """Host bytes per node offloaded state may take (None: not checked)."""
     offload_traffic: Optional[OffloadTraffic] = None
@@ -76,6 +76,22 @@ class Estimate:
     moe: bool = False
     """The model has mixture-of-experts layers: its prediction interval is the published MoE runs' and its routing
     is priced balanced (``h3t_ext.costmodel.moe``)."""
+    device_free_bytes: Optional[int] = None
+    """HBM less the CUDA context and a rank's NCCL buffers (the budget before the allocator's reserve); None when the
+    budget was given (``--memory-budget``)."""
+
+    @property
+    def allocator_gap_left(self) -> Optional[float]:
+        """The most the caching allocator may reserve beyond the peak, as a fraction of it, for the plan to fit the
+        GPU (None with a given budget): the verdict is marginal when this lies in ``reserve.ALLOCATOR_GAP_RANGE``."""
+        return None if self.device_free_bytes is None else allocator_gap_left(self.device_free_bytes,
+                                                                               self.peak_memory_bytes)
+
+    @property
+    def memory_marginal(self) -> bool:
+        """The device verdict would change inside the allocator's usual reserve (3-8% above the peak)."""
+        gap = self.allocator_gap_left
+        return gap is not None and ALLOCATOR_GAP_RANGE[0] <= gap < ALLOCATOR_GAP_RANGE[1]
 
     @property
     def host_bytes_per_rank(self) -> int:
@@ -216,6 +232,8 @@ class Estimate:
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_stage": self.peak_stage,
             "fits": self.fits,
+            "allocator_gap_left": self.allocator_gap_left,
+            "memory_marginal": self.memory_marginal,
             "stages": [s.to_dict() for s in self.stages],
             "time_terms_s": self.time_terms.as_dict(),
             "iteration_time_s": self.iteration_time_s,
@@ -254,8 +272,8 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     ``timeline=False`` prices the closed form only (the planner's pruning), which ``closed_form`` always holds.
     ``host_memory_budget_bytes`` (per node) replaces :func:`default_host_memory_budget_bytes`."""
     validate_plan(model, plan, system)
-    budget = (default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None
-              else int(memory_budget_bytes))
+    reserve = memory_reserve(model, plan, system) if memory_budget_bytes is None else None
+    budget = reserve.budget_bytes if reserve is not None else int(memory_budget_bytes)
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     alphas, v, chunk, offloaded = _closed_form_inputs(model, plan)
     stages = tuple(stage_memory(model, plan, k, alphas[k], system) for k in range(p))
@@ -281,12 +299,13 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         tokens_per_iteration=plan.tokens_per_iteration, num_gpus=plan.num_gpus,
         model_flops_per_token=model_flops_per_token(model, plan.seq_length), peak_flops=system.peak_bf16_flops,
         pcie_bytes_per_iteration=pcie, efficiency_set=system.efficiency_set, host_terms=host,
-        gpus_per_node=min(system.gpus_per_node, plan.num_gpus),
+        gpus_per_node=min(system.gpus_per_host, plan.num_gpus),
         host_memory_budget_bytes=(default_host_memory_budget_bytes(system) if host_memory_budget_bytes is None
                                   else int(host_memory_budget_bytes)),
         offload_traffic=traffic,
         timeline_note="" if too_large is None else f"priced by the closed form: {too_large}",
         moe=model.is_moe,
+        device_free_bytes=None if reserve is None else reserve.free_bytes,
     )
 
 

@@ -10,7 +10,8 @@ peak (``gemm_peak_fraction`` x datasheet peak / SMs); the overhead term is the p
 epilogue (writing the tile) of a tile expressed as extra K, which is what makes thin-K GEMMs (small t
 shards) slow. Under FP8 (``fp8=True``, TransformerEngine's linear layers) the K loop runs at the FP8 rate
 (``gemm_fp8_peak_fraction`` x the dense FP8 peak / SMs) while the tile's prologue and epilogue (bf16 output)
-keep their bf16 time, and the inputs are 1 byte. A thin GEMM is bound by memory instead: it reads A and B and writes C at the achievable HBM
+keep their bf16 time, and the inputs are 1 byte; with ``--fp8-recipe mxfp8`` at ``mxfp8_gemm_rate_fraction`` of that
+rate where the family has it measured (:func:`recipe_rates`: Blackwell's block-scaled GEMMs, 0.951). A thin GEMM is bound by memory instead: it reads A and B and writes C at the achievable HBM
 bandwidth; the kernel takes the larger of the two (roofline), plus one launch.
 
 Attention (``flash_attention_seconds``). Flash attention forward is 4 * s_q * s_k * d FLOPs per head
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from h3t_ext.attention_window import attended_pairs
@@ -114,6 +115,13 @@ def kernel_rates(system: SystemSpec) -> KernelRates:
             raise InvalidPlanError(f"system {system.name}: {name} is {value:g} per second, too small to price; "
                                    "valid: rates of at least one per second and efficiencies that keep them so")
     return r
+
+
+def recipe_rates(r: KernelRates, system: SystemSpec, fp8_recipe: Optional[str]) -> KernelRates:
+    """``r`` with the FP8 GEMM rate of ``fp8_recipe``: MXFP8's block-scaled GEMMs at the system's
+    ``mxfp8_gemm_rate_fraction`` of the per-tensor rate (where measured; else and for every other recipe, ``r``)."""
+    fraction = system.efficiencies.get("mxfp8_gemm_rate_fraction") if fp8_recipe == "mxfp8" else None
+    return r if fraction is None else replace(r, fp8_sm_flops=r.fp8_sm_flops * fraction)
 
 
 def any_layout_fp8_gemm(compute_capability: float) -> bool:

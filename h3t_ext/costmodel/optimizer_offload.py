@@ -9,8 +9,8 @@ of the total; priced here as exactly that fraction F of the shard. Per offloaded
 * host: the fp32 master copy and Adam's m and v (``HOST_OPTIMIZER_BYTES_PER_PARAM``), and a pinned fp32 copy
   of its gradient (``HOST_GRAD_BYTES_PER_PARAM``); the device keeps neither (its optimizer states shrink by F);
 * each step: the fp32 main gradient device -> host (``D2H_BYTES_PER_PARAM``), CPU Adam over the host copies
-  (``CPU_ADAM_BYTES_PER_PARAM`` of host memory traffic, at the node's DRAM bandwidth shared by the
-  ``gpus_per_node`` ranks that step at the same time), and the updated fp32 value host -> device into the
+  (``CPU_ADAM_BYTES_PER_PARAM`` of host memory traffic, at the host's DRAM bandwidth shared by the
+  ``gpus_per_host`` ranks that step at the same time), and the updated fp32 value host -> device into the
   model's parameter (``H2D_BYTES_PER_PARAM``; PyTorch copies across devices in the source dtype and casts on
   the device).
 
@@ -87,8 +87,8 @@ def step_time(shard_params: float, plan: Plan, system: SystemSpec) -> OptimizerO
     pcie = system.pcie_bandwidth * system.efficiency("pcie_fraction")
     if n and not system.host_memory_bandwidth:
         raise InvalidPlanError(f"optimizer_cpu_offload needs the system's host_memory_bandwidth (a number > 0, bytes/s "
-                               f"of a node's host DRAM), which system {system.name} does not give")
-    host = (system.host_memory_bandwidth * system.efficiency("host_memory_fraction") / system.gpus_per_node
+                               f"of a host's DRAM), which system {system.name} does not give")
+    host = (system.host_memory_bandwidth * system.efficiency("host_memory_fraction") / system.gpus_per_host
             if n else 1.0)
     return OptimizerOffloadTime(d2h_seconds=n * D2H_BYTES_PER_PARAM / pcie,
                                 cpu_seconds=n * CPU_ADAM_BYTES_PER_PARAM / host,

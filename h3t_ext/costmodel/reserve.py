@@ -92,10 +92,14 @@ class MemoryReserve:
         return sum(c.bytes for c in self.communicators)
 
     @property
+    def free_bytes(self) -> int:
+        """HBM less the CUDA context and the NCCL buffers: what the caching allocator may reserve."""
+        return self.hbm_bytes - self.cuda_context_bytes - self.nccl_bytes
+
+    @property
     def budget_bytes(self) -> int:
         """The largest ``max_memory_allocated`` that fits."""
-        free = self.hbm_bytes - self.cuda_context_bytes - self.nccl_bytes
-        return int(free / (1.0 + self.allocator_gap_fraction))
+        return int(self.free_bytes / (1.0 + self.allocator_gap_fraction))
 
     def to_dict(self) -> dict:
         return {"hbm_bytes": self.hbm_bytes, "cuda_context_bytes": self.cuda_context_bytes,
@@ -146,6 +150,18 @@ def communicators(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple[Com
             collective("EXPERT_TENSOR_PARALLEL_GROUP", etp, etp)
         collective("EXPERT_DATA_PARALLEL_GROUP", moe.expert_data_parallel_size(plan), t * c * d)
     return tuple(out)
+
+
+ALLOCATOR_GAP_RANGE = (0.03, 0.08)
+"""What PyTorch's caching allocator reserves beyond ``max_memory_allocated`` in steady-state training loops, as a
+fraction of it (``torch.cuda.memory_stats`` reserved against allocated: 2 MiB rounding of large blocks, split blocks
+that cannot be reused; the system files' source for ``allocator_fragmentation_fraction``, which assumes 5%). A peak
+whose verdict would change inside this range is marginal: ``Estimate.allocator_gap_left`` says how much it leaves."""
+
+
+def allocator_gap_left(free_bytes: int, peak_bytes: int) -> float:
+    """The largest reserve beyond ``peak_bytes``, as a fraction of it, that still fits ``free_bytes``."""
+    return free_bytes / peak_bytes - 1.0 if peak_bytes > 0 else float("inf")
 
 
 def memory_reserve(model: ModelSpec, plan: Plan, system: SystemSpec) -> MemoryReserve:

@@ -67,10 +67,12 @@ SYSTEM_FIELDS = (
     Field("compute_capability", minimum_inclusive=True, required=False),
     _bytes("host_memory_bytes", required=False),
     _rate("host_memory_bandwidth", required=False),
+    Field("gpus_per_host", integer=True, maximum=1024, maximum_inclusive=True, required=False),
 )
 """The numbers of a system file (``data/systems/*.json``, ``--system-file``); ``peak_fp8_flops`` optional.
 ``gpus_per_node`` (the GPUs of one NVLink domain) is at most 1024, above the largest announced domain (576 GPUs),
-which also bounds the node-spread walk of :mod:`h3t_ext.costmodel.collectives` (a billion hung it)."""
+which also bounds the node-spread walk of :mod:`h3t_ext.costmodel.collectives` (a billion hung it); ``gpus_per_host``
+(the GPUs of one host's DRAM, optional: absent, one host per NVLink domain) has the same bound."""
 TEXT_FIELDS = ("name", "source", "efficiency_set", "efficiencies", "calibration")
 """The other fields a system file may hold (besides ``source_*`` and ``_``-prefixed notes): its name, sources,
 efficiency set or inline efficiencies and the record ``h3t-plan calibrate`` writes."""

@@ -442,12 +442,21 @@ class SystemSpec:
     """Host DRAM of one node (the limit on what its ranks offload; 0: not stated, not checked)."""
     host_memory_bandwidth: float = 0.0
     """Host DRAM bandwidth of one node, bytes/s (CPU optimizer steps; 0: not stated, CPU offload not priced)."""
+    host_gpus: int = 0
+    """GPUs sharing one host (its DRAM, the DRAM's bandwidth and the host memory budget): the system file's
+    ``gpus_per_host``; 0 where the file does not give it, one host per NVLink domain (:attr:`gpus_per_host`)."""
     efficiencies: Mapping[str, float] = field(default_factory=dict, hash=False)
     """Fitted efficiencies (fractions of the peaks above); see ``fitted_efficiencies.json``."""
     source: str = ""
     """Where the numbers come from."""
     efficiency_set: str = ""
     """Name of the efficiency set (GPU family and software stack) the efficiencies came from."""
+
+    @property
+    def gpus_per_host(self) -> int:
+        """GPUs sharing one host: a DGX node's 8 are one NVLink domain and one host; a GB200 NVL72 rack is one
+        NVLink domain of 72 GPUs over 18 hosts (compute trays) of 4."""
+        return self.host_gpus or self.gpus_per_node
 
     def efficiency(self, key: str) -> float:
         """One fitted efficiency; a missing key is a data-file bug."""
@@ -583,6 +592,7 @@ def system_from_dict(name: str, d: dict, *, where: Optional[str] = None) -> Syst
         nccl_bytes_per_communicator=int(d["nccl_bytes_per_communicator"]),
         host_memory_bytes=int(d.get("host_memory_bytes") or 0),
         host_memory_bandwidth=float(d.get("host_memory_bandwidth") or 0.0),
+        host_gpus=int(d.get("gpus_per_host") or 0),
         efficiencies=MappingProxyType({k: float(v) for k, v in eff.items() if not k.startswith("_")}),
         source=d["source"],
         efficiency_set=eff_name,

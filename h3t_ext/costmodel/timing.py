@@ -70,6 +70,7 @@ from h3t_ext.costmodel.kernels import (
     flash_attention_seconds,
     kernel_rates,
     linear_pass_seconds,
+    recipe_rates,
     unfused_attention_seconds,
 )
 from h3t_ext.costmodel.data_parallel import dp_exposed, optimizer_step_seconds
@@ -322,7 +323,7 @@ def _layer_time(model: ModelSpec, plan: Plan, system: SystemSpec) -> LayerTime:
 def _layer_parts(model: ModelSpec, plan: Plan, system: SystemSpec) -> tuple[LayerTime, Optional[moe.MoELayerTime]]:
     """One kind of layer (a dense one, or every layer of a MoE model that is not a pattern): its time by part and its
     MoE record (None for a dense layer)."""
-    r = kernel_rates(system)
+    r = recipe_rates(kernel_rates(system), system, plan.fp8_recipe if plan.fp8 is not None else None)
     g = layer_gemm_seconds(model, plan, r)
     a = attention_seconds(model, plan, system, r)
     impl = _timed_activation_impl(plan)

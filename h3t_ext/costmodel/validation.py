@@ -200,23 +200,37 @@ def held_out_record(label: str, published_tokens_per_s_per_gpu: float, est, erro
 
 def transferred_uncertainty() -> dict:
     """The prediction interval of each GPU family priced with another family's efficiencies carried over
-    (``efficiency_sets.transferred_efficiencies``), from its held-out published runs: Blackwell's from the
-    Megatron-Bridge DGX-B200 rows and NeMo's B200 long-sequence table (none fitted on), the ``COVERAGE`` quantile of
-    their |errors|."""
-    by_source = {"megatron_bridge_b200": [e for _, _, e in held_out.bridge_errors(gpu="b200")],
-                 "nemo_long_sequence_b200": [e for _, _, e in held_out.long_sequence_errors(table="b200")]}
-    errors = [e for errs in by_source.values() for e in errs]
-    prior = prior_from_errors(by_source, "the held-out errors of the two B200 sources: moment estimates of the "
-                                         "random-effects model (pooling.prior_from_errors)")
-    return {"blackwell": {
-        "relative_half_width": round(half_width_from_errors(errors), 6), "coverage": COVERAGE,
-        "held_out_rows": len(errors), "from": transferred_source("blackwell"),
-        "runs": "published DGX-B200 runs (Megatron-Bridge 25.09-25.11, NeMo 25.04's long-sequence table)",
-        "computed_from": "held_out.bridge_errors(gpu='b200') and held_out.long_sequence_errors("
-                         "table='b200'): |relative tokens/s error| of the published DGX-B200 runs "
-                         "(data/reference/megatron_bridge_b200.json, nemo_long_sequence_b200.json), none fitted on; "
-                         "nearest-rank quantile at the coverage",
-        PRIOR_KEY: prior.to_dict()}}
+    (``efficiency_sets.transferred_efficiencies``), from its held-out published runs (none fitted on), the
+    ``COVERAGE`` quantile of their |errors|: Blackwell's (B200) from the Megatron-Bridge DGX-B200 rows and NeMo's B200
+    long-sequence table, Grace Blackwell's (GB200) from the Megatron-Bridge DGX-GB200 rows. The calibration prior of
+    Blackwell is its two sources' spread; Grace Blackwell's is the spread of all three Blackwell sources (one GB200
+    source alone has no between-source spread: the transfer's offset on a new chip is what its runs measure)."""
+    b200 = {"megatron_bridge_b200": [e for _, _, e in held_out.bridge_errors(gpu="b200")],
+            "nemo_long_sequence_b200": [e for _, _, e in held_out.long_sequence_errors(table="b200")]}
+    gb200 = {"megatron_bridge_gb200": [e for _, _, e in held_out.bridge_errors(gpu="gb200")]}
+    families = {
+        "blackwell": (b200, b200, "published DGX-B200 runs (Megatron-Bridge 25.09-25.11, NeMo 25.04's long-sequence "
+                                  "table)",
+                      "held_out.bridge_errors(gpu='b200') and held_out.long_sequence_errors(table='b200'): |relative "
+                      "tokens/s error| of the published DGX-B200 runs (data/reference/megatron_bridge_b200.json, "
+                      "nemo_long_sequence_b200.json), none fitted on; nearest-rank quantile at the coverage",
+                      "the held-out errors of the two B200 sources"),
+        "grace-blackwell": (gb200, {**b200, **gb200},
+                            "published DGX-GB200 runs (Megatron-Bridge 25.09-25.11)",
+                            "held_out.bridge_errors(gpu='gb200'): |relative tokens/s error| of the published "
+                            "DGX-GB200 runs (data/reference/megatron_bridge_gb200.json), none fitted on; nearest-rank "
+                            "quantile at the coverage",
+                            "the held-out errors of the three Blackwell sources (two B200, one GB200)"),
+    }
+    out = {}
+    for family, (own, pooled_sources, runs, computed_from, prior_from) in families.items():
+        errors = [e for errs in own.values() for e in errs]
+        prior = prior_from_errors(pooled_sources, prior_from + ": moment estimates of the random-effects model "
+                                                               "(pooling.prior_from_errors)")
+        out[family] = {"relative_half_width": round(half_width_from_errors(errors), 6), "coverage": COVERAGE,
+                       "held_out_rows": len(errors), "from": transferred_source(family), "runs": runs,
+                       "computed_from": computed_from, PRIOR_KEY: prior.to_dict()}
+    return out
 
 
 def moe_uncertainty() -> dict:

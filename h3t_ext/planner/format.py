@@ -11,6 +11,7 @@ from h3t_ext.costmodel.efficiency_sets import efficiency_set, efficiency_set_nam
 from h3t_ext.costmodel.kernels import kernel_rates, priced_attention_kernel
 from h3t_ext.costmodel.measured_local_steps import local_stack_steps
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
+from h3t_ext.costmodel.reserve import ALLOCATOR_GAP_RANGE
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
 from h3t_ext.layout import layout_stage_count
 from h3t_ext.planner.evaluate import Evaluation, flash_rate_tokens_per_second
@@ -61,6 +62,8 @@ def evaluation_dict(ev: Evaluation, flags: Optional[Sequence[str]] = None) -> di
         "peak_memory_bytes": est.peak_memory_bytes,
         "memory_budget_bytes": est.memory_budget_bytes,
         "fits": est.fits,
+        "memory_marginal": est.memory_marginal,
+        "allocator_gap_left": est.allocator_gap_left,
         "offload_alpha": _alpha_value(est.offload_alpha),
         "offload_alpha_mode": ev.alpha_mode if isinstance(ev.alpha_mode, str) else "fixed",
         "tokens_per_second": est.tokens_per_second,
@@ -202,6 +205,16 @@ def interval_line(est) -> str:
            f"{100 * u.coverage:.0f}% of {what})"
 
 
+def marginal_clause(est) -> str:
+    """The memory line's note on a verdict the caching allocator's reserve decides (``Estimate.memory_marginal``)."""
+    if not est.memory_marginal:
+        return ""
+    lo, hi = ALLOCATOR_GAP_RANGE
+    return (f", marginal: it fits while PyTorch's caching allocator reserves at most {100 * est.allocator_gap_left:.1f}% "
+            f"above the peak ({100 * lo:.0f}-{100 * hi:.0f}% in steady-state training loops; the budget assumes "
+            f"{100 * (est.device_free_bytes / est.memory_budget_bytes - 1):.0f}%)")
+
+
 def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list[str]:
     """Short human summary of one evaluated plan."""
     est = ev.estimate
@@ -214,7 +227,7 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         f"plan        {describe_plan(ev, model)}",
         f"attention   {attention_line(ev.plan, system)}{attention_stack_clause(ev, model, system)}",
         f"memory      peak {format_bytes(est.peak_memory_bytes)} on stage {est.peak_stage} "
-        f"(budget {format_bytes(est.memory_budget_bytes)}): {verdict}",
+        f"(budget {format_bytes(est.memory_budget_bytes)}): {verdict}{marginal_clause(est)}",
         f"time        {est.iteration_time_s:.3f} s per iteration"
         + (f" ({est.timeline_note})" if est.timeline_note else ""),
         f"throughput  {est.tokens_per_second:,.0f} tokens/s ({est.tokens_per_second_per_gpu:,.1f} tokens/s/GPU), "

@@ -146,7 +146,7 @@ def test_estimate_json_carries_the_older_rate(capsys):
 def test_one_long_sequence_run_calibrates_the_attention_not_the_gemms():
     """h3t-plan calibrate (fit.fit_system) on the 64K row alone: the run's time is most sensitive to
     gemm_peak_fraction (in an FP8 run it scales the fused attention's rate and the bf16 output layer), whose fit
-    runs onto its plausible floor (0.55) and leaves the rows +0.5% to +36%; the fused attention's ratio, which the one
+    runs onto its plausible floor (0.50) and leaves the rows up to 24% off; the fused attention's ratio, which the one
     run cannot tell from it, explains it inside its range (about 0.81 against the measured 1.20), and then every row
     from 4K to 1M tokens is within 5%."""
     from h3t_ext.costmodel.fit import MeasuredRun, fit_system, relative_errors
@@ -159,8 +159,8 @@ def test_one_long_sequence_run_calibrates_the_attention_not_the_gemms():
     assert "plausible bound" in result.unidentified["gemm_peak_fraction"]
     assert max(abs(e) for e in relative_errors(runs, result.system)) < 0.05
     gemm_only = fit_system(h100, [runs[4]], keys=("gemm_peak_fraction",))  # the old choice, for contrast
-    assert gemm_only.fitted["gemm_peak_fraction"] == pytest.approx(0.55, abs=0.005)
-    assert max(relative_errors(runs, gemm_only.system)) > 0.30
+    assert gemm_only.fitted["gemm_peak_fraction"] == pytest.approx(0.50, abs=0.005)
+    assert max(relative_errors(runs, gemm_only.system)) > 0.20
 
 
 def test_a_system_without_the_fused_measurement_does_not_calibrate_it():
