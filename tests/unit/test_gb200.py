@@ -116,3 +116,29 @@ def test_the_validation_script_prints_the_gb200_rows(capsys):
     assert script.main([]) == 0
     text = capsys.readouterr().out
     assert "megatron_bridge_b200" in text and "megatron_bridge_gb200" in text
+
+
+RECIPE_FLAGS = ["estimate", "--model", "llama3-70b", "--gpu", "gb200", "--seq-length", "8192", "--num-gpus", "64",
+                "--global-batch-size", "256", "--micro-batch-size", "2", "--use-megatron-fsdp",
+                "--data-parallel-sharding-strategy", "optim_grads_params", "--overlap-grad-reduce",
+                "--overlap-param-gather", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-param-gather",
+                "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te",
+                "--transformer-engine-version", "2.9"]
+
+
+def test_estimate_says_the_published_offload_runs_verdict_is_the_allocators(capsys):
+    """The GB200 70B recipe through h3t-plan (Megatron's --cpu-offloading-num-layers 40): 0.4% over the budget, which
+    the memory line calls marginal and names the reserve it needs; 30 layers is plainly over, and a given budget
+    (--memory-budget) has no reserve to judge."""
+    from h3t_ext.planner.cli import main
+
+    assert main([*RECIPE_FLAGS, "--cpu-offloading-num-layers", "40"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory")]
+    assert "DOES NOT FIT, marginal: it fits while PyTorch's caching allocator reserves at most 4.6% above the peak" \
+        in line and "the budget assumes 5%" in line, line
+    assert main([*RECIPE_FLAGS, "--cpu-offloading-num-layers", "30", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["fits"] and not out["memory_marginal"] and out["allocator_gap_left"] < 0
+    assert main([*RECIPE_FLAGS, "--cpu-offloading-num-layers", "40", "--memory-budget", "170GiB", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["allocator_gap_left"] is None and out["memory_marginal"] is False

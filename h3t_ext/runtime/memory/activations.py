@@ -29,11 +29,11 @@ saved in segment l+1 is where layer l+1's backward starts: the slots of the late
 and segment l's reload starts (into one of two reload slots, each the size of the largest offloaded
 segment); the first unpack of segment l waits for it, and the manager lets go of the later segments' bytes (their
 backward is over), as autograd without the manager frees saved tensors when their backward has used them. The slots
-are allocated at a microbatch's first reload and
-freed when its backward ends (``release``), as TransformerEngine's layer offload allocates its reloads in the
-backward: they never sit through a forward's peak, where the layers after the last offloaded one are still saved
-(the first reload starts once their backward has freed them). A segment's records are forgotten by storage once
-dropped, so a freed storage whose address comes back later in the forward is a new record.
+are allocated at a microbatch's first reload and freed when its backward ends (``release``), as TransformerEngine's
+layer offload allocates its reloads in the backward: they never sit through a forward's peak, where the layers after
+the last offloaded one are still saved (the first reload starts once their backward has freed them). A segment's
+records are forgotten by storage once dropped, so a freed storage whose address comes back later in the forward is a
+new record.
 
 A grad-requiring leaf among the saved tensors is a received stage input, which the schedule (and
 the leaf's ``AccumulateGrad`` node) keeps for its ``.grad``; when its storage is offloaded its
