@@ -181,8 +181,8 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
     r.add_argument("--memory-budget", type=_budget, help="bytes per GPU, e.g. 80000000000, 78GB, 72GiB "
                    "(default: the system's budget)")
     r.add_argument("--host-memory-budget", type=_budget, default=None,
-                   help="host bytes per node offloaded state may use (default 80%% of the system file's "
-                        "host_memory_bytes)")
+                   help="host bytes per node (one host: the system file's gpus_per_host GPUs) offloaded state "
+                        "may use (default 80%% of its host_memory_bytes)")
     r.add_argument("--json", action="store_true", help="machine-readable output")
     p = sp.add_argument_group("plan" + (" (fixes that dimension of the search)" if search else ""))
     p.add_argument("--micro-batch-size", type=_positive_int, default=None if search else 1)
