@@ -13,6 +13,9 @@ estimate and its error, and the estimate's peak memory; then the interval ``h3t-
 (``data/uncertainty.json`` ``transferred``).
 
     python scripts/blackwell_validation.py [--gpu {b200,gb200}] [--json]
+
+Without --gpu both systems are printed; --json then gives the B200's report at the top level (its rows, the values
+carried over, the interval) and the GB200's under ``gb200``; with --gpu, that system's report at the top level.
 """
 from __future__ import annotations
 
@@ -79,7 +82,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = {gpu: report(gpu) for gpu in ((args.gpu,) if args.gpu else SOURCES)}
     if args.json:
-        print(json.dumps(out, indent=1))
+        print(json.dumps(out[args.gpu] if args.gpu else {**out["b200"], "gb200": out["gb200"]}, indent=1))
         return 0
     for gpu, r in out.items():
         _print(gpu, r)
