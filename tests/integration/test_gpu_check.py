@@ -28,12 +28,9 @@ def test_gpu_check_refuses_unknown_arguments():
 
 
 def _report_module():
-    import importlib.util
+    from tests.script_harness import load_script
 
-    spec = importlib.util.spec_from_file_location("gpu_report", REPO / "scripts/gpu/report.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu/report.py")
 
 
 def test_report_reads_the_stage_memory_script_on_cpu():

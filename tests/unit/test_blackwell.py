@@ -24,6 +24,7 @@ from h3t_ext.planner.cli import main
 from h3t_ext.planner.evaluate import evaluate, flash_rate_tokens_per_second
 from h3t_ext.planner.format import attention_stack_clause, interval_line
 from h3t_ext.planner.translate import plan_from_args
+from tests.script_harness import load_script
 
 TRANSFERS = json.loads(FITTED_EFFICIENCIES_FILE.read_text())["transfers"]
 BRIDGE = json.loads((REFERENCE_DIR / "megatron_bridge_b200.json").read_text())
@@ -221,12 +222,7 @@ def test_the_fused_ratio_is_blackwells_own_not_hoppers():
 def test_the_validation_script_prints_every_b200_row(capsys):
     """scripts/blackwell_validation.py --json: the 16 B200 rows with the errors held_out gives, the carried-over
     values and the interval (the GB200's section: tests/unit/test_gb200.py)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "blackwell_validation", REFERENCE_DIR.parents[2] / "scripts" / "blackwell_validation.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("blackwell_validation.py")
     assert script.main(["--json", "--gpu", "b200"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert script.main(["--json"]) == 0  # both: the B200's at the top level, the GB200's under its name

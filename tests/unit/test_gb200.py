@@ -3,7 +3,6 @@ Blackwell efficiencies carried over from Hopper by the GB200's own matmul ceilin
 runs held out (``data/reference/megatron_bridge_gb200.json``, scripts/blackwell_validation.py --gpu gb200)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
 
@@ -15,6 +14,7 @@ from h3t_ext.costmodel.optimizer_offload import step_time
 from h3t_ext.costmodel.schema import SchemaError
 from h3t_ext.costmodel.specs import REFERENCE_DIR, system_from_dict
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty
+from tests.script_harness import load_script
 
 GB200 = get_system("gb200")
 REFERENCE = json.loads((REFERENCE_DIR / "megatron_bridge_gb200.json").read_text())
@@ -103,10 +103,7 @@ def test_the_interval_is_the_gb200_rows_own():
 
 
 def test_the_validation_script_prints_the_gb200_rows(capsys):
-    spec = importlib.util.spec_from_file_location(
-        "blackwell_validation", REFERENCE_DIR.parents[2] / "scripts" / "blackwell_validation.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("blackwell_validation.py")
     assert script.main(["--json", "--gpu", "gb200"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert {r["label"]: r["error"] for r in out["rows"]} == pytest.approx(ERRORS, abs=0.005)

@@ -5,22 +5,17 @@ verdict is marginal (the caching allocator's reserve decides it), and h3t-ext's 
 slots in the backward as TE's handler does, peaks where TE's does."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from h3t_ext.costmodel import Plan, estimate, get_model, get_system
+from tests.script_harness import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gb200_offload_check.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gb200_offload_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gb200_offload_check.py")
 
 
 def test_the_published_offload_run_sits_at_its_budget_and_one_layer_less_would_not(capsys):

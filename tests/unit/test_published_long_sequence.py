@@ -116,12 +116,9 @@ def test_estimate_says_what_a_2024_stack_would_give():
 
 def test_the_validation_script_prints_both_pricings(capsys):
     """scripts/long_sequence_validation.py --json: every row with both errors, as held_out.long_sequence_errors gives them."""
-    import importlib.util
+    from tests.script_harness import load_script
 
-    spec = importlib.util.spec_from_file_location(
-        "long_sequence_validation", DATA_DIR.parents[1] / "scripts" / "long_sequence_validation.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("long_sequence_validation.py")
     assert script.main(["--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [r["seq_length"] // 1024 for r in rows] == list(DEFAULT_ERRORS)
