@@ -425,6 +425,11 @@ def _step_moment(terms: Mapping[str, int], temporary: int) -> int:
     return sum(terms.get(k, 0) for k in STEP_PERSISTENT_TERMS) + temporary
 
 
+def _embedding_slot(chunk: int, alpha: float, layers: Optional[int]) -> int:
+    """The reload slot still held when the embedding's gradient is made (layer 0's, at pipeline size 1)."""
+    return int(round(chunk * layer_offload(alpha, layers).embedding_slot)) if layers is not None else 0
+
+
 def _embedding_moment(model: ModelSpec, plan: Plan, terms: Mapping[str, int], slot: int = 0) -> int:
     """Bytes alive when the embedding's gradient is made at pipeline size 1 (``EMBEDDING_MOMENT_TERMS``, the
     gradient and the offload's ``slot`` still held for layer 0); 0 with a pipeline, where ``embedding_grad`` is a term
@@ -442,14 +447,13 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float,
     v = plan.virtual_size(model.num_layers)
     n, fixed, chunk = _constants(model, plan, stage, system)
     g = plan.microbatch_group_size_per_vp_stage
+    layers = layers_per_chunk(model, plan)
     act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0, alpha,
-                                    layers_per_chunk(model, plan))
+                                    layers)
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
-    layers = layers_per_chunk(model, plan)
-    slot = int(round(chunk * layer_offload(alpha, layers).embedding_slot)) if layers is not None else 0
-    embedding = _embedding_moment(model, plan, terms, slot) - sum(terms.values())
+    embedding = _embedding_moment(model, plan, terms, _embedding_slot(chunk, alpha, layers)) - sum(terms.values())
     if embedding > 0:
         terms["embedding_backward_excess"] = embedding
     excess = _step_moment(terms, _step_temporary(model, plan, stage, n)) - sum(terms.values())
@@ -478,6 +482,5 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int,
 
     def peak(alpha: float) -> int:
         act, reload = _activation_terms(chunk, lines, offloads, alpha, layers)
-        slot = int(round(chunk * layer_offload(alpha, layers).embedding_slot)) if layers is not None and embedding else 0
-        return max(fixed + act + reload, step, embedding + slot)
+        return max(fixed + act + reload, step, embedding + _embedding_slot(chunk, alpha, layers) if embedding else 0)
     return peak
