@@ -137,3 +137,22 @@ def test_estimate_says_the_published_offload_runs_verdict_is_the_allocators(caps
     assert main([*RECIPE_FLAGS, "--cpu-offloading-num-layers", "40", "--memory-budget", "170GiB", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["allocator_gap_left"] is None and out["memory_marginal"] is False
+
+
+def test_one_gb200_run_calibrates_against_the_blackwell_sources_spread():
+    """calibrate on one measured GB200 run pools it with the prior of the three Blackwell sources (two B200, one
+    GB200): it keeps 42% of its fit, more than a Hopper run's 33% and less than a B200 run's 47% (the GB200's own rows
+    spread more within their source)."""
+    from h3t_ext.costmodel import published_bridge
+    from h3t_ext.costmodel.fit import MeasuredRun
+    from h3t_ext.costmodel.pooling import calibration_prior
+    from h3t_ext.planner.calibrate import calibrate
+
+    prior = calibration_prior("grace-blackwell")
+    assert prior.sources == 3 and prior.rows == 25
+    assert prior.weight(1) == pytest.approx(0.423, abs=0.001)
+    assert calibration_prior("hopper").weight(1) < prior.weight(1) < calibration_prior("blackwell").weight(1)
+    run = published_bridge.bridge_runs("gb200")[0]
+    cal = calibrate(GB200, {"efficiency_set": "grace-blackwell"},
+                    [MeasuredRun(run.model, run.plan, run.tokens_per_s_per_gpu, run.label)])
+    assert cal.weight == pytest.approx(prior.weight(1))
