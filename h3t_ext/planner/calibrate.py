@@ -28,7 +28,7 @@ from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system, mean_abs, 
 from h3t_ext.costmodel.plan import validate_plan
 from h3t_ext.costmodel.pooling import calibration_prior, pooled
 from h3t_ext.costmodel.schema import SchemaError, check_positive_rate
-from h3t_ext.costmodel.efficiency_sets import plausible_ranges, transferred_source
+from h3t_ext.costmodel.efficiency_sets import efficiency_set_names, plausible_ranges, transferred_source
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner.translate import plan_from_args
 
@@ -213,8 +213,8 @@ def calibrate(system: SystemSpec, base_file: dict, runs: Sequence[MeasuredRun],
               weight: Optional[float] = None) -> Calibration:
     """Fit ``system``'s identifiable efficiencies to ``runs`` and apply the fit pooled: by ``weight`` (in [0, 1])
     or, when None, by the weight the published sources' prior gives ``len(runs)`` runs. The new system file is
-    ``base_file`` with an inline ``efficiencies`` object and a ``calibration`` record (rows, weight, fitted and
-    applied values, unidentified, errors)."""
+    ``base_file`` with an inline ``efficiencies`` object, the GPU family it was calibrated from (``efficiency_set``)
+    and a ``calibration`` record (rows, weight, fitted and applied values, unidentified, errors)."""
     fit = fit_system(system, runs)
     if weight is None:
         prior = calibration_prior(system.efficiency_set)
@@ -230,7 +230,12 @@ def calibrate(system: SystemSpec, base_file: dict, runs: Sequence[MeasuredRun],
     mae_applied = mean_abs(relative_errors(runs, calibrated))
     ranges = plausible_ranges()
     out = dict(base_file)
-    out.pop("efficiency_set", None)
+    # the family stays named: the inline efficiencies are priced, the family keeps the interval, the MFU ceilings and
+    # the calibration prior of its GPUs (a calibrated B200 is still carried over from Hopper)
+    if system.efficiency_set in efficiency_set_names():
+        out["efficiency_set"] = system.efficiency_set
+    else:  # a file's own inline efficiencies: no family to name
+        out.pop("efficiency_set", None)
     out["name"] = system.name
     out["efficiencies"] = dict(calibrated.efficiencies)
     out["calibration"] = {

@@ -156,3 +156,26 @@ def test_one_gb200_run_calibrates_against_the_blackwell_sources_spread():
     cal = calibrate(GB200, {"efficiency_set": "grace-blackwell"},
                     [MeasuredRun(run.model, run.plan, run.tokens_per_s_per_gpu, run.label)])
     assert cal.weight == pytest.approx(prior.weight(1))
+
+
+def test_a_calibrated_gb200_file_keeps_its_hosts_and_family(tmp_path, capsys):
+    """h3t-plan calibrate --gpu gb200 writes a system file that is still a GB200 rack: hosts of 4, one NVLink domain
+    of 72, the grace-blackwell family (whose prior pooled the run), its efficiencies inline."""
+    from h3t_ext.costmodel.specs import load_system_file
+    from h3t_ext.planner.cli import main
+
+    runs = tmp_path / "runs.csv"
+    runs.write_text("num_gpus,seq_length,global_batch_size,micro_batch_size,tokens_per_second_per_gpu\n"
+                    "8,8192,128,2,31000\n")
+    out = tmp_path / "mine.json"
+    assert main(["calibrate", "--model", "llama3-8b", "--gpu", "gb200", "--runs", str(runs), "--output", str(out),
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    mine = load_system_file(out)
+    assert mine.gpus_per_host == 4 and mine.gpus_per_node == 72 and mine.efficiency_set == "grace-blackwell"
+    assert report["weight"] == pytest.approx(0.423, abs=0.001)
+    # the calibrated file keeps the family's interval (the published GB200 rows'), not the fitted Hopper sources'
+    assert main(["estimate", "--model", "llama3-8b", "--system-file", str(out), "--seq-length", "8192",
+                 "--num-gpus", "8", "--global-batch-size", "128", "--micro-batch-size", "2"]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("interval")]
+    assert "+-28.0%" in line and "DGX-GB200" in line, line
