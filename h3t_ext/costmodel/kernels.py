@@ -11,8 +11,9 @@ epilogue (writing the tile) of a tile expressed as extra K, which is what makes 
 shards) slow. Under FP8 (``fp8=True``, TransformerEngine's linear layers) the K loop runs at the FP8 rate
 (``gemm_fp8_peak_fraction`` x the dense FP8 peak / SMs) while the tile's prologue and epilogue (bf16 output)
 keep their bf16 time, and the inputs are 1 byte; with ``--fp8-recipe mxfp8`` at ``mxfp8_gemm_rate_fraction`` of that
-rate where the family has it measured (:func:`recipe_rates`: Blackwell's block-scaled GEMMs, 0.951). A thin GEMM is bound by memory instead: it reads A and B and writes C at the achievable HBM
-bandwidth; the kernel takes the larger of the two (roofline), plus one launch.
+rate where the family has it measured (:func:`recipe_rates`: Blackwell's block-scaled GEMMs, 0.951). A thin GEMM is
+bound by memory instead: it reads A and B and writes C at the achievable HBM bandwidth; the kernel takes the larger
+of the two (roofline), plus one launch.
 
 Attention (``flash_attention_seconds``). Flash attention forward is 4 * s_q * s_k * d FLOPs per head
 (QK^T and PV), half of it for a causal block on the diagonal; backward recomputes P and runs five

@@ -448,8 +448,8 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float,
     n, fixed, chunk = _constants(model, plan, stage, system)
     g = plan.microbatch_group_size_per_vp_stage
     layers = layers_per_chunk(model, plan)
-    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0, alpha,
-                                    layers)
+    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0,
+                                    alpha, layers)
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})

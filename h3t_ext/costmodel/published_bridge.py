@@ -21,7 +21,8 @@ from typing import Optional
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, get_model, reference_json
 
-FILES = {"h100": "megatron_bridge_h100.json", "b200": "megatron_bridge_b200.json", "gb200": "megatron_bridge_gb200.json"}
+FILES = {"h100": "megatron_bridge_h100.json", "b200": "megatron_bridge_b200.json",
+         "gb200": "megatron_bridge_gb200.json"}
 """Each GPU's file in ``data/reference`` (its ``system`` names the GPU every row ran on)."""
 PATH = REFERENCE_DIR / FILES["h100"]
 BRIDGE_SYSTEM = "h100-sxm"
