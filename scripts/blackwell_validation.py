@@ -33,19 +33,11 @@ from h3t_ext.costmodel.specs import get_system  # noqa: E402
 from h3t_ext.costmodel.uncertainty import throughput_uncertainty  # noqa: E402
 from h3t_ext.costmodel.validation import held_out_record  # noqa: E402
 
-SOURCES = {
-    "b200": (("megatron_bridge_b200", lambda: held_out.bridge_errors(gpu="b200")),
-             ("nemo_long_sequence_b200", lambda: held_out.long_sequence_errors(table="b200"))),
-    "gb200": (("megatron_bridge_gb200", lambda: held_out.bridge_errors(gpu="gb200")),),
-}
-"""Each system's held-out sources: (name, the errors ``held_out`` gives)."""
-
-
 def rows(gpu: str = "b200") -> list[dict]:
     out = []
-    for source, errors in SOURCES[gpu]:
+    for source, errors in held_out.blackwell_sources(gpu).items():
         out += [{"source": source, "fp8_recipe": run.plan.fp8_recipe,
-                 **held_out_record(run.label, run.tokens_per_s_per_gpu, est, err)} for run, est, err in errors()]
+                 **held_out_record(run.label, run.tokens_per_s_per_gpu, est, err)} for run, est, err in errors]
     return out
 
 
@@ -77,10 +69,10 @@ def _print(gpu: str, r: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", choices=tuple(SOURCES), default=None, help="one system (default: both)")
+    ap.add_argument("--gpu", choices=held_out.BLACKWELL_SYSTEMS, default=None, help="one system (default: both)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    out = {gpu: report(gpu) for gpu in ((args.gpu,) if args.gpu else SOURCES)}
+    out = {gpu: report(gpu) for gpu in ((args.gpu,) if args.gpu else held_out.BLACKWELL_SYSTEMS)}
     if args.json:
         print(json.dumps(out[args.gpu] if args.gpu else {**out["b200"], "gb200": out["gb200"]}, indent=1))
         return 0

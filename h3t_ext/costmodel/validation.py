@@ -205,9 +205,8 @@ def transferred_uncertainty() -> dict:
     long-sequence table, Grace Blackwell's (GB200) from the Megatron-Bridge DGX-GB200 rows. The calibration prior of
     Blackwell is its two sources' spread; Grace Blackwell's is the spread of all three Blackwell sources (one GB200
     source alone has no between-source spread: the transfer's offset on a new chip is what its runs measure)."""
-    b200 = {"megatron_bridge_b200": [e for _, _, e in held_out.bridge_errors(gpu="b200")],
-            "nemo_long_sequence_b200": [e for _, _, e in held_out.long_sequence_errors(table="b200")]}
-    gb200 = {"megatron_bridge_gb200": [e for _, _, e in held_out.bridge_errors(gpu="gb200")]}
+    b200, gb200 = ({source: [e for _, _, e in rows] for source, rows in held_out.blackwell_sources(gpu).items()}
+                   for gpu in held_out.BLACKWELL_SYSTEMS)
     families = {
         "blackwell": (b200, b200, "published DGX-B200 runs (Megatron-Bridge 25.09-25.11, NeMo 25.04's long-sequence "
                                   "table)",
