@@ -39,21 +39,21 @@ def long_sequence_errors(system: Optional[SystemSpec] = None, *, attention_backe
     return _errors(long_sequence_runs(table), system, attention_backend)
 
 
-BLACKWELL_SYSTEMS = ("b200", "gb200")
+BLACKWELL_SYSTEMS = ("b200", "gb200", "gb300")
 """The systems :func:`blackwell_sources` has sources for."""
 
 
 def blackwell_sources(gpu: str) -> dict[str, list[tuple]]:
     """The held-out sources of a Blackwell system (``b200``: Megatron-Bridge's DGX-B200 rows and NeMo's B200
-    long-sequence table; ``gb200``: Megatron-Bridge's DGX-GB200 rows), by source name, each as :func:`bridge_errors` or
-    :func:`long_sequence_errors` gives it: what the family's interval and prior (``validation``) and
-    scripts/blackwell_validation.py read."""
+    long-sequence table; ``gb200`` and ``gb300``: Megatron-Bridge's DGX-GB200 and DGX-GB300 rows), by source name, each
+    as :func:`bridge_errors` or :func:`long_sequence_errors` gives it: what the family's interval and prior
+    (``validation``) and scripts/blackwell_validation.py read."""
     if gpu == "b200":
         return {"megatron_bridge_b200": bridge_errors(gpu="b200"),
                 "nemo_long_sequence_b200": long_sequence_errors(table="b200")}
-    if gpu == "gb200":
-        return {"megatron_bridge_gb200": bridge_errors(gpu="gb200")}
-    raise ValueError(f"no Blackwell held-out sources for {gpu!r}; valid: b200, gb200")
+    if gpu in ("gb200", "gb300"):
+        return {f"megatron_bridge_{gpu}": bridge_errors(gpu=gpu)}
+    raise ValueError(f"no Blackwell held-out sources for {gpu!r}; valid: {', '.join(BLACKWELL_SYSTEMS)}")
 
 
 __all__ = ["BLACKWELL_SYSTEMS", "blackwell_sources", "bridge_errors", "long_sequence_errors"]

@@ -8,8 +8,11 @@
   DGX-B200, per-tensor current scaling and MXFP8: with NeMo's B200 long-sequence table, the check of the Blackwell
   efficiencies carried over from Hopper (the ``transferred`` entry of ``data/uncertainty.json``);
 * ``gb200`` (``megatron_bridge_gb200.json``): the same containers' Llama-3 8B, 70B (Megatron FSDP with
-  TransformerEngine's activation offload, and a pipeline) and Llama-3.1 405B rows on DGX-GB200 (NVL72): the check of
-  the Grace Blackwell efficiencies, carried over from Hopper by the GB200's own matmul ceilings.
+  TransformerEngine's activation offload, and a pipeline) and Llama-3.1 405B rows on DGX-GB200 (NVL72), and the 2026
+  containers' rows of the same recipes: the check of the Grace Blackwell efficiencies, carried over from Hopper by the
+  GB200's own matmul ceilings;
+* ``gb300`` (``megatron_bridge_gb300.json``): the 25.11 to 26.06 containers' Llama-3 8B, 70B and Llama-3.1 405B rows on
+  DGX-GB300 (Blackwell Ultra, NVL72): the check of the GB200's efficiencies taken as they are on a GB300.
 
 Nothing is fitted on them; ``held_out.bridge_errors`` prices them."""
 from __future__ import annotations
@@ -22,7 +25,7 @@ from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, get_model, reference_json
 
 FILES = {"h100": "megatron_bridge_h100.json", "b200": "megatron_bridge_b200.json",
-         "gb200": "megatron_bridge_gb200.json"}
+         "gb200": "megatron_bridge_gb200.json", "gb300": "megatron_bridge_gb300.json"}
 """Each GPU's file in ``data/reference`` (its ``system`` names the GPU every row ran on)."""
 PATH = REFERENCE_DIR / FILES["h100"]
 BRIDGE_SYSTEM = "h100-sxm"

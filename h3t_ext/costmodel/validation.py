@@ -202,11 +202,12 @@ def transferred_uncertainty() -> dict:
     """The prediction interval of each GPU family priced with another family's efficiencies carried over
     (``efficiency_sets.transferred_efficiencies``), from its held-out published runs (none fitted on), the
     ``COVERAGE`` quantile of their |errors|: Blackwell's (B200) from the Megatron-Bridge DGX-B200 rows and NeMo's B200
-    long-sequence table, Grace Blackwell's (GB200) from the Megatron-Bridge DGX-GB200 rows. The calibration prior of
-    Blackwell is its two sources' spread; Grace Blackwell's is the spread of all three Blackwell sources (one GB200
-    source alone has no between-source spread: the transfer's offset on a new chip is what its runs measure)."""
-    b200, gb200 = ({source: [e for _, _, e in rows] for source, rows in held_out.blackwell_sources(gpu).items()}
-                   for gpu in held_out.BLACKWELL_SYSTEMS)
+    long-sequence table, Grace Blackwell's (GB200) and Grace Blackwell Ultra's (GB300) from the Megatron-Bridge
+    DGX-GB200 and DGX-GB300 rows. The calibration prior of Blackwell is its two sources' spread; each Grace family's is
+    the spread of every Blackwell source up to its own (one source alone has no between-source spread: the transfer's
+    offset on a new chip is what its runs measure)."""
+    b200, gb200, gb300 = ({source: [e for _, _, e in rows] for source, rows in held_out.blackwell_sources(gpu).items()}
+                          for gpu in held_out.BLACKWELL_SYSTEMS)
     families = {
         "blackwell": (b200, b200, "published DGX-B200 runs (Megatron-Bridge 25.09-25.11, NeMo 25.04's long-sequence "
                                   "table)",
@@ -215,11 +216,17 @@ def transferred_uncertainty() -> dict:
                       "nemo_long_sequence_b200.json), none fitted on; nearest-rank quantile at the coverage",
                       "the held-out errors of the two B200 sources"),
         "grace-blackwell": (gb200, {**b200, **gb200},
-                            "published DGX-GB200 runs (Megatron-Bridge 25.09-25.11)",
+                            "published DGX-GB200 runs (Megatron-Bridge 25.09-26.06)",
                             "held_out.bridge_errors(gpu='gb200'): |relative tokens/s error| of the published "
                             "DGX-GB200 runs (data/reference/megatron_bridge_gb200.json), none fitted on; nearest-rank "
                             "quantile at the coverage",
                             "the held-out errors of the three Blackwell sources (two B200, one GB200)"),
+        "grace-blackwell-ultra": (gb300, {**b200, **gb200, **gb300},
+                                  "published DGX-GB300 runs (Megatron-Bridge 25.11-26.06)",
+                                  "held_out.bridge_errors(gpu='gb300'): |relative tokens/s error| of the published "
+                                  "DGX-GB300 runs (data/reference/megatron_bridge_gb300.json), none fitted on; "
+                                  "nearest-rank quantile at the coverage",
+                                  "the held-out errors of the four Blackwell sources (two B200, one GB200, one GB300)"),
     }
     out = {}
     for family, (own, pooled_sources, runs, computed_from, prior_from) in families.items():

@@ -18,11 +18,11 @@ from h3t_training.config.run_spec import model_spec, run_plan, stack_fields
 
 DEFAULT_SYSTEM = "h800"
 _CUDA_NAMES = ((r"\bH800\b", "h800"), (r"\bH100\b", "h100-sxm"), (r"\bH200\b", "h200"), (r"\bB200\b", "b200"),
-               (r"\bGB200\b", "gb200"), (r"\bA800\b", "a800"), (r"\bA100\b.*\b40GB\b", "a100-40g"),
-               (r"\bA100\b", "a100-80g"))
+               (r"\bGB200\b", "gb200"), (r"\bGB300\b", "gb300"), (r"\bA800\b", "a800"),
+               (r"\bA100\b.*\b40GB\b", "a100-40g"), (r"\bA100\b", "a100-80g"))
 """CUDA device names (patterns, first match wins) and their system files; a model name matches as a whole word
-("NVIDIA B200" is b200, "NVIDIA GB200", whose chip runs at another power and peak in an NVL72 rack, gb200; a GB300
-is none of them)."""
+("NVIDIA B200" is b200, "NVIDIA GB200", whose chip runs at another power and peak in an NVL72 rack, gb200, "NVIDIA
+GB300" gb300; an HGX B300, which no file describes, is none of them)."""
 
 
 def cuda_system_name(device_name: str):

@@ -161,7 +161,7 @@ PLANNER_CASES = [
     (_with(ESTIMATE, system_file="/dev/null"),
      "argument --system-file: --system-file /dev/null: not a regular file; give the path of a system file (JSON)"),
     (_with(ESTIMATE, gpu="../systems/h800"), "argument --gpu: unknown system '../systems/h800'; valid: a100-40g, "
-     "a100-80g, a800, b200, gb200, h100-sxm, h200, h800"),
+     "a100-80g, a800, b200, gb200, gb300, h100-sxm, h200, h800"),
     (_with(SEARCH, num_layers=16384), "argument --num-layers: 16384 out of range (valid: integer in [1, 1024])"),
     (["calibrate", "--model", "llama-7b", "--runs", "/tmp", "--output", "x.json"],
      "--runs /tmp: a directory; give a --metrics-json or CSV file"),

@@ -166,7 +166,8 @@ def test_fitted_numbers_are_named_in_range_and_counted():
     ranges = plausible_ranges()
     data = json.loads((DATA_DIR / "fitted_efficiencies.json").read_text())
     assert set(ranges) == set(data["meanings"])  # every efficiency has a stated physical meaning
-    for fam in ("hopper", "ampere", "blackwell", "grace-blackwell"):  # Blackwell's: Hopper's carried over, and its
+    for fam in ("hopper", "ampere", "blackwell", "grace-blackwell",
+                "grace-blackwell-ultra"):  # Blackwell's: Hopper's carried over, and its
         eff = {k: v for k, v in efficiency_set(fam).items() if not k.startswith("_")}  # own kernel measurements
         # the fused attention's two numbers are given for Hopper and Blackwell (Ampere prices it as FlashAttention),
         # MXFP8's GEMM rate for Blackwell only (MXFP8 needs it)

@@ -225,9 +225,9 @@ def test_the_validation_script_prints_every_b200_row(capsys):
     script = load_script("blackwell_validation.py")
     assert script.main(["--json", "--gpu", "b200"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert script.main(["--json"]) == 0  # both: the B200's at the top level, the GB200's under its name
+    assert script.main(["--json"]) == 0  # all: the B200's at the top level, the GB200's and GB300's under their names
     both = json.loads(capsys.readouterr().out)
-    assert both["rows"] == out["rows"] and len(both["gb200"]["rows"]) == 9
+    assert both["rows"] == out["rows"] and len(both["gb200"]["rows"]) == 27 and len(both["gb300"]["rows"]) == 21
     assert len(out["rows"]) == 16 and out["carried_over_from"] == "hopper" and out["efficiency_set"] == "blackwell"
     assert sorted(r["error"] for r in out["rows"]) == pytest.approx(
         sorted([*BRIDGE_ERRORS.values(), *LONG_ERRORS.values()]), abs=0.005)

@@ -154,7 +154,8 @@ def test_system_file_without_efficiencies_or_set(tmp_path, capsys):
     d = system_file_dict("h100-sxm")
     del d["efficiencies"], d["efficiency_set"]  # was a KeyError: 'efficiency_set'
     code, err = _run(ESTIMATE + ["--system-file", _system_file(tmp_path, json.dumps(d))], capsys)
-    assert code == 2 and "field efficiency_set must be one of hopper, ampere, blackwell, grace-blackwell (or give an efficiencies object), got " \
+    assert code == 2 and "field efficiency_set must be one of hopper, ampere, blackwell, grace-blackwell, " \
+        "grace-blackwell-ultra (or give an efficiencies object), got " \
         "None" in err, err
 
 
