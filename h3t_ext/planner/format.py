@@ -7,7 +7,7 @@ from rich.table import Table
 
 from h3t_ext.ckpt import FULL_UNIFORM_1, Ckpt, recompute_fields as ckpt_recompute_fields, split_ckpt
 from h3t_ext.costmodel import ModelSpec, SystemSpec, moe
-from h3t_ext.costmodel.efficiency_sets import efficiency_set, efficiency_set_names
+from h3t_ext.costmodel.efficiency_sets import efficiency_set, efficiency_set_names, transferred_source
 from h3t_ext.costmodel.kernels import kernel_rates, priced_attention_kernel
 from h3t_ext.costmodel.measured_local_steps import local_stack_steps
 from h3t_ext.costmodel.published_moe import dropless_slowdowns
@@ -188,14 +188,21 @@ def local_stack_line() -> str:
             f"estimate (host dispatch, unfused kernels), their peak memory within {100 * memory:.1f}%")
 
 
+def _family_name(efficiency_set: str) -> str:
+    """An efficiency family as the interval line names it: ``grace-blackwell`` is Grace Blackwell."""
+    return " ".join(word.capitalize() for word in efficiency_set.split("-"))
+
+
 def interval_line(est) -> str:
     """The estimate's prediction interval and what it is: the fitted sources' held-out spread (dense), with how much
     faster the newest published stacks ran than predicted; the published MoE runs' spread (MoE)."""
     u = est.uncertainty
     lo, hi = est.tokens_per_second_interval
     if u.transferred_from:
-        what = (f"the held-out {u.held_out_runs}: this GPU family is priced with {u.transferred_from.capitalize()}'s fitted "
-                "efficiencies carried over, none fitted on its own runs")
+        source, root = u.transferred_from, transferred_source(u.transferred_from)
+        whose = (f"{_family_name(source)}'s efficiencies carried over (themselves {_family_name(root)}'s fitted ones)"
+                 if root else f"{_family_name(source)}'s fitted efficiencies carried over")
+        what = f"the held-out {u.held_out_runs}: this GPU family is priced with {whose}, none fitted on its own runs"
     elif est.moe:
         what = "the held-out published MoE runs"
     else:

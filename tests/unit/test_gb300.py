@@ -135,6 +135,7 @@ def test_estimate_on_gb300_prints_its_own_interval(capsys):
                  "--global-batch-size", "128", "--micro-batch-size", "2", "--fp8-format", "hybrid"]) == 0
     (line,) = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("interval")]
     assert "+-17.6%" in line and "DGX-GB300" in line, line
+    assert "priced with Grace Blackwell's efficiencies carried over (themselves Hopper's fitted ones)" in line, line
 
 
 def test_the_gb300_file_is_listed_with_the_bridge_files():
