@@ -64,8 +64,9 @@ class Estimate:
     """GPU family of the system it was priced on (what :attr:`plausibility` compares within)."""
     host_terms: tuple[tuple[str, int], ...] = ()
     """Host bytes of the rank that holds most, by term (offloaded optimizer share, offloaded activations)."""
-    gpus_per_node: int = 1
-    """Ranks sharing one host (the system's ``gpus_per_host``, at most the plan's GPUs)."""
+    ranks_per_host: int = 1
+    """Ranks sharing one host, its DRAM and the host memory budget (the system's ``gpus_per_host``, at most the plan's
+    GPUs; a DGX node's 8, a GB200 compute tray's 4)."""
     host_memory_budget_bytes: Optional[int] = None
     """Host bytes per node offloaded state may take (None: not checked)."""
     offload_traffic: Optional[OffloadTraffic] = None
@@ -100,7 +101,7 @@ class Estimate:
     @property
     def host_bytes_per_node(self) -> int:
         """Every rank of a node taken as the one that holds most."""
-        return self.host_bytes_per_rank * self.gpus_per_node
+        return self.host_bytes_per_rank * self.ranks_per_host
 
     @property
     def host_fits(self) -> bool:
@@ -165,7 +166,7 @@ class Estimate:
             excess = self.host_bytes_per_node - self.host_memory_budget_bytes
             terms = ", ".join(f"{k} {b / GB:.1f} GB" for k, b in self.host_terms if b)
             return InfeasiblePlanError(
-                f"host memory: {self.gpus_per_node} ranks x {self.host_bytes_per_rank / GB:.1f} GB ({terms}) = "
+                f"host memory: {self.ranks_per_host} ranks x {self.host_bytes_per_rank / GB:.1f} GB ({terms}) = "
                 f"{self.host_bytes_per_node / GB:.1f} GB per node > host budget "
                 f"{self.host_memory_budget_bytes / GB:.1f} GB, over by {excess / GB:.1f} GB",
                 term="host_memory", excess_bytes=int(excess), stage=None)
@@ -299,7 +300,7 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         tokens_per_iteration=plan.tokens_per_iteration, num_gpus=plan.num_gpus,
         model_flops_per_token=model_flops_per_token(model, plan.seq_length), peak_flops=system.peak_bf16_flops,
         pcie_bytes_per_iteration=pcie, efficiency_set=system.efficiency_set, host_terms=host,
-        gpus_per_node=min(system.gpus_per_host, plan.num_gpus),
+        ranks_per_host=min(system.gpus_per_host, plan.num_gpus),
         host_memory_budget_bytes=(default_host_memory_budget_bytes(system) if host_memory_budget_bytes is None
                                   else int(host_memory_budget_bytes)),
         offload_traffic=traffic,

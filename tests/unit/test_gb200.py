@@ -80,7 +80,7 @@ def test_host_memory_and_the_cpu_optimizer_are_per_host_of_four():
     plan = Plan(num_gpus=64, seq_length=8192, global_batch_size=256, micro_batch_size=1, tensor_model_parallel_size=4,
                 pipeline_model_parallel_size=4, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
     est = estimate(model, plan, GB200, timeline=False)
-    assert est.gpus_per_node == 4 and est.host_bytes_per_node == 4 * est.host_bytes_per_rank > 0
+    assert est.ranks_per_host == 4 and est.host_bytes_per_node == 4 * est.host_bytes_per_rank > 0
     assert est.host_memory_budget_bytes == int(0.8 * 960e9)
     rack_host = replace(GB200, host_gpus=72)  # as if the rack's 72 GPUs shared one host's DRAM bandwidth
     mine, shared = step_time(1e9, plan, GB200), step_time(1e9, plan, rack_host)
