@@ -377,15 +377,17 @@ def _fixed_terms(model: ModelSpec, plan: Plan, stage: int, n: int, system: Optio
 
 
 def _activation_terms(chunk: int, lines: tuple[tuple[int, int], ...], offloads: bool, alpha: float,
-                      layers: Optional[int] = None) -> tuple[int, int]:
-    """(activations, offload_reload_buffer) bytes at ``alpha``; ``layers``: the chunk's layers when the offload
-    is layer-granular (pipeline size 1)."""
+                      layers: Optional[int] = None) -> tuple[int, int, int]:
+    """(activations, offload_reload_buffer, the reload slot still held when the embedding's gradient is made) bytes
+    at ``alpha``; ``layers``: the chunk's layers when the offload is layer-granular (pipeline size 1: the slot is
+    layer 0's, where it was offloaded; with a pipeline it is 0, ``embedding_grad`` being a term of the backward)."""
     if layers is not None:
         lo = layer_offload(alpha, layers)
-        return int(round(chunk * lo.resident)), int(round(chunk * lo.reload_buffer))
+        return (int(round(chunk * lo.resident)), int(round(chunk * lo.reload_buffer)),
+                int(round(chunk * lo.embedding_slot)))
     act = int(round(chunk * chunk_resident_factor(lines, alpha, False)))
     reload = int(round(2 * alpha * chunk)) if offloads and alpha > 0 else 0
-    return act, reload
+    return act, reload, 0
 
 
 @functools.lru_cache(maxsize=8192)
@@ -425,11 +427,6 @@ def _step_moment(terms: Mapping[str, int], temporary: int) -> int:
     return sum(terms.get(k, 0) for k in STEP_PERSISTENT_TERMS) + temporary
 
 
-def _embedding_slot(chunk: int, alpha: float, layers: Optional[int]) -> int:
-    """The reload slot still held when the embedding's gradient is made (layer 0's, at pipeline size 1)."""
-    return int(round(chunk * layer_offload(alpha, layers).embedding_slot)) if layers is not None else 0
-
-
 def _embedding_moment(model: ModelSpec, plan: Plan, terms: Mapping[str, int], slot: int = 0) -> int:
     """Bytes alive when the embedding's gradient is made at pipeline size 1 (``EMBEDDING_MOMENT_TERMS``, the
     gradient and the offload's ``slot`` still held for layer 0); 0 with a pipeline, where ``embedding_grad`` is a term
@@ -447,13 +444,12 @@ def stage_memory(model: ModelSpec, plan: Plan, stage: int, alpha: float,
     v = plan.virtual_size(model.num_layers)
     n, fixed, chunk = _constants(model, plan, stage, system)
     g = plan.microbatch_group_size_per_vp_stage
-    layers = layers_per_chunk(model, plan)
-    act, reload = _activation_terms(chunk, residency_lines(p, m, v, stage, g), rank_offloads(p, m, v, stage, g) > 0,
-                                    alpha, layers)
+    act, reload, slot = _activation_terms(chunk, residency_lines(p, m, v, stage, g),
+                                          rank_offloads(p, m, v, stage, g) > 0, alpha, layers_per_chunk(model, plan))
     terms = {**{k: fixed[k] for k in ("weights", "grads", "optimizer_states")},
              "activations": act, "offload_reload_buffer": reload}
     terms.update({k: x for k, x in fixed.items() if k not in terms})
-    embedding = _embedding_moment(model, plan, terms, _embedding_slot(chunk, alpha, layers)) - sum(terms.values())
+    embedding = _embedding_moment(model, plan, terms, slot) - sum(terms.values())
     if embedding > 0:
         terms["embedding_backward_excess"] = embedding
     excess = _step_moment(terms, _step_temporary(model, plan, stage, n)) - sum(terms.values())
@@ -478,9 +474,9 @@ def stage_peak_function(model: ModelSpec, plan: Plan, stage: int,
     step = _step_moment(terms, temporary) if temporary else 0
     embedding = _embedding_moment(model, plan, terms)
     if not (step or embedding):
-        return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha, layers))
+        return lambda alpha: fixed + sum(_activation_terms(chunk, lines, offloads, alpha, layers)[:2])
 
     def peak(alpha: float) -> int:
-        act, reload = _activation_terms(chunk, lines, offloads, alpha, layers)
-        return max(fixed + act + reload, step, embedding + _embedding_slot(chunk, alpha, layers) if embedding else 0)
+        act, reload, slot = _activation_terms(chunk, lines, offloads, alpha, layers)
+        return max(fixed + act + reload, step, embedding + slot if embedding else 0)
     return peak
