@@ -1,9 +1,10 @@
 """Megatron-Bridge's published dense pre-training runs, as typed records with the Plan each ran, one file of
 ``data/reference`` per GPU:
 
-* ``h100`` (``megatron_bridge_h100.json``): the 25.11 container's Llama-3 70B and Llama-3.1 405B FP8 rows on DGX-H100
-  and the 2026 containers' rows of the same recipes: the held-out check of the newest software stacks (the
-  ``newer_stacks`` entry of ``data/uncertainty.json``, which ``h3t-plan estimate`` prints beside its interval);
+* ``h100`` (``megatron_bridge_h100.json``): the 25.11 container's Llama-3 8B, 70B and Llama-3.1 405B FP8 rows on
+  DGX-H100, and the 25.09 and 2026 containers' rows of the same recipes: the held-out check of the newest software
+  stacks (the ``newer_stacks`` entry of ``data/uncertainty.json``, which ``h3t-plan estimate`` prints beside its
+  interval);
 * ``b200`` (``megatron_bridge_b200.json``): the 25.09 and 25.11 containers' Llama-3 8B and Llama-3.1 405B rows on
   DGX-B200, per-tensor current scaling and MXFP8: with NeMo's B200 long-sequence table, the check of the Blackwell
   efficiencies carried over from Hopper (the ``transferred`` entry of ``data/uncertainty.json``);
@@ -21,6 +22,7 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from h3t_ext.ckpt import Recompute
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import REFERENCE_DIR, ModelSpec, get_model, reference_json
 
@@ -35,6 +37,8 @@ FIRST_CONTAINER = "25.11"
 every ``b200`` row name their own."""
 _NOT_PLAN = ("label", "model", "tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu", "container", "archive_line",
              "note")
+_RECOMPUTE = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+"""A row's Megatron recompute fields, which Plan holds as one :class:`~h3t_ext.ckpt.Recompute`."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +60,15 @@ class BridgeRun:
 
 @functools.lru_cache(maxsize=None)
 def bridge_runs(gpu: str = "h100") -> tuple[BridgeRun, ...]:
-    """Every row of one GPU's file (:data:`FILES`): its ``rows``, then its ``later_rows`` in the file's order."""
+    """Every row of one GPU's file (:data:`FILES`): its ``rows``, ``earlier_rows`` and ``later_rows`` in the file's
+    order."""
     data = reference_json(FILES[gpu])
     out = []
-    for row in (*data["rows"], *data.get("later_rows", ())):
-        plan = Plan(**{**data["plan"], **{k: v for k, v in row.items() if k not in _NOT_PLAN}})
+    for row in (*data["rows"], *data.get("earlier_rows", ()), *data.get("later_rows", ())):
+        fields = {**data["plan"], **{k: v for k, v in row.items() if k not in _NOT_PLAN + _RECOMPUTE}}
+        if "recompute_granularity" in row:
+            fields["recompute"] = Recompute.parse(*(row.get(k) for k in _RECOMPUTE))
+        plan = Plan(**fields)
         out.append(BridgeRun(row["label"], row.get("container", FIRST_CONTAINER), get_model(row["model"]), plan,
                              float(row["tokens_per_s_per_gpu"]), float(row["model_tflops_per_s_per_gpu"]),
                              row.get("note"), data["system"]))

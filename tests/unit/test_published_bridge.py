@@ -22,7 +22,7 @@ from h3t_ext.planner.pipeline_balance import layout_string
 from h3t_ext.planner.translate import plan_from_args
 
 DATA = json.loads((DATA_DIR / "reference" / "megatron_bridge_h100.json").read_text())
-_NOT_FLAGS = ("label", "model", "num_gpus", "tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu")
+_NOT_FLAGS = ("label", "model", "num_gpus", "tokens_per_s_per_gpu", "model_tflops_per_s_per_gpu", "note")
 
 
 def _estimate(row: dict):
@@ -38,17 +38,50 @@ def test_the_copy_names_its_source():
 
 @pytest.mark.parametrize("row", DATA["rows"], ids=[r["label"] for r in DATA["rows"]])
 def test_every_published_run_fits_its_gpu(row):
+    """66 GiB (70B), 70 GiB (8B) and 58 GiB (405B) of 72.8: each fits with more room than the caching allocator's
+    usual reserve (not marginal)."""
     est = _estimate(row)
     assert est.fits, (row["label"], est.peak_memory_bytes / 2**30, est.memory_budget_bytes / 2**30)
-    assert est.peak_memory_bytes < 0.95 * est.memory_budget_bytes  # 66 GiB and 58 GiB of 72 GiB
+    assert not est.memory_marginal and est.peak_memory_bytes < 0.97 * est.memory_budget_bytes, row["label"]
+
+
+ROW_8B = next(r for r in DATA["rows"] if r["model"] == "llama3-8b")
+
+
+def test_the_8b_recipe_recomputes_the_fewest_layers_the_model_says_fit():
+    """NVIDIA's 8B H100 recipe recomputes the first 5 of 32 layers whole (block), held out: without recompute the model
+    puts the run over the budget (73.5 GiB of 72.8), with fewer than 5 over it or inside the allocator's reserve
+    (marginal), and at 5 it fits clearly: the model draws the line where NVIDIA drew it."""
+    def verdict(n):
+        row = {k: v for k, v in ROW_8B.items() if not k.startswith("recompute_") and k != "note"}
+        if n:
+            row.update(recompute_granularity="full", recompute_method="block", recompute_num_layers=n)
+        est = _estimate(row)
+        return est.fits and not est.memory_marginal, est.fits
+
+    assert ROW_8B["recompute_num_layers"] == 5
+    assert verdict(0) == (False, False)
+    assert not any(verdict(n)[0] for n in range(1, 5))
+    assert all(verdict(n)[0] for n in range(5, 9))
 
 
 def test_the_405b_run_is_priced_within_five_percent():
-    """The 405B row (t8 p8 c2, 2 layers a chunk) is priced 1.4% fast; the 70B row (t4 p8 vp5) 12% slow, which the
-    last stage's output layer (two FP8 layers' time on top of its ten) explains only if the published run's layers
-    are faster than this model's: a gap left open (docs/DESIGN.md, "Reference numbers")."""
+    """The 25.11 405B row (t8 p8 c2, 2 layers a chunk) is priced 1.4% fast; the 70B row (t4 p8 vp5) 11% slow."""
     row = next(r for r in DATA["rows"] if r["model"] == "llama3-405b")
     assert _estimate(row).tokens_per_second_per_gpu / row["tokens_per_s_per_gpu"] - 1 == pytest.approx(0.0, abs=0.05)
+
+
+def test_the_70b_gap_is_the_stacks_not_its_pipeline():
+    """The 70B rows' 11-12% is not its last stage: the model puts the output layer's bf16 GEMMs on top of that stage's
+    ten FP8 layers (16% heavier than the others), which would explain the gap only if the real run placed it
+    better. The 8B rows of the same containers have no pipeline (t1 p1: one rank runs every layer and the head)
+    and are as far off: 0.3 points from the 70B in 25.11, 2.9 in 25.09. So the stacks of 2025 run these layers about
+    10% faster than the fitted 24.07 stack the model knows (docs/DESIGN.md, "Reference numbers")."""
+    errors = {(run.model.name, run.container): e for run, _, e in held_out.bridge_errors()}
+    for container in ("25.09", "25.11"):
+        eight, seventy = errors[("llama3-8b", container)], errors[("llama3-70b", container)]
+        assert -0.125 < eight < -0.08 and -0.125 < seventy < -0.10, (container, eight, seventy)
+        assert abs(eight - seventy) < 0.035, (container, eight, seventy)
 
 
 CHANGE = DATA["later_recipe_change"]
@@ -105,16 +138,17 @@ def test_nvidias_later_layout_is_priced_faster_than_the_even_split_it_replaced()
 
 
 LATER = DATA["later_rows"]
-_LATER_NOT = _NOT_FLAGS + ("container", "archive_line", "note")
+_LATER_NOT = _NOT_FLAGS + ("container", "archive_line")
+ALL_ROWS = [*DATA["rows"], *DATA["earlier_rows"], *LATER]
 
 
-@pytest.mark.parametrize("row", LATER, ids=[r["label"] for r in LATER])
-def test_the_later_rows_are_copied_with_the_tables_flops_count(row):
+@pytest.mark.parametrize("row", ALL_ROWS, ids=[r["label"] for r in ALL_ROWS])
+def test_the_rows_are_copied_with_the_tables_flops_count(row):
     """Each row's tokens/s times the model FLOPs per token (the one formula, mfu.py) is its published TFLOP/s, which
     checks the copy; the one row whose own figures disagree says so."""
     flops = model_flops_per_token(get_model(row["model"]), row["seq_length"])
     implied = row["tokens_per_s_per_gpu"] * flops / 1e12 / row["model_tflops_per_s_per_gpu"] - 1
-    if "note" in row:
+    if row.get("note", "").startswith("The row's two figures disagree"):
         assert implied == pytest.approx(0.023, abs=0.002), implied
     else:
         assert implied == pytest.approx(0.0, abs=0.002), (row["label"], implied)
@@ -128,7 +162,7 @@ def test_the_later_containers_run_faster_than_the_model_and_the_70b_gap_stays():
     70B rows are 0.6 points nearer since the cross entropy is priced as these containers' TransformerEngine, before
     2.18, ran it: in place in the bf16 logits, lighter on the last stage, which is the pipeline's slowest.)"""
     errors = {(run.model.name, run.container): e for run, _, e in held_out.bridge_errors()
-              if run.container != published_bridge.FIRST_CONTAINER}
+              if run.container.startswith("26.")}
     seventy = [e for (m, _), e in errors.items() if m == "llama3-70b"]
     big = [e for (m, _), e in errors.items() if m == "llama3-405b"]
     assert len(seventy) == 4 and all(-0.14 < e < -0.105 for e in seventy), seventy
@@ -142,9 +176,8 @@ def test_the_library_reads_the_rows_as_the_one_translation_does():
     """published_bridge builds each Plan from the file's Megatron field names directly; the flags-to-Plan translation
     gives the same Plan for every row (so the stored figures and these tests price the same runs)."""
     runs = published_bridge.bridge_runs()
-    rows = [*DATA["rows"], *LATER]
-    assert len(runs) == len(rows) == 9
-    for run, row in zip(runs, rows):
+    assert len(runs) == len(ALL_ROWS) == 13
+    for run, row in zip(runs, ALL_ROWS):
         args = {**DATA["plan"], **{k: v for k, v in row.items() if k not in _LATER_NOT}}
         assert run.plan == plan_from_args(args, num_gpus=row["num_gpus"]), row["label"]
         assert run.container == row.get("container", "25.11") and run.note == row.get("note")
