@@ -90,6 +90,24 @@ RECIPE_SWITCHES = ["--sequence-parallel", "--use-distributed-optimizer", "--over
                    "--fp8-param-gather", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te", "--ckpt", "no",
                    "--offload-alpha", "0"]
 """The recipes' switches (the reference file's plan block) as h3t-plan flags."""
+RECIPE_SWITCHES_DENSE = [x for x in RECIPE_SWITCHES if x not in ("--sequence-parallel", "--tp-comm-overlap")]
+"""The same at TP 1, where the recipes turn sequence parallelism and the TP overlap off."""
+
+
+RECIPE_8B = ["--model", "llama3-8b", "--gpu", "h100-sxm", "--num-gpus", "8", "--seq-length", "8192",
+             "--global-batch-size", "128", "--transformer-engine-version", "2.17", *RECIPE_SWITCHES_DENSE]
+
+
+def test_the_search_finds_a_plan_at_least_as_fast_as_the_8b_recipe(capsys):
+    """Given the 8B recipe's GPUs, batch and switches and left to choose the rest, the search's best plan fits clearly
+    and is priced at least as fast as NVIDIA's hand-set recipe (t1 p1, five layers recomputed), by the same model."""
+    assert main(["search", *RECIPE_8B, "--top", "1", "--json"]) == 0
+    best = json.loads(capsys.readouterr().out)[0]
+    assert best["fits"] and not best["memory_marginal"], best["megatron_flags"]
+    recipe = _estimate(ROW_8B).tokens_per_second_per_gpu
+    assert best["tokens_per_second_per_gpu"] >= recipe, (best["tokens_per_second_per_gpu"], recipe)
+
+
 RECIPE_70B = ["--model", "llama3-70b", "--gpu", "h100-sxm", "--num-gpus", "64", "--seq-length", "8192",
               "--global-batch-size", "128", "--micro-batch-size", "1", "--tensor-model-parallel-size", "4",
               "--pipeline-model-parallel-size", "8", "--context-parallel-size", "1", *RECIPE_SWITCHES]

@@ -55,18 +55,12 @@ import torch
 from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
 from h3t_ext.runtime.memory.device import DeviceLayer, Event, make_device_layer
 from h3t_ext.runtime.memory.host_pool import HostPool
+from h3t_ext.runtime.memory.saved_records import (ChunkState, Recipe, Record, Saved, align, flat_bytes,
+                                                    is_parameter, release_leaves)
 from h3t_ext.runtime.modules.layer_boundary import listening
 from h3t_ext.runtime.modules.recompute import recording_under
 from h3t_ext.runtime.modules.recompute_ours import lookup_recipe
 from h3t_ext.schedule.actions import Action, ActionKind, layer_offload_fractions
-
-ALIGN = 64
-"""Byte alignment of every record inside host buffers and reload slots."""
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
 
 @dataclass
 class ActivationStats:
@@ -90,99 +84,6 @@ class ActivationStats:
     """Most bytes of reload slots held at once (two slots; more only when a backward read a segment out of order)."""
 
 
-class _Record:
-    """One storage saved by a microbatch-chunk's forward."""
-
-    __slots__ = ("flat", "nbytes", "off_bytes", "host_offset", "slot_offset", "tail", "storage_ref", "leaves",
-                 "ptr", "group", "released")
-
-    def __init__(self, flat: torch.Tensor, ptr: int, group: "_ChunkState"):
-        self.flat: Optional[torch.Tensor] = flat  # uint8 over the whole storage, None once offloaded
-        self.ptr, self.group = ptr, group  # storage address; what moves it (the chunk, or its layer segment)
-        self.nbytes = flat.numel()
-        self.off_bytes = 0  # leading bytes that go to host memory
-        self.host_offset = 0
-        self.slot_offset = 0
-        self.tail: Optional[torch.Tensor] = None  # device copy of the kept bytes of a split record
-        self.storage_ref = None  # StorageWeakRef, kept when the manager tracks storages
-        self.leaves: list = []  # weakrefs to grad-requiring leaves (received stage inputs) on this storage
-        self.released = False  # layer segment: its backward is over and the manager let go of its bytes
-
-
-class _Saved:
-    __slots__ = ("state", "rec", "dtype", "size", "stride", "offset", "segment")
-
-    def __init__(self, state: "_ChunkState", rec: _Record, t: torch.Tensor, segment: Optional["_ChunkState"] = None):
-        self.state, self.rec, self.dtype = state, rec, t.dtype
-        self.segment = segment  # layer-granular: the layer segment that saved it (its first unpack: that layer's backward)
-        self.size, self.stride, self.offset = tuple(t.size()), tuple(t.stride()), t.storage_offset()
-
-
-class _Recipe:
-    __slots__ = ("fn", "inputs")
-
-    def __init__(self, fn, inputs: tuple):
-        self.fn, self.inputs = fn, inputs
-
-
-class _ChunkState:
-    """A microbatch-chunk, or (``layer`` set) one layer segment of it: the bytes one OFFLOAD/RELOAD moves."""
-
-    def __init__(self, key: tuple[int, int], layer: Optional[int] = None):
-        self.key, self.layer = key, layer
-        self.records: list[_Record] = []
-        self.by_storage: dict[int, _Record] = {}
-        self.small: dict[int, tuple[torch.Tensor, int]] = {}
-        self.saved_bytes = 0
-        self.small_bytes = 0
-        self.recomputed = 0
-        self.host: Optional[torch.Tensor] = None
-        self.off_event: Optional[Event] = None
-        self.offloaded = False  # offload issued
-        self.dropped = False  # device bytes of the offloaded part released
-        self.reload_event: Optional[Event] = None
-        self.reload_waited = False
-        self.slot: Optional[int] = None
-        self.slot_bytes = 0
-        self.slot_given_back = False  # layer segment: its slot went to another segment
-        # layer-granular (chunk states only): segments, their planned offload fractions and reloads
-        self.segments: list[_ChunkState] = []
-        self.layer_starts = 0
-        self.offload_fractions: dict[int, float] = {}
-        self.reload_layers: set[int] = set()
-        self.read_segments: set[int] = set()
-
-    @property
-    def layer_granular(self) -> bool:
-        return bool(self.offload_fractions)
-
-    @property
-    def current_segment(self) -> "_ChunkState":
-        return self.segments[-1]
-
-
-def _is_parameter(t: torch.Tensor) -> bool:
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
-
-
-def _release_leaves(rec: _Record) -> None:
-    """Detach grad-requiring leaves (a stage's received input, which the schedule and the leaf's
-    AccumulateGrad node keep for its ``.grad``) from an offloaded storage, so that it is really
-    freed: their data becomes a one-element tensor expanded to their shape (the same thing
-    Megatron does to sent outputs). Autograd reads the saved copy through the manager instead."""
-    ptr = rec.flat.untyped_storage().data_ptr()
-    for ref in rec.leaves:
-        leaf = ref()
-        if leaf is not None and leaf.untyped_storage().data_ptr() == ptr:
-            leaf.data = torch.empty((1,), dtype=leaf.dtype, device=leaf.device).expand(leaf.shape)
-    rec.leaves = []
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    st = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
-
-
 class ActivationManager:
     """Saved-tensor hooks, offload/reload and resident-byte accounting of one pipeline stage."""
 
@@ -197,14 +98,14 @@ class ActivationManager:
         self._d2h = device_layer.new_stream("d2h")
         self._h2d = device_layer.new_stream("h2d")
         self.pool = HostPool(device_layer.empty_host)
-        self._states: dict[tuple[int, int], _ChunkState] = {}
-        self._to_drop: list[_ChunkState] = []
+        self._states: dict[tuple[int, int], ChunkState] = {}
+        self._to_drop: list[ChunkState] = []
         self._slots: list[Optional[torch.Tensor]] = [None, None]
-        self._slot_owner: list[Optional[_ChunkState]] = [None, None]
+        self._slot_owner: list[Optional[ChunkState]] = [None, None]
         self._slot_free: list[Optional[Event]] = [None, None]
         self._resident = 0
         self._suspended = 0
-        self._in_forward: Optional[_ChunkState] = None
+        self._in_forward: Optional[ChunkState] = None
         self.stats = ActivationStats()
         self._new_iteration = False
 
@@ -220,7 +121,7 @@ class ActivationManager:
         assert key not in self._states, f"microbatch-chunk {key} is still held (no release after its backward)"
         if self._new_iteration:
             self.reset_stats()
-        st = self._states[key] = _ChunkState(key)
+        st = self._states[key] = ChunkState(key)
         if layer_actions:
             if num_layers is None:
                 raise ValueError("layer-granular offload needs the number of layers of the chunk")
@@ -228,7 +129,7 @@ class ActivationManager:
             for a in layer_actions:
                 assert a.kind is ActionKind.OFFLOAD and (a.microbatch, a.chunk) == key and a.layer is not None, a
                 st.offload_fractions[a.layer] = fractions[a.layer]
-            st.segments.append(_ChunkState(key, 0))
+            st.segments.append(ChunkState(key, 0))
         self._in_forward = st
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack), listening(self._layer_starts), \
@@ -278,7 +179,7 @@ class ActivationManager:
         fraction = st.offload_fractions.get(k - 1)
         if fraction:
             self._offload(ending, int(fraction * ending.saved_bytes))
-        st.segments.append(_ChunkState(st.key, k))
+        st.segments.append(ChunkState(st.key, k))
 
     @contextlib.contextmanager
     def suspended(self) -> Iterator[None]:
@@ -292,17 +193,17 @@ class ActivationManager:
     # ------------------------------------------------------------------ pack / unpack
     def _pack(self, t: torch.Tensor):
         st = self._in_forward
-        if self._suspended or st is None or t.layout != torch.strided or _is_parameter(t):
+        if self._suspended or st is None or t.layout != torch.strided or is_parameter(t):
             return t
         recipe = lookup_recipe(t)
         if recipe is not None:
             fn, inputs = recipe
             st.recomputed += 1
-            return _Recipe(fn, tuple(self._pack_plain(st, x) for x in inputs))
+            return Recipe(fn, tuple(self._pack_plain(st, x) for x in inputs))
         return self._pack_plain(st, t)
 
-    def _pack_plain(self, st: _ChunkState, t: torch.Tensor):
-        if _is_parameter(t) or not isinstance(t, torch.Tensor):
+    def _pack_plain(self, st: ChunkState, t: torch.Tensor):
+        if is_parameter(t) or not isinstance(t, torch.Tensor):
             return t
         storage = t.untyped_storage()
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
@@ -317,7 +218,7 @@ class ActivationManager:
         if rec is None:
             group = segment or st
             with torch.no_grad():
-                rec = _Record(_flat_bytes(t), ptr, group)
+                rec = Record(flat_bytes(t), ptr, group)
             if self.track_storages:
                 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: PLC0415
 
@@ -331,18 +232,18 @@ class ActivationManager:
             self._add_resident(nbytes)
         if t.is_leaf and t.requires_grad:
             rec.leaves.append(weakref.ref(t))
-        return _Saved(rec.group, rec, t, segment)
+        return Saved(rec.group, rec, t, segment)
 
     def _unpack(self, packed):
-        if isinstance(packed, _Saved):
+        if isinstance(packed, Saved):
             return self._materialize(packed)
-        if isinstance(packed, _Recipe):
+        if isinstance(packed, Recipe):
             inputs = [self._unpack(x) for x in packed.inputs]
             with torch.no_grad(), self.suspended():
                 return packed.fn(*inputs)
         return packed
 
-    def _materialize(self, s: _Saved) -> torch.Tensor:
+    def _materialize(self, s: Saved) -> torch.Tensor:
         rec, st = s.rec, s.state
         seg = s.segment
         if seg is not None and seg.layer not in self._states[seg.key].read_segments:
@@ -362,17 +263,17 @@ class ActivationManager:
         base = flat.view(s.dtype)
         return base.as_strided(s.size, s.stride, base.storage_offset() + s.offset)
 
-    def _ensure_reloaded(self, st: _ChunkState) -> None:
+    def _ensure_reloaded(self, st: ChunkState) -> None:
         if st.reload_event is None:  # the schedule had no RELOAD for it: reload now
             self._start_reload(st)
         if not st.reload_waited:
             self._wait_for_reload(st)
 
-    def _wait_for_reload(self, st: _ChunkState) -> None:
+    def _wait_for_reload(self, st: ChunkState) -> None:
         self.device.wait(st.reload_event)
         st.reload_waited = True
 
-    def _segment_backward_starts(self, st: _ChunkState, k: int) -> None:
+    def _segment_backward_starts(self, st: ChunkState, k: int) -> None:
         """The first unpack of layer segment ``k``: the later segments' backward is over (their slots are
         free again) and segment k-1's RELOAD starts, to overlap layer k's backward."""
         st.read_segments.add(k)
@@ -385,7 +286,7 @@ class ActivationManager:
         if k == 0:  # nothing left to reload: the slot segment 1 gave back goes before the embedding's backward
             self._free_slots()
 
-    def _let_go(self, seg: _ChunkState) -> None:
+    def _let_go(self, seg: ChunkState) -> None:
         """Layer segment ``seg``'s backward is over (autograd has read what it saved): the manager stops holding its
         device bytes, so they go when autograd frees its last use, as without the manager, and the next reload's
         slot takes their place rather than adding to them."""
@@ -396,7 +297,7 @@ class ActivationManager:
             rec.flat = rec.tail = None
             rec.released = True
 
-    def _give_back_slot(self, st: _ChunkState) -> None:
+    def _give_back_slot(self, st: ChunkState) -> None:
         if st.slot is None:
             return
         self._slot_owner[st.slot] = None
@@ -409,12 +310,12 @@ class ActivationManager:
         st = self._states[(microbatch, chunk)]
         self._offload(st, int(self.alpha * st.saved_bytes))
 
-    def _offload(self, st: _ChunkState, target: int) -> None:
+    def _offload(self, st: ChunkState, target: int) -> None:
         """Start copying the first ``target`` saved bytes of ``st`` (a chunk or a layer segment) to the host."""
         assert not st.offloaded, f"microbatch-chunk {st.key} (layer {st.layer}) offloaded twice"
         if target <= 0:
             return
-        plan: list[_Record] = []
+        plan: list[Record] = []
         left = target
         for rec in st.records:
             if left <= 0:
@@ -425,8 +326,8 @@ class ActivationManager:
         host_bytes = slot_bytes = 0
         for rec in plan:
             rec.host_offset, rec.slot_offset = host_bytes, slot_bytes
-            host_bytes += _align(rec.off_bytes)
-            slot_bytes += _align(rec.nbytes)
+            host_bytes += align(rec.off_bytes)
+            slot_bytes += align(rec.nbytes)
         st.host, host_ready = self.pool.acquire(host_bytes)
         dsts = [st.host[r.host_offset:r.host_offset + r.off_bytes] for r in plan]
         srcs = [r.flat[:r.off_bytes] for r in plan]
@@ -443,7 +344,7 @@ class ActivationManager:
         """Start copying this microbatch-chunk's offloaded bytes back into a reload slot (async)."""
         self._start_reload(self._states[(microbatch, chunk)])
 
-    def _start_reload(self, st: _ChunkState) -> None:
+    def _start_reload(self, st: ChunkState) -> None:
         if not st.offloaded or st.reload_event is not None:
             return
         if not st.dropped:
@@ -518,7 +419,7 @@ class ActivationManager:
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._resident)
 
     @staticmethod
-    def _device_bytes(rec: _Record) -> int:
+    def _device_bytes(rec: Record) -> int:
         return (rec.nbytes if rec.flat is not None else 0) + (rec.tail.numel() if rec.tail is not None else 0)
 
     def _ensure_slot(self, i: int, nbytes: int) -> None:
@@ -557,7 +458,7 @@ class ActivationManager:
         for st in pending:
             self._drop_device_bytes(st)
 
-    def _drop_device_bytes(self, st: _ChunkState) -> None:
+    def _drop_device_bytes(self, st: ChunkState) -> None:
         if st in self._to_drop:
             self._to_drop.remove(st)
         offloaded = [r for r in st.records if r.off_bytes]
@@ -568,7 +469,7 @@ class ActivationManager:
                     del chunk.by_storage[rec.ptr]
         for rec in offloaded:  # whole records first, so a split tail never raises the peak
             if rec.off_bytes == rec.nbytes:
-                _release_leaves(rec)
+                release_leaves(rec)
                 rec.flat = None
                 self._resident -= rec.nbytes
         for rec in offloaded:
@@ -576,7 +477,7 @@ class ActivationManager:
                 with torch.no_grad():
                     rec.tail = rec.flat[rec.off_bytes:].clone()
                 self._add_resident(rec.tail.numel())
-                _release_leaves(rec)
+                release_leaves(rec)
                 rec.flat = None
                 self._resident -= rec.nbytes
         st.dropped = True
