@@ -21,9 +21,8 @@ the median of ``--repeats``.
   python scripts/gpu/ground_truth.py --attention-curve REPORT.json    # cuDNN attention's stated rate and row cost
 
 ``scripts/gpu_check.sh`` (``scripts/gpu/report.py``) runs it and writes its JSON beside the report under
-docs/gpu-reports/. TODO (issue 21, a later step): one training step of a ~1B and a ~3B Llama and GPT through the
-driver at t = p = 1 with ckpt no/ours/full and alpha 0/0.5/1, step time and max_memory_allocated against
-``h3t-plan estimate``.
+docs/gpu-reports/. The training steps through the driver (~1B and ~3B Llama and GPT at t = p = 1, ckpt and alpha
+varied, against ``h3t-plan estimate``) are ``scripts/gpu/driver_steps.py``'s.
 """
 from __future__ import annotations
 
