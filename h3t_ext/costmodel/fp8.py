@@ -110,7 +110,8 @@ def validate_fp8(plan, system=None) -> None:
             raise InvalidPlanError(f"{flag} must be an integer >= 0, got {n!r}")
     if fmt is None:
         return
-    refusal = bf16_layers_recipe_refusal(plan.first_last_layers_bf16, recipe)
+    refusal = bf16_layers_recipe_refusal(plan.first_last_layers_bf16, recipe) or cpu_offload_param_gather_refusal(
+        plan.optimizer_cpu_offload, plan.fp8_param_gather, recipe)
     if refusal:
         raise InvalidPlanError(refusal)
     if plan.transformer_impl != "transformer_engine":
@@ -131,6 +132,16 @@ def bf16_layers_recipe_refusal(first_last_layers_bf16: bool, recipe: str) -> Opt
     if first_last_layers_bf16 and recipe == "delayed":
         return ("--first-last-layers-bf16 does not work with --fp8-recipe delayed (megatron-core: delayed scaling does "
                 "not support first / last layers in BF16); valid: tensorwise, blockwise or mxfp8")
+    return None
+
+
+def cpu_offload_param_gather_refusal(optimizer_cpu_offload: bool, fp8_param_gather: bool, recipe: str) -> Optional[str]:
+    """Why Megatron-LM refuses the optimizer CPU offload with these FP8 switches, or None: with --fp8-param-gather its
+    hybrid device optimizer runs with the delayed recipe only (``validate_args`` asserts it in 0.16-0.19); the planner
+    and the training driver refuse with this line."""
+    if optimizer_cpu_offload and fp8_param_gather and recipe != "delayed":
+        return (f"--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed, got {recipe} (Megatron-LM "
+                "asserts it); valid: --fp8-recipe delayed, or leave out --fp8-param-gather")
     return None
 
 

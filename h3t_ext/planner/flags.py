@@ -15,11 +15,17 @@ from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
 from h3t_ext.planner.translate import plan_from_args
 
 
+MEGATRON_FSDP_CKPT_FORMAT = "fsdp_dtensor"
+"""The --ckpt-format Megatron-LM 0.16-0.19 require with --use-megatron-fsdp (``validate_args`` asserts it); not a
+field of the plan (nothing priced depends on it), so :func:`plan_from_megatron_flags` reads past it."""
+
+
 def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
     """The Megatron (plus h3t-ext) command-line flags that launch ``plan``.
 
     ``--sequence-parallel`` (with t > 1), ``--use-distributed-optimizer`` and ``--tp-comm-overlap`` follow
-    the plan's switches; Megatron's recompute follows ``--ckpt`` (``--recompute-granularity full --recompute-method block
+    the plan's switches; a Megatron FSDP plan's ``--use-megatron-fsdp --data-parallel-sharding-strategy S`` comes with
+    ``--ckpt-format fsdp_dtensor``, without which Megatron-LM 0.16-0.19 refuse to start; Megatron's recompute follows ``--ckpt`` (``--recompute-granularity full --recompute-method block
     --recompute-num-layers N`` for a block plan; ckpt ``selective`` as ``--ckpt no --recompute-granularity selective
     --recompute-modules core_attn``, which the driver takes); an FP8 plan adds ``--fp8-format``, ``--fp8-recipe`` (and ``--fp8-param-gather``). ``--seq-length`` and
     the GPU count are the launcher's business and are not repeated here. A MoE model's plan (``moe``) runs on
@@ -48,7 +54,8 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
     if plan.use_distributed_optimizer:
         flags.append("--use-distributed-optimizer")
     if plan.data_parallel_sharding_strategy is not None:
-        flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.data_parallel_sharding_strategy]
+        flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", plan.data_parallel_sharding_strategy,
+                  "--ckpt-format", MEGATRON_FSDP_CKPT_FORMAT]
     if plan.use_torch_fsdp2:
         flags.append("--use-torch-fsdp2")
         if not plan.torch_fsdp2_reshard_after_forward:
@@ -172,12 +179,17 @@ def plan_from_megatron_flags(flags: Sequence[str], *, num_gpus: int, seq_length:
             setattr(ns, _TRUE_SWITCHES[flag], True)
             continue
         if flag not in _INT_FLAGS and flag not in _TEXT_FLAGS and flag not in ("--offload-alpha",
-                                                                               "--optimizer-offload-fraction"):
+                                                                               "--optimizer-offload-fraction",
+                                                                               "--ckpt-format"):
             raise ValueError(f"unexpected flag {flag!r}")
         value = next(it, None)
         if value is None:
             raise ValueError(f"flag {flag} needs a value")
-        if flag in _TEXT_FLAGS:
+        if flag == "--ckpt-format":
+            if value != MEGATRON_FSDP_CKPT_FORMAT or "--use-megatron-fsdp" not in flags:
+                raise ValueError(f"unexpected --ckpt-format {value} (made only as {MEGATRON_FSDP_CKPT_FORMAT}, with "
+                                 "--use-megatron-fsdp)")
+        elif flag in _TEXT_FLAGS:
             setattr(ns, _TEXT_FLAGS[flag], value)
         elif flag == "--optimizer-offload-fraction":
             ns.optimizer_offload_fraction = float(value)

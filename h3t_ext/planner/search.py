@@ -38,7 +38,7 @@ from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.plan import MOE_OURS_REASON, applicable_switches, validate_moe, validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
-from h3t_ext.planner.bounds import GROUP_ENTRY, LAYOUT_ENTRY, Bounds, candidate_plan
+from h3t_ext.planner.bounds import LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.recompute_modes import R_BLOCK_NONE, RecomputeMode, search_modes, smallest_block_layers
@@ -179,7 +179,7 @@ def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bu
     if ranked is False or not budget.ladder or (ranked is not None and not any(ranked.plan.alphas())):
         return ranked
     best = ranked
-    for option in budget.ladder:
+    for option in (o for o in budget.ladder if o.refusal(plan) is None):
         variant = _with_option(model, system, plan, option, budget)
         r = _price_one(col, model, system, variant, alpha_mode, budget)
         if r and (best is None or r.tokens_per_second > best.tokens_per_second):
@@ -233,10 +233,10 @@ def _price_one(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode
 
 def _static_infeasibility(model, system, plan: Plan, budgets: _Budgets) -> Optional[ClosestInfeasible]:
     """Weights, gradients and optimizer states alone (independent of l, micro batch, ckpt and alpha)
-    over the budget on some stage, with the plan's switches and with every option of the memory ladder: the
-    whole (t, c, p) subtree is infeasible (the verdict closest to fitting)."""
+    over the budget on some stage, with the plan's switches and with every option of the memory ladder Megatron-LM
+    takes on it: the whole (t, c, p) subtree is infeasible (the verdict closest to fitting)."""
     verdicts = [_static_verdict(model, system, plan, budgets.device)]
-    for option in budgets.ladder:
+    for option in (o for o in budgets.ladder if o.refusal(plan) is None):
         if verdicts[-1] is None:
             return None
         verdicts.append(_static_verdict(model, system, option.on(plan), budgets.device))

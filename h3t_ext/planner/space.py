@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 from h3t_ext.costmodel import ModelSpec
-from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE
+from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, cpu_offload_param_gather_refusal
 from h3t_ext.layout import LayoutError, ParallelLayout, virtual_pipeline_size
 from h3t_ext.planner.pipeline_balance import split_candidates, uneven_virtual_sizes
 
@@ -57,6 +57,11 @@ class MemoryOption:
     """'optim_grads' or 'optim_grads_params' (Megatron FSDP), or None (Megatron's DDP)."""
     optimizer_cpu_offload: bool = False
     """--optimizer-cpu-offload with the smallest --optimizer-offload-fraction that fits (at most 1)."""
+
+    def refusal(self, plan) -> Optional[str]:
+        """Why Megatron-LM refuses this option on ``plan``, or None: the optimizer offload with FP8 parameters runs
+        with the delayed recipe only (:func:`~h3t_ext.costmodel.fp8.cpu_offload_param_gather_refusal`)."""
+        return cpu_offload_param_gather_refusal(self.optimizer_cpu_offload, plan.fp8_param_gather, plan.fp8_recipe)
 
     def on(self, plan, optimizer_offload_fraction: float = 1.0):
         """``plan`` with this option (and, when it offloads the optimizer, that fraction)."""

@@ -11,6 +11,7 @@ import re
 
 from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
+from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
 from h3t_training.errors import ArgumentError
 from h3t_training.config.feature_checks import megatron_fsdp_refusal, uses_gpu
 from h3t_training.config.megatron_fields import sixteen_bit_grads_of
@@ -101,17 +102,19 @@ def runnable_ladder(args) -> tuple:
     from h3t_ext.planner.space import MEMORY_LADDER
     if args.optimizer_cpu_offload or args.use_megatron_fsdp or args.data_parallel_sharding_strategy != "no_shard":
         return ()
-    fsdp = megatron_fsdp_refusal(args.replace(use_megatron_fsdp=True, use_distributed_optimizer=True)) is None
+    fsdp = megatron_fsdp_refusal(args.replace(use_megatron_fsdp=True, use_distributed_optimizer=True,
+                                              ckpt_format=MEGATRON_FSDP_CKPT_FORMAT)) is None
     return tuple(o for o in MEMORY_LADDER if o.optimizer_cpu_offload or fsdp)
 
 
 def _memory_fields(args, plan) -> dict:
     """The config fields of the memory options ``plan`` chose (Megatron's flags: --use-megatron-fsdp and
-    --data-parallel-sharding-strategy; --optimizer-cpu-offload with --use-precision-aware-optimizer, which it needs,
-    and --optimizer-offload-fraction)."""
+    --data-parallel-sharding-strategy, with the --ckpt-format fsdp_dtensor Megatron-LM runs it with;
+    --optimizer-cpu-offload with --use-precision-aware-optimizer, which it needs, and --optimizer-offload-fraction)."""
     out = {}
     if plan.data_parallel_sharding_strategy is not None:
-        out.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=plan.data_parallel_sharding_strategy)
+        out.update(use_megatron_fsdp=True, data_parallel_sharding_strategy=plan.data_parallel_sharding_strategy,
+                   ckpt_format=MEGATRON_FSDP_CKPT_FORMAT)
     if plan.optimizer_cpu_offload and not args.optimizer_cpu_offload:
         out.update(optimizer_cpu_offload=True, use_precision_aware_optimizer=True,
                    optimizer_offload_fraction=plan.optimizer_offload_fraction)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
+from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
 from h3t_training.config.flag_table import given_table_flags
 from h3t_training.errors import ArgumentError
 
@@ -105,7 +106,12 @@ def megatron_fsdp_refusal(args) -> Optional[str]:
                  for flag, path in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint))),
                (bool(tuning), f"{', '.join(tuning)} (a Megatron FSDP tuning setting this driver does not pass to "
                               "megatron-core; leave it out)")]
-    return next((f"--use-megatron-fsdp is not supported with {what}" for clash, what in clashes if clash), None)
+    clash = next((f"--use-megatron-fsdp is not supported with {what}" for clash, what in clashes if clash), None)
+    if clash is None and args.ckpt_format != MEGATRON_FSDP_CKPT_FORMAT:
+        return (f"--use-megatron-fsdp needs --ckpt-format {MEGATRON_FSDP_CKPT_FORMAT} (got {args.ckpt_format}): "
+                "Megatron-LM runs Megatron FSDP with no other checkpoint format, and this driver keeps the same "
+                "command line valid (it writes no checkpoint of such a run, so the format changes nothing here)")
+    return clash
 
 
 def check_sharding_flags(args):
@@ -171,6 +177,6 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
         raise ArgumentError(f"--wandb-project {args.wandb_project} needs the wandb package (pip install wandb)")
 
 
-__all__ = ["MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE", "check_optimizer_offload",
-           "check_sdc_flags", "check_sharding_flags", "check_writer_packages", "cuda_available",
-           "transformer_engine_available", "uses_gpu"]
+__all__ = ["MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE",
+           "check_optimizer_offload", "check_sdc_flags", "check_sharding_flags", "check_writer_packages",
+           "cuda_available", "transformer_engine_available", "uses_gpu"]

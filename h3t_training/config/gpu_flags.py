@@ -96,8 +96,9 @@ GPU_BY_REASON: dict[str, GpuRule] = {
                             "leave it out (eager kernels)"),
     "megatron_fsdp": _mcore("DistributedDataParallelConfig.use_megatron_fsdp / data_parallel_sharding_strategy",
                             " through its FullyShardedDataParallel adapter, as Megatron-LM's get_model wraps the "
-                            "chunks (with --use-distributed-optimizer; without --save/--load, which Megatron-LM "
-                            "does only as --ckpt-format fsdp_dtensor)"),
+                            "chunks (with --use-distributed-optimizer and --ckpt-format fsdp_dtensor, as Megatron-LM "
+                            "requires; without --save/--load, which Megatron-LM does only in that format and this "
+                            "driver does not)"),
 }
 """The GPU rule of every flag of a reason (overridden per flag by :data:`GPU_BY_FLAG`)."""
 

@@ -12,6 +12,7 @@ import os
 
 from h3t_ext.layout import LayoutError, ParallelLayout
 from h3t_ext.offload_alpha import OffloadAlpha
+from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
 from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
 from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout
 from h3t_training.config.arguments import split_flags
@@ -294,12 +295,15 @@ CKPT_FORMATS = ("torch_dist", "torch")
 CKPT_FORMATS_REFUSED = {
     "torch_dcp": "use --ckpt-format torch_dist (megatron-core dist_checkpointing over PyTorch DCP)",
     "zarr": "zarr is deprecated in megatron-core; use --ckpt-format torch_dist",
-    "fsdp_dtensor": "needs Megatron FSDP, which this driver does not run; use --ckpt-format torch_dist",
 }
 
 
 def _validate_io(args):
-    if args.ckpt_format not in CKPT_FORMATS:
+    if args.ckpt_format == MEGATRON_FSDP_CKPT_FORMAT:
+        if not args.use_megatron_fsdp:  # with it: check_megatron_fsdp's (no --save/--load: nothing written or read)
+            raise ArgumentError(f"--ckpt-format {args.ckpt_format} is Megatron FSDP's checkpoint format and needs "
+                                "--use-megatron-fsdp (Megatron-LM refuses it without); use --ckpt-format torch_dist")
+    elif args.ckpt_format not in CKPT_FORMATS:
         reason = CKPT_FORMATS_REFUSED.get(args.ckpt_format, "the valid values are " + ", ".join(CKPT_FORMATS))
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: {reason}")
     if args.ckpt_format == "torch" and args.use_torch_fsdp2 and args.save is not None:

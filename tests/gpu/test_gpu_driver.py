@@ -90,7 +90,8 @@ def test_megatron_fsdp_trains_as_ddp_with_the_distributed_optimizer(corpus_prefi
     measures from its own buffers (h3t_training/loop/mcore_buffers.py) are the DDP run's: 2 + 4 + 12 bytes per
     parameter, up to the buffers' padding."""
     runs, held = _runs_and_state_bytes(corpus_prefix, tmp_path, {
-        "ddp": [], "fsdp": ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy]})
+        "ddp": [], "fsdp": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--data-parallel-sharding-strategy",
+                              strategy]})
     for a, b in zip(runs["ddp"], runs["fsdp"]):
         assert abs(a - b) <= 1e-2 * abs(a)
     for category in ("params", "grads", "optimizer"):

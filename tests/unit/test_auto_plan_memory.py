@@ -48,6 +48,13 @@ def test_on_a_gpu_it_shards_with_megatron_fsdp(monkeypatch):
     assert config.use_megatron_fsdp and config.data_parallel_sharding_strategy == "optim_grads_params"
     assert "--use-megatron-fsdp" in config.auto_plan_flags
     assert run_plan(config, on_gpu=True).data_parallel_sharding_strategy == "optim_grads_params"
+    # with the checkpoint format Megatron-LM runs Megatron FSDP with, in the config and in the printed flags
+    flags = list(config.auto_plan_flags)
+    assert config.ckpt_format == "fsdp_dtensor" and flags[flags.index("--ckpt-format") + 1] == "fsdp_dtensor"
+    # the printed flags, launched by hand, are the run --auto-plan made
+    by_hand = parse_args([*[a for a in MODEL if a != "--auto-plan"], *extra, *flags], world_size=8)
+    assert by_hand.use_megatron_fsdp and by_hand.ckpt_format == "fsdp_dtensor"
+    assert run_plan(by_hand, on_gpu=True) == run_plan(config, on_gpu=True)
 
 
 def test_megatron_fsdp_is_not_chosen_where_the_run_could_not_save_it(monkeypatch, capsys, tmp_path):

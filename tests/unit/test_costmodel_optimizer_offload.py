@@ -2,6 +2,7 @@
 and the search's memory ladder (Megatron FSDP's sharding, then optimizer offload): H3T's headline cases."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -54,6 +55,32 @@ def test_invalid_offload_is_one_line(change, named):
     with pytest.raises(InvalidPlanError) as e:
         estimate(GPT3, replace(BASE, optimizer_cpu_offload=True, **change), A100)
     assert named in e.value.reason and "\n" not in e.value.reason
+
+
+def test_fp8_parameters_with_offload_need_the_delayed_recipe_and_the_search_never_prints_otherwise(capsys):
+    """Megatron-LM 0.16-0.19 assert --fp8-recipe delayed for --optimizer-cpu-offload with --fp8-param-gather: such a
+    plan is one line, and a search over FP8 parameters in another recipe leaves the offload rung out (before, its best
+    plans for Llama-3 70B on 8 H100s were offload lines Megatron-LM refused to start; without them none fits)."""
+    h100, llama = get_system("h100-sxm"), get_model("llama3-70b")
+    fp8 = Plan(num_gpus=8, seq_length=8192, global_batch_size=128, tensor_model_parallel_size=4,
+               pipeline_model_parallel_size=2, use_distributed_optimizer=True, fp8="hybrid", fp8_recipe="tensorwise",
+               fp8_param_gather=True, optimizer_cpu_offload=True)
+    with pytest.raises(InvalidPlanError) as e:
+        estimate(llama, fp8, h100)
+    assert e.value.reason == ("--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed, got "
+                              "tensorwise (Megatron-LM asserts it); valid: --fp8-recipe delayed, or leave out "
+                              "--fp8-param-gather")
+    assert estimate(llama, replace(fp8, fp8_recipe="delayed"), h100).plan.optimizer_cpu_offload
+    assert estimate(llama, replace(fp8, fp8_param_gather=False), h100).plan.optimizer_cpu_offload
+    argv = ["search", "--model", "llama3-70b", "--gpu", "h100-sxm", "--num-gpus", "8", "--seq-length", "8192",
+            "--global-batch-size", "128", "--fp8-format", "hybrid", "--fp8-param-gather", "--use-distributed-optimizer",
+            "--top", "5", "--json"]
+    assert main([*argv, "--fp8-recipe", "delayed"]) == 0  # only the offload makes 70B fit on 8 H100s
+    plans = json.loads(capsys.readouterr().out)
+    assert plans and all(p["optimizer_cpu_offload"] for p in plans)
+    assert main([*argv, "--fp8-recipe", "tensorwise"]) == 2  # so without it nothing fits, and the reason says so
+    err = capsys.readouterr().err
+    assert err.startswith("h3t-plan: error: no plan fits the memory budget; closest: ") and "cpu-adam" not in err
 
 
 def test_host_memory_over_its_budget_is_the_reason(capsys):

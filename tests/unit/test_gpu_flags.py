@@ -133,6 +133,19 @@ def test_every_fp8_flag_sets_its_field(monkeypatch):
     assert fp8_fields(parse_args(BASE, world_size=2)) == {}
 
 
+def test_optimizer_offload_with_fp8_parameters_needs_the_delayed_recipe(monkeypatch, capsys):
+    """Megatron-LM 0.16-0.19 assert --fp8-recipe delayed for --optimizer-cpu-offload with --fp8-param-gather (its
+    hybrid device optimizer): one line here too, and the delayed recipe starts."""
+    _gpu(monkeypatch, te=True)
+    offload = ["--use-distributed-optimizer", "--use-precision-aware-optimizer", "--optimizer-cpu-offload",
+               "--fp8-format", "hybrid", "--fp8-param-gather"]
+    body = error_body([*BASE, *offload, "--fp8-recipe", "tensorwise"], capsys)
+    assert body == ("--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed, got tensorwise "
+                    "(Megatron-LM asserts it); valid: --fp8-recipe delayed, or leave out --fp8-param-gather"), body
+    plan = run_plan(parse_args([*BASE, *offload, "--fp8-recipe", "delayed"], world_size=2), on_gpu=True)
+    assert plan.optimizer_cpu_offload and plan.fp8_param_gather and plan.fp8_recipe == "delayed"
+
+
 def test_fusion_and_attention_flags_reach_the_transformer_config_on_a_gpu(monkeypatch):
     from megatron.core.transformer.enums import AttnBackend
     _gpu(monkeypatch, te=True)

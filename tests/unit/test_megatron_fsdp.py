@@ -17,7 +17,8 @@ from parse_harness import error_body, fake_device
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--bf16",
         "--use-distributed-optimizer"]
-FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+FSDP = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--data-parallel-sharding-strategy"]
+"""Megatron FSDP as Megatron-LM 0.16-0.19 take it: with the checkpoint format they require (the strategy follows)."""
 
 
 def _gpu(monkeypatch) -> None:
@@ -77,7 +78,7 @@ def test_left_out_the_strategy_is_the_installed_releases_default(monkeypatch, re
 
     _gpu(monkeypatch)
     monkeypatch.setattr(megatron_release, "installed_megatron_core", lambda: release)
-    config = parse_args([*BASE, "--use-megatron-fsdp"], world_size=2)
+    config = parse_args([*BASE, "--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], world_size=2)
     assert config.data_parallel_sharding_strategy == strategy
     assert gpu_wrap.ddp_config_for(config).data_parallel_sharding_strategy == strategy
     assert run_plan(config, on_gpu=True).data_parallel_sharding_strategy == (
@@ -107,6 +108,27 @@ def test_on_a_gpu_what_it_cannot_run_with_is_one_line(monkeypatch, capsys, tmp_p
     argv = [str(tmp_path) if a == "{tmp}" else a for a in extra]
     body = error_body([*argv, *FSDP, "optim_grads_params"], capsys)
     assert body.startswith(f"--use-megatron-fsdp is not supported with {what}"), body
+
+
+def test_on_a_gpu_it_needs_the_checkpoint_format_megatron_lm_needs(monkeypatch, capsys):
+    """Megatron-LM's validate_args asserts --ckpt-format fsdp_dtensor with --use-megatron-fsdp (0.16-0.19): the same
+    command line is refused here in one line naming the flag, so a line this driver takes also starts Megatron-LM."""
+    _gpu(monkeypatch)
+    body = error_body([*BASE, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"], capsys)
+    assert body.startswith("--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got torch_dist): Megatron-LM runs "
+                           "Megatron FSDP with no other checkpoint format"), body
+    body = error_body([*BASE, "--use-megatron-fsdp", "--ckpt-format", "torch", "--data-parallel-sharding-strategy",
+                       "optim"], capsys)
+    assert body.startswith("--use-megatron-fsdp needs --ckpt-format fsdp_dtensor (got torch)"), body
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_the_fsdp_checkpoint_format_without_megatron_fsdp_is_refused(monkeypatch, capsys, on_gpu):
+    """Megatron-LM takes --ckpt-format fsdp_dtensor only with Megatron FSDP ("only tested with Megatron FSDP")."""
+    fake_device(monkeypatch, gpu=on_gpu, te=on_gpu)
+    body = error_body([*BASE, "--ckpt-format", "fsdp_dtensor"], capsys)
+    assert body == ("--ckpt-format fsdp_dtensor is Megatron FSDP's checkpoint format and needs --use-megatron-fsdp "
+                    "(Megatron-LM refuses it without); use --ckpt-format torch_dist"), body
 
 
 def test_each_chunk_is_wrapped_as_megatron_lm_wraps_it(monkeypatch):

@@ -215,6 +215,20 @@ def test_megatron_flags_round_trip(plan):
     assert "--use-distributed-optimizer" in flags
 
 
+def test_a_megatron_fsdp_plans_flags_carry_the_checkpoint_format_megatron_lm_requires():
+    """Megatron-LM 0.16-0.19's validate_args asserts --ckpt-format fsdp_dtensor with --use-megatron-fsdp; the printed
+    line carries it (and reads back), and the reader refuses it where the writer never puts it."""
+    plan = next(p for p in PLANS if p.data_parallel_sharding_strategy)
+    flags = megatron_flags(plan)
+    i = flags.index("--use-megatron-fsdp")
+    assert flags[i:i + 5] == ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                              "--ckpt-format", "fsdp_dtensor"]
+    assert "--ckpt-format" not in megatron_flags(PLANS[0])  # no Megatron FSDP: Megatron's default format
+    with pytest.raises(ValueError, match="unexpected --ckpt-format torch_dist"):
+        plan_from_megatron_flags([*megatron_flags(PLANS[0]), "--ckpt-format", "torch_dist"], num_gpus=64,
+                                 seq_length=4096)
+
+
 def test_megatron_flags_published_example():
     assert megatron_flags(PLANS[0]) == (
         "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --num-layers-per-virtual-pipeline-stage 2 "
