@@ -7,7 +7,9 @@
 # sbatch; LAUNCHER=mpirun with HOSTFILE; --dry-run prints the command.
 #
 # Environment (defaults): MODEL_NAME=llama-65b, SEQ=4096, GBS=256, ITERS=20, NNODES=32,
-# GPUS_PER_NODE=8, LAUNCHER=slurm, DATA_ARGS (--mock-data with a 32000-token vocabulary).
+# GPUS_PER_NODE=8, LAUNCHER=slurm, DATA_ARGS (--mock-data with a 32000-token vocabulary),
+# CUDA_DEVICE_MAX_CONNECTIONS=1 (what Megatron-LM asserts for tensor parallelism before Blackwell; a plan with
+# Megatron FSDP needs it unset: CUDA_DEVICE_MAX_CONNECTIONS= leaves it out).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/launch.sh"
 MODEL_NAME=${MODEL_NAME:-llama-65b}
@@ -16,6 +18,8 @@ GBS=${GBS:-256}
 ITERS=${ITERS:-20}
 export NNODES=${NNODES:-32} GPUS_PER_NODE=${GPUS_PER_NODE:-8} LAUNCHER=${LAUNCHER:-slurm}
 export NP=${NP:-$((NNODES * GPUS_PER_NODE))}
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS-1}
+[[ -z $CUDA_DEVICE_MAX_CONNECTIONS ]] && unset CUDA_DEVICE_MAX_CONNECTIONS
 case $MODEL_NAME in
   llama-65b)
     MODEL=(--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --ffn-hidden-size 22016)

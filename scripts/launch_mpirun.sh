@@ -7,7 +7,8 @@
 # Environment (defaults): NP=2 (ranks), HOSTFILE (none: this node), MASTER_ADDR (first host of
 # HOSTFILE, else 127.0.0.1), MASTER_PORT=29500, MPIRUN=mpirun, PYTHON, MPI_EXTRA_ARGS (extra
 # mpirun arguments, e.g. "--oversubscribe"), ENTRY=pretrain_llama.py (pretrain_gpt.py: Megatron-LM's entry
-# name and defaults). As root, --allow-run-as-root is added.
+# name and defaults), CUDA_DEVICE_MAX_CONNECTIONS (passed to every rank when set). As root,
+# --allow-run-as-root is added.
 # Inside each rank: RANK=OMPI_COMM_WORLD_RANK, WORLD_SIZE=OMPI_COMM_WORLD_SIZE,
 # LOCAL_RANK=OMPI_COMM_WORLD_LOCAL_RANK, LOCAL_WORLD_SIZE=OMPI_COMM_WORLD_LOCAL_SIZE.
 set -euo pipefail
@@ -46,6 +47,8 @@ read -r -a EXTRA <<< "${MPI_EXTRA_ARGS:-}"
 MPI_ARGS+=("${EXTRA[@]}")
 MPI_ARGS+=(-x MASTER_ADDR="$MASTER_ADDR" -x MASTER_PORT="$MASTER_PORT" -x H3T_MPI_RANK_WRAPPER=1
            -x PYTHON="$PYTHON" -x ENTRY="$ENTRY" -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" -x PATH)
+# the CUDA setting Megatron-LM asserts (the driver checks it on every rank): the ranks on other hosts see it too
+[[ -n ${CUDA_DEVICE_MAX_CONNECTIONS+x} ]] && MPI_ARGS+=(-x CUDA_DEVICE_MAX_CONNECTIONS="$CUDA_DEVICE_MAX_CONNECTIONS")
 CMD=("$MPIRUN" "${MPI_ARGS[@]}" bash "$ROOT/scripts/launch_mpirun.sh" "${ARGS[@]}")
 if [[ $DRY_RUN == 1 ]]; then
   printf '%q ' "${CMD[@]}"; echo

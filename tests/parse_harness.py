@@ -19,12 +19,16 @@ def _error(argv, capsys, monkeypatch, world_size=2) -> str:
     return lines[0]
 
 
-def fake_device(monkeypatch, *, gpu: bool, te: bool) -> None:
-    """Make the driver see a GPU (or none) and TransformerEngine (or none): its two probes replaced
-    (``feature_checks.cuda_available``, ``feature_checks.transformer_engine_available``)."""
+def fake_device(monkeypatch, *, gpu: bool, te: bool, arch_major: int = 9) -> None:
+    """Make the driver see a GPU (or none) of compute capability ``arch_major``.x (Hopper's 9 unless given) and
+    TransformerEngine (or none): its probes replaced (``feature_checks.cuda_available``,
+    ``feature_checks.transformer_engine_available``, ``feature_checks.cuda_arch_major``), and the launch environment
+    without ``CUDA_DEVICE_MAX_CONNECTIONS`` (a test that needs it sets it)."""
     from h3t_training.config import feature_checks
     monkeypatch.setattr(feature_checks, "cuda_available", lambda: gpu)
     monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: te)
+    monkeypatch.setattr(feature_checks, "cuda_arch_major", lambda: arch_major)
+    monkeypatch.delenv(feature_checks.CONNECTIONS_VAR, raising=False)
 
 
 def error_body(argv, capsys, world_size: int = 2) -> str:

@@ -5,6 +5,7 @@ across data-parallel replicas (``loop/sdc_guards.py``), the TensorBoard and W&B 
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Optional
 
 from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
@@ -28,6 +29,49 @@ def transformer_engine_available() -> bool:
 def uses_gpu(args) -> bool:
     """True when this run trains on CUDA devices (a GPU is present and the backend is not gloo)."""
     return cuda_available() and args.distributed_backend != "gloo"
+
+
+def cuda_arch_major() -> int:
+    """The major compute capability of this process's GPU (the driver's third probe; tests replace it)."""
+    import torch
+
+    return torch.cuda.get_device_capability()[0]
+
+
+CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
+"""The CUDA setting Megatron-LM 0.16-0.19's ``validate_args`` asserts on a GPU run's launch environment."""
+
+
+def cuda_connections_refusal(args, value: Optional[str], arch_major: Optional[int]) -> Optional[str]:
+    """Why Megatron-LM would not start this GPU run with ``CUDA_DEVICE_MAX_CONNECTIONS`` at ``value`` (None: unset)
+    on a GPU of compute capability ``arch_major``.x (None: not read, the run has neither tensor nor context
+    parallelism), or None. Its rule: Megatron FSDP and torch FSDP2 need it unset or above 1; tensor or context
+    parallelism before Blackwell (below 10) needs it 1, so that the sequence-parallel collectives are queued ahead of
+    the GEMMs they overlap (with either FSDP Megatron-LM only warns)."""
+    fsdp = "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-torch-fsdp2" if args.use_torch_fsdp2 else None
+    if fsdp and value == "1":
+        return (f"{fsdp} needs {CONNECTIONS_VAR} unset or above 1 (Megatron-LM asserts it: FSDP's collectives run "
+                f"beside the compute on streams of their own), got 1; unset it")
+    sizes = [f"{flag} {n}" for flag, n in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                                           ("--context-parallel-size", args.context_parallel_size))
+             if n is not None and n > 1]  # None: not filled yet (--auto-plan's ladder asks before the sizes are)
+    if sizes and arch_major is not None and arch_major < 10 and not fsdp and value != "1":
+        return (f"{' and '.join(sizes)} on a GPU of compute capability {arch_major}.x needs {CONNECTIONS_VAR}=1 in the "
+                f"launch environment (Megatron-LM asserts it before Blackwell: the sequence-parallel collectives must "
+                f"be queued ahead of the GEMMs they overlap), got {value or 'unset'}; export {CONNECTIONS_VAR}=1")
+    return None
+
+
+def check_cuda_connections(args):
+    """:func:`cuda_connections_refusal` of a GPU run's launch environment (a resolve step, after the parallel sizes
+    are filled; the CPU path has no such setting)."""
+    if uses_gpu(args):
+        parallel = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
+        refusal = cuda_connections_refusal(args, os.environ.get(CONNECTIONS_VAR),
+                                           cuda_arch_major() if parallel else None)
+        if refusal:
+            raise ArgumentError(refusal)
+    return args
 
 
 def check_optimizer_offload(args):
@@ -107,6 +151,8 @@ def megatron_fsdp_refusal(args) -> Optional[str]:
                (bool(tuning), f"{', '.join(tuning)} (a Megatron FSDP tuning setting this driver does not pass to "
                               "megatron-core; leave it out)")]
     clash = next((f"--use-megatron-fsdp is not supported with {what}" for clash, what in clashes if clash), None)
+    if clash is None:  # the launch environment (what --auto-plan's ladder reads too)
+        clash = cuda_connections_refusal(args, os.environ.get(CONNECTIONS_VAR), None)
     if clash is None and args.ckpt_format != MEGATRON_FSDP_CKPT_FORMAT:
         return (f"--use-megatron-fsdp needs --ckpt-format {MEGATRON_FSDP_CKPT_FORMAT} (got {args.ckpt_format}): "
                 "Megatron-LM runs Megatron FSDP with no other checkpoint format, and this driver keeps the same "
@@ -177,6 +223,6 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
         raise ArgumentError(f"--wandb-project {args.wandb_project} needs the wandb package (pip install wandb)")
 
 
-__all__ = ["MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE",
-           "check_optimizer_offload", "check_sdc_flags", "check_sharding_flags", "check_writer_packages",
+__all__ = ["CONNECTIONS_VAR", "MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE", "check_cuda_connections",
+           "check_optimizer_offload", "cuda_arch_major", "cuda_connections_refusal", "check_sdc_flags", "check_sharding_flags", "check_writer_packages",
            "cuda_available", "transformer_engine_available", "uses_gpu"]

@@ -30,7 +30,8 @@ from h3t_training.config import validation
 from h3t_training.errors import ArgumentError
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import RunDevice, given_table_flags, notice_lines, refusal
-from h3t_training.config.feature_checks import check_optimizer_offload, check_sdc_flags, check_sharding_flags
+from h3t_training.config.feature_checks import check_cuda_connections, check_optimizer_offload, check_sdc_flags, \
+    check_sharding_flags
 from h3t_training.config.memory_hygiene import check_memory_hygiene
 from h3t_training.config.megatron_fields import check_gpu_flags
 from h3t_training.data.tokenizer import TokenizerError
@@ -154,7 +155,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
     steps += [arguments.fill_parallel_defaults, arguments.apply_padded_vocab_size, megatron_offload.map_offload_request,
-              check_sharding_flags, check_sdc_flags, check_memory_hygiene, check_gpu_flags, validation.validate_args]
+              check_sharding_flags, check_cuda_connections, check_sdc_flags, check_memory_hygiene, check_gpu_flags,
+              validation.validate_args]
     for step in steps:
         config = step(config)
         assert isinstance(config, TrainConfig), f"{step.__name__} must return a TrainConfig"

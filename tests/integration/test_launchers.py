@@ -36,6 +36,21 @@ def test_mpirun_dry_run_maps_ranks_through_the_wrapper():
     assert cmd[-3:] == [str(REPO / "scripts/launch_mpirun.sh"), "--train-iters", "3"]
 
 
+def test_mpirun_passes_the_cuda_setting_megatron_lm_asserts_to_every_rank(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS, which the driver checks on each rank as Megatron-LM asserts it, reaches the ranks
+    on other hosts when set (mpirun forwards only what -x names); the 256-GPU example sets it to 1 (tensor
+    parallelism on Hopper) unless given, and an empty value leaves it out (a Megatron FSDP plan needs it unset)."""
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in _dry("scripts/launch_mpirun.sh", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    assert not any(a.startswith("CUDA_DEVICE_MAX_CONNECTIONS") for a in _dry("scripts/launch_mpirun.sh"))
+    example = _dry("examples/llama_256gpu.sh", LAUNCHER="mpirun")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in example and "--tensor-model-parallel-size" in example
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=8" in _dry("examples/llama_256gpu.sh", LAUNCHER="mpirun",
+                                                   CUDA_DEVICE_MAX_CONNECTIONS="8")
+    assert not any(a.startswith("CUDA_DEVICE_MAX_CONNECTIONS") for a in _dry(
+        "examples/llama_256gpu.sh", LAUNCHER="mpirun", CUDA_DEVICE_MAX_CONNECTIONS=""))
+
+
 def test_slurm_dry_run_uses_srun_with_slurm_rank_variables():
     cmd = _dry("scripts/launch_slurm.sbatch", "--seed", "5", GPUS_PER_NODE="4", SLURM_JOB_NUM_NODES="3")
     assert cmd[0] == "srun" and cmd[cmd.index("--nodes") + 1] == "3" and cmd[cmd.index("--ntasks-per-node") + 1] == "4"
@@ -123,19 +138,23 @@ def test_mpirun_launcher_runs_two_cpu_ranks(tmp_path):
 def test_every_python_module_a_launcher_runs_exists():
     """``python -m MODULE`` in the launch scripts names a module of this repo or its environment (a renamed
     module must not leave a launcher that fails on the cluster only)."""
-    import importlib.util
     import re
 
     scripts = sorted((REPO / "scripts").glob("*.sh")) + sorted((REPO / "scripts").glob("*.sbatch"))
     found = {m for s in scripts for m in re.findall(r'"?\$\{?PYTHON\}?"? -m ([A-Za-z_][\w.]*)', s.read_text())}
     assert "h3t_training.launch.preflight" in found  # the check below does look at the launchers
-    def missing(module: str) -> bool:
-        try:
-            return importlib.util.find_spec(module) is None
-        except ModuleNotFoundError:  # a parent package is missing
-            return True
-
-    assert [m for m in sorted(found) if missing(m)] == []
+    # looked up in a child interpreter: finding 'pip' here would turn off setuptools' distutils shim in this process
+    # (its _distutils_hack takes a pip lookup for pip running), and a later first import of megatron.core fails
+    probe = ("import importlib.util, sys\n"
+             "def missing(m):\n"
+             "    try:\n"
+             "        return importlib.util.find_spec(m) is None\n"
+             "    except ModuleNotFoundError:\n"  # a parent package is missing
+             "        return True\n"
+             "print(' '.join(m for m in sys.argv[1:] if missing(m)))\n")
+    proc = subprocess.run([PYTHON, "-c", probe, *sorted(found)], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == [], (proc.stdout, proc.stderr)
 
 
 def test_the_megatron_compat_probe_prints_its_command_and_names_a_missing_wheel(tmp_path):

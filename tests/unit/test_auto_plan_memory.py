@@ -79,6 +79,17 @@ def test_the_ladder_is_what_this_run_can_run(monkeypatch, tmp_path, gpu, fixed, 
     assert got == want
 
 
+def test_the_ladder_leaves_megatron_fsdp_out_where_the_launch_environment_forbids_it(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (what tensor parallelism on Hopper needs) is what Megatron-LM refuses Megatron
+    FSDP with: --auto-plan does not choose it there."""
+    extra = _device(monkeypatch, gpu=True)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    argv = [a for a in MODEL if a != "--auto-plan"] + extra + ["--use-distributed-optimizer"]
+    config = parse_args(argv, world_size=8)
+    assert tuple(o.data_parallel_sharding_strategy or "optimizer_cpu_offload" for o in runnable_ladder(config)) == (
+        "optimizer_cpu_offload",)
+
+
 def test_auto_plan_with_torch_fsdp2_is_one_line(monkeypatch, capsys):
     extra = _device(monkeypatch, gpu=False)
     body = _error([*MODEL, *extra, "--use-torch-fsdp2"], capsys)

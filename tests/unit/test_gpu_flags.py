@@ -197,3 +197,36 @@ def test_bad_gpu_values_are_one_line(monkeypatch, capsys):
     assert body.startswith("--cross-entropy-fusion-impl is not supported: on a GPU with the value te it runs "
                            "through TransformerEngine")
     parse_args([*BASE, "--cross-entropy-fusion-impl", "native"], world_size=2)  # native needs no TE
+
+
+@pytest.mark.parametrize("sizes, fsdp, arch, value, refused", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], [], 9, None, "needs CUDA_DEVICE_MAX_CONNECTIONS=1"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], [], 9, "8", "got 8; export"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], [], 9, "1", None),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], [], 10, None, None),  # Blackwell: no requirement
+    (["--context-parallel-size", "2"], [], 8, None, "--context-parallel-size 2 on a GPU of compute capability 8.x"),
+    ([], [], 9, None, None),  # t = c = 1: nothing to overlap
+    ([], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], 9, "1", "--use-megatron-fsdp needs "
+                                                                          "CUDA_DEVICE_MAX_CONNECTIONS unset or above 1"),
+    ([], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], 9, None, None),
+])
+def test_the_launch_environment_megatron_lm_asserts_on_a_gpu(monkeypatch, capsys, sizes, fsdp, arch, value, refused):
+    """Megatron-LM 0.16-0.19's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS on a GPU run: 1 with tensor or context
+    parallelism before Blackwell (the sequence-parallel collectives queued ahead of the GEMMs they overlap), unset or
+    above 1 with FSDP. The driver starts the same runs and refuses the others in one line naming the variable."""
+    fake_device(monkeypatch, gpu=True, te=True, arch_major=arch)
+    if value is not None:
+        monkeypatch.setenv(feature_checks.CONNECTIONS_VAR, value)
+    argv = [*BASE, "--use-distributed-optimizer", *sizes, *fsdp]
+    if refused is None:
+        assert parse_args(argv, world_size=2)
+    else:
+        body = error_body(argv, capsys)
+        assert refused in body and "Megatron-LM asserts it" in body, body
+
+
+def test_the_cpu_path_reads_no_launch_environment(monkeypatch):
+    """gloo has no CUDA queue to order: a CPU run with t = 2 starts whatever the variable says."""
+    fake_device(monkeypatch, gpu=False, te=False)
+    monkeypatch.setenv(feature_checks.CONNECTIONS_VAR, "8")
+    assert parse_args([*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2)
