@@ -112,6 +112,9 @@ class Recompute:
         if num_layers is not None:
             raise ValueError("--recompute-num-layers needs --recompute-granularity full (selective recomputes "
                              "its --recompute-modules in every layer)")
+        if method is not None:
+            raise ValueError(f"--recompute-method {method} needs --recompute-granularity full (Megatron-LM asserts "
+                             "that selective recompute takes no method)")
         names = tuple(dict.fromkeys(modules or ("core_attn",)))
         valid = DENSE_RECOMPUTE_MODULES + (MOE_RECOMPUTE_MODULES if moe else ())
         for name in names:

@@ -111,7 +111,9 @@ def validate_fp8(plan, system=None) -> None:
     if fmt is None:
         return
     refusal = bf16_layers_recipe_refusal(plan.first_last_layers_bf16, recipe) or cpu_offload_param_gather_refusal(
-        plan.optimizer_cpu_offload, plan.fp8_param_gather, recipe)
+        plan.optimizer_cpu_offload, plan.fp8_param_gather, recipe) or param_gather_refusal(
+        plan.fp8_param_gather, plan.use_distributed_optimizer,
+        plan.use_torch_fsdp2 or plan.data_parallel_sharding_strategy is not None)
     if refusal:
         raise InvalidPlanError(refusal)
     if plan.transformer_impl != "transformer_engine":
@@ -135,13 +137,24 @@ def bf16_layers_recipe_refusal(first_last_layers_bf16: bool, recipe: str) -> Opt
     return None
 
 
-def cpu_offload_param_gather_refusal(optimizer_cpu_offload: bool, fp8_param_gather: bool, recipe: str) -> Optional[str]:
+def param_gather_refusal(fp8_param_gather: bool, use_distributed_optimizer: bool, fsdp: bool) -> Optional[str]:
+    """Why Megatron-LM refuses --fp8-param-gather here, or None: it keeps FP8 parameters only where the distributed
+    optimizer, Megatron FSDP or torch FSDP2 (``fsdp``) holds the master weights (``validate_args`` asserts it in
+    0.16-0.19); the planner and the training driver refuse with this line."""
+    if fp8_param_gather and not (use_distributed_optimizer or fsdp):
+        return ("--fp8-param-gather needs --use-distributed-optimizer (or Megatron FSDP or torch FSDP2: Megatron-LM "
+                "asserts it, the FP8 parameters need a master copy the optimizer steps)")
+    return None
+
+
+def cpu_offload_param_gather_refusal(optimizer_cpu_offload: bool, fp8_param_gather: bool,
+                                     recipe: str) -> Optional[str]:
     """Why Megatron-LM refuses the optimizer CPU offload with these FP8 switches, or None: with --fp8-param-gather its
     hybrid device optimizer runs with the delayed recipe only (``validate_args`` asserts it in 0.16-0.19); the planner
     and the training driver refuse with this line."""
     if optimizer_cpu_offload and fp8_param_gather and recipe != "delayed":
-        return (f"--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed, got {recipe} (Megatron-LM "
-                "asserts it); valid: --fp8-recipe delayed, or leave out --fp8-param-gather")
+        return (f"--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed, got {recipe} "
+                "(Megatron-LM asserts it); valid: --fp8-recipe delayed, or leave out --fp8-param-gather")
     return None
 
 

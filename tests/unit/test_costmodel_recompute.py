@@ -97,6 +97,8 @@ def test_recompute_time():
     (dict(granularity="selective", modules=["mla_up_proj"]), "--recompute-modules mla_up_proj needs multi-latent"),
     (dict(granularity="selective", modules=["attn"]), "--recompute-modules 'attn' is not one of"),
     (dict(granularity="selective", num_layers=2), "--recompute-num-layers needs --recompute-granularity full"),
+    (dict(granularity="selective", method="uniform"), "--recompute-method uniform needs --recompute-granularity full "
+                                                      "(Megatron-LM asserts"),
     (dict(granularity="full", num_layers=0), "--recompute-num-layers 0 is outside [1, inf)"),
 ])
 def test_bad_flags_are_one_line(flags, message):

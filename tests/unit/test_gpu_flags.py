@@ -146,6 +146,23 @@ def test_optimizer_offload_with_fp8_parameters_needs_the_delayed_recipe(monkeypa
     assert plan.optimizer_cpu_offload and plan.fp8_param_gather and plan.fp8_recipe == "delayed"
 
 
+def test_fp8_parameters_need_an_optimizer_that_keeps_their_master_copy(monkeypatch, capsys):
+    """Megatron-LM 0.16-0.19 assert the distributed optimizer (or either FSDP) for --fp8-param-gather; the driver and
+    the cost model refuse with the same line."""
+    from h3t_ext.costmodel import InvalidPlanError, Plan, estimate, get_model, get_system
+    _gpu(monkeypatch, te=True)
+    line = ("--fp8-param-gather needs --use-distributed-optimizer (or Megatron FSDP or torch FSDP2: Megatron-LM "
+            "asserts it, the FP8 parameters need a master copy the optimizer steps)")
+    assert error_body([*BASE, "--fp8-format", "hybrid", "--fp8-param-gather"], capsys) == line
+    assert fp8_fields(parse_args([*BASE, "--fp8-format", "hybrid", "--fp8-param-gather",
+                                  "--use-distributed-optimizer"], world_size=2))["fp8_param"] is True
+    plan = Plan(num_gpus=8, seq_length=4096, global_batch_size=16, fp8="hybrid", fp8_param_gather=True,
+                use_distributed_optimizer=False)
+    with pytest.raises(InvalidPlanError) as e:
+        estimate(get_model("llama3-8b"), plan, get_system("h100-sxm"))
+    assert e.value.reason == line
+
+
 def test_fusion_and_attention_flags_reach_the_transformer_config_on_a_gpu(monkeypatch):
     from megatron.core.transformer.enums import AttnBackend
     _gpu(monkeypatch, te=True)
@@ -199,6 +216,9 @@ def test_bad_gpu_values_are_one_line(monkeypatch, capsys):
     parse_args([*BASE, "--cross-entropy-fusion-impl", "native"], world_size=2)  # native needs no TE
 
 
+FSDP_FLAGS = ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"]
+
+
 @pytest.mark.parametrize("sizes, fsdp, arch, value, refused", [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], [], 9, None, "needs CUDA_DEVICE_MAX_CONNECTIONS=1"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], [], 9, "8", "got 8; export"),
@@ -206,9 +226,8 @@ def test_bad_gpu_values_are_one_line(monkeypatch, capsys):
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], [], 10, None, None),  # Blackwell: no requirement
     (["--context-parallel-size", "2"], [], 8, None, "--context-parallel-size 2 on a GPU of compute capability 8.x"),
     ([], [], 9, None, None),  # t = c = 1: nothing to overlap
-    ([], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], 9, "1", "--use-megatron-fsdp needs "
-                                                                          "CUDA_DEVICE_MAX_CONNECTIONS unset or above 1"),
-    ([], ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"], 9, None, None),
+    ([], FSDP_FLAGS, 9, "1", "--use-megatron-fsdp needs CUDA_DEVICE_MAX_CONNECTIONS unset or above 1"),
+    ([], FSDP_FLAGS, 9, None, None),
 ])
 def test_the_launch_environment_megatron_lm_asserts_on_a_gpu(monkeypatch, capsys, sizes, fsdp, arch, value, refused):
     """Megatron-LM 0.16-0.19's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS on a GPU run: 1 with tensor or context

@@ -48,6 +48,8 @@ def test_flags_become_ckpt_and_recompute(flags, ckpt, recompute):
     (["--ckpt", "ours", "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
       "4"], "every one of the 4 layers of a model chunk is recomputed whole"),
     (["--recompute-granularity", "selective", "--recompute-num-layers", "2"], "--recompute-num-layers needs"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"], "--recompute-method block needs "
+                                                                             "--recompute-granularity full"),
 ])
 def test_refusals_are_one_line(flags, message, capsys):
     with pytest.raises(SystemExit) as e:
