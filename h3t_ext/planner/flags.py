@@ -25,8 +25,8 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
 
     ``--sequence-parallel`` (with t > 1), ``--use-distributed-optimizer`` and ``--tp-comm-overlap`` follow
     the plan's switches; a Megatron FSDP plan's ``--use-megatron-fsdp --data-parallel-sharding-strategy S`` comes with
-    ``--ckpt-format fsdp_dtensor``, without which Megatron-LM 0.16-0.19 refuse to start; Megatron's recompute follows ``--ckpt`` (``--recompute-granularity full --recompute-method block
-    --recompute-num-layers N`` for a block plan; ckpt ``selective`` as ``--ckpt no --recompute-granularity selective
+    ``--ckpt-format fsdp_dtensor``, without which Megatron-LM 0.16-0.19 refuse to start; Megatron's recompute follows
+    ``--ckpt`` (``--recompute-granularity full --recompute-method block --recompute-num-layers N`` for a block plan; ckpt ``selective`` as ``--ckpt no --recompute-granularity selective
     --recompute-modules core_attn``, which the driver takes); an FP8 plan adds ``--fp8-format``, ``--fp8-recipe`` (and ``--fp8-param-gather``). ``--seq-length`` and
     the GPU count are the launcher's business and are not repeated here. A MoE model's plan (``moe``) runs on
     Megatron-LM's own loop (h3t-ext's runtime has no MoE layers): its expert flags, and neither ``--ckpt`` nor

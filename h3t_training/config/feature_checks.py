@@ -224,5 +224,5 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
 
 
 __all__ = ["CONNECTIONS_VAR", "MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE", "check_cuda_connections",
-           "check_optimizer_offload", "cuda_arch_major", "cuda_connections_refusal", "check_sdc_flags", "check_sharding_flags", "check_writer_packages",
-           "cuda_available", "transformer_engine_available", "uses_gpu"]
+           "check_optimizer_offload", "check_sdc_flags", "check_sharding_flags", "check_writer_packages",
+           "cuda_arch_major", "cuda_available", "cuda_connections_refusal", "transformer_engine_available", "uses_gpu"]
