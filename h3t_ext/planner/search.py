@@ -31,7 +31,7 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
@@ -169,6 +169,10 @@ class _Budgets:
     ladder: tuple[MemoryOption, ...] = ()
     """Memory options tried on a plan that needs activation offload or does not fit."""
 
+    def ladder_for(self, plan: Plan) -> Iterator[MemoryOption]:
+        """The options of :attr:`ladder` Megatron-LM takes on ``plan`` (:meth:`MemoryOption.refusal`), in order."""
+        return (o for o in self.ladder if o.refusal(plan) is None)
+
 
 def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets):
     """Price one plan and, when it fits only by offloading activations or not at all, the same plan with each
@@ -179,7 +183,7 @@ def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bu
     if ranked is False or not budget.ladder or (ranked is not None and not any(ranked.plan.alphas())):
         return ranked
     best = ranked
-    for option in (o for o in budget.ladder if o.refusal(plan) is None):
+    for option in budget.ladder_for(plan):
         variant = _with_option(model, system, plan, option, budget)
         r = _price_one(col, model, system, variant, alpha_mode, budget)
         if r and (best is None or r.tokens_per_second > best.tokens_per_second):
@@ -236,7 +240,7 @@ def _static_infeasibility(model, system, plan: Plan, budgets: _Budgets) -> Optio
     over the budget on some stage, with the plan's switches and with every option of the memory ladder Megatron-LM
     takes on it: the whole (t, c, p) subtree is infeasible (the verdict closest to fitting)."""
     verdicts = [_static_verdict(model, system, plan, budgets.device)]
-    for option in (o for o in budgets.ladder if o.refusal(plan) is None):
+    for option in budgets.ladder_for(plan):
         if verdicts[-1] is None:
             return None
         verdicts.append(_static_verdict(model, system, option.on(plan), budgets.device))
