@@ -110,10 +110,11 @@ def validate_fp8(plan, system=None) -> None:
             raise InvalidPlanError(f"{flag} must be an integer >= 0, got {n!r}")
     if fmt is None:
         return
-    refusal = bf16_layers_recipe_refusal(plan.first_last_layers_bf16, recipe) or cpu_offload_param_gather_refusal(
-        plan.optimizer_cpu_offload, plan.fp8_param_gather, recipe) or param_gather_refusal(
-        plan.fp8_param_gather, plan.use_distributed_optimizer,
-        plan.use_torch_fsdp2 or plan.data_parallel_sharding_strategy is not None)
+    refusal = fp8_switches_refusal(recipe, first_last_layers_bf16=plan.first_last_layers_bf16,
+                                   fp8_param_gather=plan.fp8_param_gather,
+                                   optimizer_cpu_offload=plan.optimizer_cpu_offload,
+                                   use_distributed_optimizer=plan.use_distributed_optimizer,
+                                   fsdp=plan.use_torch_fsdp2 or plan.data_parallel_sharding_strategy is not None)
     if refusal:
         raise InvalidPlanError(refusal)
     if plan.transformer_impl != "transformer_engine":
@@ -156,6 +157,16 @@ def cpu_offload_param_gather_refusal(optimizer_cpu_offload: bool, fp8_param_gath
         return (f"--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed, got {recipe} "
                 "(Megatron-LM asserts it); valid: --fp8-recipe delayed, or leave out --fp8-param-gather")
     return None
+
+
+def fp8_switches_refusal(recipe: str, *, first_last_layers_bf16: bool, fp8_param_gather: bool,
+                         optimizer_cpu_offload: bool, use_distributed_optimizer: bool, fsdp: bool) -> Optional[str]:
+    """The first refusal of an FP8 run's switches with ``recipe`` (:func:`bf16_layers_recipe_refusal`,
+    :func:`cpu_offload_param_gather_refusal`, :func:`param_gather_refusal`), or None: the one check the planner's plan
+    and the training driver's flags make."""
+    return (bf16_layers_recipe_refusal(first_last_layers_bf16, recipe)
+            or cpu_offload_param_gather_refusal(optimizer_cpu_offload, fp8_param_gather, recipe)
+            or param_gather_refusal(fp8_param_gather, use_distributed_optimizer, fsdp))
 
 
 def bf16_layer_counts_refusal(at_start: int, at_end: int, num_layers: int,

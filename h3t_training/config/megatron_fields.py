@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from h3t_ext.costmodel.fp8 import (bf16_layer_counts_refusal, bf16_layers_recipe_refusal,
-                                  cpu_offload_param_gather_refusal, param_gather_refusal)
+from h3t_ext.costmodel.fp8 import bf16_layer_counts_refusal, fp8_switches_refusal
 from h3t_ext.planner.translate import sixteen_bit_grads
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import table_int, table_value
@@ -65,10 +64,11 @@ def fp8_fields(args) -> dict[str, Any]:
             fields[f.field] = value
     if fields["fp8_recipe"] == "custom" and "fp8_quantizer_factory" not in fields:
         raise ValueError("--fp8-recipe custom needs --fp8-quantizer-factory")
-    refusal = bf16_layers_recipe_refusal(fields["first_last_layers_bf16"], fields["fp8_recipe"]) or \
-        cpu_offload_param_gather_refusal(args.optimizer_cpu_offload, fields["fp8_param"], fields["fp8_recipe"]) or \
-        param_gather_refusal(fields["fp8_param"], args.use_distributed_optimizer,
-                             args.use_megatron_fsdp or args.use_torch_fsdp2)
+    refusal = fp8_switches_refusal(fields["fp8_recipe"], first_last_layers_bf16=fields["first_last_layers_bf16"],
+                                   fp8_param_gather=fields["fp8_param"],
+                                   optimizer_cpu_offload=args.optimizer_cpu_offload,
+                                   use_distributed_optimizer=args.use_distributed_optimizer,
+                                   fsdp=args.use_megatron_fsdp or args.use_torch_fsdp2)
     if not refusal and fields["first_last_layers_bf16"]:  # TransformerConfig's bound on the counts
         refusal = bf16_layer_counts_refusal(fields["num_layers_at_start_in_bf16"], fields["num_layers_at_end_in_bf16"],
                                             args.num_layers, args.pipeline_model_parallel_size)
