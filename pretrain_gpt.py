@@ -36,6 +36,18 @@ def use_megatron_loop(argv, *, note: bool = False) -> bool:
     return why is None
 
 
+def _check_gpu_slots(launch) -> None:
+    """Megatron's own loop puts each rank on the GPU of its local rank: one line (ArgumentError) where the node shows
+    fewer GPUs than the launcher starts ranks on it (Megatron-LM would stop in a traceback at set_device)."""
+    import torch
+
+    from h3t_training.config.feature_checks import gpu_slots_refusal
+    from h3t_training.errors import ArgumentError
+    refusal = gpu_slots_refusal(launch.ranks_per_node, torch.cuda.device_count())
+    if refusal:
+        raise ArgumentError(refusal)
+
+
 def main(argv=None) -> int:
     from h3t_training.config.arguments import MEGATRON_GPT_DEFAULTS
 
@@ -51,6 +63,7 @@ def main(argv=None) -> int:
         from h3t_training.errors import ArgumentError
         from h3t_training.loop import megatron_native
         try:
+            _check_gpu_slots(launch)
             return megatron_native.run(argv, defaults=MEGATRON_GPT_DEFAULTS)
         except (ArgumentError, RuntimeConfigError) as e:
             if launch.rank == 0:  # every rank fails alike, one says so

@@ -38,6 +38,35 @@ def cuda_arch_major() -> int:
     return torch.cuda.get_device_capability()[0]
 
 
+def cuda_device_count() -> int:
+    """The CUDA devices this process sees (the driver's fourth probe; tests replace it)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def gpu_slots_refusal(ranks_per_node: int, device_count: int) -> Optional[str]:
+    """Why ``ranks_per_node`` ranks of a GPU run cannot start on a node that shows ``device_count`` CUDA devices, or
+    None: each rank takes the device of its local rank, and NCCL refuses two ranks on one device (the rank past the
+    last device would stop in a traceback at ``torch.cuda.set_device``, Megatron-LM's too)."""
+    if ranks_per_node <= device_count:
+        return None
+    return (f"the launcher starts {ranks_per_node} ranks on this node but it shows {device_count} CUDA device"
+            f"{'s' if device_count != 1 else ''} (NCCL takes one GPU per rank): start at most {device_count} per node "
+            f"(torchrun --nproc-per-node {device_count}, mpirun --npernode {device_count}) or make more GPUs "
+            f"visible (CUDA_VISIBLE_DEVICES)")
+
+
+def check_gpu_slots(args):
+    """:func:`gpu_slots_refusal` of a GPU run (a resolve step; a CPU run's gloo ranks share the host, and one rank
+    needs only the device that made ``uses_gpu`` true)."""
+    if uses_gpu(args) and args.ranks_per_node > 1:
+        refusal = gpu_slots_refusal(args.ranks_per_node, cuda_device_count())
+        if refusal:
+            raise ArgumentError(refusal)
+    return args
+
+
 CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
 """The CUDA setting Megatron-LM 0.16-0.19's ``validate_args`` asserts on a GPU run's launch environment."""
 
@@ -224,5 +253,6 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
 
 
 __all__ = ["CONNECTIONS_VAR", "MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE", "check_cuda_connections",
-           "check_optimizer_offload", "check_sdc_flags", "check_sharding_flags", "check_writer_packages",
-           "cuda_arch_major", "cuda_available", "cuda_connections_refusal", "transformer_engine_available", "uses_gpu"]
+           "check_gpu_slots", "check_optimizer_offload", "check_sdc_flags", "check_sharding_flags",
+           "check_writer_packages", "cuda_arch_major", "cuda_available", "cuda_connections_refusal",
+           "cuda_device_count", "gpu_slots_refusal", "transformer_engine_available", "uses_gpu"]

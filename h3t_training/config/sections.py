@@ -30,8 +30,8 @@ from h3t_training.config import validation
 from h3t_training.errors import ArgumentError
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import RunDevice, given_table_flags, notice_lines, refusal
-from h3t_training.config.feature_checks import check_cuda_connections, check_optimizer_offload, check_sdc_flags, \
-    check_sharding_flags
+from h3t_training.config.feature_checks import check_cuda_connections, check_gpu_slots, check_optimizer_offload, \
+    check_sdc_flags, check_sharding_flags
 from h3t_training.config.memory_hygiene import check_memory_hygiene
 from h3t_training.config.megatron_fields import check_gpu_flags
 from h3t_training.data.tokenizer import TokenizerError
@@ -48,6 +48,8 @@ class UnknownConfigFieldError(AttributeError):
 
 DERIVED_FIELDS: dict[str, tuple[object, str]] = {
     "world_size": (1, "ranks of the job (the launcher's WORLD_SIZE, passed to parse_args)"),
+    "ranks_per_node": (1, "ranks the launcher starts on this rank's node (LaunchEnv.ranks_per_node, passed to "
+                          "parse_args); a GPU run needs as many CUDA devices there"),
     "flag_notices": ((), "one-line notices printed once by rank 0 at start-up (flag table, auto-plan, alpha)"),
     "batch_schedule": (None, "the global batch size per iteration (BatchSchedule: constant, step or ramp-up)"),
     "lr_warmup_steps": (None, "warm-up in samples, when the schedule counts samples (Megatron's scheduler)"),
@@ -155,7 +157,7 @@ def resolve(config: TrainConfig) -> TrainConfig:
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
     steps += [arguments.fill_parallel_defaults, arguments.apply_padded_vocab_size, megatron_offload.map_offload_request,
-              check_sharding_flags, check_cuda_connections, check_sdc_flags, check_memory_hygiene, check_gpu_flags,
+              check_sharding_flags, check_gpu_slots, check_cuda_connections, check_sdc_flags, check_memory_hygiene, check_gpu_flags,
               validation.validate_args]
     for step in steps:
         config = step(config)
@@ -186,13 +188,14 @@ def _checkpoint_args(namespace: argparse.Namespace, parser: argparse.ArgumentPar
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
-               defaults: Optional[dict] = None, world_size: int = 1, rank: int = 0,
+               defaults: Optional[dict] = None, world_size: int = 1, rank: int = 0, ranks_per_node: int = 1,
                read_checkpoint_args: Optional[checkpoint_args.Reader] = None) -> TrainConfig:
     """Parse and resolve the command line; exit 2 with one line on a bad flag.
 
     ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py gets
-    :data:`~h3t_training.config.arguments.LLAMA_DEFAULTS`. ``world_size`` is the job's (the entry point reads the
-    launcher's; nothing here reads the environment); every rank parses, rank 0 (``rank``) writes the error line.
+    :data:`~h3t_training.config.arguments.LLAMA_DEFAULTS`. ``world_size`` is the job's and ``ranks_per_node`` this
+    rank's node's (the entry point reads the launcher's; nothing here reads them from the environment); every rank
+    parses, rank 0 (``rank``) writes the error line.
     ``read_checkpoint_args`` reads the args a checkpoint saved, for ``--use-checkpoint-args``
     (:func:`h3t_training.loop.saved_args.read_saved_args`; the entry points pass it).
     The flag table's refusals and the first problem the resolve steps find are one line together."""
@@ -219,7 +222,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
     refused = refusal(given, device, namespace)
     if refused and taken:
         refused += " (" + "; ".join(n.removeprefix("note: ") for n in taken) + ")"
-    config = TrainConfig.from_namespace(namespace, world_size=world_size,
+    config = TrainConfig.from_namespace(namespace, world_size=world_size, ranks_per_node=ranks_per_node,
                                         flag_notices=(*taken, *notice_lines(given, device, namespace)))
     try:
         config = resolve(config)  # also with refused flags (the steps never read them): one launch names all

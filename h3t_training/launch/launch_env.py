@@ -43,6 +43,12 @@ class LaunchEnv:
         scripts (Megatron-Kwai's) tee into their logs; Megatron-LM draws no bar at all."""
         return self.launcher != "openmpi" and stdout.isatty()
 
+    @property
+    def ranks_per_node(self) -> int:
+        """The ranks the launcher starts on this process's node: its local world size, or ``local_rank + 1`` where
+        a launcher set a local rank beyond it (one that sets no local world size)."""
+        return max(self.local_world_size, self.local_rank + 1)
+
 
 def _int(environ: Mapping[str, str], name: str, default: Optional[int], low: int) -> int:
     raw = environ.get(name)

@@ -249,3 +249,31 @@ def test_the_cpu_path_reads_no_launch_environment(monkeypatch):
     fake_device(monkeypatch, gpu=False, te=False)
     monkeypatch.setenv(feature_checks.CONNECTIONS_VAR, "8")
     assert parse_args([*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=2)
+
+
+@pytest.mark.parametrize("ranks, devices, backend, refused", [
+    (4, 2, None, "the launcher starts 4 ranks on this node but it shows 2 CUDA devices (NCCL takes one GPU per rank): "
+                 "start at most 2 per node (torchrun --nproc-per-node 2, mpirun --npernode 2)"),
+    (2, 1, None, "shows 1 CUDA device (NCCL"),
+    (2, 2, None, None),
+    (8, 2, "gloo", None),  # gloo ranks train on the host's CPUs, not on its GPUs
+])
+def test_a_gpu_run_needs_a_gpu_for_each_rank_on_its_node(monkeypatch, capsys, ranks, devices, backend, refused):
+    """Each rank of a GPU run takes the device of its local rank and NCCL refuses two ranks on one device: a node
+    started with more ranks than it shows GPUs is refused in one line at parse time (the rank past the last device
+    would stop in a traceback at torch.cuda.set_device)."""
+    fake_device(monkeypatch, gpu=True, te=True)
+    monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: devices)
+    argv = [*BASE, *(["--distributed-backend", backend] if backend else [])]
+    if refused is None:
+        assert parse_args(argv, world_size=8, ranks_per_node=ranks).ranks_per_node == ranks
+    else:
+        with pytest.raises(SystemExit):
+            parse_args(argv, world_size=8, ranks_per_node=ranks)
+        assert refused in capsys.readouterr().err
+
+
+def test_the_cpu_path_starts_any_number_of_ranks_on_a_node(monkeypatch):
+    fake_device(monkeypatch, gpu=False, te=False)
+    monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: 0)
+    assert parse_args(BASE, world_size=8, ranks_per_node=8).ranks_per_node == 8

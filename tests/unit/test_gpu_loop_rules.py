@@ -177,3 +177,25 @@ def test_megatron_loop_needs_the_dataset_makefile(tmp_path, monkeypatch, capsys)
     assert megatron_native.missing_dataset_makefile() is None
     assert pretrain_gpt.use_megatron_loop(["--num-layers", "2"], note=True)
     assert not pretrain_gpt.use_megatron_loop(["--num-layers", "2", "--auto-plan"])  # a driver-only flag
+
+
+def test_megatron_loop_on_a_node_with_fewer_gpus_than_ranks_is_one_line(monkeypatch, capsys):
+    """Megatron's own loop sets each rank's device to its local rank (a traceback past the last GPU): pretrain_gpt.py
+    says so in one line before Megatron starts."""
+    import pretrain_gpt
+    from h3t_training.loop import megatron_native
+
+    for k, v in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "6000"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(pretrain_gpt, "use_megatron_loop", lambda argv, note=False: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    started = []
+    monkeypatch.setattr(megatron_native, "run", lambda *a, **k: started.append(a) or 0)
+    assert pretrain_gpt.main(["--num-layers", "2"]) == 2 and not started
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pretrain_gpt.py: error: the launcher starts 4 ranks on this node but it shows 2 CUDA devices "
+                   "(NCCL takes one GPU per rank): start at most 2 per node (torchrun --nproc-per-node 2, mpirun "
+                   "--npernode 2) or make more GPUs visible (CUDA_VISIBLE_DEVICES)"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert pretrain_gpt.main(["--num-layers", "2"]) == 0 and len(started) == 1

@@ -72,3 +72,12 @@ def test_a_progress_bar_is_drawn_on_a_watched_terminal_only():
     assert from_environ({"RANK": "0", "WORLD_SIZE": "2"}).watched_terminal(_Stdout(True))
     assert not from_environ(OMPI).watched_terminal(_Stdout(True))
     assert not from_environ({}).watched_terminal(_Stdout(False))
+
+
+@pytest.mark.parametrize("env, ranks", [
+    (LaunchEnv(3, 4, 1, 2, "openmpi"), 2),
+    (LaunchEnv(5, 8, 5, 1, "torch"), 6),  # a launcher that sets a local rank and no local world size
+    (LaunchEnv(), 1),
+])
+def test_ranks_per_node_is_the_local_world_or_beyond_it_the_local_rank(env, ranks):
+    assert env.ranks_per_node == ranks
