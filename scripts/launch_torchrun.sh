@@ -37,7 +37,8 @@ if [[ $DRY_RUN == 1 ]]; then
   exit 0
 fi
 # Check the flags once for the whole world before any rank starts (one line and exit 2 when bad).
-(cd "$ROOT" && "$PYTHON" -m h3t_training.launch.preflight --world-size "$((NPROC_PER_NODE * NNODES))" --entry "$ENTRY" -- "${ARGS[@]}") || exit $?
+(cd "$ROOT" && "$PYTHON" -m h3t_training.launch.preflight --world-size "$((NPROC_PER_NODE * NNODES))" --entry "$ENTRY" \
+  --ranks-per-node "$NPROC_PER_NODE" -- "${ARGS[@]}") || exit $?
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's h3t_training, wherever it is started from
 exec "${CMD[@]}"

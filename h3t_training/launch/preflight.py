@@ -1,9 +1,11 @@
 """Check a training command line once, before a launcher starts any rank.
 
-    python -m h3t_training.launch.preflight --world-size 16 [--entry pretrain_gpt.py] -- <the entry's flags>
+    python -m h3t_training.launch.preflight --world-size 16 [--entry pretrain_gpt.py] [--ranks-per-node 8] \
+        -- <the entry's flags>
 
 Runs every check the driver makes before its process groups exist (flags, layout for this world
-size, tokenizer and data files, the checkpoint under ``--load``, writable output directories) and
+size, GPUs for the ranks a node starts where the launcher knows that number, tokenizer and data files, the
+checkpoint under ``--load``, writable output directories) and
 exits 0 silently, or with the driver's one-line error and status 2. The launch scripts call it,
 so a bad flag is one line there too, not one line per rank followed by the launcher's report.
 """
@@ -19,23 +21,27 @@ from typing import Optional
 ENTRIES = ("pretrain_llama.py", "pretrain_gpt.py")
 """The entry points whose command lines this checks, each with its defaults (Llama's; Megatron-LM's GPT)."""
 USAGE = ("preflight: usage: python -m h3t_training.launch.preflight --world-size N [--entry "
-         + "|".join(ENTRIES) + "] -- FLAGS...")
+         + "|".join(ENTRIES) + "] [--ranks-per-node N] -- FLAGS...")
 
 
-def _options(argv: list) -> Optional[tuple[int, str, list]]:
-    """(world size, entry, the entry's flags), or None for a malformed command line."""
+def _options(argv: list) -> Optional[tuple[int, str, int, list]]:
+    """(world size, entry, ranks per node, the entry's flags), or None for a malformed command line."""
     if "--" not in argv:
         return None
     cut = argv.index("--")
     head, flags = argv[:cut], argv[cut + 1:]
-    if len(head) not in (2, 4) or head[0] != "--world-size" or not head[1].isdigit() or int(head[1]) < 1:
+    if len(head) % 2:
         return None
-    entry = ENTRIES[0]
-    if len(head) == 4:
-        if head[2] != "--entry" or head[3] not in ENTRIES:
-            return None
-        entry = head[3]
-    return int(head[1]), entry, flags
+    given = dict(zip(head[::2], head[1::2]))
+    if len(given) != len(head) // 2 or not set(given) <= {"--world-size", "--entry", "--ranks-per-node"}:
+        return None
+    sizes = [given.get("--world-size"), given.get("--ranks-per-node", "1")]
+    if sizes[0] is None or not all(v.isdigit() and int(v) >= 1 for v in sizes):
+        return None
+    entry = given.get("--entry", ENTRIES[0])
+    if entry not in ENTRIES:
+        return None
+    return int(sizes[0]), entry, int(sizes[1]), flags
 
 
 def main(argv=None) -> int:
@@ -43,7 +49,7 @@ def main(argv=None) -> int:
     if options is None:
         sys.stderr.write(USAGE + "\n")
         return 2
-    world_size, prog, flags = options
+    world_size, prog, ranks_per_node, flags = options
     from h3t_training.launch.quiet_imports import ignore_optional_accelerator_warnings
     ignore_optional_accelerator_warnings()
     from h3t_training.config.arguments import MEGATRON_GPT_DEFAULTS
@@ -52,7 +58,7 @@ def main(argv=None) -> int:
 
     defaults = MEGATRON_GPT_DEFAULTS if prog == "pretrain_gpt.py" else None
     with contextlib.redirect_stdout(io.StringIO()):
-        args = parse_args(flags, prog=prog, defaults=defaults, world_size=world_size,
+        args = parse_args(flags, prog=prog, defaults=defaults, world_size=world_size, ranks_per_node=ranks_per_node,
                           read_checkpoint_args=read_saved_args)  # bad flag: one line, exit 2
         if not any(d is not None and os.path.isdir(d) for d in (args.load, args.pretrained_checkpoint)):
             return 0  # nothing to check: find_load would say None (or the missing --pretrained-checkpoint)

@@ -56,6 +56,7 @@ def test_slurm_dry_run_uses_srun_with_slurm_rank_variables():
     assert cmd[0] == "srun" and cmd[cmd.index("--nodes") + 1] == "3" and cmd[cmd.index("--ntasks-per-node") + 1] == "4"
     task = cmd[cmd.index("-c") + 1]
     assert "RANK=$SLURM_PROCID" in task and "WORLD_SIZE=$SLURM_NTASKS" in task and "LOCAL_RANK=$SLURM_LOCALID" in task
+    assert "LOCAL_WORLD_SIZE=$SLURM_NTASKS_PER_NODE" in task  # the ranks per node the driver's GPU check reads
     assert cmd[-2:] == ["--seed", "5"]
 
 

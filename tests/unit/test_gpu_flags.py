@@ -277,3 +277,23 @@ def test_the_cpu_path_starts_any_number_of_ranks_on_a_node(monkeypatch):
     fake_device(monkeypatch, gpu=False, te=False)
     monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: 0)
     assert parse_args(BASE, world_size=8, ranks_per_node=8).ranks_per_node == 8
+
+
+def test_the_launch_scripts_preflight_checks_the_gpus_of_a_node_it_is_told(monkeypatch, capsys):
+    """launch_torchrun.sh and launch_slurm.sbatch pass the ranks they start per node to the preflight check, so a GPU
+    node with too few devices is one line before any rank starts."""
+    from h3t_training.launch import preflight
+
+    assert preflight._options(["--world-size", "8", "--ranks-per-node", "4", "--", "--x"]) == (
+        8, "pretrain_llama.py", 4, ["--x"])
+    assert preflight._options(["--world-size", "8", "--", "--x"])[2] == 1
+    for bad in (["--world-size", "8", "--ranks-per-node", "0"], ["--world-size", "8", "--ranks-per-node"],
+                ["--world-size", "8", "--world-size", "4"], ["--ranks-per-node", "2"], ["--nodes", "2"]):
+        assert preflight._options([*bad, "--", "--x"]) is None, bad
+    fake_device(monkeypatch, gpu=True, te=True)
+    monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: 4)
+    assert preflight.main(["--world-size", "8", "--ranks-per-node", "4", "--", *BASE]) == 0
+    with pytest.raises(SystemExit) as exc:
+        preflight.main(["--world-size", "16", "--ranks-per-node", "8", "--", *BASE])
+    assert exc.value.code == 2
+    assert "the launcher starts 8 ranks on this node but it shows 4 CUDA devices" in capsys.readouterr().err
