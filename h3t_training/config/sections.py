@@ -157,8 +157,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
     steps += [arguments.fill_parallel_defaults, arguments.apply_padded_vocab_size, megatron_offload.map_offload_request,
-              check_sharding_flags, check_gpu_slots, check_cuda_connections, check_sdc_flags, check_memory_hygiene, check_gpu_flags,
-              validation.validate_args]
+              check_sharding_flags, check_gpu_slots, check_cuda_connections, check_sdc_flags, check_memory_hygiene,
+              check_gpu_flags, validation.validate_args]
     for step in steps:
         config = step(config)
         assert isinstance(config, TrainConfig), f"{step.__name__} must return a TrainConfig"
