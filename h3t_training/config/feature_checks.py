@@ -4,12 +4,13 @@ each problem one :class:`~h3t_training.errors.ArgumentError` line. The features 
 across data-parallel replicas (``loop/sdc_guards.py``), the TensorBoard and W&B writers (``telemetry/loggers.py``)."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Optional
 
 from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
-from h3t_training.config.flag_table import given_table_flags
+from h3t_training.config.flag_table import TE_MISSING, given_table_flags
 from h3t_training.errors import ArgumentError
 
 
@@ -22,8 +23,25 @@ def cuda_available() -> bool:
 
 def transformer_engine_available() -> bool:
     """TransformerEngine is importable (the one probe of the driver's layer spec and GPU flag checks; tests
-    replace it)."""
-    return importlib.util.find_spec("transformer_engine") is not None
+    replace it): :func:`transformer_engine_problem` finds nothing."""
+    return transformer_engine_problem() is None
+
+
+@functools.lru_cache(maxsize=1)
+def transformer_engine_problem() -> Optional[str]:
+    """Why this process cannot use TransformerEngine, in words that follow :data:`TE_MISSING`'s place in a line, or
+    None. Read once, and only by GPU runs: not installed (:data:`TE_MISSING`), or installed with a PyTorch module
+    that fails to import (an extension built for another torch or CUDA is the common case), which megatron-core would
+    meet later in a traceback, so the failure's first line is named."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return TE_MISSING
+    try:
+        import transformer_engine.pytorch  # noqa: F401, PLC0415
+    except Exception as e:  # noqa: BLE001 - an extension's import fails in many ways (ImportError, OSError, ...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return (f"TransformerEngine is installed here but does not import ({type(e).__name__}"
+                f"{': ' + first if first else ''})")
+    return None
 
 
 def uses_gpu(args) -> bool:
@@ -255,4 +273,5 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
 __all__ = ["CONNECTIONS_VAR", "MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE", "check_cuda_connections",
            "check_gpu_slots", "check_optimizer_offload", "check_sdc_flags", "check_sharding_flags",
            "check_writer_packages", "cuda_arch_major", "cuda_available", "cuda_connections_refusal",
-           "cuda_device_count", "gpu_slots_refusal", "transformer_engine_available", "uses_gpu"]
+           "cuda_device_count", "gpu_slots_refusal", "transformer_engine_available", "transformer_engine_problem",
+           "uses_gpu"]

@@ -53,16 +53,21 @@ class FlagEntry:
         return GPU_BY_FLAG.get(self.flag) or GPU_BY_REASON.get(self.key)
 
 
+TE_MISSING = "TransformerEngine is not importable here"
+"""What a GPU run without TransformerEngine is told where a flag or the layer spec needs it."""
+
+
 @dataclass(frozen=True)
 class RunDevice:
-    """Where a run trains: on a GPU (``uses_gpu``) and whether TransformerEngine is importable there."""
+    """Where a run trains: on a GPU (``uses_gpu``) and whether TransformerEngine is importable there (if not, why:
+    ``feature_checks.transformer_engine_problem``)."""
 
     on_gpu: bool = False
     transformer_engine: bool = False
+    transformer_engine_problem: str = TE_MISSING
 
 
 CPU = RunDevice()
-TE_MISSING = "TransformerEngine is not importable here"
 
 
 def reason_on(entry: FlagEntry, device: RunDevice, value=None) -> Reason:
@@ -74,7 +79,7 @@ def reason_on(entry: FlagEntry, device: RunDevice, value=None) -> Reason:
     if rule.cls == "implemented" and te_needed and not device.transformer_engine:
         what = f"with the value {value} " if rule.te_values else ""
         return Reason("refused", f"on a GPU {what}it runs through TransformerEngine (megatron-core's TE layers), and "
-                      f"{TE_MISSING}", "install TransformerEngine, or leave the flag out")
+                      f"{device.transformer_engine_problem}", "install TransformerEngine, or leave the flag out")
     return Reason(rule.cls, rule.text, rule.alternative)
 
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from h3t_ext.costmodel.fp8 import bf16_layer_counts_refusal, fp8_switches_refusal
 from h3t_ext.planner.translate import sixteen_bit_grads
 from h3t_training.config import feature_checks
-from h3t_training.config.flag_table import table_int, table_value
+from h3t_training.config.flag_table import TE_MISSING, table_int, table_value
 from h3t_training.config.fp8_flags import AMAX_COMPUTE_ALGOS, FP8_FLAGS, FP8_FORMATS, FP8_RECIPES, Fp8Flag
 from h3t_training.errors import ArgumentError
 
@@ -197,7 +197,8 @@ def spec_backend(args, *, on_gpu: bool) -> str:
         return "local"
     if not feature_checks.transformer_engine_available():
         if impl == "transformer_engine":
-            raise ValueError("--transformer-impl transformer_engine needs TransformerEngine, which is not importable")
+            raise ValueError(f"--transformer-impl transformer_engine needs TransformerEngine, and "
+                             f"{feature_checks.transformer_engine_problem() or TE_MISSING}")
         return "local"
     return "te"
 

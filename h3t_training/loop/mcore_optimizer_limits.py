@@ -17,9 +17,9 @@ def build_optimizer_config(config_cls, fields: dict):
     checks return at once (HybridDeviceOptimizer steps with torch's AdamW) and the driver has checked Adam and the
     distributed optimizer (feature_checks), so without TE the field is set after construction, with
     ``store_param_remainders`` False as ``__post_init__`` sets it below TE 2.1."""
-    import importlib.util
+    from h3t_training.config import feature_checks
     if not (fields.get("use_precision_aware_optimizer") and fields.get("optimizer_cpu_offload")) \
-            or importlib.util.find_spec("transformer_engine") is not None:
+            or feature_checks.transformer_engine_available():
         return config_cls(**fields)
     cfg = config_cls(**{**fields, "use_precision_aware_optimizer": False})
     cfg.use_precision_aware_optimizer = True
@@ -32,10 +32,11 @@ def require_transformer_engine(args) -> Optional[str]:
     OptimizerConfig); the one-line reason when TE is not importable, else None."""
     if not args.use_precision_aware_optimizer or args.optimizer_cpu_offload:
         return None  # with the offload megatron-core's HybridDeviceOptimizer steps with torch's AdamW
-    import importlib.util
-    if importlib.util.find_spec("transformer_engine") is None:
-        return ("--use-precision-aware-optimizer needs TransformerEngine's FusedAdam on a GPU "
-                "(transformer_engine is not importable); leave the flag out")
+    from h3t_training.config import feature_checks
+    from h3t_training.config.flag_table import TE_MISSING
+    if not feature_checks.transformer_engine_available():
+        return (f"--use-precision-aware-optimizer needs TransformerEngine's FusedAdam on a GPU "
+                f"({feature_checks.transformer_engine_problem() or TE_MISSING}); leave the flag out")
     return None
 
 

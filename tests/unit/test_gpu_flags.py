@@ -5,6 +5,8 @@ TransformerConfig / DDP config and the Plan the driver prices. The GPU and Trans
 the driver's two probes (``feature_checks.cuda_available``, ``feature_checks.transformer_engine_available``)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -297,3 +299,36 @@ def test_the_launch_scripts_preflight_checks_the_gpus_of_a_node_it_is_told(monke
         preflight.main(["--world-size", "16", "--ranks-per-node", "8", "--", *BASE])
     assert exc.value.code == 2
     assert "the launcher starts 8 ranks on this node but it shows 4 CUDA devices" in capsys.readouterr().err
+
+
+def test_a_transformer_engine_that_is_installed_but_does_not_import_is_named(monkeypatch, capsys, tmp_path):
+    """An installed TransformerEngine whose PyTorch module fails to import (an extension built for another torch) is
+    not TransformerEngine to the driver: on a GPU a flag that needs it is refused naming the import's failure, where
+    megatron-core would have stopped later in a traceback."""
+    package = tmp_path / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pytorch" / "__init__.py").write_text(
+        "raise ImportError('libtransformer_engine.so: undefined symbol: _ZN3c104cuda9SetDevice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    feature_checks.transformer_engine_problem.cache_clear()
+    try:
+        assert not feature_checks.transformer_engine_available()
+        problem = feature_checks.transformer_engine_problem()
+        assert problem == ("TransformerEngine is installed here but does not import (ImportError: "
+                           "libtransformer_engine.so: undefined symbol: _ZN3c104cuda9SetDevice)")
+        monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)
+        monkeypatch.setattr(feature_checks, "cuda_arch_major", lambda: 9)
+        body = error_body([*BASE, "--fp8-format", "hybrid"], capsys)
+        assert body.startswith("--fp8-format is not supported: on a GPU it runs through TransformerEngine") and \
+            problem in body, body
+        body = error_body([*BASE, "--transformer-impl", "transformer_engine"], capsys)
+        assert body.startswith("--transformer-impl is not supported: on a GPU with the value transformer_engine it "
+                               "runs through TransformerEngine") and problem in body, body
+        config = parse_args(BASE, world_size=2)  # Megatron's default impl: the local spec, as without TE
+        from h3t_training.config.run_spec import uses_transformer_engine
+        assert not uses_transformer_engine(True, config)
+    finally:
+        feature_checks.transformer_engine_problem.cache_clear()
+        for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
+            monkeypatch.delitem(sys.modules, name)
