@@ -16,6 +16,7 @@ from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_fro
 from h3t_ext.planner.calibrate import RunFileError, calibrate, check_output_path, read_runs
 from h3t_ext.planner.evaluate import evaluate, flash_rate_tokens_per_second
 from h3t_ext.planner.flags import megatron_flags
+from h3t_ext.planner.launch_env import describe_launch_env, launch_env_words
 from h3t_ext.planner.search import search
 
 def _fail(message: str) -> int:
@@ -46,7 +47,7 @@ def _estimate(ns, model, system) -> int:
     except InfeasiblePlanError as e:
         return _fail(f"--offload-alpha {ns.offload_alpha}: no alpha in [0, 1] fits the memory budget: {e.reason}")
     if ns.json:
-        out = fmt.evaluation_dict(ev, megatron_flags(ev.plan, moe=model.is_moe))
+        out = fmt.evaluation_dict(ev, megatron_flags(ev.plan, moe=model.is_moe), launch_env_words(ev.plan, system))
         flash = flash_rate_tokens_per_second(model, ev, system)
         if flash is not None:  # the fused attention at a 2024 stack's rate (format.attention_stack_clause)
             out["tokens_per_second_at_flash_attention_rate"] = flash
@@ -81,6 +82,8 @@ def _search(ns, model, system) -> int:
     console.print(fmt.plausibility_line(result, ns.top), highlight=False, markup=False, soft_wrap=True)
     for i, r in enumerate(result.plans[:ns.top], 1):
         console.print(f"#{i:<3d} " + " ".join(r.megatron_flags), highlight=False, markup=False, soft_wrap=True)
+        if r.launch_env:
+            console.print("     " + describe_launch_env(r.launch_env), highlight=False, markup=False, soft_wrap=True)
     for line in fmt.rejected_lines(result):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0

@@ -17,6 +17,7 @@ from h3t_ext.layout import layout_stage_count
 from h3t_ext.planner.evaluate import Evaluation, flash_rate_tokens_per_second
 from h3t_ext.offload_alpha import format_alpha
 from h3t_ext.planner.flags import megatron_flags
+from h3t_ext.planner.launch_env import describe_launch_env, launch_env_words
 from h3t_ext.planner.search import R_BOUND, R_PRUNED, R_SLOWER, SearchResult
 from h3t_ext.planner.units import format_bytes
 
@@ -54,8 +55,10 @@ def _alpha_value(alphas: tuple[float, ...]):
     return alphas[0] if len(set(alphas)) == 1 else list(alphas)
 
 
-def evaluation_dict(ev: Evaluation, flags: Optional[Sequence[str]] = None) -> dict:
-    """Flat JSON object of one evaluated plan: the headline numbers, the plan fields and the launch flags."""
+def evaluation_dict(ev: Evaluation, flags: Optional[Sequence[str]] = None,
+                    launch_env: Optional[Sequence[str]] = None) -> dict:
+    """Flat JSON object of one evaluated plan: the headline numbers, the plan fields, the launch flags and (given)
+    the ``env`` arguments of the launch environment Megatron-LM asserts for it (``launch_env``, empty for none)."""
     est = ev.estimate
     plan = ev.plan
     out = {
@@ -89,6 +92,8 @@ def evaluation_dict(ev: Evaluation, flags: Optional[Sequence[str]] = None) -> di
     if err is not None:
         out["over_budget"] = {"term": err.term, "excess_bytes": err.excess_bytes, "stage": err.stage}
     out["megatron_flags"] = list(flags) if flags is not None else megatron_flags(plan)
+    if launch_env is not None:
+        out["launch_env"] = list(launch_env)
     return out
 
 
@@ -257,6 +262,9 @@ def estimate_lines(ev: Evaluation, model: ModelSpec, system: SystemSpec) -> list
         lines.append(f"balanced    per-stage alpha saves {format_bytes(ev.pcie_bytes_saved_vs_auto or 0)} of PCIe "
                      f"traffic per iteration (summed over stages) vs auto alpha {auto}")
     lines.append("flags       " + " ".join(megatron_flags(ev.plan, moe=model.is_moe)))
+    env = describe_launch_env(launch_env_words(ev.plan, system))
+    if env:
+        lines.append(f"launch      {env}")
     return lines
 
 
@@ -365,7 +373,7 @@ def plausibility_line(result: SearchResult, top: int) -> str:
 def search_dicts(result: SearchResult, top: int) -> list[dict]:
     """The best ``top`` plans as JSON objects, each with ``tied_with_best`` (within the best's interval)."""
     tied = set(result.tied_with_best())
-    return [{**evaluation_dict(r.evaluation, r.megatron_flags), "tied_with_best": i in tied}
+    return [{**evaluation_dict(r.evaluation, r.megatron_flags, r.launch_env), "tied_with_best": i in tied}
             for i, r in enumerate(result.plans[:top])]
 
 

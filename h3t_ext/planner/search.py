@@ -41,6 +41,7 @@ from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_stat
 from h3t_ext.planner.bounds import LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
 from h3t_ext.planner.flags import megatron_flags
+from h3t_ext.planner.launch_env import launch_env_words
 from h3t_ext.planner.recompute_modes import R_BLOCK_NONE, RecomputeMode, search_modes, smallest_block_layers
 from h3t_ext.planner.space import Layout, MemoryOption, SearchConstraints, enumerate_layouts
 
@@ -69,6 +70,9 @@ class RankedPlan:
     """Plan with resolved alpha and its estimate."""
     megatron_flags: tuple[str, ...]
     """Flags that launch it (see :func:`h3t_ext.planner.flags.megatron_flags`)."""
+    launch_env: tuple[str, ...] = ()
+    """The ``env`` arguments of the launch environment Megatron-LM asserts for it
+    (:func:`h3t_ext.planner.launch_env.launch_env_words`)."""
 
     @property
     def plan(self) -> Plan:
@@ -230,7 +234,7 @@ def _price_one(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode
         col.infeasible(ev.plan, err.term, err.excess_bytes, err.stage, err.reason,
                        lambda: est.stages[est.peak_stage].terms if err.stage is not None else dict(est.host_terms))
         return None
-    ranked = RankedPlan(ev, tuple(megatron_flags(ev.plan, moe=model.is_moe)))
+    ranked = RankedPlan(ev, tuple(megatron_flags(ev.plan, moe=model.is_moe)), launch_env_words(ev.plan, system))
     col.feasible.append(ranked)
     return ranked
 
@@ -406,10 +410,11 @@ def _with_timeline(model, system, ranked: list[RankedPlan], k: int, alpha_mode, 
     rest = list(ranked)
     while rest and (len(kept) < k or (rest[0].tokens_per_second > kept[-1].tokens_per_second
                                       and len(kept) < TIMELINE_CAP)):
-        ev = rest.pop(0).evaluation
+        closed_form = rest.pop(0)
+        ev = closed_form.evaluation
         est = estimate(model, ev.plan, system, memory_budget_bytes=budget.device,
                        host_memory_budget_bytes=budget.host)
-        kept.append(RankedPlan(replace(ev, estimate=est), tuple(megatron_flags(ev.plan, moe=model.is_moe))))
+        kept.append(replace(closed_form, evaluation=replace(ev, estimate=est)))
         kept.sort(key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
     return kept + rest
 

@@ -10,6 +10,7 @@ import os
 from typing import Optional
 
 from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
+from h3t_ext.planner.launch_env import CONNECTIONS_VAR, connections_refusal
 from h3t_training.config.flag_table import TE_MISSING, given_table_flags
 from h3t_training.errors import ArgumentError
 
@@ -85,28 +86,14 @@ def check_gpu_slots(args):
     return args
 
 
-CONNECTIONS_VAR = "CUDA_DEVICE_MAX_CONNECTIONS"
-"""The CUDA setting Megatron-LM 0.16-0.19's ``validate_args`` asserts on a GPU run's launch environment."""
-
-
 def cuda_connections_refusal(args, value: Optional[str], arch_major: Optional[int]) -> Optional[str]:
     """Why Megatron-LM would not start this GPU run with ``CUDA_DEVICE_MAX_CONNECTIONS`` at ``value`` (None: unset)
     on a GPU of compute capability ``arch_major``.x (None: not read, the run has neither tensor nor context
-    parallelism), or None. Its rule: Megatron FSDP and torch FSDP2 need it unset or above 1; tensor or context
-    parallelism before Blackwell (below 10) needs it 1, so that the sequence-parallel collectives are queued ahead of
-    the GEMMs they overlap (with either FSDP Megatron-LM only warns)."""
+    parallelism), or None: :func:`h3t_ext.planner.launch_env.connections_refusal` (the rule the planner prints)."""
     fsdp = "--use-megatron-fsdp" if args.use_megatron_fsdp else "--use-torch-fsdp2" if args.use_torch_fsdp2 else None
-    if fsdp and value == "1":
-        return (f"{fsdp} needs {CONNECTIONS_VAR} unset or above 1 (Megatron-LM asserts it: FSDP's collectives run "
-                f"beside the compute on streams of their own), got 1; unset it")
-    sizes = [f"{flag} {n}" for flag, n in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
-                                           ("--context-parallel-size", args.context_parallel_size))
-             if n is not None and n > 1]  # None: not filled yet (--auto-plan's ladder asks before the sizes are)
-    if sizes and arch_major is not None and arch_major < 10 and not fsdp and value != "1":
-        return (f"{' and '.join(sizes)} on a GPU of compute capability {arch_major}.x needs {CONNECTIONS_VAR}=1 in the "
-                f"launch environment (Megatron-LM asserts it before Blackwell: the sequence-parallel collectives must "
-                f"be queued ahead of the GEMMs they overlap), got {value or 'unset'}; export {CONNECTIONS_VAR}=1")
-    return None
+    sizes = (("--tensor-model-parallel-size", args.tensor_model_parallel_size),  # None: not filled yet (--auto-plan's
+             ("--context-parallel-size", args.context_parallel_size))            # ladder asks before the sizes are)
+    return connections_refusal(value, sizes=sizes, fsdp_flag=fsdp, arch_major=arch_major)
 
 
 def check_cuda_connections(args):
