@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 
 from h3t_ext.costmodel import Plan, get_system
+from h3t_ext.planner.cli import main
 from h3t_ext.planner.launch_env import ONE, UNSET, connections_refusal, describe_launch_env, launch_env_words, \
     required_connections
 
@@ -55,14 +54,25 @@ def test_what_the_planner_prints_the_driver_accepts_and_its_opposite_it_refuses(
                                arch_major=9) is None  # sizes not filled yet: nothing asked of them
 
 
-def test_search_prints_and_writes_each_plans_launch_environment():
-    argv = [sys.executable, "-m", "h3t_ext.planner", "search", "--model", "llama3-70b", "--gpu", "h100-sxm",
-            "--num-gpus", "64", "--seq-length", "8192", "--global-batch-size", "128", "--top", "3"]
-    plans = json.loads(subprocess.run([*argv, "--json"], capture_output=True, text=True, check=True).stdout)
+def test_search_prints_and_writes_each_plans_launch_environment(capsys):
+    argv = ["search", "--model", "llama3-70b", "--gpu", "h100-sxm", "--num-gpus", "64", "--seq-length", "8192",
+            "--global-batch-size", "128", "--top", "3"]
+    assert main([*argv, "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
     for p in plans:
         t, c = p["tensor_model_parallel_size"], p["context_parallel_size"]
         assert p["launch_env"] == (["CUDA_DEVICE_MAX_CONNECTIONS=1"] if max(t, c) > 1 else []), p
     assert any(p["launch_env"] for p in plans)
-    text = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    assert main(argv) == 0
+    text = capsys.readouterr().out
     assert text.count("     env CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM asserts") == sum(
         bool(p["launch_env"]) for p in plans)
+
+
+def test_estimate_prints_the_launch_environment_on_its_own_line(capsys):
+    small = ["estimate", "--model", "llama3-8b", "--num-gpus", "8", "--seq-length", "8192", "--global-batch-size",
+             "128", "--tensor-model-parallel-size", "2"]
+    assert main([*small, "--gpu", "h100-sxm"]) == 0
+    assert "launch      env CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron-LM asserts" in capsys.readouterr().out
+    assert main([*small, "--gpu", "b200", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["launch_env"] == []
