@@ -124,9 +124,23 @@ def validate_fp8(plan, system=None) -> None:
     if system.peak_fp8_flops <= 0:
         raise InvalidPlanError(f"--fp8-format needs FP8 tensor cores (Hopper or newer, compute capability >= "
                                f"{FP8_MIN_COMPUTE_CAPABILITY}): {system.name} has none (peak_fp8_flops 0)")
-    if recipe == "mxfp8" and system.compute_capability < MXFP8_MIN_COMPUTE_CAPABILITY:
-        raise InvalidPlanError(f"--fp8-recipe mxfp8 needs Blackwell (compute capability >= "
-                               f"{MXFP8_MIN_COMPUTE_CAPABILITY}): {system.name} has {system.compute_capability}")
+    refusal = fp8_device_refusal(recipe, system.compute_capability, system.name)
+    if refusal:
+        raise InvalidPlanError(refusal)
+
+
+def fp8_device_refusal(recipe: str, compute_capability: float, device: str) -> Optional[str]:
+    """Why a GPU of ``compute_capability`` (``device`` names it) cannot run FP8 with ``recipe``, or None: FP8 tensor
+    cores from compute capability 8.9 (:data:`FP8_MIN_COMPUTE_CAPABILITY`), MXFP8 from Blackwell's 10.0
+    (:data:`MXFP8_MIN_COMPUTE_CAPABILITY`). The planner refuses a system file's GPU with this line and the training
+    driver the GPU it runs on, where TransformerEngine would stop at the first FP8 layer's forward."""
+    if compute_capability < FP8_MIN_COMPUTE_CAPABILITY:
+        return (f"--fp8-format needs FP8 tensor cores (Hopper or newer, compute capability >= "
+                f"{FP8_MIN_COMPUTE_CAPABILITY}): {device} has {compute_capability}")
+    if recipe == "mxfp8" and compute_capability < MXFP8_MIN_COMPUTE_CAPABILITY:
+        return (f"--fp8-recipe mxfp8 needs Blackwell (compute capability >= {MXFP8_MIN_COMPUTE_CAPABILITY}): {device} "
+                f"has {compute_capability}")
+    return None
 
 
 def bf16_layers_recipe_refusal(first_last_layers_bf16: bool, recipe: str) -> Optional[str]:

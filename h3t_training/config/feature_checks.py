@@ -57,6 +57,15 @@ def cuda_arch_major() -> int:
     return torch.cuda.get_device_capability()[0]
 
 
+def cuda_compute_capability() -> float:
+    """This process's GPU's compute capability as ``major.minor`` (9.0 for Hopper, 8.9 for Ada; the driver's fifth
+    probe; tests replace it)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return major + minor / 10
+
+
 def cuda_device_count() -> int:
     """The CUDA devices this process sees (the driver's fourth probe; tests replace it)."""
     import torch
@@ -259,6 +268,7 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
 
 __all__ = ["CONNECTIONS_VAR", "MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE", "check_cuda_connections",
            "check_gpu_slots", "check_optimizer_offload", "check_sdc_flags", "check_sharding_flags",
-           "check_writer_packages", "cuda_arch_major", "cuda_available", "cuda_connections_refusal",
+           "check_writer_packages", "cuda_arch_major", "cuda_available", "cuda_compute_capability",
+           "cuda_connections_refusal",
            "cuda_device_count", "gpu_slots_refusal", "transformer_engine_available", "transformer_engine_problem",
            "uses_gpu"]

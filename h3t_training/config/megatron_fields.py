@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from h3t_ext.costmodel.fp8 import bf16_layer_counts_refusal, fp8_switches_refusal
+from h3t_ext.costmodel.fp8 import bf16_layer_counts_refusal, fp8_device_refusal, fp8_switches_refusal
 from h3t_ext.planner.translate import sixteen_bit_grads
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import TE_MISSING, table_int, table_value
@@ -220,10 +220,14 @@ def check_gpu_flags(args):
             _choice(args, "--attention-backend", ATTENTION_BACKENDS + ("local",))  # the CPU spec is local
         ddp_fields(args)
         optimizer_dtype_fields(args)
-        fp8_fields(args)
+        fp8 = fp8_fields(args)
         _choice(args, "--cross-entropy-fusion-impl", ("native", "te"), "native")
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    if on_gpu and fp8:  # the GPU's FP8 support (TransformerEngine's check, at its first FP8 forward otherwise)
+        refusal = fp8_device_refusal(fp8["fp8_recipe"], feature_checks.cuda_compute_capability(), "this GPU")
+        if refusal:
+            raise ArgumentError(refusal)
     return args
 
 

@@ -319,6 +319,7 @@ def test_a_transformer_engine_that_is_installed_but_does_not_import_is_named(mon
                            "libtransformer_engine.so: undefined symbol: _ZN3c104cuda9SetDevice)")
         monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)
         monkeypatch.setattr(feature_checks, "cuda_arch_major", lambda: 9)
+        monkeypatch.setattr(feature_checks, "cuda_compute_capability", lambda: 9.0)
         body = error_body([*BASE, "--fp8-format", "hybrid"], capsys)
         assert body.startswith("--fp8-format is not supported: on a GPU it runs through TransformerEngine") and \
             problem in body, body
@@ -332,3 +333,23 @@ def test_a_transformer_engine_that_is_installed_but_does_not_import_is_named(mon
         feature_checks.transformer_engine_problem.cache_clear()
         for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
             monkeypatch.delitem(sys.modules, name)
+
+
+@pytest.mark.parametrize("capability, recipe, refused", [
+    (8.0, "delayed", "--fp8-format needs FP8 tensor cores (Hopper or newer, compute capability >= 8.9): this GPU has "
+                     "8.0"),
+    (8.9, "delayed", None),
+    (9.0, "mxfp8", "--fp8-recipe mxfp8 needs Blackwell (compute capability >= 10.0): this GPU has 9.0"),
+    (10.0, "mxfp8", None),
+])
+def test_fp8_on_a_gpu_that_cannot_run_it_is_one_line(monkeypatch, capsys, capability, recipe, refused):
+    """The planner's rule for a system file's GPU (fp8.fp8_device_refusal) on the GPU a run has: TransformerEngine
+    would stop at the first FP8 layer's forward in a traceback."""
+    fake_device(monkeypatch, gpu=True, te=True, arch_major=int(capability), capability=capability)
+    argv = [*BASE, "--fp8-format", "hybrid", "--fp8-recipe", recipe]
+    if refused is None:
+        assert parse_args(argv, world_size=2).flag_notices is not None
+    else:
+        assert error_body(argv, capsys) == refused
+    fake_device(monkeypatch, gpu=False, te=False)  # on CPU the flags are noticed, whatever the host
+    assert parse_args(argv, world_size=2)
