@@ -431,7 +431,8 @@ would overflow above 2**64."""
 def check_positive(args):
     """Sizes, rates and probabilities in their ranges."""
     for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-                 "seq_length", "global_batch_size", "train_iters", "log_interval", "tensor_model_parallel_size",
+                 "seq_length", "max_position_embeddings", "global_batch_size", "train_iters", "log_interval",
+                 "tensor_model_parallel_size",
                  "pipeline_model_parallel_size", "context_parallel_size", "micro_batch_size",
                  "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "save_interval",

@@ -14,7 +14,7 @@ from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
 from h3t_training.errors import ArgumentError
 from h3t_training.config.feature_checks import megatron_fsdp_refusal, uses_gpu
-from h3t_training.config.megatron_fields import sixteen_bit_grads_of
+from h3t_training.config.megatron_fields import sixteen_bit_grads_of, spec_backend
 from h3t_training.config.run_spec import model_spec, run_plan, stack_fields
 
 DEFAULT_SYSTEM = "h800"
@@ -121,6 +121,14 @@ def _memory_fields(args, plan) -> dict:
     return out
 
 
+def _local_attention_sizes(args) -> dict:
+    """The context parallel size fixed at 1 where the run's GPU builds megatron-core's local attention, which takes
+    no other (validation refuses c > 1 there), unless the flags give one; else nothing fixed."""
+    if args.context_parallel_size is not None or not uses_gpu(args):
+        return {}
+    return {"context_parallel_size": 1} if spec_backend(args, on_gpu=True) == "local" else {}
+
+
 def plan_config(args):
     """A new config: plans searched under the user's fixed flags, the others taken from the best one. The chosen
     plan's line joins the config's notices (printed once, by rank 0, when training starts)."""
@@ -145,7 +153,7 @@ def plan_config(args):
     # The memory ladder: the options this run can run (runnable_ladder); a Megatron FSDP the user fixed is kept.
     constraints = constraints_from_args(args, sequence_parallel=True, use_distributed_optimizer=True,
                                         tp_comm_overlap=False, grad_reduce_in_bf16=sixteen_bit_grads_of(args),
-                                        memory_ladder=runnable_ladder(args),
+                                        memory_ladder=runnable_ladder(args), **_local_attention_sizes(args),
                                         **stack_fields(args, on_gpu=uses_gpu(args)))
     result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, constraints=constraints,

@@ -203,6 +203,16 @@ def spec_backend(args, *, on_gpu: bool) -> str:
     return "te"
 
 
+def check_layer_spec(args):
+    """A resolve step ahead of every step that prices the run (the offload mapping, ``--auto-plan``): the layer spec
+    ``--transformer-impl`` asks for is one this run can build (:func:`spec_backend`), or one line."""
+    try:
+        spec_backend(args, on_gpu=feature_checks.uses_gpu(args))
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    return args
+
+
 def check_gpu_flags(args):
     """A resolve step: every megatron-core field of the table flags is computed once, so a bad value or combination
     is one line before any process group. On CPU too (the CPU stand-in is as strict as a GPU run): the FP8, DDP,
@@ -232,6 +242,6 @@ def check_gpu_flags(args):
 
 
 __all__ = ["AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
-           "attention_backend", "check_gpu_flags", "ddp_fields", "fp8_fields", "given_attention_backend",
-           "optimizer_dtype_fields", "optimizer_impl", "spec_backend", "transformer_engine_version",
-           "transformer_fields"]
+           "attention_backend", "check_gpu_flags", "check_layer_spec", "ddp_fields", "fp8_fields",
+           "given_attention_backend", "optimizer_dtype_fields", "optimizer_impl", "spec_backend",
+           "transformer_engine_version", "transformer_fields"]

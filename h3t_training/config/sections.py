@@ -33,7 +33,7 @@ from h3t_training.config.flag_table import TE_MISSING, RunDevice, given_table_fl
 from h3t_training.config.feature_checks import check_cuda_connections, check_gpu_slots, check_optimizer_offload, \
     check_sdc_flags, check_sharding_flags
 from h3t_training.config.memory_hygiene import check_memory_hygiene
-from h3t_training.config.megatron_fields import check_gpu_flags
+from h3t_training.config.megatron_fields import check_gpu_flags, check_layer_spec
 from h3t_training.data.tokenizer import TokenizerError
 
 
@@ -151,9 +151,9 @@ def resolve(config: TrainConfig) -> TrainConfig:
     """Every step after parsing, in order (later steps read what earlier ones derived)."""
     steps: list[Step] = [check_optimizer_offload, arguments.check_finite, arguments.check_positive, megatron_compat.apply_megatron_behaviours,
                          model_flags.check_activation, arguments.fill_model_defaults, model_flags.resolve_window,
-                         arguments.check_positive,
+                         arguments.check_positive, validation.check_model_shape,
                          arguments.resolve_ckpt, arguments.resolve_iterations_to_skip,
-                         validation.resolve_tokenizer, megatron_offload.check_offload_requests]
+                         validation.resolve_tokenizer, check_layer_spec, megatron_offload.check_offload_requests]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
     steps += [arguments.fill_parallel_defaults, arguments.apply_padded_vocab_size, megatron_offload.map_offload_request,

@@ -22,19 +22,24 @@ from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, 
 from h3t_training.errors import ArgumentError
 from h3t_training.config import feature_checks
 from h3t_training.config.feature_checks import check_writer_packages
+from h3t_training.config.flag_table import TE_MISSING, table_value
+from h3t_training.config.megatron_fields import spec_backend
 from h3t_training.data.tokenizer import TokenizerError, tokenizer_from_args
 
 
 def validate_args(config):
     """Validate and derive; the order matters (later checks use derived sizes)."""
-    for step in (_validate_heads, _validate_rope, _validate_layout, _validate_sequence_parallel,
+    for step in (_validate_rope, _validate_layout, _validate_sequence_parallel,
                  _validate_overlap, _validate_precision, _validate_context_parallel, _validate_alpha,
                  _validate_offload_overlap, _validate_data, _validate_io, _validate_eval_and_logging):
         config = step(config)
     return config
 
 
-def _validate_heads(args):
+def check_model_shape(args):
+    """A resolve step as soon as the model's sizes are filled (``arguments.fill_model_defaults``), ahead of every step
+    that prices the model (the offload mapping, ``--auto-plan``): heads that divide the hidden size, query groups
+    that divide the heads, the sequence within the positions."""
     if args.hidden_size % args.num_attention_heads:
         raise ArgumentError(f"--hidden-size {args.hidden_size} is not a multiple of --num-attention-heads "
                             f"{args.num_attention_heads}")
@@ -180,11 +185,21 @@ def _validate_overlap(args):
 
 def _validate_context_parallel(args):
     """c > 1 runs TransformerEngine's attention on a GPU and h3t-ext's ring attention
-    (``h3t_ext.runtime.modules.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks."""
+    (``h3t_ext.runtime.modules.ring_attention``) elsewhere; both need Megatron's 2c sequence chunks. On a GPU whose
+    layer spec is the local one (no TransformerEngine, or ``--transformer-impl local``) megatron-core's attention
+    asserts c = 1 when the model is built: one line here instead."""
     c = args.context_parallel_size
     if c > 1 and args.attention_dropout and not feature_checks.cuda_available():
         raise ArgumentError(f"--attention-dropout {args.attention_dropout} is not supported with "
                             f"--context-parallel-size {c} on CPU (ring attention); use 0")
+    if c > 1 and feature_checks.uses_gpu(args) and spec_backend(args, on_gpu=True) == "local":
+        if table_value(args, "--transformer-impl") == "local":
+            why, fix = "the run gives --transformer-impl local", "leave --transformer-impl local out"
+        else:
+            why, fix = feature_checks.transformer_engine_problem() or TE_MISSING, "install TransformerEngine"
+        raise ArgumentError(f"--context-parallel-size {c} on a GPU runs in TransformerEngine's attention "
+                            f"(megatron-core's local attention takes context parallel size 1 only), and {why}: "
+                            f"{fix}, or train with --context-parallel-size 1")
     return args
 
 

@@ -329,10 +329,10 @@ def test_a_transformer_engine_that_is_installed_but_does_not_import_is_named(mon
         config = parse_args(BASE, world_size=2)  # Megatron's default impl: the local spec, as without TE
         from h3t_training.config.run_spec import uses_transformer_engine
         assert not uses_transformer_engine(True, config)
-    finally:
-        feature_checks.transformer_engine_problem.cache_clear()
+    finally:  # nothing of the stand-in stays (monkeypatch.delitem would put the modules back at teardown)
         for name in [m for m in sys.modules if m.split(".")[0] == "transformer_engine"]:
-            monkeypatch.delitem(sys.modules, name)
+            del sys.modules[name]
+        feature_checks.transformer_engine_problem.cache_clear()
 
 
 @pytest.mark.parametrize("capability, recipe, refused", [
@@ -353,3 +353,25 @@ def test_fp8_on_a_gpu_that_cannot_run_it_is_one_line(monkeypatch, capsys, capabi
         assert error_body(argv, capsys) == refused
     fake_device(monkeypatch, gpu=False, te=False)  # on CPU the flags are noticed, whatever the host
     assert parse_args(argv, world_size=2)
+
+
+@pytest.mark.parametrize("te, extra, refused", [
+    (False, [], "--context-parallel-size 2 on a GPU runs in TransformerEngine's attention (megatron-core's local "
+                "attention takes context parallel size 1 only), and TransformerEngine is not importable here: install "
+                "TransformerEngine, or train with --context-parallel-size 1"),
+    (True, ["--transformer-impl", "local"], "and the run gives --transformer-impl local: leave --transformer-impl "
+                                            "local out, or train with --context-parallel-size 1"),
+    (True, [], None),
+])
+def test_context_parallelism_on_a_gpu_needs_transformer_engines_attention(monkeypatch, capsys, te, extra, refused):
+    """megatron-core's local DotProductAttention asserts context parallel size 1 when the model is built: a GPU run
+    on the local spec is refused at parse time (the CPU path runs h3t-ext's ring attention instead)."""
+    fake_device(monkeypatch, gpu=True, te=te)
+    monkeypatch.setenv(feature_checks.CONNECTIONS_VAR, "1")
+    argv = [*BASE, "--context-parallel-size", "2", *extra]
+    if refused is None:
+        assert parse_args(argv, world_size=2).context_parallel_size == 2
+    else:
+        assert refused in error_body(argv, capsys)
+    fake_device(monkeypatch, gpu=False, te=False)
+    assert parse_args(argv, world_size=2).context_parallel_size == 2
