@@ -37,7 +37,7 @@ def transformer_engine_problem() -> Optional[str]:
     if importlib.util.find_spec("transformer_engine") is None:
         return TE_MISSING
     try:
-        import transformer_engine.pytorch  # noqa: F401, PLC0415
+        importlib.import_module("transformer_engine.pytorch")
     except Exception as e:  # noqa: BLE001 - an extension's import fails in many ways (ImportError, OSError, ...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return (f"TransformerEngine is installed here but does not import ({type(e).__name__}"
