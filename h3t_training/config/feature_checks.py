@@ -112,6 +112,9 @@ def check_cuda_connections(args):
         parallel = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
         refusal = cuda_connections_refusal(args, os.environ.get(CONNECTIONS_VAR),
                                            cuda_arch_major() if parallel else None)
+        if refusal and args.auto_plan_flags is not None and not args.use_megatron_fsdp:
+            refusal += (" (the sizes of the plan --auto-plan chose; or give --tensor-model-parallel-size 1 "
+                        "--context-parallel-size 1 to keep its search to plans without)")
         if refusal:
             raise ArgumentError(refusal)
     return args

@@ -47,3 +47,20 @@ def test_auto_plan_keeps_context_parallelism_off_where_the_gpu_builds_the_local_
     fake_device(monkeypatch, gpu=True, te=True)  # with TransformerEngine's attention the best plan splits the sequence
     monkeypatch.setenv(feature_checks.CONNECTIONS_VAR, "1")
     assert parse_args(argv, world_size=8, ranks_per_node=8).context_parallel_size > 1
+
+
+def test_a_plan_auto_plan_chose_that_needs_the_launch_variable_says_so(monkeypatch, capsys):
+    """On Hopper the best plan of a one-sequence run splits it over GPUs (t or c > 1), which Megatron-LM starts only
+    with CUDA_DEVICE_MAX_CONNECTIONS=1: without it the line says the sizes are --auto-plan's and how to plan without."""
+    fake_device(monkeypatch, gpu=True, te=True)
+    monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: 8)
+    argv = ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "32768",
+            "--max-position-embeddings", "32768", "--global-batch-size", "1", "--train-iters", "2", "--lr", "1e-3",
+            "--mock-data", "--bf16", "--auto-plan", "--gpu", "h100-sxm"]
+    body = error_body(argv, capsys, world_size=8)
+    assert "needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the launch environment" in body and body.endswith(
+        "(the sizes of the plan --auto-plan chose; or give --tensor-model-parallel-size 1 --context-parallel-size 1 "
+        "to keep its search to plans without)"), body
+    from h3t_training.config.sections import parse_args
+    config = parse_args([*argv, "--tensor-model-parallel-size", "1", "--context-parallel-size", "1"], world_size=8)
+    assert (config.tensor_model_parallel_size, config.context_parallel_size) == (1, 1)
