@@ -23,15 +23,13 @@ def _error(argv, capsys, monkeypatch, world_size=2) -> str:
 
 def fake_device(monkeypatch, *, gpu: bool, te: bool, arch_major: int = 9, capability: Optional[float] = None) -> None:
     """Make the driver see a GPU (or none) of compute capability ``arch_major``.x (Hopper's 9 unless given;
-    ``capability`` the full figure, ``arch_major``.0 unless given) and
-    TransformerEngine (or none): its probes replaced (``feature_checks.cuda_available``,
-    ``feature_checks.transformer_engine_available``, ``feature_checks.cuda_arch_major`` and
-    ``cuda_compute_capability``), and the launch environment
-    without ``CUDA_DEVICE_MAX_CONNECTIONS`` (a test that needs it sets it)."""
+    ``capability`` the full figure, ``arch_major``.0 unless given) and TransformerEngine (or none): its probes
+    replaced (``feature_checks.cuda_available``, ``feature_checks.transformer_engine_available``,
+    ``feature_checks.cuda_compute_capability``), and the launch environment without ``CUDA_DEVICE_MAX_CONNECTIONS``
+    (a test that needs it sets it)."""
     from h3t_training.config import feature_checks
     monkeypatch.setattr(feature_checks, "cuda_available", lambda: gpu)
     monkeypatch.setattr(feature_checks, "transformer_engine_available", lambda: te)
-    monkeypatch.setattr(feature_checks, "cuda_arch_major", lambda: arch_major)
     monkeypatch.setattr(feature_checks, "cuda_compute_capability",
                         lambda: float(arch_major) if capability is None else capability)
     monkeypatch.delenv(feature_checks.CONNECTIONS_VAR, raising=False)

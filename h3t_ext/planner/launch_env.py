@@ -77,5 +77,4 @@ def describe_launch_env(words: tuple[str, ...]) -> str:
 
 
 __all__ = ["CONNECTIONS_VAR", "ONE", "UNORDERED_ARCH_MAJOR", "UNSET", "connections_refusal", "describe_launch_env",
-           "launch_env_words",
-           "required_connections"]
+           "launch_env_words", "required_connections"]

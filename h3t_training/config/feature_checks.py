@@ -45,21 +45,20 @@ def transformer_engine_problem() -> Optional[str]:
     return None
 
 
+def transformer_engine_reason() -> str:
+    """Why a GPU run goes without TransformerEngine, for its refusals: :func:`transformer_engine_problem`, or
+    :data:`TE_MISSING` where the availability probe was replaced (tests)."""
+    return transformer_engine_problem() or TE_MISSING
+
+
 def uses_gpu(args) -> bool:
     """True when this run trains on CUDA devices (a GPU is present and the backend is not gloo)."""
     return cuda_available() and args.distributed_backend != "gloo"
 
 
-def cuda_arch_major() -> int:
-    """The major compute capability of this process's GPU (the driver's third probe; tests replace it)."""
-    import torch
-
-    return torch.cuda.get_device_capability()[0]
-
-
 def cuda_compute_capability() -> float:
-    """This process's GPU's compute capability as ``major.minor`` (9.0 for Hopper, 8.9 for Ada; the driver's fifth
-    probe; tests replace it)."""
+    """This process's GPU's compute capability as ``major.minor`` (9.0 for Hopper, 8.9 for Ada; the driver's third
+    probe, which the FP8 and launch-environment rules read; tests replace it)."""
     import torch
 
     major, minor = torch.cuda.get_device_capability()
@@ -111,7 +110,7 @@ def check_cuda_connections(args):
     if uses_gpu(args):
         parallel = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
         refusal = cuda_connections_refusal(args, os.environ.get(CONNECTIONS_VAR),
-                                           cuda_arch_major() if parallel else None)
+                                           int(cuda_compute_capability()) if parallel else None)
         if refusal and args.auto_plan_flags is not None and not args.use_megatron_fsdp:
             refusal += (" (the sizes of the plan --auto-plan chose; or give --tensor-model-parallel-size 1 "
                         "--context-parallel-size 1 to keep its search to plans without)")
@@ -271,7 +270,7 @@ def check_writer_packages(args, find_spec=importlib.util.find_spec) -> None:
 
 __all__ = ["CONNECTIONS_VAR", "MEGATRON_FSDP_CPU_REASON", "RERUN_MODES", "RERUN_NOTICE", "check_cuda_connections",
            "check_gpu_slots", "check_optimizer_offload", "check_sdc_flags", "check_sharding_flags",
-           "check_writer_packages", "cuda_arch_major", "cuda_available", "cuda_compute_capability",
+           "check_writer_packages", "cuda_available", "cuda_compute_capability",
            "cuda_connections_refusal",
            "cuda_device_count", "gpu_slots_refusal", "transformer_engine_available", "transformer_engine_problem",
-           "uses_gpu"]
+           "transformer_engine_reason", "uses_gpu"]

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from h3t_ext.costmodel.fp8 import bf16_layer_counts_refusal, fp8_device_refusal, fp8_switches_refusal
 from h3t_ext.planner.translate import sixteen_bit_grads
 from h3t_training.config import feature_checks
-from h3t_training.config.flag_table import TE_MISSING, table_int, table_value
+from h3t_training.config.flag_table import table_int, table_value
 from h3t_training.config.fp8_flags import AMAX_COMPUTE_ALGOS, FP8_FLAGS, FP8_FORMATS, FP8_RECIPES, Fp8Flag
 from h3t_training.errors import ArgumentError
 
@@ -198,7 +198,7 @@ def spec_backend(args, *, on_gpu: bool) -> str:
     if not feature_checks.transformer_engine_available():
         if impl == "transformer_engine":
             raise ValueError(f"--transformer-impl transformer_engine needs TransformerEngine, and "
-                             f"{feature_checks.transformer_engine_problem() or TE_MISSING}")
+                             f"{feature_checks.transformer_engine_reason()}")
         return "local"
     return "te"
 
@@ -216,17 +216,15 @@ def check_layer_spec(args):
 def check_gpu_flags(args):
     """A resolve step: every megatron-core field of the table flags is computed once, so a bad value or combination
     is one line before any process group. On CPU too (the CPU stand-in is as strict as a GPU run): the FP8, DDP,
-    optimizer-dtype and cross-entropy fields and the choices of ``--transformer-impl`` and ``--attention-backend``
-    (``--fp8-format e5m2`` or ``--fp8-param-gather`` without a format is refused there as on a GPU, not noticed
-    and dropped); only what needs a GPU's TransformerEngine (the spec it builds, the backend it takes) is left to
-    the GPU."""
+    optimizer-dtype and cross-entropy fields and the choice of ``--attention-backend`` (``--fp8-format e5m2`` or
+    ``--fp8-param-gather`` without a format is refused there as on a GPU, not noticed and dropped); only what needs a
+    GPU's TransformerEngine (the backend it takes) is left to the GPU. ``--transformer-impl`` is
+    :func:`check_layer_spec`'s, an earlier step."""
     on_gpu = feature_checks.uses_gpu(args)
     try:
         if on_gpu:
-            spec_backend(args, on_gpu=True)
             attention_backend(args)
         else:
-            _choice(args, "--transformer-impl", ("transformer_engine", "local"))
             _choice(args, "--attention-backend", ATTENTION_BACKENDS + ("local",))  # the CPU spec is local
         ddp_fields(args)
         optimizer_dtype_fields(args)

@@ -29,7 +29,7 @@ from h3t_training.config import model_flags
 from h3t_training.config import validation
 from h3t_training.errors import ArgumentError
 from h3t_training.config import feature_checks
-from h3t_training.config.flag_table import TE_MISSING, RunDevice, given_table_flags, notice_lines, refusal
+from h3t_training.config.flag_table import RunDevice, given_table_flags, notice_lines, refusal
 from h3t_training.config.feature_checks import check_cuda_connections, check_gpu_slots, check_optimizer_offload, \
     check_sdc_flags, check_sharding_flags
 from h3t_training.config.memory_hygiene import check_memory_hygiene
@@ -172,7 +172,7 @@ def run_device(args) -> RunDevice:
     te = on_gpu and feature_checks.transformer_engine_available()
     if not on_gpu or te:
         return RunDevice(on_gpu, te)
-    return RunDevice(on_gpu, te, feature_checks.transformer_engine_problem() or TE_MISSING)
+    return RunDevice(on_gpu, te, feature_checks.transformer_engine_reason())
 
 
 def _checkpoint_args(namespace: argparse.Namespace, parser: argparse.ArgumentParser,

@@ -22,7 +22,7 @@ from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, 
 from h3t_training.errors import ArgumentError
 from h3t_training.config import feature_checks
 from h3t_training.config.feature_checks import check_writer_packages
-from h3t_training.config.flag_table import TE_MISSING, table_value
+from h3t_training.config.flag_table import table_value
 from h3t_training.config.megatron_fields import spec_backend
 from h3t_training.data.tokenizer import TokenizerError, tokenizer_from_args
 
@@ -196,7 +196,7 @@ def _validate_context_parallel(args):
         if table_value(args, "--transformer-impl") == "local":
             why, fix = "the run gives --transformer-impl local", "leave --transformer-impl local out"
         else:
-            why, fix = feature_checks.transformer_engine_problem() or TE_MISSING, "install TransformerEngine"
+            why, fix = feature_checks.transformer_engine_reason(), "install TransformerEngine"
         raise ArgumentError(f"--context-parallel-size {c} on a GPU runs in TransformerEngine's attention "
                             f"(megatron-core's local attention takes context parallel size 1 only), and {why}: "
                             f"{fix}, or train with --context-parallel-size 1")

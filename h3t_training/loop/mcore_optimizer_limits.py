@@ -33,10 +33,9 @@ def require_transformer_engine(args) -> Optional[str]:
     if not args.use_precision_aware_optimizer or args.optimizer_cpu_offload:
         return None  # with the offload megatron-core's HybridDeviceOptimizer steps with torch's AdamW
     from h3t_training.config import feature_checks
-    from h3t_training.config.flag_table import TE_MISSING
     if not feature_checks.transformer_engine_available():
         return (f"--use-precision-aware-optimizer needs TransformerEngine's FusedAdam on a GPU "
-                f"({feature_checks.transformer_engine_problem() or TE_MISSING}); leave the flag out")
+                f"({feature_checks.transformer_engine_reason()}); leave the flag out")
     return None
 
 

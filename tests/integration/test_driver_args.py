@@ -85,7 +85,7 @@ def test_good_flags_derive_sizes(monkeypatch):
 def test_published_65b_flags_parse_for_256_ranks(monkeypatch):
     from h3t_training.config import feature_checks
     monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)  # as on a GPU host (Hopper: t = 2 needs the
-    monkeypatch.setattr(feature_checks, "cuda_arch_major", lambda: 9)  # launch environment Megatron-LM asserts)
+    monkeypatch.setattr(feature_checks, "cuda_compute_capability", lambda: 9.0)  # launch environment Megatron-LM asserts)
     monkeypatch.setenv(feature_checks.CONNECTIONS_VAR, "1")
     args = parse_args(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
                        "--ffn-hidden-size", "22016", "--seq-length", "4096", "--global-batch-size", "256",

@@ -318,7 +318,6 @@ def test_a_transformer_engine_that_is_installed_but_does_not_import_is_named(mon
         assert problem == ("TransformerEngine is installed here but does not import (ImportError: "
                            "libtransformer_engine.so: undefined symbol: _ZN3c104cuda9SetDevice)")
         monkeypatch.setattr(feature_checks, "cuda_available", lambda: True)
-        monkeypatch.setattr(feature_checks, "cuda_arch_major", lambda: 9)
         monkeypatch.setattr(feature_checks, "cuda_compute_capability", lambda: 9.0)
         body = error_body([*BASE, "--fp8-format", "hybrid"], capsys)
         assert body.startswith("--fp8-format is not supported: on a GPU it runs through TransformerEngine") and \
