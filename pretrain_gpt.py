@@ -42,10 +42,10 @@ def _check_gpu_slots(launch) -> None:
     import torch
 
     from h3t_training.config.feature_checks import gpu_slots_refusal
-    from h3t_training.errors import ArgumentError
+    from h3t_training.errors import NodeArgumentError
     refusal = gpu_slots_refusal(launch.ranks_per_node, torch.cuda.device_count())
     if refusal:
-        raise ArgumentError(refusal)
+        raise NodeArgumentError(refusal)
 
 
 def main(argv=None) -> int:
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         return 2
     if use_megatron_loop(argv, note=launch.rank == 0):
         from h3t_ext.runtime.config import RuntimeConfigError
-        from h3t_training.errors import ArgumentError
+        from h3t_training.errors import ArgumentError, NodeArgumentError, node_line
         from h3t_training.loop import megatron_native
         try:
             _check_gpu_slots(launch)
@@ -68,6 +68,8 @@ def main(argv=None) -> int:
         except (ArgumentError, RuntimeConfigError) as e:
             if launch.rank == 0:  # every rank fails alike, one says so
                 sys.stderr.write(f"{PROG}: error: {e}\n")
+            elif isinstance(e, NodeArgumentError) and launch.local_rank == 0:  # nodes may differ: each node's says
+                sys.stderr.write(f"{PROG}: error: {node_line(str(e), launch.rank)}\n")
             return 2
     from pretrain_llama import main as driver_main
     return driver_main(argv, prog=PROG, defaults=MEGATRON_GPT_DEFAULTS, launch=launch)

@@ -31,7 +31,8 @@ def main(argv=None, prog: str = PROG, defaults=None, launch=None) -> int:
         from h3t_training.config.sections import parse_args
         from h3t_training.loop.saved_args import read_saved_args
         progress.args = parse_args(argv, prog=prog, defaults=defaults, world_size=world_size, rank=rank,
-                                   ranks_per_node=launch.ranks_per_node, read_checkpoint_args=read_saved_args)  # bad flag: exit 2, said by rank 0
+                                   ranks_per_node=launch.ranks_per_node, local_rank=launch.local_rank,
+                                   read_checkpoint_args=read_saved_args)  # bad flag: exit 2, said by rank 0
         from h3t_training.loop.training import pretrain
         return pretrain(progress.args, rank=rank, progress=progress,
                         progress_bar=launch.watched_terminal(sys.stdout))

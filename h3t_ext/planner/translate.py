@@ -14,7 +14,7 @@ without sequence parallelism or the distributed optimizer unless told, and a tra
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from h3t_ext.ckpt import Ckpt, Recompute, normal_form
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_FORMATS, PRECISIONS
@@ -274,6 +274,16 @@ def _attention(read, fixed: Mapping[str, Any]) -> str:
     return _ATTENTION_BACKENDS[backend]
 
 
+class FixedRecomputeError(ValueError):
+    """Recompute flags the search cannot keep (a method, a layer count or modules beside the granularity): it
+    searches the ckpt modes, or a granularity given alone."""
+
+    def __init__(self, flags: Sequence[str]):
+        self.flags = " ".join(flags)
+        super().__init__(f"search does not choose {self.flags} (price it with estimate; search takes --ckpt "
+                         "no|full|ours or --recompute-granularity alone)")
+
+
 def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = None,
                           memory_ladder: Optional[tuple[MemoryOption, ...]] = None, **fixed: Any) -> SearchConstraints:
     """The search dimensions the arguments fix (None: searched) and the switches every searched plan keeps.
@@ -286,8 +296,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
 
     ckpt, recompute = _ckpt(read, fixed)
     if recompute.granularity is not None:
-        raise ValueError(f"search does not choose {' '.join(recompute.flags())} (price it with estimate; search "
-                         "takes --ckpt no|full|ours or --recompute-granularity alone)")
+        raise FixedRecomputeError(recompute.flags())
     switches = {name: _value(read, name, fixed) for name in (
         "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "overlap_p2p_comm", "sequence_parallel",
         "use_distributed_optimizer", "fp16", "optimizer_cpu_offload",
@@ -359,5 +368,5 @@ _FP8_PLAN_SETTINGS = ("fp8_param_gather", "first_last_layers_bf16", "num_layers_
 """The settings a search gives its FP8 plans only (its BF16 plans, with ``--precision auto``, have no FP8)."""
 
 
-__all__ = ["ATTENTION_BACKEND_CHOICES", "MEGATRON_DEFAULTS", "constraints_from_args", "megatron_offload_from_args",
+__all__ = ["ATTENTION_BACKEND_CHOICES", "FixedRecomputeError", "MEGATRON_DEFAULTS", "constraints_from_args", "megatron_offload_from_args",
            "megatron_offload_mapping", "plan_from_args"]

@@ -16,7 +16,7 @@ from h3t_ext.ckpt import Ckpt, Recompute, combined_ckpt, split_ckpt
 from h3t_ext.layout import LayoutError, pipeline_split
 from h3t_ext.planner import cli_flags
 from h3t_training import megatron_release
-from h3t_training.errors import ArgumentError
+from h3t_training.errors import ArgumentError, node_line
 from h3t_training.config.flag_table import add_table_flags
 from h3t_training.config.h3t_flags import add_h3t_flags
 from h3t_training.data.samplers import DATALOADER_TYPES
@@ -46,6 +46,14 @@ class OneLineParser(argparse.ArgumentParser):
             sys.stderr.write(f"{self.prog}: error: {message}\n")
         else:
             time.sleep(SILENT_RANK_EXIT_DELAY_S)
+        sys.exit(2)
+
+    def node_error(self, message: str, rank: int):
+        """The error of a problem of this node (:class:`~h3t_training.errors.NodeArgumentError`) on a node's first
+        rank other than rank 0: written with the host and rank (rank 0's node may not share it), then the silent
+        ranks' wait and exit 2."""
+        sys.stderr.write(f"{self.prog}: error: {node_line(message, rank)}\n")
+        time.sleep(SILENT_RANK_EXIT_DELAY_S)
         sys.exit(2)
 
 

@@ -133,7 +133,7 @@ def plan_config(args):
     """A new config: plans searched under the user's fixed flags, the others taken from the best one. The chosen
     plan's line joins the config's notices (printed once, by rank 0, when training starts)."""
     from h3t_ext.planner.search import search
-    from h3t_ext.planner.translate import constraints_from_args
+    from h3t_ext.planner.translate import FixedRecomputeError, constraints_from_args
     split = [flag for flag, given in (
         ("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers is not None),
         ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers is not None),
@@ -147,14 +147,21 @@ def plan_config(args):
         raise ArgumentError("--auto-plan does not search torch FSDP2 layouts (it searches Megatron FSDP on a GPU): "
                             "give the parallel flags yourself with --use-torch-fsdp2, or leave it out")
     system, budget = _system_and_budget(args)
-    alpha = OffloadAlpha.parse("auto" if args.offload_alpha is None else args.offload_alpha)
+    try:  # the one --offload-alpha parser (validate_args's, which runs after this step)
+        alpha = OffloadAlpha.parse("auto" if args.offload_alpha is None else args.offload_alpha)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
     # Flags left out are the search's; sequence parallelism and the distributed optimizer are the planner's to
     # switch on (a store_true flag left out cannot say "keep it off").
     # The memory ladder: the options this run can run (runnable_ladder); a Megatron FSDP the user fixed is kept.
-    constraints = constraints_from_args(args, sequence_parallel=True, use_distributed_optimizer=True,
-                                        tp_comm_overlap=False, grad_reduce_in_bf16=sixteen_bit_grads_of(args),
-                                        memory_ladder=runnable_ladder(args), **_local_attention_sizes(args),
-                                        **stack_fields(args, on_gpu=uses_gpu(args)))
+    try:
+        constraints = constraints_from_args(args, sequence_parallel=True, use_distributed_optimizer=True,
+                                            tp_comm_overlap=False, grad_reduce_in_bf16=sixteen_bit_grads_of(args),
+                                            memory_ladder=runnable_ladder(args), **_local_attention_sizes(args),
+                                            **stack_fields(args, on_gpu=uses_gpu(args)))
+    except FixedRecomputeError as e:
+        raise ArgumentError(f"--auto-plan searches --ckpt no|full|ours (or --recompute-granularity alone); it cannot "
+                            f"keep {e.flags}: give the parallel flags yourself, or leave those out") from None
     result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, constraints=constraints,
                     alpha_mode=_alpha_mode(alpha), memory_budget_bytes=budget)

@@ -12,7 +12,7 @@ from typing import Optional
 from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
 from h3t_ext.planner.launch_env import CONNECTIONS_VAR, connections_refusal
 from h3t_training.config.flag_table import TE_MISSING, given_table_flags
-from h3t_training.errors import ArgumentError
+from h3t_training.errors import ArgumentError, NodeArgumentError
 
 
 def cuda_available() -> bool:
@@ -90,7 +90,7 @@ def check_gpu_slots(args):
     if uses_gpu(args) and args.ranks_per_node > 1:
         refusal = gpu_slots_refusal(args.ranks_per_node, cuda_device_count())
         if refusal:
-            raise ArgumentError(refusal)
+            raise NodeArgumentError(refusal)  # nodes may differ
     return args
 
 
@@ -115,7 +115,7 @@ def check_cuda_connections(args):
             refusal += (" (the sizes of the plan --auto-plan chose; or give --tensor-model-parallel-size 1 "
                         "--context-parallel-size 1 to keep its search to plans without)")
         if refusal:
-            raise ArgumentError(refusal)
+            raise NodeArgumentError(refusal)  # a multi-node torchrun sets the variable node by node
     return args
 
 

@@ -194,6 +194,18 @@ def refusal(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> Opt
     return "; ".join(parts)
 
 
+def without_refused(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> argparse.Namespace:
+    """A copy of ``args`` without the table flags among ``entries`` that :func:`refusal` refuses on ``device``, as if
+    the command line had left them out: the resolve steps then never read a refused flag, so a launch's line names
+    each problem once (``--transformer-impl transformer_engine`` without TransformerEngine is the table's refusal,
+    not also the layer-spec step's)."""
+    kept = argparse.Namespace(**vars(args))
+    for e in entries:
+        if _reason(e, device, args).cls == "refused":
+            delattr(kept, _dest(e.flag))
+    return kept
+
+
 def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -> list[str]:
     """One line per flag noticed on ``device``; an implemented flag says nothing (each table-only one is read with
     :func:`table_value` where it acts: ``tests/unit/test_flag_table.py`` holds that true)."""
@@ -202,4 +214,4 @@ def notice_lines(entries: list[FlagEntry], device: RunDevice = CPU, args=None) -
 
 __all__ = ["CPU", "FlagEntry", "KWAI_SOURCE", "MEGATRON_LM_SOURCE", "REASONS", "Reason", "RunDevice", "TABLE",
            "add_table_flags", "dormant", "given_table_flags", "notice_lines", "reason_on", "refusal", "set_table_value",
-           "table_int", "table_value"]
+           "table_int", "table_value", "without_refused"]

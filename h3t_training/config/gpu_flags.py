@@ -149,7 +149,8 @@ GPU_BY_FLAG: dict[str, GpuRule] = {
     # attention kernels
     "--attention-backend": _mcore("TransformerConfig.attention_backend", " (it selects TransformerEngine's "
                                   "flash / fused / unfused attention; 'local' is refused on a GPU: the driver's "
-                                  "TransformerEngine spec has no local attention)", needs_te=True),
+                                  "TransformerEngine spec has no local attention; with --transformer-impl local "
+                                  "only flash and auto: that spec's attention is PyTorch's SDPA)", needs_te=True),
     "--use-flash-attn": _mcore("TransformerConfig.attention_backend (flash, when --attention-backend is not given)",
                                needs_te=True),
     "--transformer-impl": _mcore("layer spec", " (transformer_engine: TransformerEngine's, needs it; local: "

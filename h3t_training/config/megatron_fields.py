@@ -16,7 +16,7 @@ from h3t_training.config.fp8_flags import AMAX_COMPUTE_ALGOS, FP8_FLAGS, FP8_FOR
 from h3t_training.errors import ArgumentError
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "auto")
-"""megatron-core's AttnBackend names a GPU run takes ('local' needs the local spec: ``--transformer-impl local``)."""
+"""megatron-core's AttnBackend names a GPU run with TransformerEngine's spec takes (:func:`attention_backend`)."""
 OPTIMIZER_DTYPES = {"--main-grads-dtype": ("main_grads_dtype", ("fp32", "bf16")),
                     "--main-params-dtype": ("main_params_dtype", ("fp32", "fp16")),
                     "--exp-avg-dtype": ("exp_avg_dtype", ("fp32", "fp16", "bf16", "fp8")),
@@ -101,15 +101,25 @@ def given_attention_backend(args) -> Optional[str]:
 
 
 def attention_backend(args) -> Optional[str]:
-    """The AttnBackend name of ``--attention-backend`` (``--use-flash-attn``: flash) a GPU run with TransformerEngine
-    passes to megatron-core, or None when neither is given."""
+    """The AttnBackend name of ``--attention-backend`` (``--use-flash-attn``: flash) a GPU run passes to megatron-core,
+    or None when neither is given. ValueError for a backend the run's layer spec (:func:`spec_backend`) does not run:
+    'local' with TransformerEngine's spec (the driver's has no local attention, as Megatron-LM's asserts), and
+    anything but flash or auto with the local spec, whose core attention is PyTorch's scaled_dot_product_attention
+    (FlashAttention on a GPU; fused, unfused or local would be accepted and not run)."""
     given = table_value(args, "--attention-backend")
     if given is None:
         return given_attention_backend(args)  # --use-flash-attn's flash, or None
-    if given == "local":
-        raise ValueError("--attention-backend local on a GPU needs --transformer-impl local (the driver's "
-                         "TransformerEngine spec has no local attention); use flash, fused, unfused or auto")
-    return _choice(args, "--attention-backend", ATTENTION_BACKENDS)
+    backend = _choice(args, "--attention-backend", ATTENTION_BACKENDS + ("local",))
+    if spec_backend(args, on_gpu=True) == "te":
+        if backend == "local":
+            raise ValueError("--attention-backend local on a GPU is megatron-core's local attention, and the driver's "
+                             "TransformerEngine spec has none (Megatron-LM asserts --spec local for it); use flash, "
+                             "fused, unfused or auto")
+    elif backend not in ("flash", "auto"):
+        raise ValueError(f"--attention-backend {backend} with the local layer spec (--transformer-impl local): its "
+                         "core attention is PyTorch's scaled_dot_product_attention, FlashAttention on a GPU; use "
+                         "flash or auto, or TransformerEngine's spec for the others")
+    return backend
 
 
 def transformer_fields(args) -> dict[str, Any]:
@@ -205,9 +215,15 @@ def spec_backend(args, *, on_gpu: bool) -> str:
 
 def check_layer_spec(args):
     """A resolve step ahead of every step that prices the run (the offload mapping, ``--auto-plan``): the layer spec
-    ``--transformer-impl`` asks for is one this run can build (:func:`spec_backend`), or one line."""
+    ``--transformer-impl`` asks for is one this run can build (:func:`spec_backend`), with an attention backend it
+    runs (:func:`attention_backend`; on CPU the GPU job's, any of megatron-core's names), or one line."""
+    on_gpu = feature_checks.uses_gpu(args)
     try:
-        spec_backend(args, on_gpu=feature_checks.uses_gpu(args))
+        spec_backend(args, on_gpu=on_gpu)
+        if on_gpu:
+            attention_backend(args)
+        else:
+            _choice(args, "--attention-backend", ATTENTION_BACKENDS + ("local",))  # the CPU spec is local
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     return args
@@ -216,16 +232,12 @@ def check_layer_spec(args):
 def check_gpu_flags(args):
     """A resolve step: every megatron-core field of the table flags is computed once, so a bad value or combination
     is one line before any process group. On CPU too (the CPU stand-in is as strict as a GPU run): the FP8, DDP,
-    optimizer-dtype and cross-entropy fields and the choice of ``--attention-backend`` (``--fp8-format e5m2`` or
+    optimizer-dtype and cross-entropy fields (``--fp8-format e5m2`` or
     ``--fp8-param-gather`` without a format is refused there as on a GPU, not noticed and dropped); only what needs a
-    GPU's TransformerEngine (the backend it takes) is left to the GPU. ``--transformer-impl`` is
+    GPU's TransformerEngine is left to the GPU. ``--transformer-impl`` and ``--attention-backend`` are
     :func:`check_layer_spec`'s, an earlier step."""
     on_gpu = feature_checks.uses_gpu(args)
     try:
-        if on_gpu:
-            attention_backend(args)
-        else:
-            _choice(args, "--attention-backend", ATTENTION_BACKENDS + ("local",))  # the CPU spec is local
         ddp_fields(args)
         optimizer_dtype_fields(args)
         fp8 = fp8_fields(args)

@@ -27,9 +27,9 @@ from h3t_training.config import model_flags
 
 
 from h3t_training.config import validation
-from h3t_training.errors import ArgumentError
+from h3t_training.errors import ArgumentError, NodeArgumentError
 from h3t_training.config import feature_checks
-from h3t_training.config.flag_table import RunDevice, given_table_flags, notice_lines, refusal
+from h3t_training.config.flag_table import RunDevice, given_table_flags, notice_lines, refusal, without_refused
 from h3t_training.config.feature_checks import check_cuda_connections, check_gpu_slots, check_optimizer_offload, \
     check_sdc_flags, check_sharding_flags
 from h3t_training.config.memory_hygiene import check_memory_hygiene
@@ -153,7 +153,8 @@ def resolve(config: TrainConfig) -> TrainConfig:
                          model_flags.check_activation, arguments.fill_model_defaults, model_flags.resolve_window,
                          arguments.check_positive, validation.check_model_shape,
                          arguments.resolve_ckpt, arguments.resolve_iterations_to_skip,
-                         validation.resolve_tokenizer, check_layer_spec, megatron_offload.check_offload_requests]
+                         validation.resolve_tokenizer, check_layer_spec, validation.check_overlap,
+                         megatron_offload.check_offload_requests]
     if config.auto_plan:
         steps.append(auto_plan.plan_config)
     steps += [arguments.fill_parallel_defaults, arguments.apply_padded_vocab_size, megatron_offload.map_offload_request,
@@ -192,13 +193,14 @@ def _checkpoint_args(namespace: argparse.Namespace, parser: argparse.ArgumentPar
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama.py",
                defaults: Optional[dict] = None, world_size: int = 1, rank: int = 0, ranks_per_node: int = 1,
-               read_checkpoint_args: Optional[checkpoint_args.Reader] = None) -> TrainConfig:
+               local_rank: int = 0, read_checkpoint_args: Optional[checkpoint_args.Reader] = None) -> TrainConfig:
     """Parse and resolve the command line; exit 2 with one line on a bad flag.
 
     ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py gets
     :data:`~h3t_training.config.arguments.LLAMA_DEFAULTS`. ``world_size`` is the job's and ``ranks_per_node`` this
     rank's node's (the entry point reads the launcher's; nothing here reads them from the environment); every rank
-    parses, rank 0 (``rank``) writes the error line.
+    parses, rank 0 (``rank``) writes the error line; a problem of the node (:class:`NodeArgumentError`: its GPUs, its
+    launch environment) is also written by each other node's first rank (``local_rank`` 0), with its host.
     ``read_checkpoint_args`` reads the args a checkpoint saved, for ``--use-checkpoint-args``
     (:func:`h3t_training.loop.saved_args.read_saved_args`; the entry points pass it).
     The flag table's refusals and the first problem the resolve steps find are one line together."""
@@ -225,12 +227,16 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
     refused = refusal(given, device, namespace)
     if refused and taken:
         refused += " (" + "; ".join(n.removeprefix("note: ") for n in taken) + ")"
-    config = TrainConfig.from_namespace(namespace, world_size=world_size, ranks_per_node=ranks_per_node,
+    resolved = without_refused(given, device, namespace) if refused else namespace
+    config = TrainConfig.from_namespace(resolved, world_size=world_size, ranks_per_node=ranks_per_node,
                                         flag_notices=(*taken, *notice_lines(given, device, namespace)))
     try:
-        config = resolve(config)  # also with refused flags (the steps never read them): one launch names all
+        config = resolve(config)  # also with refused flags (left out: no step reads one): one launch names all
     except (ArgumentError, TokenizerError) as e:
-        parser.error(f"{refused}; {e}" if refused else str(e))
+        line = f"{refused}; {e}" if refused else str(e)
+        if isinstance(e, NodeArgumentError) and rank != 0 and local_rank == 0:
+            parser.node_error(line, rank)  # this node's problem: rank 0's node may not have it
+        parser.error(line)
     if refused:
         parser.error(refused)
     return config

@@ -22,7 +22,7 @@ from h3t_training.data.data_checks import DataFileError, check_indexed_dataset, 
 from h3t_training.errors import ArgumentError
 from h3t_training.config import feature_checks
 from h3t_training.config.feature_checks import check_writer_packages
-from h3t_training.config.flag_table import table_value
+from h3t_training.config.flag_table import table_int, table_value
 from h3t_training.config.megatron_fields import spec_backend
 from h3t_training.data.tokenizer import TokenizerError, tokenizer_from_args
 
@@ -30,7 +30,7 @@ from h3t_training.data.tokenizer import TokenizerError, tokenizer_from_args
 def validate_args(config):
     """Validate and derive; the order matters (later checks use derived sizes)."""
     for step in (_validate_rope, _validate_layout, _validate_sequence_parallel,
-                 _validate_overlap, _validate_precision, _validate_context_parallel, _validate_alpha,
+                 check_overlap, _validate_precision, _validate_context_parallel, _validate_alpha,
                  _validate_offload_overlap, _validate_data, _validate_io, _validate_eval_and_logging):
         config = step(config)
     return config
@@ -173,8 +173,12 @@ def _validate_precision(args):
     return args
 
 
-def _validate_overlap(args):
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
+def check_overlap(args):
+    """Megatron-LM's rules for ``--overlap-param-gather`` (a resolve step ahead of the steps that price the run, which
+    price the overlaps they are given, and again in :func:`validate_args`): the distributed optimizer's part waits
+    for ``--auto-plan``, which switches that optimizer on itself."""
+    undecided = args.auto_plan and args.auto_plan_flags is None
+    if args.overlap_param_gather and not args.use_distributed_optimizer and not undecided:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer (it overlaps that "
                             "optimizer's parameter all-gather)")
     if args.overlap_param_gather and not args.overlap_grad_reduce:
@@ -300,8 +304,30 @@ def _validate_eval_and_logging(args):
     if args.skip_train and not any(splits_wanted(args)):
         raise ArgumentError(f"--skip-train with --split {args.split} has no validation or test data; give --split "
                             f"with nonzero valid/test parts (e.g. 98,1,1) or --valid-data-path/--test-data-path")
+    memory_interval = table_int(args, "--log-memory-interval", 0, 1)  # Megatron-LM divides the iteration by it
+    if memory_interval and memory_interval % args.log_interval:
+        raise ArgumentError(f"--log-memory-interval {memory_interval} is not a multiple of --log-interval "
+                            f"{args.log_interval} (Megatron-LM asserts it)")
     check_writer_packages(args)
     return args
+
+
+def _check_save_intervals(args) -> None:
+    """Megatron-LM's validate_args rules on the intervals of a run that saves (core_v0.16.1 to core_v0.19.0): the
+    retained checkpoints' interval a positive multiple of --save-interval, and (core_v0.18.0 on) no
+    --save-params-interval with --overlap-param-gather. (Megatron-LM also asserts --save-interval with --save; this driver saves at the end of
+    training without it, as Megatron-LM's last save does.)"""
+    retain = table_int(args, "--save-retain-interval", 0, 1)
+    if retain:
+        if args.save_interval is None:
+            raise ArgumentError(f"--save-retain-interval {retain} needs --save-interval (the checkpoints it keeps "
+                                "are a multiple of it; Megatron-LM asserts it)")
+        if retain % args.save_interval:
+            raise ArgumentError(f"--save-retain-interval {retain} is not a multiple of --save-interval "
+                                f"{args.save_interval} (Megatron-LM asserts it)")
+    if table_value(args, "--save-params-interval") is not None and args.overlap_param_gather:
+        raise ArgumentError("--save-params-interval with --overlap-param-gather and --save: Megatron-LM asserts "
+                            "they are not given together; leave one out")
 
 
 CKPT_FORMATS = ("torch_dist", "torch")
@@ -334,6 +360,7 @@ def _validate_io(args):
             raise ArgumentError(f"{flag} {path} is a file, not a directory")
     if args.save is not None:
         _check_writable_dir("--save", args.save)
+        _check_save_intervals(args)
     for flag in ("tensorboard_dir", "wandb_save_dir"):
         if getattr(args, flag):
             _check_writable_dir("--" + flag.replace("_", "-"), getattr(args, flag))

@@ -76,3 +76,30 @@ def test_exit_duration_zero_sets_no_limit_as_in_megatron():
 
     assert not ExitConditions(parse_args(BASE + ["--exit-duration-in-mins", "0"], world_size=2), 0.0, None).active
     assert ExitConditions(parse_args(BASE + ["--exit-duration-in-mins", "1e-6"], world_size=2), 0.0, None).active
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--log-memory-interval", "3", "--log-interval", "2"], "--log-memory-interval 3 is not a multiple of "
+                                                            "--log-interval 2 (Megatron-LM asserts it)"),
+    (["--log-memory-interval", "0"], "--log-memory-interval 0 is outside [1, inf)"),
+    (["--save", "{tmp}", "--save-retain-interval", "5"], "--save-retain-interval 5 needs --save-interval"),
+    (["--save", "{tmp}", "--save-interval", "2", "--save-retain-interval", "5"],
+     "--save-retain-interval 5 is not a multiple of --save-interval 2 (Megatron-LM asserts it)"),
+    (["--save", "{tmp}", "--save-interval", "2", "--save-retain-interval", "0"],
+     "--save-retain-interval 0 is outside [1, inf)"),
+    (["--save", "{tmp}", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+      "--save-params-interval", "4"], "--save-params-interval with --overlap-param-gather and --save"),
+])
+def test_megatron_lms_interval_rules_are_one_line(capsys, monkeypatch, tmp_path, extra, expected):
+    """Megatron-LM's validate_args relations on the logging and saving intervals (asserts there; the flags are
+    noticed here, and a command line Megatron-LM refuses is refused alike)."""
+    argv = [*BASE, *(a.format(tmp=tmp_path / "ckpt") for a in extra)]
+    assert expected in _error(argv, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("extra", [["--log-memory-interval", "4", "--log-interval", "2"],
+                                   ["--save", "{tmp}", "--save-interval", "2", "--save-retain-interval", "6"],
+                                   ["--save-retain-interval", "5"],  # without --save Megatron-LM reads neither
+                                   ["--save", "{tmp}", "--save-params-interval", "4"]])
+def test_megatron_lms_interval_rules_pass_what_megatron_lm_passes(tmp_path, extra):
+    parse_args([*BASE, *(a.format(tmp=tmp_path / "ckpt") for a in extra)], world_size=2)

@@ -14,7 +14,7 @@ from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import TABLE, RunDevice, reason_on
 from h3t_training.config.fp8_flags import FP8_FLAGS, Fp8Flag
 from h3t_training.config.gpu_flags import GPU_BY_FLAG, GPU_BY_REASON, GPU_NEUTRAL
-from h3t_training.config.megatron_fields import ddp_fields, fp8_fields, transformer_fields
+from h3t_training.config.megatron_fields import attention_backend, ddp_fields, fp8_fields, transformer_fields
 from h3t_training.config.run_spec import run_plan
 from h3t_training.config.sections import parse_args
 from h3t_training.loop.model_provider import transformer_config
@@ -194,6 +194,23 @@ def test_gradient_reduction_precision_reaches_the_ddp_config(monkeypatch, capsys
     assert body == "--exp-avg-dtype bf16 needs --use-precision-aware-optimizer (as in Megatron-LM)"
 
 
+@pytest.mark.parametrize("backend, runs", [("flash", "flash"), ("auto", "auto"), ("fused", None), ("unfused", None),
+                                           ("local", None), (None, None)])
+def test_the_local_spec_on_a_gpu_takes_the_attention_backends_it_runs(monkeypatch, capsys, backend, runs):
+    """--transformer-impl local on a GPU builds the driver's local spec, whose core attention is PyTorch's SDPA
+    (FlashAttention on a GPU): flash and auto are what runs; fused, unfused and local would be accepted and not run,
+    so each is refused in one line naming the spec."""
+    _gpu(monkeypatch, te=True)
+    argv = [*BASE, "--transformer-impl", "local", *(["--attention-backend", backend] if backend else [])]
+    if runs is None and backend is not None:
+        body = error_body(argv, capsys)
+        assert body == (f"--attention-backend {backend} with the local layer spec (--transformer-impl local): its "
+                        "core attention is PyTorch's scaled_dot_product_attention, FlashAttention on a GPU; use flash "
+                        "or auto, or TransformerEngine's spec for the others"), body
+    else:
+        assert attention_backend(parse_args(argv, world_size=2)) == runs
+
+
 def test_an_fp16_run_keeps_megatrons_fp16_gradients_in_ddp_and_in_its_plan(monkeypatch):
     """Megatron-LM forces fp32 gradient accumulation for --bf16 only: an --fp16 run's DDP buffer is fp16 unless
     --accumulate-allreduce-grads-in-fp32, and the plan the driver prices holds the same bytes."""
@@ -209,8 +226,9 @@ def test_bad_gpu_values_are_one_line(monkeypatch, capsys):
     _gpu(monkeypatch, te=True)
     assert error_body([*BASE, "--fp8-format", "e5m2"], capsys) == "--fp8-format e5m2 is not one of e4m3, hybrid"
     assert error_body([*BASE, "--fp8-param-gather"], capsys) == "--fp8-param-gather needs --fp8-format (e4m3 or hybrid)"
-    assert error_body([*BASE, "--attention-backend", "local"], capsys).startswith("--attention-backend local on a GPU "
-                                                                              "needs --transformer-impl local")
+    assert error_body([*BASE, "--attention-backend", "local"], capsys).startswith(
+        "--attention-backend local on a GPU is megatron-core's local attention, and the driver's TransformerEngine "
+        "spec has none")
     _gpu(monkeypatch, te=False)
     body = error_body([*BASE, "--cross-entropy-fusion-impl", "te"], capsys)
     assert body.startswith("--cross-entropy-fusion-impl is not supported: on a GPU with the value te it runs "
@@ -246,6 +264,21 @@ def test_the_launch_environment_megatron_lm_asserts_on_a_gpu(monkeypatch, capsys
         assert refused in body and "Megatron-LM asserts it" in body, body
 
 
+def test_a_node_launched_without_the_variable_says_so_on_its_first_rank(monkeypatch, capsys):
+    """A multi-node torchrun sets the launch environment node by node: a node that left it out is said by its first
+    rank, with its host, even where rank 0's node has it."""
+    from h3t_training.config import arguments
+    from h3t_training.errors import node_line
+    fake_device(monkeypatch, gpu=True, te=True)
+    monkeypatch.setattr(arguments, "SILENT_RANK_EXIT_DELAY_S", 0.0)
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--tensor-model-parallel-size", "2", "--sequence-parallel"], world_size=4, rank=2,
+                   local_rank=0)
+    err = capsys.readouterr().err
+    assert err.startswith(f"pretrain_llama.py: error: {node_line('', 2)}--tensor-model-parallel-size 2 ") and \
+        "needs CUDA_DEVICE_MAX_CONNECTIONS=1" in err, err
+
+
 def test_the_cpu_path_reads_no_launch_environment(monkeypatch):
     """gloo has no CUDA queue to order: a CPU run with t = 2 starts whatever the variable says."""
     fake_device(monkeypatch, gpu=False, te=False)
@@ -273,6 +306,36 @@ def test_a_gpu_run_needs_a_gpu_for_each_rank_on_its_node(monkeypatch, capsys, ra
         with pytest.raises(SystemExit):
             parse_args(argv, world_size=8, ranks_per_node=ranks)
         assert refused in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rank, local_rank, devices, argv, said", [
+    (0, 0, 4, [], True),    # rank 0 says every problem
+    (8, 0, 4, [], True),    # another node's first rank says its node's problem (rank 0's node may have enough GPUs)
+    (9, 1, 4, [], False),   # the node's other ranks do not
+    (8, 0, 8, ["--offload-alpha", "1.5"], False),  # nor a problem of the command line, which rank 0 has too
+])
+def test_a_node_short_of_gpus_is_said_by_its_first_rank(monkeypatch, capsys, rank, local_rank, devices, argv, said):
+    """Nodes of one job may differ: the node's first rank writes a problem of its node (with its host and rank),
+    where a problem of the command line is rank 0's to write alone."""
+    from h3t_training.config import arguments
+    from h3t_training.errors import node_line
+    fake_device(monkeypatch, gpu=True, te=True)
+    monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: devices)
+    monkeypatch.setattr(arguments, "SILENT_RANK_EXIT_DELAY_S", 0.0)
+    with pytest.raises(SystemExit) as exc:
+        parse_args([*BASE, *argv], world_size=16, rank=rank, ranks_per_node=8, local_rank=local_rank)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    if not said:
+        assert err == ""
+        return
+    message = ("the launcher starts 8 ranks on this node but it shows 4 CUDA devices (NCCL takes one GPU per rank): "
+               "start at most 4 per node (torchrun --nproc-per-node 4, mpirun --npernode 4) or make more GPUs visible "
+               "(CUDA_VISIBLE_DEVICES)")
+    assert err == f"pretrain_llama.py: error: {message if rank == 0 else node_line(message, rank)}\n"
+    if rank:
+        import socket
+        assert node_line(message, rank).startswith(f"on {socket.gethostname()} (rank {rank}): the launcher starts")
 
 
 def test_the_cpu_path_starts_any_number_of_ranks_on_a_node(monkeypatch):

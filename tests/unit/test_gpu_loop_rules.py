@@ -199,3 +199,24 @@ def test_megatron_loop_on_a_node_with_fewer_gpus_than_ranks_is_one_line(monkeypa
                    "--npernode 2) or make more GPUs visible (CUDA_VISIBLE_DEVICES)"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert pretrain_gpt.main(["--num-layers", "2"]) == 0 and len(started) == 1
+
+
+@pytest.mark.parametrize("rank, local_rank, said", [(4, 0, True), (5, 1, False)])
+def test_megatron_loop_on_another_node_short_of_gpus_is_said_by_its_first_rank(monkeypatch, capsys, rank, local_rank,
+                                                                              said):
+    """Nodes of one job may differ (rank 0's may have its GPUs): a short node's first rank says the line, with its
+    host and rank; its other ranks do not."""
+    import pretrain_gpt
+    from h3t_training.config.feature_checks import gpu_slots_refusal
+    from h3t_training.errors import node_line
+    from h3t_training.loop import megatron_native
+
+    for k, v in {"RANK": str(rank), "WORLD_SIZE": "8", "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": "4",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "6000"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(pretrain_gpt, "use_megatron_loop", lambda argv, note=False: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(megatron_native, "run", lambda *a, **k: 0)
+    assert pretrain_gpt.main(["--num-layers", "2"]) == 2
+    expected = f"pretrain_gpt.py: error: {node_line(gpu_slots_refusal(4, 2), rank)}\n" if said else ""
+    assert capsys.readouterr().err == expected

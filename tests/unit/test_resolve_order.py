@@ -10,7 +10,8 @@ from parse_harness import error_body, fake_device
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--bf16"]
-PRICING = [[], ["--auto-plan"], ["--offload-modules", "attn_norm"], ["--cpu-offloading-num-layers", "1"]]
+PRICING = [[], ["--auto-plan"], ["--fine-grained-activation-offloading", "--offload-modules", "attn_norm"],
+           ["--cpu-offloading-num-layers", "1"]]
 
 
 @pytest.mark.parametrize("pricing", PRICING)
@@ -29,8 +30,21 @@ def test_a_layer_spec_the_gpu_cannot_build_is_one_line_whatever_prices_it(monkey
     fake_device(monkeypatch, gpu=True, te=False)
     monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: 8)
     body = error_body([*BASE, "--transformer-impl", "transformer_engine", *pricing], capsys)
-    assert body.endswith("--transformer-impl transformer_engine needs TransformerEngine, and TransformerEngine is not "
-                         "importable here"), body
+    assert body == ("--transformer-impl is not supported: on a GPU with the value transformer_engine it runs through "
+                    "TransformerEngine (megatron-core's TE layers), and TransformerEngine is not importable here "
+                    "(instead: install TransformerEngine, or leave the flag out)"), body  # once: no step reads it
+
+
+def test_a_refused_flag_is_left_out_of_the_resolve_steps_and_their_problems_still_join_the_line(monkeypatch, capsys):
+    """The flag table's refusal and the resolve steps' first problem are one line, and no step reads a refused
+    flag (the layer-spec step, which reads --transformer-impl, does not say the table's refusal again)."""
+    fake_device(monkeypatch, gpu=True, te=False)
+    monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: 8)
+    body = error_body([*BASE, "--transformer-impl", "transformer_engine", "--max-position-embeddings", "32"], capsys)
+    assert body.startswith("--transformer-impl is not supported: on a GPU with the value transformer_engine")
+    assert body.endswith("(instead: install TransformerEngine, or leave the flag out); --seq-length 64 is outside "
+                         "[1, --max-position-embeddings 32]"), body
+    assert body.count("TransformerEngine is not importable here") == 1, body
 
 
 def test_auto_plan_keeps_context_parallelism_off_where_the_gpu_builds_the_local_attention(monkeypatch):
@@ -64,3 +78,32 @@ def test_a_plan_auto_plan_chose_that_needs_the_launch_variable_says_so(monkeypat
     from h3t_training.config.sections import parse_args
     config = parse_args([*argv, "--tensor-model-parallel-size", "1", "--context-parallel-size", "1"], world_size=8)
     assert (config.tensor_model_parallel_size, config.context_parallel_size) == (1, 1)
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["--auto-plan", "--offload-alpha", "1.5"], "--offload-alpha 1.5 is outside [0, 1]"),
+    (["--auto-plan", "--offload-alpha", "x"], "--offload-alpha 'x' is not a number"),
+    (["--auto-plan", "--overlap-param-gather"], "--overlap-param-gather needs --overlap-grad-reduce"),
+    (["--auto-plan", "--use-megatron-fsdp", "--overlap-param-gather"], "--overlap-param-gather needs "
+                                                                       "--overlap-grad-reduce"),
+    (["--auto-plan", "--recompute-granularity", "full", "--recompute-method", "block"],
+     "--auto-plan searches --ckpt no|full|ours (or --recompute-granularity alone); it cannot keep "
+     "--recompute-granularity full --recompute-method block --recompute-num-layers 1: give the parallel flags "
+     "yourself, or leave those out"),
+])
+def test_what_auto_plan_prices_is_checked_before_it(monkeypatch, capsys, argv, line):
+    """--auto-plan prices the offload fraction, the overlaps and the recompute it is given: each is checked first (a
+    ValueError of the alpha parser, the cost model's plan check, the search's constraints, found by random command
+    lines)."""
+    fake_device(monkeypatch, gpu=True, te=False)
+    monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: 8)
+    assert error_body([*BASE, *argv], capsys).startswith(line)
+
+
+@pytest.mark.parametrize("pricing", PRICING)
+def test_an_attention_backend_the_spec_does_not_run_is_one_line_whatever_prices_it(monkeypatch, capsys, pricing):
+    fake_device(monkeypatch, gpu=True, te=True)
+    monkeypatch.setattr(feature_checks, "cuda_device_count", lambda: 8)
+    monkeypatch.setenv(feature_checks.CONNECTIONS_VAR, "1")
+    assert error_body([*BASE, "--attention-backend", "local", *pricing], capsys).startswith(
+        "--attention-backend local on a GPU is megatron-core's local attention")
