@@ -368,5 +368,5 @@ _FP8_PLAN_SETTINGS = ("fp8_param_gather", "first_last_layers_bf16", "num_layers_
 """The settings a search gives its FP8 plans only (its BF16 plans, with ``--precision auto``, have no FP8)."""
 
 
-__all__ = ["ATTENTION_BACKEND_CHOICES", "FixedRecomputeError", "MEGATRON_DEFAULTS", "constraints_from_args", "megatron_offload_from_args",
-           "megatron_offload_mapping", "plan_from_args"]
+__all__ = ["ATTENTION_BACKEND_CHOICES", "FixedRecomputeError", "MEGATRON_DEFAULTS", "constraints_from_args",
+           "megatron_offload_from_args", "megatron_offload_mapping", "plan_from_args"]

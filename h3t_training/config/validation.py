@@ -315,8 +315,8 @@ def _validate_eval_and_logging(args):
 def _check_save_intervals(args) -> None:
     """Megatron-LM's validate_args rules on the intervals of a run that saves (core_v0.16.1 to core_v0.19.0): the
     retained checkpoints' interval a positive multiple of --save-interval, and (core_v0.18.0 on) no
-    --save-params-interval with --overlap-param-gather. (Megatron-LM also asserts --save-interval with --save; this driver saves at the end of
-    training without it, as Megatron-LM's last save does.)"""
+    --save-params-interval with --overlap-param-gather. (Megatron-LM also asserts --save-interval with --save; this
+    driver saves at the end of training without it, as Megatron-LM's last save does.)"""
     retain = table_int(args, "--save-retain-interval", 0, 1)
     if retain:
         if args.save_interval is None:
