@@ -5,7 +5,8 @@ Default case: ``h3t-plan search --model llama-175b --num-gpus 4096 --seq-length 
 --global-batch-size 2048 --gpu h800 --precision auto`` (BF16 and FP8 plans, the memory ladder; target: search call
 under 0.5 s CPU on one core, with the CLI's default ``--top 10``; ``--top 0`` ranks every feasible plan, as
 ``search(top=None)`` does). The search call runs in this process after the CLI runs, with its caches empty (a cold
-call, as the CLI's): 22 plans priced, 3 on the timeline; 0.29-0.37 s CPU on the shared 2-core machine on
+call, as the CLI's): 22 plans priced (29 since 2026-12-02, every rung of the memory ladder a plan of its own), 3 on
+the timeline; 0.29-0.37 s CPU on the shared 2-core machine on
 2026-11-28 (best of 5 interleaved 0.289 s, the commit before 0.331 s; the machine's speed varies by day, so
 compare commits interleaved), the CLI process ~0.65 s wall; results unchanged (``scripts/planner_search_digest.py``);
 where the time goes: docs/DESIGN.md, "Search speed".
@@ -57,7 +58,8 @@ def _in_process(args) -> dict:
 def _cli(args) -> dict:
     cmd = [sys.executable, "-m", "h3t_ext.planner", "search", "--model", args.model, "--num-gpus", str(args.num_gpus),
            "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size), "--gpu", args.gpu,
-           "--precision", args.precision, "--fp8-recipe", args.fp8_recipe, "--json", "--top", str(args.top or 10**9),
+           "--precision", args.precision, "--json", "--top", str(args.top or 10**9),
+           *(["--fp8-recipe", args.fp8_recipe] if args.precision != "bf16" else []),  # the CLI refuses it on bf16
            *(["--first-last-layers-bf16"] if args.first_last_layers_bf16 else [])]
     t0 = time.perf_counter()
     before = os.times()

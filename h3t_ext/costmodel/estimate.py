@@ -11,7 +11,8 @@ from h3t_ext.costmodel.errors import InfeasiblePlanError, InvalidPlanError
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_host_bytes, stage_memory
 from h3t_ext.costmodel.mfu import model_flops_per_token
 from h3t_ext.costmodel.plan import Plan, validate_plan
-from h3t_ext.costmodel.reserve import ALLOCATOR_GAP_RANGE, allocator_gap_left, memory_reserve
+from h3t_ext.costmodel.reserve import ALLOCATOR_GAP_RANGE, allocator_gap_left, default_memory_budget_bytes, \
+    memory_reserve
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms, timeline_too_large
 from h3t_ext.costmodel.timing import TimeTerms, shape_times, time_terms
@@ -308,6 +309,18 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         moe=model.is_moe,
         device_free_bytes=None if reserve is None else reserve.free_bytes,
     )
+
+
+def device_fits(model: ModelSpec, plan: Plan, system: SystemSpec, *,
+                memory_budget_bytes: Optional[int] = None) -> bool:
+    """Whether every stage's device peak is within the budget: ``estimate``'s device test (its ``fits`` without the
+    host's), without its time terms. Raises InvalidPlanError as ``estimate`` does."""
+    validate_plan(model, plan, system)
+    budget = default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None \
+        else int(memory_budget_bytes)
+    alphas = plan.alphas()
+    return all(stage_memory(model, plan, k, alphas[k], system).peak_bytes <= budget
+               for k in range(plan.pipeline_model_parallel_size))
 
 
 def _checked(terms: TimeTerms, system: SystemSpec) -> TimeTerms:

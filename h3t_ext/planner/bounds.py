@@ -6,7 +6,8 @@ from typing import Optional
 
 from h3t_ext.costmodel import Plan
 from h3t_ext.costmodel.plan import applicable_switches
-from h3t_ext.costmodel.timing import dp_seconds_lower_bound, pipeline_p2p_seconds_by_micro_batch, shape_times
+from h3t_ext.costmodel.timing import dp_seconds_lower_bound, optimizer_seconds, pipeline_p2p_seconds_by_micro_batch, \
+    shape_times
 from h3t_ext.layout import pipeline_split
 from h3t_ext.planner.recompute_modes import RecomputeMode
 from h3t_ext.planner.space import Layout
@@ -149,6 +150,16 @@ class Bounds:
                 dp_seconds_lower_bound(self.model, first, self.system))
         pp, dp = traffic
         return self._tokens(li) / (self._pipelined(li, ci, i) + pp[i] + dp)
+
+    def variant(self, li: int, ci: int, i: int, plan: Plan) -> float:
+        """Upper bound on the tokens/s of ``plan``, candidate (``li``, ``ci``, ``i``) with a memory option of the
+        ladder (optimizer offload, a Megatron FSDP sharding): :meth:`bound` with the variant's own ``dp_exposed``
+        lower bound, which an FSDP sharding raises by its parameter all-gathers and gradient reduce-scatters, and its
+        ``optimizer`` term (exact, whatever alpha: the CPU step of an optimizer offload); the option changes no other
+        term the bound counts. Asked after :meth:`bound` of the same candidate."""
+        return self._tokens(li) / (self._pipelined(li, ci, i) + self._traffic[li][0][i]
+                                   + dp_seconds_lower_bound(self.model, plan, self.system)
+                                   + optimizer_seconds(self.model, plan, self.system))
 
     def group(self, li: int, i: int) -> float:
         """Upper bound on the tokens/s of every mode of layout ``li`` at micro batch index ``i`` (with

@@ -20,6 +20,7 @@ from h3t_ext.costmodel import (
     pcie_bytes_per_iteration,
     solve_offload_alpha,
 )
+from h3t_ext.costmodel.estimate import device_fits
 from h3t_ext.costmodel.kernels import kernel_rates, priced_attention_kernel
 
 AlphaMode = Union[float, tuple[float, ...], str]
@@ -74,11 +75,14 @@ def evaluate(model: ModelSpec, plan: Plan, system: SystemSpec, *, alpha_mode: Al
                    host_memory_budget_bytes=host_memory_budget_bytes),
                           alpha_mode)
     zero_plan = plan.with_alpha(0.0)
-    zero_est = estimate(model, zero_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline,
-                   host_memory_budget_bytes=host_memory_budget_bytes)
-    if zero_est.fits:  # nothing to offload: auto and balanced are both 0
-        return Evaluation(zero_plan, zero_est, alpha_mode, auto_estimate=None if alpha_mode == "auto" else zero_est,
-                          pcie_bytes_saved_vs_auto=None if alpha_mode == "auto" else 0)
+    # the estimate at alpha 0 only where the device fits there (else it is not the answer; most of a tight search)
+    if device_fits(model, zero_plan, system, memory_budget_bytes=memory_budget_bytes):
+        zero_est = estimate(model, zero_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline,
+                            host_memory_budget_bytes=host_memory_budget_bytes)
+        if zero_est.fits:  # nothing to offload: auto and balanced are both 0
+            return Evaluation(zero_plan, zero_est, alpha_mode,
+                              auto_estimate=None if alpha_mode == "auto" else zero_est,
+                              pcie_bytes_saved_vs_auto=None if alpha_mode == "auto" else 0)
     auto_alpha = solve_offload_alpha(model, plan, system, memory_budget_bytes=memory_budget_bytes, mode="auto")
     auto_plan = plan.with_alpha(auto_alpha)
     auto_est = estimate(model, auto_plan, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline,

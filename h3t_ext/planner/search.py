@@ -22,7 +22,9 @@ time), candidates are priced from the highest bound down, and pricing stops once
 search (the memory pruning above still applies; the micro-batch heuristic does not). Bounds are computed as the
 queue reaches them: a layout first enters with one bound for all its candidates (no pp_p2p, dp_exposed), then
 each micro batch with ckpt ``no``'s bound (the smallest layer time), then each candidate with its own; the
-candidates come out in the same order as if all had been bounded and sorted.
+candidates come out in the same order as if all had been bounded and sorted. A candidate that needs activation
+offload or does not fit is priced again with each option of the memory ladder; each variant has its own bound (its
+data-parallel term with an FSDP sharding's traffic) and is left unpriced when that bound cannot enter the top.
 """
 from __future__ import annotations
 
@@ -178,23 +180,40 @@ class _Budgets:
         return (o for o in self.ladder if o.refusal(plan) is None)
 
 
-def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets):
+class _Unpriced:
+    """What :func:`_price` returns for a candidate none of whose priced plans fits while a variant was left unpriced
+    by its bound: it may fit, but it cannot enter the top (falsy like a plan that fits nowhere, yet not a memory
+    verdict, so nothing is pruned after it)."""
+
+    def __bool__(self) -> bool:
+        return False
+
+
+UNPRICED = _Unpriced()
+
+
+def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets,
+           can_enter: Optional[Callable[[Plan], bool]] = None):
     """Price one plan and, when it fits only by offloading activations or not at all, the same plan with each
-    option of the memory ladder in turn until one fits without activation offload (every one that fits is a
-    feasible plan of its own). The fastest RankedPlan, None when none fits (even at the largest alpha
-    allowed), False when the cost model finds the plan invalid."""
+    option of the memory ladder (every one that fits is a feasible plan of its own: a later option, which saves
+    more memory, may still be the faster plan). The fastest RankedPlan, None when none fits (even at the largest
+    alpha allowed), False when the cost model finds the plan invalid. ``can_enter`` (the best-first search's):
+    whether a variant's upper bound (``Bounds.variant``) lets it enter the top plans; one that cannot is not priced
+    (``R_BOUND``), and where nothing priced fits then, :data:`UNPRICED`."""
     ranked = _price_one(col, model, system, plan, alpha_mode, budget)
     if ranked is False or not budget.ladder or (ranked is not None and not any(ranked.plan.alphas())):
         return ranked
-    best = ranked
+    best, unpriced = ranked, False
     for option in budget.ladder_for(plan):
         variant = _with_option(model, system, plan, option, budget)
+        if can_enter is not None and not can_enter(variant):
+            col.rejected[R_BOUND] += 1
+            unpriced = True
+            continue
         r = _price_one(col, model, system, variant, alpha_mode, budget)
         if r and (best is None or r.tokens_per_second > best.tokens_per_second):
             best = r
-        if r and not any(r.plan.alphas()):
-            break
-    return best
+    return UNPRICED if best is None and unpriced else best
 
 
 def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budgets) -> Plan:
@@ -513,7 +532,11 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
             continue
         remaining -= 1
         plan = candidate_plan(run, layout, mb, mode, bounds.block_layers.get((li, ci, i)))
-        ranked = _price(col, model, system, plan, alpha_mode, budget)
+
+        def can_enter(variant: Plan, li=li, ci=ci, i=i) -> bool:  # as the queue's test, on the variant's own bound
+            return len(best) < top or bounds.variant(li, ci, i, variant) * (1 + 1e-9) >= best[0]
+
+        ranked = _price(col, model, system, plan, alpha_mode, budget, can_enter)
         if ranked is None:
             failed.setdefault(li, []).append((ci, i))
         elif ranked:

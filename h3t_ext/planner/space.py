@@ -75,9 +75,10 @@ MEMORY_LADDER: tuple[MemoryOption, ...] = (
     MemoryOption(data_parallel_sharding_strategy="optim_grads_params"),
     MemoryOption(optimizer_cpu_offload=True),
 )
-"""The options ``search`` tries, in this order (each saves more device memory and costs more time than the one
-before it in the usual case: gradient reduce-scatters per microbatch, then parameter all-gathers, then PCIe and
-the CPU step), when neither is fixed on the command line."""
+"""The options ``search`` tries on a plan that needs activation offload or does not fit, each a plan of its own
+(each saves more device memory than the one before it: gradient reduce-scatters per microbatch, then parameter
+all-gathers, then PCIe and the CPU step; which is fastest depends on the plan), when neither is fixed on the
+command line."""
 
 
 @dataclass(frozen=True)

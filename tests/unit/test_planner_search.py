@@ -152,6 +152,32 @@ def test_best_first_top_is_the_exhaustive_top(budget, alpha_mode):
                 == [(r.plan, r.tokens_per_second) for r in full.plans[:top]])
 
 
+def test_best_first_with_the_memory_ladder_is_the_exhaustive_top(monkeypatch):
+    """With the memory ladder every option of a plan that needs offload is a plan of its own; the best-first search
+    leaves unpriced the variants whose own bound (an FSDP sharding's all-gathers and reduce-scatters in its
+    data-parallel term) cannot enter the top, and its top is still the exhaustive one."""
+    search_module = importlib.import_module("h3t_ext.planner.search")
+    price, skipped = search_module._price, []
+
+    def counting(col, model, system, plan, alpha_mode, budget, can_enter=None):
+        def counted(variant):
+            ok = can_enter(variant)
+            skipped.append(not ok)
+            return ok
+        return price(col, model, system, plan, alpha_mode, budget, None if can_enter is None else counted)
+
+    monkeypatch.setattr(search_module, "_price", counting)
+    model, system = get_model("llama-7b"), get_system("h800")
+    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=20 * 10**9,
+              constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
+    full = search(model, system, exhaustive=True, **kw)
+    best = search(model, system, top=10, **kw)
+    assert sum(skipped) > 50 and best.considered < full.considered / 2
+    assert ([(r.plan, r.tokens_per_second) for r in best.plans[:10]]
+            == [(r.plan, r.tokens_per_second) for r in full.plans[:10]])
+    assert any(r.plan.data_parallel_sharding_strategy or r.plan.optimizer_cpu_offload for r in full.plans[:10])
+
+
 def test_search_agrees_with_estimate_and_alpha_is_minimal(small_search):
     model, system = get_model("llama-7b"), get_system("h800")
     for r in small_search.plans[:: max(1, len(small_search.plans) // 15)]:
