@@ -35,7 +35,8 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Mapping, Optional
 
-from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate
+from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate, \
+    solve_offload_alpha
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.plan import MOE_OURS_REASON, applicable_switches, validate_moe, validate_switches
@@ -214,6 +215,24 @@ def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bu
         if r and (best is None or r.tokens_per_second > best.tokens_per_second):
             best = r
     return UNPRICED if best is None and unpriced else best
+
+
+def _fits_nowhere(model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets) -> bool:
+    """Whether ``plan`` fits the device at no alpha, as it is and with every rung of the ladder: the memory verdict of
+    :func:`_price`'s None (``solve_offload_alpha``'s InfeasiblePlanError, as ``evaluate`` meets it) without pricing
+    any time. False where unsure: a fixed alpha, a plan the cost model refuses."""
+    if not isinstance(alpha_mode, str):
+        return False
+    try:
+        for variant in (plan, *(_with_option(model, system, plan, o, budget) for o in budget.ladder_for(plan))):
+            try:
+                solve_offload_alpha(model, variant, system, memory_budget_bytes=budget.device, mode=alpha_mode)
+            except InfeasiblePlanError:
+                continue
+            return False
+    except InvalidPlanError:
+        return False
+    return True
 
 
 def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budgets) -> Plan:
@@ -509,6 +528,14 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
         if len(best) >= top and -minus_bound * (1 + 1e-9) < best[0]:
             col.rejected[R_BOUND] += remaining
             break
+        if ci == LAYOUT_ENTRY and not modes[0].block and all(m.fails_where(modes[0]) for m in modes):
+            run, layout = layouts[li]  # its least-memory candidate fits nowhere: nor does any of its others
+            if _fits_nowhere(model, system, candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0]),
+                             alpha_mode, budget):
+                n = len(modes) * len(layout.micro_batch_sizes)
+                remaining -= n
+                col.rejected[R_PRUNED] += n
+                continue
         if ci < 0:
             for entry in bounds.expand(li, ci, i):
                 heapq.heappush(queue, entry)
