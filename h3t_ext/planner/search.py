@@ -523,19 +523,13 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
     remaining = len(modes) * sum(len(layout.micro_batch_sizes) for _, layout in layouts)  # candidates not taken
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
     failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (mode, micro batch) indices that did not fit
+    least_prunes_all = not modes[0].block and all(m.fails_where(modes[0]) for m in modes)
+    least_checked: set[int] = set()  # layouts whose least-memory candidate was checked after a failure
     while queue:
         minus_bound, li, ci, i = heapq.heappop(queue)
         if len(best) >= top and -minus_bound * (1 + 1e-9) < best[0]:
             col.rejected[R_BOUND] += remaining
             break
-        if ci == LAYOUT_ENTRY and not modes[0].block and all(m.fails_where(modes[0]) for m in modes):
-            run, layout = layouts[li]  # its least-memory candidate fits nowhere: nor does any of its others
-            if _fits_nowhere(model, system, candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0]),
-                             alpha_mode, budget):
-                n = len(modes) * len(layout.micro_batch_sizes)
-                remaining -= n
-                col.rejected[R_PRUNED] += n
-                continue
         if ci < 0:
             for entry in bounds.expand(li, ci, i):
                 heapq.heappush(queue, entry)
@@ -566,6 +560,11 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
         ranked = _price(col, model, system, plan, alpha_mode, budget, can_enter)
         if ranked is None:
             failed.setdefault(li, []).append((ci, i))
+            if li not in least_checked and least_prunes_all and (ci, i) != (0, 0):
+                least_checked.add(li)  # the layout's least-memory candidate, on memory alone: where it fits nowhere
+                if _fits_nowhere(model, system, candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0]),
+                                 alpha_mode, budget):  # none of the layout's candidates can (the pruning rule)
+                    failed[li].append((0, 0))
         elif ranked:
             if len(best) < top:
                 heapq.heappush(best, ranked.tokens_per_second)
