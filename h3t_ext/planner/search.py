@@ -24,7 +24,9 @@ queue reaches them: a layout first enters with one bound for all its candidates 
 each micro batch with ckpt ``no``'s bound (the smallest layer time), then each candidate with its own; the
 candidates come out in the same order as if all had been bounded and sorted. A candidate that needs activation
 offload or does not fit is priced again with each option of the memory ladder; each variant has its own bound (its
-data-parallel term with an FSDP sharding's traffic) and is left unpriced when that bound cannot enter the top.
+data-parallel term with an FSDP sharding's traffic, its optimizer step) and is left unpriced when that bound cannot
+enter the top. After a candidate fits nowhere, its layout's least-memory candidate is checked on memory alone; where
+it fits nowhere either, the layout's other candidates are pruned as above.
 """
 from __future__ import annotations
 
