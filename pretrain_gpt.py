@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         return 2
     if use_megatron_loop(argv, note=launch.rank == 0):
         from h3t_ext.runtime.config import RuntimeConfigError
-        from h3t_training.errors import ArgumentError, NodeArgumentError, node_line
+        from h3t_training.errors import ArgumentError, node_line, said_by_its_node
         from h3t_training.loop import megatron_native
         try:
             _check_gpu_slots(launch)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         except (ArgumentError, RuntimeConfigError) as e:
             if launch.rank == 0:  # every rank fails alike, one says so
                 sys.stderr.write(f"{PROG}: error: {e}\n")
-            elif isinstance(e, NodeArgumentError) and launch.local_rank == 0:  # nodes may differ: each node's says
+            elif said_by_its_node(e, launch.rank, launch.local_rank):  # nodes may differ: each node's first says
                 sys.stderr.write(f"{PROG}: error: {node_line(str(e), launch.rank)}\n")
             return 2
     from pretrain_llama import main as driver_main

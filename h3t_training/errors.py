@@ -12,6 +12,12 @@ class NodeArgumentError(ArgumentError):
     so the first rank of each node says it (:func:`node_line`), not rank 0 alone, who may not share it."""
 
 
+def said_by_its_node(error: Exception, rank: int, local_rank: int) -> bool:
+    """Whether this rank, other than rank 0, writes ``error``: a :class:`NodeArgumentError` on its node's first rank
+    (rank 0 writes every error; the others stay silent)."""
+    return isinstance(error, NodeArgumentError) and rank != 0 and local_rank == 0
+
+
 def node_line(message: str, rank: int) -> str:
     """``message`` as said by a node's first rank other than rank 0: the host and rank it is about."""
     return f"on {socket.gethostname()} (rank {rank}): {message}"

@@ -17,6 +17,8 @@ from h3t_training.errors import ArgumentError
 
 ATTENTION_BACKENDS = ("flash", "fused", "unfused", "auto")
 """megatron-core's AttnBackend names a GPU run with TransformerEngine's spec takes (:func:`attention_backend`)."""
+ATTENTION_BACKEND_NAMES = (*ATTENTION_BACKENDS, "local")
+"""Every name Megatron-LM's ``--attention-backend`` takes (the CPU run checks the GPU job's against them)."""
 OPTIMIZER_DTYPES = {"--main-grads-dtype": ("main_grads_dtype", ("fp32", "bf16")),
                     "--main-params-dtype": ("main_params_dtype", ("fp32", "fp16")),
                     "--exp-avg-dtype": ("exp_avg_dtype", ("fp32", "fp16", "bf16", "fp8")),
@@ -109,7 +111,7 @@ def attention_backend(args) -> Optional[str]:
     given = table_value(args, "--attention-backend")
     if given is None:
         return given_attention_backend(args)  # --use-flash-attn's flash, or None
-    backend = _choice(args, "--attention-backend", ATTENTION_BACKENDS + ("local",))
+    backend = _choice(args, "--attention-backend", ATTENTION_BACKEND_NAMES)
     if spec_backend(args, on_gpu=True) == "te":
         if backend == "local":
             raise ValueError("--attention-backend local on a GPU is megatron-core's local attention, and the driver's "
@@ -223,7 +225,7 @@ def check_layer_spec(args):
         if on_gpu:
             attention_backend(args)
         else:
-            _choice(args, "--attention-backend", ATTENTION_BACKENDS + ("local",))  # the CPU spec is local
+            _choice(args, "--attention-backend", ATTENTION_BACKEND_NAMES)  # the CPU spec is local
     except ValueError as e:
         raise ArgumentError(str(e)) from None
     return args
@@ -251,7 +253,7 @@ def check_gpu_flags(args):
     return args
 
 
-__all__ = ["AMAX_COMPUTE_ALGOS", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES", "OPTIMIZER_DTYPES",
-           "attention_backend", "check_gpu_flags", "check_layer_spec", "ddp_fields", "fp8_fields",
+__all__ = ["AMAX_COMPUTE_ALGOS", "ATTENTION_BACKEND_NAMES", "ATTENTION_BACKENDS", "FP8_FORMATS", "FP8_RECIPES",
+           "OPTIMIZER_DTYPES", "attention_backend", "check_gpu_flags", "check_layer_spec", "ddp_fields", "fp8_fields",
            "given_attention_backend", "optimizer_dtype_fields", "optimizer_impl", "spec_backend",
            "transformer_engine_version", "transformer_fields"]

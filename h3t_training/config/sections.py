@@ -27,7 +27,7 @@ from h3t_training.config import model_flags
 
 
 from h3t_training.config import validation
-from h3t_training.errors import ArgumentError, NodeArgumentError
+from h3t_training.errors import ArgumentError, said_by_its_node
 from h3t_training.config import feature_checks
 from h3t_training.config.flag_table import RunDevice, given_table_flags, notice_lines, refusal, without_refused
 from h3t_training.config.feature_checks import check_cuda_connections, check_gpu_slots, check_optimizer_offload, \
@@ -199,7 +199,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
     ``defaults`` overrides the parser's (Megatron-LM's) defaults; pretrain_llama.py gets
     :data:`~h3t_training.config.arguments.LLAMA_DEFAULTS`. ``world_size`` is the job's and ``ranks_per_node`` this
     rank's node's (the entry point reads the launcher's; nothing here reads them from the environment); every rank
-    parses, rank 0 (``rank``) writes the error line; a problem of the node (:class:`NodeArgumentError`: its GPUs, its
+    parses, rank 0 (``rank``) writes the error line; a problem of the node (``NodeArgumentError``: its GPUs, its
     launch environment) is also written by each other node's first rank (``local_rank`` 0), with its host.
     ``read_checkpoint_args`` reads the args a checkpoint saved, for ``--use-checkpoint-args``
     (:func:`h3t_training.loop.saved_args.read_saved_args`; the entry points pass it).
@@ -234,7 +234,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_llama
         config = resolve(config)  # also with refused flags (left out: no step reads one): one launch names all
     except (ArgumentError, TokenizerError) as e:
         line = f"{refused}; {e}" if refused else str(e)
-        if isinstance(e, NodeArgumentError) and rank != 0 and local_rank == 0:
+        if said_by_its_node(e, rank, local_rank):
             parser.node_error(line, rank)  # this node's problem: rank 0's node may not have it
         parser.error(line)
     if refused:
