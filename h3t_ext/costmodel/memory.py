@@ -403,6 +403,7 @@ def _stage_constants(model: ModelSpec, plan: Plan, stage: int, system: Optional[
 
 def _constants(model: ModelSpec, plan: Plan, stage: int, system: Optional[SystemSpec] = None
                ) -> tuple[int, dict[str, int], int]:
+    plan = plan.with_alpha(0.0)  # none of them depends on alpha: one cache entry for a plan at every alpha
     if model.mixed_moe:  # ranks of one class may hold different numbers of MoE layers
         return _stage_constants(model, plan, stage, system)
     return _stage_constants(model, plan, plan.pipeline_split(model.num_layers).stage_class(stage), system)

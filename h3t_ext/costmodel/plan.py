@@ -343,7 +343,9 @@ class Plan:
         return tuple(float(x) for x in a)
 
     def with_alpha(self, alpha: Alpha) -> "Plan":
-        """Copy of this plan with another offload_alpha."""
+        """Copy of this plan with another offload_alpha (this plan where it has that alpha already)."""
+        if type(alpha) is type(self.offload_alpha) and alpha == self.offload_alpha:
+            return self
         from dataclasses import replace
         return replace(self, offload_alpha=alpha)
 
@@ -506,7 +508,28 @@ def validate_plan(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     """Raise InvalidPlanError (one-line reason) when the plan cannot be built.
 
     The parallel layout rules are :mod:`h3t_ext.layout`'s (:func:`plan_layout`), so the cost model, the
-    schedule builder, the runtime and the driver refuse a layout with the same reason."""
+    schedule builder, the runtime and the driver refuse a layout with the same reason. The verdict is kept per
+    (model, plan, system): a search asks it of one plan several times (its memory test, the offload solver and the
+    estimate each validate what they price)."""
+    try:
+        reason = _plan_problem(model, plan, system)
+    except TypeError:  # an unhashable field (a list where a tuple belongs): checked without the cache
+        reason = _plan_problem.__wrapped__(model, plan, system)
+    if reason is not None:
+        raise InvalidPlanError(reason)
+
+
+@lru_cache(maxsize=8192)
+def _plan_problem(model: ModelSpec, plan: Plan, system: SystemSpec) -> Optional[str]:
+    """:func:`validate_plan`'s verdict: None, or the InvalidPlanError's reason."""
+    try:
+        _validate(model, plan, system)
+    except InvalidPlanError as e:
+        return e.reason
+    return None
+
+
+def _validate(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     _validate_ranges(plan)
     validate_fp8(plan, system)
     validate_bf16_layers(plan, model.num_layers)

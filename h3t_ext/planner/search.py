@@ -25,8 +25,10 @@ each micro batch with ckpt ``no``'s bound (the smallest layer time), then each c
 candidates come out in the same order as if all had been bounded and sorted. A candidate that needs activation
 offload or does not fit is priced again with each option of the memory ladder; each variant has its own bound (its
 data-parallel term with an FSDP sharding's traffic, its optimizer step) and is left unpriced when that bound cannot
-enter the top. After a candidate fits nowhere, its layout's least-memory candidate is checked on memory alone; where
-it fits nowhere either, the layout's other candidates are pruned as above.
+enter the top. After a candidate fits nowhere on a rung of the ladder (the plan as it is, or one option), its
+layout's least-memory candidate is checked on that rung on memory alone; where it fits nowhere either, no candidate
+of the layout is priced on that rung again, and where that holds on every rung, the layout's other candidates are
+pruned as above.
 """
 from __future__ import annotations
 
@@ -196,45 +198,79 @@ UNPRICED = _Unpriced()
 
 
 def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets,
-           can_enter: Optional[Callable[[Plan], bool]] = None):
+           can_enter: Optional[Callable[[Plan], bool]] = None, rungs: Optional["_DeadRungs"] = None):
     """Price one plan and, when it fits only by offloading activations or not at all, the same plan with each
     option of the memory ladder (every one that fits is a feasible plan of its own: a later option, which saves
     more memory, may still be the faster plan). The fastest RankedPlan, None when none fits (even at the largest
     alpha allowed), False when the cost model finds the plan invalid. ``can_enter`` (the best-first search's):
     whether a variant's upper bound (``Bounds.variant``) lets it enter the top plans; one that cannot is not priced
-    (``R_BOUND``), and where nothing priced fits then, :data:`UNPRICED`."""
-    ranked = _price_one(col, model, system, plan, alpha_mode, budget)
+    (``R_BOUND``), and where nothing priced fits then, :data:`UNPRICED`. ``rungs`` (the best-first search's): its
+    layout's rungs where no candidate fits; the plan is not priced on them (``R_PRUNED``), and where it fits nowhere
+    on a rung, that rung is checked for the layout."""
+    def price(rung: Optional[MemoryOption], variant: Plan):
+        r = _price_one(col, model, system, variant, alpha_mode, budget)
+        if r is None and rungs is not None:
+            rungs.failed(rung)
+        return r
+
+    if rungs is not None and BASE_RUNG in rungs.dead:
+        col.rejected[R_PRUNED] += 1
+        ranked = None
+    else:
+        ranked = price(BASE_RUNG, plan)
     if ranked is False or not budget.ladder or (ranked is not None and not any(ranked.plan.alphas())):
         return ranked
     best, unpriced = ranked, False
     for option in budget.ladder_for(plan):
+        if rungs is not None and option in rungs.dead:
+            col.rejected[R_PRUNED] += 1
+            continue
         variant = _with_option(model, system, plan, option, budget)
         if can_enter is not None and not can_enter(variant):
             col.rejected[R_BOUND] += 1
             unpriced = True
             continue
-        r = _price_one(col, model, system, variant, alpha_mode, budget)
+        r = price(option, variant)
         if r and (best is None or r.tokens_per_second > best.tokens_per_second):
             best = r
     return UNPRICED if best is None and unpriced else best
 
 
-def _fits_nowhere(model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets) -> bool:
-    """Whether ``plan`` fits the device at no alpha, as it is and with every rung of the ladder: the memory verdict of
-    :func:`_price`'s None (``solve_offload_alpha``'s InfeasiblePlanError, as ``evaluate`` meets it) without pricing
-    any time. False where unsure: a fixed alpha, a plan the cost model refuses."""
-    if not isinstance(alpha_mode, str):
-        return False
-    try:
-        for variant in (plan, *(_with_option(model, system, plan, o, budget) for o in budget.ladder_for(plan))):
-            try:
-                solve_offload_alpha(model, variant, system, memory_budget_bytes=budget.device, mode=alpha_mode)
-            except InfeasiblePlanError:
-                continue
-            return False
-    except InvalidPlanError:
-        return False
-    return True
+BASE_RUNG = None
+"""The bottom rung of the memory ladder for :class:`_DeadRungs`: the plan with none of its options."""
+
+
+class _DeadRungs:
+    """The rungs of one layout (:data:`BASE_RUNG`, or a :class:`MemoryOption` of the ladder) on which its
+    least-memory candidate (ckpt full, its smallest micro batch) fits the device at no alpha. Every candidate of the
+    layout holds at least its bytes on each rung, so none fits there either. A rung is checked after a candidate of
+    the layout first fits nowhere on it, on memory alone: the verdict of :func:`_price_one`'s None
+    (``solve_offload_alpha``'s InfeasiblePlanError, as ``evaluate`` meets it) without pricing any time. The optimizer
+    offload is checked at fraction 1, its least memory (a larger candidate gets a larger fraction). With a fixed
+    alpha no rung is checked; a rung the cost model refuses is not dead."""
+
+    def __init__(self, model, system, least: Plan, alpha_mode: AlphaMode, budget: _Budgets) -> None:
+        self._model, self._system, self._alpha_mode, self._budget = model, system, alpha_mode, budget
+        self.least = least
+        self.dead: set[Optional[MemoryOption]] = set()
+        self._checked: set[Optional[MemoryOption]] = set()
+
+    def failed(self, rung: Optional[MemoryOption]) -> None:
+        """A candidate of the layout fits nowhere on ``rung``: check the least-memory one there (once)."""
+        if rung in self._checked or not isinstance(self._alpha_mode, str):
+            return
+        self._checked.add(rung)
+        try:
+            solve_offload_alpha(self._model, self.least if rung is None else rung.on(self.least), self._system,
+                                memory_budget_bytes=self._budget.device, mode=self._alpha_mode)
+        except InfeasiblePlanError:
+            self.dead.add(rung)
+        except InvalidPlanError:
+            pass
+
+    def everywhere(self) -> bool:
+        """Whether no candidate of the layout fits on any rung."""
+        return len(self.dead) == 1 + sum(1 for _ in self._budget.ladder_for(self.least))
 
 
 def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budgets) -> Plan:
@@ -526,7 +562,7 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
     failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (mode, micro batch) indices that did not fit
     least_prunes_all = not modes[0].block and all(m.fails_where(modes[0]) for m in modes)
-    least_checked: set[int] = set()  # layouts whose least-memory candidate was checked after a failure
+    rungs: dict[int, _DeadRungs] = {}  # layout -> its rungs where no candidate fits (with least_prunes_all)
     while queue:
         minus_bound, li, ci, i = heapq.heappop(queue)
         if len(best) >= top and -minus_bound * (1 + 1e-9) < best[0]:
@@ -559,14 +595,14 @@ def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple
         def can_enter(variant: Plan, li=li, ci=ci, i=i) -> bool:  # as the queue's test, on the variant's own bound
             return len(best) < top or bounds.variant(li, ci, i, variant) * (1 + 1e-9) >= best[0]
 
-        ranked = _price(col, model, system, plan, alpha_mode, budget, can_enter)
+        if least_prunes_all and li not in rungs:
+            rungs[li] = _DeadRungs(model, system, candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0]),
+                                   alpha_mode, budget)
+        ranked = _price(col, model, system, plan, alpha_mode, budget, can_enter, rungs.get(li))
         if ranked is None:
             failed.setdefault(li, []).append((ci, i))
-            if li not in least_checked and least_prunes_all and (ci, i) != (0, 0):
-                least_checked.add(li)  # the layout's least-memory candidate, on memory alone: where it fits nowhere
-                if _fits_nowhere(model, system, candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0]),
-                                 alpha_mode, budget):  # none of the layout's candidates can (the pruning rule)
-                    failed[li].append((0, 0))
+            if li in rungs and rungs[li].everywhere():
+                failed[li].append((0, 0))  # its least-memory candidate fits nowhere: nor does any (the pruning rule)
         elif ranked:
             if len(best) < top:
                 heapq.heappush(best, ranked.tokens_per_second)

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import importlib
 import itertools
+from dataclasses import replace
 
 import pytest
 
-from h3t_ext.ckpt import SELECTIVE_CORE_ATTN, Recompute
+from h3t_ext.ckpt import NO_RECOMPUTE, SELECTIVE_CORE_ATTN, Ckpt, Recompute
 from h3t_ext.costmodel import ModelSpec, Plan, estimate, get_model, get_system
 from h3t_ext.planner import space
 from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
@@ -159,12 +160,12 @@ def test_best_first_with_the_memory_ladder_is_the_exhaustive_top(monkeypatch):
     search_module = importlib.import_module("h3t_ext.planner.search")
     price, skipped = search_module._price, []
 
-    def counting(col, model, system, plan, alpha_mode, budget, can_enter=None):
+    def counting(col, model, system, plan, alpha_mode, budget, can_enter=None, rungs=None):
         def counted(variant):
             ok = can_enter(variant)
             skipped.append(not ok)
             return ok
-        return price(col, model, system, plan, alpha_mode, budget, None if can_enter is None else counted)
+        return price(col, model, system, plan, alpha_mode, budget, None if can_enter is None else counted, rungs)
 
     monkeypatch.setattr(search_module, "_price", counting)
     model, system = get_model("llama-7b"), get_system("h800")
@@ -176,6 +177,45 @@ def test_best_first_with_the_memory_ladder_is_the_exhaustive_top(monkeypatch):
     assert ([(r.plan, r.tokens_per_second) for r in best.plans[:10]]
             == [(r.plan, r.tokens_per_second) for r in full.plans[:10]])
     assert any(r.plan.data_parallel_sharding_strategy or r.plan.optimizer_cpu_offload for r in full.plans[:10])
+
+
+def test_a_rung_is_left_only_where_no_candidate_of_its_layout_fits(monkeypatch):
+    """The best-first search stops pricing a layout's candidates on a rung of the memory ladder (the plan as it is,
+    an FSDP sharding, optimizer offload) once the layout's least-memory candidate fits nowhere there: the exhaustive
+    search finds no feasible plan of that layout on any such rung, and does find them on the others."""
+    search_module = importlib.import_module("h3t_ext.planner.search")
+    made = []
+
+    class Recorded(search_module._DeadRungs):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(search_module, "_DeadRungs", Recorded)
+    model, system = get_model("llama-7b"), get_system("h800")
+    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=20 * 10**9,
+              constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
+    full = search(model, system, exhaustive=True, **kw)
+    best = search(model, system, top=10, **kw)
+
+    def layout_of(plan):  # what the candidates of one layout share
+        return replace(plan, micro_batch_size=1, ckpt=Ckpt.NO, recompute=NO_RECOMPUTE, offload_alpha=0.0,
+                       data_parallel_sharding_strategy=None, optimizer_cpu_offload=False,
+                       optimizer_offload_fraction=1.0)
+
+    def rung_of(plan):
+        if plan.data_parallel_sharding_strategy is None and not plan.optimizer_cpu_offload:
+            return search_module.BASE_RUNG
+        return space.MemoryOption(plan.data_parallel_sharding_strategy, plan.optimizer_cpu_offload)
+
+    fitting = {(layout_of(r.plan), rung_of(r.plan)) for r in full.plans}
+    rungs = (search_module.BASE_RUNG, *space.MEMORY_LADDER)
+    dead = {(layout_of(d.least), r) for d in made for r in d.dead}
+    live = {(layout_of(d.least), r) for d in made for r in rungs if r not in d.dead}
+    assert len(dead) > 40 and {r for _, r in dead} == set(rungs)
+    assert not dead & fitting and live & fitting
+    assert ([(r.plan, r.tokens_per_second) for r in best.plans[:10]]
+            == [(r.plan, r.tokens_per_second) for r in full.plans[:10]])
 
 
 def test_search_agrees_with_estimate_and_alpha_is_minimal(small_search):
