@@ -15,7 +15,8 @@ from h3t_ext.costmodel.estimate import Estimate, estimate, over_budget_error
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_memory, stage_params
 from h3t_ext.costmodel.mfu import mfu, model_flops_per_token
 from h3t_ext.costmodel.offload import balanced_pcie_savings, pcie_bytes_per_iteration, solve_offload_alpha
-from h3t_ext.costmodel.plan import CKPT_CHOICES, Plan, plan_layout, validate_plan
+from h3t_ext.costmodel.plan import CKPT_CHOICES, Plan
+from h3t_ext.costmodel.plan_checks import plan_layout, validate_plan
 from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system
 from h3t_ext.costmodel.specs import (
     ModelSpec,

@@ -10,7 +10,8 @@ from h3t_ext.costmodel.layer_offload import OffloadTraffic, layer_offload, layer
 from h3t_ext.costmodel.errors import InfeasiblePlanError, InvalidPlanError
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_host_bytes, stage_memory
 from h3t_ext.costmodel.mfu import model_flops_per_token
-from h3t_ext.costmodel.plan import Plan, validate_plan
+from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.costmodel.reserve import ALLOCATOR_GAP_RANGE, allocator_gap_left, default_memory_budget_bytes, \
     memory_reserve
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec

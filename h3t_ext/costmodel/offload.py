@@ -9,7 +9,8 @@ from h3t_ext.costmodel.estimate import over_budget_error
 from h3t_ext.costmodel.memory import chunk_activation_bytes, stage_memory, stage_peak_function
 from h3t_ext.costmodel.activations import rank_offloads
 from h3t_ext.costmodel.layer_offload import layer_offload, layers_per_chunk
-from h3t_ext.costmodel.plan import Plan, validate_plan
+from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 

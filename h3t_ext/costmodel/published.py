@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from h3t_ext.costmodel.plan import Plan, applicable_switches
+from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.plan_checks import applicable_switches
 from h3t_ext.costmodel.specs import REFERENCE_DIR  # noqa: F401 (re-exported: its readers import it from here)
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec, get_model, get_system, reference_json
 
@@ -44,7 +45,7 @@ def settings() -> dict:
 def stated_switches(plan: dict, tensor_model_parallel_size: int) -> dict:
     """A source's stated run switches (``run_settings.json`` ``plan``) for one of its runs: ``tp_comm_overlap`` only
     where t > 1 (a source that states --tp-comm-overlap for its runs means its tensor-parallel ones:
-    :func:`~h3t_ext.costmodel.plan.applicable_switches`)."""
+    :func:`~h3t_ext.costmodel.plan_checks.applicable_switches`)."""
     return applicable_switches(plan, tensor_model_parallel_size)
 
 

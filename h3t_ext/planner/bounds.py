@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from h3t_ext.costmodel import Plan
-from h3t_ext.costmodel.plan import applicable_switches
+from h3t_ext.costmodel.plan_checks import applicable_switches
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, optimizer_seconds, pipeline_p2p_seconds_by_micro_batch, \
     shape_times
 from h3t_ext.layout import pipeline_split

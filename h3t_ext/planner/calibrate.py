@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 from h3t_ext.costmodel import ModelSpec, Plan, SystemSpec
 from h3t_ext.costmodel.fit import FitResult, MeasuredRun, fit_system, mean_abs, relative_errors, with_efficiencies
-from h3t_ext.costmodel.plan import validate_plan
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.costmodel.pooling import calibration_prior, pooled
 from h3t_ext.costmodel.schema import SchemaError, check_positive_rate
 from h3t_ext.costmodel.efficiency_sets import efficiency_set_names, plausible_ranges, transferred_source
@@ -134,7 +134,7 @@ def check_output_path(path: str) -> None:
 def _finish(where: str, fields: dict, model: ModelSpec, system: SystemSpec) -> Plan:
     """The run's plan through the one translation (a field the run does not name is Megatron's default: no
     recompute, no sequence parallelism, no distributed optimizer), checked against the model and system
-    (:func:`~h3t_ext.costmodel.plan.validate_plan`); a plan refused by either is a RunFileError naming
+    (:func:`~h3t_ext.costmodel.plan_checks.validate_plan`); a plan refused by either is a RunFileError naming
     ``where`` (the file, and the row of a CSV)."""
     virtual = fields.pop("_virtual", None)
     if virtual is not None and fields.get("pipeline_model_parallel_layout") is None:  # a layout says v itself

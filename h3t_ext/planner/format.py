@@ -18,7 +18,8 @@ from h3t_ext.planner.evaluate import Evaluation, flash_rate_tokens_per_second
 from h3t_ext.offload_alpha import format_alpha
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.launch_env import describe_launch_env, launch_env_words
-from h3t_ext.planner.search import R_BOUND, R_PRUNED, R_SLOWER, SearchResult
+from h3t_ext.planner.results import SearchResult
+from h3t_ext.planner.search import R_BOUND, R_PRUNED, R_SLOWER
 from h3t_ext.planner.units import format_bytes
 
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",

@@ -34,21 +34,20 @@ from __future__ import annotations
 
 import heapq
 import math
-import re
-from collections import Counter
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Mapping, Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Optional
 
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate, \
     solve_offload_alpha
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.plan import MOE_OURS_REASON, applicable_switches, validate_moe, validate_switches
+from h3t_ext.costmodel.plan_checks import MOE_OURS_REASON, applicable_switches, validate_moe, validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.planner.bounds import LAYOUT_ENTRY, Bounds, candidate_plan
-from h3t_ext.planner.evaluate import AlphaMode, Evaluation, evaluate
+from h3t_ext.planner.evaluate import AlphaMode, evaluate
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.launch_env import launch_env_words
+from h3t_ext.planner.results import ClosestInfeasible, Collector, RankedPlan, SearchResult, reason_category
 from h3t_ext.planner.recompute_modes import R_BLOCK_NONE, RecomputeMode, search_modes, smallest_block_layers
 from h3t_ext.planner.space import Layout, MemoryOption, SearchConstraints, enumerate_layouts
 
@@ -67,106 +66,6 @@ OFFLOAD_FRACTION_STEP = 0.05
 """Granularity of the --optimizer-offload-fraction a search picks (the smallest multiple that fits)."""
 STATIC_TERMS = ("weights", "grads", "optimizer_states")
 """The cost model's memory terms that depend on neither l, micro batch, ckpt nor alpha."""
-
-
-@dataclass(frozen=True)
-class RankedPlan:
-    """One feasible plan of a search."""
-
-    evaluation: Evaluation
-    """Plan with resolved alpha and its estimate."""
-    megatron_flags: tuple[str, ...]
-    """Flags that launch it (see :func:`h3t_ext.planner.flags.megatron_flags`)."""
-    launch_env: tuple[str, ...] = ()
-    """The ``env`` arguments of the launch environment Megatron-LM asserts for it
-    (:func:`h3t_ext.planner.launch_env.launch_env_words`)."""
-
-    @property
-    def plan(self) -> Plan:
-        return self.evaluation.plan
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.evaluation.estimate.tokens_per_second
-
-
-@dataclass(frozen=True)
-class ClosestInfeasible:
-    """The rejected plan that misses the budget by the fewest bytes."""
-
-    plan: Plan
-    """The plan (at the largest alpha tried)."""
-    term: str
-    """Memory term reported as over budget."""
-    excess_bytes: int
-    """Bytes over the budget."""
-    stage: Optional[int]
-    """Pipeline rank over budget, when known."""
-    reason: str
-    """The cost model's one-line reason."""
-    terms: tuple[tuple[str, int], ...] = ()
-    """Memory terms (bytes) of the stage over budget, largest first, at the largest alpha tried."""
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    """Ranked feasible plans, and why the others were rejected."""
-
-    plans: tuple[RankedPlan, ...]
-    """Feasible plans, best (highest predicted tokens/s) first."""
-    rejected: Mapping[str, int] = field(default_factory=dict)
-    """Rejected (partial) plans by reason."""
-    considered: int = 0
-    """Plans the cost model priced."""
-    closest_infeasible: Optional[ClosestInfeasible] = None
-    """Among plans rejected for memory, the one closest to fitting."""
-
-    @property
-    def best(self) -> Optional[RankedPlan]:
-        return self.plans[0] if self.plans else None
-
-    def tied_with_best(self, relative_half_width: Optional[float] = None) -> tuple[int, ...]:
-        """Indices (0 = the best) of the plans whose predicted tokens/s lie within the best's prediction
-        interval (default half-width: the best estimate's ``uncertainty``): the cost model cannot tell them apart."""
-        if not self.plans:
-            return ()
-        best = self.plans[0].evaluation.estimate
-        w = best.uncertainty.relative_half_width if relative_half_width is None else relative_half_width
-        floor = best.tokens_per_second * (1.0 - w)
-        return tuple(i for i, r in enumerate(self.plans) if r.evaluation.estimate.tokens_per_second >= floor)
-
-
-_NUMBERS = re.compile(r"\s*\([^)]*\)|-?\d+(\.\d+)?")
-
-
-def reason_category(reason: str) -> str:
-    """A reason with its numbers removed, so that rejections can be counted by kind."""
-    return " ".join(_NUMBERS.sub("", reason).split())
-
-
-class _Collector:
-    """Mutable state of one search (kept out of the public result types)."""
-
-    def __init__(self, rejected: Counter) -> None:
-        self.rejected = rejected
-        self.feasible: list[RankedPlan] = []
-        self.closest: Optional[ClosestInfeasible] = None
-        self.considered = 0
-
-    def reject_memory(self, verdict: ClosestInfeasible, count: int = 1) -> None:
-        """Count ``count`` plans rejected for memory; keep the verdict closest to fitting."""
-        self.rejected[f"memory: {verdict.term} over budget"] += count
-        if self.closest is None or verdict.excess_bytes < self.closest.excess_bytes:
-            self.closest = verdict
-
-    def infeasible(self, plan: Plan, term: str, excess: int, stage: Optional[int], reason: str,
-                   terms: Callable[[], Mapping[str, int]] = dict) -> None:
-        """Count one plan rejected for memory; ``terms`` (the stage's memory terms) is called only when it is
-        the closest to fitting so far."""
-        closest = self.closest is None or int(excess) < self.closest.excess_bytes
-        listed = tuple(sorted(((k, int(b)) for k, b in terms().items() if b > 0), key=lambda kv: -kv[1])) \
-            if closest else ()
-        self.reject_memory(ClosestInfeasible(plan, term, int(excess), stage, reason, listed))
 
 
 @dataclass(frozen=True)
@@ -197,7 +96,7 @@ class _Unpriced:
 UNPRICED = _Unpriced()
 
 
-def _price(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets,
+def _price(col: Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets,
            can_enter: Optional[Callable[[Plan], bool]] = None, rungs: Optional["_DeadRungs"] = None):
     """Price one plan and, when it fits only by offloading activations or not at all, the same plan with each
     option of the memory ladder (every one that fits is a feasible plan of its own: a later option, which saves
@@ -290,7 +189,7 @@ def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budge
     return option.on(plan, round(fraction, 2))
 
 
-def _price_one(col: _Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets):
+def _price_one(col: Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets):
     """Price one plan: the RankedPlan, None when it does not fit (even at the largest alpha allowed),
     False when the cost model finds it invalid."""
     col.considered += 1
@@ -385,7 +284,7 @@ def search(
     layouts, rejected = enumerate_layouts(
         model, num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
         gpus_per_node=system.gpus_per_node, constraints=constraints)
-    col = _Collector(rejected)
+    col = Collector(rejected)
     modes = search_modes(constraints.ckpt, constraints.attention_backend, moe=model.is_moe)
     if model.is_moe:  # h3t-ext's activation offload and ckpt=ours run in its runtime, which has no MoE layers
         if constraints.ckpt is not None and str(constraints.ckpt) == "ours":
@@ -495,7 +394,7 @@ def _with_timeline(model, system, ranked: list[RankedPlan], k: int, alpha_mode, 
     return kept + rest
 
 
-def _candidate_plan(col: _Collector, model, system, run, layout: Layout, mb: int, mode: RecomputeMode, alpha_mode,
+def _candidate_plan(col: Collector, model, system, run, layout: Layout, mb: int, mode: RecomputeMode, alpha_mode,
                     budget: _Budgets) -> tuple[Optional[Plan], bool]:
     """(the plan of one candidate, False); a block mode's with its smallest N that fits
     (:func:`~h3t_ext.planner.recompute_modes.smallest_block_layers`), or (None, whether that is a memory verdict
@@ -514,7 +413,7 @@ def _candidate_plan(col: _Collector, model, system, run, layout: Layout, mb: int
     return candidate_plan(run, layout, mb, mode, choice.num_layers), False
 
 
-def _search_layout(col: _Collector, model, system, layout: Layout, modes, alpha_mode, budget, run,
+def _search_layout(col: Collector, model, system, layout: Layout, modes, alpha_mode, budget, run,
                    exhaustive: bool) -> None:
     """Price one layout over recompute modes (least memory first) and micro batches (ascending)."""
     mbs = layout.micro_batch_sizes
@@ -543,7 +442,7 @@ def _search_layout(col: _Collector, model, system, layout: Layout, modes, alpha_
                 previous = ranked.tokens_per_second
 
 
-def _search_best_first(col: _Collector, model, system, layouts: list[tuple[tuple, Layout]], modes, alpha_mode,
+def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple, Layout]], modes, alpha_mode,
                        budget, top: int) -> None:
     """Price candidates from the highest tokens/s bound down until no remaining one can enter the top.
 

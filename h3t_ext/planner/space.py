@@ -310,7 +310,7 @@ def _walk(model, num_gpus, seq_length, global_batch, gpus_per_node, k: SearchCon
             rejected[reason] += 1
             continue
         for c in _pick(k.context_parallel_size, divisors(num_gpus // t)):
-            if c > 1 and model.windowed_layers:  # the plan check's rule (costmodel.plan.validate_plan), early
+            if c > 1 and model.windowed_layers:  # the plan check's rule (costmodel.plan_checks.validate_plan), early
                 rejected[R_C_WINDOW] += 1
                 continue
             if reason := R_GPUS if (num_gpus // t) % c else _validate_context(seq_length, t, c, k.sequence_parallel):

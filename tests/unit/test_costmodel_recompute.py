@@ -12,7 +12,7 @@ from h3t_ext.ckpt import Ckpt, Recompute, normal_form
 from h3t_ext.costmodel import Plan, get_model, get_system
 from h3t_ext.costmodel.activations import activation_bytes_per_layer_token, microbatch_chunk_bytes
 from h3t_ext.costmodel.errors import InvalidPlanError
-from h3t_ext.costmodel.plan import validate_plan
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.costmodel.timing import layer_time
 
 MODEL = get_model("llama2-70b")

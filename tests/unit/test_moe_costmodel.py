@@ -16,7 +16,8 @@ from h3t_ext.costmodel.collectives import all_to_all_seconds
 from h3t_ext.costmodel.data_parallel import dp_comm, _group_comm
 from h3t_ext.costmodel.memory import stage_memory, stage_params
 from h3t_ext.costmodel.mfu import model_flops_per_token
-from h3t_ext.costmodel.plan import Plan, validate_plan
+from h3t_ext.costmodel.plan import Plan
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.costmodel.published_moe import published_moe_runs
 from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.layout import LayoutError, ParallelLayout

@@ -11,7 +11,7 @@ import pytest
 from h3t_ext.costmodel import Plan, get_model, get_system
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.estimate import estimate
-from h3t_ext.costmodel.plan import validate_plan
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.layout import LayoutError, ParallelLayout, parse_pipeline_layout, pipeline_split
 from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
 from tests.planner_harness import run_json, run_main

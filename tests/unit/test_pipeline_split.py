@@ -8,7 +8,7 @@ import pytest
 
 from h3t_ext.costmodel import ModelSpec, Plan
 from h3t_ext.costmodel.errors import InvalidPlanError
-from h3t_ext.costmodel.plan import validate_plan
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.costmodel.specs import get_system
 from h3t_ext.layout import LayoutError, PipelineSplit, pipeline_split
 from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags

@@ -16,7 +16,7 @@ from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.estimate import estimate
 from h3t_ext.costmodel.kernels import flash_attention_flops
 from h3t_ext.costmodel.mfu import model_flops_per_token
-from h3t_ext.costmodel.plan import validate_plan
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.costmodel.timing import attention_seconds, kernel_rates
 from tests.planner_harness import run_json, run_main
 
