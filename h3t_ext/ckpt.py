@@ -33,6 +33,8 @@ class Ckpt(str, Enum):
     @classmethod
     def parse(cls, value: Union[str, "Ckpt"], *, flag: str = "--ckpt", choices: tuple["Ckpt", ...] = ()) -> "Ckpt":
         """``value`` as a member; ValueError naming ``flag`` and the valid values otherwise."""
+        if not choices and isinstance(value, cls):  # already one (the cost model asks this of every plan it prices)
+            return value
         valid = choices or tuple(cls)
         try:
             member = cls(value)
