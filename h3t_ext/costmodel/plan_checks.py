@@ -6,7 +6,7 @@ kept per (model, plan, system)."""
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Optional
+from typing import Mapping, Optional
 
 from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.errors import InvalidPlanError
@@ -186,14 +186,25 @@ def _validate(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     if model.is_moe:
         validate_moe(model, plan)
     else:
-        for name, value, default in (("expert_tensor_parallel_size", plan.expert_tensor_parallel_size, None),
-                                     ("moe_token_dispatcher_type", plan.moe_token_dispatcher_type, "allgather"),
-                                     ("moe_grouped_gemm", plan.moe_grouped_gemm, False),
-                                     ("moe_shared_expert_overlap", plan.moe_shared_expert_overlap, False),
-                                     ("overlap_moe_expert_parallel_comm", plan.overlap_moe_expert_parallel_comm,
-                                      False)):
-            _check(value == default, f"{name}{'' if isinstance(value, bool) else f' {value!r}'} needs num_experts (a "
-                                     f"mixture-of-experts model); the model is dense")
+        validate_dense_experts({name: getattr(plan, name) for name, _ in DENSE_EXPERT_DEFAULTS})
+
+
+DENSE_EXPERT_DEFAULTS = (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", None),
+                         ("moe_token_dispatcher_type", "allgather"), ("moe_grouped_gemm", False),
+                         ("moe_shared_expert_overlap", False), ("overlap_moe_expert_parallel_comm", False))
+"""The expert switches of a plan and their Megatron-LM defaults, which a dense model's plans keep (a plan's sizes meet
+the layout's rule for ep first: :meth:`~h3t_ext.layout.ParallelLayout.check_experts`)."""
+
+
+def validate_dense_experts(switches: Mapping[str, object]) -> None:
+    """A dense model's expert switches (``switches``: by name; a name left out, or None, is not given) at their
+    defaults (:data:`DENSE_EXPERT_DEFAULTS`): a plan's, and the ones a search is asked to keep. InvalidPlanError naming
+    the first that is not: it needs num_experts."""
+    for name, default in DENSE_EXPERT_DEFAULTS:
+        value = switches.get(name)
+        _check(value is None or value == default,
+               f"{name}{'' if isinstance(value, bool) else f' {value!r}'} needs num_experts (a mixture-of-experts "
+               f"model); the model is dense")
 
 
 MOE_UNPRICED = (("fp8", "FP8 expert GEMMs"), ("sharding_strategy", "Megatron FSDP / torch FSDP2 over experts"),
@@ -260,5 +271,5 @@ def _validate_recompute(model: ModelSpec, plan: Plan) -> None:
             raise InvalidPlanError(str(e)) from None
 
 
-__all__ = ["MOE_OURS_REASON", "MOE_UNPRICED", "applicable_switches", "plan_layout", "validate_moe", "validate_plan",
-           "validate_switches"]
+__all__ = ["DENSE_EXPERT_DEFAULTS", "MOE_OURS_REASON", "MOE_UNPRICED", "applicable_switches", "plan_layout",
+           "validate_dense_experts", "validate_moe", "validate_plan", "validate_switches"]

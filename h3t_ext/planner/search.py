@@ -41,7 +41,8 @@ from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, 
     solve_offload_alpha
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.plan_checks import MOE_OURS_REASON, applicable_switches, validate_moe, validate_switches
+from h3t_ext.costmodel.plan_checks import DENSE_EXPERT_DEFAULTS, MOE_OURS_REASON, applicable_switches, \
+    validate_dense_experts, validate_moe, validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.planner.bounds import LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, evaluate
@@ -304,6 +305,8 @@ def search(
                                                       "grad_reduce_in_bf16", "fp16", "bias_activation_fusion",
                                                       "use_legacy_models", "cross_entropy_loss_fusion",
                                                       "cross_entropy_fusion_impl")}
+    if not model.is_moe:  # the expert switches asked for, as a dense model's plans refuse them
+        validate_dense_experts({name: getattr(constraints, name) for name, _ in DENSE_EXPERT_DEFAULTS})
     if model.is_moe:  # the experts' switches; the memory ladder's options are not priced with experts
         dispatcher = constraints.moe_token_dispatcher_type or "alltoall"
         if constraints.moe_shared_expert_overlap and not model.moe_shared_expert_intermediate_size:

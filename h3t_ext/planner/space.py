@@ -165,6 +165,8 @@ class SearchConstraints:
     """etp of a MoE model's plans (None: 1, megatron-core's recommended folding of experts)."""
     moe_token_dispatcher_type: Optional[str] = None
     """--moe-token-dispatcher-type of a MoE model's plans (None: alltoall)."""
+    moe_grouped_gemm: bool = False
+    """--moe-grouped-gemm given (a MoE model's plans are all searched with it; a dense model's refuse it)."""
     moe_shared_expert_overlap: bool = False
     """--moe-shared-expert-overlap given (the search turns it on wherever it applies: a shared expert, alltoall)."""
     overlap_moe_expert_parallel_comm: bool = False

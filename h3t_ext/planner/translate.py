@@ -322,6 +322,7 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
         expert_model_parallel_size=given("expert_model_parallel_size"),
         expert_tensor_parallel_size=given("expert_tensor_parallel_size"),
         moe_token_dispatcher_type=given("moe_token_dispatcher_type"),
+        moe_grouped_gemm=bool(given("moe_grouped_gemm")),
         moe_shared_expert_overlap=bool(given("moe_shared_expert_overlap")),
         overlap_moe_expert_parallel_comm=bool(given("overlap_moe_expert_parallel_comm")),
         **_precision(read, fixed),

@@ -298,6 +298,28 @@ def test_cli_moe_search_refusals_are_one_line(capsys, extra, fragment):
     assert fragment in err, err
 
 
+@pytest.mark.parametrize("extra, fragment", [
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs --num-experts"),
+    (["--expert-tensor-parallel-size", "1"], "--expert-tensor-parallel-size 1 needs --num-experts"),
+    (["--moe-token-dispatcher-type", "alltoall"], "--moe-token-dispatcher-type 'alltoall' needs --num-experts"),
+    (["--moe-grouped-gemm"], "--moe-grouped-gemm needs --num-experts"),
+    (["--moe-shared-expert-overlap"], "--moe-shared-expert-overlap needs --num-experts"),
+    (["--overlap-moe-expert-parallel-comm"], "--overlap-moe-expert-parallel-comm needs --num-experts"),
+])
+def test_a_dense_models_search_refuses_the_expert_switches_its_estimate_refuses(capsys, extra, fragment):
+    """Each is one line from both subcommands (the search priced the dense plans without them, as if not given)."""
+    for command in ("estimate", "search"):
+        err = _error([command, "--model", "llama3-8b", *RUN, *extra], capsys)
+        assert fragment in err, (command, err)
+
+
+def test_a_dense_models_search_keeps_the_expert_defaults(capsys):
+    """Megatron-LM's defaults, given, are not a MoE switch: the search runs."""
+    assert main(["search", "--model", "llama3-8b", *RUN, "--expert-model-parallel-size", "1",
+                             "--moe-token-dispatcher-type", "allgather", "--top", "1"]) == 0
+    assert "--expert-model-parallel-size" not in capsys.readouterr().out
+
+
 def test_estimate_moe_through_flags_and_search_reads_them(capsys):
     assert main(["search", "--model", "mixtral-8x7b", *RUN, "--expert-model-parallel-size", "4", "--top", "1",
                  "--json"]) == 0
