@@ -46,7 +46,7 @@ _FIELD = re.compile(r"\b(num_gpus|seq_length|global_batch_size|micro_batch_size|
                     r"overlap_grad_reduce|use_torch_fsdp2|window_size|window_attn_skip_freq|num_experts|moe_router_topk|"
                     r"moe_ffn_hidden_size|moe_shared_expert_intermediate_size|expert_model_parallel_size|"
                     r"expert_tensor_parallel_size|moe_token_dispatcher_type|moe_grouped_gemm|moe_layer_freq|"
-                    r"moe_shared_expert_overlap|overlap_moe_expert_parallel_comm)\b")
+                    r"moe_shared_expert_overlap|overlap_moe_expert_parallel_comm|overlap_cpu_optimizer_d2h_h2d)\b")
 
 
 def flagify(reason: str) -> str:

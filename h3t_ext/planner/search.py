@@ -307,6 +307,10 @@ def search(
                                                       "cross_entropy_fusion_impl")}
     if not model.is_moe:  # the expert switches asked for, as a dense model's plans refuse them
         validate_dense_experts({name: getattr(constraints, name) for name, _ in DENSE_EXPERT_DEFAULTS})
+    if model.is_moe and constraints.overlap_cpu_optimizer_d2h_h2d and not constraints.optimizer_cpu_offload:
+        raise InvalidPlanError("overlap_cpu_optimizer_d2h_h2d with a mixture-of-experts model: it overlaps the copies "
+                               "of the optimizer offload the memory ladder tries, which is not priced with experts; "
+                               "valid: leave it off")
     if model.is_moe:  # the experts' switches; the memory ladder's options are not priced with experts
         dispatcher = constraints.moe_token_dispatcher_type or "alltoall"
         if constraints.moe_shared_expert_overlap and not model.moe_shared_expert_intermediate_size:

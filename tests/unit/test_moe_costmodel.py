@@ -292,6 +292,8 @@ def test_cli_moe_errors_are_one_line(capsys, extra, fragment):
     (["--precision", "fp8"], "with a mixture-of-experts model: the cost model does not price FP8 expert GEMMs"),
     (["--ckpt", "ours"], "--ckpt ours with a mixture-of-experts model"),
     (["--offload-alpha", "0.5"], "--offload-alpha 0.5 with a mixture-of-experts model"),
+    (["--overlap-cpu-optimizer-d2h-h2d"], "--overlap-cpu-optimizer-d2h-h2d with a mixture-of-experts model: it "
+                                          "overlaps the copies of the optimizer offload the memory ladder tries"),
 ])
 def test_cli_moe_search_refusals_are_one_line(capsys, extra, fragment):
     err = _error(["search", "--model", "mixtral-8x7b", *RUN, *extra], capsys)
