@@ -153,6 +153,14 @@ def test_best_first_top_is_the_exhaustive_top(budget, alpha_mode):
                 == [(r.plan, r.tokens_per_second) for r in full.plans[:top]])
 
 
+def _tight_searches_with_the_ladder():
+    """llama-7b on 8 H800 at a 20 GB budget with the memory ladder: (the exhaustive search, the best-first top 10)."""
+    model, system = get_model("llama-7b"), get_system("h800")
+    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=20 * 10**9,
+              constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
+    return search(model, system, exhaustive=True, **kw), search(model, system, top=10, **kw)
+
+
 def test_best_first_with_the_memory_ladder_is_the_exhaustive_top(monkeypatch):
     """With the memory ladder every option of a plan that needs offload is a plan of its own; the best-first search
     leaves unpriced the variants whose own bound (an FSDP sharding's all-gathers and reduce-scatters in its
@@ -168,11 +176,7 @@ def test_best_first_with_the_memory_ladder_is_the_exhaustive_top(monkeypatch):
         return price(col, model, system, plan, alpha_mode, budget, None if can_enter is None else counted, rungs)
 
     monkeypatch.setattr(search_module, "_price", counting)
-    model, system = get_model("llama-7b"), get_system("h800")
-    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=20 * 10**9,
-              constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
-    full = search(model, system, exhaustive=True, **kw)
-    best = search(model, system, top=10, **kw)
+    full, best = _tight_searches_with_the_ladder()
     assert sum(skipped) > 50 and best.considered < full.considered / 2
     assert ([(r.plan, r.tokens_per_second) for r in best.plans[:10]]
             == [(r.plan, r.tokens_per_second) for r in full.plans[:10]])
@@ -192,11 +196,7 @@ def test_a_rung_is_left_only_where_no_candidate_of_its_layout_fits(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(search_module, "_DeadRungs", Recorded)
-    model, system = get_model("llama-7b"), get_system("h800")
-    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=20 * 10**9,
-              constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
-    full = search(model, system, exhaustive=True, **kw)
-    best = search(model, system, top=10, **kw)
+    full, best = _tight_searches_with_the_ladder()
 
     def layout_of(plan):  # what the candidates of one layout share
         return replace(plan, micro_batch_size=1, ckpt=Ckpt.NO, recompute=NO_RECOMPUTE, offload_alpha=0.0,
