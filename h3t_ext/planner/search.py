@@ -141,13 +141,13 @@ BASE_RUNG = None
 
 
 class _DeadRungs:
-    """The rungs of one layout (:data:`BASE_RUNG`, or a :class:`MemoryOption` of the ladder) on which its
-    least-memory candidate (ckpt full, its smallest micro batch) fits the device at no alpha. Every candidate of the
-    layout holds at least its bytes on each rung, so none fits there either. A rung is checked after a candidate of
-    the layout first fits nowhere on it, on memory alone: the verdict of :func:`_price_one`'s None
-    (``solve_offload_alpha``'s InfeasiblePlanError, as ``evaluate`` meets it) without pricing any time. The optimizer
-    offload is checked at fraction 1, its least memory (a larger candidate gets a larger fraction). With a fixed
-    alpha no rung is checked; a rung the cost model refuses is not dead."""
+    """The rungs of one layout (:data:`BASE_RUNG`, or a :class:`MemoryOption` of the ladder) on which its least-memory
+    candidate (ckpt full, its smallest micro batch) does not fit the device at any alpha. Every candidate of the layout
+    holds at least its bytes on each rung, so none fits there either. A rung is checked after a candidate of the layout
+    first fits nowhere on it, on memory alone: the verdict of :func:`_price_one`'s None (``solve_offload_alpha``'s
+    InfeasiblePlanError, as ``evaluate`` meets it) without pricing any time. The optimizer offload is checked at
+    fraction 1, its least memory (a larger candidate gets a larger fraction). With a fixed alpha no rung is checked; a
+    rung the cost model refuses is not dead."""
 
     def __init__(self, model, system, least: Plan, alpha_mode: AlphaMode, budget: _Budgets) -> None:
         self._model, self._system, self._alpha_mode, self._budget = model, system, alpha_mode, budget
