@@ -46,8 +46,7 @@ TEXT_FIELDS = ("fp8", "fp8_recipe", "pipeline_model_parallel_layout", "moe_token
 """Megatron's --fp8-format (field ``fp8``; empty: BF16), --fp8-recipe, --pipeline-model-parallel-layout and
 --moe-token-dispatcher-type, as the run names them, and the TransformerEngine it ran (empty: the newest rules)."""
 _SPLIT_GIVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split", "moe_grouped_gemm",
-            "moe_shared_expert_overlap")
+                "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 """Split flags with which a run's model chunks per rank are Megatron's --num-virtual-stages-per-pipeline-rank."""
 
 

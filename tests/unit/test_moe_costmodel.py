@@ -345,6 +345,23 @@ def test_calibrate_reads_a_moe_runs_expert_layout(tmp_path):
             plan.moe_grouped_gemm) == (8, 1, "alltoall", True)
 
 
+def test_a_moe_runs_interleaving_reads_the_same_with_its_expert_switches(tmp_path):
+    """--moe-grouped-gemm and --moe-shared-expert-overlap are switches, not layer-split flags: a run's
+    virtual_pipeline_model_parallel_size is its layers per chunk with them as without them (they were read as split
+    flags, which made the run's chunks --num-virtual-stages-per-pipeline-rank)."""
+    from h3t_ext.planner.calibrate import read_runs
+    head = ("num_gpus,seq_length,global_batch_size,pipeline_model_parallel_size,virtual_pipeline_model_parallel_size,"
+            "expert_model_parallel_size,moe_token_dispatcher_type,use_distributed_optimizer,tokens_per_second_per_gpu")
+    plans = []
+    for extra_head, extra in (("", ""), (",moe_grouped_gemm", ",true")):
+        path = tmp_path / f"mixtral{len(plans)}.csv"
+        path.write_text(f"{head}{extra_head}\n64,4096,256,4,2,8,alltoall,true,5000{extra}\n")
+        plans.append(read_runs([str(path)], get_model("mixtral-8x7b"), H100)[0].plan)
+    assert [(p.num_layers_per_virtual_pipeline_stage, p.num_virtual_stages_per_pipeline_rank) for p in plans] == \
+        [(4, None), (4, None)]
+    assert dataclasses.replace(plans[1], moe_grouped_gemm=False) == plans[0]
+
+
 def test_moe_plans_hold_nccl_buffers_for_their_expert_groups():
     from h3t_ext.costmodel.reserve import communicators
     m = get_model("mixtral-8x7b")
