@@ -21,6 +21,7 @@ from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.attention_window import WindowFlagError, parse_skip_freq, parse_window_size
 from h3t_ext.planner import cli_flags, translate
+from h3t_ext.planner.flags import MEGATRON_CKPT_FORMATS, MEGATRON_FSDP_CKPT_FORMAT
 from h3t_ext.planner.space import SearchConstraints
 from h3t_ext.layer_pattern import evaluate_pattern
 from h3t_ext.planner.units import parse_bytes
@@ -239,6 +240,10 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
         p.add_argument("--torch-fsdp2-no-reshard-after-forward", dest="torch_fsdp2_reshard_after_forward",
                        action="store_false", help="FSDP2 keeps each layer's gathered parameters from its forward to "
                                                   "its backward")
+    p.add_argument("--ckpt-format", choices=MEGATRON_CKPT_FORMATS, default=None,
+                   help="Megatron's checkpoint format, accepted as a training script gives it and as the printed "
+                        "flags of a Megatron FSDP plan carry it; not priced (checkpoints are saved outside the "
+                        "training step), checked as Megatron-LM checks it against the FSDP switches")
     p.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="megatron-core's HybridDeviceOptimizer: step a share of the optimizer on the CPU (needs the "
                         "distributed optimizer); search tries it by itself when nothing else fits")
@@ -484,6 +489,30 @@ def _needs(flag: str, what: str) -> UsageError:
     return UsageError(f"argument {flag}: needs {what}")
 
 
+def _check_ckpt_format(ns: argparse.Namespace, *, search: bool) -> None:
+    """--ckpt-format against the FSDP switches, as Megatron-LM 0.16-0.19's ``validate_args`` asserts: Megatron FSDP
+    only with fsdp_dtensor and fsdp_dtensor only with it; torch FSDP2 with torch_dist or torch_dcp, and torch_dcp only
+    with it, at tensor- and pipeline-parallel size 1."""
+    fmt = ns.ckpt_format
+    if fmt is None:
+        return
+    megatron_fsdp = ns.use_megatron_fsdp or ns.data_parallel_sharding_strategy is not None
+    fsdp2 = getattr(ns, "use_torch_fsdp2", False)
+    if megatron_fsdp and fmt != MEGATRON_FSDP_CKPT_FORMAT:
+        raise UsageError(f"argument --ckpt-format: Megatron FSDP needs --ckpt-format {MEGATRON_FSDP_CKPT_FORMAT} "
+                         f"(Megatron-LM asserts it), got {fmt}")
+    if fmt == MEGATRON_FSDP_CKPT_FORMAT and not megatron_fsdp:
+        raise _needs("--ckpt-format fsdp_dtensor", "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "
+                     "or optim_grads_params (Megatron-LM asserts it)")
+    if fsdp2 and fmt not in ("torch_dist", "torch_dcp"):
+        raise UsageError(f"argument --ckpt-format: --use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp "
+                         f"(Megatron-LM asserts it), got {fmt}")
+    if fmt == "torch_dcp" and (not fsdp2 or search or ns.tensor_model_parallel_size not in (None, 1)
+                               or ns.pipeline_model_parallel_size not in (None, 1)):
+        raise _needs("--ckpt-format torch_dcp", "--use-torch-fsdp2 at --tensor-model-parallel-size 1 and "
+                     "--pipeline-model-parallel-size 1 (Megatron-LM asserts it)")
+
+
 def check_flags_apply(ns: argparse.Namespace, *, search: bool) -> None:
     """Refuse a flag that changes memory, time or numerics where the other flags leave it nothing to act on (it
     would be accepted and ignored): one line naming it and what it needs."""
@@ -502,6 +531,7 @@ def check_flags_apply(ns: argparse.Namespace, *, search: bool) -> None:
     if ns.overlap_cpu_optimizer_d2h_h2d and not cpu_optimizer and not ladder:
         raise _needs("--overlap-cpu-optimizer-d2h-h2d", "--optimizer-cpu-offload (without it there are no CPU "
                      "optimizer copies to overlap)")
+    _check_ckpt_format(ns, search=search)
     if search:
         bf16_only = ns.precision == "bf16" or (ns.precision is None and ns.fp8 is None)
         if ns.fp8_recipe is not None and bf16_only:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
-from h3t_ext.ckpt import SELECTIVE_CORE_ATTN, Ckpt
+from h3t_ext.ckpt import SELECTIVE_CORE_ATTN, Ckpt, split_ckpt
 from h3t_ext.costmodel import Plan
 from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
 from h3t_ext.planner.translate import plan_from_args
 
 
+MEGATRON_CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+"""Megatron-LM 0.16-0.19's --ckpt-format values (``training_config.ckpt_format``)."""
 MEGATRON_FSDP_CKPT_FORMAT = "fsdp_dtensor"
 """The --ckpt-format Megatron-LM 0.16-0.19 require with --use-megatron-fsdp (``validate_args`` asserts it); not a
 field of the plan (nothing priced depends on it), so :func:`plan_from_megatron_flags` reads past it."""
@@ -81,8 +83,8 @@ def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:
         flags.append("--no-overlap-p2p-communication")
     # ckpt selective is h3t-ext's name of Megatron's selective core_attn on ckpt no: the driver takes Megatron's flags
     ckpt, recompute = (Ckpt.NO, SELECTIVE_CORE_ATTN) if plan.ckpt is Ckpt.SELECTIVE else (plan.ckpt, plan.recompute)
-    if moe:
-        flags += [*recompute.flags()]
+    if moe:  # Megatron-LM's own flags only: ckpt full is its uniform recompute of every layer
+        flags += [*split_ckpt(plan.ckpt, plan.recompute)[1].flags()]
     else:
         flags += ["--ckpt", str(ckpt), *recompute.flags(), "--offload-alpha", format_alpha(plan.offload_alpha)]
     flags += ["--micro-batch-size", str(plan.micro_batch_size), "--global-batch-size", str(plan.global_batch_size)]

@@ -334,10 +334,13 @@ def constraints_from_args(args: Any, *, max_micro_batch_size: Optional[int] = No
 def _ladder(read, fixed: Mapping[str, Any], switches: Mapping[str, Any]) -> tuple[MemoryOption, ...]:
     """The memory options a search may add (:data:`~h3t_ext.planner.space.MEMORY_LADDER`): none that the
     arguments fix. Sharding and optimizer offload both need the distributed optimizer; a fixed
-    --data-parallel-sharding-strategy or --optimizer-cpu-offload keeps every plan to it."""
+    --data-parallel-sharding-strategy or --optimizer-cpu-offload keeps every plan to it; a --ckpt-format other than
+    Megatron FSDP's leaves out its shardings (Megatron-LM runs them with fsdp_dtensor only)."""
     if not switches["use_distributed_optimizer"] or switches["optimizer_cpu_offload"] \
             or _sharding(read, fixed) is not None or _value(read, "use_megatron_fsdp", fixed):
         return ()
+    if _named(read, "ckpt_format", fixed) not in (_MISSING, None, "fsdp_dtensor"):
+        return tuple(o for o in MEMORY_LADDER if o.data_parallel_sharding_strategy is None)
     return MEMORY_LADDER
 
 
