@@ -348,8 +348,8 @@ def search(
                 live.append((run, layout))
             else:
                 _search_layout(col, model, system, layout, modes, alpha_mode, budgets, run, exhaustive)
-    if best_first:  # at least the plans the timeline re-ranks, so that --top does not change which plan comes first
-        _search_best_first(col, model, system, live, modes, alpha_mode, budgets, max(top, TIMELINE_TOP))
+    if best_first:  # at least every plan the timeline may re-rank, so that --top does not change the plans it shows
+        _search_best_first(col, model, system, live, modes, alpha_mode, budgets, max(top, TIMELINE_CAP))
     ranked = sorted(col.feasible, key=lambda r: (-r.tokens_per_second, r.evaluation.estimate.peak_memory_bytes))
     ranked = _with_timeline(model, system, ranked, TIMELINE_TOP, alpha_mode, budgets)
     return SearchResult(tuple(ranked), dict(col.rejected), col.considered, col.closest)

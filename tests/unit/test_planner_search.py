@@ -218,6 +218,19 @@ def test_a_rung_is_left_only_where_no_candidate_of_its_layout_fits(monkeypatch):
             == [(r.plan, r.tokens_per_second) for r in full.plans[:10]])
 
 
+def test_top_does_not_change_the_plans_shown():
+    """The timeline re-ranks the closed form's first plans (up to TIMELINE_CAP of them), so the best-first search
+    goes at least that deep whatever --top asks: --top k shows the first k plans of --top 10. Searched only as deep as
+    the three plans the timeline re-ranks first, --top 1 and 3 here put first a plan the closed form ranks below ten
+    others (the timeline prices it 1.5% faster), and --top 10 does not show it at all."""
+    model, system = get_model("llama2-13b"), get_system("a100-40g")
+    kw = dict(num_gpus=16, seq_length=4096, global_batch_size=512,
+              constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
+    ten = [(r.plan, r.tokens_per_second) for r in search(model, system, top=10, **kw).plans[:10]]
+    for k in (1, 3, 5):
+        assert [(r.plan, r.tokens_per_second) for r in search(model, system, top=k, **kw).plans[:k]] == ten[:k]
+
+
 def test_search_agrees_with_estimate_and_alpha_is_minimal(small_search):
     model, system = get_model("llama-7b"), get_system("h800")
     for r in small_search.plans[:: max(1, len(small_search.plans) // 15)]:
