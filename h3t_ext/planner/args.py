@@ -507,7 +507,10 @@ def _check_ckpt_format(ns: argparse.Namespace, *, search: bool) -> None:
     if fsdp2 and fmt not in ("torch_dist", "torch_dcp"):
         raise UsageError(f"argument --ckpt-format: --use-torch-fsdp2 needs --ckpt-format torch_dist or torch_dcp "
                          f"(Megatron-LM asserts it), got {fmt}")
-    if fmt == "torch_dcp" and (not fsdp2 or search or ns.tensor_model_parallel_size not in (None, 1)
+    if fmt == "torch_dcp" and search:
+        raise _needs("--ckpt-format torch_dcp", "--use-torch-fsdp2 (Megatron-LM asserts it), which search does not "
+                     "search: price that plan with estimate")
+    if fmt == "torch_dcp" and (not fsdp2 or ns.tensor_model_parallel_size not in (None, 1)
                                or ns.pipeline_model_parallel_size not in (None, 1)):
         raise _needs("--ckpt-format torch_dcp", "--use-torch-fsdp2 at --tensor-model-parallel-size 1 and "
                      "--pipeline-model-parallel-size 1 (Megatron-LM asserts it)")

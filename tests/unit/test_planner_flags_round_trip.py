@@ -65,6 +65,12 @@ def test_ckpt_format_is_checked_against_the_fsdp_switches_in_one_line(capsys, ex
     assert len(err.splitlines()) == 1 and fragment in err, err
 
 
+def test_search_refuses_the_fsdp2_format_it_cannot_search(capsys):
+    assert _code(["search", *ESTIMATE[1:], "--ckpt-format", "torch_dcp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "which search does not search: price that plan with estimate" in err, err
+
+
 @pytest.mark.parametrize("extra", [[*FSDP, "--ckpt-format", "fsdp_dtensor"], ["--ckpt-format", "torch_dist"],
                                    ["--ckpt-format", "torch"], [*FSDP2, "--ckpt-format", "torch_dcp"]])
 def test_ckpt_format_megatron_runs_with_is_accepted(capsys, extra):
