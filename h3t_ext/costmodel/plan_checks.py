@@ -6,7 +6,7 @@ kept per (model, plan, system)."""
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Mapping, Optional
+from typing import Optional
 
 from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.errors import InvalidPlanError
@@ -186,7 +186,7 @@ def _validate(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     if model.is_moe:
         validate_moe(model, plan)
     else:
-        validate_dense_experts({name: getattr(plan, name) for name, _ in DENSE_EXPERT_DEFAULTS})
+        validate_dense_experts(plan)
 
 
 DENSE_EXPERT_DEFAULTS = (("expert_model_parallel_size", 1), ("expert_tensor_parallel_size", None),
@@ -196,12 +196,12 @@ DENSE_EXPERT_DEFAULTS = (("expert_model_parallel_size", 1), ("expert_tensor_para
 the layout's rule for ep first: :meth:`~h3t_ext.layout.ParallelLayout.check_experts`)."""
 
 
-def validate_dense_experts(switches: Mapping[str, object]) -> None:
-    """A dense model's expert switches (``switches``: by name; a name left out, or None, is not given) at their
-    defaults (:data:`DENSE_EXPERT_DEFAULTS`): a plan's, and the ones a search is asked to keep. InvalidPlanError naming
-    the first that is not: it needs num_experts."""
+def validate_dense_experts(switches: object) -> None:
+    """A dense model's expert switches at their defaults (:data:`DENSE_EXPERT_DEFAULTS`): a plan's, or the ones a
+    search is asked to keep (``switches``: a Plan or SearchConstraints, whose fields carry those names; None is not
+    given). InvalidPlanError naming the first that is not: it needs num_experts."""
     for name, default in DENSE_EXPERT_DEFAULTS:
-        value = switches.get(name)
+        value = getattr(switches, name)
         _check(value is None or value == default,
                f"{name}{'' if isinstance(value, bool) else f' {value!r}'} needs num_experts (a mixture-of-experts "
                f"model); the model is dense")

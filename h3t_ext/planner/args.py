@@ -21,7 +21,6 @@ from h3t_ext.ckpt import CKPT_CHOICES, DENSE_RECOMPUTE_MODULES
 from h3t_ext.offload_alpha import OffloadAlpha
 from h3t_ext.attention_window import WindowFlagError, parse_skip_freq, parse_window_size
 from h3t_ext.planner import cli_flags, translate
-from h3t_ext.planner.flags import MEGATRON_CKPT_FORMATS, MEGATRON_FSDP_CKPT_FORMAT
 from h3t_ext.planner.space import SearchConstraints
 from h3t_ext.layer_pattern import evaluate_pattern
 from h3t_ext.planner.units import parse_bytes
@@ -240,7 +239,7 @@ def _add_common(sp: argparse.ArgumentParser, *, search: bool) -> None:
         p.add_argument("--torch-fsdp2-no-reshard-after-forward", dest="torch_fsdp2_reshard_after_forward",
                        action="store_false", help="FSDP2 keeps each layer's gathered parameters from its forward to "
                                                   "its backward")
-    p.add_argument("--ckpt-format", choices=MEGATRON_CKPT_FORMATS, default=None,
+    p.add_argument("--ckpt-format", choices=translate.MEGATRON_CKPT_FORMATS, default=None,
                    help="Megatron's checkpoint format, accepted as a training script gives it and as the printed "
                         "flags of a Megatron FSDP plan carry it; not priced (checkpoints are saved outside the "
                         "training step), checked as Megatron-LM checks it against the FSDP switches")
@@ -498,10 +497,10 @@ def _check_ckpt_format(ns: argparse.Namespace, *, search: bool) -> None:
         return
     megatron_fsdp = ns.use_megatron_fsdp or ns.data_parallel_sharding_strategy is not None
     fsdp2 = getattr(ns, "use_torch_fsdp2", False)
-    if megatron_fsdp and fmt != MEGATRON_FSDP_CKPT_FORMAT:
-        raise UsageError(f"argument --ckpt-format: Megatron FSDP needs --ckpt-format {MEGATRON_FSDP_CKPT_FORMAT} "
-                         f"(Megatron-LM asserts it), got {fmt}")
-    if fmt == MEGATRON_FSDP_CKPT_FORMAT and not megatron_fsdp:
+    if megatron_fsdp and fmt != translate.MEGATRON_FSDP_CKPT_FORMAT:
+        raise UsageError(f"argument --ckpt-format: Megatron FSDP needs --ckpt-format "
+                         f"{translate.MEGATRON_FSDP_CKPT_FORMAT} (Megatron-LM asserts it), got {fmt}")
+    if fmt == translate.MEGATRON_FSDP_CKPT_FORMAT and not megatron_fsdp:
         raise _needs("--ckpt-format fsdp_dtensor", "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads "
                      "or optim_grads_params (Megatron-LM asserts it)")
     if fsdp2 and fmt not in ("torch_dist", "torch_dcp"):

@@ -12,14 +12,9 @@ from typing import Optional, Sequence
 from h3t_ext.ckpt import SELECTIVE_CORE_ATTN, Ckpt, split_ckpt
 from h3t_ext.costmodel import Plan
 from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
-from h3t_ext.planner.translate import plan_from_args
+from h3t_ext.planner.translate import MEGATRON_FSDP_CKPT_FORMAT, plan_from_args
 
 
-MEGATRON_CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
-"""Megatron-LM 0.16-0.19's --ckpt-format values (``training_config.ckpt_format``)."""
-MEGATRON_FSDP_CKPT_FORMAT = "fsdp_dtensor"
-"""The --ckpt-format Megatron-LM 0.16-0.19 require with --use-megatron-fsdp (``validate_args`` asserts it); not a
-field of the plan (nothing priced depends on it), so :func:`plan_from_megatron_flags` reads past it."""
 
 
 def megatron_flags(plan: Plan, *, moe: bool = False) -> list[str]:

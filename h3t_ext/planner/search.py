@@ -41,8 +41,8 @@ from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, 
     solve_offload_alpha
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.fp8 import validate_fp8
-from h3t_ext.costmodel.plan_checks import DENSE_EXPERT_DEFAULTS, MOE_OURS_REASON, applicable_switches, \
-    validate_dense_experts, validate_moe, validate_switches
+from h3t_ext.costmodel.plan_checks import MOE_OURS_REASON, applicable_switches, validate_dense_experts, validate_moe, \
+    validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.planner.bounds import LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, evaluate
@@ -146,23 +146,24 @@ class _DeadRungs:
     holds at least its bytes on each rung, so none fits there either. A rung is checked after a candidate of the layout
     first fits nowhere on it, on memory alone: the verdict of :func:`_price_one`'s None (``solve_offload_alpha``'s
     InfeasiblePlanError, as ``evaluate`` meets it) without pricing any time. The optimizer offload is checked at
-    fraction 1, its least memory (a larger candidate gets a larger fraction). With a fixed alpha no rung is checked; a
-    rung the cost model refuses is not dead."""
+    fraction 1, its least memory (a larger candidate gets a larger fraction). A rung the cost model refuses is not dead.
+    ``mode``: the search's ``auto`` or ``balanced`` (with a fixed alpha there is no verdict at any alpha: the search
+    makes none of these)."""
 
-    def __init__(self, model, system, least: Plan, alpha_mode: AlphaMode, budget: _Budgets) -> None:
-        self._model, self._system, self._alpha_mode, self._budget = model, system, alpha_mode, budget
+    def __init__(self, model, system, least: Plan, mode: str, budget: _Budgets) -> None:
+        self._model, self._system, self._mode, self._budget = model, system, mode, budget
         self.least = least
         self.dead: set[Optional[MemoryOption]] = set()
         self._checked: set[Optional[MemoryOption]] = set()
 
     def failed(self, rung: Optional[MemoryOption]) -> None:
         """A candidate of the layout fits nowhere on ``rung``: check the least-memory one there (once)."""
-        if rung in self._checked or not isinstance(self._alpha_mode, str):
+        if rung in self._checked:
             return
         self._checked.add(rung)
         try:
             solve_offload_alpha(self._model, self.least if rung is None else rung.on(self.least), self._system,
-                                memory_budget_bytes=self._budget.device, mode=self._alpha_mode)
+                                memory_budget_bytes=self._budget.device, mode=self._mode)
         except InfeasiblePlanError:
             self.dead.add(rung)
         except InvalidPlanError:
@@ -306,12 +307,12 @@ def search(
                                                       "use_legacy_models", "cross_entropy_loss_fusion",
                                                       "cross_entropy_fusion_impl")}
     if not model.is_moe:  # the expert switches asked for, as a dense model's plans refuse them
-        validate_dense_experts({name: getattr(constraints, name) for name, _ in DENSE_EXPERT_DEFAULTS})
-    if model.is_moe and constraints.overlap_cpu_optimizer_d2h_h2d and not constraints.optimizer_cpu_offload:
-        raise InvalidPlanError("overlap_cpu_optimizer_d2h_h2d with a mixture-of-experts model: it overlaps the copies "
-                               "of the optimizer offload the memory ladder tries, which is not priced with experts; "
-                               "valid: leave it off")
-    if model.is_moe:  # the experts' switches; the memory ladder's options are not priced with experts
+        validate_dense_experts(constraints)
+    else:  # the experts' switches; the memory ladder's options are not priced with experts
+        if constraints.overlap_cpu_optimizer_d2h_h2d and not constraints.optimizer_cpu_offload:
+            raise InvalidPlanError("overlap_cpu_optimizer_d2h_h2d with a mixture-of-experts model: it overlaps the "
+                                   "copies of the optimizer offload the memory ladder tries, which is not priced with "
+                                   "experts; valid: leave it off")
         dispatcher = constraints.moe_token_dispatcher_type or "alltoall"
         if constraints.moe_shared_expert_overlap and not model.moe_shared_expert_intermediate_size:
             raise InvalidPlanError("moe_shared_expert_overlap needs a shared expert (moe_shared_expert_intermediate_size)")
@@ -468,7 +469,9 @@ def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple,
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
     failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (mode, micro batch) indices that did not fit
     least_prunes_all = not modes[0].block and all(m.fails_where(modes[0]) for m in modes)
-    rungs: dict[int, _DeadRungs] = {}  # layout -> its rungs where no candidate fits (with least_prunes_all)
+    # layout -> its rungs where no candidate fits; with a solved alpha only (a fixed one has no verdict at any alpha)
+    rungs: dict[int, _DeadRungs] = {}
+    check_rungs = least_prunes_all and isinstance(alpha_mode, str)
     while queue:
         minus_bound, li, ci, i = heapq.heappop(queue)
         if len(best) >= top and -minus_bound * (1 + 1e-9) < best[0]:
@@ -501,7 +504,7 @@ def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple,
         def can_enter(variant: Plan, li=li, ci=ci, i=i) -> bool:  # as the queue's test, on the variant's own bound
             return len(best) < top or bounds.variant(li, ci, i, variant) * (1 + 1e-9) >= best[0]
 
-        if least_prunes_all and li not in rungs:
+        if check_rungs and li not in rungs:
             rungs[li] = _DeadRungs(model, system, candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0]),
                                    alpha_mode, budget)
         ranked = _price(col, model, system, plan, alpha_mode, budget, can_enter, rungs.get(li))

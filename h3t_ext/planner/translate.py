@@ -339,9 +339,17 @@ def _ladder(read, fixed: Mapping[str, Any], switches: Mapping[str, Any]) -> tupl
     if not switches["use_distributed_optimizer"] or switches["optimizer_cpu_offload"] \
             or _sharding(read, fixed) is not None or _value(read, "use_megatron_fsdp", fixed):
         return ()
-    if _named(read, "ckpt_format", fixed) not in (_MISSING, None, "fsdp_dtensor"):
+    if _named(read, "ckpt_format", fixed) not in (_MISSING, None, MEGATRON_FSDP_CKPT_FORMAT):
         return tuple(o for o in MEMORY_LADDER if o.data_parallel_sharding_strategy is None)
     return MEMORY_LADDER
+
+
+MEGATRON_CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+"""Megatron-LM 0.16-0.19's --ckpt-format values (``training_config.ckpt_format``)."""
+MEGATRON_FSDP_CKPT_FORMAT = "fsdp_dtensor"
+"""The --ckpt-format Megatron-LM 0.16-0.19 require with --use-megatron-fsdp (``validate_args`` asserts it); not a
+field of the plan (nothing priced depends on it): a search told another format leaves Megatron FSDP out
+(:func:`_ladder`), and :func:`~h3t_ext.planner.flags.plan_from_megatron_flags` reads past it."""
 
 
 DEFAULT_SEARCH_FP8_FORMAT = "hybrid"
@@ -372,5 +380,6 @@ _FP8_PLAN_SETTINGS = ("fp8_param_gather", "first_last_layers_bf16", "num_layers_
 """The settings a search gives its FP8 plans only (its BF16 plans, with ``--precision auto``, have no FP8)."""
 
 
-__all__ = ["ATTENTION_BACKEND_CHOICES", "FixedRecomputeError", "MEGATRON_DEFAULTS", "constraints_from_args",
+__all__ = ["ATTENTION_BACKEND_CHOICES", "FixedRecomputeError", "MEGATRON_CKPT_FORMATS", "MEGATRON_DEFAULTS",
+           "MEGATRON_FSDP_CKPT_FORMAT", "constraints_from_args",
            "megatron_offload_from_args", "megatron_offload_mapping", "plan_from_args"]

@@ -11,7 +11,7 @@ import re
 
 from h3t_ext.ckpt import combined_ckpt, split_ckpt
 from h3t_ext.offload_alpha import OffloadAlpha
-from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
+from h3t_ext.planner.translate import MEGATRON_FSDP_CKPT_FORMAT
 from h3t_training.errors import ArgumentError
 from h3t_training.config.feature_checks import megatron_fsdp_refusal, uses_gpu
 from h3t_training.config.megatron_fields import sixteen_bit_grads_of, spec_backend

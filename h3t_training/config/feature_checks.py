@@ -9,7 +9,7 @@ import importlib.util
 import os
 from typing import Optional
 
-from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
+from h3t_ext.planner.translate import MEGATRON_FSDP_CKPT_FORMAT
 from h3t_ext.planner.launch_env import CONNECTIONS_VAR, connections_refusal
 from h3t_training.config.flag_table import TE_MISSING, given_table_flags
 from h3t_training.errors import ArgumentError, NodeArgumentError

@@ -12,7 +12,7 @@ import os
 
 from h3t_ext.layout import LayoutError, ParallelLayout
 from h3t_ext.offload_alpha import OffloadAlpha
-from h3t_ext.planner.flags import MEGATRON_FSDP_CKPT_FORMAT
+from h3t_ext.planner.translate import MEGATRON_FSDP_CKPT_FORMAT
 from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
 from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout
 from h3t_training.config.arguments import split_flags
