@@ -13,7 +13,8 @@ where the time goes: docs/DESIGN.md, "Search speed".
 
     python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]
                                     [--global-batch-size 2048] [--gpu h800] [--precision auto] [--top 10]
-                                    [--fp8-recipe delayed] [--first-last-layers-bf16] [--repeat 1] [--json]
+                                    [--fp8-recipe delayed] [--first-last-layers-bf16] [--memory-budget BYTES]
+                                    [--repeat 1] [--json]
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from h3t_ext.costmodel import get_model, get_system  # noqa: E402
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_RECIPES  # noqa: E402
 from h3t_ext.planner.search import search  # noqa: E402
 from h3t_ext.planner.space import MEMORY_LADDER, SearchConstraints  # noqa: E402
+from h3t_ext.planner.units import parse_bytes  # noqa: E402
 
 
 def _in_process(args) -> dict:
@@ -38,6 +40,7 @@ def _in_process(args) -> dict:
     wall0, cpu0 = time.perf_counter(), time.process_time()
     result = search(model, system, num_gpus=args.num_gpus, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, top=args.top or None,
+                    memory_budget_bytes=None if args.memory_budget is None else parse_bytes(args.memory_budget),
                     constraints=SearchConstraints(precisions=("bf16", "fp8") if args.precision == "auto"
                                                   else (args.precision,), memory_ladder=MEMORY_LADDER,
                                                   fp8_recipe=args.fp8_recipe,
@@ -60,7 +63,8 @@ def _cli(args) -> dict:
            "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size), "--gpu", args.gpu,
            "--precision", args.precision, "--json", "--top", str(args.top or 10**9),
            *(["--fp8-recipe", args.fp8_recipe] if args.precision != "bf16" else []),  # the CLI refuses it on bf16
-           *(["--first-last-layers-bf16"] if args.first_last_layers_bf16 else [])]
+           *(["--first-last-layers-bf16"] if args.first_last_layers_bf16 else []),
+           *(["--memory-budget", args.memory_budget] if args.memory_budget is not None else [])]
     t0 = time.perf_counter()
     before = os.times()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -68,6 +72,15 @@ def _cli(args) -> dict:
     wall = time.perf_counter() - t0
     cpu = (after.children_user - before.children_user) + (after.children_system - before.children_system)
     return {"cli_wall_s": wall, "cli_cpu_s": cpu, "cli_exit_code": proc.returncode, "cli_command": " ".join(cmd[1:])}
+
+
+def _byte_count(text: str) -> str:
+    """``--memory-budget`` as given (the CLI run takes it so), checked to be a byte count h3t-plan reads."""
+    try:
+        parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def main() -> int:
@@ -83,6 +96,8 @@ def main() -> int:
                     help=f"the FP8 plans' recipe (default {DEFAULT_FP8_RECIPE}, Megatron's)")
     ap.add_argument("--first-last-layers-bf16", action="store_true",
                     help="the FP8 plans' first and last layers in BF16 (needs a recipe other than delayed)")
+    ap.add_argument("--memory-budget", type=_byte_count, default=None,
+                    help="bytes per GPU as h3t-plan takes them (e.g. 40GiB; default: the system's budget)")
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs; the minimum is reported")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -95,7 +110,8 @@ def main() -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(f"case: h3t-plan search --model {args.model} --num-gpus {args.num_gpus} --seq-length {args.seq_length} "
-          f"--global-batch-size {args.global_batch_size} --gpu {args.gpu}")
+          f"--global-batch-size {args.global_batch_size} --gpu {args.gpu}"
+          + ("" if args.memory_budget is None else f" --memory-budget {args.memory_budget}"))
     print(f"search call : {out['search_wall_s']:.3f} s wall, {out['search_cpu_s']:.3f} s CPU")
     print(f"CLI process : {out['cli_wall_s']:.3f} s wall, {out['cli_cpu_s']:.3f} s CPU (exit {out['cli_exit_code']})")
     print(f"plans priced {out['plans_priced']}, feasible {out['plans_feasible']}, partial plans rejected "

@@ -216,6 +216,24 @@ def test_bench_script_reports_its_figures():
     assert d["cli_exit_code"] == 0 and d["plans_feasible"] > 0
 
 
+def test_bench_script_takes_a_memory_budget_to_both_runs():
+    """--memory-budget reaches the in-process search (a tighter budget prices a different set of plans) and the CLI
+    run (its command carries it); a bad byte count is argparse's usage and one error line naming the flag, no
+    traceback (as every script under scripts/ reports a bad flag)."""
+    def bench(*extra):
+        return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_planner.py"), "--model",
+                               "llama-7b", "--gpu", "h800", "--num-gpus", "8", "--seq-length", "4096",
+                               "--global-batch-size", "16", "--precision", "bf16", *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+    free, tight = (json.loads(bench("--json", *extra).stdout) for extra in ((), ("--memory-budget", "20GB")))
+    assert "--memory-budget 20GB" in tight["cli_command"] and tight["cli_exit_code"] == 0
+    assert tight["plans_priced"] != free["plans_priced"]
+    bad = bench("--memory-budget", "x")
+    last = bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert last.startswith("bench_planner.py: error: argument --memory-budget: 'x' is not a byte count"), last
+
+
 def test_search_precision_auto_chooses_fp8_on_h100_and_prints_its_flags(capsys):
     code, out, err = run_main(["search", "--model", "llama-65b", "--seq-length", "4096", "--num-gpus", "256",
                                "--global-batch-size", "256", "--gpu", "h100-sxm", "--precision", "auto", "--top", "3",
