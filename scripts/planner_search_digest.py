@@ -20,7 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from h3t_ext.planner import format as fmt  # noqa: E402
-from h3t_ext.planner.args import build_parser, constraints_from_args, model_from_args, system_from_args  # noqa: E402
+from h3t_ext.planner.args import build_parser  # noqa: E402
+from h3t_ext.planner.from_args import constraints_from_args, model_from_args, system_from_args  # noqa: E402
 from h3t_ext.planner.search import search  # noqa: E402
 
 CASES: tuple[tuple[str, tuple[str, ...], bool], ...] = (

@@ -10,8 +10,8 @@ from rich.console import Console
 
 from h3t_ext.costmodel import InfeasiblePlanError, PlanError
 from h3t_ext.planner import format as fmt
-from h3t_ext.planner.args import PROG, UsageError, build_parser, constraints_from_args, flagify, \
-    megatron_offload_requested, \
+from h3t_ext.planner.args import PROG, build_parser
+from h3t_ext.planner.from_args import UsageError, constraints_from_args, flagify, megatron_offload_requested, \
     model_from_args, plan_from_args, system_file_from_args, system_from_args
 from h3t_ext.planner.calibrate import RunFileError, calibrate, check_output_path, read_runs
 from h3t_ext.planner.evaluate import evaluate, flash_rate_tokens_per_second

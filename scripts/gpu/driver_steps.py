@@ -147,7 +147,8 @@ def model_kinds_ms(case, gpu: str) -> dict:
     from h3t_ext.costmodel.estimate import estimate
     from h3t_ext.costmodel.kernels import kernel_rates
     from h3t_ext.costmodel.timing import attention_seconds, layer_gemm_seconds, layer_time, shape_times
-    from h3t_ext.planner.args import build_parser, model_from_args, plan_from_args, system_from_args
+    from h3t_ext.planner.args import build_parser
+    from h3t_ext.planner.from_args import model_from_args, plan_from_args, system_from_args
 
     ns = build_parser().parse_args(estimate_flags(case, gpu))
     model, system = model_from_args(ns), system_from_args(ns)

@@ -7,7 +7,8 @@ import pytest
 from h3t_ext.costmodel import ModelSpec, Plan
 from h3t_ext.costmodel.megatron_offload import MegatronOffload, MegatronOffloadError, fine_grained_alpha, \
     layer_offload_alpha
-from h3t_ext.planner.args import build_parser, model_from_args, plan_from_args
+from h3t_ext.planner.args import build_parser
+from h3t_ext.planner.from_args import model_from_args, plan_from_args
 from h3t_training.config.sections import parse_args
 
 H, HEADS, F, L, S, B = 64, 4, 128, 4, 32, 2

@@ -22,7 +22,8 @@ from h3t_ext.costmodel.memory import (
     stage_memory,
     stage_peak_function,
 )
-from h3t_ext.planner.args import build_parser, model_from_args, plan_from_args
+from h3t_ext.planner.args import build_parser
+from h3t_ext.planner.from_args import model_from_args, plan_from_args
 from tests.planner_harness import run_json
 
 REPO = Path(__file__).resolve().parents[2]
