@@ -19,7 +19,6 @@ from h3t_ext.offload_alpha import format_alpha
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.launch_env import describe_launch_env, launch_env_words
 from h3t_ext.planner.results import SearchResult
-from h3t_ext.planner.search import R_BOUND, R_PRUNED, R_SLOWER
 from h3t_ext.planner.units import format_bytes
 
 PLAN_KEYS = ("num_gpus", "seq_length", "global_batch_size", "micro_batch_size", "tensor_model_parallel_size",
@@ -400,8 +399,7 @@ def no_plan_message(result: SearchResult) -> str:
     """One line: which memory term of the closest plan is over, and by how much."""
     c = result.closest_infeasible
     if c is None:
-        return "no valid plan for these sizes (see the divisibility rules: " + "; ".join(
-            r for r in result.rejected if r not in (R_PRUNED, R_SLOWER, R_BOUND)) + ")"
+        return "no valid plan for these sizes (see the divisibility rules: " + "; ".join(result.broken_rules) + ")"
     p = c.plan
     l = p.num_layers_per_virtual_pipeline_stage
     ep = f" ep={p.expert_model_parallel_size}" if p.expert_model_parallel_size > 1 else ""

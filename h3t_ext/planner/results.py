@@ -10,6 +10,12 @@ from typing import Callable, Mapping, Optional
 from h3t_ext.costmodel import Plan
 from h3t_ext.planner.evaluate import Evaluation
 
+R_PRUNED = "memory: does not fit (a smaller micro batch or more recompute already did not)"
+R_SLOWER = "slower: a larger micro batch only adds pipeline bubble (throughput already fell with micro batch)"
+R_BOUND = "slower: cannot beat the top plans (upper bound on tokens/s below the last of them)"
+SEARCH_CUTS = (R_PRUNED, R_SLOWER, R_BOUND)
+"""The search's own cuts among its rejection reasons (every other reason is a rule a plan broke)."""
+
 
 @dataclass(frozen=True)
 class RankedPlan:
@@ -66,6 +72,12 @@ class SearchResult:
     @property
     def best(self) -> Optional[RankedPlan]:
         return self.plans[0] if self.plans else None
+
+    @property
+    def broken_rules(self) -> tuple[str, ...]:
+        """The rules the rejected plans broke (divisibility, memory, ...; Megatron's field names), without the
+        search's own cuts: where no plan was valid, why none was."""
+        return tuple(r for r in self.rejected if r not in SEARCH_CUTS)
 
     def tied_with_best(self, relative_half_width: Optional[float] = None) -> tuple[int, ...]:
         """Indices (0 = the best) of the plans whose predicted tokens/s lie within the best's prediction

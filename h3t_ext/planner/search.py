@@ -48,7 +48,8 @@ from h3t_ext.planner.bounds import LAYOUT_ENTRY, Bounds, candidate_plan
 from h3t_ext.planner.evaluate import AlphaMode, evaluate
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.launch_env import launch_env_words
-from h3t_ext.planner.results import ClosestInfeasible, Collector, RankedPlan, SearchResult, reason_category
+from h3t_ext.planner.results import R_BOUND, R_PRUNED, R_SLOWER, ClosestInfeasible, Collector, RankedPlan, \
+    SearchResult, reason_category
 from h3t_ext.planner.recompute_modes import R_BLOCK_NONE, RecomputeMode, search_modes, smallest_block_layers
 from h3t_ext.planner.space import Layout, MemoryOption, SearchConstraints, enumerate_layouts
 
@@ -60,9 +61,6 @@ TIMELINE_CAP = 10
 """Most plans one search prices on the timeline: when the timeline keeps pricing the closed form's next plans
 below it (offloads whose reloads stall, near-ties), the plans after the cap keep their closed-form estimates
 and follow the timeline-priced ones (each row says which it carries: ``estimate.timeline``)."""
-R_PRUNED = "memory: does not fit (a smaller micro batch or more recompute already did not)"
-R_SLOWER = "slower: a larger micro batch only adds pipeline bubble (throughput already fell with micro batch)"
-R_BOUND = "slower: cannot beat the top plans (upper bound on tokens/s below the last of them)"
 OFFLOAD_FRACTION_STEP = 0.05
 """Granularity of the --optimizer-offload-fraction a search picks (the smallest multiple that fits)."""
 STATIC_TERMS = ("weights", "grads", "optimizer_states")

@@ -129,6 +129,15 @@ def _local_attention_sizes(args) -> dict:
     return {"context_parallel_size": 1} if spec_backend(args, on_gpu=True) == "local" else {}
 
 
+def _no_layout_reason(rules, world_size: int) -> str:
+    """Why no layout was valid, in the driver's terms: the divisibility rules the search's layouts broke, with
+    Megatron's flag names and the world size for the search's GPU count."""
+    from h3t_ext.planner.from_args import flagify
+    text = flagify("; ".join(rules)).replace("--num-gpus", f"the world size ({world_size})") if rules else \
+        "no layout of these flags divides the world size"
+    return f"no valid layout ({text})"
+
+
 def plan_config(args):
     """A new config: plans searched under the user's fixed flags, the others taken from the best one. The chosen
     plan's line joins the config's notices (printed once, by rank 0, when training starts)."""
@@ -168,7 +177,7 @@ def plan_config(args):
     best = result.best
     if best is None:
         closest = result.closest_infeasible
-        why = closest.reason if closest else "no valid layout for these flags and world size"
+        why = closest.reason if closest else _no_layout_reason(result.broken_rules, args.world_size)
         raise ArgumentError(f"--auto-plan found no plan for {args.world_size} ranks on {system.name}: {why}")
     plan = best.plan
     est = best.evaluation.estimate

@@ -94,3 +94,24 @@ def test_auto_plan_with_torch_fsdp2_is_one_line(monkeypatch, capsys):
     extra = _device(monkeypatch, gpu=False)
     body = _error([*MODEL, *extra, "--use-torch-fsdp2"], capsys)
     assert body.startswith("--auto-plan does not search torch FSDP2 layouts")
+
+
+@pytest.mark.parametrize("fixed, world_size, rule", [
+    (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 2,
+     "the world size (2) not divisible by the parallel sizes"),
+    (["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--num-query-groups", "1",
+      "--group-query-attention"], 8, None),
+    (["--pipeline-model-parallel-size", "1", "--tensor-model-parallel-size", "4", "--num-query-groups", "2",
+      "--group-query-attention"], 8, "--num-query-groups not divisible by --tensor-model-parallel-size"),
+])
+def test_no_valid_layout_names_the_rule_it_broke(monkeypatch, capsys, fixed, world_size, rule):
+    """Where the fixed flags leave no valid layout, the one line says which divisibility rule every layout broke
+    (in the driver's terms: its flags and the world size), as h3t-plan search does."""
+    extra = _device(monkeypatch, gpu=False)
+    assert MODEL[-4:] == ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+    argv = [*MODEL[:-4], *extra, *fixed]
+    if rule is None:  # a layout exists: a plan is chosen
+        assert parse_args(argv, world_size=world_size).auto_plan_flags
+        return
+    body = error_body(argv, capsys, world_size=world_size)
+    assert body == f"--auto-plan found no plan for {world_size} ranks on h800: no valid layout ({rule})"
