@@ -11,6 +11,7 @@ from typing import Optional
 from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.fp8 import validate_bf16_layers, validate_fp8
+from h3t_ext.costmodel.layer_offload import layers_per_chunk
 from h3t_ext.costmodel.moe import MOE_TOKEN_DISPATCHERS
 from h3t_ext.costmodel.plan import (ATTENTION_BACKENDS, FSDP_SHARDING_STRATEGIES, OPTIMIZER_IMPLS, PRICED_CKPT,
                                     TRANSFORMER_IMPLS, Ckpt, Plan)
@@ -18,6 +19,7 @@ from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.te_version import parse_te_version
 from h3t_ext.layout import LayoutError, ParallelLayout
 from h3t_ext.offload_alpha import check_alpha
+from h3t_ext.schedule.offload_overlap import overlap_refusal
 
 
 def _check(cond: bool, reason: str) -> None:
@@ -138,6 +140,26 @@ def plan_layout(model: ModelSpec, plan: Plan, system: Optional[SystemSpec] = Non
         raise InvalidPlanError(e.reason) from None
 
 
+def _validate_offload_overlap(model: ModelSpec, plan: Plan) -> None:
+    """The runtime's rule (:func:`h3t_ext.schedule.offload_overlap.overlap_refusal`): an alpha > 0 where the
+    schedule has no place to hide an offload moves nothing, so it is refused rather than priced as alpha 0. Which
+    ranks have one comes from the closed form of the builder's lists (:func:`~h3t_ext.costmodel.activations.
+    rank_offloads`), at pipeline size 1 from the layers of the chunk (layer-granular offload)."""
+    if not any(a > 0 for a in plan.alphas()):
+        return
+    from h3t_ext.costmodel.activations import rank_offloads  # the activation model imports the plan's rules
+    p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
+    v = plan.virtual_size(model.num_layers)
+    layers = layers_per_chunk(model, plan)
+    can = (layers >= 2,) if layers is not None else tuple(
+        rank_offloads(p, m, v, r, plan.microbatch_group_size_per_vp_stage) > 0 for r in range(p))
+    reason = overlap_refusal(plan.offload_alpha, can, pipeline_model_parallel_size=p,
+                             virtual_pipeline_model_parallel_size=v, num_microbatches=m,
+                             layer_granular=layers is not None, num_layers_per_chunk=layers)
+    if reason is not None:
+        raise InvalidPlanError(reason)
+
+
 def _validate_node(plan: Plan, system: SystemSpec) -> None:
     """The cost model's own assumption (not a Megatron rule): tensor parallelism stays within one node."""
     t = plan.tensor_model_parallel_size
@@ -176,6 +198,7 @@ def _validate(model: ModelSpec, plan: Plan, system: SystemSpec) -> None:
     validate_bf16_layers(plan, model.num_layers)
     _validate_alphas(plan)
     plan_layout(model, plan, system)
+    _validate_offload_overlap(model, plan)
     _validate_recompute(model, plan)
     _check(plan.context_parallel_size == 1 or model.windowed_layers == 0,
            f"context_parallel_size {plan.context_parallel_size} with sliding-window attention (window_size "

@@ -200,6 +200,65 @@ def test_cost_model_builder_and_runtime_refuse_with_the_same_reason(p, m, v):
     assert builder.rule == runtime.rule == layout_err.rule
 
 
+def _overlap_verdicts(p, m, v, L, alpha):
+    """(the cost model's reason, the runtime's reason) for ``alpha`` on a job of L layers, micro batch 1, p * 2
+    ranks, m microbatches and v chunks; None where it accepts."""
+    from h3t_ext.costmodel import InvalidPlanError, ModelSpec, Plan, get_system, validate_plan
+    from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
+    from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout
+
+    model = ModelSpec(name="m", num_layers=L, hidden_size=256, num_attention_heads=8, num_query_groups=8,
+                      ffn_hidden_size=1024, vocab_size=1000)
+    l = L // p // v if v > 1 else None
+    plan = Plan(num_gpus=2 * p, seq_length=64, global_batch_size=2 * m, micro_batch_size=1,
+                pipeline_model_parallel_size=p, num_layers_per_virtual_pipeline_stage=l, offload_alpha=alpha)
+    lay = ParallelLayout.from_sizes(world_size=2 * p, global_batch_size=2 * m, pipeline_model_parallel_size=p,
+                                    num_layers=L, num_layers_per_virtual_pipeline_stage=l)
+    try:
+        validate_plan(model, plan, get_system("h800"))
+        cost = None
+    except InvalidPlanError as e:
+        cost = e.reason
+    try:
+        validate_parallel_layout(H3TConfig(offload_alpha=alpha), lay,
+                                 num_layers_per_chunk=L if p == 1 else None)  # as the driver passes it
+        runtime = None
+    except RuntimeConfigError as e:
+        runtime = str(e)
+    return cost, runtime
+
+
+@pytest.mark.parametrize("p, v", [(1, 1), (2, 1), (3, 1), (4, 1), (2, 2), (4, 2)])
+def test_cost_model_and_runtime_refuse_the_same_unoverlappable_offloads(p, v):
+    """An alpha > 0 where the schedule has no place to hide an offload moves nothing: the runtime refuses it, and
+    the cost model, which priced it as alpha 0 (accepted and ignored), refuses it with the same line, for one alpha
+    and for one per stage; every microbatch count a layout of this shape takes."""
+    refused = 0
+    for m in range(1, 3 * p + 3):
+        if v > 1 and m % p:
+            continue  # megatron-core's interleaving rule, refused before the offload is looked at
+        alphas = [0.5] + ([tuple(0.5 if r == k else 0.0 for r in range(p)) for k in range(p)] if p > 1 else [])
+        for L in ((1, 8) if p == 1 else (4 * p,)):
+            for alpha in alphas:
+                cost, runtime = _overlap_verdicts(p, m, v, L, alpha)
+                assert cost == runtime, (m, L, alpha)
+                refused += cost is not None
+    # without interleaving each shape has a microbatch count (or a chunk of one layer) with no place for it; with
+    # it, every rank has one wherever megatron-core's m % p rule holds
+    assert (refused > 0) == (v == 1)
+
+
+def test_the_unoverlappable_offload_is_named_in_one_line():
+    cost, _ = _overlap_verdicts(2, 2, 1, 8, 0.5)
+    assert cost == ("--offload-alpha 0.5 cannot be overlapped: with --pipeline-model-parallel-size 2, 1 model chunk(s), "
+                    "2 microbatch(es) no microbatch has two compute steps between its forward and backward; use "
+                    "--offload-alpha 0")
+    assert _overlap_verdicts(2, 4, 1, 8, 0.5) == (None, None)
+    assert _overlap_verdicts(1, 4, 1, 8, 0.5) == (None, None)  # layer by layer at pipeline size 1
+    assert "a model chunk has 1 layer(s)" in _overlap_verdicts(1, 4, 1, 1, 0.5)[0]
+    assert "stage(s) [1]" in _overlap_verdicts(2, 4, 1, 8, (0.0, 0.5))[0]  # the last stage never can
+
+
 def test_runtime_checks_a_whole_layout_for_the_driver():
     from h3t_ext.runtime.config import H3TConfig, RuntimeConfigError
     from h3t_ext.runtime.pipeline.prepare import validate_parallel_layout

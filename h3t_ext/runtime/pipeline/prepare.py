@@ -18,6 +18,7 @@ import torch
 
 from ...layout import ParallelLayout
 from ...schedule.builder import PipelineSchedule, build_schedule
+from ...schedule.offload_overlap import overlap_refusal, schedule_can_offload
 from ..config import H3TConfig, RuntimeConfigError
 
 _PREPARED = "_h3t_prepared_ckpt"
@@ -28,30 +29,17 @@ def _validate_stage_alphas(config: H3TConfig, pipeline_size: int) -> list[float]
 
 
 def _validate_overlap(config: H3TConfig, schedule: PipelineSchedule, alphas: list[float]) -> None:
+    """The one overlap rule (:func:`h3t_ext.schedule.offload_overlap.overlap_refusal`, which the cost model applies
+    to the plans it prices) on the lists this rank will run."""
     cfg = schedule.config
-    shape = (
-        f"--pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}, "
-        f"{cfg.virtual_pipeline_model_parallel_size} model chunk(s), {cfg.num_microbatches} microbatch(es)"
-    )
-    can = [bool(schedule.offloaded(r)) for r in range(cfg.pipeline_model_parallel_size)]
-    if cfg.layer_granular and config.offloads and not any(can):
-        raise RuntimeConfigError(
-            f"--offload-alpha {config.offload_alpha} cannot be overlapped: at --pipeline-model-parallel-size 1 a "
-            f"layer's offload hides behind the next layer's forward, and a model chunk has "
-            f"{cfg.num_layers_per_chunk} layer(s); use --offload-alpha 0 or at least 2 layers")
-    if isinstance(config.offload_alpha, (int, float)):
-        if config.offload_alpha > 0 and not any(can):
-            raise RuntimeConfigError(
-                f"--offload-alpha {config.offload_alpha} cannot be overlapped: with {shape} no microbatch has two "
-                "compute steps between its forward and backward; use --offload-alpha 0"
-            )
-        return
-    bad = [r for r, (a, ok) in enumerate(zip(alphas, can)) if a > 0 and not ok]
-    if bad:
-        raise RuntimeConfigError(
-            f"--offload-alpha is > 0 on pipeline stage(s) {bad} that cannot overlap an offload with {shape}; "
-            "set those stages to 0"
-        )
+    reason = overlap_refusal(config.offload_alpha if isinstance(config.offload_alpha, (int, float)) else alphas,
+                             schedule_can_offload(schedule),
+                             pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+                             virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+                             num_microbatches=cfg.num_microbatches, layer_granular=cfg.layer_granular,
+                             num_layers_per_chunk=cfg.num_layers_per_chunk)
+    if reason is not None:
+        raise RuntimeConfigError(reason)
 
 
 def validate_layout(config: H3TConfig, schedule: PipelineSchedule, pipeline_rank: int) -> None:
