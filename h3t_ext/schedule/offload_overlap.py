@@ -9,26 +9,9 @@ where no such place exists would move nothing: accepted, it would change neither
 """
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence, Union
 
-from h3t_ext.schedule.builder import PipelineSchedule, build_schedule
-
-
-@functools.lru_cache(maxsize=1024)
-def ranks_that_can_offload(pipeline_model_parallel_size: int, num_microbatches: int,
-                           virtual_pipeline_model_parallel_size: int = 1,
-                           microbatch_group_size_per_vp_stage: Optional[int] = None,
-                           num_layers_per_chunk: Optional[int] = None) -> tuple[bool, ...]:
-    """Per pipeline rank, whether its action list has a place to hide an offload: a microbatch-chunk the builder
-    offloads (pipeline size > 1), or at pipeline size 1 with ``num_layers_per_chunk`` (layer-granular offload) a
-    model chunk of at least two layers."""
-    p = pipeline_model_parallel_size
-    if p == 1 and num_layers_per_chunk is not None:
-        return (num_layers_per_chunk >= 2,)
-    schedule = build_schedule(p, num_microbatches, virtual_pipeline_model_parallel_size,
-                              microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)
-    return schedule_can_offload(schedule)
+from h3t_ext.schedule.builder import PipelineSchedule
 
 
 def schedule_can_offload(schedule: PipelineSchedule) -> tuple[bool, ...]:
@@ -41,8 +24,9 @@ def overlap_refusal(offload_alpha: Union[float, Sequence[float]], can: Sequence[
                     num_microbatches: int, layer_granular: bool,
                     num_layers_per_chunk: Optional[int] = None) -> Optional[str]:
     """Why ``offload_alpha`` (one value, or one per pipeline rank) cannot be overlapped where ``can`` says which ranks
-    have a place for it (:func:`ranks_that_can_offload`), or None. One value is refused where no rank can use it; one
-    per rank where a rank with a value > 0 cannot."""
+    have a place for it (:func:`schedule_can_offload` of the lists a runtime runs; the cost model's closed form of
+    them), or None. One value is refused where no rank can use it; one per rank where a rank with a value > 0
+    cannot."""
     uniform = isinstance(offload_alpha, (int, float))
     alphas = [float(offload_alpha)] * len(can) if uniform else [float(a) for a in offload_alpha]
     if not any(a > 0 for a in alphas):
@@ -66,4 +50,4 @@ def overlap_refusal(offload_alpha: Union[float, Sequence[float]], can: Sequence[
     return None
 
 
-__all__ = ["overlap_refusal", "ranks_that_can_offload", "schedule_can_offload"]
+__all__ = ["overlap_refusal", "schedule_can_offload"]
