@@ -82,3 +82,40 @@ def test_estimate_and_the_driver_price_one_flag_line_alike(monkeypatch, capsys, 
     assert planner["peak_memory_bytes"] == driver.peak_memory_bytes
     assert planner["tokens_per_second"] == pytest.approx(driver.tokens_per_second, rel=1e-12)
     assert planner["offload_alpha"] == pytest.approx(float(plan.offload_alpha), abs=1e-12)
+
+
+@pytest.mark.parametrize("gpu, world, budget", [("h100-sxm", 16, None), ("h800", 8, "30GB"), ("b200", 8, None)])
+def test_searched_plans_launched_through_the_driver_are_the_plans_priced(monkeypatch, capsys, gpu, world, budget):
+    """Each of ``h3t-plan search``'s plans, its printed flags and launch environment given to the driver, is the
+    run the search priced (a tight budget brings in its memory ladder: optimizer offload, activation offload), on the
+    timeline or, where its JSON says so, by the closed form."""
+    fake_device(monkeypatch, gpu=True, te=True, capability=10.0 if "b200" in gpu else 9.0)
+    capsys.readouterr()
+    assert plan_main(["search", "--gpu", gpu, "--num-gpus", str(world), *MODEL, *PLANNER_VOCAB, "--optimizer-impl",
+                      "torch", "--top", "5", *(["--memory-budget", budget] if budget else []), "--json"]) == 0
+    plans = json.loads(capsys.readouterr().out)
+    assert len(plans) == 5
+    for p in plans:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        for word in p["launch_env"]:
+            monkeypatch.setenv(*word.split("=", 1))
+        config = parse_args([*MODEL, "--gpu", gpu, *p["megatron_flags"], *DRIVER], world_size=world)
+        plan = run_plan(config, offload_alpha=config.offload_alpha, on_gpu=True)
+        # a row the search priced by the closed form (after its best, timeline-priced ones) says so
+        driver = estimate(model_spec(config, config.tokenizer_vocab_size), plan, get_system(gpu),
+                          memory_budget_bytes=None if budget is None else 30 * 10**9,
+                          timeline=p["priced_on_timeline"])
+        assert p["peak_memory_bytes"] == driver.peak_memory_bytes and driver.fits
+        assert p["tokens_per_second"] == pytest.approx(driver.tokens_per_second, rel=1e-12)
+    assert plans[0]["priced_on_timeline"]
+
+
+def test_the_search_table_marks_the_rows_priced_by_the_closed_form(capsys):
+    argv = ["search", "--gpu", "h800", "--num-gpus", "8", *MODEL, *PLANNER_VOCAB, "--memory-budget", "30GB", "--top", "5"]
+    capsys.readouterr()
+    assert plan_main([*argv, "--json"]) == 0
+    closed = [not p["priced_on_timeline"] for p in json.loads(capsys.readouterr().out)]
+    assert any(closed) and not closed[0]
+    assert plan_main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert [("~" in row) for row in rows] == closed
