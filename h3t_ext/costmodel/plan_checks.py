@@ -8,6 +8,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Optional
 
+from h3t_ext.costmodel.activations import rank_offloads
 from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_FUSION_IMPLS
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.fp8 import validate_bf16_layers, validate_fp8
@@ -147,7 +148,6 @@ def _validate_offload_overlap(model: ModelSpec, plan: Plan) -> None:
     rank_offloads`), at pipeline size 1 from the layers of the chunk (layer-granular offload)."""
     if not any(a > 0 for a in plan.alphas()):
         return
-    from h3t_ext.costmodel.activations import rank_offloads  # the activation model imports the plan's rules
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
     layers = layers_per_chunk(model, plan)
