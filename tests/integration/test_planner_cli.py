@@ -64,12 +64,17 @@ def test_estimate_balanced_reports_pcie_savings(capsys):
 
 
 def test_estimate_per_stage_alpha_list(capsys):
-    code, out, err = run_main(["estimate", *SMALL, "--pipeline-model-parallel-size", "2", "--offload-alpha", "0.25,0.5",
-                               "--json"], capsys)
+    code, out, err = run_main(["estimate", *SMALL, "--pipeline-model-parallel-size", "4", "--offload-alpha",
+                               "0.25,0.5,0.75,0", "--json"], capsys)
     assert code == 0, err
     d = json.loads(out)
-    assert d["offload_alpha"] == [0.25, 0.5]
-    assert "0.250,0.500" in d["megatron_flags"]
+    assert d["offload_alpha"] == [0.25, 0.5, 0.75, 0.0]
+    assert "0.250,0.500,0.750,0.000" in d["megatron_flags"]
+    # the last stage of plain 1F1B has no place to hide an offload (each microbatch's backward follows its forward):
+    # a value > 0 there is refused, as the runtime refuses it, not priced as 0
+    code, _, err = run_main(["estimate", *SMALL, "--pipeline-model-parallel-size", "4", "--offload-alpha",
+                             "0.25,0.5,0.75,0.5"], capsys)
+    assert code == 2 and "stage(s) [3] that cannot overlap an offload" in err
 
 
 def test_estimate_explain_prints_every_term(capsys):
