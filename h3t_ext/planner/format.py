@@ -327,6 +327,7 @@ def search_table(result: SearchResult, top: int) -> Table:
         tab.add_column(col, justify="left" if col in ("recompute", "precision", "states") else "right")
     for i, r in enumerate(result.plans[:top], 1):
         p, est = r.plan, r.evaluation.estimate
+        mark = _closed(est)
         extra = [format_bytes(r.evaluation.pcie_bytes_saved_vs_auto or 0)] if balanced else []
         tab.add_row(str(i), str(p.tensor_model_parallel_size), str(p.context_parallel_size),
                     str(p.pipeline_model_parallel_size) + ("*" if p.pipeline_model_parallel_layout else ""),
@@ -334,9 +335,8 @@ def search_table(result: SearchResult, top: int) -> Table:
                     *([str(p.expert_model_parallel_size)] if experts else []), recompute_label(p), p.precision,
                     *([states_label(p)] if states else []), _alpha_cell(est.offload_alpha), str(p.micro_batch_size),
                     str(p.num_microbatches), f"{est.peak_memory_bytes / 2**30:.1f}",
-                    _closed(est) + f"{est.tokens_per_second:,.0f}", _closed(est) + f"{est.tokens_per_second_per_gpu:,.1f}",
-                    f"{100 * est.mfu:.1f}%",
-                    _plausibility_cell(est.plausibility), *extra)
+                    f"{mark}{est.tokens_per_second:,.0f}", f"{mark}{est.tokens_per_second_per_gpu:,.1f}",
+                    f"{100 * est.mfu:.1f}%", _plausibility_cell(est.plausibility), *extra)
     notes = []
     if any(r.plan.pipeline_model_parallel_layout for r in result.plans[:top]):
         notes.append("p*: the layers split as --pipeline-model-parallel-layout says (the plan's flags); v=N: its N "

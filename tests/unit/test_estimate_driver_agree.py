@@ -12,6 +12,7 @@ import pytest
 from h3t_ext.costmodel import get_system
 from h3t_ext.costmodel.estimate import estimate
 from h3t_ext.planner.cli import main as plan_main
+from h3t_ext.planner.units import parse_bytes
 from h3t_training.config.run_spec import model_spec, run_plan
 from h3t_training.config.sections import parse_args
 from parse_harness import fake_device
@@ -103,7 +104,7 @@ def test_searched_plans_launched_through_the_driver_are_the_plans_priced(monkeyp
         plan = run_plan(config, offload_alpha=config.offload_alpha, on_gpu=True)
         # a row the search priced by the closed form (after its best, timeline-priced ones) says so
         driver = estimate(model_spec(config, config.tokenizer_vocab_size), plan, get_system(gpu),
-                          memory_budget_bytes=None if budget is None else 30 * 10**9,
+                          memory_budget_bytes=None if budget is None else parse_bytes(budget),
                           timeline=p["priced_on_timeline"])
         assert p["peak_memory_bytes"] == driver.peak_memory_bytes and driver.fits
         assert p["tokens_per_second"] == pytest.approx(driver.tokens_per_second, rel=1e-12)
