@@ -2,7 +2,7 @@
 (layout rules: h3t_ext.layout)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from typing import Optional
 
@@ -344,16 +344,32 @@ class Plan:
         """Copy of this plan with another offload_alpha (this plan where it has that alpha already)."""
         if type(alpha) is type(self.offload_alpha) and alpha == self.offload_alpha:
             return self
-        # the fields as they are but one, which __post_init__ does not read: a copy of the instance's dict (a search
-        # asks for ~20,000 alphas, and dataclasses.replace re-runs __init__ over 70 fields for each)
+        return self.with_fields(offload_alpha=alpha)
+
+    def with_fields(self, **changes) -> "Plan":
+        """``dataclasses.replace(self, **changes)``, without re-running ``__init__`` where no field that
+        ``__post_init__`` reads changes (``ckpt``, ``recompute``: those go through ``replace``): a copy of the
+        instance's dict (a search asks for ~20,000 alphas and ~5,000 memory options, and ``replace`` re-runs
+        ``__init__`` over 70 fields for each). Unknown field names are a TypeError, as ``replace`` makes them."""
+        if _POST_INIT_FIELDS.intersection(changes):
+            return replace(self, **changes)
+        unknown = [k for k in changes if k not in _FIELDS]
+        if unknown:
+            raise TypeError(f"Plan has no field {unknown[0]!r}")
         plan = object.__new__(type(self))
         plan.__dict__.update(self.__dict__)
-        object.__setattr__(plan, "offload_alpha", alpha)
+        for k, x in changes.items():
+            object.__setattr__(plan, k, x)
         return plan
 
     @property
     def tokens_per_iteration(self) -> int:
         return self.global_batch_size * self.seq_length
+
+
+_FIELDS = frozenset(f.name for f in fields(Plan))
+_POST_INIT_FIELDS = frozenset({"ckpt", "recompute"})
+"""The fields ``Plan.__post_init__`` reads (and may rewrite): a copy that changes one re-runs it."""
 
 
 @lru_cache(maxsize=4096)

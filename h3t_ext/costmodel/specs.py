@@ -184,20 +184,21 @@ class ModelSpec:
         """True when every layer's MLP is a mixture of experts (``num_experts``)."""
         return self.num_experts is not None
 
-    @property
+    @functools.cached_property
     def moe_layer_pattern(self) -> tuple[int, ...]:
-        """One 0/1 per layer, 1 for a MoE layer (Megatron's rule of --moe-layer-freq); all 0 in a dense model."""
+        """One 0/1 per layer, 1 for a MoE layer (Megatron's rule of --moe-layer-freq); all 0 in a dense model.
+        Kept on the instance (its fields are frozen; the search asks for it tens of thousands of times)."""
         if not self.is_moe:
             return (0,) * self.num_layers
         freq = self.moe_layer_freq
         return freq if isinstance(freq, tuple) else tuple(int(i % freq == 0) for i in range(self.num_layers))
 
-    @property
+    @functools.cached_property
     def moe_layers(self) -> int:
         """How many layers are MoE layers."""
         return sum(self.moe_layer_pattern)
 
-    @property
+    @functools.cached_property
     def mixed_moe(self) -> bool:
         """A MoE model with dense layers between its MoE layers: priced per layer kind (:meth:`dense_variant`,
         :meth:`moe_variant`)."""

@@ -177,7 +177,7 @@ def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budge
     steps of ``OFFLOAD_FRACTION_STEP``) that brings the stage over budget at alpha 0 within it, else 1."""
     if not option.optimizer_cpu_offload:
         return option.on(plan)
-    base = replace(plan, offload_alpha=0.0)
+    base = plan.with_alpha(0.0)
     device = default_memory_budget_bytes(model, base, system) if budget.device is None else budget.device
     fraction = 0.0
     for k in sorted({0, plan.pipeline_model_parallel_size - 1}):

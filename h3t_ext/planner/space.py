@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from h3t_ext.costmodel import ModelSpec
@@ -65,9 +65,9 @@ class MemoryOption:
 
     def on(self, plan, optimizer_offload_fraction: float = 1.0):
         """``plan`` with this option (and, when it offloads the optimizer, that fraction)."""
-        return replace(plan, data_parallel_sharding_strategy=self.data_parallel_sharding_strategy,
-                       optimizer_cpu_offload=self.optimizer_cpu_offload,
-                       optimizer_offload_fraction=optimizer_offload_fraction)
+        return plan.with_fields(data_parallel_sharding_strategy=self.data_parallel_sharding_strategy,
+                                optimizer_cpu_offload=self.optimizer_cpu_offload,
+                                optimizer_offload_fraction=optimizer_offload_fraction)
 
 
 MEMORY_LADDER: tuple[MemoryOption, ...] = (

@@ -96,6 +96,42 @@ def test_plan_properties():
     assert plan65(offload_alpha=0.3).alphas() == (0.3,) * 8
 
 
+@pytest.mark.parametrize("changes", [
+    dict(offload_alpha=0.25),
+    dict(offload_alpha=(0.1,) * 8),
+    dict(data_parallel_sharding_strategy="optim_grads_params", optimizer_cpu_offload=True,
+         optimizer_offload_fraction=0.5),
+    dict(micro_batch_size=2, tensor_model_parallel_size=4),
+    dict(ckpt="full"),
+    dict(ckpt="ours"),
+])
+def test_with_fields_is_dataclasses_replace(changes):
+    import dataclasses
+    from h3t_ext.ckpt import Recompute
+    for base in (plan65(), plan65(recompute=Recompute("full", "block", 2))):
+        try:
+            want = dataclasses.replace(base, **changes)
+        except InvalidPlanError as e:  # --ckpt full beside block recompute: the copy re-runs the check
+            with pytest.raises(InvalidPlanError, match=str(e.reason)[:20]):
+                base.with_fields(**changes)
+            continue
+        got = base.with_fields(**changes)
+        assert got == want and hash(got) == hash(want) and type(got) is Plan
+        assert got.ckpt is want.ckpt and got.recompute == want.recompute  # ckpt as the enum, as __post_init__ makes it
+        assert base == dataclasses.replace(base)  # the original is untouched
+    with pytest.raises(TypeError, match="no_such_field"):
+        plan65().with_fields(no_such_field=1)
+
+
+def test_model_layer_pattern_kept_on_the_instance():
+    import dataclasses
+    m = dataclasses.replace(get_model("mixtral-8x7b"), moe_layer_freq=2)
+    assert m.mixed_moe and m.moe_layers == 16 and m.moe_layer_pattern[:3] == (1, 0, 1)
+    again = dataclasses.replace(m, moe_layer_freq=1)  # a copy computes its own
+    assert not again.mixed_moe and again.moe_layers == 32
+    assert m == dataclasses.replace(m) and hash(m) == hash(dataclasses.replace(m))  # fields only
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(tensor_model_parallel_size=3, num_gpus=240), "--num-attention-heads 64 is not a multiple of --tensor-model-parallel-size 3"),
     (dict(tensor_model_parallel_size=16, num_gpus=256, pipeline_model_parallel_size=1,
