@@ -205,13 +205,18 @@ class ModelSpec:
         return self.is_moe and self.moe_layers < self.num_layers
 
     def dense_variant(self) -> "ModelSpec":
-        """The same model with every layer dense (a mixed model's dense layers)."""
-        return dataclasses.replace(self, num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None,
-                                   moe_shared_expert_intermediate_size=None, moe_layer_freq=1)
+        """The same model with every layer dense (a mixed model's dense layers); one instance per model."""
+        return self._variants[0]
 
     def moe_variant(self) -> "ModelSpec":
-        """The same model with every layer a MoE layer (a mixed model's MoE layers)."""
-        return dataclasses.replace(self, moe_layer_freq=1)
+        """The same model with every layer a MoE layer (a mixed model's MoE layers); one instance per model."""
+        return self._variants[1]
+
+    @functools.cached_property
+    def _variants(self) -> tuple["ModelSpec", "ModelSpec"]:
+        return (dataclasses.replace(self, num_experts=None, moe_router_topk=2, moe_ffn_hidden_size=None,
+                                    moe_shared_expert_intermediate_size=None, moe_layer_freq=1),
+                dataclasses.replace(self, moe_layer_freq=1))
 
     @property
     def moe_layer_fraction(self) -> float:

@@ -130,6 +130,8 @@ def test_model_layer_pattern_kept_on_the_instance():
     again = dataclasses.replace(m, moe_layer_freq=1)  # a copy computes its own
     assert not again.mixed_moe and again.moe_layers == 32
     assert m == dataclasses.replace(m) and hash(m) == hash(dataclasses.replace(m))  # fields only
+    assert m.dense_variant() is m.dense_variant() and not m.dense_variant().is_moe
+    assert m.moe_variant() is m.moe_variant() and m.moe_variant().moe_layers == 32
 
 
 @pytest.mark.parametrize("kw,needle", [
