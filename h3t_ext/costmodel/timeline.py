@@ -44,6 +44,9 @@ the rank that ends last: its busy time split by the per-layer record's fields, i
 ``offload_exposed``, its waits for a transfer on the wire (at most one hop per wait) as ``pp_p2p``, the
 rest of its waiting as ``bubble``.
 
+A schedule of many microbatches is simulated for fewer and extended by its steady state where that is checked
+periodic (:func:`simulate_steady`, :mod:`h3t_ext.costmodel.timeline_steady`), equal to simulating it whole.
+
 A new schedule action gets its price here (:func:`_compile` and :func:`simulate`) and nowhere else.
 """
 from __future__ import annotations
@@ -59,6 +62,7 @@ from h3t_ext.costmodel.layer_offload import layers_per_chunk, p1_exposed_seconds
 from h3t_ext.costmodel.memory import chunk_activation_bytes
 from h3t_ext.costmodel.plan import Plan
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
+from h3t_ext.costmodel.timeline_steady import extrapolate, steady_runs
 from h3t_ext.costmodel.timing import (
     TimeTerms,
     dp_exposed_seconds,
@@ -234,8 +238,8 @@ def _compile(cfg: ScheduleConfig, early_receives: bool, merge: bool = False) -> 
 
 def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,
              hop: float, blocking: bool, copy: Sequence[float] = (), in_order_batches: bool = False,
-             layer_stall: Sequence[float] = (), merge_hidden: Sequence[Sequence[float]] = ()
-             ) -> tuple[RankTimeline, ...]:
+             layer_stall: Sequence[float] = (), merge_hidden: Sequence[Sequence[float]] = (),
+             trace: Optional[list] = None) -> tuple[RankTimeline, ...]:
     """Run every rank's action list on a clock.
 
     ``forward[r][c]`` / ``backward[r][c]``: seconds of the FORWARD / BACKWARD of model chunk c on rank r;
@@ -249,6 +253,11 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
     A rank runs its list in order. The steps between two computes all start when the first compute has ended
     (a batch, with ``in_order_batches``, once the rank's previous batch has ended too); a compute waits for its
     batch, whose transfers run once the batches on both ends have started.
+
+    ``trace`` (a list): filled with one list per rank holding, per compute, its start, the rank's copy streams'
+    free times and its last batch's start (every time the rank's future depends on), then its busy, bubble, p2p,
+    stall and hidden so far (``timeline_steady.TIMES`` of them times): the steady-state check of
+    :func:`simulate_steady`.
     """
     cfg = schedule_or_config.config if isinstance(schedule_or_config, PipelineSchedule) else schedule_or_config
     prog = _compile(cfg, not blocking, bool(merge_hidden))
@@ -278,6 +287,8 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
     # busy, bubble, p2p, stall, last batch started, hidden
     state = [[0, False, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1, 0.0] for _ in range(p)]
     out: list[Optional[RankTimeline]] = [None] * p
+    if trace is not None:
+        trace[:] = [[] for _ in range(p)]
     remaining = p
     while remaining:
         progress = False
@@ -285,6 +296,7 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
             if out[r] is not None:
                 continue
             records, cp, ls = prog.ranks[r], copy[r], layer_stall[r]
+            tr = None if trace is None else trace[r]
             i, ran, now, d2h, h2d, busy, bubble, p2p, stall, last, hidden = state[r]
             while True:
                 batch, offload, reload, slot, wait, wait_reload, layers, partner = records[i]
@@ -349,12 +361,28 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
                     hidden += saved
                 busy += d
                 now = start + d
+                if tr is not None:
+                    tr.append((start, d2h, h2d, start_of[last] if last >= 0 else 0.0, busy, bubble, p2p, stall, hidden))
                 i += 1
                 ran = False
             state[r] = [i, ran, now, d2h, h2d, busy, bubble, p2p, stall, last, hidden]
         if not progress:  # pragma: no cover - the builder's posting order cannot deadlock (posting.py)
             raise AssertionError(f"timeline stuck at {[s[0] for s in state]}")
     return tuple(out)
+
+
+def simulate_steady(cfg: ScheduleConfig, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,
+                    blocking: bool, merge_hidden: Sequence[Sequence[float]] = (), **kwargs) -> tuple[RankTimeline, ...]:
+    """:func:`simulate` of ``cfg`` (keywords as its own); with many microbatches, from one shorter run whose steady
+    state is checked periodic (:mod:`h3t_ext.costmodel.timeline_steady`), else whole."""
+    for run in steady_runs(cfg):
+        trace: list = []
+        ranks = simulate(run, forward, backward, blocking=blocking, merge_hidden=merge_hidden, trace=trace, **kwargs)
+        program = _compile(run, not blocking, bool(merge_hidden))
+        out = extrapolate(cfg, run, [records[:-1] for records in program.ranks], trace, ranks, RankTimeline)
+        if out is not None:
+            return out
+    return simulate(cfg, forward, backward, blocking=blocking, merge_hidden=merge_hidden, **kwargs)
 
 
 def schedule_config(model: ModelSpec, plan: Plan, alphas: Sequence[float]) -> ScheduleConfig:
@@ -451,8 +479,8 @@ def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opt
     merge = ()
     if st.merge_hidden:  # --overlap-moe-expert-parallel-comm: per rank and chunk, what merging the chunk hides
         merge = [[st.merge_hidden * split.chunk_layers(r, c) for c in range(v)] for r in range(p)]
-    ranks = simulate(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking, copy=copy,
-                     layer_stall=stalls, merge_hidden=merge)
+    ranks = simulate_steady(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking,
+                            copy=copy, layer_stall=stalls, merge_hidden=merge)
     return Timeline(ranks=ranks, pipeline_s=max(r.end for r in ranks),
                     tied_embedding_s=tied_embedding_seconds(model, plan, system),
                     dp_exposed_s=dp_exposed_seconds(model, plan, system), optimizer_s=optimizer_seconds(model, plan, system))
@@ -478,4 +506,5 @@ def timeline_terms(model: ModelSpec, plan: Plan, system: SystemSpec, timeline: T
     )
 
 
-__all__ = ["RankTimeline", "Timeline", "plan_timeline", "schedule_config", "simulate", "timeline_terms"]
+__all__ = ["RankTimeline", "Timeline", "plan_timeline", "schedule_config", "simulate", "simulate_steady",
+           "timeline_terms"]
