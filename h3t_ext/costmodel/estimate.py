@@ -282,7 +282,7 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     stages = tuple(stage_memory(model, plan, k, alphas[k], system) for k in range(p))
     closed = _closed_form(model, plan, system, alphas, chunk, offloaded)
     too_large = timeline_too_large(model, plan, alphas) if timeline else None
-    tl = plan_timeline(model, plan, system, alphas) if timeline and too_large is None else None
+    tl = plan_timeline(model, plan, system, alphas, whole=too_large is None) if timeline else None
     terms = closed if tl is None else _checked(timeline_terms(model, plan, system, tl), system)
     layers = layers_per_chunk(model, plan)
     traffic = None
@@ -306,7 +306,7 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
         host_memory_budget_bytes=(default_host_memory_budget_bytes(system) if host_memory_budget_bytes is None
                                   else int(host_memory_budget_bytes)),
         offload_traffic=traffic,
-        timeline_note="" if too_large is None else f"priced by the closed form: {too_large}",
+        timeline_note="" if tl is not None or too_large is None else f"priced by the closed form: {too_large}",
         moe=model.is_moe,
         device_free_bytes=None if reserve is None else reserve.free_bytes,
     )

@@ -372,16 +372,22 @@ def simulate(schedule_or_config, forward: Sequence[Sequence[float]], backward: S
 
 
 def simulate_steady(cfg: ScheduleConfig, forward: Sequence[Sequence[float]], backward: Sequence[Sequence[float]], *,
-                    blocking: bool, merge_hidden: Sequence[Sequence[float]] = (), **kwargs) -> tuple[RankTimeline, ...]:
+                    blocking: bool, merge_hidden: Sequence[Sequence[float]] = (), whole: bool = True, **kwargs
+                    ) -> Optional[tuple[RankTimeline, ...]]:
     """:func:`simulate` of ``cfg`` (keywords as its own); with many microbatches, from one shorter run whose steady
-    state is checked periodic (:mod:`h3t_ext.costmodel.timeline_steady`), else whole."""
+    state is checked periodic (:mod:`h3t_ext.costmodel.timeline_steady`), else whole (``whole=False``: else None,
+    and no run larger than the timeline simulates is tried)."""
     for run in steady_runs(cfg):
+        if not whole and _config_too_large(run):
+            break
         trace: list = []
         ranks = simulate(run, forward, backward, blocking=blocking, merge_hidden=merge_hidden, trace=trace, **kwargs)
         program = _compile(run, not blocking, bool(merge_hidden))
         out = extrapolate(cfg, run, [records[:-1] for records in program.ranks], trace, ranks, RankTimeline)
         if out is not None:
             return out
+    if not whole:
+        return None
     return simulate(cfg, forward, backward, blocking=blocking, merge_hidden=merge_hidden, **kwargs)
 
 
@@ -402,27 +408,42 @@ def schedule_config(model: ModelSpec, plan: Plan, alphas: Sequence[float]) -> Sc
 MAX_TIMELINE_ACTIONS = 2**19
 """Most compute actions (2 x microbatches x pipeline stages x model chunks) a timeline builds and simulates:
 about 5 s at the ~10 us each costs (a million microbatches on eight stages took minutes, and thousands of stages
-with hundreds of chunks each ran out of memory building the lists). A larger schedule is priced by the closed
-form, and the estimate says so (:func:`timeline_too_large`)."""
+with hundreds of chunks each ran out of memory building the lists). A larger schedule is priced from a shorter run of
+its steady state within this size (:func:`simulate_steady`), else by the closed form, and the estimate says so
+(:func:`timeline_too_large`)."""
 MAX_TIMELINE_LAYER_COPIES = 2**22
 """Most layer offloads and reloads (2 x microbatches x layers of the chunk, pipeline size 1 with alpha > 0) a
 timeline builds: about 3 s (each is one step of the rank's list; tens of millions of them took gigabytes)."""
 
 
 def timeline_too_large(model: ModelSpec, plan: Plan, alphas: Optional[Sequence[float]] = None) -> Optional[str]:
-    """Why ``plan``'s action lists are too many to simulate (one line), or None when the timeline prices it."""
+    """Why ``plan``'s action lists are too many to simulate whole (one line), or None when they are not (the
+    timeline may still price it from a shorter run of its steady state: ``plan_timeline(..., whole=False)``)."""
     alphas = tuple(plan.alphas() if alphas is None else alphas)
-    p, m, v = plan.pipeline_model_parallel_size, plan.num_microbatches, plan.virtual_size(model.num_layers)
+    layers = layers_per_chunk(model, plan)
+    return _too_large(plan.pipeline_model_parallel_size, plan.num_microbatches, plan.virtual_size(model.num_layers),
+                      layers if layers is not None and any(a > 0 for a in alphas) else 0)
+
+
+def _too_large(p: int, m: int, v: int, copying_layers: int) -> Optional[str]:
+    """Why a schedule of p stages, m microbatches and v chunks (``copying_layers``: a chunk's layers where each
+    is offloaded, pipeline size 1; else 0) is too large to simulate, or None."""
     actions = 2 * m * p * v
     if actions > MAX_TIMELINE_ACTIONS:
         return (f"its schedule has 2 x {m} microbatches x {p} pipeline stages x {v} model chunks = {actions} compute "
                 f"actions, more than the {MAX_TIMELINE_ACTIONS} the timeline simulates")
-    layers = layers_per_chunk(model, plan)
-    copies = 2 * m * layers if layers is not None and any(a > 0 for a in alphas) else 0
+    copies = 2 * m * copying_layers
     if copies > MAX_TIMELINE_LAYER_COPIES:
-        return (f"its layer-granular offload has 2 x {m} microbatches x {layers} layers = {copies} layer copies, more "
-                f"than the {MAX_TIMELINE_LAYER_COPIES} the timeline simulates")
+        return (f"its layer-granular offload has 2 x {m} microbatches x {copying_layers} layers = {copies} layer "
+                f"copies, more than the {MAX_TIMELINE_LAYER_COPIES} the timeline simulates")
     return None
+
+
+def _config_too_large(cfg: ScheduleConfig) -> bool:
+    copying = cfg.num_layers_per_chunk if cfg.offload_alphas is not None and any(
+        a > 0 for a in cfg.offload_alphas) and cfg.num_layers_per_chunk else 0
+    return _too_large(cfg.pipeline_model_parallel_size, cfg.num_microbatches,
+                      cfg.virtual_pipeline_model_parallel_size, copying) is not None
 
 
 @contextlib.contextmanager
@@ -440,13 +461,17 @@ def _cycle_collector_paused():
             gc.enable()
 
 
-def plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Optional[Sequence[float]] = None) -> Timeline:
-    """Price ``plan``'s action lists (``alphas``: per stage, default the plan's) on the timeline."""
+def plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Optional[Sequence[float]] = None, *,
+                  whole: bool = True) -> Optional[Timeline]:
+    """Price ``plan``'s action lists (``alphas``: per stage, default the plan's) on the timeline. ``whole=False``
+    (lists too large to simulate whole, :func:`timeline_too_large`): only from a shorter run of its steady state,
+    None where none is checked periodic or small enough."""
     with _cycle_collector_paused():
-        return _plan_timeline(model, plan, system, alphas)
+        return _plan_timeline(model, plan, system, alphas, whole)
 
 
-def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Optional[Sequence[float]]) -> Timeline:
+def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Optional[Sequence[float]],
+                   whole: bool = True) -> Optional[Timeline]:
     alphas = tuple(plan.alphas() if alphas is None else alphas)
     p, L = plan.pipeline_model_parallel_size, model.num_layers
     v = plan.virtual_size(L)
@@ -480,7 +505,9 @@ def _plan_timeline(model: ModelSpec, plan: Plan, system: SystemSpec, alphas: Opt
     if st.merge_hidden:  # --overlap-moe-expert-parallel-comm: per rank and chunk, what merging the chunk hides
         merge = [[st.merge_hidden * split.chunk_layers(r, c) for c in range(v)] for r in range(p)]
     ranks = simulate_steady(schedule_config(model, plan, alphas), forward, backward, hop=hop, blocking=blocking,
-                            copy=copy, layer_stall=stalls, merge_hidden=merge)
+                            copy=copy, layer_stall=stalls, merge_hidden=merge, whole=whole)
+    if ranks is None:
+        return None
     return Timeline(ranks=ranks, pipeline_s=max(r.end for r in ranks),
                     tied_embedding_s=tied_embedding_seconds(model, plan, system),
                     dp_exposed_s=dp_exposed_seconds(model, plan, system), optimizer_s=optimizer_seconds(model, plan, system))

@@ -117,7 +117,7 @@ def test_a_plan_of_many_microbatches_is_priced_as_by_the_whole_simulation(verdic
                 offload_alpha=0.5, sequence_parallel=True, use_distributed_optimizer=True)
     steady = estimate(model, plan, system)
     assert verdicts[True] == 1 and steady.timeline.ranks[0].stall >= 0
-    monkeypatch.setattr(timeline, "simulate_steady", lambda cfg, f, b, **kw: simulate(cfg, f, b, **kw))
+    monkeypatch.setattr(timeline, "simulate_steady", lambda cfg, f, b, whole, **kw: simulate(cfg, f, b, **kw))
     whole = estimate(model, plan, system)
     assert _difference(whole.timeline.ranks, steady.timeline.ranks) < 1e-12
     assert steady.tokens_per_second == pytest.approx(whole.tokens_per_second, rel=1e-12)
@@ -139,3 +139,14 @@ def test_a_copy_stream_falling_behind_is_not_a_steady_state():
     steady = extrapolate(cfg, run, records, trace(0.0), ranks, RankTimeline)
     assert steady[0].end == pytest.approx(60.0 + 80 * 3.0) and steady[0].busy == pytest.approx(60.0 + 80 * 3.0)
     assert extrapolate(cfg, run, records, trace(0.01), ranks, RankTimeline) is None
+
+
+def test_without_the_whole_simulation_an_unchecked_schedule_has_no_timeline(verdicts):
+    """``whole=False`` (a schedule too large to simulate whole): None where no shorter run is checked periodic (the
+    estimate then prices the closed form and says why), the extrapolation where one is."""
+    assert _long_transient(212, lambda *a, **kw: simulate_steady(*a, whole=False, **kw)) is None
+    assert verdicts == {True: 0, False: 1}
+    assert simulate_steady(ScheduleConfig(4, 40, 1, offload=False), [[1.0]] * 4, [[2.0]] * 4, hop=0.0, blocking=True,
+                           whole=False) is None  # too few microbatches for a shorter run
+    steady = _long_transient(400, lambda *a, **kw: simulate_steady(*a, whole=False, **kw))
+    assert _difference(_long_transient(400), steady) < 1e-13
