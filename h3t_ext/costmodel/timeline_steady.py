@@ -66,8 +66,9 @@ def steady_runs(cfg: ScheduleConfig) -> Iterator[ScheduleConfig]:
     if cfg.forward_only:
         return
     warmup = 2 * (p - 1) + (v - 1) * s  # most forwards before a rank's steady state (rank 0's)
-    # steady computes 2 (m' v - warmup) cover the window, its reach and the period past it
-    need = math.ceil((warmup + (WINDOW_PERIODS + 1) * s * v + 2 * p * v) / v)
+    # steady computes 2 (m' v - warmup) cover the window, its reach and two periods past it (the last steady
+    # microbatches feel the cool-down)
+    need = math.ceil((warmup + (WINDOW_PERIODS + 2) * s * v + 2 * p * v) / v)
     run = max(need, s if v > 1 else 1)
     for _ in range(TRIES):
         run += (m - run) % s  # m's remainder modulo s: the same last group

@@ -88,14 +88,14 @@ def _long_transient(m, run=simulate):
 
 def test_a_transient_longer_than_the_outputs_show_is_not_extrapolated_from_them(verdicts):
     """The iteration grows by the same 3.64 s per microbatch from 31 to 77 microbatches, then by 3.71: outputs that
-    agree over a few periods do not prove the steady state. From 33 microbatches the state check refuses; from 132
+    agree over a few periods do not prove the steady state. From 34 microbatches the state check refuses; from 136
     (past the transient) it extrapolates, and both are the whole simulation's."""
     ends = [max(r.end for r in _long_transient(m)) for m in (33, 34, 35, 36, 90, 91)]
     increments = [round(b - a, 6) for a, b in zip(ends, ends[1:])]
     assert increments[0] == increments[1] == increments[2] == 3.64 and increments[4] == 3.71
-    assert _difference(_long_transient(212), _long_transient(212, simulate_steady)) == 0.0  # 33 refused, whole
+    assert _difference(_long_transient(212), _long_transient(212, simulate_steady)) == 0.0  # 34 refused, whole
     assert verdicts == {True: 0, False: 1}
-    assert _difference(_long_transient(400), _long_transient(400, simulate_steady)) < 1e-13  # 132 extrapolated
+    assert _difference(_long_transient(500), _long_transient(500, simulate_steady)) < 1e-13  # 136 extrapolated
     assert verdicts == {True: 1, False: 2}
 
 
@@ -148,5 +148,5 @@ def test_without_the_whole_simulation_an_unchecked_schedule_has_no_timeline(verd
     assert verdicts == {True: 0, False: 1}
     assert simulate_steady(ScheduleConfig(4, 40, 1, offload=False), [[1.0]] * 4, [[2.0]] * 4, hop=0.0, blocking=True,
                            whole=False) is None  # too few microbatches for a shorter run
-    steady = _long_transient(400, lambda *a, **kw: simulate_steady(*a, whole=False, **kw))
-    assert _difference(_long_transient(400), steady) < 1e-13
+    steady = _long_transient(500, lambda *a, **kw: simulate_steady(*a, whole=False, **kw))
+    assert _difference(_long_transient(500), steady) < 1e-13
