@@ -214,11 +214,12 @@ def test_schedules_too_large_to_simulate_are_priced_by_the_closed_form(argv, not
 
 
 @pytest.mark.parametrize("argv", [
-    ["--num-gpus", "8", "--pipeline-model-parallel-size", "8", "--global-batch-size", "1048576"],  # 16,777,216 computes
+    # 16,777,216 computes; 67,108,864 interleaved; 16,777,216 layer copies at p = 1
+    ["--num-gpus", "8", "--pipeline-model-parallel-size", "8", "--global-batch-size", "1048576"],
     ["--num-gpus", "8", "--pipeline-model-parallel-size", "8", "--global-batch-size", "1048576",
      "--num-layers-per-virtual-pipeline-stage", "1"],
-    ["--num-gpus", "8", "--num-layers", "1024", "--global-batch-size", "65536", "--offload-alpha", "0.5"],  # 16,777,216
-])  # layer copies
+    ["--num-gpus", "8", "--num-layers", "1024", "--global-batch-size", "65536", "--offload-alpha", "0.5"],
+])
 def test_schedules_too_large_to_simulate_whole_are_priced_from_their_steady_state(argv):
     """Millions of actions, too many to simulate whole (they were priced by the closed form), priced on the timeline
     from a shorter run whose steady state repeats (h3t_ext/costmodel/timeline_steady.py), in a second: no note,
