@@ -70,7 +70,7 @@ def test_random_schedules_equal_the_whole_simulation(verdicts):
             continue
         worst = max(worst, _difference(simulate(cfg, fw, bw, **kw), simulate_steady(cfg, fw, bw, **kw)))
         done += 1
-    assert worst < 1e-12
+    assert worst < 2e-13
     assert verdicts[True] >= 40 and verdicts[False] >= 20  # both branches taken many times
 
 
@@ -116,11 +116,11 @@ def test_a_plan_of_many_microbatches_is_priced_as_by_the_whole_simulation(verdic
                 pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=1, ckpt="ours",
                 offload_alpha=0.5, sequence_parallel=True, use_distributed_optimizer=True)
     steady = estimate(model, plan, system)
-    assert verdicts[True] == 1 and steady.timeline.ranks[0].stall >= 0
+    assert plan.num_microbatches == 256 and steady.pcie_bytes_per_iteration > 0 and verdicts[True] == 1
     monkeypatch.setattr(timeline, "simulate_steady", lambda cfg, f, b, whole, **kw: simulate(cfg, f, b, **kw))
     whole = estimate(model, plan, system)
-    assert _difference(whole.timeline.ranks, steady.timeline.ranks) < 1e-12
-    assert steady.tokens_per_second == pytest.approx(whole.tokens_per_second, rel=1e-12)
+    assert _difference(whole.timeline.ranks, steady.timeline.ranks) < 2e-13
+    assert steady.tokens_per_second == pytest.approx(whole.tokens_per_second, rel=1e-14)
     assert plan_timeline(model, plan, system).critical_rank == steady.timeline.critical_rank
 
 
