@@ -378,7 +378,7 @@ def simulate_steady(cfg: ScheduleConfig, forward: Sequence[Sequence[float]], bac
     state is checked periodic (:mod:`h3t_ext.costmodel.timeline_steady`), else whole (``whole=False``: else None,
     and no run larger than the timeline simulates is tried)."""
     for run in steady_runs(cfg):
-        if not whole and _config_too_large(run):
+        if not whole and _too_large(run) is not None:
             break
         trace: list = []
         ranks = simulate(run, forward, backward, blocking=blocking, merge_hidden=merge_hidden, trace=trace, **kwargs)
@@ -419,31 +419,23 @@ timeline builds: about 3 s (each is one step of the rank's list; tens of million
 def timeline_too_large(model: ModelSpec, plan: Plan, alphas: Optional[Sequence[float]] = None) -> Optional[str]:
     """Why ``plan``'s action lists are too many to simulate whole (one line), or None when they are not (the
     timeline may still price it from a shorter run of its steady state: ``plan_timeline(..., whole=False)``)."""
-    alphas = tuple(plan.alphas() if alphas is None else alphas)
-    layers = layers_per_chunk(model, plan)
-    return _too_large(plan.pipeline_model_parallel_size, plan.num_microbatches, plan.virtual_size(model.num_layers),
-                      layers if layers is not None and any(a > 0 for a in alphas) else 0)
+    return _too_large(schedule_config(model, plan, tuple(plan.alphas() if alphas is None else alphas)))
 
 
-def _too_large(p: int, m: int, v: int, copying_layers: int) -> Optional[str]:
-    """Why a schedule of p stages, m microbatches and v chunks (``copying_layers``: a chunk's layers where each
-    is offloaded, pipeline size 1; else 0) is too large to simulate, or None."""
+def _too_large(cfg: ScheduleConfig) -> Optional[str]:
+    """Why the lists of ``cfg`` are too large to simulate (its computes, and its layer copies where the offload is
+    layer-granular), or None."""
+    p, m, v = cfg.pipeline_model_parallel_size, cfg.num_microbatches, cfg.virtual_pipeline_model_parallel_size
     actions = 2 * m * p * v
     if actions > MAX_TIMELINE_ACTIONS:
         return (f"its schedule has 2 x {m} microbatches x {p} pipeline stages x {v} model chunks = {actions} compute "
                 f"actions, more than the {MAX_TIMELINE_ACTIONS} the timeline simulates")
-    copies = 2 * m * copying_layers
+    layers = cfg.num_layers_per_chunk if cfg.offload_alphas is not None else None  # layer-granular (schedule_config)
+    copies = 2 * m * layers if layers else 0
     if copies > MAX_TIMELINE_LAYER_COPIES:
-        return (f"its layer-granular offload has 2 x {m} microbatches x {copying_layers} layers = {copies} layer "
-                f"copies, more than the {MAX_TIMELINE_LAYER_COPIES} the timeline simulates")
+        return (f"its layer-granular offload has 2 x {m} microbatches x {layers} layers = {copies} layer copies, more "
+                f"than the {MAX_TIMELINE_LAYER_COPIES} the timeline simulates")
     return None
-
-
-def _config_too_large(cfg: ScheduleConfig) -> bool:
-    copying = cfg.num_layers_per_chunk if cfg.offload_alphas is not None and any(
-        a > 0 for a in cfg.offload_alphas) and cfg.num_layers_per_chunk else 0
-    return _too_large(cfg.pipeline_model_parallel_size, cfg.num_microbatches,
-                      cfg.virtual_pipeline_model_parallel_size, copying) is not None
 
 
 @contextlib.contextmanager

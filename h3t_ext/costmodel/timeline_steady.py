@@ -141,8 +141,12 @@ def extrapolate(cfg: ScheduleConfig, run: ScheduleConfig, records: Sequence[Sequ
         return None
     back = 0  # computes before the end of the repeating parts: the cool-down reaches back at most 2 p v of them
     while back <= 2 * p * v + step and all(end - back - start >= window for start, end in parts):
-        found = [_window_growth(tr, end - back, step, window, tol) for tr, (_, end) in zip(trace, parts)]
-        if all(f is not None for f in found) and max(f[0] for f in found) - min(f[0] for f in found) <= tol:
+        found = []
+        for tr, (_, end) in zip(trace, parts):  # stops at the first rank whose window does not repeat
+            found.append(_window_growth(tr, end - back, step, window, tol))
+            if found[-1] is None:
+                break
+        if found[-1] is not None and max(f[0] for f in found) - min(f[0] for f in found) <= tol:
             delta = found[0][0]
             return tuple(rank_timeline(r.rank, r.end + k * delta, *(x + k * g for x, g in zip(
                 (r.busy, r.bubble, r.p2p, r.stall, r.hidden), grow))) for r, (_, grow) in zip(ranks, found))
