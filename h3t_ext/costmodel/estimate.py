@@ -324,6 +324,20 @@ def device_fits(model: ModelSpec, plan: Plan, system: SystemSpec, *,
                for k in range(plan.pipeline_model_parallel_size))
 
 
+def device_infeasibility(model: ModelSpec, plan: Plan, system: SystemSpec, *,
+                         memory_budget_bytes: Optional[int] = None) -> Optional[InfeasiblePlanError]:
+    """``estimate(...).infeasibility()`` where the device does not fit (the peak stage over the budget), without its
+    time terms; None where the device fits (the host may still not). Raises InvalidPlanError as ``validate_plan``
+    does."""
+    validate_plan(model, plan, system)
+    budget = default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None \
+        else int(memory_budget_bytes)
+    alphas = plan.alphas()
+    peak = max((stage_memory(model, plan, k, alphas[k], system) for k in range(plan.pipeline_model_parallel_size)),
+               key=lambda s: s.peak_bytes)
+    return over_budget_error(peak, budget) if peak.peak_bytes > budget else None
+
+
 def _checked(terms: TimeTerms, system: SystemSpec) -> TimeTerms:
     if not (math.isfinite(terms.total) and terms.total > 0):
         raise InvalidPlanError(f"system {system.name}: its rates and efficiencies price an iteration at "

@@ -3,6 +3,7 @@ the embedding and the loss counted or not, and megatron-core's ``--pipeline-mode
 :mod:`h3t_ext.layout`)."""
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -100,6 +101,13 @@ def parse_pipeline_layout(layout: str, num_layers: int, pipeline_model_parallel_
     ``|``; their count a multiple of p; the embedding 'E' first and the loss 'L' last, once each; as many 't' as
     --num-layers). This driver builds no multi-token prediction layers ('m'), and the output layer and the loss are
     the last pipeline rank's: 'L' must end the last stage. LayoutError (one line) otherwise."""
+    if isinstance(layout, str) and type(num_layers) is int and type(pipeline_model_parallel_size) is int:
+        return _layout_counts(layout, num_layers, pipeline_model_parallel_size)  # a search asks it of every plan
+    return _layout_counts.__wrapped__(layout, num_layers, pipeline_model_parallel_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_counts(layout: str, num_layers: int, pipeline_model_parallel_size: int) -> tuple[int, ...]:
     _positive("--num-layers", num_layers)
     _positive("--pipeline-model-parallel-size", pipeline_model_parallel_size)
     if not isinstance(layout, str) or not layout.strip():

@@ -59,6 +59,11 @@ def _validate_mode(alpha_mode: AlphaMode) -> None:
             raise ValueError(f"offload alpha {a} outside [0, 1]")
 
 
+def with_fixed_alpha(plan: Plan, alpha_mode: Union[float, tuple[float, ...]]) -> Plan:
+    """``plan`` with a fixed offload ratio: one number, or one per pipeline stage."""
+    return plan.with_alpha(alpha_mode if isinstance(alpha_mode, tuple) else float(alpha_mode))
+
+
 def evaluate(model: ModelSpec, plan: Plan, system: SystemSpec, *, alpha_mode: AlphaMode = "auto",
              memory_budget_bytes: Optional[int] = None, timeline: bool = True,
              host_memory_budget_bytes: Optional[int] = None) -> Evaluation:
@@ -70,7 +75,7 @@ def evaluate(model: ModelSpec, plan: Plan, system: SystemSpec, *, alpha_mode: Al
     """
     _validate_mode(alpha_mode)
     if not isinstance(alpha_mode, str):
-        resolved = plan.with_alpha(alpha_mode if isinstance(alpha_mode, tuple) else float(alpha_mode))
+        resolved = with_fixed_alpha(plan, alpha_mode)
         return Evaluation(resolved, estimate(model, resolved, system, memory_budget_bytes=memory_budget_bytes, timeline=timeline,
                    host_memory_budget_bytes=host_memory_budget_bytes),
                           alpha_mode)

@@ -117,10 +117,21 @@ class Collector:
                    terms: Callable[[], Mapping[str, int]] = dict) -> None:
         """Count one plan rejected for memory; ``terms`` (the stage's memory terms) is called only when it is
         the closest to fitting so far."""
+        self.reject_memory(self._verdict(plan, term, excess, stage, reason, terms))
+
+    def nearer(self, plan: Plan, term: str, excess: int, stage: Optional[int], reason: str,
+               terms: Callable[[], Mapping[str, int]] = dict) -> None:
+        """Keep a memory verdict if it is the closest to fitting so far, without counting a plan (a plan the search
+        checked on memory alone, not one of the candidates it counts)."""
+        if self.closest is None or int(excess) < self.closest.excess_bytes:
+            self.closest = self._verdict(plan, term, excess, stage, reason, terms)
+
+    def _verdict(self, plan: Plan, term: str, excess: int, stage: Optional[int], reason: str,
+                 terms: Callable[[], Mapping[str, int]]) -> ClosestInfeasible:
         closest = self.closest is None or int(excess) < self.closest.excess_bytes
         listed = tuple(sorted(((k, int(b)) for k, b in terms().items() if b > 0), key=lambda kv: -kv[1])) \
             if closest else ()
-        self.reject_memory(ClosestInfeasible(plan, term, int(excess), stage, reason, listed))
+        return ClosestInfeasible(plan, term, int(excess), stage, reason, listed)
 
 
 __all__ = ["ClosestInfeasible", "Collector", "RankedPlan", "SearchResult", "reason_category"]

@@ -26,9 +26,12 @@ candidates come out in the same order as if all had been bounded and sorted. A c
 offload or does not fit is priced again with each option of the memory ladder; each variant has its own bound (its
 data-parallel term with an FSDP sharding's traffic, its optimizer step) and is left unpriced when that bound cannot
 enter the top. After a candidate fits nowhere on a rung of the ladder (the plan as it is, or one option), its
-layout's least-memory candidate is checked on that rung on memory alone; where it fits nowhere either, no candidate
-of the layout is priced on that rung again, and where that holds on every rung, the layout's other candidates are
-pruned as above.
+layout's least-memory candidate is checked on that rung on memory alone, and, while the candidate fits nowhere yet, on
+each later rung before the candidate is priced there; where it fits nowhere either, no candidate of the layout is
+priced on that rung again (its verdict is the layout's closest to fitting there), and where that holds on every rung,
+the layout's other candidates are pruned as above. A candidate that fits nowhere on one rung leaves unpriced there the
+layout's candidates that keep at least as much (``_Tried``). With a fixed alpha a plan's device memory is checked
+before its time is priced: most plans of a tight search do not fit.
 """
 from __future__ import annotations
 
@@ -39,13 +42,14 @@ from typing import Callable, Iterator, Optional
 
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate, \
     solve_offload_alpha
+from h3t_ext.costmodel.estimate import device_infeasibility
 from h3t_ext.costmodel.reserve import default_memory_budget_bytes
 from h3t_ext.costmodel.fp8 import validate_fp8
 from h3t_ext.costmodel.plan_checks import MOE_OURS_REASON, applicable_switches, validate_dense_experts, validate_moe, \
     validate_switches
 from h3t_ext.costmodel.memory import stage_fixed_terms, stage_memory, stage_static_terms
 from h3t_ext.planner.bounds import LAYOUT_ENTRY, Bounds, candidate_plan
-from h3t_ext.planner.evaluate import AlphaMode, evaluate
+from h3t_ext.planner.evaluate import AlphaMode, evaluate, with_fixed_alpha
 from h3t_ext.planner.flags import megatron_flags
 from h3t_ext.planner.launch_env import launch_env_words
 from h3t_ext.planner.results import R_BOUND, R_PRUNED, R_SLOWER, ClosestInfeasible, Collector, RankedPlan, \
@@ -96,7 +100,8 @@ UNPRICED = _Unpriced()
 
 
 def _price(col: Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets,
-           can_enter: Optional[Callable[[Plan], bool]] = None, rungs: Optional["_DeadRungs"] = None):
+           can_enter: Optional[Callable[[Plan], bool]] = None, rungs: Optional["_DeadRungs"] = None,
+           tried: Optional["_Tried"] = None):
     """Price one plan and, when it fits only by offloading activations or not at all, the same plan with each
     option of the memory ladder (every one that fits is a feasible plan of its own: a later option, which saves
     more memory, may still be the faster plan). The fastest RankedPlan, None when none fits (even at the largest
@@ -104,29 +109,37 @@ def _price(col: Collector, model, system, plan: Plan, alpha_mode: AlphaMode, bud
     whether a variant's upper bound (``Bounds.variant``) lets it enter the top plans; one that cannot is not priced
     (``R_BOUND``), and where nothing priced fits then, :data:`UNPRICED`. ``rungs`` (the best-first search's): its
     layout's rungs where no candidate fits; the plan is not priced on them (``R_PRUNED``), and where it fits nowhere
-    on a rung, that rung is checked for the layout."""
+    on a rung, that rung is checked for the layout. ``tried`` (the best-first search's): the rungs where a candidate
+    of the layout that keeps no more than this one fits nowhere; the plan is not priced on them either."""
     def price(rung: Optional[MemoryOption], variant: Plan):
         r = _price_one(col, model, system, variant, alpha_mode, budget)
-        if r is None and rungs is not None:
-            rungs.failed(rung)
+        if r is None and rungs is not None:  # a candidate fits nowhere on the rung: is the layout's least one?
+            rungs.dead_on(col, rung)
+        if r is None and tried is not None:
+            tried.failed(rung, variant)
         return r
 
-    if rungs is not None and BASE_RUNG in rungs.dead:
-        col.rejected[R_PRUNED] += 1
-        ranked = None
-    else:
-        ranked = price(BASE_RUNG, plan)
+    def pruned(rung: Optional[MemoryOption]) -> bool:
+        if (rungs is not None and rung in rungs.dead) or (tried is not None and tried.covered(rung)):
+            col.rejected[R_PRUNED] += 1
+            return True
+        return False
+
+    ranked = None if pruned(BASE_RUNG) else price(BASE_RUNG, plan)
     if ranked is False or not budget.ladder or (ranked is not None and not any(ranked.plan.alphas())):
         return ranked
     best, unpriced = ranked, False
     for option in budget.ladder_for(plan):
-        if rungs is not None and option in rungs.dead:
-            col.rejected[R_PRUNED] += 1
+        if pruned(option):
             continue
         variant = _with_option(model, system, plan, option, budget)
         if can_enter is not None and not can_enter(variant):
             col.rejected[R_BOUND] += 1
             unpriced = True
+            continue
+        # a plan that fits nowhere yet is tight: the layout's rung is checked on memory alone before pricing it there
+        if rungs is not None and best is None and rungs.dead_on(col, option):
+            col.rejected[R_PRUNED] += 1
             continue
         r = price(option, variant)
         if r and (best is None or r.tokens_per_second > best.tokens_per_second):
@@ -140,36 +153,76 @@ BASE_RUNG = None
 
 class _DeadRungs:
     """The rungs of one layout (:data:`BASE_RUNG`, or a :class:`MemoryOption` of the ladder) on which its least-memory
-    candidate (ckpt full, its smallest micro batch) does not fit the device at any alpha. Every candidate of the layout
+    candidate (ckpt full, its smallest micro batch) does not fit the device at any alpha (``mode`` ``auto`` or
+    ``balanced``), or at the search's fixed alpha (``mode`` a number or one per stage). Every candidate of the layout
     holds at least its bytes on each rung, so none fits there either. A rung is checked after a candidate of the layout
     first fits nowhere on it, on memory alone: the verdict of :func:`_price_one`'s None (``solve_offload_alpha``'s
-    InfeasiblePlanError, as ``evaluate`` meets it) without pricing any time. The optimizer offload is checked at
-    fraction 1, its least memory (a larger candidate gets a larger fraction). A rung the cost model refuses is not dead.
-    ``mode``: the search's ``auto`` or ``balanced`` (with a fixed alpha there is no verdict at any alpha: the search
-    makes none of these)."""
+    InfeasiblePlanError, as ``evaluate`` meets it, or ``device_infeasibility`` at the fixed alpha) without pricing any
+    time. The optimizer offload is checked at fraction 1, its least memory (a larger candidate gets a larger fraction).
+    A rung the cost model refuses is not dead."""
 
-    def __init__(self, model, system, least: Plan, mode: str, budget: _Budgets) -> None:
+    def __init__(self, model, system, least: Plan, mode: AlphaMode, budget: _Budgets) -> None:
         self._model, self._system, self._mode, self._budget = model, system, mode, budget
         self.least = least
         self.dead: set[Optional[MemoryOption]] = set()
         self._checked: set[Optional[MemoryOption]] = set()
 
-    def failed(self, rung: Optional[MemoryOption]) -> None:
-        """A candidate of the layout fits nowhere on ``rung``: check the least-memory one there (once)."""
-        if rung in self._checked:
-            return
-        self._checked.add(rung)
-        try:
-            solve_offload_alpha(self._model, self.least if rung is None else rung.on(self.least), self._system,
-                                memory_budget_bytes=self._budget.device, mode=self._mode)
-        except InfeasiblePlanError:
-            self.dead.add(rung)
-        except InvalidPlanError:
-            pass
+    def dead_on(self, col: Collector, rung: Optional[MemoryOption]) -> bool:
+        """Whether no candidate of the layout fits on ``rung``, checked once. The least-memory candidate's verdict on
+        a dead rung is offered to ``col`` as the closest to fitting (no other candidate of the layout is closer there);
+        it counts no plan."""
+        if rung not in self._checked:
+            self._checked.add(rung)
+            try:
+                err, shown, priced = self._verdict(self.least if rung is None else rung.on(self.least))
+            except InvalidPlanError:
+                err = None
+            if err is not None:
+                self.dead.add(rung)
+                stage = err.stage or 0
+                col.nearer(shown, err.term, err.excess_bytes, err.stage, err.reason, lambda: stage_memory(
+                    self._model, priced, stage, priced.alphas()[stage], self._system).terms)
+        return rung in self.dead
+
+    def _verdict(self, least: Plan) -> tuple[Optional[InfeasiblePlanError], Plan, Plan]:
+        """(why ``least`` fits at no alpha, or not at the fixed one, else None; the plan the verdict names, as
+        :func:`_price_one` names it; the plan its terms are priced at). Raises InvalidPlanError."""
+        if isinstance(self._mode, str):
+            try:
+                solve_offload_alpha(self._model, least, self._system, memory_budget_bytes=self._budget.device,
+                                    mode=self._mode)
+            except InfeasiblePlanError as e:
+                return e, least, least.with_alpha(1.0)
+            return None, least, least
+        fixed = with_fixed_alpha(least, self._mode)
+        return device_infeasibility(self._model, fixed, self._system, memory_budget_bytes=self._budget.device), \
+            fixed, fixed
 
     def everywhere(self) -> bool:
         """Whether no candidate of the layout fits on any rung."""
         return len(self.dead) == 1 + sum(1 for _ in self._budget.ladder_for(self.least))
+
+
+class _Tried:
+    """One candidate (mode index ``ci``, micro batch index ``i``) of a layout whose candidates' failures are kept per
+    rung of the memory ladder in ``failures`` (rung -> (mode, micro batch) indices): on a rung where a candidate that
+    keeps no more fits nowhere (a micro batch as small or smaller, a mode this one fails where it fails:
+    :meth:`RecomputeMode.fails_where`, the rule that prunes a layout's candidates that fit nowhere at all), this one
+    fits nowhere either. A failure is kept only where it is the candidate's least memory on the rung (its optimizer
+    offload fraction 1: a larger candidate may offload a larger fraction) and for a plain mode (a block mode's N is
+    chosen per candidate)."""
+
+    def __init__(self, failures: dict, modes: tuple[RecomputeMode, ...], ci: int, i: int) -> None:
+        self._failures, self._modes, self._ci, self._i = failures, modes, ci, i
+
+    def covered(self, rung: Optional[MemoryOption]) -> bool:
+        mode = self._modes[self._ci]
+        return any(self._i >= fi and mode.fails_where(self._modes[fc]) for fc, fi in self._failures.get(rung, ()))
+
+    def failed(self, rung: Optional[MemoryOption], variant: Plan) -> None:
+        if self._modes[self._ci].block or (variant.optimizer_cpu_offload and variant.optimizer_offload_fraction < 1):
+            return
+        self._failures.setdefault(rung, []).append((self._ci, self._i))
 
 
 def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budgets) -> Plan:
@@ -193,6 +246,17 @@ def _price_one(col: Collector, model, system, plan: Plan, alpha_mode: AlphaMode,
     """Price one plan: the RankedPlan, None when it does not fit (even at the largest alpha allowed),
     False when the cost model finds it invalid."""
     col.considered += 1
+    if not isinstance(alpha_mode, str):  # a fixed alpha: the device's verdict first, without the time terms
+        resolved = with_fixed_alpha(plan, alpha_mode)
+        try:
+            err = device_infeasibility(model, resolved, system, memory_budget_bytes=budget.device)
+        except InvalidPlanError as e:
+            col.rejected[reason_category(e.reason)] += 1
+            return False
+        if err is not None:
+            col.infeasible(resolved, err.term, err.excess_bytes, err.stage, err.reason, lambda: stage_memory(
+                model, resolved, err.stage, resolved.alphas()[err.stage], system).terms)
+            return None
     try:
         ev = evaluate(model, plan, system, alpha_mode=alpha_mode, memory_budget_bytes=budget.device, timeline=False,
                       host_memory_budget_bytes=budget.host)
@@ -467,9 +531,9 @@ def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple,
     best: list[float] = []  # min-heap of the best ``top`` tokens/s found
     failed: dict[int, list[tuple[int, int]]] = {}  # layout -> (mode, micro batch) indices that did not fit
     least_prunes_all = not modes[0].block and all(m.fails_where(modes[0]) for m in modes)
-    # layout -> its rungs where no candidate fits; with a solved alpha only (a fixed one has no verdict at any alpha)
-    rungs: dict[int, _DeadRungs] = {}
-    check_rungs = least_prunes_all and isinstance(alpha_mode, str)
+    rungs: dict[int, _DeadRungs] = {}  # layout -> its rungs where no candidate fits
+    check_rungs = least_prunes_all
+    tried: dict[int, dict] = {}  # layout -> rung -> (mode, micro batch) indices that fit nowhere on it (_Tried)
     while queue:
         minus_bound, li, ci, i = heapq.heappop(queue)
         if len(best) >= top and -minus_bound * (1 + 1e-9) < best[0]:
@@ -505,7 +569,8 @@ def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple,
         if check_rungs and li not in rungs:
             rungs[li] = _DeadRungs(model, system, candidate_plan(run, layout, layout.micro_batch_sizes[0], modes[0]),
                                    alpha_mode, budget)
-        ranked = _price(col, model, system, plan, alpha_mode, budget, can_enter, rungs.get(li))
+        ranked = _price(col, model, system, plan, alpha_mode, budget, can_enter, rungs.get(li),
+                        _Tried(tried.setdefault(li, {}), modes, ci, i))
         if ranked is None:
             failed.setdefault(li, []).append((ci, i))
             if li in rungs and rungs[li].everywhere():

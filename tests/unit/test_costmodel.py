@@ -219,6 +219,29 @@ def test_memory_budget_argument():
         e.raise_if_infeasible()
 
 
+@pytest.mark.parametrize("kw,budget", [
+    (dict(offload_alpha=0.355), 60e9), (dict(offload_alpha=0.355), None), (dict(offload_alpha=0.0), 70e9),
+    (dict(offload_alpha=(0.9, 0.9, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0)), 62e9), (dict(ckpt="full"), 30e9),  # peak: stage 3
+    (dict(pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=None, tensor_model_parallel_size=8,
+          offload_alpha=0.5), 40e9),
+    (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5, offload_alpha=0.2), 55e9),
+])
+def test_device_infeasibility_is_the_estimates_device_verdict(kw, budget):
+    """``device_infeasibility`` (the search's memory test at a fixed alpha) is ``estimate(...).infeasibility()`` where
+    the device does not fit, to the byte and the word, and None where it fits, whatever the host's verdict."""
+    from h3t_ext.costmodel.estimate import device_infeasibility
+
+    plan = plan65(**kw)
+    e = estimate(M65, plan, H800, memory_budget_bytes=budget, host_memory_budget_bytes=1)
+    got = device_infeasibility(M65, plan, H800, memory_budget_bytes=budget)
+    if e.peak_memory_bytes <= e.memory_budget_bytes:
+        assert got is None and e.infeasibility().term == "host_memory"
+    else:
+        want = e.infeasibility()
+        assert (got.reason, got.term, got.excess_bytes, got.stage) == (want.reason, want.term, want.excess_bytes,
+                                                                       want.stage)
+
+
 def test_alpha_lowers_memory_linearly_and_costs_pcie():
     mems = [estimate(M65, plan65(offload_alpha=a), H800).stages[0].peak_bytes for a in (0.2, 0.4, 0.6)]
     assert mems[0] > mems[1] > mems[2]

@@ -153,10 +153,10 @@ def test_best_first_top_is_the_exhaustive_top(budget, alpha_mode):
                 == [(r.plan, r.tokens_per_second) for r in full.plans[:top]])
 
 
-def _tight_searches_with_the_ladder():
+def _tight_searches_with_the_ladder(budget=20 * 10**9, alpha_mode="auto"):
     """llama-7b on 8 H800 at a 20 GB budget with the memory ladder: (the exhaustive search, the best-first top 10)."""
     model, system = get_model("llama-7b"), get_system("h800")
-    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=20 * 10**9,
+    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=budget, alpha_mode=alpha_mode,
               constraints=SearchConstraints(memory_ladder=space.MEMORY_LADDER))
     return search(model, system, exhaustive=True, **kw), search(model, system, top=10, **kw)
 
@@ -168,12 +168,12 @@ def test_best_first_with_the_memory_ladder_is_the_exhaustive_top(monkeypatch):
     search_module = importlib.import_module("h3t_ext.planner.search")
     price, skipped = search_module._price, []
 
-    def counting(col, model, system, plan, alpha_mode, budget, can_enter=None, rungs=None):
+    def counting(col, model, system, plan, alpha_mode, budget, can_enter=None, *rest):
         def counted(variant):
             ok = can_enter(variant)
             skipped.append(not ok)
             return ok
-        return price(col, model, system, plan, alpha_mode, budget, None if can_enter is None else counted, rungs)
+        return price(col, model, system, plan, alpha_mode, budget, None if can_enter is None else counted, *rest)
 
     monkeypatch.setattr(search_module, "_price", counting)
     full, best = _tight_searches_with_the_ladder()
@@ -183,10 +183,26 @@ def test_best_first_with_the_memory_ladder_is_the_exhaustive_top(monkeypatch):
     assert any(r.plan.data_parallel_sharding_strategy or r.plan.optimizer_cpu_offload for r in full.plans[:10])
 
 
-def test_a_rung_is_left_only_where_no_candidate_of_its_layout_fits(monkeypatch):
+def _rung_of(plan):
+    """The rung of the memory ladder a plan stands on."""
+    search_module = importlib.import_module("h3t_ext.planner.search")
+    if plan.data_parallel_sharding_strategy is None and not plan.optimizer_cpu_offload:
+        return search_module.BASE_RUNG
+    return space.MemoryOption(plan.data_parallel_sharding_strategy, plan.optimizer_cpu_offload)
+
+
+def _off_the_ladder(plan):
+    """A plan without its offload ratio and its rung's options: what one candidate's variants share."""
+    return replace(plan, offload_alpha=0.0, data_parallel_sharding_strategy=None, optimizer_cpu_offload=False,
+                   optimizer_offload_fraction=1.0)
+
+
+@pytest.mark.parametrize("alpha_mode", ["auto", 0.5])
+def test_a_rung_is_left_only_where_no_candidate_of_its_layout_fits(monkeypatch, alpha_mode):
     """The best-first search stops pricing a layout's candidates on a rung of the memory ladder (the plan as it is,
-    an FSDP sharding, optimizer offload) once the layout's least-memory candidate fits nowhere there: the exhaustive
-    search finds no feasible plan of that layout on any such rung, and does find them on the others."""
+    an FSDP sharding, optimizer offload) once the layout's least-memory candidate fits nowhere there (at any alpha, or
+    at the search's fixed one): the exhaustive search finds no feasible plan of that layout on any such rung, and does
+    find them on the others."""
     search_module = importlib.import_module("h3t_ext.planner.search")
     made = []
 
@@ -196,18 +212,12 @@ def test_a_rung_is_left_only_where_no_candidate_of_its_layout_fits(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(search_module, "_DeadRungs", Recorded)
-    full, best = _tight_searches_with_the_ladder()
+    full, best = _tight_searches_with_the_ladder(alpha_mode=alpha_mode)
 
     def layout_of(plan):  # what the candidates of one layout share
-        return replace(plan, micro_batch_size=1, ckpt=Ckpt.NO, recompute=NO_RECOMPUTE, offload_alpha=0.0,
-                       data_parallel_sharding_strategy=None, optimizer_cpu_offload=False,
-                       optimizer_offload_fraction=1.0)
+        return replace(_off_the_ladder(plan), micro_batch_size=1, ckpt=Ckpt.NO, recompute=NO_RECOMPUTE)
 
-    def rung_of(plan):
-        if plan.data_parallel_sharding_strategy is None and not plan.optimizer_cpu_offload:
-            return search_module.BASE_RUNG
-        return space.MemoryOption(plan.data_parallel_sharding_strategy, plan.optimizer_cpu_offload)
-
+    rung_of = _rung_of
     fitting = {(layout_of(r.plan), rung_of(r.plan)) for r in full.plans}
     rungs = (search_module.BASE_RUNG, *space.MEMORY_LADDER)
     dead = {(layout_of(d.least), r) for d in made for r in d.dead}
@@ -216,6 +226,40 @@ def test_a_rung_is_left_only_where_no_candidate_of_its_layout_fits(monkeypatch):
     assert not dead & fitting and live & fitting
     assert ([(r.plan, r.tokens_per_second) for r in best.plans[:10]]
             == [(r.plan, r.tokens_per_second) for r in full.plans[:10]])
+
+
+def test_a_candidate_is_left_on_a_rung_where_one_that_keeps_no_more_fits_nowhere(monkeypatch):
+    """On a rung of the memory ladder where a candidate fits nowhere, the best-first search does not price the same
+    layout's candidates that keep at least as much (a larger micro batch, a mode that keeps more): the exhaustive
+    search finds none of them fitting on that rung."""
+    search_module = importlib.import_module("h3t_ext.planner.search")
+    price, left = search_module._price, []
+
+    def recording(col, model, system, plan, alpha_mode, budget, can_enter=None, rungs=None, tried=None):
+        if tried is not None:
+            covered = tried.covered
+            tried.covered = lambda rung: covered(rung) and not left.append((_off_the_ladder(plan), rung))
+        return price(col, model, system, plan, alpha_mode, budget, can_enter, rungs, tried)
+
+    monkeypatch.setattr(search_module, "_price", recording)
+    for alpha_mode in ("auto", 0.5):
+        left.clear()
+        full, best = _tight_searches_with_the_ladder(alpha_mode=alpha_mode)
+        fitting = {(_off_the_ladder(r.plan), _rung_of(r.plan)) for r in full.plans}
+        assert len(left) > 20 and not set(left) & fitting
+        assert ([(r.plan, r.tokens_per_second) for r in best.plans[:10]]
+                == [(r.plan, r.tokens_per_second) for r in full.plans[:10]])
+
+
+@pytest.mark.parametrize("budget,alpha_mode", [(5.2e9, "auto"), (5.2e9, 0.5), (5.4e9, "auto"), (5.6e9, "auto")])
+def test_a_search_with_fewer_plans_than_its_top_names_the_exhaustive_closest(budget, alpha_mode):
+    """Where fewer plans fit than ``top`` (none at 5.2 GB), no bound stops the best-first search, so what it prunes
+    fits nowhere: the closest to fitting it names is the exhaustive search's (a layout's least-memory candidate, checked
+    on a rung where it fits nowhere, is the layout's closest there), after pricing a fraction of its plans."""
+    full, best = _tight_searches_with_the_ladder(int(budget), alpha_mode)
+    assert len(best.plans) == len(full.plans) < 10
+    assert best.closest_infeasible.excess_bytes == full.closest_infeasible.excess_bytes
+    assert best.considered < full.considered / 5
 
 
 def test_top_does_not_change_the_plans_shown():
