@@ -171,9 +171,11 @@ def plan_config(args):
     except FixedRecomputeError as e:
         raise ArgumentError(f"--auto-plan searches --ckpt no|full|ours (or --recompute-granularity alone); it cannot "
                             f"keep {e.flags}: give the parallel flags yourself, or leave those out") from None
+    # best-first, as h3t-plan search runs (its first plan whatever --top: the search goes as deep as the timeline
+    # re-ranks); the exhaustive-but-pruned top=None search took ~15x as long and could miss the best
     result = search(_model_spec(args), system, num_gpus=args.world_size, seq_length=args.seq_length,
                     global_batch_size=args.global_batch_size, constraints=constraints,
-                    alpha_mode=_alpha_mode(alpha), memory_budget_bytes=budget)
+                    alpha_mode=_alpha_mode(alpha), memory_budget_bytes=budget, top=1)
     best = result.best
     if best is None:
         closest = result.closest_infeasible
