@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from h3t_ext.costmodel.activations import rank_offloads, residency_lines
 from h3t_ext.costmodel.layer_offload import OffloadTraffic, layer_offload, layers_per_chunk, p1_traffic
@@ -312,16 +312,23 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     )
 
 
-def device_fits(model: ModelSpec, plan: Plan, system: SystemSpec, *,
-                memory_budget_bytes: Optional[int] = None) -> bool:
-    """Whether every stage's device peak is within the budget: ``estimate``'s device test (its ``fits`` without the
-    host's), without its time terms. Raises InvalidPlanError as ``estimate`` does."""
+def _device_stages(model: ModelSpec, plan: Plan, system: SystemSpec,
+                   memory_budget_bytes: Optional[int]) -> tuple[int, Iterator[StageMemory]]:
+    """(the device budget ``estimate`` checks ``plan`` against, its stages' memory as they are asked for), after
+    ``validate_plan``: what :func:`device_fits` and :func:`device_infeasibility` read."""
     validate_plan(model, plan, system)
     budget = default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None \
         else int(memory_budget_bytes)
     alphas = plan.alphas()
-    return all(stage_memory(model, plan, k, alphas[k], system).peak_bytes <= budget
-               for k in range(plan.pipeline_model_parallel_size))
+    return budget, (stage_memory(model, plan, k, alphas[k], system) for k in range(plan.pipeline_model_parallel_size))
+
+
+def device_fits(model: ModelSpec, plan: Plan, system: SystemSpec, *,
+                memory_budget_bytes: Optional[int] = None) -> bool:
+    """Whether every stage's device peak is within the budget: ``estimate``'s device test (its ``fits`` without the
+    host's), without its time terms (stops at the first stage over). Raises InvalidPlanError as ``estimate`` does."""
+    budget, stages = _device_stages(model, plan, system, memory_budget_bytes)
+    return all(s.peak_bytes <= budget for s in stages)
 
 
 def device_infeasibility(model: ModelSpec, plan: Plan, system: SystemSpec, *,
@@ -329,12 +336,8 @@ def device_infeasibility(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     """``estimate(...).infeasibility()`` where the device does not fit (the peak stage over the budget), without its
     time terms; None where the device fits (the host may still not). Raises InvalidPlanError as ``validate_plan``
     does."""
-    validate_plan(model, plan, system)
-    budget = default_memory_budget_bytes(model, plan, system) if memory_budget_bytes is None \
-        else int(memory_budget_bytes)
-    alphas = plan.alphas()
-    peak = max((stage_memory(model, plan, k, alphas[k], system) for k in range(plan.pipeline_model_parallel_size)),
-               key=lambda s: s.peak_bytes)
+    budget, stages = _device_stages(model, plan, system, memory_budget_bytes)
+    peak = max(stages, key=lambda s: s.peak_bytes)
     return over_budget_error(peak, budget) if peak.peak_bytes > budget else None
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 from h3t_ext.costmodel import InfeasiblePlanError, InvalidPlanError, ModelSpec, Plan, SystemSpec, estimate, \
     solve_offload_alpha
@@ -179,9 +179,8 @@ class _DeadRungs:
                 err = None
             if err is not None:
                 self.dead.add(rung)
-                stage = err.stage or 0
-                col.nearer(shown, err.term, err.excess_bytes, err.stage, err.reason, lambda: stage_memory(
-                    self._model, priced, stage, priced.alphas()[stage], self._system).terms)
+                col.nearer(shown, err.term, err.excess_bytes, err.stage, err.reason,
+                           _stage_terms(self._model, self._system, priced, err.stage))
         return rung in self.dead
 
     def _verdict(self, least: Plan) -> tuple[Optional[InfeasiblePlanError], Plan, Plan]:
@@ -242,6 +241,18 @@ def _with_option(model, system, plan: Plan, option: MemoryOption, budget: _Budge
     return option.on(plan, round(fraction, 2))
 
 
+def _stage_terms(model, system, plan: Plan, stage: Optional[int], alpha: Optional[float] = None
+                 ) -> Callable[[], Mapping[str, int]]:
+    """The memory terms of ``plan``'s ``stage`` (0 where None) at ``alpha`` (None: the plan's own), when asked: a memory
+    verdict's terms, which :class:`Collector` reads only for the closest to fitting."""
+    k = stage or 0
+
+    def terms() -> Mapping[str, int]:
+        priced = plan if alpha is None else plan.with_alpha(alpha)
+        return stage_memory(model, priced, k, priced.alphas()[k], system).terms
+    return terms
+
+
 def _price_one(col: Collector, model, system, plan: Plan, alpha_mode: AlphaMode, budget: _Budgets):
     """Price one plan: the RankedPlan, None when it does not fit (even at the largest alpha allowed),
     False when the cost model finds it invalid."""
@@ -254,8 +265,8 @@ def _price_one(col: Collector, model, system, plan: Plan, alpha_mode: AlphaMode,
             col.rejected[reason_category(e.reason)] += 1
             return False
         if err is not None:
-            col.infeasible(resolved, err.term, err.excess_bytes, err.stage, err.reason, lambda: stage_memory(
-                model, resolved, err.stage, resolved.alphas()[err.stage], system).terms)
+            col.infeasible(resolved, err.term, err.excess_bytes, err.stage, err.reason,
+                           _stage_terms(model, system, resolved, err.stage))
             return None
     try:
         ev = evaluate(model, plan, system, alpha_mode=alpha_mode, memory_budget_bytes=budget.device, timeline=False,
@@ -264,8 +275,7 @@ def _price_one(col: Collector, model, system, plan: Plan, alpha_mode: AlphaMode,
         col.rejected[reason_category(e.reason)] += 1
         return False  # not a memory verdict: no pruning
     except InfeasiblePlanError as e:
-        col.infeasible(plan, e.term, e.excess_bytes, e.stage, e.reason,
-                       lambda stage=e.stage or 0: stage_memory(model, plan.with_alpha(1.0), stage, 1.0, system).terms)
+        col.infeasible(plan, e.term, e.excess_bytes, e.stage, e.reason, _stage_terms(model, system, plan, e.stage, 1.0))
         return None
     est = ev.estimate
     err = est.infeasibility()
