@@ -16,7 +16,7 @@ from h3t_ext.costmodel.reserve import ALLOCATOR_GAP_RANGE, allocator_gap_left, d
     memory_reserve
 from h3t_ext.costmodel.specs import ModelSpec, SystemSpec
 from h3t_ext.costmodel.timeline import Timeline, plan_timeline, timeline_terms, timeline_too_large
-from h3t_ext.costmodel.timing import TimeTerms, shape_times, time_terms
+from h3t_ext.costmodel.timing import TimeTerms, offload_exposed_seconds, shape_times, time_terms
 from h3t_ext.costmodel.plausibility import Plausibility, plausibility
 from h3t_ext.costmodel.uncertainty import ThroughputUncertainty, throughput_uncertainty
 
@@ -371,6 +371,16 @@ def closed_form_terms(model: ModelSpec, plan: Plan, system: SystemSpec) -> TimeT
     validate_plan(model, plan, system)
     alphas, _, chunk, offloaded = _closed_form_inputs(model, plan)
     return _closed_form(model, plan, system, alphas, chunk, offloaded)
+
+
+def closed_form_offload_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
+    """``closed_form_terms(model, plan, system).offload_exposed`` without the other terms (``plan`` valid): the
+    planner's bounds add it at a fixed alpha."""
+    alphas = plan.alphas()
+    if not any(a > 0 for a in alphas):
+        return 0.0
+    _, _, chunk, offloaded = _closed_form_inputs(model, plan)
+    return offload_exposed_seconds(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded)
 
 
 def _host_terms(model: ModelSpec, plan: Plan, stage: int, alpha: float, v: int,

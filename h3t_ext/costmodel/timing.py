@@ -479,6 +479,38 @@ def merged_pairs(p: int, m: int, v: int, rank: int, group: Optional[int] = None)
     return max(0, m * v - warmup - (rank == p - 1))
 
 
+def offload_exposed_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
+                            chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> float:
+    """The closed form's ``offload_exposed`` term (:func:`time_terms`, arguments alike) alone: what the planner's
+    bounds count of a fixed alpha (``planner/bounds.py``)."""
+    if not chunk_bytes or not any(a > 0 for a in alphas):
+        return 0.0
+    L = model.num_layers
+    slow = slowest_stage(model, plan, system)
+    return _offload_exposed(shape_times(model, plan, system), plan.stage_layers(L, slow),
+                            plan.stage_bf16_layers(L, slow), plan.pipeline_model_parallel_size, plan.num_microbatches,
+                            plan.virtual_size(L), alphas, chunk_bytes, offloaded_chunks, system)
+
+
+def _offload_exposed(st: ShapeTimes, layers: int, b: int, p: int, m: int, v: int, alphas: tuple[float, ...],
+                     chunk_bytes: int, offloaded_chunks: tuple[int, ...], system: SystemSpec) -> float:
+    """``offload_exposed`` from the slowest stage's ``layers`` (``b`` of them BF16 layers of an FP8 plan): at p = 1
+    the layer-granular copies of every microbatch, else each stage's offloaded chunks' copies less the chunk forward
+    and backward they overlap."""
+    if not chunk_bytes or not any(a > 0 for a in alphas):
+        return 0.0
+    if p == 1:  # layer-granular (h3t_ext.costmodel.layer_offload)
+        return m * p1_exposed_seconds(st.mean_layer(layers, b), st.head.total, chunk_bytes, layers, alphas[0], system)
+    lt = st.layer
+    f_chunk = (layers * lt.fwd + st.extra(b, "fwd")) / v
+    b_chunk = (layers * (lt.bwd + lt.recompute) + st.extra(b, "bwd", "recompute")) / v
+    off = 0.0
+    for a, n in zip(alphas, offloaded_chunks):
+        copy = host_copy_seconds(a * chunk_bytes, system)
+        off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
+    return off
+
+
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
                chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> TimeTerms:
     """The closed form: seconds per iteration by term (they add up to the iteration time). The cost model's
@@ -503,16 +535,7 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
 
     pp = pipeline_p2p_seconds(model, plan, system)
 
-    off = 0.0
-    if p == 1 and chunk_bytes and alphas[0] > 0:  # layer-granular (h3t_ext.costmodel.layer_offload)
-        off = m * p1_exposed_seconds(st.mean_layer(layers, b), st.head.total, chunk_bytes, layers, alphas[0], system)
-    elif chunk_bytes and any(a > 0 for a in alphas):
-        f_chunk = (layers * lt.fwd + st.extra(b, "fwd")) / v
-        b_chunk = (layers * (lt.bwd + lt.recompute) + st.extra(b, "bwd", "recompute")) / v
-        for a, n in zip(alphas, offloaded_chunks):
-            copy = host_copy_seconds(a * chunk_bytes, system)
-            off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
-
+    off = _offload_exposed(st, layers, b, p, m, v, alphas, chunk_bytes, offloaded_chunks, system)
     busy = st.busy_terms(m, layers, b, slow == p - 1)
     if st.merge_hidden:  # --overlap-moe-expert-parallel-comm: the slow rank's merged forward-backward pairs
         busy["ep_comm"] -= merged_pairs(p, m, v, slow, plan.microbatch_group_size_per_vp_stage) * st.merge_hidden \

@@ -2,9 +2,12 @@
 the tokens/s of candidates and of groups of them (:class:`Bounds`), from the cost model's own terms."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 from h3t_ext.costmodel import Plan
+from h3t_ext.costmodel.errors import InvalidPlanError
+from h3t_ext.costmodel.estimate import closed_form_offload_seconds
+from h3t_ext.costmodel.plan_checks import validate_plan
 from h3t_ext.costmodel.plan_checks import applicable_switches
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, optimizer_seconds, pipeline_p2p_seconds_by_micro_batch, \
     shape_times
@@ -50,7 +53,10 @@ class Bounds:
     stages)/v; T is the largest of the stages' layers times the layer's time plus, on the last, the output layer's
     (an even split's last stage; under a layout any stage). With an FP8 plan's BF16 first / last layers each stage
     is its FP8 layers' time plus its BF16 layers' (the bound walks every rank). pp_p2p is exact, dp_exposed at least
-    its value with unbounded overlap windows, optimizer and offload_exposed are >= 0. With
+    its value with unbounded overlap windows, optimizer >= 0, and offload_exposed exact at a fixed alpha (the
+    search's ``--offload-alpha``) once :meth:`count_offload` has counted it, else >= 0: a candidate's own term (its
+    saved bytes and windows depend on its mode, micro batch and block N), so a group's and a layout's bounds leave it
+    out. With
     --overlap-moe-expert-parallel-comm a layer's time is less what a merged pair of it hides (``merge_hidden``; at
     most one pair per layer and microbatch).
 
@@ -62,8 +68,14 @@ class Bounds:
     bound (block recompute only adds time) until its N is known (:attr:`block_layers`), then by its own.
     """
 
-    def __init__(self, model, system, layouts: list[tuple[tuple, Layout]], modes) -> None:
+    def __init__(self, model, system, layouts: list[tuple[tuple, Layout]], modes,
+                 alpha: Optional[Union[float, tuple[float, ...]]] = None) -> None:
         self.model, self.system, self.layouts = model, system, layouts
+        alphas = () if alpha is None else alpha if isinstance(alpha, tuple) else (float(alpha),)
+        self.alpha = (alpha if isinstance(alpha, tuple) else alphas[0]) if any(a > 0 for a in alphas) else None
+        """The search's fixed offload alpha (one, or one per stage) when some is above 0, else None."""
+        self._offload: dict[tuple[int, int, int], float] = {}  # candidate -> its offload_exposed at self.alpha, once
+        #                                                           counted (count_offload)
         self.modes = tuple(RecomputeMode.of(c) for c in modes)
         no = RecomputeMode.of("no")
         self.grouped = len(self.modes) > 1 and no in self.modes
@@ -139,8 +151,9 @@ class Bounds:
         _, seq_length, global_batch, _ = self.layouts[li][0]
         return global_batch * seq_length
 
-    def bound(self, li: int, ci: int, i: int) -> float:
-        """Upper bound on the tokens/s of candidate (``li``, ``ci``, ``i``)."""
+    def _seconds(self, li: int, ci: int, i: int) -> float:
+        """Lower bound on the closed-form iteration time of candidate (``li``, ``ci``, ``i``) without its
+        offload_exposed."""
         traffic = self._traffic.get(li)
         if traffic is None:
             run, layout = self.layouts[li]
@@ -149,22 +162,48 @@ class Bounds:
                 pipeline_p2p_seconds_by_micro_batch(self.model, first, self.system, layout.micro_batch_sizes),
                 dp_seconds_lower_bound(self.model, first, self.system))
         pp, dp = traffic
-        return self._tokens(li) / (self._pipelined(li, ci, i) + pp[i] + dp)
+        return self._pipelined(li, ci, i) + pp[i] + dp
+
+    def bound(self, li: int, ci: int, i: int) -> float:
+        """Upper bound on the tokens/s of candidate (``li``, ``ci``, ``i``); with its offload_exposed once
+        :meth:`count_offload` has counted it."""
+        return self._tokens(li) / (self._seconds(li, ci, i) + self._offload.get((li, ci, i), 0.0))
+
+    def count_offload(self, li: int, ci: int, i: int) -> bool:
+        """Count candidate (``li``, ``ci``, ``i``)'s closed-form offload_exposed at the fixed alpha in its
+        :meth:`bound` from now on (asked when the candidate comes out of the queue, so that only those that reach the
+        top of it pay for the term); True when that lowers the bound. Nothing without a fixed alpha, for an unresolved
+        block candidate (its N lowers its saved bytes) or one counted already."""
+        key = (li, ci, i)
+        if self.alpha is None or key in self._offload or (self.modes[ci].block and key not in self.block_layers):
+            return False
+        run, layout = self.layouts[li]
+        plan = candidate_plan(run, layout, layout.micro_batch_sizes[i], self.modes[ci],
+                              self.block_layers.get(key)).with_alpha(self.alpha)
+        try:
+            validate_plan(self.model, plan, self.system)
+        except InvalidPlanError:  # its pricing counts why
+            self._offload[key] = 0.0
+            return False
+        self._offload[key] = closed_form_offload_seconds(self.model, plan, self.system)
+        return self._offload[key] > 0
 
     def variant(self, li: int, ci: int, i: int, plan: Plan) -> float:
         """Upper bound on the tokens/s of ``plan``, candidate (``li``, ``ci``, ``i``) with a memory option of the
         ladder (optimizer offload, a Megatron FSDP sharding): :meth:`bound` with the variant's own ``dp_exposed``
         lower bound, which an FSDP sharding raises by its parameter all-gathers and gradient reduce-scatters, and its
-        ``optimizer`` term (exact, whatever alpha: the CPU step of an optimizer offload); the option changes no other
-        term the bound counts. Asked after :meth:`bound` of the same candidate."""
+        ``optimizer`` term (exact, whatever alpha: the CPU step of an optimizer offload), and the candidate's
+        offload_exposed where counted; the option changes no other term the bound counts (nor the saved bytes and the
+        layer times offload_exposed reads). Asked after :meth:`bound` of the same candidate."""
         return self._tokens(li) / (self._pipelined(li, ci, i) + self._traffic[li][0][i]
                                    + dp_seconds_lower_bound(self.model, plan, self.system)
-                                   + optimizer_seconds(self.model, plan, self.system))
+                                   + optimizer_seconds(self.model, plan, self.system)
+                                   + self._offload.get((li, ci, i), 0.0))
 
     def group(self, li: int, i: int) -> float:
         """Upper bound on the tokens/s of every mode of layout ``li`` at micro batch index ``i`` (with
         :attr:`grouped`)."""
-        return self.bound(li, self._floor[0], i)
+        return self._tokens(li) / self._seconds(li, self._floor[0], i)  # no candidate's offload: it depends on the mode
 
     def layout(self, li: int) -> float:
         """Upper bound on the tokens/s of every candidate of layout ``li``."""

@@ -513,7 +513,8 @@ def _search_layout(col: Collector, model, system, layout: Layout, modes, alpha_m
             if exhaustive:
                 continue
             if ranked is None:
-                failed.append((mode, i))  # the next micro batch counts the rest as pruned
+                if not mode.block:  # a priced block candidate's failure is its N's (fails_where)
+                    failed.append((mode, i))  # the next micro batch counts the rest as pruned
                 continue
             if ranked and previous is not None and ranked.tokens_per_second < previous:
                 col.rejected[R_SLOWER] += len(mbs) - i - 1
@@ -532,8 +533,9 @@ def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple,
     bound of its modes (``GROUP_ENTRY``, when several are searched), and taking that out its candidates with their own
     bounds. Candidates come out in the order of sorting every candidate's bound, while only the layouts and micro
     batches that could enter the top are bounded one by one. A block candidate comes out first with its base's
-    bound; its N is then chosen and it goes back in with its own (lower) bound."""
-    bounds = Bounds(model, system, layouts, modes)
+    bound; its N is then chosen and it goes back in with its own (lower) bound. At a fixed alpha, once the top is
+    full, a candidate that comes out goes back in with its own offload_exposed counted, where it has some."""
+    bounds = Bounds(model, system, layouts, modes, None if isinstance(alpha_mode, str) else alpha_mode)
     modes = bounds.modes
     queue = [(-bounds.layout(li), li, LAYOUT_ENTRY, -1) for li in range(len(layouts))]
     heapq.heapify(queue)
@@ -570,6 +572,10 @@ def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple,
             bounds.block_layers[(li, ci, i)] = plan.recompute.num_layers
             heapq.heappush(queue, (-bounds.bound(li, ci, i), li, ci, i))
             continue
+        if len(best) >= top and bounds.count_offload(li, ci, i):  # where it may prune: a fixed alpha's exposed
+            #                                                            copies, back in with the lower bound
+            heapq.heappush(queue, (-bounds.bound(li, ci, i), li, ci, i))
+            continue
         remaining -= 1
         plan = candidate_plan(run, layout, mb, mode, bounds.block_layers.get((li, ci, i)))
 
@@ -582,7 +588,8 @@ def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple,
         ranked = _price(col, model, system, plan, alpha_mode, budget, can_enter, rungs.get(li),
                         _Tried(tried.setdefault(li, {}), modes, ci, i))
         if ranked is None:
-            failed.setdefault(li, []).append((ci, i))
+            if not mode.block:  # a priced block candidate's failure is its N's (fails_where)
+                failed.setdefault(li, []).append((ci, i))
             if li in rungs and rungs[li].everywhere():
                 failed[li].append((0, 0))  # its least-memory candidate fits nowhere: nor does any (the pruning rule)
         elif ranked:

@@ -12,7 +12,8 @@ from h3t_ext.costmodel import ModelSpec, Plan, estimate, get_model, get_system
 from h3t_ext.planner import space
 from h3t_ext.offload_alpha import OffloadAlpha, format_alpha
 from h3t_ext.planner.flags import megatron_flags, plan_from_megatron_flags
-from h3t_ext.planner.bounds import Bounds
+from h3t_ext.costmodel.errors import InvalidPlanError
+from h3t_ext.planner.bounds import Bounds, candidate_plan as bounds_candidate
 from h3t_ext.planner.search import R_BOUND, search
 from h3t_ext.planner.space import SearchConstraints, divisors, enumerate_layouts
 from h3t_ext.planner.pipeline_balance import balanced_stage_layers, layout_string, output_layer_in_layers
@@ -141,7 +142,8 @@ def test_exhaustive_search_finds_the_same_best_plans(small_search):
     assert [r.plan for r in full.plans[:10]] == [r.plan for r in small_search.plans[:10]]
 
 
-@pytest.mark.parametrize("budget,alpha_mode", [(None, "auto"), (20 * 10**9, "auto"), (20 * 10**9, "balanced")])
+@pytest.mark.parametrize("budget,alpha_mode", [(None, "auto"), (20 * 10**9, "auto"), (20 * 10**9, "balanced"),
+                                               (None, 1.0), (20 * 10**9, 0.5)])
 def test_best_first_top_is_the_exhaustive_top(budget, alpha_mode):
     model, system = get_model("llama-7b"), get_system("h800")
     kw = dict(num_gpus=8, seq_length=4096, global_batch_size=16, memory_budget_bytes=budget, alpha_mode=alpha_mode)
@@ -151,6 +153,26 @@ def test_best_first_top_is_the_exhaustive_top(budget, alpha_mode):
         assert best.considered < full.considered and best.rejected.get(R_BOUND, 0) > 0
         assert ([(r.plan, r.tokens_per_second) for r in best.plans[:top]]
                 == [(r.plan, r.tokens_per_second) for r in full.plans[:top]])
+
+
+def test_a_block_candidate_over_the_host_budget_prunes_no_other_block_candidate():
+    """A block candidate's N is the smallest that fits the device; priced, it may still not fit the host (at alpha 1
+    every saved byte goes there), which says nothing of another block candidate's N: block on ``no`` keeps more
+    than block on ``ours`` at one N, but its own N is larger and keeps less. The best-first search counted the
+    priced failure as the mode's and pruned block on ``no`` at that micro batch and above, which left the exhaustive
+    search's tenth plan out of its top ten."""
+    model, system = get_model("llama-7b"), get_system("a100-80g")
+    kw = dict(num_gpus=8, seq_length=2048, global_batch_size=64, alpha_mode=1.0, memory_budget_bytes=40 * 2**30,
+              host_memory_budget_bytes=100 * 2**30)
+    full, best = search(model, system, exhaustive=True, **kw), search(model, system, top=10, **kw)
+    assert [(r.plan, r.tokens_per_second) for r in best.plans[:10]] == [(r.plan, r.tokens_per_second)
+                                                                        for r in full.plans[:10]]
+    block_no = [r.plan for r in full.plans[:10] if r.plan.recompute.method == "block" and r.plan.ckpt == Ckpt.NO]
+    assert len(block_no) == 1 and block_no[0].recompute.num_layers == 3
+    on_ours = replace(block_no[0], ckpt=Ckpt.OURS, recompute=Recompute("full", "block", 2))  # its N at mb 4
+    e = estimate(model, on_ours, system, memory_budget_bytes=kw["memory_budget_bytes"],
+                 host_memory_budget_bytes=kw["host_memory_budget_bytes"], timeline=False)
+    assert e.peak_memory_bytes <= kw["memory_budget_bytes"] and not e.host_fits
 
 
 def _tight_searches_with_the_ladder(budget=20 * 10**9, alpha_mode="auto"):
@@ -416,6 +438,58 @@ def test_best_first_group_bounds_hold_their_candidates(model_name, precisions):
             assert top >= group >= max(own) and group == own[2]  # ckpt no (index 2) is the group's bound
             strict += own[0] < group
     assert strict > 0  # full recompute's bound is below the group's somewhere (the grouping skips work)
+
+
+LADDER_OPTIONS = (dict(data_parallel_sharding_strategy="optim_grads_params"), dict(data_parallel_sharding_strategy="optim"),
+                  dict(optimizer_cpu_offload=True, optimizer_offload_fraction=0.5))
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.25])
+def test_a_fixed_alphas_bound_counts_each_candidates_own_offload_exactly(alpha):
+    """At a fixed alpha a candidate's bound adds its own closed-form offload_exposed once counted (as it comes out of
+    the search's queue): it stays at least the candidate's closed-form tokens/s (the search's ranking), and the time
+    it adds is that term exactly; a group's and
+    a layout's bounds leave it out (it depends on the mode: ckpt no's own is the largest), so they still hold every
+    candidate's. (A group bound with ckpt no's offload pruned the best plans of llama3-70b on 512 B200 at alpha 1.)"""
+    search_mod = importlib.import_module("h3t_ext.planner.search")
+    model, system = get_model("llama-7b"), get_system("b200")
+    k = SearchConstraints()
+    layouts, _ = enumerate_layouts(model, num_gpus=16, seq_length=4096, global_batch_size=64, gpus_per_node=8,
+                                   constraints=k)
+    switches = {"sequence_parallel": True, "use_distributed_optimizer": True}
+    live = [(run, x) for run in search_mod._runs(16, 4096, 64, switches, k) for x in layouts]
+    plain, fixed = Bounds(model, system, live, space.CKPT_BY_MEMORY), Bounds(model, system, live, space.CKPT_BY_MEMORY,
+                                                                              alpha)
+    tokens = 64 * 4096
+    exposed = checked = variants = 0
+    for li, (run, layout) in enumerate(live):
+        for i, mb in enumerate(layout.micro_batch_sizes):
+            uncounted = [fixed.bound(li, ci, i) for ci in range(3)]
+            lowered = [fixed.count_offload(li, ci, i) for ci in range(3)]
+            own = [fixed.bound(li, ci, i) for ci in range(3)]
+            assert uncounted == [plain.bound(li, ci, i) for ci in range(3)]
+            assert [b < u for b, u in zip(own, uncounted)] == lowered
+            assert fixed.layout(li) >= fixed.group(li, i) == plain.group(li, i) >= max(own)
+            for ci, mode in enumerate(fixed.modes):
+                plan = replace(bounds_candidate(run, layout, mb, mode), offload_alpha=alpha)
+                try:
+                    closed = estimate(model, plan, system, timeline=False)
+                except InvalidPlanError:
+                    continue
+                checked += 1
+                assert own[ci] * (1 + 1e-9) >= closed.tokens_per_second
+                added = tokens / own[ci] - tokens / plain.bound(li, ci, i)
+                assert added == pytest.approx(closed.time_terms.offload_exposed, rel=1e-9, abs=1e-12)
+                exposed += closed.time_terms.offload_exposed > 0
+                for option in LADDER_OPTIONS:  # Bounds.variant counts the candidate's term for its ladder variants
+                    try:
+                        variant = estimate(model, replace(plan, **option), system, timeline=False)
+                    except InvalidPlanError:
+                        continue
+                    variants += 1
+                    assert variant.time_terms.offload_exposed == closed.time_terms.offload_exposed
+    assert checked > 100 and exposed > checked // 4  # the term is there to count, on both sides of the window
+    assert variants > checked
 
 
 def test_best_first_with_one_ckpt_is_the_exhaustive_top():
