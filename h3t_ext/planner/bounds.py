@@ -7,8 +7,7 @@ from typing import Optional, Union
 from h3t_ext.costmodel import Plan
 from h3t_ext.costmodel.errors import InvalidPlanError
 from h3t_ext.costmodel.estimate import closed_form_offload_seconds
-from h3t_ext.costmodel.plan_checks import validate_plan
-from h3t_ext.costmodel.plan_checks import applicable_switches
+from h3t_ext.costmodel.plan_checks import applicable_switches, validate_plan
 from h3t_ext.costmodel.timing import dp_seconds_lower_bound, optimizer_seconds, pipeline_p2p_seconds_by_micro_batch, \
     shape_times
 from h3t_ext.layout import pipeline_split

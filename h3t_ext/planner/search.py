@@ -591,7 +591,8 @@ def _search_best_first(col: Collector, model, system, layouts: list[tuple[tuple,
             if not mode.block:  # a priced block candidate's failure is its N's (fails_where)
                 failed.setdefault(li, []).append((ci, i))
             if li in rungs and rungs[li].everywhere():
-                failed[li].append((0, 0))  # its least-memory candidate fits nowhere: nor does any (the pruning rule)
+                # its least-memory candidate fits nowhere: nor does any (the pruning rule)
+                failed.setdefault(li, []).append((0, 0))
         elif ranked:
             if len(best) < top:
                 heapq.heappush(best, ranked.tokens_per_second)
