@@ -14,7 +14,11 @@ where the time goes: docs/DESIGN.md, "Search speed".
     python scripts/bench_planner.py [--model llama-175b] [--num-gpus 4096] [--seq-length 4096]
                                     [--global-batch-size 2048] [--gpu h800] [--precision auto] [--top 10]
                                     [--fp8-recipe delayed] [--first-last-layers-bf16] [--memory-budget BYTES]
-                                    [--repeat 1] [--json]
+                                    [--offload-alpha auto] [--repeat 1] [--json]
+
+A fixed ``--offload-alpha`` times the search that prices each candidate's exposed copies in its bound
+(docs/DESIGN.md, "Search speed"): ``--model llama3-70b --num-gpus 512 --seq-length 4096 --global-batch-size 512
+--gpu b200 --precision bf16 --offload-alpha 1`` (the CLI's --top 10) priced 3,751 plans before, 68 since (2026-12-03).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from h3t_ext.costmodel import get_model, get_system  # noqa: E402
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_RECIPES  # noqa: E402
 from h3t_ext.planner.search import search  # noqa: E402
 from h3t_ext.planner.space import MEMORY_LADDER, SearchConstraints  # noqa: E402
+from h3t_ext.offload_alpha import OffloadAlpha, format_alpha  # noqa: E402
 from h3t_ext.planner.units import parse_bytes  # noqa: E402
 
 
@@ -39,7 +44,7 @@ def _in_process(args) -> dict:
     model, system = get_model(args.model), get_system(args.gpu)
     wall0, cpu0 = time.perf_counter(), time.process_time()
     result = search(model, system, num_gpus=args.num_gpus, seq_length=args.seq_length,
-                    global_batch_size=args.global_batch_size, top=args.top or None,
+                    global_batch_size=args.global_batch_size, top=args.top or None, alpha_mode=args.offload_alpha,
                     memory_budget_bytes=None if args.memory_budget is None else parse_bytes(args.memory_budget),
                     constraints=SearchConstraints(precisions=("bf16", "fp8") if args.precision == "auto"
                                                   else (args.precision,), memory_ladder=MEMORY_LADDER,
@@ -64,7 +69,9 @@ def _cli(args) -> dict:
            "--precision", args.precision, "--json", "--top", str(args.top or 10**9),
            *(["--fp8-recipe", args.fp8_recipe] if args.precision != "bf16" else []),  # the CLI refuses it on bf16
            *(["--first-last-layers-bf16"] if args.first_last_layers_bf16 else []),
-           *(["--memory-budget", args.memory_budget] if args.memory_budget is not None else [])]
+           *(["--memory-budget", args.memory_budget] if args.memory_budget is not None else []),
+           "--offload-alpha", format_alpha(args.offload_alpha) if not isinstance(args.offload_alpha, str)
+           else args.offload_alpha]
     t0 = time.perf_counter()
     before = os.times()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -83,6 +90,18 @@ def _byte_count(text: str) -> str:
     return text
 
 
+def _alpha(text: str):
+    """``--offload-alpha`` as h3t-plan reads it: a mode's name or the number(s)."""
+    try:
+        value = OffloadAlpha.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not value.is_mode and isinstance(value.alpha, tuple):
+        raise argparse.ArgumentTypeError("search takes one number in [0, 1], auto or balanced (p varies between "
+                                         "plans, so a per-stage list does not apply)")
+    return value.mode if value.is_mode else value.alpha
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-175b")
@@ -98,6 +117,8 @@ def main() -> int:
                     help="the FP8 plans' first and last layers in BF16 (needs a recipe other than delayed)")
     ap.add_argument("--memory-budget", type=_byte_count, default=None,
                     help="bytes per GPU as h3t-plan takes them (e.g. 40GiB; default: the system's budget)")
+    ap.add_argument("--offload-alpha", type=_alpha, default="auto",
+                    help="auto (default), balanced, or a fixed alpha in [0, 1] (one, or one per stage)")
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs; the minimum is reported")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -111,7 +132,8 @@ def main() -> int:
         return 0
     print(f"case: h3t-plan search --model {args.model} --num-gpus {args.num_gpus} --seq-length {args.seq_length} "
           f"--global-batch-size {args.global_batch_size} --gpu {args.gpu}"
-          + ("" if args.memory_budget is None else f" --memory-budget {args.memory_budget}"))
+          + ("" if args.memory_budget is None else f" --memory-budget {args.memory_budget}")
+          + ("" if args.offload_alpha == "auto" else f" --offload-alpha {out['cli_command'].split()[-1]}"))
     print(f"search call : {out['search_wall_s']:.3f} s wall, {out['search_cpu_s']:.3f} s CPU")
     print(f"CLI process : {out['cli_wall_s']:.3f} s wall, {out['cli_cpu_s']:.3f} s CPU (exit {out['cli_exit_code']})")
     print(f"plans priced {out['plans_priced']}, feasible {out['plans_feasible']}, partial plans rejected "

@@ -355,6 +355,9 @@ def search(
     """
     if top is not None and top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
+    if isinstance(alpha_mode, tuple) and constraints.pipeline_model_parallel_size != len(alpha_mode):
+        raise ValueError(f"alpha_mode {alpha_mode} (one per stage) needs constraints.pipeline_model_parallel_size = "
+                         f"{len(alpha_mode)} (got {constraints.pipeline_model_parallel_size}); else one number or a mode")
     layouts, rejected = enumerate_layouts(
         model, num_gpus=num_gpus, seq_length=seq_length, global_batch_size=global_batch_size,
         gpus_per_node=system.gpus_per_node, constraints=constraints)

@@ -176,6 +176,22 @@ def test_a_block_candidate_over_the_host_budget_prunes_no_other_block_candidate(
     assert e.peak_memory_bytes <= kw["memory_budget_bytes"] and not e.host_fits
 
 
+def test_a_per_stage_alpha_searches_its_pipeline_size_only():
+    """One alpha per stage fixes p: the search refuses it otherwise (a ValueError naming the constraint, where an
+    IndexError escaped from a layout of another p), and with that p its best-first top (each candidate's exposed
+    copies counted stage by stage) is the exhaustive one."""
+    model, system = get_model("llama-7b"), get_system("b200")
+    kw = dict(num_gpus=8, seq_length=4096, global_batch_size=32, alpha_mode=(1.0, 0.25))
+    with pytest.raises(ValueError, match=r"pipeline_model_parallel_size = 2 \(got None\)"):
+        search(model, system, top=3, **kw)
+    kw["constraints"] = SearchConstraints(pipeline_model_parallel_size=2)
+    full, best = search(model, system, exhaustive=True, **kw), search(model, system, top=5, **kw)
+    assert best.considered < full.considered
+    assert [(r.plan, r.tokens_per_second) for r in best.plans[:5]] == [(r.plan, r.tokens_per_second)
+                                                                       for r in full.plans[:5]]
+    assert all(r.plan.offload_alpha == (1.0, 0.25) for r in full.plans)
+
+
 def _random_search_case(rng: random.Random) -> tuple:
     """One small search: a 7B-13B model on 8 or 16 GPUs of four kinds, a device and a host budget or none, a fixed
     or a solved alpha, with or without the memory ladder and FP8."""
