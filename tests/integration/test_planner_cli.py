@@ -239,6 +239,24 @@ def test_bench_script_takes_a_memory_budget_to_both_runs():
     assert last.startswith("bench_planner.py: error: argument --memory-budget: 'x' is not a byte count"), last
 
 
+def test_bench_script_takes_a_fixed_alpha_to_both_runs():
+    """--offload-alpha reaches the in-process search (its best plan offloads that fraction) and the CLI run; a
+    per-stage list is refused as h3t-plan search refuses it, in one line."""
+    def bench(*extra):
+        return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_planner.py"), "--model",
+                               "llama-7b", "--gpu", "b200", "--num-gpus", "8", "--seq-length", "4096",
+                               "--global-batch-size", "16", "--precision", "bf16", *extra],
+                              cwd=REPO, capture_output=True, text=True, timeout=300)
+    d = json.loads(bench("--json", "--offload-alpha", "0.5").stdout)
+    assert d["cli_command"].endswith("--offload-alpha 0.500") and d["cli_exit_code"] == 0
+    flags = d["best_megatron_flags"]
+    assert flags[flags.index("--offload-alpha") + 1] == "0.500"
+    bad = bench("--offload-alpha", "0.5,0.2")
+    last = bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert last.startswith("bench_planner.py: error: argument --offload-alpha: search takes one number"), last
+
+
 def test_search_precision_auto_chooses_fp8_on_h100_and_prints_its_flags(capsys):
     code, out, err = run_main(["search", "--model", "llama-65b", "--seq-length", "4096", "--num-gpus", "256",
                                "--global-batch-size", "256", "--gpu", "h100-sxm", "--precision", "auto", "--top", "3",
