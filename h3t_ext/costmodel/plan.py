@@ -275,10 +275,13 @@ class Plan:
 
     def layers_per_rank(self, num_layers: int) -> int:
         """Layers of a middle stage: L / p, (L + 1 per --account-for-* flag) / p, or with uneven first/last stages
-        the rest split evenly (the first stage's layers when there is no middle stage); L at p = 1."""
+        the rest split evenly (the first stage's layers when there is no middle stage); under a
+        --pipeline-model-parallel-layout the most any middle rank holds (the first rank's at p = 2); L at p = 1."""
         split, p = self.pipeline_split(num_layers), self.pipeline_model_parallel_size
         if p == 1:
             return split.stage_layers(0)
+        if split.stage_layout is not None:  # rank 0 holds the embedding's slot: not a middle stage
+            return max(split.stage_layers(r) for r in (range(1, p - 1) if p > 2 else (0,)))
         if not split.uneven:
             return split.rank_slots(0)
         first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
