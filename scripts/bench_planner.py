@@ -36,7 +36,8 @@ from h3t_ext.costmodel import get_model, get_system  # noqa: E402
 from h3t_ext.costmodel.fp8 import DEFAULT_FP8_RECIPE, FP8_RECIPES  # noqa: E402
 from h3t_ext.planner.search import search  # noqa: E402
 from h3t_ext.planner.space import MEMORY_LADDER, SearchConstraints  # noqa: E402
-from h3t_ext.offload_alpha import OffloadAlpha, format_alpha  # noqa: E402
+from h3t_ext.offload_alpha import format_alpha  # noqa: E402
+from h3t_ext.planner.args import search_alpha  # noqa: E402
 from h3t_ext.planner.units import parse_bytes  # noqa: E402
 
 
@@ -70,8 +71,7 @@ def _cli(args) -> dict:
            *(["--fp8-recipe", args.fp8_recipe] if args.precision != "bf16" else []),  # the CLI refuses it on bf16
            *(["--first-last-layers-bf16"] if args.first_last_layers_bf16 else []),
            *(["--memory-budget", args.memory_budget] if args.memory_budget is not None else []),
-           "--offload-alpha", format_alpha(args.offload_alpha) if not isinstance(args.offload_alpha, str)
-           else args.offload_alpha]
+           "--offload-alpha", _alpha_text(args.offload_alpha)]
     t0 = time.perf_counter()
     before = os.times()
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
@@ -81,6 +81,11 @@ def _cli(args) -> dict:
     return {"cli_wall_s": wall, "cli_cpu_s": cpu, "cli_exit_code": proc.returncode, "cli_command": " ".join(cmd[1:])}
 
 
+def _alpha_text(alpha) -> str:
+    """``--offload-alpha`` as the CLI run is given it: a mode's name, or the number as h3t-plan prints it."""
+    return alpha if isinstance(alpha, str) else format_alpha(alpha)
+
+
 def _byte_count(text: str) -> str:
     """``--memory-budget`` as given (the CLI run takes it so), checked to be a byte count h3t-plan reads."""
     try:
@@ -88,18 +93,6 @@ def _byte_count(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
-
-
-def _alpha(text: str):
-    """``--offload-alpha`` as h3t-plan reads it: a mode's name or the number(s)."""
-    try:
-        value = OffloadAlpha.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if not value.is_mode and isinstance(value.alpha, tuple):
-        raise argparse.ArgumentTypeError("search takes one number in [0, 1], auto or balanced (p varies between "
-                                         "plans, so a per-stage list does not apply)")
-    return value.mode if value.is_mode else value.alpha
 
 
 def main() -> int:
@@ -117,8 +110,8 @@ def main() -> int:
                     help="the FP8 plans' first and last layers in BF16 (needs a recipe other than delayed)")
     ap.add_argument("--memory-budget", type=_byte_count, default=None,
                     help="bytes per GPU as h3t-plan takes them (e.g. 40GiB; default: the system's budget)")
-    ap.add_argument("--offload-alpha", type=_alpha, default="auto",
-                    help="auto (default), balanced, or a fixed alpha in [0, 1] (one, or one per stage)")
+    ap.add_argument("--offload-alpha", type=search_alpha, default="auto",
+                    help="auto (default), balanced, or one fixed alpha in [0, 1] (as h3t-plan search takes it)")
     ap.add_argument("--repeat", type=int, default=1, help="CLI runs; the minimum is reported")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -133,7 +126,7 @@ def main() -> int:
     print(f"case: h3t-plan search --model {args.model} --num-gpus {args.num_gpus} --seq-length {args.seq_length} "
           f"--global-batch-size {args.global_batch_size} --gpu {args.gpu}"
           + ("" if args.memory_budget is None else f" --memory-budget {args.memory_budget}")
-          + ("" if args.offload_alpha == "auto" else f" --offload-alpha {out['cli_command'].split()[-1]}"))
+          + ("" if args.offload_alpha == "auto" else f" --offload-alpha {_alpha_text(args.offload_alpha)}"))
     print(f"search call : {out['search_wall_s']:.3f} s wall, {out['search_cpu_s']:.3f} s CPU")
     print(f"CLI process : {out['cli_wall_s']:.3f} s wall, {out['cli_cpu_s']:.3f} s CPU (exit {out['cli_exit_code']})")
     print(f"plans priced {out['plans_priced']}, feasible {out['plans_feasible']}, partial plans rejected "

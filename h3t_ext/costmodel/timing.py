@@ -483,8 +483,6 @@ def offload_exposed_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, *,
                             chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> float:
     """The closed form's ``offload_exposed`` term (:func:`time_terms`, arguments alike) alone: what the planner's
     bounds count of a fixed alpha (``planner/bounds.py``)."""
-    if not chunk_bytes or not any(a > 0 for a in alphas):
-        return 0.0
     L = model.num_layers
     slow = slowest_stage(model, plan, system)
     return _offload_exposed(shape_times(model, plan, system), plan.stage_layers(L, slow),

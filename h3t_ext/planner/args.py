@@ -121,6 +121,19 @@ def _weight(text: str) -> Optional[float]:
     return value
 
 
+SEARCH_ALPHA_REFUSAL = ("search takes one number in [0, 1], auto or balanced (p varies between plans, so a per-stage "
+                        "list does not apply)")
+"""Why ``search`` refuses a per-stage ``--offload-alpha`` list (the CLI and ``scripts/bench_planner.py``)."""
+
+
+def search_alpha(text: str) -> AlphaArg:
+    """``--offload-alpha`` of a search: :func:`_alpha` without a per-stage list (:data:`SEARCH_ALPHA_REFUSAL`)."""
+    value = _alpha(text)
+    if isinstance(value, tuple):
+        raise argparse.ArgumentTypeError(SEARCH_ALPHA_REFUSAL)
+    return value
+
+
 def _alpha(text: str) -> AlphaArg:
     try:
         value = OffloadAlpha.parse(text, flag="")

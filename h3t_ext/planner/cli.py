@@ -10,7 +10,7 @@ from rich.console import Console
 
 from h3t_ext.costmodel import InfeasiblePlanError, PlanError
 from h3t_ext.planner import format as fmt
-from h3t_ext.planner.args import PROG, build_parser
+from h3t_ext.planner.args import PROG, SEARCH_ALPHA_REFUSAL, build_parser
 from h3t_ext.planner.from_args import UsageError, constraints_from_args, flagify, megatron_offload_requested, \
     model_from_args, plan_from_args, system_file_from_args, system_from_args
 from h3t_ext.planner.calibrate import RunFileError, calibrate, check_output_path, read_runs
@@ -65,8 +65,7 @@ def _estimate(ns, model, system) -> int:
 
 def _search(ns, model, system) -> int:
     if isinstance(ns.offload_alpha, tuple):
-        raise UsageError("argument --offload-alpha: search takes one number in [0, 1], auto or balanced "
-                         "(p varies between plans, so a per-stage list does not apply)")
+        raise UsageError(f"argument --offload-alpha: {SEARCH_ALPHA_REFUSAL}")
     result = search(model, system, num_gpus=ns.num_gpus, seq_length=ns.seq_length,
                     global_batch_size=ns.global_batch_size, constraints=constraints_from_args(ns),
                     alpha_mode=ns.offload_alpha, memory_budget_bytes=ns.memory_budget, exhaustive=ns.exhaustive,
