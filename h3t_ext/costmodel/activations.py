@@ -73,6 +73,7 @@ which tests assert equal to the walk for every p <= 10, v <= 4.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Optional
 
 from h3t_ext.ckpt import NO_RECOMPUTE, Ckpt, Recompute
@@ -86,7 +87,8 @@ from h3t_ext.costmodel.elementwise import CROSS_ENTROPY_SAVED_BYTES
 from h3t_ext.costmodel.specs import ModelSpec
 from h3t_ext.costmodel.te_version import cross_entropy_impl
 from h3t_ext.dtypes import BF16, BOOL, FP8, FP32, INT64
-from h3t_ext.schedule import ActionKind, ScheduleConfig, build_schedule, offloaded_chunk_count
+from h3t_ext.schedule import COMPUTE_KINDS, ActionKind, ScheduleConfig, build_schedule, offloaded_chunk_count, \
+    reload_counts
 
 REPLICATED_WITHOUT_SP = ("layer_input", "norm1_rstd", "norm1_output", "norm2_input", "norm2_rstd", "norm2_output",
                           "hidden_dropout_mask")
@@ -179,16 +181,24 @@ def layer_bytes_per_local_token(model: ModelSpec, ckpt: str, *, tensor_model_par
     return total
 
 
+_RankLines = tuple[tuple[tuple[int, int], ...], int, int, tuple[int, int, int, int, int]]
+"""Per rank: Pareto-maximal (full, offloaded) held-chunk counts, offloaded microbatch-chunks, how many of those
+have their RELOAD issued before a forward (the rest before a backward), and the first offloaded backward's wait for
+the offload queue (:class:`ReloadCounts`)."""
+
+
 @functools.lru_cache(maxsize=4096)
-def _walk_schedule(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+
+def _walk_schedule(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[_RankLines, ...]:
     """Per rank, from the builder's action lists: Pareto-maximal (full, offloaded) held-chunk counts over
-    the compute actions, and the number of offloaded microbatch-chunks. ``g``: the interleaved schedule's
-    microbatch group size (None: p)."""
+    the compute actions, the number of offloaded microbatch-chunks and of those whose RELOAD comes right before a
+    forward in the list. ``g``: the interleaved schedule's microbatch group size (None: p)."""
     sched = build_schedule(p, m, v, microbatch_group_size_per_vp_stage=g if v > 1 else None)
     out = []
     for rank in range(p):
         off = sched.offloaded(rank)
         compute = sched.compute_actions(rank)
+        forward_led, queue = _walk_reloads(sched.ranks[rank], off)
         held: set[tuple[int, int]] = set()
         counted: set[tuple[int, int]] = set()
         pairs: set[tuple[int, int]] = set()
@@ -207,12 +217,42 @@ def _walk_schedule(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tup
                 counted.discard(key)
         pareto = sorted(q for q in pairs
                         if not any(o != q and o[0] >= q[0] and o[0] + o[1] >= q[0] + q[1] for o in pairs))
-        out.append((tuple(pareto), len(off)))
+        out.append((tuple(pareto), len(off), forward_led, queue))
     return tuple(out)
 
 
+def _walk_reloads(acts, off) -> tuple[int, tuple[int, int, int, int, int]]:
+    """From one rank's action list: the RELOADs issued right before a forward, and :class:`ReloadCounts`'s
+    ``queue`` (zeros without offloads)."""
+    kinds: list[ActionKind] = []  # of the compute actions so far
+    offload_at: dict[tuple[int, int], int] = {}  # offloaded chunk -> compute index of its forward
+    reload_at: dict[tuple[int, int], int] = {}  # reloaded chunk -> compute index of the compute after its RELOAD
+    first_backward = None
+    for a in acts:
+        key = (a.microbatch, a.chunk)
+        if a.kind is ActionKind.OFFLOAD:
+            offload_at[key] = len(kinds) - 1
+        elif a.kind is ActionKind.RELOAD:
+            reload_at[key] = len(kinds)
+        elif a.kind in COMPUTE_KINDS:
+            if a.kind is ActionKind.BACKWARD and key in off and first_backward is None:
+                first_backward = key
+            kinds.append(a.kind)
+    forward_led = sum(kinds[k] is ActionKind.FORWARD for k in reload_at.values())
+    if first_backward is None:
+        return forward_led, (0, 0, 0, 0, 0)
+    first = min(offload_at.values())
+    issued = reload_at[first_backward]
+
+    def forwards(n: int) -> int:
+        return sum(k is ActionKind.FORWARD for k in kinds[:n])
+    return forward_led, (forwards(first + 1), first + 1 - forwards(first + 1),
+                         sum(i <= offload_at[first_backward] for i in offload_at.values()), forwards(issued),
+                         issued - forwards(issued))
+
+
 @functools.lru_cache(maxsize=4096)
-def _closed_form(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+def _closed_form(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[_RankLines, ...]:
     """What :func:`_walk_schedule` returns, in closed form (equality with the builder is asserted for
     every p <= 12, v <= 5 and valid m <= 4p in tests/unit/test_costmodel_activations.py, and for every valid group
     size g at p <= 6, v <= 4, m <= 3p + 2 in tests/unit/test_microbatch_group.py).
@@ -225,6 +265,14 @@ def _closed_form(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple
     rank entirely and the first and last microbatch of the rank before it. With a group g other than p the
     offloaded chunks are counted from the builder's compute order (:func:`h3t_ext.schedule.offloaded_chunk_count`,
     O(m v)): the last rank's last chunk of a microbatch no longer always meets its backward at once.
+
+    A reload is issued before the compute that precedes its chunk's backward: a forward for the backwards of the
+    steady state (S = m v - warm-up of them, each after a forward), a backward in the cool-down. Of the S steady
+    backwards, the last rank's (v > 1) own last chunk of each microbatch (m of them) and, at v = 1, every one of the
+    last rank's and the first of the rank before it follow their forward too closely to be offloaded. Without a steady
+    state (the warm-up covers every chunk) only the first backward follows a forward, that of the last forward, and
+    its chunk is offloaded when two computes lie between its forward (microbatch 0's last chunk, forward (v - 1) p)
+    and it (compute m v).
     """
     grouped = ScheduleConfig(pipeline_model_parallel_size=p, num_microbatches=m, virtual_pipeline_model_parallel_size=v,
                              microbatch_group_size_per_vp_stage=g) if g is not None and v > 1 and m > 2 else None
@@ -241,8 +289,37 @@ def _closed_form(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple
             offloaded = m * v - (m if r == p - 1 else 0)
         else:
             offloaded = m * v - (m if warm == 0 else (2 if warm == 1 else 0))
-        out.append((((full, n - full),), offloaded))
+        steady = m * v - min(warm, m * v)
+        if grouped is not None or (m <= 2 and offloaded):  # the builder's compute order (O(m v))
+            forward_led, queue = reload_counts(grouped or ScheduleConfig(
+                pipeline_model_parallel_size=p, num_microbatches=m, virtual_pipeline_model_parallel_size=v), r)
+        else:
+            forward_led, queue = _reload_counts(p, m, v, r, warm, steady) if offloaded else (0, (0, 0, 0, 0, 0))
+        out.append((((full, n - full),), offloaded, forward_led, queue))
     return tuple(out)
+
+
+def _reload_counts(p: int, m: int, v: int, r: int, warm: int, steady: int) -> tuple[int, tuple[int, int, int, int, int]]:
+    """:func:`h3t_ext.schedule.reload_counts` in closed form for megatron-core's default group (m > 2, rank ``r``
+    offloads): see :func:`_closed_form`."""
+    if steady == 0:
+        forward_led = int((v - 1) * p <= m * v - 3)
+    elif v == 1:
+        forward_led = steady - (1 if warm == 1 else 0)
+    else:
+        forward_led = steady - (m if r == p - 1 else 0)
+    n = m * v
+    if v == 1:  # the first backward's chunk is offloaded (warm-up >= 2), else the second (the rank before the last)
+        if warm == 1:
+            return forward_led, (2, 0, 1, 2, 1)
+        return forward_led, (1, 0, 1, warm if steady else n - 1, 0)
+    if r < p - 1:  # the first backward's, microbatch 0's last chunk, forward (v - 1) p
+        return forward_led, (1, 0, (v - 1) * p + 1, warm if steady else n - 1, 0)
+    # the last rank: its first p backwards are its own last chunks (not offloaded); the next, microbatch 0's chunk
+    # v - 2 (forward (v - 2) p), is in the steady state when more than p backwards are, else the cool-down's first
+    if steady > p:
+        return forward_led, (1, 0, (v - 2) * p + 1, warm + p, p)
+    return forward_led, (1, 0, (v - 2) * p + 1, n, p - 1)
 
 
 def _rank_timelines(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
@@ -268,6 +345,33 @@ def residency_lines(p: int, m: int, v: int, rank: int, g: Optional[int] = None) 
 def rank_offloads(p: int, m: int, v: int, rank: int, g: Optional[int] = None) -> int:
     """Microbatch-chunks ``rank`` offloads per iteration (0 means no reload buffer)."""
     return _rank_timelines(p, m, v, g)[rank][1]
+
+
+@dataclass(frozen=True)
+class ReloadCounts:
+    """How one rank's activation copies meet its computes (:func:`rank_reload_counts`), in counts of computes: what
+    the closed form prices the copies' exposed time by (``timing.offload_exposed_seconds``).
+
+    A reload is issued right before the compute that precedes its chunk's backward and overlaps that one compute:
+    ``before_forward`` of the rank's offloaded chunks have it a forward, ``before_backward`` a backward. Offloads run
+    one after another on their own copy stream from the first offloaded forward on, so the first offloaded backward's
+    reload also waits for the offloads queued up to its own chunk's: ``queued_offloads`` of them, started after the
+    ``queue_start_forwards`` forwards and ``queue_start_backwards`` backwards up to the first offloaded forward, against
+    the ``reload_after_forwards`` forwards and ``reload_after_backwards`` backwards that run before its reload is
+    issued."""
+    before_forward: int
+    before_backward: int
+    queue_start_forwards: int = 0
+    queue_start_backwards: int = 0
+    queued_offloads: int = 0
+    reload_after_forwards: int = 0
+    reload_after_backwards: int = 0
+
+
+def rank_reload_counts(p: int, m: int, v: int, rank: int, g: Optional[int] = None) -> ReloadCounts:
+    """:class:`ReloadCounts` of pipeline rank ``rank`` (the closed form of the builder's lists, :func:`_closed_form`)."""
+    _, offloaded, forward_led, queue = _rank_timelines(p, m, v, g)[rank]
+    return ReloadCounts(forward_led, offloaded - forward_led, *queue)
 
 
 def chunk_resident_factor(lines: tuple[tuple[int, int], ...], alpha: float, offloads: bool) -> float:

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from h3t_ext.costmodel.activations import rank_offloads, residency_lines
+from h3t_ext.costmodel.activations import ReloadCounts, rank_offloads, rank_reload_counts, residency_lines
 from h3t_ext.costmodel.layer_offload import OffloadTraffic, layer_offload, layers_per_chunk, p1_traffic
 from h3t_ext.costmodel.errors import InfeasiblePlanError, InvalidPlanError
 from h3t_ext.costmodel.memory import StageMemory, chunk_activation_bytes, stage_host_bytes, stage_memory
@@ -278,22 +278,22 @@ def estimate(model: ModelSpec, plan: Plan, system: SystemSpec, *,
     reserve = memory_reserve(model, plan, system) if memory_budget_bytes is None else None
     budget = reserve.budget_bytes if reserve is not None else int(memory_budget_bytes)
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
-    alphas, v, chunk, offloaded = _closed_form_inputs(model, plan)
+    alphas, v, chunks, offloaded = _closed_form_inputs(model, plan)
     stages = tuple(stage_memory(model, plan, k, alphas[k], system) for k in range(p))
-    closed = _closed_form(model, plan, system, alphas, chunk, offloaded)
+    closed = _closed_form(model, plan, system, alphas, chunks)
     too_large = timeline_too_large(model, plan, alphas) if timeline else None
     tl = plan_timeline(model, plan, system, alphas, whole=too_large is None) if timeline else None
     terms = closed if tl is None else _checked(timeline_terms(model, plan, system, tl), system)
     layers = layers_per_chunk(model, plan)
     traffic = None
     if layers is not None:  # pipeline size 1: layer-granular, every microbatch
-        pcie = int(2 * m * layer_offload(alphas[0], layers).offloaded * chunk)
+        pcie = int(2 * m * layer_offload(alphas[0], layers).offloaded * chunks[0])
         if alphas[0] > 0:
             st = shape_times(model, plan, system)
             traffic = p1_traffic(st.mean_layer(layers, plan.stage_bf16_layers(model.num_layers, 0)), st.head.total,
-                                 chunk, layers, alphas[0], system)
+                                 chunks[0], layers, alphas[0], system)
     else:
-        pcie = max(int(2 * a * chunk * n) for a, n in zip(alphas, offloaded))
+        pcie = max(int(2 * a * chunk * n) for a, chunk, n in zip(alphas, chunks, offloaded))
     host = max((_host_terms(model, plan, k, alphas[k], v, offloaded[k]) for k in range(p)),
                key=lambda terms: sum(b for _, b in terms))
     return Estimate(
@@ -349,19 +349,35 @@ def _checked(terms: TimeTerms, system: SystemSpec) -> TimeTerms:
     return terms
 
 
-def _closed_form_inputs(model: ModelSpec, plan: Plan) -> tuple[tuple[float, ...], int, int, tuple[int, ...]]:
+def _closed_form_inputs(model: ModelSpec, plan: Plan) -> tuple[tuple[float, ...], int, tuple[int, ...], tuple[int, ...]]:
     """What the closed form reads of ``plan`` besides the system: each stage's alpha, the virtual size, one
-    microbatch-chunk's activation bytes and each stage's offloaded microbatch-chunks."""
+    microbatch-chunk's activation bytes per stage (:func:`_chunk_bytes`) and each stage's offloaded
+    microbatch-chunks."""
     alphas = plan.alphas()
     p, m = plan.pipeline_model_parallel_size, plan.num_microbatches
     v = plan.virtual_size(model.num_layers)
-    return alphas, v, chunk_activation_bytes(model, plan), tuple(rank_offloads(p, m, v, k, plan.microbatch_group_size_per_vp_stage)
-                                                           for k in range(p))
+    return alphas, v, _chunk_bytes(model, plan, alphas), tuple(
+        rank_offloads(p, m, v, k, plan.microbatch_group_size_per_vp_stage) for k in range(p))
 
 
-def _closed_form(model: ModelSpec, plan: Plan, system: SystemSpec, alphas, chunk: int, offloaded) -> TimeTerms:
-    return _checked(time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded),
-                    system)
+def _chunk_bytes(model: ModelSpec, plan: Plan, alphas: tuple[float, ...]) -> tuple[int, ...]:
+    """One microbatch-chunk's saved bytes on each stage that offloads (its mean chunk, as the timeline copies it;
+    0 where alpha is 0); at pipeline size 1 the one stage's, whatever alpha (its layer-granular copies)."""
+    if plan.pipeline_model_parallel_size == 1:
+        return (chunk_activation_bytes(model, plan),)
+    return tuple(chunk_activation_bytes(model, plan, k) if a > 0 else 0 for k, a in enumerate(alphas))
+
+
+def _reload_counts(model: ModelSpec, plan: Plan) -> tuple[ReloadCounts, ...]:
+    """How each stage's copies meet its computes (:class:`~h3t_ext.costmodel.activations.ReloadCounts`)."""
+    p, m, g = plan.pipeline_model_parallel_size, plan.num_microbatches, plan.microbatch_group_size_per_vp_stage
+    v = plan.virtual_size(model.num_layers)
+    return tuple(rank_reload_counts(p, m, v, k, g) for k in range(p))
+
+
+def _closed_form(model: ModelSpec, plan: Plan, system: SystemSpec, alphas, chunks: tuple[int, ...]) -> TimeTerms:
+    return _checked(time_terms(model, plan, system, alphas=alphas, chunk_bytes=chunks,
+                               reloads=_reload_counts(model, plan)), system)
 
 
 def closed_form_terms(model: ModelSpec, plan: Plan, system: SystemSpec) -> TimeTerms:
@@ -369,8 +385,8 @@ def closed_form_terms(model: ModelSpec, plan: Plan, system: SystemSpec) -> TimeT
     efficiency of ``system`` changes: what a fit of the efficiencies prices thousands of times
     (:mod:`~h3t_ext.costmodel.fit`). The same validation and the same closed form as :func:`estimate`."""
     validate_plan(model, plan, system)
-    alphas, _, chunk, offloaded = _closed_form_inputs(model, plan)
-    return _closed_form(model, plan, system, alphas, chunk, offloaded)
+    alphas, _, chunks, _ = _closed_form_inputs(model, plan)
+    return _closed_form(model, plan, system, alphas, chunks)
 
 
 def closed_form_offload_seconds(model: ModelSpec, plan: Plan, system: SystemSpec) -> float:
@@ -379,8 +395,8 @@ def closed_form_offload_seconds(model: ModelSpec, plan: Plan, system: SystemSpec
     alphas = plan.alphas()
     if not any(a > 0 for a in alphas):
         return 0.0
-    _, _, chunk, offloaded = _closed_form_inputs(model, plan)
-    return offload_exposed_seconds(model, plan, system, alphas=alphas, chunk_bytes=chunk, offloaded_chunks=offloaded)
+    return offload_exposed_seconds(model, plan, system, alphas=alphas, chunk_bytes=_chunk_bytes(model, plan, alphas),
+                                   reloads=_reload_counts(model, plan))
 
 
 def _host_terms(model: ModelSpec, plan: Plan, stage: int, alpha: float, v: int,

