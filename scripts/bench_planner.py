@@ -18,7 +18,8 @@ where the time goes: docs/DESIGN.md, "Search speed".
 
 A fixed ``--offload-alpha`` times the search that prices each candidate's exposed copies in its bound
 (docs/DESIGN.md, "Search speed"): ``--model llama3-70b --num-gpus 512 --seq-length 4096 --global-batch-size 512
---gpu b200 --precision bf16 --offload-alpha 1`` (the CLI's --top 10) priced 3,751 plans before, 68 since (2026-12-03).
+--gpu b200 --precision bf16 --offload-alpha 1`` (the CLI's --top 10) priced 3,751 plans before, 68 since, and 87 once
+the closed form priced each reload against the compute it overlaps (2026-12-03; 0.53 s CPU).
 """
 from __future__ import annotations
 
