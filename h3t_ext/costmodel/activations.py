@@ -188,7 +188,6 @@ the offload queue (:class:`ReloadCounts`)."""
 
 
 @functools.lru_cache(maxsize=4096)
-
 def _walk_schedule(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[_RankLines, ...]:
     """Per rank, from the builder's action lists: Pareto-maximal (full, offloaded) held-chunk counts over
     the compute actions, the number of offloaded microbatch-chunks and of those whose RELOAD comes right before a
@@ -294,12 +293,14 @@ def _closed_form(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[_Rank
             forward_led, queue = reload_counts(grouped or ScheduleConfig(
                 pipeline_model_parallel_size=p, num_microbatches=m, virtual_pipeline_model_parallel_size=v), r)
         else:
-            forward_led, queue = _reload_counts(p, m, v, r, warm, steady) if offloaded else (0, (0, 0, 0, 0, 0))
+            forward_led, queue = (_default_group_reload_counts(p, m, v, r, warm, steady) if offloaded
+                                  else (0, (0, 0, 0, 0, 0)))
         out.append((((full, n - full),), offloaded, forward_led, queue))
     return tuple(out)
 
 
-def _reload_counts(p: int, m: int, v: int, r: int, warm: int, steady: int) -> tuple[int, tuple[int, int, int, int, int]]:
+def _default_group_reload_counts(p: int, m: int, v: int, r: int, warm: int,
+                                 steady: int) -> tuple[int, tuple[int, int, int, int, int]]:
     """:func:`h3t_ext.schedule.reload_counts` in closed form for megatron-core's default group (m > 2, rank ``r``
     offloads): see :func:`_closed_form`."""
     if steady == 0:
@@ -322,7 +323,7 @@ def _reload_counts(p: int, m: int, v: int, r: int, warm: int, steady: int) -> tu
     return forward_led, (1, 0, (v - 2) * p + 1, n, p - 1)
 
 
-def _rank_timelines(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[tuple[tuple[tuple[int, int], ...], int], ...]:
+def _rank_timelines(p: int, m: int, v: int, g: Optional[int] = None) -> tuple[_RankLines, ...]:
     """The closed form of the builder's lists. It was checked equal to :func:`_walk_schedule` for all 1,828
     valid (p, m, v) with p m v <= 256 (every runtime-sized schedule); tests keep asserting it for p <= 12,
     v <= 5, m <= 4p, and with every valid group size g for small p, v, m. Walking the lists cost a third of a
@@ -369,7 +370,8 @@ class ReloadCounts:
 
 
 def rank_reload_counts(p: int, m: int, v: int, rank: int, g: Optional[int] = None) -> ReloadCounts:
-    """:class:`ReloadCounts` of pipeline rank ``rank`` (the closed form of the builder's lists, :func:`_closed_form`)."""
+    """:class:`ReloadCounts` of pipeline rank ``rank`` (the closed form of the builder's lists,
+    :func:`_closed_form`)."""
     _, offloaded, forward_led, queue = _rank_timelines(p, m, v, g)[rank]
     return ReloadCounts(forward_led, offloaded - forward_led, *queue)
 

@@ -349,7 +349,8 @@ def _checked(terms: TimeTerms, system: SystemSpec) -> TimeTerms:
     return terms
 
 
-def _closed_form_inputs(model: ModelSpec, plan: Plan) -> tuple[tuple[float, ...], int, tuple[int, ...], tuple[int, ...]]:
+def _closed_form_inputs(model: ModelSpec,
+                        plan: Plan) -> tuple[tuple[float, ...], int, tuple[int, ...], tuple[int, ...]]:
     """What the closed form reads of ``plan`` besides the system: each stage's alpha, the virtual size, one
     microbatch-chunk's activation bytes per stage (:func:`_chunk_bytes`) and each stage's offloaded
     microbatch-chunks."""
